@@ -1,0 +1,131 @@
+"""Cache keys: model fingerprint + namespace + a chained hash over the prompt's tokens.
+
+Pure functions only. A key for the prefix ``tokens[:p]`` is the BLAKE2b digest of
+``fingerprint, namespace, tokens[0:p]`` fed range by range into one running hash,
+so a range key pins every token before it, does not depend on where earlier
+ranges were cut, and is stable across processes and machines (never ``hash()``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
+
+from .errors import InvalidNamespace
+
+# Bump when the layout of stored state bytes or entry headers changes: old entries
+# then simply stop matching instead of being restored into an incompatible context.
+STATE_FORMAT_VERSION = 1
+
+KEY_BYTES = 16
+DEFAULT_NAMESPACE = "default"
+KEY_PREFIX = "ec"
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Everything that makes two prompt states interchangeable."""
+
+    gguf_sha256: str
+    n_ctx: int
+    kv_type: str
+    llama_build: str
+    state_format: int = STATE_FORMAT_VERSION
+
+    def fingerprint(self) -> str:
+        """16 hex characters naming this model configuration in every key."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest()
+
+
+def check_namespace(namespace: str) -> str:
+    """Return ``namespace`` if it is usable in keys, else raise InvalidNamespace."""
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        raise InvalidNamespace(
+            f"invalid namespace {namespace!r}: use 1-64 characters from letters, digits, '_', '.', '-'"
+        )
+    return namespace
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian int32: the byte form that is hashed."""
+    try:
+        return struct.pack(f"<{len(tokens)}i", *tokens)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be int32: {exc}") from exc
+
+
+def prefix_keys(
+    fingerprint: str, namespace: str, tokens: Sequence[int], boundaries: Iterable[int]
+) -> list[bytes]:
+    """Keys of the prefixes ``tokens[:b]`` for each boundary ``b`` (ascending, 1..len)."""
+    check_namespace(namespace)
+    running = hashlib.blake2b(digest_size=KEY_BYTES, person=b"edgecache-pfx")
+    running.update(f"{fingerprint}\x00{namespace}\x00".encode())
+    keys: list[bytes] = []
+    previous = 0
+    for boundary in boundaries:
+        if boundary <= previous or boundary > len(tokens):
+            raise ValueError(f"boundaries must ascend within 1..{len(tokens)}, got {boundary}")
+        running.update(token_bytes(tokens[previous:boundary]))
+        keys.append(running.copy().digest())
+        previous = boundary
+    return keys
+
+
+def tokens_digest(tokens: Sequence[int]) -> str:
+    """Digest of one range's token ids, kept in an entry to verify what it holds."""
+    return hashlib.blake2b(token_bytes(tokens), digest_size=KEY_BYTES).hexdigest()
+
+
+def entry_key_name(namespace: str, fingerprint: str, key: bytes) -> str:
+    """Redis key of one entry. The ``{...}`` hash tag keeps it on one Redis Cluster slot."""
+    return f"{KEY_PREFIX}:e:{check_namespace(namespace)}:{fingerprint}:{{{key.hex()}}}"
+
+
+def entry_key_pattern(namespace: str | None = None, fingerprint: str | None = None) -> str:
+    """SCAN pattern for the entries of a namespace and/or model (``None`` = any)."""
+    ns = check_namespace(namespace) if namespace else "*"
+    if fingerprint and not re.fullmatch(r"[0-9a-f]{1,32}", fingerprint):
+        raise ValueError(f"invalid model fingerprint {fingerprint!r}")
+    if ns == "*" and fingerprint is None:
+        return f"{KEY_PREFIX}:e:*"
+    return f"{KEY_PREFIX}:e:{ns}:{fingerprint or '*'}:*"
+
+
+def parse_entry_key_name(name: str) -> tuple[str, str, bytes]:
+    """Inverse of ``entry_key_name``: (namespace, fingerprint, key)."""
+    try:
+        prefix, kind, namespace, fingerprint, tagged = name.split(":")
+        if prefix != KEY_PREFIX or kind != "e" or not (tagged.startswith("{") and tagged.endswith("}")):
+            raise ValueError
+        return namespace, fingerprint, bytes.fromhex(tagged[1:-1])
+    except ValueError as exc:
+        raise ValueError(f"not an EdgeCache entry key: {name!r}") from exc
+
+
+def catalog_key_names(namespace: str) -> dict[str, str]:
+    """Redis keys of a namespace's master catalog; one hash tag so MULTI works on a cluster."""
+    tag = f"{KEY_PREFIX}:c:{{{check_namespace(namespace)}}}"
+    return {"epoch": f"{tag}:epoch", "log": f"{tag}:log", "snapshot": f"{tag}:snap"}
+
+
+def candidate_boundaries(n_tokens: int, segment_ends: Iterable[int] = (), chunk_tokens: int = 64) -> list[int]:
+    """Prefix lengths that are stored and looked up for a prompt of ``n_tokens``.
+
+    The union of the caller's segment ends (instruction, examples, ...), every
+    ``chunk_tokens`` tokens (so a shared prefix is found without any structure)
+    and the whole prompt. Ascending; the lookup walks it from the end.
+    """
+    if n_tokens <= 0:
+        return []
+    cuts = {end for end in segment_ends if 0 < end <= n_tokens}
+    if chunk_tokens > 0:
+        cuts.update(range(chunk_tokens, n_tokens + 1, chunk_tokens))
+    cuts.add(n_tokens)
+    return sorted(cuts)

@@ -1,0 +1,223 @@
+"""The cache box store: entries and the master catalog in Redis/Valkey.
+
+A thin adapter over redis-py (with the hiredis parser, which decides whether a
+hit costs 3 ms or 40 ms). Every call is bounded by socket timeouts and turns a
+connection failure into ``CacheBoxUnavailable``; a board that sees it answers
+from local prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Sequence
+
+import redis
+
+from .errors import CacheBoxUnavailable
+from .keys import catalog_key_names, entry_key_pattern
+
+_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+# Log entries kept in the catalog stream before boards fold them into the snapshot.
+CATALOG_LOG_MAXLEN = 200_000
+
+
+class CacheBox:
+    """Client side of one cache box (a Redis/Valkey server)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float = 0.5,
+        timeout: float = 5.0,
+        retry_after: float = 2.0,
+    ):
+        self.url = url
+        self.retry_after = retry_after
+        self._down_until = 0.0
+        self.redis = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=timeout,
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+
+    # -- availability -------------------------------------------------------------
+    def _guard(self) -> None:
+        # After a failure, skip the network for `retry_after` seconds so that a dead
+        # cache box costs every request nothing, not a connect timeout each time.
+        if time.monotonic() < self._down_until:
+            raise CacheBoxUnavailable(f"cache box {self.safe_url} was unreachable moments ago")
+
+    def _failed(self, exc: Exception) -> CacheBoxUnavailable:
+        self._down_until = time.monotonic() + self.retry_after
+        return CacheBoxUnavailable(f"cache box {self.safe_url} is unreachable: {exc}")
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without any password, for messages."""
+        kwargs = self.redis.connection_pool.connection_kwargs
+        if "path" in kwargs:
+            return f"unix://{kwargs['path']}"
+        return f"redis://{kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db', 0)}"
+
+    def ping(self) -> bool:
+        """True when the server answers now (ignores the recent-failure guard)."""
+        try:
+            return bool(self.redis.ping())
+        except _REDIS_ERRORS:
+            return False
+
+    def _run(self, func):
+        self._guard()
+        try:
+            return func()
+        except _REDIS_ERRORS as exc:
+            raise self._failed(exc) from exc
+
+    # -- entries ----------------------------------------------------------------
+    def put_entries(self, items: Sequence[tuple[str, bytes]]) -> int:
+        """Store entries (name, blob) in one round trip; returns bytes written."""
+
+        def put():
+            pipe = self.redis.pipeline(transaction=False)
+            for name, blob in items:
+                pipe.set(name, blob)
+            pipe.execute()
+            return sum(len(blob) for _, blob in items)
+
+        return self._run(put)
+
+    def read_prefixes(self, names: Sequence[str], length: int) -> list[bytes]:
+        """First ``length`` bytes of each entry (b"" where the key does not exist)."""
+
+        def read():
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.getrange(name, 0, length - 1)
+            return pipe.execute()
+
+        return self._run(read) if names else []
+
+    def read_entries(self, names: Sequence[str]) -> list[bytes | None]:
+        """Whole entries in one round trip (None where missing).
+
+        GET rather than GETRANGE from the state offset: the server sends a stored
+        value as it is, but copies a range first (about 3x slower for 1 MB values).
+        """
+
+        def read():
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.get(name)
+            return pipe.execute()
+
+        return self._run(read) if names else []
+
+    def delete(self, names: Iterable[str]) -> int:
+        names = list(names)
+        return self._run(lambda: self.redis.delete(*names)) if names else 0
+
+    def scan_entries(self, namespace: str | None = None, fingerprint: str | None = None):
+        """Yield entry key names (str) of a namespace and/or model."""
+        self._guard()
+        try:
+            for name in self.redis.scan_iter(match=entry_key_pattern(namespace, fingerprint), count=1000):
+                yield name.decode()
+        except _REDIS_ERRORS as exc:
+            raise self._failed(exc) from exc
+
+    def flush(self, namespace: str | None = None, fingerprint: str | None = None) -> int:
+        """Delete the entries of a namespace and/or model; with a namespace, its catalog too."""
+        removed = 0
+        batch: list[str] = []
+        for name in self.scan_entries(namespace, fingerprint):
+            batch.append(name)
+            if len(batch) >= 500:
+                removed += self.delete(batch)
+                batch = []
+        removed += self.delete(batch)
+        if namespace and fingerprint is None:
+            self.delete(catalog_key_names(namespace).values())
+        return removed
+
+    # -- master catalog ---------------------------------------------------------------
+    def catalog_epoch(self, namespace: str, new_epoch: str) -> str:
+        """The namespace's catalog epoch, created as ``new_epoch`` if the cache box has none.
+
+        The epoch changes only when the cache box loses its catalog (restarted empty,
+        flushed): boards then drop their local filters instead of trusting stale bits.
+        """
+        name = catalog_key_names(namespace)["epoch"]
+
+        def get_or_create():
+            self.redis.set(name, new_epoch, nx=True)
+            return (self.redis.get(name) or b"").decode()
+
+        return self._run(get_or_create)
+
+    def catalog_append(self, namespace: str, keys: Sequence[bytes]) -> None:
+        """Announce new entry keys to every board (one stream record per key)."""
+        name = catalog_key_names(namespace)["log"]
+
+        def append():
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.xadd(name, {"k": key}, maxlen=CATALOG_LOG_MAXLEN, approximate=True)
+            pipe.execute()
+
+        if keys:
+            self._run(append)
+
+    def catalog_read_log(self, namespace: str, after_id: str, count: int = 10_000) -> list[tuple[str, bytes]]:
+        """Keys announced after stream id ``after_id`` ("0" for all), oldest first."""
+        name = catalog_key_names(namespace)["log"]
+        records = self._run(lambda: self.redis.xrange(name, min=f"({after_id}" if after_id != "0" else "-", count=count))
+        return [(rid.decode(), fields.get(b"k", b"")) for rid, fields in records]
+
+    def catalog_log_first_id(self, namespace: str) -> str | None:
+        name = catalog_key_names(namespace)["log"]
+        first = self._run(lambda: self.redis.xrange(name, count=1))
+        return first[0][0].decode() if first else None
+
+    def catalog_snapshot(self, namespace: str) -> tuple[bytes | None, str, str]:
+        """(filter bytes, last log id folded into them, epoch) of the master copy."""
+        name = catalog_key_names(namespace)["snapshot"]
+        doc = self._run(lambda: self.redis.hgetall(name))
+        return doc.get(b"bloom"), (doc.get(b"last_id") or b"0").decode(), (doc.get(b"epoch") or b"").decode()
+
+    def catalog_put_snapshot(self, namespace: str, bloom: bytes, last_id: str, epoch: str) -> bool:
+        """Replace the master copy if it is older than ``last_id``; trims the folded log."""
+        names = catalog_key_names(namespace)
+
+        def put():
+            with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(names["snapshot"], names["epoch"])
+                    current = (pipe.hget(names["snapshot"], "last_id") or b"0").decode()
+                    live_epoch = (pipe.get(names["epoch"]) or b"").decode()
+                    if live_epoch != epoch or not _stream_id_after(last_id, current):
+                        pipe.unwatch()
+                        return False
+                    pipe.multi()
+                    pipe.hset(names["snapshot"], mapping={"bloom": bloom, "last_id": last_id, "epoch": epoch})
+                    pipe.xtrim(names["log"], minid=last_id, approximate=False)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    return False
+
+        return self._run(put)
+
+    def catalog_log_length(self, namespace: str) -> int:
+        return int(self._run(lambda: self.redis.xlen(catalog_key_names(namespace)["log"])))
+
+
+def _stream_id_after(candidate: str, current: str) -> bool:
+    def parse(stream_id: str) -> tuple[int, int]:
+        ms, _, seq = stream_id.partition("-")
+        return int(ms), int(seq or 0)
+
+    return parse(candidate) > parse(current)

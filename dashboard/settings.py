@@ -1,0 +1,168 @@
+"""Django settings for EdgeCache.
+
+Everything has an embedded default so that `make run` works on a fresh machine:
+SQLite and an embedded Valkey server under ``.edgecache/``. Real deployments set
+``DATABASE_URL`` (PostgreSQL) and ``REDIS_URL``. Nothing secret lives in the repo.
+"""
+
+import os
+import secrets
+from pathlib import Path
+
+import dj_database_url
+
+from cachebox.embedded import url_for
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+EDGECACHE_HOME = Path(os.environ.get("EDGECACHE_HOME", BASE_DIR / ".edgecache")).resolve()
+EDGECACHE_HOME.mkdir(parents=True, exist_ok=True)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return int(raw) if raw else default
+    except ValueError as exc:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from exc
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return float(raw) if raw else default
+    except ValueError as exc:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from exc
+
+
+def _secret_key() -> str:
+    if os.environ.get("DJANGO_SECRET_KEY"):
+        return os.environ["DJANGO_SECRET_KEY"]
+    key_file = EDGECACHE_HOME / "secret_key"
+    if not key_file.exists():
+        key_file.write_text(secrets.token_urlsafe(50))
+        key_file.chmod(0o600)
+    return key_file.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
+ALLOWED_HOSTS = [h for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "cachebox",
+    "inference",
+    "dashboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "dashboard.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+WSGI_APPLICATION = None
+ASGI_APPLICATION = "dashboard.asgi.application"
+
+DATABASES = {
+    "default": dj_database_url.config(
+        default=f"sqlite:///{EDGECACHE_HOME / 'db.sqlite3'}", conn_max_age=60
+    )
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
+SESSION_COOKIE_HTTPONLY = True
+CSRF_COOKIE_SAMESITE = "Lax"
+X_FRAME_OPTIONS = "DENY"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = EDGECACHE_HOME / "staticfiles"
+
+# --- The cache box, broker and channel layer: one Redis/Valkey server. -------------------
+EDGECACHE_EMBEDDED_DIR = EDGECACHE_HOME / "valkey"
+EDGECACHE_EMBEDDED_PORT = _env_int("EDGECACHE_EMBEDDED_PORT", 0) or None
+EDGECACHE_EMBEDDED_MAXMEMORY = os.environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "1gb")
+REDIS_URL_IS_EMBEDDED = not os.environ.get("REDIS_URL")
+REDIS_URL = os.environ.get("REDIS_URL") or url_for(EDGECACHE_EMBEDDED_DIR, EDGECACHE_EMBEDDED_PORT)
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = REDIS_URL
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL]},
+    }
+}
+
+# --- The engine and the cached-inference pipeline (read at call time). ------------------
+EDGECACHE_MODEL = os.environ.get("EDGECACHE_MODEL", "")  # empty: the Gemma-3 270M package
+EDGECACHE_N_CTX = _env_int("EDGECACHE_N_CTX", 4096)
+EDGECACHE_THREADS = _env_int("EDGECACHE_THREADS", 0)  # 0: all cores
+EDGECACHE_KV_TYPE = os.environ.get("EDGECACHE_KV_TYPE", "f16")
+EDGECACHE_NAMESPACE = os.environ.get("EDGECACHE_NAMESPACE", "default")
+EDGECACHE_DEVICE = os.environ.get("EDGECACHE_DEVICE", "") or os.uname().nodename
+EDGECACHE_CHUNK_TOKENS = _env_int("EDGECACHE_CHUNK_TOKENS", 64)
+EDGECACHE_TOP_LOGITS = _env_int("EDGECACHE_TOP_LOGITS", 64)
+EDGECACHE_CATALOG_CAPACITY = _env_int("EDGECACHE_CATALOG_CAPACITY", 1_000_000)
+EDGECACHE_CATALOG_FP_RATE = _env_float("EDGECACHE_CATALOG_FP_RATE", 0.01)
+EDGECACHE_CATALOG_SYNC_SECONDS = _env_float("EDGECACHE_CATALOG_SYNC_SECONDS", 1.0)
+EDGECACHE_CONNECT_TIMEOUT = _env_float("EDGECACHE_CONNECT_TIMEOUT", 0.5)
+EDGECACHE_IO_TIMEOUT = _env_float("EDGECACHE_IO_TIMEOUT", 5.0)
+EDGECACHE_MAX_ENTRY_BYTES = _env_int("EDGECACHE_MAX_ENTRY_BYTES", 64 * 1024 * 1024)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "cachebox": {"handlers": ["console"], "level": os.environ.get("EDGECACHE_LOG_LEVEL", "WARNING")},
+        "inference": {"handlers": ["console"], "level": os.environ.get("EDGECACHE_LOG_LEVEL", "WARNING")},
+    },
+}

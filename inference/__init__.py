@@ -1,0 +1,1 @@
+"""What runs on every edge board: the llama.cpp engine and the cached-inference pipeline."""

@@ -1,0 +1,150 @@
+"""An edge board in one process: the engine, its cache-box client and its catalogs.
+
+``Board.from_settings()`` builds one from Django settings (read at call time);
+``get_board()`` keeps one per process, since a process holds one model.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from django.conf import settings
+
+from cachebox import embedded
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.store import CacheBox
+from cachebox.sync import CatalogRegistry, CatalogSyncThread
+
+from .engine import Engine, EngineConfig
+from .model import resolve_model
+from .pipeline import CachedInference
+
+log = logging.getLogger(__name__)
+
+
+def cachebox_url() -> str:
+    """The cache box URL; starts this checkout's embedded Valkey when no REDIS_URL is set."""
+    if settings.REDIS_URL_IS_EMBEDDED:
+        return embedded.ensure_running(
+            settings.EDGECACHE_EMBEDDED_DIR,
+            port=settings.EDGECACHE_EMBEDDED_PORT,
+            maxmemory=settings.EDGECACHE_EMBEDDED_MAXMEMORY,
+        )
+    return settings.REDIS_URL
+
+
+@dataclass
+class BoardOptions:
+    device: str
+    namespace: str = "default"
+    chunk_tokens: int = 64
+    top_logits: int = 64
+    catalog_capacity: int = 1_000_000
+    catalog_fp_rate: float = 0.01
+    sync_interval: float = 1.0
+    connect_timeout: float = 0.5
+    io_timeout: float = 5.0
+    max_entry_bytes: int = 64 * 1024 * 1024
+
+
+class Board:
+    """Engine + cache box + catalogs + the background catalog puller."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: CacheBox | None,
+        options: BoardOptions,
+        *,
+        catalogs: CatalogRegistry | None = None,
+        background_sync: bool = True,
+    ):
+        self.engine = engine
+        self.store = store
+        self.options = options
+        if catalogs is None and store is not None:
+            catalogs = CatalogRegistry(store, options.catalog_capacity, options.catalog_fp_rate)
+        self.catalogs = catalogs
+        self.pipeline = CachedInference(
+            engine,
+            store,
+            self.catalogs,
+            device=options.device,
+            chunk_tokens=options.chunk_tokens,
+            top_logits=options.top_logits,
+            max_entry_bytes=options.max_entry_bytes,
+            namespace=options.namespace,
+        )
+        self._sync_thread: CatalogSyncThread | None = None
+        if self.catalogs is not None:
+            self.catalogs.get(options.namespace)
+            if background_sync:
+                self._sync_thread = CatalogSyncThread(self.catalogs, options.sync_interval)
+                self._sync_thread.start()
+
+    @classmethod
+    def start(
+        cls, engine_config: EngineConfig, options: BoardOptions, redis_url: str | None, *, model_path=None, background_sync=True
+    ) -> "Board":
+        """Load the model; meanwhile connect to the cache box and pull the catalog (start-up, not request path)."""
+        store = catalogs = None
+        if redis_url:
+            store = CacheBox(redis_url, connect_timeout=options.connect_timeout, timeout=options.io_timeout)
+            catalogs = CatalogRegistry(store, options.catalog_capacity, options.catalog_fp_rate)
+            catalogs.get(options.namespace)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # A fresh process knows what the cache box holds before its first request.
+            synced = pool.submit(catalogs.sync_all) if catalogs else None
+            engine = Engine(resolve_model(model_path), engine_config)
+            if synced is not None:
+                synced.result()
+        return cls(engine, store, options, catalogs=catalogs, background_sync=background_sync)
+
+    @classmethod
+    def from_settings(cls, *, device: str | None = None, namespace: str | None = None, background_sync: bool = True) -> "Board":
+        try:
+            url = cachebox_url()
+        except CacheBoxUnavailable as exc:
+            # Keep the URL: runs then say "unavailable" and the puller retries in the background.
+            log.warning("%s", exc)
+            url = settings.REDIS_URL
+        engine_config = EngineConfig(
+            n_ctx=settings.EDGECACHE_N_CTX, n_threads=settings.EDGECACHE_THREADS, kv_type=settings.EDGECACHE_KV_TYPE
+        )
+        options = BoardOptions(
+            device=device or settings.EDGECACHE_DEVICE,
+            namespace=namespace or settings.EDGECACHE_NAMESPACE,
+            chunk_tokens=settings.EDGECACHE_CHUNK_TOKENS,
+            top_logits=settings.EDGECACHE_TOP_LOGITS,
+            catalog_capacity=settings.EDGECACHE_CATALOG_CAPACITY,
+            catalog_fp_rate=settings.EDGECACHE_CATALOG_FP_RATE,
+            sync_interval=settings.EDGECACHE_CATALOG_SYNC_SECONDS,
+            connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT,
+            io_timeout=settings.EDGECACHE_IO_TIMEOUT,
+            max_entry_bytes=settings.EDGECACHE_MAX_ENTRY_BYTES,
+        )
+        return cls.start(engine_config, options, url, model_path=settings.EDGECACHE_MODEL or None, background_sync=background_sync)
+
+    def run(self, prompt, **kwargs):
+        return self.pipeline.run(prompt, **kwargs)
+
+    def close(self) -> None:
+        if self._sync_thread is not None:
+            self._sync_thread.stop()
+        self.engine.close()
+
+
+_board: Board | None = None
+_board_lock = threading.Lock()
+
+
+def get_board() -> Board:
+    """This process's board, started on first use."""
+    global _board
+    with _board_lock:
+        if _board is None:
+            _board = Board.from_settings()
+        return _board

@@ -1,0 +1,52 @@
+"""Helpers shared by the board-side management commands."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from django.core.management.base import CommandError
+
+from .sampling import SamplingParams
+
+
+def read_prompt_file(path: str) -> str:
+    """The text of a prompt file ('-' for standard input), or a one-line CommandError."""
+    try:
+        raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except FileNotFoundError:
+        raise CommandError(f"prompt file {path} does not exist")
+    except IsADirectoryError:
+        raise CommandError(f"prompt file {path} is a directory; give a text file")
+    except OSError as exc:
+        raise CommandError(f"cannot read prompt file {path}: {exc.strerror}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CommandError(
+            f"prompt file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
+        )
+
+
+def split_segments(text: str, separator: str | None) -> list[str]:
+    """Cut ``text`` after every ``separator`` (kept), giving explicit range boundaries."""
+    if not separator:
+        return [text]
+    separator = separator.encode().decode("unicode_escape")  # let "\n\n" be typed on a shell
+    pieces = text.split(separator)
+    segments = [piece + separator for piece in pieces[:-1]] + [pieces[-1]]
+    return [segment for segment in segments if segment]
+
+
+def add_sampling_arguments(parser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy decoding")
+    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def sampling_from_options(options) -> SamplingParams:
+    try:
+        return SamplingParams(options["temperature"], options["top_k"], options["top_p"], options["seed"])
+    except ValueError as exc:
+        raise CommandError(str(exc))

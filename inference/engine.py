@@ -1,0 +1,273 @@
+"""A thin wrapper over llama.cpp's low-level API: one model per process, one context
+with several sequences, explicit positions, and per-sequence state export/import.
+
+Costs, so a reader knows which calls move megabytes:
+- ``prefill``: the heavy call (P-decode); runs the model over every token given.
+- ``decode_one``: one token through the model (R-decode).
+- ``export_range``: copies the KV cells of ``[p0, p1)`` out of the context
+  (about 18.4 KB per token for Gemma-3 270M with f16 KV). No model work.
+- ``import_range``: copies state bytes back into the context. No model work.
+- ``tokenize``/``detokenize``: microseconds to a millisecond.
+Never uses ``Llama.save_state()``: it copies n_tokens x vocab floats of logits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+
+from cachebox.keys import ModelIdentity
+
+from .model import ModelFile
+
+KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "f32": llama_cpp.GGML_TYPE_F32}
+
+# Sequence ids inside the one context: 0 holds the prompt being served; the last
+# one is scratch space for moving ranges in and out.
+MAIN_SEQ = 0
+
+
+class EngineError(RuntimeError):
+    """llama.cpp refused an operation (context full, bad state bytes, ...)."""
+
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_quiet_callback = None
+
+
+def _quiet_llama() -> None:
+    """Route llama.cpp/ggml logging away from the terminal (set before loading anything)."""
+    global _backend_ready, _quiet_callback
+    with _backend_lock:
+        if _backend_ready:
+            return
+        verbose = os.environ.get("EDGECACHE_LLAMA_LOG") == "1"
+
+        @llama_cpp.llama_log_callback
+        def _callback(level, text, user_data):  # pragma: no cover - C callback
+            if verbose:
+                os.write(2, text)
+
+        _quiet_callback = _callback  # keep a reference for as long as the process lives
+        llama_cpp.llama_log_set(_quiet_callback, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int = 0  # 0: every core
+    n_seq_max: int = 4
+    kv_type: str = "f16"
+
+    def threads(self) -> int:
+        return self.n_threads or max(1, os.cpu_count() or 1)
+
+
+class Engine:
+    """One model and one context. Not thread-safe: callers serialize (``lock``)."""
+
+    def __init__(self, model: ModelFile, config: EngineConfig = EngineConfig()):
+        if config.kv_type not in KV_TYPES:
+            raise ValueError(f"unknown KV type {config.kv_type!r}; choose one of {', '.join(KV_TYPES)}")
+        _quiet_llama()
+        self.model_file = model
+        self.config = config
+        self.lock = threading.RLock()
+        self.scratch_seq = config.n_seq_max - 1
+
+        model_params = llama_cpp.llama_model_default_params()
+        self._model = llama_cpp.llama_model_load_from_file(str(model.path).encode(), model_params)
+        if not self._model:
+            raise EngineError(f"llama.cpp could not load {model.path}")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = config.n_ctx
+        params.n_batch = config.n_batch
+        params.n_ubatch = config.n_batch
+        params.n_seq_max = config.n_seq_max
+        params.n_threads = params.n_threads_batch = config.threads()
+        params.type_k = params.type_v = KV_TYPES[config.kv_type]
+        params.kv_unified = True  # sequences share cells: seq_cp tags cells, it does not copy them
+        params.swa_full = True  # keep every position of sliding-window layers, so any range can be exported
+        params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            raise EngineError("llama.cpp could not create a context (not enough memory for n_ctx?)")
+        self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, config.n_seq_max)
+        self.identity = ModelIdentity(
+            gguf_sha256=model.sha256,
+            n_ctx=self.n_ctx,
+            kv_type=config.kv_type,
+            llama_build=f"llama-cpp-python {llama_cpp.__version__}",
+        )
+        self.fingerprint = self.identity.fingerprint()
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ctx)
+            llama_cpp.llama_model_free(self._model)
+            self._ctx = None
+
+    def __del__(self):  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- text <-> tokens (cheap) ----------------------------------------------------
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        """Token ids of ``text``; ``add_bos`` for the first segment of a prompt only."""
+        raw = text.encode("utf-8")
+        capacity = len(raw) + 8
+        buffer = (llama_cpp.llama_token * capacity)()
+        count = llama_cpp.llama_tokenize(self._vocab, raw, len(raw), buffer, capacity, add_bos, False)
+        if count < 0:  # pragma: no cover - capacity is always enough for SentencePiece/BPE
+            raise EngineError("tokenizer buffer too small")
+        return list(buffer[:count])
+
+    def detokenize(self, tokens: list[int]) -> str:
+        if not tokens:
+            return ""
+        array = (llama_cpp.llama_token * len(tokens))(*tokens)
+        capacity = 16 * len(tokens) + 64
+        out = ctypes.create_string_buffer(capacity)
+        count = llama_cpp.llama_detokenize(self._vocab, array, len(tokens), out, capacity, False, False)
+        if count < 0:
+            out = ctypes.create_string_buffer(-count)
+            count = llama_cpp.llama_detokenize(self._vocab, array, len(tokens), out, -count, False, False)
+        return out.raw[:count].decode("utf-8", errors="replace")
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    # -- model work ---------------------------------------------------------------------
+    def prefill(
+        self, tokens: list[int], start: int, seq: int = MAIN_SEQ, logits_at: set[int] | frozenset = frozenset()
+    ) -> dict[int, np.ndarray]:
+        """Run ``tokens`` at positions ``start..`` of ``seq`` (P-decode, the heavy call).
+
+        Returns a copy of the logits at each position in ``logits_at`` (1 MB each for a
+        262k vocabulary). A non-empty sequence must continue at its last position + 1.
+        """
+        out: dict[int, np.ndarray] = {}
+        batch = self._batch
+        token_view = np.ctypeslib.as_array(batch.token, shape=(self.config.n_batch,))
+        pos_view = np.ctypeslib.as_array(batch.pos, shape=(self.config.n_batch,))
+        nseq_view = np.ctypeslib.as_array(batch.n_seq_id, shape=(self.config.n_batch,))
+        logits_view = np.ctypeslib.as_array(batch.logits, shape=(self.config.n_batch,))
+        for offset in range(0, len(tokens), self.config.n_batch):
+            chunk = tokens[offset : offset + self.config.n_batch]
+            size = len(chunk)
+            first = start + offset
+            positions = np.arange(first, first + size, dtype=np.int32)
+            token_view[:size] = chunk
+            pos_view[:size] = positions
+            nseq_view[:size] = 1
+            wanted = np.isin(positions, np.fromiter(logits_at, dtype=np.int32, count=len(logits_at)))
+            logits_view[:size] = wanted
+            for index in range(size):
+                batch.seq_id[index][0] = seq
+            batch.n_tokens = size
+            status = llama_cpp.llama_decode(self._ctx, batch)
+            if status != 0:
+                raise EngineError(f"llama_decode failed with status {status} at positions {first}..{first + size - 1}")
+            for index in np.flatnonzero(wanted):
+                out[int(positions[index])] = self.logits(int(index)).copy()
+        return out
+
+    def decode_one(self, token: int, position: int, seq: int = MAIN_SEQ) -> np.ndarray:
+        """Run one token (R-decode); returns a view of its logits, valid until the next model call."""
+        batch = self._batch
+        batch.token[0] = token
+        batch.pos[0] = position
+        batch.n_seq_id[0] = 1
+        batch.seq_id[0][0] = seq
+        batch.logits[0] = 1
+        batch.n_tokens = 1
+        status = llama_cpp.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise EngineError(f"llama_decode failed with status {status} at position {position}")
+        return self.logits(0)
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        """View (no copy) of the logits of one output of the last batch."""
+        pointer = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
+        if not pointer:
+            raise EngineError(f"no logits for batch index {batch_index}")
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+
+    # -- sequences and states (no model work) ------------------------------------------
+    def clear(self) -> None:
+        """Forget every sequence (cheap: marks cells free, leaves the buffers as they are)."""
+        llama_cpp.llama_memory_clear(self._memory, False)  # metadata only: no 75 MB memset
+
+    def remove(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Drop positions ``[p0, p1)`` of ``seq`` (-1: open end)."""
+        llama_cpp.llama_memory_seq_rm(self._memory, seq, p0, p1)
+
+    def copy_sequence(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``dst`` share the cells of ``src`` in ``[p0, p1)`` (unified KV: no data copied)."""
+        llama_cpp.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
+
+    def positions(self, seq: int = MAIN_SEQ) -> tuple[int, int]:
+        """(first, last) position held by ``seq``; (-1, -1) when empty."""
+        return (
+            llama_cpp.llama_memory_seq_pos_min(self._memory, seq),
+            llama_cpp.llama_memory_seq_pos_max(self._memory, seq),
+        )
+
+    def export_range(self, p0: int, p1: int, seq: int = MAIN_SEQ) -> bytes:
+        """State bytes of positions ``[p0, p1)`` of ``seq`` (copies ~18 KB per token)."""
+        scratch = self.scratch_seq
+        self.remove(scratch)
+        self.copy_sequence(seq, scratch, p0, p1)
+        try:
+            size = llama_cpp.llama_state_seq_get_size(self._ctx, scratch)
+            buffer = (ctypes.c_uint8 * size)()
+            written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, scratch)
+            if written != size:
+                raise EngineError(f"state export wrote {written} of {size} bytes")
+            return bytes(buffer)
+        finally:
+            self.remove(scratch)
+
+    def import_range(self, blob: bytes, offset: int = 0, seq: int = MAIN_SEQ) -> None:
+        """Add the cells in ``blob[offset:]`` (bytes from ``export_range``) to ``seq``.
+
+        Reads straight from ``blob`` (no Python-side copy); llama.cpp copies the cells
+        into its KV buffers. Goes through the scratch sequence because loading a state
+        replaces the destination sequence; the cells are then shared into ``seq``.
+        """
+        if not isinstance(blob, bytes) or not 0 <= offset <= len(blob):
+            raise EngineError("import_range needs bytes and an offset inside them")
+        size = len(blob) - offset
+        address = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value + offset
+        source = ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8))
+        scratch = self.scratch_seq
+        self.remove(scratch)
+        read = llama_cpp.llama_state_seq_set_data(self._ctx, source, size, scratch)
+        try:
+            if read == 0:
+                raise EngineError("llama.cpp rejected the state bytes")
+            self.copy_sequence(scratch, seq)
+        finally:
+            self.remove(scratch)
+
+    def cells_in_use(self) -> int:
+        """Highest position in the main sequence + 1 (what a restore must reach)."""
+        return self.positions(MAIN_SEQ)[1] + 1

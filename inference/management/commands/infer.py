@@ -1,0 +1,63 @@
+"""python manage.py infer --prompt-file F [--max-tokens N] [--no-cache] [--json]"""
+
+from __future__ import annotations
+
+import json
+
+from django.core.management.base import BaseCommand, CommandError
+
+from cachebox.errors import InvalidNamespace
+from inference.board import Board
+from inference.cli import add_sampling_arguments, read_prompt_file, sampling_from_options, split_segments
+from inference.model import ModelNotFound
+from inference.pipeline import PromptError
+
+
+class Command(BaseCommand):
+    help = "Run one prompt on this machine through the cache box and print the answer and its timing breakdown."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--prompt-file", required=True, help="UTF-8 text file with the prompt ('-' for stdin)")
+        parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
+        parser.add_argument("--no-cache", action="store_true", help="neither read nor write the cache box")
+        parser.add_argument("--json", action="store_true", help="print one JSON object: text + every breakdown field")
+        parser.add_argument(
+            "--split-on",
+            default=None,
+            metavar="TEXT",
+            help=r"cut the prompt after every TEXT (e.g. '\n\n') so each part is a cacheable range",
+        )
+        parser.add_argument("--namespace", default=None, help="cache namespace (default: EDGECACHE_NAMESPACE)")
+        add_sampling_arguments(parser)
+
+    def handle(self, *args, **options):
+        text = read_prompt_file(options["prompt_file"])
+        if not text.strip():
+            raise CommandError(f"prompt file {options['prompt_file']} is empty: put the prompt text in it")
+        sampling = sampling_from_options(options)
+        try:
+            board = Board.from_settings(namespace=options["namespace"], background_sync=False)
+        except (ModelNotFound, InvalidNamespace) as exc:
+            raise CommandError(str(exc))
+        try:
+            result = board.run(
+                split_segments(text, options["split_on"]),
+                max_tokens=options["max_tokens"],
+                sampling=sampling,
+                use_cache=not options["no_cache"],
+            )
+        except PromptError as exc:
+            raise CommandError(str(exc))
+        finally:
+            board.close()
+        if options["json"]:
+            self.stdout.write(json.dumps(result.as_dict()))
+            return
+        b = result.breakdown
+        self.stdout.write(result.text)
+        self.stderr.write(
+            f"\n[{b.case}: {b.matched_tokens}/{b.prompt_tokens} prompt tokens from the cache box ({b.cachebox}); "
+            f"TTFT {b.ttft_ms:.1f} ms = token {b.token_ms:.1f} + bloom {b.bloom_ms:.2f} + prefill {b.prefill_ms:.1f} "
+            f"+ redis {b.redis_ms:.1f} + sample {b.sample_ms:.1f}; TTLT {b.ttlt_ms:.1f} ms; "
+            f"uploaded {b.uploaded_bytes / 1e6:.2f} MB in {b.upload_ms:.1f} ms]"
+        )

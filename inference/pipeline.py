@@ -1,0 +1,389 @@
+"""The cached-inference pipeline: the paper's steps with a timer around each.
+
+tokenize -> catalog lookup (every candidate range) -> fetch the longest range the
+cache box really holds -> verify and restore it -> prefill only the rest -> sample
+the first token (TTFT) -> decode the rest (TTLT) -> export and upload the new
+ranges, after the answer, and announce their keys to every board's catalog.
+
+A cache box that is down, a catalog false positive, or a corrupted entry never
+changes the answer: the run falls back to local prefill and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from cachebox.catalog import Catalog
+from cachebox.entry import (
+    HEADER_PEEK_BYTES,
+    EntryHeader,
+    decode_header,
+    encode_entry,
+    state_checksum,
+    verify_state,
+)
+from cachebox.errors import CacheBoxUnavailable, EntryError
+from cachebox.keys import candidate_boundaries, check_namespace, entry_key_name, prefix_keys, tokens_digest
+from cachebox.store import CacheBox
+from cachebox.sync import CatalogRegistry
+
+from .breakdown import Breakdown
+from .engine import Engine, EngineError
+from .sampling import TOP_CANDIDATES, SamplingParams, sample, top_candidates
+
+log = logging.getLogger(__name__)
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be run as given; the message says what to change."""
+
+
+@dataclass
+class RunResult:
+    text: str
+    tokens: list[int]
+    breakdown: Breakdown
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, **self.breakdown.as_dict()}
+
+
+@dataclass
+class _Restored:
+    matched: int = 0
+    top_ids: np.ndarray | None = None
+    top_logits: np.ndarray | None = None
+
+
+@dataclass
+class _Lookup:
+    """Everything the lookup learned that the upload reuses."""
+
+    boundaries: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+
+
+def _ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1000.0
+
+
+class CachedInference:
+    """Serves prompts on one engine, sharing prompt states through one cache box."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: CacheBox | None,
+        catalogs: CatalogRegistry | None,
+        *,
+        device: str = "",
+        chunk_tokens: int = 64,
+        top_logits: int = TOP_CANDIDATES,
+        max_entry_bytes: int = 64 * 1024 * 1024,
+        namespace: str = "default",
+    ):
+        self.engine = engine
+        self.store = store
+        self.catalogs = catalogs
+        self.device = device
+        self.chunk_tokens = chunk_tokens
+        self.top_logits = top_logits
+        self.max_entry_bytes = max_entry_bytes
+        self.namespace = check_namespace(namespace)
+
+    # -- public -------------------------------------------------------------------------
+    def tokenize(self, segments: Sequence[str]) -> tuple[list[int], list[int]]:
+        """Token ids of the whole prompt and the token index where each segment ends.
+
+        Segments are tokenized one by one, so a segment's tokens (and so its cache key)
+        do not depend on the text that follows it.
+        """
+        tokens: list[int] = []
+        ends: list[int] = []
+        for index, segment in enumerate(segments):
+            tokens += self.engine.tokenize(segment, add_bos=index == 0)
+            ends.append(len(tokens))
+        return tokens, ends
+
+    def run(
+        self,
+        prompt: str | Sequence[str],
+        *,
+        max_tokens: int = 16,
+        sampling: SamplingParams = SamplingParams(),
+        use_cache: bool = True,
+        namespace: str | None = None,
+    ) -> RunResult:
+        """Answer ``prompt`` (a string, or its segments in order) and time every step."""
+        segments = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not segments or not "".join(segments).strip():
+            raise PromptError("the prompt is empty: give it some text")
+        if max_tokens < 1:
+            raise PromptError("max_tokens must be at least 1")
+        namespace = check_namespace(namespace or self.namespace)
+        engine = self.engine
+        with engine.lock:
+            breakdown = Breakdown()
+            started = time.perf_counter()
+
+            mark = time.perf_counter()
+            tokens, segment_ends = self.tokenize(segments)
+            breakdown.token_ms = _ms(mark)
+            prompt_tokens = len(tokens)
+            breakdown.prompt_tokens = prompt_tokens
+            if prompt_tokens + max_tokens > engine.n_ctx:
+                raise PromptError(
+                    f"the prompt has {prompt_tokens} tokens and {max_tokens} more were asked for, but the "
+                    f"context holds {engine.n_ctx}; shorten the prompt, lower --max-tokens or raise EDGECACHE_N_CTX"
+                )
+            engine.clear()
+
+            caching = use_cache and self.store is not None and self.catalogs is not None
+            lookup = _Lookup(boundaries=candidate_boundaries(prompt_tokens, segment_ends, self.chunk_tokens))
+            restored = _Restored()
+            if not caching:
+                breakdown.cachebox = "off"
+                breakdown.decision = "no-cache"
+            else:
+                restored = self._lookup_and_restore(tokens, namespace, lookup, breakdown)
+            matched = restored.matched
+            breakdown.matched_tokens = matched
+            breakdown.case = "miss" if matched == 0 else ("full" if matched == prompt_tokens else "partial")
+
+            # P-decode: only what was not restored. Logits are kept at every range end so
+            # that the uploaded entries carry them (one 1 MB copy each, no extra model work).
+            boundary_logits: dict[int, np.ndarray] = {}
+            mark = time.perf_counter()
+            if matched < prompt_tokens:
+                wanted = {prompt_tokens - 1}
+                if caching:
+                    wanted |= {end - 1 for end in lookup.boundaries if end > matched}
+                boundary_logits = engine.prefill(tokens[matched:], matched, logits_at=wanted)
+            elif restored.top_ids is None:
+                # A full hit without stored logits: recompute the last position only.
+                engine.remove(0, prompt_tokens - 1, -1)
+                boundary_logits = engine.prefill(tokens[-1:], prompt_tokens - 1, logits_at={prompt_tokens - 1})
+            breakdown.prefill_ms = _ms(mark)
+
+            # First token: from fresh logits, or from the ones stored with a full hit.
+            rng = np.random.default_rng(sampling.seed)
+            mark = time.perf_counter()
+            if prompt_tokens - 1 in boundary_logits:
+                token = self._choose(boundary_logits[prompt_tokens - 1], sampling, rng)
+            else:
+                token = sample(restored.top_ids, restored.top_logits, sampling, rng)
+            breakdown.sample_ms = _ms(mark)
+            breakdown.ttft_ms = _ms(started)
+
+            generated = [token]
+            position = prompt_tokens
+            while len(generated) < max_tokens and not engine.is_end_of_generation(token):
+                mark = time.perf_counter()
+                logits = engine.decode_one(token, position)
+                breakdown.decode_ms += _ms(mark)
+                position += 1
+                mark = time.perf_counter()
+                token = self._choose(logits, sampling, rng)
+                breakdown.sample_ms += _ms(mark)
+                generated.append(token)
+            breakdown.ttlt_ms = _ms(started)
+            if engine.is_end_of_generation(generated[-1]):
+                generated.pop()
+            breakdown.generated_tokens = len(generated)
+            text = engine.detokenize(generated)
+
+            if caching and breakdown.cachebox == "ok":
+                self._upload(tokens, namespace, lookup, matched, boundary_logits, breakdown)
+            breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
+            return RunResult(text=text, tokens=generated, breakdown=breakdown)
+
+    # -- steps ----------------------------------------------------------------------------
+    def _choose(self, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:
+        if sampling.greedy:
+            return int(np.argmax(logits))  # first maximum = lowest id, as ``sample`` breaks ties
+        ids, values = top_candidates(logits, self.top_logits)
+        return sample(ids, values, sampling, rng)
+
+    def _lookup_and_restore(self, tokens: list[int], namespace: str, lookup: _Lookup, breakdown: Breakdown) -> _Restored:
+        fingerprint = self.engine.fingerprint
+        catalog = self.catalogs.get(namespace).catalog
+        mark = time.perf_counter()
+        lookup.keys = prefix_keys(fingerprint, namespace, tokens, lookup.boundaries)
+        maybe = catalog.lookup(lookup.keys)
+        breakdown.bloom_ms = _ms(mark)
+        candidates = [end for end, hit in zip(lookup.boundaries, maybe) if hit]
+        if not candidates:
+            breakdown.decision = "catalog-miss"  # a sure miss: no network at all
+            return _Restored()
+
+        mark = time.perf_counter()
+        names = {end: entry_key_name(namespace, fingerprint, key) for end, key in zip(lookup.boundaries, lookup.keys)}
+        try:
+            headers = self._read_headers(tokens, namespace, sorted(candidates, reverse=True), names, catalog, breakdown)
+            chain = self._plan_chain(tokens, namespace, headers, names, catalog, breakdown)
+            if not chain:
+                breakdown.fetch_ms = breakdown.redis_ms = _ms(mark)
+                breakdown.decision = "no-usable-entry"
+                return _Restored()
+            blobs = self.store.read_entries([names[end] for end in chain])
+        except CacheBoxUnavailable as exc:
+            log.warning("cache box unavailable, prefilling locally: %s", exc)
+            breakdown.cachebox = "unavailable"
+            breakdown.decision = "cachebox-unavailable"
+            breakdown.fetch_ms = breakdown.redis_ms = _ms(mark)
+            return _Restored()
+
+        usable: list[tuple[int, bytes, int]] = []  # (range end, entry, offset of its state)
+        for end, blob in zip(chain, blobs):
+            try:
+                if not blob:
+                    raise EntryError("entry vanished between the header and state reads")
+                # Check the header of what was really read: the entry may have been replaced meanwhile.
+                parsed = decode_header(blob)
+                if isinstance(parsed, int):
+                    raise EntryError("entry is truncated inside its header")
+                header, offset = parsed
+                self._check_header(header, tokens, namespace, end)
+                headers[end] = (header, offset)
+                verify_state(header, memoryview(blob)[offset:])  # a view: no copy of the megabytes
+            except EntryError as exc:
+                self._reject(names[end], exc, breakdown)
+                break  # the chain is usable up to the range before this one
+            usable.append((end, blob, offset))
+        breakdown.fetch_ms = _ms(mark)
+
+        mark = time.perf_counter()
+        matched = 0
+        for end, blob, offset in usable:
+            try:
+                self.engine.import_range(blob, offset)
+            except EngineError as exc:
+                self._reject(names[end], exc, breakdown)
+                break
+            first, last = self.engine.positions()
+            if first != 0 or last != end - 1:
+                self._reject(names[end], EntryError(f"restore left positions {first}..{last}, expected 0..{end - 1}"), breakdown)
+                break
+            matched = end
+            breakdown.fetched_bytes += len(blob)  # the whole entry, as moved
+        if matched < (usable[-1][0] if usable else 0):
+            self.engine.remove(0, matched, -1)  # drop a partly restored range
+        breakdown.restore_ms = _ms(mark)
+        breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
+        if matched == 0:
+            breakdown.decision = "no-usable-entry"
+            return _Restored()
+        catalog.record_true_hit(sum(1 for end, _, _ in usable if end <= matched))
+        breakdown.decision = "fetch"
+        header = headers[matched][0]
+        full = matched == len(tokens)
+        return _Restored(matched, header.top_ids if full else None, header.top_logits if full else None)
+
+    def _read_headers(self, tokens, namespace, ends, names, catalog: Catalog, breakdown) -> dict[int, tuple[EntryHeader, int]]:
+        """Headers of the entries at ``ends`` that exist and belong to these tokens (one round trip)."""
+        headers: dict[int, tuple[EntryHeader, int]] = {}
+        prefixes = self.store.read_prefixes([names[end] for end in ends], HEADER_PEEK_BYTES)
+        for end, raw in zip(ends, prefixes):
+            if not raw:
+                catalog.record_false_positive()
+                breakdown.false_positives += 1
+                continue
+            try:
+                parsed = decode_header(raw)
+                if isinstance(parsed, int):  # a header longer than the peek: read it whole
+                    parsed = decode_header(self.store.read_prefixes([names[end]], parsed)[0])
+                    if isinstance(parsed, int):
+                        raise EntryError("entry is truncated inside its header")
+                header, offset = parsed
+                self._check_header(header, tokens, namespace, end)
+            except EntryError as exc:
+                self._reject(names[end], exc, breakdown)
+                continue
+            headers[end] = (header, offset)
+        return headers
+
+    def _check_header(self, header: EntryHeader, tokens, namespace: str, end: int) -> None:
+        if header.fingerprint != self.engine.fingerprint or header.namespace != namespace:
+            raise EntryError("entry was made for another model or namespace")
+        if header.end != end or header.start >= end:
+            raise EntryError(f"entry covers [{header.start}, {header.end}), expected a range ending at {end}")
+        if header.tokens_digest != tokens_digest(tokens[header.start : header.end]):
+            raise EntryError("entry does not belong to these tokens")
+        if header.state_bytes > self.max_entry_bytes:
+            raise EntryError(f"entry holds {header.state_bytes} bytes, over the {self.max_entry_bytes}-byte limit")
+
+    def _plan_chain(self, tokens, namespace, headers, names, catalog, breakdown) -> list[int]:
+        """Range ends from the first range to the longest prefix whose whole chain exists."""
+        fingerprint = self.engine.fingerprint
+        for longest in sorted(headers, reverse=True):
+            chain = [longest]
+            while chain[-1] in headers and headers[chain[-1]][0].start > 0:
+                start = headers[chain[-1]][0].start
+                if start not in headers:
+                    # A range stored by a prompt cut differently: read that link's header too.
+                    names[start] = entry_key_name(namespace, fingerprint, prefix_keys(fingerprint, namespace, tokens, [start])[0])
+                    headers.update(self._read_headers(tokens, namespace, [start], names, catalog, breakdown))
+                    if start not in headers:
+                        break
+                chain.append(start)
+            if chain[-1] in headers and headers[chain[-1]][0].start == 0:
+                return chain[::-1]
+        return []
+
+    def _reject(self, name: str, reason: Exception, breakdown: Breakdown) -> None:
+        """Evict an entry that failed a check; the run goes on with local prefill."""
+        breakdown.rejected_entries += 1
+        log.warning("rejected cache entry %s: %s", name, reason)
+        try:
+            self.store.delete([name])
+        except CacheBoxUnavailable:
+            pass
+
+    def _upload(self, tokens, namespace, lookup: _Lookup, matched, boundary_logits, breakdown: Breakdown) -> None:
+        """Export the ranges this run computed and store them (after the answer is out)."""
+        mark = time.perf_counter()
+        fingerprint = self.engine.fingerprint
+        if not lookup.keys:
+            lookup.keys = prefix_keys(fingerprint, namespace, tokens, lookup.boundaries)
+        items: list[tuple[str, bytes]] = []
+        new_keys: list[bytes] = []
+        start = matched
+        for end, key in zip(lookup.boundaries, lookup.keys):
+            if end <= matched:
+                continue
+            state = self.engine.export_range(start, end)
+            top_ids = top_values = None
+            if end - 1 in boundary_logits:
+                top_ids, top_values = top_candidates(boundary_logits[end - 1], self.top_logits)
+            header = EntryHeader(
+                fingerprint=fingerprint,
+                namespace=namespace,
+                start=start,
+                end=end,
+                tokens_digest=tokens_digest(tokens[start:end]),
+                state_bytes=len(state),
+                checksum=state_checksum(state),
+                device=self.device,
+                top_ids=top_ids,
+                top_logits=top_values,
+            )
+            if len(state) > self.max_entry_bytes:
+                log.warning("not uploading range [%d, %d): %d bytes over the limit", start, end, len(state))
+                break  # later ranges would chain to a missing link
+            items.append((entry_key_name(namespace, fingerprint, key), encode_entry(header, state)))
+            new_keys.append(key)
+            start = end
+        try:
+            breakdown.uploaded_bytes = self.store.put_entries(items) if items else 0
+            if new_keys:
+                self.catalogs.get(namespace).announce(new_keys)
+        except CacheBoxUnavailable as exc:
+            log.warning("cache box unavailable, states not shared: %s", exc)
+            breakdown.cachebox = "unavailable"
+            breakdown.uploaded_bytes = 0
+        breakdown.upload_ms = _ms(mark)

