@@ -1,0 +1,94 @@
+"""Shared fixtures: real Valkey/Redis servers and the real model (loaded once per session)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from cachebox import embedded
+from cachebox.store import CacheBox
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def valkey_url(tmp_path_factory):
+    """A real embedded Valkey server of the test session's own (not the checkout's)."""
+    data_dir = tmp_path_factory.mktemp("valkey")
+    url = embedded.ensure_running(data_dir, maxmemory="512mb")
+    yield url
+    embedded.stop(data_dir)
+
+
+@pytest.fixture(scope="session")
+def system_redis_url():
+    """The machine's Redis server (REDIS_URL deployments); skipped where there is none."""
+    url = os.environ.get("EDGECACHE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if not CacheBox(url).ping():
+        pytest.skip(f"no Redis server answers at {url}")
+    return url
+
+
+@pytest.fixture(params=["embedded-valkey", "system-redis"])
+def any_store_url(request):
+    """Run a test against both kinds of cache box."""
+    fixture = "valkey_url" if request.param == "embedded-valkey" else "system_redis_url"
+    return request.getfixturevalue(fixture)
+
+
+@pytest.fixture
+def namespace(request):
+    """A namespace of the test's own; its entries and catalog are removed afterwards."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    yield name
+    for fixture in ("valkey_url", "system_redis_url"):
+        if fixture in request.fixturenames:
+            CacheBox(request.getfixturevalue(fixture)).flush(name)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from inference.engine import Engine, EngineConfig
+    from inference.model import resolve_model
+
+    engine = Engine(resolve_model(), EngineConfig(n_ctx=2048))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def make_board(engine):
+    """Boards sharing the session's engine, each with its own catalogs (as separate devices)."""
+    from inference.board import Board, BoardOptions
+
+    boards = []
+
+    def build(url: str | None, namespace: str, device: str = "board-a", **options):
+        store = CacheBox(url, connect_timeout=0.3, timeout=2.0) if url else None
+        board = Board(engine, store, BoardOptions(device=device, namespace=namespace, **options), background_sync=False)
+        boards.append(board)
+        return board
+
+    yield build
+    for board in boards:
+        if board._sync_thread is not None:
+            board._sync_thread.stop()
+
+
+def run_manage(*args: str, env: dict | None = None, unset=(), input_bytes: bytes | None = None, timeout: float = 180):
+    """Run ``python manage.py ...`` in a fresh process, as a user would."""
+    full_env = {key: value for key, value in os.environ.items() if key not in unset}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), *args],
+        cwd=ROOT,
+        env=full_env,
+        input=input_bytes,
+        capture_output=True,
+        timeout=timeout,
+    )

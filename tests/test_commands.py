@@ -1,0 +1,85 @@
+"""The command-line surface, run as a user would: fresh processes, real model, real servers."""
+
+import json
+
+import pytest
+
+from .conftest import run_manage
+
+pytestmark = [pytest.mark.model, pytest.mark.cachebox]
+
+
+def run_in(home, *args):
+    """A command on the embedded defaults of a checkout whose data lives in ``home``."""
+    return run_manage(*args, env={"EDGECACHE_HOME": str(home), "EDGECACHE_N_CTX": "2048"}, unset=("REDIS_URL",))
+
+
+def test_infer_after_infer_hits_through_the_embedded_cache_box(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The capital of France is Paris. The capital of Italy is", encoding="utf-8")
+    home = tmp_path / "home"
+    try:
+        first = run_in(home, "infer", "--prompt-file", str(prompt), "--max-tokens", "3", "--json")
+        assert first.returncode == 0, first.stderr.decode()
+        second = run_in(home, "infer", "--prompt-file", str(prompt), "--max-tokens", "3", "--json")
+        assert second.returncode == 0, second.stderr.decode()
+        cold, hit = json.loads(first.stdout), json.loads(second.stdout)
+        assert (cold["case"], hit["case"]) == ("miss", "full")
+        assert hit["text"] == cold["text"]
+        assert hit["ttft_ms"] < cold["ttft_ms"]
+        assert b"llama" not in first.stderr.lower()  # llama.cpp's chatter stays out of the terminal
+        status = run_in(home, "cachebox", "status")
+        assert b"up" in status.stdout and b"entries" in status.stdout
+    finally:
+        stopped = run_in(home, "cachebox", "stop")
+    assert b"stopped" in stopped.stdout
+
+
+def test_plain_output_shows_the_answer_and_a_breakdown(tmp_path, valkey_url):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("One, two, three,", encoding="utf-8")
+    done = run_manage("infer", "--prompt-file", str(prompt), "--max-tokens", "2", "--no-cache", env={"REDIS_URL": valkey_url})
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.strip()
+    assert b"TTFT" in done.stderr and b"off" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", b"is empty"),
+        (b"   \n\t ", b"is empty"),
+        (b"caf\xe9 au lait", b"not UTF-8"),
+        ("word " * 5000, b"context holds"),
+    ],
+)
+def test_bad_prompt_files_fail_with_one_clear_line(tmp_path, valkey_url, content, message):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(content if isinstance(content, bytes) else content.encode())
+    done = run_manage("infer", "--prompt-file", str(prompt), env={"REDIS_URL": valkey_url, "EDGECACHE_N_CTX": "2048"})
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr.decode()
+
+
+def test_missing_prompt_file_and_bad_options(tmp_path, valkey_url):
+    done = run_manage("infer", "--prompt-file", str(tmp_path / "nope.txt"), env={"REDIS_URL": valkey_url})
+    assert done.returncode != 0 and b"does not exist" in done.stderr
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hello")
+    done = run_manage("infer", "--prompt-file", str(prompt), "--top-p", "0", env={"REDIS_URL": valkey_url})
+    assert done.returncode != 0 and b"top_p" in done.stderr
+    done = run_manage("infer", "--prompt-file", str(prompt), "--namespace", "bad space", env={"REDIS_URL": valkey_url})
+    assert done.returncode != 0 and b"invalid namespace" in done.stderr
+
+
+def test_infer_answers_when_the_cache_box_is_down(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Two plus two is", encoding="utf-8")
+    done = run_manage(
+        "infer", "--prompt-file", str(prompt), "--max-tokens", "2", "--json",
+        env={"REDIS_URL": "redis://127.0.0.1:9/0", "EDGECACHE_N_CTX": "2048"},
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    result = json.loads(done.stdout)
+    assert result["cachebox"] == "unavailable" and result["text"]

@@ -1,0 +1,190 @@
+"""The cached-inference pipeline with the real model and real cache boxes."""
+
+import json
+import time
+
+import pytest
+
+from cachebox import embedded
+from cachebox.entry import EntryHeader, decode_header, encode_entry, state_checksum
+from cachebox.keys import candidate_boundaries, entry_key_name, prefix_keys, tokens_digest
+from cachebox.store import CacheBox
+from inference.mmlu import build_prompts
+from inference.pipeline import PromptError
+
+from .conftest import run_manage
+
+pytestmark = [pytest.mark.model, pytest.mark.cachebox]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return build_prompts("astronomy", shots=2, count=3)
+
+
+def segment_ends(board, prompt):
+    return board.pipeline.tokenize(prompt.segments)[1]
+
+
+def entry_names(board, prompt, namespace):
+    tokens, ends = board.pipeline.tokenize(prompt.segments)
+    boundaries = candidate_boundaries(len(tokens), ends, board.options.chunk_tokens)
+    keys = prefix_keys(board.engine.fingerprint, namespace, tokens, boundaries)
+    return tokens, {end: entry_key_name(namespace, board.engine.fingerprint, key) for end, key in zip(boundaries, keys)}
+
+
+def test_miss_then_full_hit_gives_the_same_greedy_answer(valkey_url, namespace, make_board, prompts):
+    board = make_board(valkey_url, namespace)
+    cold = board.run(prompts[0].segments, max_tokens=8)
+    assert cold.breakdown.case == "miss" and cold.breakdown.decision == "catalog-miss"
+    assert cold.breakdown.uploaded_bytes > 0 and cold.breakdown.cachebox == "ok"
+    hit = board.run(prompts[0].segments, max_tokens=8)
+    b = hit.breakdown
+    assert b.case == "full" and b.matched_tokens == b.prompt_tokens == cold.breakdown.prompt_tokens
+    assert b.prefill_ms < 1.0  # nothing was prefilled: the first token came from stored logits
+    assert hit.tokens == cold.tokens and hit.text == cold.text
+    assert b.fetched_bytes > 0 and b.state_bytes == b.fetched_bytes
+    # f16 KV of Gemma-3 270M: about 18.4 KB a token, plus small entry headers.
+    assert 17_000 < b.fetched_bytes / b.matched_tokens < 19_000
+
+
+def test_another_process_hits_what_this_board_uploaded(valkey_url, namespace, make_board, prompts, tmp_path):
+    board = make_board(valkey_url, namespace)
+    cold = board.run(prompts[1].text, max_tokens=6)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(prompts[1].text, encoding="utf-8")
+    done = run_manage(
+        "infer", "--prompt-file", str(prompt_file), "--max-tokens", "6", "--json",
+        env={"REDIS_URL": valkey_url, "EDGECACHE_NAMESPACE": namespace, "EDGECACHE_N_CTX": "2048"},
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    result = json.loads(done.stdout)
+    assert result["case"] == "full" and result["cachebox"] == "ok"
+    assert result["text"] == cold.text
+
+
+def test_partial_hit_restores_the_longest_cached_range(valkey_url, namespace, make_board, prompts):
+    board = make_board(valkey_url, namespace)
+    prompt = prompts[0]
+    ends = segment_ends(board, prompt)  # instruction, example 1, example 2, question
+    board.run(prompt.segments[:1], max_tokens=1)  # instruction alone
+    board.run(prompt.segments[:3], max_tokens=1)  # instruction + both examples
+    result = board.run(prompt.segments, max_tokens=4)
+    assert result.breakdown.case == "partial"
+    assert result.breakdown.matched_tokens == ends[2]
+    cold = make_board(None, namespace).run(prompt.segments, max_tokens=4)
+    # The restored ranges were computed in other batch shapes than one cold prefill, so
+    # llama.cpp's kernels round a little differently and long continuations may drift;
+    # the answer (first token) must not. Agreement over many prompts: `bench cases`.
+    assert result.tokens[0] == cold.tokens[0]
+
+
+def test_unstructured_prompts_share_fixed_chunks(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace, chunk_tokens=32)
+    shared = "Edge boards share prompt states through a cache box. " * 12
+    board.run(shared + "First question: what is a Bloom filter?", max_tokens=2)
+    result = board.run(shared + "Second question: why share the KV cache?", max_tokens=2)
+    assert result.breakdown.case == "partial"
+    assert result.breakdown.matched_tokens >= 64 and result.breakdown.matched_tokens % 32 == 0
+
+
+def test_catalog_false_positive_costs_a_fetch_but_not_the_answer(valkey_url, namespace, make_board, prompts):
+    board = make_board(valkey_url, namespace)
+    tokens, names = entry_names(board, prompts[2], namespace)
+    keys = prefix_keys(board.engine.fingerprint, namespace, tokens, sorted(names))
+    catalog = board.catalogs.get(namespace).catalog
+    catalog.add(keys[-1])  # the catalog now says "maybe" for a state nobody stored
+    result = board.run(prompts[2].segments, max_tokens=4)
+    assert result.breakdown.false_positives == 1 and result.breakdown.case == "miss"
+    assert result.breakdown.decision == "no-usable-entry"
+    assert catalog.stats.false_positives == 1
+    assert result.tokens == make_board(None, namespace).run(prompts[2].segments, max_tokens=4).tokens
+
+
+def test_corrupted_state_is_evicted_and_answered_by_prefill(valkey_url, namespace, make_board, prompts):
+    board = make_board(valkey_url, namespace)
+    cold = board.run(prompts[0].segments, max_tokens=4)
+    tokens, names = entry_names(board, prompts[0], namespace)
+    store = CacheBox(valkey_url)
+    last = names[len(tokens)]
+    header, offset = decode_header(store.read_prefixes([last], 4096)[0])
+    store.redis.setrange(last, offset + 1000, b"\x00\xff\x00\xff")  # flip bytes inside the state
+    result = board.run(prompts[0].segments, max_tokens=4)
+    assert result.breakdown.rejected_entries == 1
+    assert result.breakdown.case == "partial"  # the chain up to the bad range still served
+    assert result.breakdown.matched_tokens == header.start
+    assert result.tokens[0] == cold.tokens[0]  # partial: see test_partial_hit_restores_the_longest_cached_range
+    assert store.redis.exists(last) == 1  # evicted, then uploaded again by this run's own prefill
+    again = board.run(prompts[0].segments, max_tokens=4)
+    assert again.breakdown.case == "full" and again.breakdown.rejected_entries == 0
+
+
+def test_garbage_entry_and_forged_positions_are_rejected(valkey_url, namespace, make_board, prompts):
+    board = make_board(valkey_url, namespace)
+    cold = board.run(prompts[1].segments, max_tokens=4)
+    tokens, names = entry_names(board, prompts[1], namespace)
+    store = CacheBox(valkey_url)
+    ends = sorted(names)
+    # 1. The first range's entry replaced by garbage: nothing chains, plain miss.
+    store.redis.set(names[ends[0]], b"not an entry at all")
+    result = board.run(prompts[1].segments, max_tokens=4)
+    assert result.breakdown.rejected_entries >= 1 and result.breakdown.case == "miss"
+    assert result.tokens == cold.tokens
+    # 2. A well-formed entry whose state holds other positions than its header claims.
+    second = store.read_entries([names[ends[1]]])[0]
+    header, offset = decode_header(second)
+    state = second[offset:]
+    forged = EntryHeader(
+        fingerprint=header.fingerprint, namespace=namespace, start=0, end=ends[0],
+        tokens_digest=tokens_digest(tokens[: ends[0]]), state_bytes=len(state), checksum=state_checksum(state),
+    )
+    store.redis.set(names[ends[0]], encode_entry(forged, state))
+    result = board.run(prompts[1].segments, max_tokens=4)
+    assert result.breakdown.rejected_entries == 1 and result.breakdown.case == "miss"
+    assert result.tokens == cold.tokens
+    assert board.engine.positions()[0] == 0  # nothing of the forged state stayed behind
+
+
+def test_cache_box_down_still_answers_without_hanging(namespace, make_board, prompts, tmp_path):
+    data_dir = tmp_path / "valkey"
+    url = embedded.ensure_running(data_dir, maxmemory="256mb")
+    board = make_board(url, namespace)
+    cold = board.run(prompts[2].segments, max_tokens=4)
+    embedded.stop(data_dir)
+    started = time.monotonic()
+    result = board.run(prompts[2].segments, max_tokens=4)
+    assert time.monotonic() - started < 10
+    assert result.breakdown.cachebox == "unavailable" and result.breakdown.case == "miss"
+    assert result.tokens == cold.tokens
+    never_up = make_board("redis://127.0.0.1:9/0", namespace).run(prompts[2].segments, max_tokens=4)
+    assert never_up.breakdown.cachebox == "unavailable" and never_up.tokens == cold.tokens
+
+
+def test_catalog_sync_between_two_boards(valkey_url, namespace, make_board, prompts):
+    board_a = make_board(valkey_url, namespace, device="zero")
+    board_b = make_board(valkey_url, namespace, device="pi5")
+    board_a.run(prompts[1].segments, max_tokens=2)
+    before = board_b.run(prompts[1].segments[:1] + ["Unrelated question?"], max_tokens=1)
+    assert before.breakdown.decision == "catalog-miss"  # b has not pulled yet: no network at all
+    board_b.catalogs.sync_all()
+    after = board_b.run(prompts[1].segments, max_tokens=2)
+    assert after.breakdown.case == "full"
+    header, _ = decode_header(CacheBox(valkey_url).read_prefixes([entry_names(board_a, prompts[1], namespace)[1][after.breakdown.prompt_tokens]], 4096)[0])
+    assert header.device == "zero"
+
+
+def test_no_cache_neither_reads_nor_writes(valkey_url, namespace, make_board, prompts):
+    board = make_board(valkey_url, namespace)
+    result = board.run(prompts[0].segments, max_tokens=2, use_cache=False)
+    assert result.breakdown.cachebox == "off" and result.breakdown.uploaded_bytes == 0
+    assert list(CacheBox(valkey_url).scan_entries(namespace)) == []
+
+
+def test_bad_prompts_get_clear_errors(make_board, namespace, engine):
+    board = make_board(None, namespace)
+    with pytest.raises(PromptError, match="empty"):
+        board.run("   \n")
+    with pytest.raises(PromptError, match="context holds"):
+        board.run("word " * (engine.n_ctx + 10))
+    with pytest.raises(PromptError, match="max_tokens"):
+        board.run("hello", max_tokens=0)

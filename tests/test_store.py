@@ -1,0 +1,137 @@
+"""The cache-box store and catalog sync against real servers (embedded Valkey and system Redis)."""
+
+import os
+import time
+
+import pytest
+
+from cachebox import embedded, sync
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.keys import catalog_key_names, entry_key_name
+from cachebox.store import CacheBox
+from cachebox.sync import CatalogRegistry, CatalogReplica, CatalogSyncThread
+
+pytestmark = pytest.mark.cachebox
+
+
+def test_entries_are_binary_safe_and_flushed_by_namespace(any_store_url, namespace):
+    store = CacheBox(any_store_url)
+    blob = bytes(range(256)) * 4096  # 1 MB with every byte value
+    names = [entry_key_name(namespace, "00ff00ff00ff00ff", os.urandom(16)) for _ in range(3)]
+    assert store.put_entries([(name, blob) for name in names]) == 3 * len(blob)
+    assert store.read_entries(names) == [blob] * 3
+    assert store.read_prefixes(names[:1], 10) == [blob[:10]]
+    assert store.read_prefixes([names[0] + "x"], 10) == [b""]
+    assert sorted(store.scan_entries(namespace)) == sorted(names)
+    assert store.flush(namespace) == 3
+    assert store.read_entries(names) == [None] * 3
+
+
+def test_an_unreachable_cache_box_fails_fast_and_then_skips_the_network():
+    store = CacheBox("redis://127.0.0.1:9/0", connect_timeout=0.3, timeout=0.5, retry_after=30)
+    started = time.monotonic()
+    with pytest.raises(CacheBoxUnavailable, match="unreachable"):
+        store.read_entries(["ec:e:x:y:{00}"])
+    first = time.monotonic() - started
+    started = time.monotonic()
+    with pytest.raises(CacheBoxUnavailable, match="moments ago"):
+        store.read_entries(["ec:e:x:y:{00}"])
+    assert first < 1.0 and time.monotonic() - started < 0.05
+    assert store.ping() is False
+
+
+def test_catalog_sync_carries_keys_between_boards(any_store_url, namespace):
+    board_a = CatalogReplica(CacheBox(any_store_url), namespace)
+    board_b = CatalogReplica(CacheBox(any_store_url), namespace)
+    board_a.sync()
+    board_b.sync()
+    keys = [os.urandom(16) for _ in range(5)]
+    board_a.announce(keys)
+    assert all(key in board_a.catalog for key in keys)
+    assert not any(key in board_b.catalog for key in keys)
+    assert board_b.sync() == 5
+    assert all(key in board_b.catalog for key in keys)
+    assert board_b.sync() == 0  # only new records are read
+
+
+def test_background_thread_pulls_without_being_asked(valkey_url, namespace):
+    registry = CatalogRegistry(CacheBox(valkey_url), 10_000, 0.01)
+    replica = registry.get(namespace)
+    thread = CatalogSyncThread(registry, interval=0.05)
+    thread.start()
+    try:
+        key = os.urandom(16)
+        CatalogReplica(CacheBox(valkey_url), namespace).announce([key])
+        deadline = time.monotonic() + 5
+        while key not in replica.catalog and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert key in replica.catalog
+        assert replica.last_sync is not None
+    finally:
+        thread.stop()
+
+
+def test_a_flushed_cache_box_makes_boards_drop_their_filters(valkey_url, namespace):
+    store = CacheBox(valkey_url)
+    replica = CatalogReplica(store, namespace)
+    replica.sync()
+    key = os.urandom(16)
+    replica.announce([key])
+    store.flush(namespace)  # also drops the catalog: a new epoch
+    replica.sync()
+    assert key not in replica.catalog
+
+
+def test_a_new_board_loads_the_compacted_snapshot(valkey_url, namespace, monkeypatch):
+    monkeypatch.setattr(sync, "COMPACT_AFTER_RECORDS", 10)
+    store = CacheBox(valkey_url)
+    writer = CatalogReplica(store, namespace)
+    writer.sync()
+    keys = [os.urandom(16) for _ in range(25)]
+    writer.announce(keys)
+    writer.sync()  # folds the log into the snapshot and trims it
+    assert store.catalog_log_length(namespace) < 25
+    assert store.catalog_snapshot(namespace)[0] is not None
+    newcomer = CatalogReplica(store, namespace)
+    newcomer.sync()
+    assert all(key in newcomer.catalog for key in keys)
+
+
+def test_a_lagging_board_recovers_keys_that_were_trimmed_from_the_log(valkey_url, namespace, monkeypatch):
+    monkeypatch.setattr(sync, "COMPACT_AFTER_RECORDS", 10)
+    store = CacheBox(valkey_url)
+    lagging = CatalogReplica(store, namespace)
+    writer = CatalogReplica(store, namespace)
+    lagging.sync()
+    writer.sync()
+    first = [os.urandom(16)]
+    writer.announce(first)
+    lagging.sync()
+    later = [os.urandom(16) for _ in range(30)]
+    writer.announce(later)
+    writer.sync()  # compacts and trims what `lagging` never read
+    lagging.sync()
+    assert all(key in lagging.catalog for key in first + later)
+
+
+def test_catalog_keys_live_under_one_namespace_tag(valkey_url, namespace):
+    replica = CatalogReplica(CacheBox(valkey_url), namespace)
+    replica.sync()
+    replica.announce([os.urandom(16)])
+    names = catalog_key_names(namespace)
+    client = CacheBox(valkey_url).redis
+    assert client.exists(names["epoch"]) and client.exists(names["log"])
+
+
+def test_embedded_server_is_shared_and_stoppable(tmp_path):
+    url = embedded.ensure_running(tmp_path, maxmemory="64mb")
+    try:
+        assert embedded.ensure_running(tmp_path) == url  # the second caller reuses it
+        store = CacheBox(url)
+        store.redis.set("probe", b"1")
+        assert CacheBox(url).redis.get("probe") == b"1"
+        assert store.redis.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+    finally:
+        assert embedded.stop(tmp_path) is True
+    assert embedded.is_running(tmp_path) is False
+    assert embedded.stop(tmp_path) is False
