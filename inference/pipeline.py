@@ -155,14 +155,17 @@ class CachedInference:
             breakdown.matched_tokens = matched
             breakdown.case = "miss" if matched == 0 else ("full" if matched == prompt_tokens else "partial")
 
-            # P-decode: only what was not restored. Logits are kept at every range end so
-            # that the uploaded entries carry them (one 1 MB copy each, no extra model work).
+            # P-decode: only what was not restored. Logits are kept at the segment ends so
+            # that their entries carry them (one 1 MB copy each, no extra model work): a later
+            # prompt that ends there is then a full hit with no decode at all. Entries at
+            # fixed chunk ends go without (a prompt rarely ends exactly there; it then
+            # recomputes one token) to keep entries small.
             boundary_logits: dict[int, np.ndarray] = {}
             mark = time.perf_counter()
             if matched < prompt_tokens:
                 wanted = {prompt_tokens - 1}
                 if caching:
-                    wanted |= {end - 1 for end in lookup.boundaries if end > matched}
+                    wanted |= {end - 1 for end in segment_ends if end > matched}
                 boundary_logits = engine.prefill(tokens[matched:], matched, logits_at=wanted)
             elif restored.top_ids is None:
                 # A full hit without stored logits: recompute the last position only.

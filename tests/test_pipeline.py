@@ -188,3 +188,19 @@ def test_bad_prompts_get_clear_errors(make_board, namespace, engine):
         board.run("word " * (engine.n_ctx + 10))
     with pytest.raises(PromptError, match="max_tokens"):
         board.run("hello", max_tokens=0)
+
+
+def test_full_hit_without_stored_logits_recomputes_only_the_last_token(valkey_url, namespace, make_board, prompts):
+    board = make_board(valkey_url, namespace)
+    cold = board.run(prompts[2].segments, max_tokens=3)
+    tokens, names = entry_names(board, prompts[2], namespace)
+    store = CacheBox(valkey_url)
+    last = names[len(tokens)]
+    blob = store.read_entries([last])[0]
+    header, offset = decode_header(blob)
+    header.top_ids = header.top_logits = None  # as for a range that ends at a fixed chunk
+    store.redis.set(last, encode_entry(header, blob[offset:]))
+    result = board.run(prompts[2].segments, max_tokens=3)
+    assert result.breakdown.case == "full" and result.breakdown.rejected_entries == 0
+    assert result.breakdown.prefill_ms > 0  # one token recomputed
+    assert result.tokens[0] == cold.tokens[0]
