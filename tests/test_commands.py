@@ -83,3 +83,29 @@ def test_infer_answers_when_the_cache_box_is_down(tmp_path):
     assert done.returncode == 0, done.stderr.decode()
     result = json.loads(done.stdout)
     assert result["cachebox"] == "unavailable" and result["text"]
+
+
+def test_bench_cases_writes_the_papers_figures(tmp_path, valkey_url):
+    out = tmp_path / "cases.json"
+    done = run_manage(
+        "bench", "cases", "--topic", "astronomy", "--prompts", "2", "--shots", "1", "--max-tokens", "2", "--json", str(out),
+        env={"REDIS_URL": valkey_url, "EDGECACHE_N_CTX": "2048"}, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    doc = json.loads(out.read_text())
+    assert set(doc["cases"]) == {"1", "2", "3", "4", "5"}
+    for row in doc["cases"].values():
+        assert {"ttft_ms", "ttlt_ms", "breakdown_ms", "matched_tokens", "prompt_tokens", "state_bytes"} <= set(row)
+    one, two, five = doc["cases"]["1"], doc["cases"]["2"], doc["cases"]["5"]
+    assert one["matched_tokens"] == 0 and one["cases_seen"]["miss"] == 2
+    assert 0 < two["matched_tokens"] < five["matched_tokens"] == five["prompt_tokens"]
+    assert five["breakdown_ms"]["prefill_ms"] == 0
+    assert doc["greedy_agreement"] == 1.0 and set(doc["accuracy"]) == {"1", "5"}
+    assert doc["machine"]["model"] == "gemma-3-270m-q4_k_m.gguf" and doc["n"] == 2
+    assert b"full-hit TTFT / cold TTFT" in done.stdout
+
+
+def test_bench_cases_unknown_topic_is_a_clear_error(valkey_url):
+    done = run_manage("bench", "cases", "--topic", "cooking", env={"REDIS_URL": valkey_url})
+    assert done.returncode != 0 and b"unknown MMLU topic 'cooking'" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
