@@ -7,7 +7,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: install run test stop bench clean
+CHROMIUM := /usr/bin/chromium
+
+.PHONY: install run test stop bench clean browser
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +26,18 @@ install: $(STAMP)
 run: install
 	$(PY) manage.py run
 
-test: install
+# The page tests drive Debian's Chromium (never a downloaded browser).
+browser:
+	@if [ ! -x $(CHROMIUM) ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			echo "Installing Debian's chromium for the browser tests..."; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
+		else \
+			echo "The browser tests need Debian's chromium: sudo apt-get install chromium"; exit 1; \
+		fi; \
+	fi
+
+test: install browser
 	$(PY) -m pytest
 
 stop:

@@ -93,11 +93,13 @@ def ensure_running(data_dir: Path, *, port: int | None = None, maxmemory: str = 
             "--daemonize", "yes",
             "--pidfile", str(data_dir / "valkey.pid"),
             "--logfile", str(data_dir / "valkey.log"),
-            # A cache, not a database: no snapshots, bounded memory, least-recently-used out.
+            # A cache, not a database: no snapshots, bounded memory. Entries carry a TTL and
+            # are evicted least-recently-used first; keys without one (broker queues,
+            # catalogs, pinned entries) are never evicted.
             "--save", "",
             "--appendonly", "no",
             "--maxmemory", maxmemory,
-            "--maxmemory-policy", "allkeys-lru",
+            "--maxmemory-policy", "volatile-lru",
         ]
         result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:

@@ -78,13 +78,17 @@ class CacheBox:
             raise self._failed(exc) from exc
 
     # -- entries ----------------------------------------------------------------
-    def put_entries(self, items: Sequence[tuple[str, bytes]]) -> int:
-        """Store entries (name, blob) in one round trip; returns bytes written."""
+    def put_entries(self, items: Sequence[tuple[str, bytes]], ttl: int | None = None) -> int:
+        """Store entries (name, blob) in one round trip; returns bytes written.
+
+        With ``ttl`` (seconds) entries expire and, under ``volatile-lru``, are what the
+        server evicts first when full; pinned entries carry no TTL and stay.
+        """
 
         def put():
             pipe = self.redis.pipeline(transaction=False)
             for name, blob in items:
-                pipe.set(name, blob)
+                pipe.set(name, blob, ex=ttl)
             pipe.execute()
             return sum(len(blob) for _, blob in items)
 
@@ -115,6 +119,43 @@ class CacheBox:
             return pipe.execute()
 
         return self._run(read) if names else []
+
+    def pin(self, names: Iterable[str]) -> int:
+        """Keep entries until unpinned: no TTL, so LRU eviction passes them by."""
+        names = list(names)
+
+        def persist():
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.persist(name)
+            return sum(1 for changed in pipe.execute() if changed)
+
+        return self._run(persist) if names else 0
+
+    def unpin(self, names: Iterable[str], ttl: int) -> int:
+        """Make entries evictable again (they expire after ``ttl`` seconds unless used)."""
+        names = list(names)
+
+        def expire():
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.expire(name, ttl)
+            return sum(1 for changed in pipe.execute() if changed)
+
+        return self._run(expire) if names else 0
+
+    def touch(self, names: Iterable[str], ttl: int) -> None:
+        """Restart the TTL of entries just used (pinned entries, with no TTL, stay pinned)."""
+        names = list(names)
+
+        def expire():
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.expire(name, ttl, xx=True)
+            pipe.execute()
+
+        if names:
+            self._run(expire)
 
     def delete(self, names: Iterable[str]) -> int:
         names = list(names)
@@ -210,6 +251,19 @@ class CacheBox:
                     return False
 
         return self._run(put)
+
+    def catalog_replace(self, namespace: str, bloom: bytes, epoch: str) -> None:
+        """Install a rebuilt master catalog under a new epoch and drop the old log."""
+        names = catalog_key_names(namespace)
+
+        def replace():
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.delete(names["log"])
+            pipe.hset(names["snapshot"], mapping={"bloom": bloom, "last_id": "0", "epoch": epoch})
+            pipe.set(names["epoch"], epoch)
+            pipe.execute()
+
+        self._run(replace)
 
     def catalog_log_length(self, namespace: str) -> int:
         return int(self._run(lambda: self.redis.xlen(catalog_key_names(namespace)["log"])))

@@ -149,3 +149,16 @@ class CatalogSyncThread(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+
+
+def rebuild_master_catalog(store: CacheBox, namespace: str, keys: list[bytes], capacity: int = 1_000_000, fp_rate: float = 0.01) -> str:
+    """Replace a namespace's master catalog with exactly ``keys`` (drops evicted entries' bits).
+
+    Starts a new epoch, so every board reloads the rebuilt filter at its next sync.
+    Returns the new epoch.
+    """
+    catalog = Catalog(capacity, fp_rate)
+    catalog.add_many(keys)
+    epoch = uuid.uuid4().hex
+    store.catalog_replace(namespace, catalog.to_bytes(), epoch)
+    return epoch

@@ -64,6 +64,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -91,10 +92,11 @@ WSGI_APPLICATION = None
 ASGI_APPLICATION = "dashboard.asgi.application"
 
 DATABASES = {
-    "default": dj_database_url.config(
-        default=f"sqlite:///{EDGECACHE_HOME / 'db.sqlite3'}", conn_max_age=60
-    )
+    "default": dj_database_url.config(default=f"sqlite:///{EDGECACHE_HOME / 'db.sqlite3'}", conn_max_age=60)
 }
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # The web server and the control-plane worker write at once: wait for the lock.
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -117,6 +119,8 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = EDGECACHE_HOME / "staticfiles"
+STATIC_ROOT.mkdir(exist_ok=True)
+WHITENOISE_USE_FINDERS = True  # serve straight from static/ and the apps: no collectstatic step to forget
 
 # --- The cache box, broker and channel layer: one Redis/Valkey server. -------------------
 EDGECACHE_EMBEDDED_DIR = EDGECACHE_HOME / "valkey"
@@ -126,12 +130,16 @@ REDIS_URL_IS_EMBEDDED = not os.environ.get("REDIS_URL")
 REDIS_URL = os.environ.get("REDIS_URL") or url_for(EDGECACHE_EMBEDDED_DIR, EDGECACHE_EMBEDDED_PORT)
 
 CELERY_BROKER_URL = REDIS_URL
-CELERY_RESULT_BACKEND = REDIS_URL
-CELERY_TASK_SERIALIZER = "json"
+CELERY_TASK_SERIALIZER = "json"  # never pickle: boards load what they receive
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True  # boards report results as control-plane tasks
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "control"
+CELERY_TASK_ROUTES = {"edgecache.record_run": {"queue": "control"}, "edgecache.heartbeat": {"queue": "control"}}
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 CHANNEL_LAYERS = {
     "default": {
@@ -155,6 +163,9 @@ EDGECACHE_CATALOG_SYNC_SECONDS = _env_float("EDGECACHE_CATALOG_SYNC_SECONDS", 1.
 EDGECACHE_CONNECT_TIMEOUT = _env_float("EDGECACHE_CONNECT_TIMEOUT", 0.5)
 EDGECACHE_IO_TIMEOUT = _env_float("EDGECACHE_IO_TIMEOUT", 5.0)
 EDGECACHE_MAX_ENTRY_BYTES = _env_int("EDGECACHE_MAX_ENTRY_BYTES", 64 * 1024 * 1024)
+# Unpinned entries expire after this many seconds unused (0: never) and are the ones
+# Redis evicts under `volatile-lru`; pinned entries have no TTL.
+EDGECACHE_ENTRY_TTL = _env_int("EDGECACHE_ENTRY_TTL", 7 * 24 * 3600)
 
 LOGGING = {
     "version": 1,

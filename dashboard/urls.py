@@ -6,6 +6,16 @@ from . import views
 
 urlpatterns = [
     path("", views.home, name="home"),
+    path("devices/", views.device_list, name="devices"),
+    path("devices/register/", views.device_register, name="device-register"),
+    path("devices/<slug:name>/", views.device_detail, name="device-detail"),
+    path("devices/<slug:name>/breakeven.json", views.device_breakeven, name="device-breakeven"),
+    path("devices/<slug:name>/rotate/", views.device_rotate, name="device-rotate"),
+    path("devices/<slug:name>/revoke/", views.device_revoke, name="device-revoke"),
+    path("run/", views.run_page, name="run"),
+    path("cache/", views.cache_page, name="cache"),
+    path("cache/flush/", views.cache_flush, name="cache-flush"),
+    path("vendor/plotly.min.js", views.plotly_js, name="plotly-js"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

@@ -1,19 +1,235 @@
-from django.conf import settings
-from django.contrib.auth.decorators import login_required
-from django.shortcuts import render
+"""Pages of the control plane. Login everywhere; staff for credentials and cache actions."""
 
-from cachebox.store import CacheBox
+from __future__ import annotations
+
+import functools
+
+import plotly.offline
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.admin.views.decorators import staff_member_required
+from django.contrib.auth.decorators import login_required
+from django.db.models import Count, Sum
+from django.http import HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_POST
+
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.link import LinkProfile
+from cachebox.models import CacheEntry
+from cachebox.catalog import Catalog
+from cachebox.errors import CatalogFormatError
+
+from . import actions, charts
+from .forms import ConfirmForm, DeviceForm, FlushForm, RunForm
+from .models import AuditEvent, Device
+from .stats import device_summary, recent_runs
+
+
+def _device_names(runs, devices=None) -> list[str]:
+    names = {run.device.name for run in runs}
+    names.update(device.name for device in devices or [])
+    return sorted(names)
 
 
 @login_required
 def home(request):
-    store = CacheBox(settings.REDIS_URL, connect_timeout=0.3, timeout=1.0)
+    devices = list(Device.objects.all())
+    runs = recent_runs(charts.WINDOW)
+    names = _device_names(runs, devices)
+    chart_data = {
+        "breakdown": charts.breakdown_figure(runs[-50:]),
+        "timeline": charts.timeline_figure(runs, names),
+        "hits": charts.hit_ratio_figure(runs, names),
+        "bytes": charts.bytes_figure(runs, names),
+        "hitCounts": charts.hit_counts(runs),
+        "window": charts.WINDOW,
+    }
+    store = actions.cachebox()
     return render(
         request,
         "dashboard/home.html",
         {
+            "summaries": [device_summary(device) for device in devices],
+            "chart_data": chart_data,
+            "runs": list(reversed(runs[-20:])),
             "cachebox_up": store.ping(),
             "cachebox_url": store.safe_url,
             "embedded": settings.REDIS_URL_IS_EMBEDDED,
         },
     )
+
+
+@login_required
+def device_list(request):
+    return render(request, "dashboard/devices.html", {"summaries": [device_summary(d) for d in Device.objects.all()]})
+
+
+@staff_member_required
+@never_cache
+def device_register(request):
+    form = DeviceForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        data = {field: form.cleaned_data[field] for field in ("name", "kind", "cpu_threads", "memory_mb", "link_bandwidth_mbps", "link_rtt_ms")}
+        device, token = actions.register_device(request.user, **data)
+        return render(request, "dashboard/device_token.html", {"device": device, "token": token, "created": True})
+    return render(request, "dashboard/device_form.html", {"form": form})
+
+
+def _link(device: Device) -> LinkProfile | None:
+    if not device.link_bandwidth_mbps:
+        return None
+    return LinkProfile(device.link_bandwidth_mbps, device.link_rtt_ms or 0.0)
+
+
+def _breakeven(device: Device) -> dict:
+    breakdowns = [run.breakdown for run in recent_runs(charts.WINDOW, device)]
+    return charts.breakeven_figure(breakdowns, _link(device), device.link_label)
+
+
+@login_required
+def device_detail(request, name):
+    device = get_object_or_404(Device, name=name)
+    return render(
+        request,
+        "dashboard/device_detail.html",
+        {
+            "summary": device_summary(device),
+            "device": device,
+            "runs": device.runs.order_by("-created")[:20],
+            "chart_data": {"breakeven": _breakeven(device)},
+        },
+    )
+
+
+@login_required
+def device_breakeven(request, name):
+    device = get_object_or_404(Device, name=name)
+    return JsonResponse(_breakeven(device))
+
+
+def _confirmation(request, device: Device, question: str, consequence: str):
+    """None once the POST confirmed; otherwise the page that asks (shown again if unchecked)."""
+    form = ConfirmForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        return None
+    return render(request, "dashboard/confirm.html", {"form": form, "question": question, "consequence": consequence, "device": device})
+
+
+@staff_member_required
+@never_cache
+def device_rotate(request, name):
+    device = get_object_or_404(Device, name=name)
+    page = _confirmation(request, device, f"Rotate the token of {device.name}?", "Its board is refused until restarted with the new token.")
+    if page:
+        return page
+    token = actions.rotate_token(request.user, device)
+    return render(request, "dashboard/device_token.html", {"device": device, "token": token, "created": False})
+
+
+@staff_member_required
+def device_revoke(request, name):
+    device = get_object_or_404(Device, name=name)
+    page = _confirmation(request, device, f"Revoke {device.name}?", "Its board is refused from its next task on; rotate the token to let it back.")
+    if page:
+        return page
+    actions.revoke_device(request.user, device)
+    messages.success(request, f"{device.name} is revoked: its board is refused from its next task on.")
+    return redirect(device)
+
+
+@login_required
+def run_page(request):
+    form = RunForm(request.POST or None)
+    if request.method == "POST":
+        wants_json = request.headers.get("Accept", "").startswith("application/json")
+        if not form.is_valid():
+            if wants_json:
+                return JsonResponse({"errors": form.errors.get_json_data()}, status=400)
+            return render(request, "dashboard/run.html", {"form": form, "chart_data": {}}, status=400)
+        sent = actions.dispatch_run(request.user, list(form.cleaned_data["devices"]), form.prompt_spec())
+        if wants_json:
+            return JsonResponse({"dispatched": sent})
+        messages.success(request, f"Sent to {', '.join(item['device'] for item in sent)}; answers appear below as they arrive.")
+        return redirect("run")
+    runs = recent_runs(50)
+    return render(
+        request,
+        "dashboard/run.html",
+        {"form": form, "runs": runs[::-1][:10], "chart_data": {"breakdown": charts.breakdown_figure(runs), "window": charts.WINDOW}},
+    )
+
+
+@staff_member_required
+def cache_page(request):
+    store = actions.cachebox()
+    namespaces = list(
+        CacheEntry.objects.values("namespace", "model").annotate(entries=Count("id"), bytes=Sum("bytes"), hits=Sum("hits")).order_by("namespace", "model")
+    )
+    masters = []
+    try:
+        for namespace in sorted({row["namespace"] for row in namespaces} | {settings.EDGECACHE_NAMESPACE}):
+            bloom, last_id, epoch = store.catalog_snapshot(namespace)
+            pending = store.catalog_log_length(namespace)
+            catalog = None
+            if bloom:
+                try:
+                    catalog = Catalog.from_bytes(bloom)
+                except CatalogFormatError:
+                    catalog = None
+            masters.append(
+                {
+                    "namespace": namespace,
+                    "snapshot_items": round(catalog.approx_items) if catalog else 0,
+                    "fill_ratio": catalog.fill_ratio() if catalog else 0.0,
+                    "estimated_fp_rate": catalog.estimated_fp_rate() if catalog else 0.0,
+                    "pending_log": pending,
+                    "epoch": epoch[:8],
+                }
+            )
+        reachable = True
+    except CacheBoxUnavailable:
+        reachable = False
+    devices = [device_summary(device) for device in Device.objects.all()]
+    return render(
+        request,
+        "dashboard/cache.html",
+        {
+            "namespaces": namespaces,
+            "masters": masters,
+            "reachable": reachable,
+            "devices": devices,
+            "flush_form": FlushForm(),
+            "events": AuditEvent.objects.select_related("user")[:15],
+        },
+    )
+
+
+@staff_member_required
+@require_POST
+def cache_flush(request):
+    form = FlushForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "Nothing flushed: " + "; ".join(" ".join(errors) for errors in form.errors.values()))
+        return redirect("cache")
+    namespace, model = form.cleaned_data.get("namespace") or None, form.cleaned_data.get("model") or None
+    try:
+        removed = actions.flush_entries(request.user, namespace, model)
+    except CacheBoxUnavailable as exc:
+        messages.error(request, f"Nothing flushed: {exc}")
+        return redirect("cache")
+    messages.success(request, f"Deleted {removed} entries.")
+    return redirect("cache")
+
+
+@functools.lru_cache(maxsize=1)
+def _plotly_js() -> str:
+    return plotly.offline.get_plotlyjs()
+
+
+def plotly_js(request):
+    """Plotly.js from the plotly package itself: no CDN, works offline."""
+    response = HttpResponse(_plotly_js(), content_type="application/javascript")
+    response["Cache-Control"] = "public, max-age=86400"
+    return response

@@ -48,6 +48,7 @@ class BoardOptions:
     connect_timeout: float = 0.5
     io_timeout: float = 5.0
     max_entry_bytes: int = 64 * 1024 * 1024
+    entry_ttl: int | None = 7 * 24 * 3600
 
 
 class Board:
@@ -77,6 +78,7 @@ class Board:
             top_logits=options.top_logits,
             max_entry_bytes=options.max_entry_bytes,
             namespace=options.namespace,
+            entry_ttl=options.entry_ttl,
         )
         self._sync_thread: CatalogSyncThread | None = None
         if self.catalogs is not None:
@@ -104,7 +106,14 @@ class Board:
         return cls(engine, store, options, catalogs=catalogs, background_sync=background_sync)
 
     @classmethod
-    def from_settings(cls, *, device: str | None = None, namespace: str | None = None, background_sync: bool = True) -> "Board":
+    def from_settings(
+        cls,
+        *,
+        device: str | None = None,
+        namespace: str | None = None,
+        threads: int | None = None,
+        background_sync: bool = True,
+    ) -> "Board":
         try:
             url = cachebox_url()
         except CacheBoxUnavailable as exc:
@@ -112,7 +121,9 @@ class Board:
             log.warning("%s", exc)
             url = settings.REDIS_URL
         engine_config = EngineConfig(
-            n_ctx=settings.EDGECACHE_N_CTX, n_threads=settings.EDGECACHE_THREADS, kv_type=settings.EDGECACHE_KV_TYPE
+            n_ctx=settings.EDGECACHE_N_CTX,
+            n_threads=threads or settings.EDGECACHE_THREADS,
+            kv_type=settings.EDGECACHE_KV_TYPE,
         )
         options = BoardOptions(
             device=device or settings.EDGECACHE_DEVICE,
@@ -125,11 +136,33 @@ class Board:
             connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT,
             io_timeout=settings.EDGECACHE_IO_TIMEOUT,
             max_entry_bytes=settings.EDGECACHE_MAX_ENTRY_BYTES,
+            entry_ttl=settings.EDGECACHE_ENTRY_TTL or None,
         )
         return cls.start(engine_config, options, url, model_path=settings.EDGECACHE_MODEL or None, background_sync=background_sync)
 
     def run(self, prompt, **kwargs):
         return self.pipeline.run(prompt, **kwargs)
+
+    def status(self) -> dict:
+        """What a heartbeat reports: model, threads and every catalog's size and counters."""
+        catalogs = {}
+        for replica in self.catalogs.replicas if self.catalogs else []:
+            catalog = replica.catalog
+            catalogs[replica.namespace] = {
+                "approx_items": round(catalog.approx_items),
+                "size_bytes": catalog.size_bits // 8,
+                "fill_ratio": round(catalog.fill_ratio(), 6),
+                "estimated_fp_rate": catalog.estimated_fp_rate(),
+                "configured_fp_rate": catalog.fp_rate,
+                "last_sync": replica.last_sync,
+                **catalog.stats.as_dict(),
+            }
+        return {
+            "model": self.engine.model_file.path.name,
+            "fingerprint": self.engine.fingerprint,
+            "threads": self.engine.config.threads(),
+            "catalogs": catalogs,
+        }
 
     def close(self) -> None:
         if self._sync_thread is not None:
@@ -141,10 +174,10 @@ _board: Board | None = None
 _board_lock = threading.Lock()
 
 
-def get_board() -> Board:
-    """This process's board, started on first use."""
+def get_board(**options) -> Board:
+    """This process's board, started on first use (``options`` go to ``from_settings``)."""
     global _board
     with _board_lock:
         if _board is None:
-            _board = Board.from_settings()
+            _board = Board.from_settings(**options)
         return _board

@@ -48,6 +48,9 @@ class RunResult:
     text: str
     tokens: list[int]
     breakdown: Breakdown
+    # Cache-box entries this run used and stored, for the control plane's mirror.
+    fetched: list[str] = field(default_factory=list)
+    uploaded: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"text": self.text, **self.breakdown.as_dict()}
@@ -58,6 +61,7 @@ class _Restored:
     matched: int = 0
     top_ids: np.ndarray | None = None
     top_logits: np.ndarray | None = None
+    entries: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +90,7 @@ class CachedInference:
         top_logits: int = TOP_CANDIDATES,
         max_entry_bytes: int = 64 * 1024 * 1024,
         namespace: str = "default",
+        entry_ttl: int | None = None,
     ):
         self.engine = engine
         self.store = store
@@ -95,6 +100,7 @@ class CachedInference:
         self.top_logits = top_logits
         self.max_entry_bytes = max_entry_bytes
         self.namespace = check_namespace(namespace)
+        self.entry_ttl = entry_ttl
 
     # -- public -------------------------------------------------------------------------
     def tokenize(self, segments: Sequence[str]) -> tuple[list[int], list[int]]:
@@ -200,10 +206,12 @@ class CachedInference:
             breakdown.generated_tokens = len(generated)
             text = engine.detokenize(generated)
 
+            uploaded: list[dict] = []
             if caching and breakdown.cachebox == "ok":
-                self._upload(tokens, namespace, lookup, matched, boundary_logits, breakdown)
+                uploaded = self._upload(tokens, namespace, lookup, matched, boundary_logits, breakdown)
+                self._touch(restored.entries)
             breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
-            return RunResult(text=text, tokens=generated, breakdown=breakdown)
+            return RunResult(text=text, tokens=generated, breakdown=breakdown, fetched=restored.entries, uploaded=uploaded)
 
     # -- steps ----------------------------------------------------------------------------
     def _choose(self, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:
@@ -285,7 +293,8 @@ class CachedInference:
         breakdown.decision = "fetch"
         header = headers[matched][0]
         full = matched == len(tokens)
-        return _Restored(matched, header.top_ids if full else None, header.top_logits if full else None)
+        used = [names[end] for end, _, _ in usable if end <= matched]
+        return _Restored(matched, header.top_ids if full else None, header.top_logits if full else None, used)
 
     def _read_headers(self, tokens, namespace, ends, names, catalog: Catalog, breakdown) -> dict[int, tuple[EntryHeader, int]]:
         """Headers of the entries at ``ends`` that exist and belong to these tokens (one round trip)."""
@@ -338,6 +347,14 @@ class CachedInference:
                 return chain[::-1]
         return []
 
+    def _touch(self, names: list[str]) -> None:
+        """Entries just used live another TTL (after the answer, off the TTFT path)."""
+        if names and self.entry_ttl:
+            try:
+                self.store.touch(names, self.entry_ttl)
+            except CacheBoxUnavailable:
+                pass
+
     def _reject(self, name: str, reason: Exception, breakdown: Breakdown) -> None:
         """Evict an entry that failed a check; the run goes on with local prefill."""
         breakdown.rejected_entries += 1
@@ -347,7 +364,7 @@ class CachedInference:
         except CacheBoxUnavailable:
             pass
 
-    def _upload(self, tokens, namespace, lookup: _Lookup, matched, boundary_logits, breakdown: Breakdown) -> None:
+    def _upload(self, tokens, namespace, lookup: _Lookup, matched, boundary_logits, breakdown: Breakdown) -> list[dict]:
         """Export the ranges this run computed and store them (after the answer is out)."""
         mark = time.perf_counter()
         fingerprint = self.engine.fingerprint
@@ -355,6 +372,7 @@ class CachedInference:
             lookup.keys = prefix_keys(fingerprint, namespace, tokens, lookup.boundaries)
         items: list[tuple[str, bytes]] = []
         new_keys: list[bytes] = []
+        stored: list[dict] = []
         start = matched
         for end, key in zip(lookup.boundaries, lookup.keys):
             if end <= matched:
@@ -380,13 +398,16 @@ class CachedInference:
                 break  # later ranges would chain to a missing link
             items.append((entry_key_name(namespace, fingerprint, key), encode_entry(header, state)))
             new_keys.append(key)
+            stored.append({"name": items[-1][0], "namespace": namespace, "model": fingerprint, "start": start, "end": end, "bytes": len(items[-1][1])})
             start = end
         try:
-            breakdown.uploaded_bytes = self.store.put_entries(items) if items else 0
+            breakdown.uploaded_bytes = self.store.put_entries(items, ttl=self.entry_ttl) if items else 0
             if new_keys:
                 self.catalogs.get(namespace).announce(new_keys)
         except CacheBoxUnavailable as exc:
             log.warning("cache box unavailable, states not shared: %s", exc)
             breakdown.cachebox = "unavailable"
             breakdown.uploaded_bytes = 0
+            stored = []
         breakdown.upload_ms = _ms(mark)
+        return stored

@@ -130,8 +130,20 @@ def test_embedded_server_is_shared_and_stoppable(tmp_path):
         store = CacheBox(url)
         store.redis.set("probe", b"1")
         assert CacheBox(url).redis.get("probe") == b"1"
-        assert store.redis.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        assert store.redis.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
     finally:
         assert embedded.stop(tmp_path) is True
     assert embedded.is_running(tmp_path) is False
     assert embedded.stop(tmp_path) is False
+
+
+def test_entries_expire_unless_pinned_and_use_restarts_their_ttl(any_store_url, namespace):
+    store = CacheBox(any_store_url)
+    pinned, plain = (entry_key_name(namespace, "00ff00ff00ff00ff", os.urandom(16)) for _ in range(2))
+    store.put_entries([(pinned, b"a"), (plain, b"b")], ttl=100)
+    assert 0 < store.redis.ttl(plain) <= 100
+    assert store.pin([pinned]) == 1 and store.redis.ttl(pinned) == -1
+    store.touch([pinned, plain], 5000)
+    assert store.redis.ttl(pinned) == -1  # touching never unpins
+    assert 100 < store.redis.ttl(plain) <= 5000
+    assert store.unpin([pinned], 300) == 1 and 0 < store.redis.ttl(pinned) <= 300

@@ -1,0 +1,148 @@
+"""Plotly figures of the dashboard, built server-side; the page extends them live.
+
+Every figure is a plain dict (``fig.to_plotly_json()``) handed to Plotly.js; trace names
+are what the page's script uses to find the trace a new run extends.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import plotly.graph_objects as go
+
+from cachebox.link import LinkProfile
+from inference.breakdown import Breakdown
+from inference.breakeven import crossover, fit_line, points_from_breakdowns
+
+# The paper's table-3 components, in its order and words.
+COMPONENTS = [
+    ("token_ms", "Token"),
+    ("bloom_ms", "Bloom"),
+    ("prefill_ms", "P-decode"),
+    ("redis_ms", "Redis"),
+    ("decode_ms", "R-decode"),
+    ("sample_ms", "Sample"),
+]
+assert [field for field, _ in COMPONENTS] == list(Breakdown.STACK)
+WINDOW = 200  # points kept per trace: the charts stay smooth with hundreds of runs
+
+_LAYOUT = dict(margin=dict(l=55, r=15, t=40, b=45), height=320, legend=dict(orientation="h", y=-0.25), template="plotly_white")
+
+
+def _figure(traces, title: str, **layout) -> dict:
+    fig = go.Figure(data=traces)
+    fig.update_layout(title=dict(text=title, font=dict(size=14)), **{**_LAYOUT, **layout})
+    return fig.to_plotly_json()
+
+
+def run_label(run) -> str:
+    return f"{run.device.name} #{run.pk}"
+
+
+def breakdown_figure(runs: list) -> dict:
+    """Stacked per-run breakdown (Token, Bloom, P-decode, Redis, R-decode, Sample), oldest first."""
+    labels = [run_label(run) for run in runs]
+    traces = [
+        go.Bar(name=name, x=labels, y=[run.breakdown.get(field, 0) for run in runs])
+        for field, name in COMPONENTS
+    ]
+    return _figure(traces, "Time-to-last-token breakdown per run (ms)", barmode="stack", yaxis_title="ms", legend=dict(orientation="h", y=-0.25, traceorder="normal"))
+
+
+def timeline_figure(runs: list, devices: Iterable[str]) -> dict:
+    traces = []
+    for device in devices:
+        mine = [run for run in runs if run.device.name == device]
+        for field, metric in (("ttft_ms", "TTFT"), ("ttlt_ms", "TTLT")):
+            traces.append(
+                go.Scatter(
+                    name=f"{device} {metric}",
+                    x=[run.created.isoformat() for run in mine],
+                    y=[run.breakdown.get(field, 0) for run in mine],
+                    mode="lines+markers",
+                    line=dict(dash="solid" if metric == "TTFT" else "dot"),
+                )
+            )
+    return _figure(traces, "TTFT and TTLT over time (ms)", yaxis_title="ms")
+
+
+def hit_counts(runs: list) -> dict[str, list[int]]:
+    counts: dict[str, list[int]] = {}
+    for run in runs:
+        hits, total = counts.setdefault(run.device.name, [0, 0])
+        counts[run.device.name] = [hits + (run.case in ("partial", "full")), total + 1]
+    return counts
+
+
+def hit_ratio_figure(runs: list, devices: Iterable[str]) -> dict:
+    """Cumulative fraction of runs that restored at least one range from the cache box."""
+    traces = []
+    for device in devices:
+        xs, ys, hits, total = [], [], 0, 0
+        for run in runs:
+            if run.device.name != device:
+                continue
+            total += 1
+            hits += run.case in ("partial", "full")
+            xs.append(run.created.isoformat())
+            ys.append(hits / total)
+        traces.append(go.Scatter(name=device, x=xs, y=ys, mode="lines+markers"))
+    return _figure(traces, "Cache hit ratio", yaxis=dict(range=[0, 1.05], title="runs with a hit"))
+
+
+def bytes_figure(runs: list, devices: Iterable[str]) -> dict:
+    traces = []
+    for device in devices:
+        mine = [run for run in runs if run.device.name == device]
+        traces.append(
+            go.Scatter(
+                name=device,
+                x=[run.created.isoformat() for run in mine],
+                y=[run.breakdown.get("state_bytes", 0) / 1e6 for run in mine],
+                mode="markers",
+            )
+        )
+    return _figure(traces, "Prompt state moved per run (MB, fetched + uploaded)", yaxis_title="MB")
+
+
+def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_label: str, bytes_per_token: float = 18_500) -> dict:
+    """Prefill vs fetch+restore time against tokens, fitted lines and where they cross."""
+    points = points_from_breakdowns(breakdowns)
+    prefill_fit = fit_line(*zip(*points.prefill)) if len(points.prefill) >= 2 else None
+    fetch_fit = fit_line(*zip(*points.fetch)) if len(points.fetch) >= 2 else None
+    longest = max([t for t, _ in points.prefill + points.fetch] + [512])
+    xs = [0, longest * 1.1]
+    traces = [
+        go.Scatter(name="prefill (measured)", x=[t for t, _ in points.prefill], y=[ms for _, ms in points.prefill], mode="markers", marker=dict(color="#d62728")),
+        go.Scatter(name="fetch + restore (measured)", x=[t for t, _ in points.fetch], y=[ms for _, ms in points.fetch], mode="markers", marker=dict(color="#1f77b4")),
+    ]
+    if prefill_fit:
+        traces.append(go.Scatter(name=f"prefill fit: {prefill_fit.slope:.2f} ms/token", x=xs, y=[prefill_fit.predict(x) for x in xs], mode="lines", line=dict(color="#d62728")))
+    if fetch_fit:
+        traces.append(go.Scatter(name=f"fetch fit: {fetch_fit.slope:.3f} ms/token", x=xs, y=[fetch_fit.predict(x) for x in xs], mode="lines", line=dict(color="#1f77b4")))
+    if link is not None:
+        traces.append(
+            go.Scatter(
+                name=f"link model ({link_label})",
+                x=xs,
+                y=[link.transfer_ms(x * bytes_per_token) for x in xs],
+                mode="lines",
+                line=dict(color="#1f77b4", dash="dash"),
+            )
+        )
+    shapes, annotations, verdict = [], [], "not enough runs yet: run prompts with and without hits"
+    if prefill_fit and fetch_fit:
+        cross = crossover(prefill_fit, fetch_fit)
+        verdict = cross.describe()
+        if cross.tokens is not None:
+            shapes.append(dict(type="line", x0=cross.tokens, x1=cross.tokens, yref="paper", y0=0, y1=1, line=dict(color="#2ca02c", dash="dot")))
+            annotations.append(dict(x=cross.tokens, yref="paper", y=1.0, text=f"break-even ≈ {cross.tokens:.0f} tokens", showarrow=False, xanchor="left"))
+    return _figure(
+        traces,
+        f"Break-even on {link_label}: {verdict}",
+        xaxis_title="prompt tokens (prefilled or fetched)",
+        yaxis_title="ms",
+        shapes=shapes,
+        annotations=annotations,
+        height=380,
+    )

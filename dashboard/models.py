@@ -1,0 +1,120 @@
+"""Devices, runs and saved prompts: what the control plane keeps."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import models
+from django.urls import reverse
+from django.utils import timezone
+
+from inference.breakdown import Breakdown
+
+ONLINE_WITHIN = timedelta(seconds=30)
+
+
+class Device(models.Model):
+    name = models.SlugField(max_length=40, unique=True, help_text="letters, digits, '-' and '_'; the board's queue is device.<name>")
+    kind = models.CharField(max_length=100, blank=True, help_text='e.g. "Raspberry Pi Zero 2W"')
+    cpu_threads = models.PositiveSmallIntegerField(default=1)
+    memory_mb = models.PositiveIntegerField(default=512)
+    link_bandwidth_mbps = models.FloatField(
+        null=True, blank=True, help_text="link bandwidth to the cache box in megabits/s; empty for an unshaped link"
+    )
+    link_rtt_ms = models.FloatField(null=True, blank=True, help_text="round-trip time to the cache box in ms")
+    token_sha256 = models.CharField(max_length=64, editable=False)
+    token_hint = models.CharField(max_length=8, editable=False, help_text="first characters of the token, to tell tokens apart")
+    token_created = models.DateTimeField(default=timezone.now)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_seen = models.DateTimeField(null=True, blank=True)
+    status = models.JSONField(default=dict, blank=True, help_text="the board's last heartbeat (catalog size, ...)")
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def get_absolute_url(self) -> str:
+        return reverse("device-detail", args=[self.name])
+
+    @property
+    def queue(self) -> str:
+        return f"device.{self.name}"
+
+    @property
+    def online(self) -> bool:
+        return self.revoked_at is None and self.last_seen is not None and timezone.now() - self.last_seen < ONLINE_WITHIN
+
+    @property
+    def link_label(self) -> str:
+        if not self.link_bandwidth_mbps:
+            return "unshaped link"
+        rtt = f", {self.link_rtt_ms:g} ms RTT" if self.link_rtt_ms else ""
+        return f"{self.link_bandwidth_mbps:g} Mbit/s{rtt}"
+
+
+class SavedPrompt(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    text = models.TextField()
+    split_on = models.CharField(
+        max_length=20, blank=True, default="", help_text=r"cut the prompt after each of these (e.g. \n\n) into cacheable ranges"
+    )
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class InferenceRun(models.Model):
+    SOURCES = [("text", "free text"), ("mmlu", "MMLU question"), ("saved", "saved prompt")]
+
+    request_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="runs")
+    source = models.CharField(max_length=10, choices=SOURCES, default="text")
+    title = models.CharField(max_length=200, blank=True)
+    prompt = models.TextField(blank=True)
+    expected_answer = models.CharField(max_length=8, blank=True)
+    text = models.TextField(blank=True)
+    error = models.TextField(blank=True)
+    breakdown = models.JSONField(default=dict)
+    # Denormalized from ``breakdown`` for filtering and aggregates.
+    case = models.CharField(max_length=10, blank=True)
+    ttft_ms = models.FloatField(default=0)
+    ttlt_ms = models.FloatField(default=0)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    matched_tokens = models.PositiveIntegerField(default=0)
+    state_bytes = models.PositiveBigIntegerField(default=0)
+    created = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.device} {self.case} {self.ttft_ms:.0f} ms"
+
+    def get_breakdown(self) -> Breakdown:
+        return Breakdown.from_dict(self.breakdown)
+
+
+class AuditEvent(models.Model):
+    """Who did what to devices and the cache: every destructive action is logged here."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    action = models.CharField(max_length=40)
+    target = models.CharField(max_length=200)
+    detail = models.TextField(blank=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.created:%Y-%m-%d %H:%M} {self.user} {self.action} {self.target}"

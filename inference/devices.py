@@ -1,0 +1,78 @@
+"""Device credentials as boards see them: a registry in the cache box, no database.
+
+The control plane publishes one JSON record per device (token hash, threads, link
+profile, revoked flag) whenever a device is registered, rotated or revoked. A board
+checks its token against that record when it starts and before every task, so a
+revoked board is refused at once. Only SHA-256 hashes of tokens are ever stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from dataclasses import asdict, dataclass
+
+import redis
+
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.store import CacheBox
+
+KEY = "ec:device:{name}"
+
+
+class DeviceRefused(Exception):
+    """A board presented an unknown name, a wrong token, or a revoked one."""
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass
+class DeviceRecord:
+    name: str
+    token_sha256: str
+    threads: int = 1
+    link_bandwidth_mbps: float | None = None
+    link_rtt_ms: float | None = None
+    revoked: bool = False
+
+    def check(self, token: str) -> None:
+        """Raise DeviceRefused unless ``token`` is this device's current token."""
+        if self.revoked:
+            raise DeviceRefused(f"device {self.name!r} has been revoked; register it again or rotate its token")
+        if not hmac.compare_digest(self.token_sha256, hash_token(token)):
+            raise DeviceRefused(f"wrong token for device {self.name!r}; use the token shown when it was registered or rotated")
+
+
+def publish(store: CacheBox, record: DeviceRecord) -> None:
+    store.redis.set(KEY.format(name=record.name), json.dumps(asdict(record)))
+
+
+def withdraw(store: CacheBox, name: str) -> None:
+    store.redis.delete(KEY.format(name=name))
+
+
+def lookup(store: CacheBox, name: str) -> DeviceRecord | None:
+    try:
+        raw = store.redis.get(KEY.format(name=name))
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        raise CacheBoxUnavailable(f"cannot reach the cache box to check device {name!r}: {exc}") from exc
+    if raw is None:
+        return None
+    return DeviceRecord(**json.loads(raw))
+
+
+def authenticate(store: CacheBox, name: str, token: str) -> DeviceRecord:
+    """The device's record if ``token`` is valid, else DeviceRefused."""
+    record = lookup(store, name)
+    if record is None:
+        raise DeviceRefused(f"unknown device {name!r}: register it on the dashboard (Devices > Register) first")
+    record.check(token)
+    return record

@@ -1,0 +1,125 @@
+"""An edge board as a Celery worker: its identity, the messages it serves, its heartbeat.
+
+Pure-ish functions here are what the Celery tasks call and what the tests call; a
+board holds no database credentials: it needs the broker/cache-box URL and its token.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from celery import current_app
+
+from cachebox.store import CacheBox
+
+from .devices import DeviceRecord, authenticate
+from .pipeline import PromptError, RunResult
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+CONTROL_QUEUE = "control"
+SHARED_QUEUE = "boards"
+RECORD_RUN_TASK = "edgecache.record_run"
+HEARTBEAT_TASK = "edgecache.heartbeat"
+
+
+@dataclass
+class EdgeIdentity:
+    name: str
+    token: str
+    record: DeviceRecord
+    store: CacheBox
+
+    def recheck(self) -> None:
+        """Raise DeviceRefused if the token was rotated or revoked since the board started."""
+        self.record = authenticate(self.store, self.name, self.token)
+
+
+_identity: EdgeIdentity | None = None
+
+
+def become(name: str, token: str, store: CacheBox) -> EdgeIdentity:
+    """Make this process the board ``name`` (raises DeviceRefused on a bad token)."""
+    global _identity
+    _identity = EdgeIdentity(name, token, authenticate(store, name, token), store)
+    return _identity
+
+
+def identity() -> EdgeIdentity:
+    if _identity is None:
+        raise RuntimeError("this process is not an edge board; start it with `python manage.py edge`")
+    return _identity
+
+
+def serve(board, message: dict) -> dict:
+    """Run one dispatched prompt; returns the result payload for the control plane."""
+    payload = {
+        "request_id": message["request_id"],
+        "meta": message.get("meta", {}),
+        "prompt": "".join(message.get("segments") or []),
+        "text": "",
+        "error": "",
+    }
+    try:
+        sampling = SamplingParams(**message.get("sampling", {}))
+        result: RunResult = board.run(
+            message["segments"],
+            max_tokens=int(message.get("max_tokens", 16)),
+            sampling=sampling,
+            use_cache=bool(message.get("use_cache", True)),
+            namespace=message.get("namespace") or None,
+        )
+    except (PromptError, ValueError, TypeError, KeyError) as exc:
+        payload["error"] = str(exc)
+        return payload
+    payload.update(
+        text=result.text,
+        tokens=result.tokens,
+        breakdown=result.breakdown.as_dict(),
+        fetched=result.fetched,
+        uploaded=result.uploaded,
+    )
+    return payload
+
+
+def report(payload: dict) -> None:
+    """Send a result to the control plane's queue, signed with this board's token."""
+    me = identity()
+    current_app.send_task(RECORD_RUN_TASK, args=[{**payload, "device": me.name, "token": me.token}], queue=CONTROL_QUEUE)
+
+
+class Heartbeat(threading.Thread):
+    """Tells the control plane every few seconds that this board lives, and how its catalogs look."""
+
+    def __init__(self, board_status, interval: float = 5.0):
+        super().__init__(name="edgecache-heartbeat", daemon=True)
+        self.board_status = board_status
+        self.interval = interval
+        self._stop_event = threading.Event()
+
+    def beat(self) -> None:
+        me = identity()
+        status = {"pid": os.getpid(), "sent": time.time(), **self.board_status()}
+        current_app.send_task(
+            HEARTBEAT_TASK,
+            args=[{"device": me.name, "token": me.token, "status": status}],
+            queue=CONTROL_QUEUE,
+            expires=self.interval * 3,
+        )
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.beat()
+            except Exception as exc:  # the broker may be down for a while: keep trying
+                log.warning("heartbeat not sent: %s", exc)
+            if self._stop_event.wait(self.interval):
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()

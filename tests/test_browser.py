@@ -1,0 +1,170 @@
+"""End to end in a real browser: Debian's Chromium driven by Playwright against the real
+stack (`manage.py run`: embedded Valkey, control-plane worker, ASGI server) and a real
+board (`manage.py edge`) running the real model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT
+
+pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.cachebox]
+
+CHROMIUM = "/usr/bin/chromium"
+ADMIN_PASSWORD = "browser-test-pw-1"
+SCREENSHOTS = ROOT / ".edgecache" / "screenshots"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited early with {process.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    home = tmp_path_factory.mktemp("stack")
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
+    env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": ADMIN_PASSWORD, "EDGECACHE_N_CTX": "2048"})
+    log = open(home / "run.log", "wb")
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    boards: list[subprocess.Popen] = []
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/accounts/login/", server)
+        yield {"url": f"http://127.0.0.1:{port}", "env": env, "home": home, "boards": boards}
+    finally:
+        for process in boards + [server]:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        for process in boards + [server]:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"],
+        )
+        yield browser
+        browser.close()
+
+
+def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(60_000)
+    base = stack["url"]
+
+    # Log in (every page needs it).
+    page.goto(base + "/")
+    assert "/accounts/login/" in page.url
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", ADMIN_PASSWORD)
+    page.click("#login-submit")
+    expect(page.locator("h1")).to_have_text("Dashboard")
+    expect(page.locator("#live-status")).to_have_text("live")
+
+    # Register a device: the token is shown once.
+    page.goto(base + "/devices/register/")
+    page.fill("#id_name", "bench-board")
+    page.fill("#id_kind", "test runner")
+    page.fill("#id_cpu_threads", "2")
+    page.select_option("#id_link_preset", "none")
+    page.click("#register-submit")
+    token = page.locator("#device-token").inner_text().strip()
+    assert len(token) > 30
+
+    # Start the board with that token; its heartbeat turns the device online, live.
+    log = open(stack["home"] / "board.log", "wb")
+    stack["boards"].append(
+        subprocess.Popen(
+            [sys.executable, "manage.py", "edge", "--name", "bench-board", "--heartbeat", "1"],
+            cwd=ROOT, env={**stack["env"], "EDGECACHE_DEVICE_TOKEN": token}, stdout=log, stderr=subprocess.STDOUT,
+        )
+    )
+    page.goto(base + "/devices/bench-board/")
+    expect(page.locator('h1 [data-role="online"]')).to_have_text("online", timeout=90_000)
+
+    # Run a prompt twice: the answers and the breakdown chart update without a reload.
+    page.goto(base + "/run/")
+    page.evaluate("window.__notReloaded = true")
+    points = lambda: page.evaluate("document.getElementById('chart-breakdown').data[0].x.length")  # noqa: E731
+    assert points() == 0
+    page.check("input[name=devices][value]")
+    page.check("input[name=source][value=text]")
+    page.fill("#id_text", "The three primary colors are red, yellow and")
+    page.fill("#id_max_tokens", "4")
+    for expected_points, expected_case in ((1, "miss"), (2, "full")):
+        page.click("#run-submit")
+        card = page.locator("#answers .answer-card").first
+        expect(card).to_have_class("card answer-card done", timeout=90_000)
+        expect(card).to_contain_text(expected_case)
+        page.wait_for_function(f"document.getElementById('chart-breakdown').data[0].x.length === {expected_points}")
+    assert page.evaluate("window.__notReloaded") is True
+    assert page.locator("#runs-body tr").count() >= 2
+
+    # The dashboard shows both runs; keep a screenshot of it.
+    page.goto(base + "/")
+    page.wait_for_function("document.getElementById('chart-breakdown').data[0].x.length === 2")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "dashboard.png"), full_page=True)
+
+    # Evict an entry in the admin, with confirmation.
+    page.goto(base + "/admin/cachebox/cacheentry/")
+    rows = page.locator("#result_list tbody tr")
+    before = rows.count()
+    assert before >= 1
+    key = rows.first.locator("th, td.field-key").first.inner_text().strip()
+    rows.first.locator("input.action-select").check()
+    page.select_option("select[name=action]", "evict")
+    page.click("button[name=index], input[name=index], .actions button")
+    page.click("#confirm-action")
+    expect(page.locator(".messagelist")).to_contain_text("Evicted 1 entries.")
+    assert page.locator("#result_list tbody tr").count() == before - 1
+
+    import redis
+
+    from cachebox.embedded import url_for
+
+    client = redis.Redis.from_url(url_for(Path(stack["home"]) / "valkey"))
+    assert client.exists(key) == 0

@@ -1,0 +1,379 @@
+"""Control plane: views, forms, the store-and-broadcast function, consumers, admin actions.
+
+Real Valkey (device registry, cache box, channel layer); Celery's send_task is captured
+so no board is needed (the end-to-end browser test runs real boards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.layers import channel_layers, get_channel_layer
+from channels.testing import WebsocketCommunicator
+from django.contrib.auth import get_user_model
+from django.urls import reverse
+
+from cachebox.entry import EntryHeader, encode_entry, state_checksum
+from cachebox.keys import entry_key_name
+from cachebox.models import CacheEntry
+from cachebox.store import CacheBox
+from dashboard import actions
+from dashboard.consumers import LiveConsumer
+from dashboard.live import GROUP
+from dashboard.models import AuditEvent, Device, InferenceRun
+from inference import devices as registry
+
+pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
+
+
+@pytest.fixture
+def control_plane(settings, valkey_url):
+    """Point the control plane at the test session's real Valkey."""
+    settings.REDIS_URL = valkey_url
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [valkey_url]}}}
+    channel_layers.backends.clear()
+    yield CacheBox(valkey_url)
+    channel_layers.backends.clear()
+
+
+@pytest.fixture
+def sent_tasks(monkeypatch):
+    calls = []
+
+    def capture(name, args=None, queue=None, **kwargs):
+        json.dumps(args)  # messages must be plain JSON
+        calls.append({"name": name, "args": args, "queue": queue, **kwargs})
+
+    monkeypatch.setattr(actions.celery_app, "send_task", capture)
+    return calls
+
+
+@pytest.fixture
+def staff_client(client, django_user_model):
+    user = django_user_model.objects.create_user("alice", password="pw-alice-123", is_staff=True)
+    client.force_login(user)
+    client.user = user
+    return client
+
+
+@pytest.fixture
+def plain_client(client, django_user_model):
+    user = django_user_model.objects.create_user("bob", password="pw-bob-123")
+    client.force_login(user)
+    return client
+
+
+def register(name="zero", **fields):
+    defaults = dict(kind="Raspberry Pi Zero 2W", cpu_threads=1, memory_mb=512, link_bandwidth_mbps=20.9, link_rtt_ms=4.0)
+    return actions.register_device(None, name=name, **{**defaults, **fields})
+
+
+def result_payload(device, token, **overrides):
+    payload = {
+        "request_id": str(uuid.uuid4()),
+        "device": device.name,
+        "token": token,
+        "prompt": "Q: 2+2?\nA:",
+        "text": " 4",
+        "error": "",
+        "meta": {"source": "text", "title": "Q: 2+2?", "expected_answer": ""},
+        "breakdown": {"case": "partial", "ttft_ms": 120.0, "ttlt_ms": 150.0, "prompt_tokens": 300, "matched_tokens": 256, "prefill_ms": 90.0, "redis_ms": 20.0, "state_bytes": 5_000_000},
+        "uploaded": [{"name": f"ec:e:default:00ff00ff00ff00ff:{{{'ab' * 16}}}", "namespace": "default", "model": "00ff00ff00ff00ff", "start": 256, "end": 300, "bytes": 800_000}],
+        "fetched": [],
+    }
+    payload.update(overrides)
+    return payload
+
+
+# -- access ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, args", [("home", []), ("devices", []), ("run", []), ("cache", []), ("device-detail", ["zero"]), ("device-register", [])])
+def test_every_page_needs_a_login(client, name, args):
+    response = client.get(reverse(name, args=args))
+    assert response.status_code == 302 and "login" in response["Location"]
+
+
+@pytest.mark.parametrize("name", ["device-register", "cache", "device-rotate", "device-revoke"])
+def test_credentials_and_cache_pages_are_staff_only(plain_client, control_plane, name):
+    register()
+    args = [] if name in ("device-register", "cache") else ["zero"]
+    response = plain_client.get(reverse(name, args=args))
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+def test_login_page_logs_in(client, django_user_model):
+    django_user_model.objects.create_user("carol", password="pw-carol-123")
+    response = client.post(reverse("login"), {"username": "carol", "password": "pw-carol-123"})
+    assert response.status_code == 302 and response["Location"] == reverse("home")
+    assert client.get(reverse("home")).status_code == 200
+
+
+# -- devices --------------------------------------------------------------------------------------
+def test_register_shows_the_token_once_and_keeps_only_its_hash(staff_client, control_plane):
+    response = staff_client.post(
+        reverse("device-register"),
+        {"name": "zero", "kind": "Raspberry Pi Zero 2W", "cpu_threads": 1, "memory_mb": 512, "link_preset": "wifi4"},
+    )
+    assert response.status_code == 200
+    token = response.context["token"]
+    assert token in response.content.decode() and "shown only once" in response.content.decode()
+    assert response["Cache-Control"].startswith("max-age=0") or "no-cache" in response["Cache-Control"]
+    device = Device.objects.get(name="zero")
+    assert device.token_sha256 == registry.hash_token(token) and token not in json.dumps(list(Device.objects.values()), default=str)
+    assert (device.link_bandwidth_mbps, device.link_rtt_ms) == (20.9, 4.0)
+    assert registry.authenticate(control_plane, "zero", token).threads == 1
+    assert token not in staff_client.get(device.get_absolute_url()).content.decode()
+    assert AuditEvent.objects.filter(action="device.register", target="zero").exists()
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"name": "two words"}, "name"),
+        ({"cpu_threads": 0}, "cpu_threads"),
+        ({"link_preset": "custom", "link_bandwidth_mbps": -1}, "link_bandwidth_mbps"),
+    ],
+)
+def test_register_form_errors_are_shown_inline(staff_client, control_plane, data, field):
+    form = {"name": "zero", "kind": "", "cpu_threads": 1, "memory_mb": 512, "link_preset": "none", **data}
+    response = staff_client.post(reverse("device-register"), form)
+    assert response.status_code == 200 and field in response.context["form"].errors
+    assert not Device.objects.exists()
+
+
+def test_rotating_asks_first_then_the_old_token_stops_working(staff_client, control_plane):
+    device, old = register()
+    page = staff_client.post(reverse("device-rotate", args=["zero"]), {})
+    assert page.status_code == 200 and "Rotate the token" in page.content.decode()
+    assert registry.authenticate(control_plane, "zero", old)  # unchanged until confirmed
+    response = staff_client.post(reverse("device-rotate", args=["zero"]), {"confirm": "on"})
+    new = response.context["token"]
+    assert new != old
+    with pytest.raises(registry.DeviceRefused, match="wrong token"):
+        registry.authenticate(control_plane, "zero", old)
+    assert registry.authenticate(control_plane, "zero", new)
+    assert actions.record_run(result_payload(device, old)) is None
+
+
+def test_a_revoked_device_is_refused_by_boards_and_control_plane(staff_client, control_plane):
+    device, token = register()
+    staff_client.post(reverse("device-revoke", args=["zero"]), {"confirm": "on"})
+    with pytest.raises(registry.DeviceRefused, match="revoked"):
+        registry.authenticate(control_plane, "zero", token)
+    assert actions.record_run(result_payload(device, token)) is None
+    assert actions.record_heartbeat({"device": "zero", "token": token, "status": {}}) is None
+    assert not InferenceRun.objects.exists()
+
+
+def test_unknown_devices_are_refused():
+    assert actions.record_run({"device": "ghost", "token": "x", "request_id": str(uuid.uuid4())}) is None
+
+
+def test_device_pages_show_summaries_and_breakeven(staff_client, control_plane):
+    device, token = register()
+    for matched, prefill, redis_ms in [(0, 900.0, 0.0), (0, 450.0, 0.0), (300, 100.0, 25.0), (400, 0.0, 32.0)]:
+        actions.record_run(result_payload(device, token, breakdown={"case": "full" if matched else "miss", "prompt_tokens": 400 if matched != 0 or prefill > 500 else 200, "matched_tokens": matched, "prefill_ms": prefill, "redis_ms": redis_ms, "ttft_ms": prefill + redis_ms}))
+    actions.record_heartbeat({"device": "zero", "token": token, "status": {"catalogs": {"default": {"approx_items": 12, "estimated_fp_rate": 1e-9, "last_sync": 1.7e9}}}})
+    listing = staff_client.get(reverse("devices")).content.decode()
+    assert "online" in listing and "zero" in listing
+    detail = staff_client.get(device.get_absolute_url())
+    assert detail.status_code == 200
+    figure = staff_client.get(reverse("device-breakeven", args=["zero"])).json()
+    assert "Break-even on 20.9 Mbit/s" in figure["layout"]["title"]["text"]
+    names = [trace["name"] for trace in figure["data"]]
+    assert "prefill (measured)" in names and any(name.startswith("link model") for name in names)
+
+
+# -- runs -----------------------------------------------------------------------------------------
+def test_run_page_sends_json_messages_to_each_device_queue(staff_client, control_plane, sent_tasks):
+    register("zero")
+    register("pi5", cpu_threads=2)
+    ids = list(Device.objects.values_list("pk", flat=True))
+    response = staff_client.post(
+        reverse("run"),
+        {"devices": ids, "source": "mmlu", "topic": "astronomy", "shots": 2, "question": 3, "max_tokens": 4, "use_cache": "on"},
+        HTTP_ACCEPT="application/json",
+    )
+    assert response.status_code == 200
+    dispatched = response.json()["dispatched"]
+    assert {item["device"] for item in dispatched} == {"zero", "pi5"}
+    assert sorted(call["queue"] for call in sent_tasks) == ["device.pi5", "device.zero"]
+    message = sent_tasks[0]["args"][0]
+    assert sent_tasks[0]["name"] == "edgecache.run_prompt"
+    assert len(message["segments"]) == 4 and message["segments"][-1].endswith("Answer:")
+    assert message["meta"]["expected_answer"] in "ABCD" and message["max_tokens"] == 4 and message["use_cache"] is True
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"source": "text", "text": "   "}, "text"),
+        ({"source": "mmlu", "topic": "astronomy", "shots": 5, "question": 100000}, "question"),
+        ({"source": "saved"}, "saved_prompt"),
+        ({"source": "text", "text": "hi", "namespace": "bad space"}, "namespace"),
+    ],
+)
+def test_run_form_refuses_bad_input_with_a_message(staff_client, control_plane, sent_tasks, data, field):
+    device, _ = register()
+    response = staff_client.post(reverse("run"), {"devices": [device.pk], "max_tokens": 4, **data}, HTTP_ACCEPT="application/json")
+    assert response.status_code == 400 and field in response.json()["errors"]
+    assert sent_tasks == []
+
+
+def test_record_run_stores_once_mirrors_entries_and_broadcasts_once(control_plane, django_capture_on_commit_callbacks):
+    device, token = register()
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(GROUP, channel)
+    payload = result_payload(device, token)
+    with django_capture_on_commit_callbacks(execute=True):
+        run = actions.record_run(payload)
+    with django_capture_on_commit_callbacks(execute=True):
+        again = actions.record_run(payload)  # a redelivered message
+    assert run.pk == again.pk and InferenceRun.objects.count() == 1
+    assert run.case == "partial" and run.ttft_ms == 120.0 and run.get_breakdown().matched_tokens == 256
+    message = async_to_sync(layer.receive)(channel)
+    assert message["event"] == "run" and message["data"]["request_id"] == payload["request_id"]
+    entry = CacheEntry.objects.get()
+    assert (entry.start, entry.end, entry.creator_device) == (256, 300, "zero")
+    actions.record_run(result_payload(device, token, fetched=[entry.key]))
+    entry.refresh_from_db()
+    assert entry.hits == 1 and entry.last_hit is not None
+
+
+def test_heartbeat_marks_the_device_online(control_plane):
+    device, token = register()
+    assert not device.online
+    actions.record_heartbeat({"device": "zero", "token": token, "status": {"catalogs": {}}})
+    device.refresh_from_db()
+    assert device.online and device.last_seen is not None
+
+
+# -- live pages -----------------------------------------------------------------------------------
+def test_socket_refuses_anonymous_users(control_plane):
+    from django.contrib.auth.models import AnonymousUser
+
+    async def scenario():
+        communicator = WebsocketCommunicator(LiveConsumer.as_asgi(), "/ws/live/")
+        communicator.scope["user"] = AnonymousUser()
+        connected, code = await communicator.connect()
+        return connected, code
+
+    connected, code = async_to_sync(scenario)()
+    assert not connected and code == 4401
+
+
+def test_socket_delivers_stored_runs_to_logged_in_pages(control_plane, django_capture_on_commit_callbacks):
+    device, token = register()
+    user = get_user_model().objects.create_user("dave", password="pw-dave-123")
+    payload = result_payload(device, token)
+
+    async def scenario():
+        from channels.db import database_sync_to_async
+
+        communicator = WebsocketCommunicator(LiveConsumer.as_asgi(), "/ws/live/")
+        communicator.scope["user"] = user
+        connected, _ = await communicator.connect()
+        assert connected
+
+        def store():
+            with django_capture_on_commit_callbacks(execute=True):
+                actions.record_run(payload)
+
+        await database_sync_to_async(store)()
+        received = await communicator.receive_json_from(timeout=5)
+        await communicator.disconnect()
+        return received
+
+    received = async_to_sync(scenario)()
+    assert received["event"] == "run" and received["data"]["device"] == "zero"
+    assert received["data"]["breakdown"]["ttft_ms"] == 120.0
+
+
+def test_dashboard_renders_charts_with_run_points(staff_client, control_plane):
+    device, token = register()
+    actions.record_run(result_payload(device, token))
+    response = staff_client.get(reverse("home"))
+    charts = response.context["chart_data"]
+    assert [trace["name"] for trace in charts["breakdown"]["data"]] == ["Token", "Bloom", "P-decode", "Redis", "R-decode", "Sample"]
+    assert charts["breakdown"]["data"][2]["y"] == [90.0]
+    assert "chart-data" in response.content.decode()
+    assert staff_client.get(reverse("plotly-js"))["Content-Type"] == "application/javascript"
+
+
+# -- cache management -------------------------------------------------------------------------
+def store_entry(store, namespace, start=0, end=64, device="zero"):
+    state = os.urandom(2048)
+    key = os.urandom(16)
+    header = EntryHeader("00ff00ff00ff00ff", namespace, start, end, "d" * 32, len(state), state_checksum(state), device=device)
+    name = entry_key_name(namespace, "00ff00ff00ff00ff", key)
+    store.put_entries([(name, encode_entry(header, state))], ttl=3600)
+    return name, key
+
+
+def test_reconcile_rebuilds_the_mirror_and_the_master_catalog(control_plane, namespace):
+    from cachebox.catalog import Catalog
+    from cachebox.mirror import reconcile
+
+    names = [store_entry(control_plane, namespace, 64 * i, 64 * (i + 1)) for i in range(3)]
+    CacheEntry.objects.create(key=entry_key_name(namespace, "00ff00ff00ff00ff", b"\0" * 16), model="00ff00ff00ff00ff", namespace=namespace, start=0, end=1, bytes=1)
+    control_plane.redis.set(entry_key_name(namespace, "00ff00ff00ff00ff", b"\1" * 16), b"garbage")
+    result = reconcile(control_plane)
+    rows = CacheEntry.objects.filter(namespace=namespace)
+    assert sorted(rows.values_list("key", flat=True)) == sorted(name for name, _ in names)
+    assert result["removed_rows"] >= 1
+    assert not control_plane.redis.exists(entry_key_name(namespace, "00ff00ff00ff00ff", b"\1" * 16))
+    bloom, _, _ = control_plane.catalog_snapshot(namespace)
+    assert all(key in Catalog.from_bytes(bloom) for _, key in names)
+
+
+def test_admin_evict_asks_then_removes_from_store_and_mirror(staff_client, control_plane, namespace):
+    from cachebox.mirror import reconcile
+
+    names = [store_entry(control_plane, namespace, 0, 64)[0], store_entry(control_plane, namespace, 64, 128)[0]]
+    reconcile(control_plane)
+    staff_client.user.is_superuser = True
+    staff_client.user.save()
+    target = CacheEntry.objects.get(key=names[0])
+    url = reverse("admin:cachebox_cacheentry_changelist")
+    page = staff_client.post(url, {"action": "evict", "_selected_action": [target.pk]})
+    assert page.status_code == 200 and "Evict 1 cache entries?" in page.content.decode()
+    assert control_plane.redis.exists(names[0])
+    done = staff_client.post(url, {"action": "evict", "_selected_action": [target.pk], "confirmed": "yes"})
+    assert done.status_code == 302
+    assert not control_plane.redis.exists(names[0]) and control_plane.redis.exists(names[1])
+    assert not CacheEntry.objects.filter(key=names[0]).exists()
+    assert AuditEvent.objects.filter(action="cache.evict").exists()
+
+
+def test_admin_pin_and_unpin_change_the_entrys_ttl(staff_client, control_plane, namespace):
+    from cachebox.mirror import reconcile
+
+    name = store_entry(control_plane, namespace)[0]
+    reconcile(control_plane)
+    staff_client.user.is_superuser = True
+    staff_client.user.save()
+    entry = CacheEntry.objects.get(key=name)
+    url = reverse("admin:cachebox_cacheentry_changelist")
+    staff_client.post(url, {"action": "pin", "_selected_action": [entry.pk]})
+    assert control_plane.redis.ttl(name) == -1 and CacheEntry.objects.get(key=name).pinned
+    staff_client.post(url, {"action": "unpin", "_selected_action": [entry.pk], "confirmed": "yes"})
+    assert control_plane.redis.ttl(name) > 0 and not CacheEntry.objects.get(key=name).pinned
+
+
+def test_flush_needs_confirmation_and_a_scope(staff_client, control_plane, namespace):
+    from cachebox.mirror import reconcile
+
+    name = store_entry(control_plane, namespace)[0]
+    reconcile(control_plane)
+    staff_client.post(reverse("cache-flush"), {"namespace": namespace})  # not confirmed
+    assert control_plane.redis.exists(name)
+    staff_client.post(reverse("cache-flush"), {"confirm": "on"})  # no scope
+    assert control_plane.redis.exists(name)
+    staff_client.post(reverse("cache-flush"), {"namespace": namespace, "confirm": "on"})
+    assert not control_plane.redis.exists(name) and not CacheEntry.objects.filter(namespace=namespace).exists()
+    page = staff_client.get(reverse("cache")).content.decode()
+    assert "cache.flush" in page
