@@ -37,8 +37,17 @@ browser:
 		fi; \
 	fi
 
+# The control-plane tests run a second time on PostgreSQL when one answers (DATABASE_URL deployments).
+PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/postgres
+
 test: install browser
 	$(PY) -m pytest
+	@if $(PY) -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=2).close()" 2>/dev/null; then \
+		echo "Control-plane tests again, on PostgreSQL ($(PG_TEST_URL)):"; \
+		DATABASE_URL=$(PG_TEST_URL) $(PY) -m pytest -q -m django_db; \
+	else \
+		echo "No PostgreSQL at $(PG_TEST_URL): the PostgreSQL run of the control-plane tests is skipped."; \
+	fi
 
 stop:
 	@if [ -x $(PY) ]; then $(PY) manage.py cachebox stop; else echo "nothing to stop"; fi

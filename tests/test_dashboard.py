@@ -272,7 +272,7 @@ def test_socket_delivers_stored_runs_to_logged_in_pages(control_plane, django_ca
     payload = result_payload(device, token)
 
     async def scenario():
-        from channels.db import database_sync_to_async
+        from asgiref.sync import sync_to_async
 
         communicator = WebsocketCommunicator(LiveConsumer.as_asgi(), "/ws/live/")
         communicator.scope["user"] = user
@@ -283,7 +283,8 @@ def test_socket_delivers_stored_runs_to_logged_in_pages(control_plane, django_ca
             with django_capture_on_commit_callbacks(execute=True):
                 actions.record_run(payload)
 
-        await database_sync_to_async(store)()
+        # Plain sync_to_async: it runs in the test's thread and transaction (database_sync_to_async would close it).
+        await sync_to_async(store)()
         received = await communicator.receive_json_from(timeout=5)
         await communicator.disconnect()
         return received
