@@ -117,4 +117,4 @@ class AuditEvent(models.Model):
         ordering = ["-created"]
 
     def __str__(self) -> str:
-        return f"{self.created:%Y-%m-%d %H:%M} {self.user} {self.action} {self.target}"
+        return f"{self.created:%Y-%m-%d %H:%M} {self.user or 'system'} {self.action} {self.target}"

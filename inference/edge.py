@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from celery import current_app
 
+from cachebox.errors import CacheBoxUnavailable
 from cachebox.store import CacheBox
 
-from .devices import DeviceRecord, authenticate
+from .devices import DeviceRecord, DeviceRefused, authenticate
 from .pipeline import PromptError, RunResult
 from .sampling import SamplingParams
 
@@ -94,16 +95,31 @@ def report(payload: dict) -> None:
 
 
 class Heartbeat(threading.Thread):
-    """Tells the control plane every few seconds that this board lives, and how its catalogs look."""
+    """Tells the control plane every few seconds that this board lives, and how its catalogs look.
 
-    def __init__(self, board_status, interval: float = 5.0):
+    Each beat also re-checks the token: a board whose token was revoked or rotated calls
+    ``on_refused`` (the edge command stops the worker) instead of serving on.
+    """
+
+    def __init__(self, board_status, interval: float = 5.0, on_refused=None):
         super().__init__(name="edgecache-heartbeat", daemon=True)
         self.board_status = board_status
         self.interval = interval
+        self.on_refused = on_refused
         self._stop_event = threading.Event()
 
     def beat(self) -> None:
         me = identity()
+        try:
+            me.recheck()
+        except DeviceRefused as exc:
+            log.error("stopping: %s", exc)
+            if self.on_refused:
+                self.on_refused(exc)
+            self.stop()
+            return
+        except CacheBoxUnavailable:
+            pass  # cannot tell now; the control plane checks every message anyway
         status = {"pid": os.getpid(), "sent": time.time(), **self.board_status()}
         current_app.send_task(
             HEARTBEAT_TASK,
@@ -118,7 +134,7 @@ class Heartbeat(threading.Thread):
                 self.beat()
             except Exception as exc:  # the broker may be down for a while: keep trying
                 log.warning("heartbeat not sent: %s", exc)
-            if self._stop_event.wait(self.interval):
+            if self._stop_event.is_set() or self._stop_event.wait(self.interval):
                 return
 
     def stop(self) -> None:

@@ -167,17 +167,19 @@ class CachedInference:
             # fixed chunk ends go without (a prompt rarely ends exactly there; it then
             # recomputes one token) to keep entries small.
             boundary_logits: dict[int, np.ndarray] = {}
-            mark = time.perf_counter()
             if matched < prompt_tokens:
                 wanted = {prompt_tokens - 1}
                 if caching:
                     wanted |= {end - 1 for end in segment_ends if end > matched}
+                mark = time.perf_counter()
                 boundary_logits = engine.prefill(tokens[matched:], matched, logits_at=wanted)
+                breakdown.prefill_ms = _ms(mark)
             elif restored.top_ids is None:
                 # A full hit without stored logits: recompute the last position only.
+                mark = time.perf_counter()
                 engine.remove(0, prompt_tokens - 1, -1)
                 boundary_logits = engine.prefill(tokens[-1:], prompt_tokens - 1, logits_at={prompt_tokens - 1})
-            breakdown.prefill_ms = _ms(mark)
+                breakdown.prefill_ms = _ms(mark)
 
             # First token: from fresh logits, or from the ones stored with a full hit.
             rng = np.random.default_rng(sampling.seed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,9 @@ class Command(BaseCommand):
         parser.add_argument("--no-boards", action="store_true", help="do not start the two demo boards")
 
     def handle(self, *args, host, port, no_boards, **options):
+        with socket.socket() as probe:
+            if probe.connect_ex((host, port)) == 0:
+                raise CommandError(f"port {port} on {host} is already in use (another `make run`?); stop it or pass --port")
         try:
             url = cachebox_url()
         except CacheBoxUnavailable as exc:
@@ -61,6 +65,8 @@ class Command(BaseCommand):
             self.stdout.write(self.style.SUCCESS(f"dashboard: http://{host}:{port}/  (Ctrl-C stops everything; `make stop` also ends the cache box)"))
             from daphne.cli import CommandLineInterface
 
+            # Ctrl-C must stop everything even when started from a shell that ignores SIGINT.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             CommandLineInterface().run(["-b", host, "-p", str(port), "dashboard.asgi:application"])
         finally:
             self._stop(children)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 from celery import current_app
 from django.core.management.base import BaseCommand, CommandError
@@ -38,7 +39,11 @@ class Command(BaseCommand):
         except CacheBoxUnavailable as exc:
             raise CommandError(f"cannot reach the cache box to check the token: {exc}")
         board = get_board(device=name, threads=me.record.threads)
-        beat = edge.Heartbeat(board.status, heartbeat)
+        def stop_worker(reason):
+            self.stderr.write(f"refused: {reason}; stopping the board")
+            os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown
+
+        beat = edge.Heartbeat(board.status, heartbeat, on_refused=stop_worker)
         beat.start()
         self.stdout.write(
             f"board {name} ready ({board.engine.model_file.path.name}, {board.engine.config.threads()} threads); "
