@@ -88,24 +88,49 @@ def entry_key_name(namespace: str, fingerprint: str, key: bytes) -> str:
     return f"{KEY_PREFIX}:e:{check_namespace(namespace)}:{fingerprint}:{{{key.hex()}}}"
 
 
+def module_key(fingerprint: str, namespace: str, schema_digest: str, piece: str) -> bytes:
+    """Key of a prompt module's state: model, namespace, schema version and module path."""
+    check_namespace(namespace)
+    digest = hashlib.blake2b(digest_size=KEY_BYTES, person=b"edgecache-mod")
+    digest.update(f"{fingerprint}\x00{namespace}\x00{schema_digest}\x00{piece}".encode())
+    return digest.digest()
+
+
+def module_key_name(namespace: str, fingerprint: str, schema_digest: str, key: bytes) -> str:
+    """Redis key of a prompt module's entry (``ec:m:...``), tagged like prefix entries."""
+    if not re.fullmatch(r"[0-9a-f]{1,32}", schema_digest):
+        raise ValueError(f"invalid schema digest {schema_digest!r}")
+    return f"{KEY_PREFIX}:m:{check_namespace(namespace)}:{fingerprint}:{schema_digest}:{{{key.hex()}}}"
+
+
 def entry_key_pattern(namespace: str | None = None, fingerprint: str | None = None) -> str:
-    """SCAN pattern for the entries of a namespace and/or model (``None`` = any)."""
+    """SCAN pattern for the entries (prefix ranges and prompt modules) of a namespace and/or model."""
     ns = check_namespace(namespace) if namespace else "*"
     if fingerprint and not re.fullmatch(r"[0-9a-f]{1,32}", fingerprint):
         raise ValueError(f"invalid model fingerprint {fingerprint!r}")
     if ns == "*" and fingerprint is None:
-        return f"{KEY_PREFIX}:e:*"
-    return f"{KEY_PREFIX}:e:{ns}:{fingerprint or '*'}:*"
+        return f"{KEY_PREFIX}:[em]:*"
+    return f"{KEY_PREFIX}:[em]:{ns}:{fingerprint or '*'}:*"
+
+
+def schema_key_pattern(schema_digest: str) -> str:
+    """SCAN pattern for every module entry of one schema version (any namespace, any model)."""
+    if not re.fullmatch(r"[0-9a-f]{1,32}", schema_digest):
+        raise ValueError(f"invalid schema digest {schema_digest!r}")
+    return f"{KEY_PREFIX}:m:*:*:{schema_digest}:*"
 
 
 def parse_entry_key_name(name: str) -> tuple[str, str, bytes]:
-    """Inverse of ``entry_key_name``: (namespace, fingerprint, key)."""
+    """Inverse of ``entry_key_name`` and ``module_key_name``: (namespace, fingerprint, key)."""
     try:
-        prefix, kind, namespace, fingerprint, tagged = name.split(":")
-        if prefix != KEY_PREFIX or kind != "e" or not (tagged.startswith("{") and tagged.endswith("}")):
+        parts = name.split(":")
+        prefix, kind, namespace, fingerprint, tagged = parts[0], parts[1], parts[2], parts[3], parts[-1]
+        if prefix != KEY_PREFIX or (kind, len(parts)) not in (("e", 5), ("m", 6)):
+            raise ValueError
+        if not (tagged.startswith("{") and tagged.endswith("}")):
             raise ValueError
         return namespace, fingerprint, bytes.fromhex(tagged[1:-1])
-    except ValueError as exc:
+    except (ValueError, IndexError) as exc:
         raise ValueError(f"not an EdgeCache entry key: {name!r}") from exc
 
 

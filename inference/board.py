@@ -20,6 +20,7 @@ from cachebox.sync import CatalogRegistry, CatalogSyncThread
 
 from .engine import Engine, EngineConfig
 from .model import resolve_model
+from .modular import ModularInference
 from .pipeline import CachedInference
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,15 @@ class Board:
             max_entry_bytes=options.max_entry_bytes,
             namespace=options.namespace,
             entry_ttl=options.entry_ttl,
+        )
+        self.modular = ModularInference(
+            engine,
+            store,
+            self.catalogs,
+            device=options.device,
+            namespace=options.namespace,
+            entry_ttl=options.entry_ttl,
+            max_entry_bytes=options.max_entry_bytes,
         )
         self._sync_thread: CatalogSyncThread | None = None
         if self.catalogs is not None:
@@ -142,6 +152,10 @@ class Board:
 
     def run(self, prompt, **kwargs):
         return self.pipeline.run(prompt, **kwargs)
+
+    def run_pml(self, schema_source: str, prompt_source: str, **kwargs):
+        """Serve a PML prompt from the schema's cached modules (see inference.modular)."""
+        return self.modular.run(schema_source, prompt_source, **kwargs)
 
     def status(self) -> dict:
         """What a heartbeat reports: model, threads and every catalog's size and counters."""

@@ -28,8 +28,14 @@ from .model import ModelFile
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "f32": llama_cpp.GGML_TYPE_F32}
 
 # Sequence ids inside the one context: 0 holds the prompt being served; the last
-# one is scratch space for moving ranges in and out.
+# one is scratch space for moving ranges in and out; those between are work space
+# (encoding a prompt module, computing a parameter value with its context).
 MAIN_SEQ = 0
+WORK_SEQ = 1
+CONTEXT_SEQ = 2
+
+# Chat templates llama.cpp has built in, for GGUFs that carry none.
+_BUILTIN_TEMPLATES = {"gemma3": b"gemma", "gemma2": b"gemma", "gemma": b"gemma", "llama": b"llama3", "qwen2": b"chatml"}
 
 
 class EngineError(RuntimeError):
@@ -130,12 +136,16 @@ class Engine:
             pass
 
     # -- text <-> tokens (cheap) ----------------------------------------------------
-    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
-        """Token ids of ``text``; ``add_bos`` for the first segment of a prompt only."""
+    def tokenize(self, text: str, *, add_bos: bool, special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_bos`` for the first segment of a prompt only.
+
+        ``special`` parses control tokens such as ``<start_of_turn>``: only for text that
+        comes from the chat template, never for what a user wrote.
+        """
         raw = text.encode("utf-8")
         capacity = len(raw) + 8
         buffer = (llama_cpp.llama_token * capacity)()
-        count = llama_cpp.llama_tokenize(self._vocab, raw, len(raw), buffer, capacity, add_bos, False)
+        count = llama_cpp.llama_tokenize(self._vocab, raw, len(raw), buffer, capacity, add_bos, special)
         if count < 0:  # pragma: no cover - capacity is always enough for SentencePiece/BPE
             raise EngineError("tokenizer buffer too small")
         return list(buffer[:count])
@@ -154,6 +164,36 @@ class Engine:
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def bos(self) -> int | None:
+        """The beginning-of-sequence token, when the model adds one."""
+        if not llama_cpp.llama_vocab_get_add_bos(self._vocab):
+            return None
+        return llama_cpp.llama_vocab_bos(self._vocab)
+
+    def chat_template(self) -> bytes:
+        """The model's chat template; a built-in one named after its architecture when it has none."""
+        template = llama_cpp.llama_model_chat_template(self._model, None)
+        if template:
+            return template
+        buffer = ctypes.create_string_buffer(64)
+        llama_cpp.llama_model_meta_val_str(self._model, b"general.architecture", buffer, 64)
+        return _BUILTIN_TEMPLATES.get(buffer.value.decode(errors="replace"), b"chatml")
+
+    def render_chat(self, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str | None:
+        """``messages`` through the chat template; None when the template refuses them."""
+        array = (llama_cpp.llama_chat_message * len(messages))()
+        keep = []
+        for index, (role, content) in enumerate(messages):
+            role_bytes, content_bytes = role.encode(), content.encode()
+            keep += [role_bytes, content_bytes]
+            array[index].role = role_bytes
+            array[index].content = content_bytes
+        size = 1024 + 2 * sum(len(content) for _, content in messages)
+        out = ctypes.create_string_buffer(size)
+        count = llama_cpp.llama_chat_apply_template(self.chat_template(), array, len(messages), add_generation_prompt, out, size)
+        return out.raw[:count].decode("utf-8", errors="replace") if count > 0 else None
 
     # -- model work ---------------------------------------------------------------------
     def prefill(
@@ -267,6 +307,13 @@ class Engine:
             self.copy_sequence(scratch, seq)
         finally:
             self.remove(scratch)
+
+    def shift(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Move the positions of ``seq``'s cells in ``[p0, p1)`` by ``delta`` (RoPE re-rotation at the next decode).
+
+        Only for cells no other sequence shares: a cell has one position for all of them.
+        """
+        llama_cpp.llama_memory_seq_add(self._memory, seq, p0, p1, delta)
 
     def cells_in_use(self) -> int:
         """Highest position in the main sequence + 1 (what a restore must reach)."""

@@ -34,7 +34,7 @@ from cachebox.sync import CatalogRegistry
 
 from .breakdown import Breakdown
 from .engine import Engine, EngineError
-from .sampling import TOP_CANDIDATES, SamplingParams, sample, top_candidates
+from .sampling import TOP_CANDIDATES, SamplingParams, choose, sample, top_candidates
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class CachedInference:
             rng = np.random.default_rng(sampling.seed)
             mark = time.perf_counter()
             if prompt_tokens - 1 in boundary_logits:
-                token = self._choose(boundary_logits[prompt_tokens - 1], sampling, rng)
+                token = choose(boundary_logits[prompt_tokens - 1], sampling, rng, self.top_logits)
             else:
                 token = sample(restored.top_ids, restored.top_logits, sampling, rng)
             breakdown.sample_ms = _ms(mark)
@@ -199,7 +199,7 @@ class CachedInference:
                 breakdown.decode_ms += _ms(mark)
                 position += 1
                 mark = time.perf_counter()
-                token = self._choose(logits, sampling, rng)
+                token = choose(logits, sampling, rng, self.top_logits)
                 breakdown.sample_ms += _ms(mark)
                 generated.append(token)
             breakdown.ttlt_ms = _ms(started)
@@ -216,12 +216,6 @@ class CachedInference:
             return RunResult(text=text, tokens=generated, breakdown=breakdown, fetched=restored.entries, uploaded=uploaded)
 
     # -- steps ----------------------------------------------------------------------------
-    def _choose(self, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:
-        if sampling.greedy:
-            return int(np.argmax(logits))  # first maximum = lowest id, as ``sample`` breaks ties
-        ids, values = top_candidates(logits, self.top_logits)
-        return sample(ids, values, sampling, rng)
-
     def _lookup_and_restore(self, tokens: list[int], namespace: str, lookup: _Lookup, breakdown: Breakdown) -> _Restored:
         fingerprint = self.engine.fingerprint
         catalog = self.catalogs.get(namespace).catalog

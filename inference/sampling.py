@@ -62,3 +62,11 @@ def sample(ids: np.ndarray, logits: np.ndarray, params: SamplingParams, rng: np.
     probs = probs[:cutoff] / probs[:cutoff].sum()
     rng = rng or np.random.default_rng(params.seed)
     return int(ids[order[rng.choice(cutoff, p=probs)]])
+
+
+def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, count: int = TOP_CANDIDATES) -> int:
+    """The next token from a full row of logits (greedy: argmax, whose first maximum is the lowest id)."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    ids, values = top_candidates(logits, count)
+    return sample(ids, values, params, rng)

@@ -74,9 +74,9 @@ def test_entry_key_names_use_a_cluster_hash_tag_and_round_trip():
     assert parse_entry_key_name(name) == ("tenant-a", "0123456789abcdef", key)
     with pytest.raises(ValueError):
         parse_entry_key_name("ec:e:bad")
-    assert entry_key_pattern("tenant-a") == "ec:e:tenant-a:*:*"
-    assert entry_key_pattern() == "ec:e:*"
-    assert entry_key_pattern(None, "0123456789abcdef") == "ec:e:*:0123456789abcdef:*"
+    assert entry_key_pattern("tenant-a") == "ec:[em]:tenant-a:*:*"
+    assert entry_key_pattern() == "ec:[em]:*"
+    assert entry_key_pattern(None, "0123456789abcdef") == "ec:[em]:*:0123456789abcdef:*"
 
 
 def test_catalog_keys_share_one_hash_tag():

@@ -11,13 +11,15 @@ from inference.board import Board
 from inference.cli import add_sampling_arguments, read_prompt_file, sampling_from_options, split_segments
 from inference.model import ModelNotFound
 from inference.pipeline import PromptError
+from inference.pml import PMLError, parse_schema
 
 
 class Command(BaseCommand):
     help = "Run one prompt on this machine through the cache box and print the answer and its timing breakdown."
 
     def add_arguments(self, parser):
-        parser.add_argument("--prompt-file", required=True, help="UTF-8 text file with the prompt ('-' for stdin)")
+        parser.add_argument("--prompt-file", required=True, help="UTF-8 text file with the prompt ('-' for stdin); a PML <prompt> with --schema")
+        parser.add_argument("--schema", default=None, metavar="S.pml", help="serve the prompt from this PML schema's cached modules")
         parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
         parser.add_argument("--no-cache", action="store_true", help="neither read nor write the cache box")
         parser.add_argument("--json", action="store_true", help="print one JSON object: text + every breakdown field")
@@ -35,18 +37,30 @@ class Command(BaseCommand):
         if not text.strip():
             raise CommandError(f"prompt file {options['prompt_file']} is empty: put the prompt text in it")
         sampling = sampling_from_options(options)
+        schema_text = None
+        if options["schema"]:
+            schema_text = read_prompt_file(options["schema"])
+            try:
+                parse_schema(schema_text)  # fail before loading the model
+            except PMLError as exc:
+                raise CommandError(f"schema {options['schema']}: {exc}")
         try:
             board = Board.from_settings(namespace=options["namespace"], background_sync=False)
         except (ModelNotFound, InvalidNamespace) as exc:
             raise CommandError(str(exc))
         try:
-            result = board.run(
-                split_segments(text, options["split_on"]),
-                max_tokens=options["max_tokens"],
-                sampling=sampling,
-                use_cache=not options["no_cache"],
-            )
-        except PromptError as exc:
+            if schema_text is not None:
+                result = board.run_pml(
+                    schema_text, text, max_tokens=options["max_tokens"], sampling=sampling, use_cache=not options["no_cache"]
+                )
+            else:
+                result = board.run(
+                    split_segments(text, options["split_on"]),
+                    max_tokens=options["max_tokens"],
+                    sampling=sampling,
+                    use_cache=not options["no_cache"],
+                )
+        except (PromptError, PMLError) as exc:
             raise CommandError(str(exc))
         finally:
             board.close()

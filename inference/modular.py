@@ -1,0 +1,431 @@
+"""Serving PML prompts from cached prompt modules (Prompt Cache, sections 3.3-3.4).
+
+Each module's state is encoded once at its schema positions (after the BOS token, which
+every prompt starts with and which gives attention a sink), stored in the cache box
+under a key of model, namespace, schema version and module path, and announced to
+every board's catalog. A prompt is served by loading its modules' states into the main
+sequence in position order, computing parameter values (with everything before them as
+context) and the prompt's own text, then generating. llama.cpp requires a non-empty
+sequence to continue at its last position + 1, so text goes right after the last cell
+(as the paper places text after the module it follows); a module that would overlap text
+placed before it is shifted right (RoPE re-rotation), and gaps inside a module are made
+the same way when it is encoded.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cachebox.entry import EntryHeader, decode_header, encode_entry, state_checksum, verify_state
+from cachebox.errors import CacheBoxUnavailable, EntryError
+from cachebox.keys import check_namespace, module_key, module_key_name, tokens_digest
+from cachebox.store import CacheBox
+from cachebox.sync import CatalogRegistry
+
+from .breakdown import Breakdown
+from .engine import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, EngineError
+from .modules import ModulePiece, Plan, SchemaLayout, TextPiece, lay_out, plan_prompt
+from .pipeline import PromptError, RunResult
+from .pml import PMLError, Schema, parse_prompt, parse_schema
+from .sampling import SamplingParams, choose
+
+log = logging.getLogger(__name__)
+
+_SENTINEL = "\u2063EDGECACHE\u2063"
+
+
+class EngineTokenizer:
+    """The model's tokenizer and chat template, as PML layout needs them."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.bos = engine.bos
+        self.placeholder = engine.tokenize(" ", add_bos=False)[-1]  # "white space does not change the meaning"
+
+    def text(self, text: str) -> list[int]:
+        return self.engine.tokenize(text, add_bos=False) if text else []
+
+    def special(self, text: str) -> list[int]:
+        return self.engine.tokenize(text, add_bos=False, special=True) if text else []
+
+    @functools.lru_cache(maxsize=8)
+    def wrappers(self, role: str) -> tuple[str, str]:
+        for probe in (role, "user"):  # a template without a system role: a user turn stands in
+            rendered = self.engine.render_chat([(probe, _SENTINEL)], False)
+            if rendered and _SENTINEL in rendered:
+                prefix, suffix = rendered.split(_SENTINEL, 1)
+                return prefix, suffix
+        return f"{role}: ", "\n"
+
+    @functools.lru_cache(maxsize=1)
+    def generation_prefix(self) -> str:
+        closed = self.engine.render_chat([("user", _SENTINEL)], False) or ""
+        opened = self.engine.render_chat([("user", _SENTINEL)], True) or ""
+        return opened[len(closed):] if opened.startswith(closed) else ""
+
+
+@dataclass
+class ModularResult(RunResult):
+    modules_hit: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "modules_hit": self.modules_hit}
+
+
+def _ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1000.0
+
+
+class ModularInference:
+    """Prompt Cache on one engine, with module states shared through one cache box."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: CacheBox | None,
+        catalogs: CatalogRegistry | None,
+        *,
+        device: str = "",
+        namespace: str = "default",
+        entry_ttl: int | None = None,
+        max_entry_bytes: int = 64 * 1024 * 1024,
+    ):
+        self.engine = engine
+        self.store = store
+        self.catalogs = catalogs
+        self.device = device
+        self.namespace = check_namespace(namespace)
+        self.entry_ttl = entry_ttl
+        self.max_entry_bytes = max_entry_bytes
+        self.tokenizer = EngineTokenizer(engine)
+        self._layouts: dict[str, tuple[Schema, SchemaLayout]] = {}
+
+    # -- schemas -------------------------------------------------------------------------------
+    def load_schema(self, source: str) -> tuple[Schema, SchemaLayout]:
+        """Parse and lay out a schema (remembered by its digest). Raises PMLError."""
+        schema = parse_schema(source)
+        cached = self._layouts.get(schema.digest)
+        if cached is None:
+            layout = lay_out(schema, self.tokenizer)
+            if layout.positions >= self.engine.n_ctx:
+                raise PMLError(f"schema {schema.name!r} spans {layout.positions} positions; the context holds {self.engine.n_ctx}")
+            cached = self._layouts[schema.digest] = (schema, layout)
+        return cached
+
+    def piece_names(self, layout: SchemaLayout) -> list[ModulePiece]:
+        """Every state a schema has: each module (anonymous ones included) and each scaffold."""
+        pieces = [ModulePiece(path, [path], module.start) for path, module in layout.modules.items()]
+        for name, members in layout.scaffolds.items():
+            pieces.append(ModulePiece(f"scaffold:{name}", list(members), min(layout.modules[m].start for m in members)))
+        return pieces
+
+    def key_name(self, layout: SchemaLayout, namespace: str, piece: str) -> tuple[bytes, str]:
+        key = module_key(self.engine.fingerprint, namespace, layout.digest, piece)
+        return key, module_key_name(namespace, self.engine.fingerprint, layout.digest, key)
+
+    # -- encoding ----------------------------------------------------------------------------------
+    def _runs(self, layout: SchemaLayout, members: list[str]):
+        return sorted((run for member in members for run in layout.modules[member].runs), key=lambda run: run.start)
+
+    def _digest(self, layout: SchemaLayout, members: list[str]) -> str:
+        flat = []
+        for run in self._runs(layout, members):
+            flat += [run.start, len(run.tokens), *run.tokens]
+        return tokens_digest(flat)
+
+    def encode(self, layout: SchemaLayout, piece: ModulePiece) -> bytes:
+        """Prefill one module (or scaffold) at its schema positions, after BOS; returns its state bytes."""
+        engine = self.engine
+        runs = self._runs(layout, piece.members)
+        engine.remove(WORK_SEQ)
+        bos = self.tokenizer.bos
+        try:
+            if bos is not None and runs[0].start > 0:
+                engine.prefill([bos], 0, seq=WORK_SEQ)  # attention sink; not exported
+            for run in runs:
+                _place(engine, run.tokens, run.start, WORK_SEQ)
+            return engine.export_range(runs[0].start, runs[-1].end, seq=WORK_SEQ)
+        finally:
+            engine.remove(WORK_SEQ)
+
+    def encode_schema(self, source: str, *, namespace: str | None = None, progress=None, force: bool = False) -> dict:
+        """Encode every module and scaffold of a schema into the cache box (skips those already there)."""
+        namespace = check_namespace(namespace or self.namespace)
+        schema, layout = self.load_schema(source)
+        pieces = self.piece_names(layout)
+        stored, skipped, total_bytes = [], [], 0
+        with self.engine.lock:
+            for index, piece in enumerate(pieces):
+                key, name = self.key_name(layout, namespace, piece.key_name)
+                if not force and self.store.redis.exists(name):
+                    skipped.append(piece.key_name)
+                else:
+                    blob = self._entry(layout, namespace, piece, self.encode(layout, piece))
+                    self.store.put_entries([(name, blob)], ttl=self.entry_ttl)
+                    self.catalogs.get(namespace).announce([key])
+                    stored.append({"name": name, "piece": piece.key_name, "bytes": len(blob), **_span(layout, piece)})
+                    total_bytes += len(blob)
+                if progress:
+                    progress(index + 1, len(pieces), piece.key_name)
+        return {"schema": schema.name, "digest": schema.digest, "stored": stored, "skipped": skipped, "bytes": total_bytes}
+
+    def _entry(self, layout: SchemaLayout, namespace: str, piece: ModulePiece, state: bytes) -> bytes:
+        span = _span(layout, piece)
+        header = EntryHeader(
+            fingerprint=self.engine.fingerprint,
+            namespace=namespace,
+            start=span["start"],
+            end=span["end"],
+            tokens_digest=self._digest(layout, piece.members),
+            state_bytes=len(state),
+            checksum=state_checksum(state),
+            device=self.device,
+        )
+        return encode_entry(header, state)
+
+    # -- serving -----------------------------------------------------------------------------------
+    def run(
+        self,
+        schema_source: str,
+        prompt_source: str,
+        *,
+        max_tokens: int = 16,
+        sampling: SamplingParams = SamplingParams(),
+        use_cache: bool = True,
+        namespace: str | None = None,
+    ) -> ModularResult:
+        if max_tokens < 1:
+            raise PromptError("max_tokens must be at least 1")
+        namespace = check_namespace(namespace or self.namespace)
+        engine = self.engine
+        caching = use_cache and self.store is not None and self.catalogs is not None
+        with engine.lock:
+            breakdown = Breakdown(cachebox="ok" if caching else "off", decision="modules" if caching else "no-cache")
+            started = time.perf_counter()
+            mark = started
+            schema, layout = self.load_schema(schema_source)
+            plan = plan_prompt(parse_prompt(prompt_source, schema), layout, self.tokenizer)
+            breakdown.token_ms = _ms(mark)
+            module_pieces = [piece for piece in plan.pieces if isinstance(piece, ModulePiece)]
+            total = sum(layout.modules[m].token_count for piece in module_pieces for m in piece.members)
+            total += sum(len(piece.tokens) for piece in plan.pieces if isinstance(piece, TextPiece))
+            if total + max_tokens > engine.n_ctx:
+                raise PromptError(f"the prompt has {total} tokens and {max_tokens} more were asked for, but the context holds {engine.n_ctx}")
+
+            cached: dict[str, tuple[bytes, int]] = {}
+            names: dict[str, tuple[bytes, str]] = {}
+            if caching:
+                cached = self._fetch(layout, namespace, module_pieces, names, breakdown)
+
+            engine.clear()
+            fresh: list[tuple[ModulePiece, bytes]] = []
+            logits, last_token, last_position, matched, cells = None, None, -1, 0, 0
+            for index, piece in enumerate(plan.pieces):
+                is_last = index == len(plan.pieces) - 1
+                if isinstance(piece, TextPiece):
+                    mark = time.perf_counter()
+                    position = engine.positions(MAIN_SEQ)[1] + 1
+                    out = engine.prefill(piece.tokens, position, logits_at={position + len(piece.tokens) - 1} if is_last else frozenset())
+                    breakdown.prefill_ms += _ms(mark)
+                    logits = out.get(position + len(piece.tokens) - 1)
+                    last_token, last_position = piece.tokens[-1], position + len(piece.tokens) - 1
+                    cells += len(piece.tokens)
+                    continue
+                hit = piece.key_name in cached
+                mark = time.perf_counter()
+                if hit:
+                    blob, offset = cached[piece.key_name]
+                else:
+                    blob, offset = self.encode(layout, piece), 0
+                    fresh.append((piece, blob))
+                if hit:
+                    breakdown.restore_ms += _ms(mark)
+                    matched += sum(layout.modules[m].token_count for m in piece.members)
+                else:
+                    breakdown.prefill_ms += _ms(mark)
+                mark = time.perf_counter()
+                shift, last_position, last_token = self._place_module(layout, piece, blob, offset)
+                cells += sum(layout.modules[m].token_count for m in piece.members)
+                if hit:
+                    breakdown.restore_ms += _ms(mark)
+                else:
+                    breakdown.prefill_ms += _ms(mark)
+                if piece.args:
+                    mark = time.perf_counter()
+                    cells += self._fill_args(piece, shift)
+                    breakdown.prefill_ms += _ms(mark)
+                logits = None
+            if logits is None:
+                # The prompt ends inside a module: recompute its last token for the logits.
+                mark = time.perf_counter()
+                engine.remove(MAIN_SEQ, last_position, -1)
+                logits = engine.prefill([last_token], last_position, logits_at={last_position})[last_position]
+                breakdown.prefill_ms += _ms(mark)
+            breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
+            breakdown.prompt_tokens = cells
+            breakdown.matched_tokens = matched
+            hits = [piece.key_name for piece in module_pieces if piece.key_name in cached]
+            breakdown.case = "miss" if not hits else ("full" if len(hits) == len(module_pieces) else "partial")
+
+            rng = np.random.default_rng(sampling.seed)
+            mark = time.perf_counter()
+            token = choose(logits, sampling, rng)
+            breakdown.sample_ms = _ms(mark)
+            breakdown.ttft_ms = _ms(started)
+            generated = [token]
+            position = engine.positions(MAIN_SEQ)[1] + 1
+            while len(generated) < max_tokens and not engine.is_end_of_generation(token):
+                mark = time.perf_counter()
+                out = engine.decode_one(token, position)
+                breakdown.decode_ms += _ms(mark)
+                position += 1
+                mark = time.perf_counter()
+                token = choose(out, sampling, rng)
+                breakdown.sample_ms += _ms(mark)
+                generated.append(token)
+            breakdown.ttlt_ms = _ms(started)
+            if engine.is_end_of_generation(generated[-1]):
+                generated.pop()
+            breakdown.generated_tokens = len(generated)
+            text = engine.detokenize(generated)
+
+            uploaded = []
+            if caching and fresh and breakdown.cachebox == "ok":
+                uploaded = self._upload(layout, namespace, fresh, names, breakdown)
+            breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
+            fetched = [names[piece][1] for piece in hits if piece in names]
+            return ModularResult(text, generated, breakdown, fetched=fetched, uploaded=uploaded, modules_hit=hits)
+
+    def _fetch(self, layout, namespace, pieces, names, breakdown) -> dict[str, tuple[bytes, int]]:
+        """States of the pieces the catalog says the cache box may hold, verified (one round trip)."""
+        catalog = self.catalogs.get(namespace).catalog
+        mark = time.perf_counter()
+        for piece in pieces:
+            names[piece.key_name] = self.key_name(layout, namespace, piece.key_name)
+        maybe = catalog.lookup([names[piece.key_name][0] for piece in pieces])
+        breakdown.bloom_ms = _ms(mark)
+        wanted = [piece for piece, hit in zip(pieces, maybe) if hit]
+        if not wanted:
+            return {}
+        mark = time.perf_counter()
+        try:
+            blobs = self.store.read_entries([names[piece.key_name][1] for piece in wanted])
+        except CacheBoxUnavailable as exc:
+            log.warning("cache box unavailable, encoding modules locally: %s", exc)
+            breakdown.cachebox = "unavailable"
+            breakdown.fetch_ms = _ms(mark)
+            return {}
+        found = {}
+        for piece, blob in zip(wanted, blobs):
+            name = names[piece.key_name][1]
+            if blob is None:
+                catalog.record_false_positive()
+                breakdown.false_positives += 1
+                continue
+            try:
+                parsed = decode_header(blob)
+                if isinstance(parsed, int):
+                    raise EntryError("entry is truncated inside its header")
+                header, offset = parsed
+                span = _span(layout, piece)
+                if header.fingerprint != self.engine.fingerprint or header.namespace != namespace:
+                    raise EntryError("entry was made for another model or namespace")
+                if (header.start, header.end) != (span["start"], span["end"]) or header.tokens_digest != self._digest(layout, piece.members):
+                    raise EntryError("entry does not hold this module's tokens")
+                verify_state(header, memoryview(blob)[offset:])
+            except EntryError as exc:
+                breakdown.rejected_entries += 1
+                log.warning("rejected module entry %s: %s", name, exc)
+                try:
+                    self.store.delete([name])
+                except CacheBoxUnavailable:
+                    pass
+                continue
+            catalog.record_true_hit()
+            breakdown.fetched_bytes += len(blob)
+            found[piece.key_name] = (blob, offset)
+        breakdown.fetch_ms = _ms(mark)
+        return found
+
+    def _place_module(self, layout, piece: ModulePiece, blob: bytes, offset: int) -> tuple[int, int, int]:
+        """Load a module's state into the main sequence; returns (shift, last position, last token)."""
+        engine = self.engine
+        runs = self._runs(layout, piece.members)
+        engine.remove(WORK_SEQ)
+        engine.import_range(blob, offset, seq=WORK_SEQ)
+        first, last = engine.positions(WORK_SEQ)
+        if (first, last) != (runs[0].start, runs[-1].end - 1):
+            engine.remove(WORK_SEQ)
+            raise EngineError(f"module {piece.key_name!r} restored positions {first}..{last}, expected {runs[0].start}..{runs[-1].end - 1}")
+        cursor = engine.positions(MAIN_SEQ)[1] + 1
+        shift = max(0, cursor - runs[0].start)
+        if shift:
+            engine.shift(WORK_SEQ, -1, -1, shift)  # text placed before it ran past its start
+        engine.copy_sequence(WORK_SEQ, MAIN_SEQ)
+        engine.remove(WORK_SEQ)
+        return shift, runs[-1].end - 1 + shift, runs[-1].tokens[-1]
+
+    def _fill_args(self, piece: ModulePiece, shift: int) -> int:
+        """Put parameter values where their placeholders were, computed with what precedes them.
+
+        Returns the change in the number of cells (values are usually shorter than ``len``).
+        """
+        engine = self.engine
+        change = 0
+        for start, length, tokens in sorted(piece.args.values()):
+            start += shift
+            engine.remove(MAIN_SEQ, start, start + length)
+            change += len(tokens) - length
+            if not tokens:
+                continue
+            engine.remove(CONTEXT_SEQ)
+            engine.copy_sequence(MAIN_SEQ, CONTEXT_SEQ, -1, start)
+            engine.prefill(tokens, start, seq=CONTEXT_SEQ)
+            engine.copy_sequence(CONTEXT_SEQ, MAIN_SEQ, start, start + len(tokens))
+            engine.remove(CONTEXT_SEQ)
+        return change
+
+    def _upload(self, layout, namespace, fresh, names, breakdown) -> list[dict]:
+        mark = time.perf_counter()
+        items, keys, stored = [], [], []
+        for piece, state in fresh:
+            key, name = names.get(piece.key_name) or self.key_name(layout, namespace, piece.key_name)
+            blob = self._entry(layout, namespace, piece, state)
+            if len(blob) > self.max_entry_bytes:
+                continue
+            items.append((name, blob))
+            keys.append(key)
+            stored.append({"name": name, "namespace": namespace, "model": self.engine.fingerprint, "bytes": len(blob), **_span(layout, piece)})
+        try:
+            breakdown.uploaded_bytes = self.store.put_entries(items, ttl=self.entry_ttl) if items else 0
+            if keys:
+                self.catalogs.get(namespace).announce(keys)
+        except CacheBoxUnavailable as exc:
+            log.warning("cache box unavailable, modules not shared: %s", exc)
+            breakdown.cachebox = "unavailable"
+            breakdown.uploaded_bytes = 0
+            stored = []
+        breakdown.upload_ms = _ms(mark)
+        return stored
+
+
+def _span(layout: SchemaLayout, piece: ModulePiece) -> dict:
+    modules = [layout.modules[m] for m in piece.members]
+    return {"start": min(m.start for m in modules), "end": max(m.end for m in modules)}
+
+
+def _place(engine: Engine, tokens: list[int], start: int, seq: int) -> None:
+    """Prefill ``tokens`` at ``start`` of ``seq``; across a gap by prefilling next and shifting."""
+    first, last = engine.positions(seq)
+    if last < 0 or start == last + 1:
+        engine.prefill(tokens, start, seq=seq)
+        return
+    if start < last + 1:
+        raise EngineError(f"positions {start}.. overlap what sequence {seq} holds (up to {last})")
+    engine.prefill(tokens, last + 1, seq=seq)
+    engine.shift(seq, last + 1, last + 1 + len(tokens), start - (last + 1))

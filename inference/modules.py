@@ -1,0 +1,272 @@
+"""Prompt-module layout and prompt plans (Prompt Cache, sections 3.3-3.4). Pure.
+
+Layout: every module of a schema gets the positions it holds in the schema. Text outside
+modules becomes anonymous modules that every prompt includes; union members share one
+start and the union reserves its longest member; a parameter reserves ``len`` positions,
+filled with a placeholder token when the module is encoded.
+
+Plan: a prompt becomes the list of pieces to assemble in position order: the schema's
+anonymous modules, the imported modules (or a scaffold standing for several of them) with
+their parameter values, and the prompt's own text, placed after the module it follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .pml import Import, Module, Param, PMLError, PromptDoc, PromptText, Role, Schema, Text, UnionNode
+
+ANONYMOUS = "_text"
+
+
+class Tokenizer(Protocol):
+    bos: int | None
+    placeholder: int
+
+    def text(self, text: str) -> list[int]: ...  # user text: no special tokens parsed
+
+    def special(self, text: str) -> list[int]: ...  # template text: special tokens parsed
+
+    def wrappers(self, role: str) -> tuple[str, str]: ...  # chat-template prefix and suffix
+
+    def generation_prefix(self) -> str: ...  # what opens the assistant's answer
+
+
+@dataclass
+class Run:
+    """Tokens at consecutive positions."""
+
+    start: int
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass
+class ModuleLayout:
+    path: str
+    start: int
+    end: int  # one past the last position the module spans (nested modules included)
+    runs: list[Run]  # the module's own tokens; nested modules are modules of their own
+    params: dict[str, tuple[int, int]]  # name -> (first position, len)
+    anonymous: bool = False
+    union: str | None = None
+
+    @property
+    def token_count(self) -> int:
+        return sum(len(run.tokens) for run in self.runs)
+
+    @property
+    def last(self) -> tuple[int, int]:
+        """(position, token) of the module's last own token."""
+        run = [run for run in self.runs if run.tokens][-1]
+        return run.end - 1, run.tokens[-1]
+
+
+@dataclass
+class SchemaLayout:
+    name: str
+    digest: str
+    modules: dict[str, ModuleLayout]  # by path, anonymous ones included
+    scaffolds: dict[str, list[str]]
+    positions: int  # positions the whole schema spans
+
+    @property
+    def anonymous(self) -> list[ModuleLayout]:
+        return [module for module in self.modules.values() if module.anonymous]
+
+
+class _LayoutBuilder:
+    def __init__(self, schema: Schema, tokenizer: Tokenizer):
+        self.schema = schema
+        self.tok = tokenizer
+        self.pos = 0
+        self.modules: dict[str, ModuleLayout] = {}
+        self.anon: ModuleLayout | None = None
+
+    def build(self) -> SchemaLayout:
+        if self.tok.bos is not None:
+            self._anon_tokens([self.tok.bos])
+        for node in self.schema.children:
+            self._top(node)
+        self._flush_anon()
+        scaffolds = {scaffold.name: list(scaffold.modules) for scaffold in self.schema.scaffolds}
+        return SchemaLayout(self.schema.name, self.schema.digest, self.modules, scaffolds, self.pos)
+
+    # -- anonymous text between modules -----------------------------------------------------
+    def _anon_tokens(self, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        if self.anon is None:
+            path = f"{ANONYMOUS}{sum(1 for m in self.modules.values() if m.anonymous)}"
+            self.anon = ModuleLayout(path, self.pos, self.pos, [Run(self.pos)], {}, anonymous=True)
+            self.modules[path] = self.anon
+        self.anon.runs[0].tokens.extend(tokens)
+        self.pos += len(tokens)
+        self.anon.end = self.pos
+
+    def _flush_anon(self) -> None:
+        self.anon = None
+
+    def _top(self, node) -> None:
+        if isinstance(node, Text):
+            self._anon_tokens(self.tok.text(node.text))
+        elif isinstance(node, Role):
+            prefix, suffix = self.tok.wrappers(node.role)
+            self._anon_tokens(self.tok.special(prefix))
+            for child in node.children:
+                self._top(child)
+            self._anon_tokens(self.tok.special(suffix))
+        elif isinstance(node, Module):
+            self._flush_anon()
+            self._module(node)
+        elif isinstance(node, UnionNode):
+            self._flush_anon()
+            self._union(node)
+
+    # -- modules -------------------------------------------------------------------------------
+    def _union(self, node: UnionNode) -> None:
+        start, end = self.pos, self.pos
+        for member in node.members:
+            self.pos = start
+            self._module(member)
+            end = max(end, self.pos)
+        self.pos = end
+
+    def _module(self, module: Module) -> None:
+        layout = ModuleLayout(module.path, self.pos, self.pos, [Run(self.pos)], {}, union=module.union)
+        self.modules[module.path] = layout
+        self._body(module.children, layout)
+        layout.runs = [run for run in layout.runs if run.tokens]
+        layout.end = self.pos
+        if not layout.runs:
+            where = module.where
+            raise PMLError(f"module {module.path!r} has no text of its own", where.line, where.column)
+
+    def _body(self, children, layout: ModuleLayout) -> None:
+        for child in children:
+            if isinstance(child, Text):
+                self._own(layout, self.tok.text(child.text))
+            elif isinstance(child, Param):
+                layout.params[child.name] = (self.pos, child.length)
+                self._own(layout, [self.tok.placeholder] * child.length)
+            elif isinstance(child, Role):
+                prefix, suffix = self.tok.wrappers(child.role)
+                self._own(layout, self.tok.special(prefix))
+                self._body(child.children, layout)
+                self._own(layout, self.tok.special(suffix))
+            elif isinstance(child, (Module, UnionNode)):
+                if isinstance(child, Module):
+                    self._module(child)
+                else:
+                    self._union(child)
+                layout.runs.append(Run(self.pos))
+
+    def _own(self, layout: ModuleLayout, tokens: list[int]) -> None:
+        layout.runs[-1].tokens.extend(tokens)
+        self.pos += len(tokens)
+
+
+def lay_out(schema: Schema, tokenizer: Tokenizer) -> SchemaLayout:
+    """Positions of every module of ``schema`` (tokenizes its text)."""
+    return _LayoutBuilder(schema, tokenizer).build()
+
+
+# -- plans -----------------------------------------------------------------------------------------
+@dataclass
+class ModulePiece:
+    """Cached state to place: one module, or a scaffold standing for several."""
+
+    key_name: str  # module path, or "scaffold:NAME"
+    members: list[str]  # module paths whose own tokens the state holds
+    start: int
+    # "module/param" -> (first position, len, value tokens)
+    args: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
+
+
+@dataclass
+class TextPiece:
+    tokens: list[int]
+    anchor: int  # placed after the module piece ending here (or after everything before it)
+
+
+@dataclass
+class Plan:
+    pieces: list  # ModulePiece | TextPiece in assembly order
+    imported: list[str]  # module paths the prompt imported
+
+
+def plan_prompt(doc: PromptDoc, layout: SchemaLayout, tokenizer: Tokenizer) -> Plan:
+    """The pieces of a prompt in assembly order; raises PMLError for a parameter value too long."""
+    imports: list[tuple[Import, int]] = []  # (import, index of the item it came from)
+    texts: list[tuple[list[int], int]] = []  # (tokens, anchor)
+    anchor = 0
+    last_role = None
+    for item in doc.items:
+        if isinstance(item, Import):
+            for imported in _flatten(item):
+                imports.append(imported)
+                anchor = max(anchor, layout.modules[imported.name].end)
+            last_role = None
+        elif isinstance(item, PromptText):
+            if item.role:
+                prefix, suffix = tokenizer.wrappers(item.role)
+                tokens = tokenizer.special(prefix) + tokenizer.text(item.text) + tokenizer.special(suffix)
+            else:
+                tokens = tokenizer.text(item.text)
+            texts.append((tokens, anchor))
+            last_role = item.role
+    if last_role == "user":
+        texts.append((tokenizer.special(tokenizer.generation_prefix()), anchor))
+
+    imported_paths = [imp.name for imp in imports]
+    pieces: list[tuple[tuple, object]] = []
+    covered: set[str] = set()
+    for name, members in layout.scaffolds.items():
+        if all(member in imported_paths for member in members) and not covered & set(members):
+            start = min(layout.modules[m].start for m in members)
+            piece = ModulePiece(f"scaffold:{name}", list(members), start)
+            for imp in imports:
+                if imp.name in members:
+                    piece.args.update(_args(imp, layout.modules[imp.name], tokenizer))
+            pieces.append(((start, 0, len(pieces)), piece))
+            covered.update(members)
+    for module in layout.anonymous:
+        pieces.append(((module.start, 0, len(pieces)), ModulePiece(module.path, [module.path], module.start)))
+    for imp in imports:
+        if imp.name in covered:
+            continue
+        module = layout.modules[imp.name]
+        piece = ModulePiece(module.path, [module.path], module.start, _args(imp, module, tokenizer))
+        pieces.append(((module.start, 0, len(pieces)), piece))
+    for tokens, text_anchor in texts:
+        if tokens:
+            pieces.append(((text_anchor, 1, len(pieces)), TextPiece(tokens, text_anchor)))
+    pieces.sort(key=lambda pair: pair[0])
+    return Plan([piece for _, piece in pieces], imported_paths)
+
+
+def _flatten(item: Import) -> list[Import]:
+    found = [item]
+    for child in item.children:
+        if isinstance(child, Import):
+            found.extend(_flatten(child))
+    return found
+
+
+def _args(imp: Import, module: ModuleLayout, tokenizer: Tokenizer) -> dict[str, tuple[int, int, list[int]]]:
+    values = {}
+    for name, value in imp.args.items():
+        start, length = module.params[name]
+        tokens = tokenizer.text(value)
+        if len(tokens) > length:
+            raise PMLError(
+                f"value of parameter {name!r} of module {module.path!r} is {len(tokens)} tokens, longer than its len={length}",
+                imp.where.line,
+                imp.where.column,
+            )
+        values[f"{module.path}/{name}"] = (start, length, tokens)
+    return values
