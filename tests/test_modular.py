@@ -1,0 +1,118 @@
+"""Prompt schemas served from cached modules: the real model and a real cache box."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cachebox.entry import decode_header
+from cachebox.store import CacheBox
+from inference.pml import PMLError
+
+from .conftest import ROOT, run_manage
+
+pytestmark = [pytest.mark.model, pytest.mark.cachebox]
+
+SCHEMA = (ROOT / "examples" / "travel.pml").read_text()
+PROMPT = '<prompt schema="travel"><trip-plan duration="3 days"/><tokyo><kyoto/></tokyo><user>Which places first?</user></prompt>'
+
+
+def module_names(store, namespace):
+    return sorted(name for name in store.scan_entries(namespace) if name.startswith("ec:m:"))
+
+
+def test_encoded_schema_serves_prompts_from_cached_modules(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace)
+    encoded = board.modular.encode_schema(SCHEMA, namespace=namespace)
+    assert {item["piece"] for item in encoded["stored"]} == {"_text0", "trip-plan", "miami", "tokyo", "tokyo/kyoto", "scaffold:plan-miami"}
+    cached = board.run_pml(SCHEMA, PROMPT, max_tokens=6, namespace=namespace)
+    b = cached.breakdown
+    assert b.case == "full" and cached.modules_hit == ["_text0", "trip-plan", "tokyo", "tokyo/kyoto"]
+    assert 0 < b.matched_tokens < b.prompt_tokens and b.fetched_bytes > 0
+    uncached = board.run_pml(SCHEMA, PROMPT, max_tokens=6, namespace=namespace, use_cache=False)
+    assert uncached.breakdown.cachebox == "off" and uncached.modules_hit == []
+    assert cached.tokens == uncached.tokens  # a module's state is the same whether fetched or encoded here
+    assert board.modular.encode_schema(SCHEMA, namespace=namespace)["skipped"]  # nothing encoded twice
+
+
+def test_modules_are_encoded_on_the_fly_shared_and_hit_by_another_board(valkey_url, namespace, make_board):
+    first = make_board(valkey_url, namespace, device="zero")
+    miss = first.run_pml(SCHEMA, PROMPT, max_tokens=4, namespace=namespace)
+    assert miss.breakdown.case == "miss" and miss.breakdown.uploaded_bytes > 0
+    store = CacheBox(valkey_url)
+    assert len(module_names(store, namespace)) == 4  # _text0, trip-plan, tokyo, tokyo/kyoto
+    second = make_board(valkey_url, namespace, device="pi5")
+    second.catalogs.sync_all()
+    hit = second.run_pml(SCHEMA, PROMPT, max_tokens=4, namespace=namespace)
+    assert hit.breakdown.case == "full" and hit.tokens == miss.tokens
+    assert hit.breakdown.ttft_ms < miss.breakdown.ttft_ms
+
+
+def test_parameter_values_are_computed_not_cached(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace)
+    board.modular.encode_schema(SCHEMA, namespace=namespace)
+    short = board.run_pml(SCHEMA, PROMPT, max_tokens=3, namespace=namespace)
+    longer = board.run_pml(SCHEMA, PROMPT.replace("3 days", "two long weeks"), max_tokens=3, namespace=namespace)
+    assert short.breakdown.case == longer.breakdown.case == "full"
+    assert longer.breakdown.prompt_tokens > short.breakdown.prompt_tokens
+    with pytest.raises(PMLError, match="longer than its len=4"):
+        board.run_pml(SCHEMA, PROMPT.replace("3 days", "a very long holiday of many many weeks"), namespace=namespace)
+
+
+def test_a_scaffold_stands_for_its_members(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace)
+    prompt = '<prompt schema="travel"><trip-plan duration="a week"/><miami/><user>Where to surf?</user></prompt>'
+    board.run_pml(SCHEMA, prompt, max_tokens=3, namespace=namespace)
+    result = board.run_pml(SCHEMA, prompt, max_tokens=3, namespace=namespace)
+    assert result.modules_hit == ["_text0", "scaffold:plan-miami"] and result.breakdown.case == "full"
+
+
+def test_a_prompt_may_end_inside_a_module(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace)
+    prompt = '<prompt schema="travel"><miami/></prompt>'
+    cold = board.run_pml(SCHEMA, prompt, max_tokens=3, namespace=namespace)
+    warm = board.run_pml(SCHEMA, prompt, max_tokens=3, namespace=namespace)
+    assert warm.breakdown.case == "full" and warm.tokens == cold.tokens
+
+
+def test_a_corrupted_module_is_rejected_and_encoded_again(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace)
+    cold = board.run_pml(SCHEMA, PROMPT, max_tokens=4, namespace=namespace)
+    store = CacheBox(valkey_url)
+    name = module_names(store, namespace)[0]
+    header, offset = decode_header(store.read_prefixes([name], 4096)[0])
+    store.redis.setrange(name, offset + 100, b"\xff\xff\xff\xff")
+    result = board.run_pml(SCHEMA, PROMPT, max_tokens=4, namespace=namespace)
+    assert result.breakdown.rejected_entries == 1 and result.breakdown.case == "partial"
+    assert result.tokens == cold.tokens
+    again = board.run_pml(SCHEMA, PROMPT, max_tokens=4, namespace=namespace)
+    assert again.breakdown.case == "full"
+
+
+def test_infer_serves_pml_from_the_command_line(valkey_url, namespace, tmp_path):
+    prompt = tmp_path / "prompt.pml"
+    prompt.write_text(PROMPT)
+    env = {"REDIS_URL": valkey_url, "EDGECACHE_NAMESPACE": namespace, "EDGECACHE_N_CTX": "2048"}
+    args = ["infer", "--schema", str(ROOT / "examples" / "travel.pml"), "--prompt-file", str(prompt), "--max-tokens", "3", "--json"]
+    first = run_manage(*args, env=env)
+    second = run_manage(*args, env=env)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr.decode() + second.stderr.decode()
+    cold, hit = json.loads(first.stdout), json.loads(second.stdout)
+    assert cold["modules_hit"] == [] and hit["modules_hit"] == ["_text0", "trip-plan", "tokyo", "tokyo/kyoto"]
+    assert hit["case"] == "full" and hit["text"] == cold["text"] and "ttft_ms" in hit
+
+
+@pytest.mark.parametrize(
+    "schema, prompt, message",
+    [
+        ("<schema name='travel'><module name='a'>x</schema>", PROMPT, b"line 1, column"),
+        (SCHEMA, '<prompt schema="travel"><miami/><tokyo/></prompt>', b"members of one union"),
+        (SCHEMA, '<prompt schema="paris"><miami/></prompt>', b"unknown schema 'paris'"),
+    ],
+)
+def test_infer_reports_bad_pml_in_one_line(tmp_path, valkey_url, schema, prompt, message):
+    (tmp_path / "s.pml").write_text(schema)
+    (tmp_path / "p.pml").write_text(prompt)
+    done = run_manage("infer", "--schema", str(tmp_path / "s.pml"), "--prompt-file", str(tmp_path / "p.pml"), env={"REDIS_URL": valkey_url})
+    assert done.returncode != 0 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr.decode()
