@@ -29,7 +29,7 @@ from cachebox.sync import CatalogRegistry
 
 from .breakdown import Breakdown
 from .engine import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, EngineError
-from .modules import ModulePiece, Plan, SchemaLayout, TextPiece, lay_out, plan_prompt
+from .modules import ModulePiece, Placement, Plan, SchemaLayout, TextPiece, lay_out, plan_prompt
 from .pipeline import PromptError, RunResult
 from .pml import PMLError, Schema, parse_prompt, parse_schema
 from .sampling import SamplingParams, choose
@@ -94,8 +94,10 @@ class ModularInference:
         namespace: str = "default",
         entry_ttl: int | None = None,
         max_entry_bytes: int = 64 * 1024 * 1024,
+        compact: bool = True,
     ):
         self.engine = engine
+        self.compact = compact
         self.store = store
         self.catalogs = catalogs
         self.device = device
@@ -223,13 +225,14 @@ class ModularInference:
                 cached = self._fetch(layout, namespace, module_pieces, names, breakdown)
 
             engine.clear()
+            placement = Placement(compact=self.compact)
             fresh: list[tuple[ModulePiece, bytes]] = []
             logits, last_token, last_position, matched, cells = None, None, -1, 0, 0
             for index, piece in enumerate(plan.pieces):
                 is_last = index == len(plan.pieces) - 1
                 if isinstance(piece, TextPiece):
                     mark = time.perf_counter()
-                    position = engine.positions(MAIN_SEQ)[1] + 1
+                    position = placement.text(len(piece.tokens))
                     out = engine.prefill(piece.tokens, position, logits_at={position + len(piece.tokens) - 1} if is_last else frozenset())
                     breakdown.prefill_ms += _ms(mark)
                     logits = out.get(position + len(piece.tokens) - 1)
@@ -249,7 +252,9 @@ class ModularInference:
                 else:
                     breakdown.prefill_ms += _ms(mark)
                 mark = time.perf_counter()
-                shift, last_position, last_token = self._place_module(layout, piece, blob, offset)
+                runs = self._runs(layout, piece.members)
+                shift = placement.module([(run.start, run.end) for run in runs])
+                last_position, last_token = self._place_module(layout, piece, blob, offset, shift)
                 cells += sum(layout.modules[m].token_count for m in piece.members)
                 if hit:
                     breakdown.restore_ms += _ms(mark)
@@ -352,8 +357,8 @@ class ModularInference:
         breakdown.fetch_ms = _ms(mark)
         return found
 
-    def _place_module(self, layout, piece: ModulePiece, blob: bytes, offset: int) -> tuple[int, int, int]:
-        """Load a module's state into the main sequence; returns (shift, last position, last token)."""
+    def _place_module(self, layout, piece: ModulePiece, blob: bytes, offset: int, shift: int) -> tuple[int, int]:
+        """Load a module's state into the main sequence, moved by ``shift``; returns (last position, last token)."""
         engine = self.engine
         runs = self._runs(layout, piece.members)
         engine.remove(WORK_SEQ)
@@ -362,13 +367,11 @@ class ModularInference:
         if (first, last) != (runs[0].start, runs[-1].end - 1):
             engine.remove(WORK_SEQ)
             raise EngineError(f"module {piece.key_name!r} restored positions {first}..{last}, expected {runs[0].start}..{runs[-1].end - 1}")
-        cursor = engine.positions(MAIN_SEQ)[1] + 1
-        shift = max(0, cursor - runs[0].start)
         if shift:
-            engine.shift(WORK_SEQ, -1, -1, shift)  # text placed before it ran past its start
+            engine.shift(WORK_SEQ, -1, -1, shift)  # RoPE re-rotation at the next decode
         engine.copy_sequence(WORK_SEQ, MAIN_SEQ)
         engine.remove(WORK_SEQ)
-        return shift, runs[-1].end - 1 + shift, runs[-1].tokens[-1]
+        return runs[-1].end - 1 + shift, runs[-1].tokens[-1]
 
     def _fill_args(self, piece: ModulePiece, shift: int) -> int:
         """Put parameter values where their placeholders were, computed with what precedes them.

@@ -270,3 +270,50 @@ def _args(imp: Import, module: ModuleLayout, tokenizer: Tokenizer) -> dict[str, 
             )
         values[f"{module.path}/{name}"] = (start, length, tokens)
     return values
+
+
+class Placement:
+    """Where each piece of a prompt goes in the served sequence. Pure bookkeeping.
+
+    Modules keep their schema positions up to a running offset. With ``compact`` (the
+    default) a gap left by modules the prompt did not import, or by a shorter union
+    member, is closed by moving what follows left: Gemma-3's sliding-window layers see
+    512 positions, and a schema spread wider than the prompt would hide its start from
+    the question. Text goes after the last placed cell; a module that text has run into
+    moves right. Nested modules land in their parent's gap, as in the schema.
+    """
+
+    def __init__(self, compact: bool = True):
+        self.compact = compact
+        self.offset = 0  # schema position - served position, for what comes next
+        self.occupied: list[tuple[int, int]] = []
+
+    @property
+    def cursor(self) -> int:
+        return max((end for _, end in self.occupied), default=0)
+
+    def module(self, runs: list[tuple[int, int]]) -> int:
+        """Place a module with these (start, end) runs in schema positions; returns its shift."""
+        first = runs[0][0]
+        target = first - self.offset
+        if self._free([(start - self.offset, end - self.offset) for start, end in runs]):
+            if target > self.cursor and self.compact:
+                self.offset += target - self.cursor
+                target = self.cursor
+        else:
+            target = self.cursor
+            self.offset = first - target
+        delta = target - first
+        self.occupied.extend((start + delta, end + delta) for start, end in runs)
+        return delta
+
+    def text(self, length: int) -> int:
+        """Place ``length`` tokens of text after everything; returns their first position."""
+        start = self.cursor
+        self.occupied.append((start, start + length))
+        return start
+
+    def _free(self, runs: list[tuple[int, int]]) -> bool:
+        if any(start < 0 for start, _ in runs):
+            return False
+        return not any(start < o_end and o_start < end for start, end in runs for o_start, o_end in self.occupied)

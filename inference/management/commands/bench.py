@@ -27,6 +27,11 @@ class Command(BaseCommand):
         cases.add_argument("--shots", type=int, default=5, help="few-shot examples per prompt")
         cases.add_argument("--max-tokens", type=int, default=4, help="tokens generated per run")
         cases.add_argument("--json", default=None, metavar="PATH", help="where to save the JSON (default bench-results/...)")
+        modules = sub.add_parser("modules", help="Prompt Cache on MMLU: modules vs full prefill, accuracy and TTFT")
+        modules.add_argument("--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics (default: all 57)")
+        modules.add_argument("--prompts", type=int, default=6, help="questions per topic (default 6: 342 over all topics)")
+        modules.add_argument("--shots", type=int, default=5)
+        modules.add_argument("--json", default=None, metavar="PATH")
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
     def handle(self, *args, bench, **options):
@@ -57,6 +62,41 @@ class Command(BaseCommand):
         path = save_json(json or self._default_path("cases"), document)
         self._print_cases(document)
         self.stdout.write(f"saved {path}")
+
+    def bench_modules(self, topics, prompts, shots, json: str | None, **options):
+        from inference.benchmarks.modules import run_modules
+
+        if prompts < 1 or not 0 <= shots <= 8:
+            raise CommandError("--prompts must be at least 1 and --shots between 0 and 8")
+        try:
+            chosen = [mmlu.normalize_topic(topic) for topic in topics] if topics else mmlu.topics()
+        except (mmlu.UnknownTopic, FileNotFoundError) as exc:
+            raise CommandError(str(exc))
+        board = Board.from_settings(background_sync=False)
+        namespace = f"bench-modules-{int(time.time())}"
+        try:
+            if board.store is None or not board.store.ping():
+                raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start` or fix REDIS_URL")
+            with tqdm(total=prompts * len(chosen), desc=f"bench modules ({shots}-shot)", unit="prompt") as bar:
+                try:
+                    document = run_modules(board, chosen, prompts, shots, namespace=namespace, progress=bar.update)
+                except ValueError as exc:
+                    raise CommandError(str(exc))
+            document["machine"] = machine_info(board)
+        finally:
+            board.store.flush(namespace)
+            board.close()
+        path = save_json(json or self._default_path("modules"), document)
+        sc = document["scaffold"]
+        self.stdout.write(
+            f"\n{document['n']} prompts ({len(chosen)} topic{'s' if len(chosen) > 1 else ''}; {shots}-shot), medians:\n"
+            f"  TTFT full prefill {document['baseline_ttft_ms']:.1f} ms, from cached modules {document['cached_ttft_ms']:.1f} ms: ratio {document['ratio']}\n"
+            f"  accuracy full prefill {document['accuracy_baseline']:.3f} {document['accuracy_baseline_ci95']}, "
+            f"modules {document['accuracy_cached']:.3f} {document['accuracy_cached_ci95']}; same answer in {document['answer_agreement']:.3f}\n"
+            f"  on the {sc['baseline']['n']} prompts a scaffold covers: full prefill {sc['baseline']['accuracy']:.3f}, "
+            f"modules {sc['modules']['accuracy']:.3f}, scaffold {sc['scaffold']['accuracy']:.3f} (TTFT {sc['scaffold']['ttft_ms']:.1f} ms)\n"
+            f"saved {path}"
+        )
 
     def _default_path(self, name: str) -> Path:
         return Path(settings.BASE_DIR) / "bench-results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
