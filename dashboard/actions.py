@@ -15,11 +15,13 @@ from django.utils import timezone
 
 from cachebox import mirror
 from cachebox.errors import CacheBoxUnavailable
+from cachebox.keys import schema_key_pattern
 from cachebox.models import CacheEntry
 from cachebox.store import CacheBox
 from dashboard.celery import app as celery_app
 from inference import devices as registry
 from inference.breakdown import Breakdown
+from inference.models import Schema
 
 from .live import broadcast
 from .models import AuditEvent, Device, InferenceRun
@@ -27,6 +29,7 @@ from .models import AuditEvent, Device, InferenceRun
 log = logging.getLogger("dashboard.actions")
 
 RUN_TASK = "edgecache.run_prompt"
+ENCODE_TASK = "edgecache.encode_schema"
 
 
 def cachebox() -> CacheBox:
@@ -180,6 +183,8 @@ class PromptSpec:
     max_tokens: int = 16
     namespace: str = ""
     use_cache: bool = True
+    schema: str = ""  # PML schema source, for a PML prompt (then ``pml`` holds the prompt)
+    pml: str = ""
 
     @property
     def text(self) -> str:
@@ -199,6 +204,8 @@ def dispatch_run(user, devices: list[Device], spec: PromptSpec) -> list[dict]:
             "use_cache": spec.use_cache,
             "meta": {"source": spec.source, "title": spec.title[:200], "expected_answer": spec.expected_answer},
         }
+        if spec.schema:
+            message.update(schema=spec.schema, pml=spec.pml)
         celery_app.send_task(RUN_TASK, args=[message], queue=device.queue, expires=600)
         sent.append({"request_id": request_id, "device": device.name})
         broadcast("run.dispatched", {"request_id": request_id, "device": device.name, "title": spec.title[:200]})
@@ -224,7 +231,7 @@ def record_run(payload: dict) -> InferenceRun | None:
                 "prompt": payload.get("prompt", ""),
                 "text": payload.get("text", ""),
                 "error": payload.get("error", ""),
-                "breakdown": breakdown.as_dict(),
+                "breakdown": {**breakdown.as_dict(), **({"modules_hit": payload["modules_hit"]} if "modules_hit" in payload else {})},
                 "case": breakdown.case if not payload.get("error") else "",
                 "ttft_ms": breakdown.ttft_ms,
                 "ttlt_ms": breakdown.ttlt_ms,
@@ -254,6 +261,56 @@ def record_heartbeat(payload: dict) -> Device | None:
 
 
 # -- JSON for pages ---------------------------------------------------------------------------
+# -- schemas ------------------------------------------------------------------------------------
+def dispatch_encode(user, schema: Schema, devices: list[Device], namespace: str = "") -> list[dict]:
+    """Ask boards to encode a schema's modules into the cache box; progress comes back live."""
+    sent = []
+    for device in devices:
+        request_id = str(uuid.uuid4())
+        message = {"request_id": request_id, "schema_id": schema.pk, "schema": schema.source, "namespace": namespace or settings.EDGECACHE_NAMESPACE}
+        celery_app.send_task(ENCODE_TASK, args=[message], queue=device.queue, expires=600)
+        sent.append({"request_id": request_id, "device": device.name})
+    audit(user, "schema.encode", schema.name, ", ".join(d.name for d in devices))
+    return sent
+
+
+def record_encode_progress(payload: dict) -> None:
+    device = authenticate_board(payload.get("device", ""), payload.get("token", ""))
+    if device is not None:
+        fields = ("request_id", "schema_id", "done", "total", "piece")
+        broadcast("encode.progress", {"device": device.name, **{key: payload.get(key) for key in fields}})
+
+
+def record_encoded(payload: dict) -> None:
+    """A board finished encoding: mirror the stored entries and tell the pages."""
+    device = authenticate_board(payload.get("device", ""), payload.get("token", ""))
+    if device is None:
+        return
+    mirror.record_uploads(payload.get("stored") or [], device.name)
+    broadcast(
+        "encode.done",
+        {
+            "device": device.name,
+            "request_id": payload.get("request_id"),
+            "schema_id": payload.get("schema_id"),
+            "error": payload.get("error", ""),
+            "stored": len(payload.get("stored") or []),
+            "skipped": len(payload.get("skipped") or []),
+        },
+    )
+
+
+def delete_schema(user, schema: Schema) -> int:
+    """Delete a schema and every cache entry of its modules (any namespace, any model)."""
+    store = cachebox()
+    names = [name.decode() for name in store.redis.scan_iter(match=schema_key_pattern(schema.digest), count=1000)]
+    removed = store.delete(names)
+    CacheEntry.objects.filter(key__contains=f":{schema.digest}:").delete()
+    audit(user, "schema.delete", schema.name, f"{removed} cache entries")
+    schema.delete()
+    return removed
+
+
 def run_json(run: InferenceRun) -> dict:
     return {
         "id": run.pk,

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from django import forms
 
-from cachebox.keys import check_namespace
 from cachebox.errors import InvalidNamespace
+from cachebox.keys import check_namespace
 from cachebox.link import LINK_PRESETS
 from inference import mmlu
 from inference.cli import split_segments
+from inference.models import Schema
+from inference.pml import PMLError, parse_prompt, parse_schema
 
 from .actions import PromptSpec
 from .models import Device, SavedPrompt
@@ -56,8 +58,29 @@ class DeviceForm(forms.ModelForm):
         return device
 
 
+class SchemaForm(forms.ModelForm):
+    class Meta:
+        model = Schema
+        fields = ["source"]
+        widgets = {"source": forms.Textarea(attrs={"rows": 18, "spellcheck": "false"})}
+
+
+class EncodeForm(forms.Form):
+    devices = forms.ModelMultipleChoiceField(queryset=Device.objects.filter(revoked_at__isnull=True), widget=forms.CheckboxSelectMultiple)
+    namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: default)")
+
+    def clean_namespace(self):
+        namespace = self.cleaned_data.get("namespace", "").strip()
+        if namespace:
+            try:
+                check_namespace(namespace)
+            except InvalidNamespace as exc:
+                raise forms.ValidationError(str(exc))
+        return namespace
+
+
 class RunForm(forms.Form):
-    SOURCES = [("text", "Free text"), ("mmlu", "MMLU question"), ("saved", "Saved prompt")]
+    SOURCES = [("text", "Free text"), ("mmlu", "MMLU question"), ("saved", "Saved prompt"), ("pml", "Schema prompt (PML)")]
 
     devices = forms.ModelMultipleChoiceField(
         queryset=Device.objects.filter(revoked_at__isnull=True), widget=forms.CheckboxSelectMultiple
@@ -69,6 +92,10 @@ class RunForm(forms.Form):
     shots = forms.IntegerField(min_value=0, max_value=5, initial=5, required=False)
     question = forms.IntegerField(min_value=1, initial=1, required=False, help_text="which target question of the topic")
     saved_prompt = forms.ModelChoiceField(queryset=SavedPrompt.objects.all(), required=False)
+    schema = forms.ModelChoiceField(queryset=Schema.objects.all(), required=False)
+    pml = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 5, "spellcheck": "false"}), required=False, max_length=MAX_PROMPT_CHARS, label="PML prompt"
+    )
     max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=8)
     namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: default)")
     use_cache = forms.BooleanField(required=False, initial=True)
@@ -106,6 +133,15 @@ class RunForm(forms.Form):
                 self.add_error("topic", "Choose a topic, a number of shots and a question.")
         elif source == "saved" and not data.get("saved_prompt"):
             self.add_error("saved_prompt", "Choose a saved prompt.")
+        elif source == "pml":
+            schema = data.get("schema")
+            if not schema:
+                self.add_error("schema", "Choose a schema.")
+            else:
+                try:
+                    parse_prompt(data.get("pml") or "", parse_schema(schema.source))
+                except PMLError as exc:
+                    self.add_error("pml", str(exc))
         return data
 
     def prompt_spec(self) -> PromptSpec:
@@ -115,6 +151,9 @@ class RunForm(forms.Form):
             prompt = data["mmlu_prompt"]
             title = f"MMLU {prompt.target.topic}, {len(prompt.examples)}-shot, question {data['question']}"
             return PromptSpec(prompt.segments, "mmlu", title, prompt.target.answer, **common)
+        if data["source"] == "pml":
+            title = f"PML {data['schema'].name}: " + " ".join((data["pml"] or "").split())[:60]
+            return PromptSpec([], "pml", title, schema=data["schema"].source, pml=data["pml"], **common)
         if data["source"] == "saved":
             saved = data["saved_prompt"]
             return PromptSpec(split_segments(saved.text, saved.split_on), "saved", saved.name, **common)

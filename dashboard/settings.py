@@ -137,7 +137,10 @@ CELERY_TASK_IGNORE_RESULT = True  # boards report results as control-plane tasks
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "control"
-CELERY_TASK_ROUTES = {"edgecache.record_run": {"queue": "control"}, "edgecache.heartbeat": {"queue": "control"}}
+CELERY_TASK_ROUTES = {
+    name: {"queue": "control"}
+    for name in ("edgecache.record_run", "edgecache.heartbeat", "edgecache.encode_progress", "edgecache.encoded")
+}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 

@@ -15,14 +15,17 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
-from cachebox.errors import CacheBoxUnavailable
+from cachebox.catalog import Catalog
+from cachebox.errors import CacheBoxUnavailable, CatalogFormatError
 from cachebox.link import LinkProfile
 from cachebox.models import CacheEntry
-from cachebox.catalog import Catalog
-from cachebox.errors import CatalogFormatError
+
+from inference.models import Schema
+from inference.pml import PMLError
+from inference.schemas import describe, key_names, layout_of
 
 from . import actions, charts
-from .forms import ConfirmForm, DeviceForm, FlushForm, RunForm
+from .forms import ConfirmForm, DeviceForm, EncodeForm, FlushForm, RunForm, SchemaForm
 from .models import AuditEvent, Device
 from .stats import device_summary, recent_runs
 
@@ -114,7 +117,9 @@ def _confirmation(request, device: Device, question: str, consequence: str):
     form = ConfirmForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         return None
-    return render(request, "dashboard/confirm.html", {"form": form, "question": question, "consequence": consequence, "device": device})
+    return render(
+        request, "dashboard/confirm.html", {"form": form, "question": question, "consequence": consequence, "cancel_url": device.get_absolute_url()}
+    )
 
 
 @staff_member_required
@@ -233,3 +238,90 @@ def plotly_js(request):
     response = HttpResponse(_plotly_js(), content_type="application/javascript")
     response["Cache-Control"] = "public, max-age=86400"
     return response
+
+
+# -- schemas ---------------------------------------------------------------------------------------
+@login_required
+def schema_list(request):
+    return render(request, "dashboard/schemas.html", {"schemas": Schema.objects.all()})
+
+
+@staff_member_required
+def schema_edit(request, pk=None):
+    schema = get_object_or_404(Schema, pk=pk) if pk else Schema(created_by=request.user)
+    form = SchemaForm(request.POST or None, instance=schema)
+    if request.method == "POST" and form.is_valid():
+        form.save()
+        actions.audit(request.user, "schema.save", schema.name)
+        messages.success(request, f"Saved schema {schema.name}.")
+        return redirect(schema)
+    return render(request, "dashboard/schema_form.html", {"form": form, "schema": schema if pk else None})
+
+
+def _cache_status(schema: Schema, layout) -> tuple[list[Device], dict[str, dict[str, bool]]]:
+    """For each device that reported its model: which pieces the cache box holds for it."""
+    devices = [device for device in Device.objects.all() if (device.status or {}).get("fingerprint")]
+    status: dict[str, dict[str, bool]] = {}
+    try:
+        store = actions.cachebox()
+        for device in devices:
+            names = key_names(layout, device.status["fingerprint"], settings.EDGECACHE_NAMESPACE)
+            pipe = store.redis.pipeline(transaction=False)
+            for name in names.values():
+                pipe.exists(name)
+            status[device.name] = dict(zip(names, (bool(found) for found in pipe.execute())))
+    except Exception:  # the cache box is down: show no status rather than fail the page
+        status = {}
+    return devices, status
+
+
+@login_required
+def schema_detail(request, pk):
+    schema = get_object_or_404(Schema, pk=pk)
+    try:
+        layout = layout_of(schema.source)
+    except PMLError as exc:
+        messages.error(request, f"This schema no longer parses: {exc}")
+        return redirect("schema-edit", pk=schema.pk)
+    rows = describe(layout)
+    devices, status = _cache_status(schema, layout)
+    for row in rows:
+        row["cached"] = [status.get(device.name, {}).get(row["piece"], False) for device in devices]
+    return render(
+        request,
+        "dashboard/schema_detail.html",
+        {"schema": schema, "rows": rows, "devices": devices, "positions": layout.positions, "encode_form": EncodeForm(), "has_status": bool(status)},
+    )
+
+
+@staff_member_required
+@require_POST
+def schema_encode(request, pk):
+    schema = get_object_or_404(Schema, pk=pk)
+    form = EncodeForm(request.POST)
+    wants_json = request.headers.get("Accept", "").startswith("application/json")
+    if not form.is_valid():
+        if wants_json:
+            return JsonResponse({"errors": form.errors.get_json_data()}, status=400)
+        messages.error(request, "Choose at least one device to encode on.")
+        return redirect(schema)
+    sent = actions.dispatch_encode(request.user, schema, list(form.cleaned_data["devices"]), form.cleaned_data["namespace"])
+    if wants_json:
+        return JsonResponse({"dispatched": sent})
+    messages.success(request, f"Encoding on {', '.join(item['device'] for item in sent)}.")
+    return redirect(schema)
+
+
+@staff_member_required
+def schema_delete(request, pk):
+    schema = get_object_or_404(Schema, pk=pk)
+    form = ConfirmForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        removed = actions.delete_schema(request.user, schema)
+        messages.success(request, f"Deleted schema {schema.name} and {removed} cache entries of its modules.")
+        return redirect("schemas")
+    return render(
+        request,
+        "dashboard/confirm.html",
+        {"form": form, "question": f"Delete schema {schema.name}?", "consequence": "Every cache entry of its modules is deleted too, for every model and namespace.", "cancel_url": schema.get_absolute_url()},
+    )

@@ -27,6 +27,7 @@ CONTROL_QUEUE = "control"
 SHARED_QUEUE = "boards"
 RECORD_RUN_TASK = "edgecache.record_run"
 HEARTBEAT_TASK = "edgecache.heartbeat"
+ENCODE_PROGRESS_TASK = "edgecache.encode_progress"
 
 
 @dataclass
@@ -68,14 +69,19 @@ def serve(board, message: dict) -> dict:
     }
     try:
         sampling = SamplingParams(**message.get("sampling", {}))
-        result: RunResult = board.run(
-            message["segments"],
+        options = dict(
             max_tokens=int(message.get("max_tokens", 16)),
             sampling=sampling,
             use_cache=bool(message.get("use_cache", True)),
             namespace=message.get("namespace") or None,
         )
-    except (PromptError, ValueError, TypeError, KeyError) as exc:
+        if message.get("schema"):
+            payload["prompt"] = message.get("pml", "")
+            result: RunResult = board.run_pml(message["schema"], message.get("pml", ""), **options)
+            payload["modules_hit"] = result.modules_hit
+        else:
+            result = board.run(message["segments"], **options)
+    except (PromptError, ValueError, TypeError, KeyError) as exc:  # PMLError is a ValueError
         payload["error"] = str(exc)
         return payload
     payload.update(
@@ -88,10 +94,31 @@ def serve(board, message: dict) -> dict:
     return payload
 
 
-def report(payload: dict) -> None:
+def encode(board, message: dict, on_progress=None) -> dict:
+    """Encode a schema's modules into the cache box; returns the payload for the control plane."""
+    payload = {"request_id": message["request_id"], "schema_id": message.get("schema_id"), "error": "", "stored": [], "skipped": []}
+    try:
+        result = board.modular.encode_schema(message["schema"], namespace=message.get("namespace") or None, progress=on_progress)
+    except (ValueError, KeyError) as exc:
+        payload["error"] = str(exc)
+        return payload
+    except CacheBoxUnavailable as exc:
+        payload["error"] = f"the cache box is unavailable: {exc}"
+        return payload
+    payload.update(stored=result["stored"], skipped=result["skipped"], bytes=result["bytes"])
+    return payload
+
+
+def send_progress(payload: dict) -> None:
+    """Encoding progress to the control plane (best effort: progress may be lost, the result is not)."""
+    me = identity()
+    current_app.send_task(ENCODE_PROGRESS_TASK, args=[{**payload, "device": me.name, "token": me.token}], queue=CONTROL_QUEUE, expires=60)
+
+
+def report(payload: dict, task: str = RECORD_RUN_TASK) -> None:
     """Send a result to the control plane's queue, signed with this board's token."""
     me = identity()
-    current_app.send_task(RECORD_RUN_TASK, args=[{**payload, "device": me.name, "token": me.token}], queue=CONTROL_QUEUE)
+    current_app.send_task(task, args=[{**payload, "device": me.name, "token": me.token}], queue=CONTROL_QUEUE)
 
 
 class Heartbeat(threading.Thread):

@@ -78,64 +78,26 @@ class EngineConfig:
         return self.n_threads or max(1, os.cpu_count() or 1)
 
 
-class Engine:
-    """One model and one context. Not thread-safe: callers serialize (``lock``)."""
+class Vocabulary:
+    """Tokenizer and chat template of a GGUF (cheap calls). ``Vocabulary.load`` reads the
+    vocabulary alone, without the weights: what the control plane needs to lay out schemas."""
 
-    def __init__(self, model: ModelFile, config: EngineConfig = EngineConfig()):
-        if config.kv_type not in KV_TYPES:
-            raise ValueError(f"unknown KV type {config.kv_type!r}; choose one of {', '.join(KV_TYPES)}")
+    _model = None
+    _vocab = None
+
+    @classmethod
+    def load(cls, model: ModelFile) -> "Vocabulary":
         _quiet_llama()
-        self.model_file = model
-        self.config = config
-        self.lock = threading.RLock()
-        self.scratch_seq = config.n_seq_max - 1
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        vocabulary = cls()
+        vocabulary._model = llama_cpp.llama_model_load_from_file(str(model.path).encode(), params)
+        if not vocabulary._model:
+            raise EngineError(f"llama.cpp could not read the vocabulary of {model.path}")
+        vocabulary._vocab = llama_cpp.llama_model_get_vocab(vocabulary._model)
+        vocabulary.model_file = model
+        return vocabulary
 
-        model_params = llama_cpp.llama_model_default_params()
-        self._model = llama_cpp.llama_model_load_from_file(str(model.path).encode(), model_params)
-        if not self._model:
-            raise EngineError(f"llama.cpp could not load {model.path}")
-        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
-
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = config.n_ctx
-        params.n_batch = config.n_batch
-        params.n_ubatch = config.n_batch
-        params.n_seq_max = config.n_seq_max
-        params.n_threads = params.n_threads_batch = config.threads()
-        params.type_k = params.type_v = KV_TYPES[config.kv_type]
-        params.kv_unified = True  # sequences share cells: seq_cp tags cells, it does not copy them
-        params.swa_full = True  # keep every position of sliding-window layers, so any range can be exported
-        params.no_perf = True
-        self._ctx = llama_cpp.llama_init_from_model(self._model, params)
-        if not self._ctx:
-            llama_cpp.llama_model_free(self._model)
-            raise EngineError("llama.cpp could not create a context (not enough memory for n_ctx?)")
-        self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
-        self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, config.n_seq_max)
-        self.identity = ModelIdentity(
-            gguf_sha256=model.sha256,
-            n_ctx=self.n_ctx,
-            kv_type=config.kv_type,
-            llama_build=f"llama-cpp-python {llama_cpp.__version__}",
-        )
-        self.fingerprint = self.identity.fingerprint()
-
-    def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            llama_cpp.llama_batch_free(self._batch)
-            llama_cpp.llama_free(self._ctx)
-            llama_cpp.llama_model_free(self._model)
-            self._ctx = None
-
-    def __del__(self):  # pragma: no cover - best effort at interpreter exit
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    # -- text <-> tokens (cheap) ----------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool, special: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_bos`` for the first segment of a prompt only.
 
@@ -194,6 +156,65 @@ class Engine:
         out = ctypes.create_string_buffer(size)
         count = llama_cpp.llama_chat_apply_template(self.chat_template(), array, len(messages), add_generation_prompt, out, size)
         return out.raw[:count].decode("utf-8", errors="replace") if count > 0 else None
+
+
+
+class Engine(Vocabulary):
+    """One model and one context. Not thread-safe: callers serialize (``lock``)."""
+
+    def __init__(self, model: ModelFile, config: EngineConfig = EngineConfig()):
+        if config.kv_type not in KV_TYPES:
+            raise ValueError(f"unknown KV type {config.kv_type!r}; choose one of {', '.join(KV_TYPES)}")
+        _quiet_llama()
+        self.model_file = model
+        self.config = config
+        self.lock = threading.RLock()
+        self.scratch_seq = config.n_seq_max - 1
+
+        model_params = llama_cpp.llama_model_default_params()
+        self._model = llama_cpp.llama_model_load_from_file(str(model.path).encode(), model_params)
+        if not self._model:
+            raise EngineError(f"llama.cpp could not load {model.path}")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = config.n_ctx
+        params.n_batch = config.n_batch
+        params.n_ubatch = config.n_batch
+        params.n_seq_max = config.n_seq_max
+        params.n_threads = params.n_threads_batch = config.threads()
+        params.type_k = params.type_v = KV_TYPES[config.kv_type]
+        params.kv_unified = True  # sequences share cells: seq_cp tags cells, it does not copy them
+        params.swa_full = True  # keep every position of sliding-window layers, so any range can be exported
+        params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            raise EngineError("llama.cpp could not create a context (not enough memory for n_ctx?)")
+        self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, config.n_seq_max)
+        self.identity = ModelIdentity(
+            gguf_sha256=model.sha256,
+            n_ctx=self.n_ctx,
+            kv_type=config.kv_type,
+            llama_build=f"llama-cpp-python {llama_cpp.__version__}",
+        )
+        self.fingerprint = self.identity.fingerprint()
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ctx)
+            llama_cpp.llama_model_free(self._model)
+            self._ctx = None
+
+    def __del__(self):  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close()
+        except Exception:
+            pass
 
     # -- model work ---------------------------------------------------------------------
     def prefill(

@@ -28,8 +28,8 @@ from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
 
 from .breakdown import Breakdown
-from .engine import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, EngineError
-from .modules import ModulePiece, Placement, Plan, SchemaLayout, TextPiece, lay_out, plan_prompt
+from .engine import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, EngineError, Vocabulary
+from .modules import ModulePiece, Placement, SchemaLayout, TextPiece, all_pieces, lay_out, plan_prompt
 from .pipeline import PromptError, RunResult
 from .pml import PMLError, Schema, parse_prompt, parse_schema
 from .sampling import SamplingParams, choose
@@ -40,9 +40,9 @@ _SENTINEL = "\u2063EDGECACHE\u2063"
 
 
 class EngineTokenizer:
-    """The model's tokenizer and chat template, as PML layout needs them."""
+    """The model's tokenizer and chat template, as PML layout needs them (an Engine or a Vocabulary)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Vocabulary):
         self.engine = engine
         self.bos = engine.bos
         self.placeholder = engine.tokenize(" ", add_bos=False)[-1]  # "white space does not change the meaning"
@@ -119,13 +119,6 @@ class ModularInference:
             cached = self._layouts[schema.digest] = (schema, layout)
         return cached
 
-    def piece_names(self, layout: SchemaLayout) -> list[ModulePiece]:
-        """Every state a schema has: each module (anonymous ones included) and each scaffold."""
-        pieces = [ModulePiece(path, [path], module.start) for path, module in layout.modules.items()]
-        for name, members in layout.scaffolds.items():
-            pieces.append(ModulePiece(f"scaffold:{name}", list(members), min(layout.modules[m].start for m in members)))
-        return pieces
-
     def key_name(self, layout: SchemaLayout, namespace: str, piece: str) -> tuple[bytes, str]:
         key = module_key(self.engine.fingerprint, namespace, layout.digest, piece)
         return key, module_key_name(namespace, self.engine.fingerprint, layout.digest, key)
@@ -159,7 +152,7 @@ class ModularInference:
         """Encode every module and scaffold of a schema into the cache box (skips those already there)."""
         namespace = check_namespace(namespace or self.namespace)
         schema, layout = self.load_schema(source)
-        pieces = self.piece_names(layout)
+        pieces = all_pieces(layout)
         stored, skipped, total_bytes = [], [], 0
         with self.engine.lock:
             for index, piece in enumerate(pieces):
@@ -170,7 +163,9 @@ class ModularInference:
                     blob = self._entry(layout, namespace, piece, self.encode(layout, piece))
                     self.store.put_entries([(name, blob)], ttl=self.entry_ttl)
                     self.catalogs.get(namespace).announce([key])
-                    stored.append({"name": name, "piece": piece.key_name, "bytes": len(blob), **_span(layout, piece)})
+                    stored.append(
+                        {"name": name, "namespace": namespace, "model": self.engine.fingerprint, "piece": piece.key_name, "bytes": len(blob), **_span(layout, piece)}
+                    )
                     total_bytes += len(blob)
                 if progress:
                     progress(index + 1, len(pieces), piece.key_name)

@@ -249,6 +249,14 @@ def plan_prompt(doc: PromptDoc, layout: SchemaLayout, tokenizer: Tokenizer) -> P
     return Plan([piece for _, piece in pieces], imported_paths)
 
 
+def all_pieces(layout: SchemaLayout) -> list[ModulePiece]:
+    """Every state a schema has: each module (anonymous ones included) and each scaffold."""
+    pieces = [ModulePiece(path, [path], module.start) for path, module in layout.modules.items()]
+    for name, members in layout.scaffolds.items():
+        pieces.append(ModulePiece(f"scaffold:{name}", list(members), min(layout.modules[m].start for m in members)))
+    return pieces
+
+
 def _flatten(item: Import) -> list[Import]:
     found = [item]
     for child in item.children:

@@ -149,6 +149,34 @@ def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "dashboard.png"), full_page=True)
 
+    # A prompt schema: an inline error first, then saved, encoded on the board with live
+    # progress, cached for the board's model, and a PML prompt served from its modules.
+    travel = (ROOT / "examples" / "travel.pml").read_text()
+    page.goto(base + "/schemas/new/")
+    page.fill("#id_source", travel.replace('len="4"', 'len="x"'))
+    page.click("#schema-save")
+    expect(page.locator("#schema-errors")).to_contain_text("line 3")
+    page.fill("#id_source", travel)
+    page.click("#schema-save")
+    expect(page.locator("h1")).to_contain_text("Schema travel")
+    assert page.locator("#module-table tbody tr").count() == 6
+    page.check("#encode-form input[name=devices]")
+    page.click("#encode-submit")
+    expect(page.locator(".encode-bar.done")).to_contain_text("6 stored", timeout=90_000)
+    page.reload()
+    expect(page.locator("#module-table tbody td.ok")).to_have_count(6)
+    page.screenshot(path=str(SCREENSHOTS / "schema.png"), full_page=True)
+    page.goto(base + "/run/")
+    page.check("input[name=devices][value]")
+    page.check("input[name=source][value=pml]")
+    page.select_option("#id_schema", label="travel")
+    page.fill("#id_pml", '<prompt schema="travel"><trip-plan duration="3 days"/><miami/><user>Where to surf?</user></prompt>')
+    page.fill("#id_max_tokens", "4")
+    page.click("#run-submit")
+    answer = page.locator("#answers .answer-card").first
+    expect(answer).to_have_class("card answer-card done", timeout=90_000)
+    expect(answer).to_contain_text("full")
+
     # Evict an entry in the admin, with confirmation.
     page.goto(base + "/admin/cachebox/cacheentry/")
     rows = page.locator("#result_list tbody tr")

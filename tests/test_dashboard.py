@@ -378,3 +378,90 @@ def test_flush_needs_confirmation_and_a_scope(staff_client, control_plane, names
     assert not control_plane.redis.exists(name) and not CacheEntry.objects.filter(namespace=namespace).exists()
     page = staff_client.get(reverse("cache")).content.decode()
     assert "cache.flush" in page
+
+
+# -- schemas ------------------------------------------------------------------------------------
+TRAVEL = (__import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "travel.pml").read_text()
+
+
+def test_schema_errors_are_shown_inline_with_their_line(staff_client, control_plane):
+    bad = TRAVEL.replace('<param name="duration" len="4"/>', '<param name="duration"/>')
+    response = staff_client.post(reverse("schema-new"), {"source": bad})
+    assert response.status_code == 200
+    errors = " ".join(response.context["form"].errors["source"])
+    assert "line 3" in errors and "len=" in errors
+    from inference.models import Schema
+
+    assert not Schema.objects.exists()
+
+
+@pytest.mark.model
+def test_schema_page_lists_modules_with_tokens_and_positions(staff_client, control_plane):
+    response = staff_client.post(reverse("schema-new"), {"source": TRAVEL})
+    from inference.models import Schema
+
+    schema = Schema.objects.get()
+    assert response.status_code == 302 and response["Location"] == schema.get_absolute_url()
+    assert (schema.name, len(schema.digest)) == ("travel", 16)
+    page = staff_client.get(schema.get_absolute_url())
+    rows = {row["piece"]: row for row in page.context["rows"]}
+    assert set(rows) == {"_text0", "trip-plan", "miami", "tokyo", "tokyo/kyoto", "scaffold:plan-miami"}
+    assert rows["miami"]["start"] == rows["tokyo"]["start"] and rows["trip-plan"]["params"].startswith("duration (len 4")
+    assert all(row["tokens"] > 0 for row in rows.values())
+    duplicate = staff_client.post(reverse("schema-new"), {"source": TRAVEL})
+    assert "exists already" in " ".join(duplicate.context["form"].errors["source"])
+
+
+def test_encoding_is_sent_to_boards_and_its_result_mirrored(staff_client, control_plane, sent_tasks, django_capture_on_commit_callbacks):
+    from inference.models import Schema
+    from inference.pml import parse_schema
+
+    device, token = register()
+    schema = Schema.objects.create(name="travel", source=TRAVEL, digest=parse_schema(TRAVEL).digest)
+    response = staff_client.post(reverse("schema-encode", args=[schema.pk]), {"devices": [device.pk]}, HTTP_ACCEPT="application/json")
+    assert response.status_code == 200 and sent_tasks[0]["queue"] == "device.zero"
+    message = sent_tasks[0]["args"][0]
+    assert sent_tasks[0]["name"] == "edgecache.encode_schema" and message["schema"] == TRAVEL and message["schema_id"] == schema.pk
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(GROUP, channel)
+    name = f"ec:m:default:00ff00ff00ff00ff:{schema.digest}:{{{'cd' * 16}}}"
+    actions.record_encoded(
+        {"device": "zero", "token": token, "request_id": message["request_id"], "schema_id": schema.pk, "stored": [{"name": name, "namespace": "default", "model": "00ff00ff00ff00ff", "start": 0, "end": 13, "bytes": 1000}], "skipped": []}
+    )
+    assert CacheEntry.objects.filter(key=name).exists()
+    event = async_to_sync(layer.receive)(channel)
+    assert event["event"] == "encode.done" and event["data"]["stored"] == 1
+
+
+def test_deleting_a_schema_deletes_its_cache_entries(staff_client, control_plane):
+    from inference.models import Schema
+    from inference.pml import parse_schema
+
+    schema = Schema.objects.create(name="travel", source=TRAVEL, digest=parse_schema(TRAVEL).digest)
+    mine = f"ec:m:default:00ff00ff00ff00ff:{schema.digest}:{{{'ab' * 16}}}"
+    other = f"ec:m:default:00ff00ff00ff00ff:{'0' * 16}:{{{'ab' * 16}}}"
+    control_plane.redis.set(mine, b"x")
+    control_plane.redis.set(other, b"y")
+    CacheEntry.objects.create(key=mine, model="00ff00ff00ff00ff", namespace="default", start=0, end=1, bytes=1)
+    assert staff_client.post(reverse("schema-delete", args=[schema.pk]), {}).status_code == 200  # asks first
+    assert Schema.objects.exists()
+    staff_client.post(reverse("schema-delete", args=[schema.pk]), {"confirm": "on"})
+    assert not Schema.objects.exists() and not control_plane.redis.exists(mine) and control_plane.redis.exists(other)
+    assert not CacheEntry.objects.filter(key=mine).exists()
+    control_plane.redis.delete(other)
+
+
+def test_run_page_sends_pml_prompts_with_their_schema(staff_client, control_plane, sent_tasks):
+    from inference.models import Schema
+    from inference.pml import parse_schema
+
+    device, _ = register()
+    schema = Schema.objects.create(name="travel", source=TRAVEL, digest=parse_schema(TRAVEL).digest)
+    form = {"devices": [device.pk], "source": "pml", "schema": schema.pk, "max_tokens": 4}
+    bad = staff_client.post(reverse("run"), {**form, "pml": '<prompt schema="travel"><miami/><tokyo/></prompt>'}, HTTP_ACCEPT="application/json")
+    assert bad.status_code == 400 and "one union" in bad.json()["errors"]["pml"][0]["message"]
+    good = staff_client.post(reverse("run"), {**form, "pml": '<prompt schema="travel"><miami/><user>Surf?</user></prompt>'}, HTTP_ACCEPT="application/json")
+    assert good.status_code == 200
+    message = sent_tasks[0]["args"][0]
+    assert message["schema"] == TRAVEL and "<miami/>" in message["pml"] and message["segments"] == []

@@ -154,6 +154,48 @@
     });
   }
 
+  // Schema encoding: a progress bar per board, filled as modules are encoded.
+  function encodeBar(request, device) {
+    const area = document.getElementById("encode-progress");
+    if (!area) return null;
+    let bar = area.querySelector('[data-request="' + request + '"]');
+    if (!bar) {
+      bar = document.createElement("div");
+      bar.className = "encode-bar";
+      bar.dataset.request = request;
+      bar.innerHTML = "<span class=\"label\">" + text(device) + ": waiting for the board…</span><progress max=\"1\" value=\"0\"></progress>";
+      area.appendChild(bar);
+    }
+    return bar;
+  }
+  function onEncode(kind, data) {
+    if (String(document.body.dataset.schema) !== String(data.schema_id)) return;
+    const bar = encodeBar(data.request_id, data.device);
+    if (!bar) return;
+    const progress = bar.querySelector("progress");
+    const label = bar.querySelector(".label");
+    if (kind === "encode.progress") {
+      progress.max = data.total; progress.value = data.done;
+      label.textContent = data.device + ": " + data.done + "/" + data.total + " (" + data.piece + ")";
+    } else {
+      progress.value = progress.max;
+      bar.classList.add(data.error ? "failed" : "done");
+      label.textContent = data.device + (data.error ? ": failed: " + data.error : ": done, " + data.stored + " stored, " + data.skipped + " already cached");
+    }
+  }
+  const encodeForm = document.getElementById("encode-form");
+  if (encodeForm) {
+    encodeForm.addEventListener("submit", function (event) {
+      event.preventDefault();
+      fetch(encodeForm.action, { method: "POST", body: new FormData(encodeForm), headers: { Accept: "application/json" }, credentials: "same-origin" })
+        .then((r) => r.json().then((body) => ({ ok: r.ok, body: body })))
+        .then(function (res) {
+          if (!res.ok) { const area = document.getElementById("encode-progress"); area.textContent = "Choose at least one device."; return; }
+          res.body.dispatched.forEach((item) => encodeBar(item.request_id, item.device));
+        });
+    });
+  }
+
   // The socket, reconnecting with backoff; the badge in the header tells whether it is live.
   const badge = document.getElementById("live-status");
   let delay = 500;
@@ -164,6 +206,7 @@
       const event = JSON.parse(message.data);
       if (event.event === "run") onRun(event.data);
       else if (event.event === "device") onDevice(event.data);
+      else if (event.event === "encode.progress" || event.event === "encode.done") onEncode(event.event, event.data);
     };
     socket.onclose = function () {
       if (badge) { badge.textContent = "offline"; badge.className = "badge off"; }

@@ -1,0 +1,65 @@
+"""What the control plane shows of a schema: its modules' token counts and positions, and
+which of them the cache box holds for each model. Reads the model's vocabulary only."""
+
+from __future__ import annotations
+
+import functools
+
+from django.conf import settings
+
+from cachebox.keys import module_key, module_key_name
+
+from .engine import Vocabulary
+from .model import resolve_model
+from .modular import EngineTokenizer
+from .modules import SchemaLayout, all_pieces, lay_out
+from .pml import parse_schema
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(model_path: str) -> EngineTokenizer:
+    return EngineTokenizer(Vocabulary.load(resolve_model(model_path or None)))
+
+
+def layout_of(source: str) -> SchemaLayout:
+    """Parse and lay out a schema with the configured model's tokenizer (raises PMLError)."""
+    return lay_out(parse_schema(source), _tokenizer(settings.EDGECACHE_MODEL))
+
+
+def describe(layout: SchemaLayout) -> list[dict]:
+    """One row per module and scaffold: kind, token count, positions, parameters, union."""
+    rows = []
+    for path, module in layout.modules.items():
+        rows.append(
+            {
+                "piece": path,
+                "kind": "schema text" if module.anonymous else "module",
+                "tokens": module.token_count,
+                "start": module.start,
+                "end": module.end,
+                "params": ", ".join(f"{name} (len {length} at {start})" for name, (start, length) in module.params.items()),
+                "union": module.union or "",
+            }
+        )
+    for name, members in layout.scaffolds.items():
+        modules = [layout.modules[m] for m in members]
+        rows.append(
+            {
+                "piece": f"scaffold:{name}",
+                "kind": "scaffold",
+                "tokens": sum(m.token_count for m in modules),
+                "start": min(m.start for m in modules),
+                "end": max(m.end for m in modules),
+                "params": "",
+                "union": " + ".join(members),
+            }
+        )
+    return rows
+
+
+def key_names(layout: SchemaLayout, fingerprint: str, namespace: str) -> dict[str, str]:
+    """Cache-box key of every piece of a schema, for one model and namespace."""
+    return {
+        piece.key_name: module_key_name(namespace, fingerprint, layout.digest, module_key(fingerprint, namespace, layout.digest, piece.key_name))
+        for piece in all_pieces(layout)
+    }
