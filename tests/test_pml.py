@@ -203,3 +203,43 @@ def test_text_pieces_keep_their_tokens(schema):
     text = [p for p in plan.pieces if isinstance(p, TextPiece)]
     assert [t.tokens for t in text] == [tok.text("Where to surf?")]
     assert text[0].anchor == layout.modules["miami"].end
+
+
+# -- placement of pieces when serving ----------------------------------------------------------
+def test_placement_closes_gaps_left_by_unions_and_skipped_modules():
+    from inference.modules import Placement
+
+    place = Placement()
+    assert place.module([(0, 10)]) == 0
+    assert place.module([(20, 30)]) == -10  # the 10 positions of a module not imported are closed
+    assert place.text(5) == 20
+    assert place.module([(40, 45)]) == -15  # after the text: at 25
+    assert place.cursor == 30
+
+
+def test_placement_moves_a_module_right_when_text_ran_into_it():
+    from inference.modules import Placement
+
+    place = Placement()
+    place.module([(0, 10)])
+    assert place.text(8) == 10
+    assert place.module([(12, 20)]) == 6  # would overlap the text: starts at 18
+    assert place.cursor == 26
+
+
+def test_placement_puts_a_nested_module_in_its_parents_gap():
+    from inference.modules import Placement
+
+    place = Placement()
+    parent_shift = place.module([(5, 10), (14, 20)])  # the parent's own runs, with its child's slot between
+    assert parent_shift == -5 and place.cursor == 15
+    assert place.module([(10, 14)]) == -5  # the child lands in the gap, as in the schema
+    assert place.cursor == 15 and place.text(3) == 15
+
+
+def test_placement_without_compaction_keeps_schema_positions():
+    from inference.modules import Placement
+
+    place = Placement(compact=False)
+    place.module([(0, 10)])
+    assert place.module([(20, 30)]) == 0 and place.text(2) == 30
