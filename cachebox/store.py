@@ -15,6 +15,8 @@ import redis
 
 from .errors import CacheBoxUnavailable
 from .keys import catalog_key_names, entry_key_pattern
+from .link import LinkProfile
+from .shaping import LinkShaper, ShapedConnection
 
 _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
@@ -32,17 +34,26 @@ class CacheBox:
         connect_timeout: float = 0.5,
         timeout: float = 5.0,
         retry_after: float = 2.0,
+        link: LinkProfile | None = None,
     ):
         self.url = url
         self.retry_after = retry_after
+        self.link = link
         self._down_until = 0.0
-        self.redis = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=connect_timeout,
-            socket_timeout=timeout,
-            retry_on_timeout=False,
-            health_check_interval=0,
-        )
+        options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry_on_timeout=False, health_check_interval=0)
+        if link is not None and not url.startswith("unix"):
+            # Emulated link: every connection of this client shares one paced link.
+            pool = redis.ConnectionPool.from_url(url, connection_class=ShapedConnection, shaper=LinkShaper(link), **options)
+            self.redis = redis.Redis(connection_pool=pool)
+        else:
+            self.redis = redis.Redis.from_url(url, **options)
+
+    @property
+    def link_label(self) -> str:
+        """How this client reaches the cache box, for every figure taken through it."""
+        if self.link is None:
+            return "unshaped"
+        return f"emulated link {self.link.bandwidth_mbps:g} Mbit/s, {self.link.rtt_ms:g} ms RTT"
 
     # -- availability -------------------------------------------------------------
     def _guard(self) -> None:

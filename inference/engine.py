@@ -218,12 +218,19 @@ class Engine(Vocabulary):
 
     # -- model work ---------------------------------------------------------------------
     def prefill(
-        self, tokens: list[int], start: int, seq: int = MAIN_SEQ, logits_at: set[int] | frozenset = frozenset()
+        self,
+        tokens: list[int],
+        start: int,
+        seq: int = MAIN_SEQ,
+        logits_at: set[int] | frozenset = frozenset(),
+        on_batch=None,
     ) -> dict[int, np.ndarray]:
         """Run ``tokens`` at positions ``start..`` of ``seq`` (P-decode, the heavy call).
 
         Returns a copy of the logits at each position in ``logits_at`` (1 MB each for a
         262k vocabulary). A non-empty sequence must continue at its last position + 1.
+        ``on_batch(next_position)`` runs after each batch: the moment to export ranges
+        before later batches reuse the sliding-window cells they no longer see.
         """
         out: dict[int, np.ndarray] = {}
         batch = self._batch
@@ -249,6 +256,8 @@ class Engine(Vocabulary):
                 raise EngineError(f"llama_decode failed with status {status} at positions {first}..{first + size - 1}")
             for index in np.flatnonzero(wanted):
                 out[int(positions[index])] = self.logits(int(index)).copy()
+            if on_batch is not None:
+                on_batch(first + size)
         return out
 
     def decode_one(self, token: int, position: int, seq: int = MAIN_SEQ) -> np.ndarray:

@@ -29,7 +29,7 @@ from cachebox.sync import CatalogRegistry
 
 from .breakdown import Breakdown
 from .engine import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, EngineError, Vocabulary
-from .modules import ModulePiece, Placement, SchemaLayout, TextPiece, all_pieces, lay_out, plan_prompt
+from .modules import ModulePiece, Placement, Run, SchemaLayout, TextPiece, all_pieces, lay_out, piece_runs, plan_prompt
 from .pipeline import PromptError, RunResult
 from .pml import PMLError, Schema, parse_prompt, parse_schema
 from .sampling import SamplingParams, choose
@@ -124,26 +124,46 @@ class ModularInference:
         return key, module_key_name(namespace, self.engine.fingerprint, layout.digest, key)
 
     # -- encoding ----------------------------------------------------------------------------------
-    def _runs(self, layout: SchemaLayout, members: list[str]):
-        return sorted((run for member in members for run in layout.modules[member].runs), key=lambda run: run.start)
+    def _runs(self, layout: SchemaLayout, piece: ModulePiece) -> list[Run]:
+        return [run for run, _ in piece_runs(layout, piece)]
 
-    def _digest(self, layout: SchemaLayout, members: list[str]) -> str:
+    def _digest(self, layout: SchemaLayout, piece: ModulePiece) -> str:
         flat = []
-        for run in self._runs(layout, members):
+        for run in self._runs(layout, piece):
             flat += [run.start, len(run.tokens), *run.tokens]
         return tokens_digest(flat)
 
     def encode(self, layout: SchemaLayout, piece: ModulePiece) -> bytes:
-        """Prefill one module (or scaffold) at its schema positions, after BOS; returns its state bytes."""
+        """Prefill one module (or scaffold) alone, after BOS; returns its state at schema positions.
+
+        Runs are prefilled back to back (a scaffold's members attend to each other) and only
+        then moved to their schema positions: prefilling at far positions would let
+        llama.cpp reuse the sliding-window cells of the earlier runs, which it sees as out
+        of reach. One token in a spare sequence then makes llama.cpp apply the moves
+        (RoPE re-rotation) before the state is copied out.
+        """
         engine = self.engine
-        runs = self._runs(layout, piece.members)
+        runs = self._runs(layout, piece)
         engine.remove(WORK_SEQ)
         bos = self.tokenizer.bos
         try:
+            position = 0
             if bos is not None and runs[0].start > 0:
                 engine.prefill([bos], 0, seq=WORK_SEQ)  # attention sink; not exported
+                position = 1
+            moves = []
             for run in runs:
-                _place(engine, run.tokens, run.start, WORK_SEQ)
+                start = run.start if position == 0 else position
+                engine.prefill(run.tokens, start, seq=WORK_SEQ)
+                if start != run.start:
+                    moves.append((start, start + len(run.tokens), run.start - start))
+                position = start + len(run.tokens)
+            for p0, p1, delta in reversed(moves):  # the last run first: targets never overlap sources
+                engine.shift(WORK_SEQ, p0, p1, delta)
+            if moves:
+                engine.remove(CONTEXT_SEQ)
+                engine.prefill([runs[0].tokens[0]], 0, seq=CONTEXT_SEQ)  # applies the pending shifts
+                engine.remove(CONTEXT_SEQ)
             return engine.export_range(runs[0].start, runs[-1].end, seq=WORK_SEQ)
         finally:
             engine.remove(WORK_SEQ)
@@ -178,7 +198,7 @@ class ModularInference:
             namespace=namespace,
             start=span["start"],
             end=span["end"],
-            tokens_digest=self._digest(layout, piece.members),
+            tokens_digest=self._digest(layout, piece),
             state_bytes=len(state),
             checksum=state_checksum(state),
             device=self.device,
@@ -247,7 +267,7 @@ class ModularInference:
                 else:
                     breakdown.prefill_ms += _ms(mark)
                 mark = time.perf_counter()
-                runs = self._runs(layout, piece.members)
+                runs = self._runs(layout, piece)
                 shift = placement.module([(run.start, run.end) for run in runs])
                 last_position, last_token = self._place_module(layout, piece, blob, offset, shift)
                 cells += sum(layout.modules[m].token_count for m in piece.members)
@@ -257,7 +277,7 @@ class ModularInference:
                     breakdown.prefill_ms += _ms(mark)
                 if piece.args:
                     mark = time.perf_counter()
-                    cells += self._fill_args(piece, shift)
+                    cells += self._fill_args(layout, piece, shift)
                     breakdown.prefill_ms += _ms(mark)
                 logits = None
             if logits is None:
@@ -335,7 +355,7 @@ class ModularInference:
                 span = _span(layout, piece)
                 if header.fingerprint != self.engine.fingerprint or header.namespace != namespace:
                     raise EntryError("entry was made for another model or namespace")
-                if (header.start, header.end) != (span["start"], span["end"]) or header.tokens_digest != self._digest(layout, piece.members):
+                if (header.start, header.end) != (span["start"], span["end"]) or header.tokens_digest != self._digest(layout, piece):
                     raise EntryError("entry does not hold this module's tokens")
                 verify_state(header, memoryview(blob)[offset:])
             except EntryError as exc:
@@ -355,11 +375,13 @@ class ModularInference:
     def _place_module(self, layout, piece: ModulePiece, blob: bytes, offset: int, shift: int) -> tuple[int, int]:
         """Load a module's state into the main sequence, moved by ``shift``; returns (last position, last token)."""
         engine = self.engine
-        runs = self._runs(layout, piece.members)
+        runs = self._runs(layout, piece)
         engine.remove(WORK_SEQ)
         engine.import_range(blob, offset, seq=WORK_SEQ)
         first, last = engine.positions(WORK_SEQ)
-        if (first, last) != (runs[0].start, runs[-1].end - 1):
+        # A state longer than a sliding window keeps, in those layers, only the cells its
+        # end can see: the first position may come later, the last must be exact.
+        if last != runs[-1].end - 1 or not runs[0].start <= first <= last:
             engine.remove(WORK_SEQ)
             raise EngineError(f"module {piece.key_name!r} restored positions {first}..{last}, expected {runs[0].start}..{runs[-1].end - 1}")
         if shift:
@@ -368,15 +390,16 @@ class ModularInference:
         engine.remove(WORK_SEQ)
         return runs[-1].end - 1 + shift, runs[-1].tokens[-1]
 
-    def _fill_args(self, piece: ModulePiece, shift: int) -> int:
+    def _fill_args(self, layout: SchemaLayout, piece: ModulePiece, shift: int) -> int:
         """Put parameter values where their placeholders were, computed with what precedes them.
 
         Returns the change in the number of cells (values are usually shorter than ``len``).
         """
         engine = self.engine
+        moved = piece_runs(layout, piece)
         change = 0
         for start, length, tokens in sorted(piece.args.values()):
-            start += shift
+            start += shift + next(delta for run, delta in moved if run.start - delta <= start < run.end - delta)
             engine.remove(MAIN_SEQ, start, start + length)
             change += len(tokens) - length
             if not tokens:
@@ -413,17 +436,5 @@ class ModularInference:
 
 
 def _span(layout: SchemaLayout, piece: ModulePiece) -> dict:
-    modules = [layout.modules[m] for m in piece.members]
-    return {"start": min(m.start for m in modules), "end": max(m.end for m in modules)}
-
-
-def _place(engine: Engine, tokens: list[int], start: int, seq: int) -> None:
-    """Prefill ``tokens`` at ``start`` of ``seq``; across a gap by prefilling next and shifting."""
-    first, last = engine.positions(seq)
-    if last < 0 or start == last + 1:
-        engine.prefill(tokens, start, seq=seq)
-        return
-    if start < last + 1:
-        raise EngineError(f"positions {start}.. overlap what sequence {seq} holds (up to {last})")
-    engine.prefill(tokens, last + 1, seq=seq)
-    engine.shift(seq, last + 1, last + 1 + len(tokens), start - (last + 1))
+    runs = [run for run, _ in piece_runs(layout, piece)]
+    return {"start": runs[0].start, "end": runs[-1].end}

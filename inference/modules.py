@@ -257,6 +257,24 @@ def all_pieces(layout: SchemaLayout) -> list[ModulePiece]:
     return pieces
 
 
+def piece_runs(layout: SchemaLayout, piece: ModulePiece) -> list[tuple[Run, int]]:
+    """The runs a piece's state holds, with how far each moved from its schema position.
+
+    A module keeps its schema positions. A scaffold's members are encoded back to back
+    from the first one's start: their schema positions can lie far apart (each union
+    reserves its longest member), and a state spanning more than a sliding window loses
+    the cells it cannot see when llama.cpp loads it. Served prompts close such gaps anyway.
+    """
+    runs = sorted((run for member in piece.members for run in layout.modules[member].runs), key=lambda run: run.start)
+    if not piece.key_name.startswith("scaffold:"):
+        return [(run, 0) for run in runs]
+    packed, position = [], runs[0].start
+    for run in runs:
+        packed.append((Run(position, run.tokens), position - run.start))
+        position += len(run.tokens)
+    return packed
+
+
 def _flatten(item: Import) -> list[Import]:
     found = [item]
     for child in item.children:

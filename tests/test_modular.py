@@ -116,3 +116,19 @@ def test_infer_reports_bad_pml_in_one_line(tmp_path, valkey_url, schema, prompt,
     done = run_manage("infer", "--schema", str(tmp_path / "s.pml"), "--prompt-file", str(tmp_path / "p.pml"), env={"REDIS_URL": valkey_url})
     assert done.returncode != 0 and message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr.decode()
+
+
+def test_a_scaffold_whose_members_lie_far_apart_still_serves(valkey_url, namespace, make_board):
+    # Gemma-3's sliding-window layers see 512 positions; this union reserves 600 for its
+    # long member, so the scaffold's members are further apart than that in the schema.
+    filler = " ".join(["word"] * 600)
+    schema = (
+        f'<schema name="wide"><union><module name="long">{filler}</module><module name="short">The sky is blue.</module></union>'
+        '<module name="tail">Grass is green.</module><scaffold name="short-tail" modules="short tail"/></schema>'
+    )
+    prompt = '<prompt schema="wide"><short/><tail/> What colour is the sky?</prompt>'
+    board = make_board(valkey_url, namespace)
+    cold = board.run_pml(schema, prompt, max_tokens=3, namespace=namespace)
+    warm = board.run_pml(schema, prompt, max_tokens=3, namespace=namespace)
+    assert warm.modules_hit[-1] == "scaffold:short-tail" and warm.breakdown.case == "full"
+    assert warm.tokens == cold.tokens and warm.breakdown.rejected_entries == 0

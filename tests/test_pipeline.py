@@ -204,3 +204,17 @@ def test_full_hit_without_stored_logits_recomputes_only_the_last_token(valkey_ur
     assert result.breakdown.case == "full" and result.breakdown.rejected_entries == 0
     assert result.breakdown.prefill_ms > 0  # one token recomputed
     assert result.tokens[0] == cold.tokens[0]
+
+
+def test_prompts_longer_than_the_sliding_window_are_cached_whole(valkey_url, namespace, make_board):
+    # Over 1024 tokens: three prefill batches, and Gemma-3's 512-position sliding window.
+    board = make_board(valkey_url, namespace)
+    prompt = "".join(f"Fact {i}: the number {i} follows {i - 1}. " for i in range(1, 120))
+    cold = board.run(prompt, max_tokens=3)
+    assert cold.breakdown.prompt_tokens > 1100 and cold.breakdown.case == "miss"
+    hit = board.run(prompt, max_tokens=3)
+    assert hit.breakdown.case == "full" and hit.breakdown.rejected_entries == 0
+    assert hit.tokens == cold.tokens
+    longer = board.run(prompt + "Fact 120: the number", max_tokens=2)
+    assert longer.breakdown.case == "partial" and longer.breakdown.rejected_entries == 0
+    assert longer.breakdown.matched_tokens >= cold.breakdown.prompt_tokens - 64
