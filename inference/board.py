@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -15,9 +16,11 @@ from django.conf import settings
 
 from cachebox import embedded
 from cachebox.errors import CacheBoxUnavailable
+from cachebox.link import LinkProfile
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry, CatalogSyncThread
 
+from .breakeven import BreakEvenPolicy
 from .engine import Engine, EngineConfig
 from .model import resolve_model
 from .modular import ModularInference
@@ -50,6 +53,9 @@ class BoardOptions:
     io_timeout: float = 5.0
     max_entry_bytes: int = 64 * 1024 * 1024
     entry_ttl: int | None = 7 * 24 * 3600
+    link: LinkProfile | None = None  # emulated link to the cache box (None: as the network is)
+    policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
+    prefill_ms_per_token: float = 3.0  # the policy's prior until the board has measured itself
 
 
 class Board:
@@ -80,6 +86,7 @@ class Board:
             max_entry_bytes=options.max_entry_bytes,
             namespace=options.namespace,
             entry_ttl=options.entry_ttl,
+            policy=BreakEvenPolicy(prefill_ms_per_token=options.prefill_ms_per_token, link=options.link, mode=options.policy),
         )
         self.modular = ModularInference(
             engine,
@@ -104,13 +111,14 @@ class Board:
         """Load the model; meanwhile connect to the cache box and pull the catalog (start-up, not request path)."""
         store = catalogs = None
         if redis_url:
-            store = CacheBox(redis_url, connect_timeout=options.connect_timeout, timeout=options.io_timeout)
+            store = CacheBox(redis_url, connect_timeout=options.connect_timeout, timeout=options.io_timeout, link=options.link)
             catalogs = CatalogRegistry(store, options.catalog_capacity, options.catalog_fp_rate)
             catalogs.get(options.namespace)
         with ThreadPoolExecutor(max_workers=1) as pool:
             # A fresh process knows what the cache box holds before its first request.
             synced = pool.submit(catalogs.sync_all) if catalogs else None
             engine = Engine(resolve_model(model_path), engine_config)
+            options.prefill_ms_per_token = calibrate_prefill(engine)
             if synced is not None:
                 synced.result()
         return cls(engine, store, options, catalogs=catalogs, background_sync=background_sync)
@@ -122,6 +130,8 @@ class Board:
         device: str | None = None,
         namespace: str | None = None,
         threads: int | None = None,
+        link: LinkProfile | None = None,
+        policy: str = "adaptive",
         background_sync: bool = True,
     ) -> "Board":
         try:
@@ -147,6 +157,8 @@ class Board:
             io_timeout=settings.EDGECACHE_IO_TIMEOUT,
             max_entry_bytes=settings.EDGECACHE_MAX_ENTRY_BYTES,
             entry_ttl=settings.EDGECACHE_ENTRY_TTL or None,
+            link=link,
+            policy=policy,
         )
         return cls.start(engine_config, options, url, model_path=settings.EDGECACHE_MODEL or None, background_sync=background_sync)
 
@@ -182,6 +194,18 @@ class Board:
         if self._sync_thread is not None:
             self._sync_thread.stop()
         self.engine.close()
+
+
+def calibrate_prefill(engine: Engine, tokens: int = 48) -> float:
+    """This board's prefill cost in ms per token, measured once at start (the policy's prior)."""
+    sample = (engine.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_bos=True) * 2)[:tokens]
+    with engine.lock:
+        engine.remove(engine.scratch_seq)
+        started = time.perf_counter()
+        engine.prefill(sample, 0, seq=engine.scratch_seq)
+        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        engine.remove(engine.scratch_seq)
+    return elapsed_ms / len(sample)
 
 
 _board: Board | None = None

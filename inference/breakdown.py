@@ -33,7 +33,10 @@ class Breakdown:
     uploaded_bytes: int = 0
     case: str = "miss"  # miss / partial / full
     cachebox: str = "ok"  # ok / unavailable / off
-    decision: str = ""  # why the run fetched or not, e.g. "catalog-miss", "fetch", "no-cache"
+    decision: str = ""  # why the run fetched or not: "catalog-miss", "fetch", "policy-skip", "no-cache", ...
+    predicted_fetch_ms: float = 0.0  # the break-even policy's forecast, to compare with redis_ms
+    predicted_prefill_ms: float = 0.0  # the prefill a fetch would have saved, forecast
+    link: str = ""  # "unshaped" or the emulated link every timing was taken through
     false_positives: int = 0  # catalog "maybe"s the cache box did not hold
     rejected_entries: int = 0  # corrupted or mismatched entries evicted
 

@@ -8,7 +8,10 @@ is the prompt length from which fetching wins on that board and link.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from cachebox.link import LinkProfile
 
 
 @dataclass(frozen=True)
@@ -75,3 +78,91 @@ def points_from_breakdowns(breakdowns: Iterable[dict]) -> BreakEvenPoints:
         if b.get("matched_tokens", 0) > 0:
             fetch.append((b["matched_tokens"], float(b.get("redis_ms", 0.0))))
     return BreakEvenPoints(prefill, fetch)
+
+
+# -- the per-request policy ------------------------------------------------------------------
+POLICIES = ("adaptive", "always", "never")
+
+
+class OnlineFit:
+    """A least-squares line over a board's most recent measurements (bounded window)."""
+
+    def __init__(self, window: int = 64):
+        self.window = window
+        self.points: list[tuple[float, float]] = []
+
+    def add(self, x: float, y: float) -> None:
+        self.points.append((float(x), float(y)))
+        del self.points[: -self.window]
+
+    def fit(self) -> LinearFit | None:
+        line = fit_line(*zip(*self.points)) if len(self.points) >= 2 else None
+        if line is None or line.slope < 0:
+            return None  # too few, or too noisy to trust yet
+        return line
+
+
+@dataclass(frozen=True)
+class Decision:
+    fetch: bool
+    predicted_fetch_ms: float
+    predicted_prefill_ms: float  # the prefill the fetch would save
+
+
+class BreakEvenPolicy:
+    """Decides per request whether fetching cached tokens beats prefilling them, on this board.
+
+    Prefill time is modelled against tokens and fetch + restore time against bytes, each a
+    line fitted to the board's own recent runs. Until there are points, priors stand in:
+    a prefill rate measured when the board starts and the link profile (round trip +
+    bytes / bandwidth) plus restore at memory speed. A fetch happens only when it is
+    predicted to win by ``margin`` (relative) and ``margin_ms`` (absolute).
+    """
+
+    def __init__(
+        self,
+        *,
+        prefill_ms_per_token: float = 3.0,
+        link: "LinkProfile | None" = None,
+        restore_bytes_per_ms: float = 1e6,
+        margin: float = 0.05,
+        margin_ms: float = 1.0,
+        mode: str = "adaptive",
+    ):
+        if mode not in POLICIES:
+            raise ValueError(f"unknown policy {mode!r}; choose one of {', '.join(POLICIES)}")
+        self.mode = mode
+        self.prior_prefill = prefill_ms_per_token
+        self.link = link
+        self.restore_bytes_per_ms = restore_bytes_per_ms
+        self.margin = margin
+        self.margin_ms = margin_ms
+        self.prefill = OnlineFit()
+        self.fetch = OnlineFit()
+
+    def predict_prefill_ms(self, tokens: int) -> float:
+        line = self.prefill.fit()
+        return line.predict(tokens) if line else self.prior_prefill * tokens
+
+    def predict_fetch_ms(self, size_bytes: int) -> float:
+        line = self.fetch.fit()
+        if line:
+            return line.predict(size_bytes)
+        transfer = self.link.transfer_ms(size_bytes, round_trips=2) if self.link else 1.0
+        return transfer + size_bytes / self.restore_bytes_per_ms
+
+    def decide(self, tokens_saved: int, size_bytes: int) -> Decision:
+        fetch_ms, prefill_ms = self.predict_fetch_ms(size_bytes), self.predict_prefill_ms(tokens_saved)
+        if self.mode == "always":
+            return Decision(True, fetch_ms, prefill_ms)
+        if self.mode == "never":
+            return Decision(False, fetch_ms, prefill_ms)
+        return Decision(fetch_ms * (1 + self.margin) + self.margin_ms < prefill_ms, fetch_ms, prefill_ms)
+
+    def observe_prefill(self, tokens: int, ms: float) -> None:
+        if tokens > 0 and ms > 0:
+            self.prefill.add(tokens, ms)
+
+    def observe_fetch(self, size_bytes: int, ms: float) -> None:
+        if size_bytes > 0 and ms > 0:
+            self.fetch.add(size_bytes, ms)

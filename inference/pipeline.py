@@ -33,6 +33,7 @@ from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
 
 from .breakdown import Breakdown
+from .breakeven import BreakEvenPolicy
 from .engine import Engine, EngineError
 from .sampling import TOP_CANDIDATES, SamplingParams, choose, sample, top_candidates
 
@@ -70,6 +71,8 @@ class _Lookup:
 
     boundaries: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
+    known: set[bytes] = field(default_factory=set)  # keys the catalog says the cache box holds
+    missing: set[str] = field(default_factory=set)  # entry names found absent or rejected in this run
 
 
 def _ms(since: float) -> float:
@@ -91,6 +94,7 @@ class CachedInference:
         max_entry_bytes: int = 64 * 1024 * 1024,
         namespace: str = "default",
         entry_ttl: int | None = None,
+        policy: BreakEvenPolicy | None = None,
     ):
         self.engine = engine
         self.store = store
@@ -101,6 +105,8 @@ class CachedInference:
         self.max_entry_bytes = max_entry_bytes
         self.namespace = check_namespace(namespace)
         self.entry_ttl = entry_ttl
+        self.policy = policy or BreakEvenPolicy()
+        self.bytes_per_token = 18_500.0  # refined from every fetch
 
     # -- public -------------------------------------------------------------------------
     def tokenize(self, segments: Sequence[str]) -> tuple[list[int], list[int]]:
@@ -150,6 +156,7 @@ class CachedInference:
             engine.clear()
 
             caching = use_cache and self.store is not None and self.catalogs is not None
+            breakdown.link = self.store.link_label if self.store is not None else ""
             lookup = _Lookup(boundaries=candidate_boundaries(prompt_tokens, segment_ends, self.chunk_tokens))
             restored = _Restored()
             if not caching:
@@ -216,6 +223,7 @@ class CachedInference:
                 uploaded = self._upload(tokens, namespace, lookup, matched, boundary_logits, exports, breakdown)
                 self._touch(restored.entries)
             breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
+            self._learn(breakdown)
             return RunResult(text=text, tokens=generated, breakdown=breakdown, fetched=restored.entries, uploaded=uploaded)
 
     # -- steps ----------------------------------------------------------------------------
@@ -227,15 +235,23 @@ class CachedInference:
         maybe = catalog.lookup(lookup.keys)
         breakdown.bloom_ms = _ms(mark)
         candidates = [end for end, hit in zip(lookup.boundaries, maybe) if hit]
+        lookup.known = {key for key, hit in zip(lookup.keys, maybe) if hit}
         if not candidates:
             breakdown.decision = "catalog-miss"  # a sure miss: no network at all
+            return _Restored()
+        longest = max(candidates)
+        decision = self.policy.decide(longest, int(longest * self.bytes_per_token))
+        breakdown.predicted_fetch_ms = decision.predicted_fetch_ms
+        breakdown.predicted_prefill_ms = decision.predicted_prefill_ms
+        if not decision.fetch:
+            breakdown.decision = "policy-skip"  # recomputing is forecast to be faster on this board and link
             return _Restored()
 
         mark = time.perf_counter()
         names = {end: entry_key_name(namespace, fingerprint, key) for end, key in zip(lookup.boundaries, lookup.keys)}
         try:
-            headers = self._read_headers(tokens, namespace, sorted(candidates, reverse=True), names, catalog, breakdown)
-            chain = self._plan_chain(tokens, namespace, headers, names, catalog, breakdown)
+            headers = self._read_headers(tokens, namespace, sorted(candidates, reverse=True), names, catalog, breakdown, lookup)
+            chain = self._plan_chain(tokens, namespace, headers, names, catalog, breakdown, lookup)
             if not chain:
                 breakdown.fetch_ms = breakdown.redis_ms = _ms(mark)
                 breakdown.decision = "no-usable-entry"
@@ -262,7 +278,7 @@ class CachedInference:
                 headers[end] = (header, offset)
                 verify_state(header, memoryview(blob)[offset:])  # a view: no copy of the megabytes
             except EntryError as exc:
-                self._reject(names[end], exc, breakdown)
+                self._reject(names[end], exc, breakdown, lookup)
                 break  # the chain is usable up to the range before this one
             usable.append((end, blob, offset))
         breakdown.fetch_ms = _ms(mark)
@@ -273,11 +289,11 @@ class CachedInference:
             try:
                 self.engine.import_range(blob, offset)
             except EngineError as exc:
-                self._reject(names[end], exc, breakdown)
+                self._reject(names[end], exc, breakdown, lookup)
                 break
             first, last = self.engine.positions()
             if first != 0 or last != end - 1:
-                self._reject(names[end], EntryError(f"restore left positions {first}..{last}, expected 0..{end - 1}"), breakdown)
+                self._reject(names[end], EntryError(f"restore left positions {first}..{last}, expected 0..{end - 1}"), breakdown, lookup)
                 break
             matched = end
             breakdown.fetched_bytes += len(blob)  # the whole entry, as moved
@@ -295,7 +311,7 @@ class CachedInference:
         used = [names[end] for end, _, _ in usable if end <= matched]
         return _Restored(matched, header.top_ids if full else None, header.top_logits if full else None, used)
 
-    def _read_headers(self, tokens, namespace, ends, names, catalog: Catalog, breakdown) -> dict[int, tuple[EntryHeader, int]]:
+    def _read_headers(self, tokens, namespace, ends, names, catalog: Catalog, breakdown, lookup: _Lookup) -> dict[int, tuple[EntryHeader, int]]:
         """Headers of the entries at ``ends`` that exist and belong to these tokens (one round trip)."""
         headers: dict[int, tuple[EntryHeader, int]] = {}
         prefixes = self.store.read_prefixes([names[end] for end in ends], HEADER_PEEK_BYTES)
@@ -303,6 +319,7 @@ class CachedInference:
             if not raw:
                 catalog.record_false_positive()
                 breakdown.false_positives += 1
+                lookup.missing.add(names[end])
                 continue
             try:
                 parsed = decode_header(raw)
@@ -313,7 +330,7 @@ class CachedInference:
                 header, offset = parsed
                 self._check_header(header, tokens, namespace, end)
             except EntryError as exc:
-                self._reject(names[end], exc, breakdown)
+                self._reject(names[end], exc, breakdown, lookup)
                 continue
             headers[end] = (header, offset)
         return headers
@@ -328,7 +345,7 @@ class CachedInference:
         if header.state_bytes > self.max_entry_bytes:
             raise EntryError(f"entry holds {header.state_bytes} bytes, over the {self.max_entry_bytes}-byte limit")
 
-    def _plan_chain(self, tokens, namespace, headers, names, catalog, breakdown) -> list[int]:
+    def _plan_chain(self, tokens, namespace, headers, names, catalog, breakdown, lookup: _Lookup) -> list[int]:
         """Range ends from the first range to the longest prefix whose whole chain exists."""
         fingerprint = self.engine.fingerprint
         for longest in sorted(headers, reverse=True):
@@ -338,13 +355,20 @@ class CachedInference:
                 if start not in headers:
                     # A range stored by a prompt cut differently: read that link's header too.
                     names[start] = entry_key_name(namespace, fingerprint, prefix_keys(fingerprint, namespace, tokens, [start])[0])
-                    headers.update(self._read_headers(tokens, namespace, [start], names, catalog, breakdown))
+                    headers.update(self._read_headers(tokens, namespace, [start], names, catalog, breakdown, lookup))
                     if start not in headers:
                         break
                 chain.append(start)
             if chain[-1] in headers and headers[chain[-1]][0].start == 0:
                 return chain[::-1]
         return []
+
+    def _learn(self, breakdown: Breakdown) -> None:
+        """Feed this run's measured costs to the break-even policy."""
+        self.policy.observe_prefill(breakdown.prompt_tokens - breakdown.matched_tokens, breakdown.prefill_ms)
+        if breakdown.matched_tokens and breakdown.fetched_bytes:
+            self.policy.observe_fetch(breakdown.fetched_bytes, breakdown.redis_ms)
+            self.bytes_per_token = 0.8 * self.bytes_per_token + 0.2 * breakdown.fetched_bytes / breakdown.matched_tokens
 
     def _touch(self, names: list[str]) -> None:
         """Entries just used live another TTL (after the answer, off the TTFT path)."""
@@ -354,8 +378,9 @@ class CachedInference:
             except CacheBoxUnavailable:
                 pass
 
-    def _reject(self, name: str, reason: Exception, breakdown: Breakdown) -> None:
+    def _reject(self, name: str, reason: Exception, breakdown: Breakdown, lookup: _Lookup) -> None:
         """Evict an entry that failed a check; the run goes on with local prefill."""
+        lookup.missing.add(name)
         breakdown.rejected_entries += 1
         log.warning("rejected cache entry %s: %s", name, reason)
         try:
@@ -396,6 +421,10 @@ class CachedInference:
             state = exports.get(end)
             if state is None:
                 break  # not computed in this run
+            name = entry_key_name(namespace, fingerprint, key)
+            if key in lookup.known and name not in lookup.missing:
+                start = end  # the cache box has it already (the policy chose to recompute): no second upload
+                continue
             top_ids = top_values = None
             if end - 1 in boundary_logits:
                 top_ids, top_values = top_candidates(boundary_logits[end - 1], self.top_logits)
@@ -414,7 +443,7 @@ class CachedInference:
             if len(state) > self.max_entry_bytes:
                 log.warning("not uploading range [%d, %d): %d bytes over the limit", start, end, len(state))
                 break  # later ranges would chain to a missing link
-            items.append((entry_key_name(namespace, fingerprint, key), encode_entry(header, state)))
+            items.append((name, encode_entry(header, state)))
             new_keys.append(key)
             stored.append({"name": items[-1][0], "namespace": namespace, "model": fingerprint, "start": start, "end": end, "bytes": len(items[-1][1])})
             start = end

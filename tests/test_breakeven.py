@@ -49,3 +49,52 @@ def test_link_profile_transfer_time_matches_the_papers_wifi():
     assert wifi.transfer_ms(2.25e6, round_trips=0) == pytest.approx(861, rel=0.01)  # paper: 0.86 s
     assert LinkProfile(8.0, 10.0).transfer_ms(1e6) == pytest.approx(1010.0)
     assert LINK_PRESETS["none"] is None
+
+
+# -- the per-request policy -------------------------------------------------------------------
+from inference.breakeven import BreakEvenPolicy, OnlineFit  # noqa: E402
+
+
+def test_online_fit_keeps_a_bounded_window_and_refuses_nonsense():
+    fit = OnlineFit(window=3)
+    assert fit.fit() is None
+    for x, y in [(1, 100), (100, 2), (200, 4), (300, 6)]:
+        fit.add(x, y)
+    assert len(fit.points) == 3 and fit.fit().slope == pytest.approx(0.02)
+    falling = OnlineFit()
+    falling.add(100, 50)
+    falling.add(200, 10)
+    assert falling.fit() is None  # a negative slope is noise, not a cost model
+
+
+def test_policy_uses_priors_until_the_board_has_measured():
+    slow_link = LINK_PRESETS["wifi4"]  # about 2.6 MB/s
+    policy = BreakEvenPolicy(prefill_ms_per_token=2.7, link=slow_link)
+    # 400 tokens of 18.5 KB: 7.4 MB over Wi-Fi ~2.8 s, prefill ~1.1 s: recompute.
+    decision = policy.decide(400, 400 * 18_500)
+    assert not decision.fetch and decision.predicted_fetch_ms > decision.predicted_prefill_ms
+    # A Pi Zero prefills ~31 ms a token (paper: 12.58 s for 405): fetching wins.
+    assert BreakEvenPolicy(prefill_ms_per_token=31, link=slow_link).decide(400, 400 * 18_500).fetch
+    # Unshaped loopback: fetching wins even for a short prefix.
+    assert BreakEvenPolicy(prefill_ms_per_token=2.7).decide(64, 64 * 18_500).fetch
+
+
+def test_policy_learns_from_measurements():
+    policy = BreakEvenPolicy(prefill_ms_per_token=30.0, link=None)
+    for tokens in (100, 200, 300, 400):
+        policy.observe_prefill(tokens, 0.5 * tokens)  # actually a fast board
+    for size in (1e6, 2e6, 4e6, 8e6):
+        policy.observe_fetch(size, 5 + size / 1e4)  # and a slow-ish link: 100 ms per MB
+    assert policy.predict_prefill_ms(400) == pytest.approx(200)
+    assert policy.predict_fetch_ms(4e6) == pytest.approx(405)
+    assert not policy.decide(400, 4e6).fetch
+
+
+def test_policy_margin_and_forced_modes():
+    policy = BreakEvenPolicy(prefill_ms_per_token=1.0, link=None, margin=0.5, margin_ms=0.0, restore_bytes_per_ms=1.0)
+    # fetch 100 ms vs prefill 120 ms: wins, but not by the 50% margin.
+    assert not policy.decide(120, 99).fetch
+    assert BreakEvenPolicy(mode="always", prefill_ms_per_token=0.001).decide(10, 10**9).fetch
+    assert not BreakEvenPolicy(mode="never").decide(10**6, 1).fetch
+    with pytest.raises(ValueError):
+        BreakEvenPolicy(mode="sometimes")

@@ -9,6 +9,7 @@ from celery import current_app
 from django.core.management.base import BaseCommand, CommandError
 
 from cachebox.errors import CacheBoxUnavailable
+from cachebox.link import LinkProfile
 from cachebox.store import CacheBox
 from inference import edge
 from inference.board import cachebox_url, get_board
@@ -38,7 +39,10 @@ class Command(BaseCommand):
             raise CommandError(f"refused: {exc}")
         except CacheBoxUnavailable as exc:
             raise CommandError(f"cannot reach the cache box to check the token: {exc}")
-        board = get_board(device=name, threads=me.record.threads)
+        link = None
+        if me.record.link_bandwidth_mbps:
+            link = LinkProfile(me.record.link_bandwidth_mbps, me.record.link_rtt_ms or 0.0)
+        board = get_board(device=name, threads=me.record.threads, link=link)
         def stop_worker(reason):
             self.stderr.write(f"refused: {reason}; stopping the board")
             os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown
@@ -46,8 +50,8 @@ class Command(BaseCommand):
         beat = edge.Heartbeat(board.status, heartbeat, on_refused=stop_worker)
         beat.start()
         self.stdout.write(
-            f"board {name} ready ({board.engine.model_file.path.name}, {board.engine.config.threads()} threads); "
-            f"serving queues device.{name} and {edge.SHARED_QUEUE}"
+            f"board {name} ready ({board.engine.model_file.path.name}, {board.engine.config.threads()} threads, "
+            f"{board.store.link_label} to the cache box); serving queues device.{name} and {edge.SHARED_QUEUE}"
         )
         try:
             # The project's Celery app (configured by Django settings); boards never import the control plane.
