@@ -34,6 +34,7 @@ class Breakdown:
     case: str = "miss"  # miss / partial / full
     cachebox: str = "ok"  # ok / unavailable / off
     decision: str = ""  # why the run fetched or not: "catalog-miss", "fetch", "policy-skip", "no-cache", ...
+    candidate_tokens: int = 0  # the longest cached range the catalog offered
     predicted_fetch_ms: float = 0.0  # the break-even policy's forecast, to compare with redis_ms
     predicted_prefill_ms: float = 0.0  # the prefill a fetch would have saved, forecast
     link: str = ""  # "unshaped" or the emulated link every timing was taken through

@@ -338,6 +338,21 @@ class Engine(Vocabulary):
         finally:
             self.remove(scratch)
 
+    def export_context(self) -> bytes:
+        """The whole context's state (every cell of every sequence), as the paper's prototype
+        stores it with ``llama_state_get_data``. For comparison only; this llama.cpp build
+        leaves the logits out, so callers that need them store them beside it."""
+        size = llama_cpp.llama_state_get_size(self._ctx)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_get_data(self._ctx, buffer, size)
+        return bytes(buffer[:written])
+
+    def import_context(self, state: bytes) -> None:
+        """Load a whole-context state from ``export_context`` (copies it in)."""
+        source = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_set_data(self._ctx, source, len(state)) == 0:
+            raise EngineError("llama.cpp rejected the context state")
+
     def shift(self, seq: int, p0: int, p1: int, delta: int) -> None:
         """Move the positions of ``seq``'s cells in ``[p0, p1)`` by ``delta`` (RoPE re-rotation at the next decode).
 

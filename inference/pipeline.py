@@ -130,8 +130,15 @@ class CachedInference:
         sampling: SamplingParams = SamplingParams(),
         use_cache: bool = True,
         namespace: str | None = None,
+        upload: bool = True,
+        use_catalog: bool = True,
     ) -> RunResult:
-        """Answer ``prompt`` (a string, or its segments in order) and time every step."""
+        """Answer ``prompt`` (a string, or its segments in order) and time every step.
+
+        ``upload=False`` leaves the cache box as it was (benchmarks measure one state many
+        ways); ``use_catalog=False`` asks the cache box about every candidate range, as a
+        design without a catalog would.
+        """
         segments = [prompt] if isinstance(prompt, str) else list(prompt)
         if not segments or not "".join(segments).strip():
             raise PromptError("the prompt is empty: give it some text")
@@ -163,7 +170,7 @@ class CachedInference:
                 breakdown.cachebox = "off"
                 breakdown.decision = "no-cache"
             else:
-                restored = self._lookup_and_restore(tokens, namespace, lookup, breakdown)
+                restored = self._lookup_and_restore(tokens, namespace, lookup, breakdown, use_catalog)
             matched = restored.matched
             breakdown.matched_tokens = matched
             breakdown.case = "miss" if matched == 0 else ("full" if matched == prompt_tokens else "partial")
@@ -219,7 +226,7 @@ class CachedInference:
             text = engine.detokenize(generated)
 
             uploaded: list[dict] = []
-            if caching and breakdown.cachebox == "ok":
+            if caching and upload and breakdown.cachebox == "ok":
                 uploaded = self._upload(tokens, namespace, lookup, matched, boundary_logits, exports, breakdown)
                 self._touch(restored.entries)
             breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
@@ -227,12 +234,12 @@ class CachedInference:
             return RunResult(text=text, tokens=generated, breakdown=breakdown, fetched=restored.entries, uploaded=uploaded)
 
     # -- steps ----------------------------------------------------------------------------
-    def _lookup_and_restore(self, tokens: list[int], namespace: str, lookup: _Lookup, breakdown: Breakdown) -> _Restored:
+    def _lookup_and_restore(self, tokens: list[int], namespace: str, lookup: _Lookup, breakdown: Breakdown, use_catalog: bool = True) -> _Restored:
         fingerprint = self.engine.fingerprint
         catalog = self.catalogs.get(namespace).catalog
         mark = time.perf_counter()
         lookup.keys = prefix_keys(fingerprint, namespace, tokens, lookup.boundaries)
-        maybe = catalog.lookup(lookup.keys)
+        maybe = catalog.lookup(lookup.keys) if use_catalog else [True] * len(lookup.keys)
         breakdown.bloom_ms = _ms(mark)
         candidates = [end for end, hit in zip(lookup.boundaries, maybe) if hit]
         lookup.known = {key for key, hit in zip(lookup.keys, maybe) if hit}
@@ -240,6 +247,7 @@ class CachedInference:
             breakdown.decision = "catalog-miss"  # a sure miss: no network at all
             return _Restored()
         longest = max(candidates)
+        breakdown.candidate_tokens = longest
         decision = self.policy.decide(longest, int(longest * self.bytes_per_token))
         breakdown.predicted_fetch_ms = decision.predicted_fetch_ms
         breakdown.predicted_prefill_ms = decision.predicted_prefill_ms

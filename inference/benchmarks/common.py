@@ -45,7 +45,7 @@ def machine_info(board) -> dict:
         "n_ctx": engine.n_ctx,
         "kv_type": engine.config.kv_type,
         "cachebox": board.store.safe_url if board.store else None,
-        "link": "loopback (no emulation)",
+        "link": board.store.link_label if board.store else "no cache box",
         "git_commit": commit,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -32,6 +32,26 @@ class Command(BaseCommand):
         modules.add_argument("--prompts", type=int, default=6, help="questions per topic (default 6: 342 over all topics)")
         modules.add_argument("--shots", type=int, default=5)
         modules.add_argument("--json", default=None, metavar="PATH")
+        breakeven = sub.add_parser("breakeven", help="always / never / adaptive fetching under each emulated link")
+        breakeven.add_argument("--topic", default="astronomy")
+        breakeven.add_argument("--prompts", type=int, default=5)
+        breakeven.add_argument("--shots", type=int, default=5)
+        breakeven.add_argument("--json", default=None, metavar="PATH")
+        peers = sub.add_parser("peers", help="EdgeCache against no cache, llama-cpp-python's caches and the paper's design")
+        peers.add_argument("--topic", default="astronomy")
+        peers.add_argument("--prompts", type=int, default=5)
+        peers.add_argument("--shots", type=int, default=5)
+        peers.add_argument("--max-tokens", type=int, default=4)
+        peers.add_argument("--json", default=None, metavar="PATH")
+        catalog = sub.add_parser("catalog", help="hit-ratio sweep with and without the catalog; false positives")
+        catalog.add_argument("--topic", default="astronomy")
+        catalog.add_argument("--prompts", type=int, default=10)
+        catalog.add_argument("--shots", type=int, default=5)
+        catalog.add_argument("--link", default="wifi4", help="link preset for the cache-box traffic (default wifi4)")
+        catalog.add_argument("--json", default=None, metavar="PATH")
+        scale = sub.add_parser("scale", help="cold and full-hit TTFT from 128 to 2048 prompt tokens")
+        scale.add_argument("--repeats", type=int, default=3)
+        scale.add_argument("--json", default=None, metavar="PATH")
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
     def handle(self, *args, bench, **options):
@@ -59,9 +79,10 @@ class Command(BaseCommand):
             )
         finally:
             board.close()
-        path = save_json(json or self._default_path("cases"), document)
+        from inference.benchmarks.reports import cases_report
+
         self._print_cases(document)
-        self.stdout.write(f"saved {path}")
+        self._save("cases", json, document, cases_report)
 
     def bench_modules(self, topics, prompts, shots, json: str | None, **options):
         from inference.benchmarks.modules import run_modules
@@ -86,7 +107,8 @@ class Command(BaseCommand):
         finally:
             board.store.flush(namespace)
             board.close()
-        path = save_json(json or self._default_path("modules"), document)
+        from inference.benchmarks.reports import modules_report
+
         sc = document["scaffold"]
         self.stdout.write(
             f"\n{document['n']} prompts ({len(chosen)} topic{'s' if len(chosen) > 1 else ''}; {shots}-shot), medians:\n"
@@ -94,9 +116,122 @@ class Command(BaseCommand):
             f"  accuracy full prefill {document['accuracy_baseline']:.3f} {document['accuracy_baseline_ci95']}, "
             f"modules {document['accuracy_cached']:.3f} {document['accuracy_cached_ci95']}; same answer in {document['answer_agreement']:.3f}\n"
             f"  on the {sc['baseline']['n']} prompts a scaffold covers: full prefill {sc['baseline']['accuracy']:.3f}, "
-            f"modules {sc['modules']['accuracy']:.3f}, scaffold {sc['scaffold']['accuracy']:.3f} (TTFT {sc['scaffold']['ttft_ms']:.1f} ms)\n"
-            f"saved {path}"
+            f"modules {sc['modules']['accuracy']:.3f}, scaffold {sc['scaffold']['accuracy']:.3f} (TTFT {sc['scaffold']['ttft_ms']:.1f} ms)"
         )
+        self._save("modules", json, document, modules_report)
+
+    def _prompts(self, topic: str, shots: int, count: int):
+        if count < 1:
+            raise CommandError("--prompts must be at least 1")
+        try:
+            return mmlu.build_prompts(topic, shots, count)
+        except (mmlu.UnknownTopic, ValueError, FileNotFoundError) as exc:
+            raise CommandError(str(exc))
+
+    def _board(self) -> Board:
+        board = Board.from_settings(background_sync=False)
+        if board.store is None or not board.store.ping():
+            board.close()
+            raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start` or fix REDIS_URL")
+        return board
+
+    def _save(self, name: str, json_path: str | None, document: dict, report) -> None:
+        path = save_json(json_path or self._default_path(name), document)
+        html_path = report(path.with_suffix(".html"), document)
+        self.stdout.write(f"saved {path} and {html_path}")
+
+    def bench_breakeven(self, topic, prompts, shots, json: str | None, **options):
+        from inference.benchmarks.breakeven import MODES, run_breakeven
+        from inference.benchmarks.reports import breakeven_report
+
+        selected = self._prompts(topic, shots, prompts)
+        board = self._board()
+        try:
+            with tqdm(total=len(selected), desc="bench breakeven (3 links x 5 cases x 3 policies)", unit="prompt") as bar:
+                document = run_breakeven(
+                    board.engine, board.store.url, selected, prefill_ms_per_token=board.options.prefill_ms_per_token, progress=bar.update
+                )
+            document.update({"topic": selected[0].target.topic, "shots": shots, "machine": machine_info(board)})
+        finally:
+            board.close()
+        for preset, data in document["presets"].items():
+            self.stdout.write(f"\n{preset} ({data['link']}{', emulated link' if data['emulated'] else ''}): median TTFT ms")
+            self.stdout.write(f"{'case':<32}" + "".join(f"{mode:>11}" for mode in MODES) + f"{'adaptive/best':>15}")
+            for case, row in data["cases"].items():
+                name = document["case_names"][case]
+                self.stdout.write(
+                    f"{case + ' ' + name:<32}" + "".join(f"{row[mode + '_ttft_ms']:>11.1f}" for mode in MODES)
+                    + f"{row['adaptive_vs_best']:>15.3f}{'' if row['within_5pct'] else '  (over 5%)'}"
+                )
+        self.stdout.write(f"\npolicy within 5% of the better fixed choice everywhere: {document['target_met']}")
+        self._save("breakeven", json, document, breakeven_report)
+
+    def bench_peers(self, topic, prompts, shots, max_tokens, json: str | None, **options):
+        from inference.benchmarks.peers import run_peers
+        from inference.benchmarks.reports import peers_report
+
+        if prompts < 2:
+            raise CommandError("--prompts must be at least 2: a hit must not find its prompt still in the context")
+        selected = self._prompts(topic, shots, prompts)
+        board = self._board()
+        try:
+            with tqdm(total=6, desc="bench peers", unit="peer") as bar:
+                document = run_peers(board, selected, max_tokens=max_tokens, progress=bar.update)
+            document.update({"topic": selected[0].target.topic, "shots": shots, "max_tokens": max_tokens, "machine": machine_info(board)})
+        finally:
+            board.close()
+        document["summary"] = f"EdgeCache full-hit TTFT is {document['edgecache_hit_vs_ram_cache_hit']}x faster than a LlamaRAMCache hit."
+        self.stdout.write(f"\n{'peer':<42}{'TTFT':>10}{'TTLT':>10}{'hit TTFT':>10}{'state MB':>10}{'agree':>8}")
+        for name, row in document["peers"].items():
+            self.stdout.write(
+                f"{name:<42}{row['ttft_ms']:>10.1f}{row['ttlt_ms']:>10.1f}{row['hit_ttft_ms']:>10.1f}{row['state_bytes'] / 1e6:>10.2f}{row['agreement_with_cold']:>8.2f}"
+            )
+        self.stdout.write(document["summary"])
+        self._save("peers", json, document, peers_report)
+
+    def bench_catalog(self, topic, prompts, shots, link, json: str | None, **options):
+        from cachebox.link import LINK_PRESETS
+        from inference.benchmarks.catalog import HIT_RATIOS, run_catalog
+        from inference.benchmarks.reports import catalog_report
+
+        if link not in LINK_PRESETS or LINK_PRESETS[link] is None:
+            raise CommandError(f"--link must be one of {', '.join(k for k, v in LINK_PRESETS.items() if v)}")
+        selected = self._prompts(topic, shots, prompts)
+        board = self._board()
+        try:
+            with tqdm(total=2 * len(HIT_RATIOS), desc="bench catalog", unit="pass") as bar:
+                document = run_catalog(board.engine, board.store.url, selected, link_preset=link, progress=bar.update)
+            document.update({"topic": selected[0].target.topic, "shots": shots, "machine": machine_info(board)})
+        finally:
+            board.close()
+        self.stdout.write(f"\n{document['link']}; mean TTFT ms over {document['n']} prompts")
+        self.stdout.write(f"{'hit ratio':>10}{'catalog':>12}{'no catalog':>12}{'miss cost without':>20}")
+        for row in document["sweep"]:
+            self.stdout.write(
+                f"{row['hit_ratio']:>10.1f}{row['with_catalog']['mean_ttft_ms']:>12.1f}{row['without_catalog']['mean_ttft_ms']:>12.1f}"
+                f"{row['without_catalog']['miss_network_ms']:>17.1f} ms"
+            )
+        for row in document["false_positives"]:
+            self.stdout.write(f"false positives at capacity {row['capacity']}: observed {row['observed']}, configured {row['configured']} ({row['size_bytes'] / 1e6:.2f} MB)")
+        document["summary"] = "Catalog: a sure miss costs no network; without it every miss asks the cache box."
+        self._save("catalog", json, document, catalog_report)
+
+    def bench_scale(self, repeats, json: str | None, **options):
+        from inference.benchmarks.reports import scale_report
+        from inference.benchmarks.scale import LENGTHS, run_scale
+
+        board = self._board()
+        try:
+            with tqdm(total=len(LENGTHS), desc="bench scale", unit="length") as bar:
+                document = run_scale(board, repeats=repeats, progress=bar.update)
+            document["machine"] = machine_info(board)
+        finally:
+            board.close()
+        self.stdout.write(f"\n{'tokens':>8}{'cold TTFT':>12}{'hit TTFT':>12}{'ratio':>8}{'state MB':>10}")
+        for row in document["lengths"]:
+            self.stdout.write(f"{row['prompt_tokens']:>8}{row['cold_ttft_ms']:>12.1f}{row['hit_ttft_ms']:>12.1f}{row['ratio']:>8.3f}{row['state_bytes'] / 1e6:>10.2f}")
+        document["summary"] = "Cold prefill grows with the prompt; a hit costs the bytes moved and restored."
+        self._save("scale", json, document, scale_report)
 
     def _default_path(self, name: str) -> Path:
         return Path(settings.BASE_DIR) / "bench-results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
