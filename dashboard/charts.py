@@ -130,6 +130,21 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
                 line=dict(color="#1f77b4", dash="dash"),
             )
         )
+    # The policy's decisions: where it was offered a cached range, what it forecast, what it chose.
+    for decision, symbol, label in (("fetch", "circle-open", "policy chose to fetch (forecast)"), ("policy-skip", "x", "policy chose to recompute (forecast)")):
+        chosen = [b for b in breakdowns if b.get("decision") == decision and b.get("candidate_tokens")]
+        if chosen:
+            traces.append(
+                go.Scatter(
+                    name=label,
+                    x=[b["candidate_tokens"] for b in chosen],
+                    y=[b.get("predicted_fetch_ms", 0) for b in chosen],
+                    mode="markers",
+                    marker=dict(symbol=symbol, size=9, color="#2ca02c" if decision == "fetch" else "#ff7f0e"),
+                    customdata=[[b.get("predicted_prefill_ms", 0), b.get("redis_ms", 0)] for b in chosen],
+                    hovertemplate="%{x} tokens: fetch forecast %{y:.0f} ms, prefill forecast %{customdata[0]:.0f} ms, measured fetch %{customdata[1]:.0f} ms",
+                )
+            )
     shapes, annotations, verdict = [], [], "not enough runs yet: run prompts with and without hits"
     if prefill_fit and fetch_fit:
         cross = crossover(prefill_fit, fetch_fit)

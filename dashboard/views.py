@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import plotly.offline
 from django.conf import settings
@@ -10,7 +12,7 @@ from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
 from django.db.models import Count, Sum
-from django.http import HttpResponse, JsonResponse
+from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
@@ -325,3 +327,59 @@ def schema_delete(request, pk):
         "dashboard/confirm.html",
         {"form": form, "question": f"Delete schema {schema.name}?", "consequence": "Every cache entry of its modules is deleted too, for every model and namespace.", "cancel_url": schema.get_absolute_url()},
     )
+
+
+# -- benchmarks ------------------------------------------------------------------------------------
+def _reports_dir():
+    return Path(settings.BASE_DIR) / "bench-results"
+
+
+@login_required
+def benchmark_list(request):
+    """Saved benchmark reports (``python manage.py bench ...`` writes JSON and HTML here)."""
+    reports = []
+    folder = _reports_dir()
+    for path in sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        reports.append(
+            {
+                "name": path.stem,
+                "kind": path.stem.split("-")[0],
+                "date": (doc.get("machine") or {}).get("date", ""),
+                "summary": _benchmark_summary(doc),
+                "has_html": path.with_suffix(".html").exists(),
+            }
+        )
+    return render(request, "dashboard/benchmarks.html", {"reports": reports, "folder": folder})
+
+
+def _benchmark_summary(doc: dict) -> str:
+    if "ttft_ratio_full_to_cold" in doc:
+        return f"full hit / cold TTFT {doc['ttft_ratio_full_to_cold']}, greedy agreement {doc['greedy_agreement']}, n={doc['n']}"
+    if "accuracy_cached" in doc:
+        return f"modules / full prefill TTFT {doc['ratio']}, accuracy {doc['accuracy_baseline']} vs {doc['accuracy_cached']}, n={doc['n']}"
+    if "presets" in doc:
+        return f"adaptive policy within 5% everywhere: {doc['target_met']}"
+    if "peers" in doc:
+        return f"EdgeCache hit {doc.get('edgecache_hit_vs_ram_cache_hit')}x faster than a LlamaRAMCache hit"
+    if "sweep" in doc:
+        return f"catalog sweep over {doc.get('link', '')}"
+    if "lengths" in doc:
+        return f"{len(doc['lengths'])} prompt lengths"
+    return ""
+
+
+@login_required
+def benchmark_report(request, name):
+    """One saved HTML report (self-contained: plotly.js inline)."""
+    folder = _reports_dir()
+    candidates = {path.stem: path for path in folder.glob("*.html")} if folder.is_dir() else {}
+    if name not in candidates:  # only files the folder lists: no path tricks
+        raise Http404("no such report")
+    response = HttpResponse(candidates[name].read_bytes(), content_type="text/html; charset=utf-8")
+    response["Content-Security-Policy"] = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
+    response["X-Frame-Options"] = "SAMEORIGIN"
+    return response

@@ -465,3 +465,18 @@ def test_run_page_sends_pml_prompts_with_their_schema(staff_client, control_plan
     assert good.status_code == 200
     message = sent_tasks[0]["args"][0]
     assert message["schema"] == TRAVEL and "<miami/>" in message["pml"] and message["segments"] == []
+
+
+def test_benchmarks_page_lists_reports_and_serves_only_them(staff_client, settings, tmp_path):
+    settings.BASE_DIR = tmp_path
+    folder = tmp_path / "bench-results"
+    folder.mkdir()
+    (folder / "cases-1.json").write_text(json.dumps({"ttft_ratio_full_to_cold": 0.01, "greedy_agreement": 1.0, "n": 100, "machine": {"date": "today"}}))
+    (folder / "cases-1.html").write_text("<!doctype html><p>chart</p>")
+    (tmp_path / "secret.html").write_text("not a report")
+    page = staff_client.get(reverse("benchmarks"))
+    assert "full hit / cold TTFT 0.01" in page.content.decode()
+    report = staff_client.get(reverse("benchmark-report", args=["cases-1"]))
+    assert report.status_code == 200 and b"chart" in report.content and "default-src 'none'" in report["Content-Security-Policy"]
+    assert staff_client.get("/benchmarks/secret/").status_code == 404
+    assert staff_client.get("/benchmarks/..%2Fsecret/").status_code == 404
