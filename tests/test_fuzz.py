@@ -1,0 +1,93 @@
+"""Property tests: whatever comes in, the pure parts answer or refuse cleanly, never crash."""
+
+import os
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachebox.catalog import Catalog
+from cachebox.entry import decode_header
+from cachebox.errors import CatalogFormatError, EntryError
+from cachebox.keys import prefix_keys
+from inference.pml import PMLError, PromptDoc, Schema, parse_prompt, parse_schema
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+SCHEMA = parse_schema(
+    '<schema name="s"><module name="a">A <param name="p" len="3"/></module><union><module name="b">B</module>'
+    '<module name="c">C<module name="d">D</module></module></union></schema>'
+)
+
+names = st.sampled_from(["a", "b", "c", "d", "x", "module", "union", "param", "scaffold", "user", "schema", "prompt"])
+attributes = st.dictionaries(st.sampled_from(["name", "len", "p", "schema", "modules", "xml:space"]), st.text(max_size=8), max_size=3)
+
+
+@st.composite
+def xml_fragments(draw, depth=0):
+    if depth > 3 or draw(st.booleans()):
+        return draw(st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=12))
+    tag = draw(names)
+    attrs = "".join(f' {k}="{v.replace(chr(34), "")}"' for k, v in draw(attributes).items())
+    children = "".join(draw(st.lists(xml_fragments(depth=depth + 1), max_size=3)))
+    return f"<{tag}{attrs}>{children}</{tag}>"
+
+
+@FAST
+@given(st.text(max_size=300))
+def test_any_text_parses_as_a_schema_or_fails_with_a_pml_error(source):
+    try:
+        assert isinstance(parse_schema(source), Schema)
+    except PMLError as exc:
+        assert str(exc)
+
+
+@FAST
+@given(xml_fragments(), st.sampled_from(["schema", "prompt"]))
+def test_tag_soup_is_refused_cleanly(fragment, root):
+    document = f'<{root} name="s" schema="s">{fragment}</{root}>'
+    try:
+        result = parse_schema(document) if root == "schema" else parse_prompt(document, SCHEMA)
+        assert isinstance(result, (Schema, PromptDoc))
+    except PMLError as exc:
+        assert exc.reason
+
+
+@FAST
+@given(st.lists(st.integers(min_value=0, max_value=262_143), min_size=1, max_size=200), st.data())
+def test_a_prefix_key_depends_only_on_the_prefix(tokens, data):
+    end = data.draw(st.integers(min_value=1, max_value=len(tokens)))
+    cuts = sorted(set(data.draw(st.lists(st.integers(min_value=1, max_value=end), max_size=5)) + [end]))
+    assert prefix_keys("fp", "ns", tokens, cuts)[-1] == prefix_keys("fp", "ns", tokens[:end], [end])[0]
+    changed = list(tokens)
+    position = data.draw(st.integers(min_value=0, max_value=end - 1))
+    changed[position] = (changed[position] + 1) % 262_144
+    assert prefix_keys("fp", "ns", changed, [end])[0] != prefix_keys("fp", "ns", tokens, [end])[0]
+
+
+@FAST
+@given(st.binary(max_size=2000))
+def test_arbitrary_catalog_bytes_load_or_fail_cleanly(raw):
+    try:
+        Catalog.from_bytes(raw)
+    except CatalogFormatError:
+        pass
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(min_value=0, max_value=300))
+def test_catalog_round_trips_any_key_set(count):
+    catalog = Catalog(1000, 0.01)
+    keys = [os.urandom(16) for _ in range(count)]
+    catalog.add_many(keys)
+    loaded = Catalog.from_bytes(catalog.to_bytes())
+    assert all(key in loaded for key in keys)
+
+
+@FAST
+@given(st.binary(max_size=600))
+def test_arbitrary_entry_bytes_never_crash_the_header_reader(raw):
+    for data in (raw, b"ECE1" + raw):
+        try:
+            decode_header(data)
+        except EntryError:
+            pass
