@@ -18,6 +18,17 @@ from .models import Device, SavedPrompt
 MAX_PROMPT_CHARS = 32_000
 
 
+def _clean_namespace(value: str) -> str:
+    """An optional namespace field: empty, or usable in cache keys."""
+    namespace = (value or "").strip()
+    if namespace:
+        try:
+            check_namespace(namespace)
+        except InvalidNamespace as exc:
+            raise forms.ValidationError(str(exc))
+    return namespace
+
+
 class DeviceForm(forms.ModelForm):
     link_preset = forms.ChoiceField(
         choices=[("custom", "custom (fields below)")] + [(key, profile.label if profile else "none (unshaped)") for key, profile in LINK_PRESETS.items()],
@@ -70,13 +81,7 @@ class EncodeForm(forms.Form):
     namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: default)")
 
     def clean_namespace(self):
-        namespace = self.cleaned_data.get("namespace", "").strip()
-        if namespace:
-            try:
-                check_namespace(namespace)
-            except InvalidNamespace as exc:
-                raise forms.ValidationError(str(exc))
-        return namespace
+        return _clean_namespace(self.cleaned_data.get("namespace"))
 
 
 class RunForm(forms.Form):
@@ -108,13 +113,7 @@ class RunForm(forms.Form):
             self.fields["topic"].choices = []
 
     def clean_namespace(self):
-        namespace = self.cleaned_data.get("namespace", "").strip()
-        if namespace:
-            try:
-                check_namespace(namespace)
-            except InvalidNamespace as exc:
-                raise forms.ValidationError(str(exc))
-        return namespace
+        return _clean_namespace(self.cleaned_data.get("namespace"))
 
     def clean(self):
         data = super().clean()

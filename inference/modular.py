@@ -30,7 +30,7 @@ from cachebox.sync import CatalogRegistry
 from .breakdown import Breakdown
 from .engine import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, EngineError, Vocabulary
 from .modules import ModulePiece, Placement, Run, SchemaLayout, TextPiece, all_pieces, lay_out, piece_runs, plan_prompt
-from .pipeline import PromptError, RunResult
+from .pipeline import PromptError, RunResult, decode_answer, ms_since
 from .pml import PMLError, Schema, parse_prompt, parse_schema
 from .sampling import SamplingParams, choose
 
@@ -75,10 +75,6 @@ class ModularResult(RunResult):
 
     def as_dict(self) -> dict:
         return {**super().as_dict(), "modules_hit": self.modules_hit}
-
-
-def _ms(since: float) -> float:
-    return (time.perf_counter() - since) * 1000.0
 
 
 class ModularInference:
@@ -227,7 +223,7 @@ class ModularInference:
             mark = started
             schema, layout = self.load_schema(schema_source)
             plan = plan_prompt(parse_prompt(prompt_source, schema), layout, self.tokenizer)
-            breakdown.token_ms = _ms(mark)
+            breakdown.token_ms = ms_since(mark)
             module_pieces = [piece for piece in plan.pieces if isinstance(piece, ModulePiece)]
             total = sum(layout.modules[m].token_count for piece in module_pieces for m in piece.members)
             total += sum(len(piece.tokens) for piece in plan.pieces if isinstance(piece, TextPiece))
@@ -249,7 +245,7 @@ class ModularInference:
                     mark = time.perf_counter()
                     position = placement.text(len(piece.tokens))
                     out = engine.prefill(piece.tokens, position, logits_at={position + len(piece.tokens) - 1} if is_last else frozenset())
-                    breakdown.prefill_ms += _ms(mark)
+                    breakdown.prefill_ms += ms_since(mark)
                     logits = out.get(position + len(piece.tokens) - 1)
                     last_token, last_position = piece.tokens[-1], position + len(piece.tokens) - 1
                     cells += len(piece.tokens)
@@ -262,30 +258,30 @@ class ModularInference:
                     blob, offset = self.encode(layout, piece), 0
                     fresh.append((piece, blob))
                 if hit:
-                    breakdown.restore_ms += _ms(mark)
+                    breakdown.restore_ms += ms_since(mark)
                     matched += sum(layout.modules[m].token_count for m in piece.members)
                 else:
-                    breakdown.prefill_ms += _ms(mark)
+                    breakdown.prefill_ms += ms_since(mark)
                 mark = time.perf_counter()
                 runs = self._runs(layout, piece)
                 shift = placement.module([(run.start, run.end) for run in runs])
                 last_position, last_token = self._place_module(layout, piece, blob, offset, shift)
                 cells += sum(layout.modules[m].token_count for m in piece.members)
                 if hit:
-                    breakdown.restore_ms += _ms(mark)
+                    breakdown.restore_ms += ms_since(mark)
                 else:
-                    breakdown.prefill_ms += _ms(mark)
+                    breakdown.prefill_ms += ms_since(mark)
                 if piece.args:
                     mark = time.perf_counter()
                     cells += self._fill_args(layout, piece, shift)
-                    breakdown.prefill_ms += _ms(mark)
+                    breakdown.prefill_ms += ms_since(mark)
                 logits = None
             if logits is None:
                 # The prompt ends inside a module: recompute its last token for the logits.
                 mark = time.perf_counter()
                 engine.remove(MAIN_SEQ, last_position, -1)
                 logits = engine.prefill([last_token], last_position, logits_at={last_position})[last_position]
-                breakdown.prefill_ms += _ms(mark)
+                breakdown.prefill_ms += ms_since(mark)
             breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
             breakdown.prompt_tokens = cells
             breakdown.matched_tokens = matched
@@ -295,24 +291,10 @@ class ModularInference:
             rng = np.random.default_rng(sampling.seed)
             mark = time.perf_counter()
             token = choose(logits, sampling, rng)
-            breakdown.sample_ms = _ms(mark)
-            breakdown.ttft_ms = _ms(started)
-            generated = [token]
+            breakdown.sample_ms = ms_since(mark)
+            breakdown.ttft_ms = ms_since(started)
             position = engine.positions(MAIN_SEQ)[1] + 1
-            while len(generated) < max_tokens and not engine.is_end_of_generation(token):
-                mark = time.perf_counter()
-                out = engine.decode_one(token, position)
-                breakdown.decode_ms += _ms(mark)
-                position += 1
-                mark = time.perf_counter()
-                token = choose(out, sampling, rng)
-                breakdown.sample_ms += _ms(mark)
-                generated.append(token)
-            breakdown.ttlt_ms = _ms(started)
-            if engine.is_end_of_generation(generated[-1]):
-                generated.pop()
-            breakdown.generated_tokens = len(generated)
-            text = engine.detokenize(generated)
+            generated, text = decode_answer(engine, token, position, max_tokens, sampling, rng, breakdown, started)
 
             uploaded = []
             if caching and fresh and breakdown.cachebox == "ok":
@@ -328,7 +310,7 @@ class ModularInference:
         for piece in pieces:
             names[piece.key_name] = self.key_name(layout, namespace, piece.key_name)
         maybe = catalog.lookup([names[piece.key_name][0] for piece in pieces])
-        breakdown.bloom_ms = _ms(mark)
+        breakdown.bloom_ms = ms_since(mark)
         wanted = [piece for piece, hit in zip(pieces, maybe) if hit]
         if not wanted:
             return {}
@@ -338,7 +320,7 @@ class ModularInference:
         except CacheBoxUnavailable as exc:
             log.warning("cache box unavailable, encoding modules locally: %s", exc)
             breakdown.cachebox = "unavailable"
-            breakdown.fetch_ms = _ms(mark)
+            breakdown.fetch_ms = ms_since(mark)
             return {}
         found = {}
         for piece, blob in zip(wanted, blobs):
@@ -369,7 +351,7 @@ class ModularInference:
             catalog.record_true_hit()
             breakdown.fetched_bytes += len(blob)
             found[piece.key_name] = (blob, offset)
-        breakdown.fetch_ms = _ms(mark)
+        breakdown.fetch_ms = ms_since(mark)
         return found
 
     def _place_module(self, layout, piece: ModulePiece, blob: bytes, offset: int, shift: int) -> tuple[int, int]:
@@ -431,7 +413,7 @@ class ModularInference:
             breakdown.cachebox = "unavailable"
             breakdown.uploaded_bytes = 0
             stored = []
-        breakdown.upload_ms = _ms(mark)
+        breakdown.upload_ms = ms_since(mark)
         return stored
 
 

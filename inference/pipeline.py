@@ -75,8 +75,31 @@ class _Lookup:
     missing: set[str] = field(default_factory=set)  # entry names found absent or rejected in this run
 
 
-def _ms(since: float) -> float:
+def ms_since(since: float) -> float:
     return (time.perf_counter() - since) * 1000.0
+
+
+def decode_answer(engine: Engine, token: int, position: int, max_tokens: int, sampling: SamplingParams, rng, breakdown: Breakdown, started: float, top: int = TOP_CANDIDATES) -> tuple[list[int], str]:
+    """Decode the answer after its first token (R-decode + Sample), stopping at end of generation.
+
+    Fills ``decode_ms``, ``sample_ms``, ``ttlt_ms`` and ``generated_tokens``; returns the
+    answer's tokens (without the end-of-generation token) and its text.
+    """
+    generated = [token]
+    while len(generated) < max_tokens and not engine.is_end_of_generation(token):
+        mark = time.perf_counter()
+        logits = engine.decode_one(token, position)
+        breakdown.decode_ms += ms_since(mark)
+        position += 1
+        mark = time.perf_counter()
+        token = choose(logits, sampling, rng, top)
+        breakdown.sample_ms += ms_since(mark)
+        generated.append(token)
+    breakdown.ttlt_ms = ms_since(started)
+    if engine.is_end_of_generation(generated[-1]):
+        generated.pop()
+    breakdown.generated_tokens = len(generated)
+    return generated, engine.detokenize(generated)
 
 
 class CachedInference:
@@ -152,7 +175,7 @@ class CachedInference:
 
             mark = time.perf_counter()
             tokens, segment_ends = self.tokenize(segments)
-            breakdown.token_ms = _ms(mark)
+            breakdown.token_ms = ms_since(mark)
             prompt_tokens = len(tokens)
             breakdown.prompt_tokens = prompt_tokens
             if prompt_tokens + max_tokens > engine.n_ctx:
@@ -190,13 +213,13 @@ class CachedInference:
                     on_batch = self._exporter(lookup.boundaries, matched, exports)
                 mark = time.perf_counter()
                 boundary_logits = engine.prefill(tokens[matched:], matched, logits_at=wanted, on_batch=on_batch)
-                breakdown.prefill_ms = _ms(mark)
+                breakdown.prefill_ms = ms_since(mark)
             elif restored.top_ids is None:
                 # A full hit without stored logits: recompute the last position only.
                 mark = time.perf_counter()
                 engine.remove(0, prompt_tokens - 1, -1)
                 boundary_logits = engine.prefill(tokens[-1:], prompt_tokens - 1, logits_at={prompt_tokens - 1})
-                breakdown.prefill_ms = _ms(mark)
+                breakdown.prefill_ms = ms_since(mark)
 
             # First token: from fresh logits, or from the ones stored with a full hit.
             rng = np.random.default_rng(sampling.seed)
@@ -205,25 +228,10 @@ class CachedInference:
                 token = choose(boundary_logits[prompt_tokens - 1], sampling, rng, self.top_logits)
             else:
                 token = sample(restored.top_ids, restored.top_logits, sampling, rng)
-            breakdown.sample_ms = _ms(mark)
-            breakdown.ttft_ms = _ms(started)
+            breakdown.sample_ms = ms_since(mark)
+            breakdown.ttft_ms = ms_since(started)
 
-            generated = [token]
-            position = prompt_tokens
-            while len(generated) < max_tokens and not engine.is_end_of_generation(token):
-                mark = time.perf_counter()
-                logits = engine.decode_one(token, position)
-                breakdown.decode_ms += _ms(mark)
-                position += 1
-                mark = time.perf_counter()
-                token = choose(logits, sampling, rng, self.top_logits)
-                breakdown.sample_ms += _ms(mark)
-                generated.append(token)
-            breakdown.ttlt_ms = _ms(started)
-            if engine.is_end_of_generation(generated[-1]):
-                generated.pop()
-            breakdown.generated_tokens = len(generated)
-            text = engine.detokenize(generated)
+            generated, text = decode_answer(engine, token, prompt_tokens, max_tokens, sampling, rng, breakdown, started, self.top_logits)
 
             uploaded: list[dict] = []
             if caching and upload and breakdown.cachebox == "ok":
@@ -240,7 +248,7 @@ class CachedInference:
         mark = time.perf_counter()
         lookup.keys = prefix_keys(fingerprint, namespace, tokens, lookup.boundaries)
         maybe = catalog.lookup(lookup.keys) if use_catalog else [True] * len(lookup.keys)
-        breakdown.bloom_ms = _ms(mark)
+        breakdown.bloom_ms = ms_since(mark)
         candidates = [end for end, hit in zip(lookup.boundaries, maybe) if hit]
         lookup.known = {key for key, hit in zip(lookup.keys, maybe) if hit}
         if not candidates:
@@ -261,7 +269,7 @@ class CachedInference:
             headers = self._read_headers(tokens, namespace, sorted(candidates, reverse=True), names, catalog, breakdown, lookup)
             chain = self._plan_chain(tokens, namespace, headers, names, catalog, breakdown, lookup)
             if not chain:
-                breakdown.fetch_ms = breakdown.redis_ms = _ms(mark)
+                breakdown.fetch_ms = breakdown.redis_ms = ms_since(mark)
                 breakdown.decision = "no-usable-entry"
                 return _Restored()
             blobs = self.store.read_entries([names[end] for end in chain])
@@ -269,7 +277,7 @@ class CachedInference:
             log.warning("cache box unavailable, prefilling locally: %s", exc)
             breakdown.cachebox = "unavailable"
             breakdown.decision = "cachebox-unavailable"
-            breakdown.fetch_ms = breakdown.redis_ms = _ms(mark)
+            breakdown.fetch_ms = breakdown.redis_ms = ms_since(mark)
             return _Restored()
 
         usable: list[tuple[int, bytes, int]] = []  # (range end, entry, offset of its state)
@@ -289,7 +297,7 @@ class CachedInference:
                 self._reject(names[end], exc, breakdown, lookup)
                 break  # the chain is usable up to the range before this one
             usable.append((end, blob, offset))
-        breakdown.fetch_ms = _ms(mark)
+        breakdown.fetch_ms = ms_since(mark)
 
         mark = time.perf_counter()
         matched = 0
@@ -307,7 +315,7 @@ class CachedInference:
             breakdown.fetched_bytes += len(blob)  # the whole entry, as moved
         if matched < (usable[-1][0] if usable else 0):
             self.engine.remove(0, matched, -1)  # drop a partly restored range
-        breakdown.restore_ms = _ms(mark)
+        breakdown.restore_ms = ms_since(mark)
         breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
         if matched == 0:
             breakdown.decision = "no-usable-entry"
@@ -464,5 +472,5 @@ class CachedInference:
             breakdown.cachebox = "unavailable"
             breakdown.uploaded_bytes = 0
             stored = []
-        breakdown.upload_ms = _ms(mark)
+        breakdown.upload_ms = ms_since(mark)
         return stored
