@@ -1,7 +1,6 @@
 """Prompt schemas served from cached modules: the real model and a real cache box."""
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -26,32 +25,32 @@ class Command(BaseCommand):
         cases.add_argument("--prompts", type=int, default=20, help="number of target questions")
         cases.add_argument("--shots", type=int, default=5, help="few-shot examples per prompt")
         cases.add_argument("--max-tokens", type=int, default=4, help="tokens generated per run")
-        cases.add_argument("--json", default=None, metavar="PATH", help="where to save the JSON (default bench-results/...)")
+        cases.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="where to save the JSON (default bench-results/...)")
         modules = sub.add_parser("modules", help="Prompt Cache on MMLU: modules vs full prefill, accuracy and TTFT")
         modules.add_argument("--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics (default: all 57)")
         modules.add_argument("--prompts", type=int, default=6, help="questions per topic (default 6: 342 over all topics)")
         modules.add_argument("--shots", type=int, default=5)
-        modules.add_argument("--json", default=None, metavar="PATH")
+        modules.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         breakeven = sub.add_parser("breakeven", help="always / never / adaptive fetching under each emulated link")
         breakeven.add_argument("--topic", default="astronomy")
         breakeven.add_argument("--prompts", type=int, default=5)
         breakeven.add_argument("--shots", type=int, default=5)
-        breakeven.add_argument("--json", default=None, metavar="PATH")
+        breakeven.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         peers = sub.add_parser("peers", help="EdgeCache against no cache, llama-cpp-python's caches and the paper's design")
         peers.add_argument("--topic", default="astronomy")
         peers.add_argument("--prompts", type=int, default=5)
         peers.add_argument("--shots", type=int, default=5)
         peers.add_argument("--max-tokens", type=int, default=4)
-        peers.add_argument("--json", default=None, metavar="PATH")
+        peers.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         catalog = sub.add_parser("catalog", help="hit-ratio sweep with and without the catalog; false positives")
         catalog.add_argument("--topic", default="astronomy")
         catalog.add_argument("--prompts", type=int, default=10)
         catalog.add_argument("--shots", type=int, default=5)
         catalog.add_argument("--link", default="wifi4", help="link preset for the cache-box traffic (default wifi4)")
-        catalog.add_argument("--json", default=None, metavar="PATH")
+        catalog.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         scale = sub.add_parser("scale", help="cold and full-hit TTFT from 128 to 2048 prompt tokens")
         scale.add_argument("--repeats", type=int, default=3)
-        scale.add_argument("--json", default=None, metavar="PATH")
+        scale.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
     def handle(self, *args, bench, **options):
@@ -61,7 +60,7 @@ class Command(BaseCommand):
         for topic, questions in sorted(mmlu.load_questions().items()):
             self.stdout.write(f"{len(questions):5d}  {topic}")
 
-    def bench_cases(self, topic, prompts, shots, max_tokens, json: str | None, **options):
+    def bench_cases(self, topic, prompts, shots, max_tokens, json_path: str | None, **options):
         if prompts < 1:
             raise CommandError("--prompts must be at least 1")
         try:
@@ -82,9 +81,9 @@ class Command(BaseCommand):
         from inference.benchmarks.reports import cases_report
 
         self._print_cases(document)
-        self._save("cases", json, document, cases_report)
+        self._save("cases", json_path, document, cases_report)
 
-    def bench_modules(self, topics, prompts, shots, json: str | None, **options):
+    def bench_modules(self, topics, prompts, shots, json_path: str | None, **options):
         from inference.benchmarks.modules import run_modules
 
         if prompts < 1 or not 0 <= shots <= 8:
@@ -118,7 +117,7 @@ class Command(BaseCommand):
             f"  on the {sc['baseline']['n']} prompts a scaffold covers: full prefill {sc['baseline']['accuracy']:.3f}, "
             f"modules {sc['modules']['accuracy']:.3f}, scaffold {sc['scaffold']['accuracy']:.3f} (TTFT {sc['scaffold']['ttft_ms']:.1f} ms)"
         )
-        self._save("modules", json, document, modules_report)
+        self._save("modules", json_path, document, modules_report)
 
     def _prompts(self, topic: str, shots: int, count: int):
         if count < 1:
@@ -140,7 +139,7 @@ class Command(BaseCommand):
         html_path = report(path.with_suffix(".html"), document)
         self.stdout.write(f"saved {path} and {html_path}")
 
-    def bench_breakeven(self, topic, prompts, shots, json: str | None, **options):
+    def bench_breakeven(self, topic, prompts, shots, json_path: str | None, **options):
         from inference.benchmarks.breakeven import MODES, run_breakeven
         from inference.benchmarks.reports import breakeven_report
 
@@ -164,9 +163,9 @@ class Command(BaseCommand):
                     + f"{row['adaptive_vs_best']:>15.3f}{'' if row['within_5pct'] else '  (over 5%)'}"
                 )
         self.stdout.write(f"\npolicy within 5% of the better fixed choice everywhere: {document['target_met']}")
-        self._save("breakeven", json, document, breakeven_report)
+        self._save("breakeven", json_path, document, breakeven_report)
 
-    def bench_peers(self, topic, prompts, shots, max_tokens, json: str | None, **options):
+    def bench_peers(self, topic, prompts, shots, max_tokens, json_path: str | None, **options):
         from inference.benchmarks.peers import run_peers
         from inference.benchmarks.reports import peers_report
 
@@ -187,9 +186,9 @@ class Command(BaseCommand):
                 f"{name:<42}{row['ttft_ms']:>10.1f}{row['ttlt_ms']:>10.1f}{row['hit_ttft_ms']:>10.1f}{row['state_bytes'] / 1e6:>10.2f}{row['agreement_with_cold']:>8.2f}"
             )
         self.stdout.write(document["summary"])
-        self._save("peers", json, document, peers_report)
+        self._save("peers", json_path, document, peers_report)
 
-    def bench_catalog(self, topic, prompts, shots, link, json: str | None, **options):
+    def bench_catalog(self, topic, prompts, shots, link, json_path: str | None, **options):
         from cachebox.link import LINK_PRESETS
         from inference.benchmarks.catalog import HIT_RATIOS, run_catalog
         from inference.benchmarks.reports import catalog_report
@@ -214,9 +213,9 @@ class Command(BaseCommand):
         for row in document["false_positives"]:
             self.stdout.write(f"false positives at capacity {row['capacity']}: observed {row['observed']}, configured {row['configured']} ({row['size_bytes'] / 1e6:.2f} MB)")
         document["summary"] = "Catalog: a sure miss costs no network; without it every miss asks the cache box."
-        self._save("catalog", json, document, catalog_report)
+        self._save("catalog", json_path, document, catalog_report)
 
-    def bench_scale(self, repeats, json: str | None, **options):
+    def bench_scale(self, repeats, json_path: str | None, **options):
         from inference.benchmarks.reports import scale_report
         from inference.benchmarks.scale import LENGTHS, run_scale
 
@@ -231,7 +230,7 @@ class Command(BaseCommand):
         for row in document["lengths"]:
             self.stdout.write(f"{row['prompt_tokens']:>8}{row['cold_ttft_ms']:>12.1f}{row['hit_ttft_ms']:>12.1f}{row['ratio']:>8.3f}{row['state_bytes'] / 1e6:>10.2f}")
         document["summary"] = "Cold prefill grows with the prompt; a hit costs the bytes moved and restored."
-        self._save("scale", json, document, scale_report)
+        self._save("scale", json_path, document, scale_report)
 
     def _default_path(self, name: str) -> Path:
         return Path(settings.BASE_DIR) / "bench-results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
