@@ -85,10 +85,17 @@ POLICIES = ("adaptive", "always", "never")
 
 
 class OnlineFit:
-    """A least-squares line over a board's most recent measurements (bounded window)."""
+    """A board's most recent measurements (bounded window) and the line through them.
 
-    def __init__(self, window: int = 64):
+    ``fixed_ms`` is the cost at zero size (a round trip, say): the line is fitted as
+    ``fixed_ms + slope * x`` with only the slope learned. A free intercept fitted to points
+    bunched in a narrow range (prompts of similar length) extrapolates wildly, even below
+    zero, to short ranges; a rate does not.
+    """
+
+    def __init__(self, window: int = 64, fixed_ms: float = 0.0):
         self.window = window
+        self.fixed_ms = fixed_ms
         self.points: list[tuple[float, float]] = []
 
     def add(self, x: float, y: float) -> None:
@@ -96,10 +103,13 @@ class OnlineFit:
         del self.points[: -self.window]
 
     def fit(self) -> LinearFit | None:
-        line = fit_line(*zip(*self.points)) if len(self.points) >= 2 else None
-        if line is None or line.slope < 0:
-            return None  # too few, or too noisy to trust yet
-        return line
+        if len(self.points) < 2:
+            return None
+        sxx = sum(x * x for x, _ in self.points)
+        sxy = sum(x * (y - self.fixed_ms) for x, y in self.points)
+        if sxx <= 0 or sxy <= 0:
+            return None  # too noisy to trust yet
+        return LinearFit(sxy / sxx, self.fixed_ms, len(self.points))
 
 
 @dataclass(frozen=True)
@@ -138,16 +148,16 @@ class BreakEvenPolicy:
         self.margin = margin
         self.margin_ms = margin_ms
         self.prefill = OnlineFit()
-        self.fetch = OnlineFit()
+        self.fetch = OnlineFit(fixed_ms=(2 * link.rtt_ms if link else 0.0) + 0.5)
 
     def predict_prefill_ms(self, tokens: int) -> float:
         line = self.prefill.fit()
-        return line.predict(tokens) if line else self.prior_prefill * tokens
+        return max(0.0, line.predict(tokens) if line else self.prior_prefill * tokens)
 
     def predict_fetch_ms(self, size_bytes: int) -> float:
         line = self.fetch.fit()
         if line:
-            return line.predict(size_bytes)
+            return max(0.0, line.predict(size_bytes))
         transfer = self.link.transfer_ms(size_bytes, round_trips=2) if self.link else 1.0
         return transfer + size_bytes / self.restore_bytes_per_ms
 

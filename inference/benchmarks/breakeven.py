@@ -38,7 +38,8 @@ def run_breakeven(engine, url: str, prompts: list[MMLUPrompt], *, prefill_ms_per
             pipelines[preset, mode] = CachedInference(engine, store, catalogs, policy=policy)
     ttft: dict = {(preset, case, mode): [] for preset in PRESETS for case in CASE_NAMES for mode in MODES}
     decisions: dict = {}
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
+        order = MODES[index % len(MODES) :] + MODES[: index % len(MODES)]  # no mode always runs first
         for case in CASE_NAMES:
             namespace = f"bench-be-{uuid.uuid4().hex[:10]}"
             try:
@@ -46,7 +47,7 @@ def run_breakeven(engine, url: str, prompts: list[MMLUPrompt], *, prefill_ms_per
                 if seed is not None:
                     seeder.run(seed, max_tokens=1, namespace=namespace)
                 for preset in PRESETS:
-                    for mode in MODES:
+                    for mode in order:
                         result = pipelines[preset, mode].run(prompt.segments, max_tokens=1, namespace=namespace, upload=False)
                         ttft[preset, case, mode].append(result.breakdown.ttft_ms)
                         if mode == "adaptive":
