@@ -193,6 +193,7 @@ class Engine(Vocabulary):
             llama_cpp.llama_model_free(self._model)
             raise EngineError("llama.cpp could not create a context (not enough memory for n_ctx?)")
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_swa = llama_cpp.llama_model_n_swa(self._model)  # sliding-window size (0: none)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, config.n_seq_max)
         self.identity = ModelIdentity(

@@ -90,10 +90,10 @@ class ModularInference:
         namespace: str = "default",
         entry_ttl: int | None = None,
         max_entry_bytes: int = 64 * 1024 * 1024,
-        compact: bool = True,
+        compact: bool | str = "auto",
     ):
         self.engine = engine
-        self.compact = compact
+        self.compact = compact  # True, False, or "auto": only past the model's sliding window
         self.store = store
         self.catalogs = catalogs
         self.device = device
@@ -236,7 +236,7 @@ class ModularInference:
                 cached = self._fetch(layout, namespace, module_pieces, names, breakdown)
 
             engine.clear()
-            placement = Placement(compact=self.compact)
+            placement = Placement(compact=self._should_compact(layout, plan))
             fresh: list[tuple[ModulePiece, bytes]] = []
             logits, last_token, last_position, matched, cells = None, None, -1, 0, 0
             for index, piece in enumerate(plan.pieces):
@@ -302,6 +302,24 @@ class ModularInference:
             breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
             fetched = [names[piece][1] for piece in hits if piece in names]
             return ModularResult(text, generated, breakdown, fetched=fetched, uploaded=uploaded, modules_hit=hits)
+
+    def _should_compact(self, layout: SchemaLayout, plan) -> bool:
+        """Close gaps only when they would push the prompt past the sliding window.
+
+        Moving a module costs a RoPE re-rotation of the whole cache at the next decode
+        (about 70 ms here), so a prompt that fits in the window keeps its schema positions.
+        """
+        if self.compact != "auto":
+            return bool(self.compact)
+        if not self.engine.n_swa:
+            return False
+        dry = Placement(compact=False)
+        for piece in plan.pieces:
+            if isinstance(piece, TextPiece):
+                dry.text(len(piece.tokens))
+            else:
+                dry.module([(run.start, run.end) for run in self._runs(layout, piece)])
+        return dry.cursor > self.engine.n_swa
 
     def _fetch(self, layout, namespace, pieces, names, breakdown) -> dict[str, tuple[bytes, int]]:
         """States of the pieces the catalog says the cache box may hold, verified (one round trip)."""

@@ -43,8 +43,7 @@ class Command(BaseCommand):
         peers.add_argument("--max-tokens", type=int, default=4)
         peers.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         catalog = sub.add_parser("catalog", help="hit-ratio sweep with and without the catalog; false positives")
-        catalog.add_argument("--topic", default="astronomy")
-        catalog.add_argument("--prompts", type=int, default=10)
+        catalog.add_argument("--prompts", type=int, default=10, help="prompts, one per MMLU topic (no shared prefixes)")
         catalog.add_argument("--shots", type=int, default=5)
         catalog.add_argument("--link", default="wifi4", help="link preset for the cache-box traffic (default wifi4)")
         catalog.add_argument("--json", dest="json_path", default=None, metavar="PATH")
@@ -188,19 +187,22 @@ class Command(BaseCommand):
         self.stdout.write(document["summary"])
         self._save("peers", json_path, document, peers_report)
 
-    def bench_catalog(self, topic, prompts, shots, link, json_path: str | None, **options):
+    def bench_catalog(self, prompts, shots, link, json_path: str | None, **options):
         from cachebox.link import LINK_PRESETS
         from inference.benchmarks.catalog import HIT_RATIOS, run_catalog
         from inference.benchmarks.reports import catalog_report
 
         if link not in LINK_PRESETS or LINK_PRESETS[link] is None:
             raise CommandError(f"--link must be one of {', '.join(k for k, v in LINK_PRESETS.items() if v)}")
-        selected = self._prompts(topic, shots, prompts)
+        if not 1 <= prompts <= 57:
+            raise CommandError("--prompts must be between 1 and 57 (one prompt per MMLU topic)")
+        # One prompt per topic: no two share a prefix, so an uncached prompt is a true miss.
+        selected = [mmlu.build_prompts(name, shots, 1)[0] for name in mmlu.topics()[:prompts]]
         board = self._board()
         try:
             with tqdm(total=2 * len(HIT_RATIOS), desc="bench catalog", unit="pass") as bar:
                 document = run_catalog(board.engine, board.store.url, selected, link_preset=link, progress=bar.update)
-            document.update({"topic": selected[0].target.topic, "shots": shots, "machine": machine_info(board)})
+            document.update({"topics": [p.target.topic for p in selected], "shots": shots, "machine": machine_info(board)})
         finally:
             board.close()
         self.stdout.write(f"\n{document['link']}; mean TTFT ms over {document['n']} prompts")
