@@ -11,7 +11,9 @@ Each peer runs every prompt twice: cold (its cache empty), then again (a hit).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import statistics
 import struct
 import tempfile
@@ -89,10 +91,11 @@ class LlamaCppPromptCache:
     def run(self, text: str, max_tokens: int) -> dict:
         started = time.perf_counter()
         ttft, pieces = None, []
-        for chunk in self.llm.create_completion(text, max_tokens=max_tokens, temperature=0.0, top_k=1, stream=True):
-            if ttft is None:
-                ttft = (time.perf_counter() - started) * 1000
-            pieces.append(chunk["choices"][0]["text"])
+        with contextlib.redirect_stderr(io.StringIO()):  # the disk cache prints a line per write
+            for chunk in self.llm.create_completion(text, max_tokens=max_tokens, temperature=0.0, top_k=1, stream=True):
+                if ttft is None:
+                    ttft = (time.perf_counter() - started) * 1000
+                pieces.append(chunk["choices"][0]["text"])
         ttlt = (time.perf_counter() - started) * 1000
         return {"ttft_ms": ttft, "ttlt_ms": ttlt, "text": "".join(pieces), "state_bytes": self._state_bytes()}
 
