@@ -55,10 +55,6 @@ def publish(store: CacheBox, record: DeviceRecord) -> None:
     store.redis.set(KEY.format(name=record.name), json.dumps(asdict(record)))
 
 
-def withdraw(store: CacheBox, name: str) -> None:
-    store.redis.delete(KEY.format(name=name))
-
-
 def lookup(store: CacheBox, name: str) -> DeviceRecord | None:
     try:
         raw = store.redis.get(KEY.format(name=name))

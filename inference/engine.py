@@ -360,7 +360,3 @@ class Engine(Vocabulary):
         Only for cells no other sequence shares: a cell has one position for all of them.
         """
         llama_cpp.llama_memory_seq_add(self._memory, seq, p0, p1, delta)
-
-    def cells_in_use(self) -> int:
-        """Highest position in the main sequence + 1 (what a restore must reach)."""
-        return self.positions(MAIN_SEQ)[1] + 1
