@@ -30,7 +30,7 @@ from cachebox.sync import CatalogRegistry
 from .breakdown import Breakdown
 from .engine import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, EngineError, Vocabulary
 from .modules import ModulePiece, Placement, Run, SchemaLayout, TextPiece, all_pieces, lay_out, piece_runs, plan_prompt
-from .pipeline import PromptError, RunResult, decode_answer, ms_since
+from .pipeline import PromptError, RunResult, decode_answer, ms_since, share_entries
 from .pml import PMLError, Schema, parse_prompt, parse_schema
 from .sampling import SamplingParams, choose
 
@@ -422,14 +422,7 @@ class ModularInference:
             items.append((name, blob))
             keys.append(key)
             stored.append({"name": name, "namespace": namespace, "model": self.engine.fingerprint, "bytes": len(blob), **_span(layout, piece)})
-        try:
-            breakdown.uploaded_bytes = self.store.put_entries(items, ttl=self.entry_ttl) if items else 0
-            if keys:
-                self.catalogs.get(namespace).announce(keys)
-        except CacheBoxUnavailable as exc:
-            log.warning("cache box unavailable, modules not shared: %s", exc)
-            breakdown.cachebox = "unavailable"
-            breakdown.uploaded_bytes = 0
+        if not share_entries(self.store, self.catalogs, namespace, items, keys, self.entry_ttl, breakdown):
             stored = []
         breakdown.upload_ms = ms_since(mark)
         return stored

@@ -79,6 +79,24 @@ def ms_since(since: float) -> float:
     return (time.perf_counter() - since) * 1000.0
 
 
+def share_entries(store: CacheBox, catalogs: CatalogRegistry, namespace: str, items, keys, ttl: int | None, breakdown: Breakdown) -> bool:
+    """Store entries and announce their keys to every board's catalog (one place for both).
+
+    Fills ``uploaded_bytes``; a cache box that is down is recorded, not raised: the answer
+    is already out and nothing was half-written (keys are announced only after the store).
+    """
+    try:
+        breakdown.uploaded_bytes = store.put_entries(items, ttl=ttl) if items else 0
+        if keys:
+            catalogs.get(namespace).announce(keys)
+        return True
+    except CacheBoxUnavailable as exc:
+        log.warning("cache box unavailable, states not shared: %s", exc)
+        breakdown.cachebox = "unavailable"
+        breakdown.uploaded_bytes = 0
+        return False
+
+
 def decode_answer(engine: Engine, token: int, position: int, max_tokens: int, sampling: SamplingParams, rng, breakdown: Breakdown, started: float, top: int = TOP_CANDIDATES) -> tuple[list[int], str]:
     """Decode the answer after its first token (R-decode + Sample), stopping at end of generation.
 
@@ -463,14 +481,7 @@ class CachedInference:
             new_keys.append(key)
             stored.append({"name": items[-1][0], "namespace": namespace, "model": fingerprint, "start": start, "end": end, "bytes": len(items[-1][1])})
             start = end
-        try:
-            breakdown.uploaded_bytes = self.store.put_entries(items, ttl=self.entry_ttl) if items else 0
-            if new_keys:
-                self.catalogs.get(namespace).announce(new_keys)
-        except CacheBoxUnavailable as exc:
-            log.warning("cache box unavailable, states not shared: %s", exc)
-            breakdown.cachebox = "unavailable"
-            breakdown.uploaded_bytes = 0
+        if not share_entries(self.store, self.catalogs, namespace, items, new_keys, self.entry_ttl, breakdown):
             stored = []
         breakdown.upload_ms = ms_since(mark)
         return stored
