@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from cachebox.link import LinkProfile
 from inference.breakdown import Breakdown
-from inference.breakeven import crossover, fit_line, points_from_breakdowns
+from inference.breakeven import LinearFit, crossover, fit_line, points_from_breakdowns
 
 # The paper's table-3 components, in its order and words.
 COMPONENTS = [
@@ -146,9 +146,12 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
                 )
             )
     shapes, annotations, verdict = [], [], "not enough runs yet: run prompts with and without hits"
+    if prefill_fit and not fetch_fit and link is not None:
+        # No fetch measured yet (the policy may never have fetched on a slow link): judge by the link model.
+        fetch_fit = LinearFit(link.transfer_ms(bytes_per_token, round_trips=0), link.transfer_ms(0), 0)
     if prefill_fit and fetch_fit:
         cross = crossover(prefill_fit, fetch_fit)
-        verdict = cross.describe()
+        verdict = cross.describe() + (" (by the link model)" if fetch_fit.points == 0 else "")
         if cross.tokens is not None:
             shapes.append(dict(type="line", x0=cross.tokens, x1=cross.tokens, yref="paper", y0=0, y1=1, line=dict(color="#2ca02c", dash="dot")))
             annotations.append(dict(x=cross.tokens, yref="paper", y=1.0, text=f"break-even ≈ {cross.tokens:.0f} tokens", showarrow=False, xanchor="left"))
