@@ -19,7 +19,7 @@ from .errors import InvalidNamespace
 
 # Bump when the layout of stored state bytes or entry headers changes: old entries
 # then simply stop matching instead of being restored into an incompatible context.
-STATE_FORMAT_VERSION = 1
+STATE_FORMAT_VERSION = 2  # 2: signed entries (ECE2)
 
 KEY_BYTES = 16
 DEFAULT_NAMESPACE = "default"

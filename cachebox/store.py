@@ -116,6 +116,34 @@ class CacheBox:
 
         return self._run(read) if names else []
 
+    def read_heads(self, names: Sequence[str], length: int) -> list[tuple[bytes, int]]:
+        """(first ``length`` bytes, whole size) of each entry in one round trip; (b"", 0) where missing.
+
+        The size lets a board refuse an entry larger than its header says, or than its
+        limits, before downloading it.
+        """
+
+        def read():
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.getrange(name, 0, length - 1)
+                pipe.strlen(name)
+            flat = pipe.execute()
+            return list(zip(flat[0::2], (int(size) for size in flat[1::2])))
+
+        return self._run(read) if names else []
+
+    def sizes(self, names: Sequence[str]) -> list[int]:
+        """Stored size of each entry in one round trip (0 where missing)."""
+
+        def read():
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.strlen(name)
+            return [int(size) for size in pipe.execute()]
+
+        return self._run(read) if names else []
+
     def read_entries(self, names: Sequence[str]) -> list[bytes | None]:
         """Whole entries in one round trip (None where missing).
 

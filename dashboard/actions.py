@@ -15,7 +15,9 @@ from django.utils import timezone
 
 from cachebox import mirror
 from cachebox.errors import CacheBoxUnavailable
+from cachebox.events import security_event
 from cachebox.keys import schema_key_pattern
+from cachebox.signing import wrap_key
 from cachebox.models import CacheEntry
 from cachebox.store import CacheBox
 from dashboard.celery import app as celery_app
@@ -24,7 +26,8 @@ from inference.breakdown import Breakdown
 from inference.models import Schema
 
 from .live import broadcast
-from .models import AuditEvent, Device, InferenceRun
+from .signing import sealed_ring
+from .models import AuditEvent, Device, InferenceRun, Namespace
 
 log = logging.getLogger("dashboard.actions")
 
@@ -50,6 +53,9 @@ def _record_for(device: Device) -> registry.DeviceRecord:
         link_bandwidth_mbps=device.link_bandwidth_mbps,
         link_rtt_ms=device.link_rtt_ms,
         revoked=device.revoked_at is not None,
+        namespace=device.namespace_id,
+        share=device.namespace.share_across_devices,
+        keyring=sealed_ring(device),
     )
 
 
@@ -77,9 +83,37 @@ def publish_all_devices() -> int:
     return count
 
 
+# -- namespaces (tenants) and their signing keys ---------------------------------------------------
+def save_namespace(user, namespace: Namespace) -> None:
+    """Create or change a namespace; its boards learn the sharing setting at their next heartbeat."""
+    created = namespace.pk is None
+    namespace.save()
+    audit(user, "namespace.create" if created else "namespace.update", namespace.name, f"share_across_devices={namespace.share_across_devices}")
+    for device in namespace.devices.all():
+        publish_device(device)
+
+
+def rotate_signing_key(user, namespace: Namespace) -> int:
+    """A new signing key for the namespace; returns its generation.
+
+    Boards receive it sealed at their next heartbeat (a few seconds) and sign with it from
+    then on; entries signed with the previous key stay valid, older ones are refused.
+    """
+    with transaction.atomic():
+        namespace = Namespace.objects.select_for_update().get(pk=namespace.pk)
+        namespace.key_generation += 1
+        namespace.key_rotated_at = timezone.now()
+        namespace.save(update_fields=["key_generation", "key_rotated_at"])
+        audit(user, "namespace.rotate_key", namespace.name, f"generation {namespace.key_generation}")
+    for device in namespace.devices.all():
+        publish_device(device)
+    return namespace.key_generation
+
+
 def _set_token(device: Device) -> str:
     token = registry.new_token()
     device.token_sha256 = registry.hash_token(token)
+    device.wrap_key = wrap_key(token).hex()
     device.token_hint = token[:6]
     device.token_created = timezone.now()
     device.revoked_at = None
@@ -129,7 +163,7 @@ def authenticate_board(name: str, token: str) -> Device | None:
     device = Device.objects.filter(name=name).first()
     if device is None or device.revoked_at is not None or not hmac.compare_digest(device.token_sha256, registry.hash_token(token or "")):
         reason = "unknown device" if device is None else ("revoked" if device.revoked_at else "wrong token")
-        log.warning("refused board message device=%s reason=%s", name, reason)
+        security_event("board_message_refused", device=name, reason=reason)
         return None
     return device
 
@@ -200,7 +234,7 @@ def dispatch_run(user, devices: list[Device], spec: PromptSpec) -> list[dict]:
             "request_id": request_id,
             "segments": spec.segments,
             "max_tokens": spec.max_tokens,
-            "namespace": spec.namespace or settings.EDGECACHE_NAMESPACE,
+            "namespace": spec.namespace or device.namespace_id,
             "use_cache": spec.use_cache,
             "meta": {"source": spec.source, "title": spec.title[:200], "expected_answer": spec.expected_answer},
         }
@@ -267,7 +301,7 @@ def dispatch_encode(user, schema: Schema, devices: list[Device], namespace: str 
     sent = []
     for device in devices:
         request_id = str(uuid.uuid4())
-        message = {"request_id": request_id, "schema_id": schema.pk, "schema": schema.source, "namespace": namespace or settings.EDGECACHE_NAMESPACE}
+        message = {"request_id": request_id, "schema_id": schema.pk, "schema": schema.source, "namespace": namespace or device.namespace_id}
         celery_app.send_task(ENCODE_TASK, args=[message], queue=device.queue, expires=600)
         sent.append({"request_id": request_id, "device": device.name})
     audit(user, "schema.encode", schema.name, ", ".join(d.name for d in devices))

@@ -2,6 +2,7 @@
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from . import metrics
 from .live import GROUP
 
 
@@ -9,6 +10,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
+            metrics.refused("login_required")
             await self.close(code=4401)  # log in first: the session cookie is checked here
             return
         await self.channel_layer.group_add(GROUP, self.channel_name)

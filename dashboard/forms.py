@@ -38,7 +38,17 @@ class DeviceForm(forms.ModelForm):
 
     class Meta:
         model = Device
-        fields = ["name", "kind", "cpu_threads", "memory_mb", "link_preset", "link_bandwidth_mbps", "link_rtt_ms"]
+        fields = ["name", "namespace", "kind", "cpu_threads", "memory_mb", "link_preset", "link_bandwidth_mbps", "link_rtt_ms"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["namespace"].required = False  # empty: the default namespace
+        self.fields["namespace"].empty_label = None
+
+    def clean_namespace(self):
+        from .models import Namespace
+
+        return self.cleaned_data.get("namespace") or Namespace.objects.get_or_create(name="default")[0]
 
     def clean_cpu_threads(self):
         threads = self.cleaned_data["cpu_threads"]
@@ -78,7 +88,7 @@ class SchemaForm(forms.ModelForm):
 
 class EncodeForm(forms.Form):
     devices = forms.ModelMultipleChoiceField(queryset=Device.objects.filter(revoked_at__isnull=True), widget=forms.CheckboxSelectMultiple)
-    namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: default)")
+    namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
 
     def clean_namespace(self):
         return _clean_namespace(self.cleaned_data.get("namespace"))
@@ -102,7 +112,7 @@ class RunForm(forms.Form):
         widget=forms.Textarea(attrs={"rows": 5, "spellcheck": "false"}), required=False, max_length=MAX_PROMPT_CHARS, label="PML prompt"
     )
     max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=8)
-    namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: default)")
+    namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
     use_cache = forms.BooleanField(required=False, initial=True)
 
     def __init__(self, *args, **kwargs):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from datetime import timedelta
 
 from django.conf import settings
+from django.core.validators import RegexValidator
 from django.db import models
 from django.urls import reverse
 from django.utils import timezone
@@ -13,6 +15,33 @@ from django.utils import timezone
 from inference.breakdown import Breakdown
 
 ONLINE_WITHIN = timedelta(seconds=30)
+
+namespace_name = RegexValidator(r"^[A-Za-z0-9_-]{1,40}$", "Use 1-40 letters, digits, '-' or '_'.")
+
+
+class Namespace(models.Model):
+    """A tenant: its boards share cache entries with each other and with no one else.
+
+    Entries of a namespace are signed with its own key (derived from the control plane's
+    signing secret and ``key_generation``); rotating bumps the generation, boards receive
+    the new ring at their next heartbeat and entries signed two generations back are refused.
+    """
+
+    name = models.CharField(max_length=40, unique=True, validators=[namespace_name])
+    share_across_devices = models.BooleanField(
+        default=True,
+        help_text="off for sensitive prompts: each board then caches for itself only, so no board can "
+        "learn from a fast answer that another one saw the same prompt (timing side channel)",
+    )
+    key_generation = models.PositiveIntegerField(default=1, editable=False)
+    key_rotated_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class Device(models.Model):
@@ -24,8 +53,14 @@ class Device(models.Model):
         null=True, blank=True, help_text="link bandwidth to the cache box in megabits/s; empty for an unshaped link"
     )
     link_rtt_ms = models.FloatField(null=True, blank=True, help_text="round-trip time to the cache box in ms")
+    namespace = models.ForeignKey(
+        Namespace, to_field="name", db_column="namespace", default="default", on_delete=models.PROTECT, related_name="devices",
+        help_text="the tenant whose cache entries this board may read and write",
+    )
     token_sha256 = models.CharField(max_length=64, editable=False)
     token_hint = models.CharField(max_length=8, editable=False, help_text="first characters of the token, to tell tokens apart")
+    # Seals the namespace's signing keys for this board; derived from the token (see cachebox.signing).
+    wrap_key = models.CharField(max_length=64, editable=False, blank=True)
     token_created = models.DateTimeField(default=timezone.now)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True)
@@ -44,6 +79,15 @@ class Device(models.Model):
     @property
     def queue(self) -> str:
         return f"device.{self.name}"
+
+    @property
+    def cache_namespace(self) -> str:
+        """Where this board's entries live (its own namespace when its tenant does not share)."""
+        from cachebox.signing import private_namespace
+
+        if self.namespace.share_across_devices:
+            return self.namespace_id
+        return private_namespace(self.namespace_id, self.name)
 
     @property
     def online(self) -> bool:
@@ -92,6 +136,13 @@ class InferenceRun(models.Model):
     prompt_tokens = models.PositiveIntegerField(default=0)
     matched_tokens = models.PositiveIntegerField(default=0)
     state_bytes = models.PositiveBigIntegerField(default=0)
+    # Also from ``breakdown`` (set on save), so that /metrics is SQL aggregates only.
+    fetched_bytes = models.PositiveBigIntegerField(default=0)
+    uploaded_bytes = models.PositiveBigIntegerField(default=0)
+    false_positives = models.PositiveIntegerField(default=0)
+    rejected_entries = models.PositiveIntegerField(default=0)
+    cache_lookup = models.BooleanField(default=False)
+    cachebox_unavailable = models.BooleanField(default=False)
     created = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:
@@ -102,6 +153,39 @@ class InferenceRun(models.Model):
 
     def get_breakdown(self) -> Breakdown:
         return Breakdown.from_dict(self.breakdown)
+
+    def save(self, *args, **kwargs):
+        for name, value in breakdown_counts(self.breakdown, self.error).items():
+            setattr(self, name, value)
+        super().save(*args, **kwargs)
+
+
+# Runs that did not consult the cache: asked not to, or the board held no signing key.
+NO_LOOKUP_DECISIONS = frozenset({"no-cache", "no-signing-key"})
+NO_LOOKUP_CACHEBOX = frozenset({"off", "no-key"})
+
+
+def _count(value) -> int:
+    """A count from a board's JSON: a finite non-negative number, anything else 0."""
+    try:
+        number = float(value) if not isinstance(value, bool) else 0.0
+    except (TypeError, ValueError):
+        return 0
+    return int(number) if math.isfinite(number) and number > 0 else 0
+
+
+def breakdown_counts(breakdown, error: str = "") -> dict:
+    """The counters /metrics sums, from one run's breakdown (whatever a board sent)."""
+    breakdown = breakdown if isinstance(breakdown, dict) else {}
+    decision, cachebox = breakdown.get("decision"), breakdown.get("cachebox")
+    return {
+        "fetched_bytes": _count(breakdown.get("fetched_bytes")),
+        "uploaded_bytes": _count(breakdown.get("uploaded_bytes")),
+        "false_positives": _count(breakdown.get("false_positives")),
+        "rejected_entries": _count(breakdown.get("rejected_entries")),
+        "cache_lookup": not error and decision not in NO_LOOKUP_DECISIONS and cachebox not in NO_LOOKUP_CACHEBOX,
+        "cachebox_unavailable": cachebox == "unavailable" or decision == "cachebox-unavailable",
+    }
 
 
 class AuditEvent(models.Model):

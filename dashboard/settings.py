@@ -34,17 +34,20 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number, got {raw!r}") from exc
 
 
-def _secret_key() -> str:
-    if os.environ.get("DJANGO_SECRET_KEY"):
-        return os.environ["DJANGO_SECRET_KEY"]
-    key_file = EDGECACHE_HOME / "secret_key"
+def _secret(env: str, file_name: str) -> str:
+    """A secret from the environment, else one generated once into .edgecache/ (mode 0600)."""
+    if os.environ.get(env):
+        return os.environ[env]
+    key_file = EDGECACHE_HOME / file_name
     if not key_file.exists():
+        key_file.touch(mode=0o600)
         key_file.write_text(secrets.token_urlsafe(50))
-        key_file.chmod(0o600)
     return key_file.read_text().strip()
 
 
-SECRET_KEY = _secret_key()
+SECRET_KEY = _secret("DJANGO_SECRET_KEY", "secret_key")
+# Master secret of the cache-entry signing keys (one derived key per namespace and generation).
+EDGECACHE_SIGNING_SECRET = _secret("EDGECACHE_SIGNING_SECRET", "signing_secret").encode()
 DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
 ALLOWED_HOSTS = [h for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h]
 
@@ -134,7 +137,18 @@ CELERY_TASK_SERIALIZER = "json"  # never pickle: boards load what they receive
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_IGNORE_RESULT = True  # boards report results as control-plane tasks
-CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_ACKS_LATE = True  # a message is acknowledged after its task ran: a board killed mid-task loses nothing
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# Unacknowledged messages of a worker that died go back to the queue after this many seconds.
+# Keep it longer than any task (a task still running then would run twice; runs are stored
+# once by id) and shorter than the runs' 600 s expiry (an expired message is dropped).
+# Every worker looks for such messages every EDGECACHE_RESTORE_INTERVAL seconds (one small query;
+# kombu's default throttle would make it every 100 s).
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": _env_int("EDGECACHE_VISIBILITY_TIMEOUT", 300),
+    "unacked_restore_interval": _env_int("EDGECACHE_RESTORE_INTERVAL", 10),
+    "unacked_restore_throttle": 1,
+}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_ROUTES = {
@@ -166,6 +180,11 @@ EDGECACHE_CATALOG_SYNC_SECONDS = _env_float("EDGECACHE_CATALOG_SYNC_SECONDS", 1.
 EDGECACHE_CONNECT_TIMEOUT = _env_float("EDGECACHE_CONNECT_TIMEOUT", 0.5)
 EDGECACHE_IO_TIMEOUT = _env_float("EDGECACHE_IO_TIMEOUT", 5.0)
 EDGECACHE_MAX_ENTRY_BYTES = _env_int("EDGECACHE_MAX_ENTRY_BYTES", 64 * 1024 * 1024)
+# All entries one request may download together (a board refuses bigger chains before fetching).
+EDGECACHE_MAX_FETCH_BYTES = _env_int("EDGECACHE_MAX_FETCH_BYTES", 256 * 1024 * 1024)
+# Signing key rings for boards and commands that run on the control plane (infer, bench):
+# a callable namespace -> cachebox.signing.KeyRing, derived from EDGECACHE_SIGNING_SECRET.
+EDGECACHE_KEYRING_PROVIDER = "dashboard.signing.keyring_for"
 # Unpinned entries expire after this many seconds unused (0: never) and are the ones
 # Redis evicts under `volatile-lru`; pinned entries have no TTL.
 EDGECACHE_ENTRY_TTL = _env_int("EDGECACHE_ENTRY_TTL", 7 * 24 * 3600)
@@ -180,3 +199,31 @@ LOGGING = {
         "inference": {"handlers": ["console"], "level": os.environ.get("EDGECACHE_LOG_LEVEL", "WARNING")},
     },
 }
+
+# --- Metrics, rate limits and security events. --------------------------------------------
+# /metrics answers `Authorization: Bearer <EDGECACHE_METRICS_TOKEN>` (when set) or a staff login.
+EDGECACHE_METRICS_TOKEN = os.environ.get("EDGECACHE_METRICS_TOKEN", "").strip()
+EDGECACHE_METRICS_CACHE_SECONDS = _env_float("EDGECACHE_METRICS_CACHE_SECONDS", 2.0)
+# Run submissions per user and minute (0: no limit); over it the Run page answers 429.
+EDGECACHE_RUN_RATE = _env_int("EDGECACHE_RUN_RATE", 30)
+
+# Django's cache (the rate-limit counters) lives on the cache box's server, so every daphne
+# process shares it. The embedded URL is a redis:// URL like any other: the commands that
+# serve pages start the embedded Valkey first. Its clear() removes only this prefix (a plain
+# RedisCache.clear() is FLUSHDB, which would also empty the cache box and the broker).
+if REDIS_URL.split("://", 1)[0] in ("redis", "rediss", "unix"):
+    CACHES = {
+        "default": {
+            "BACKEND": "dashboard.cache.CacheBoxRedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "edgecache:django",
+            "OPTIONS": {"socket_connect_timeout": EDGECACHE_CONNECT_TIMEOUT, "socket_timeout": EDGECACHE_IO_TIMEOUT},
+        }
+    }
+else:  # not a Redis URL: counters per process only
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "edgecache"}}
+
+# `edgecache.security`: one JSON object per line (cachebox.events.security_event).
+LOGGING["formatters"]["json_lines"] = {"()": "cachebox.events.JsonLineFormatter"}
+LOGGING["handlers"]["security"] = {"class": "logging.StreamHandler", "formatter": "json_lines"}
+LOGGING["loggers"]["edgecache.security"] = {"handlers": ["security"], "level": "INFO", "propagate": False}

@@ -24,6 +24,7 @@ urlpatterns = [
     path("benchmarks/<slug:name>/", views.benchmark_report, name="benchmark-report"),
     path("cache/flush/", views.cache_flush, name="cache-flush"),
     path("vendor/plotly.min.js", views.plotly_js, name="plotly-js"),
+    path("metrics", views.metrics_view, name="metrics"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

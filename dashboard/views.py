@@ -9,16 +9,20 @@ from pathlib import Path
 import plotly.offline
 from django.conf import settings
 from django.contrib import messages
-from django.contrib.admin.views.decorators import staff_member_required
-from django.contrib.auth.decorators import login_required
+from django.contrib.admin.views.decorators import staff_member_required as _staff_member_required
+from django.contrib.auth.decorators import login_required as _login_required
 from django.db.models import Count, Sum
+from django.forms import BooleanField, ModelMultipleChoiceField, MultipleChoiceField
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils.crypto import constant_time_compare
 from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_POST, require_safe
+from prometheus_client.exposition import choose_encoder
 
 from cachebox.catalog import Catalog
 from cachebox.errors import CacheBoxUnavailable, CatalogFormatError
+from cachebox.events import security_event
 from cachebox.link import LinkProfile
 from cachebox.models import CacheEntry
 
@@ -26,10 +30,48 @@ from inference.models import Schema
 from inference.pml import PMLError
 from inference.schemas import describe, key_names, layout_of
 
-from . import actions, charts
+from . import actions, charts, metrics, ratelimit
 from .forms import ConfirmForm, DeviceForm, EncodeForm, FlushForm, RunForm, SchemaForm
 from .models import AuditEvent, Device
 from .stats import device_summary, recent_runs
+
+
+# -- refused requests: counted (metrics.refused) and, for the serious ones, logged -------------
+def _who(request) -> dict:
+    """Who sent a refused request, for the security log."""
+    user = getattr(request, "user", None)
+    return {
+        "user": user.get_username() if user is not None and user.is_authenticated else None,
+        "remote_addr": request.META.get("REMOTE_ADDR", ""),
+        "path": request.path,
+    }
+
+
+def login_required(view):
+    """Django's login_required, counting the requests it sends to the login page."""
+    protected = _login_required(view)
+
+    @functools.wraps(view)
+    def wrapper(request, *args, **kwargs):
+        if not request.user.is_authenticated:
+            metrics.refused("login_required")
+        return protected(request, *args, **kwargs)
+
+    return wrapper
+
+
+def staff_member_required(view):
+    """Django's staff_member_required, counting the requests it turns away."""
+    protected = _staff_member_required(view)
+
+    @functools.wraps(view)
+    def wrapper(request, *args, **kwargs):
+        user = request.user
+        if not (user.is_active and user.is_staff):
+            metrics.refused("staff_required" if user.is_authenticated else "login_required")
+        return protected(request, *args, **kwargs)
+
+    return wrapper
 
 
 def _device_names(runs, devices=None) -> list[str]:
@@ -151,6 +193,9 @@ def run_page(request):
     form = RunForm(request.POST or None)
     if request.method == "POST":
         wants_json = request.headers.get("Accept", "").startswith("application/json")
+        verdict = ratelimit.hit("run", request.user.pk, settings.EDGECACHE_RUN_RATE)
+        if not verdict.allowed:
+            return _run_rate_limited(request, verdict, wants_json)
         if not form.is_valid():
             if wants_json:
                 return JsonResponse({"errors": form.errors.get_json_data()}, status=400)
@@ -166,6 +211,33 @@ def run_page(request):
         "dashboard/run.html",
         {"form": form, "runs": runs[::-1][:10], "chart_data": {"breakdown": charts.breakdown_figure(runs), "window": charts.WINDOW}},
     )
+
+
+def _as_sent(form_class, data) -> dict:
+    """A form's submitted values as initial values (an unchecked box was not sent: False)."""
+    initial = {}
+    for name, field in form_class.base_fields.items():
+        if isinstance(field, BooleanField):
+            initial[name] = name in data
+        elif name in data:
+            initial[name] = data.getlist(name) if isinstance(field, MultipleChoiceField | ModelMultipleChoiceField) else data.get(name)
+    return initial
+
+
+def _run_rate_limited(request, verdict: ratelimit.Verdict, wants_json: bool) -> HttpResponse:
+    """429: nothing is dispatched; the form comes back as it was sent, with how long to wait."""
+    metrics.refused("rate_limited")
+    security_event("run.rate_limited", limit_per_minute=verdict.limit, requests=verdict.count, retry_after=verdict.retry_after, **_who(request))
+    seconds = "1 second" if verdict.retry_after == 1 else f"{verdict.retry_after} seconds"
+    message = f"Too many runs: at most {verdict.limit} per minute. Nothing was sent; try again in {seconds}."
+    if wants_json:
+        response = JsonResponse({"errors": {"__all__": [{"message": message, "code": "rate_limited"}]}, "retry_after": verdict.retry_after}, status=429)
+    else:
+        # Unbound, with what was sent as initial values: shown again without re-validating it.
+        form = RunForm(initial=_as_sent(RunForm, request.POST))
+        response = render(request, "dashboard/run.html", {"form": form, "refusal": message, "chart_data": {}}, status=429)
+    response["Retry-After"] = str(verdict.retry_after)
+    return response
 
 
 @staff_member_required
@@ -230,6 +302,45 @@ def cache_flush(request):
     return redirect("cache")
 
 
+# -- metrics -------------------------------------------------------------------------------------
+def _metrics_refusal(request) -> tuple[int, str, str, str] | None:
+    """None when the request may read the metrics, else (status, reason, detail for the log, answer)."""
+    header = request.headers.get("Authorization", "")
+    if header:  # a token was presented: it decides, whoever is logged in
+        scheme, _, presented = header.strip().partition(" ")
+        token = settings.EDGECACHE_METRICS_TOKEN
+        if scheme.lower() != "bearer":
+            return 401, "bad_metrics_token", f"{scheme[:20]} authorization", "Metrics take Authorization: Bearer <token>."
+        if not token:
+            return 401, "bad_metrics_token", "EDGECACHE_METRICS_TOKEN is not set", "Wrong metrics token."
+        if not constant_time_compare(presented.strip(), token):
+            return 401, "bad_metrics_token", "wrong token", "Wrong metrics token."
+        return None
+    user = request.user
+    if not user.is_authenticated:
+        return 401, "login_required", "no credentials", "Metrics need Authorization: Bearer <token> or a staff login."
+    if not (user.is_active and user.is_staff):
+        return 403, "staff_required", "not staff", "Metrics are for staff accounts (or the metrics token)."
+    return None
+
+
+@require_safe
+@never_cache
+def metrics_view(request):
+    """Prometheus metrics: the runs of every board (from the database) and this process's refusals."""
+    refusal = _metrics_refusal(request)
+    if refusal is not None:
+        status, reason, detail, answer = refusal
+        metrics.refused(reason)
+        security_event("metrics.refused", reason=reason, detail=detail, status=status, **_who(request))
+        response = HttpResponse(answer + "\n", status=status, content_type="text/plain; charset=utf-8")
+        if status == 401:
+            response["WWW-Authenticate"] = 'Bearer realm="edgecache metrics"'
+        return response
+    encode, content_type = choose_encoder(request.headers.get("Accept", ""))  # text format, or OpenMetrics when asked
+    return HttpResponse(encode(metrics.REGISTRY), content_type=content_type)
+
+
 @functools.lru_cache(maxsize=1)
 def _plotly_js() -> str:
     return plotly.offline.get_plotlyjs()
@@ -267,7 +378,7 @@ def _cache_status(schema: Schema, layout) -> tuple[list[Device], dict[str, dict[
     try:
         store = actions.cachebox()
         for device in devices:
-            names = key_names(layout, device.status["fingerprint"], settings.EDGECACHE_NAMESPACE)
+            names = key_names(layout, device.status["fingerprint"], device.cache_namespace)
             pipe = store.redis.pipeline(transaction=False)
             for name in names.values():
                 pipe.exists(name)
@@ -357,6 +468,11 @@ def benchmark_list(request):
 
 
 def _benchmark_summary(doc: dict) -> str:
+    if "lost" in doc and "devices" in doc:
+        return (
+            f"{doc['devices']} boards, {doc['seconds']} s: {doc['runs']} runs, {doc['errors']} errors, {doc['lost']} lost, "
+            f"TTFT p50 {doc['ttft_ms_p50']} ms / p99 {doc['ttft_ms_p99']} ms, hit ratio {doc['hit_ratio']}"
+        )
     if "ttft_ratio_full_to_cold" in doc:
         return f"full hit / cold TTFT {doc['ttft_ratio_full_to_cold']}, greedy agreement {doc['greedy_agreement']}, n={doc['n']}"
     if "accuracy_cached" in doc:

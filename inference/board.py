@@ -13,10 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.utils.module_loading import import_string
 
 from cachebox import embedded
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.link import LinkProfile
+from cachebox.signing import Keychain
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry, CatalogSyncThread
 
@@ -40,6 +42,11 @@ def cachebox_url() -> str:
     return settings.REDIS_URL
 
 
+def control_plane_keys() -> Keychain:
+    """Signing keys for code that runs next to the control plane and holds its signing secret."""
+    return Keychain(import_string(settings.EDGECACHE_KEYRING_PROVIDER))
+
+
 @dataclass
 class BoardOptions:
     device: str
@@ -52,6 +59,7 @@ class BoardOptions:
     connect_timeout: float = 0.5
     io_timeout: float = 5.0
     max_entry_bytes: int = 64 * 1024 * 1024
+    max_fetch_bytes: int = 256 * 1024 * 1024
     entry_ttl: int | None = 7 * 24 * 3600
     link: LinkProfile | None = None  # emulated link to the cache box (None: as the network is)
     policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
@@ -69,8 +77,10 @@ class Board:
         *,
         catalogs: CatalogRegistry | None = None,
         background_sync: bool = True,
+        keys: Keychain | None = None,
     ):
         self.engine = engine
+        self.keys = keys
         self.store = store
         self.options = options
         if catalogs is None and store is not None:
@@ -84,8 +94,10 @@ class Board:
             chunk_tokens=options.chunk_tokens,
             top_logits=options.top_logits,
             max_entry_bytes=options.max_entry_bytes,
+            max_fetch_bytes=options.max_fetch_bytes,
             namespace=options.namespace,
             entry_ttl=options.entry_ttl,
+            keys=keys,
             policy=BreakEvenPolicy(prefill_ms_per_token=options.prefill_ms_per_token, link=options.link, mode=options.policy),
         )
         self.modular = ModularInference(
@@ -96,6 +108,7 @@ class Board:
             namespace=options.namespace,
             entry_ttl=options.entry_ttl,
             max_entry_bytes=options.max_entry_bytes,
+            keys=keys,
         )
         self._sync_thread: CatalogSyncThread | None = None
         if self.catalogs is not None:
@@ -106,7 +119,7 @@ class Board:
 
     @classmethod
     def start(
-        cls, engine_config: EngineConfig, options: BoardOptions, redis_url: str | None, *, model_path=None, background_sync=True
+        cls, engine_config: EngineConfig, options: BoardOptions, redis_url: str | None, *, model_path=None, background_sync=True, keys=None
     ) -> "Board":
         """Load the model; meanwhile connect to the cache box and pull the catalog (start-up, not request path)."""
         store = catalogs = None
@@ -121,7 +134,7 @@ class Board:
             options.prefill_ms_per_token = calibrate_prefill(engine)
             if synced is not None:
                 synced.result()
-        return cls(engine, store, options, catalogs=catalogs, background_sync=background_sync)
+        return cls(engine, store, options, catalogs=catalogs, background_sync=background_sync, keys=keys)
 
     @classmethod
     def from_settings(
@@ -133,7 +146,10 @@ class Board:
         link: LinkProfile | None = None,
         policy: str = "adaptive",
         background_sync: bool = True,
+        keys: Keychain | None = None,
     ) -> "Board":
+        """A board from settings; without ``keys`` it signs with the control plane's own rings
+        (``EDGECACHE_KEYRING_PROVIDER``), as the commands that run next to it do."""
         try:
             url = cachebox_url()
         except CacheBoxUnavailable as exc:
@@ -156,11 +172,14 @@ class Board:
             connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT,
             io_timeout=settings.EDGECACHE_IO_TIMEOUT,
             max_entry_bytes=settings.EDGECACHE_MAX_ENTRY_BYTES,
+            max_fetch_bytes=settings.EDGECACHE_MAX_FETCH_BYTES,
             entry_ttl=settings.EDGECACHE_ENTRY_TTL or None,
             link=link,
             policy=policy,
         )
-        return cls.start(engine_config, options, url, model_path=settings.EDGECACHE_MODEL or None, background_sync=background_sync)
+        if keys is None:
+            keys = control_plane_keys()
+        return cls.start(engine_config, options, url, model_path=settings.EDGECACHE_MODEL or None, background_sync=background_sync, keys=keys)
 
     def run(self, prompt, **kwargs):
         return self.pipeline.run(prompt, **kwargs)

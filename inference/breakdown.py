@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 CASES = ("miss", "partial", "full")
-CACHEBOX_STATES = ("ok", "unavailable", "off")
+CACHEBOX_STATES = ("ok", "unavailable", "off", "no-key")
 
 
 @dataclass
@@ -23,6 +23,7 @@ class Breakdown:
     # Finer parts and the off-path upload.
     fetch_ms: float = 0.0  # network part of redis_ms (headers + state bytes)
     restore_ms: float = 0.0  # llama.cpp part of redis_ms (load state into the context)
+    verify_ms: float = 0.0  # part of fetch_ms: signatures and state digests checked
     upload_ms: float = 0.0  # export + upload of new ranges, after the answer
     # What happened.
     prompt_tokens: int = 0
@@ -32,14 +33,14 @@ class Breakdown:
     fetched_bytes: int = 0
     uploaded_bytes: int = 0
     case: str = "miss"  # miss / partial / full
-    cachebox: str = "ok"  # ok / unavailable / off
+    cachebox: str = "ok"  # ok / unavailable / off / no-key (this board holds no signing key)
     decision: str = ""  # why the run fetched or not: "catalog-miss", "fetch", "policy-skip", "no-cache", ...
     candidate_tokens: int = 0  # the longest cached range the catalog offered
     predicted_fetch_ms: float = 0.0  # the break-even policy's forecast, to compare with redis_ms
     predicted_prefill_ms: float = 0.0  # the prefill a fetch would have saved, forecast
     link: str = ""  # "unshaped" or the emulated link every timing was taken through
     false_positives: int = 0  # catalog "maybe"s the cache box did not hold
-    rejected_entries: int = 0  # corrupted or mismatched entries evicted
+    rejected_entries: int = 0  # forged, corrupted or mismatched entries evicted (integrity failures)
 
     def as_dict(self) -> dict:
         return {name: round(value, 3) if isinstance(value, float) else value for name, value in asdict(self).items()}

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from cachebox.errors import CacheBoxUnavailable
+from cachebox.signing import KeyRing, private_namespace, unseal
 from cachebox.store import CacheBox
 
 KEY = "ec:device:{name}"
@@ -42,6 +43,20 @@ class DeviceRecord:
     link_bandwidth_mbps: float | None = None
     link_rtt_ms: float | None = None
     revoked: bool = False
+    namespace: str = "default"  # the tenant: the board reads and writes this namespace only
+    share: bool = True  # False: the board caches in a namespace of its own (no cross-device timing leaks)
+    keyring: str = ""  # the namespace's signing keys, sealed for this device (see cachebox.signing)
+
+    @property
+    def cache_namespace(self) -> str:
+        """Where this board's entries live."""
+        return self.namespace if self.share else private_namespace(self.namespace, self.name)
+
+    def open_keyring(self, token: str) -> KeyRing | None:
+        """The signing keys, opened with the board's token (None when none were sealed for it)."""
+        if not self.keyring:
+            return None
+        return unseal(self.keyring, token, self.name)
 
     def check(self, token: str) -> None:
         """Raise DeviceRefused unless ``token`` is this device's current token."""
@@ -62,7 +77,8 @@ def lookup(store: CacheBox, name: str) -> DeviceRecord | None:
         raise CacheBoxUnavailable(f"cannot reach the cache box to check device {name!r}: {exc}") from exc
     if raw is None:
         return None
-    return DeviceRecord(**json.loads(raw))
+    known = set(DeviceRecord.__dataclass_fields__)
+    return DeviceRecord(**{key: value for key, value in json.loads(raw).items() if key in known})
 
 
 def authenticate(store: CacheBox, name: str, token: str) -> DeviceRecord:

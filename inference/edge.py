@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from celery import current_app
 
 from cachebox.errors import CacheBoxUnavailable
+from cachebox.events import security_event
+from cachebox.signing import Keychain, KeyRing
 from cachebox.store import CacheBox
 
 from .devices import DeviceRecord, DeviceRefused, authenticate
@@ -36,10 +38,49 @@ class EdgeIdentity:
     token: str
     record: DeviceRecord
     store: CacheBox
+    ring: KeyRing | None = None  # the namespace's signing keys, as last received
 
     def recheck(self) -> None:
-        """Raise DeviceRefused if the token was rotated or revoked since the board started."""
+        """Raise DeviceRefused if the token was rotated or revoked since the board started;
+        otherwise take the namespace's current signing keys (a rotation arrives this way)."""
+        previous = self.record.cache_namespace
         self.record = authenticate(self.store, self.name, self.token)
+        if self.record.cache_namespace != previous:
+            raise DeviceRefused(f"device {self.name!r} was moved to namespace {self.record.cache_namespace!r}; restart the board to serve it")
+        self._open_ring()
+
+    def _open_ring(self) -> None:
+        try:
+            ring = self.record.open_keyring(self.token)
+        except ValueError as exc:
+            security_event("keyring_refused", device=self.name, reason=str(exc), outcome="cache off until a good ring arrives")
+            ring = None
+        if ring is None and self.ring is None:
+            log.warning("no signing keys for this board yet: it answers by local prefill and shares nothing (rotate its token on the dashboard to enroll it)")
+        self.ring = ring
+
+    def keychain(self) -> Keychain:
+        """Keys for the pipeline: always this identity's current ring; refreshing re-reads the registry."""
+
+        def source(namespace: str) -> KeyRing | None:
+            ring = self.ring
+            return ring if ring is not None and ring.covers(namespace) else None
+
+        def reread() -> None:
+            try:
+                self.recheck()
+            except (DeviceRefused, CacheBoxUnavailable) as exc:
+                log.warning("could not refresh signing keys: %s", exc)
+
+        return Keychain(source, remember=False, on_refresh=reread)
+
+    def check_namespace(self, requested: str | None) -> str:
+        """The namespace a request may use: this board's own, whatever was asked."""
+        own = self.record.cache_namespace
+        if requested and requested not in (self.record.namespace, own):
+            security_event("request_refused", device=self.name, reason="foreign namespace", namespace=requested)
+            raise PromptError(f"device {self.name!r} belongs to namespace {self.record.namespace!r}; it does not serve {requested!r}")
+        return own
 
 
 _identity: EdgeIdentity | None = None
@@ -49,6 +90,7 @@ def become(name: str, token: str, store: CacheBox) -> EdgeIdentity:
     """Make this process the board ``name`` (raises DeviceRefused on a bad token)."""
     global _identity
     _identity = EdgeIdentity(name, token, authenticate(store, name, token), store)
+    _identity._open_ring()
     return _identity
 
 
@@ -73,7 +115,7 @@ def serve(board, message: dict) -> dict:
             max_tokens=int(message.get("max_tokens", 16)),
             sampling=sampling,
             use_cache=bool(message.get("use_cache", True)),
-            namespace=message.get("namespace") or None,
+            namespace=_namespace(message),
         )
         if message.get("schema"):
             payload["prompt"] = message.get("pml", "")
@@ -98,7 +140,7 @@ def encode(board, message: dict, on_progress=None) -> dict:
     """Encode a schema's modules into the cache box; returns the payload for the control plane."""
     payload = {"request_id": message["request_id"], "schema_id": message.get("schema_id"), "error": "", "stored": [], "skipped": []}
     try:
-        result = board.modular.encode_schema(message["schema"], namespace=message.get("namespace") or None, progress=on_progress)
+        result = board.modular.encode_schema(message["schema"], namespace=_namespace(message), progress=on_progress)
     except (ValueError, KeyError) as exc:
         payload["error"] = str(exc)
         return payload
@@ -107,6 +149,13 @@ def encode(board, message: dict, on_progress=None) -> dict:
         return payload
     payload.update(stored=result["stored"], skipped=result["skipped"], bytes=result["bytes"])
     return payload
+
+
+def _namespace(message: dict) -> str | None:
+    """The namespace a message may use: on a board, its own (a foreign one is refused)."""
+    if _identity is None:  # not a board process (tests, commands): as asked
+        return message.get("namespace") or None
+    return _identity.check_namespace(message.get("namespace"))
 
 
 def send_progress(payload: dict) -> None:

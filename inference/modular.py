@@ -21,16 +21,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cachebox.entry import EntryHeader, decode_header, encode_entry, state_checksum, verify_state
+from cachebox.entry import HEADER_PEEK_BYTES, EntryHeader, encode_entry, open_entries, state_checksum
 from cachebox.errors import CacheBoxUnavailable, EntryError
 from cachebox.keys import check_namespace, module_key, module_key_name, tokens_digest
+from cachebox.signing import Keychain, KeyRing, UnknownKey
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
 
 from .breakdown import Breakdown
 from .engine import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, EngineError, Vocabulary
 from .modules import ModulePiece, Placement, Run, SchemaLayout, TextPiece, all_pieces, lay_out, piece_runs, plan_prompt
-from .pipeline import PromptError, RunResult, decode_answer, ms_since, share_entries
+from .pipeline import PromptError, RunResult, decode_answer, ms_since, reject_entry, share_entries, signing_ring
 from .pml import PMLError, Schema, parse_prompt, parse_schema
 from .sampling import SamplingParams, choose
 
@@ -91,7 +92,9 @@ class ModularInference:
         entry_ttl: int | None = None,
         max_entry_bytes: int = 64 * 1024 * 1024,
         compact: bool | str = "auto",
+        keys: Keychain | None = None,
     ):
+        self.keys = keys  # signing keys: no ring for a namespace, no cache for it
         self.engine = engine
         self.compact = compact  # True, False, or "auto": only past the model's sliding window
         self.store = store
@@ -167,6 +170,9 @@ class ModularInference:
     def encode_schema(self, source: str, *, namespace: str | None = None, progress=None, force: bool = False) -> dict:
         """Encode every module and scaffold of a schema into the cache box (skips those already there)."""
         namespace = check_namespace(namespace or self.namespace)
+        ring = signing_ring(self.keys, namespace, self.device)
+        if ring is None:
+            raise ValueError(f"this board holds no signing key for namespace {namespace!r}: enroll it (rotate its token) or pick its namespace")
         schema, layout = self.load_schema(source)
         pieces = all_pieces(layout)
         stored, skipped, total_bytes = [], [], 0
@@ -176,7 +182,7 @@ class ModularInference:
                 if not force and self.store.redis.exists(name):
                     skipped.append(piece.key_name)
                 else:
-                    blob = self._entry(layout, namespace, piece, self.encode(layout, piece))
+                    blob = self._entry(layout, namespace, piece, self.encode(layout, piece), ring)
                     self.store.put_entries([(name, blob)], ttl=self.entry_ttl)
                     self.catalogs.get(namespace).announce([key])
                     stored.append(
@@ -187,7 +193,7 @@ class ModularInference:
                     progress(index + 1, len(pieces), piece.key_name)
         return {"schema": schema.name, "digest": schema.digest, "stored": stored, "skipped": skipped, "bytes": total_bytes}
 
-    def _entry(self, layout: SchemaLayout, namespace: str, piece: ModulePiece, state: bytes) -> bytes:
+    def _entry(self, layout: SchemaLayout, namespace: str, piece: ModulePiece, state: bytes, ring: KeyRing) -> bytes:
         span = _span(layout, piece)
         header = EntryHeader(
             fingerprint=self.engine.fingerprint,
@@ -199,7 +205,7 @@ class ModularInference:
             checksum=state_checksum(state),
             device=self.device,
         )
-        return encode_entry(header, state)
+        return encode_entry(header, state, ring)
 
     # -- serving -----------------------------------------------------------------------------------
     def run(
@@ -217,8 +223,12 @@ class ModularInference:
         namespace = check_namespace(namespace or self.namespace)
         engine = self.engine
         caching = use_cache and self.store is not None and self.catalogs is not None
+        ring = signing_ring(self.keys, namespace, self.device) if caching else None
         with engine.lock:
             breakdown = Breakdown(cachebox="ok" if caching else "off", decision="modules" if caching else "no-cache")
+            if caching and ring is None:
+                caching = False
+                breakdown.cachebox, breakdown.decision = "no-key", "no-signing-key"
             started = time.perf_counter()
             mark = started
             schema, layout = self.load_schema(schema_source)
@@ -233,7 +243,7 @@ class ModularInference:
             cached: dict[str, tuple[bytes, int]] = {}
             names: dict[str, tuple[bytes, str]] = {}
             if caching:
-                cached = self._fetch(layout, namespace, module_pieces, names, breakdown)
+                cached = self._fetch(layout, namespace, module_pieces, names, breakdown, ring)
 
             engine.clear()
             placement = Placement(compact=self._should_compact(layout, plan))
@@ -298,7 +308,7 @@ class ModularInference:
 
             uploaded = []
             if caching and fresh and breakdown.cachebox == "ok":
-                uploaded = self._upload(layout, namespace, fresh, names, breakdown)
+                uploaded = self._upload(layout, namespace, fresh, names, breakdown, ring)
             breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
             fetched = [names[piece][1] for piece in hits if piece in names]
             return ModularResult(text, generated, breakdown, fetched=fetched, uploaded=uploaded, modules_hit=hits)
@@ -321,7 +331,7 @@ class ModularInference:
                 dry.module([(run.start, run.end) for run in self._runs(layout, piece)])
         return dry.cursor > self.engine.n_swa
 
-    def _fetch(self, layout, namespace, pieces, names, breakdown) -> dict[str, tuple[bytes, int]]:
+    def _fetch(self, layout, namespace, pieces, names, breakdown, ring: KeyRing) -> dict[str, tuple[bytes, int]]:
         """States of the pieces the catalog says the cache box may hold, verified (one round trip)."""
         catalog = self.catalogs.get(namespace).catalog
         mark = time.perf_counter()
@@ -334,6 +344,14 @@ class ModularInference:
             return {}
         mark = time.perf_counter()
         try:
+            # Sizes first: an entry over the limit is refused before its bytes are downloaded.
+            sizes = self.store.sizes([names[piece.key_name][1] for piece in wanted])
+            limit = self.max_entry_bytes + HEADER_PEEK_BYTES
+            for piece, size in zip(wanted, sizes):
+                if size > limit:
+                    breakdown.rejected_entries += 1
+                    reject_entry(self.store, names[piece.key_name][1], EntryError(f"entry is {size} bytes, over the {limit}-byte limit"), self.device)
+            wanted = [piece for piece, size in zip(wanted, sizes) if size <= limit]
             blobs = self.store.read_entries([names[piece.key_name][1] for piece in wanted])
         except CacheBoxUnavailable as exc:
             log.warning("cache box unavailable, encoding modules locally: %s", exc)
@@ -341,30 +359,32 @@ class ModularInference:
             breakdown.fetch_ms = ms_since(mark)
             return {}
         found = {}
-        for piece, blob in zip(wanted, blobs):
+        checking = time.perf_counter()
+        opened = open_entries([blob or b"" for blob in blobs], ring, self.max_entry_bytes)
+        breakdown.verify_ms = ms_since(checking)
+        for piece, blob, result in zip(wanted, blobs, opened):
             name = names[piece.key_name][1]
             if blob is None:
                 catalog.record_false_positive()
                 breakdown.false_positives += 1
                 continue
             try:
-                parsed = decode_header(blob)
-                if isinstance(parsed, int):
-                    raise EntryError("entry is truncated inside its header")
-                header, offset = parsed
+                if isinstance(result, EntryError):
+                    raise result
+                header, offset = result
                 span = _span(layout, piece)
                 if header.fingerprint != self.engine.fingerprint or header.namespace != namespace:
                     raise EntryError("entry was made for another model or namespace")
                 if (header.start, header.end) != (span["start"], span["end"]) or header.tokens_digest != self._digest(layout, piece):
                     raise EntryError("entry does not hold this module's tokens")
-                verify_state(header, memoryview(blob)[offset:])
+            except UnknownKey as exc:
+                log.info("skipping module entry %s: %s", name, exc)
+                if self.keys is not None:
+                    self.keys.refresh()
+                continue
             except EntryError as exc:
                 breakdown.rejected_entries += 1
-                log.warning("rejected module entry %s: %s", name, exc)
-                try:
-                    self.store.delete([name])
-                except CacheBoxUnavailable:
-                    pass
+                reject_entry(self.store, name, exc, self.device)
                 continue
             catalog.record_true_hit()
             breakdown.fetched_bytes += len(blob)
@@ -411,12 +431,12 @@ class ModularInference:
             engine.remove(CONTEXT_SEQ)
         return change
 
-    def _upload(self, layout, namespace, fresh, names, breakdown) -> list[dict]:
+    def _upload(self, layout, namespace, fresh, names, breakdown, ring: KeyRing) -> list[dict]:
         mark = time.perf_counter()
         items, keys, stored = [], [], []
         for piece, state in fresh:
             key, name = names.get(piece.key_name) or self.key_name(layout, namespace, piece.key_name)
-            blob = self._entry(layout, namespace, piece, state)
+            blob = self._entry(layout, namespace, piece, state, ring)
             if len(blob) > self.max_entry_bytes:
                 continue
             items.append((name, blob))

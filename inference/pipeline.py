@@ -24,11 +24,15 @@ from cachebox.entry import (
     EntryHeader,
     decode_header,
     encode_entry,
+    entry_size,
+    open_entries,
     state_checksum,
-    verify_state,
+    verify_header,
 )
 from cachebox.errors import CacheBoxUnavailable, EntryError
+from cachebox.events import security_event
 from cachebox.keys import candidate_boundaries, check_namespace, entry_key_name, prefix_keys, tokens_digest
+from cachebox.signing import Keychain, KeyRing, UnknownKey
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
 
@@ -73,6 +77,7 @@ class _Lookup:
     keys: list[bytes] = field(default_factory=list)
     known: set[bytes] = field(default_factory=set)  # keys the catalog says the cache box holds
     missing: set[str] = field(default_factory=set)  # entry names found absent or rejected in this run
+    ring: KeyRing | None = None  # the namespace's signing keys
 
 
 def ms_since(since: float) -> float:
@@ -95,6 +100,23 @@ def share_entries(store: CacheBox, catalogs: CatalogRegistry, namespace: str, it
         breakdown.cachebox = "unavailable"
         breakdown.uploaded_bytes = 0
         return False
+
+
+def signing_ring(keys: Keychain | None, namespace: str, device: str) -> KeyRing | None:
+    """The ring that signs and checks ``namespace``'s entries; None (logged) when this board has none."""
+    ring = keys.ring(namespace) if keys is not None else None
+    if ring is None:
+        security_event("no_signing_key", device=device, namespace=namespace, outcome="cache off, local prefill")
+    return ring
+
+
+def reject_entry(store: CacheBox, name: str, reason: Exception, device: str) -> None:
+    """An entry failed a check: log it, evict it (best effort); the caller prefills instead."""
+    security_event("entry_rejected", entry=name, reason=str(reason), device=device, action="evicted")
+    try:
+        store.delete([name])
+    except CacheBoxUnavailable:
+        pass
 
 
 def decode_answer(engine: Engine, token: int, position: int, max_tokens: int, sampling: SamplingParams, rng, breakdown: Breakdown, started: float, top: int = TOP_CANDIDATES) -> tuple[list[int], str]:
@@ -133,9 +155,11 @@ class CachedInference:
         chunk_tokens: int = 64,
         top_logits: int = TOP_CANDIDATES,
         max_entry_bytes: int = 64 * 1024 * 1024,
+        max_fetch_bytes: int = 256 * 1024 * 1024,
         namespace: str = "default",
         entry_ttl: int | None = None,
         policy: BreakEvenPolicy | None = None,
+        keys: Keychain | None = None,
     ):
         self.engine = engine
         self.store = store
@@ -144,6 +168,9 @@ class CachedInference:
         self.chunk_tokens = chunk_tokens
         self.top_logits = top_logits
         self.max_entry_bytes = max_entry_bytes
+        self.max_fetch_bytes = max_fetch_bytes  # per request, all ranges together
+        # Signing keys: without a ring for the namespace a run neither reads nor writes entries.
+        self.keys = keys
         self.namespace = check_namespace(namespace)
         self.entry_ttl = entry_ttl
         self.policy = policy or BreakEvenPolicy()
@@ -206,10 +233,16 @@ class CachedInference:
             caching = use_cache and self.store is not None and self.catalogs is not None
             breakdown.link = self.store.link_label if self.store is not None else ""
             lookup = _Lookup(boundaries=candidate_boundaries(prompt_tokens, segment_ends, self.chunk_tokens))
+            if caching:
+                lookup.ring = signing_ring(self.keys, namespace, self.device)
+                caching = lookup.ring is not None
+                if not caching:
+                    breakdown.cachebox, breakdown.decision = "no-key", "no-signing-key"
             restored = _Restored()
             if not caching:
-                breakdown.cachebox = "off"
-                breakdown.decision = "no-cache"
+                if breakdown.cachebox == "ok":
+                    breakdown.cachebox = "off"
+                    breakdown.decision = "no-cache"
             else:
                 restored = self._lookup_and_restore(tokens, namespace, lookup, breakdown, use_catalog)
             matched = restored.matched
@@ -286,6 +319,7 @@ class CachedInference:
         try:
             headers = self._read_headers(tokens, namespace, sorted(candidates, reverse=True), names, catalog, breakdown, lookup)
             chain = self._plan_chain(tokens, namespace, headers, names, catalog, breakdown, lookup)
+            chain = self._within_budget(chain, headers)
             if not chain:
                 breakdown.fetch_ms = breakdown.redis_ms = ms_since(mark)
                 breakdown.decision = "no-usable-entry"
@@ -299,18 +333,23 @@ class CachedInference:
             return _Restored()
 
         usable: list[tuple[int, bytes, int]] = []  # (range end, entry, offset of its state)
-        for end, blob in zip(chain, blobs):
+        # Check what was really read (it may have been replaced meanwhile): signature, limits
+        # and the state's digest, before a byte of it reaches llama.cpp.
+        checking = time.perf_counter()
+        opened = open_entries([blob or b"" for blob in blobs], lookup.ring, self.max_entry_bytes)
+        breakdown.verify_ms = ms_since(checking)
+        for end, blob, result in zip(chain, blobs, opened):
             try:
                 if not blob:
                     raise EntryError("entry vanished between the header and state reads")
-                # Check the header of what was really read: the entry may have been replaced meanwhile.
-                parsed = decode_header(blob)
-                if isinstance(parsed, int):
-                    raise EntryError("entry is truncated inside its header")
-                header, offset = parsed
+                if isinstance(result, EntryError):
+                    raise result
+                header, offset = result
                 self._check_header(header, tokens, namespace, end)
                 headers[end] = (header, offset)
-                verify_state(header, memoryview(blob)[offset:])  # a view: no copy of the megabytes
+            except UnknownKey as exc:
+                self._newer_key(names[end], exc, lookup)
+                break
             except EntryError as exc:
                 self._reject(names[end], exc, breakdown, lookup)
                 break  # the chain is usable up to the range before this one
@@ -348,8 +387,8 @@ class CachedInference:
     def _read_headers(self, tokens, namespace, ends, names, catalog: Catalog, breakdown, lookup: _Lookup) -> dict[int, tuple[EntryHeader, int]]:
         """Headers of the entries at ``ends`` that exist and belong to these tokens (one round trip)."""
         headers: dict[int, tuple[EntryHeader, int]] = {}
-        prefixes = self.store.read_prefixes([names[end] for end in ends], HEADER_PEEK_BYTES)
-        for end, raw in zip(ends, prefixes):
+        heads = self.store.read_heads([names[end] for end in ends], HEADER_PEEK_BYTES)
+        for end, (raw, size) in zip(ends, heads):
             if not raw:
                 catalog.record_false_positive()
                 breakdown.false_positives += 1
@@ -362,7 +401,13 @@ class CachedInference:
                     if isinstance(parsed, int):
                         raise EntryError("entry is truncated inside its header")
                 header, offset = parsed
+                verify_header(header, lookup.ring)
                 self._check_header(header, tokens, namespace, end)
+                if size != entry_size(header, offset):
+                    raise EntryError(f"entry is {size} bytes, its signed header says {entry_size(header, offset)}")
+            except UnknownKey as exc:
+                self._newer_key(names[end], exc, lookup)
+                continue
             except EntryError as exc:
                 self._reject(names[end], exc, breakdown, lookup)
                 continue
@@ -397,6 +442,26 @@ class CachedInference:
                 return chain[::-1]
         return []
 
+    def _within_budget(self, chain: list[int], headers) -> list[int]:
+        """The longest start of ``chain`` whose entries fit in one request's download limit."""
+        total = 0
+        for index, end in enumerate(chain):
+            header, offset = headers[end]
+            total += entry_size(header, offset)
+            if total > self.max_fetch_bytes:
+                log.warning("fetch limited to %d of %d ranges: over %d bytes", index, len(chain), self.max_fetch_bytes)
+                return chain[:index]
+        return chain
+
+    def _newer_key(self, name: str, reason: Exception, lookup: _Lookup) -> None:
+        """An entry signed after a key rotation this board has not seen yet: a miss, not a forgery.
+
+        It is neither evicted nor overwritten (not marked missing): boards with the new key use it.
+        """
+        log.info("skipping %s: %s; refreshing keys", name, reason)
+        if self.keys is not None:
+            self.keys.refresh()
+
     def _learn(self, breakdown: Breakdown) -> None:
         """Feed this run's measured costs to the break-even policy."""
         self.policy.observe_prefill(breakdown.prompt_tokens - breakdown.matched_tokens, breakdown.prefill_ms)
@@ -416,11 +481,7 @@ class CachedInference:
         """Evict an entry that failed a check; the run goes on with local prefill."""
         lookup.missing.add(name)
         breakdown.rejected_entries += 1
-        log.warning("rejected cache entry %s: %s", name, reason)
-        try:
-            self.store.delete([name])
-        except CacheBoxUnavailable:
-            pass
+        reject_entry(self.store, name, reason, self.device)
 
     def _exporter(self, boundaries: list[int], matched: int, exports: dict[int, bytes]):
         """A prefill callback that copies each new range out as soon as it is computed.
@@ -477,7 +538,7 @@ class CachedInference:
             if len(state) > self.max_entry_bytes:
                 log.warning("not uploading range [%d, %d): %d bytes over the limit", start, end, len(state))
                 break  # later ranges would chain to a missing link
-            items.append((name, encode_entry(header, state)))
+            items.append((name, encode_entry(header, state, lookup.ring)))
             new_keys.append(key)
             stored.append({"name": items[-1][0], "namespace": namespace, "model": fingerprint, "start": start, "end": end, "bytes": len(items[-1][1])})
             start = end

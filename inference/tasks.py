@@ -6,6 +6,9 @@ import logging
 
 from celery import shared_task
 
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.events import security_event
+
 from .board import get_board
 from .devices import DeviceRefused
 from .edge import encode, identity, report, send_progress, serve
@@ -13,24 +16,32 @@ from .edge import encode, identity, report, send_progress, serve
 log = logging.getLogger(__name__)
 
 
-@shared_task(name="edgecache.run_prompt", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def run_prompt(message: dict) -> None:
-    me = identity()
-    try:
-        me.recheck()  # a revoked or rotated token stops the board at once
-    except DeviceRefused as exc:
-        log.error("refusing task %s: %s", message.get("request_id"), exc)
-        return
-    report(serve(get_board(), message))
+def _still_enrolled(message: dict) -> bool:
+    """Re-check the token before a task: a revoked or rotated token stops the board at once.
 
-
-@shared_task(name="edgecache.encode_schema", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def encode_schema(message: dict) -> None:
+    A cache box that is down cannot tell; the task then runs (by local prefill) and the
+    control plane, which checks the token of every report, still refuses a revoked board.
+    """
     me = identity()
     try:
         me.recheck()
     except DeviceRefused as exc:
-        log.error("refusing encode %s: %s", message.get("request_id"), exc)
+        security_event("task_refused", device=me.name, request_id=message.get("request_id"), reason=str(exc))
+        return False
+    except CacheBoxUnavailable as exc:
+        log.warning("cannot re-check this board's token now: %s", exc)
+    return True
+
+
+@shared_task(name="edgecache.run_prompt", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_prompt(message: dict) -> None:
+    if _still_enrolled(message):
+        report(serve(get_board(), message))
+
+
+@shared_task(name="edgecache.encode_schema", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def encode_schema(message: dict) -> None:
+    if not _still_enrolled(message):
         return
 
     def progress(done: int, total: int, piece: str) -> None:

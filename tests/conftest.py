@@ -62,15 +62,23 @@ def engine():
 
 
 @pytest.fixture
-def make_board(engine):
+def signing_keys(settings):
+    """Signing keys as the commands on the control plane derive them (first generation of any namespace)."""
+    from cachebox.signing import Keychain, derive_keyring
+
+    return Keychain(lambda namespace: derive_keyring(settings.EDGECACHE_SIGNING_SECRET, namespace, 1))
+
+
+@pytest.fixture
+def make_board(engine, signing_keys):
     """Boards sharing the session's engine, each with its own catalogs (as separate devices)."""
     from inference.board import Board, BoardOptions
 
     boards = []
 
-    def build(url: str | None, namespace: str, device: str = "board-a", **options):
+    def build(url: str | None, namespace: str, device: str = "board-a", keys=signing_keys, **options):
         store = CacheBox(url, connect_timeout=0.3, timeout=2.0) if url else None
-        board = Board(engine, store, BoardOptions(device=device, namespace=namespace, **options), background_sync=False)
+        board = Board(engine, store, BoardOptions(device=device, namespace=namespace, **options), background_sync=False, keys=keys)
         boards.append(board)
         return board
 
@@ -92,3 +100,12 @@ def run_manage(*args: str, env: dict | None = None, unset=(), input_bytes: bytes
         capture_output=True,
         timeout=timeout,
     )
+
+
+@pytest.fixture(autouse=True)
+def _own_django_cache(settings):
+    """Django's cache (rate-limit counters) of each test's own: never the checkout's cache box.
+
+    Tests that need the shared Redis cache point ``settings.CACHES`` at a server themselves.
+    """
+    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}}

@@ -6,9 +6,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachebox.catalog import Catalog
-from cachebox.entry import decode_header
+from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry, state_checksum
 from cachebox.errors import CatalogFormatError, EntryError
 from cachebox.keys import prefix_keys
+from cachebox.signing import derive_keyring, seal, unseal, wrap_key
 from inference.pml import PMLError, PromptDoc, Schema, parse_prompt, parse_schema
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -86,8 +87,49 @@ def test_catalog_round_trips_any_key_set(count):
 @FAST
 @given(st.binary(max_size=600))
 def test_arbitrary_entry_bytes_never_crash_the_header_reader(raw):
-    for data in (raw, b"ECE1" + raw):
+    for data in (raw, b"ECE2" + raw):
         try:
             decode_header(data)
         except EntryError:
             pass
+
+
+RING = derive_keyring(b"fuzz" * 8, "ns", 2)
+STATE = os.urandom(3000)
+SIGNED = encode_entry(EntryHeader("f" * 16, "ns", 0, 64, "d" * 32, len(STATE), state_checksum(STATE)), STATE, RING)
+
+
+@FAST
+@given(st.dictionaries(st.integers(min_value=0, max_value=len(SIGNED) - 1), st.integers(min_value=1, max_value=255), min_size=1, max_size=4), st.integers(min_value=0, max_value=len(SIGNED)))
+def test_any_altered_or_cut_signed_entry_is_refused_cleanly(flips, cut):
+    """Flipped bytes anywhere (header, MAC, state) or a cut: an EntryError, never a crash or a pass."""
+    altered = bytearray(SIGNED)
+    for where, mask in flips.items():  # distinct positions: every flip changes a byte
+        altered[where] ^= mask
+    for data in (bytes(altered), SIGNED[:cut] if cut < len(SIGNED) else bytes(altered)):
+        try:
+            open_entry(data, RING, 1 << 20)
+        except EntryError:
+            continue
+        raise AssertionError("an altered entry was accepted")
+
+
+@FAST
+@given(st.text(max_size=200), st.text(max_size=40))
+def test_arbitrary_sealed_rings_fail_cleanly(sealed, token):
+    try:
+        unseal(sealed, token, "zero")
+    except ValueError:
+        return
+    raise AssertionError("garbage opened as a key ring")
+
+
+def test_a_sealed_ring_opens_for_its_token_only_even_with_similar_tokens():
+    sealed = seal(RING, wrap_key("token-a"), "zero")
+    assert unseal(sealed, "token-a", "zero") == RING
+    for other in ("token-b", "token-a ", "Token-a", ""):
+        try:
+            unseal(sealed, other, "zero")
+        except ValueError:
+            continue
+        raise AssertionError(other)

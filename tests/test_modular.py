@@ -88,6 +88,21 @@ def test_a_corrupted_module_is_rejected_and_encoded_again(valkey_url, namespace,
     assert again.breakdown.case == "full"
 
 
+def test_an_oversized_module_entry_is_refused_before_it_is_downloaded(valkey_url, namespace, make_board, monkeypatch):
+    board = make_board(valkey_url, namespace, max_entry_bytes=2_000_000)
+    cold = board.run_pml(SCHEMA, PROMPT, max_tokens=4, namespace=namespace)
+    store = CacheBox(valkey_url)
+    name = module_names(store, namespace)[0]
+    store.redis.setrange(name, 3_000_000, b"x")  # the value grows past the board's limit
+    fetched = []
+    original = board.store.read_entries
+    monkeypatch.setattr(board.store, "read_entries", lambda names: fetched.extend(names) or original(names))
+    result = board.run_pml(SCHEMA, PROMPT, max_tokens=4, namespace=namespace)
+    assert name not in fetched  # never downloaded
+    assert result.breakdown.rejected_entries == 1 and result.tokens == cold.tokens
+    assert store.redis.strlen(name) < 2_000_000  # evicted, then encoded again at its real size
+
+
 def test_infer_serves_pml_from_the_command_line(valkey_url, namespace, tmp_path):
     prompt = tmp_path / "prompt.pml"
     prompt.write_text(PROMPT)

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from cachebox import embedded
-from cachebox.entry import EntryHeader, decode_header, encode_entry, state_checksum
+from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry, state_checksum
+from cachebox.events import JsonLineFormatter
 from cachebox.keys import candidate_boundaries, entry_key_name, prefix_keys, tokens_digest
 from cachebox.store import CacheBox
 from inference.mmlu import build_prompts
@@ -119,6 +120,51 @@ def test_corrupted_state_is_evicted_and_answered_by_prefill(valkey_url, namespac
     assert again.breakdown.case == "full" and again.breakdown.rejected_entries == 0
 
 
+def test_forged_truncated_and_swapped_entries_never_reach_llama_cpp(valkey_url, namespace, make_board, prompts, caplog):
+    """Whoever can write to the cache box but lacks the namespace's key cannot plant a state."""
+    from cachebox.signing import derive_keyring
+
+    board = make_board(valkey_url, namespace)
+    cold = board.run(prompts[0].segments, max_tokens=4)
+    tokens, names = entry_names(board, prompts[0], namespace)
+    store = CacheBox(valkey_url)
+    first = names[sorted(names)[0]]
+    genuine = store.read_entries([first])[0]
+    header, offset = decode_header(genuine)
+    attacks = {
+        # the same header and state, re-signed with a key the forger made up
+        "signature": encode_entry(header, genuine[offset:], derive_keyring(b"not the key" * 3, namespace, 1)),
+        # the genuine signed header over a state cut short (an interrupted write)
+        "bytes": genuine[:-1000],
+        # the genuine signed header over another state of the same size
+        "digest": genuine[:offset] + bytes(len(genuine) - offset),
+    }
+    for reason, blob in attacks.items():
+        store.redis.set(first, blob)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="edgecache.security"):
+            result = board.run(prompts[0].segments, max_tokens=4)
+        assert result.breakdown.rejected_entries == 1, reason
+        assert result.breakdown.case == "miss" and result.tokens == cold.tokens, reason
+        event = json.loads(JsonLineFormatter().format(next(r for r in caplog.records if r.getMessage() == "entry_rejected")))
+        assert event["event"] == "entry_rejected" and event["entry"] == first and reason in event["reason"]
+        # evicted, then stored again, signed, by the local prefill
+        stored, _ = open_entry(store.read_entries([first])[0], board.keys.ring(namespace), 1 << 30)
+        assert (stored.start, stored.end, stored.tokens_digest) == (header.start, header.end, header.tokens_digest)
+    assert board.run(prompts[0].segments, max_tokens=4).breakdown.case == "full"
+
+
+def test_a_board_without_keys_neither_reads_nor_writes(valkey_url, namespace, make_board, prompts):
+    from cachebox.signing import Keychain
+
+    board = make_board(valkey_url, namespace)
+    board.run(prompts[1].segments, max_tokens=2)
+    keyless = make_board(valkey_url, namespace, device="stranger", keys=Keychain(lambda ns: None))
+    keyless.catalogs.sync_all()
+    result = keyless.run(prompts[1].segments, max_tokens=2)
+    assert (result.breakdown.cachebox, result.breakdown.decision, result.breakdown.case) == ("no-key", "no-signing-key", "miss")
+
+
 def test_garbage_entry_and_forged_positions_are_rejected(valkey_url, namespace, make_board, prompts):
     board = make_board(valkey_url, namespace)
     cold = board.run(prompts[1].segments, max_tokens=4)
@@ -138,7 +184,7 @@ def test_garbage_entry_and_forged_positions_are_rejected(valkey_url, namespace, 
         fingerprint=header.fingerprint, namespace=namespace, start=0, end=ends[0],
         tokens_digest=tokens_digest(tokens[: ends[0]]), state_bytes=len(state), checksum=state_checksum(state),
     )
-    store.redis.set(names[ends[0]], encode_entry(forged, state))
+    store.redis.set(names[ends[0]], encode_entry(forged, state, board.keys.ring(namespace)))  # even when signed
     result = board.run(prompts[1].segments, max_tokens=4)
     assert result.breakdown.rejected_entries == 1 and result.breakdown.case == "miss"
     assert result.tokens == cold.tokens
@@ -199,7 +245,7 @@ def test_full_hit_without_stored_logits_recomputes_only_the_last_token(valkey_ur
     blob = store.read_entries([last])[0]
     header, offset = decode_header(blob)
     header.top_ids = header.top_logits = None  # as for a range that ends at a fixed chunk
-    store.redis.set(last, encode_entry(header, blob[offset:]))
+    store.redis.set(last, encode_entry(header, blob[offset:], board.keys.ring(namespace)))
     result = board.run(prompts[2].segments, max_tokens=3)
     assert result.breakdown.case == "full" and result.breakdown.rejected_entries == 0
     assert result.breakdown.prefill_ms > 0  # one token recomputed

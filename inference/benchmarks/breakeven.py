@@ -15,6 +15,7 @@ from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
 from inference.breakeven import BreakEvenPolicy
 from inference.mmlu import MMLUPrompt
+from inference.board import control_plane_keys
 from inference.pipeline import CachedInference
 
 from .cases import CASE_NAMES, seed_segments
@@ -28,14 +29,14 @@ TOLERANCE = 0.05
 def run_breakeven(engine, url: str, prompts: list[MMLUPrompt], *, prefill_ms_per_token: float, progress: Callable[[], None] | None = None) -> dict:
     plain = CacheBox(url, timeout=60)
     catalogs = CatalogRegistry(plain, 100_000, 0.01)
-    seeder = CachedInference(engine, plain, catalogs)
+    seeder = CachedInference(engine, plain, catalogs, keys=control_plane_keys())
     pipelines = {}
     for preset in PRESETS:
         link = LINK_PRESETS[preset]
         store = CacheBox(url, link=link, timeout=60)
         for mode in MODES:
             policy = BreakEvenPolicy(prefill_ms_per_token=prefill_ms_per_token, link=link, mode=mode)
-            pipelines[preset, mode] = CachedInference(engine, store, catalogs, policy=policy)
+            pipelines[preset, mode] = CachedInference(engine, store, catalogs, policy=policy, keys=control_plane_keys())
     ttft: dict = {(preset, case, mode): [] for preset in PRESETS for case in CASE_NAMES for mode in MODES}
     decisions: dict = {}
     for index, prompt in enumerate(prompts):

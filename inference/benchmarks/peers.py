@@ -27,6 +27,7 @@ from cachebox.keys import token_bytes
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
 from inference.mmlu import MMLUPrompt, parse_answer
+from inference.board import control_plane_keys
 from inference.pipeline import CachedInference
 
 from .common import median
@@ -124,7 +125,7 @@ def run_peers(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, progress
         paper.cleanup()
         _tick(progress)
         for label, use_catalog in (("EdgeCache without catalog", False), ("EdgeCache", True)):
-            pipeline = CachedInference(engine, plain, CatalogRegistry(plain, 100_000, 0.01))
+            pipeline = CachedInference(engine, plain, CatalogRegistry(plain, 100_000, 0.01), keys=control_plane_keys())
             space = f"{namespace}-{int(use_catalog)}"
             results[label] = _passes(lambda p: _ours(pipeline, p, max_tokens, space, use_catalog=use_catalog), prompts)
             plain.flush(space)

@@ -142,3 +142,22 @@ def scale_report(path: Path, doc: dict) -> Path:
     size = go.Figure([go.Scatter(x=[r["prompt_tokens"] for r in rows], y=[r["state_bytes"] / 1e6 for r in rows], mode="lines+markers", name="state MB")])
     size.update_layout(title="Prompt state size against prompt length", xaxis_title="prompt tokens", yaxis_title="MB", template="plotly_white")
     return write_report(path, "bench scale", doc.get("summary", ""), [figure, size], {"Lengths": rows}, doc)
+
+
+def load_report(path: Path, doc: dict) -> Path:
+    samples = doc.get("samples", [])
+    over_time = go.Figure()
+    for board in sorted({s["board"] for s in samples}):
+        mine = [s for s in samples if s["board"] == board]
+        over_time.add_scatter(x=[s["t_s"] for s in mine], y=[s["ttft_ms"] for s in mine], mode="markers", name=board, text=[s["case"] for s in mine])
+    over_time.update_layout(title="TTFT of every run, by dispatch time", xaxis_title="s since the start", yaxis_title="ms", yaxis_type="log", template="plotly_white")
+    windows = doc["windows"]
+    labels = [f"{w['start_s']:g}-{w['end_s']:g} s" for w in windows]
+    per_window = go.Figure()
+    per_window.add_scatter(x=labels, y=[w["ttft_ms_p50"] for w in windows], mode="lines+markers", name="p50")
+    per_window.add_scatter(x=labels, y=[w["ttft_ms_p99"] for w in windows], mode="lines+markers", name="p99")
+    per_window.update_layout(title="TTFT percentiles per window (runs dispatched in it)", yaxis_title="ms", template="plotly_white")
+    return write_report(
+        path, f"bench load: {doc['devices']} boards, {doc['seconds']:g} s", doc.get("summary", ""), [over_time, per_window],
+        {"Windows": windows, "Boards": doc["per_board"]}, doc,
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import signal
 import time
 from pathlib import Path
 
@@ -50,6 +52,15 @@ class Command(BaseCommand):
         scale = sub.add_parser("scale", help="cold and full-hit TTFT from 128 to 2048 prompt tokens")
         scale.add_argument("--repeats", type=int, default=3)
         scale.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+        load = sub.add_parser("load", help="N boards (one process each) send MMLU prompts to one cache box for a bounded time")
+        load.add_argument("--devices", type=int, default=8, help="board processes (1 llama.cpp thread each; default 8)")
+        load.add_argument("--seconds", type=float, default=60, help="how long prompts are dispatched (default 60)")
+        load.add_argument("--shots", type=int, default=5)
+        load.add_argument("--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics the prompts come from (default: 3)")
+        load.add_argument("--prompts", type=int, default=8, help="questions per topic in the pool prompts are drawn from (default 8)")
+        load.add_argument("--max-tokens", type=int, default=4, help="tokens generated per run")
+        load.add_argument("--drain", type=float, default=60, help="seconds to wait for outstanding answers after the clock")
+        load.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
     def handle(self, *args, bench, **options):
@@ -234,6 +245,104 @@ class Command(BaseCommand):
         document["summary"] = "Cold prefill grows with the prompt; a hit costs the bytes moved and restored."
         self._save("scale", json_path, document, scale_report)
 
+    def bench_load(self, devices, seconds, shots, topics, prompts, max_tokens, drain, json_path: str | None, **options):
+        from cachebox.errors import CacheBoxUnavailable
+        from cachebox.store import CacheBox
+        from inference.benchmarks.load import DEFAULT_TOPICS, LoadError, LoadRun, prompt_pool
+        from inference.benchmarks.reports import load_report
+        from inference.board import cachebox_url
+
+        if devices < 1 or seconds <= 0 or prompts < 1 or max_tokens < 1 or drain < 0 or not 0 <= shots <= 8:
+            raise CommandError("--devices, --prompts and --max-tokens must be at least 1, --seconds positive, --drain >= 0, --shots 0 to 8")
+        try:
+            chosen = [mmlu.normalize_topic(topic) for topic in (topics or DEFAULT_TOPICS)]
+            pool = prompt_pool(chosen, shots, prompts)
+        except (mmlu.UnknownTopic, ValueError, FileNotFoundError) as exc:
+            raise CommandError(str(exc))
+        try:
+            url = cachebox_url()  # the embedded Valkey starts here, once, not in N boards at a time
+        except CacheBoxUnavailable as exc:
+            raise CommandError(str(exc))
+        store = CacheBox(url)
+        if not store.ping():
+            raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start` or fix REDIS_URL")
+        namespace = f"bench-load-{int(time.time())}"
+        bars: dict[str, tqdm] = {"loading": tqdm(total=devices, desc=f"bench load: loading {devices} boards", unit="board")}
+
+        def ready(count: int) -> None:
+            bars["loading"].update(count - bars["loading"].n)
+
+        def tick(elapsed: float, state: dict) -> None:
+            if "clock" not in bars:
+                bars["loading"].close()
+                bars["clock"] = tqdm(
+                    total=int(math.ceil(seconds)), desc=f"bench load ({devices} boards)", bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s{postfix}"
+                )
+            bar = bars["clock"]
+            if state["draining"]:
+                bar.set_description(f"bench load ({devices} boards): draining")
+            bar.set_postfix(runs=state["runs"], errors=state["errors"], out=state["outstanding"], refresh=False)
+            bar.update(max(0, min(bar.total, int(elapsed)) - bar.n))
+            if state["final"]:
+                bar.refresh()
+
+        runner = LoadRun(devices, seconds, pool, namespace=namespace, max_tokens=max_tokens, drain_seconds=drain, on_ready=ready, on_tick=tick)
+        # Ctrl-C must stop the boards even when started from a shell that ignores SIGINT.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            document = runner.run()
+        except LoadError as exc:
+            raise CommandError(str(exc))
+        except KeyboardInterrupt:
+            raise CommandError("interrupted: every board was stopped, nothing saved")
+        finally:
+            for bar in bars.values():
+                bar.close()
+            try:
+                store.flush(namespace)
+            except CacheBoxUnavailable:
+                pass
+        document.update(
+            {
+                "topics": chosen,
+                "shots": shots,
+                "prompts_per_topic": prompts,
+                "cachebox": {"kind": "embedded valkey" if settings.REDIS_URL_IS_EMBEDDED else f"REDIS_URL ({url.split(':', 1)[0]})", "url": store.safe_url},
+            }
+        )
+        stable = document["p99_stability"]
+        document["summary"] = (
+            f"{devices} boards x {seconds:g} s: {document['runs']} runs, {document['errors']} errors, {document['lost']} lost; "
+            f"TTFT p50 {document['ttft_ms_p50']} ms, p99 {document['ttft_ms_p99']} ms; hit ratio {document['hit_ratio']}; "
+            f"{document['cachebox_mb_per_s']} MB/s to and from the cache box."
+        )
+        self.stdout.write(f"\n{document['summary']}")
+        self.stdout.write(
+            f"cache box: {document['cachebox']['kind']} at {document['cachebox']['url']}; {document['dispatched']} dispatched, "
+            f"{document['repeated_prompts']} exact repeats; cases {document['cases']}; measured {document['measured_seconds']:.1f} s"
+        )
+        self.stdout.write(f"{'window':>12}{'runs':>6}{'p50 ms':>10}{'p99 ms':>10}{'hit':>7}")
+        for w in document["windows"]:
+            p50 = "-" if w["ttft_ms_p50"] is None else f"{w['ttft_ms_p50']:.1f}"
+            p99 = "-" if w["ttft_ms_p99"] is None else f"{w['ttft_ms_p99']:.1f}"
+            label = f"{w['start_s']:g}-{w['end_s']:g} s"
+            self.stdout.write(f"{label:>12}{w['runs']:>6}{p50:>10}{p99:>10}{w['hit_ratio']:>7.2f}")
+        self.stdout.write("runs per board: " + ", ".join(f"{b['board']} {b['runs']}" for b in document["per_board"]))
+        starts = ", ".join(f"{start:g}" for start in stable["windows_compared"]) or "none"
+        steady = document["after_warmup"]
+        self.stdout.write(
+            f"warm-up (until every board answered once): {stable['warmup_s']} s; after it {steady['runs']} runs, "
+            f"TTFT p50 {steady['ttft_ms_p50']} ms, p99 {steady['ttft_ms_p99']} ms\n"
+            f"p99 stability over the windows after it with >= {stable['min_runs']} runs (start s: {starts}): largest rise over an "
+            f"earlier window {stable['max_rise']} (stable if <= {stable['threshold']:g}): {stable['stable']}\n"
+            f"target (0 errors, 0 lost, stable p99) met: {document['target_met']}"
+        )
+        for message in document["error_messages"]:
+            self.stdout.write(f"error: {message}")
+        for death in document["board_deaths"]:
+            self.stdout.write(f"board {death['board']} died at {death['t_s']} s (exit code {death['exitcode']})")
+        self._save("load", json_path, document, load_report)
+
     def _default_path(self, name: str) -> Path:
         return Path(settings.BASE_DIR) / "bench-results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
@@ -253,3 +362,6 @@ class Command(BaseCommand):
             f"accuracy case 1 = {doc['accuracy']['1']}, case 5 = {doc['accuracy']['5']}; "
             f"bytes per cached token = {doc['bytes_per_cached_token']}; catalog lookup median = {doc['catalog_lookup_ms']} ms"
         )
+        full = doc["cases"].get("5", {}).get("breakdown_ms", {})
+        if "verify_ms" in full:
+            self.stdout.write(f"full hit: signature and digest checks {full['verify_ms']:.2f} ms of {full['redis_ms']:.1f} ms fetch + restore")

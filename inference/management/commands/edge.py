@@ -42,7 +42,7 @@ class Command(BaseCommand):
         link = None
         if me.record.link_bandwidth_mbps:
             link = LinkProfile(me.record.link_bandwidth_mbps, me.record.link_rtt_ms or 0.0)
-        board = get_board(device=name, threads=me.record.threads, link=link)
+        board = get_board(device=name, namespace=me.record.cache_namespace, threads=me.record.threads, link=link, keys=me.keychain())
         def stop_worker(reason):
             self.stderr.write(f"refused: {reason}; stopping the board")
             os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown
@@ -51,7 +51,9 @@ class Command(BaseCommand):
         beat.start()
         self.stdout.write(
             f"board {name} ready ({board.engine.model_file.path.name}, {board.engine.config.threads()} threads, "
-            f"{board.store.link_label} to the cache box); serving queues device.{name} and {edge.SHARED_QUEUE}"
+            f"{board.store.link_label} to the cache box, namespace {me.record.cache_namespace}, "
+            f"signing keys {'generation ' + str(me.ring.current) if me.ring else 'missing: cache off'}); "
+            f"serving queues device.{name} and {edge.SHARED_QUEUE}"
         )
         try:
             # The project's Celery app (configured by Django settings); boards never import the control plane.

@@ -1,0 +1,54 @@
+"""A fixed-window rate limit on Django's cache (Redis: shared by every daphne process).
+
+One counter per user and minute: ``cache.add`` creates it (only if missing, so the first
+request of the window does not race another one), ``cache.incr`` counts atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import redis
+from django.core.cache import caches
+
+log = logging.getLogger("dashboard.ratelimit")
+
+WINDOW_SECONDS = 60
+clock = time.time  # replaced in tests to move to the next window
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allowed: bool
+    count: int  # requests in this window, this one included
+    limit: int
+    retry_after: int  # seconds until the window ends (when refused)
+
+
+def hit(scope: str, who: str | int, limit: int, *, window: int = WINDOW_SECONDS, cache_alias: str = "default") -> Verdict:
+    """Count one request of ``who`` in ``scope``; refused once the window holds more than ``limit``.
+
+    A limit of 0 or less turns the limit off. When the cache cannot be reached the request
+    is let through (logged): the runs it would dispatch travel through the same server.
+    """
+    if limit <= 0:
+        return Verdict(True, 0, limit, 0)
+    now = clock()
+    current = int(now // window)
+    key = f"ratelimit:{scope}:{who}:{current}"
+    cache = caches[cache_alias]
+    try:
+        cache.add(key, 0, timeout=window + 5)
+        try:
+            count = cache.incr(key)
+        except ValueError:  # expired between add and incr
+            cache.set(key, 1, timeout=window + 5)
+            count = 1
+    except (redis.RedisError, OSError) as exc:
+        log.warning("rate limit %s not enforced: the cache is unreachable (%s)", scope, exc)
+        return Verdict(True, 0, limit, 0)
+    retry_after = max(1, math.ceil((current + 1) * window - now))
+    return Verdict(count <= limit, count, limit, retry_after)
