@@ -1,30 +1,23 @@
 """Admin for the cache-box mirror: filter, sort, evict, pin and unpin (staff only, confirmed, logged)."""
 
 from django.contrib import admin, messages
-from django.contrib.admin import helpers
-from django.template.response import TemplateResponse
+from django.template.defaultfilters import filesizeformat
 
 from .models import CacheEntry
 
 
 def _confirmed(modeladmin, request, queryset, verb: str):
     """None after the staff member confirmed; otherwise the page that asks."""
-    if request.POST.get("confirmed") == "yes":
-        return None
-    return TemplateResponse(
+    from dashboard.admin import confirmation
+
+    return confirmation(
+        modeladmin,
         request,
-        "admin/cachebox/confirm_action.html",
-        {
-            **modeladmin.admin_site.each_context(request),
-            "title": f"{verb.capitalize()} {queryset.count()} cache entries?",
-            "verb": verb,
-            "entries": queryset[:50],
-            "count": queryset.count(),
-            "action": request.POST.get("action"),
-            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
-            "select_across": request.POST.get("select_across", "0"),
-            "opts": modeladmin.model._meta,
-        },
+        queryset,
+        title=f"{verb.capitalize()} {queryset.count()} cache entries?",
+        verb=verb,
+        explanation="This cannot be undone from here; boards recompute and upload what they need again.",
+        describe=lambda e: f"{e.key} ({e.namespace}, [{e.start}, {e.end}), {filesizeformat(e.bytes)})",
     )
 
 

@@ -4,6 +4,31 @@ from django.template.response import TemplateResponse
 
 from .models import AuditEvent, Device, InferenceRun, Namespace, SavedPrompt
 
+SHOWN = 50  # items listed on a confirmation page
+
+
+def confirmation(modeladmin, request, queryset, *, title: str, verb: str, explanation: str, describe):
+    """None once the staff member has confirmed this action; otherwise the page that asks (``describe`` lists each object)."""
+    if request.POST.get("confirmed") == "yes":
+        return None
+    count = queryset.count()
+    return TemplateResponse(
+        request,
+        "admin/confirm_action.html",
+        {
+            **modeladmin.admin_site.each_context(request),
+            "title": title,
+            "verb": verb,
+            "explanation": explanation,
+            "items": [describe(obj) for obj in queryset[:SHOWN]],
+            "more": max(0, count - SHOWN),
+            "action": request.POST.get("action"),
+            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+            "select_across": request.POST.get("select_across", "0"),
+            "opts": modeladmin.model._meta,
+        },
+    )
+
 
 @admin.register(Namespace)
 class NamespaceAdmin(admin.ModelAdmin):
@@ -35,19 +60,18 @@ class NamespaceAdmin(admin.ModelAdmin):
 
         if not request.user.is_staff:
             return None
-        if request.POST.get("confirmed") != "yes":
-            return TemplateResponse(
-                request,
-                "admin/dashboard/confirm_rotate.html",
-                {
-                    **self.admin_site.each_context(request),
-                    "title": f"Rotate the signing key of {queryset.count()} namespace(s)?",
-                    "namespaces": queryset,
-                    "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
-                    "select_across": request.POST.get("select_across", "0"),
-                    "opts": self.model._meta,
-                },
-            )
+        page = confirmation(
+            self,
+            request,
+            queryset,
+            title=f"Rotate the signing key of {queryset.count()} namespace(s)?",
+            verb="rotate",
+            explanation="Boards of these namespaces receive the new key at their next heartbeat and sign with it from then on. "
+            "Entries signed with the key before it stay valid; entries signed with older keys are refused and evicted when met.",
+            describe=lambda ns: f"{ns.name}: generation {ns.key_generation} → {ns.key_generation + 1}, {ns.devices.count()} device(s)",
+        )
+        if page:
+            return page
         generations = [f"{namespace.name} → {rotate_signing_key(request.user, namespace)}" for namespace in queryset]
         self.message_user(request, "New signing keys: " + ", ".join(generations), messages.SUCCESS)
 
