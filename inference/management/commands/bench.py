@@ -35,7 +35,7 @@ class Command(BaseCommand):
         modules.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         breakeven = sub.add_parser("breakeven", help="always / never / adaptive fetching under each emulated link")
         breakeven.add_argument("--topic", default="astronomy")
-        breakeven.add_argument("--prompts", type=int, default=10)
+        breakeven.add_argument("--prompts", type=int, default=30)
         breakeven.add_argument("--shots", type=int, default=5)
         breakeven.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         peers = sub.add_parser("peers", help="EdgeCache against no cache, llama-cpp-python's caches and the paper's design")
