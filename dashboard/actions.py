@@ -240,7 +240,7 @@ def dispatch_run(user, devices: list[Device], spec: PromptSpec) -> list[dict]:
         }
         if spec.schema:
             message.update(schema=spec.schema, pml=spec.pml)
-        celery_app.send_task(RUN_TASK, args=[message], queue=device.queue, expires=600)
+        celery_app.send_task(RUN_TASK, args=[message], queue=device.queue, expires=settings.EDGECACHE_TASK_EXPIRES)
         sent.append({"request_id": request_id, "device": device.name})
         broadcast("run.dispatched", {"request_id": request_id, "device": device.name, "title": spec.title[:200]})
     log.info("dispatched user=%s devices=%s", getattr(user, "username", None), [d.name for d in devices])
@@ -302,7 +302,7 @@ def dispatch_encode(user, schema: Schema, devices: list[Device], namespace: str 
     for device in devices:
         request_id = str(uuid.uuid4())
         message = {"request_id": request_id, "schema_id": schema.pk, "schema": schema.source, "namespace": namespace or device.namespace_id}
-        celery_app.send_task(ENCODE_TASK, args=[message], queue=device.queue, expires=600)
+        celery_app.send_task(ENCODE_TASK, args=[message], queue=device.queue, expires=settings.EDGECACHE_TASK_EXPIRES)
         sent.append({"request_id": request_id, "device": device.name})
     audit(user, "schema.encode", schema.name, ", ".join(d.name for d in devices))
     return sent

@@ -141,7 +141,7 @@ CELERY_TASK_ACKS_LATE = True  # a message is acknowledged after its task ran: a 
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 # Unacknowledged messages of a worker that died go back to the queue after this many seconds.
 # Keep it longer than any task (a task still running then would run twice; runs are stored
-# once by id) and shorter than the runs' 600 s expiry (an expired message is dropped).
+# once by id) and shorter than EDGECACHE_TASK_EXPIRES.
 # Every worker looks for such messages every EDGECACHE_RESTORE_INTERVAL seconds (one small query;
 # kombu's default throttle would make it every 100 s).
 CELERY_BROKER_TRANSPORT_OPTIONS = {
@@ -150,6 +150,10 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "unacked_restore_throttle": 1,
 }
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# A run or encode no board of its device has started this many seconds after dispatch is not
+# run any more (a board back from a long outage does not replay stale work); the board that
+# meets it reports it, so it is recorded as expired instead of vanishing.
+EDGECACHE_TASK_EXPIRES = _env_int("EDGECACHE_TASK_EXPIRES", 600)
 CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_ROUTES = {
     name: {"queue": "control"}

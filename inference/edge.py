@@ -100,15 +100,24 @@ def identity() -> EdgeIdentity:
     return _identity
 
 
-def serve(board, message: dict) -> dict:
-    """Run one dispatched prompt; returns the result payload for the control plane."""
-    payload = {
+def run_payload(message: dict, error: str = "") -> dict:
+    """The control plane's record of one dispatched prompt, before (or instead of) its result."""
+    return {
         "request_id": message["request_id"],
         "meta": message.get("meta", {}),
-        "prompt": "".join(message.get("segments") or []),
+        "prompt": message.get("pml", "") if message.get("schema") else "".join(message.get("segments") or []),
         "text": "",
-        "error": "",
+        "error": error,
     }
+
+
+def encode_payload(message: dict, error: str = "") -> dict:
+    return {"request_id": message["request_id"], "schema_id": message.get("schema_id"), "error": error, "stored": [], "skipped": []}
+
+
+def serve(board, message: dict) -> dict:
+    """Run one dispatched prompt; returns the result payload for the control plane."""
+    payload = run_payload(message)
     try:
         sampling = SamplingParams(**message.get("sampling", {}))
         options = dict(
@@ -118,7 +127,6 @@ def serve(board, message: dict) -> dict:
             namespace=_namespace(message),
         )
         if message.get("schema"):
-            payload["prompt"] = message.get("pml", "")
             result: RunResult = board.run_pml(message["schema"], message.get("pml", ""), **options)
             payload["modules_hit"] = result.modules_hit
         else:
@@ -138,7 +146,7 @@ def serve(board, message: dict) -> dict:
 
 def encode(board, message: dict, on_progress=None) -> dict:
     """Encode a schema's modules into the cache box; returns the payload for the control plane."""
-    payload = {"request_id": message["request_id"], "schema_id": message.get("schema_id"), "error": "", "stored": [], "skipped": []}
+    payload = encode_payload(message)
     try:
         result = board.modular.encode_schema(message["schema"], namespace=_namespace(message), progress=on_progress)
     except (ValueError, KeyError) as exc:

@@ -64,13 +64,13 @@ class Plane:
         self.env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_N_CTX": "2048", "EDGECACHE_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT), "EDGECACHE_RESTORE_INTERVAL": "1"})
         self.processes: list[subprocess.Popen] = []
 
-    def manage(self, *args: str) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120)
+    def manage(self, *args: str, env: dict | None = None) -> str:
+        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
-    def shell(self, code: str) -> str:
-        return self.manage("shell", "-c", code).splitlines()[-1]
+    def shell(self, code: str, env: dict | None = None) -> str:
+        return self.manage("shell", "-c", code, env=env).splitlines()[-1]
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.home / f"{name}.log", "ab")
@@ -101,15 +101,22 @@ class Plane:
                 return db.execute("select count(*) from dashboard_inferencerun").fetchone()[0]
             return db.execute("select count(*) from dashboard_inferencerun where replace(request_id, '-', '') = ?", (request_id.replace("-", ""),)).fetchone()[0]
 
+    def run_fields(self, request_id: str, *columns: str) -> tuple:
+        with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
+            quoted = ", ".join(f'"{column}"' for column in columns)  # "case" is an SQL keyword
+            query = f"select {quoted} from dashboard_inferencerun where replace(request_id, '-', '') = ?"
+            return db.execute(query, (request_id.replace("-", ""),)).fetchone()
+
     def devices(self) -> int:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
             return db.execute("select count(*) from dashboard_device").fetchone()[0]
 
-    def dispatch(self, max_tokens: int) -> str:
+    def dispatch(self, max_tokens: int, expires: int | None = None) -> str:
         return self.shell(
             "from dashboard import actions; from dashboard.models import Device; "
             "print(actions.dispatch_run(None, [Device.objects.get(name='solo')], actions.PromptSpec("
-            f"segments=['Write a long story about a lighthouse keeper and the sea.'], max_tokens={max_tokens}, title='fault'))[0]['request_id'])"
+            f"segments=['Write a long story about a lighthouse keeper and the sea.'], max_tokens={max_tokens}, title='fault'))[0]['request_id'])",
+            env={"EDGECACHE_TASK_EXPIRES": str(expires)} if expires else None,
         )
 
 
@@ -160,3 +167,24 @@ def test_a_control_plane_restart_loses_no_run_and_no_device(plane):
     plane.control_worker()
     until(lambda: plane.runs(request_id) == 1, 60, "the queued report to be stored")
     assert plane.runs() == before + 1 and plane.devices() == 1
+
+
+def test_a_run_that_waits_past_its_expiry_is_recorded_as_expired_not_lost(plane):
+    """A board away longer than EDGECACHE_TASK_EXPIRES does not replay the stale run when it returns, and says so."""
+    for process in plane.processes:
+        if "edge" in process.args and process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=30)
+    before = plane.runs()
+    request_id = plane.dispatch(max_tokens=4, expires=2)
+    sent_by = time.monotonic()
+    assert request_id in queued_requests(plane.redis, "device.solo")  # waiting for a board
+    time.sleep(max(0.0, sent_by + 2.5 - time.monotonic()))  # past the deadline the message carries
+
+    plane.board(plane.token)
+    until(lambda: plane.runs(request_id) == 1, 60, "the expired run to be recorded")
+    error, text, case = plane.run_fields(request_id, "error", "text", "case")
+    assert error.startswith("expired: no board of solo started it") and "send it again" in error
+    assert text == "" and case == ""  # it never ran
+    until(lambda: plane.redis.llen("device.solo") == 0 and plane.redis.hlen("unacked") == 0, 30, "the queue to drain")
+    assert plane.runs() == before + 1
