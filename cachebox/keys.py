@@ -1,6 +1,7 @@
 """Cache keys: model fingerprint + namespace + a chained hash over the prompt's tokens.
 
-Pure functions only. A key for the prefix ``tokens[:p]`` is the BLAKE2b digest of
+Pure functions only. Every function takes ``namespace, fingerprint`` first, in that order
+(the order of the Redis key names). A key for the prefix ``tokens[:p]`` is the BLAKE2b digest of
 ``fingerprint, namespace, tokens[0:p]`` fed range by range into one running hash,
 so a range key pins every token before it, does not depend on where earlier
 ranges were cut, and is stable across processes and machines (never ``hash()``).
@@ -25,6 +26,8 @@ KEY_BYTES = 16
 DEFAULT_NAMESPACE = "default"
 KEY_PREFIX = "ec"
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# A device name may begin with '-' or '_' (it is a Django slug); never ':', '*' or '{'.
+_DEVICE_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def prefix_keys(
-    fingerprint: str, namespace: str, tokens: Sequence[int], boundaries: Iterable[int]
+    namespace: str, fingerprint: str, tokens: Sequence[int], boundaries: Iterable[int]
 ) -> list[bytes]:
     """Keys of the prefixes ``tokens[:b]`` for each boundary ``b`` (ascending, 1..len)."""
     check_namespace(namespace)
@@ -88,7 +91,7 @@ def entry_key_name(namespace: str, fingerprint: str, key: bytes) -> str:
     return f"{KEY_PREFIX}:e:{check_namespace(namespace)}:{fingerprint}:{{{key.hex()}}}"
 
 
-def module_key(fingerprint: str, namespace: str, schema_digest: str, piece: str) -> bytes:
+def module_key(namespace: str, fingerprint: str, schema_digest: str, piece: str) -> bytes:
     """Key of a prompt module's state: model, namespace, schema version and module path."""
     check_namespace(namespace)
     digest = hashlib.blake2b(digest_size=KEY_BYTES, person=b"edgecache-mod")
@@ -138,6 +141,13 @@ def catalog_key_names(namespace: str) -> dict[str, str]:
     """Redis keys of a namespace's master catalog; one hash tag so MULTI works on a cluster."""
     tag = f"{KEY_PREFIX}:c:{{{check_namespace(namespace)}}}"
     return {"epoch": f"{tag}:epoch", "log": f"{tag}:log", "snapshot": f"{tag}:snap"}
+
+
+def device_key_name(name: str) -> str:
+    """Redis key of a device's registry record (``ec:device:<name>``); ValueError for a name unfit for keys."""
+    if not isinstance(name, str) or not _DEVICE_RE.match(name):
+        raise ValueError(f"invalid device name {name!r}: use 1-64 characters from letters, digits, '_', '.', '-'")
+    return f"{KEY_PREFIX}:device:{name}"
 
 
 def candidate_boundaries(n_tokens: int, segment_ends: Iterable[int] = (), chunk_tokens: int = 64) -> list[int]:

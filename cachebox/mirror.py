@@ -42,7 +42,8 @@ def reconcile(store: CacheBox, progress=None) -> dict:
     names = list(store.scan_entries())
     for start in range(0, len(names), 200):
         batch = names[start : start + 200]
-        for name, prefix in zip(batch, store.read_prefixes(batch, 4096)):
+        # Two round trips per batch (heads, then TTLs), not one per entry.
+        for name, prefix, ttl in zip(batch, store.read_prefixes(batch, 4096), store.ttls(batch)):
             try:
                 namespace, fingerprint, key = parse_entry_key_name(name)
                 parsed = decode_header(prefix)
@@ -52,7 +53,6 @@ def reconcile(store: CacheBox, progress=None) -> dict:
             except (ValueError, EntryError):
                 store.delete([name])  # unreadable: it could never be served
                 continue
-            ttl = store.redis.ttl(name)
             seen[name] = {
                 "model": fingerprint,
                 "namespace": namespace,

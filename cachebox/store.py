@@ -1,24 +1,28 @@
 """The cache box store: entries and the master catalog in Redis/Valkey.
 
 A thin adapter over redis-py (with the hiredis parser, which decides whether a
-hit costs 3 ms or 40 ms). Every call is bounded by socket timeouts and turns a
-connection failure into ``CacheBoxUnavailable``; a board that sees it answers
-from local prefill.
+hit costs 3 ms or 40 ms). Every call is bounded by socket timeouts and turns every
+redis failure into ``CacheBoxUnavailable``: a connection failure (which also makes
+the client skip the network for ``retry_after`` seconds) or, as ``CacheBoxRefused``,
+an error the server answered with (OOM at maxmemory, WRONGTYPE). A board that sees
+either answers from local prefill. Nothing outside this package touches ``.redis``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import redis
 
-from .errors import CacheBoxUnavailable
-from .keys import catalog_key_names, entry_key_pattern
+from .errors import CacheBoxRefused, CacheBoxUnavailable
+from .keys import catalog_key_names, device_key_name, entry_key_pattern, schema_key_pattern
 from .link import LinkProfile
 from .shaping import LinkShaper, ShapedConnection
 
-_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+# The server could not be reached: back off. Any other redis.RedisError is an answer
+# (OOM, WRONGTYPE, ...): typed too, but the next call may go to the network at once.
+_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 # Log entries kept in the catalog stream before boards fold them into the snapshot.
 CATALOG_LOG_MAXLEN = 200_000
@@ -66,6 +70,11 @@ class CacheBox:
         self._down_until = time.monotonic() + self.retry_after
         return CacheBoxUnavailable(f"cache box {self.safe_url} is unreachable: {exc}")
 
+    def _refused(self, exc: redis.RedisError) -> CacheBoxRefused:
+        # No back-off: the server is up; a full memory or one bad key must not
+        # cut every other request off the cache box for `retry_after` seconds.
+        return CacheBoxRefused(f"cache box {self.safe_url} refused the command: {type(exc).__name__}: {exc}")
+
     @property
     def safe_url(self) -> str:
         """The URL without any password, for messages."""
@@ -78,15 +87,28 @@ class CacheBox:
         """True when the server answers now (ignores the recent-failure guard)."""
         try:
             return bool(self.redis.ping())
-        except _REDIS_ERRORS:
+        except (redis.RedisError, OSError):  # unreachable, or answering with an error (LOADING, NOAUTH)
             return False
 
     def _run(self, func):
         self._guard()
         try:
             return func()
-        except _REDIS_ERRORS as exc:
+        except _UNREACHABLE as exc:
             raise self._failed(exc) from exc
+        except redis.RedisError as exc:
+            raise self._refused(exc) from exc
+
+    def _scan(self, pattern: str) -> Iterator[str]:
+        # A generator cannot use _run: each page of SCAN is its own round trip.
+        self._guard()
+        try:
+            for name in self.redis.scan_iter(match=pattern, count=1000):
+                yield name.decode()
+        except _UNREACHABLE as exc:
+            raise self._failed(exc) from exc
+        except redis.RedisError as exc:
+            raise self._refused(exc) from exc
 
     # -- entries ----------------------------------------------------------------
     def put_entries(self, items: Sequence[tuple[str, bytes]], ttl: int | None = None) -> int:
@@ -200,14 +222,39 @@ class CacheBox:
         names = list(names)
         return self._run(lambda: self.redis.delete(*names)) if names else 0
 
-    def scan_entries(self, namespace: str | None = None, fingerprint: str | None = None):
-        """Yield entry key names (str) of a namespace and/or model."""
-        self._guard()
-        try:
-            for name in self.redis.scan_iter(match=entry_key_pattern(namespace, fingerprint), count=1000):
-                yield name.decode()
-        except _REDIS_ERRORS as exc:
-            raise self._failed(exc) from exc
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        """Whether each key exists, in one round trip."""
+
+        def read():
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            return [bool(found) for found in pipe.execute()]
+
+        return self._run(read) if names else []
+
+    def ttls(self, names: Sequence[str]) -> list[int]:
+        """Seconds each key has left, in one round trip: -1 no TTL (pinned), -2 missing."""
+
+        def read():
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.ttl(name)
+            return [int(ttl) for ttl in pipe.execute()]
+
+        return self._run(read) if names else []
+
+    def scan_entries(self, namespace: str | None = None, fingerprint: str | None = None) -> Iterator[str]:
+        """Yield entry key names (str) of a namespace and/or model.
+
+        One round trip per 1000 keys the server holds: SCAN walks all of them, matching or not.
+        """
+        return self._scan(entry_key_pattern(namespace, fingerprint))
+
+    def scan_schema_entries(self, schema_digest: str) -> Iterator[str]:
+        """Yield the key names (str) of every module entry of one schema version (any namespace,
+        any model); costs what ``scan_entries`` costs."""
+        return self._scan(schema_key_pattern(schema_digest))
 
     def flush(self, namespace: str | None = None, fingerprint: str | None = None) -> int:
         """Delete the entries of a namespace and/or model; with a namespace, its catalog too."""
@@ -306,6 +353,22 @@ class CacheBox:
 
     def catalog_log_length(self, namespace: str) -> int:
         return int(self._run(lambda: self.redis.xlen(catalog_key_names(namespace)["log"])))
+
+    # -- device registry ------------------------------------------------------------------
+    def get_device_record(self, name: str) -> bytes | None:
+        """A device's published record (JSON bytes), None when there is none; one round trip."""
+        key = device_key_name(name)
+        return self._run(lambda: self.redis.get(key))
+
+    def put_device_record(self, name: str, raw: str | bytes) -> None:
+        """Publish (replace) a device's record; one round trip. No TTL: boards read it at any time."""
+        key = device_key_name(name)
+        self._run(lambda: self.redis.set(key, raw))
+
+    # -- server -----------------------------------------------------------------------------
+    def memory_used(self) -> str:
+        """The server's used memory, human readable ("1.21M"); one round trip (INFO memory)."""
+        return str(self._run(lambda: self.redis.info("memory")).get("used_memory_human", "?"))
 
 
 def _stream_id_after(candidate: str, current: str) -> bool:

@@ -1,4 +1,5 @@
-"""The Celery app shared by the control plane and the boards. JSON messages only."""
+"""The control plane's Celery app (configured by Django settings, which take the settings boards
+use from ``inference.worker``). JSON messages only. Boards run their own app, without Django."""
 
 import os
 

@@ -11,19 +11,11 @@ from typing import Iterable
 import plotly.graph_objects as go
 
 from cachebox.link import LinkProfile
-from inference.breakdown import Breakdown
+from inference.breakdown import STACK
 from inference.breakeven import LinearFit, crossover, fit_line, points_from_breakdowns
 
-# The paper's table-3 components, in its order and words.
-COMPONENTS = [
-    ("token_ms", "Token"),
-    ("bloom_ms", "Bloom"),
-    ("prefill_ms", "P-decode"),
-    ("redis_ms", "Redis"),
-    ("decode_ms", "R-decode"),
-    ("sample_ms", "Sample"),
-]
-assert [field for field, _ in COMPONENTS] == list(Breakdown.STACK)
+# The paper's table-3 components, in its order and words (one source for charts and live.js).
+COMPONENTS = STACK
 WINDOW = 200  # points kept per trace: the charts stay smooth with hundreds of runs
 
 _LAYOUT = dict(margin=dict(l=55, r=15, t=40, b=45), height=320, legend=dict(orientation="h", y=-0.25), template="plotly_white")

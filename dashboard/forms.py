@@ -8,7 +8,7 @@ from cachebox.errors import InvalidNamespace
 from cachebox.keys import check_namespace
 from cachebox.link import LINK_PRESETS
 from inference import mmlu
-from inference.cli import split_segments
+from .cli import split_segments
 from inference.models import Schema
 from inference.pml import PMLError, parse_prompt, parse_schema
 

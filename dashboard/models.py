@@ -12,7 +12,8 @@ from django.db import models
 from django.urls import reverse
 from django.utils import timezone
 
-from inference.breakdown import Breakdown
+from inference.messages import Queue
+from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision
 
 ONLINE_WITHIN = timedelta(seconds=30)
 
@@ -78,7 +79,7 @@ class Device(models.Model):
 
     @property
     def queue(self) -> str:
-        return f"device.{self.name}"
+        return Queue.device(self.name)
 
     @property
     def cache_namespace(self) -> str:
@@ -160,11 +161,6 @@ class InferenceRun(models.Model):
         super().save(*args, **kwargs)
 
 
-# Runs that did not consult the cache: asked not to, or the board held no signing key.
-NO_LOOKUP_DECISIONS = frozenset({"no-cache", "no-signing-key"})
-NO_LOOKUP_CACHEBOX = frozenset({"off", "no-key"})
-
-
 def _count(value) -> int:
     """A count from a board's JSON: a finite non-negative number, anything else 0."""
     try:
@@ -184,7 +180,7 @@ def breakdown_counts(breakdown, error: str = "") -> dict:
         "false_positives": _count(breakdown.get("false_positives")),
         "rejected_entries": _count(breakdown.get("rejected_entries")),
         "cache_lookup": not error and decision not in NO_LOOKUP_DECISIONS and cachebox not in NO_LOOKUP_CACHEBOX,
-        "cachebox_unavailable": cachebox == "unavailable" or decision == "cachebox-unavailable",
+        "cachebox_unavailable": cachebox == CacheBoxState.UNAVAILABLE or decision == Decision.CACHEBOX_UNAVAILABLE,
     }
 
 

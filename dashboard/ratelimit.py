@@ -11,8 +11,9 @@ import math
 import time
 from dataclasses import dataclass
 
-import redis
 from django.core.cache import caches
+
+from cachebox.django_cache import CACHE_SERVER_ERRORS
 
 log = logging.getLogger("dashboard.ratelimit")
 
@@ -47,7 +48,7 @@ def hit(scope: str, who: str | int, limit: int, *, window: int = WINDOW_SECONDS,
         except ValueError:  # expired between add and incr
             cache.set(key, 1, timeout=window + 5)
             count = 1
-    except (redis.RedisError, OSError) as exc:
+    except CACHE_SERVER_ERRORS as exc:
         log.warning("rate limit %s not enforced: the cache is unreachable (%s)", scope, exc)
         return Verdict(True, 0, limit, 0)
     retry_after = max(1, math.ceil((current + 1) * window - now))

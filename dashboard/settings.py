@@ -12,9 +12,11 @@ from pathlib import Path
 import dj_database_url
 
 from cachebox.embedded import url_for
+from inference.config import BoardConfig, edgecache_home
+from inference.worker import celery_settings
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-EDGECACHE_HOME = Path(os.environ.get("EDGECACHE_HOME", BASE_DIR / ".edgecache")).resolve()
+EDGECACHE_HOME = edgecache_home()
 EDGECACHE_HOME.mkdir(parents=True, exist_ok=True)
 
 
@@ -87,6 +89,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "dashboard.context.chart_stack",
             ],
         },
     },
@@ -126,41 +129,20 @@ STATIC_ROOT.mkdir(exist_ok=True)
 WHITENOISE_USE_FINDERS = True  # serve straight from static/ and the apps: no collectstatic step to forget
 
 # --- The cache box, broker and channel layer: one Redis/Valkey server. -------------------
-EDGECACHE_EMBEDDED_DIR = EDGECACHE_HOME / "valkey"
-EDGECACHE_EMBEDDED_PORT = _env_int("EDGECACHE_EMBEDDED_PORT", 0) or None
-EDGECACHE_EMBEDDED_MAXMEMORY = os.environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "1gb")
-REDIS_URL_IS_EMBEDDED = not os.environ.get("REDIS_URL")
-REDIS_URL = os.environ.get("REDIS_URL") or url_for(EDGECACHE_EMBEDDED_DIR, EDGECACHE_EMBEDDED_PORT)
+EDGECACHE_BOARD = BoardConfig.from_env()
+EDGECACHE_EMBEDDED_DIR = EDGECACHE_BOARD.embedded_dir
+EDGECACHE_EMBEDDED_PORT = EDGECACHE_BOARD.embedded_port
+EDGECACHE_EMBEDDED_MAXMEMORY = EDGECACHE_BOARD.embedded_maxmemory
+REDIS_URL_IS_EMBEDDED = EDGECACHE_BOARD.uses_embedded_cachebox
+REDIS_URL = EDGECACHE_BOARD.redis_url or url_for(EDGECACHE_EMBEDDED_DIR, EDGECACHE_EMBEDDED_PORT)
 
-CELERY_BROKER_URL = REDIS_URL
-CELERY_TASK_SERIALIZER = "json"  # never pickle: boards load what they receive
-CELERY_RESULT_SERIALIZER = "json"
-CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_TASK_IGNORE_RESULT = True  # boards report results as control-plane tasks
-CELERY_TASK_ACKS_LATE = True  # a message is acknowledged after its task ran: a board killed mid-task loses nothing
-CELERY_TASK_REJECT_ON_WORKER_LOST = True
-# Unacknowledged messages of a worker that died go back to the queue after this many seconds.
-# Keep it longer than any task (a task still running then would run twice; runs are stored
-# once by id) and shorter than EDGECACHE_TASK_EXPIRES.
-# Every worker looks for such messages every EDGECACHE_RESTORE_INTERVAL seconds (one small query;
-# kombu's default throttle would make it every 100 s).
-CELERY_BROKER_TRANSPORT_OPTIONS = {
-    "visibility_timeout": _env_int("EDGECACHE_VISIBILITY_TIMEOUT", 300),
-    "unacked_restore_interval": _env_int("EDGECACHE_RESTORE_INTERVAL", 10),
-    "unacked_restore_throttle": 1,
-}
-CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Celery: the settings boards use too (inference.worker), as CELERY_* names.
+for _name, _value in celery_settings(REDIS_URL).items():
+    globals()[f"CELERY_{_name.upper()}"] = _value
 # A run or encode no board of its device has started this many seconds after dispatch is not
 # run any more (a board back from a long outage does not replay stale work); the board that
 # meets it reports it, so it is recorded as expired instead of vanishing.
 EDGECACHE_TASK_EXPIRES = _env_int("EDGECACHE_TASK_EXPIRES", 600)
-CELERY_TASK_DEFAULT_QUEUE = "control"
-CELERY_TASK_ROUTES = {
-    name: {"queue": "control"}
-    for name in ("edgecache.record_run", "edgecache.heartbeat", "edgecache.encode_progress", "edgecache.encoded")
-}
-CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 CHANNEL_LAYERS = {
     "default": {
@@ -169,29 +151,17 @@ CHANNEL_LAYERS = {
     }
 }
 
-# --- The engine and the cached-inference pipeline (read at call time). ------------------
-EDGECACHE_MODEL = os.environ.get("EDGECACHE_MODEL", "")  # empty: the Gemma-3 270M package
-EDGECACHE_N_CTX = _env_int("EDGECACHE_N_CTX", 4096)
-EDGECACHE_THREADS = _env_int("EDGECACHE_THREADS", 0)  # 0: all cores
-EDGECACHE_KV_TYPE = os.environ.get("EDGECACHE_KV_TYPE", "f16")
-EDGECACHE_NAMESPACE = os.environ.get("EDGECACHE_NAMESPACE", "default")
-EDGECACHE_DEVICE = os.environ.get("EDGECACHE_DEVICE", "") or os.uname().nodename
-EDGECACHE_CHUNK_TOKENS = _env_int("EDGECACHE_CHUNK_TOKENS", 64)
-EDGECACHE_TOP_LOGITS = _env_int("EDGECACHE_TOP_LOGITS", 64)
-EDGECACHE_CATALOG_CAPACITY = _env_int("EDGECACHE_CATALOG_CAPACITY", 1_000_000)
-EDGECACHE_CATALOG_FP_RATE = _env_float("EDGECACHE_CATALOG_FP_RATE", 0.01)
-EDGECACHE_CATALOG_SYNC_SECONDS = _env_float("EDGECACHE_CATALOG_SYNC_SECONDS", 1.0)
-EDGECACHE_CONNECT_TIMEOUT = _env_float("EDGECACHE_CONNECT_TIMEOUT", 0.5)
-EDGECACHE_IO_TIMEOUT = _env_float("EDGECACHE_IO_TIMEOUT", 5.0)
-EDGECACHE_MAX_ENTRY_BYTES = _env_int("EDGECACHE_MAX_ENTRY_BYTES", 64 * 1024 * 1024)
-# All entries one request may download together (a board refuses bigger chains before fetching).
-EDGECACHE_MAX_FETCH_BYTES = _env_int("EDGECACHE_MAX_FETCH_BYTES", 256 * 1024 * 1024)
-# Signing key rings for boards and commands that run on the control plane (infer, bench):
-# a callable namespace -> cachebox.signing.KeyRing, derived from EDGECACHE_SIGNING_SECRET.
-EDGECACHE_KEYRING_PROVIDER = "dashboard.signing.keyring_for"
+# --- The engine and the cache options, for commands that run a board next to the control plane
+# (infer, bench). One set of defaults: inference.config.BoardConfig, read from the same
+# environment variables an edge process reads.
+EDGECACHE_MODEL = EDGECACHE_BOARD.model  # empty: the Gemma-3 270M package
+EDGECACHE_N_CTX = EDGECACHE_BOARD.n_ctx
+EDGECACHE_NAMESPACE = EDGECACHE_BOARD.namespace
+EDGECACHE_CONNECT_TIMEOUT = EDGECACHE_BOARD.connect_timeout
+EDGECACHE_IO_TIMEOUT = EDGECACHE_BOARD.io_timeout
 # Unpinned entries expire after this many seconds unused (0: never) and are the ones
 # Redis evicts under `volatile-lru`; pinned entries have no TTL.
-EDGECACHE_ENTRY_TTL = _env_int("EDGECACHE_ENTRY_TTL", 7 * 24 * 3600)
+EDGECACHE_ENTRY_TTL = EDGECACHE_BOARD.entry_ttl or 0
 
 LOGGING = {
     "version": 1,
@@ -218,7 +188,7 @@ EDGECACHE_RUN_RATE = _env_int("EDGECACHE_RUN_RATE", 30)
 if REDIS_URL.split("://", 1)[0] in ("redis", "rediss", "unix"):
     CACHES = {
         "default": {
-            "BACKEND": "dashboard.cache.CacheBoxRedisCache",
+            "BACKEND": "cachebox.django_cache.CacheBoxRedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": "edgecache:django",
             "OPTIONS": {"socket_connect_timeout": EDGECACHE_CONNECT_TIMEOUT, "socket_timeout": EDGECACHE_IO_TIMEOUT},

@@ -6,7 +6,7 @@ from django.conf import settings
 from django.db import DatabaseError
 
 from cachebox import signing
-from cachebox.signing import KeyRing
+from cachebox.signing import Keychain, KeyRing
 
 
 def keyring_for(namespace: str) -> KeyRing:
@@ -40,3 +40,8 @@ def sealed_ring(device) -> str:
     if device.revoked_at is not None or not device.wrap_key:
         return ""
     return signing.seal(device_ring(device), bytes.fromhex(device.wrap_key), device.name)
+
+
+def control_plane_keys() -> Keychain:
+    """Signing keys for commands that run a board next to the control plane (``infer``, ``bench``)."""
+    return Keychain(keyring_for)

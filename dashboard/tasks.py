@@ -1,25 +1,31 @@
-"""Control-plane Celery tasks (queue ``control``): thin wrappers over dashboard.actions."""
+"""Control-plane Celery tasks (queue ``control``): thin wrappers over dashboard.actions.
+
+Each hands the raw message to its verb, which validates it against the message contract
+(``inference.messages``) and refuses (logs) what does not follow it.
+"""
 
 from celery import shared_task
+
+from inference.messages import Task
 
 from . import actions
 
 
-@shared_task(name="edgecache.record_run", acks_late=True, ignore_result=True)
+@shared_task(name=Task.RECORD_RUN.value, acks_late=True, ignore_result=True)
 def record_run(payload: dict) -> None:
     actions.record_run(payload)
 
 
-@shared_task(name="edgecache.heartbeat", ignore_result=True)
+@shared_task(name=Task.HEARTBEAT.value, ignore_result=True)
 def heartbeat(payload: dict) -> None:
     actions.record_heartbeat(payload)
 
 
-@shared_task(name="edgecache.encode_progress", ignore_result=True)
+@shared_task(name=Task.ENCODE_PROGRESS.value, ignore_result=True)
 def encode_progress(payload: dict) -> None:
     actions.record_encode_progress(payload)
 
 
-@shared_task(name="edgecache.encoded", acks_late=True, ignore_result=True)
+@shared_task(name=Task.ENCODED.value, acks_late=True, ignore_result=True)
 def encoded(payload: dict) -> None:
     actions.record_encoded(payload)

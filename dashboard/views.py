@@ -21,14 +21,14 @@ from django.views.decorators.http import require_POST, require_safe
 from prometheus_client.exposition import choose_encoder
 
 from cachebox.catalog import Catalog
-from cachebox.errors import CacheBoxUnavailable, CatalogFormatError
+from cachebox.errors import CacheBoxError, CacheBoxUnavailable, CatalogFormatError
 from cachebox.events import security_event
 from cachebox.link import LinkProfile
 from cachebox.models import CacheEntry
 
 from inference.models import Schema
 from inference.pml import PMLError
-from inference.schemas import describe, key_names, layout_of
+from .schema_info import describe, key_names, layout_of
 
 from . import actions, charts, metrics, ratelimit
 from .forms import ConfirmForm, DeviceForm, EncodeForm, FlushForm, RunForm, SchemaForm
@@ -364,8 +364,7 @@ def schema_edit(request, pk=None):
     schema = get_object_or_404(Schema, pk=pk) if pk else Schema(created_by=request.user)
     form = SchemaForm(request.POST or None, instance=schema)
     if request.method == "POST" and form.is_valid():
-        form.save()
-        actions.audit(request.user, "schema.save", schema.name)
+        schema = actions.save_schema(request.user, form)
         messages.success(request, f"Saved schema {schema.name}.")
         return redirect(schema)
     return render(request, "dashboard/schema_form.html", {"form": form, "schema": schema if pk else None})
@@ -379,11 +378,8 @@ def _cache_status(schema: Schema, layout) -> tuple[list[Device], dict[str, dict[
         store = actions.cachebox()
         for device in devices:
             names = key_names(layout, device.status["fingerprint"], device.cache_namespace)
-            pipe = store.redis.pipeline(transaction=False)
-            for name in names.values():
-                pipe.exists(name)
-            status[device.name] = dict(zip(names, (bool(found) for found in pipe.execute())))
-    except Exception:  # the cache box is down: show no status rather than fail the page
+            status[device.name] = dict(zip(names, store.exists(list(names.values()))))
+    except CacheBoxError:  # the cache box is down or refused (or a namespace is unusable): no status, the page still works
         status = {}
     return devices, status
 

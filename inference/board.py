@@ -1,79 +1,53 @@
-"""An edge board in one process: the engine, its cache-box client and its catalogs.
+"""An edge board in one process: the engine, its cache-box client, its catalogs, and the
+strategies that serve prompts over the one exchange path.
 
-``Board.from_settings()`` builds one from Django settings (read at call time);
-``get_board()`` keeps one per process, since a process holds one model.
+``Board.start(config, keys=...)`` builds one from a ``BoardConfig`` (no Django settings);
+the signing keys are passed in explicitly: an edge process passes its own device's
+ring, commands that run next to the control plane pass the control plane's.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-
-from django.conf import settings
-from django.utils.module_loading import import_string
 
 from cachebox import embedded
 from cachebox.errors import CacheBoxUnavailable
-from cachebox.link import LinkProfile
 from cachebox.signing import Keychain
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry, CatalogSyncThread
 
 from .breakeven import BreakEvenPolicy
+from .config import BoardConfig
 from .engine import Engine, EngineConfig
-from .model import resolve_model
-from .modular import ModularInference
-from .pipeline import CachedInference
+from .exchange import Exchange
+from .model_file import resolve_model
+from .prefix_serving import PrefixServing
+from .schema_serving import SchemaServing
 
 log = logging.getLogger(__name__)
 
 
-def cachebox_url() -> str:
+def cachebox_url(config: BoardConfig) -> str:
     """The cache box URL; starts this checkout's embedded Valkey when no REDIS_URL is set."""
-    if settings.REDIS_URL_IS_EMBEDDED:
-        return embedded.ensure_running(
-            settings.EDGECACHE_EMBEDDED_DIR,
-            port=settings.EDGECACHE_EMBEDDED_PORT,
-            maxmemory=settings.EDGECACHE_EMBEDDED_MAXMEMORY,
-        )
-    return settings.REDIS_URL
+    if config.uses_embedded_cachebox:
+        return embedded.ensure_running(config.embedded_dir, port=config.embedded_port, maxmemory=config.embedded_maxmemory)
+    return config.redis_url
 
 
-def control_plane_keys() -> Keychain:
-    """Signing keys for code that runs next to the control plane and holds its signing secret."""
-    return Keychain(import_string(settings.EDGECACHE_KEYRING_PROVIDER))
-
-
-@dataclass
-class BoardOptions:
-    device: str
-    namespace: str = "default"
-    chunk_tokens: int = 64
-    top_logits: int = 64
-    catalog_capacity: int = 1_000_000
-    catalog_fp_rate: float = 0.01
-    sync_interval: float = 1.0
-    connect_timeout: float = 0.5
-    io_timeout: float = 5.0
-    max_entry_bytes: int = 64 * 1024 * 1024
-    max_fetch_bytes: int = 256 * 1024 * 1024
-    entry_ttl: int | None = 7 * 24 * 3600
-    link: LinkProfile | None = None  # emulated link to the cache box (None: as the network is)
-    policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
-    prefill_ms_per_token: float = 3.0  # the policy's prior until the board has measured itself
+def engine_config(config: BoardConfig) -> EngineConfig:
+    return EngineConfig(n_ctx=config.n_ctx, n_threads=config.threads, kv_type=config.kv_type)
 
 
 class Board:
-    """Engine + cache box + catalogs + the background catalog puller."""
+    """Engine + cache box + catalogs + the background catalog puller + the serving strategies."""
 
     def __init__(
         self,
         engine: Engine,
         store: CacheBox | None,
-        options: BoardOptions,
+        config: BoardConfig,
         *,
         catalogs: CatalogRegistry | None = None,
         background_sync: bool = True,
@@ -82,111 +56,66 @@ class Board:
         self.engine = engine
         self.keys = keys
         self.store = store
-        self.options = options
+        self.config = config
         if catalogs is None and store is not None:
-            catalogs = CatalogRegistry(store, options.catalog_capacity, options.catalog_fp_rate)
+            catalogs = CatalogRegistry(store, config.catalog_capacity, config.catalog_fp_rate)
         self.catalogs = catalogs
-        self.pipeline = CachedInference(
-            engine,
+        self.exchange = Exchange(
             store,
-            self.catalogs,
-            device=options.device,
-            chunk_tokens=options.chunk_tokens,
-            top_logits=options.top_logits,
-            max_entry_bytes=options.max_entry_bytes,
-            max_fetch_bytes=options.max_fetch_bytes,
-            namespace=options.namespace,
-            entry_ttl=options.entry_ttl,
+            catalogs,
+            fingerprint=engine.fingerprint,
+            device=config.device,
             keys=keys,
-            policy=BreakEvenPolicy(prefill_ms_per_token=options.prefill_ms_per_token, link=options.link, mode=options.policy),
+            max_entry_bytes=config.max_entry_bytes,
+            max_fetch_bytes=config.max_fetch_bytes,
+            entry_ttl=config.entry_ttl,
         )
-        self.modular = ModularInference(
+        self.prefix = PrefixServing(
             engine,
-            store,
-            self.catalogs,
-            device=options.device,
-            namespace=options.namespace,
-            entry_ttl=options.entry_ttl,
-            max_entry_bytes=options.max_entry_bytes,
-            keys=keys,
+            self.exchange,
+            chunk_tokens=config.chunk_tokens,
+            top_logits=config.top_logits,
+            namespace=config.namespace,
+            policy=BreakEvenPolicy(prefill_ms_per_token=config.prefill_ms_per_token, link=config.link, mode=config.policy),
         )
+        self.schemas = SchemaServing(engine, self.exchange, namespace=config.namespace)
         self._sync_thread: CatalogSyncThread | None = None
         if self.catalogs is not None:
-            self.catalogs.get(options.namespace)
+            self.catalogs.get(config.namespace)
             if background_sync:
-                self._sync_thread = CatalogSyncThread(self.catalogs, options.sync_interval)
+                self._sync_thread = CatalogSyncThread(self.catalogs, config.sync_interval)
                 self._sync_thread.start()
 
     @classmethod
-    def start(
-        cls, engine_config: EngineConfig, options: BoardOptions, redis_url: str | None, *, model_path=None, background_sync=True, keys=None
-    ) -> "Board":
-        """Load the model; meanwhile connect to the cache box and pull the catalog (start-up, not request path)."""
-        store = catalogs = None
-        if redis_url:
-            store = CacheBox(redis_url, connect_timeout=options.connect_timeout, timeout=options.io_timeout, link=options.link)
-            catalogs = CatalogRegistry(store, options.catalog_capacity, options.catalog_fp_rate)
-            catalogs.get(options.namespace)
+    def start(cls, config: BoardConfig, *, keys: Keychain | None, background_sync: bool = True) -> "Board":
+        """Load the model; meanwhile connect to the cache box and pull the catalog (start-up, not request path).
+
+        A cache box that cannot be reached is not fatal: runs then say "unavailable" and the
+        puller retries in the background.
+        """
+        try:
+            url = cachebox_url(config)
+        except CacheBoxUnavailable as exc:
+            log.warning("%s", exc)
+            url = config.redis_url or embedded.url_for(config.embedded_dir, config.embedded_port)
+        store = CacheBox(url, connect_timeout=config.connect_timeout, timeout=config.io_timeout, link=config.link)
+        catalogs = CatalogRegistry(store, config.catalog_capacity, config.catalog_fp_rate)
+        catalogs.get(config.namespace)
         with ThreadPoolExecutor(max_workers=1) as pool:
             # A fresh process knows what the cache box holds before its first request.
-            synced = pool.submit(catalogs.sync_all) if catalogs else None
-            engine = Engine(resolve_model(model_path), engine_config)
-            options.prefill_ms_per_token = calibrate_prefill(engine)
-            if synced is not None:
-                synced.result()
-        return cls(engine, store, options, catalogs=catalogs, background_sync=background_sync, keys=keys)
-
-    @classmethod
-    def from_settings(
-        cls,
-        *,
-        device: str | None = None,
-        namespace: str | None = None,
-        threads: int | None = None,
-        link: LinkProfile | None = None,
-        policy: str = "adaptive",
-        background_sync: bool = True,
-        keys: Keychain | None = None,
-    ) -> "Board":
-        """A board from settings; without ``keys`` it signs with the control plane's own rings
-        (``EDGECACHE_KEYRING_PROVIDER``), as the commands that run next to it do."""
-        try:
-            url = cachebox_url()
-        except CacheBoxUnavailable as exc:
-            # Keep the URL: runs then say "unavailable" and the puller retries in the background.
-            log.warning("%s", exc)
-            url = settings.REDIS_URL
-        engine_config = EngineConfig(
-            n_ctx=settings.EDGECACHE_N_CTX,
-            n_threads=threads or settings.EDGECACHE_THREADS,
-            kv_type=settings.EDGECACHE_KV_TYPE,
-        )
-        options = BoardOptions(
-            device=device or settings.EDGECACHE_DEVICE,
-            namespace=namespace or settings.EDGECACHE_NAMESPACE,
-            chunk_tokens=settings.EDGECACHE_CHUNK_TOKENS,
-            top_logits=settings.EDGECACHE_TOP_LOGITS,
-            catalog_capacity=settings.EDGECACHE_CATALOG_CAPACITY,
-            catalog_fp_rate=settings.EDGECACHE_CATALOG_FP_RATE,
-            sync_interval=settings.EDGECACHE_CATALOG_SYNC_SECONDS,
-            connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT,
-            io_timeout=settings.EDGECACHE_IO_TIMEOUT,
-            max_entry_bytes=settings.EDGECACHE_MAX_ENTRY_BYTES,
-            max_fetch_bytes=settings.EDGECACHE_MAX_FETCH_BYTES,
-            entry_ttl=settings.EDGECACHE_ENTRY_TTL or None,
-            link=link,
-            policy=policy,
-        )
-        if keys is None:
-            keys = control_plane_keys()
-        return cls.start(engine_config, options, url, model_path=settings.EDGECACHE_MODEL or None, background_sync=background_sync, keys=keys)
+            synced = pool.submit(catalogs.sync_all)
+            engine = Engine(resolve_model(config.model or None), engine_config(config))
+            config = config.with_(prefill_ms_per_token=calibrate_prefill(engine))
+            synced.result()
+        return cls(engine, store, config, catalogs=catalogs, background_sync=background_sync, keys=keys)
 
     def run(self, prompt, **kwargs):
-        return self.pipeline.run(prompt, **kwargs)
+        """Serve a prompt (text or segments) by prefix reuse (see inference.prefix_serving)."""
+        return self.prefix.run(prompt, **kwargs)
 
     def run_pml(self, schema_source: str, prompt_source: str, **kwargs):
-        """Serve a PML prompt from the schema's cached modules (see inference.modular)."""
-        return self.modular.run(schema_source, prompt_source, **kwargs)
+        """Serve a PML prompt from the schema's cached modules (see inference.schema_serving)."""
+        return self.schemas.run(schema_source, prompt_source, **kwargs)
 
     def status(self) -> dict:
         """What a heartbeat reports: model, threads and every catalog's size and counters."""
@@ -200,6 +129,7 @@ class Board:
                 "estimated_fp_rate": catalog.estimated_fp_rate(),
                 "configured_fp_rate": catalog.fp_rate,
                 "last_sync": replica.last_sync,
+                "epoch": replica.epoch,
                 **catalog.stats.as_dict(),
             }
         return {
@@ -228,13 +158,16 @@ def calibrate_prefill(engine: Engine, tokens: int = 48) -> float:
 
 
 _board: Board | None = None
-_board_lock = threading.Lock()
 
 
-def get_board(**options) -> Board:
-    """This process's board, started on first use (``options`` go to ``from_settings``)."""
+def set_board(board: Board) -> Board:
+    """Make ``board`` the one this process's tasks serve with (an edge process has one model)."""
     global _board
-    with _board_lock:
-        if _board is None:
-            _board = Board.from_settings(**options)
-        return _board
+    _board = board
+    return board
+
+
+def get_board() -> Board:
+    if _board is None:
+        raise RuntimeError("this process has no board; start it with `python manage.py edge`")
+    return _board

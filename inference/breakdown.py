@@ -1,12 +1,60 @@
 """The timing breakdown of one run: the single record used by the engine, the tasks,
-the InferenceRun model and the charts (the paper's table 3 columns and more)."""
+the InferenceRun model and the charts (the paper's table 3 columns and more).
+
+The words a run is described with (its case, what the cache box said, the decision
+taken) are enums here, and the chart stack order with its labels is ``STACK``: every
+other place (models, charts, ``live.js`` through the page, reports) reads them from here.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
 
-CASES = ("miss", "partial", "full")
-CACHEBOX_STATES = ("ok", "unavailable", "off", "no-key")
+
+class Case(StrEnum):
+    """How much of the prompt a cache served."""
+
+    MISS = "miss"
+    PARTIAL = "partial"
+    FULL = "full"
+
+
+class CacheBoxState(StrEnum):
+    OK = "ok"
+    UNAVAILABLE = "unavailable"  # down, or it answered with an error: the run prefilled locally
+    OFF = "off"  # the run asked for no cache
+    NO_KEY = "no-key"  # this board holds no signing key for the namespace
+
+
+class Decision(StrEnum):
+    """Why a run fetched or not."""
+
+    NONE = ""
+    CATALOG_MISS = "catalog-miss"  # a sure miss: no network at all
+    FETCH = "fetch"
+    POLICY_SKIP = "policy-skip"  # recomputing was forecast to be faster on this board and link
+    NO_USABLE_ENTRY = "no-usable-entry"  # catalog "maybe"s, but nothing complete and valid was there
+    CACHEBOX_UNAVAILABLE = "cachebox-unavailable"
+    NO_CACHE = "no-cache"
+    NO_SIGNING_KEY = "no-signing-key"
+    MODULES = "modules"  # schema serving: modules from the cache box, the rest computed
+
+
+# Runs with these never consulted a cache (for the lookup counters).
+NO_LOOKUP_DECISIONS = frozenset({Decision.NO_CACHE, Decision.NO_SIGNING_KEY})
+NO_LOOKUP_CACHEBOX = frozenset({CacheBoxState.OFF, CacheBoxState.NO_KEY})
+
+# The stacked-bar components of the paper's table 3: (field, label), in its order and words.
+STACK = (
+    ("token_ms", "Token"),
+    ("bloom_ms", "Bloom"),
+    ("prefill_ms", "P-decode"),
+    ("redis_ms", "Redis"),
+    ("decode_ms", "R-decode"),
+    ("sample_ms", "Sample"),
+)
+STACK_FIELDS = tuple(field for field, _ in STACK)
 
 
 @dataclass
@@ -32,9 +80,9 @@ class Breakdown:
     state_bytes: int = 0  # prompt state moved: fetched_bytes + uploaded_bytes
     fetched_bytes: int = 0
     uploaded_bytes: int = 0
-    case: str = "miss"  # miss / partial / full
-    cachebox: str = "ok"  # ok / unavailable / off / no-key (this board holds no signing key)
-    decision: str = ""  # why the run fetched or not: "catalog-miss", "fetch", "policy-skip", "no-cache", ...
+    case: Case = Case.MISS
+    cachebox: CacheBoxState = CacheBoxState.OK
+    decision: Decision = Decision.NONE
     candidate_tokens: int = 0  # the longest cached range the catalog offered
     predicted_fetch_ms: float = 0.0  # the break-even policy's forecast, to compare with redis_ms
     predicted_prefill_ms: float = 0.0  # the prefill a fetch would have saved, forecast
@@ -42,13 +90,34 @@ class Breakdown:
     false_positives: int = 0  # catalog "maybe"s the cache box did not hold
     rejected_entries: int = 0  # forged, corrupted or mismatched entries evicted (integrity failures)
 
+    def __post_init__(self) -> None:
+        # Values from a board's JSON arrive as strings: an unknown word is refused (ValueError).
+        self.case = Case(self.case)
+        self.cachebox = CacheBoxState(self.cachebox)
+        self.decision = Decision(self.decision)
+
     def as_dict(self) -> dict:
-        return {name: round(value, 3) if isinstance(value, float) else value for name, value in asdict(self).items()}
+        return {
+            name: round(value, 3) if isinstance(value, float) else (str(value) if isinstance(value, StrEnum) else value)
+            for name, value in asdict(self).items()
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "Breakdown":
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in known})
 
-    # The stacked-bar components of the paper's table 3, in order.
-    STACK = ("token_ms", "bloom_ms", "prefill_ms", "redis_ms", "decode_ms", "sample_ms")
+    def cache_off(self, state: CacheBoxState, decision: Decision) -> None:
+        """This run uses no cache (asked for none, or holds no key): say why."""
+        self.cachebox, self.decision = state, decision
+
+    def cachebox_failed(self, decision: Decision | None = None) -> None:
+        """The cache box failed during this run: the answer comes from local work."""
+        self.cachebox = CacheBoxState.UNAVAILABLE
+        if decision is not None:
+            self.decision = decision
+
+    def classify(self, matched: int, total: int) -> None:
+        """Set ``matched_tokens`` and the case from how many of ``total`` prompt tokens were served."""
+        self.matched_tokens = matched
+        self.case = Case.MISS if matched == 0 else (Case.FULL if matched >= total else Case.PARTIAL)

@@ -14,13 +14,8 @@ import json
 import secrets
 from dataclasses import asdict, dataclass
 
-import redis
-
-from cachebox.errors import CacheBoxUnavailable
 from cachebox.signing import KeyRing, private_namespace, unseal
 from cachebox.store import CacheBox
-
-KEY = "ec:device:{name}"
 
 
 class DeviceRefused(Exception):
@@ -67,14 +62,16 @@ class DeviceRecord:
 
 
 def publish(store: CacheBox, record: DeviceRecord) -> None:
-    store.redis.set(KEY.format(name=record.name), json.dumps(asdict(record)))
+    """Store the record for boards to read (CacheBoxUnavailable when the cache box cannot take it)."""
+    store.put_device_record(record.name, json.dumps(asdict(record)))
 
 
 def lookup(store: CacheBox, name: str) -> DeviceRecord | None:
+    """The device's record, None when unknown (CacheBoxUnavailable when the cache box cannot tell)."""
     try:
-        raw = store.redis.get(KEY.format(name=name))
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        raise CacheBoxUnavailable(f"cannot reach the cache box to check device {name!r}: {exc}") from exc
+        raw = store.get_device_record(name)
+    except ValueError:
+        return None  # a name no device can have (':', '*', ...): unknown, refused by the caller
     if raw is None:
         return None
     known = set(DeviceRecord.__dataclass_fields__)

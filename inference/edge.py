@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from celery import current_app
+from pydantic import ValidationError
 
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
@@ -20,17 +21,12 @@ from cachebox.signing import Keychain, KeyRing
 from cachebox.store import CacheBox
 
 from .devices import DeviceRecord, DeviceRefused, authenticate
-from .pipeline import PromptError, RunResult
+from .engine import EngineError
+from .messages import BoardMessage, BoardStatus, EncodeProgress, EncodeReport, EncodeRequest, Heartbeat, Queue, RunReport, RunRequest, Task
 from .sampling import SamplingParams
+from .serving import PromptError, RunResult
 
 log = logging.getLogger(__name__)
-
-CONTROL_QUEUE = "control"
-SHARED_QUEUE = "boards"
-RECORD_RUN_TASK = "edgecache.record_run"
-HEARTBEAT_TASK = "edgecache.heartbeat"
-ENCODE_PROGRESS_TASK = "edgecache.encode_progress"
-
 
 @dataclass
 class EdgeIdentity:
@@ -100,85 +96,80 @@ def identity() -> EdgeIdentity:
     return _identity
 
 
-def run_payload(message: dict, error: str = "") -> dict:
-    """The control plane's record of one dispatched prompt, before (or instead of) its result."""
-    return {
-        "request_id": message["request_id"],
-        "meta": message.get("meta", {}),
-        "prompt": message.get("pml", "") if message.get("schema") else "".join(message.get("segments") or []),
-        "text": "",
-        "error": error,
-    }
+def _sender() -> dict:
+    """The fields that name and authenticate this board in every message it sends."""
+    if _identity is None:  # not a board process (tests, commands)
+        return {"device": "local", "token": ""}
+    return {"device": _identity.name, "token": _identity.token}
 
 
-def encode_payload(message: dict, error: str = "") -> dict:
-    return {"request_id": message["request_id"], "schema_id": message.get("schema_id"), "error": error, "stored": [], "skipped": []}
-
-
-def serve(board, message: dict) -> dict:
-    """Run one dispatched prompt; returns the result payload for the control plane."""
-    payload = run_payload(message)
+def serve(board, request: RunRequest) -> RunReport:
+    """Run one dispatched prompt; returns the report for the control plane (an error is a report too)."""
     try:
-        sampling = SamplingParams(**message.get("sampling", {}))
-        options = dict(
-            max_tokens=int(message.get("max_tokens", 16)),
-            sampling=sampling,
-            use_cache=bool(message.get("use_cache", True)),
-            namespace=_namespace(message),
-        )
-        if message.get("schema"):
-            result: RunResult = board.run_pml(message["schema"], message.get("pml", ""), **options)
-            payload["modules_hit"] = result.modules_hit
+        sampling = SamplingParams(**request.sampling.model_dump())
+        options = dict(max_tokens=request.max_tokens, sampling=sampling, use_cache=request.use_cache, namespace=_namespace(request.namespace))
+        if request.is_schema_run:
+            result: RunResult = board.run_pml(request.schema_source, request.pml, **options)
         else:
-            result = board.run(message["segments"], **options)
-    except (PromptError, ValueError, TypeError, KeyError) as exc:  # PMLError is a ValueError
-        payload["error"] = str(exc)
-        return payload
-    payload.update(
+            result = board.run(request.segments, **options)
+    except (PromptError, ValueError, EngineError) as exc:  # PMLError is a ValueError
+        return RunReport.for_request(request, **_sender(), error=str(exc))
+    return RunReport(
+        **_sender(),
+        request_id=request.request_id,
+        meta=request.meta,
+        prompt=request.prompt_text,
         text=result.text,
         tokens=result.tokens,
-        breakdown=result.breakdown.as_dict(),
+        breakdown=result.breakdown,
         fetched=result.fetched,
         uploaded=result.uploaded,
+        modules_hit=result.modules_hit,
     )
-    return payload
 
 
-def encode(board, message: dict, on_progress=None) -> dict:
-    """Encode a schema's modules into the cache box; returns the payload for the control plane."""
-    payload = encode_payload(message)
+def encode(board, request: EncodeRequest, on_progress=None) -> EncodeReport:
+    """Encode a schema's modules into the cache box; returns the report for the control plane."""
+    base = dict(**_sender(), request_id=request.request_id, schema_id=request.schema_id)
     try:
-        result = board.modular.encode_schema(message["schema"], namespace=_namespace(message), progress=on_progress)
-    except (ValueError, KeyError) as exc:
-        payload["error"] = str(exc)
-        return payload
+        result = board.schemas.encode_schema(request.schema_source, namespace=_namespace(request.namespace), progress=on_progress)
+    except (ValueError, EngineError) as exc:
+        return EncodeReport(**base, error=str(exc))
     except CacheBoxUnavailable as exc:
-        payload["error"] = f"the cache box is unavailable: {exc}"
-        return payload
-    payload.update(stored=result["stored"], skipped=result["skipped"], bytes=result["bytes"])
-    return payload
+        return EncodeReport(**base, error=f"the cache box is unavailable: {exc}")
+    return EncodeReport(**base, stored=result["stored"], skipped=result["skipped"], bytes=result["bytes"])
 
 
-def _namespace(message: dict) -> str | None:
+def refused_request(raw, reason: str, task: Task) -> None:
+    """A malformed request that still names its request id is answered with an error, so it is not lost."""
+    request_id = raw.get("request_id") if isinstance(raw, dict) else None
+    try:
+        if task == Task.RUN_PROMPT:
+            report(RunReport(**_sender(), request_id=request_id, error=f"refused by the board: {reason}"))
+        else:
+            report(EncodeReport(**_sender(), request_id=request_id, error=f"refused by the board: {reason}"), Task.ENCODED)
+    except (ValidationError, TypeError):
+        log.warning("dropped a malformed %s message without a usable request id: %s", task.value, reason)
+
+
+def _namespace(requested: str) -> str | None:
     """The namespace a message may use: on a board, its own (a foreign one is refused)."""
     if _identity is None:  # not a board process (tests, commands): as asked
-        return message.get("namespace") or None
-    return _identity.check_namespace(message.get("namespace"))
+        return requested or None
+    return _identity.check_namespace(requested)
 
 
-def send_progress(payload: dict) -> None:
+def send_progress(progress: EncodeProgress) -> None:
     """Encoding progress to the control plane (best effort: progress may be lost, the result is not)."""
-    me = identity()
-    current_app.send_task(ENCODE_PROGRESS_TASK, args=[{**payload, "device": me.name, "token": me.token}], queue=CONTROL_QUEUE, expires=60)
+    current_app.send_task(Task.ENCODE_PROGRESS.value, args=[progress.dump()], queue=Queue.CONTROL.value, expires=60)
 
 
-def report(payload: dict, task: str = RECORD_RUN_TASK) -> None:
-    """Send a result to the control plane's queue, signed with this board's token."""
-    me = identity()
-    current_app.send_task(task, args=[{**payload, "device": me.name, "token": me.token}], queue=CONTROL_QUEUE)
+def report(message: BoardMessage, task: Task = Task.RECORD_RUN) -> None:
+    """Send a report to the control plane's queue."""
+    current_app.send_task(task.value, args=[message.dump()], queue=Queue.CONTROL.value)
 
 
-class Heartbeat(threading.Thread):
+class HeartbeatThread(threading.Thread):
     """Tells the control plane every few seconds that this board lives, and how its catalogs look.
 
     Each beat also re-checks the token: a board whose token was revoked or rotated calls
@@ -204,13 +195,9 @@ class Heartbeat(threading.Thread):
             return
         except CacheBoxUnavailable:
             pass  # cannot tell now; the control plane checks every message anyway
-        status = {"pid": os.getpid(), "sent": time.time(), **self.board_status()}
-        current_app.send_task(
-            HEARTBEAT_TASK,
-            args=[{"device": me.name, "token": me.token, "status": status}],
-            queue=CONTROL_QUEUE,
-            expires=self.interval * 3,
-        )
+        status = BoardStatus(pid=os.getpid(), sent=time.time(), **self.board_status())
+        beat = Heartbeat(device=me.name, token=me.token, status=status)
+        current_app.send_task(Task.HEARTBEAT.value, args=[beat.dump()], queue=Queue.CONTROL.value, expires=self.interval * 3)
 
     def run(self) -> None:
         while True:

@@ -23,7 +23,7 @@ import numpy as np
 
 from cachebox.keys import ModelIdentity
 
-from .model import ModelFile
+from .model_file import ModelFile
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "f32": llama_cpp.GGML_TYPE_F32}
 

@@ -121,7 +121,7 @@ class Scaffold:
 
 
 @dataclass
-class Schema:
+class PMLSchema:
     name: str
     children: list
     scaffolds: list[Scaffold]
@@ -259,7 +259,7 @@ def _error(element: _Element, message: str) -> PMLError:
 
 
 # -- schemas -------------------------------------------------------------------------------------
-def parse_schema(source: str) -> Schema:
+def parse_schema(source: str) -> PMLSchema:
     """Parse and validate a schema document."""
     root = _parse_xml(source, "schema")
     if root.tag != "schema":
@@ -278,7 +278,7 @@ def parse_schema(source: str) -> Schema:
             node = _schema_node(child, "", state, root.preserve, in_module=False)
             if node is not None:
                 children.append(node)
-    schema = Schema(name, children, scaffolds, hashlib.blake2b(source.encode("utf-8"), digest_size=8).hexdigest(), state["modules"])
+    schema = PMLSchema(name, children, scaffolds, hashlib.blake2b(source.encode("utf-8"), digest_size=8).hexdigest(), state["modules"])
     if not schema.modules:
         raise _error(root, "the schema declares no <module>: there is nothing to reuse")
     for scaffold in scaffolds:
@@ -379,7 +379,7 @@ def _scaffold(node: _Element) -> Scaffold:
     return Scaffold(name, members, node.where)
 
 
-def _check_scaffold(scaffold: Scaffold, schema: Schema) -> None:
+def _check_scaffold(scaffold: Scaffold, schema: PMLSchema) -> None:
     unions = {}
     for path in scaffold.modules:
         module = schema.modules.get(path)
@@ -396,7 +396,7 @@ def _check_scaffold(scaffold: Scaffold, schema: Schema) -> None:
 
 
 # -- prompts ------------------------------------------------------------------------------------------
-def parse_prompt(source: str, schema: Schema) -> PromptDoc:
+def parse_prompt(source: str, schema: PMLSchema) -> PromptDoc:
     """Parse a prompt and check it against ``schema`` (imports, unions, parameter names)."""
     root = _parse_xml(source, "prompt")
     if root.tag != "prompt":

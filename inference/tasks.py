@@ -1,4 +1,9 @@
-"""Celery tasks that edge boards execute. Thin: unpack, call a plain function, report."""
+"""Celery tasks that edge boards execute. Thin: validate the message, call a plain function, report.
+
+A message that does not follow the contract (``inference.messages``) is refused with a
+logged reason, and answered with an error report when it names its request, so nothing
+a person sent vanishes. An unexpected failure while serving is reported the same way.
+"""
 
 from __future__ import annotations
 
@@ -12,46 +17,67 @@ from cachebox.events import security_event
 
 from .board import get_board
 from .devices import DeviceRefused
-from .edge import RECORD_RUN_TASK, encode, encode_payload, identity, report, run_payload, send_progress, serve
+from .edge import encode, identity, refused_request, report, send_progress, serve
+from .messages import EncodeProgress, EncodeReport, EncodeRequest, MessageRefused, RunReport, RunRequest, Task
 
 log = logging.getLogger(__name__)
 
 
-def _still_enrolled(message: dict) -> bool:
+def _still_enrolled(request_id: str) -> bool:
     """Re-check the token before a task: a revoked or rotated token stops the board at once.
 
     A cache box that is down cannot tell; the task then runs (by local prefill) and the
-    control plane, which checks the token of every report, still refuses a revoked board.
+    control plane, which checks every report, still refuses a revoked board.
     """
     me = identity()
     try:
         me.recheck()
     except DeviceRefused as exc:
-        security_event("task_refused", device=me.name, request_id=message.get("request_id"), reason=str(exc))
+        security_event("task_refused", device=me.name, request_id=request_id, reason=str(exc))
         return False
     except CacheBoxUnavailable as exc:
         log.warning("cannot re-check this board's token now: %s", exc)
     return True
 
 
-@shared_task(name="edgecache.run_prompt", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def _receive(cls, message, task: Task):
+    try:
+        return cls.parse(message)
+    except MessageRefused as exc:
+        security_event("message_refused", message=cls.__name__, receiver=identity().name, reason=str(exc)[:500])
+        refused_request(message, str(exc), task)
+        return None
+
+
+@shared_task(name=Task.RUN_PROMPT.value, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def run_prompt(message: dict) -> None:
-    if _still_enrolled(message):
-        report(serve(get_board(), message))
-
-
-ENCODED_TASK = "edgecache.encoded"
-
-
-@shared_task(name="edgecache.encode_schema", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def encode_schema(message: dict) -> None:
-    if not _still_enrolled(message):
+    request = _receive(RunRequest, message, Task.RUN_PROMPT)
+    if request is None or not _still_enrolled(request.request_id):
         return
+    try:
+        result = serve(get_board(), request)
+    except Exception as exc:  # a bug or a broken engine: the run is reported, not lost
+        log.exception("run %s failed", request.request_id)
+        result = RunReport.for_request(request, device=identity().name, token=identity().token, error=f"the board failed: {type(exc).__name__}: {exc}")
+    report(result)
+
+
+@shared_task(name=Task.ENCODE_SCHEMA.value, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def encode_schema(message: dict) -> None:
+    request = _receive(EncodeRequest, message, Task.ENCODE_SCHEMA)
+    if request is None or not _still_enrolled(request.request_id):
+        return
+    me = identity()
 
     def progress(done: int, total: int, piece: str) -> None:
-        send_progress({"request_id": message["request_id"], "schema_id": message.get("schema_id"), "done": done, "total": total, "piece": piece})
+        send_progress(EncodeProgress(device=me.name, token=me.token, request_id=request.request_id, schema_id=request.schema_id, done=done, total=total, piece=piece[:200]))
 
-    report(encode(get_board(), message, progress), task=ENCODED_TASK)
+    try:
+        result = encode(get_board(), request, progress)
+    except Exception as exc:
+        log.exception("encode %s failed", request.request_id)
+        result = EncodeReport(device=me.name, token=me.token, request_id=request.request_id, schema_id=request.schema_id, error=f"the board failed: {type(exc).__name__}: {exc}")
+    report(result, Task.ENCODED)
 
 
 EXPIRED = "expired: no board of {device} started it before {expires} (EDGECACHE_TASK_EXPIRES after its dispatch), so it never ran; send it again"
@@ -62,15 +88,19 @@ def report_expired(sender=None, request=None, expired=False, **_) -> None:
     """Celery discards a task that waited past its expiry; report it, so it is recorded, not lost."""
     if not expired or request is None or not request.args or not isinstance(request.args[0], dict):
         return
-    message = request.args[0]
     name = getattr(sender, "name", "")
-    if name == run_prompt.name:
-        payload, task = run_payload, RECORD_RUN_TASK
-    elif name == encode_schema.name:
-        payload, task = encode_payload, ENCODED_TASK
-    else:
+    if name not in (Task.RUN_PROMPT, Task.ENCODE_SCHEMA):
         return
     me = identity()
     error = EXPIRED.format(device=me.name, expires=request.expires or "its expiry")
+    message = request.args[0]
     log.warning("request %s %s", message.get("request_id"), error)
-    report(payload(message, error), task=task)
+    try:
+        if name == Task.RUN_PROMPT:
+            run = RunRequest.parse(message)
+            report(RunReport.for_request(run, device=me.name, token=me.token, error=error))
+        else:
+            enc = EncodeRequest.parse(message)
+            report(EncodeReport(device=me.name, token=me.token, request_id=enc.request_id, schema_id=enc.schema_id, error=error), Task.ENCODED)
+    except MessageRefused:
+        refused_request(message, error, Task(name))

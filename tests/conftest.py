@@ -54,7 +54,7 @@ def namespace(request):
 @pytest.fixture(scope="session")
 def engine():
     from inference.engine import Engine, EngineConfig
-    from inference.model import resolve_model
+    from inference.model_file import resolve_model
 
     engine = Engine(resolve_model(), EngineConfig(n_ctx=2048))
     yield engine
@@ -72,13 +72,14 @@ def signing_keys(settings):
 @pytest.fixture
 def make_board(engine, signing_keys):
     """Boards sharing the session's engine, each with its own catalogs (as separate devices)."""
-    from inference.board import Board, BoardOptions
+    from inference.board import Board
+    from inference.config import BoardConfig
 
     boards = []
 
     def build(url: str | None, namespace: str, device: str = "board-a", keys=signing_keys, **options):
         store = CacheBox(url, connect_timeout=0.3, timeout=2.0) if url else None
-        board = Board(engine, store, BoardOptions(device=device, namespace=namespace, **options), background_sync=False, keys=keys)
+        board = Board(engine, store, BoardConfig(device=device, namespace=namespace, **options), background_sync=False, keys=keys)
         boards.append(board)
         return board
 

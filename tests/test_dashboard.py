@@ -7,6 +7,7 @@ so no board is needed (the end-to-end browser test runs real boards).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 
@@ -22,7 +23,8 @@ from cachebox.signing import derive_keyring
 from cachebox.keys import entry_key_name
 from cachebox.models import CacheEntry
 from cachebox.store import CacheBox
-from dashboard import actions
+from dashboard import actions, tasks
+from dashboard.celery import app as celery_app
 from dashboard.consumers import LiveConsumer
 from dashboard.live import GROUP
 from dashboard.models import AuditEvent, Device, InferenceRun
@@ -49,7 +51,7 @@ def sent_tasks(monkeypatch):
         json.dumps(args)  # messages must be plain JSON
         calls.append({"name": name, "args": args, "queue": queue, **kwargs})
 
-    monkeypatch.setattr(actions.celery_app, "send_task", capture)
+    monkeypatch.setattr(celery_app, "send_task", capture)
     return calls
 
 
@@ -171,6 +173,29 @@ def test_a_revoked_device_is_refused_by_boards_and_control_plane(staff_client, c
 
 def test_unknown_devices_are_refused():
     assert actions.record_run({"device": "ghost", "token": "x", "request_id": str(uuid.uuid4())}) is None
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"request_id": "r-1"}, "request_id"),
+        ({"breakdown": {"case": "bogus"}}, "breakdown"),
+        ({"breakdown": {"ttft_ms": "fast"}}, "ttft_ms"),
+        ({"uploaded": [{"name": "ec:e:x", "namespace": "default", "model": "zz", "start": 5, "end": 1, "bytes": 1}]}, "uploaded"),
+        ({"tokens": "not a list"}, "tokens"),
+        ({"token": None}, "token"),
+        ({"extra_field": 1}, "extra_field"),
+    ],
+)
+def test_a_malformed_board_report_is_refused_logged_and_stores_nothing(control_plane, change, reason, caplog):
+    """The control plane's worker validates what boards send: a bad report never crashes it or half-writes a run."""
+    device, token = register()
+    with caplog.at_level(logging.INFO, logger="edgecache.security"):
+        assert tasks.record_run.run({**result_payload(device, token), **change}) is None
+    assert not InferenceRun.objects.exists() and not CacheEntry.objects.exists()
+    refused = [record for record in caplog.records if record.name == "edgecache.security" and record.getMessage() == "message_refused"]
+    assert refused and reason in refused[-1].security_fields["reason"]
+    assert actions.record_run(result_payload(device, token)) is not None  # the next good report is stored
 
 
 def test_device_pages_show_summaries_and_breakeven(staff_client, control_plane):
@@ -427,9 +452,10 @@ def test_encoding_is_sent_to_boards_and_its_result_mirrored(staff_client, contro
     channel = async_to_sync(layer.new_channel)()
     async_to_sync(layer.group_add)(GROUP, channel)
     name = f"ec:m:default:00ff00ff00ff00ff:{schema.digest}:{{{'cd' * 16}}}"
-    actions.record_encoded(
-        {"device": "zero", "token": token, "request_id": message["request_id"], "schema_id": schema.pk, "stored": [{"name": name, "namespace": "default", "model": "00ff00ff00ff00ff", "start": 0, "end": 13, "bytes": 1000}], "skipped": []}
-    )
+    with django_capture_on_commit_callbacks(execute=True):  # pages hear of it once it commits
+        actions.record_encoded(
+            {"device": "zero", "token": token, "request_id": message["request_id"], "schema_id": schema.pk, "stored": [{"name": name, "namespace": "default", "model": "00ff00ff00ff00ff", "start": 0, "end": 13, "bytes": 1000}], "skipped": []}
+        )
     assert CacheEntry.objects.filter(key=name).exists()
     event = async_to_sync(layer.receive)(channel)
     assert event["event"] == "encode.done" and event["data"]["stored"] == 1

@@ -1,10 +1,17 @@
 """The board side of the control plane: token checks and serving a dispatched message."""
 
+import json
+import logging
+import uuid
+from types import SimpleNamespace
+
 import pytest
 
+from cachebox.events import LOGGER_NAME, JsonLineFormatter
 from cachebox.store import CacheBox
 from inference import devices as registry
 from inference.edge import serve
+from inference.messages import MessageRefused, RunReport, RunRequest, Task
 
 from .conftest import run_manage
 
@@ -35,27 +42,69 @@ def test_edge_needs_a_token(valkey_url):
 
 
 @pytest.mark.model
-def test_serve_turns_a_message_into_a_result_payload(valkey_url, namespace, make_board):
+def test_serve_turns_a_request_into_a_report(valkey_url, namespace, make_board):
     board = make_board(valkey_url, namespace, device="zero")
     message = {
-        "request_id": "r-1",
+        "request_id": str(uuid.uuid4()),
         "segments": ["Instruction.\n\n", "Question: one plus one?\nAnswer:"],
         "max_tokens": 3,
         "namespace": namespace,
         "meta": {"title": "one plus one"},
     }
-    payload = serve(board, message)
-    assert payload["request_id"] == "r-1" and payload["error"] == "" and payload["meta"]["title"] == "one plus one"
+    payload = serve(board, RunRequest.parse(message)).dump()
+    assert payload["request_id"] == message["request_id"] and payload["error"] == "" and payload["meta"]["title"] == "one plus one"
     assert payload["prompt"] == "".join(message["segments"])
     assert payload["breakdown"]["case"] == "miss" and payload["uploaded"]
-    again = serve(board, {**message, "request_id": "r-2"})
+    assert RunReport.parse(payload) == RunReport.parse(payload)  # what travels parses back on the other side
+    again = serve(board, RunRequest.parse({**message, "request_id": str(uuid.uuid4())})).dump()
     assert again["breakdown"]["case"] == "full" and again["fetched"] and again["text"] == payload["text"]
 
 
 @pytest.mark.model
-def test_serve_reports_bad_prompts_instead_of_crashing(valkey_url, namespace, make_board):
+def test_serve_reports_prompts_the_board_cannot_run_instead_of_crashing(valkey_url, namespace, make_board):
     board = make_board(valkey_url, namespace)
-    payload = serve(board, {"request_id": "r-3", "segments": ["   "], "namespace": namespace})
-    assert "empty" in payload["error"] and payload["text"] == ""
-    payload = serve(board, {"request_id": "r-4", "segments": ["hi"], "sampling": {"temperature": -1}})
-    assert "temperature" in payload["error"]
+    long_prompt = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": ["word " * 3000], "max_tokens": 16, "namespace": namespace})
+    report = serve(board, long_prompt)
+    assert "context holds 2048" in report.error and report.text == "" and report.request_id == long_prompt.request_id
+
+
+BAD_REQUESTS = [
+    (None, "must be a JSON object"),
+    (["a list"], "must be a JSON object"),
+    ({"segments": ["hi"]}, "request_id"),
+    ({"request_id": "not-a-uuid", "segments": ["hi"]}, "request_id"),
+    ({"request_id": "%s", "segments": "not a list"}, "segments"),
+    ({"request_id": "%s", "segments": ["   "]}, "empty"),
+    ({"request_id": "%s", "segments": ["hi"], "max_tokens": -1}, "max_tokens"),
+    ({"request_id": "%s", "segments": ["hi"], "sampling": {"temperature": -1}}, "temperature"),
+    ({"request_id": "%s", "segments": ["hi"], "namespace": "bad namespace!"}, "namespace"),
+    ({"request_id": "%s", "segments": ["hi"], "surprise": 1}, "surprise"),
+    ({"request_id": "%s", "schema": "<schema name='x'/>"}, "pml"),
+]
+
+
+@pytest.mark.parametrize("message, reason", BAD_REQUESTS)
+def test_a_malformed_request_is_refused_with_its_reason_and_logged(message, reason, caplog):
+    if isinstance(message, dict) and message.get("request_id") == "%s":
+        message = {**message, "request_id": str(uuid.uuid4())}
+    with pytest.raises(MessageRefused, match=reason):
+        RunRequest.parse(message)
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        assert RunRequest.receive(message, receiver="zero") is None
+    events = [json.loads(JsonLineFormatter().format(record)) for record in caplog.records if record.name == LOGGER_NAME]
+    assert events and events[-1]["event"] == "message_refused" and reason in events[-1]["reason"]
+
+
+def test_the_board_task_answers_a_malformed_request_with_an_error_report_and_keeps_running(monkeypatch):
+    """A worker never crashes on a bad message; one that names its request is answered, so it is not lost."""
+    from inference import edge, tasks
+
+    sent = []
+    monkeypatch.setattr(tasks, "identity", lambda: SimpleNamespace(name="zero", token="t"))
+    monkeypatch.setattr(edge, "report", lambda message, task=Task.RECORD_RUN: sent.append((task, message)))
+    request_id = str(uuid.uuid4())
+    tasks.run_prompt.run({"request_id": request_id, "segments": 42})  # would have been TypeError in serve()
+    tasks.run_prompt.run({"segments": ["no id"]})  # nothing to answer: dropped, logged
+    assert len(sent) == 1
+    task, report = sent[0]
+    assert task == Task.RECORD_RUN and report.request_id == request_id and "refused by the board" in report.error and "segments" in report.error

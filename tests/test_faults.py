@@ -19,7 +19,8 @@ from cachebox.entry import decode_header
 from cachebox.link import LinkProfile
 from cachebox.shaping import LinkShaper
 from cachebox.store import CacheBox
-from inference.board import Board, BoardOptions
+from inference.board import Board
+from inference.config import BoardConfig
 from inference.mmlu import build_prompts
 
 from .test_pipeline import entry_names
@@ -68,7 +69,7 @@ def own_server(tmp_path, maxmemory="512mb"):
 
 
 def board_on(engine, store, namespace, device, keys, **options):
-    return Board(engine, store, BoardOptions(device=device, namespace=namespace, **options), background_sync=False, keys=keys)
+    return Board(engine, store, BoardConfig(device=device, namespace=namespace, **options), background_sync=False, keys=keys)
 
 
 def test_cache_box_killed_mid_transfer_then_restarted_empty(engine, namespace, signing_keys, tmp_path):

@@ -10,7 +10,7 @@ from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry,
 from cachebox.errors import CatalogFormatError, EntryError
 from cachebox.keys import prefix_keys
 from cachebox.signing import derive_keyring, seal, unseal, wrap_key
-from inference.pml import PMLError, PromptDoc, Schema, parse_prompt, parse_schema
+from inference.pml import PMLError, PromptDoc, PMLSchema, parse_prompt, parse_schema
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -37,7 +37,7 @@ def xml_fragments(draw, depth=0):
 @given(st.text(max_size=300))
 def test_any_text_parses_as_a_schema_or_fails_with_a_pml_error(source):
     try:
-        assert isinstance(parse_schema(source), Schema)
+        assert isinstance(parse_schema(source), PMLSchema)
     except PMLError as exc:
         assert str(exc)
 
@@ -48,7 +48,7 @@ def test_tag_soup_is_refused_cleanly(fragment, root):
     document = f'<{root} name="s" schema="s">{fragment}</{root}>'
     try:
         result = parse_schema(document) if root == "schema" else parse_prompt(document, SCHEMA)
-        assert isinstance(result, (Schema, PromptDoc))
+        assert isinstance(result, (PMLSchema, PromptDoc))
     except PMLError as exc:
         assert exc.reason
 
@@ -58,11 +58,11 @@ def test_tag_soup_is_refused_cleanly(fragment, root):
 def test_a_prefix_key_depends_only_on_the_prefix(tokens, data):
     end = data.draw(st.integers(min_value=1, max_value=len(tokens)))
     cuts = sorted(set(data.draw(st.lists(st.integers(min_value=1, max_value=end), max_size=5)) + [end]))
-    assert prefix_keys("fp", "ns", tokens, cuts)[-1] == prefix_keys("fp", "ns", tokens[:end], [end])[0]
+    assert prefix_keys("ns", "fp", tokens, cuts)[-1] == prefix_keys("ns", "fp", tokens[:end], [end])[0]
     changed = list(tokens)
     position = data.draw(st.integers(min_value=0, max_value=end - 1))
     changed[position] = (changed[position] + 1) % 262_144
-    assert prefix_keys("fp", "ns", changed, [end])[0] != prefix_keys("fp", "ns", tokens, [end])[0]
+    assert prefix_keys("ns", "fp", changed, [end])[0] != prefix_keys("ns", "fp", tokens, [end])[0]
 
 
 @FAST

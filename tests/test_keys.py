@@ -32,39 +32,39 @@ def test_fingerprint_is_stable_and_sensitive_to_every_field():
 
 def test_prefix_key_does_not_depend_on_where_earlier_ranges_were_cut():
     tokens = list(range(1, 200))
-    a = prefix_keys("fp", "ns", tokens, [10, 64, 128])
-    b = prefix_keys("fp", "ns", tokens, [64, 128])
-    c = prefix_keys("fp", "ns", tokens, [128])
+    a = prefix_keys("ns", "fp", tokens, [10, 64, 128])
+    b = prefix_keys("ns", "fp", tokens, [64, 128])
+    c = prefix_keys("ns", "fp", tokens, [128])
     assert a[1] == b[0] and a[2] == b[1] == c[0]
 
 
 def test_prefix_key_pins_every_earlier_token_model_and_namespace():
     tokens = list(range(1, 100))
-    base = prefix_keys("fp", "ns", tokens, [50, 99])
+    base = prefix_keys("ns", "fp", tokens, [50, 99])
     changed_early = tokens.copy()
     changed_early[3] = 7777
-    assert prefix_keys("fp", "ns", changed_early, [50, 99])[1] != base[1]
-    assert prefix_keys("fp2", "ns", tokens, [50, 99]) != base
-    assert prefix_keys("fp", "other", tokens, [50, 99]) != base
+    assert prefix_keys("ns", "fp", changed_early, [50, 99])[1] != base[1]
+    assert prefix_keys("ns", "fp2", tokens, [50, 99]) != base
+    assert prefix_keys("other", "fp", tokens, [50, 99]) != base
     assert all(len(key) == 16 for key in base)
 
 
 def test_prefix_keys_known_value_guards_the_format():
     # Changing the key derivation silently orphans every stored entry: make it a visible change.
-    assert prefix_keys("fp", "ns", [1, 2, 3], [3])[0].hex() == prefix_keys("fp", "ns", [1, 2, 3], [1, 3])[1].hex()
+    assert prefix_keys("ns", "fp", [1, 2, 3], [3])[0].hex() == prefix_keys("ns", "fp", [1, 2, 3], [1, 3])[1].hex()
     assert tokens_digest([1, 2, 3]) != tokens_digest([1, 2, 4])
 
 
 @pytest.mark.parametrize("boundaries", [[0], [5, 5], [3, 2], [101]])
 def test_prefix_keys_rejects_bad_boundaries(boundaries):
     with pytest.raises(ValueError):
-        prefix_keys("fp", "ns", list(range(100)), boundaries)
+        prefix_keys("ns", "fp", list(range(100)), boundaries)
 
 
 @pytest.mark.parametrize("namespace", ["", "a b", "x" * 65, "../etc", "tenant:1", "{tag}"])
 def test_bad_namespaces_are_refused_with_a_clear_error(namespace):
     with pytest.raises(InvalidNamespace, match="namespace"):
-        prefix_keys("fp", namespace, [1], [1])
+        prefix_keys(namespace, "fp", [1], [1])
 
 
 def test_entry_key_names_use_a_cluster_hash_tag_and_round_trip():

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cachebox.events import LOGGER_NAME, JsonLineFormatter, security_event
 from dashboard import actions, metrics, ratelimit
+from dashboard.celery import app as celery_app
 from dashboard.models import Device, InferenceRun
 
 from .conftest import ROOT
@@ -259,7 +260,7 @@ def test_pages_count_the_logins_they_ask_for(client):
 def shared_cache(settings, valkey_url):
     """Django's cache on the session's Valkey, under a prefix of this test's own (removed after)."""
     prefix = f"edgecache-test-{uuid.uuid4().hex[:12]}"
-    settings.CACHES = {"default": {"BACKEND": "dashboard.cache.CacheBoxRedisCache", "LOCATION": valkey_url, "KEY_PREFIX": prefix}}
+    settings.CACHES = {"default": {"BACKEND": "cachebox.django_cache.CacheBoxRedisCache", "LOCATION": valkey_url, "KEY_PREFIX": prefix}}
     settings.REDIS_URL = valkey_url
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [valkey_url]}}}
     channel_layers.backends.clear()
@@ -273,7 +274,7 @@ def shared_cache(settings, valkey_url):
 @pytest.fixture
 def sent_tasks(monkeypatch):
     calls = []
-    monkeypatch.setattr(actions.celery_app, "send_task", lambda name, args=None, queue=None, **kwargs: calls.append(queue))
+    monkeypatch.setattr(celery_app, "send_task", lambda name, args=None, queue=None, **kwargs: calls.append(queue))
     return calls
 
 
@@ -354,7 +355,7 @@ def test_a_zero_rate_turns_the_limit_off(staff_client, settings, sent_tasks):
 
 
 def test_an_unreachable_cache_lets_runs_through(staff_client, settings, sent_tasks):
-    settings.CACHES = {"default": {"BACKEND": "dashboard.cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
+    settings.CACHES = {"default": {"BACKEND": "cachebox.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
     settings.EDGECACHE_RUN_RATE = 1
     zero = device("zero")
     for _ in range(2):

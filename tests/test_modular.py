@@ -22,16 +22,17 @@ def module_names(store, namespace):
 
 def test_encoded_schema_serves_prompts_from_cached_modules(valkey_url, namespace, make_board):
     board = make_board(valkey_url, namespace)
-    encoded = board.modular.encode_schema(SCHEMA, namespace=namespace)
-    assert {item["piece"] for item in encoded["stored"]} == {"_text0", "trip-plan", "miami", "tokyo", "tokyo/kyoto", "scaffold:plan-miami"}
+    encoded = board.schemas.encode_schema(SCHEMA, namespace=namespace)
+    assert {item.piece for item in encoded["stored"]} == {"_text0", "trip-plan", "miami", "tokyo", "tokyo/kyoto", "scaffold:plan-miami"}
     cached = board.run_pml(SCHEMA, PROMPT, max_tokens=6, namespace=namespace)
     b = cached.breakdown
-    assert b.case == "full" and cached.modules_hit == ["_text0", "trip-plan", "tokyo", "tokyo/kyoto"]
-    assert 0 < b.matched_tokens < b.prompt_tokens and b.fetched_bytes > 0
+    assert cached.modules_hit == ["_text0", "trip-plan", "tokyo", "tokyo/kyoto"]
+    # Every module came from the cache box, the prompt's own text was computed: partial, by tokens.
+    assert b.case == "partial" and 0 < b.matched_tokens < b.prompt_tokens and b.fetched_bytes > 0
     uncached = board.run_pml(SCHEMA, PROMPT, max_tokens=6, namespace=namespace, use_cache=False)
     assert uncached.breakdown.cachebox == "off" and uncached.modules_hit == []
     assert cached.tokens == uncached.tokens  # a module's state is the same whether fetched or encoded here
-    assert board.modular.encode_schema(SCHEMA, namespace=namespace)["skipped"]  # nothing encoded twice
+    assert board.schemas.encode_schema(SCHEMA, namespace=namespace)["skipped"]  # nothing encoded twice
 
 
 def test_modules_are_encoded_on_the_fly_shared_and_hit_by_another_board(valkey_url, namespace, make_board):
@@ -43,16 +44,16 @@ def test_modules_are_encoded_on_the_fly_shared_and_hit_by_another_board(valkey_u
     second = make_board(valkey_url, namespace, device="pi5")
     second.catalogs.sync_all()
     hit = second.run_pml(SCHEMA, PROMPT, max_tokens=4, namespace=namespace)
-    assert hit.breakdown.case == "full" and hit.tokens == miss.tokens
+    assert hit.breakdown.case == "partial" and hit.modules_hit and hit.tokens == miss.tokens
     assert hit.breakdown.ttft_ms < miss.breakdown.ttft_ms
 
 
 def test_parameter_values_are_computed_not_cached(valkey_url, namespace, make_board):
     board = make_board(valkey_url, namespace)
-    board.modular.encode_schema(SCHEMA, namespace=namespace)
+    board.schemas.encode_schema(SCHEMA, namespace=namespace)
     short = board.run_pml(SCHEMA, PROMPT, max_tokens=3, namespace=namespace)
     longer = board.run_pml(SCHEMA, PROMPT.replace("3 days", "two long weeks"), max_tokens=3, namespace=namespace)
-    assert short.breakdown.case == longer.breakdown.case == "full"
+    assert short.modules_hit == longer.modules_hit == ["_text0", "trip-plan", "tokyo", "tokyo/kyoto"]
     assert longer.breakdown.prompt_tokens > short.breakdown.prompt_tokens
     with pytest.raises(PMLError, match="longer than its len=4"):
         board.run_pml(SCHEMA, PROMPT.replace("3 days", "a very long holiday of many many weeks"), namespace=namespace)
@@ -63,7 +64,7 @@ def test_a_scaffold_stands_for_its_members(valkey_url, namespace, make_board):
     prompt = '<prompt schema="travel"><trip-plan duration="a week"/><miami/><user>Where to surf?</user></prompt>'
     board.run_pml(SCHEMA, prompt, max_tokens=3, namespace=namespace)
     result = board.run_pml(SCHEMA, prompt, max_tokens=3, namespace=namespace)
-    assert result.modules_hit == ["_text0", "scaffold:plan-miami"] and result.breakdown.case == "full"
+    assert result.modules_hit == ["_text0", "scaffold:plan-miami"] and result.breakdown.case == "partial"  # the user's text is computed
 
 
 def test_a_prompt_may_end_inside_a_module(valkey_url, namespace, make_board):
@@ -85,7 +86,7 @@ def test_a_corrupted_module_is_rejected_and_encoded_again(valkey_url, namespace,
     assert result.breakdown.rejected_entries == 1 and result.breakdown.case == "partial"
     assert result.tokens == cold.tokens
     again = board.run_pml(SCHEMA, PROMPT, max_tokens=4, namespace=namespace)
-    assert again.breakdown.case == "full"
+    assert again.modules_hit == ["_text0", "trip-plan", "tokyo", "tokyo/kyoto"] and again.breakdown.rejected_entries == 0
 
 
 def test_an_oversized_module_entry_is_refused_before_it_is_downloaded(valkey_url, namespace, make_board, monkeypatch):
@@ -113,7 +114,7 @@ def test_infer_serves_pml_from_the_command_line(valkey_url, namespace, tmp_path)
     assert first.returncode == 0 and second.returncode == 0, first.stderr.decode() + second.stderr.decode()
     cold, hit = json.loads(first.stdout), json.loads(second.stdout)
     assert cold["modules_hit"] == [] and hit["modules_hit"] == ["_text0", "trip-plan", "tokyo", "tokyo/kyoto"]
-    assert hit["case"] == "full" and hit["text"] == cold["text"] and "ttft_ms" in hit
+    assert hit["case"] == "partial" and hit["text"] == cold["text"] and "ttft_ms" in hit
 
 
 @pytest.mark.parametrize(
@@ -144,5 +145,5 @@ def test_a_scaffold_whose_members_lie_far_apart_still_serves(valkey_url, namespa
     board = make_board(valkey_url, namespace)
     cold = board.run_pml(schema, prompt, max_tokens=3, namespace=namespace)
     warm = board.run_pml(schema, prompt, max_tokens=3, namespace=namespace)
-    assert warm.modules_hit[-1] == "scaffold:short-tail" and warm.breakdown.case == "full"
+    assert warm.modules_hit[-1] == "scaffold:short-tail" and warm.breakdown.case == "partial"
     assert warm.tokens == cold.tokens and warm.breakdown.rejected_entries == 0

@@ -11,7 +11,7 @@ from cachebox.events import JsonLineFormatter
 from cachebox.keys import candidate_boundaries, entry_key_name, prefix_keys, tokens_digest
 from cachebox.store import CacheBox
 from inference.mmlu import build_prompts
-from inference.pipeline import PromptError
+from inference.serving import PromptError
 
 from .conftest import run_manage
 
@@ -24,13 +24,13 @@ def prompts():
 
 
 def segment_ends(board, prompt):
-    return board.pipeline.tokenize(prompt.segments)[1]
+    return board.prefix.tokenize(prompt.segments)[1]
 
 
 def entry_names(board, prompt, namespace):
-    tokens, ends = board.pipeline.tokenize(prompt.segments)
-    boundaries = candidate_boundaries(len(tokens), ends, board.options.chunk_tokens)
-    keys = prefix_keys(board.engine.fingerprint, namespace, tokens, boundaries)
+    tokens, ends = board.prefix.tokenize(prompt.segments)
+    boundaries = candidate_boundaries(len(tokens), ends, board.config.chunk_tokens)
+    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, boundaries)
     return tokens, {end: entry_key_name(namespace, board.engine.fingerprint, key) for end, key in zip(boundaries, keys)}
 
 
@@ -92,7 +92,7 @@ def test_unstructured_prompts_share_fixed_chunks(valkey_url, namespace, make_boa
 def test_catalog_false_positive_costs_a_fetch_but_not_the_answer(valkey_url, namespace, make_board, prompts):
     board = make_board(valkey_url, namespace)
     tokens, names = entry_names(board, prompts[2], namespace)
-    keys = prefix_keys(board.engine.fingerprint, namespace, tokens, sorted(names))
+    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, sorted(names))
     catalog = board.catalogs.get(namespace).catalog
     catalog.add(keys[-1])  # the catalog now says "maybe" for a state nobody stored
     result = board.run(prompts[2].segments, max_tokens=4)

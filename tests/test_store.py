@@ -4,10 +4,11 @@ import os
 import time
 
 import pytest
+import redis
 
 from cachebox import embedded, sync
-from cachebox.errors import CacheBoxUnavailable
-from cachebox.keys import catalog_key_names, entry_key_name
+from cachebox.errors import CacheBoxRefused, CacheBoxUnavailable
+from cachebox.keys import catalog_key_names, device_key_name, entry_key_name, module_key_name
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry, CatalogReplica, CatalogSyncThread
 
@@ -147,3 +148,57 @@ def test_entries_expire_unless_pinned_and_use_restarts_their_ttl(any_store_url, 
     assert store.redis.ttl(pinned) == -1  # touching never unpins
     assert 100 < store.redis.ttl(plain) <= 5000
     assert store.unpin([pinned], 300) == 1 and 0 < store.redis.ttl(pinned) <= 300
+
+
+def test_a_server_error_is_typed_and_does_not_cut_the_box_off(valkey_url, namespace):
+    store = CacheBox(valkey_url, retry_after=30)
+    wrong, good = (entry_key_name(namespace, "00ff00ff00ff00ff", os.urandom(16)) for _ in range(2))
+    redis.Redis.from_url(valkey_url).rpush(wrong, b"a list, not an entry")
+    store.put_entries([(good, b"entry")])
+    with pytest.raises(CacheBoxRefused, match="WRONGTYPE") as caught:
+        store.read_entries([wrong])  # GET on a list
+    assert isinstance(caught.value, CacheBoxUnavailable)  # what every caller already catches
+    started = time.monotonic()
+    assert store.read_entries([good]) == [b"entry"]  # no back-off: the server is up
+    assert time.monotonic() - started < 1.0
+    store.delete([wrong])
+
+
+def test_a_full_cache_box_refuses_with_a_named_error(tmp_path):
+    url = embedded.ensure_running(tmp_path, maxmemory="1mb")  # a few entries fill it
+    try:
+        store = CacheBox(url, retry_after=30)
+        names = [f"ec:e:full:00ff00ff00ff00ff:{{{index:02x}}}" for index in range(20)]
+        with pytest.raises(CacheBoxRefused, match="maxmemory"):
+            store.put_entries([(name, b"x" * 200_000) for name in names])  # no TTL: nothing to evict
+        assert store.exists(names[-1:]) == [False]  # refused, and at once: no back-off
+    finally:
+        embedded.stop(tmp_path)
+
+
+def test_exists_ttls_and_schema_scan_answer_through_the_store(valkey_url, namespace):
+    store = CacheBox(valkey_url)
+    digest = "abc123"
+    pinned, plain = (module_key_name(namespace, "00ff00ff00ff00ff", digest, os.urandom(16)) for _ in range(2))
+    missing = entry_key_name(namespace, "00ff00ff00ff00ff", os.urandom(16))
+    store.put_entries([(pinned, b"a")])
+    store.put_entries([(plain, b"b")], ttl=100)
+    assert store.exists([pinned, missing, plain]) == [True, False, True]
+    assert store.exists([]) == [] and store.ttls([]) == []
+    ttl_pinned, ttl_plain, ttl_missing = store.ttls([pinned, plain, missing])
+    assert ttl_pinned == -1 and 0 < ttl_plain <= 100 and ttl_missing == -2
+    assert sorted(store.scan_schema_entries(digest)) == sorted([pinned, plain])
+    assert store.memory_used()[0].isdigit()
+
+
+def test_device_records_live_under_checked_names(valkey_url):
+    store = CacheBox(valkey_url)
+    name = f"board-{os.urandom(4).hex()}"
+    assert store.get_device_record(name) is None
+    store.put_device_record(name, '{"name": "x"}')
+    assert store.get_device_record(name) == b'{"name": "x"}'
+    assert device_key_name(name) == f"ec:device:{name}"
+    for bad in ("", "a:b", "*", "x" * 65, "a b", "{a}"):
+        with pytest.raises(ValueError, match="invalid device name"):
+            store.get_device_record(bad)
+    store.delete([device_key_name(name)])

@@ -6,6 +6,8 @@ real model for the isolation of boards' entries.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from django.urls import reverse
 
@@ -15,6 +17,7 @@ from dashboard import actions
 from dashboard.models import AuditEvent, Namespace
 from inference import devices as registry
 from inference import edge
+from inference.messages import RunRequest
 from inference.devices import DeviceRefused
 
 from .test_dashboard import control_plane, register, sent_tasks, staff_client  # noqa: F401  (fixtures)
@@ -78,8 +81,9 @@ def test_moving_a_device_to_another_namespace_stops_its_board(control_plane, val
 def test_a_board_refuses_messages_for_another_namespace(control_plane, valkey_url, sent_tasks):
     device, token = register("acme-1", namespace=tenant("acme"))
     edge.become("acme-1", token, CacheBox(valkey_url))
-    payload = edge.serve(None, {"request_id": "r1", "segments": ["hello"], "namespace": "globex"})
-    assert "does not serve 'globex'" in payload["error"]
+    request = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": ["hello"], "namespace": "globex"})
+    report = edge.serve(None, request)
+    assert "does not serve 'globex'" in report.error
     # The control plane sends each device its own namespace.
     actions.dispatch_run(None, [device], actions.PromptSpec(segments=["hello"], max_tokens=1, title="t"))
     assert sent_tasks[-1]["args"][0]["namespace"] == "acme"
@@ -102,21 +106,22 @@ def test_rotate_in_the_admin_asks_first(staff_client, control_plane):
 @pytest.mark.model
 def test_boards_see_only_their_namespace_and_private_namespaces_share_nothing(control_plane, valkey_url, engine):
     """Tenants cannot read each other's entries; in a namespace that does not share, not even boards of one tenant."""
-    from inference.board import Board, BoardOptions
+    from inference.board import Board
+    from inference.config import BoardConfig
 
     clinic, acme = tenant("clinic", share=False), tenant("acme")
     boards = {}
     for name, namespace in (("ward-1", clinic), ("ward-2", clinic), ("acme-1", acme)):
         device, token = register(name, namespace=namespace)
         me = edge.become(name, token, CacheBox(valkey_url))
-        options = BoardOptions(device=name, namespace=me.record.cache_namespace)
+        options = BoardConfig(device=name, namespace=me.record.cache_namespace)
         boards[name] = (Board(engine, CacheBox(valkey_url), options, background_sync=False, keys=me.keychain()), me)
     prompt = "Patient notes: chest pain for two days, no fever. Question: what should be checked first?"
     store = CacheBox(valkey_url)
     try:
         first = boards["ward-1"][0].run(prompt, max_tokens=2)
         assert first.breakdown.case == "miss" and first.breakdown.uploaded_bytes > 0
-        assert {entry["namespace"] for entry in first.uploaded} == {"clinic.dev-ward-1"}
+        assert {entry.namespace for entry in first.uploaded} == {"clinic.dev-ward-1"}
         for name in ("ward-2", "acme-1"):
             board, _ = boards[name]
             board.catalogs.sync_all()

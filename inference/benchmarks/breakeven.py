@@ -15,28 +15,26 @@ from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
 from inference.breakeven import BreakEvenPolicy
 from inference.mmlu import MMLUPrompt
-from inference.board import control_plane_keys
-from inference.pipeline import CachedInference
 
 from .cases import CASE_NAMES, seed_segments
-from .common import median
+from .common import median, prefix_serving
 
 PRESETS = ("wifi4", "fast-ethernet", "none")
 MODES = ("always", "never", "adaptive")
 TOLERANCE = 0.05
 
 
-def run_breakeven(engine, url: str, prompts: list[MMLUPrompt], *, prefill_ms_per_token: float, progress: Callable[[], None] | None = None) -> dict:
+def run_breakeven(engine, url: str, prompts: list[MMLUPrompt], *, keys, prefill_ms_per_token: float, progress: Callable[[], None] | None = None) -> dict:
     plain = CacheBox(url, timeout=60)
     catalogs = CatalogRegistry(plain, 100_000, 0.01)
-    seeder = CachedInference(engine, plain, catalogs, keys=control_plane_keys())
+    seeder = prefix_serving(engine, plain, catalogs, keys)
     pipelines = {}
     for preset in PRESETS:
         link = LINK_PRESETS[preset]
         store = CacheBox(url, link=link, timeout=60)
         for mode in MODES:
             policy = BreakEvenPolicy(prefill_ms_per_token=prefill_ms_per_token, link=link, mode=mode)
-            pipelines[preset, mode] = CachedInference(engine, store, catalogs, policy=policy, keys=control_plane_keys())
+            pipelines[preset, mode] = prefix_serving(engine, store, catalogs, keys, policy=policy)
     ttft: dict = {(preset, case, mode): [] for preset in PRESETS for case in CASE_NAMES for mode in MODES}
     decisions: dict = {}
     for index, prompt in enumerate(prompts):

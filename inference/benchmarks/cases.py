@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Callable
 
-from inference.breakdown import Breakdown
+from inference.breakdown import STACK_FIELDS, Breakdown
 from inference.mmlu import MMLUPrompt, parse_answer
 
 from .common import median
@@ -78,7 +78,7 @@ def summarize(runs: list[Breakdown]) -> dict:
     return {
         "ttft_ms": median(r.ttft_ms for r in runs),
         "ttlt_ms": median(r.ttlt_ms for r in runs),
-        "breakdown_ms": {field: median(getattr(r, field) for r in runs) for field in (*Breakdown.STACK, "fetch_ms", "verify_ms", "restore_ms", "upload_ms")},
+        "breakdown_ms": {field: median(getattr(r, field) for r in runs) for field in (*STACK_FIELDS, "fetch_ms", "verify_ms", "restore_ms", "upload_ms")},
         "matched_tokens": median(r.matched_tokens for r in runs),
         "prompt_tokens": median(r.prompt_tokens for r in runs),
         "state_bytes": median(r.state_bytes for r in runs),

@@ -19,18 +19,18 @@ from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
 from inference.breakeven import BreakEvenPolicy
 from inference.mmlu import MMLUPrompt
-from inference.board import control_plane_keys
-from inference.pipeline import CachedInference
+
+from .common import prefix_serving
 
 HIT_RATIOS = (0.0, 0.1, 0.5, 0.9)
 
 
-def run_catalog(engine, url: str, prompts: list[MMLUPrompt], *, link_preset: str, progress: Callable[[], None] | None = None) -> dict:
+def run_catalog(engine, url: str, prompts: list[MMLUPrompt], *, keys, link_preset: str, progress: Callable[[], None] | None = None) -> dict:
     link = LINK_PRESETS[link_preset]
     plain = CacheBox(url, timeout=60)
     catalogs = CatalogRegistry(plain, 100_000, 0.01)
-    seeder = CachedInference(engine, plain, catalogs, keys=control_plane_keys())
-    measured = CachedInference(engine, CacheBox(url, link=link, timeout=60), catalogs, policy=BreakEvenPolicy(mode="always"), keys=control_plane_keys())
+    seeder = prefix_serving(engine, plain, catalogs, keys)
+    measured = prefix_serving(engine, CacheBox(url, link=link, timeout=60), catalogs, keys, policy=BreakEvenPolicy(mode="always"))
     sweep = []
     for ratio in HIT_RATIOS:
         namespace = f"bench-cat-{uuid.uuid4().hex[:10]}"

@@ -13,6 +13,15 @@ from pathlib import Path
 import llama_cpp
 
 
+def prefix_serving(engine, store, catalogs, keys, policy=None):
+    """Prefix serving on ``engine`` over its own exchange with ``store`` (None: no cache at all)."""
+    from inference.exchange import Exchange
+    from inference.prefix_serving import PrefixServing
+
+    exchange = Exchange(store, catalogs, fingerprint=engine.fingerprint, keys=keys) if store is not None else None
+    return PrefixServing(engine, exchange, policy=policy)
+
+
 def median(values) -> float:
     values = list(values)
     return round(statistics.median(values), 3) if values else 0.0

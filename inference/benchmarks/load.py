@@ -247,23 +247,23 @@ def _describe(exc: BaseException) -> str:
 
 
 # -- a board process ----------------------------------------------------------------------------
-def board_main(index: int, conn, namespace: str, max_tokens: int) -> None:
-    """One board: set up Django, load the model, then answer requests until told to stop."""
+def board_main(index: int, conn, namespace: str, max_tokens: int, ring: dict) -> None:
+    """One board: load the model, then answer requests until told to stop (``ring``: its signing keys)."""
     # Ctrl-C reaches the whole process group: the dispatcher alone decides when boards stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name = f"load-{index}"
     board = None
     try:
-        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
-        import django
-
-        django.setup()
+        from cachebox.signing import Keychain, KeyRing
         from inference.board import Board
+        from inference.config import BoardConfig
 
         from .common import machine_info
 
+        keyring = KeyRing.from_dict(ring)
         started = time.perf_counter()
-        board = Board.from_settings(device=name, namespace=namespace, threads=1, background_sync=True)
+        config = BoardConfig.from_env(device=name, namespace=namespace, threads=1)
+        board = Board.start(config, keys=Keychain(lambda ns: keyring if keyring.covers(ns) else None), background_sync=True)
         ready = {"type": "ready", "board": name, "pid": os.getpid(), "load_s": round(time.perf_counter() - started, 2)}
         if index == 0:
             ready["machine"] = machine_info(board)
@@ -344,6 +344,7 @@ class LoadRun:
         pool: Sequence[dict],
         *,
         namespace: str,
+        ring: dict,
         max_tokens: int = 4,
         drain_seconds: float = 60.0,
         ready_timeout: float = 600.0,
@@ -357,6 +358,7 @@ class LoadRun:
         self.seconds = seconds
         self.pool = list(pool)
         self.namespace = namespace
+        self.ring = ring  # the namespace's signing keys (KeyRing.to_dict()), handed to each board process
         self.max_tokens = max_tokens
         self.drain_seconds = drain_seconds
         self.ready_timeout = ready_timeout
@@ -418,7 +420,7 @@ class LoadRun:
             for index in range(self.devices):
                 parent_end, child_end = context.Pipe(duplex=True)
                 process = context.Process(
-                    target=board_main, args=(index, child_end, self.namespace, self.max_tokens), name=f"load-{index}", daemon=True
+                    target=board_main, args=(index, child_end, self.namespace, self.max_tokens, self.ring), name=f"load-{index}", daemon=True
                 )
                 process.start()
                 child_end.close()

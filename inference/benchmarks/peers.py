@@ -27,10 +27,8 @@ from cachebox.keys import token_bytes
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
 from inference.mmlu import MMLUPrompt, parse_answer
-from inference.board import control_plane_keys
-from inference.pipeline import CachedInference
 
-from .common import median
+from .common import median, prefix_serving
 
 
 class PaperDesign:
@@ -117,7 +115,7 @@ def run_peers(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, progress
     try:
         # Ours first, on the board's own engine.
         plain = CacheBox(url, timeout=60)
-        no_cache = CachedInference(engine, None, None)
+        no_cache = prefix_serving(engine, None, None, None)
         results["no cache"] = _passes(lambda p: _ours(no_cache, p, max_tokens, namespace), prompts)
         _tick(progress)
         paper = PaperDesign(engine, plain, namespace)
@@ -125,7 +123,7 @@ def run_peers(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, progress
         paper.cleanup()
         _tick(progress)
         for label, use_catalog in (("EdgeCache without catalog", False), ("EdgeCache", True)):
-            pipeline = CachedInference(engine, plain, CatalogRegistry(plain, 100_000, 0.01), keys=control_plane_keys())
+            pipeline = prefix_serving(engine, plain, CatalogRegistry(plain, 100_000, 0.01), board.keys)
             space = f"{namespace}-{int(use_catalog)}"
             results[label] = _passes(lambda p: _ours(pipeline, p, max_tokens, space, use_catalog=use_catalog), prompts)
             plain.flush(space)
@@ -148,7 +146,7 @@ def _tick(progress) -> None:
         progress()
 
 
-def _ours(pipeline: CachedInference, prompt: MMLUPrompt, max_tokens: int, namespace: str, use_catalog: bool = True) -> dict:
+def _ours(pipeline, prompt: MMLUPrompt, max_tokens: int, namespace: str, use_catalog: bool = True) -> dict:
     result = pipeline.run(prompt.segments, max_tokens=max_tokens, namespace=namespace, use_catalog=use_catalog)
     b = result.breakdown
     return {"ttft_ms": b.ttft_ms, "ttlt_ms": b.ttlt_ms, "text": result.text, "state_bytes": b.state_bytes, "case": b.case}

@@ -13,10 +13,11 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from inference.breakdown import STACK
+
 from .report import write_report
 
 PAPER_SOURCE = "Matsutani, Matsuda, Sugiura: distributed prompt caching (tables 2-4, figure 5)"
-STACK = [("token_ms", "Token"), ("bloom_ms", "Bloom"), ("prefill_ms", "P-decode"), ("redis_ms", "Redis"), ("decode_ms", "R-decode"), ("sample_ms", "Sample")]
 PAPER_TABLE2 = {  # seconds
     "low-end (Pi Zero 2W)": {"ttft": (12.59, 0.87), "ttlt": (23.74, 11.86)},
     "high-end (Pi 5)": {"ttft": (2.70, 2.89), "ttlt": (2.77, 2.97)},

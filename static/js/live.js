@@ -5,7 +5,9 @@
   const dataNode = document.getElementById("chart-data");
   const charts = dataNode ? JSON.parse(dataNode.textContent || "{}") || {} : {};
   const WINDOW = charts.window || 200;
-  const STACK = ["token_ms", "bloom_ms", "prefill_ms", "redis_ms", "decode_ms", "sample_ms"];
+  // [field, label] pairs in stack order, from the page (inference.breakdown.STACK).
+  const stackNode = document.getElementById("chart-stack");
+  const STACK = (stackNode ? JSON.parse(stackNode.textContent || "[]") : []).map((pair) => pair[0]);
   const hitCounts = charts.hitCounts || {};
   const config = { responsive: true, displaylogo: false };
 

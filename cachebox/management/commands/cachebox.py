@@ -56,8 +56,11 @@ class Command(BaseCommand):
         if not store.ping():
             hint = "run `python manage.py cachebox start`" if settings.REDIS_URL_IS_EMBEDDED else "check REDIS_URL"
             raise CommandError(f"cache box ({kind}, {store.safe_url}) does not answer; {hint}")
-        entries = sum(1 for _ in store.scan_entries())
-        memory = store.redis.info("memory").get("used_memory_human", "?")
+        try:
+            entries = sum(1 for _ in store.scan_entries())
+            memory = store.memory_used()
+        except CacheBoxUnavailable as exc:  # went away, or refused, between PING and here
+            raise CommandError(str(exc))
         self.stdout.write(f"cache box ({kind}) at {store.safe_url}: up, {entries} entries, {memory} used")
 
     def do_flush(self, namespace=None, model=None, yes=False, **options):

@@ -25,6 +25,7 @@ from cachebox.link import LINK_PRESETS
 from dashboard import actions
 from dashboard.models import Device
 from inference.board import cachebox_url
+from inference.messages import Queue
 
 DEMO_BOARDS = [
     {"name": "zero", "kind": "Raspberry Pi Zero 2W (emulated)", "cpu_threads": 1, "memory_mb": 512, "link": "wifi4"},
@@ -45,7 +46,7 @@ class Command(BaseCommand):
             if probe.connect_ex((host, port)) == 0:
                 raise CommandError(f"port {port} on {host} is already in use (another `make run`?); stop it or pass --port")
         try:
-            url = cachebox_url()
+            url = cachebox_url(settings.EDGECACHE_BOARD)
         except CacheBoxUnavailable as exc:
             raise CommandError(str(exc))
         self.stdout.write(f"cache box: {url}")
@@ -55,7 +56,7 @@ class Command(BaseCommand):
 
         children: list[subprocess.Popen] = []
         try:
-            children.append(self._spawn("control worker", [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "--queues", "control", "--pool", "threads", "--concurrency", "2", "--hostname", "control@%h", "--loglevel", "warning", "--without-gossip", "--without-mingle"]))
+            children.append(self._spawn("control worker", [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "--queues", Queue.CONTROL.value, "--pool", "threads", "--concurrency", "2", "--hostname", "control@%h", "--loglevel", "warning", "--without-gossip", "--without-mingle"]))
             if not no_boards:
                 for spec in DEMO_BOARDS:
                     token = self._demo_token(spec)

@@ -9,11 +9,11 @@ from django.conf import settings
 
 from cachebox.keys import module_key, module_key_name
 
-from .engine import Vocabulary
-from .model import resolve_model
-from .modular import EngineTokenizer
-from .modules import SchemaLayout, all_pieces, lay_out
-from .pml import parse_schema
+from inference.engine import Vocabulary
+from inference.model_file import resolve_model
+from inference.schema_serving import EngineTokenizer
+from inference.pml_layout import SchemaLayout, all_pieces, lay_out
+from inference.pml import parse_schema
 
 
 @functools.lru_cache(maxsize=2)
@@ -60,6 +60,6 @@ def describe(layout: SchemaLayout) -> list[dict]:
 def key_names(layout: SchemaLayout, fingerprint: str, namespace: str) -> dict[str, str]:
     """Cache-box key of every piece of a schema, for one model and namespace."""
     return {
-        piece.key_name: module_key_name(namespace, fingerprint, layout.digest, module_key(fingerprint, namespace, layout.digest, piece.key_name))
+        piece.key_name: module_key_name(namespace, fingerprint, layout.digest, module_key(namespace, fingerprint, layout.digest, piece.key_name))
         for piece in all_pieces(layout)
     }

@@ -16,6 +16,8 @@ from inference.benchmarks.cases import run_cases
 from inference.benchmarks.common import machine_info, save_json
 from inference.board import Board
 
+from dashboard.signing import control_plane_keys, keyring_for
+
 
 class Command(BaseCommand):
     help = "Benchmarks: `bench cases` reproduces the paper's five cache cases on MMLU; `bench topics` lists topics."
@@ -77,7 +79,7 @@ class Command(BaseCommand):
             selected = mmlu.build_prompts(topic, shots, prompts)
         except (mmlu.UnknownTopic, ValueError, FileNotFoundError) as exc:
             raise CommandError(str(exc))
-        board = Board.from_settings(background_sync=False)
+        board = Board.start(settings.EDGECACHE_BOARD, keys=control_plane_keys(), background_sync=False)
         try:
             if board.store is None or not board.store.ping():
                 raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start` or fix REDIS_URL")
@@ -102,7 +104,7 @@ class Command(BaseCommand):
             chosen = [mmlu.normalize_topic(topic) for topic in topics] if topics else mmlu.topics()
         except (mmlu.UnknownTopic, FileNotFoundError) as exc:
             raise CommandError(str(exc))
-        board = Board.from_settings(background_sync=False)
+        board = Board.start(settings.EDGECACHE_BOARD, keys=control_plane_keys(), background_sync=False)
         namespace = f"bench-modules-{int(time.time())}"
         try:
             if board.store is None or not board.store.ping():
@@ -138,7 +140,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc))
 
     def _board(self) -> Board:
-        board = Board.from_settings(background_sync=False)
+        board = Board.start(settings.EDGECACHE_BOARD, keys=control_plane_keys(), background_sync=False)
         if board.store is None or not board.store.ping():
             board.close()
             raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start` or fix REDIS_URL")
@@ -158,7 +160,7 @@ class Command(BaseCommand):
         try:
             with tqdm(total=len(selected), desc="bench breakeven (3 links x 5 cases x 3 policies)", unit="prompt") as bar:
                 document = run_breakeven(
-                    board.engine, board.store.url, selected, prefill_ms_per_token=board.options.prefill_ms_per_token, progress=bar.update
+                    board.engine, board.store.url, selected, keys=board.keys, prefill_ms_per_token=board.config.prefill_ms_per_token, progress=bar.update
                 )
             document.update({"topic": selected[0].target.topic, "shots": shots, "machine": machine_info(board)})
         finally:
@@ -212,7 +214,7 @@ class Command(BaseCommand):
         board = self._board()
         try:
             with tqdm(total=2 * len(HIT_RATIOS), desc="bench catalog", unit="pass") as bar:
-                document = run_catalog(board.engine, board.store.url, selected, link_preset=link, progress=bar.update)
+                document = run_catalog(board.engine, board.store.url, selected, keys=board.keys, link_preset=link, progress=bar.update)
             document.update({"topics": [p.target.topic for p in selected], "shots": shots, "machine": machine_info(board)})
         finally:
             board.close()
@@ -260,7 +262,7 @@ class Command(BaseCommand):
         except (mmlu.UnknownTopic, ValueError, FileNotFoundError) as exc:
             raise CommandError(str(exc))
         try:
-            url = cachebox_url()  # the embedded Valkey starts here, once, not in N boards at a time
+            url = cachebox_url(settings.EDGECACHE_BOARD)  # the embedded Valkey starts here, once, not in N boards at a time
         except CacheBoxUnavailable as exc:
             raise CommandError(str(exc))
         store = CacheBox(url)
@@ -286,7 +288,7 @@ class Command(BaseCommand):
             if state["final"]:
                 bar.refresh()
 
-        runner = LoadRun(devices, seconds, pool, namespace=namespace, max_tokens=max_tokens, drain_seconds=drain, on_ready=ready, on_tick=tick)
+        runner = LoadRun(devices, seconds, pool, namespace=namespace, ring=keyring_for(namespace).to_dict(), max_tokens=max_tokens, drain_seconds=drain, on_ready=ready, on_tick=tick)
         # Ctrl-C must stop the boards even when started from a shell that ignores SIGINT.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:

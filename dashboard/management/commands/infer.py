@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from cachebox.errors import InvalidNamespace
 from inference.board import Board
-from inference.cli import add_sampling_arguments, read_prompt_file, sampling_from_options, split_segments
-from inference.model import ModelNotFound
-from inference.pipeline import PromptError
+from inference.config import ConfigError
+from dashboard.cli import add_sampling_arguments, read_prompt_file, sampling_from_options, split_segments
+from inference.model_file import ModelNotFound
+from inference.serving import PromptError
 from inference.pml import PMLError, parse_schema
+
+from dashboard.signing import control_plane_keys
 
 
 class Command(BaseCommand):
@@ -45,8 +49,8 @@ class Command(BaseCommand):
             except PMLError as exc:
                 raise CommandError(f"schema {options['schema']}: {exc}")
         try:
-            board = Board.from_settings(namespace=options["namespace"], background_sync=False)
-        except (ModelNotFound, InvalidNamespace) as exc:
+            board = Board.start(settings.EDGECACHE_BOARD.with_(namespace=options["namespace"]), keys=control_plane_keys(), background_sync=False)
+        except (ModelNotFound, InvalidNamespace, ConfigError) as exc:
             raise CommandError(str(exc))
         try:
             if schema_text is not None:

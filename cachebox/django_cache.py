@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import re
 
+import redis
+
 from django.core.cache.backends.redis import RedisCache
 from django.core.exceptions import ImproperlyConfigured
+
+# What a Django cache on a Redis server raises when that server fails (for callers that
+# degrade instead of failing, such as the run rate limit): no code outside cachebox imports redis.
+CACHE_SERVER_ERRORS = (redis.RedisError, OSError)
 
 
 class CacheBoxRedisCache(RedisCache):

@@ -1,4 +1,4 @@
-"""Helpers shared by the board-side management commands."""
+"""Helpers shared by the commands that run a board next to the control plane (infer, bench)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from django.core.management.base import CommandError
 
-from .sampling import SamplingParams
+from inference.sampling import SamplingParams
 
 
 def read_prompt_file(path: str) -> str:

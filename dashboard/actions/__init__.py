@@ -1,0 +1,53 @@
+"""Every change of state of the control plane goes through one function here, named for what it
+does (Zulip's ``do_...`` style), grouped by domain: ``devices`` (and namespaces), ``cache``,
+``runs``, ``schemas``; ``audit`` holds the audit trail and its actions. Each verb changes the
+database inside a transaction and tells the open pages once it commits. Receivers of board
+reports validate them against the message contract (``inference.messages``) first.
+"""
+
+from .audit import AuditAction, audit
+from .cache import cachebox, evict_entries, flush_entries, pin_entries
+from .devices import (
+    authenticate_board,
+    device_json,
+    publish_all_devices,
+    publish_device,
+    record_heartbeat,
+    register_device,
+    revoke_device,
+    rotate_signing_key,
+    rotate_token,
+    save_namespace,
+    update_device,
+)
+from .runs import PromptSpec, dispatch_run, record_run, run_json
+from .schemas import delete_schema, dispatch_encode, record_encode_progress, record_encoded, save_schema
+
+__all__ = [
+    "AuditAction",
+    "PromptSpec",
+    "audit",
+    "authenticate_board",
+    "cachebox",
+    "delete_schema",
+    "device_json",
+    "dispatch_encode",
+    "dispatch_run",
+    "evict_entries",
+    "flush_entries",
+    "pin_entries",
+    "publish_all_devices",
+    "publish_device",
+    "record_encode_progress",
+    "record_encoded",
+    "record_heartbeat",
+    "record_run",
+    "register_device",
+    "revoke_device",
+    "rotate_signing_key",
+    "rotate_token",
+    "run_json",
+    "save_namespace",
+    "save_schema",
+    "update_device",
+]

@@ -1,0 +1,116 @@
+"""Verbs on runs: dispatch a prompt to boards, store what a board reports (once), and its JSON."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from cachebox import mirror
+from inference.messages import Queue, RunMeta, RunReport, RunRequest, Task
+
+from ..celery import app as celery_app
+from ..live import broadcast
+from ..models import Device, InferenceRun
+from .devices import receive_board_message
+
+log = logging.getLogger("dashboard.actions")
+
+
+@dataclass
+class PromptSpec:
+    """What to run, as the run page or a script describes it."""
+
+    segments: list[str]
+    source: str = "text"
+    title: str = ""
+    expected_answer: str = ""
+    max_tokens: int = 16
+    namespace: str = ""
+    use_cache: bool = True
+    schema: str = ""  # PML schema source, for a PML prompt (then ``pml`` holds the prompt)
+    pml: str = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.segments)
+
+
+def dispatch_run(user, devices: list[Device], spec: PromptSpec) -> list[dict]:
+    """Send the prompt to each device's own queue; returns one {request_id, device} per device."""
+    sent = []
+    meta = RunMeta(source=spec.source[:32], title=spec.title[:200], expected_answer=spec.expected_answer[:16])
+    for device in devices:
+        request = RunRequest(
+            request_id=str(uuid.uuid4()),
+            segments=spec.segments,
+            schema=spec.schema,
+            pml=spec.pml,
+            max_tokens=spec.max_tokens,
+            namespace=spec.namespace or device.namespace_id,
+            use_cache=spec.use_cache,
+            meta=meta,
+        )
+        celery_app.send_task(Task.RUN_PROMPT.value, args=[request.dump()], queue=Queue.device(device.name), expires=settings.EDGECACHE_TASK_EXPIRES)
+        sent.append({"request_id": request.request_id, "device": device.name})
+        broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": meta.title})
+    log.info("dispatched user=%s devices=%s", getattr(user, "username", None), [d.name for d in devices])
+    return sent
+
+
+def record_run(payload: RunReport | dict) -> InferenceRun | None:
+    """Store a board's report as an InferenceRun and broadcast it (once, however often delivered).
+
+    A report that does not follow the contract, or whose board does not authenticate, is
+    refused (logged) and stores nothing.
+    """
+    report, device = receive_board_message(RunReport, payload)
+    if device is None:
+        return None
+    breakdown = report.breakdown
+    with transaction.atomic():
+        run, created = InferenceRun.objects.get_or_create(
+            request_id=report.request_id,
+            defaults={
+                "device": device,
+                "source": report.meta.source,
+                "title": report.meta.title,
+                "expected_answer": report.meta.expected_answer,
+                "prompt": report.prompt,
+                "text": report.text,
+                "error": report.error,
+                "breakdown": {**breakdown.as_dict(), **({"modules_hit": report.modules_hit} if report.modules_hit is not None else {})},
+                "case": breakdown.case.value if not report.error else "",
+                "ttft_ms": breakdown.ttft_ms,
+                "ttlt_ms": breakdown.ttlt_ms,
+                "prompt_tokens": breakdown.prompt_tokens,
+                "matched_tokens": breakdown.matched_tokens,
+                "state_bytes": breakdown.state_bytes,
+            },
+        )
+        if not created:
+            return run  # a redelivered message: stored once, broadcast once
+        mirror.record_uploads([entry.dump() for entry in report.uploaded], device.name)
+        mirror.record_hits(report.fetched)
+        Device.objects.filter(pk=device.pk).update(last_seen=timezone.now())
+        transaction.on_commit(lambda: broadcast("run", run_json(run)))
+    return run
+
+
+def run_json(run: InferenceRun) -> dict:
+    return {
+        "id": run.pk,
+        "request_id": str(run.request_id),
+        "device": run.device.name,
+        "created": run.created.isoformat(),
+        "title": run.title,
+        "source": run.source,
+        "text": run.text,
+        "error": run.error,
+        "expected_answer": run.expected_answer,
+        "breakdown": run.breakdown,
+    }

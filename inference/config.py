@@ -1,0 +1,113 @@
+"""One board configuration with one set of defaults, read from the environment.
+
+A board needs no control-plane settings: ``BoardConfig.from_env()`` is all an edge process
+reads (the cache box URL, the model, the engine and cache options). The control plane's
+Django settings take their engine and cache defaults from here too, so every default
+lives in this one place. Pure: no Django, no I/O beyond ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Mapping
+
+from cachebox.link import LinkProfile
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ENTRY_TTL = 7 * 24 * 3600
+
+
+class ConfigError(ValueError):
+    """A setting in the environment that cannot be used; the message names it."""
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name, "").strip()
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name, "").strip()
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+
+
+def edgecache_home(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where this checkout keeps its embedded cache box and database (``EDGECACHE_HOME``)."""
+    return Path(environ.get("EDGECACHE_HOME", ROOT / ".edgecache")).resolve()
+
+
+@dataclass(frozen=True)
+class BoardConfig:
+    device: str = field(default_factory=lambda: os.uname().nodename)
+    namespace: str = "default"
+    redis_url: str = ""  # empty: this checkout's embedded Valkey
+    model: str = ""  # a GGUF path; empty: the Gemma-3 270M package
+    n_ctx: int = 4096
+    threads: int = 0  # 0: every core
+    kv_type: str = "f16"
+    chunk_tokens: int = 64  # prefix ranges are cut (and looked up) every this many tokens too
+    top_logits: int = 64  # logits kept with an entry that ends a segment
+    catalog_capacity: int = 1_000_000
+    catalog_fp_rate: float = 0.01
+    sync_interval: float = 1.0  # seconds between catalog pulls
+    connect_timeout: float = 0.5
+    io_timeout: float = 5.0
+    max_entry_bytes: int = 64 * 1024 * 1024
+    max_fetch_bytes: int = 256 * 1024 * 1024  # all entries one request may download together
+    entry_ttl: int | None = DEFAULT_ENTRY_TTL  # unpinned entries expire after this many seconds unused
+    link: LinkProfile | None = None  # emulated link to the cache box (None: as the network is)
+    policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
+    prefill_ms_per_token: float = 3.0  # the policy's prior until the board has measured itself
+    embedded_dir: Path = field(default_factory=lambda: edgecache_home() / "valkey")
+    embedded_port: int | None = None
+    embedded_maxmemory: str = "1gb"
+
+    @property
+    def uses_embedded_cachebox(self) -> bool:
+        return not self.redis_url
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "BoardConfig":
+        """The configuration the environment describes (``EDGECACHE_*``, ``REDIS_URL``), then ``overrides``."""
+        d = cls.__dataclass_fields__
+        home = edgecache_home(environ)
+        ttl = _int(environ, "EDGECACHE_ENTRY_TTL", DEFAULT_ENTRY_TTL)
+        config = cls(
+            device=environ.get("EDGECACHE_DEVICE", "").strip() or os.uname().nodename,
+            namespace=environ.get("EDGECACHE_NAMESPACE", "").strip() or d["namespace"].default,
+            redis_url=environ.get("REDIS_URL", "").strip(),
+            model=environ.get("EDGECACHE_MODEL", "").strip(),
+            n_ctx=_int(environ, "EDGECACHE_N_CTX", d["n_ctx"].default),
+            threads=_int(environ, "EDGECACHE_THREADS", d["threads"].default),
+            kv_type=environ.get("EDGECACHE_KV_TYPE", "").strip() or d["kv_type"].default,
+            chunk_tokens=_int(environ, "EDGECACHE_CHUNK_TOKENS", d["chunk_tokens"].default),
+            top_logits=_int(environ, "EDGECACHE_TOP_LOGITS", d["top_logits"].default),
+            catalog_capacity=_int(environ, "EDGECACHE_CATALOG_CAPACITY", d["catalog_capacity"].default),
+            catalog_fp_rate=_float(environ, "EDGECACHE_CATALOG_FP_RATE", d["catalog_fp_rate"].default),
+            sync_interval=_float(environ, "EDGECACHE_CATALOG_SYNC_SECONDS", d["sync_interval"].default),
+            connect_timeout=_float(environ, "EDGECACHE_CONNECT_TIMEOUT", d["connect_timeout"].default),
+            io_timeout=_float(environ, "EDGECACHE_IO_TIMEOUT", d["io_timeout"].default),
+            max_entry_bytes=_int(environ, "EDGECACHE_MAX_ENTRY_BYTES", d["max_entry_bytes"].default),
+            max_fetch_bytes=_int(environ, "EDGECACHE_MAX_FETCH_BYTES", d["max_fetch_bytes"].default),
+            entry_ttl=ttl or None,
+            embedded_dir=home / "valkey",
+            embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,
+            embedded_maxmemory=environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "").strip() or d["embedded_maxmemory"].default,
+        )
+        return config.with_(**overrides)
+
+    def with_(self, **changes) -> "BoardConfig":
+        """A copy with ``changes`` (None values are ignored, so optional overrides pass straight through)."""
+        known = {f.name for f in fields(self)}
+        unknown = set(changes) - known
+        if unknown:
+            raise TypeError(f"unknown board options: {', '.join(sorted(unknown))}")
+        return replace(self, **{key: value for key, value in changes.items() if value is not None})

@@ -1,0 +1,102 @@
+"""``python manage.py edge --name NAME --token TOKEN``: run this machine as an edge board.
+
+Starts without the control plane: no Django settings, no database, no signing secret.
+It reads its ``BoardConfig`` from the environment, checks its token against the device
+registry in the cache box, loads the model once, then serves its own queue
+(``device.NAME``) and the shared one as a Celery worker, sending heartbeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.events import LOGGER_NAME, JsonLineFormatter
+from cachebox.link import LinkProfile
+from cachebox.store import CacheBox
+
+from . import edge
+from .board import Board, cachebox_url, set_board
+from .config import BoardConfig, ConfigError
+from .devices import DeviceRefused
+from .messages import Queue
+from .model_file import ModelNotFound
+from .worker import board_app
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("cachebox", "inference"):
+        logging.getLogger(name).setLevel(os.environ.get("EDGECACHE_LOG_LEVEL", "WARNING"))
+    security = logging.getLogger(LOGGER_NAME)
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLineFormatter())
+    security.addHandler(handler)
+    security.setLevel(logging.INFO)
+    security.propagate = False
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="manage.py edge",
+        description="Start an edge board: checks its token, loads the model once, then serves its own queue "
+        "(device.NAME) and the shared one as a Celery worker, sending heartbeats.",
+    )
+    parser.add_argument("--name", required=True, help="the device name registered on the dashboard")
+    parser.add_argument("--token", default=None, help="the device token (or set EDGECACHE_DEVICE_TOKEN)")
+    parser.add_argument("--heartbeat", type=float, default=5.0, help="seconds between heartbeats (default 5)")
+    parser.add_argument("--loglevel", default="warning")
+    args = parser.parse_args(argv)
+    _logging(args.loglevel)
+
+    def fail(message: str) -> int:
+        print(f"CommandError: {message}", file=sys.stderr)
+        return 1
+
+    token = args.token or os.environ.get("EDGECACHE_DEVICE_TOKEN", "")
+    if not token:
+        return fail("give the device token with --token or EDGECACHE_DEVICE_TOKEN (it was shown when the device was registered)")
+    try:
+        config = BoardConfig.from_env(device=args.name)
+        url = cachebox_url(config)
+        me = edge.become(args.name, token, CacheBox(url, connect_timeout=config.connect_timeout, timeout=config.io_timeout))
+    except ConfigError as exc:
+        return fail(str(exc))
+    except DeviceRefused as exc:
+        return fail(f"refused: {exc}")
+    except CacheBoxUnavailable as exc:
+        return fail(f"cannot reach the cache box to check the token: {exc}")
+    link = None
+    if me.record.link_bandwidth_mbps:
+        link = LinkProfile(me.record.link_bandwidth_mbps, me.record.link_rtt_ms or 0.0)
+    config = config.with_(namespace=me.record.cache_namespace, threads=me.record.threads or None, link=link)
+    app = board_app(url)
+    try:
+        board = set_board(Board.start(config, keys=me.keychain()))
+    except ModelNotFound as exc:
+        return fail(str(exc))
+
+    def stop_worker(reason):
+        print(f"refused: {reason}; stopping the board", file=sys.stderr)
+        os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown
+
+    beat = edge.HeartbeatThread(board.status, args.heartbeat, on_refused=stop_worker)
+    beat.start()
+    queues = f"{Queue.device(args.name)},{Queue.SHARED.value}"
+    print(
+        f"board {args.name} ready ({board.engine.model_file.path.name}, {board.engine.config.threads()} threads, "
+        f"{board.store.link_label} to the cache box, namespace {me.record.cache_namespace}, "
+        f"signing keys {'generation ' + str(me.ring.current) if me.ring else 'missing: cache off'}); "
+        f"serving queues {queues}",
+        flush=True,
+    )
+    try:
+        app.worker_main(["worker", "--queues", queues, "--pool", "solo", "--hostname", f"{args.name}@%h", "--loglevel", args.loglevel, "--without-gossip", "--without-mingle"])
+    finally:
+        beat.stop()
+        board.close()
+    return 0

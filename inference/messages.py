@@ -1,0 +1,258 @@
+"""What boards and the control plane say to each other: one typed definition of each message.
+
+Every message crosses the broker as JSON (never pickle) and is validated where it is
+received (``Message.receive``): a malformed or unknown message is refused with a logged
+reason and never reaches the code that acts on it, so no worker crashes on a bad dict.
+Queue and task names are enums here; the run's own words (case, decision, cache-box
+state) are enums of ``inference.breakdown``.
+
+Control plane -> board: ``RunRequest``, ``EncodeRequest`` (on ``device.NAME`` or ``boards``).
+Board -> control plane (queue ``control``): ``RunReport``, ``EncodeProgress``,
+``EncodeReport``, ``Heartbeat``; each names its device and authenticates it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cachebox.events import security_event
+
+from .breakdown import Breakdown, Case, Decision  # noqa: F401 (re-exported: the run's words)
+
+# Bounds that keep a hostile message from costing memory before it is refused.
+MAX_PROMPT_CHARS = 1_000_000
+MAX_SEGMENTS = 10_000
+MAX_TOKENS = 32_768
+MAX_LIST = 100_000
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_UUID = r"^[0-9a-fA-F-]{32,36}$"
+
+
+class Queue(StrEnum):
+    CONTROL = "control"  # the control plane's worker: reports, heartbeats, progress
+    SHARED = "boards"  # work any board may take
+
+    @staticmethod
+    def device(name: str) -> str:
+        """A board's own queue."""
+        return f"device.{name}"
+
+
+class Task(StrEnum):
+    # control plane -> boards
+    RUN_PROMPT = "edgecache.run_prompt"
+    ENCODE_SCHEMA = "edgecache.encode_schema"
+    # boards -> control plane
+    RECORD_RUN = "edgecache.record_run"
+    HEARTBEAT = "edgecache.heartbeat"
+    ENCODE_PROGRESS = "edgecache.encode_progress"
+    ENCODED = "edgecache.encoded"
+
+
+CONTROL_TASKS = (Task.RECORD_RUN, Task.HEARTBEAT, Task.ENCODE_PROGRESS, Task.ENCODED)
+
+
+class MessageRefused(ValueError):
+    """A message that does not follow the contract; the text says which field and why."""
+
+
+class Message(BaseModel):
+    """Base of every message: unknown fields are refused, values are checked, instances frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=MAX_PROMPT_CHARS)
+
+    @classmethod
+    def parse(cls, raw: Any) -> Self:
+        """The message in ``raw`` (a dict from the broker), or MessageRefused saying what is wrong."""
+        if not isinstance(raw, dict):
+            raise MessageRefused(f"{cls.__name__} must be a JSON object, got {type(raw).__name__}")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'message'}: {err['msg']}" for err in exc.errors()[:5])
+            raise MessageRefused(f"malformed {cls.__name__}: {problems}") from None
+
+    @classmethod
+    def receive(cls, raw: Any, *, receiver: str) -> Self | None:
+        """``parse`` at a boundary: None (and one security-log line) for a refused message."""
+        try:
+            return cls.parse(raw)
+        except MessageRefused as exc:
+            sender = raw.get("device") if isinstance(raw, dict) and isinstance(raw.get("device"), str) else None
+            security_event("message_refused", message=cls.__name__, receiver=receiver, device=(sender or "")[:64], reason=str(exc)[:500])
+            return None
+
+    def dump(self) -> dict:
+        """The JSON-ready dict that travels."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+# -- control plane -> board ------------------------------------------------------------------
+
+
+class SamplingSpec(Message):
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    top_k: int = Field(40, ge=1, le=1_000_000)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+
+
+class RunMeta(Message):
+    """Where a run came from, carried through the board back to the control plane."""
+
+    source: str = Field("text", max_length=32)
+    title: str = Field("", max_length=200)
+    expected_answer: str = Field("", max_length=16)
+
+
+class RunRequest(Message):
+    """A prompt to answer: its segments (cut where entries may be stored), or a PML prompt and its schema."""
+
+    request_id: str = Field(pattern=_UUID)
+    segments: list[str] = Field(default_factory=list, max_length=MAX_SEGMENTS)
+    schema_source: str = Field("", alias="schema")
+    pml: str = ""
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
+    sampling: SamplingSpec = SamplingSpec()
+    use_cache: bool = True
+    namespace: str = Field("", pattern=r"^$|" + _NAME)
+    meta: RunMeta = RunMeta()
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_kind_of_prompt(self) -> Self:
+        if self.schema_source and not self.pml:
+            raise ValueError("a schema run needs its PML prompt ('pml')")
+        if not self.schema_source and not "".join(self.segments).strip():
+            raise ValueError("the prompt is empty: give it some text")
+        if sum(len(segment) for segment in self.segments) > MAX_PROMPT_CHARS:
+            raise ValueError(f"the prompt is over {MAX_PROMPT_CHARS} characters")
+        return self
+
+    @property
+    def is_schema_run(self) -> bool:
+        return bool(self.schema_source)
+
+    @property
+    def prompt_text(self) -> str:
+        """The prompt as the control plane shows it."""
+        return self.pml if self.schema_source else "".join(self.segments)
+
+
+class EncodeRequest(Message):
+    """Encode every module of a schema into the cache box."""
+
+    request_id: str = Field(pattern=_UUID)
+    schema_id: int | None = None
+    schema_source: str = Field(alias="schema", min_length=1)
+    namespace: str = Field("", pattern=r"^$|" + _NAME)
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+# -- board -> control plane ------------------------------------------------------------------
+
+
+class StoredEntry(Message):
+    """One entry a board stored in the cache box (the control plane mirrors it)."""
+
+    name: str = Field(max_length=200)
+    namespace: str = Field(pattern=_NAME)
+    model: str = Field(pattern=r"^[0-9a-f]{1,32}$")
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    bytes: int = Field(ge=0)
+    piece: str = Field("", max_length=200)  # a schema module's path; "" for a prefix range
+
+    @model_validator(mode="after")
+    def _range(self) -> Self:
+        if self.start >= self.end:
+            raise ValueError(f"empty range [{self.start}, {self.end})")
+        return self
+
+
+class BoardMessage(Message):
+    """What every board message carries: who sends it, and the proof."""
+
+    device: str = Field(pattern=_NAME)
+    token: str = Field(max_length=256)
+
+
+class RunReport(BoardMessage):
+    """The answer to one RunRequest (or why there is none)."""
+
+    request_id: str = Field(pattern=_UUID)
+    meta: RunMeta = RunMeta()
+    prompt: str = ""
+    text: str = ""
+    error: str = Field("", max_length=10_000)
+    tokens: list[int] = Field(default_factory=list, max_length=MAX_TOKENS)
+    breakdown: Breakdown = Field(default_factory=Breakdown)
+    fetched: list[str] = Field(default_factory=list, max_length=MAX_LIST)
+    uploaded: list[StoredEntry] = Field(default_factory=list, max_length=MAX_LIST)
+    modules_hit: list[str] | None = None
+
+    @field_validator("breakdown", mode="before")
+    @classmethod
+    def _known_fields(cls, value):
+        # Boards of another version may add fields; the ones this side knows are checked (types too).
+        if isinstance(value, dict):
+            return {key: item for key, item in value.items() if key in Breakdown.__dataclass_fields__}
+        return value
+
+    @classmethod
+    def for_request(cls, request: RunRequest, *, device: str, token: str, error: str = "") -> "RunReport":
+        """The report of a request that did not run (refused, expired, failed)."""
+        return cls(device=device, token=token, request_id=request.request_id, meta=request.meta, prompt=request.prompt_text, error=error)
+
+
+class EncodeProgress(BoardMessage):
+    request_id: str = Field(pattern=_UUID)
+    schema_id: int | None = None
+    done: int = Field(ge=0)
+    total: int = Field(ge=0)
+    piece: str = Field("", max_length=200)
+
+
+class EncodeReport(BoardMessage):
+    request_id: str = Field(pattern=_UUID)
+    schema_id: int | None = None
+    error: str = Field("", max_length=10_000)
+    stored: list[StoredEntry] = Field(default_factory=list, max_length=MAX_LIST)
+    skipped: list[str] = Field(default_factory=list, max_length=MAX_LIST)
+    bytes: int = Field(0, ge=0)
+
+
+class CatalogStatus(Message):
+    """One catalog replica of a board, as its heartbeat reports it."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)  # counters may grow between versions
+
+    approx_items: int = Field(0, ge=0)
+    size_bytes: int = Field(0, ge=0)
+    fill_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    estimated_fp_rate: float = Field(0.0, ge=0.0, le=1.0)
+    configured_fp_rate: float = Field(0.0, ge=0.0, le=1.0)
+    last_sync: float | None = None
+    epoch: str = Field("", max_length=64)
+
+
+class BoardStatus(Message):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    pid: int = 0
+    sent: float = 0.0
+    model: str = Field("", max_length=200)
+    fingerprint: str = Field("", pattern=r"^$|^[0-9a-f]{1,32}$")
+    threads: int = Field(0, ge=0)
+    catalogs: dict[str, CatalogStatus] = Field(default_factory=dict, max_length=1000)
+
+
+class Heartbeat(BoardMessage):
+    status: BoardStatus = BoardStatus()
+

@@ -1,0 +1,271 @@
+"""Prefix serving: the paper's steps with a timer around each, over the one exchange path.
+
+tokenize -> catalog lookup (every candidate range) -> fetch the longest range the
+cache box really holds -> verify and restore it -> prefill only the rest -> sample
+the first token (TTFT) -> decode the rest (TTLT) -> export and upload the new
+ranges, after the answer, and announce their keys to every board's catalog.
+
+What is fetched, checked, restored and stored is the exchange's work
+(``inference.exchange``); this strategy says which ranges a prompt has and what
+a right entry for one holds. A cache box that is down, a catalog false positive, or
+a corrupted entry never changes the answer: the run falls back to local prefill and
+says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from cachebox.entry import EntryHeader
+from cachebox.errors import EntryError
+from cachebox.keys import candidate_boundaries, check_namespace, tokens_digest
+
+from .breakdown import Breakdown, CacheBoxState, Decision
+from .breakeven import BreakEvenPolicy
+from .engine import MAIN_SEQ, Engine
+from .exchange import EntryRef, Exchange, ExchangeSession, Fetched, run_session, plan_chain, prefix_refs
+from .sampling import TOP_CANDIDATES, SamplingParams, choose, sample
+from .serving import PromptError, RunResult, context_error, decode_answer, ms_since
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Restored:
+    matched: int = 0
+    top_ids: np.ndarray | None = None
+    top_logits: np.ndarray | None = None
+    entries: list[str] = field(default_factory=list)
+
+
+class PrefixServing:
+    """Serves prompts on one engine, reusing the longest cached prefix through the exchange."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        exchange: Exchange | None,
+        *,
+        chunk_tokens: int = 64,
+        top_logits: int = TOP_CANDIDATES,
+        namespace: str = "default",
+        policy: BreakEvenPolicy | None = None,
+    ):
+        self.engine = engine
+        self.exchange = exchange
+        self.chunk_tokens = chunk_tokens
+        self.top_logits = top_logits
+        self.namespace = check_namespace(namespace)
+        self.policy = policy or BreakEvenPolicy()
+        self.bytes_per_token = 18_500.0  # refined from every fetch
+
+    # -- public -------------------------------------------------------------------------
+    def tokenize(self, segments: Sequence[str]) -> tuple[list[int], list[int]]:
+        """Token ids of the whole prompt and the token index where each segment ends.
+
+        Segments are tokenized one by one, so a segment's tokens (and so its cache key)
+        do not depend on the text that follows it.
+        """
+        tokens: list[int] = []
+        ends: list[int] = []
+        for index, segment in enumerate(segments):
+            tokens += self.engine.tokenize(segment, add_bos=index == 0)
+            ends.append(len(tokens))
+        return tokens, ends
+
+    def run(
+        self,
+        prompt: str | Sequence[str],
+        *,
+        max_tokens: int = 16,
+        sampling: SamplingParams = SamplingParams(),
+        use_cache: bool = True,
+        namespace: str | None = None,
+        upload: bool = True,
+        use_catalog: bool = True,
+    ) -> RunResult:
+        """Answer ``prompt`` (a string, or its segments in order) and time every step.
+
+        ``upload=False`` leaves the cache box as it was (benchmarks measure one state many
+        ways); ``use_catalog=False`` asks the cache box about every candidate range, as a
+        design without a catalog would.
+        """
+        segments = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not segments or not "".join(segments).strip():
+            raise PromptError("the prompt is empty: give it some text")
+        if max_tokens < 1:
+            raise PromptError("max_tokens must be at least 1")
+        namespace = check_namespace(namespace or self.namespace)
+        engine = self.engine
+        with engine.lock:
+            breakdown = Breakdown()
+            started = time.perf_counter()
+
+            mark = time.perf_counter()
+            tokens, segment_ends = self.tokenize(segments)
+            breakdown.token_ms = ms_since(mark)
+            prompt_tokens = len(tokens)
+            breakdown.prompt_tokens = prompt_tokens
+            if prompt_tokens + max_tokens > engine.n_ctx:
+                raise context_error(prompt_tokens, max_tokens, engine.n_ctx)
+            engine.clear()
+
+            breakdown.link = self.exchange.link_label if self.exchange is not None else ""
+            boundaries = candidate_boundaries(prompt_tokens, segment_ends, self.chunk_tokens)
+            session = run_session(self.exchange, namespace, breakdown, use_cache)
+            refs: list[EntryRef] = []
+            known: set[bytes] = set()  # keys the catalog says the cache box holds
+            restored = _Restored()
+            if session is not None:
+                refs = prefix_refs(namespace, engine.fingerprint, tokens, boundaries)
+                restored = self._lookup_and_restore(session, tokens, refs, known, use_catalog)
+            matched = restored.matched
+            breakdown.classify(matched, prompt_tokens)
+
+            # P-decode: only what was not restored. Logits are kept at the segment ends so
+            # that their entries carry them (one 1 MB copy each, no extra model work): a later
+            # prompt that ends there is then a full hit with no decode at all. Entries at
+            # fixed chunk ends go without (a prompt rarely ends exactly there; it then
+            # recomputes one token) to keep entries small.
+            boundary_logits: dict[int, np.ndarray] = {}
+            exports: dict[int, bytes] = {}  # range end -> state, taken as soon as the range is computed
+            if matched < prompt_tokens:
+                wanted = {prompt_tokens - 1}
+                on_batch = None
+                if session is not None:
+                    wanted |= {end - 1 for end in segment_ends if end > matched}
+                    on_batch = self._exporter(boundaries, matched, exports)
+                mark = time.perf_counter()
+                boundary_logits = engine.prefill(tokens[matched:], matched, logits_at=wanted, on_batch=on_batch)
+                breakdown.prefill_ms = ms_since(mark)
+            elif restored.top_ids is None:
+                # A full hit without stored logits: recompute the last position only.
+                mark = time.perf_counter()
+                engine.remove(MAIN_SEQ, prompt_tokens - 1, -1)
+                boundary_logits = engine.prefill(tokens[-1:], prompt_tokens - 1, logits_at={prompt_tokens - 1})
+                breakdown.prefill_ms = ms_since(mark)
+
+            # First token: from fresh logits, or from the ones stored with a full hit.
+            rng = np.random.default_rng(sampling.seed)
+            mark = time.perf_counter()
+            if prompt_tokens - 1 in boundary_logits:
+                token = choose(boundary_logits[prompt_tokens - 1], sampling, rng, self.top_logits)
+            else:
+                token = sample(restored.top_ids, restored.top_logits, sampling, rng)
+            breakdown.sample_ms = ms_since(mark)
+            breakdown.ttft_ms = ms_since(started)
+
+            generated, text = decode_answer(engine, token, prompt_tokens, max_tokens, sampling, rng, breakdown, started, self.top_logits)
+
+            uploaded = []
+            if session is not None and upload and breakdown.cachebox == CacheBoxState.OK:
+                uploaded = self._upload(session, tokens, refs, known, matched, boundary_logits, exports)
+                session.touch(restored.entries)
+            breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
+            self._learn(breakdown)
+            return RunResult(text=text, tokens=generated, breakdown=breakdown, fetched=restored.entries, uploaded=uploaded)
+
+    # -- steps ----------------------------------------------------------------------------
+    def _lookup_and_restore(self, session: ExchangeSession, tokens: list[int], refs: list[EntryRef], known: set[bytes], use_catalog: bool) -> _Restored:
+        breakdown = session.breakdown
+        candidates = session.maybe(refs, use_catalog=use_catalog)
+        known.update(ref.key for ref in candidates)
+        if not candidates:
+            breakdown.decision = Decision.CATALOG_MISS  # a sure miss: no network at all
+            return _Restored()
+        longest = candidates[-1].end
+        breakdown.candidate_tokens = longest
+        decision = self.policy.decide(longest, int(longest * self.bytes_per_token))
+        breakdown.predicted_fetch_ms = decision.predicted_fetch_ms
+        breakdown.predicted_prefill_ms = decision.predicted_prefill_ms
+        if not decision.fetch:
+            breakdown.decision = Decision.POLICY_SKIP  # recomputing is forecast to be faster on this board and link
+            return _Restored()
+
+        def expect(ref: EntryRef, header: EntryHeader) -> None:
+            if header.end != ref.end or header.start >= ref.end:
+                raise EntryError(f"entry covers [{header.start}, {header.end}), expected a range ending at {ref.end}")
+            if header.tokens_digest != tokens_digest(tokens[header.start : header.end]):
+                raise EntryError("entry does not belong to these tokens")
+
+        by_end = {ref.end: ref for ref in refs}
+        heads = session.read_headers(candidates[::-1], expect)
+        headers = {ref.end: heads[ref.name] for ref in candidates if ref.name in heads}
+
+        def read_link(end: int) -> EntryHeader | None:
+            # A range stored by a prompt cut differently: read that link's header too.
+            (by_end[end],) = prefix_refs(session.namespace, self.engine.fingerprint, tokens, [end])
+            return session.read_headers([by_end[end]], expect).get(by_end[end].name)
+
+        chain = [by_end[end] for end in plan_chain(headers, read_link)]
+        chain = session.within_budget(chain, {by_end[end].name: header for end, header in headers.items()})
+        fetched = session.fetch(chain, expect, chain=True)
+        matched = 0
+        used: list[Fetched] = []
+        for item in fetched:
+            if not session.restore(self.engine, item, MAIN_SEQ, range(0, 1)):
+                break
+            matched = item.ref.end
+            used.append(item)
+        if fetched and matched < fetched[-1].ref.end:
+            self.engine.remove(MAIN_SEQ, matched, -1)  # drop a partly restored range
+        breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
+        if matched == 0:
+            if breakdown.cachebox == CacheBoxState.OK:
+                breakdown.decision = Decision.NO_USABLE_ENTRY
+            return _Restored()
+        session.record_hits(len(used))
+        breakdown.decision = Decision.FETCH
+        last = used[-1].header
+        full = matched == len(tokens)
+        return _Restored(matched, last.top_ids if full else None, last.top_logits if full else None, [item.ref.name for item in used])
+
+    def _learn(self, breakdown: Breakdown) -> None:
+        """Feed this run's measured costs to the break-even policy."""
+        self.policy.observe_prefill(breakdown.prompt_tokens - breakdown.matched_tokens, breakdown.prefill_ms)
+        if breakdown.matched_tokens and breakdown.fetched_bytes:
+            self.policy.observe_fetch(breakdown.fetched_bytes, breakdown.redis_ms)
+            self.bytes_per_token = 0.8 * self.bytes_per_token + 0.2 * breakdown.fetched_bytes / breakdown.matched_tokens
+
+    def _exporter(self, boundaries: list[int], matched: int, exports: dict[int, bytes]):
+        """A prefill callback that copies each new range out as soon as it is computed.
+
+        Exporting later (after the answer) would be too late for sliding-window layers:
+        llama.cpp reuses the cells that no later token can see (about 0.1 ms per MB).
+        """
+        pending = [end for end in boundaries if end > matched]
+
+        def export_ready(next_position: int) -> None:
+            start = max([matched] + list(exports))
+            while pending and pending[0] <= next_position:
+                end = pending.pop(0)
+                exports[end] = self.engine.export_range(start, end)
+                start = end
+
+        return export_ready
+
+    def _upload(self, session: ExchangeSession, tokens, refs: list[EntryRef], known: set[bytes], matched: int, boundary_logits, exports) -> list:
+        """Store the ranges this run computed (after the answer is out)."""
+        mark = time.perf_counter()
+        items: list[tuple[EntryRef, bytes]] = []
+        start = matched
+        for ref in refs:
+            if ref.end <= matched:
+                continue
+            state = exports.get(ref.end)
+            if state is None:
+                break  # not computed in this run
+            if ref.key in known and ref.name not in session.missing:
+                start = ref.end  # the cache box has it already (the policy chose to recompute): no second upload
+                continue
+            stored = EntryRef(start, ref.end, ref.key, ref.name)
+            items.append((stored, session.seal(stored, state, tokens_digest(tokens[start : ref.end]), boundary_logits.get(ref.end - 1), self.top_logits)))
+            start = ref.end
+        uploaded = session.share(items, chain=True)
+        session.breakdown.upload_ms = ms_since(mark)
+        return uploaded

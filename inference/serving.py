@@ -1,0 +1,64 @@
+"""What every serving strategy shares: the result of a run, prompt errors, the decode loop."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .breakdown import Breakdown
+from .engine import Engine
+from .messages import StoredEntry
+from .sampling import TOP_CANDIDATES, SamplingParams, choose
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be run as given; the message says what to change."""
+
+
+def ms_since(since: float) -> float:
+    return (time.perf_counter() - since) * 1000.0
+
+
+def context_error(prompt_tokens: int, max_tokens: int, n_ctx: int) -> PromptError:
+    return PromptError(
+        f"the prompt has {prompt_tokens} tokens and {max_tokens} more were asked for, but the "
+        f"context holds {n_ctx}; shorten the prompt, ask for fewer tokens, or raise EDGECACHE_N_CTX on the board"
+    )
+
+
+@dataclass
+class RunResult:
+    text: str
+    tokens: list[int]
+    breakdown: Breakdown
+    # Cache-box entries this run used and stored, for the control plane's mirror.
+    fetched: list[str] = field(default_factory=list)
+    uploaded: list[StoredEntry] = field(default_factory=list)
+    modules_hit: list[str] | None = None  # schema runs: the modules served from the cache box
+
+    def as_dict(self) -> dict:
+        extra = {"modules_hit": self.modules_hit} if self.modules_hit is not None else {}
+        return {"text": self.text, **self.breakdown.as_dict(), **extra}
+
+
+def decode_answer(engine: Engine, token: int, position: int, max_tokens: int, sampling: SamplingParams, rng, breakdown: Breakdown, started: float, top: int = TOP_CANDIDATES) -> tuple[list[int], str]:
+    """Decode the answer after its first token (R-decode + Sample), stopping at end of generation.
+
+    Fills ``decode_ms``, ``sample_ms``, ``ttlt_ms`` and ``generated_tokens``; returns the
+    answer's tokens (without the end-of-generation token) and its text.
+    """
+    generated = [token]
+    while len(generated) < max_tokens and not engine.is_end_of_generation(token):
+        mark = time.perf_counter()
+        logits = engine.decode_one(token, position)
+        breakdown.decode_ms += ms_since(mark)
+        position += 1
+        mark = time.perf_counter()
+        token = choose(logits, sampling, rng, top)
+        breakdown.sample_ms += ms_since(mark)
+        generated.append(token)
+    breakdown.ttlt_ms = ms_since(started)
+    if engine.is_end_of_generation(generated[-1]):
+        generated.pop()
+    breakdown.generated_tokens = len(generated)
+    return generated, engine.detokenize(generated)

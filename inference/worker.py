@@ -1,0 +1,55 @@
+"""Celery for boards: the settings every worker shares, and the app an edge process runs.
+
+A board's Celery app is built here from its ``BoardConfig`` alone (broker = the cache box's
+server); it never loads the control plane's settings. The control plane's app
+(``dashboard.celery``) takes the same ``celery_settings`` through Django settings.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from .messages import CONTROL_TASKS, Queue
+
+
+def celery_settings(broker_url: str, environ=os.environ) -> dict:
+    """Settings (lower-case Celery names) shared by boards and the control plane."""
+
+    def number(name: str, default: int) -> int:
+        raw = environ.get(name, "").strip()
+        return int(raw) if raw else default
+
+    return {
+        "broker_url": broker_url,
+        "task_serializer": "json",  # never pickle: boards load what they receive
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "task_ignore_result": True,  # boards report results as control-plane tasks
+        "task_acks_late": True,  # acknowledged after the task ran: a board killed mid-task loses nothing
+        "task_reject_on_worker_lost": True,
+        # Unacknowledged messages of a worker that died go back to the queue after the visibility
+        # timeout. Keep it longer than any task (a task still running then would run twice; runs
+        # are stored once by id) and shorter than EDGECACHE_TASK_EXPIRES. Every worker looks for
+        # such messages every EDGECACHE_RESTORE_INTERVAL seconds (kombu's default throttle: 100 s).
+        "broker_transport_options": {
+            "visibility_timeout": number("EDGECACHE_VISIBILITY_TIMEOUT", 300),
+            "unacked_restore_interval": number("EDGECACHE_RESTORE_INTERVAL", 10),
+            "unacked_restore_throttle": 1,
+        },
+        "worker_prefetch_multiplier": 1,
+        "task_default_queue": Queue.CONTROL.value,
+        "task_routes": {task.value: {"queue": Queue.CONTROL.value} for task in CONTROL_TASKS},
+        "broker_connection_retry_on_startup": True,
+        "worker_hijack_root_logger": False,
+    }
+
+
+def board_app(broker_url: str) -> Celery:
+    """The Celery app of one edge process: the board tasks, JSON only, current and default."""
+    app = Celery("edgecache-board", set_as_current=True)
+    app.conf.update(celery_settings(broker_url))
+    app.conf.update(include=["inference.tasks"])
+    app.set_default()
+    return app
