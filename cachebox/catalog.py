@@ -21,7 +21,16 @@ from .keys import KEY_BYTES
 DEFAULT_CAPACITY = 1_000_000
 DEFAULT_FP_RATE = 0.01
 _MAGIC = b"ECB1"
+# Bounds on what serialized bytes may declare (1e8 entries at 1e-6 is ~360 MB of filter).
+MAX_CAPACITY = 100_000_000
+MIN_FP_RATE = 1e-6
+MAX_PARAMS_BYTES = 1024
 _PREFIX = struct.Struct("<4sI")
+
+
+def expected_filter_bytes(capacity: int, fp_rate: float) -> int:
+    """Size of an optimal Bloom filter for ``capacity`` keys at ``fp_rate`` (what rbloom allocates)."""
+    return math.ceil(-capacity * math.log(fp_rate) / (math.log(2) ** 2) / 8)
 
 
 def key_hash(key: bytes) -> int:
@@ -134,9 +143,20 @@ class Catalog:
             magic, params_len = _PREFIX.unpack_from(raw)
             if magic != _MAGIC:
                 raise ValueError("wrong magic bytes")
+            if params_len > MAX_PARAMS_BYTES:
+                raise ValueError(f"parameters claim {params_len} bytes")
             params = json.loads(raw[_PREFIX.size : _PREFIX.size + params_len])
-            catalog = cls(int(params["capacity"]), float(params["fp_rate"]))
-            bloom = Bloom.load_bytes(raw[_PREFIX.size + params_len :], key_hash)
+            capacity, fp_rate = int(params["capacity"]), float(params["fp_rate"])
+            body = raw[_PREFIX.size + params_len :]
+            # Sizes are checked against limits and against the bytes really there before
+            # anything is allocated: a snapshot claiming 1e11 entries must not abort a process.
+            if not 1 <= capacity <= MAX_CAPACITY or not MIN_FP_RATE <= fp_rate < 1.0:
+                raise ValueError(f"capacity {capacity} or false-positive rate {fp_rate} out of bounds (at most {MAX_CAPACITY} entries, rate >= {MIN_FP_RATE})")
+            expected = expected_filter_bytes(capacity, fp_rate)
+            if not expected * 0.9 - 64 <= len(body) <= expected * 1.1 + 64:
+                raise ValueError(f"{len(body)} filter bytes for a filter of about {expected}")
+            catalog = cls(capacity, fp_rate)
+            bloom = Bloom.load_bytes(body, key_hash)
         except Exception as exc:  # struct.error, ValueError, KeyError, rbloom's own errors
             raise CatalogFormatError(f"catalog bytes cannot be loaded: {exc}") from exc
         if bloom.size_in_bits != catalog.size_bits:

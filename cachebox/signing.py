@@ -4,10 +4,10 @@ Every entry header is authenticated with HMAC-SHA256 under its namespace's curre
 key, and the header commits to the state through a SHA-256 digest, so a board checks
 an entry before any of its bytes reach llama.cpp. Keys are derived on the control
 plane from one master secret (``derive_keyring``); boards receive their namespace's
-ring sealed with a key only they can derive from their device token (``seal`` /
-``unseal``), through the device registry, and never see other tenants' keys.
+ring sealed to their own X25519 public key (``seal`` / ``unseal``), through the device
+registry, and never see other tenants' keys.
 
-Pure logic and standard crypto primitives (hashlib, hmac, AES-GCM from
+Pure logic and standard crypto primitives (hashlib, hmac; X25519, HKDF and AES-GCM from
 ``cryptography``): no I/O, tested in milliseconds.
 """
 
@@ -23,7 +23,10 @@ import time
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import EntryError
 
@@ -111,33 +114,57 @@ def derive_keyring(master: bytes, namespace: str, generation: int, extra_namespa
 
 
 def private_namespace(namespace: str, device: str) -> str:
-    """Where a board of a namespace that does not share across devices keeps its entries."""
-    return f"{namespace}.dev-{device}"[:64]
+    """Where a board of a namespace that does not share across devices keeps its entries.
+
+    ``<namespace>.dev-<device>`` while that fits in 64 characters; otherwise a digest of the
+    full pair, ``<namespace>.dev.<24 hex>`` (a device name has no '.', so the two forms never
+    meet). Nothing is cut: two boards' private namespaces never collide.
+    """
+    readable = f"{namespace}.dev-{device}"
+    if len(readable) <= 64:
+        return readable
+    digest = hashlib.blake2b(f"{namespace}\x00{device}".encode(), digest_size=12).hexdigest()
+    return f"{namespace}.dev.{digest}"
+
+
+def tenant_of(namespace: str) -> str:
+    """The tenant a (possibly private) cache namespace belongs to."""
+    return namespace.split(".dev", 1)[0]
 
 
 # -- delivery to boards ---------------------------------------------------------------------
+# A ring reaches a board sealed to the board's own X25519 public key (an ephemeral-static
+# Diffie-Hellman, HKDF-SHA256, AES-256-GCM bound to the device name). Only the board, which
+# keeps the private key and never sends it, can open it: a Redis dump (sealed rings, public
+# keys) or a database dump (public keys) alone opens no ring.
+
+_SEAL_INFO = b"edgecache/keyring-seal/v2"
 
 
-def wrap_key(token: str) -> bytes:
-    """The key that seals a device's key ring: derivable only from its token."""
-    return hmac.new(token.encode(), b"edgecache/keyring-wrap/v1", hashlib.sha256).digest()
+def _seal_key(shared: bytes, device: str) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_SEAL_INFO + b"/" + device.encode()).derive(shared)
 
 
-def seal(ring: KeyRing, wrapping_key: bytes, device: str) -> str:
-    """The ring encrypted and authenticated for one device (AES-256-GCM, device name bound)."""
+def seal(ring: KeyRing, box_public_key: bytes, device: str) -> str:
+    """The ring encrypted for one board's X25519 public key (32 bytes), bound to its name."""
+    ephemeral = X25519PrivateKey.generate()
+    shared = ephemeral.exchange(X25519PublicKey.from_public_bytes(box_public_key))
     nonce = os.urandom(12)
-    sealed = AESGCM(wrapping_key).encrypt(nonce, json.dumps(ring.to_dict()).encode(), device.encode())
-    return base64.b64encode(nonce + sealed).decode()
+    sealed = AESGCM(_seal_key(shared, device)).encrypt(nonce, json.dumps(ring.to_dict()).encode(), device.encode())
+    return base64.b64encode(ephemeral.public_key().public_bytes_raw() + nonce + sealed).decode()
 
 
-def unseal(sealed: str, token: str, device: str) -> KeyRing:
-    """Open a ring sealed for ``device``; ValueError when the token or the blob is wrong."""
+def unseal(sealed: str, box_private_key: X25519PrivateKey, device: str) -> KeyRing:
+    """Open a ring sealed for ``device``; ValueError when the key or the blob is wrong."""
     try:
         raw = base64.b64decode(sealed, validate=True)
-        plain = AESGCM(wrap_key(token)).decrypt(raw[:12], raw[12:], device.encode())
+        if len(raw) < 32 + 12 + 16:
+            raise ValueError("too short")
+        shared = box_private_key.exchange(X25519PublicKey.from_public_bytes(raw[:32]))
+        plain = AESGCM(_seal_key(shared, device)).decrypt(raw[32:44], raw[44:], device.encode())
         return KeyRing.from_dict(json.loads(plain))
     except (InvalidTag, ValueError, TypeError) as exc:
-        raise ValueError(f"cannot open the key ring for device {device!r}: {exc or 'wrong token'}") from exc
+        raise ValueError(f"cannot open the key ring for device {device!r}: {exc or 'not sealed for this board'}") from exc
 
 
 class Keychain:

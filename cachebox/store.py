@@ -338,6 +338,10 @@ class CacheBox:
 
         return self._run(put)
 
+    def catalog_drop_snapshot(self, namespace: str) -> None:
+        """Delete the master snapshot (an unreadable one); the log and the epoch stay. One round trip."""
+        self._run(lambda: self.redis.delete(catalog_key_names(namespace)["snapshot"]))
+
     def catalog_replace(self, namespace: str, bloom: bytes, epoch: str) -> None:
         """Install a rebuilt master catalog under a new epoch and drop the old log."""
         names = catalog_key_names(namespace)

@@ -16,6 +16,7 @@ import uuid
 
 from .catalog import Catalog
 from .errors import CacheBoxUnavailable, CatalogFormatError
+from .events import security_event
 from .store import CacheBox, _stream_id_after
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,10 @@ class CatalogReplica:
         try:
             self.catalog.merge(Catalog.from_bytes(bloom))
         except CatalogFormatError as exc:
-            log.warning("catalog %s: ignoring an unreadable master snapshot (%s)", self.namespace, exc)
+            # Refused before anything was allocated; dropped so no board or page reads it again.
+            # The catalog is rebuilt from the announcements that follow (and whole by `reconcile`).
+            security_event("catalog_refused", namespace=self.namespace, reason=str(exc)[:300], action="snapshot dropped")
+            self.store.catalog_drop_snapshot(self.namespace)
             return
         if _stream_id_after(last_id, self.last_id):
             self.last_id = last_id

@@ -1,11 +1,13 @@
 from django.contrib import admin, messages
+from django.contrib.auth import get_user_model
+from django.contrib.auth.admin import UserAdmin
 from django.contrib.admin import helpers
 from django.template.defaultfilters import filesizeformat
 from django.template.response import TemplateResponse
 
 from cachebox.models import CacheEntry
 
-from .models import AuditEvent, Device, InferenceRun, Namespace, SavedPrompt
+from .models import AuditEvent, Device, InferenceRun, Membership, Namespace, SavedPrompt
 
 SHOWN = 50  # items listed on a confirmation page
 
@@ -83,7 +85,7 @@ class NamespaceAdmin(admin.ModelAdmin):
 class DeviceAdmin(admin.ModelAdmin):
     list_display = ("name", "namespace", "kind", "cpu_threads", "link_bandwidth_mbps", "link_rtt_ms", "last_seen", "revoked_at")
     list_filter = ("namespace",)
-    readonly_fields = ("token_sha256", "token_hint", "token_created", "revoked_at", "last_seen", "status", "created")
+    readonly_fields = ("token_created", "enrolled_at", "signing_public_key", "box_public_key", "revoked_at", "last_seen", "status", "created")
     search_fields = ("name", "kind")
 
     def has_add_permission(self, request):
@@ -203,3 +205,33 @@ class CacheEntryAdmin(admin.ModelAdmin):
             return page
         count = pin_entries(request.user, queryset, False)
         self.message_user(request, f"Unpinned {count} entries.", messages.SUCCESS)
+
+
+# -- who sees which tenant: memberships (staff see every namespace; others only their own) ----------
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    extra = 1
+    fields = ("namespace", "created")
+    readonly_fields = ("created",)
+    verbose_name = "namespace this user sees"
+    verbose_name_plural = "namespaces this user sees (staff see every namespace)"
+
+
+@admin.register(Membership)
+class MembershipAdmin(admin.ModelAdmin):
+    list_display = ("user", "namespace", "created")
+    list_filter = ("namespace",)
+    search_fields = ("user__username", "namespace__name")
+    readonly_fields = ("created",)
+
+
+_User = get_user_model()
+if admin.site.is_registered(_User):
+    admin.site.unregister(_User)
+
+
+@admin.register(_User)
+class EdgeCacheUserAdmin(UserAdmin):
+    """Django's user page, plus the namespaces the user sees (editable in place)."""
+
+    inlines = [*UserAdmin.inlines, MembershipInline]

@@ -14,6 +14,7 @@ from inference.pml import PMLError, parse_prompt, parse_schema
 
 from .actions import PromptSpec
 from .models import Device, SavedPrompt
+from .stats import sees_every_namespace, visible_devices
 
 MAX_PROMPT_CHARS = 32_000
 
@@ -86,20 +87,41 @@ class SchemaForm(forms.ModelForm):
         widgets = {"source": forms.Textarea(attrs={"rows": 18, "spellcheck": "false"})}
 
 
-class EncodeForm(forms.Form):
-    devices = forms.ModelMultipleChoiceField(queryset=Device.objects.filter(revoked_at__isnull=True), widget=forms.CheckboxSelectMultiple)
+class _ForUser:
+    """A form whose device choices are the devices its user may see (a device of another
+    tenant, even named in a hand-made POST, is "not one of the available choices")."""
+
+    def _scope_to(self, user) -> None:
+        self.user = user
+        self.fields["devices"].queryset = visible_devices(user).filter(revoked_at__isnull=True)
+
+    def _check_namespace_is_theirs(self, namespace: str) -> str:
+        if not namespace or sees_every_namespace(self.user):
+            return namespace
+        devices = list(visible_devices(self.user))
+        theirs = {device.namespace_id for device in devices} | {device.cache_namespace for device in devices}
+        if namespace not in theirs:
+            mine = ", ".join(sorted({device.namespace_id for device in devices})) or "none"
+            raise forms.ValidationError(f"Namespace {namespace!r} is not one of yours ({mine}): leave it empty to use each device's own.")
+        return namespace
+
+
+class EncodeForm(_ForUser, forms.Form):
+    devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple)
     namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
 
+    def __init__(self, *args, user, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._scope_to(user)
+
     def clean_namespace(self):
-        return _clean_namespace(self.cleaned_data.get("namespace"))
+        return self._check_namespace_is_theirs(_clean_namespace(self.cleaned_data.get("namespace")))
 
 
-class RunForm(forms.Form):
+class RunForm(_ForUser, forms.Form):
     SOURCES = [("text", "Free text"), ("mmlu", "MMLU question"), ("saved", "Saved prompt"), ("pml", "Schema prompt (PML)")]
 
-    devices = forms.ModelMultipleChoiceField(
-        queryset=Device.objects.filter(revoked_at__isnull=True), widget=forms.CheckboxSelectMultiple
-    )
+    devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple)
     source = forms.ChoiceField(choices=SOURCES, initial="text", widget=forms.RadioSelect)
     text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6}), required=False, max_length=MAX_PROMPT_CHARS)
     split_on = forms.CharField(required=False, max_length=20, help_text=r"optional: cut the text after each of these (e.g. \n\n)")
@@ -115,15 +137,16 @@ class RunForm(forms.Form):
     namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
     use_cache = forms.BooleanField(required=False, initial=True)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
+        self._scope_to(user)
         try:
             self.fields["topic"].choices = [(topic, topic) for topic in mmlu.topics()]
         except FileNotFoundError:
             self.fields["topic"].choices = []
 
     def clean_namespace(self):
-        return _clean_namespace(self.cleaned_data.get("namespace"))
+        return self._check_namespace_is_theirs(_clean_namespace(self.cleaned_data.get("namespace")))
 
     def clean(self):
         data = super().clean()

@@ -58,10 +58,16 @@ class Device(models.Model):
         Namespace, to_field="name", db_column="namespace", default="default", on_delete=models.PROTECT, related_name="devices",
         help_text="the tenant whose cache entries this board may read and write",
     )
+    # The enrollment token is shown once; kept are its hash (the board checks a token locally
+    # before enrolling) and, until the board enrolls, the key that checks its enrollment proof.
     token_sha256 = models.CharField(max_length=64, editable=False)
-    token_hint = models.CharField(max_length=8, editable=False, help_text="first characters of the token, to tell tokens apart")
-    # Seals the namespace's signing keys for this board; derived from the token (see cachebox.signing).
-    wrap_key = models.CharField(max_length=64, editable=False, blank=True)
+    enroll_key = models.CharField(max_length=64, editable=False, blank=True)
+    # The board's own public keys, sent once at enrollment: Ed25519 checks every message it
+    # sends, X25519 is what its namespace's key ring is sealed to. Its private keys never leave it.
+    signing_public_key = models.CharField(max_length=64, editable=False, blank=True)
+    box_public_key = models.CharField(max_length=64, editable=False, blank=True)
+    enrolled_at = models.DateTimeField(null=True, blank=True, editable=False)
+    last_message_ts = models.FloatField(default=0.0, editable=False, help_text="send time of the newest heartbeat accepted (replays are older)")
     token_created = models.DateTimeField(default=timezone.now)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True)
@@ -100,6 +106,27 @@ class Device(models.Model):
             return "unshaped link"
         rtt = f", {self.link_rtt_ms:g} ms RTT" if self.link_rtt_ms else ""
         return f"{self.link_bandwidth_mbps:g} Mbit/s{rtt}"
+
+
+class Dispatch(models.Model):
+    """A request sent to boards: only the device it went to (or, sent to any board, a board of its
+    namespace) may answer it, once."""
+
+    KINDS = [("run", "run"), ("encode", "encode")]
+
+    request_id = models.UUIDField(unique=True)
+    kind = models.CharField(max_length=8, choices=KINDS)
+    device = models.ForeignKey(Device, null=True, blank=True, on_delete=models.CASCADE, related_name="dispatches", help_text="empty: any board of the namespace")
+    namespace = models.CharField(max_length=64)
+    created = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.request_id} -> {self.device or 'any board'}"
+
+    def answerable_by(self, device: Device) -> bool:
+        if self.device_id is not None:
+            return self.device_id == device.pk
+        return device.namespace_id == self.namespace or device.cache_namespace == self.namespace
 
 
 class SavedPrompt(models.Model):
@@ -198,3 +225,19 @@ class AuditEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.created:%Y-%m-%d %H:%M} {self.user or 'system'} {self.action} {self.target}"
+
+
+class Membership(models.Model):
+    """A user's access to one namespace (tenant): a user who is not staff sees only the devices,
+    runs and live events of the namespaces they are a member of. Staff see every namespace."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    namespace = models.ForeignKey(Namespace, to_field="name", on_delete=models.CASCADE, related_name="memberships")
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        unique_together = [("user", "namespace")]
+        ordering = ["namespace", "user"]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.namespace_id}"

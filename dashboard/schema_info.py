@@ -3,27 +3,18 @@ which of them the cache box holds for each model. Reads the model's vocabulary o
 
 from __future__ import annotations
 
-import functools
-
 from django.conf import settings
 
 from cachebox.keys import module_key, module_key_name
 
-from inference.engine import Vocabulary
-from inference.model_file import resolve_model
-from inference.schema_serving import EngineTokenizer
-from inference.pml_layout import SchemaLayout, all_pieces, lay_out
-from inference.pml import parse_schema
-
-
-@functools.lru_cache(maxsize=2)
-def _tokenizer(model_path: str) -> EngineTokenizer:
-    return EngineTokenizer(Vocabulary.load(resolve_model(model_path or None)))
+from inference.pml_layout import SchemaLayout, all_pieces
+from inference.schema_serving import layout_for
 
 
 def layout_of(source: str) -> SchemaLayout:
-    """Parse and lay out a schema with the configured model's tokenizer (raises PMLError)."""
-    return lay_out(parse_schema(source), _tokenizer(settings.EDGECACHE_MODEL))
+    """Parse and lay out a schema with the configured model's tokenizer (raises PMLError, also for
+    a layout the context cannot hold)."""
+    return layout_for(source, settings.EDGECACHE_MODEL, settings.EDGECACHE_N_CTX)
 
 
 def describe(layout: SchemaLayout) -> list[dict]:

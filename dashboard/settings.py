@@ -7,6 +7,9 @@ SQLite and an embedded Valkey server under ``.edgecache/``. Real deployments set
 
 import os
 import secrets
+import stat
+import tempfile
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -17,7 +20,16 @@ from inference.worker import celery_settings
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 EDGECACHE_HOME = edgecache_home()
-EDGECACHE_HOME.mkdir(parents=True, exist_ok=True)
+
+
+def _private_dir(folder: Path) -> None:
+    """The folder of the secrets and the database: only its owner may list or enter it (0700)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if stat.S_IMODE(folder.stat().st_mode) & 0o077:
+        folder.chmod(0o700)
+
+
+_private_dir(EDGECACHE_HOME)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -36,15 +48,52 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number, got {raw!r}") from exc
 
 
+def _env_bool(name: str, default: bool = False) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {raw!r}")
+
+
+def _read_secret(key_file: Path) -> str:
+    value = key_file.read_text().strip()
+    if not value:
+        raise ValueError(
+            f"{key_file} is empty (left by an interrupted start of an older version): delete it and start again, "
+            "a new secret is generated"
+        )
+    return value
+
+
 def _secret(env: str, file_name: str) -> str:
-    """A secret from the environment, else one generated once into .edgecache/ (mode 0600)."""
+    """A secret from the environment, else one generated once into .edgecache/ (mode 0600).
+
+    Processes that start together race to create it: each writes a complete secret to a
+    temporary file of its own and links it into place, which fails if another one got there
+    first (then that one is read). The file appears whole or not at all: a reader never sees
+    it empty or half-written.
+    """
     if os.environ.get(env):
         return os.environ[env]
     key_file = EDGECACHE_HOME / file_name
     if not key_file.exists():
-        key_file.touch(mode=0o600)
-        key_file.write_text(secrets.token_urlsafe(50))
-    return key_file.read_text().strip()
+        fd, temporary = tempfile.mkstemp(dir=EDGECACHE_HOME, prefix=f".{file_name}.")  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(50))
+                out.flush()
+                os.fsync(out.fileno())
+            try:
+                os.link(temporary, key_file)
+            except FileExistsError:
+                pass  # another process created it first: use theirs
+        finally:
+            os.unlink(temporary)
+    return _read_secret(key_file)
 
 
 SECRET_KEY = _secret("DJANGO_SECRET_KEY", "secret_key")
@@ -62,6 +111,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "axes",
     "cachebox",
     "inference",
     "dashboard",
@@ -76,6 +126,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",  # last: turns a lockout into the page that says when to retry
 ]
 
 ROOT_URLCONF = "dashboard.urls"
@@ -97,9 +148,14 @@ TEMPLATES = [
 WSGI_APPLICATION = None
 ASGI_APPLICATION = "dashboard.asgi.application"
 
-DATABASES = {
-    "default": dj_database_url.config(default=f"sqlite:///{EDGECACHE_HOME / 'db.sqlite3'}", conn_max_age=60)
-}
+_SQLITE_DEFAULT = EDGECACHE_HOME / "db.sqlite3"
+DATABASES = {"default": dj_database_url.config(default=f"sqlite:///{_SQLITE_DEFAULT}", conn_max_age=60)}
+if Path(str(DATABASES["default"].get("NAME", ""))) == _SQLITE_DEFAULT:
+    # The database holds password hashes and sessions: created 0600 before SQLite opens it (SQLite
+    # then gives its journal files the same mode), and an older, more open one is closed down.
+    os.close(os.open(_SQLITE_DEFAULT, os.O_CREAT | os.O_RDWR, 0o600))  # an empty file is an empty database
+    if stat.S_IMODE(_SQLITE_DEFAULT.stat().st_mode) & 0o077:
+        _SQLITE_DEFAULT.chmod(0o600)
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # The web server and the control-plane worker write at once: wait for the lock.
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
@@ -110,6 +166,21 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# --- Logins: throttled per username and address (django-axes) ---------------------------------
+# Axes first: it refuses a locked-out (username, address) before any password is checked.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = _env_int("EDGECACHE_LOGIN_FAILURES", 5)
+if AXES_FAILURE_LIMIT < 1:
+    raise ValueError(f"EDGECACHE_LOGIN_FAILURES must be at least 1, got {AXES_FAILURE_LIMIT}")
+AXES_COOLOFF_TIME = timedelta(minutes=_env_float("EDGECACHE_LOGIN_COOLOFF_MINUTES", 15))
+if AXES_COOLOFF_TIME <= timedelta(0):
+    raise ValueError("EDGECACHE_LOGIN_COOLOFF_MINUTES must be positive (a lockout that never ends needs an admin for every typo)")
+# The combination: a guesser at one address cannot lock a user out everywhere, nor one user
+# lock out everyone behind the same address.
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "dashboard.views.login_locked_out"
+
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
@@ -121,6 +192,23 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = False
 USE_TZ = True
+
+# --- HTTPS: off for `make run` (plain HTTP on localhost); set EDGECACHE_HTTPS=1 where the
+# dashboard is served over TLS (daphne behind a TLS proxy, see README). -----------------------
+EDGECACHE_HTTPS = _env_bool("EDGECACHE_HTTPS")
+EDGECACHE_BEHIND_PROXY = _env_bool("EDGECACHE_BEHIND_PROXY")
+if EDGECACHE_HTTPS:
+    SECURE_SSL_REDIRECT = True
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    # Browsers refuse plain HTTP to this host for this long once they saw HTTPS (set it low while trying).
+    SECURE_HSTS_SECONDS = _env_int("EDGECACHE_HSTS_SECONDS", 31_536_000)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = _env_bool("EDGECACHE_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = _env_bool("EDGECACHE_HSTS_PRELOAD")  # a commitment to browsers' lists: opt in
+if EDGECACHE_BEHIND_PROXY:
+    # The TLS proxy says which scheme the browser used; without this every request looks like
+    # plain HTTP and SECURE_SSL_REDIRECT would loop. Only behind a proxy that sets (overwrites) it.
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]

@@ -17,7 +17,8 @@ def keyring_for(namespace: str) -> KeyRing:
     """
     from .models import Namespace
 
-    tenant, _, private = namespace.partition(".dev-")
+    tenant = signing.tenant_of(namespace)
+    private = tenant != namespace
     generation = 1
     try:
         row = Namespace.objects.filter(name=tenant).values_list("key_generation", flat=True).first()
@@ -36,10 +37,10 @@ def device_ring(device) -> KeyRing:
 
 
 def sealed_ring(device) -> str:
-    """The device's ring sealed for its board ("" for a revoked device or one enrolled before signing)."""
-    if device.revoked_at is not None or not device.wrap_key:
+    """The device's ring sealed to its board's X25519 key ("" for a revoked or not yet enrolled device)."""
+    if device.revoked_at is not None or not device.box_public_key:
         return ""
-    return signing.seal(device_ring(device), bytes.fromhex(device.wrap_key), device.name)
+    return signing.seal(device_ring(device), bytes.fromhex(device.box_public_key), device.name)
 
 
 def control_plane_keys() -> Keychain:

@@ -29,3 +29,8 @@ def encode_progress(payload: dict) -> None:
 @shared_task(name=Task.ENCODED.value, acks_late=True, ignore_result=True)
 def encoded(payload: dict) -> None:
     actions.record_encoded(payload)
+
+
+@shared_task(name=Task.ENROLL.value, ignore_result=True)
+def enroll(payload: dict) -> None:
+    actions.enroll_device(payload)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+from datetime import timedelta
 from pathlib import Path
 
 import plotly.offline
@@ -15,9 +17,11 @@ from django.db.models import Count, Sum
 from django.forms import BooleanField, ModelMultipleChoiceField, MultipleChoiceField
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
 from django.utils.crypto import constant_time_compare
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST, require_safe
+from kombu.exceptions import OperationalError as BrokerUnavailable
 from prometheus_client.exposition import choose_encoder
 
 from cachebox.catalog import Catalog
@@ -33,7 +37,10 @@ from .schema_info import describe, key_names, layout_of
 from . import actions, charts, metrics, ratelimit
 from .forms import ConfirmForm, DeviceForm, EncodeForm, FlushForm, RunForm, SchemaForm
 from .models import AuditEvent, Device
-from .stats import device_summary, recent_runs
+from .stats import device_summary, recent_runs, visible_devices
+
+log = logging.getLogger("dashboard.views")
+BROKER_RETRY_AFTER = 30  # seconds a client is told to wait after the broker was unreachable
 
 
 # -- refused requests: counted (metrics.refused) and, for the serious ones, logged -------------
@@ -82,8 +89,8 @@ def _device_names(runs, devices=None) -> list[str]:
 
 @login_required
 def home(request):
-    devices = list(Device.objects.all())
-    runs = recent_runs(charts.WINDOW)
+    devices = list(visible_devices(request.user))
+    runs = recent_runs(request.user, charts.WINDOW)
     names = _device_names(runs, devices)
     chart_data = {
         "breakdown": charts.breakdown_figure(runs[-50:]),
@@ -110,7 +117,7 @@ def home(request):
 
 @login_required
 def device_list(request):
-    return render(request, "dashboard/devices.html", {"summaries": [device_summary(d) for d in Device.objects.all()]})
+    return render(request, "dashboard/devices.html", {"summaries": [device_summary(d) for d in visible_devices(request.user)]})
 
 
 @staff_member_required
@@ -130,14 +137,14 @@ def _link(device: Device) -> LinkProfile | None:
     return LinkProfile(device.link_bandwidth_mbps, device.link_rtt_ms or 0.0)
 
 
-def _breakeven(device: Device) -> dict:
-    breakdowns = [run.breakdown for run in recent_runs(charts.WINDOW, device)]
+def _breakeven(device: Device, viewer) -> dict:
+    breakdowns = [run.breakdown for run in recent_runs(viewer, charts.WINDOW, device)]
     return charts.breakeven_figure(breakdowns, _link(device), device.link_label)
 
 
 @login_required
 def device_detail(request, name):
-    device = get_object_or_404(Device, name=name)
+    device = get_object_or_404(visible_devices(request.user), name=name)  # another tenant's: 404, as if absent
     return render(
         request,
         "dashboard/device_detail.html",
@@ -145,15 +152,15 @@ def device_detail(request, name):
             "summary": device_summary(device),
             "device": device,
             "runs": device.runs.order_by("-created")[:20],
-            "chart_data": {"breakeven": _breakeven(device)},
+            "chart_data": {"breakeven": _breakeven(device, request.user)},
         },
     )
 
 
 @login_required
 def device_breakeven(request, name):
-    device = get_object_or_404(Device, name=name)
-    return JsonResponse(_breakeven(device))
+    device = get_object_or_404(visible_devices(request.user), name=name)
+    return JsonResponse(_breakeven(device, request.user))
 
 
 def _confirmation(request, device: Device, question: str, consequence: str):
@@ -190,7 +197,7 @@ def device_revoke(request, name):
 
 @login_required
 def run_page(request):
-    form = RunForm(request.POST or None)
+    form = RunForm(request.POST or None, user=request.user)
     if request.method == "POST":
         wants_json = request.headers.get("Accept", "").startswith("application/json")
         verdict = ratelimit.hit("run", request.user.pk, settings.EDGECACHE_RUN_RATE)
@@ -200,12 +207,16 @@ def run_page(request):
             if wants_json:
                 return JsonResponse({"errors": form.errors.get_json_data()}, status=400)
             return render(request, "dashboard/run.html", {"form": form, "chart_data": {}}, status=400)
-        sent = actions.dispatch_run(request.user, list(form.cleaned_data["devices"]), form.prompt_spec())
+        devices, spec = list(form.cleaned_data["devices"]), form.prompt_spec()
+        try:
+            sent = _each_until_broker_fails(devices, lambda device: actions.dispatch_run(request.user, [device], spec))
+        except _BrokerDown as down:
+            return _broker_unavailable(request, down, wants_json, lambda message: _run_page_refused(request, message, 503))
         if wants_json:
             return JsonResponse({"dispatched": sent})
         messages.success(request, f"Sent to {', '.join(item['device'] for item in sent)}; answers appear below as they arrive.")
         return redirect("run")
-    runs = recent_runs(50)
+    runs = recent_runs(request.user, 50)
     return render(
         request,
         "dashboard/run.html",
@@ -233,10 +244,55 @@ def _run_rate_limited(request, verdict: ratelimit.Verdict, wants_json: bool) -> 
     if wants_json:
         response = JsonResponse({"errors": {"__all__": [{"message": message, "code": "rate_limited"}]}, "retry_after": verdict.retry_after}, status=429)
     else:
-        # Unbound, with what was sent as initial values: shown again without re-validating it.
-        form = RunForm(initial=_as_sent(RunForm, request.POST))
-        response = render(request, "dashboard/run.html", {"form": form, "refusal": message, "chart_data": {}}, status=429)
+        response = _run_page_refused(request, message, 429)
     response["Retry-After"] = str(verdict.retry_after)
+    return response
+
+
+def _run_page_refused(request, message: str, status: int) -> HttpResponse:
+    """The Run page again, with why the submission was refused and the form as it was sent."""
+    # Unbound, with what was sent as initial values: shown again without re-validating it.
+    form = RunForm(initial=_as_sent(RunForm, request.POST), user=request.user)
+    return render(request, "dashboard/run.html", {"form": form, "refusal": message, "chart_data": {}}, status=status)
+
+
+# -- the message broker (the cache box's Redis) down: 503, never a 500 ---------------------------
+class _BrokerDown(Exception):
+    def __init__(self, error: Exception, sent: list[dict], not_sent: list[str]):
+        super().__init__(str(error))
+        self.error, self.sent, self.not_sent = error, sent, not_sent
+
+
+def _each_until_broker_fails(devices: list[Device], send) -> list[dict]:
+    """``send(device)`` for each device in turn; if the broker fails, _BrokerDown says which
+    devices got their message before it did (so the answer can say exactly what was sent)."""
+    sent: list[dict] = []
+    for index, device in enumerate(devices):
+        try:
+            sent.extend(send(device))
+        except BrokerUnavailable as exc:
+            raise _BrokerDown(exc, sent, [d.name for d in devices[index:]]) from exc
+    return sent
+
+
+def _broker_unavailable(request, down: _BrokerDown, wants_json: bool, page) -> HttpResponse:
+    """503 with what happened and what to do; JSON for the page's script, else ``page(message)``."""
+    where = actions.cachebox().safe_url  # the broker is the cache box's server (no password shown)
+    if down.sent:
+        outcome = f"sent to {', '.join(item['device'] for item in down.sent)} only; not sent to {', '.join(down.not_sent)}"
+    else:
+        outcome = "nothing was sent"
+    message = (
+        f"The message broker (the cache box's Redis at {where}) is not reachable: start it (`make run` starts the embedded one) "
+        f"or check REDIS_URL; {outcome}. Try again in {BROKER_RETRY_AFTER} seconds."
+    )
+    log.warning("broker unreachable at %s (%s, %d sent, %d not): %s", where, request.path, len(down.sent), len(down.not_sent), down.error)
+    if wants_json:
+        body = {"errors": {"__all__": [{"message": message, "code": "broker_unavailable"}]}, "dispatched": down.sent, "retry_after": BROKER_RETRY_AFTER}
+        response = JsonResponse(body, status=503)
+    else:
+        response = page(message)
+    response["Retry-After"] = str(BROKER_RETRY_AFTER)
     return response
 
 
@@ -370,9 +426,9 @@ def schema_edit(request, pk=None):
     return render(request, "dashboard/schema_form.html", {"form": form, "schema": schema if pk else None})
 
 
-def _cache_status(schema: Schema, layout) -> tuple[list[Device], dict[str, dict[str, bool]]]:
-    """For each device that reported its model: which pieces the cache box holds for it."""
-    devices = [device for device in Device.objects.all() if (device.status or {}).get("fingerprint")]
+def _cache_status(schema: Schema, layout, viewer) -> tuple[list[Device], dict[str, dict[str, bool]]]:
+    """For each device ``viewer`` may see that reported its model: which pieces the cache box holds for it."""
+    devices = [device for device in visible_devices(viewer) if (device.status or {}).get("fingerprint")]
     status: dict[str, dict[str, bool]] = {}
     try:
         store = actions.cachebox()
@@ -393,13 +449,13 @@ def schema_detail(request, pk):
         messages.error(request, f"This schema no longer parses: {exc}")
         return redirect("schema-edit", pk=schema.pk)
     rows = describe(layout)
-    devices, status = _cache_status(schema, layout)
+    devices, status = _cache_status(schema, layout, request.user)
     for row in rows:
         row["cached"] = [status.get(device.name, {}).get(row["piece"], False) for device in devices]
     return render(
         request,
         "dashboard/schema_detail.html",
-        {"schema": schema, "rows": rows, "devices": devices, "positions": layout.positions, "encode_form": EncodeForm(), "has_status": bool(status)},
+        {"schema": schema, "rows": rows, "devices": devices, "positions": layout.positions, "encode_form": EncodeForm(user=request.user), "has_status": bool(status)},
     )
 
 
@@ -407,14 +463,22 @@ def schema_detail(request, pk):
 @require_POST
 def schema_encode(request, pk):
     schema = get_object_or_404(Schema, pk=pk)
-    form = EncodeForm(request.POST)
+    form = EncodeForm(request.POST, user=request.user)
     wants_json = request.headers.get("Accept", "").startswith("application/json")
     if not form.is_valid():
         if wants_json:
             return JsonResponse({"errors": form.errors.get_json_data()}, status=400)
-        messages.error(request, "Choose at least one device to encode on.")
+        messages.error(request, "Nothing encoded: " + " ".join(" ".join(errors) for errors in form.errors.values()))
         return redirect(schema)
-    sent = actions.dispatch_encode(request.user, schema, list(form.cleaned_data["devices"]), form.cleaned_data["namespace"])
+    namespace = form.cleaned_data["namespace"]
+    try:
+        sent = _each_until_broker_fails(list(form.cleaned_data["devices"]), lambda device: actions.dispatch_encode(request.user, schema, [device], namespace))
+    except _BrokerDown as down:
+
+        def page(message: str) -> HttpResponse:
+            return render(request, "dashboard/broker_unavailable.html", {"message": message, "back_url": schema.get_absolute_url()}, status=503)
+
+        return _broker_unavailable(request, down, wants_json, page)
     if wants_json:
         return JsonResponse({"dispatched": sent})
     messages.success(request, f"Encoding on {', '.join(item['device'] for item in sent)}.")
@@ -494,4 +558,29 @@ def benchmark_report(request, name):
     response = HttpResponse(candidates[name].read_bytes(), content_type="text/html; charset=utf-8")
     response["Content-Security-Policy"] = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
     response["X-Frame-Options"] = "SAMEORIGIN"
+    return response
+
+
+# -- login throttling (django-axes calls this when a username + address is locked out) ------------
+def login_locked_out(request, original_response=None, credentials=None) -> HttpResponse:
+    """429: the page that says the login is locked and when to try again (AXES_LOCKOUT_CALLABLE).
+
+    Axes records every refused attempt, a locked-out one too, so the lockout ends one cool-off
+    after the latest attempt: this one.
+    """
+    cool_off: timedelta = settings.AXES_COOLOFF_TIME
+    attempted = getattr(request, "axes_attempt_time", None) or timezone.now()
+    retry_at = attempted + cool_off
+    credentials = getattr(request, "axes_credentials", None) or (credentials if isinstance(credentials, dict) else {})
+    username = (credentials or {}).get("username") or request.POST.get("username", "")
+    wait_seconds = max(1, int((retry_at - timezone.now()).total_seconds()))
+    metrics.refused("login_locked_out")
+    security_event("login.locked_out", username=username[:150], retry_at=retry_at.isoformat(), failure_limit=settings.AXES_FAILURE_LIMIT, **_who(request))
+    response = render(
+        request,
+        "dashboard/locked_out.html",
+        {"username": username, "retry_at": retry_at, "minutes": max(1, round(wait_seconds / 60)), "failure_limit": settings.AXES_FAILURE_LIMIT},
+        status=429,
+    )
+    response["Retry-After"] = str(wait_seconds)
     return response

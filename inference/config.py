@@ -69,10 +69,15 @@ class BoardConfig:
     embedded_dir: Path = field(default_factory=lambda: edgecache_home() / "valkey")
     embedded_port: int | None = None
     embedded_maxmemory: str = "1gb"
+    keys_dir: Path = field(default_factory=lambda: edgecache_home() / "board-keys")  # this board's private keys (0600 files)
 
     @property
     def uses_embedded_cachebox(self) -> bool:
         return not self.redis_url
+
+    def key_file(self, device: str) -> Path:
+        """Where the board ``device`` keeps its private keys."""
+        return self.keys_dir / f"{device}.key"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "BoardConfig":
@@ -101,6 +106,7 @@ class BoardConfig:
             embedded_dir=home / "valkey",
             embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,
             embedded_maxmemory=environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "").strip() or d["embedded_maxmemory"].default,
+            keys_dir=Path(environ.get("EDGECACHE_BOARD_KEYS_DIR", "").strip() or home / "board-keys"),
         )
         return config.with_(**overrides)
 

@@ -1,7 +1,8 @@
 """An edge board as a Celery worker: its identity, the messages it serves, its heartbeat.
 
 Pure-ish functions here are what the Celery tasks call and what the tests call; a
-board holds no database credentials: it needs the broker/cache-box URL and its token.
+board holds no database credentials: it needs the broker/cache-box URL, its token once
+(to enroll) and then its own key pair (``inference.identity``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from cachebox.events import security_event
 from cachebox.signing import Keychain, KeyRing
 from cachebox.store import CacheBox
 
-from .devices import DeviceRecord, DeviceRefused, authenticate
+from .devices import DeviceRecord, DeviceRefused, authenticate, enroll
 from .engine import EngineError
-from .messages import BoardMessage, BoardStatus, EncodeProgress, EncodeReport, EncodeRequest, Heartbeat, Queue, RunReport, RunRequest, Task
+from .identity import BoardKeys
+from .messages import BoardMessage, BoardStatus, EncodeProgress, EnrollRequest, EncodeReport, EncodeRequest, Heartbeat, Queue, RunReport, RunRequest, Task
 from .sampling import SamplingParams
 from .serving import PromptError, RunResult
 
@@ -31,28 +33,28 @@ log = logging.getLogger(__name__)
 @dataclass
 class EdgeIdentity:
     name: str
-    token: str
+    keys: BoardKeys  # this board's private keys: they sign its messages and open its ring
     record: DeviceRecord
     store: CacheBox
     ring: KeyRing | None = None  # the namespace's signing keys, as last received
 
     def recheck(self) -> None:
-        """Raise DeviceRefused if the token was rotated or revoked since the board started;
-        otherwise take the namespace's current signing keys (a rotation arrives this way)."""
+        """Raise DeviceRefused if the device was revoked or its token rotated since the board
+        enrolled; otherwise take the namespace's current signing keys (a rotation arrives this way)."""
         previous = self.record.cache_namespace
-        self.record = authenticate(self.store, self.name, self.token)
+        self.record = authenticate(self.store, self.name, self.keys)
         if self.record.cache_namespace != previous:
             raise DeviceRefused(f"device {self.name!r} was moved to namespace {self.record.cache_namespace!r}; restart the board to serve it")
         self._open_ring()
 
     def _open_ring(self) -> None:
         try:
-            ring = self.record.open_keyring(self.token)
+            ring = self.record.open_keyring(self.keys)
         except ValueError as exc:
             security_event("keyring_refused", device=self.name, reason=str(exc), outcome="cache off until a good ring arrives")
             ring = None
         if ring is None and self.ring is None:
-            log.warning("no signing keys for this board yet: it answers by local prefill and shares nothing (rotate its token on the dashboard to enroll it)")
+            log.warning("no signing keys for this board yet: it answers by local prefill and shares nothing until the control plane seals its namespace's ring for it")
         self.ring = ring
 
     def keychain(self) -> Keychain:
@@ -82,10 +84,16 @@ class EdgeIdentity:
 _identity: EdgeIdentity | None = None
 
 
-def become(name: str, token: str, store: CacheBox) -> EdgeIdentity:
-    """Make this process the board ``name`` (raises DeviceRefused on a bad token)."""
+def send_enrollment(fields: dict) -> None:
+    """An enrollment request to the control plane's queue (public keys and a token proof only)."""
+    current_app.send_task(Task.ENROLL.value, args=[EnrollRequest(**fields).dump()], queue=Queue.CONTROL.value, expires=120)
+
+
+def become(name: str, keys: BoardKeys, store: CacheBox, *, token: str | None = None, send=send_enrollment, timeout: float = 30.0) -> EdgeIdentity:
+    """Make this process the board ``name``, enrolling its keys with ``token`` when the registry does
+    not name them yet (raises DeviceRefused with what to do)."""
     global _identity
-    _identity = EdgeIdentity(name, token, authenticate(store, name, token), store)
+    _identity = EdgeIdentity(name, keys, enroll(store, name, keys, token, send, timeout=timeout), store)
     _identity._open_ring()
     return _identity
 
@@ -97,10 +105,8 @@ def identity() -> EdgeIdentity:
 
 
 def _sender() -> dict:
-    """The fields that name and authenticate this board in every message it sends."""
-    if _identity is None:  # not a board process (tests, commands)
-        return {"device": "local", "token": ""}
-    return {"device": _identity.name, "token": _identity.token}
+    """The field that names this board in every message it sends (``report`` signs them)."""
+    return {"device": _identity.name if _identity is not None else "local"}
 
 
 def serve(board, request: RunRequest) -> RunReport:
@@ -159,14 +165,19 @@ def _namespace(requested: str) -> str | None:
     return _identity.check_namespace(requested)
 
 
+def signed(message: BoardMessage) -> dict:
+    """The message as it travels: stamped and signed with this board's key."""
+    return identity().keys.sign(message.dump())
+
+
 def send_progress(progress: EncodeProgress) -> None:
     """Encoding progress to the control plane (best effort: progress may be lost, the result is not)."""
-    current_app.send_task(Task.ENCODE_PROGRESS.value, args=[progress.dump()], queue=Queue.CONTROL.value, expires=60)
+    current_app.send_task(Task.ENCODE_PROGRESS.value, args=[signed(progress)], queue=Queue.CONTROL.value, expires=60)
 
 
 def report(message: BoardMessage, task: Task = Task.RECORD_RUN) -> None:
-    """Send a report to the control plane's queue."""
-    current_app.send_task(task.value, args=[message.dump()], queue=Queue.CONTROL.value)
+    """Send a signed report to the control plane's queue."""
+    current_app.send_task(task.value, args=[signed(message)], queue=Queue.CONTROL.value)
 
 
 class HeartbeatThread(threading.Thread):
@@ -196,8 +207,8 @@ class HeartbeatThread(threading.Thread):
         except CacheBoxUnavailable:
             pass  # cannot tell now; the control plane checks every message anyway
         status = BoardStatus(pid=os.getpid(), sent=time.time(), **self.board_status())
-        beat = Heartbeat(device=me.name, token=me.token, status=status)
-        current_app.send_task(Task.HEARTBEAT.value, args=[beat.dump()], queue=Queue.CONTROL.value, expires=self.interval * 3)
+        beat = Heartbeat(device=me.name, status=status)
+        current_app.send_task(Task.HEARTBEAT.value, args=[signed(beat)], queue=Queue.CONTROL.value, expires=self.interval * 3)
 
     def run(self) -> None:
         while True:

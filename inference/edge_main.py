@@ -1,8 +1,9 @@
 """``python manage.py edge --name NAME --token TOKEN``: run this machine as an edge board.
 
 Starts without the control plane: no Django settings, no database, no signing secret.
-It reads its ``BoardConfig`` from the environment, checks its token against the device
-registry in the cache box, loads the model once, then serves its own queue
+It reads its ``BoardConfig`` from the environment, enrolls its own key pair with the device
+token the first time (``inference.identity``), checks the device registry in the cache box
+names its keys, loads the model once, then serves its own queue
 (``device.NAME``) and the shared one as a Celery worker, sending heartbeats.
 """
 
@@ -23,6 +24,7 @@ from . import edge
 from .board import Board, cachebox_url, set_board
 from .config import BoardConfig, ConfigError
 from .devices import DeviceRefused
+from .identity import BoardKeys
 from .messages import Queue
 from .model_file import ModelNotFound
 from .worker import board_app
@@ -47,7 +49,7 @@ def main(argv: list[str]) -> int:
         "(device.NAME) and the shared one as a Celery worker, sending heartbeats.",
     )
     parser.add_argument("--name", required=True, help="the device name registered on the dashboard")
-    parser.add_argument("--token", default=None, help="the device token (or set EDGECACHE_DEVICE_TOKEN)")
+    parser.add_argument("--token", default=None, help="the device token, needed once to enroll this board (or set EDGECACHE_DEVICE_TOKEN)")
     parser.add_argument("--heartbeat", type=float, default=5.0, help="seconds between heartbeats (default 5)")
     parser.add_argument("--loglevel", default="warning")
     args = parser.parse_args(argv)
@@ -58,23 +60,22 @@ def main(argv: list[str]) -> int:
         return 1
 
     token = args.token or os.environ.get("EDGECACHE_DEVICE_TOKEN", "")
-    if not token:
-        return fail("give the device token with --token or EDGECACHE_DEVICE_TOKEN (it was shown when the device was registered)")
     try:
         config = BoardConfig.from_env(device=args.name)
+        keys = BoardKeys.load_or_create(config.key_file(args.name))
         url = cachebox_url(config)
-        me = edge.become(args.name, token, CacheBox(url, connect_timeout=config.connect_timeout, timeout=config.io_timeout))
-    except ConfigError as exc:
+        app = board_app(url)  # before enrolling: the request goes through its broker
+        me = edge.become(args.name, keys, CacheBox(url, connect_timeout=config.connect_timeout, timeout=config.io_timeout), token=token or None)
+    except (ConfigError, ValueError) as exc:
         return fail(str(exc))
     except DeviceRefused as exc:
         return fail(f"refused: {exc}")
     except CacheBoxUnavailable as exc:
-        return fail(f"cannot reach the cache box to check the token: {exc}")
+        return fail(f"cannot reach the cache box to check this board's enrollment: {exc}")
     link = None
     if me.record.link_bandwidth_mbps:
         link = LinkProfile(me.record.link_bandwidth_mbps, me.record.link_rtt_ms or 0.0)
     config = config.with_(namespace=me.record.cache_namespace, threads=me.record.threads or None, link=link)
-    app = board_app(url)
     try:
         board = set_board(Board.start(config, keys=me.keychain()))
     except ModelNotFound as exc:

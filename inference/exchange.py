@@ -79,6 +79,10 @@ class Fetched:
     offset: int
 
 
+class OverLimit(EntryError):
+    """A valid entry larger than this board accepts: skipped here (a miss), not evicted for every board."""
+
+
 Expect = Callable[[EntryRef, EntryHeader], None]  # raises EntryError when the entry is not the one asked for
 
 
@@ -214,6 +218,9 @@ class ExchangeSession:
                 except UnknownKey as exc:
                     self._newer_key(ref, exc)
                     continue
+                except OverLimit as exc:
+                    log.info("skipping %s: %s", ref.name, exc)
+                    continue
                 except EntryError as exc:
                     self.reject(ref, exc)
                     continue
@@ -309,9 +316,9 @@ class ExchangeSession:
     def _check(self, ref: EntryRef, header: EntryHeader, expect: Expect) -> None:
         if header.fingerprint != self.exchange.fingerprint or header.namespace != self.namespace:
             raise EntryError("entry was made for another model or namespace")
-        if header.state_bytes > self.exchange.max_entry_bytes:
-            raise EntryError(f"entry holds {header.state_bytes} bytes, over the {self.exchange.max_entry_bytes}-byte limit")
         expect(ref, header)
+        if header.state_bytes > self.exchange.max_entry_bytes:
+            raise OverLimit(f"entry holds {header.state_bytes} bytes, over this board's {self.exchange.max_entry_bytes}-byte limit")
 
     def reject(self, ref: EntryRef, reason: Exception) -> None:
         """An entry failed a check: count and log it, evict it (best effort); the run computes instead."""

@@ -8,7 +8,7 @@ state) are enums of ``inference.breakdown``.
 
 Control plane -> board: ``RunRequest``, ``EncodeRequest`` (on ``device.NAME`` or ``boards``).
 Board -> control plane (queue ``control``): ``RunReport``, ``EncodeProgress``,
-``EncodeReport``, ``Heartbeat``; each names its device and authenticates it.
+``EncodeReport``, ``Heartbeat`` (each signed by the board), and once ``EnrollRequest``.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ class Task(StrEnum):
     HEARTBEAT = "edgecache.heartbeat"
     ENCODE_PROGRESS = "edgecache.encode_progress"
     ENCODED = "edgecache.encoded"
+    ENROLL = "edgecache.enroll"
 
 
-CONTROL_TASKS = (Task.RECORD_RUN, Task.HEARTBEAT, Task.ENCODE_PROGRESS, Task.ENCODED)
+CONTROL_TASKS = (Task.RECORD_RUN, Task.HEARTBEAT, Task.ENCODE_PROGRESS, Task.ENCODED, Task.ENROLL)
 
 
 class MessageRefused(ValueError):
@@ -177,10 +178,23 @@ class StoredEntry(Message):
 
 
 class BoardMessage(Message):
-    """What every board message carries: who sends it, and the proof."""
+    """What every board message carries: who sends it, when, and its Ed25519 signature over the
+    rest (``inference.identity``); no secret: a reader of the broker learns nothing that lets it
+    act as the board."""
 
     device: str = Field(pattern=_NAME)
-    token: str = Field(max_length=256)
+    ts: float = 0.0  # send time (heartbeats must be newer than the last one accepted)
+    signature: str = Field("", max_length=200)
+
+
+class EnrollRequest(Message):
+    """A board's public keys, sent once, with a proof that it holds the device's token."""
+
+    device: str = Field(pattern=_NAME)
+    signing_public_key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    box_public_key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    ts: float
+    proof: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
 class RunReport(BoardMessage):
@@ -206,9 +220,9 @@ class RunReport(BoardMessage):
         return value
 
     @classmethod
-    def for_request(cls, request: RunRequest, *, device: str, token: str, error: str = "") -> "RunReport":
+    def for_request(cls, request: RunRequest, *, device: str, error: str = "") -> "RunReport":
         """The report of a request that did not run (refused, expired, failed)."""
-        return cls(device=device, token=token, request_id=request.request_id, meta=request.meta, prompt=request.prompt_text, error=error)
+        return cls(device=device, request_id=request.request_id, meta=request.meta, prompt=request.prompt_text, error=error)
 
 
 class EncodeProgress(BoardMessage):

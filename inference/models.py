@@ -31,6 +31,12 @@ class Schema(models.Model):
             parsed = parse_schema(self.source)
         except PMLError as exc:
             raise ValidationError({"source": str(exc)})
+        try:
+            from .schema_serving import layout_for  # the vocabulary loads on first use only
+
+            layout_for(self.source, settings.EDGECACHE_MODEL, settings.EDGECACHE_N_CTX)
+        except PMLError as exc:
+            raise ValidationError({"source": str(exc)})
         duplicate = Schema.objects.filter(name=parsed.name).exclude(pk=self.pk)
         if duplicate.exists():
             raise ValidationError({"source": f"a schema named {parsed.name!r} exists already; rename this one or edit that one"})

@@ -72,6 +72,29 @@ class EngineTokenizer:
         return opened[len(closed):] if opened.startswith(closed) else ""
 
 
+@functools.lru_cache(maxsize=2)
+def _vocabulary_tokenizer(model_path: str) -> EngineTokenizer:
+    from .model_file import resolve_model
+
+    return EngineTokenizer(Vocabulary.load(resolve_model(model_path or None)))
+
+
+def layout_for(source: str, model_path: str = "", n_ctx: int | None = None) -> SchemaLayout:
+    """Parse and lay out a schema with a model's tokenizer (its vocabulary only, no weights).
+
+    With ``n_ctx``, a layout that cannot fit the context is refused with the numbers: a schema
+    is served at its own positions, so one past the context could never be used. Raises PMLError.
+    """
+    schema = parse_schema(source)
+    layout = lay_out(schema, _vocabulary_tokenizer(model_path))
+    if n_ctx is not None and layout.positions >= n_ctx:
+        raise PMLError(
+            f"schema {schema.name!r} spans {layout.positions} positions, but the model's context holds {n_ctx} "
+            "(EDGECACHE_N_CTX): drop or shorten modules, or raise the context on every board"
+        )
+    return layout
+
+
 class SchemaServing:
     """Prompt Cache on one engine, with module states shared through the exchange."""
 

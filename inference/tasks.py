@@ -58,7 +58,7 @@ def run_prompt(message: dict) -> None:
         result = serve(get_board(), request)
     except Exception as exc:  # a bug or a broken engine: the run is reported, not lost
         log.exception("run %s failed", request.request_id)
-        result = RunReport.for_request(request, device=identity().name, token=identity().token, error=f"the board failed: {type(exc).__name__}: {exc}")
+        result = RunReport.for_request(request, device=identity().name, error=f"the board failed: {type(exc).__name__}: {exc}")
     report(result)
 
 
@@ -70,13 +70,13 @@ def encode_schema(message: dict) -> None:
     me = identity()
 
     def progress(done: int, total: int, piece: str) -> None:
-        send_progress(EncodeProgress(device=me.name, token=me.token, request_id=request.request_id, schema_id=request.schema_id, done=done, total=total, piece=piece[:200]))
+        send_progress(EncodeProgress(device=me.name, request_id=request.request_id, schema_id=request.schema_id, done=done, total=total, piece=piece[:200]))
 
     try:
         result = encode(get_board(), request, progress)
     except Exception as exc:
         log.exception("encode %s failed", request.request_id)
-        result = EncodeReport(device=me.name, token=me.token, request_id=request.request_id, schema_id=request.schema_id, error=f"the board failed: {type(exc).__name__}: {exc}")
+        result = EncodeReport(device=me.name, request_id=request.request_id, schema_id=request.schema_id, error=f"the board failed: {type(exc).__name__}: {exc}")
     report(result, Task.ENCODED)
 
 
@@ -98,9 +98,9 @@ def report_expired(sender=None, request=None, expired=False, **_) -> None:
     try:
         if name == Task.RUN_PROMPT:
             run = RunRequest.parse(message)
-            report(RunReport.for_request(run, device=me.name, token=me.token, error=error))
+            report(RunReport.for_request(run, device=me.name, error=error))
         else:
             enc = EncodeRequest.parse(message)
-            report(EncodeReport(device=me.name, token=me.token, request_id=enc.request_id, schema_id=enc.schema_id, error=error), Task.ENCODED)
+            report(EncodeReport(device=me.name, request_id=enc.request_id, schema_id=enc.schema_id, error=error), Task.ENCODED)
     except MessageRefused:
         refused_request(message, error, Task(name))

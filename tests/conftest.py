@@ -110,3 +110,11 @@ def _own_django_cache(settings):
     Tests that need the shared Redis cache point ``settings.CACHES`` at a server themselves.
     """
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}}
+
+
+@pytest.fixture(autouse=True)
+def _no_board_identity(monkeypatch):
+    """Each test starts in a process that is no board; one that becomes a board does not leak it."""
+    from inference import edge
+
+    monkeypatch.setattr(edge, "_identity", None)

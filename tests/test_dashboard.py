@@ -27,8 +27,9 @@ from dashboard import actions, tasks
 from dashboard.celery import app as celery_app
 from dashboard.consumers import LiveConsumer
 from dashboard.live import GROUP
-from dashboard.models import AuditEvent, Device, InferenceRun
+from dashboard.models import AuditEvent, Device, Dispatch, InferenceRun
 from inference import devices as registry
+from inference.identity import BoardKeys
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
@@ -75,11 +76,22 @@ def register(name="zero", **fields):
     return actions.register_device(None, name=name, **{**defaults, **fields})
 
 
-def result_payload(device, token, **overrides):
+def enrolled(device, token) -> BoardKeys:
+    """The key pair of a board that enrolled as ``device`` with ``token`` (as `manage.py edge` does)."""
+    keys = BoardKeys.generate()
+    assert actions.enroll_device(keys.enrollment(device.name, token)) is not None
+    return keys
+
+
+def heartbeat(keys, status=None, device="zero"):
+    return keys.sign({"device": device, "status": status or {}})
+
+
+def result_payload(device, keys, *, dispatched=True, **overrides):
+    """A run report of ``device``'s board, signed with its ``keys``, for a request dispatched to it."""
     payload = {
         "request_id": str(uuid.uuid4()),
         "device": device.name,
-        "token": token,
         "prompt": "Q: 2+2?\nA:",
         "text": " 4",
         "error": "",
@@ -89,7 +101,9 @@ def result_payload(device, token, **overrides):
         "fetched": [],
     }
     payload.update(overrides)
-    return payload
+    if dispatched:
+        Dispatch.objects.get_or_create(request_id=payload["request_id"], defaults={"kind": "run", "device": device, "namespace": device.namespace_id})
+    return keys.sign(payload)
 
 
 # -- access ---------------------------------------------------------------------------------
@@ -127,7 +141,9 @@ def test_register_shows_the_token_once_and_keeps_only_its_hash(staff_client, con
     device = Device.objects.get(name="zero")
     assert device.token_sha256 == registry.hash_token(token) and token not in json.dumps(list(Device.objects.values()), default=str)
     assert (device.link_bandwidth_mbps, device.link_rtt_ms) == (20.9, 4.0)
-    assert registry.authenticate(control_plane, "zero", token).threads == 1
+    record = registry.lookup(control_plane, "zero")  # what boards read: public data only
+    assert record.threads == 1 and record.token_sha256 == registry.hash_token(token) and not record.signing_key and not record.keyring
+    assert token not in json.dumps(control_plane.get_device_record("zero").decode())
     assert token not in staff_client.get(device.get_absolute_url()).content.decode()
     assert AuditEvent.objects.filter(action="device.register", target="zero").exists()
 
@@ -147,32 +163,39 @@ def test_register_form_errors_are_shown_inline(staff_client, control_plane, data
     assert not Device.objects.exists()
 
 
-def test_rotating_asks_first_then_the_old_token_stops_working(staff_client, control_plane):
+def test_rotating_asks_first_then_the_old_board_and_token_stop_working(staff_client, control_plane):
     device, old = register()
+    board = enrolled(device, old)
     page = staff_client.post(reverse("device-rotate", args=["zero"]), {})
     assert page.status_code == 200 and "Rotate the token" in page.content.decode()
-    assert registry.authenticate(control_plane, "zero", old)  # unchanged until confirmed
+    assert registry.authenticate(control_plane, "zero", board)  # unchanged until confirmed
     response = staff_client.post(reverse("device-rotate", args=["zero"]), {"confirm": "on"})
     new = response.context["token"]
     assert new != old
+    with pytest.raises(registry.DeviceRefused, match="not enrolled"):
+        registry.authenticate(control_plane, "zero", board)
+    assert actions.record_run(result_payload(device, board)) is None  # the old board is refused
     with pytest.raises(registry.DeviceRefused, match="wrong token"):
-        registry.authenticate(control_plane, "zero", old)
-    assert registry.authenticate(control_plane, "zero", new)
-    assert actions.record_run(result_payload(device, old)) is None
+        registry.lookup(control_plane, "zero").check_token(old)
+    assert actions.enroll_device(BoardKeys.generate().enrollment("zero", old)) is None  # a spent token enrolls no one
+    replacement = enrolled(Device.objects.get(name="zero"), new)
+    assert registry.authenticate(control_plane, "zero", replacement).keyring
+    assert actions.record_run(result_payload(device, replacement)) is not None
 
 
 def test_a_revoked_device_is_refused_by_boards_and_control_plane(staff_client, control_plane):
     device, token = register()
+    board = enrolled(device, token)
     staff_client.post(reverse("device-revoke", args=["zero"]), {"confirm": "on"})
     with pytest.raises(registry.DeviceRefused, match="revoked"):
-        registry.authenticate(control_plane, "zero", token)
-    assert actions.record_run(result_payload(device, token)) is None
-    assert actions.record_heartbeat({"device": "zero", "token": token, "status": {}}) is None
+        registry.authenticate(control_plane, "zero", board)
+    assert actions.record_run(result_payload(device, board)) is None
+    assert actions.record_heartbeat(heartbeat(board)) is None
     assert not InferenceRun.objects.exists()
 
 
 def test_unknown_devices_are_refused():
-    assert actions.record_run({"device": "ghost", "token": "x", "request_id": str(uuid.uuid4())}) is None
+    assert actions.record_run(BoardKeys.generate().sign({"device": "ghost", "request_id": str(uuid.uuid4())})) is None
 
 
 @pytest.mark.parametrize(
@@ -183,26 +206,28 @@ def test_unknown_devices_are_refused():
         ({"breakdown": {"ttft_ms": "fast"}}, "ttft_ms"),
         ({"uploaded": [{"name": "ec:e:x", "namespace": "default", "model": "zz", "start": 5, "end": 1, "bytes": 1}]}, "uploaded"),
         ({"tokens": "not a list"}, "tokens"),
-        ({"token": None}, "token"),
+        ({"signature": None}, "signature"),
         ({"extra_field": 1}, "extra_field"),
     ],
 )
 def test_a_malformed_board_report_is_refused_logged_and_stores_nothing(control_plane, change, reason, caplog):
     """The control plane's worker validates what boards send: a bad report never crashes it or half-writes a run."""
     device, token = register()
+    keys = enrolled(device, token)
     with caplog.at_level(logging.INFO, logger="edgecache.security"):
-        assert tasks.record_run.run({**result_payload(device, token), **change}) is None
+        assert tasks.record_run.run({**result_payload(device, keys), **change}) is None
     assert not InferenceRun.objects.exists() and not CacheEntry.objects.exists()
     refused = [record for record in caplog.records if record.name == "edgecache.security" and record.getMessage() == "message_refused"]
     assert refused and reason in refused[-1].security_fields["reason"]
-    assert actions.record_run(result_payload(device, token)) is not None  # the next good report is stored
+    assert actions.record_run(result_payload(device, keys)) is not None  # the next good report is stored
 
 
 def test_device_pages_show_summaries_and_breakeven(staff_client, control_plane):
     device, token = register()
+    keys = enrolled(device, token)
     for matched, prefill, redis_ms in [(0, 900.0, 0.0), (0, 450.0, 0.0), (300, 100.0, 25.0), (400, 0.0, 32.0)]:
-        actions.record_run(result_payload(device, token, breakdown={"case": "full" if matched else "miss", "prompt_tokens": 400 if matched != 0 or prefill > 500 else 200, "matched_tokens": matched, "prefill_ms": prefill, "redis_ms": redis_ms, "ttft_ms": prefill + redis_ms}))
-    actions.record_heartbeat({"device": "zero", "token": token, "status": {"catalogs": {"default": {"approx_items": 12, "estimated_fp_rate": 1e-9, "last_sync": 1.7e9}}}})
+        actions.record_run(result_payload(device, keys, breakdown={"case": "full" if matched else "miss", "prompt_tokens": 400 if matched != 0 or prefill > 500 else 200, "matched_tokens": matched, "prefill_ms": prefill, "redis_ms": redis_ms, "ttft_ms": prefill + redis_ms}))
+    actions.record_heartbeat(heartbeat(keys, {"catalogs": {"default": {"approx_items": 12, "estimated_fp_rate": 1e-9, "last_sync": 1.7e9}}}))
     listing = staff_client.get(reverse("devices")).content.decode()
     assert "online" in listing and "zero" in listing
     detail = staff_client.get(device.get_absolute_url())
@@ -251,10 +276,11 @@ def test_run_form_refuses_bad_input_with_a_message(staff_client, control_plane, 
 
 def test_record_run_stores_once_mirrors_entries_and_broadcasts_once(control_plane, django_capture_on_commit_callbacks):
     device, token = register()
+    keys = enrolled(device, token)
     layer = get_channel_layer()
     channel = async_to_sync(layer.new_channel)()
     async_to_sync(layer.group_add)(GROUP, channel)
-    payload = result_payload(device, token)
+    payload = result_payload(device, keys)
     with django_capture_on_commit_callbacks(execute=True):
         run = actions.record_run(payload)
     with django_capture_on_commit_callbacks(execute=True):
@@ -265,15 +291,16 @@ def test_record_run_stores_once_mirrors_entries_and_broadcasts_once(control_plan
     assert message["event"] == "run" and message["data"]["request_id"] == payload["request_id"]
     entry = CacheEntry.objects.get()
     assert (entry.start, entry.end, entry.creator_device) == (256, 300, "zero")
-    actions.record_run(result_payload(device, token, fetched=[entry.key]))
+    actions.record_run(result_payload(device, keys, fetched=[entry.key]))
     entry.refresh_from_db()
     assert entry.hits == 1 and entry.last_hit is not None
 
 
 def test_heartbeat_marks_the_device_online(control_plane):
     device, token = register()
+    keys = enrolled(device, token)
     assert not device.online
-    actions.record_heartbeat({"device": "zero", "token": token, "status": {"catalogs": {}}})
+    actions.record_heartbeat(heartbeat(keys, {"catalogs": {}}))
     device.refresh_from_db()
     assert device.online and device.last_seen is not None
 
@@ -294,8 +321,12 @@ def test_socket_refuses_anonymous_users(control_plane):
 
 def test_socket_delivers_stored_runs_to_logged_in_pages(control_plane, django_capture_on_commit_callbacks):
     device, token = register()
+    keys = enrolled(device, token)
     user = get_user_model().objects.create_user("dave", password="pw-dave-123")
-    payload = result_payload(device, token)
+    from dashboard.models import Membership
+
+    Membership.objects.create(user=user, namespace_id="default")  # not staff: sees the boards of his namespaces
+    payload = result_payload(device, keys)
 
     async def scenario():
         from asgiref.sync import sync_to_async
@@ -322,7 +353,8 @@ def test_socket_delivers_stored_runs_to_logged_in_pages(control_plane, django_ca
 
 def test_dashboard_renders_charts_with_run_points(staff_client, control_plane):
     device, token = register()
-    actions.record_run(result_payload(device, token))
+    keys = enrolled(device, token)
+    actions.record_run(result_payload(device, keys))
     response = staff_client.get(reverse("home"))
     charts = response.context["chart_data"]
     assert [trace["name"] for trace in charts["breakdown"]["data"]] == ["Token", "Bloom", "P-decode", "Redis", "R-decode", "Sample"]
@@ -443,6 +475,7 @@ def test_encoding_is_sent_to_boards_and_its_result_mirrored(staff_client, contro
     from inference.pml import parse_schema
 
     device, token = register()
+    board = enrolled(device, token)
     schema = Schema.objects.create(name="travel", source=TRAVEL, digest=parse_schema(TRAVEL).digest)
     response = staff_client.post(reverse("schema-encode", args=[schema.pk]), {"devices": [device.pk]}, HTTP_ACCEPT="application/json")
     assert response.status_code == 200 and sent_tasks[0]["queue"] == "device.zero"
@@ -454,7 +487,7 @@ def test_encoding_is_sent_to_boards_and_its_result_mirrored(staff_client, contro
     name = f"ec:m:default:00ff00ff00ff00ff:{schema.digest}:{{{'cd' * 16}}}"
     with django_capture_on_commit_callbacks(execute=True):  # pages hear of it once it commits
         actions.record_encoded(
-            {"device": "zero", "token": token, "request_id": message["request_id"], "schema_id": schema.pk, "stored": [{"name": name, "namespace": "default", "model": "00ff00ff00ff00ff", "start": 0, "end": 13, "bytes": 1000}], "skipped": []}
+            board.sign({"device": "zero", "request_id": message["request_id"], "schema_id": schema.pk, "stored": [{"name": name, "namespace": "default", "model": "00ff00ff00ff00ff", "start": 0, "end": 13, "bytes": 1000}], "skipped": []})
         )
     assert CacheEntry.objects.filter(key=name).exists()
     event = async_to_sync(layer.receive)(channel)

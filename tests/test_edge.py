@@ -11,6 +11,7 @@ from cachebox.events import LOGGER_NAME, JsonLineFormatter
 from cachebox.store import CacheBox
 from inference import devices as registry
 from inference.edge import serve
+from inference.identity import BoardKeys
 from inference.messages import MessageRefused, RunReport, RunRequest, Task
 
 from .conftest import run_manage
@@ -26,19 +27,23 @@ def publish(url, name, token, revoked=False):
     "registered, revoked, message",
     [(False, False, b"unknown device"), (True, False, b"wrong token"), (True, True, b"revoked")],
 )
-def test_edge_refuses_to_start_with_a_bad_token(valkey_url, registered, revoked, message):
+def test_edge_refuses_to_start_with_a_bad_token(valkey_url, registered, revoked, message, tmp_path):
     name = f"edge-{registered}-{revoked}".lower()
     if registered:
         publish(valkey_url, name, "the-right-token", revoked=revoked)
     token = "the-right-token" if revoked else "a-wrong-token"
-    done = run_manage("edge", "--name", name, "--token", token, env={"REDIS_URL": valkey_url}, timeout=60)
+    done = run_manage("edge", "--name", name, "--token", token, env={"REDIS_URL": valkey_url, "EDGECACHE_BOARD_KEYS_DIR": str(tmp_path)}, timeout=60)
     assert done.returncode != 0
     assert b"refused" in done.stderr and message in done.stderr
 
 
-def test_edge_needs_a_token(valkey_url):
-    done = run_manage("edge", "--name", "x", env={"REDIS_URL": valkey_url}, unset=("EDGECACHE_DEVICE_TOKEN",), timeout=60)
-    assert done.returncode != 0 and b"--token" in done.stderr
+def test_edge_needs_a_token_to_enroll_and_keeps_its_private_keys_to_itself(valkey_url, tmp_path):
+    publish(valkey_url, "fresh", "the-right-token")  # registered, never enrolled
+    done = run_manage("edge", "--name", "fresh", env={"REDIS_URL": valkey_url, "EDGECACHE_BOARD_KEYS_DIR": str(tmp_path)}, unset=("EDGECACHE_DEVICE_TOKEN",), timeout=60)
+    assert done.returncode != 0 and b"not enrolled" in done.stderr and b"--token" in done.stderr
+    key_file = tmp_path / "fresh.key"
+    assert key_file.exists() and key_file.stat().st_mode & 0o777 == 0o600  # made once, readable by the board only
+    assert BoardKeys.load_or_create(key_file).signing_public_key == BoardKeys.load_or_create(key_file).signing_public_key
 
 
 @pytest.mark.model

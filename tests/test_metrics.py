@@ -22,7 +22,7 @@ from django.urls import reverse
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachebox.events import LOGGER_NAME, JsonLineFormatter, security_event
-from dashboard import actions, metrics, ratelimit
+from dashboard import metrics, ratelimit
 from dashboard.celery import app as celery_app
 from dashboard.models import Device, InferenceRun
 
@@ -76,7 +76,7 @@ def refused_count(reason: str) -> float:
 
 
 def device(name: str) -> Device:
-    return Device.objects.create(name=name, token_sha256="0" * 64, token_hint="test")
+    return Device.objects.create(name=name, token_sha256="0" * 64)
 
 
 def run(dev: Device, ttft_ms: float, prompt: int, matched: int, error: str = "", **breakdown) -> InferenceRun:
@@ -324,6 +324,10 @@ def test_the_limit_is_per_user_and_per_minute(client, django_user_model, setting
     zero = device("zero")
     alice = django_user_model.objects.create_user("alice", password="pw-alice-123")
     carol = django_user_model.objects.create_user("carol", password="pw-carol-123")
+    from dashboard.models import Membership
+
+    for user in (alice, carol):  # not staff: they may run on the boards of their namespaces
+        Membership.objects.create(user=user, namespace_id="default")
     now = 1_800_000_000.0  # the start of a minute
     monkeypatch.setattr(ratelimit, "clock", lambda: now + 10)
     client.force_login(alice)

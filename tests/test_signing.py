@@ -2,7 +2,9 @@
 
 import pytest
 
-from cachebox.signing import Keychain, derive_key, derive_keyring, private_namespace, seal, unseal, wrap_key
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from cachebox.signing import Keychain, derive_key, derive_keyring, private_namespace, seal, unseal
 
 MASTER = b"s" * 32
 
@@ -20,17 +22,19 @@ def test_ring_holds_the_current_and_previous_generation():
         derive_keyring(b"short", "a", 1)
 
 
-def test_a_sealed_ring_opens_only_with_the_device_token_and_name():
+def test_a_sealed_ring_opens_only_with_the_boards_private_key_and_name():
     ring = derive_keyring(MASTER, "acme", 3, (private_namespace("acme", "zero"),))
-    sealed = seal(ring, wrap_key("token-zero"), "zero")
-    opened = unseal(sealed, "token-zero", "zero")
+    zero, pi5 = X25519PrivateKey.generate(), X25519PrivateKey.generate()
+    sealed = seal(ring, zero.public_key().public_bytes_raw(), "zero")
+    opened = unseal(sealed, zero, "zero")
     assert opened == ring and opened.covers("acme.dev-zero") and not opened.covers("acme.dev-pi5")
     with pytest.raises(ValueError, match="cannot open"):
-        unseal(sealed, "token-pi5", "zero")
+        unseal(sealed, pi5, "zero")
     with pytest.raises(ValueError, match="cannot open"):
-        unseal(sealed, "token-zero", "pi5")  # bound to the device name
+        unseal(sealed, zero, "pi5")  # bound to the device name
     with pytest.raises(ValueError, match="cannot open"):
-        unseal(sealed[:-4] + "AAAA", "token-zero", "zero")
+        unseal(sealed[:-4] + "AAAA", zero, "zero")
+    assert seal(ring, zero.public_key().public_bytes_raw(), "zero") != sealed  # a fresh ephemeral key each time
 
 
 def test_keychain_remembers_and_refreshes_at_most_once_a_second():

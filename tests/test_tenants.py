@@ -17,10 +17,16 @@ from dashboard import actions
 from dashboard.models import AuditEvent, Namespace
 from inference import devices as registry
 from inference import edge
+from inference.identity import BoardKeys
 from inference.messages import RunRequest
 from inference.devices import DeviceRefused
 
 from .test_dashboard import control_plane, register, sent_tasks, staff_client  # noqa: F401  (fixtures)
+
+
+def become(name: str, token: str, url: str):
+    """Start the board ``name`` in this process as `manage.py edge` does: fresh keys, enrolled with ``token``."""
+    return edge.become(name, BoardKeys.generate(), CacheBox(url), token=token, send=actions.enroll_device, timeout=5)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
@@ -39,20 +45,23 @@ def tenant(name: str, share: bool = True) -> Namespace:
 def test_an_enrolled_board_receives_its_namespace_keys_sealed(control_plane, settings, valkey_url):
     acme = tenant("acme")
     device, token = register("acme-1", namespace=acme)
+    assert registry.lookup(CacheBox(valkey_url), "acme-1").keyring == ""  # nothing sealed before the board enrolls
+    me = become("acme-1", token, valkey_url)
     raw = CacheBox(valkey_url).redis.get("ec:device:acme-1").decode()
     assert derive_key(settings.EDGECACHE_SIGNING_SECRET, "acme", 1).hex() not in raw  # never in clear in the cache box
+    assert token not in raw
     record = registry.lookup(CacheBox(valkey_url), "acme-1")
     assert (record.namespace, record.share, record.cache_namespace) == ("acme", True, "acme")
-    ring = record.open_keyring(token)
+    ring = record.open_keyring(me.keys)
     assert ring.namespace == "acme" and ring.current == 1 and ring.covers("acme") and not ring.covers("default")
     with pytest.raises(ValueError, match="cannot open"):
-        record.open_keyring("someone else's token")
+        record.open_keyring(BoardKeys.generate())  # another board's private key opens nothing
 
 
 def test_rotation_reaches_boards_at_their_next_check_and_is_audited(control_plane, valkey_url):
     acme = tenant("acme")
     device, token = register("acme-1", namespace=acme)
-    me = edge.become("acme-1", token, CacheBox(valkey_url))
+    me = become("acme-1", token, valkey_url)
     assert me.ring.current == 1
     assert actions.rotate_signing_key(None, acme) == 2
     me.recheck()  # what every heartbeat does
@@ -62,7 +71,7 @@ def test_rotation_reaches_boards_at_their_next_check_and_is_audited(control_plan
 
 def test_a_revoked_board_is_refused_and_its_record_holds_no_keys(control_plane, valkey_url):
     device, token = register("zero")
-    me = edge.become("zero", token, CacheBox(valkey_url))
+    me = become("zero", token, valkey_url)
     actions.revoke_device(None, device)
     assert registry.lookup(CacheBox(valkey_url), "zero").keyring == ""
     with pytest.raises(DeviceRefused, match="revoked"):
@@ -71,7 +80,7 @@ def test_a_revoked_board_is_refused_and_its_record_holds_no_keys(control_plane, 
 
 def test_moving_a_device_to_another_namespace_stops_its_board(control_plane, valkey_url):
     device, token = register("zero")
-    me = edge.become("zero", token, CacheBox(valkey_url))
+    me = become("zero", token, valkey_url)
     device.namespace = tenant("acme")
     actions.update_device(None, device)
     with pytest.raises(DeviceRefused, match="restart the board"):
@@ -80,7 +89,7 @@ def test_moving_a_device_to_another_namespace_stops_its_board(control_plane, val
 
 def test_a_board_refuses_messages_for_another_namespace(control_plane, valkey_url, sent_tasks):
     device, token = register("acme-1", namespace=tenant("acme"))
-    edge.become("acme-1", token, CacheBox(valkey_url))
+    become("acme-1", token, valkey_url)
     request = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": ["hello"], "namespace": "globex"})
     report = edge.serve(None, request)
     assert "does not serve 'globex'" in report.error
@@ -113,7 +122,7 @@ def test_boards_see_only_their_namespace_and_private_namespaces_share_nothing(co
     boards = {}
     for name, namespace in (("ward-1", clinic), ("ward-2", clinic), ("acme-1", acme)):
         device, token = register(name, namespace=namespace)
-        me = edge.become(name, token, CacheBox(valkey_url))
+        me = become(name, token, valkey_url)
         options = BoardConfig(device=name, namespace=me.record.cache_namespace)
         boards[name] = (Board(engine, CacheBox(valkey_url), options, background_sync=False, keys=me.keychain()), me)
     prompt = "Patient notes: chest pain for two days, no fever. Question: what should be checked first?"

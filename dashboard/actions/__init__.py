@@ -10,6 +10,7 @@ from .cache import cachebox, evict_entries, flush_entries, pin_entries
 from .devices import (
     authenticate_board,
     device_json,
+    enroll_device,
     publish_all_devices,
     publish_device,
     record_heartbeat,
@@ -33,6 +34,7 @@ __all__ = [
     "device_json",
     "dispatch_encode",
     "dispatch_run",
+    "enroll_device",
     "evict_entries",
     "flush_entries",
     "pin_entries",

@@ -13,6 +13,7 @@ class AuditAction(StrEnum):
     DEVICE_UPDATE = "device.update"
     DEVICE_ROTATE_TOKEN = "device.rotate_token"
     DEVICE_REVOKE = "device.revoke"
+    DEVICE_ENROLL = "device.enroll"
     NAMESPACE_CREATE = "namespace.create"
     NAMESPACE_UPDATE = "namespace.update"
     NAMESPACE_ROTATE_KEY = "namespace.rotate_key"

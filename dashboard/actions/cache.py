@@ -5,8 +5,11 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import transaction
 
+from cachebox.events import security_event
+from cachebox.keys import parse_entry_key_name
 from cachebox.models import CacheEntry
 from cachebox.store import CacheBox
+from inference.messages import StoredEntry
 
 from .audit import AuditAction, audit
 
@@ -16,9 +19,44 @@ def cachebox() -> CacheBox:
     return CacheBox(settings.REDIS_URL, connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
 
 
+def entry_names(names) -> list[str]:
+    """The names among ``names`` that are cache entries: staff verbs never touch other keys
+    (device records, catalogs, queues), whatever a mirror row says."""
+    kept = []
+    for name in names:
+        try:
+            parse_entry_key_name(name)
+            kept.append(name)
+        except ValueError:
+            security_event("cache_action_refused", key=name[:200], reason="not a cache entry key")
+    return kept
+
+
+def acceptable_entries(device, entries: list[StoredEntry]) -> list[StoredEntry]:
+    """The stored entries a board may report: well-formed entry names of its own namespace and model.
+
+    A board that names another key (a device record, another tenant's entry) gets nothing
+    mirrored for it, so a staff eviction can never be steered onto such a key (logged).
+    """
+    namespaces = {device.namespace_id, device.cache_namespace}
+    model = (device.status or {}).get("fingerprint")
+    kept = []
+    for entry in entries:
+        try:
+            namespace, fingerprint, _ = parse_entry_key_name(entry.name)
+            ok = namespace == entry.namespace and fingerprint == entry.model and namespace in namespaces and (not model or fingerprint == model)
+        except ValueError:
+            ok = False
+        if ok:
+            kept.append(entry)
+        else:
+            security_event("mirror_refused", device=device.name, entry=entry.name[:200], reason="not an entry of this board's namespace and model")
+    return kept
+
+
 def evict_entries(user, entries) -> int:
     """Delete entries from the cache box and the mirror (their catalog bits stay until reconcile)."""
-    names = [entry.key for entry in entries]
+    names = entry_names(entry.key for entry in entries)
     cachebox().delete(names)  # raises CacheBoxUnavailable before the mirror changes
     with transaction.atomic():
         CacheEntry.objects.filter(key__in=names).delete()
@@ -27,7 +65,7 @@ def evict_entries(user, entries) -> int:
 
 
 def pin_entries(user, entries, pinned: bool) -> int:
-    names = [entry.key for entry in entries]
+    names = entry_names(entry.key for entry in entries)
     store = cachebox()
     if pinned:
         store.pin(names)

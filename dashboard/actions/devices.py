@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 
 from django.db import transaction
 from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
-from cachebox.signing import wrap_key
 from inference import devices as registry
-from inference.messages import BoardMessage, Heartbeat
+from inference.identity import enroll_key, enroll_proof, verify_signature
+from inference.messages import BoardMessage, EnrollRequest, Heartbeat
 
 from ..live import broadcast
 from ..models import Device, Namespace
@@ -22,11 +23,16 @@ from .cache import cachebox
 
 log = logging.getLogger("dashboard.actions")
 
+ENROLL_WINDOW_S = 600  # an enrollment request older than this (or from a clock this far off) is refused
 
-def _record_for(device: Device) -> registry.DeviceRecord:
+
+def _record_for(device: Device, enrollment: dict | None = None) -> registry.DeviceRecord:
     return registry.DeviceRecord(
         name=device.name,
-        token_sha256=device.token_sha256,
+        token_sha256=device.token_sha256 if device.enroll_key else "",  # only while the token may still enroll
+        signing_key=device.signing_public_key,
+        box_key=device.box_public_key,
+        enrollment=enrollment or {},
         threads=device.cpu_threads,
         link_bandwidth_mbps=device.link_bandwidth_mbps,
         link_rtt_ms=device.link_rtt_ms,
@@ -37,14 +43,14 @@ def _record_for(device: Device) -> registry.DeviceRecord:
     )
 
 
-def publish_device(device: Device) -> bool:
+def publish_device(device: Device, enrollment: dict | None = None) -> bool:
     """Tell boards (through the cache box) the device's current token hash and settings.
 
     False when the cache box cannot be reached: the database stays the truth and
     ``publish_all_devices`` (run at every start) publishes it later.
     """
     try:
-        registry.publish(cachebox(), _record_for(device))
+        registry.publish(cachebox(), _record_for(device, enrollment))
         return True
     except CacheBoxError as exc:
         log.warning("device %s not published to the cache box: %s", device.name, exc)
@@ -98,10 +104,13 @@ def rotate_signing_key(user, namespace: Namespace) -> int:
 
 # -- devices -----------------------------------------------------------------------------------------
 def _set_token(device: Device) -> str:
+    """A new one-time enrollment token; the board enrolled before (if any) is refused from now on."""
     token = registry.new_token()
     device.token_sha256 = registry.hash_token(token)
-    device.wrap_key = wrap_key(token).hex()
-    device.token_hint = token[:6]
+    device.enroll_key = enroll_key(token).hex()
+    device.signing_public_key = device.box_public_key = ""
+    device.enrolled_at = None
+    device.last_message_ts = 0.0
     device.token_created = timezone.now()
     device.revoked_at = None
     return token
@@ -118,10 +127,16 @@ def register_device(user, **fields) -> tuple[Device, str]:
     return device, token
 
 
+# What staff may change on a device; credentials and enrollment change only through their verbs.
+EDITABLE_FIELDS = ("kind", "cpu_threads", "memory_mb", "link_bandwidth_mbps", "link_rtt_ms", "namespace")
+
+
 def update_device(user, device: Device) -> None:
+    """Save a device's settings (never its credentials or enrollment, whatever the instance holds)."""
     with transaction.atomic():
-        device.save()
+        device.save(update_fields=list(EDITABLE_FIELDS))
         audit(user, AuditAction.DEVICE_UPDATE, device.name)
+    device.refresh_from_db()
     _changed([device])
 
 
@@ -144,11 +159,56 @@ def revoke_device(user, device: Device) -> None:
     _changed([device])
 
 
-def authenticate_board(name: str, token: str) -> Device | None:
-    """The device whose valid token this is, or None (logged) for an unknown, wrong or revoked one."""
-    device = Device.objects.filter(name=name).first()
-    if device is None or device.revoked_at is not None or not hmac.compare_digest(device.token_sha256, registry.hash_token(token or "")):
-        reason = "unknown device" if device is None else ("revoked" if device.revoked_at else "wrong token")
+def enroll_device(payload: dict) -> Device | None:
+    """A board sends its public keys with a proof that it holds the device's token: the device is
+    enrolled to those keys (the token is spent) and its ring is sealed to them. Refusals are
+    logged, and published on the record so that the board that asked can say why."""
+    request = EnrollRequest.receive(payload, receiver="control")
+    if request is None:
+        return None
+    with transaction.atomic():
+        device = Device.objects.select_for_update().filter(name=request.device).first()
+        reason = ""
+        if device is None:
+            reason = "unknown device"
+        elif device.revoked_at is not None:
+            reason = "revoked"
+        elif not device.enroll_key:
+            reason = "the token was already used to enroll a board: rotate the token to enroll another one"
+        elif abs(time.time() - request.ts) > ENROLL_WINDOW_S:
+            reason = "the enrollment request is stale (check the board's clock)"
+        else:
+            expected = enroll_proof(bytes.fromhex(device.enroll_key), request.device, request.signing_public_key, request.box_public_key, request.ts)
+            if not hmac.compare_digest(expected, request.proof):
+                reason = "wrong token"
+        if reason:
+            security_event("enrollment_refused", device=request.device, reason=reason)
+            if device is not None and device.signing_public_key != request.signing_public_key:
+                publish_device(device, {"signing_key": request.signing_public_key, "reason": reason})
+            return None
+        device.signing_public_key = request.signing_public_key
+        device.box_public_key = request.box_public_key
+        device.enroll_key = ""  # spent: a token enrolls one board once
+        device.enrolled_at = timezone.now()
+        device.save(update_fields=["signing_public_key", "box_public_key", "enroll_key", "enrolled_at"])
+        audit(None, AuditAction.DEVICE_ENROLL, device.name, f"signing key {device.signing_public_key[:16]}…")
+    _changed([device])
+    return device
+
+
+def authenticate_board(name: str, payload: dict) -> Device | None:
+    """The enrolled, unrevoked device whose board signed ``payload``, or None (logged)."""
+    device = Device.objects.filter(name=name).select_related("namespace").first()
+    reason = ""
+    if device is None:
+        reason = "unknown device"
+    elif device.revoked_at is not None:
+        reason = "revoked"
+    elif not device.signing_public_key:
+        reason = "not enrolled"
+    elif not verify_signature(payload, device.signing_public_key):
+        reason = "bad signature"
+    if reason:
         security_event("board_message_refused", device=name, reason=reason)
         return None
     return device
@@ -156,22 +216,28 @@ def authenticate_board(name: str, token: str) -> Device | None:
 
 def receive_board_message(cls: type[BoardMessage], payload: BoardMessage | dict) -> tuple[BoardMessage | None, Device | None]:
     """A board's message checked at the boundary: (message, its device), or Nones (logged) when
-    it does not follow the contract or its board does not authenticate."""
-    message = payload if isinstance(payload, cls) else cls.receive(payload, receiver="control")
+    it does not follow the contract or is not signed by its enrolled, unrevoked board."""
+    message = cls.receive(payload, receiver="control")
     if message is None:
         return None, None
-    device = authenticate_board(message.device, message.token)
+    device = authenticate_board(message.device, payload)
     return (message, device) if device is not None else (None, None)
 
 
-def record_heartbeat(payload: Heartbeat | dict) -> Device | None:
-    """A board lives: store its status (catalogs, model) and tell the open pages."""
+def record_heartbeat(payload: dict) -> Device | None:
+    """A board lives: store its status (catalogs, model) and tell the open pages.
+
+    A heartbeat older than the last one accepted is a replay (or out of order): refused."""
     beat, device = receive_board_message(Heartbeat, payload)
     if device is None:
         return None
-    device.last_seen = timezone.now()
-    device.status = beat.status.dump()
     with transaction.atomic():
+        fresh = Device.objects.filter(pk=device.pk, last_message_ts__lt=beat.ts).update(last_message_ts=beat.ts)
+        if not fresh:
+            security_event("board_message_refused", device=device.name, reason="replayed or out-of-order heartbeat")
+            return None
+        device.last_seen = timezone.now()
+        device.status = beat.status.dump()
         device.save(update_fields=["last_seen", "status"])
         transaction.on_commit(lambda: broadcast("device", device_json(device)))
     return device

@@ -11,11 +11,13 @@ from django.db import transaction
 from django.utils import timezone
 
 from cachebox import mirror
+from cachebox.events import security_event
 from inference.messages import Queue, RunMeta, RunReport, RunRequest, Task
 
 from ..celery import app as celery_app
 from ..live import broadcast
-from ..models import Device, InferenceRun
+from ..models import Device, Dispatch, InferenceRun
+from .cache import acceptable_entries
 from .devices import receive_board_message
 
 log = logging.getLogger("dashboard.actions")
@@ -55,6 +57,7 @@ def dispatch_run(user, devices: list[Device], spec: PromptSpec) -> list[dict]:
             use_cache=spec.use_cache,
             meta=meta,
         )
+        Dispatch.objects.create(request_id=request.request_id, kind="run", device=device, namespace=request.namespace)
         celery_app.send_task(Task.RUN_PROMPT.value, args=[request.dump()], queue=Queue.device(device.name), expires=settings.EDGECACHE_TASK_EXPIRES)
         sent.append({"request_id": request.request_id, "device": device.name})
         broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": meta.title})
@@ -65,11 +68,11 @@ def dispatch_run(user, devices: list[Device], spec: PromptSpec) -> list[dict]:
 def record_run(payload: RunReport | dict) -> InferenceRun | None:
     """Store a board's report as an InferenceRun and broadcast it (once, however often delivered).
 
-    A report that does not follow the contract, or whose board does not authenticate, is
-    refused (logged) and stores nothing.
+    A report that does not follow the contract, is not signed by its enrolled board, or answers
+    a request that was not dispatched to that board is refused (logged) and stores nothing.
     """
     report, device = receive_board_message(RunReport, payload)
-    if device is None:
+    if device is None or not answers_dispatch(device, report.request_id, "run"):
         return None
     breakdown = report.breakdown
     with transaction.atomic():
@@ -94,11 +97,25 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
         )
         if not created:
             return run  # a redelivered message: stored once, broadcast once
-        mirror.record_uploads([entry.dump() for entry in report.uploaded], device.name)
+        mirror.record_uploads([entry.dump() for entry in acceptable_entries(device, report.uploaded)], device.name)
         mirror.record_hits(report.fetched)
         Device.objects.filter(pk=device.pk).update(last_seen=timezone.now())
         transaction.on_commit(lambda: broadcast("run", run_json(run)))
     return run
+
+
+def answers_dispatch(device: Device, request_id: str, kind: str) -> bool:
+    """True when ``request_id`` was dispatched (as ``kind``) to ``device`` or to any board of its namespace."""
+    dispatch = Dispatch.objects.filter(request_id=request_id, kind=kind).first()
+    if dispatch is not None and dispatch.answerable_by(device):
+        return True
+    security_event(
+        "report_refused",
+        device=device.name,
+        request_id=request_id,
+        reason="no such request was dispatched" if dispatch is None else f"dispatched to {dispatch.device.name if dispatch.device else 'namespace ' + dispatch.namespace}",
+    )
+    return False
 
 
 def run_json(run: InferenceRun) -> dict:

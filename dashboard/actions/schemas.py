@@ -14,10 +14,11 @@ from inference.models import Schema
 
 from ..celery import app as celery_app
 from ..live import broadcast
-from ..models import Device
+from ..models import Device, Dispatch
 from .audit import AuditAction, audit
-from .cache import cachebox
+from .cache import acceptable_entries, cachebox
 from .devices import receive_board_message
+from .runs import answers_dispatch
 
 
 def save_schema(user, form) -> Schema:
@@ -33,6 +34,7 @@ def dispatch_encode(user, schema: Schema, devices: list[Device], namespace: str 
     sent = []
     for device in devices:
         request = EncodeRequest(request_id=str(uuid.uuid4()), schema_id=schema.pk, schema=schema.source, namespace=namespace or device.namespace_id)
+        Dispatch.objects.create(request_id=request.request_id, kind="encode", device=device, namespace=request.namespace)
         celery_app.send_task(Task.ENCODE_SCHEMA.value, args=[request.dump()], queue=Queue.device(device.name), expires=settings.EDGECACHE_TASK_EXPIRES)
         sent.append({"request_id": request.request_id, "device": device.name})
     audit(user, AuditAction.SCHEMA_ENCODE, schema.name, ", ".join(d.name for d in devices))
@@ -41,7 +43,7 @@ def dispatch_encode(user, schema: Schema, devices: list[Device], namespace: str 
 
 def record_encode_progress(payload: EncodeProgress | dict) -> None:
     progress, device = receive_board_message(EncodeProgress, payload)
-    if device is None:
+    if device is None or not answers_dispatch(device, progress.request_id, "encode"):
         return
     fields = progress.dump()
     broadcast("encode.progress", {"device": progress.device, **{key: fields[key] for key in ("request_id", "schema_id", "done", "total", "piece")}})
@@ -50,10 +52,10 @@ def record_encode_progress(payload: EncodeProgress | dict) -> None:
 def record_encoded(payload: EncodeReport | dict) -> None:
     """A board finished encoding: mirror the stored entries and tell the pages."""
     report, device = receive_board_message(EncodeReport, payload)
-    if device is None:
+    if device is None or not answers_dispatch(device, report.request_id, "encode"):
         return
     with transaction.atomic():
-        mirror.record_uploads([entry.dump() for entry in report.stored], device.name)
+        mirror.record_uploads([entry.dump() for entry in acceptable_entries(device, report.stored)], device.name)
         done = {
             "device": device.name,
             "request_id": report.request_id,

@@ -192,7 +192,14 @@
       fetch(encodeForm.action, { method: "POST", body: new FormData(encodeForm), headers: { Accept: "application/json" }, credentials: "same-origin" })
         .then((r) => r.json().then((body) => ({ ok: r.ok, body: body })))
         .then(function (res) {
-          if (!res.ok) { const area = document.getElementById("encode-progress"); area.textContent = "Choose at least one device."; return; }
+          if (!res.ok) {
+            const area = document.getElementById("encode-progress");
+            const errors = res.body.errors || {};
+            area.textContent = Object.keys(errors).map((k) => (k === "__all__" ? "" : k + ": ") + errors[k].map((e) => e.message).join(" ")).join(" · ") || "Choose at least one device.";
+            area.className = "error";
+            return;
+          }
+          document.getElementById("encode-progress").className = "";
           res.body.dispatched.forEach((item) => encodeBar(item.request_id, item.device));
         });
     });

@@ -17,6 +17,8 @@ import time
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
@@ -26,6 +28,25 @@ from dashboard import actions
 from dashboard.models import Device
 from inference.board import cachebox_url
 from inference.messages import Queue
+
+ADMIN_USERNAME = "admin"
+
+
+def checked_admin_password(password: str | None) -> str | None:
+    """EDGECACHE_ADMIN_PASSWORD once Django's password validators accept it (None: unset, one is
+    generated). A weak one is refused with the validators' own messages, before anything starts."""
+    if not password:
+        return None
+    try:
+        validate_password(password, get_user_model()(username=ADMIN_USERNAME))
+    except ValidationError as exc:
+        reasons = " ".join(exc.messages)
+        raise CommandError(
+            f"EDGECACHE_ADMIN_PASSWORD is refused: {reasons} Choose a stronger one, "
+            "or unset it to have a random password generated and printed once."
+        ) from None
+    return password
+
 
 DEMO_BOARDS = [
     {"name": "zero", "kind": "Raspberry Pi Zero 2W (emulated)", "cpu_threads": 1, "memory_mb": 512, "link": "wifi4"},
@@ -42,6 +63,8 @@ class Command(BaseCommand):
         parser.add_argument("--no-boards", action="store_true", help="do not start the two demo boards")
 
     def handle(self, *args, host, port, no_boards, **options):
+        # First, before the cache box or anything else starts: a weak admin password stops here.
+        admin_password = checked_admin_password(os.environ.get("EDGECACHE_ADMIN_PASSWORD"))
         with socket.socket() as probe:
             if probe.connect_ex((host, port)) == 0:
                 raise CommandError(f"port {port} on {host} is already in use (another `make run`?); stop it or pass --port")
@@ -51,7 +74,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc))
         self.stdout.write(f"cache box: {url}")
         call_command("migrate", interactive=False, verbosity=0)
-        self._first_admin()
+        self._first_admin(admin_password)
         actions.publish_all_devices()  # an embedded cache box starts empty: boards need their records
 
         children: list[subprocess.Popen] = []
@@ -105,13 +128,14 @@ class Command(BaseCommand):
             return token
         return actions.rotate_token(None, device)
 
-    def _first_admin(self) -> None:
+    def _first_admin(self, chosen: str | None) -> None:
+        """A superuser (staff: sees every namespace) when there is none yet."""
         User = get_user_model()
         if User.objects.filter(is_superuser=True).exists():
             return
-        password = os.environ.get("EDGECACHE_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
-        User.objects.create_superuser("admin", "", password)
-        if os.environ.get("EDGECACHE_ADMIN_PASSWORD"):
+        password = chosen or secrets.token_urlsafe(12)
+        User.objects.create_superuser(ADMIN_USERNAME, "", password)
+        if chosen:
             self.stdout.write("first admin account: admin (password from EDGECACHE_ADMIN_PASSWORD)")
         else:
             self.stdout.write(self.style.WARNING(f"first admin account: admin / {password}  (shown once; change it in Admin)"))

@@ -1,0 +1,228 @@
+"""Trust boundaries, each test replaying a probe that succeeded against the previous design:
+what a reader of the broker, of Redis or of the database gets; a board answering for another;
+a board steering a staff eviction onto a registry key; Redis errors that are not connection
+failures; catalog bytes that claim absurd sizes; private namespaces that collided."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import uuid
+
+import pytest
+import redis
+from celery import current_app
+
+from cachebox import embedded
+from cachebox.catalog import Catalog
+from cachebox.errors import CatalogFormatError
+from cachebox.keys import catalog_key_names
+from cachebox.models import CacheEntry
+from cachebox.signing import private_namespace, unseal
+from cachebox.store import CacheBox
+from cachebox.sync import CatalogReplica
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from dashboard import actions
+from dashboard.models import Device, InferenceRun
+from inference import edge
+from inference.identity import BoardKeys, verify_signature
+from inference.messages import RunReport, RunRequest, Task
+
+from .test_dashboard import control_plane, enrolled, register, result_payload, sent_tasks  # noqa: F401  (fixtures)
+
+pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
+
+
+def security_events(caplog, name: str) -> list[dict]:
+    return [record.security_fields for record in caplog.records if record.name == "edgecache.security" and record.getMessage() == name]
+
+
+# -- 1. no secret on the wire, in Redis or in the database ------------------------------------
+def test_broker_messages_carry_no_token_and_are_signed_by_the_board(control_plane, valkey_url):
+    device, token = register("dev-a")
+    me = edge.become("dev-a", BoardKeys.generate(), CacheBox(valkey_url), token=token, send=actions.enroll_device, timeout=5)
+    client = redis.Redis.from_url(valkey_url)
+    client.delete("control")
+    current_app.conf.broker_url = valkey_url
+    request_id = str(uuid.uuid4())
+    edge.report(RunReport(device="dev-a", request_id=request_id, text="hello"))
+    raw = client.lrange("control", 0, -1)
+    assert len(raw) == 1 and token.encode() not in raw[0]  # what `LRANGE control` shows
+    envelope = json.loads(raw[0])
+    args = json.loads(base64.b64decode(envelope["body"]))[0]
+    payload = args[0]
+    assert "token" not in payload and payload["request_id"] == request_id
+    device.refresh_from_db()
+    assert verify_signature(payload, device.signing_public_key)
+    assert not verify_signature({**payload, "text": "FAKE ANSWER"}, device.signing_public_key)
+    assert me.keys.signing_public_key == device.signing_public_key
+    client.delete("control")
+
+
+def test_a_redis_dump_or_a_database_dump_alone_opens_no_key_ring(control_plane, valkey_url):
+    device, token = register("dev-a")
+    board = enrolled(device, token)
+    record = json.loads(CacheBox(valkey_url).get_device_record("dev-a"))
+    assert token not in json.dumps(record) and record["keyring"] and not record["token_sha256"]  # spent: no longer published
+    row = Device.objects.filter(name="dev-a").values().get()
+    assert token not in json.dumps(row, default=str) and row["enroll_key"] == ""  # spent at enrollment
+    # Everything 32-byte-like in the database row, tried as the key that opens the sealed ring: nothing opens it.
+    for value in row.values():
+        if isinstance(value, str) and len(value) == 64:
+            with pytest.raises(ValueError, match="cannot open"):
+                unseal(record["keyring"], X25519PrivateKey.from_private_bytes(bytes.fromhex(value)), "dev-a")
+    assert unseal(record["keyring"], board.box, "dev-a").namespace == "default"  # only the board's own key does
+
+
+# -- 2. a board answers only for its own work ---------------------------------------------------
+def test_a_board_cannot_answer_for_another_board(control_plane, caplog):
+    device_a, token_a = register("dev-a")
+    device_b, token_b = register("dev-b")
+    board_a, board_b = enrolled(device_a, token_a), enrolled(device_b, token_b)
+    sent = actions.dispatch_run(None, [device_b], actions.PromptSpec(segments=["Q: capital of France?"], max_tokens=2, title="probe"))
+    request_id = sent[0]["request_id"]
+    forged = board_a.sign({"device": "dev-a", "request_id": request_id, "text": "FAKE ANSWER FROM A"})
+    with caplog.at_level(logging.INFO, logger="edgecache.security"):
+        assert actions.record_run(forged) is None
+        # Claiming to be dev-b does not help: the signature is dev-a's.
+        assert actions.record_run(board_a.sign({"device": "dev-b", "request_id": request_id, "text": "FAKE ANSWER FROM A"})) is None
+        # Nor does answering a request nobody dispatched.
+        assert actions.record_run(result_payload(device_a, board_a, dispatched=False)) is None
+    assert security_events(caplog, "report_refused") and security_events(caplog, "board_message_refused")
+    real = actions.record_run(board_b.sign({"device": "dev-b", "request_id": request_id, "text": " Paris"}))
+    assert real is not None and InferenceRun.objects.get(request_id=request_id).text == " Paris"
+
+
+# -- 3. a board cannot make staff delete a key that is not an entry -----------------------------
+def test_fake_uploads_are_not_mirrored_and_staff_verbs_touch_only_entries(control_plane, caplog):
+    device_a, token_a = register("dev-a")
+    device_b, token_b = register("dev-b")
+    board_a = enrolled(device_a, token_a)
+    enrolled(device_b, token_b)
+    fingerprint = "00ff00ff00ff00ff"
+    real = f"ec:e:default:{fingerprint}:{{{'ab' * 16}}}"
+    uploads = [
+        {"name": "ec:device:dev-b", "namespace": "default", "model": fingerprint, "start": 0, "end": 5, "bytes": 10},
+        {"name": f"ec:e:other-tenant:{fingerprint}:{{{'cd' * 16}}}", "namespace": "other-tenant", "model": fingerprint, "start": 0, "end": 5, "bytes": 10},
+        {"name": real, "namespace": "default", "model": fingerprint, "start": 0, "end": 5, "bytes": 10},
+    ]
+    with caplog.at_level(logging.INFO, logger="edgecache.security"):
+        assert actions.record_run(result_payload(device_a, board_a, uploaded=uploads)) is not None
+    assert list(CacheEntry.objects.values_list("key", flat=True)) == [real]
+    assert len(security_events(caplog, "mirror_refused")) == 2
+    # Even a mirror row that names a registry key (written by hand) cannot be evicted.
+    CacheEntry.objects.create(key="ec:device:dev-b", model=fingerprint, namespace="default", start=0, end=5, bytes=10)
+    actions.evict_entries(None, CacheEntry.objects.filter(key="ec:device:dev-b"))
+    assert control_plane.get_device_record("dev-b") is not None
+
+
+# -- 5. catalog bytes that claim absurd sizes ----------------------------------------------------
+@pytest.mark.parametrize("capacity, fp_rate", [(10**11, 0.01), (10**12, 0.01), (1000, 1e-300), (-5, 0.01)])
+def test_catalog_bytes_with_absurd_sizes_are_refused_before_allocating(capacity, fp_rate):
+    good = Catalog(1000, 0.01).to_bytes()
+    body = good[8 + int.from_bytes(good[4:8], "little") :]
+    params = json.dumps({"capacity": capacity, "fp_rate": fp_rate}).encode()
+    forged = b"ECB1" + len(params).to_bytes(4, "little") + params + body
+    with pytest.raises(CatalogFormatError):
+        Catalog.from_bytes(forged)  # once aborted the process: "memory allocation of 119813229717 bytes failed"
+
+
+def test_a_board_refuses_a_forged_master_snapshot_logs_it_and_drops_it(valkey_url, caplog):
+    store = CacheBox(valkey_url)
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    replica = CatalogReplica(store, namespace)
+    replica.sync()
+    params = json.dumps({"capacity": 10**11, "fp_rate": 0.01}).encode()
+    store.redis.hset(catalog_key_names(namespace)["snapshot"], mapping={"bloom": b"ECB1" + len(params).to_bytes(4, "little") + params + b"\0" * 64, "last_id": "0", "epoch": replica.epoch})
+    with caplog.at_level(logging.INFO, logger="edgecache.security"):
+        CatalogReplica(store, namespace).sync()  # a fresh board meets it
+    assert security_events(caplog, "catalog_refused")
+    assert not store.redis.exists(catalog_key_names(namespace)["snapshot"])
+    store.flush(namespace)
+
+
+# -- 6. private namespaces cannot collide ----------------------------------------------------------
+def test_private_namespaces_of_long_similar_names_differ():
+    a, b = "kiosk-" + "x" * 34 + "-1", "kiosk-" + "x" * 34 + "-2"
+    assert private_namespace("hospital-north-wing-12", a) != private_namespace("hospital-north-wing-12", b)
+    for name in (private_namespace("hospital-north-wing-12", a), private_namespace("t", "b")):
+        assert len(name) <= 64
+    assert private_namespace("t", "b") == "t.dev-b"  # short ones stay readable
+
+
+def test_the_board_task_sends_its_report_signed(monkeypatch):
+    """The task path: ``report`` signs with the board's key whatever message it is given."""
+    keys = BoardKeys.generate()
+    monkeypatch.setattr(edge, "_identity", type("Me", (), {"name": "dev-a", "keys": keys})())
+    sent = []
+    monkeypatch.setattr(current_app, "send_task", lambda name, args=None, queue=None, **kw: sent.append((name, args[0], queue)))
+    edge.report(RunReport(device="dev-a", request_id=str(uuid.uuid4()), text="x"))
+    name, payload, queue = sent[0]
+    assert name == Task.RECORD_RUN and queue == "control" and verify_signature(payload, keys.signing_public_key)
+
+
+# -- 4. any cache-box error degrades to local work; the answer always reaches the control plane --
+@pytest.fixture
+def small_valkey(tmp_path):
+    data_dir = tmp_path / "valkey"
+    url = embedded.ensure_running(data_dir, maxmemory="4mb")
+    yield url
+    embedded.stop(data_dir)
+
+
+PROMPT = "".join(f"Line {i}: the tide comes in and the tide goes out. " for i in range(40))
+
+
+@pytest.mark.model
+def test_a_full_cache_box_refusing_writes_loses_no_answer(small_valkey, make_board):
+    """Valkey at maxmemory with entries it may not evict (no TTL): SET answers OOM after the answer is computed."""
+    board = make_board(small_valkey, "oom", entry_ttl=None)
+    request = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": [PROMPT], "max_tokens": 4, "namespace": "oom"})
+    report = edge.serve(board, request)  # raised OutOfMemoryError before: no report, the run lost
+    assert report.error == "" and report.text and report.breakdown.cachebox == "unavailable"
+    assert report.uploaded == [] and report.breakdown.uploaded_bytes == 0
+    cold = board.run(PROMPT, max_tokens=4, namespace="oom", use_cache=False)
+    assert report.tokens == cold.tokens
+
+
+@pytest.mark.model
+def test_a_key_of_the_wrong_type_is_a_miss_not_a_lost_run(valkey_url, namespace, make_board):
+    first = make_board(valkey_url, namespace, device="dev-a")
+    cold = first.run(PROMPT, max_tokens=4, namespace=namespace)
+    store = CacheBox(valkey_url)
+    for name in store.scan_entries(namespace):
+        store.redis.delete(name)
+        store.redis.rpush(name, "not an entry")  # WRONGTYPE for GETRANGE/GET
+    second = make_board(valkey_url, namespace, device="dev-b")
+    second.catalogs.sync_all()
+    request = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": [PROMPT], "max_tokens": 4, "namespace": namespace})
+    report = edge.serve(second, request)
+    assert report.error == "" and report.tokens == cold.tokens
+    assert report.breakdown.cachebox == "unavailable" and report.breakdown.decision == "cachebox-unavailable"
+
+
+@pytest.mark.model
+def test_an_entry_over_one_boards_limit_is_skipped_there_not_evicted_for_everyone(valkey_url, namespace, make_board):
+    big = make_board(valkey_url, namespace, device="dev-a")
+    big.run(PROMPT, max_tokens=2, namespace=namespace)
+    stored = sorted(CacheBox(valkey_url).scan_entries(namespace))
+    small = make_board(valkey_url, namespace, device="dev-b", max_entry_bytes=100_000)
+    small.catalogs.sync_all()
+    result = small.run(PROMPT, max_tokens=2, namespace=namespace, upload=False)
+    assert result.breakdown.case == "miss" and result.breakdown.rejected_entries == 0
+    assert sorted(CacheBox(valkey_url).scan_entries(namespace)) == stored  # still there for boards that take it
+    assert big.run(PROMPT, max_tokens=2, namespace=namespace).breakdown.case == "full"
+
+
+@pytest.mark.model
+def test_a_schema_whose_layout_cannot_fit_the_context_is_refused_with_the_numbers(settings):
+    from django.core.exceptions import ValidationError
+
+    from inference.models import Schema
+
+    settings.EDGECACHE_N_CTX = 2048
+    modules = "".join(f'<module name="m{i}">{"Tide and wind and salt. " * 60}</module>' for i in range(12))
+    with pytest.raises(ValidationError, match=r"spans \d+ positions, but the model's context holds 2048"):
+        Schema(source=f'<schema name="huge">{modules}</schema>').full_clean()
+    Schema(source='<schema name="small"><module name="a">Tide and wind.</module></schema>').full_clean()
