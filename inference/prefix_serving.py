@@ -30,7 +30,7 @@ from .breakeven import BreakEvenPolicy
 from .engine import MAIN_SEQ, Engine
 from .exchange import EntryRef, Exchange, ExchangeSession, Fetched, run_session, plan_chain, prefix_refs
 from .sampling import TOP_CANDIDATES, SamplingParams, choose, sample
-from .serving import PromptError, RunResult, context_error, decode_answer, ms_since
+from .serving import OnToken, PromptError, RunResult, context_error, decode_answer, ms_since
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +88,14 @@ class PrefixServing:
         namespace: str | None = None,
         upload: bool = True,
         use_catalog: bool = True,
+        on_token: OnToken | None = None,
     ) -> RunResult:
         """Answer ``prompt`` (a string, or its segments in order) and time every step.
 
         ``upload=False`` leaves the cache box as it was (benchmarks measure one state many
         ways); ``use_catalog=False`` asks the cache box about every candidate range, as a
-        design without a catalog would.
+        design without a catalog would. ``on_token`` sees each answer token as it is chosen
+        (streaming) and may stop the generation.
         """
         segments = [prompt] if isinstance(prompt, str) else list(prompt)
         if not segments or not "".join(segments).strip():
@@ -160,7 +162,7 @@ class PrefixServing:
             breakdown.sample_ms = ms_since(mark)
             breakdown.ttft_ms = ms_since(started)
 
-            generated, text = decode_answer(engine, token, prompt_tokens, max_tokens, sampling, rng, breakdown, started, self.top_logits)
+            generated, text = decode_answer(engine, token, prompt_tokens, max_tokens, sampling, rng, breakdown, started, self.top_logits, on_token)
 
             uploaded = []
             if session is not None and upload and breakdown.cachebox == CacheBoxState.OK:

@@ -35,7 +35,7 @@ from .exchange import EntryRef, Exchange, ExchangeSession, Fetched, run_session,
 from .pml import PMLError, PMLSchema, parse_prompt, parse_schema
 from .pml_layout import ModulePiece, Placement, Run, SchemaLayout, TextPiece, all_pieces, lay_out, piece_runs, plan_prompt
 from .sampling import SamplingParams, choose
-from .serving import PromptError, RunResult, context_error, decode_answer, ms_since
+from .serving import OnToken, PromptError, RunResult, context_error, decode_answer, ms_since
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,7 @@ class SchemaServing:
         sampling: SamplingParams = SamplingParams(),
         use_cache: bool = True,
         namespace: str | None = None,
+        on_token: OnToken | None = None,
     ) -> RunResult:
         if max_tokens < 1:
             raise PromptError("max_tokens must be at least 1")
@@ -287,7 +288,7 @@ class SchemaServing:
             breakdown.sample_ms = ms_since(mark)
             breakdown.ttft_ms = ms_since(started)
             position = engine.positions(MAIN_SEQ)[1] + 1
-            generated, text = decode_answer(engine, token, position, max_tokens, sampling, rng, breakdown, started)
+            generated, text = decode_answer(engine, token, position, max_tokens, sampling, rng, breakdown, started, on_token=on_token)
 
             uploaded = []
             if session is not None and fresh and breakdown.cachebox == CacheBoxState.OK:

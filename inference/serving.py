@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .breakdown import Breakdown
 from .engine import Engine
@@ -41,14 +42,52 @@ class RunResult:
         return {"text": self.text, **self.breakdown.as_dict(), **extra}
 
 
-def decode_answer(engine: Engine, token: int, position: int, max_tokens: int, sampling: SamplingParams, rng, breakdown: Breakdown, started: float, top: int = TOP_CANDIDATES) -> tuple[list[int], str]:
+# Called with each answer token as it is chosen (the first one too) and the text it adds; returning
+# False stops the generation there (a client that went away). Streaming builds on it.
+OnToken = Callable[[int, str], bool]
+
+
+class _TextPieces:
+    """The text each new token adds (multi-byte characters complete once their last byte arrives)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.engine.detokenize(self.tokens)
+        if text.endswith("\ufffd"):  # an incomplete character: wait for the rest
+            return ""
+        piece, self.sent = text[len(self.sent) :], text
+        return piece
+
+
+def decode_answer(
+    engine: Engine,
+    token: int,
+    position: int,
+    max_tokens: int,
+    sampling: SamplingParams,
+    rng,
+    breakdown: Breakdown,
+    started: float,
+    top: int = TOP_CANDIDATES,
+    on_token: OnToken | None = None,
+) -> tuple[list[int], str]:
     """Decode the answer after its first token (R-decode + Sample), stopping at end of generation.
 
     Fills ``decode_ms``, ``sample_ms``, ``ttlt_ms`` and ``generated_tokens``; returns the
-    answer's tokens (without the end-of-generation token) and its text.
+    answer's tokens (without the end-of-generation token) and its text. ``on_token`` sees each
+    token as it is chosen and may stop the generation.
     """
     generated = [token]
-    while len(generated) < max_tokens and not engine.is_end_of_generation(token):
+    pieces = _TextPieces(engine) if on_token is not None else None
+    going = True
+    if pieces is not None and not engine.is_end_of_generation(token):
+        going = on_token(token, pieces.add(token)) is not False
+    while going and len(generated) < max_tokens and not engine.is_end_of_generation(token):
         mark = time.perf_counter()
         logits = engine.decode_one(token, position)
         breakdown.decode_ms += ms_since(mark)
@@ -57,6 +96,8 @@ def decode_answer(engine: Engine, token: int, position: int, max_tokens: int, sa
         token = choose(logits, sampling, rng, top)
         breakdown.sample_ms += ms_since(mark)
         generated.append(token)
+        if pieces is not None and not engine.is_end_of_generation(token):
+            going = on_token(token, pieces.add(token)) is not False
     breakdown.ttlt_ms = ms_since(started)
     if engine.is_end_of_generation(generated[-1]):
         generated.pop()
