@@ -20,7 +20,7 @@ from .errors import InvalidNamespace
 
 # Bump when the layout of stored state bytes or entry headers changes: old entries
 # then simply stop matching instead of being restored into an incompatible context.
-STATE_FORMAT_VERSION = 2  # 2: signed entries (ECE2)
+STATE_FORMAT_VERSION = 3  # 2: signed entries (ECE2); 3: prefills cut on a fixed grid (bit-exact reuse)
 
 KEY_BYTES = 16
 DEFAULT_NAMESPACE = "default"
@@ -64,12 +64,19 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def prefix_keys(
-    namespace: str, fingerprint: str, tokens: Sequence[int], boundaries: Iterable[int]
+    namespace: str, fingerprint: str, tokens: Sequence[int], boundaries: Iterable[int], *, grid: int
 ) -> list[bytes]:
-    """Keys of the prefixes ``tokens[:b]`` for each boundary ``b`` (ascending, 1..len)."""
+    """Keys of the prefixes ``tokens[:b]`` for each boundary ``b`` (ascending, 1..len).
+
+    ``grid`` is where every prefill cuts its batches (every ``grid`` positions): it enters
+    every key, so a key pins the batch history of its prefix too, and a hit restores the
+    very bits its cold run would compute.
+    """
     check_namespace(namespace)
+    if grid < 1:
+        raise ValueError(f"the batch grid must be at least 1 token, got {grid}")
     running = hashlib.blake2b(digest_size=KEY_BYTES, person=b"edgecache-pfx")
-    running.update(f"{fingerprint}\x00{namespace}\x00".encode())
+    running.update(f"{fingerprint}\x00{namespace}\x00grid={grid}\x00".encode())
     keys: list[bytes] = []
     previous = 0
     for boundary in boundaries:
@@ -150,17 +157,35 @@ def device_key_name(name: str) -> str:
     return f"{KEY_PREFIX}:device:{name}"
 
 
-def candidate_boundaries(n_tokens: int, segment_ends: Iterable[int] = (), chunk_tokens: int = 64) -> list[int]:
-    """Prefix lengths that are stored and looked up for a prompt of ``n_tokens``.
+def grid_cuts(n_tokens: int, grid: int, start: int = 0) -> list[int]:
+    """Positions in ``(start, n_tokens)`` where a prefill on this grid ends a batch."""
+    first = (start // grid + 1) * grid
+    return list(range(first, n_tokens, grid))
 
-    The union of the caller's segment ends (instruction, examples, ...), every
-    ``chunk_tokens`` tokens (so a shared prefix is found without any structure)
-    and the whole prompt. Ascending; the lookup walks it from the end.
-    """
+
+def range_boundaries(n_tokens: int, grid: int) -> list[int]:
+    """Prefix lengths that are stored and looked up for a prompt of ``n_tokens``: every grid
+    point (where every prefill cuts its batches, so a range is whole batches) and the whole
+    prompt. Ascending; the lookup walks it from the end."""
     if n_tokens <= 0:
         return []
-    cuts = {end for end in segment_ends if 0 < end <= n_tokens}
-    if chunk_tokens > 0:
-        cuts.update(range(chunk_tokens, n_tokens + 1, chunk_tokens))
-    cuts.add(n_tokens)
-    return sorted(cuts)
+    return [*grid_cuts(n_tokens, grid), n_tokens]
+
+
+_REQUEST_ID_RE = re.compile(r"^[0-9a-fA-F-]{32,36}$")
+
+
+def _request_id(request_id: str) -> str:
+    if not isinstance(request_id, str) or not _REQUEST_ID_RE.match(request_id):
+        raise ValueError(f"invalid request id {request_id!r}: expected a UUID")
+    return request_id.lower()
+
+
+def stream_channel(request_id: str) -> str:
+    """Pub/sub channel a board publishes a run's tokens on while it answers (``ec:stream:<id>``)."""
+    return f"{KEY_PREFIX}:stream:{_request_id(request_id)}"
+
+
+def cancel_key_name(request_id: str) -> str:
+    """Key whose existence tells a board to stop a run: its client went away (``ec:cancel:<id>``)."""
+    return f"{KEY_PREFIX}:cancel:{_request_id(request_id)}"

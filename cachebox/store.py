@@ -369,6 +369,20 @@ class CacheBox:
         key = device_key_name(name)
         self._run(lambda: self.redis.set(key, raw))
 
+    # -- streams (a run's tokens to the control plane while a board answers) ------------------
+    def publish(self, channel: str, data: bytes) -> int:
+        """Publish ``data`` on a pub/sub channel; returns how many subscribers received it (0: none
+        listens, the message is gone). One round trip."""
+        return int(self._run(lambda: self.redis.publish(channel, data)))
+
+    def flag_set(self, name: str) -> bool:
+        """Whether the flag key ``name`` exists (one EXISTS round trip; cancel flags)."""
+        return bool(self._run(lambda: self.redis.exists(name)))
+
+    def set_flag(self, name: str, ttl: int) -> None:
+        """Set the flag key ``name`` for ``ttl`` seconds; one round trip."""
+        self._run(lambda: self.redis.set(name, b"1", ex=max(1, int(ttl))))
+
     # -- server -----------------------------------------------------------------------------
     def memory_used(self) -> str:
         """The server's used memory, human readable ("1.21M"); one round trip (INFO memory)."""

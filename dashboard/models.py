@@ -146,7 +146,7 @@ class SavedPrompt(models.Model):
 
 
 class InferenceRun(models.Model):
-    SOURCES = [("text", "free text"), ("mmlu", "MMLU question"), ("saved", "saved prompt")]
+    SOURCES = [("text", "free text"), ("mmlu", "MMLU question"), ("saved", "saved prompt"), ("api", "API")]
 
     request_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="runs")
@@ -241,3 +241,44 @@ class Membership(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user} in {self.namespace_id}"
+
+
+class ApiKey(models.Model):
+    """A key of the OpenAI-compatible API (``/v1/``): it reaches only its namespace's boards.
+
+    The key is shown once when created (``python manage.py apikey create`` or Admin > API keys);
+    kept are its SHA-256 and its first characters (to recognize it in a list). Revoking is
+    immediate: the next request with it is a 401.
+    """
+
+    PREFIX = "ec-"
+
+    name = models.CharField(max_length=100, blank=True, help_text="what it is for (shown in lists and run titles)")
+    namespace = models.ForeignKey(
+        Namespace, to_field="name", db_column="namespace", on_delete=models.CASCADE, related_name="api_keys",
+        help_text="the tenant whose boards (and so cache entries) the key reaches",
+    )
+    key_sha256 = models.CharField(max_length=64, unique=True, editable=False)
+    key_prefix = models.CharField(max_length=16, editable=False, help_text="the key's first characters, to recognize it")
+    rate_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="requests per minute; empty: EDGECACHE_API_RATE (60); 0: no limit"
+    )
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    created = models.DateTimeField(auto_now_add=True)
+    last_used = models.DateTimeField(null=True, blank=True, editable=False)
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["namespace", "name", "pk"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.key_prefix}… ({self.name or 'unnamed'}, {self.namespace_id})"
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+    def rate(self) -> int:
+        """Requests per minute this key may send (0: no limit)."""
+        return settings.EDGECACHE_API_RATE if self.rate_per_minute is None else self.rate_per_minute

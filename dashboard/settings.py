@@ -289,3 +289,15 @@ else:  # not a Redis URL: counters per process only
 LOGGING["formatters"]["json_lines"] = {"()": "cachebox.events.JsonLineFormatter"}
 LOGGING["handlers"]["security"] = {"class": "logging.StreamHandler", "formatter": "json_lines"}
 LOGGING["loggers"]["edgecache.security"] = {"handlers": ["security"], "level": "INFO", "propagate": False}
+
+# --- The OpenAI-compatible API (/v1/, dashboard.api) ---------------------------------------------
+# Requests per API key and minute (a key's own rate, set by staff, wins; 0: no limit); over it, 429.
+EDGECACHE_API_RATE = _env_int("EDGECACHE_API_RATE", 60)
+# Seconds an API request waits for its board to say something (its first token, then each next
+# one); past it the answer is 504 and the run is cancelled. Also how long the run may wait in its
+# board's queue: a board that starts it later finds its client gone.
+EDGECACHE_API_TIMEOUT = _env_int("EDGECACHE_API_TIMEOUT", 120)
+if EDGECACHE_API_TIMEOUT < 1:
+    raise ValueError(f"EDGECACHE_API_TIMEOUT must be at least 1 second, got {EDGECACHE_API_TIMEOUT}")
+# Answer length when a request names none (max_tokens / max_completion_tokens).
+EDGECACHE_API_MAX_TOKENS = _env_int("EDGECACHE_API_MAX_TOKENS", 256)

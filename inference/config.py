@@ -53,7 +53,7 @@ class BoardConfig:
     n_ctx: int = 4096
     threads: int = 0  # 0: every core
     kv_type: str = "f16"
-    chunk_tokens: int = 64  # prefix ranges are cut (and looked up) every this many tokens too
+    chunk_tokens: int = 128  # the batch grid: every prefill cuts its batches, and ranges are stored, every this many tokens
     top_logits: int = 64  # logits kept with an entry that ends a segment
     catalog_capacity: int = 1_000_000
     catalog_fp_rate: float = 0.01

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -18,13 +19,28 @@ from pydantic import ValidationError
 
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
+from cachebox.keys import cancel_key_name, stream_channel
 from cachebox.signing import Keychain, KeyRing
 from cachebox.store import CacheBox
 
+from .chat import chat_prompt
 from .devices import DeviceRecord, DeviceRefused, authenticate, enroll
 from .engine import EngineError
 from .identity import BoardKeys
-from .messages import BoardMessage, BoardStatus, EncodeProgress, EnrollRequest, EncodeReport, EncodeRequest, Heartbeat, Queue, RunReport, RunRequest, Task
+from .messages import (
+    BoardMessage,
+    BoardStatus,
+    EncodeProgress,
+    EncodeReport,
+    EncodeRequest,
+    EnrollRequest,
+    Heartbeat,
+    Queue,
+    RunReport,
+    RunRequest,
+    StreamEvent,
+    Task,
+)
 from .sampling import SamplingParams
 from .serving import PromptError, RunResult
 
@@ -109,29 +125,188 @@ def _sender() -> dict:
     return {"device": _identity.name if _identity is not None else "local"}
 
 
+CANCELLED = "cancelled by the client"
+
+
 def serve(board, request: RunRequest) -> RunReport:
-    """Run one dispatched prompt; returns the report for the control plane (an error is a report too)."""
+    """Run one dispatched prompt; returns the report for the control plane (an error is a report too).
+
+    A streamed run (``request.stream``) publishes each answer piece on its channel as it is
+    chosen and a last ``done`` (or ``error``) event, and stops when its cancel flag appears;
+    ``request.stop`` ends the answer at the first stop string, streamed or not.
+    """
+    stream = _Publisher(board.store, request.request_id, _sender()["device"]) if request.stream and board.store is not None else None
+    if stream is not None and stream.cancel_requested():
+        stream.close()
+        return RunReport.for_request(request, **_sender(), error=CANCELLED)  # its client left while it waited
+    answer = _Answer(request.stop)
+    cancelled = False
+
+    def on_token(token: int, piece: str) -> bool:
+        nonlocal cancelled
+        released = answer.add(piece)
+        if released and stream is not None:
+            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=stream.count(), text=released))
+        if answer.stopped:
+            return False
+        if stream is not None and stream.cancelled.is_set():
+            cancelled = True
+            return False
+        return True
+
+    prompt = request.prompt_text
     try:
         sampling = SamplingParams(**request.sampling.model_dump())
         options = dict(max_tokens=request.max_tokens, sampling=sampling, use_cache=request.use_cache, namespace=_namespace(request.namespace))
+        if stream is not None or request.stop:
+            options["on_token"] = on_token
         if request.is_schema_run:
             result: RunResult = board.run_pml(request.schema_source, request.pml, **options)
+        elif request.is_chat_run:
+            chat = chat_prompt(board.engine, [(message.role, message.content) for message in request.messages])
+            prompt = chat.text
+            result = board.run(chat.text, tokens=chat.tokens, **options)
         else:
             result = board.run(request.segments, **options)
     except (PromptError, ValueError, EngineError) as exc:  # PMLError is a ValueError
+        if stream is not None:
+            stream.close(StreamEvent(type="error", request_id=request.request_id, device=stream.device, error=str(exc)[:10_000]))
         return RunReport.for_request(request, **_sender(), error=str(exc))
+    except BaseException as exc:  # a bug or a broken engine: the waiting client hears it now (tasks.py reports it)
+        if stream is not None:
+            stream.close(StreamEvent(type="error", request_id=request.request_id, device=stream.device, error=f"the board failed: {type(exc).__name__}: {exc}"[:10_000]))
+        raise
+    tail = answer.finish(result.text)
+    breakdown = result.breakdown
+    if cancelled:
+        finish = "cancelled"
+    elif answer.stopped or breakdown.generated_tokens < request.max_tokens:
+        finish = "stop"
+    else:
+        finish = "length"
+    if stream is not None:
+        if tail and not cancelled:
+            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=stream.count(), text=tail))
+        extra = {"modules_hit": result.modules_hit} if result.modules_hit is not None else {}
+        done = StreamEvent(type="done", request_id=request.request_id, device=stream.device, text=answer.text, finish_reason=finish, breakdown={**breakdown.as_dict(), **extra})
+        stream.close(done)
     return RunReport(
         **_sender(),
         request_id=request.request_id,
         meta=request.meta,
-        prompt=request.prompt_text,
-        text=result.text,
+        prompt=prompt,
+        text=answer.text,
+        error=CANCELLED if cancelled else "",
         tokens=result.tokens,
-        breakdown=result.breakdown,
+        breakdown=breakdown,
         fetched=result.fetched,
         uploaded=result.uploaded,
         modules_hit=result.modules_hit,
     )
+
+
+class _Answer:
+    """The answer as its client sees it: cut before the first stop string, and released piece by
+    piece only once a piece can no longer turn out to be the start of one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [stop for stop in stops if stop]
+        self.text = ""
+        self.sent = 0  # characters of ``text`` released
+        self.stopped = False
+
+    def add(self, piece: str) -> str:
+        """Take the next piece; returns the text that may be released now."""
+        if self.stopped or not piece:
+            return ""
+        self.text += piece
+        if not self.stops:
+            return self._release(len(self.text))
+        # A stop string can only begin in the unreleased part (whatever could begin one is held).
+        found = [index for index in (self.text.find(stop, self.sent) for stop in self.stops) if index >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+            self.stopped = True
+            return self._release(len(self.text))
+        held = max((k for stop in self.stops for k in range(1, min(len(stop), len(self.text) - self.sent) + 1) if self.text.endswith(stop[:k])), default=0)
+        return self._release(len(self.text) - held)
+
+    def finish(self, full_text: str) -> str:
+        """The run is over: the text still held back (none after a stop). Without a stop the
+        answer is the run's own text (its last character may have been incomplete as a piece)."""
+        if not self.stopped:
+            self.text = full_text if full_text.startswith(self.text[: self.sent]) else self.text
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        released, self.sent = self.text[self.sent : upto], max(self.sent, upto)
+        return released
+
+
+class _Publisher(threading.Thread):
+    """A streamed run's events to its pub/sub channel, from a thread of its own so that a publish
+    (one round trip, over an emulated link too) never delays the next token; it also checks the
+    run's cancel flag, at most every ``CHECK_EVERY_S``, with one cheap EXISTS."""
+
+    CHECK_EVERY_S = 0.1
+
+    def __init__(self, store: CacheBox, request_id: str, device: str):
+        super().__init__(name=f"edgecache-stream-{request_id[:8]}", daemon=True)
+        self.store = store
+        self.device = device
+        self.channel = stream_channel(request_id)
+        self.cancel_key = cancel_key_name(request_id)
+        self.cancelled = threading.Event()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._sent = 0
+        self._failed = False
+        self.start()
+
+    def count(self) -> int:
+        """The index of the next token event."""
+        self._sent += 1
+        return self._sent - 1
+
+    def send(self, event: StreamEvent) -> None:
+        self._queue.put(event.encode())
+
+    def close(self, last: StreamEvent | None = None, timeout: float = 5.0) -> None:
+        """Publish ``last`` after everything sent before it, then stop the thread."""
+        if last is not None:
+            self.send(last)
+        self._queue.put(None)
+        self.join(timeout)
+
+    def cancel_requested(self) -> bool:
+        try:
+            if self.store.flag_set(self.cancel_key):
+                self.cancelled.set()
+        except CacheBoxUnavailable as exc:
+            log.warning("cannot check whether run %s was cancelled: %s", self.channel, exc)
+        return self.cancelled.is_set()
+
+    def run(self) -> None:
+        next_check = time.monotonic() + self.CHECK_EVERY_S
+        while True:
+            try:
+                data = self._queue.get(timeout=self.CHECK_EVERY_S)
+            except queue.Empty:
+                data = b""
+            if data is None:
+                return
+            if data:
+                self._publish(data)
+            if time.monotonic() >= next_check and not self.cancelled.is_set():
+                self.cancel_requested()
+                next_check = time.monotonic() + self.CHECK_EVERY_S
+
+    def _publish(self, data: bytes) -> None:
+        try:
+            self.store.publish(self.channel, data)
+        except CacheBoxUnavailable as exc:  # the run goes on; its signed report still reaches the control plane
+            if not self._failed:
+                log.warning("stream %s: an event was not published: %s", self.channel, exc)
+            self._failed = True
 
 
 def encode(board, request: EncodeRequest, on_progress=None) -> EncodeReport:

@@ -38,6 +38,19 @@ CONTEXT_SEQ = 2
 _BUILTIN_TEMPLATES = {"gemma3": b"gemma", "gemma2": b"gemma", "gemma": b"gemma", "llama": b"llama3", "qwen2": b"chatml"}
 
 
+def batch_spans(start: int, count: int, n_batch: int, cuts=()) -> list[tuple[int, int]]:
+    """(offset, size) of each batch that prefills ``count`` tokens from position ``start``:
+    a batch ends at every position in ``cuts`` and after at most ``n_batch`` tokens. Pure."""
+    ends = sorted({cut - start for cut in cuts if start < cut < start + count})
+    spans, offset = [], 0
+    for end in ends + [count]:
+        while offset < end:
+            size = min(n_batch, end - offset)
+            spans.append((offset, size))
+            offset += size
+    return spans
+
+
 class EngineError(RuntimeError):
     """llama.cpp refused an operation (context full, bad state bytes, ...)."""
 
@@ -225,11 +238,15 @@ class Engine(Vocabulary):
         seq: int = MAIN_SEQ,
         logits_at: set[int] | frozenset = frozenset(),
         on_batch=None,
+        cuts=(),
     ) -> dict[int, np.ndarray]:
         """Run ``tokens`` at positions ``start..`` of ``seq`` (P-decode, the heavy call).
 
         Returns a copy of the logits at each position in ``logits_at`` (1 MB each for a
         262k vocabulary). A non-empty sequence must continue at its last position + 1.
+        A batch ends at every absolute position in ``cuts`` (and after ``n_batch`` tokens):
+        llama.cpp's CPU kernels round differently for different batch shapes, so a prefill
+        that resumes at a cut gives the very bits of one that ran from 0 with the same cuts.
         ``on_batch(next_position)`` runs after each batch: the moment to export ranges
         before later batches reuse the sliding-window cells they no longer see.
         """
@@ -239,9 +256,8 @@ class Engine(Vocabulary):
         pos_view = np.ctypeslib.as_array(batch.pos, shape=(self.config.n_batch,))
         nseq_view = np.ctypeslib.as_array(batch.n_seq_id, shape=(self.config.n_batch,))
         logits_view = np.ctypeslib.as_array(batch.logits, shape=(self.config.n_batch,))
-        for offset in range(0, len(tokens), self.config.n_batch):
-            chunk = tokens[offset : offset + self.config.n_batch]
-            size = len(chunk)
+        for offset, size in batch_spans(start, len(tokens), self.config.n_batch, cuts):
+            chunk = tokens[offset : offset + size]
             first = start + offset
             positions = np.arange(first, first + size, dtype=np.int32)
             token_view[:size] = chunk

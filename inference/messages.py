@@ -8,13 +8,15 @@ state) are enums of ``inference.breakdown``.
 
 Control plane -> board: ``RunRequest``, ``EncodeRequest`` (on ``device.NAME`` or ``boards``).
 Board -> control plane (queue ``control``): ``RunReport``, ``EncodeProgress``,
-``EncodeReport``, ``Heartbeat`` (each signed by the board), and once ``EnrollRequest``.
+``EncodeReport``, ``Heartbeat`` (each signed by the board), and once ``EnrollRequest``;
+on a streamed run's pub/sub channel: ``StreamEvent``.
 """
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -27,6 +29,8 @@ MAX_PROMPT_CHARS = 1_000_000
 MAX_SEGMENTS = 10_000
 MAX_TOKENS = 32_768
 MAX_LIST = 100_000
+MAX_STOPS = 4  # stop strings per run (OpenAI's limit)
+MAX_STOP_CHARS = 200
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _UUID = r"^[0-9a-fA-F-]{32,36}$"
@@ -110,11 +114,33 @@ class RunMeta(Message):
     expected_answer: str = Field("", max_length=16)
 
 
+class ChatMessage(Message):
+    """One turn of a conversation; the board renders them through the model's chat template."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(min_length=1)
+
+    @field_validator("content")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("a message needs some text")
+        return value
+
+
 class RunRequest(Message):
-    """A prompt to answer: its segments (cut where entries may be stored), or a PML prompt and its schema."""
+    """A prompt to answer: its segments (cut where entries may be stored), chat messages (rendered
+    and tokenized by the board, ``inference.chat``), or a PML prompt and its schema.
+
+    ``stream``: publish each answer token, and a last ``done`` event, on the run's pub/sub channel
+    (``StreamEvent``; the OpenAI-compatible API listens there), and stop when the run's cancel
+    flag is set. ``stop``: end the answer where its text first contains one of these (the stop
+    string itself is not part of the answer).
+    """
 
     request_id: str = Field(pattern=_UUID)
     segments: list[str] = Field(default_factory=list, max_length=MAX_SEGMENTS)
+    messages: list[ChatMessage] = Field(default_factory=list, max_length=MAX_SEGMENTS)
     schema_source: str = Field("", alias="schema")
     pml: str = ""
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
@@ -122,13 +148,30 @@ class RunRequest(Message):
     use_cache: bool = True
     namespace: str = Field("", pattern=r"^$|" + _NAME)
     meta: RunMeta = RunMeta()
+    stream: bool = False
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
 
     model_config = ConfigDict(populate_by_name=True)
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: list[str]) -> list[str]:
+        for stop in value:
+            if not stop or len(stop) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has 1 to {MAX_STOP_CHARS} characters")
+        return value
+
     @model_validator(mode="after")
     def _one_kind_of_prompt(self) -> Self:
+        kinds = [name for name, given in (("segments", self.segments), ("messages", self.messages), ("schema", self.schema_source)) if given]
+        if len(kinds) > 1:
+            raise ValueError(f"a run has one kind of prompt, got {' and '.join(kinds)}")
         if self.schema_source and not self.pml:
             raise ValueError("a schema run needs its PML prompt ('pml')")
+        if self.messages:
+            if sum(len(message.content) for message in self.messages) > MAX_PROMPT_CHARS:
+                raise ValueError(f"the messages are over {MAX_PROMPT_CHARS} characters")
+            return self
         if not self.schema_source and not "".join(self.segments).strip():
             raise ValueError("the prompt is empty: give it some text")
         if sum(len(segment) for segment in self.segments) > MAX_PROMPT_CHARS:
@@ -140,9 +183,17 @@ class RunRequest(Message):
         return bool(self.schema_source)
 
     @property
+    def is_chat_run(self) -> bool:
+        return bool(self.messages)
+
+    @property
     def prompt_text(self) -> str:
         """The prompt as the control plane shows it."""
-        return self.pml if self.schema_source else "".join(self.segments)
+        if self.schema_source:
+            return self.pml
+        if self.messages:
+            return "\n".join(f"{message.role}: {message.content}" for message in self.messages)
+        return "".join(self.segments)
 
 
 class EncodeRequest(Message):
@@ -223,6 +274,34 @@ class RunReport(BoardMessage):
     def for_request(cls, request: RunRequest, *, device: str, error: str = "") -> "RunReport":
         """The report of a request that did not run (refused, expired, failed)."""
         return cls(device=device, request_id=request.request_id, meta=request.meta, prompt=request.prompt_text, error=error)
+
+
+class StreamEvent(Message):
+    """What a board publishes on a streamed run's channel (``cachebox.keys.stream_channel``): each
+    answer piece as it is chosen (``token``), then one ``done`` (the answer's text, why it ended,
+    its breakdown) or ``error``. Not signed: the RunReport that follows on the control queue stays
+    the signed record; these only carry the answer to a waiting client sooner."""
+
+    type: Literal["token", "done", "error"]
+    request_id: str = Field(pattern=_UUID)
+    device: str = Field("", max_length=64)
+    index: int = Field(0, ge=0)  # token events: 0, 1, 2, ...
+    text: str = ""  # token: the piece; done: the whole answer
+    finish_reason: Literal["", "stop", "length", "cancelled"] = ""
+    error: str = Field("", max_length=10_000)
+    breakdown: dict[str, Any] = Field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return self.model_dump_json(exclude_defaults=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> "StreamEvent":
+        """The event in ``data`` (JSON bytes from the channel), or MessageRefused."""
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MessageRefused(f"StreamEvent is not JSON: {exc}") from None
+        return cls.parse(raw)
 
 
 class EncodeProgress(BoardMessage):

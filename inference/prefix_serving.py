@@ -5,6 +5,13 @@ cache box really holds -> verify and restore it -> prefill only the rest -> samp
 the first token (TTFT) -> decode the rest (TTLT) -> export and upload the new
 ranges, after the answer, and announce their keys to every board's catalog.
 
+A cached answer is the cold answer, bit for bit. llama.cpp's CPU kernels round differently
+for different batch shapes while restoring state bytes is exact, so every prefill here
+(cold or resumed) cuts its batches at the same absolute positions, every ``grid`` tokens;
+ranges are stored at those positions (and at the prompt's end) and their keys include the
+grid. A run that resumes from a stored range then computes exactly the batches its cold run
+would have, and gets the same logits.
+
 What is fetched, checked, restored and stored is the exchange's work
 (``inference.exchange``); this strategy says which ranges a prompt has and what
 a right entry for one holds. A cache box that is down, a catalog false positive, or
@@ -23,7 +30,7 @@ import numpy as np
 
 from cachebox.entry import EntryHeader
 from cachebox.errors import EntryError
-from cachebox.keys import candidate_boundaries, check_namespace, tokens_digest
+from cachebox.keys import check_namespace, grid_cuts, range_boundaries, tokens_digest
 
 from .breakdown import Breakdown, CacheBoxState, Decision
 from .breakeven import BreakEvenPolicy
@@ -51,14 +58,16 @@ class PrefixServing:
         engine: Engine,
         exchange: Exchange | None,
         *,
-        chunk_tokens: int = 64,
+        chunk_tokens: int = 128,
         top_logits: int = TOP_CANDIDATES,
         namespace: str = "default",
         policy: BreakEvenPolicy | None = None,
     ):
         self.engine = engine
         self.exchange = exchange
-        self.chunk_tokens = chunk_tokens
+        if chunk_tokens < 1 or engine.config.n_batch % chunk_tokens:
+            raise ValueError(f"the batch grid ({chunk_tokens} tokens) must divide the batch size {engine.config.n_batch}")
+        self.chunk_tokens = chunk_tokens  # the grid: batches are cut, and ranges stored, every this many tokens
         self.top_logits = top_logits
         self.namespace = check_namespace(namespace)
         self.policy = policy or BreakEvenPolicy()
@@ -89,6 +98,7 @@ class PrefixServing:
         upload: bool = True,
         use_catalog: bool = True,
         on_token: OnToken | None = None,
+        tokens: Sequence[int] | None = None,
     ) -> RunResult:
         """Answer ``prompt`` (a string, or its segments in order) and time every step.
 
@@ -109,7 +119,9 @@ class PrefixServing:
             started = time.perf_counter()
 
             mark = time.perf_counter()
-            tokens, segment_ends = self.tokenize(segments)
+            # ``tokens`` given (a chat prompt, inference.chat): the template's markup carries control
+            # tokens that tokenizing segments never produces; ``prompt`` is then only its text.
+            tokens, _ = self.tokenize(segments) if tokens is None else (list(tokens), [len(tokens)])
             breakdown.token_ms = ms_since(mark)
             prompt_tokens = len(tokens)
             breakdown.prompt_tokens = prompt_tokens
@@ -118,38 +130,28 @@ class PrefixServing:
             engine.clear()
 
             breakdown.link = self.exchange.link_label if self.exchange is not None else ""
-            boundaries = candidate_boundaries(prompt_tokens, segment_ends, self.chunk_tokens)
+            boundaries = range_boundaries(prompt_tokens, self.chunk_tokens)
             session = run_session(self.exchange, namespace, breakdown, use_cache)
             refs: list[EntryRef] = []
             known: set[bytes] = set()  # keys the catalog says the cache box holds
             restored = _Restored()
             if session is not None:
-                refs = prefix_refs(namespace, engine.fingerprint, tokens, boundaries)
+                refs = prefix_refs(namespace, engine.fingerprint, tokens, boundaries, grid=self.chunk_tokens)
                 restored = self._lookup_and_restore(session, tokens, refs, known, use_catalog)
             matched = restored.matched
             breakdown.classify(matched, prompt_tokens)
 
-            # P-decode: only what was not restored. Logits are kept at the segment ends so
-            # that their entries carry them (one 1 MB copy each, no extra model work): a later
-            # prompt that ends there is then a full hit with no decode at all. Entries at
-            # fixed chunk ends go without (a prompt rarely ends exactly there; it then
-            # recomputes one token) to keep entries small.
+            # P-decode: only what was not restored, in the batches of the grid. The entry at the
+            # prompt's end keeps the top logits of its last position (no extra model work): the
+            # same prompt later is a full hit with no decode at all.
             boundary_logits: dict[int, np.ndarray] = {}
             exports: dict[int, bytes] = {}  # range end -> state, taken as soon as the range is computed
             if matched < prompt_tokens:
-                wanted = {prompt_tokens - 1}
-                on_batch = None
-                if session is not None:
-                    wanted |= {end - 1 for end in segment_ends if end > matched}
-                    on_batch = self._exporter(boundaries, matched, exports)
+                on_batch = self._exporter(boundaries, matched, exports) if session is not None else None
                 mark = time.perf_counter()
-                boundary_logits = engine.prefill(tokens[matched:], matched, logits_at=wanted, on_batch=on_batch)
-                breakdown.prefill_ms = ms_since(mark)
-            elif restored.top_ids is None:
-                # A full hit without stored logits: recompute the last position only.
-                mark = time.perf_counter()
-                engine.remove(MAIN_SEQ, prompt_tokens - 1, -1)
-                boundary_logits = engine.prefill(tokens[-1:], prompt_tokens - 1, logits_at={prompt_tokens - 1})
+                boundary_logits = engine.prefill(
+                    tokens[matched:], matched, logits_at={prompt_tokens - 1}, on_batch=on_batch, cuts=grid_cuts(prompt_tokens, self.chunk_tokens, matched)
+                )
                 breakdown.prefill_ms = ms_since(mark)
 
             # First token: from fresh logits, or from the ones stored with a full hit.
@@ -201,10 +203,15 @@ class PrefixServing:
 
         def read_link(end: int) -> EntryHeader | None:
             # A range stored by a prompt cut differently: read that link's header too.
-            (by_end[end],) = prefix_refs(session.namespace, self.engine.fingerprint, tokens, [end])
+            (by_end[end],) = prefix_refs(session.namespace, self.engine.fingerprint, tokens, [end], grid=self.chunk_tokens)
             return session.read_headers([by_end[end]], expect).get(by_end[end].name)
 
-        chain = [by_end[end] for end in plan_chain(headers, read_link)]
+        ends = plan_chain(headers, read_link)
+        if ends and ends[-1] == len(tokens) and headers[ends[-1]].top_ids is None:
+            # Stored by a longer prompt for which this end was a grid point: no logits with it.
+            # Resume one link earlier and compute the last batch, as the cold run does.
+            ends = ends[:-1]
+        chain = [by_end[end] for end in ends]
         chain = session.within_budget(chain, {by_end[end].name: header for end, header in headers.items()})
         fetched = session.fetch(chain, expect, chain=True)
         matched = 0

@@ -88,7 +88,7 @@ def test_infer_answers_when_the_cache_box_is_down(tmp_path):
 def test_bench_cases_writes_the_papers_figures(tmp_path, valkey_url):
     out = tmp_path / "cases.json"
     done = run_manage(
-        "bench", "cases", "--topic", "astronomy", "--prompts", "2", "--shots", "1", "--max-tokens", "2", "--json", str(out),
+        "bench", "cases", "--topic", "astronomy", "--prompts", "2", "--shots", "3", "--max-tokens", "2", "--json", str(out),
         env={"REDIS_URL": valkey_url, "EDGECACHE_N_CTX": "2048"}, timeout=300,
     )
     assert done.returncode == 0, done.stderr.decode()
@@ -96,9 +96,12 @@ def test_bench_cases_writes_the_papers_figures(tmp_path, valkey_url):
     assert set(doc["cases"]) == {"1", "2", "3", "4", "5"}
     for row in doc["cases"].values():
         assert {"ttft_ms", "ttlt_ms", "breakdown_ms", "matched_tokens", "prompt_tokens", "state_bytes"} <= set(row)
-    one, two, five = doc["cases"]["1"], doc["cases"]["2"], doc["cases"]["5"]
+    one, two, four, five = doc["cases"]["1"], doc["cases"]["2"], doc["cases"]["4"], doc["cases"]["5"]
     assert one["matched_tokens"] == 0 and one["cases_seen"]["miss"] == 2
-    assert 0 < two["matched_tokens"] < five["matched_tokens"] == five["prompt_tokens"]
+    # Ranges are whole batches of the 128-token grid: the 15-token instruction alone is not one;
+    # instruction + three examples reuse up to the last grid point before the question.
+    assert two["matched_tokens"] == 0 and four["matched_tokens"] % 128 == 0
+    assert 0 < four["matched_tokens"] < five["matched_tokens"] == five["prompt_tokens"]
     assert five["breakdown_ms"]["prefill_ms"] == 0
     assert doc["greedy_agreement"] == 1.0 and set(doc["accuracy"]) == {"1", "5"}
     assert doc["machine"]["model"] == "gemma-3-270m-q4_k_m.gguf" and doc["n"] == 2

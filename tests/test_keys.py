@@ -5,7 +5,8 @@ import pytest
 from cachebox.errors import InvalidNamespace
 from cachebox.keys import (
     ModelIdentity,
-    candidate_boundaries,
+    grid_cuts,
+    range_boundaries,
     catalog_key_names,
     entry_key_name,
     entry_key_pattern,
@@ -32,39 +33,39 @@ def test_fingerprint_is_stable_and_sensitive_to_every_field():
 
 def test_prefix_key_does_not_depend_on_where_earlier_ranges_were_cut():
     tokens = list(range(1, 200))
-    a = prefix_keys("ns", "fp", tokens, [10, 64, 128])
-    b = prefix_keys("ns", "fp", tokens, [64, 128])
-    c = prefix_keys("ns", "fp", tokens, [128])
+    a = prefix_keys("ns", "fp", tokens, [10, 64, 128], grid=64)
+    b = prefix_keys("ns", "fp", tokens, [64, 128], grid=64)
+    c = prefix_keys("ns", "fp", tokens, [128], grid=64)
     assert a[1] == b[0] and a[2] == b[1] == c[0]
 
 
 def test_prefix_key_pins_every_earlier_token_model_and_namespace():
     tokens = list(range(1, 100))
-    base = prefix_keys("ns", "fp", tokens, [50, 99])
+    base = prefix_keys("ns", "fp", tokens, [50, 99], grid=64)
     changed_early = tokens.copy()
     changed_early[3] = 7777
-    assert prefix_keys("ns", "fp", changed_early, [50, 99])[1] != base[1]
-    assert prefix_keys("ns", "fp2", tokens, [50, 99]) != base
-    assert prefix_keys("other", "fp", tokens, [50, 99]) != base
+    assert prefix_keys("ns", "fp", changed_early, [50, 99], grid=64)[1] != base[1]
+    assert prefix_keys("ns", "fp2", tokens, [50, 99], grid=64) != base
+    assert prefix_keys("other", "fp", tokens, [50, 99], grid=64) != base
     assert all(len(key) == 16 for key in base)
 
 
 def test_prefix_keys_known_value_guards_the_format():
     # Changing the key derivation silently orphans every stored entry: make it a visible change.
-    assert prefix_keys("ns", "fp", [1, 2, 3], [3])[0].hex() == prefix_keys("ns", "fp", [1, 2, 3], [1, 3])[1].hex()
+    assert prefix_keys("ns", "fp", [1, 2, 3], [3], grid=64)[0].hex() == prefix_keys("ns", "fp", [1, 2, 3], [1, 3], grid=64)[1].hex()
     assert tokens_digest([1, 2, 3]) != tokens_digest([1, 2, 4])
 
 
 @pytest.mark.parametrize("boundaries", [[0], [5, 5], [3, 2], [101]])
 def test_prefix_keys_rejects_bad_boundaries(boundaries):
     with pytest.raises(ValueError):
-        prefix_keys("ns", "fp", list(range(100)), boundaries)
+        prefix_keys("ns", "fp", list(range(100)), boundaries, grid=64)
 
 
 @pytest.mark.parametrize("namespace", ["", "a b", "x" * 65, "../etc", "tenant:1", "{tag}"])
 def test_bad_namespaces_are_refused_with_a_clear_error(namespace):
     with pytest.raises(InvalidNamespace, match="namespace"):
-        prefix_keys(namespace, "fp", [1], [1])
+        prefix_keys(namespace, "fp", [1], [1], grid=64)
 
 
 def test_entry_key_names_use_a_cluster_hash_tag_and_round_trip():
@@ -84,9 +85,16 @@ def test_catalog_keys_share_one_hash_tag():
     assert {name.split("}")[0] for name in names.values()} == {"ec:c:{tenant-a"}
 
 
-def test_candidate_boundaries_union_of_segments_chunks_and_whole_prompt():
-    assert candidate_boundaries(200, [10, 57, 150], chunk_tokens=64) == [10, 57, 64, 128, 150, 192, 200]
-    assert candidate_boundaries(64, [], 64) == [64]
-    assert candidate_boundaries(5, [9, 0, -1], 64) == [5]
-    assert candidate_boundaries(0, [1], 64) == []
-    assert candidate_boundaries(130, [], 0) == [130]
+def test_ranges_end_on_the_grid_and_at_the_prompt_end():
+    assert range_boundaries(200, 64) == [64, 128, 192, 200]
+    assert range_boundaries(128, 64) == [64, 128]
+    assert range_boundaries(5, 64) == [5]
+    assert range_boundaries(0, 64) == []
+    assert grid_cuts(200, 64) == [64, 128, 192] and grid_cuts(200, 64, start=64) == [128, 192] and grid_cuts(200, 64, start=100) == [128, 192]
+
+
+def test_the_grid_enters_every_key():
+    tokens = list(range(300))
+    assert prefix_keys("ns", "fp", tokens, [128, 256], grid=64)[0] != prefix_keys("ns", "fp", tokens, [128, 256], grid=128)[0]
+
+

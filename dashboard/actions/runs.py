@@ -131,3 +131,19 @@ def run_json(run: InferenceRun) -> dict:
         "expected_answer": run.expected_answer,
         "breakdown": run.breakdown,
     }
+
+
+def dispatch_api_run(device: Device, request: RunRequest, *, expires: int) -> RunRequest:
+    """Send a run of the OpenAI-compatible API (``dashboard.api``) to ``device``'s queue.
+
+    ``request`` streams (its tokens come back on its pub/sub channel; the caller subscribes
+    before calling this) and is recorded as any run is, from the board's signed report. It
+    expires with the API's timeout: a board that would start it later finds its client gone.
+    """
+    if not request.stream:
+        raise ValueError("an API run streams its answer back: build its RunRequest with stream=True")
+    Dispatch.objects.create(request_id=request.request_id, kind="run", device=device, namespace=request.namespace)
+    celery_app.send_task(Task.RUN_PROMPT.value, args=[request.dump()], queue=Queue.device(device.name), expires=expires)
+    broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": request.meta.title})
+    log.info("dispatched api run %s to %s", request.request_id, device.name)
+    return request

@@ -162,3 +162,17 @@ def load_report(path: Path, doc: dict) -> Path:
         path, f"bench load: {doc['devices']} boards, {doc['seconds']:g} s", doc.get("summary", ""), [over_time, per_window],
         {"Windows": windows, "Boards": doc["per_board"]}, doc,
     )
+
+
+def exact_report(path: Path, doc: dict) -> Path:
+    costs = doc["cut_costs"]
+    cost = go.Figure([go.Bar(x=list(costs), y=[row["prefill_ms"] for row in costs.values()], text=[f"x{row['ratio_to_uncut']}" for row in costs.values()])])
+    cost.update_layout(title="Cold prefill with batches cut on a fixed grid (median ms; ratio to n_batch batches)", yaxis_title="ms", template="plotly_white")
+    cases = doc["by_case"]
+    agreement = go.Figure([go.Bar(x=list(cases), y=[row["greedy_agreement"] or 0 for row in cases.values()], text=[f"{row['runs']} runs" for row in cases.values()])])
+    agreement.update_layout(title=f"Greedy agreement with the cold run ({doc['max_tokens']} tokens), by case", yaxis_range=[0, 1.05], template="plotly_white")
+    summary = (
+        f"Grid {doc['grid']} tokens; resumed logits bitwise identical to cold in {doc['resumed_logits_bitwise_identical']} prompts "
+        f"(max |diff| {doc['resumed_logits_max_abs_diff']}); greedy agreement over every served run {doc['greedy_agreement_all']}."
+    )
+    return write_report(path, "bench exact", summary, [cost, agreement], {"Cut costs": [{"variant": k, **v} for k, v in costs.items()], "By case": [{"case": k, **v} for k, v in cases.items()]}, doc)

@@ -63,6 +63,12 @@ class Command(BaseCommand):
         load.add_argument("--max-tokens", type=int, default=4, help="tokens generated per run")
         load.add_argument("--drain", type=float, default=60, help="seconds to wait for outstanding answers after the clock")
         load.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+        exact = sub.add_parser("exact", help="a cached answer is the cold answer: agreement by case, and what the batch cuts cost")
+        exact.add_argument("--topics", nargs="+", default=["astronomy", "high_school_biology", "world_religions"], metavar="TOPIC")
+        exact.add_argument("--prompts", type=int, default=34, help="questions per topic (default 34: 102 over 3 topics)")
+        exact.add_argument("--shots", type=int, default=5)
+        exact.add_argument("--max-tokens", type=int, default=8, help="greedy tokens compared per run")
+        exact.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
     def handle(self, *args, bench, **options):
@@ -130,6 +136,31 @@ class Command(BaseCommand):
             f"modules {sc['modules']['accuracy']:.3f}, scaffold {sc['scaffold']['accuracy']:.3f} (TTFT {sc['scaffold']['ttft_ms']:.1f} ms)"
         )
         self._save("modules", json_path, document, modules_report)
+
+    def bench_exact(self, topics, prompts, shots, max_tokens, json_path: str | None, **options):
+        from inference.benchmarks.exact import run_exact
+        from inference.benchmarks.reports import exact_report
+
+        try:
+            chosen = [mmlu.normalize_topic(topic) for topic in topics]
+        except (mmlu.UnknownTopic, FileNotFoundError) as exc:
+            raise CommandError(str(exc))
+        if prompts < 2:
+            raise CommandError("--prompts must be at least 2 (the first prompt of a topic stores, the others hit)")
+        board = self._board()
+        try:
+            with tqdm(total=2 * prompts * len(chosen), desc=f"bench exact ({len(chosen)} topics, {shots}-shot)", unit="run") as bar:
+                document = run_exact(board, chosen, prompts, shots, max_tokens=max_tokens, progress=bar.update)
+            document.update({"shots": shots, "machine": machine_info(board)})
+        finally:
+            board.close()
+        self.stdout.write(f"\ngrid {document['grid']} tokens; cold prefill, median ms (ratio to n_batch batches):")
+        for name, row in document["cut_costs"].items():
+            self.stdout.write(f"  {name:<14} {row['prefill_ms']:9.1f}  x{row['ratio_to_uncut']}")
+        self.stdout.write(f"resumed logits bitwise identical to cold: {document['resumed_logits_bitwise_identical']} (max |diff| {document['resumed_logits_max_abs_diff']})")
+        for case, row in document["by_case"].items():
+            self.stdout.write(f"  {case:<8} {row['runs']:4d} runs  greedy agreement {row['greedy_agreement']}  TTFT {row['median_ttft_ms']} ms (cold {row['median_cold_ttft_ms']} ms)")
+        self._save("exact", json_path, document, exact_report)
 
     def _prompts(self, topic: str, shots: int, count: int):
         if count < 1:

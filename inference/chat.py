@@ -1,0 +1,89 @@
+"""Chat messages to prompt tokens, on the board, through the model's own chat template.
+
+The template (llama.cpp's, ``Vocabulary.render_chat``) is rendered with a sentinel in place of
+each message's text, so what comes back splits into the template's own markup and the
+places where the messages go. The markup is tokenized with its control tokens
+(``<start_of_turn>`` and the like, ``special=True``); what a person wrote is tokenized as plain
+text (``special=False``), so a message that contains ``<start_of_turn>`` stays text and cannot
+open a turn of its own. A template that refuses a system message (some have no system role)
+gets it folded into the first user turn.
+
+Pure apart from the tokenizer: ``chat_prompt(vocabulary, messages)``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+from .engine import Vocabulary
+from .serving import PromptError
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str  # the rendered conversation, as a person reads it (the run's recorded prompt)
+    tokens: list[int]  # what the model sees: BOS, markup with its control tokens, messages as text
+
+
+def chat_prompt(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> ChatPrompt:
+    """The tokens of ``messages`` (role, content) through the model's chat template, ready for
+    ``Board.run(text, tokens=...)``. Raises PromptError saying what to change."""
+    if not messages:
+        raise PromptError("the conversation is empty: send at least one message")
+    for role, content in messages:
+        if role not in ROLES:
+            raise PromptError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+        if not content.strip():
+            raise PromptError(f"a {role} message is empty: give it some text")
+    # Templates trim what they place (Gemma's does); trimming here keeps text and tokens alike.
+    contents = [content.strip() for _, content in messages]
+    marker = f"\u2063EC{secrets.token_hex(6)}:"  # no message can contain a fresh random marker
+    sentinels = [f"{marker}{index}\u2063" for index in range(len(messages))]
+    rendered = _render(vocabulary, [(role, sentinel) for (role, _), sentinel in zip(messages, sentinels)], add_generation_prompt)
+
+    # Markup, message, markup, message, ..., markup: in the order the template placed them.
+    pieces: list[tuple[bool, str]] = []  # (is the template's markup, text)
+    rest = rendered
+    for index, sentinel in enumerate(sentinels):
+        before, found, rest = rest.partition(sentinel)
+        if not found:
+            raise PromptError(f"the model's chat template dropped or reordered message {index} ({messages[index][0]}); send the conversation as system, user and assistant turns")
+        pieces += [(True, before), (False, contents[index])]
+    pieces.append((True, rest))
+    if marker in rest or any(marker in text for markup, text in pieces if markup):
+        raise PromptError("the model's chat template repeated a message; send each message once")
+
+    tokens = [vocabulary.bos] if vocabulary.bos is not None else []
+    for markup, text in pieces:
+        if text:
+            tokens += vocabulary.tokenize(text, add_bos=False, special=markup)
+    return ChatPrompt(text="".join(text for _, text in pieces), tokens=tokens)
+
+
+def _render(vocabulary: Vocabulary, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
+    rendered = vocabulary.render_chat(messages, add_generation_prompt)
+    if rendered is not None:
+        return rendered
+    if any(role == "system" for role, _ in messages):
+        rendered = vocabulary.render_chat(fold_system(messages), add_generation_prompt)
+        if rendered is not None:
+            return rendered
+    raise PromptError("the model's chat template refuses this conversation; alternate user and assistant turns, starting with a user message")
+
+
+def fold_system(messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The conversation without system turns: their text opens the first user turn (what
+    llama.cpp's own Gemma template does). A conversation with no user turn gets one."""
+    system = "\n\n".join(content for role, content in messages if role == "system")
+    rest = [(role, content) for role, content in messages if role != "system"]
+    if not system:
+        return rest
+    for index, (role, content) in enumerate(rest):
+        if role == "user":
+            rest[index] = (role, f"{system}\n\n{content}")
+            return rest
+    return [("user", system), *rest]
