@@ -39,7 +39,7 @@ COUNTERS = (
     ("edgecache_cachebox_unavailable_runs", "Runs answered by local prefill because the cache box could not be reached.", "unavailable"),
 )
 
-REFUSAL_REASONS = ("rate_limited", "login_required", "staff_required", "bad_metrics_token", "login_locked_out")
+REFUSAL_REASONS = ("rate_limited", "login_required", "staff_required", "bad_metrics_token", "login_locked_out", "bad_api_key")
 
 
 def _bucket_field(index: int) -> str:

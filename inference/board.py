@@ -77,6 +77,8 @@ class Board:
             top_logits=config.top_logits,
             namespace=config.namespace,
             policy=BreakEvenPolicy(prefill_ms_per_token=config.prefill_ms_per_token, link=config.link, mode=config.policy),
+            context_reuse=config.context_reuse,
+            ram_tier_bytes=config.ram_tier_bytes,
         )
         self.schemas = SchemaServing(engine, self.exchange, namespace=config.namespace)
         self._sync_thread: CatalogSyncThread | None = None
@@ -109,6 +111,12 @@ class Board:
             synced.result()
         return cls(engine, store, config, catalogs=catalogs, background_sync=background_sync, keys=keys)
 
+    def cachebox_only(self) -> "Board":
+        """Turn the board-local tiers off (benchmarks that measure the cache box itself)."""
+        self.prefix.context_reuse = False
+        self.prefix.ram = None
+        return self
+
     def run(self, prompt, **kwargs):
         """Serve a prompt (text or segments) by prefix reuse (see inference.prefix_serving)."""
         return self.prefix.run(prompt, **kwargs)
@@ -137,6 +145,7 @@ class Board:
             "fingerprint": self.engine.fingerprint,
             "threads": self.engine.config.threads(),
             "catalogs": catalogs,
+            "ram_tier": self.prefix.ram.status() if self.prefix.ram is not None else None,
         }
 
     def close(self) -> None:

@@ -27,12 +27,22 @@ class CacheBoxState(StrEnum):
     NO_KEY = "no-key"  # this board holds no signing key for the namespace
 
 
+class Tier(StrEnum):
+    """Where the furthest restored part of the prompt came from, nearest first."""
+
+    NONE = ""  # computed
+    CONTEXT = "context"  # the board's own last sequence: no copy at all
+    LOCAL = "local"  # the board's RAM tier: no network
+    CACHEBOX = "cachebox"  # fetched over the link
+
+
 class Decision(StrEnum):
     """Why a run fetched or not."""
 
     NONE = ""
     CATALOG_MISS = "catalog-miss"  # a sure miss: no network at all
     FETCH = "fetch"
+    LOCAL = "local"  # served from the board's own context or RAM: no lookup over the network needed
     POLICY_SKIP = "policy-skip"  # recomputing was forecast to be faster on this board and link
     NO_USABLE_ENTRY = "no-usable-entry"  # catalog "maybe"s, but nothing complete and valid was there
     CACHEBOX_UNAVAILABLE = "cachebox-unavailable"
@@ -64,6 +74,7 @@ class Breakdown:
     bloom_ms: float = 0.0  # Bloom: look the candidate ranges up in the local catalog
     prefill_ms: float = 0.0  # P-decode: prefill the tokens that were not cached
     redis_ms: float = 0.0  # Redis: fetch + verify + restore the cached ranges (= fetch_ms + restore_ms)
+    local_ms: float = 0.0  # restore from the board's own tiers (context, RAM): no network
     decode_ms: float = 0.0  # R-decode: decode the response tokens after the first
     sample_ms: float = 0.0  # Sample: choose every response token
     ttft_ms: float = 0.0  # time to first token
@@ -83,6 +94,7 @@ class Breakdown:
     case: Case = Case.MISS
     cachebox: CacheBoxState = CacheBoxState.OK
     decision: Decision = Decision.NONE
+    tier: Tier = Tier.NONE  # where the furthest restored range came from
     candidate_tokens: int = 0  # the longest cached range the catalog offered
     predicted_fetch_ms: float = 0.0  # the break-even policy's forecast, to compare with redis_ms
     predicted_prefill_ms: float = 0.0  # the prefill a fetch would have saved, forecast
@@ -95,6 +107,7 @@ class Breakdown:
         self.case = Case(self.case)
         self.cachebox = CacheBoxState(self.cachebox)
         self.decision = Decision(self.decision)
+        self.tier = Tier(self.tier)
 
     def as_dict(self) -> dict:
         return {

@@ -64,6 +64,8 @@ class BoardConfig:
     max_fetch_bytes: int = 256 * 1024 * 1024  # all entries one request may download together
     entry_ttl: int | None = DEFAULT_ENTRY_TTL  # unpinned entries expire after this many seconds unused
     link: LinkProfile | None = None  # emulated link to the cache box (None: as the network is)
+    context_reuse: bool = True  # a prompt that shares a prefix with the board's last one continues from it
+    ram_tier_bytes: int = 128 * 1024 * 1024  # range entries kept next to the model (0: no RAM tier)
     policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
     prefill_ms_per_token: float = 3.0  # the policy's prior until the board has measured itself
     embedded_dir: Path = field(default_factory=lambda: edgecache_home() / "valkey")
@@ -103,6 +105,8 @@ class BoardConfig:
             max_entry_bytes=_int(environ, "EDGECACHE_MAX_ENTRY_BYTES", d["max_entry_bytes"].default),
             max_fetch_bytes=_int(environ, "EDGECACHE_MAX_FETCH_BYTES", d["max_fetch_bytes"].default),
             entry_ttl=ttl or None,
+            context_reuse=environ.get("EDGECACHE_CONTEXT_REUSE", "1").strip() not in ("0", "false", "no", "off"),
+            ram_tier_bytes=_int(environ, "EDGECACHE_RAM_TIER_MB", d["ram_tier_bytes"].default // (1024 * 1024)) * 1024 * 1024,
             embedded_dir=home / "valkey",
             embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,
             embedded_maxmemory=environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "").strip() or d["embedded_maxmemory"].default,

@@ -183,6 +183,7 @@ class Engine(Vocabulary):
         self.config = config
         self.lock = threading.RLock()
         self.scratch_seq = config.n_seq_max - 1
+        self.generation = 0  # counts clear(): a strategy that keeps its context checks it is still there
 
         model_params = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(model.path).encode(), model_params)
@@ -302,6 +303,12 @@ class Engine(Vocabulary):
     def clear(self) -> None:
         """Forget every sequence (cheap: marks cells free, leaves the buffers as they are)."""
         llama_cpp.llama_memory_clear(self._memory, False)  # metadata only: no 75 MB memset
+        self.generation += 1  # whoever kept a context in the main sequence sees it is gone
+
+    def claim_main(self) -> int:
+        """A stamp for what the main sequence holds now; any later clear() or claim changes it."""
+        self.generation += 1
+        return self.generation
 
     def remove(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         """Drop positions ``[p0, p1)`` of ``seq`` (-1: open end)."""

@@ -86,15 +86,18 @@ class OverLimit(EntryError):
 Expect = Callable[[EntryRef, EntryHeader], None]  # raises EntryError when the entry is not the one asked for
 
 
-def plan_chain(headers: dict[int, EntryHeader], read_link: Callable[[int], EntryHeader | None]) -> list[int]:
-    """Range ends from the first range to the longest prefix whose whole chain exists.
+def plan_chain(headers: dict[int, EntryHeader], read_link: Callable[[int], EntryHeader | None], floor: int = 0) -> list[int]:
+    """Range ends from ``floor`` (what the board already holds) to the longest prefix whose whole
+    chain exists.
 
     ``headers`` maps range ends to verified headers; ``read_link(end)`` reads a link that
     a prompt cut differently stored (None when absent or refused). Pure apart from it.
     """
     for longest in sorted(headers, reverse=True):
+        if longest <= floor:
+            break
         chain = [longest]
-        while headers[chain[-1]].start > 0:
+        while headers[chain[-1]].start > floor:
             start = headers[chain[-1]].start
             if start not in headers:
                 link = read_link(start)
@@ -102,7 +105,7 @@ def plan_chain(headers: dict[int, EntryHeader], read_link: Callable[[int], Entry
                     break
                 headers[start] = link
             chain.append(start)
-        if headers[chain[-1]].start == 0:
+        if headers[chain[-1]].start == floor:
             return chain[::-1]
     return []
 

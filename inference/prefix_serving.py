@@ -28,14 +28,15 @@ from typing import Sequence
 
 import numpy as np
 
-from cachebox.entry import EntryHeader
+from cachebox.entry import EntryHeader, decode_header
 from cachebox.errors import EntryError
 from cachebox.keys import check_namespace, grid_cuts, range_boundaries, tokens_digest
 
-from .breakdown import Breakdown, CacheBoxState, Decision
+from .breakdown import Breakdown, CacheBoxState, Decision, Tier
 from .breakeven import BreakEvenPolicy
-from .engine import MAIN_SEQ, Engine
+from .engine import MAIN_SEQ, Engine, EngineError
 from .exchange import EntryRef, Exchange, ExchangeSession, Fetched, run_session, plan_chain, prefix_refs
+from .local_tier import Context, RamTier
 from .sampling import TOP_CANDIDATES, SamplingParams, choose, sample
 from .serving import OnToken, PromptError, RunResult, context_error, decode_answer, ms_since
 
@@ -62,8 +63,13 @@ class PrefixServing:
         top_logits: int = TOP_CANDIDATES,
         namespace: str = "default",
         policy: BreakEvenPolicy | None = None,
+        context_reuse: bool = False,
+        ram_tier_bytes: int = 0,
     ):
         self.engine = engine
+        self.context_reuse = context_reuse  # keep the last prompt in the engine for the next one
+        self.ram = RamTier(ram_tier_bytes) if ram_tier_bytes > 0 else None
+        self._context: Context | None = None
         self.exchange = exchange
         if chunk_tokens < 1 or engine.config.n_batch % chunk_tokens:
             raise ValueError(f"the batch grid ({chunk_tokens} tokens) must divide the batch size {engine.config.n_batch}")
@@ -127,17 +133,21 @@ class PrefixServing:
             breakdown.prompt_tokens = prompt_tokens
             if prompt_tokens + max_tokens > engine.n_ctx:
                 raise context_error(prompt_tokens, max_tokens, engine.n_ctx)
-            engine.clear()
+            # Nearest first: this board's context (no copy), its RAM tier, then the cache box.
+            restored = self._from_context(tokens, breakdown, use_cache)
 
             breakdown.link = self.exchange.link_label if self.exchange is not None else ""
             boundaries = range_boundaries(prompt_tokens, self.chunk_tokens)
             session = run_session(self.exchange, namespace, breakdown, use_cache)
             refs: list[EntryRef] = []
             known: set[bytes] = set()  # keys the catalog says the cache box holds
-            restored = _Restored()
             if session is not None:
                 refs = prefix_refs(namespace, engine.fingerprint, tokens, boundaries, grid=self.chunk_tokens)
-                restored = self._lookup_and_restore(session, tokens, refs, known, use_catalog)
+                restored = self._from_ram(refs, restored, breakdown)
+                if restored.matched < prompt_tokens:
+                    restored = self._lookup_and_restore(session, tokens, refs, known, use_catalog, restored)
+                elif breakdown.tier != Tier.NONE:
+                    breakdown.decision = Decision.LOCAL
             matched = restored.matched
             breakdown.classify(matched, prompt_tokens)
 
@@ -170,26 +180,81 @@ class PrefixServing:
             if session is not None and upload and breakdown.cachebox == CacheBoxState.OK:
                 uploaded = self._upload(session, tokens, refs, known, matched, boundary_logits, exports)
                 session.touch(restored.entries)
+            elif session is not None and self.ram is not None:
+                self._keep_in_ram(session, tokens, refs, matched, boundary_logits, exports)
             breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
             self._learn(breakdown)
+            if self.context_reuse and use_cache:
+                stored = (restored.top_ids, restored.top_logits) if restored.top_ids is not None else None
+                self._context = Context.after(tokens, engine.claim_main(), boundary_logits.get(prompt_tokens - 1), stored, self.top_logits)
+            else:
+                self._context = None
             return RunResult(text=text, tokens=generated, breakdown=breakdown, fetched=restored.entries, uploaded=uploaded)
 
     # -- steps ----------------------------------------------------------------------------
-    def _lookup_and_restore(self, session: ExchangeSession, tokens: list[int], refs: list[EntryRef], known: set[bytes], use_catalog: bool) -> _Restored:
+    def _from_context(self, tokens: list[int], breakdown: Breakdown, use_cache: bool) -> _Restored:
+        """Keep what the engine still holds of the last prompt, up to the last shared grid point."""
+        engine = self.engine
+        context, self._context = self._context, None  # only a run that completes leaves one again
+        if not (self.context_reuse and use_cache and context is not None and context.generation == engine.generation):
+            engine.clear()
+            return _Restored()
+        mark = time.perf_counter()
+        reuse = context.reusable(tokens, self.chunk_tokens)
+        if reuse == 0:
+            engine.clear()
+            return _Restored()
+        engine.remove(MAIN_SEQ, reuse, -1)  # the rest of the old prompt and its answer's cells
+        breakdown.local_ms += ms_since(mark)
+        breakdown.tier = Tier.CONTEXT
+        full = reuse == len(tokens)
+        return _Restored(reuse, context.top_ids if full else None, context.top_logits if full else None)
+
+    def _from_ram(self, refs: list[EntryRef], restored: _Restored, breakdown: Breakdown) -> _Restored:
+        """Extend what is held with the chain of RAM-tier entries that starts where it ends."""
+        if self.ram is None:
+            return restored
+        matched, last = restored.matched, None
+        mark = time.perf_counter()
+        for ref in refs:
+            if ref.end <= matched:
+                continue
+            entry = self.ram.get(ref.name)
+            if entry is None or entry.header.start != matched:
+                break
+            try:
+                self.engine.import_range(entry.blob, entry.offset)
+            except EngineError:
+                break
+            if self.engine.positions(MAIN_SEQ) != (0, ref.end - 1):
+                self.engine.remove(MAIN_SEQ, matched, -1)
+                break
+            matched, last = ref.end, entry.header
+        if last is None:
+            return restored
+        breakdown.local_ms += ms_since(mark)
+        breakdown.tier = Tier.LOCAL
+        full = matched == refs[-1].end
+        return _Restored(matched, last.top_ids if full else None, last.top_logits if full else None)
+
+    def _lookup_and_restore(self, session: ExchangeSession, tokens: list[int], refs: list[EntryRef], known: set[bytes], use_catalog: bool, held: _Restored) -> _Restored:
+        """Extend what the board holds (``held``: its context or RAM tier) from the cache box."""
         breakdown = session.breakdown
+        floor = held.matched
         candidates = session.maybe(refs, use_catalog=use_catalog)
         known.update(ref.key for ref in candidates)
+        candidates = [ref for ref in candidates if ref.end > floor]
         if not candidates:
-            breakdown.decision = Decision.CATALOG_MISS  # a sure miss: no network at all
-            return _Restored()
+            breakdown.decision = Decision.LOCAL if floor else Decision.CATALOG_MISS  # no network at all
+            return held
         longest = candidates[-1].end
         breakdown.candidate_tokens = longest
-        decision = self.policy.decide(longest, int(longest * self.bytes_per_token))
+        decision = self.policy.decide(longest - floor, int((longest - floor) * self.bytes_per_token))
         breakdown.predicted_fetch_ms = decision.predicted_fetch_ms
         breakdown.predicted_prefill_ms = decision.predicted_prefill_ms
         if not decision.fetch:
             breakdown.decision = Decision.POLICY_SKIP  # recomputing is forecast to be faster on this board and link
-            return _Restored()
+            return held
 
         def expect(ref: EntryRef, header: EntryHeader) -> None:
             if header.end != ref.end or header.start >= ref.end:
@@ -206,7 +271,7 @@ class PrefixServing:
             (by_end[end],) = prefix_refs(session.namespace, self.engine.fingerprint, tokens, [end], grid=self.chunk_tokens)
             return session.read_headers([by_end[end]], expect).get(by_end[end].name)
 
-        ends = plan_chain(headers, read_link)
+        ends = plan_chain(headers, read_link, floor)
         if ends and ends[-1] == len(tokens) and headers[ends[-1]].top_ids is None:
             # Stored by a longer prompt for which this end was a grid point: no logits with it.
             # Resume one link earlier and compute the last batch, as the cold run does.
@@ -214,7 +279,7 @@ class PrefixServing:
         chain = [by_end[end] for end in ends]
         chain = session.within_budget(chain, {by_end[end].name: header for end, header in headers.items()})
         fetched = session.fetch(chain, expect, chain=True)
-        matched = 0
+        matched = floor
         used: list[Fetched] = []
         for item in fetched:
             if not session.restore(self.engine, item, MAIN_SEQ, range(0, 1)):
@@ -224,12 +289,16 @@ class PrefixServing:
         if fetched and matched < fetched[-1].ref.end:
             self.engine.remove(MAIN_SEQ, matched, -1)  # drop a partly restored range
         breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
-        if matched == 0:
+        if matched == floor:
             if breakdown.cachebox == CacheBoxState.OK:
                 breakdown.decision = Decision.NO_USABLE_ENTRY
-            return _Restored()
+            return held
         session.record_hits(len(used))
         breakdown.decision = Decision.FETCH
+        breakdown.tier = Tier.CACHEBOX
+        if self.ram is not None:
+            for item in used:
+                self.ram.put(item.ref.name, item.header, item.blob, item.offset)
         last = used[-1].header
         full = matched == len(tokens)
         return _Restored(matched, last.top_ids if full else None, last.top_logits if full else None, [item.ref.name for item in used])
@@ -258,10 +327,12 @@ class PrefixServing:
 
         return export_ready
 
-    def _upload(self, session: ExchangeSession, tokens, refs: list[EntryRef], known: set[bytes], matched: int, boundary_logits, exports) -> list:
-        """Store the ranges this run computed (after the answer is out)."""
-        mark = time.perf_counter()
-        items: list[tuple[EntryRef, bytes]] = []
+    def _sealed(self, session: ExchangeSession, tokens, refs: list[EntryRef], known: set[bytes], matched: int, boundary_logits, exports) -> list[tuple[EntryRef, bytes, bool]]:
+        """(range, signed entry, whether the cache box needs it) for each range this run computed.
+
+        A range the cache box already holds (the policy chose to recompute) is sealed only
+        for the RAM tier, and is not uploaded twice."""
+        items: list[tuple[EntryRef, bytes, bool]] = []
         start = matched
         for ref in refs:
             if ref.end <= matched:
@@ -269,12 +340,29 @@ class PrefixServing:
             state = exports.get(ref.end)
             if state is None:
                 break  # not computed in this run
-            if ref.key in known and ref.name not in session.missing:
-                start = ref.end  # the cache box has it already (the policy chose to recompute): no second upload
-                continue
-            stored = EntryRef(start, ref.end, ref.key, ref.name)
-            items.append((stored, session.seal(stored, state, tokens_digest(tokens[start : ref.end]), boundary_logits.get(ref.end - 1), self.top_logits)))
+            needed = not (ref.key in known and ref.name not in session.missing)
+            if needed or self.ram is not None:
+                stored = EntryRef(start, ref.end, ref.key, ref.name)
+                items.append((stored, session.seal(stored, state, tokens_digest(tokens[start : ref.end]), boundary_logits.get(ref.end - 1), self.top_logits), needed))
             start = ref.end
-        uploaded = session.share(items, chain=True)
+        return items
+
+    def _remember(self, items) -> None:
+        """Keep this run's own entries in the RAM tier (sealed here: nothing to verify)."""
+        if self.ram is None:
+            return
+        for ref, blob, _ in items:
+            header, offset = decode_header(blob)
+            self.ram.put(ref.name, header, blob, offset)
+
+    def _keep_in_ram(self, session: ExchangeSession, tokens, refs, matched, boundary_logits, exports) -> None:
+        self._remember(self._sealed(session, tokens, refs, set(), matched, boundary_logits, exports))
+
+    def _upload(self, session: ExchangeSession, tokens, refs: list[EntryRef], known: set[bytes], matched: int, boundary_logits, exports) -> list:
+        """Store the ranges this run computed (after the answer is out), in RAM and in the cache box."""
+        mark = time.perf_counter()
+        items = self._sealed(session, tokens, refs, known, matched, boundary_logits, exports)
+        self._remember(items)
+        uploaded = session.share([(ref, blob) for ref, blob, needed in items if needed], chain=True)
         session.breakdown.upload_ms = ms_since(mark)
         return uploaded

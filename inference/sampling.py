@@ -58,7 +58,8 @@ def sample(ids: np.ndarray, logits: np.ndarray, params: SamplingParams, rng: np.
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     cumulative = np.cumsum(probs)
-    cutoff = int(np.searchsorted(cumulative, params.top_p) + 1)
+    # min(): a cumulative sum that float rounding leaves just under top_p (1.0 above all) keeps all.
+    cutoff = min(keep, int(np.searchsorted(cumulative, params.top_p) + 1))
     probs = probs[:cutoff] / probs[:cutoff].sum()
     rng = rng or np.random.default_rng(params.seed)
     return int(ids[order[rng.choice(cutoff, p=probs)]])

@@ -79,6 +79,8 @@ def make_board(engine, signing_keys):
 
     def build(url: str | None, namespace: str, device: str = "board-a", keys=signing_keys, **options):
         store = CacheBox(url, connect_timeout=0.3, timeout=2.0) if url else None
+        # The board-local tiers are off unless a test asks: most tests measure the cache box.
+        options = {"context_reuse": False, "ram_tier_bytes": 0, **options}
         board = Board(engine, store, BoardConfig(device=device, namespace=namespace, **options), background_sync=False, keys=keys)
         boards.append(board)
         return board

@@ -69,7 +69,7 @@ def own_server(tmp_path, maxmemory="512mb"):
 
 
 def board_on(engine, store, namespace, device, keys, **options):
-    return Board(engine, store, BoardConfig(device=device, namespace=namespace, **options), background_sync=False, keys=keys)
+    return Board(engine, store, BoardConfig(device=device, namespace=namespace, context_reuse=False, ram_tier_bytes=0, **options), background_sync=False, keys=keys)
 
 
 def test_cache_box_killed_mid_transfer_then_restarted_empty(engine, namespace, signing_keys, tmp_path):

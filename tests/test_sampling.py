@@ -33,3 +33,13 @@ def test_temperature_sampling_is_reproducible_with_a_seed_and_respects_top_k():
 def test_invalid_sampling_parameters_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_top_p_of_one_keeps_every_candidate_whatever_the_rounding():
+    """OpenAI's default top_p is 1.0; a cumulative sum a hair under 1.0 once cut past the candidates."""
+    rng = np.random.default_rng(0)
+    for seed in range(200):
+        logits = np.random.default_rng(seed).normal(size=64).astype(np.float32)
+        ids = np.arange(64, dtype=np.int32)
+        token = sample(ids, logits, SamplingParams(temperature=0.7, top_k=64, top_p=1.0), rng)
+        assert 0 <= token < 64

@@ -24,6 +24,8 @@ class AuditAction(StrEnum):
     SCHEMA_SAVE = "schema.save"
     SCHEMA_ENCODE = "schema.encode"
     SCHEMA_DELETE = "schema.delete"
+    APIKEY_CREATE = "apikey.create"
+    APIKEY_REVOKE = "apikey.revoke"
 
 
 def audit(user, action: AuditAction, target: str, detail: str = "") -> None:

@@ -1,0 +1,113 @@
+"""The board-local tiers, nearest first: the board's own context, then its RAM.
+
+- **Context**: the prompt part of the last sequence stays in the engine. A prompt that shares a
+  prefix with it keeps the cells up to the last grid point both share (the cold run's batches,
+  so the very bits) and drops the rest: no copy at all.
+- **RAM**: range entries this board computed or fetched stay in an LRU under a byte budget,
+  the same signed bytes that travel, verified once when they entered (sealed here, or
+  checked on fetch). A lookup restores a chain of them with no network.
+
+Pure bookkeeping; the restore itself is the engine's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from cachebox.entry import EntryHeader
+
+from .sampling import TOP_CANDIDATES, top_candidates
+
+
+@dataclass
+class LocalEntry:
+    header: EntryHeader
+    blob: bytes
+    offset: int
+
+
+class RamTier:
+    """Signed range entries kept next to the model, least recently used dropped first."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = max(0, budget_bytes)
+        self._entries: OrderedDict[str, LocalEntry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, name: str) -> LocalEntry | None:
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(name)
+            self.hits += 1
+            return entry
+
+    def put(self, name: str, header: EntryHeader, blob: bytes, offset: int) -> None:
+        """Keep an entry (already verified or sealed by this board); older ones leave to fit the budget."""
+        if len(blob) > self.budget_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(name, None)
+            if old is not None:
+                self._bytes -= len(old.blob)
+            self._entries[name] = LocalEntry(header, blob, offset)
+            self._bytes += len(blob)
+            while self._bytes > self.budget_bytes:
+                _, dropped = self._entries.popitem(last=False)
+                self._bytes -= len(dropped.blob)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def status(self) -> dict:
+        return {"entries": len(self._entries), "bytes": self._bytes, "budget_bytes": self.budget_bytes, "hits": self.hits, "misses": self.misses}
+
+
+@dataclass
+class Context:
+    """What the engine's main sequence holds after a prefix run: its prompt, computed on the grid."""
+
+    tokens: list[int]
+    generation: int  # the engine's clear() count when it was left: anything else clearing it voids it
+    top_ids: np.ndarray | None = None  # top logits at the prompt's last position (a repeat needs no decode)
+    top_logits: np.ndarray | None = None
+
+    @classmethod
+    def after(cls, tokens: list[int], generation: int, last_logits: np.ndarray | None, stored: tuple | None, count: int = TOP_CANDIDATES) -> "Context":
+        if last_logits is not None:
+            ids, values = top_candidates(last_logits, count)
+        elif stored is not None:
+            ids, values = stored
+        else:
+            ids = values = None
+        return cls(list(tokens), generation, ids, values)
+
+    def reusable(self, tokens: list[int], grid: int) -> int:
+        """How many leading tokens of ``tokens`` this context serves exactly: the whole prompt when it
+        is the same one (with its logits), else the last grid point within the shared prefix."""
+        if tokens == self.tokens and self.top_ids is not None:
+            return len(tokens)
+        shared = 0
+        limit = min(len(tokens), len(self.tokens))
+        while shared < limit and tokens[shared] == self.tokens[shared]:
+            shared += 1
+        if shared == len(tokens):  # the new prompt is a prefix of the old one: its last batch differs
+            shared -= 1
+        return shared // grid * grid

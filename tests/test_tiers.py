@@ -1,0 +1,77 @@
+"""The board-local tiers: a board keeps what it holds (its last prompt in the engine, its own
+entries in RAM) and serves from there first, with no network, giving the cold answer."""
+
+import pytest
+
+pytestmark = [pytest.mark.model, pytest.mark.cachebox]
+
+CONTEXT = "".join(f"Log {i}: the ferry left at {i % 12} and came back at {(i + 5) % 12}.\n" for i in range(45))
+
+
+def ask(question: str) -> list[str]:
+    return [CONTEXT, f"Question: {question}\nAnswer:"]
+
+
+def test_a_repeated_prompt_is_served_from_the_context_with_no_network(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace, context_reuse=True)
+    first = board.run(ask("when did the ferry leave on log 7?"), max_tokens=16)
+    again = board.run(ask("when did the ferry leave on log 7?"), max_tokens=16)
+    b = again.breakdown
+    assert b.tier == "context" and b.case == "full" and b.decision == "local"
+    assert b.fetched_bytes == 0 and b.redis_ms == 0 and b.prefill_ms == 0
+    cold = board.run(ask("when did the ferry leave on log 7?"), max_tokens=16, use_cache=False)
+    assert again.tokens == first.tokens == cold.tokens
+
+
+def test_a_prompt_sharing_a_prefix_continues_from_the_context(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace, context_reuse=True)
+    board.run(ask("when did the ferry leave on log 7?"), max_tokens=8)
+    other = board.run(ask("when did it come back on log 30?"), max_tokens=24)
+    b = other.breakdown
+    assert b.tier == "context" and b.case == "partial" and b.fetched_bytes == 0
+    assert b.matched_tokens % 128 == 0 and b.matched_tokens >= b.prompt_tokens - 160
+    cold = board.run(ask("when did it come back on log 30?"), max_tokens=24, use_cache=False)
+    assert other.tokens == cold.tokens  # resumed at a grid point: the cold run's batches
+
+
+def test_entries_the_board_computed_stay_in_ram_and_serve_with_no_network(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace, context_reuse=True, ram_tier_bytes=64 * 1024 * 1024)
+    first = board.run(ask("when did the ferry leave on log 7?"), max_tokens=8)
+    board.run(["An unrelated prompt about lighthouses and their keepers."], max_tokens=2)  # the context moves on
+    again = board.run(ask("when did the ferry leave on log 7?"), max_tokens=8)
+    b = again.breakdown
+    assert b.tier == "local" and b.case == "full" and b.fetched_bytes == 0 and b.local_ms > 0
+    assert again.tokens == first.tokens
+    assert board.prefix.ram.status()["entries"] >= 2 and board.status()["ram_tier"]["bytes"] > 0
+
+
+def test_another_user_of_the_engine_voids_the_context(valkey_url, namespace, make_board):
+    a = make_board(valkey_url, namespace, device="dev-a", context_reuse=True)
+    b = make_board(valkey_url, namespace, device="dev-b", context_reuse=True)  # the same engine
+    prompt = ask("when did the ferry leave on log 7?")
+    cold = a.run(prompt, max_tokens=8, use_cache=False)
+    a.run(prompt, max_tokens=8)
+    b.run(["Something else entirely, about tides."], max_tokens=2, use_cache=False)  # overwrites the engine's sequence
+    again = a.run(prompt, max_tokens=8)
+    assert again.breakdown.tier != "context" and again.tokens == cold.tokens
+
+
+def test_no_cache_means_no_local_tier_either(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace, context_reuse=True, ram_tier_bytes=64 * 1024 * 1024)
+    board.run(ask("when did the ferry leave on log 7?"), max_tokens=4)
+    cold = board.run(ask("when did the ferry leave on log 7?"), max_tokens=4, use_cache=False)
+    assert cold.breakdown.tier == "" and cold.breakdown.prefill_ms > 0 and cold.breakdown.case == "miss"
+
+
+def test_context_and_cache_box_chain_together(valkey_url, namespace, make_board):
+    """The board holds the shared part in its context; the cache box has the rest of a longer prompt."""
+    writer = make_board(valkey_url, namespace, device="dev-a")
+    longer = ask("when did the ferry leave on log 7?") + ["Then list every return time after log 40 in order, please."]
+    writer.run(longer, max_tokens=2)
+    reader = make_board(valkey_url, namespace, device="dev-b", context_reuse=True)
+    reader.catalogs.sync_all()
+    reader.run([CONTEXT], max_tokens=2, upload=False)  # its context: the shared logs only
+    result = reader.run(longer, max_tokens=8)
+    b = result.breakdown
+    assert b.tier == "cachebox" and b.case == "full" and b.local_ms >= 0 and b.fetched_bytes > 0
+    assert result.tokens == reader.run(longer, max_tokens=8, use_cache=False).tokens
