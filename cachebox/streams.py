@@ -54,13 +54,17 @@ class Subscription:
         self._client = _client(url, connect_timeout, timeout)
         self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
 
-    async def __aenter__(self) -> "Subscription":
+    async def open(self) -> "Subscription":
+        """Subscribe (one round trip); messages published from now on are kept for ``get``."""
         try:
             await _guarded(self._pubsub.subscribe(self.channel), self.url)
         except BaseException:
             await self.close()
             raise
         return self
+
+    async def __aenter__(self) -> "Subscription":
+        return await self.open()
 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()

@@ -7,7 +7,7 @@ from django.template.response import TemplateResponse
 
 from cachebox.models import CacheEntry
 
-from .models import AuditEvent, Device, InferenceRun, Membership, Namespace, SavedPrompt
+from .models import ApiKey, AuditEvent, Device, InferenceRun, Membership, Namespace, SavedPrompt
 
 SHOWN = 50  # items listed on a confirmation page
 
@@ -235,3 +235,81 @@ class EdgeCacheUserAdmin(UserAdmin):
     """Django's user page, plus the namespaces the user sees (editable in place)."""
 
     inlines = [*UserAdmin.inlines, MembershipInline]
+
+
+# -- keys of the OpenAI-compatible API (/v1/): shown once, stored hashed, revocable ------------------
+_KEY_SHOWN_ONCE = """{% extends "admin/base_site.html" %}
+{% block content %}
+<h1>API key created</h1>
+<p>Key for namespace <strong>{{ row.namespace_id }}</strong>{% if row.name %} ({{ row.name }}){% endif %}. Copy it now:
+it is shown this once; only its SHA-256 is kept.</p>
+<p><code id="api-key" style="font-size:1.2em;user-select:all">{{ key }}</code></p>
+<pre>curl -N {{ base }}/v1/chat/completions -H "Authorization: Bearer {{ key }}" -H "Content-Type: application/json" \\
+  -d '{"model": "MODEL", "stream": true, "messages": [{"role": "user", "content": "Hello"}]}'</pre>
+<p><a href="{{ back }}">Back to the API keys</a></p>
+{% endblock %}"""
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    """API keys: one namespace each; the key is shown once when created, then only its first characters."""
+
+    list_display = ("key_prefix", "name", "namespace", "rate_per_minute", "created_by", "created", "last_used", "revoked_at")
+    list_filter = ("namespace", "revoked_at")
+    search_fields = ("name", "key_prefix")
+    fields = ("name", "namespace", "rate_per_minute", "key_prefix", "created_by", "created", "last_used", "revoked_at")
+    readonly_fields = ("key_prefix", "created_by", "created", "last_used", "revoked_at")
+    actions = ["revoke"]
+
+    def get_readonly_fields(self, request, obj=None):
+        # A key's namespace is what it reaches: fixed once created (make another key instead).
+        return self.readonly_fields + (("namespace",) if obj else ())
+
+    def save_model(self, request, obj, form, change):
+        from .api.keys import create_key
+
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        row, key = create_key(request.user, obj.namespace, name=obj.name, rate_per_minute=obj.rate_per_minute)
+        obj.pk, obj.key_prefix = row.pk, row.key_prefix
+        request._edgecache_api_key = key  # shown once, by response_add
+
+    def response_add(self, request, obj, post_url_continue=None):
+        from django.http import HttpResponse
+        from django.template import engines
+        from django.urls import reverse
+
+        key = getattr(request, "_edgecache_api_key", None)
+        if key is None:
+            return super().response_add(request, obj, post_url_continue)
+        page = engines["django"].from_string(_KEY_SHOWN_ONCE)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "API key created",
+            "row": obj,
+            "key": key,
+            "base": request.build_absolute_uri("/").rstrip("/"),
+            "back": reverse("admin:dashboard_apikey_changelist"),
+        }
+        response = HttpResponse(page.render(context, request))
+        response["Cache-Control"] = "no-store"  # the key must not stay in a cache
+        return response
+
+    @admin.action(description="Revoke the selected API keys")
+    def revoke(self, request, queryset):
+        from .api.keys import revoke_key
+
+        queryset = queryset.filter(revoked_at__isnull=True)
+        page = confirmation(
+            self, request, queryset, title="Revoke API keys", verb="Revoke",
+            explanation="Requests with these keys are refused (401) from now on. This cannot be undone: make a new key instead.",
+            describe=str,
+        )
+        if page:
+            return page
+        count = 0
+        for row in queryset:
+            revoke_key(request.user, row)
+            count += 1
+        self.message_user(request, f"Revoked {count} API keys.", messages.SUCCESS)

@@ -18,12 +18,21 @@ from inference.breakeven import LinearFit, crossover, fit_line, points_from_brea
 COMPONENTS = STACK
 WINDOW = 200  # points kept per trace: the charts stay smooth with hundreds of runs
 
-_LAYOUT = dict(margin=dict(l=55, r=15, t=40, b=45), height=320, legend=dict(orientation="h", y=-0.25), template="plotly_white")
+# The top margin leaves the band above the title to Plotly's toolbar (shown on hover, top right):
+# the title sits just above the plot area, left-aligned, so the toolbar never covers it. The
+# page's script wraps a long title to the chart's width and grows the margin to match.
+_TOP_MARGIN = 56
+_LAYOUT = dict(
+    margin=dict(l=55, r=15, t=_TOP_MARGIN, b=45), height=320, legend=dict(orientation="h", y=-0.25), template="plotly_white", autosize=True
+)
 
 
 def _figure(traces, title: str, **layout) -> dict:
     fig = go.Figure(data=traces)
-    fig.update_layout(title=dict(text=title, font=dict(size=14)), **{**_LAYOUT, **layout})
+    fig.update_layout(
+        title=dict(text=title, font=dict(size=14), x=0, xref="paper", xanchor="left", y=1, yref="paper", yanchor="bottom", pad=dict(b=8)),
+        **{**_LAYOUT, **layout},
+    )
     return fig.to_plotly_json()
 
 
@@ -146,7 +155,7 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
         verdict = cross.describe() + (" (by the link model)" if fetch_fit.points == 0 else "")
         if cross.tokens is not None:
             shapes.append(dict(type="line", x0=cross.tokens, x1=cross.tokens, yref="paper", y0=0, y1=1, line=dict(color="#2ca02c", dash="dot")))
-            annotations.append(dict(x=cross.tokens, yref="paper", y=1.0, text=f"break-even ≈ {cross.tokens:.0f} tokens", showarrow=False, xanchor="left"))
+            annotations.append(dict(x=cross.tokens, yref="paper", y=1.0, yanchor="top", text=f"break-even ≈ {cross.tokens:.0f} tokens", showarrow=False, xanchor="left"))
     return _figure(
         traces,
         f"Break-even on {link_label}: {verdict}",

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
 from django import forms
+from django.conf import settings
+from django.db.models import Q
+from django.utils.html import escape
 
 from cachebox.errors import InvalidNamespace
 from cachebox.keys import check_namespace
 from cachebox.link import LINK_PRESETS
 from inference import mmlu
+from inference.breakdown import Case, Decision
 from .cli import split_segments
 from inference.models import Schema
 from inference.pml import PMLError, parse_prompt, parse_schema
@@ -16,7 +22,21 @@ from .actions import PromptSpec
 from .models import Device, SavedPrompt
 from .stats import sees_every_namespace, visible_devices
 
-MAX_PROMPT_CHARS = 32_000
+MAX_PROMPT_CHARS = 32_000  # the Run page's limit, in the text boxes (counter) and here (form error)
+SCHEMA_IN_PROMPT = re.compile(r"""<prompt\b[^>]*?\bschema\s*=\s*["']([^"']+)["']""")
+
+
+def _limit_without_cut(field: forms.Field, limit: int) -> None:
+    """Show ``limit`` on the widget (the page counts characters against it) without the HTML
+    ``maxlength`` that lets a browser cut a paste silently: the form refuses what is longer."""
+    field.widget.attrs.pop("maxlength", None)
+    field.widget.attrs["data-maxlength"] = str(limit)
+
+
+def _too_long(what: str, value: str, limit: int, advice: str) -> forms.ValidationError:
+    return forms.ValidationError(
+        f"{what} has {len(value):,} characters; at most {limit:,} are accepted. {advice}", code="max_length"
+    )
 
 
 def _clean_namespace(value: str) -> str:
@@ -41,10 +61,28 @@ class DeviceForm(forms.ModelForm):
         model = Device
         fields = ["name", "namespace", "kind", "cpu_threads", "memory_mb", "link_preset", "link_bandwidth_mbps", "link_rtt_ms"]
 
+    NAME_LIMIT = 40  # Device.name's max_length
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["namespace"].required = False  # empty: the default namespace
         self.fields["namespace"].empty_label = None
+        name = self.fields["name"]
+        # Help texts are rendered as HTML: "<name>" would be swallowed as a tag.
+        name.help_text = escape(f"at most {self.NAME_LIMIT} characters: letters, digits, '-' and '_'; the board's queue is device.<name>")
+        _limit_without_cut(name, self.NAME_LIMIT)
+        _limit_without_cut(self.fields["kind"], self.fields["kind"].max_length)
+        name.error_messages["max_length"] = (
+            f"A device name has at most {self.NAME_LIMIT} characters; this one has %(show_value)d: shorten it."
+        )
+
+    @staticmethod
+    def link_presets() -> dict:
+        """The link presets as the page's script fills the bandwidth and RTT fields from them."""
+        return {
+            key: ({"bandwidth_mbps": profile.bandwidth_mbps, "rtt_ms": profile.rtt_ms} if profile else None)
+            for key, profile in LINK_PRESETS.items()
+        }
 
     def clean_namespace(self):
         from .models import Namespace
@@ -123,16 +161,16 @@ class RunForm(_ForUser, forms.Form):
 
     devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple)
     source = forms.ChoiceField(choices=SOURCES, initial="text", widget=forms.RadioSelect)
-    text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6}), required=False, max_length=MAX_PROMPT_CHARS)
+    text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6}), required=False)
     split_on = forms.CharField(required=False, max_length=20, help_text=r"optional: cut the text after each of these (e.g. \n\n)")
     topic = forms.ChoiceField(required=False, initial="astronomy")
     shots = forms.IntegerField(min_value=0, max_value=5, initial=5, required=False)
     question = forms.IntegerField(min_value=1, initial=1, required=False, help_text="which target question of the topic")
     saved_prompt = forms.ModelChoiceField(queryset=SavedPrompt.objects.all(), required=False)
-    schema = forms.ModelChoiceField(queryset=Schema.objects.all(), required=False)
-    pml = forms.CharField(
-        widget=forms.Textarea(attrs={"rows": 5, "spellcheck": "false"}), required=False, max_length=MAX_PROMPT_CHARS, label="PML prompt"
+    schema = forms.ModelChoiceField(
+        queryset=Schema.objects.all(), required=False, empty_label="the one the prompt names", help_text='optional when the prompt names a known schema (<prompt schema="...">)'
     )
+    pml = forms.CharField(widget=forms.Textarea(attrs={"rows": 5, "spellcheck": "false"}), required=False, label="PML prompt")
     max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=8)
     namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
     use_cache = forms.BooleanField(required=False, initial=True)
@@ -144,15 +182,34 @@ class RunForm(_ForUser, forms.Form):
             self.fields["topic"].choices = [(topic, topic) for topic in mmlu.topics()]
         except FileNotFoundError:
             self.fields["topic"].choices = []
+        for name in ("text", "pml"):
+            _limit_without_cut(self.fields[name], MAX_PROMPT_CHARS)
 
     def clean_namespace(self):
         return self._check_namespace_is_theirs(_clean_namespace(self.cleaned_data.get("namespace")))
+
+    def clean_text(self):
+        text = self.cleaned_data.get("text") or ""
+        if len(text) > MAX_PROMPT_CHARS:
+            raise _too_long("The prompt", text, MAX_PROMPT_CHARS, "Nothing was sent: shorten it (a board's context holds a few thousand tokens).")
+        return text
+
+    def clean_pml(self):
+        pml = self.cleaned_data.get("pml") or ""
+        if len(pml) > MAX_PROMPT_CHARS:
+            raise _too_long("The PML prompt", pml, MAX_PROMPT_CHARS, "Nothing was sent: shorten it.")
+        return pml
+
+    def _schema_named_in(self, pml: str) -> Schema | None:
+        """The schema a PML prompt names (``<prompt schema="travel">``), when it is a known one."""
+        found = SCHEMA_IN_PROMPT.search(pml or "")
+        return Schema.objects.filter(name=found.group(1)).first() if found else None
 
     def clean(self):
         data = super().clean()
         source = data.get("source")
         if source == "text":
-            if not (data.get("text") or "").strip():
+            if "text" not in self.errors and not (data.get("text") or "").strip():
                 self.add_error("text", "Write a prompt, or pick an MMLU question or a saved prompt.")
         elif source == "mmlu":
             topic, shots, number = data.get("topic"), data.get("shots"), data.get("question")
@@ -166,9 +223,18 @@ class RunForm(_ForUser, forms.Form):
         elif source == "saved" and not data.get("saved_prompt"):
             self.add_error("saved_prompt", "Choose a saved prompt.")
         elif source == "pml":
-            schema = data.get("schema")
-            if not schema:
-                self.add_error("schema", "Choose a schema.")
+            schema = data.get("schema") or self._schema_named_in(data.get("pml"))
+            if schema is not None:
+                data["schema"] = schema
+            if "pml" in self.errors:
+                pass  # too long: said already
+            elif not schema:
+                found = SCHEMA_IN_PROMPT.search(data.get("pml") or "")
+                known = ", ".join(Schema.objects.values_list("name", flat=True)) or "none yet"
+                if found:
+                    self.add_error("schema", f"The prompt names schema {found.group(1)!r}, which is not known (known: {known}): choose one.")
+                else:
+                    self.add_error("schema", f'Choose a schema, or name one in the prompt (<prompt schema="...">; known: {known}).')
             else:
                 try:
                     parse_prompt(data.get("pml") or "", parse_schema(schema.source))
@@ -212,3 +278,46 @@ class FlushForm(forms.Form):
             except InvalidNamespace as exc:
                 self.add_error("namespace", str(exc))
         return data
+
+
+class RunFilterForm(forms.Form):
+    """The Runs page's filters (every one optional), over the runs its user may see."""
+
+    device = forms.ChoiceField(required=False)
+    namespace = forms.ChoiceField(required=False)
+    case = forms.ChoiceField(required=False, choices=[("", "any")] + [(case.value, case.value) for case in Case])
+    decision = forms.ChoiceField(required=False, choices=[("", "any")] + [(d.value, d.value) for d in Decision if d.value])
+    error = forms.ChoiceField(required=False, choices=[("", "any"), ("yes", "failed"), ("no", "answered")], label="Failed")
+    since = forms.DateTimeField(required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"), label=f"From ({settings.TIME_ZONE})")
+    until = forms.DateTimeField(required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"), label=f"To ({settings.TIME_ZONE})")
+    q = forms.CharField(required=False, max_length=200, label="Prompt contains")
+
+    def __init__(self, *args, user, **kwargs):
+        super().__init__(*args, **kwargs)
+        devices = list(visible_devices(user).order_by("name"))
+        self.fields["device"].choices = [("", "any")] + [(d.name, d.name) for d in devices]
+        self.fields["namespace"].choices = [("", "any")] + [(n, n) for n in sorted({d.namespace_id for d in devices})]
+
+    def apply(self, runs):
+        """``runs`` narrowed by the filters that are valid (an invalid one is shown, not applied)."""
+        self.is_valid()
+        data = getattr(self, "cleaned_data", {})
+        if data.get("device"):
+            runs = runs.filter(device__name=data["device"])
+        if data.get("namespace"):
+            runs = runs.filter(device__namespace_id=data["namespace"])
+        if data.get("case"):
+            runs = runs.filter(case=data["case"], error="")
+        if data.get("decision"):
+            runs = runs.filter(breakdown__decision=data["decision"])
+        if data.get("error") == "yes":
+            runs = runs.exclude(error="")
+        elif data.get("error") == "no":
+            runs = runs.filter(error="")
+        if data.get("since"):
+            runs = runs.filter(created__gte=data["since"])
+        if data.get("until"):
+            runs = runs.filter(created__lte=data["until"])
+        if data.get("q"):
+            runs = runs.filter(Q(prompt__icontains=data["q"]) | Q(title__icontains=data["q"]))
+        return runs

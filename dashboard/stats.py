@@ -2,37 +2,106 @@
 
 Staff see every namespace (tenant); any other user only the namespaces they are a member of
 (``Membership``). Every page, chart and live event that shows devices or runs goes through
-``visible_devices`` or ``recent_runs``.
+``visible_devices``, ``visible_runs`` or ``recent_runs``.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 from datetime import datetime, timezone as dt_timezone
 
 from django.db.models import QuerySet
+from django.utils import timezone
 
 from .models import Device, InferenceRun
 
 RECENT = 500  # runs per device the summaries look at
+HITS = ("partial", "full")
 
 
-def device_summary(device: Device) -> dict:
+def run_figures(device: Device) -> dict:
+    """What a device card shows: runs (failed ones too), and over its last ``RECENT`` successful
+    runs the hit ratio and the median TTFT (None without any). Two queries."""
     recent = list(device.runs.filter(error="").order_by("-created").values_list("ttft_ms", "case")[:RECENT])
-    hits = sum(1 for _, case in recent if case in ("partial", "full"))
-    catalogs = {}
-    for namespace, catalog in ((device.status or {}).get("catalogs") or {}).items():
-        last_sync = catalog.get("last_sync")
-        catalogs[namespace] = {**catalog, "last_sync": datetime.fromtimestamp(last_sync, dt_timezone.utc) if last_sync else None}
+    hits = sum(1 for _, case in recent if case in HITS)
     return {
-        "device": device,
         "runs": device.runs.count(),
         "hit_ratio": hits / len(recent) if recent else None,
         "median_ttft_ms": statistics.median(ttft for ttft, _ in recent) if recent else None,
+    }
+
+
+def fill_label(ratio) -> str:
+    """A Bloom filter's fill as people read it: a percentage with 2 significant digits
+    ("0.22%", "12%"), "< 0.01%" for a few bits set in a large filter, "0%" when empty."""
+    try:
+        ratio = float(ratio or 0.0)
+    except (TypeError, ValueError):
+        return "–"
+    if ratio <= 0:
+        return "0%"
+    percent = ratio * 100
+    if percent < 0.01:
+        return "< 0.01%"
+    return f"{float(f'{percent:.2g}'):g}%"
+
+
+def device_state(device: Device) -> tuple[str, str]:
+    """(status, words) of a device: online, offline since …, never started, revoked."""
+    if device.revoked_at is not None:
+        return "revoked", "revoked"
+    if device.last_seen is None:
+        return "never", "never started"
+    if device.online:
+        return "online", "online"
+    return "offline", f"offline since {timezone.localtime(device.last_seen):%Y-%m-%d %H:%M}"
+
+
+def device_summary(device: Device) -> dict:
+    catalogs = {}
+    for namespace, catalog in ((device.status or {}).get("catalogs") or {}).items():
+        last_sync = catalog.get("last_sync")
+        catalogs[namespace] = {
+            **catalog,
+            "last_sync": datetime.fromtimestamp(last_sync, dt_timezone.utc) if last_sync else None,
+            "fill_label": fill_label(catalog.get("fill_ratio")),
+            "epoch": str(catalog.get("epoch") or ""),
+        }
+    return {
+        "device": device,
+        **run_figures(device),
         "catalog_items": sum(c.get("approx_items", 0) for c in catalogs.values()),
         "catalog_fp_rate": max((c.get("estimated_fp_rate", 0.0) for c in catalogs.values()), default=None),
         "catalogs": catalogs,
     }
+
+
+# -- what a board's error means to the person who sent the prompt ---------------------------
+_CONTEXT_ERRORS = [
+    # inference.serving.context_error
+    re.compile(r"the prompt has (?P<tokens>\d+) tokens and (?P<asked>\d+) more were asked for, but the context holds (?P<ctx>\d+)"),
+    # llama-cpp-python's own check
+    re.compile(r"Requested tokens \((?P<tokens>\d+)\) exceed context window of (?P<ctx>\d+)"),
+]
+
+
+def explain_error(error: str) -> str:
+    """A board's error in the words of the page that sent the prompt (the board's own message
+    is kept in the run; this only rewords what a page user can act on)."""
+    if not error:
+        return ""
+    for pattern in _CONTEXT_ERRORS:
+        found = pattern.search(error)
+        if found:
+            tokens, ctx = int(found["tokens"]), int(found["ctx"])
+            asked = found.groupdict().get("asked")
+            wanted = f" and {int(asked):,} more were asked for" if asked else ""
+            return (
+                f"The prompt has {tokens:,} tokens{wanted}, but the board's context holds {ctx:,}: "
+                "shorten it or ask for fewer tokens."
+            )
+    return error
 
 
 def sees_every_namespace(user) -> bool:
@@ -56,11 +125,27 @@ def visible_device_names(user) -> frozenset[str] | None:
     return frozenset(visible_devices(user).values_list("name", flat=True))
 
 
-def recent_runs(viewer, limit: int = 200, device: Device | None = None) -> list[InferenceRun]:
-    """The newest successful runs ``viewer`` may see (oldest first), of one device or all."""
-    runs = InferenceRun.objects.select_related("device").filter(error="")
+def visible_runs(viewer) -> QuerySet[InferenceRun]:
+    """Every run ``viewer`` may see (failed ones too), newest first."""
+    runs = InferenceRun.objects.select_related("device")
     if not sees_every_namespace(viewer):
         runs = runs.filter(device__in=visible_devices(viewer))
+    return runs.order_by("-created", "-pk")
+
+
+def recent_runs(viewer, limit: int = 200, device: Device | None = None, *, failed: bool = False) -> list[InferenceRun]:
+    """The newest runs ``viewer`` may see (oldest first), of one device or all: successful ones
+    only (what the charts draw), or with ``failed`` the failed ones too (what run tables list)."""
+    runs = visible_runs(viewer)
+    if not failed:
+        runs = runs.filter(error="")
     if device is not None:
         runs = runs.filter(device=device)
-    return list(reversed(runs.order_by("-created")[:limit]))
+    return list(reversed(runs[:limit]))
+
+
+def explained(runs):
+    """``runs`` with ``error_message`` set on each (the page's words for its error)."""
+    for run in runs:
+        run.error_message = explain_error(run.error)
+    return runs

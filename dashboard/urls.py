@@ -3,6 +3,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from . import views
+from .api import views as api
 
 urlpatterns = [
     path("", views.home, name="home"),
@@ -13,6 +14,11 @@ urlpatterns = [
     path("devices/<slug:name>/rotate/", views.device_rotate, name="device-rotate"),
     path("devices/<slug:name>/revoke/", views.device_revoke, name="device-revoke"),
     path("run/", views.run_page, name="run"),
+    path("runs/", views.run_list, name="runs"),
+    path("runs/export.csv", views.run_export, {"fmt": "csv"}, name="runs-export-csv"),
+    path("runs/export.json", views.run_export, {"fmt": "json"}, name="runs-export-json"),
+    path("runs/<int:pk>/", views.run_detail, name="run-detail"),
+    path("favicon.ico", views.favicon, name="favicon"),
     path("schemas/", views.schema_list, name="schemas"),
     path("schemas/new/", views.schema_edit, name="schema-new"),
     path("schemas/<int:pk>/", views.schema_detail, name="schema-detail"),
@@ -28,4 +34,9 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
+    # The OpenAI-compatible API (API keys, not logins; dashboard.api).
+    path("v1/models", api.models, name="api-models"),
+    path("v1/models/<str:model>", api.model_detail, name="api-model"),
+    path("v1/chat/completions", api.chat_completions, name="api-chat"),
+    path("v1/completions", api.completions, name="api-completions"),
 ]

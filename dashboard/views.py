@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import csv
 import functools
 import json
 import logging
+from dataclasses import fields as dataclass_fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,10 +15,12 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required as _staff_member_required
 from django.contrib.auth.decorators import login_required as _login_required
+from django.core.paginator import Paginator
 from django.db.models import Count, Sum
 from django.forms import BooleanField, ModelMultipleChoiceField, MultipleChoiceField
-from django.http import Http404, HttpResponse, JsonResponse
+from django.http import Http404, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.templatetags.static import static
 from django.utils import timezone
 from django.utils.crypto import constant_time_compare
 from django.views.decorators.cache import never_cache
@@ -25,19 +29,21 @@ from kombu.exceptions import OperationalError as BrokerUnavailable
 from prometheus_client.exposition import choose_encoder
 
 from cachebox.catalog import Catalog
-from cachebox.errors import CacheBoxError, CacheBoxUnavailable, CatalogFormatError
+from cachebox.errors import CacheBoxError, CacheBoxUnavailable, CatalogFormatError, InvalidNamespace
 from cachebox.events import security_event
+from cachebox.keys import catalog_key_names
 from cachebox.link import LinkProfile
 from cachebox.models import CacheEntry
 
+from inference.breakdown import Breakdown
 from inference.models import Schema
 from inference.pml import PMLError
 from .schema_info import describe, key_names, layout_of
 
 from . import actions, charts, metrics, ratelimit
-from .forms import ConfirmForm, DeviceForm, EncodeForm, FlushForm, RunForm, SchemaForm
-from .models import AuditEvent, Device
-from .stats import device_summary, recent_runs, visible_devices
+from .forms import MAX_PROMPT_CHARS, ConfirmForm, DeviceForm, EncodeForm, FlushForm, RunFilterForm, RunForm, SchemaForm
+from .models import AuditEvent, Device, InferenceRun
+from .stats import device_summary, explain_error, explained, fill_label, recent_runs, visible_devices, visible_runs
 
 log = logging.getLogger("dashboard.views")
 BROKER_RETRY_AFTER = 30  # seconds a client is told to wait after the broker was unreachable
@@ -107,7 +113,8 @@ def home(request):
         {
             "summaries": [device_summary(device) for device in devices],
             "chart_data": chart_data,
-            "runs": list(reversed(runs[-20:])),
+            # The table lists failed runs too (the charts draw successful ones only).
+            "runs": explained(recent_runs(request.user, 20, failed=True)[::-1]),
             "cachebox_up": store.ping(),
             "cachebox_url": store.safe_url,
             "embedded": settings.REDIS_URL_IS_EMBEDDED,
@@ -128,7 +135,7 @@ def device_register(request):
         data = {field: form.cleaned_data[field] for field in ("name", "kind", "cpu_threads", "memory_mb", "link_bandwidth_mbps", "link_rtt_ms")}
         device, token = actions.register_device(request.user, **data)
         return render(request, "dashboard/device_token.html", {"device": device, "token": token, "created": True})
-    return render(request, "dashboard/device_form.html", {"form": form})
+    return render(request, "dashboard/device_form.html", {"form": form, "link_presets": DeviceForm.link_presets()})
 
 
 def _link(device: Device) -> LinkProfile | None:
@@ -151,7 +158,7 @@ def device_detail(request, name):
         {
             "summary": device_summary(device),
             "device": device,
-            "runs": device.runs.order_by("-created")[:20],
+            "runs": explained(recent_runs(request.user, 20, device, failed=True)[::-1]),
             "chart_data": {"breakeven": _breakeven(device, request.user)},
         },
     )
@@ -195,18 +202,53 @@ def device_revoke(request, name):
     return redirect(device)
 
 
+WAIT_HINT_SECONDS = 30  # an answer card without an answer after this long says how to start the board
+
+
+def _run_page_context(request, form, **extra) -> dict:
+    """What every rendering of the Run page shows besides its form."""
+    return {
+        "form": form,
+        "max_prompt_chars": MAX_PROMPT_CHARS,
+        "task_expires": settings.EDGECACHE_TASK_EXPIRES,
+        "wait_hint_seconds": WAIT_HINT_SECONDS,
+        "chart_data": {},
+        **extra,
+    }
+
+
+def _again_initial(request) -> tuple[dict, InferenceRun | None]:
+    """The Run page filled in from a run of ``?again=<id>`` (one the user may see), to send it again."""
+    try:
+        pk = int(request.GET.get("again", ""))
+    except ValueError:
+        return {}, None
+    run = visible_runs(request.user).filter(pk=pk).first()
+    if run is None:
+        return {}, None
+    generated = (run.breakdown or {}).get("generated_tokens") or 8
+    initial = {"devices": [run.device.pk], "max_tokens": max(1, min(256, int(generated)))}
+    if run.prompt.lstrip().startswith("<prompt"):
+        initial.update(source="pml", pml=run.prompt)
+    else:
+        initial.update(source="text", text=run.prompt)
+    return initial, run
+
+
 @login_required
 def run_page(request):
-    form = RunForm(request.POST or None, user=request.user)
     if request.method == "POST":
+        form = RunForm(request.POST, user=request.user)
         wants_json = request.headers.get("Accept", "").startswith("application/json")
-        verdict = ratelimit.hit("run", request.user.pk, settings.EDGECACHE_RUN_RATE)
-        if not verdict.allowed:
-            return _run_rate_limited(request, verdict, wants_json)
+        # Refused submissions (empty, too long, another tenant's device) send nothing and are not
+        # counted: the limit counts only the valid submissions about to be sent.
         if not form.is_valid():
             if wants_json:
                 return JsonResponse({"errors": form.errors.get_json_data()}, status=400)
-            return render(request, "dashboard/run.html", {"form": form, "chart_data": {}}, status=400)
+            return render(request, "dashboard/run.html", _run_page_context(request, form), status=400)
+        verdict = ratelimit.hit("run", request.user.pk, settings.EDGECACHE_RUN_RATE)
+        if not verdict.allowed:
+            return _run_rate_limited(request, verdict, wants_json)
         devices, spec = list(form.cleaned_data["devices"]), form.prompt_spec()
         try:
             sent = _each_until_broker_fails(devices, lambda device: actions.dispatch_run(request.user, [device], spec))
@@ -216,12 +258,132 @@ def run_page(request):
             return JsonResponse({"dispatched": sent})
         messages.success(request, f"Sent to {', '.join(item['device'] for item in sent)}; answers appear below as they arrive.")
         return redirect("run")
-    runs = recent_runs(request.user, 50)
+    initial, again = _again_initial(request)
+    form = RunForm(initial=initial or None, user=request.user)
+    runs = recent_runs(request.user, 50, failed=True)
+    charted = [run for run in runs if not run.error]
     return render(
         request,
         "dashboard/run.html",
-        {"form": form, "runs": runs[::-1][:10], "chart_data": {"breakdown": charts.breakdown_figure(runs), "window": charts.WINDOW}},
+        _run_page_context(
+            request,
+            form,
+            again=again,
+            runs=explained(runs[::-1][:10]),
+            chart_data={"breakdown": charts.breakdown_figure(charted), "window": charts.WINDOW},
+        ),
     )
+
+
+# -- the Runs page, one run, exports ----------------------------------------------------------------
+RUNS_PER_PAGE = 50
+EXPORT_LIMIT = 10_000  # rows one export holds at most (newest first)
+EXPORT_FIELDS = [
+    "id", "created", "device", "namespace", "source", "title", "case", "decision", "cachebox", "prompt_tokens", "matched_tokens",
+    "generated_tokens", "ttft_ms", "ttlt_ms", "state_bytes", "error", "prompt", "answer",
+]
+
+
+def _filtered_runs(request):
+    form = RunFilterForm(request.GET or None, user=request.user)
+    return form, form.apply(visible_runs(request.user))
+
+
+@login_required
+def run_list(request):
+    form, runs = _filtered_runs(request)
+    paginator = Paginator(runs, RUNS_PER_PAGE)
+    page = paginator.get_page(request.GET.get("page"))
+    query = request.GET.copy()
+    query.pop("page", None)
+    return render(
+        request,
+        "dashboard/runs.html",
+        {"filter_form": form, "page": page, "runs": explained(list(page.object_list)), "query": query.urlencode(), "total": paginator.count},
+    )
+
+
+def _export_row(run: InferenceRun) -> dict:
+    breakdown = run.breakdown or {}
+    return {
+        "id": run.pk,
+        "created": run.created.isoformat(),
+        "device": run.device.name,
+        "namespace": run.device.namespace_id,
+        "source": run.source,
+        "title": run.title,
+        "case": run.case,
+        "decision": breakdown.get("decision", ""),
+        "cachebox": breakdown.get("cachebox", ""),
+        "prompt_tokens": run.prompt_tokens,
+        "matched_tokens": run.matched_tokens,
+        "generated_tokens": breakdown.get("generated_tokens", 0),
+        "ttft_ms": run.ttft_ms,
+        "ttlt_ms": run.ttlt_ms,
+        "state_bytes": run.state_bytes,
+        "error": run.error,
+        "prompt": run.prompt,
+        "answer": run.text,
+    }
+
+
+def _csv_cell(value):
+    """A cell a spreadsheet shows as text, never runs as a formula (prompts are user input)."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
+class _Echo:
+    def write(self, value):
+        return value
+
+
+@login_required
+def run_export(request, fmt):
+    """The Runs page's filtered list (newest first, at most EXPORT_LIMIT rows) as CSV or JSON."""
+    _, runs = _filtered_runs(request)
+    rows = runs[:EXPORT_LIMIT]
+    stamp = timezone.now().strftime("%Y%m%d-%H%M%S")
+    if fmt == "json":
+        data = [_export_row(run) for run in rows.iterator()]
+        response = JsonResponse({"count": len(data), "limit": EXPORT_LIMIT, "runs": data}, json_dumps_params={"ensure_ascii": False})
+    else:
+        writer = csv.writer(_Echo())
+
+        def lines():
+            yield writer.writerow(EXPORT_FIELDS)
+            for run in rows.iterator():
+                row = _export_row(run)
+                yield writer.writerow([_csv_cell(row[field]) for field in EXPORT_FIELDS])
+
+        response = StreamingHttpResponse(lines(), content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="edgecache-runs-{stamp}.{fmt}"'
+    return response
+
+
+def _breakdown_rows(breakdown: dict) -> list[tuple[str, object]]:
+    """Every field of a run's breakdown: the known ones in their order, then any others."""
+    known = [f.name for f in dataclass_fields(Breakdown)]
+    rows = [(name, breakdown[name]) for name in known if name in breakdown]
+    rows += sorted((name, value) for name, value in breakdown.items() if name not in known)
+    return rows
+
+
+@login_required
+def run_detail(request, pk):
+    run = get_object_or_404(visible_runs(request.user), pk=pk)  # another tenant's: 404, as if absent
+    run.error_message = explain_error(run.error)
+    breakdown = run.breakdown or {}
+    return render(
+        request,
+        "dashboard/run_detail.html",
+        {"run": run, "breakdown_rows": _breakdown_rows(breakdown), "modules_hit": breakdown.get("modules_hit")},
+    )
+
+
+def favicon(request):
+    return redirect(static("favicon.svg"), permanent=True)
 
 
 def _as_sent(form_class, data) -> dict:
@@ -253,7 +415,7 @@ def _run_page_refused(request, message: str, status: int) -> HttpResponse:
     """The Run page again, with why the submission was refused and the form as it was sent."""
     # Unbound, with what was sent as initial values: shown again without re-validating it.
     form = RunForm(initial=_as_sent(RunForm, request.POST), user=request.user)
-    return render(request, "dashboard/run.html", {"form": form, "refusal": message, "chart_data": {}}, status=status)
+    return render(request, "dashboard/run.html", _run_page_context(request, form, refusal=message), status=status)
 
 
 # -- the message broker (the cache box's Redis) down: 503, never a 500 ---------------------------
@@ -296,17 +458,32 @@ def _broker_unavailable(request, down: _BrokerDown, wants_json: bool, page) -> H
     return response
 
 
+def _master_epoch(store, namespace: str) -> str:
+    """The namespace's live catalog epoch (boards compare theirs with it at every sync); "" when
+    the cache box holds none (flushed or restarted: the next board to sync starts a new one).
+    Read as it is, never created: the page only looks."""
+    value = store.read_entries([catalog_key_names(namespace)["epoch"]])[0]  # a plain GET
+    return value.decode(errors="replace") if value else ""
+
+
 @staff_member_required
 def cache_page(request):
     store = actions.cachebox()
     namespaces = list(
         CacheEntry.objects.values("namespace", "model").annotate(entries=Count("id"), bytes=Sum("bytes"), hits=Sum("hits")).order_by("namespace", "model")
     )
-    masters = []
+    devices = [device_summary(device) for device in Device.objects.select_related("namespace")]
+    board_namespaces = {namespace for summary in devices for namespace in summary["catalogs"]}
+    masters, epochs = [], {}
     try:
-        for namespace in sorted({row["namespace"] for row in namespaces} | {settings.EDGECACHE_NAMESPACE}):
-            bloom, last_id, epoch = store.catalog_snapshot(namespace)
+        for namespace in sorted({row["namespace"] for row in namespaces} | {settings.EDGECACHE_NAMESPACE} | board_namespaces):
+            try:
+                catalog_key_names(namespace)
+            except InvalidNamespace:
+                continue  # a board's report naming no usable namespace: no master copy to read
+            bloom, last_id, _ = store.catalog_snapshot(namespace)
             pending = store.catalog_log_length(namespace)
+            epochs[namespace] = epoch = _master_epoch(store, namespace)
             catalog = None
             if bloom:
                 try:
@@ -316,17 +493,22 @@ def cache_page(request):
             masters.append(
                 {
                     "namespace": namespace,
+                    "has_snapshot": catalog is not None,
                     "snapshot_items": round(catalog.approx_items) if catalog else 0,
-                    "fill_ratio": catalog.fill_ratio() if catalog else 0.0,
-                    "estimated_fp_rate": catalog.estimated_fp_rate() if catalog else 0.0,
+                    "fill_label": fill_label(catalog.fill_ratio()) if catalog else "–",
+                    "estimated_fp_rate": catalog.estimated_fp_rate() if catalog else None,
                     "pending_log": pending,
-                    "epoch": epoch[:8],
+                    "epoch": epoch,
                 }
             )
         reachable = True
     except CacheBoxUnavailable:
         reachable = False
-    devices = [device_summary(device) for device in Device.objects.all()]
+    for summary in devices:
+        for namespace, catalog in summary["catalogs"].items():
+            # A board's filter from an older epoch (the catalog was flushed, or the cache box
+            # restarted empty) is dropped at its next sync; until then its figures are the old ones.
+            catalog["stale"] = reachable and catalog["epoch"] != epochs.get(namespace, "")
     return render(
         request,
         "dashboard/cache.html",

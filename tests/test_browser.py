@@ -4,89 +4,17 @@ board (`manage.py edge`) running the real model."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from .conftest import ROOT
+from .stack import ADMIN_PASSWORD, SCREENSHOTS, browser, stack, stack_env  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.cachebox]
-
-CHROMIUM = "/usr/bin/chromium"
-ADMIN_PASSWORD = "browser-test-pw-1"
-SCREENSHOTS = ROOT / ".edgecache" / "screenshots"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited early with {process.returncode}")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except urllib.error.HTTPError:
-            return  # it answers
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout} s")
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    home = tmp_path_factory.mktemp("stack")
-    port = free_port()
-    env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
-    env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": ADMIN_PASSWORD, "EDGECACHE_N_CTX": "2048"})
-    log = open(home / "run.log", "wb")
-    server = subprocess.Popen(
-        [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    boards: list[subprocess.Popen] = []
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/accounts/login/", server)
-        yield {"url": f"http://127.0.0.1:{port}", "env": env, "home": home, "boards": boards}
-    finally:
-        for process in boards + [server]:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-        for process in boards + [server]:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30)
-        log.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"],
-        )
-        yield browser
-        browser.close()
 
 
 def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):

@@ -119,6 +119,12 @@ def answers_dispatch(device: Device, request_id: str, kind: str) -> bool:
 
 
 def run_json(run: InferenceRun) -> dict:
+    """A run as the pages receive it live: with its error in the page's words and its device's
+    updated figures (the device cards show them without a reload)."""
+    from django.urls import reverse
+
+    from ..stats import explain_error, run_figures
+
     return {
         "id": run.pk,
         "request_id": str(run.request_id),
@@ -128,8 +134,11 @@ def run_json(run: InferenceRun) -> dict:
         "source": run.source,
         "text": run.text,
         "error": run.error,
+        "error_message": explain_error(run.error),
         "expected_answer": run.expected_answer,
         "breakdown": run.breakdown,
+        "url": reverse("run-detail", args=[run.pk]),
+        "device_figures": run_figures(run.device),
     }
 
 

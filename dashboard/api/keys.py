@@ -12,7 +12,8 @@ import secrets
 from django.db import transaction
 from django.utils import timezone
 
-from ..models import ApiKey, AuditEvent, Namespace
+from ..actions.audit import AuditAction, audit
+from ..models import ApiKey, Namespace
 
 
 def new_key() -> str:
@@ -23,9 +24,8 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _audit(user, action: str, target: str, detail: str = "") -> None:
-    # The audit trail's own rows (actions.audit takes only its enum of device/cache actions).
-    AuditEvent.objects.create(user=user if user is not None and user.is_authenticated else None, action=action, target=target[:200], detail=detail)
+def _audit(user, action: AuditAction, target: str, detail: str = "") -> None:
+    audit(user, action, target, detail)
 
 
 def create_key(user, namespace: Namespace | str, *, name: str = "", rate_per_minute: int | None = None) -> tuple[ApiKey, str]:
@@ -40,7 +40,7 @@ def create_key(user, namespace: Namespace | str, *, name: str = "", rate_per_min
     fill_key(row, key)
     with transaction.atomic():
         row.save()
-        _audit(user, "apikey.create", str(row), f"namespace={namespace.name}")
+        _audit(user, AuditAction.APIKEY_CREATE, str(row), f"namespace={namespace.name}")
     return row, key
 
 
@@ -54,7 +54,7 @@ def revoke_key(user, row: ApiKey) -> None:
     """Refuse the key from its next request on."""
     with transaction.atomic():
         ApiKey.objects.filter(pk=row.pk).update(revoked_at=timezone.now())
-        _audit(user, "apikey.revoke", str(row))
+        _audit(user, AuditAction.APIKEY_REVOKE, str(row))
     row.refresh_from_db()
 
 

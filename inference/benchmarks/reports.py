@@ -176,3 +176,11 @@ def exact_report(path: Path, doc: dict) -> Path:
         f"(max |diff| {doc['resumed_logits_max_abs_diff']}); greedy agreement over every served run {doc['greedy_agreement_all']}."
     )
     return write_report(path, "bench exact", summary, [cost, agreement], {"Cut costs": [{"variant": k, **v} for k, v in costs.items()], "By case": [{"case": k, **v} for k, v in cases.items()]}, doc)
+
+
+def tiers_report(path: Path, doc: dict) -> Path:
+    medians = doc["median_ttft_ms"]
+    figure = go.Figure([go.Bar(x=list(medians), y=list(medians.values()), text=[f"{v:.1f} ms" for v in medians.values()])])
+    figure.update_layout(title="Full-hit TTFT by where the state comes from (median ms, log scale)", yaxis_type="log", yaxis_title="ms", template="plotly_white")
+    summary = f"{doc['n']} prompts; ratios {doc['ratios']}; network bytes {doc['network_bytes']}; agreement with cold {doc['agreement_with_cold']}."
+    return write_report(path, "bench tiers", summary, [figure], {"Medians": [{"source": k, "ttft_ms": v} for k, v in medians.items()]}, doc)

@@ -1,5 +1,6 @@
 // EdgeCache live pages: draws the server-built Plotly figures and extends them as runs
-// arrive over the WebSocket, without reloading. Traces are found by name.
+// arrive over the WebSocket (static/js/site.js dispatches each event as "edgecache:live"),
+// without reloading. Traces are found by name. DOM is built with textContent, never innerHTML.
 (function () {
   "use strict";
   const dataNode = document.getElementById("chart-data");
@@ -9,12 +10,72 @@
   const stackNode = document.getElementById("chart-stack");
   const STACK = (stackNode ? JSON.parse(stackNode.textContent || "[]") : []).map((pair) => pair[0]);
   const hitCounts = charts.hitCounts || {};
-  const config = { responsive: true, displaylogo: false };
+  // The toolbar shows on hover only, above the plot area (titles sit below it: see fitLayout).
+  const config = { responsive: true, displaylogo: false, displayModeBar: "hover" };
 
+  // -- small DOM helpers ---------------------------------------------------------------------------
+  function el(tag, attrs, children) {
+    const node = document.createElement(tag);
+    Object.keys(attrs || {}).forEach(function (key) {
+      if (key === "class") node.className = attrs[key];
+      else if (key === "text") node.textContent = attrs[key] == null ? "" : String(attrs[key]);
+      else if (key.slice(0, 5) === "data-") node.dataset[key.slice(5).replace(/-([a-z])/g, (_, c) => c.toUpperCase())] = attrs[key];
+      else node.setAttribute(key, attrs[key]);
+    });
+    (children || []).forEach(function (child) {
+      if (child == null) return;
+      node.appendChild(typeof child === "string" ? document.createTextNode(child) : child);
+    });
+    return node;
+  }
+  function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); }
+  function fmt(ms) { return (Number(ms) || 0).toFixed(1); }
+  function show(value) { return value == null ? "" : String(value); }
+  function truncate(value, n) { value = show(value); return value.length > n ? value.slice(0, n - 1) + "…" : value; }
+  function errorText(run) { return run.error_message || run.error || ""; }
+
+  // -- charts: titles wrapped to the width they get, below the hover toolbar ------------------------
+  function wrap(text, perLine) {
+    const words = String(text).split(" ");
+    const lines = [];
+    let line = "";
+    words.forEach(function (word) {
+      if (line && (line + " " + word).length > perLine) { lines.push(line); line = word; } else { line = line ? line + " " + word : word; }
+    });
+    if (line) lines.push(line);
+    return lines;
+  }
+  function fitLayout(node, layout) {
+    layout = Object.assign({}, layout);
+    const width = node.clientWidth || 600;
+    if (width < 520) {
+      layout.margin = Object.assign({}, layout.margin, { l: 45, r: 10 });
+      layout.legend = Object.assign({}, layout.legend, { font: { size: 10 } });
+    }
+    const title = layout.title && typeof layout.title === "object" ? Object.assign({}, layout.title) : null;
+    if (title && title.text) {
+      const size = width < 520 ? 12 : (title.font && title.font.size) || 14;
+      const usable = width - ((layout.margin && layout.margin.l) || 55) - 10; // the title starts at the plot's left edge
+      const lines = wrap(title.text.replace(/<br>/g, " "), Math.max(16, Math.floor(usable / (size * 0.6))));
+      title.text = lines.join("<br>");
+      title.font = Object.assign({}, title.font, { size: size });
+      layout.title = title;
+      layout.margin = Object.assign({}, layout.margin, { t: 56 + (lines.length - 1) * (size + 4) });
+    }
+    if (window.matchMedia && window.matchMedia("(prefers-color-scheme: dark)").matches) {
+      const grid = { gridcolor: "#2c3344", zerolinecolor: "#344054", linecolor: "#344054" };
+      layout.paper_bgcolor = "rgba(0,0,0,0)";
+      layout.plot_bgcolor = "rgba(0,0,0,0)";
+      layout.font = Object.assign({}, layout.font, { color: "#e4e7ec" });
+      layout.xaxis = Object.assign({}, layout.xaxis, grid);
+      layout.yaxis = Object.assign({}, layout.yaxis, grid);
+    }
+    return layout;
+  }
   function draw(id, fig) {
-    const el = document.getElementById(id);
-    if (el && fig && window.Plotly) Plotly.newPlot(el, fig.data, fig.layout, config);
-    return el;
+    const node = document.getElementById(id);
+    if (node && fig && window.Plotly) Plotly.newPlot(node, fig.data, fitLayout(node, fig.layout), config);
+    return node;
   }
   const elBreakdown = draw("chart-breakdown", charts.breakdown);
   const elTimeline = draw("chart-timeline", charts.timeline);
@@ -22,33 +83,48 @@
   const elBytes = draw("chart-bytes", charts.bytes);
   const elBreakeven = draw("chart-breakeven", charts.breakeven);
 
-  function traceIndex(el, name, template) {
-    let index = el.data.findIndex((trace) => trace.name === name);
+  function traceIndex(node, name, template) {
+    let index = node.data.findIndex((trace) => trace.name === name);
     if (index < 0) {
-      Plotly.addTraces(el, Object.assign({ name: name, x: [], y: [] }, template));
-      index = el.data.length - 1;
+      Plotly.addTraces(node, Object.assign({ name: name, x: [], y: [] }, template));
+      index = node.data.length - 1;
     }
     return index;
   }
 
-  function text(value) {
-    const span = document.createElement("span");
-    span.textContent = value == null ? "" : String(value);
-    return span.innerHTML;
-  }
-
-  function fmt(ms) { return (ms || 0).toFixed(1); }
-
+  // -- runs tables ---------------------------------------------------------------------------------
   function runRow(run) {
     const b = run.breakdown || {};
-    const tr = document.createElement("tr");
-    tr.dataset.request = run.request_id;
     const when = new Date(run.created).toLocaleTimeString();
-    const answer = run.error ? '<span class="error">' + text(run.error) + "</span>" : text((run.text || "").slice(0, 40));
-    tr.innerHTML = "<td>" + text(when) + "</td><td>" + text(run.device) + "</td><td>" + text((run.title || "").slice(0, 50)) +
-      "</td><td>" + answer + "</td><td>" + text(b.case) + "</td><td>" + text(b.matched_tokens) + "/" + text(b.prompt_tokens) +
-      "</td><td>" + fmt(b.ttft_ms) + "</td><td>" + fmt(b.ttlt_ms) + "</td><td>" + text(b.cachebox) + "</td>";
-    return tr;
+    const answer = run.error
+      ? el("span", { class: "error", title: show(run.error), text: truncate(errorText(run), 200) })
+      : document.createTextNode(truncate(run.text || "", 40));
+    const whenCell = run.url ? el("a", { href: run.url, text: when }) : document.createTextNode(when);
+    return el("tr", { "data-request": show(run.request_id), class: run.error ? "failed" : "" }, [
+      el("td", {}, [whenCell]),
+      el("td", { text: run.device }),
+      el("td", { text: truncate(run.title, 50) }),
+      el("td", {}, [answer]),
+      el("td", { text: run.error ? "" : b.case }),
+      el("td", { text: run.error ? "–" : show(b.matched_tokens) + "/" + show(b.prompt_tokens) }),
+      el("td", { text: run.error ? "–" : fmt(b.ttft_ms) }),
+      el("td", { text: run.error ? "–" : fmt(b.ttlt_ms) }),
+      el("td", { text: run.error ? "" : b.cachebox }),
+    ]);
+  }
+
+  // -- device cards and rows: runs, hit ratio, median TTFT ----------------------------------------
+  function updateFigures(name, figures) {
+    if (!figures) return;
+    document.querySelectorAll("[data-device]").forEach(function (holder) {
+      if (holder.dataset.device !== name) return;
+      const runs = holder.querySelector('[data-role="runs"]');
+      if (runs) runs.textContent = runs.dataset.bare !== undefined ? String(figures.runs) : figures.runs + (figures.runs === 1 ? " run" : " runs");
+      const hits = holder.querySelector('[data-role="hit-ratio"]');
+      if (hits) hits.textContent = figures.hit_ratio == null ? "–" : Number(figures.hit_ratio).toFixed(2);
+      const ttft = holder.querySelector('[data-role="median-ttft"]');
+      if (ttft) ttft.textContent = figures.median_ttft_ms == null ? "–" : Math.round(figures.median_ttft_ms) + " ms";
+    });
   }
 
   function onRun(run) {
@@ -77,13 +153,25 @@
       }
       if (elBreakeven && document.body.dataset.device === run.device) refreshBreakeven();
     }
+    updateFigures(run.device, run.device_figures);
     const body = document.getElementById("runs-body");
-    if (body) {
+    if (body && (!document.body.dataset.device || document.body.dataset.device === run.device)) {
+      const empty = body.querySelector("tr.empty");
+      if (empty) body.removeChild(empty);
       body.insertBefore(runRow(run), body.firstChild);
       while (body.children.length > 20) body.removeChild(body.lastChild);
     }
     const card = document.querySelector('#answers [data-request="' + run.request_id + '"]');
     if (card) fillAnswer(card, run);
+    else remember(run);
+  }
+
+  // A board can answer (an error, at once) before the page has its card: kept a little while.
+  const early = new Map();
+  function remember(run) {
+    if (!run.request_id) return;
+    early.set(run.request_id, run);
+    if (early.size > 100) early.delete(early.keys().next().value);
   }
 
   let breakevenTimer = null;
@@ -93,29 +181,56 @@
       breakevenTimer = null;
       fetch(document.body.dataset.breakevenUrl, { credentials: "same-origin" })
         .then((r) => r.json())
-        .then((fig) => Plotly.react(elBreakeven, fig.data, fig.layout, config));
+        .then((fig) => Plotly.react(elBreakeven, fig.data, fitLayout(elBreakeven, fig.layout), config));
     }, 500);
   }
 
+  // A device the page did not list yet (registered meanwhile): a card on the dashboard.
   function onDevice(device) {
-    document.querySelectorAll('[data-device="' + device.name + '"] [data-role="online"], [data-role="online"][data-device="' + device.name + '"]').forEach(function (badge) {
-      badge.textContent = device.revoked ? "revoked" : device.online ? "online" : "offline";
-      badge.className = "badge " + (device.online ? "ok" : "off");
-    });
+    const grid = document.getElementById("device-cards");
+    if (!grid || !device.name) return;
+    const known = Array.from(grid.querySelectorAll("[data-device]")).some((card) => card.dataset.device === device.name);
+    if (known) return;
+    const state = window.EdgeCache ? window.EdgeCache.deviceState(device) : ["offline", "offline"];
+    const placeholder = grid.querySelector(".no-devices");
+    if (placeholder) grid.removeChild(placeholder);
+    grid.appendChild(el("a", { class: "card device-card", href: "/devices/" + encodeURIComponent(device.name) + "/", "data-device": device.name, "data-status": state[0] }, [
+      el("h3", {}, [device.name + " ", el("span", { class: "badge " + (state[0] === "online" ? "ok" : "off"), "data-role": "online", text: state[1] })]),
+      el("p", { class: "muted", text: show(device.link) }),
+      el("p", {}, [el("span", { "data-role": "runs", text: "0 runs" }), " · hit ratio ", el("span", { "data-role": "hit-ratio", text: "–" }),
+        " · median TTFT ", el("span", { "data-role": "median-ttft", text: "–" })]),
+    ]));
   }
 
+  // -- answer cards on the Run page ----------------------------------------------------------------
   function fillAnswer(card, run) {
     const b = run.breakdown || {};
+    if (card._hintTimer) clearTimeout(card._hintTimer);
     card.classList.remove("pending");
     card.classList.add(run.error ? "failed" : "done");
-    const parts = STACK.map((f) => f.replace("_ms", "") + " " + fmt(b[f])).join(" · ");
-    card.innerHTML = "<h3>" + text(run.device) + "</h3>" +
-      (run.error ? '<p class="error">' + text(run.error) + "</p>" :
-        '<p class="answer">' + text(run.text) + "</p>" +
-        "<p><strong>" + text(b.case) + "</strong>: " + text(b.matched_tokens) + "/" + text(b.prompt_tokens) +
-        " prompt tokens from the cache box (" + text(b.cachebox) + ") · TTFT " + fmt(b.ttft_ms) + " ms · TTLT " + fmt(b.ttlt_ms) + " ms</p>" +
-        '<p class="muted">' + parts + " (ms)</p>" +
-        (run.expected_answer ? "<p>expected answer: " + text(run.expected_answer) + "</p>" : ""));
+    clear(card);
+    card.appendChild(el("h3", {}, [run.device + " ", run.url ? el("a", { href: run.url, class: "muted small", text: "run #" + run.id }) : null]));
+    if (run.error) {
+      card.appendChild(el("p", { class: "error", title: show(run.error), text: errorText(run) }));
+      return;
+    }
+    card.appendChild(el("p", { class: "answer", text: run.text }));
+    card.appendChild(el("p", {}, [
+      el("strong", { text: b.case }),
+      ": " + show(b.matched_tokens) + "/" + show(b.prompt_tokens) + " prompt tokens from the cache box (" + show(b.cachebox) +
+        ") · TTFT " + fmt(b.ttft_ms) + " ms · TTLT " + fmt(b.ttlt_ms) + " ms",
+    ]));
+    if (Array.isArray(b.modules_hit)) {
+      // A schema run: its modules came from the cache box, the text around them was computed.
+      const modules = b.modules_hit.length ? " (modules " + b.modules_hit.join(", ") + " from the cache box)" : " (no module from the cache box)";
+      card.appendChild(el("p", { class: "matched", text: "matched " + show(b.matched_tokens) + " of " + show(b.prompt_tokens) + " prompt tokens" + modules }));
+    }
+    card.appendChild(el("p", { class: "muted", text: STACK.map((f) => f.replace("_ms", "") + " " + fmt(b[f])).join(" · ") + " (ms)" }));
+    if (run.expected_answer) card.appendChild(el("p", { text: "expected answer: " + run.expected_answer }));
+  }
+
+  function errorsText(errors) {
+    return Object.keys(errors || {}).map((k) => (k === "__all__" ? "" : k + ": ") + errors[k].map((e) => e.message).join(" ")).join(" · ");
   }
 
   // The run form: send with fetch, then wait for each device's answer on the socket.
@@ -128,44 +243,97 @@
     }
     sources.forEach((radio) => radio.addEventListener("change", showSource));
     showSource();
-    form.addEventListener("submit", function (event) {
-      event.preventDefault();
-      const feedback = document.getElementById("run-feedback");
+    const feedback = document.getElementById("run-feedback");
+    const warning = document.getElementById("run-offline-warning");
+    const answers = document.getElementById("answers");
+    const expires = parseInt(form.dataset.taskExpires || "600", 10);
+
+    function chosenDevices() {
+      return Array.from(form.querySelectorAll('input[name="devices"]:checked')).map(function (box) {
+        const choice = box.closest("[data-device]");
+        return { name: choice ? choice.dataset.device : box.value, status: choice ? choice.dataset.status : "online", label: choice ? (choice.querySelector('[data-role="online"]') || {}).textContent : "" };
+      });
+    }
+    function hideWarning() { if (warning) { warning.hidden = true; clear(warning); } }
+
+    function waitingCard(item, device) {
+      const hintAfter = parseInt(answers.dataset.hintAfter || "30", 10);
+      const card = el("div", { class: "card answer-card pending", "data-request": item.request_id, "data-device": item.device }, [
+        el("h3", { text: item.device }),
+        el("p", { class: "muted waiting", text: "waiting for the board…" }),
+      ]);
+      if (device && device.status !== "online") {
+        card.appendChild(el("p", { class: "warning", text: item.device + " (" + (device.label || "not running") + "): the run waits in its queue until its board starts, and expires after " + expires + " s." }));
+      }
+      card._hintTimer = setTimeout(function () {
+        if (!card.classList.contains("pending")) return;
+        card.appendChild(el("p", { class: "hint" }, [
+          "no answer after " + hintAfter + " s: is the board running? ",
+          el("code", { text: "python manage.py edge --name " + item.device }),
+          " (the run expires after " + expires + " s without a board)",
+        ]));
+      }, hintAfter * 1000);
+      return card;
+    }
+
+    function send(devices) {
+      hideWarning();
       feedback.textContent = "sending…";
+      feedback.className = "muted";
       fetch(form.action || window.location.href, { method: "POST", body: new FormData(form), headers: { Accept: "application/json" }, credentials: "same-origin" })
         .then((r) => r.json().then((body) => ({ ok: r.ok, body: body })))
         .then(function (res) {
           if (!res.ok) {
-            const errors = res.body.errors || {};
-            feedback.textContent = Object.keys(errors).map((k) => (k === "__all__" ? "" : k + ": ") + errors[k].map((e) => e.message).join(" ")).join(" · ");
+            feedback.textContent = errorsText(res.body.errors) || "not sent";
             feedback.className = "error";
             return;
           }
           feedback.className = "muted";
           feedback.textContent = "sent to " + res.body.dispatched.map((d) => d.device).join(", ");
-          const answers = document.getElementById("answers");
           res.body.dispatched.forEach(function (item) {
-            const card = document.createElement("div");
-            card.className = "card answer-card pending";
-            card.dataset.request = item.request_id;
-            card.innerHTML = "<h3>" + text(item.device) + "</h3><p class=\"muted\">waiting for the board…</p>";
+            const device = devices.find((d) => d.name === item.device);
+            const card = waitingCard(item, device);
             answers.insertBefore(card, answers.firstChild);
+            if (early.has(item.request_id)) { fillAnswer(card, early.get(item.request_id)); early.delete(item.request_id); }
           });
         })
         .catch(function (err) { feedback.textContent = "could not send: " + err; feedback.className = "error"; });
+    }
+
+    form.addEventListener("submit", function (event) {
+      event.preventDefault();
+      const devices = chosenDevices();
+      const away = devices.filter((d) => d.status !== "online");
+      if (!away.length || !warning) { send(devices); return; }
+      // Warn first: a run sent to a board that is not running waits until it starts (or expires).
+      clear(warning);
+      warning.appendChild(el("p", {}, [
+        "Not running: " + away.map((d) => d.name + " (" + d.label + ")").join(", ") + ". A run sent to a board that is not running waits in its queue until the board starts, and expires after " +
+          expires + " s. Start it with ",
+        el("code", { text: "python manage.py edge --name " + away[0].name }),
+        " (a new board: with --token TOKEN).",
+      ]));
+      const sendAnyway = el("button", { type: "button", id: "run-send-anyway", text: "Send anyway" });
+      const cancel = el("button", { type: "button", class: "secondary", id: "run-cancel", text: "Cancel" });
+      sendAnyway.addEventListener("click", function () { send(devices); });
+      cancel.addEventListener("click", hideWarning);
+      warning.appendChild(el("p", {}, [sendAnyway, " ", cancel]));
+      warning.hidden = false;
+      feedback.textContent = "";
     });
+    form.addEventListener("change", function (event) { if (event.target && event.target.name === "devices") hideWarning(); });
   }
 
-  // Schema encoding: a progress bar per board, filled as modules are encoded.
+  // -- schema encoding: a progress bar per board, filled as modules are encoded --------------------
   function encodeBar(request, device) {
     const area = document.getElementById("encode-progress");
     if (!area) return null;
     let bar = area.querySelector('[data-request="' + request + '"]');
     if (!bar) {
-      bar = document.createElement("div");
-      bar.className = "encode-bar";
-      bar.dataset.request = request;
-      bar.innerHTML = "<span class=\"label\">" + text(device) + ": waiting for the board…</span><progress max=\"1\" value=\"0\"></progress>";
+      bar = el("div", { class: "encode-bar", "data-request": request }, [
+        el("span", { class: "label", text: device + ": waiting for the board…" }),
+        el("progress", { max: "1", value: "0" }),
+      ]);
       area.appendChild(bar);
     }
     return bar;
@@ -177,51 +345,47 @@
     const progress = bar.querySelector("progress");
     const label = bar.querySelector(".label");
     if (kind === "encode.progress") {
+      if (bar.classList.contains("done") || bar.classList.contains("failed")) return; // the report came first
       progress.max = data.total; progress.value = data.done;
-      label.textContent = data.device + ": " + data.done + "/" + data.total + " (" + data.piece + ")";
+      bar.dataset.total = data.total;
+      if (data.done >= data.total) {
+        // Every piece is encoded or was cached already: done, whatever the report's delay.
+        bar.classList.add("encoded");
+        label.textContent = data.device + ": " + data.done + "/" + data.total + " done";
+      } else {
+        label.textContent = data.device + ": " + data.done + "/" + data.total + " (" + data.piece + ")";
+      }
     } else {
-      progress.value = progress.max;
+      const total = parseInt(bar.dataset.total || "0", 10) || data.stored + data.skipped;
+      progress.max = Math.max(total, 1); progress.value = progress.max;
       bar.classList.add(data.error ? "failed" : "done");
-      label.textContent = data.device + (data.error ? ": failed: " + data.error : ": done, " + data.stored + " stored, " + data.skipped + " already cached");
+      label.textContent = data.device + (data.error ? ": failed: " + data.error
+        : ": " + total + "/" + total + " done: " + data.stored + " stored, " + data.skipped + " already cached");
     }
   }
   const encodeForm = document.getElementById("encode-form");
   if (encodeForm) {
+    const encodeErrors = document.getElementById("encode-errors");
     encodeForm.addEventListener("submit", function (event) {
       event.preventDefault();
+      if (encodeErrors) { encodeErrors.textContent = ""; encodeErrors.hidden = true; } // a new submit: old errors go
       fetch(encodeForm.action, { method: "POST", body: new FormData(encodeForm), headers: { Accept: "application/json" }, credentials: "same-origin" })
         .then((r) => r.json().then((body) => ({ ok: r.ok, body: body })))
         .then(function (res) {
           if (!res.ok) {
-            const area = document.getElementById("encode-progress");
-            const errors = res.body.errors || {};
-            area.textContent = Object.keys(errors).map((k) => (k === "__all__" ? "" : k + ": ") + errors[k].map((e) => e.message).join(" ")).join(" · ") || "Choose at least one device.";
-            area.className = "error";
+            if (encodeErrors) { encodeErrors.textContent = errorsText(res.body.errors) || "Choose at least one device."; encodeErrors.hidden = false; }
             return;
           }
-          document.getElementById("encode-progress").className = "";
           res.body.dispatched.forEach((item) => encodeBar(item.request_id, item.device));
-        });
+        })
+        .catch(function (err) { if (encodeErrors) { encodeErrors.textContent = "could not send: " + err; encodeErrors.hidden = false; } });
     });
   }
 
-  // The socket, reconnecting with backoff; the badge in the header tells whether it is live.
-  const badge = document.getElementById("live-status");
-  let delay = 500;
-  function connect() {
-    const socket = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/ws/live/");
-    socket.onopen = function () { delay = 500; if (badge) { badge.textContent = "live"; badge.className = "badge ok"; } };
-    socket.onmessage = function (message) {
-      const event = JSON.parse(message.data);
-      if (event.event === "run") onRun(event.data);
-      else if (event.event === "device") onDevice(event.data);
-      else if (event.event === "encode.progress" || event.event === "encode.done") onEncode(event.event, event.data);
-    };
-    socket.onclose = function () {
-      if (badge) { badge.textContent = "offline"; badge.className = "badge off"; }
-      setTimeout(connect, delay);
-      delay = Math.min(delay * 2, 10000);
-    };
-  }
-  if (badge) connect();
+  document.addEventListener("edgecache:live", function (e) {
+    const event = e.detail || {};
+    if (event.event === "run") onRun(event.data || {});
+    else if (event.event === "device") onDevice(event.data || {});
+    else if (event.event === "encode.progress" || event.event === "encode.done") onEncode(event.event, event.data || {});
+  });
 })();

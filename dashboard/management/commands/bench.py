@@ -69,6 +69,19 @@ class Command(BaseCommand):
         exact.add_argument("--shots", type=int, default=5)
         exact.add_argument("--max-tokens", type=int, default=8, help="greedy tokens compared per run")
         exact.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+        tiers = sub.add_parser("tiers", help="full hits from the board's context, its RAM tier, the cache box, and llama-cpp-python's LlamaRAMCache")
+        tiers.add_argument("--topic", default="astronomy")
+        tiers.add_argument("--prompts", type=int, default=10)
+        tiers.add_argument("--shots", type=int, default=5)
+        tiers.add_argument("--max-tokens", type=int, default=4)
+        tiers.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+        api = sub.add_parser("api", help="concurrent streaming clients of the OpenAI-compatible API against the online boards (a running server)")
+        api.add_argument("--url", default="http://127.0.0.1:8000", help="the running dashboard (default http://127.0.0.1:8000; `make run`)")
+        api.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default 8)")
+        api.add_argument("--seconds", type=float, default=30, help="how long requests are sent (default 30)")
+        api.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default 32)")
+        api.add_argument("--namespace", default="default", help="the namespace whose boards answer (a temporary API key of it is made, then revoked)")
+        api.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
     def handle(self, *args, bench, **options):
@@ -85,7 +98,7 @@ class Command(BaseCommand):
             selected = mmlu.build_prompts(topic, shots, prompts)
         except (mmlu.UnknownTopic, ValueError, FileNotFoundError) as exc:
             raise CommandError(str(exc))
-        board = Board.start(settings.EDGECACHE_BOARD, keys=control_plane_keys(), background_sync=False)
+        board = Board.start(settings.EDGECACHE_BOARD, keys=control_plane_keys(), background_sync=False).cachebox_only()  # measure the cache box, not the board-local tiers
         try:
             if board.store is None or not board.store.ping():
                 raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start` or fix REDIS_URL")
@@ -110,7 +123,7 @@ class Command(BaseCommand):
             chosen = [mmlu.normalize_topic(topic) for topic in topics] if topics else mmlu.topics()
         except (mmlu.UnknownTopic, FileNotFoundError) as exc:
             raise CommandError(str(exc))
-        board = Board.start(settings.EDGECACHE_BOARD, keys=control_plane_keys(), background_sync=False)
+        board = Board.start(settings.EDGECACHE_BOARD, keys=control_plane_keys(), background_sync=False).cachebox_only()  # measure the cache box, not the board-local tiers
         namespace = f"bench-modules-{int(time.time())}"
         try:
             if board.store is None or not board.store.ping():
@@ -162,6 +175,53 @@ class Command(BaseCommand):
             self.stdout.write(f"  {case:<8} {row['runs']:4d} runs  greedy agreement {row['greedy_agreement']}  TTFT {row['median_ttft_ms']} ms (cold {row['median_cold_ttft_ms']} ms)")
         self._save("exact", json_path, document, exact_report)
 
+    def bench_tiers(self, topic, prompts, shots, max_tokens, json_path: str | None, **options):
+        from inference.benchmarks.reports import tiers_report
+        from inference.benchmarks.tiers import run_tiers
+
+        selected = self._prompts(topic, shots, prompts)
+        board = self._board()
+        try:
+            with tqdm(total=2 * len(selected), desc="bench tiers", unit="step") as bar:
+                document = run_tiers(board, selected, max_tokens=max_tokens, progress=bar.update)
+            document.update({"topic": selected[0].target.topic, "shots": shots, "machine": machine_info(board)})
+        finally:
+            board.close()
+        self.stdout.write(f"\nfull-hit TTFT, median ms over {document['n']} prompts: " + ", ".join(f"{k} {v}" for k, v in document["median_ttft_ms"].items()))
+        self.stdout.write(f"ratios: {document['ratios']}")
+        self.stdout.write(f"network bytes: {document['network_bytes']}; agreement with cold: {document['agreement_with_cold']}")
+        self._save("tiers", json_path, document, tiers_report)
+
+    def bench_api(self, url, clients, seconds, max_tokens, namespace, json_path: str | None, **options):
+        from dashboard.api.bench import api_report, models, run_api_bench
+        from dashboard.api.keys import create_key, revoke_key
+
+        if clients < 1 or not 0 < seconds <= 3600 or max_tokens < 1:
+            raise CommandError("--clients must be at least 1, --seconds between 0 and 3600, --max-tokens at least 1")
+        try:
+            row, key = create_key(None, namespace, name="bench api (temporary)", rate_per_minute=0)
+        except ValueError as exc:
+            raise CommandError(str(exc))
+        try:
+            try:
+                served = models(url, key)
+            except (OSError, RuntimeError) as exc:
+                raise CommandError(f"the API at {url} does not answer ({exc}); start the dashboard (`make run`) or pass --url")
+            if not served:
+                raise CommandError(f"no board of namespace {namespace!r} is online; start one with `python manage.py edge --name NAME`")
+            with tqdm(desc=f"bench api ({clients} clients, {seconds:g} s)", unit="request") as bar:
+                document = run_api_bench(url, key, served[0], clients=clients, seconds=seconds, max_tokens=max_tokens, progress=bar.update)
+        finally:
+            revoke_key(None, row)
+        self.stdout.write(
+            f"\n{document['requests']} requests, {document['errors']} errors, {document['requests_per_s']} requests/s, {document['chunks_per_s']} chunks/s"
+        )
+        for name in ("first_chunk_ms", "board_ttft_ms", "overhead_ms", "total_ms"):
+            self.stdout.write(f"  {name:<16} p50 {document[name]['p50']}  p99 {document[name]['p99']}")
+        for example in document["error_examples"]:
+            self.stdout.write(f"  error: {example}")
+        self._save("api", json_path, document, api_report)
+
     def _prompts(self, topic: str, shots: int, count: int):
         if count < 1:
             raise CommandError("--prompts must be at least 1")
@@ -171,7 +231,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc))
 
     def _board(self) -> Board:
-        board = Board.start(settings.EDGECACHE_BOARD, keys=control_plane_keys(), background_sync=False)
+        board = Board.start(settings.EDGECACHE_BOARD, keys=control_plane_keys(), background_sync=False).cachebox_only()  # measure the cache box, not the board-local tiers
         if board.store is None or not board.store.ping():
             board.close()
             raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start` or fix REDIS_URL")

@@ -1,0 +1,170 @@
+"""`python manage.py bench api`: concurrent streaming clients of the OpenAI-compatible API.
+
+Each client (a thread, plain HTTP) sends streamed chat requests one after another until the
+clock runs out and measures, per request, the first content chunk's latency and, from the last
+chunk's ``edgecache`` figures, the board's own TTFT: their difference is what the API adds
+(HTTP, routing, the board's queue, the pub/sub hop). Bounded in count and time; loopback or the
+URL given only.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import plotly.graph_objects as go
+
+from inference.benchmarks.load import percentile
+from inference.benchmarks.report import write_report
+
+QUESTIONS = (
+    "Name three colors of the rainbow.",
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "Count from one to five.",
+    "What do bees make?",
+    "Name a fruit that is yellow.",
+    "What is two plus three?",
+    "Say hello in French.",
+)
+MAX_REQUESTS_PER_CLIENT = 10_000  # a bound on the loop, whatever the clock says
+
+
+def models(url: str, key: str) -> list[str]:
+    status, body = _request(url, "GET", "/v1/models", key, None)
+    if status != 200:
+        raise RuntimeError(f"GET /v1/models answered {status}: {body[:300]!r}")
+    return [entry["id"] for entry in json.loads(body)["data"]]
+
+
+def run_api_bench(url: str, key: str, model: str, *, clients: int = 8, seconds: float = 30, max_tokens: int = 32, progress=None) -> dict:
+    """Run the clients for ``seconds``; the figures and every sample."""
+    samples: list[dict] = []
+    lock = threading.Lock()
+    started = time.monotonic()
+    deadline = started + seconds
+
+    def client(number: int) -> None:
+        for index in range(MAX_REQUESTS_PER_CLIENT):
+            if time.monotonic() >= deadline:
+                return
+            question = QUESTIONS[(number + index) % len(QUESTIONS)]
+            sample = _one(url, key, model, question, max_tokens)
+            sample.update({"client": number, "t_s": round(time.monotonic() - started, 3)})
+            with lock:
+                samples.append(sample)
+            if progress is not None:
+                progress(1)
+
+    threads = [threading.Thread(target=client, args=(number,), daemon=True) for number in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 180)  # a request started just before the clock may finish after it
+    elapsed = time.monotonic() - started
+    return summarize(samples, clients=clients, seconds=seconds, elapsed=elapsed, model=model, max_tokens=max_tokens)
+
+
+def _one(url: str, key: str, model: str, question: str, max_tokens: int) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=300)
+    sent = time.perf_counter()
+    first_ms, tokens, figures, error = None, 0, {}, ""
+    try:
+        connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
+        else:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"].get("message", "error")
+                    break
+                if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                    tokens += 1
+                    if first_ms is None:
+                        first_ms = (time.perf_counter() - sent) * 1000.0
+                figures = chunk.get("edgecache") or figures
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        connection.close()
+    total_ms = (time.perf_counter() - sent) * 1000.0
+    board_ttft = figures.get("ttft_ms")
+    return {
+        "first_chunk_ms": round(first_ms, 3) if first_ms is not None else None,
+        "board_ttft_ms": board_ttft,
+        "overhead_ms": round(first_ms - board_ttft, 3) if first_ms is not None and board_ttft is not None else None,
+        "total_ms": round(total_ms, 3),
+        "chunks": tokens,
+        "device": figures.get("device", ""),
+        "case": figures.get("case", ""),
+        "error": error,
+    }
+
+
+def summarize(samples: list[dict], *, clients: int, seconds: float, elapsed: float, model: str, max_tokens: int) -> dict:
+    ok = [s for s in samples if not s["error"]]
+
+    def stats(field: str) -> dict:
+        values = [s[field] for s in ok if s[field] is not None]
+        return {"p50": _round(percentile(values, 50)), "p99": _round(percentile(values, 99))}
+
+    devices = sorted({s["device"] for s in ok if s["device"]})
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "elapsed_s": round(elapsed, 3),
+        "model": model,
+        "max_tokens": max_tokens,
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "error_examples": sorted({s["error"] for s in samples if s["error"]})[:5],
+        "requests_per_s": round(len(ok) / elapsed, 3) if elapsed else 0.0,
+        "chunks_per_s": round(sum(s["chunks"] for s in ok) / elapsed, 3) if elapsed else 0.0,
+        "first_chunk_ms": stats("first_chunk_ms"),
+        "board_ttft_ms": stats("board_ttft_ms"),
+        "overhead_ms": stats("overhead_ms"),
+        "total_ms": stats("total_ms"),
+        "per_device": [{"device": name, "requests": sum(1 for s in ok if s["device"] == name)} for name in devices],
+        "samples": samples,
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def api_report(path: Path, doc: dict) -> Path:
+    ok = [s for s in doc["samples"] if not s["error"]]
+    latency = go.Figure()
+    latency.add_scatter(x=[s["t_s"] for s in ok], y=[s["first_chunk_ms"] for s in ok], mode="markers", name="first chunk (client)")
+    latency.add_scatter(x=[s["t_s"] for s in ok], y=[s["board_ttft_ms"] for s in ok], mode="markers", name="TTFT (board)")
+    latency.update_layout(title="First content chunk at the client and the board's own TTFT", xaxis_title="s since the start", yaxis_title="ms", yaxis_type="log", template="plotly_white")
+    rows = [{"figure": name, "p50 ms": doc[name]["p50"], "p99 ms": doc[name]["p99"]} for name in ("first_chunk_ms", "board_ttft_ms", "overhead_ms", "total_ms")]
+    summary = (
+        f"{doc['clients']} streaming clients for {doc['seconds']:g} s against {doc['model']}: {doc['requests']} requests, "
+        f"{doc['errors']} errors, {doc['requests_per_s']} requests/s, {doc['chunks_per_s']} chunks/s; "
+        f"first chunk minus the board's TTFT: p50 {doc['overhead_ms']['p50']} ms, p99 {doc['overhead_ms']['p99']} ms."
+    )
+    return write_report(path, f"bench api: {doc['clients']} clients, {doc['seconds']:g} s", summary, [latency], {"Latency": rows, "Boards": doc["per_device"]}, doc)
+
+
+def _request(url: str, method: str, path: str, key: str, body: dict | None) -> tuple[int, bytes]:
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=30)
+    try:
+        connection.request(method, path, body=json.dumps(body) if body is not None else None, headers={"Authorization": f"Bearer {key}"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()

@@ -1,0 +1,375 @@
+"""The OpenAI-compatible endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``,
+``POST /v1/completions`` (async views, served by daphne).
+
+One request: check the key (401) and its rate (429), the body (400), choose a board of the
+key's namespace (``routing``: 400/404/503), subscribe to the run's pub/sub channel, dispatch
+the run (``actions.dispatch_api_run``: a ``Dispatch`` row and a task on ``device.NAME``), then
+follow the board's ``StreamEvent``s: each token as an SSE chunk (``stream: true``) or the whole
+answer from the last ``done`` event. The response never waits on the database: the board's
+signed report reaches ``actions.record_run`` in parallel and becomes the run's record
+(``source="api"``). A client that goes away, or a board silent for ``EDGECACHE_API_TIMEOUT``
+seconds (504), sets the run's cancel flag: the board stops within ~100 ms and records the run
+as cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from kombu.exceptions import OperationalError as BrokerUnavailable
+from pydantic import ValidationError
+
+from cachebox import streams
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.events import security_event
+from cachebox.keys import cancel_key_name, stream_channel
+from inference.messages import ChatMessage, MessageRefused, RunMeta, RunRequest, SamplingSpec, StreamEvent
+from inference.models import Schema
+
+from .. import metrics, ratelimit
+from ..actions.runs import dispatch_api_run
+from ..models import ApiKey, Device
+from . import keys, routing
+from .errors import ApiError, bad_request, board_error
+from .requests import ApiRequest, parse_body, parse_request
+
+log = logging.getLogger("dashboard.api")
+
+RETRY_AFTER_S = 30  # what a client is told to wait when the cache box or broker is down
+# Breakdown fields every answer carries in its "edgecache" object (like llama.cpp's "timings").
+EXTENSION_FIELDS = (
+    "case", "tier", "decision", "cachebox", "ttft_ms", "ttlt_ms", "prefill_ms", "redis_ms", "local_ms",
+    "prompt_tokens", "matched_tokens", "generated_tokens", "fetched_bytes", "uploaded_bytes", "link", "modules_hit",
+)
+
+
+# -- endpoints -------------------------------------------------------------------------------------
+@csrf_exempt
+async def models(request):
+    """The models the key's namespace's online boards serve."""
+    if request.method != "GET":
+        return _method_not_allowed("GET")
+    try:
+        key = await _authorized(request)
+    except ApiError as exc:
+        return exc.response()
+    entries = await sync_to_async(routing.online_models)(key.namespace_id)
+    return JsonResponse({"object": "list", "data": [_model_json(entry) for entry in entries]})
+
+
+@csrf_exempt
+async def model_detail(request, model: str):
+    if request.method != "GET":
+        return _method_not_allowed("GET")
+    try:
+        key = await _authorized(request)
+    except ApiError as exc:
+        return exc.response()
+    for entry in await sync_to_async(routing.online_models)(key.namespace_id):
+        if model in (entry["id"], entry["fingerprint"]):
+            return JsonResponse(_model_json(entry))
+    return ApiError(404, f"No online board of this key's namespace serves {model!r}; GET /v1/models lists the models.", param="model", code="model_not_found").response()
+
+
+@csrf_exempt
+async def chat_completions(request):
+    return await _complete(request, "chat")
+
+
+@csrf_exempt
+async def completions(request):
+    return await _complete(request, "completion")
+
+
+# -- one completion ----------------------------------------------------------------------------------
+async def _complete(request, kind: str) -> HttpResponse:
+    if request.method != "POST":
+        return _method_not_allowed("POST")
+    try:
+        key = await _authorized(request)
+        try:
+            raw = request.body
+        except RequestDataTooBig:
+            raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
+        api = parse_request(parse_body(raw), kind)
+        schema_source = await _schema_source(api)
+        device = await sync_to_async(routing.choose_device)(key, api)
+        run = _run_request(key, device, api, schema_source)
+    except ApiError as exc:
+        return exc.response()
+    return await _answer(key, device, api, run)
+
+
+async def _authorized(request) -> ApiKey:
+    """The request's API key (401 without a valid one), counted against its rate (429)."""
+    key = await keys.authenticate(request.headers.get("Authorization", ""))
+    if key is None:
+        metrics.refused("bad_api_key")
+        security_event("api.refused", reason="missing or unknown API key", remote_addr=request.META.get("REMOTE_ADDR", ""), path=request.path)
+        raise ApiError(
+            401,
+            "Missing or invalid API key: send `Authorization: Bearer ec-...` with a key staff created "
+            "(Admin > API keys, or `python manage.py apikey create --namespace NAME`).",
+            code="invalid_api_key",
+        )
+    verdict = await sync_to_async(ratelimit.hit)("api", key.pk, key.rate())
+    if not verdict.allowed:
+        metrics.refused("rate_limited")
+        security_event("api.rate_limited", key=key.key_prefix, namespace=key.namespace_id, limit_per_minute=verdict.limit, retry_after=verdict.retry_after)
+        seconds = "1 second" if verdict.retry_after == 1 else f"{verdict.retry_after} seconds"
+        raise ApiError(
+            429,
+            f"Rate limit reached for this API key: at most {verdict.limit} requests per minute. Try again in {seconds}.",
+            type="requests",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(verdict.retry_after)},
+        )
+    return key
+
+
+async def _schema_source(api: ApiRequest) -> str:
+    if not api.schema:
+        return ""
+    source = await Schema.objects.filter(name=api.schema).values_list("source", flat=True).afirst()
+    if source is None:
+        raise bad_request(f"No schema named {api.schema!r}; the Schemas page lists them (staff create them there).", param="edgecache.schema")
+    return source
+
+
+def _run_request(key: ApiKey, device: Device, api: ApiRequest, schema_source: str) -> RunRequest:
+    who = key.name or key.key_prefix
+    title = f"API {api.kind} ({who}{', user ' + api.user if api.user else ''}): {api.snippet}"
+    try:
+        return RunRequest(
+            request_id=str(uuid.uuid4()),
+            segments=[api.prompt] if api.prompt else [],
+            messages=[ChatMessage(**message) for message in api.messages],
+            schema=schema_source,
+            pml=api.pml,
+            max_tokens=api.max_tokens,
+            sampling=SamplingSpec(temperature=api.temperature, top_p=api.top_p, seed=api.seed),
+            namespace=device.namespace_id,
+            meta=RunMeta(source="api", title=title[:200]),
+            stream=True,
+            stop=api.stop,
+        )
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        raise bad_request(f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}", param=api.prompt_param) from None
+
+
+async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest) -> HttpResponse:
+    """Dispatch the run and answer from its stream (subscribed first: nothing published is missed)."""
+    timeout = settings.EDGECACHE_API_TIMEOUT
+    subscription = streams.subscribe(
+        settings.REDIS_URL, stream_channel(run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
+    )
+    try:
+        await subscription.open()
+    except CacheBoxUnavailable as exc:
+        return _unavailable(f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent.").response()
+    follower = _Follower(subscription, run.request_id, device.name, timeout)
+    handed_over = finished = False
+    try:
+        try:
+            await sync_to_async(dispatch_api_run)(device, run, expires=timeout)
+        except BrokerUnavailable as exc:
+            finished = True  # never sent: nothing to cancel
+            raise _unavailable(f"The message broker (the cache box's Redis) is not reachable: {exc}. Nothing was sent.") from None
+        await sync_to_async(routing.remember)(key.namespace_id, api.prompt_cache_key, device)
+        event = await follower.next()
+        if event.type == "error":
+            finished = True
+            raise board_error(event.error, param=api.prompt_param, device=device.name)
+        if api.stream:
+            handed_over = True
+            return _sse_response(follower, event, _Shape(api, run, device))
+        while event.type == "token":
+            event = await follower.next()
+        finished = True
+        if event.type == "error":
+            raise board_error(event.error, param=api.prompt_param, device=device.name)
+        return JsonResponse(_Shape(api, run, device).whole(event), headers={"X-Request-Id": run.request_id})
+    except ApiError as exc:
+        return exc.response()
+    finally:
+        if not handed_over:  # the stream's generator owns them otherwise
+            if not finished:  # a timeout, or the client went away (this task cancelled)
+                await _cancel(run.request_id)
+            await subscription.close()
+
+
+class _Follower:
+    """The run's events in order, each within the timeout (ApiError 504 / 503 otherwise)."""
+
+    def __init__(self, subscription: streams.Subscription, request_id: str, device: str, timeout: float):
+        self.subscription = subscription
+        self.request_id = request_id
+        self.device = device
+        self.timeout = timeout
+
+    async def next(self) -> StreamEvent:
+        while True:
+            try:
+                data = await self.subscription.get(self.timeout)
+            except CacheBoxUnavailable as exc:
+                raise _unavailable(f"Lost the cache box while following board {self.device!r}: {exc}; the run's record will still arrive.") from None
+            if data is None:
+                raise ApiError(
+                    504,
+                    f"Board {self.device!r} said nothing for {self.timeout:g} s (EDGECACHE_API_TIMEOUT); the run was cancelled. "
+                    "Is it busy with long runs, or stopped? The Devices page shows whether it is online.",
+                    type="server_error",
+                    code="board_timeout",
+                )
+            try:
+                event = StreamEvent.decode(data)
+            except MessageRefused as exc:
+                log.warning("ignored an event on %s: %s", stream_channel(self.request_id), exc)
+                continue
+            if event.request_id == self.request_id:
+                return event
+
+
+def _sse_response(follower: _Follower, first: StreamEvent, shape: "_Shape") -> StreamingHttpResponse:
+    response = StreamingHttpResponse(_sse(follower, first, shape), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"  # a proxy must pass each token on at once
+    response["X-Request-Id"] = shape.run.request_id
+    return response
+
+
+async def _sse(follower: _Follower, event: StreamEvent, shape: "_Shape"):
+    """Server-Sent Events in OpenAI's chunk format, one chunk per token as the board chose it."""
+    finished = False
+    try:
+        if shape.api.kind == "chat":
+            yield shape.sse(shape.chunk(delta={"role": "assistant", "content": ""}))
+        while event.type == "token":
+            if event.text:
+                yield shape.sse(shape.chunk(text=event.text))
+            event = await follower.next()
+        finished = True
+        if event.type == "error":
+            yield shape.sse(board_error(event.error, param=shape.api.prompt_param, device=shape.device.name).body())
+            return
+        yield shape.sse(shape.chunk(finish=event.finish_reason, extension=shape.extension(event)))
+        if shape.api.include_usage:
+            yield shape.sse(shape.usage_chunk(event))
+        yield "data: [DONE]\n\n"
+    except ApiError as exc:  # the board fell silent mid-answer
+        yield shape.sse(exc.body())
+    finally:
+        if not finished:  # the client went away (this generator cancelled) or the board fell silent
+            await _cancel(follower.request_id)
+        await follower.subscription.close()
+
+
+async def _cancel(request_id: str) -> None:
+    """Tell the board to stop: its client is gone (the flag outlives the run's queue expiry)."""
+    try:
+        await asyncio.shield(
+            streams.set_flag(settings.REDIS_URL, cancel_key_name(request_id), settings.EDGECACHE_API_TIMEOUT + 60, connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT)
+        )
+        log.info("run %s cancelled: its client went away or its board fell silent", request_id)
+    except (CacheBoxUnavailable, asyncio.CancelledError) as exc:
+        log.warning("run %s could not be cancelled: %s", request_id, exc)
+
+
+# -- OpenAI's shapes -----------------------------------------------------------------------------------
+class _Shape:
+    """One answer in OpenAI's JSON: whole, or chunk by chunk."""
+
+    def __init__(self, api: ApiRequest, run: RunRequest, device: Device):
+        self.api = api
+        self.run = run
+        self.device = device
+        self.created = int(time.time())
+        chat = api.kind == "chat"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{run.request_id}"
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.fingerprint = (device.status or {}).get("fingerprint") or None
+
+    def _head(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.api.model, "system_fingerprint": self.fingerprint}
+
+    def whole(self, done: StreamEvent) -> dict:
+        finish = _finish(done)
+        if self.api.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": done.text, "refusal": None}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": finish}
+        return {**self._head(self.object), "choices": [choice], "usage": usage(done), "edgecache": self.extension(done)}
+
+    def chunk(self, *, text: str | None = None, delta: dict | None = None, finish: str | None = None, extension: dict | None = None) -> dict:
+        if self.api.kind == "chat":
+            choice = {"index": 0, "delta": delta if delta is not None else ({"content": text} if text is not None else {}), "logprobs": None, "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": None}
+        if finish is not None:
+            choice["finish_reason"] = "stop" if finish in ("", "cancelled") else finish
+        body = {**self._head(self.chunk_object), "choices": [choice]}
+        if self.api.include_usage:
+            body["usage"] = None  # as OpenAI: only the last chunk carries usage
+        if extension is not None:
+            body["edgecache"] = extension
+        return body
+
+    def usage_chunk(self, done: StreamEvent) -> dict:
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage(done), "edgecache": self.extension(done)}
+
+    def extension(self, done: StreamEvent) -> dict:
+        breakdown = done.breakdown
+        return {"request_id": self.run.request_id, "device": self.device.name, **{name: breakdown[name] for name in EXTENSION_FIELDS if name in breakdown}}
+
+    @staticmethod
+    def sse(body: dict) -> str:
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def _finish(done: StreamEvent) -> str:
+    return "stop" if done.finish_reason in ("", "cancelled") else done.finish_reason
+
+
+def usage(done: StreamEvent) -> dict:
+    """OpenAI's usage object from the run's breakdown: cached tokens are those the cache served."""
+    breakdown = done.breakdown
+    prompt, completion = int(breakdown.get("prompt_tokens", 0)), int(breakdown.get("generated_tokens", 0))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(breakdown.get("matched_tokens", 0))},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def _model_json(entry: dict) -> dict:
+    return {
+        "id": entry["id"],
+        "object": "model",
+        "created": int(entry["created"].timestamp()),
+        "owned_by": "edgecache",
+        "edgecache": {"fingerprint": entry["fingerprint"], "devices": entry["devices"]},
+    }
+
+
+def _unavailable(message: str) -> ApiError:
+    where = "start it (`make run` starts the embedded one) or check REDIS_URL"
+    return ApiError(503, f"{message} {where[0].upper()}{where[1:]}; try again in {RETRY_AFTER_S} seconds.", type="server_error", code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _method_not_allowed(allowed: str) -> HttpResponse:
+    response = ApiError(405, f"Use {allowed} here.", code="method_not_allowed").response()
+    response["Allow"] = allowed
+    return response

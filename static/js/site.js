@@ -1,0 +1,118 @@
+// EdgeCache, every page: the live socket (and the header badge that tells whether it is up),
+// device status badges, the collapsing navigation, character counters and the register form's
+// link presets. Pages with charts or forms add static/js/live.js, which listens to
+// "edgecache:live" events this script dispatches. DOM is built with textContent only.
+(function () {
+  "use strict";
+
+  // -- navigation: collapses into a menu button on narrow screens ------------------------------
+  const toggle = document.getElementById("nav-toggle");
+  const nav = document.getElementById("site-nav");
+  if (toggle && nav) {
+    toggle.addEventListener("click", function () {
+      const open = toggle.getAttribute("aria-expanded") !== "true";
+      toggle.setAttribute("aria-expanded", String(open));
+      document.body.classList.toggle("nav-open", open);
+    });
+  }
+
+  // -- device status words: online, offline since …, never started, revoked --------------------
+  function when(iso) {
+    const date = new Date(iso);
+    if (isNaN(date.getTime())) return "";
+    const pad = (n) => String(n).padStart(2, "0");
+    return date.getFullYear() + "-" + pad(date.getMonth() + 1) + "-" + pad(date.getDate()) + " " + pad(date.getHours()) + ":" + pad(date.getMinutes());
+  }
+  function deviceState(device) {
+    if (device.revoked) return ["revoked", "revoked"];
+    if (device.online) return ["online", "online"];
+    if (!device.last_seen) return ["never", "never started"];
+    return ["offline", "offline since " + when(device.last_seen)];
+  }
+  function onDevice(device) {
+    const state = deviceState(device);
+    document.querySelectorAll("[data-device]").forEach(function (holder) {
+      if (holder.dataset.device !== device.name) return;
+      holder.dataset.status = state[0];
+      if (device.last_seen) holder.dataset.lastSeen = device.last_seen;
+      const badges = holder.matches('[data-role="online"]') ? [holder] : Array.from(holder.querySelectorAll('[data-role="online"]'));
+      badges.forEach(function (badge) {
+        badge.textContent = state[1];
+        badge.className = "badge " + (state[0] === "online" ? "ok" : "off");
+      });
+      holder.querySelectorAll('[data-role="last-seen"]').forEach(function (cell) { cell.textContent = device.last_seen ? when(device.last_seen) : "never"; });
+    });
+  }
+  window.EdgeCache = { deviceState: deviceState, when: when };
+
+  // -- the socket: every logged-in page connects; the badge says whether updates arrive --------
+  const badge = document.getElementById("live-status");
+  let delay = 500;
+  function setBadge(live) {
+    if (!badge) return;
+    badge.textContent = live ? "live" : "offline";
+    badge.className = "badge " + (live ? "ok" : "off");
+  }
+  function connect() {
+    const socket = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/ws/live/");
+    socket.onopen = function () { delay = 500; setBadge(true); };
+    socket.onmessage = function (message) {
+      let event;
+      try { event = JSON.parse(message.data); } catch (err) { return; }
+      if (event.event === "device") onDevice(event.data || {});
+      document.dispatchEvent(new CustomEvent("edgecache:live", { detail: event }));
+    };
+    socket.onclose = function () {
+      setBadge(false);
+      setTimeout(connect, delay);
+      delay = Math.min(delay * 2, 10000);
+    };
+  }
+  if (badge && "WebSocket" in window) connect();
+
+  // -- character counters: the limit the server applies, shown (no silent cut by the browser) ---
+  function formatCount(n) { return n.toLocaleString("en-US"); }
+  document.querySelectorAll("[data-maxlength]").forEach(function (field) {
+    const limit = parseInt(field.dataset.maxlength, 10);
+    if (!limit) return;
+    const counter = document.createElement("span");
+    counter.className = "char-count muted";
+    counter.id = (field.id || field.name) + "-count";
+    counter.setAttribute("aria-live", "polite");
+    field.setAttribute("aria-describedby", ((field.getAttribute("aria-describedby") || "") + " " + counter.id).trim());
+    field.insertAdjacentElement("afterend", counter);
+    function update() {
+      const n = field.value.length;
+      const over = n > limit;
+      counter.textContent = formatCount(n) + " / " + formatCount(limit) + " characters" + (over ? ": too long, shorten it by " + formatCount(n - limit) : "");
+      counter.classList.toggle("error", over);
+      field.classList.toggle("too-long", over);
+    }
+    field.addEventListener("input", update);
+    update();
+  });
+
+  // -- register a device: a link preset fills bandwidth and round-trip time on screen ----------
+  const presetsNode = document.getElementById("link-presets");
+  const preset = document.getElementById("id_link_preset");
+  if (presetsNode && preset) {
+    const presets = JSON.parse(presetsNode.textContent || "{}") || {};
+    const bandwidth = document.getElementById("id_link_bandwidth_mbps");
+    const rtt = document.getElementById("id_link_rtt_ms");
+    let filling = false;
+    function fill() {
+      if (!(preset.value in presets)) return; // "custom": the fields are the user's
+      const profile = presets[preset.value];
+      filling = true;
+      if (bandwidth) bandwidth.value = profile ? profile.bandwidth_mbps : "";
+      if (rtt) rtt.value = profile ? profile.rtt_ms : "";
+      filling = false;
+    }
+    preset.addEventListener("change", fill);
+    [bandwidth, rtt].forEach(function (field) {
+      if (!field) return;
+      field.addEventListener("input", function () { if (!filling) preset.value = "custom"; });
+    });
+    if (!bandwidth || (bandwidth.value === "" && (!rtt || rtt.value === ""))) fill();
+  }
+})();

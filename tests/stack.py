@@ -1,0 +1,118 @@
+"""The real stack for the browser tests, shared by tests/test_browser*.py: `manage.py run`
+(embedded Valkey, control-plane worker, ASGI server) in a folder of its own, boards started
+as `manage.py edge` processes, and Debian's Chromium driven by Playwright (never a
+downloaded browser).
+
+A test module gets the fixtures by importing them (``from .stack import stack, browser``);
+each module starts its own stack (module scope). A module may override ``stack_env`` to add
+environment variables to every process of its stack.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT
+
+CHROMIUM = "/usr/bin/chromium"
+ADMIN_PASSWORD = "browser-test-pw-1"
+SCREENSHOTS = ROOT / ".edgecache" / "screenshots"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited early with {process.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def stack_env() -> dict:
+    """Extra environment of the stack's processes (a module overrides this fixture to set some)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, stack_env):
+    home = tmp_path_factory.mktemp("stack")
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
+    env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": ADMIN_PASSWORD, "EDGECACHE_N_CTX": "2048", **stack_env})
+    log = open(home / "run.log", "wb")
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    boards: list[subprocess.Popen] = []
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/accounts/login/", server)
+        yield {"url": f"http://127.0.0.1:{port}", "env": env, "home": home, "boards": boards}
+    finally:
+        for process in boards + [server]:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        for process in boards + [server]:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30)
+        log.close()
+
+
+def start_board(stack: dict, name: str, token: str, *args: str) -> subprocess.Popen:
+    """Start `manage.py edge --name NAME` with ``token`` (1 s heartbeats); stopped with the stack."""
+    log = open(Path(stack["home"]) / f"board-{name}.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1", *args],
+        cwd=ROOT, env={**stack["env"], "EDGECACHE_DEVICE_TOKEN": token}, stdout=log, stderr=subprocess.STDOUT,
+    )
+    stack["boards"].append(process)
+    return process
+
+
+def manage(stack: dict, *args: str, timeout: float = 120) -> str:
+    """Run ``manage.py ARGS`` against the stack's database and cache box; returns its output."""
+    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=stack["env"], capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"manage.py {' '.join(args[:2])} failed: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"],
+        )
+        yield browser
+        browser.close()
