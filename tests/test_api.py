@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import ROOT
+from .stack import free_port, wait_for_http
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 
@@ -78,27 +78,6 @@ class Stack:
                 return {"source": source, "error": error, "breakdown": json.loads(breakdown), "text": text, "title": title}
             time.sleep(0.2)
         raise AssertionError(f"run {request_id} was not recorded within {timeout} s")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited early with {process.returncode}")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except urllib.error.HTTPError:
-            return  # it answers
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
 def until(condition, timeout: float, what: str, every: float = 0.3):

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import plotly.graph_objects as go
 
 from inference.benchmarks.load import percentile
-from inference.benchmarks.report import write_report
+from inference.benchmarks.html_report import write_report
 
 QUESTIONS = (
     "Name three colors of the rainbow.",

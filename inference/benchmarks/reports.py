@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from inference.breakdown import STACK
 
-from .report import write_report
+from .html_report import write_report
 
 PAPER_SOURCE = "Matsutani, Matsuda, Sugiura: distributed prompt caching (tables 2-4, figure 5)"
 PAPER_TABLE2 = {  # seconds
