@@ -24,8 +24,11 @@ from .errors import CacheBoxUnavailable
 
 
 def default_port(data_dir: Path) -> int:
+    """A port of this folder's own, below Linux's ephemeral range (32768 up): a port in it can be
+    taken at any moment as the local end of some outgoing connection, and the server then
+    fails to bind although nothing listens there."""
     digest = hashlib.blake2b(str(Path(data_dir).resolve()).encode(), digest_size=4).digest()
-    return 20000 + int.from_bytes(digest, "little") % 20000
+    return 20000 + int.from_bytes(digest, "little") % 12000
 
 
 def url_for(data_dir: Path, port: int | None = None) -> str:
