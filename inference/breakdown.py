@@ -101,6 +101,18 @@ class Breakdown:
     link: str = ""  # "unshaped" or the emulated link every timing was taken through
     false_positives: int = 0  # catalog "maybe"s the cache box did not hold
     rejected_entries: int = 0  # forged, corrupted or mismatched entries evicted (integrity failures)
+    # Loading while computing (inference.overlap): the front of the prompt is prefilled while
+    # later ranges download; both meet at ``met_at``.
+    planned_split: int = 0  # where the plan expected compute and load to meet (0: no overlap)
+    met_at: int = 0  # where they met: tokens before it were computed here, the loaded ranges follow
+    fetch_late: bool = False  # the fetch ran slower than forecast: compute went past the plan (the deadline)
+    codec: str = ""  # how the fetched entries' states were stored ("raw", "zstd-shuffle", ...)
+    # Where the time went, beyond the paper's columns.
+    compute_profile: str = ""  # a paced (emulated) board class, e.g. "Raspberry Pi Zero 2 W (emulated)"; "" = this machine
+    paced_ms: float = 0.0  # time added by the compute profile's pacing (inside prefill_ms and decode_ms)
+    strategy: str = ""  # "" = exact prefix/schema serving; a lab strategy names itself (approximate)
+    tbt_p50_ms: float = 0.0  # time between answer tokens, median
+    tbt_p99_ms: float = 0.0  # time between answer tokens, 99th percentile
 
     def __post_init__(self) -> None:
         # Values from a board's JSON arrive as strings: an unknown word is refused (ValueError).
