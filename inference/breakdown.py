@@ -113,6 +113,10 @@ class Breakdown:
     strategy: str = ""  # "" = exact prefix/schema serving; a lab strategy names itself (approximate)
     tbt_p50_ms: float = 0.0  # time between answer tokens, median
     tbt_p99_ms: float = 0.0  # time between answer tokens, 99th percentile
+    # KV prediction (inference.lab.kv_prediction): prefill_ms = aux_prefill_ms + the base model's last prompt token.
+    aux_prefill_ms: float = 0.0  # the auxiliary model's prefill and the export of its state
+    predict_ms: float = 0.0  # predicted keys and values for the base model's other layers
+    kv_import_ms: float = 0.0  # the predicted state loaded into the base context (also in restore_ms)
 
     def __post_init__(self) -> None:
         # Values from a board's JSON arrive as strings: an unknown word is refused (ValueError).
