@@ -17,6 +17,36 @@ Prompt::
 
     <prompt schema="travel"><trip-plan duration="3 days"/><miami/><user>Surf spots?</user></prompt>
 
+Prompt Cache's own dialect (the one its implementation and README use) is read too::
+
+    <schema name="persona">
+      <!-- comments are ignored -->
+      <system>You answer for the person described.</system>
+      <module name="age">
+        <union scaffold="default">
+          <module name="default">Age not given.</module>
+          <module name="young-adult">Aged 20 to 34.</module>
+        </union>
+      </module>
+      <module name="today" cache="false">Today is <parameter name="date" length="6" scaffold="a weekday"/>.</module>
+    </schema>
+
+    <prompt schema='persona'><age><young-adult/></age><today date="Monday"/><user>Who am I?</user></prompt>
+
+- ``<parameter name length scaffold>`` is ``<param name len>``; ``scaffold`` (either tag) is the
+  text encoded in the parameter's place (padded with the placeholder token to ``length``) and
+  served when a prompt gives no value.
+- ``<union scaffold="member">`` names the member that stands for the union while its
+  neighbours are encoded, in Prompt Cache's implementation. EdgeCache encodes every module
+  alone (the paper's masking, section 3.3), so the name is checked and kept, nothing more.
+- ``cache="false"`` on a module (and so on every module nested in it): its state is computed
+  for every request, never stored in or fetched from the cache box.
+- A module may hold only nested modules or unions (no text of its own): importing it only
+  opens its scope, it has no state.
+- Module names are unique per scope; the path (``age/young-adult``) identifies a module and
+  keys its cache entries, so ``age/default`` and ``residence/default`` never share one.
+- Modules may sit in ``<system>``/``<user>``/``<assistant>`` of a schema, at any level.
+
 Parsing uses defusedxml's SAX reader (DTDs and entities refused) and enforces size, depth
 and module-count limits. Every error names the line and column and says what is wrong.
 Text is kept as written, except that whitespace-only runs with a newline (formatting
@@ -41,7 +71,9 @@ MAX_MODULES = 512
 MAX_PARAM_LEN = 1024
 ROLES = ("system", "user", "assistant")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
-_RESERVED = {"schema", "prompt", "module", "union", "param", "scaffold", *ROLES}
+_RESERVED = {"schema", "prompt", "module", "union", "param", "parameter", "scaffold", *ROLES}
+_ANONYMOUS_RE = re.compile(r"^_text[0-9]+$")  # the names layout gives text outside modules
+_PARAM_TAGS = ("param", "parameter")
 
 
 class PMLError(ValueError):
@@ -70,6 +102,7 @@ class Param:
     name: str
     length: int
     where: Where
+    scaffold: str | None = None  # text encoded in its place (else placeholder tokens)
 
 
 @dataclass
@@ -86,6 +119,7 @@ class Module:
     children: list
     where: Where
     union: str | None = None  # id of the union it belongs to
+    cache: bool = True  # False: computed for every request, never stored or fetched
 
     def params(self) -> dict[str, Param]:
         found: dict[str, Param] = {}
@@ -111,6 +145,7 @@ class UnionNode:
     id: str
     members: list[Module]
     where: Where
+    scaffold: str | None = None  # the member standing for the union in Prompt Cache's encoding
 
 
 @dataclass
@@ -286,43 +321,54 @@ def parse_schema(source: str) -> PMLSchema:
     return schema
 
 
-def _schema_node(node, prefix: str, state: dict, preserve: bool, in_module: bool):
+def _schema_node(node, prefix: str, state: dict, preserve: bool, in_module: bool, cache: bool = True):
     if isinstance(node, str):
         text = _clean_text(node, preserve)
         return Text(text) if text is not None else None
     tag = node.tag
     if tag == "module":
-        return _module(node, prefix, state, union=None)
+        return _module(node, prefix, state, union=None, cache=cache)
     if tag == "union":
-        return _union(node, prefix, state)
-    if tag == "param":
+        return _union(node, prefix, state, cache)
+    if tag in _PARAM_TAGS:
         if not in_module:
-            raise _error(node, "<param> belongs inside a <module> (a prompt supplies its value when importing the module)")
+            raise _error(node, f"<{tag}> belongs inside a <module> (a prompt supplies its value when importing the module)")
         return _param(node)
     if tag in ROLES:
-        kids = [_schema_node(child, prefix, state, node.preserve, in_module) for child in node.children]
+        unknown = set(node.attrs)
+        if unknown:
+            raise _error(node, f"<{tag}> has unknown attribute(s) {', '.join(sorted(unknown))}")
+        kids = [_schema_node(child, prefix, state, node.preserve, in_module, cache) for child in node.children]
         return Role(tag, [kid for kid in kids if kid is not None], node.where)
     if tag == "scaffold":
         raise _error(node, "<scaffold> is declared directly inside <schema>")
-    raise _error(node, f"unknown element <{tag}> in a schema (use module, union, param, scaffold, system, user or assistant)")
+    raise _error(node, f"unknown element <{tag}> in a schema (use module, union, param or parameter, scaffold, system, user or assistant)")
 
 
-def _module(node: _Element, prefix: str, state: dict, union: str | None) -> Module:
+def _module(node: _Element, prefix: str, state: dict, union: str | None, cache: bool = True) -> Module:
     name = _check_name(node.attrs.get("name"), node, "module")
-    unknown = set(node.attrs) - {"name"}
+    unknown = set(node.attrs) - {"name", "cache"}
     if unknown:
         raise _error(node, f"<module name=\"{name}\"> has unknown attribute(s) {', '.join(sorted(unknown))}")
+    if _ANONYMOUS_RE.match(name):
+        raise _error(node, f"module name {name!r} is taken by the text outside modules (_text0, _text1, ...): pick another")
+    flag = node.attrs.get("cache", "true")
+    if flag not in ("true", "false"):
+        raise _error(node, f"<module name=\"{name}\"> cache must be \"true\" or \"false\", not {flag!r}")
     path = f"{prefix}{name}"
     if path in state["modules"]:
-        raise _error(node, f"module {path!r} is declared twice")
+        scope = f"in {prefix[:-1]!r}" if prefix else "at the top of the schema"
+        raise _error(node, f"module {path!r} is declared twice (names are unique per scope: {name!r} {scope})")
     if len(state["modules"]) >= MAX_MODULES:
         raise _error(node, f"more than {MAX_MODULES} modules")
-    module = Module(name, path, [], node.where, union)
+    module = Module(name, path, [], node.where, union, cache=cache and flag == "true")
     state["modules"][path] = module
     for child in node.children:
-        kid = _schema_node(child, path + "/", state, node.preserve, in_module=True)
+        kid = _schema_node(child, path + "/", state, node.preserve, in_module=True, cache=module.cache)
         if kid is not None:
             module.children.append(kid)
+    if not module.children:
+        raise _error(node, f"module {path!r} is empty: give it text, a parameter or nested modules")
     names = [param.name for param in _all_params(module.children)]
     duplicate = {n for n in names if names.count(n) > 1}
     if duplicate:
@@ -340,7 +386,10 @@ def _all_params(children) -> list[Param]:
     return found
 
 
-def _union(node: _Element, prefix: str, state: dict) -> UnionNode:
+def _union(node: _Element, prefix: str, state: dict, cache: bool = True) -> UnionNode:
+    unknown = set(node.attrs) - {"scaffold"}
+    if unknown:
+        raise _error(node, f"<union> has unknown attribute(s) {', '.join(sorted(unknown))}")
     state["unions"] += 1
     union_id = f"{prefix}union{state['unions']}"
     members = []
@@ -351,24 +400,36 @@ def _union(node: _Element, prefix: str, state: dict) -> UnionNode:
             continue
         if child.tag != "module":
             raise _error(child, f"a <union> holds only <module> elements, not <{child.tag}>")
-        members.append(_module(child, prefix, state, union=union_id))
+        members.append(_module(child, prefix, state, union=union_id, cache=cache))
     if len(members) < 2:
         raise _error(node, "a <union> needs at least two <module> members")
-    return UnionNode(union_id, members, node.where)
+    scaffold = node.attrs.get("scaffold")
+    if scaffold is not None and scaffold not in [member.name for member in members]:
+        names = ", ".join(member.name for member in members)
+        raise _error(node, f"<union scaffold={scaffold!r}> names no member of this union (its members: {names})")
+    return UnionNode(union_id, members, node.where, scaffold)
 
 
 def _param(node: _Element) -> Param:
+    """``<param name len>`` or Prompt Cache's ``<parameter name length>``, either with ``scaffold``."""
+    tag = node.tag
     name = _check_name(node.attrs.get("name"), node, "parameter")
-    raw = node.attrs.get("len")
+    unknown = set(node.attrs) - {"name", "len", "length", "scaffold"}
+    if unknown:
+        raise _error(node, f"<{tag} name=\"{name}\"> has unknown attribute(s) {', '.join(sorted(unknown))}")
+    if "len" in node.attrs and "length" in node.attrs:
+        raise _error(node, f"<{tag} name=\"{name}\"> gives both len and length: keep one")
+    word = "len" if "len" in node.attrs or tag == "param" else "length"
+    raw = node.attrs.get(word)
     try:
         length = int(raw)
     except (TypeError, ValueError):
-        raise _error(node, f"<param name=\"{name}\"> needs len=\"N\", the most tokens its value may take") from None
+        raise _error(node, f"<{tag} name=\"{name}\"> needs {word}=\"N\", the most tokens its value may take") from None
     if not 1 <= length <= MAX_PARAM_LEN:
-        raise _error(node, f"<param name=\"{name}\"> len must be between 1 and {MAX_PARAM_LEN}")
+        raise _error(node, f"<{tag} name=\"{name}\"> {word} must be between 1 and {MAX_PARAM_LEN}")
     if [child for child in node.children if not (isinstance(child, str) and not child.strip())]:
-        raise _error(node, f"<param name=\"{name}\"/> is empty: its value comes from the prompt")
-    return Param(name, length, node.where)
+        raise _error(node, f"<{tag} name=\"{name}\"/> is empty: its value comes from the prompt")
+    return Param(name, length, node.where, node.attrs.get("scaffold") or None)
 
 
 def _scaffold(node: _Element) -> Scaffold:
@@ -385,6 +446,12 @@ def _check_scaffold(scaffold: Scaffold, schema: PMLSchema) -> None:
         module = schema.modules.get(path)
         if module is None:
             raise PMLError(f"scaffold {scaffold.name!r} names unknown module {path!r}", scaffold.where.line, scaffold.where.column)
+        if not module.cache:
+            raise PMLError(
+                f"scaffold {scaffold.name!r} names module {path!r}, which is never cached (cache=\"false\")",
+                scaffold.where.line,
+                scaffold.where.column,
+            )
         if module.union and unions.setdefault(module.union, path) != path:
             raise PMLError(
                 f"scaffold {scaffold.name!r} names {unions[module.union]!r} and {path!r}, two members of one union",
@@ -445,8 +512,9 @@ def _prompt_items(
         if unknown:
             raise _error(child, f"module {module.path!r} has no parameter {sorted(unknown)[0]!r} (it has: {', '.join(sorted(params)) or 'none'})")
         nested = _prompt_items(child.children, module.submodules(), child.preserve, used_unions, schema_modules=schema_modules)
-        if any(isinstance(item, PromptText) for item in nested):
+        if any(isinstance(item, PromptText) and (item.text.strip() or item.role) for item in nested):
             raise _error(child, f"put free text outside <{child.tag}>: inside a module only its nested modules may be imported")
+        nested = [item for item in nested if isinstance(item, Import)]  # spaces between imports
         items.append(Import(module.path, dict(child.attrs), nested, child.where))
     return items
 

@@ -3,7 +3,8 @@
 Layout: every module of a schema gets the positions it holds in the schema. Text outside
 modules becomes anonymous modules that every prompt includes; union members share one
 start and the union reserves its longest member; a parameter reserves ``len`` positions,
-filled with a placeholder token when the module is encoded.
+filled with its scaffold text (padded with the placeholder token) when the module is encoded.
+A module holding only nested modules has no tokens and no state: importing it opens its scope.
 
 Plan: a prompt becomes the list of pieces to assemble in position order: the schema's
 anonymous modules, the imported modules (or a scaffold standing for several of them) with
@@ -54,6 +55,7 @@ class ModuleLayout:
     params: dict[str, tuple[int, int]]  # name -> (first position, len)
     anonymous: bool = False
     union: str | None = None
+    cache: bool = True  # False: encoded for every request, never stored or fetched
 
     @property
     def token_count(self) -> int:
@@ -94,6 +96,10 @@ class _LayoutBuilder:
             self._top(node)
         self._flush_anon()
         scaffolds = {scaffold.name: list(scaffold.modules) for scaffold in self.schema.scaffolds}
+        for scaffold in self.schema.scaffolds:
+            if not any(self.modules[path].runs for path in scaffold.modules):
+                where = scaffold.where
+                raise PMLError(f"scaffold {scaffold.name!r} names only modules without text of their own", where.line, where.column)
         return SchemaLayout(self.schema.name, self.schema.digest, self.modules, scaffolds, self.pos)
 
     # -- anonymous text between modules -----------------------------------------------------
@@ -137,12 +143,12 @@ class _LayoutBuilder:
         self.pos = end
 
     def _module(self, module: Module) -> None:
-        layout = ModuleLayout(module.path, self.pos, self.pos, [Run(self.pos)], {}, union=module.union)
+        layout = ModuleLayout(module.path, self.pos, self.pos, [Run(self.pos)], {}, union=module.union, cache=module.cache)
         self.modules[module.path] = layout
         self._body(module.children, layout)
         layout.runs = [run for run in layout.runs if run.tokens]
         layout.end = self.pos
-        if not layout.runs:
+        if not layout.runs and not module.submodules():
             where = module.where
             raise PMLError(f"module {module.path!r} has no text of its own", where.line, where.column)
 
@@ -152,7 +158,14 @@ class _LayoutBuilder:
                 self._own(layout, self.tok.text(child.text))
             elif isinstance(child, Param):
                 layout.params[child.name] = (self.pos, child.length)
-                self._own(layout, [self.tok.placeholder] * child.length)
+                scaffold = self.tok.text(child.scaffold) if child.scaffold else []
+                if len(scaffold) > child.length:
+                    raise PMLError(
+                        f"scaffold of parameter {child.name!r} is {len(scaffold)} tokens, longer than its length={child.length}",
+                        child.where.line,
+                        child.where.column,
+                    )
+                self._own(layout, scaffold + [self.tok.placeholder] * (child.length - len(scaffold)))
             elif isinstance(child, Role):
                 prefix, suffix = self.tok.wrappers(child.role)
                 self._own(layout, self.tok.special(prefix))
@@ -185,6 +198,7 @@ class ModulePiece:
     start: int
     # "module/param" -> (first position, len, value tokens)
     args: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
+    cache: bool = True  # False: encode it for this request; never store or fetch it
 
 
 @dataclass
@@ -237,10 +251,10 @@ def plan_prompt(doc: PromptDoc, layout: SchemaLayout, tokenizer: Tokenizer) -> P
     for module in layout.anonymous:
         pieces.append(((module.start, 0, len(pieces)), ModulePiece(module.path, [module.path], module.start)))
     for imp in imports:
-        if imp.name in covered:
+        if imp.name in covered or not layout.modules[imp.name].runs:  # a module of modules has no state
             continue
         module = layout.modules[imp.name]
-        piece = ModulePiece(module.path, [module.path], module.start, _args(imp, module, tokenizer))
+        piece = ModulePiece(module.path, [module.path], module.start, _args(imp, module, tokenizer), cache=module.cache)
         pieces.append(((module.start, 0, len(pieces)), piece))
     for tokens, text_anchor in texts:
         if tokens:
@@ -250,8 +264,11 @@ def plan_prompt(doc: PromptDoc, layout: SchemaLayout, tokenizer: Tokenizer) -> P
 
 
 def all_pieces(layout: SchemaLayout) -> list[ModulePiece]:
-    """Every state a schema has: each module (anonymous ones included) and each scaffold."""
-    pieces = [ModulePiece(path, [path], module.start) for path, module in layout.modules.items()]
+    """Every state a schema stores: each module (anonymous ones included) and each scaffold.
+
+    Left out: modules marked ``cache="false"`` and modules holding only nested modules.
+    """
+    pieces = [ModulePiece(path, [path], module.start) for path, module in layout.modules.items() if module.runs and module.cache]
     for name, members in layout.scaffolds.items():
         pieces.append(ModulePiece(f"scaffold:{name}", list(members), min(layout.modules[m].start for m in members)))
     return pieces

@@ -1,8 +1,13 @@
 """PML parsing, module layout and prompt plans: pure, millisecond tests (a toy tokenizer)."""
 
-import pytest
+from pathlib import Path
 
-from inference.pml_layout import ModulePiece, TextPiece, lay_out, plan_prompt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachebox.keys import module_key
+from inference.pml_layout import ModulePiece, TextPiece, all_pieces, lay_out, plan_prompt
 from inference.pml import MAX_DEPTH, PMLError, parse_prompt, parse_schema
 
 TRAVEL = """<schema name="travel">
@@ -243,3 +248,174 @@ def test_placement_without_compaction_keeps_schema_positions():
     place = Placement(compact=False)
     place.module([(0, 10)])
     assert place.module([(20, 30)]) == 0 and place.text(2) == 30
+
+
+# -- Prompt Cache's own dialect (its README and implementation) ------------------------------------
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+PERSONA = (EXAMPLES / "persona.pml").read_text()
+PERSONA_PROMPT = (EXAMPLES / "persona-prompt.pml").read_text()
+
+
+def test_the_reference_dialect_parses_with_every_feature():
+    schema = parse_schema(PERSONA)
+    assert "age/default" in schema.modules and "residence/default" in schema.modules  # one name, two scopes
+    assert schema.modules["tone/cheerful"].path == "tone/cheerful"  # a module inside <system>
+    assert schema.top_level.keys() == {"tone", "age", "residence", "hobby", "today"}
+    hobby = schema.modules["hobby"].params()["activity"]
+    assert (hobby.length, hobby.scaffold) == (8, "something to be named")  # <parameter length scaffold>
+    unions = [node for node in schema.children if hasattr(node, "members")] + [
+        node for module in schema.modules.values() for node in module.children if hasattr(node, "members")
+    ]
+    assert sorted(union.scaffold for union in unions) == ["default", "default", "plain"]
+    assert [path for path, module in schema.modules.items() if not module.cache] == ["today"]
+    assert "scenario" not in repr(schema.children) and "Computed for every" not in repr(schema.modules)  # comments
+
+
+def test_the_reference_prompt_imports_members_through_their_scope():
+    schema = parse_schema(PERSONA)
+    doc = parse_prompt(PERSONA_PROMPT, schema)
+    imports = [item for item in doc.items if hasattr(item, "args")]
+    assert [(i.name, [c.name for c in i.children]) for i in imports] == [
+        ("tone", ["tone/cheerful"]),
+        ("age", ["age/young-adult"]),
+        ("residence", ["residence/seaside"]),
+        ("hobby", []),
+        ("today", []),
+    ]
+    assert imports[3].args == {"activity": "sailing small boats"}
+    assert doc.items[-1].role == "user" and doc.items[-1].text == "Introduce yourself in two sentences."
+    one_line = parse_prompt("<prompt schema='persona'><age> <senior/> </age><user>Hi</user></prompt>", schema)
+    assert one_line.items[0].children[0].name == "age/senior"  # spaces between imports are not free text
+
+
+def test_a_module_of_modules_has_no_state_and_its_members_keep_their_slot():
+    tok = WordTokenizer()
+    layout = lay_out(parse_schema(PERSONA), tok)
+    age, default, child = (layout.modules[p] for p in ["age", "age/default", "age/child"])
+    assert age.runs == [] and age.start == default.start == child.start and age.end == child.end
+    pieces = [piece.key_name for piece in all_pieces(layout)]
+    assert "age" not in pieces and "tone" not in pieces  # nothing of their own to store
+    assert "today" not in pieces  # cache="false": never stored
+    assert {"age/default", "residence/default", "hobby", "_text0"} <= set(pieces)
+
+
+def test_a_parameter_scaffold_is_encoded_in_its_place_and_padded():
+    tok = WordTokenizer()
+    layout = lay_out(parse_schema(PERSONA), tok)
+    hobby = layout.modules["hobby"]
+    start, length = hobby.params["activity"]
+    tokens = [t for run in hobby.runs for t in run.tokens]
+    offset = start - hobby.start
+    assert tokens[offset : offset + length] == tok.text("something to be named") + [tok.placeholder] * 4
+    plain = lay_out(parse_schema(TRAVEL), tok).modules["trip-plan"]
+    assert plain.runs[0].tokens[4:8] == [tok.placeholder] * 4  # no scaffold: placeholders, as before
+    with pytest.raises(PMLError, match="scaffold of parameter 'p' is 3 tokens, longer than its length=2") as error:
+        lay_out(parse_schema('<schema name="s">\n<module name="m">x <parameter name="p" length="2" scaffold="a b c"/></module></schema>'), tok)
+    assert (error.value.line, error.value.column) == (2, 20)
+
+
+def test_plan_skips_modules_of_modules_and_marks_uncached_ones():
+    tok = WordTokenizer()
+    schema = parse_schema(PERSONA)
+    plan = plan_prompt(parse_prompt(PERSONA_PROMPT, schema), lay_out(schema, tok), tok)
+    modules = [(p.key_name, p.cache) for p in plan.pieces if isinstance(p, ModulePiece)]
+    assert modules == [
+        ("_text0", True),
+        ("tone/cheerful", True),
+        ("_text1", True),  # the closing of <system>, after the module inside it
+        ("age/young-adult", True),
+        ("residence/seaside", True),
+        ("hobby", True),
+        ("today", False),
+    ]
+
+
+def test_same_named_modules_in_two_scopes_get_different_keys():
+    schema = parse_schema(PERSONA)
+    layout = lay_out(schema, WordTokenizer())
+    keys = {piece.key_name: module_key("ns", "fp", schema.digest, piece.key_name) for piece in all_pieces(layout)}
+    assert keys["age/default"] != keys["residence/default"]
+    assert len(set(keys.values())) == len(keys)
+
+
+def test_roles_inside_modules_and_unions_inside_roles():
+    source = """<schema name="chat">
+      <module name="example">
+        <user>What is 2 + 2?</user>
+        <assistant>It is <parameter name="answer" length="2"/>.</assistant>
+        <system><union><module name="a">A</module><module name="b">B</module></union></system>
+      </module>
+    </schema>"""
+    tok = WordTokenizer()
+    schema = parse_schema(source)
+    assert list(schema.modules) == ["example", "example/a", "example/b"]
+    layout = lay_out(schema, tok)
+    own = [t for run in layout.modules["example"].runs for t in run.tokens]
+    assert own[0] == tok.special("start-user")[0] and own[-1] == tok.special("end-system")[0]
+    doc = parse_prompt('<prompt schema="chat"><example answer="4"><b/></example></prompt>', schema)
+    assert doc.items[0].children[0].name == "example/b"
+
+
+@pytest.mark.parametrize(
+    "source, message, line",
+    [
+        ("<schema name='s'><module name='a'><union scaffold='c'><module name='b'>x</module><module name='d'>y</module></union></module></schema>", "names no member", 1),
+        ("<schema name='s'>\n<module name='a' cache='no'>x</module></schema>", 'cache must be "true" or "false"', 2),
+        ("<schema name='s'><module name='a' cache='false'>x</module><module name='b'>y</module><scaffold name='c' modules='a b'/></schema>", "never cached", 1),
+        ("<schema name='s'><module name='a'><parameter name='p' len='2' length='2'/></module></schema>", "both len and length", 1),
+        ("<schema name='s'><module name='a'><parameter name='p' len='x'/></module></schema>", "needs len=", 1),
+        ("<schema name='s'><module name='a'><parameter name='p'/></module></schema>", "needs length=", 1),
+        ("<schema name='s'><module name='a'><parameter name='p' length='2' size='3'/></module></schema>", "unknown attribute(s) size", 1),
+        ("<schema name='s'><module name='_text0'>x</module></schema>", "taken by the text outside modules", 1),
+        ("<schema name='s'>\n\n<module name='a'></module></schema>", "is empty", 3),
+        ("<schema name='s'><module name='a'><module name='b'>x</module><module name='b'>y</module></module></schema>", "names are unique per scope: 'b' in 'a'", 1),
+        ("<schema name='s'><union kind='x'><module name='a'>x</module><module name='b'>y</module></union></schema>", "unknown attribute(s) kind", 1),
+        ("<schema name='s'><module name='parameter'>x</module></schema>", "not usable", 1),
+    ],
+)
+def test_reference_dialect_errors_say_where_and_what(source, message, line):
+    with pytest.raises(PMLError) as error:
+        parse_schema(source)
+    assert message in str(error.value)
+    assert error.value.line == line
+
+
+def test_malformed_reference_documents_are_refused_with_line_and_column():
+    broken = PERSONA.replace("</module>\n\n  <module name=\"residence\">", "\n\n  <module name=\"residence\">")
+    with pytest.raises(PMLError, match="not well-formed") as error:
+        parse_schema(broken)
+    assert error.value.line is not None and error.value.column is not None
+    assert PERSONA.splitlines()[error.value.line - 1].strip()  # points at a real line of the document
+    with pytest.raises(PMLError, match="not well-formed") as error:
+        parse_prompt("<prompt schema='persona'>\n  <age><young-adult/></ag>\n</prompt>", parse_schema(PERSONA))
+    assert (error.value.line, error.value.column) == (2, 24)
+
+
+def test_comments_are_ignored_everywhere():
+    schema = parse_schema("<!-- before --><schema name='s'><!-- a --><module name='m'>Hello <!-- b -->world</module></schema><!-- after -->")
+    assert [child.text for child in schema.modules["m"].children] == ["Hello world"]
+    doc = parse_prompt("<prompt schema='s'><!-- c --><m/><user>Hi<!-- d --> there</user></prompt>", schema)
+    assert [getattr(item, "text", None) for item in doc.items] == [None, "Hi there"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_choice_of_union_members_plans_into_stored_pieces_with_distinct_keys(data):
+    schema = parse_schema(PERSONA)
+    tok = WordTokenizer()
+    layout = lay_out(schema, tok)
+    parts = []
+    for scope in ("tone", "age", "residence"):
+        members = sorted(path.split("/", 1)[1] for path in schema.modules if path.startswith(scope + "/"))
+        choice = data.draw(st.sampled_from([None, *members]))
+        if choice is not None:
+            parts.append(f"<{scope}><{choice}/></{scope}>")
+    if data.draw(st.booleans()):
+        parts.append('<today date="Monday"/>')
+    plan = plan_prompt(parse_prompt(f"<prompt schema='persona'>{''.join(parts)}<user>Hi</user></prompt>", schema), layout, tok)
+    pieces = [p for p in plan.pieces if isinstance(p, ModulePiece)]
+    assert all(layout.modules[p.key_name].runs for p in pieces)  # never a piece without tokens
+    stored = {p.key_name for p in all_pieces(layout)}
+    assert all((p.key_name in stored) == p.cache for p in pieces)  # cached pieces are exactly the stored ones
+    keys = [module_key("ns", "fp", schema.digest, p.key_name) for p in pieces]
+    assert len(set(keys)) == len(keys)
