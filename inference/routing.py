@@ -1,0 +1,304 @@
+"""Cache-aware routing: which board should answer a prompt sent to "any board".
+
+The router picks, among the online boards, the one with the lowest expected time to first
+token::
+
+    expected = queued work (runs dispatched to it and not yet reported)
+             + prefill of the tokens it does not hold, at its learned rate
+             (+ fetching what the cache box holds, at its link's cost, when that is cheaper)
+
+What a board holds is approximated from routing history, as Dynamo's KV router does in its
+approximate mode: a board processes its queue in order, so when a new prompt reaches the
+engine its context holds the prompt dispatched to it just before, and its RAM tier the
+ranges of the prompts before that, newest first, as far as its budget goes. Prompts are
+compared by their prefix keys on the 128-token grid (``cachebox.keys``): the longest shared
+prefix is the last boundary whose key a board holds, because each key pins every token
+before it.
+
+Pure: no I/O, no Django. The control plane (``dashboard.routing``) and ``bench fleet`` feed
+the same ``FleetIndex`` and call the same ``route``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+from cachebox.keys import prefix_keys, range_boundaries
+from cachebox.link import LinkProfile
+
+from .breakdown import Tier
+
+DEFAULT_PREFILL_MS_PER_TOKEN = 3.0  # until a board has reported runs (BoardConfig's prior too)
+DEFAULT_DECODE_MS_PER_TOKEN = 10.0
+DEFAULT_BYTES_PER_TOKEN = 18_500.0  # Gemma-3 270M, f16 KV: what one cached token moves
+RAM_RESTORE_MS_PER_TOKEN = 0.007  # copy a RAM-tier entry into the context (bench tiers: 7.3 ms for ~450 tokens)
+LOOPBACK = LinkProfile(4000.0, 0.5, "unshaped")  # a cache box on an unshaped link (bench tiers: 8.5 MB in ~20 ms)
+HISTORY = 32  # prompts remembered per board
+RATE_SAMPLES = 16  # runs a learned rate is the median of
+MIN_COMPUTED_TOKENS = 32  # runs that computed fewer tokens say little about the rate
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    """A prompt's prefix keys (hex) at its range boundaries (ascending; the last is the whole prompt)."""
+
+    boundaries: tuple[int, ...] = ()
+    keys: tuple[str, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        return self.boundaries[-1] if self.boundaries else 0
+
+    def held(self, keys: "set[str] | frozenset[str] | dict") -> int:
+        """How many leading tokens ``keys`` cover: the longest boundary whose key is there."""
+        for boundary, key in zip(reversed(self.boundaries), reversed(self.keys)):
+            if key in keys:
+                return boundary
+        return 0
+
+    def ranges(self) -> Iterable[tuple[str, int]]:
+        """(key, tokens in its range) for each boundary."""
+        previous = 0
+        for boundary, key in zip(self.boundaries, self.keys):
+            yield key, boundary - previous
+            previous = boundary
+
+    def as_dict(self) -> dict:
+        return {"boundaries": list(self.boundaries), "keys": list(self.keys)}
+
+    @classmethod
+    def from_dict(cls, data) -> "PromptKeys":
+        if not isinstance(data, dict):
+            return cls()
+        boundaries, keys = data.get("boundaries") or [], data.get("keys") or []
+        if len(boundaries) != len(keys) or not all(isinstance(b, int) for b in boundaries):
+            return cls()
+        return cls(tuple(boundaries), tuple(str(key) for key in keys))
+
+
+def prompt_keys(namespace: str, fingerprint: str, tokens: Sequence[int], *, grid: int) -> PromptKeys:
+    """The keys a board of model ``fingerprint`` stores and looks up for ``tokens`` in ``namespace``."""
+    boundaries = range_boundaries(len(tokens), grid)
+    keys = prefix_keys(namespace, fingerprint, tokens, boundaries, grid=grid)
+    return PromptKeys(tuple(boundaries), tuple(key.hex() for key in keys))
+
+
+# -- the cost function ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BoardView:
+    """What the router knows of one board for one prompt."""
+
+    name: str
+    online: bool = True
+    prefill_ms_per_token: float = DEFAULT_PREFILL_MS_PER_TOKEN
+    queued_ms: float = 0.0  # expected work of the runs dispatched to it and not yet reported
+    context_tokens: int = 0  # leading tokens of the prompt its context holds
+    ram_tokens: int = 0  # ... its RAM tier holds
+    cachebox_tokens: int = 0  # ... the cache box holds for it (its namespace and model)
+    link: LinkProfile | None = None  # its link to the cache box (None: unshaped)
+    bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN
+
+
+@dataclass(frozen=True)
+class Estimate:
+    board: str
+    expected_ms: float  # queued_ms + prefill_ms: the time to the first token, roughly
+    queued_ms: float
+    prefill_ms: float  # prefill of what is not held, plus restoring / fetching what is
+    held_tokens: int
+    source: str  # a Tier value: where the held part comes from ("" = computed)
+    cold_ms: float  # the whole prompt computed there, after its queue
+
+
+def estimate(prompt_tokens: int, board: BoardView) -> Estimate:
+    """The expected time to first token of a ``prompt_tokens`` prompt on ``board``."""
+    rate = max(0.0, board.prefill_ms_per_token)
+    local = max(board.context_tokens, board.ram_tokens)
+    local = min(local, prompt_tokens)
+    restore = 0.0 if board.context_tokens >= local else local * RAM_RESTORE_MS_PER_TOKEN
+    options = [((prompt_tokens - local) * rate + restore, local, (Tier.CONTEXT if board.context_tokens >= local else Tier.LOCAL) if local else Tier.NONE)]
+    remote = min(board.cachebox_tokens, prompt_tokens)
+    if remote > local:
+        link = board.link or LOOPBACK
+        fetched = (remote - local) * board.bytes_per_token
+        fetch = link.transfer_ms(fetched) + (remote - local) * RAM_RESTORE_MS_PER_TOKEN
+        options.append(((prompt_tokens - remote) * rate + restore + fetch, remote, Tier.CACHEBOX))
+    prefill, held, source = min(options, key=lambda option: option[0])
+    queued = max(0.0, board.queued_ms)
+    return Estimate(board.name, round(queued + prefill, 3), round(queued, 3), round(prefill, 3), held, str(source), round(queued + prompt_tokens * rate, 3))
+
+
+@dataclass(frozen=True)
+class Route:
+    """The router's choice: its board, every online board's estimate (best first), and the
+    expected saving against a cache-blind choice (the least loaded board computing it all)."""
+
+    board: str
+    estimates: tuple[Estimate, ...]
+    saving_ms: float
+
+    @property
+    def chosen(self) -> Estimate:
+        return self.estimates[0]
+
+    def record(self) -> dict:
+        """What a run keeps of its routing (JSON)."""
+        best = self.chosen
+        runner_up = self.estimates[1] if len(self.estimates) > 1 else None
+        return {
+            "policy": "cache-aware",
+            "board": self.board,
+            "expected_ms": best.expected_ms,
+            "queued_ms": best.queued_ms,
+            "prefill_ms": best.prefill_ms,
+            "held_tokens": best.held_tokens,
+            "source": best.source,
+            "saving_ms": self.saving_ms,
+            "candidates": len(self.estimates),
+            "runner_up": runner_up.board if runner_up else "",
+            "runner_up_ms": runner_up.expected_ms if runner_up else None,
+        }
+
+
+def route(prompt_tokens: int, boards: Sequence[BoardView], *, preferred: str = "") -> Route | None:
+    """The online board with the lowest expected time (None when no board is online).
+
+    Ties go to ``preferred`` (a routing hint, e.g. the board that served the same
+    ``prompt_cache_key``), then to the earlier board in ``boards`` order.
+    """
+    online = [(index, board) for index, board in enumerate(boards) if board.online]
+    if not online:
+        return None
+    ranked = sorted(((estimate(prompt_tokens, board), index, board) for index, board in online), key=lambda item: (item[0].expected_ms, item[2].name != preferred, item[1]))
+    estimates = tuple(item[0] for item in ranked)
+    blind = min(estimate.cold_ms for estimate in estimates)
+    return Route(estimates[0].board, estimates, round(max(0.0, blind - estimates[0].expected_ms), 3))
+
+
+def learned_rate(samples: Iterable[float], prior: float) -> float:
+    """A board's rate (ms per token) from its recent runs: their median, or ``prior`` without any."""
+    values = [value for value in samples if value > 0]
+    return statistics.median(values) if values else prior
+
+
+# -- what each board holds, from routing history --------------------------------------------------
+
+
+@dataclass
+class _Dispatched:
+    request_id: str
+    keys: PromptKeys
+    work_ms: float
+
+
+@dataclass
+class _BoardHistory:
+    recent: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # _Dispatched, oldest first
+    outstanding: dict[str, float] = field(default_factory=dict)  # request id -> expected work (ms)
+    prefill_rates: deque = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
+    decode_rates: deque = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
+
+
+class FleetIndex:
+    """What the router knows of each board: the prompts dispatched to it (newest last), the work
+    not yet reported, and the rates its reports showed; and which keys the cache box holds.
+
+    Fed with ``dispatched`` when a prompt is sent and ``reported`` when its run comes back; the
+    control plane rebuilds one from its Dispatch and InferenceRun rows for each decision.
+    """
+
+    def __init__(self, *, prefill_prior: float = DEFAULT_PREFILL_MS_PER_TOKEN, decode_prior: float = DEFAULT_DECODE_MS_PER_TOKEN, bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN):
+        self.prefill_prior = prefill_prior
+        self.decode_prior = decode_prior
+        self.bytes_per_token = bytes_per_token
+        self.boards: dict[str, _BoardHistory] = {}
+        self.cachebox: set[str] = set()  # keys (hex) the cache box is known to hold
+
+    def _board(self, name: str) -> _BoardHistory:
+        return self.boards.setdefault(name, _BoardHistory())
+
+    def prefill_rate(self, board: str) -> float:
+        return learned_rate(self._board(board).prefill_rates, self.prefill_prior)
+
+    def decode_rate(self, board: str) -> float:
+        return learned_rate(self._board(board).decode_rates, self.decode_prior)
+
+    def dispatched(self, board: str, request_id: str, keys: PromptKeys, work_ms: float) -> None:
+        """A prompt was sent to ``board``: it will hold it next, and owes ``work_ms`` until it reports."""
+        history = self._board(board)
+        history.recent.append(_Dispatched(request_id, keys, work_ms))
+        history.outstanding[request_id] = max(0.0, work_ms)
+
+    def reported(
+        self, board: str, request_id: str, *, prompt_tokens: int = 0, matched_tokens: int = 0, prefill_ms: float = 0.0,
+        decode_ms: float = 0.0, generated_tokens: int = 0, stored_keys: Iterable[str] = (), failed: bool = False,
+    ) -> None:
+        """``board`` answered ``request_id``: its work is done; learn its rates; note the keys it stored."""
+        history = self._board(board)
+        history.outstanding.pop(request_id, None)
+        if failed:
+            # A failed run left nothing in the engine: forget it as the board's context.
+            history.recent = deque((item for item in history.recent if item.request_id != request_id), maxlen=HISTORY)
+            return
+        computed = prompt_tokens - matched_tokens
+        if computed >= MIN_COMPUTED_TOKENS and prefill_ms > 0:
+            history.prefill_rates.append(prefill_ms / computed)
+        if generated_tokens > 1 and decode_ms > 0:
+            history.decode_rates.append(decode_ms / (generated_tokens - 1))
+        self.cachebox.update(stored_keys)
+
+    def work_ms(self, board: str, keys: PromptKeys, max_tokens: int, link: LinkProfile | None = None) -> float:
+        """What a prompt occupies ``board`` for: its prefill (nothing held assumed), its answer and the
+        upload of the ranges the cache box lacks."""
+        prompt_tokens = keys.tokens
+        new = prompt_tokens - keys.held(self.cachebox)
+        upload = link.transfer_ms(new * self.bytes_per_token) if link is not None and new > 0 else 0.0
+        return prompt_tokens * self.prefill_rate(board) + max(0, max_tokens - 1) * self.decode_rate(board) + upload
+
+    def holdings(self, board: str, keys: PromptKeys, ram_budget_bytes: int) -> tuple[int, int]:
+        """(context tokens, RAM-tier tokens) of ``keys`` that ``board`` should hold when the prompt reaches it."""
+        recent = list(self._board(board).recent)
+        if not recent:
+            return 0, 0
+        context = keys.held(set(recent[-1].keys.keys))
+        if ram_budget_bytes <= 0:
+            return context, 0
+        kept: set[str] = set()
+        used = 0.0
+        for item in reversed(recent):  # newest first, as the RAM tier's LRU keeps them
+            for key, tokens in item.keys.ranges():
+                if key in kept:
+                    continue
+                used += tokens * self.bytes_per_token
+                if used > ram_budget_bytes:
+                    return context, keys.held(kept)
+                kept.add(key)
+        return context, keys.held(kept)
+
+    def view(
+        self, board: str, keys: PromptKeys, *, online: bool = True, link: LinkProfile | None = None, ram_budget_bytes: int = 0,
+        cachebox_tokens: int | None = None,
+    ) -> BoardView:
+        """The router's view of ``board`` for a prompt of ``keys`` (``cachebox_tokens``: what the cache box
+        holds for this board, when the caller knows better than the index)."""
+        context, ram = self.holdings(board, keys, ram_budget_bytes)
+        return BoardView(
+            name=board,
+            online=online,
+            prefill_ms_per_token=self.prefill_rate(board),
+            queued_ms=sum(self._board(board).outstanding.values()),
+            context_tokens=context,
+            ram_tokens=ram,
+            cachebox_tokens=keys.held(self.cachebox) if cachebox_tokens is None else cachebox_tokens,
+            link=link,
+            bytes_per_token=self.bytes_per_token,
+        )
+
+
+def estimate_dict(estimate: Estimate) -> dict:
+    return asdict(estimate)
