@@ -82,6 +82,17 @@ class Command(BaseCommand):
         api.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default 32)")
         api.add_argument("--namespace", default="default", help="the namespace whose boards answer (a temporary API key of it is made, then revoked)")
         api.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+        fleet = sub.add_parser("fleet", help="random, round-robin and cache-aware routing of one MMLU arrival stream over N in-process boards")
+        fleet.add_argument("--boards", type=int, default=4, help="in-process boards, 1 llama.cpp thread each (default 4)")
+        fleet.add_argument("--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics, interleaved (default: 4)")
+        fleet.add_argument("--prompts", type=int, default=40, help="prompts in the stream, over all topics (default 40)")
+        fleet.add_argument("--shots", type=int, default=5)
+        fleet.add_argument("--max-tokens", type=int, default=4)
+        fleet.add_argument("--link", default="wifi4", help="link preset between boards and cache box (default wifi4; none: loopback)")
+        fleet.add_argument("--ram-mb", type=int, default=None, help="each board's RAM tier in MB (default: the board default, EDGECACHE_RAM_TIER_MB)")
+        fleet.add_argument("--spacing", type=float, default=1.0, help="arrivals every this many cold TTFTs of one board alone (default 1.0)")
+        fleet.add_argument("--seed", type=int, default=7)
+        fleet.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
     def handle(self, *args, bench, **options):
@@ -435,6 +446,52 @@ class Command(BaseCommand):
         for death in document["board_deaths"]:
             self.stdout.write(f"board {death['board']} died at {death['t_s']} s (exit code {death['exitcode']})")
         self._save("load", json_path, document, load_report)
+
+    def bench_fleet(self, boards, topics, prompts, shots, max_tokens, link, ram_mb, spacing, seed, json_path: str | None, **options):
+        from cachebox.link import LINK_PRESETS
+        from inference.benchmarks.fleet import DEFAULT_TOPICS, POLICIES, fleet_report, run_fleet
+
+        if boards < 2 or prompts < boards or max_tokens < 1 or spacing <= 0 or not 0 <= shots <= 8:
+            raise CommandError("--boards must be at least 2, --prompts at least --boards, --max-tokens at least 1, --spacing positive, --shots 0 to 8")
+        if link not in LINK_PRESETS:
+            raise CommandError(f"--link must be one of {', '.join(LINK_PRESETS)}")
+        try:
+            chosen = [mmlu.normalize_topic(topic) for topic in (topics or DEFAULT_TOPICS)]
+            per_topic = [prompts // len(chosen) + (1 if index < prompts % len(chosen) else 0) for index in range(len(chosen))]
+            by_topic = {topic: mmlu.build_prompts(topic, shots, count) for topic, count in zip(chosen, per_topic) if count}
+        except (mmlu.UnknownTopic, ValueError, FileNotFoundError) as exc:
+            raise CommandError(str(exc))
+        profile = LINK_PRESETS[link]
+        base = settings.EDGECACHE_BOARD.with_(threads=1, link=profile, ram_tier_bytes=ram_mb * 1024 * 1024 if ram_mb is not None else None, context_reuse=True)
+        started: list[Board] = []
+        try:
+            for number in tqdm(range(boards), desc=f"bench fleet: loading {boards} boards", unit="board"):
+                started.append(Board.start(base.with_(device=f"fleet-{number}"), keys=control_plane_keys()))
+            if started[0].store is None or not started[0].store.ping():
+                raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start` or fix REDIS_URL")
+            with tqdm(total=len(POLICIES) * prompts, desc=f"bench fleet ({link})", unit="run") as bar:
+                document = run_fleet(started, by_topic, link=profile, link_name=link, max_tokens=max_tokens, spacing=spacing, ram_budget_bytes=base.ram_tier_bytes, seed=seed, progress=bar.update)
+            document.update({"shots": shots, "seed": seed, "machine": machine_info(started[0])})
+        finally:
+            for board in started:
+                board.close()
+        self.stdout.write(
+            f"\n{document['boards']} boards, {document['link_label']}, RAM tier {document['ram_tier_mb']} MB; {document['prompts']} prompts of "
+            f"{len(document['topics'])} topics, one every {document['interval_ms']:.0f} ms (cold TTFT alone {document['cold_ttft_ms_alone']:.0f} ms)"
+        )
+        self.stdout.write(f"{'policy':<13}{'TTFT p50':>10}{'p90':>10}{'service p50':>13}{'wait p50':>10}{'idle+waiting':>14}  tiers")
+        for name, row in document["policies"].items():
+            tiers = ", ".join(f"{tier} {share:.2f}" for tier, share in row["hit_ratio_by_tier"].items())
+            self.stdout.write(
+                f"{name:<13}{row['ttft_ms_p50']:>10.1f}{row['ttft_ms_p90']:>10.1f}{row['service_ttft_ms_p50']:>13.1f}{row['wait_ms_p50']:>10.1f}{row['idle_while_waiting_s']:>12.2f} s  {tiers}"
+                + (f"  ({row['errors']} errors)" if row["errors"] else "")
+            )
+        document["summary"] = (
+            f"Median TTFT round-robin / cache-aware = {document['median_ttft_round_robin_over_cache_aware']} (target 2x: {document['target_met']}); "
+            f"{document['boards']} boards on {document['link_label']}."
+        )
+        self.stdout.write(document["summary"])
+        self._save("fleet", json_path, document, fleet_report)
 
     def _default_path(self, name: str) -> Path:
         return Path(settings.BASE_DIR) / "bench-results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
