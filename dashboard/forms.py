@@ -159,7 +159,11 @@ class EncodeForm(_ForUser, forms.Form):
 class RunForm(_ForUser, forms.Form):
     SOURCES = [("text", "Free text"), ("mmlu", "MMLU question"), ("saved", "Saved prompt"), ("pml", "Schema prompt (PML)")]
 
-    devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple)
+    devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple, required=False)
+    any_board = forms.BooleanField(
+        required=False, label="any board",
+        help_text="one run, on the board expected to answer first: the one holding the longest prefix of the prompt, weighed with its queue (of the ticked devices, or of all)",
+    )
     source = forms.ChoiceField(choices=SOURCES, initial="text", widget=forms.RadioSelect)
     text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6}), required=False)
     split_on = forms.CharField(required=False, max_length=20, help_text=r"optional: cut the text after each of these (e.g. \n\n)")
@@ -207,6 +211,8 @@ class RunForm(_ForUser, forms.Form):
 
     def clean(self):
         data = super().clean()
+        if not data.get("devices") and not data.get("any_board") and "devices" not in self.errors:
+            self.add_error("devices", "Tick the devices to run it on, or 'any board'.")
         source = data.get("source")
         if source == "text":
             if "text" not in self.errors and not (data.get("text") or "").strip():

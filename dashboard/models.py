@@ -118,6 +118,10 @@ class Dispatch(models.Model):
     kind = models.CharField(max_length=8, choices=KINDS)
     device = models.ForeignKey(Device, null=True, blank=True, on_delete=models.CASCADE, related_name="dispatches", help_text="empty: any board of the namespace")
     namespace = models.CharField(max_length=64)
+    routing = models.JSONField(
+        default=dict, blank=True,
+        help_text="the prompt's prefix keys and expected work; for a run sent to any board, the router's choice and its expected saving",
+    )
     created = models.DateTimeField(auto_now_add=True, db_index=True)
 
     def __str__(self) -> str:
@@ -181,6 +185,13 @@ class InferenceRun(models.Model):
 
     def get_breakdown(self) -> Breakdown:
         return Breakdown.from_dict(self.breakdown)
+
+    @property
+    def routing(self) -> dict:
+        """How the router chose this run's board, for a run sent to any board (else {}): expected
+        time, what the board held, the expected saving (``dashboard.routing``)."""
+        record = Dispatch.objects.filter(request_id=self.request_id).values_list("routing", flat=True).first() or {}
+        return {key: value for key, value in record.items() if key not in ("prompt", "work_ms")} if record.get("policy") == "cache-aware" else {}
 
     def save(self, *args, **kwargs):
         for name, value in breakdown_counts(self.breakdown, self.error).items():

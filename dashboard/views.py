@@ -250,8 +250,15 @@ def run_page(request):
         if not verdict.allowed:
             return _run_rate_limited(request, verdict, wants_json)
         devices, spec = list(form.cleaned_data["devices"]), form.prompt_spec()
+        routed = None
+        if form.cleaned_data.get("any_board"):
+            routed = actions.route_run(devices or list(form.fields["devices"].queryset), spec)
+            if routed is None:
+                message = "No board is online to take it: start one with `python manage.py edge --name NAME`, or tick a device (it gets the run when it starts)."
+                return JsonResponse({"errors": {"any_board": [{"message": message}]}}, status=503) if wants_json else _run_page_refused(request, message, 503)
+            devices = [routed.device]
         try:
-            sent = _each_until_broker_fails(devices, lambda device: actions.dispatch_run(request.user, [device], spec))
+            sent = _each_until_broker_fails(devices, lambda device: actions.dispatch_run(request.user, [device], spec, routed=routed))
         except _BrokerDown as down:
             return _broker_unavailable(request, down, wants_json, lambda message: _run_page_refused(request, message, 503))
         if wants_json:

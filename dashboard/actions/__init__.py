@@ -21,7 +21,7 @@ from .devices import (
     save_namespace,
     update_device,
 )
-from .runs import PromptSpec, dispatch_run, record_run, run_json
+from .runs import PromptSpec, dispatch_run, record_run, route_run, run_json
 from .schemas import delete_schema, dispatch_encode, record_encode_progress, record_encoded, save_schema
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "record_encoded",
     "record_heartbeat",
     "record_run",
+    "route_run",
     "register_device",
     "revoke_device",
     "rotate_signing_key",

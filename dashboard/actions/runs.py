@@ -15,6 +15,7 @@ from cachebox.events import security_event
 from inference.messages import Queue, RunMeta, RunReport, RunRequest, Task
 
 from ..celery import app as celery_app
+from .. import routing
 from ..live import broadcast
 from ..models import Device, Dispatch, InferenceRun
 from .cache import acceptable_entries
@@ -42,7 +43,7 @@ class PromptSpec:
         return "".join(self.segments)
 
 
-def dispatch_run(user, devices: list[Device], spec: PromptSpec) -> list[dict]:
+def dispatch_run(user, devices: list[Device], spec: PromptSpec, routed: routing.Routed | None = None) -> list[dict]:
     """Send the prompt to each device's own queue; returns one {request_id, device} per device."""
     sent = []
     meta = RunMeta(source=spec.source[:32], title=spec.title[:200], expected_answer=spec.expected_answer[:16])
@@ -57,12 +58,26 @@ def dispatch_run(user, devices: list[Device], spec: PromptSpec) -> list[dict]:
             use_cache=spec.use_cache,
             meta=meta,
         )
-        Dispatch.objects.create(request_id=request.request_id, kind="run", device=device, namespace=request.namespace)
+        # ``routed``: the router chose this (one) device for a prompt sent to any board; a run to a
+        # named board keeps its prompt's keys too (the routing history: what each board holds).
+        record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, route_prompt(spec))
+        Dispatch.objects.create(request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record)
         celery_app.send_task(Task.RUN_PROMPT.value, args=[request.dump()], queue=Queue.device(device.name), expires=settings.EDGECACHE_TASK_EXPIRES)
-        sent.append({"request_id": request.request_id, "device": device.name})
+        sent.append({"request_id": request.request_id, "device": device.name, **({"routing": routing.shown(record)} if routed is not None else {})})
         broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": meta.title})
     log.info("dispatched user=%s devices=%s", getattr(user, "username", None), [d.name for d in devices])
     return sent
+
+
+def route_run(candidates: list[Device], spec: PromptSpec) -> routing.Routed | None:
+    """The board of ``candidates`` a prompt sent to "any board" goes to (None: none is online):
+    the one expected to answer first, given what it holds and its queue (``dashboard.routing``)."""
+    return routing.plan(candidates, route_prompt(spec))
+
+
+def route_prompt(spec: PromptSpec) -> routing.Prompt:
+    """A prompt as the router sees it (a schema run has no prefix keys: queues decide)."""
+    return routing.Prompt(segments=() if spec.schema else tuple(spec.segments), max_tokens=spec.max_tokens)
 
 
 def record_run(payload: RunReport | dict) -> InferenceRun | None:
@@ -142,7 +157,7 @@ def run_json(run: InferenceRun) -> dict:
     }
 
 
-def dispatch_api_run(device: Device, request: RunRequest, *, expires: int) -> RunRequest:
+def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, routed: routing.Routed | None = None) -> RunRequest:
     """Send a run of the OpenAI-compatible API (``dashboard.api``) to ``device``'s queue.
 
     ``request`` streams (its tokens come back on its pub/sub channel; the caller subscribes
@@ -151,7 +166,8 @@ def dispatch_api_run(device: Device, request: RunRequest, *, expires: int) -> Ru
     """
     if not request.stream:
         raise ValueError("an API run streams its answer back: build its RunRequest with stream=True")
-    Dispatch.objects.create(request_id=request.request_id, kind="run", device=device, namespace=request.namespace)
+    record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, routing.api_prompt(request))
+    Dispatch.objects.create(request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record)
     celery_app.send_task(Task.RUN_PROMPT.value, args=[request.dump()], queue=Queue.device(device.name), expires=expires)
     broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": request.meta.title})
     log.info("dispatched api run %s to %s", request.request_id, device.name)

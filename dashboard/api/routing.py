@@ -2,10 +2,9 @@
 
 - ``edgecache.device`` names one: it must be a device of the key's namespace (any other name
   is a 404, whether or not another tenant has it), serve the model and be online.
-- Otherwise an online board of the namespace serving the model: the one that last served the
-  request's ``prompt_cache_key`` (its prompt states are likeliest to be in its context and
-  catalog), else the least recently used one (the oldest last dispatch), which spreads
-  requests over the boards.
+- Otherwise the online board of the namespace serving the model that is expected to answer
+  first (``dashboard.routing``: what each board holds of the prompt, its queue, its rates);
+  ``prompt_cache_key`` is a hint: the board that last served it wins a tie.
 
 A model is named by what boards report in their heartbeat: the model file's name
 (``Device.status["model"]``) or its fingerprint.
@@ -15,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from datetime import datetime, timezone as dt_timezone
 
 from django.core.cache import cache
-from django.db.models import Max
 
 from cachebox.django_cache import CACHE_SERVER_ERRORS
 
 from ..models import ApiKey, Device
+from ..routing import Prompt, Routed, plan
 from .errors import ApiError, bad_request
 from .requests import ApiRequest
 
@@ -58,9 +56,14 @@ def online_models(namespace: str) -> list[dict]:
 
 def choose_device(key: ApiKey, request: ApiRequest) -> Device:
     """The board that answers ``request`` (ApiError 400/404/503 saying why there is none)."""
+    return choose_route(key, request)[0]
+
+
+def choose_route(key: ApiKey, request: ApiRequest) -> tuple[Device, Routed | None]:
+    """The board that answers ``request`` and, when the router chose it, its routing record."""
     devices = namespace_devices(key.namespace_id)
     if request.device:
-        return _named(devices, request.device, request.model, key.namespace_id)
+        return _named(devices, request.device, request.model, key.namespace_id), None
     known = [device for device in devices if serves(device, request.model)]
     if not known:
         served = sorted({(device.status or {}).get("model") for device in devices if device.online and (device.status or {}).get("model")})
@@ -70,12 +73,16 @@ def choose_device(key: ApiKey, request: ApiRequest) -> Device:
     if not online:
         names = ", ".join(device.name for device in known)
         raise ApiError(503, f"No board serving {request.model!r} is online (its devices: {names}); {START_A_BOARD}.", type="server_error", code="no_board_online")
-    if request.prompt_cache_key:
-        remembered = _remembered(key.namespace_id, request.prompt_cache_key)
-        for device in online:
-            if device.name == remembered:
-                return device
-    return least_recently_used(online)
+    remembered = _remembered(key.namespace_id, request.prompt_cache_key) if request.prompt_cache_key else None
+    routed = plan(online, _prompt(request), preferred=remembered or "")
+    return routed.device, routed
+
+
+def _prompt(request: ApiRequest) -> Prompt:
+    if request.pml or request.schema:
+        return Prompt(max_tokens=request.max_tokens)
+    messages = tuple((str(m.get("role", "")), str(m.get("content", ""))) for m in request.messages)
+    return Prompt(segments=(request.prompt,) if request.prompt else (), messages=messages, max_tokens=request.max_tokens)
 
 
 def _named(devices: list[Device], name: str, model: str, namespace: str) -> Device:
@@ -89,13 +96,6 @@ def _named(devices: list[Device], name: str, model: str, namespace: str) -> Devi
         actual = (device.status or {}).get("model") or "no model yet"
         raise bad_request(f"Device {name!r} serves {actual!r}, not {model!r}.", param="model", code="model_not_found")
     return device
-
-
-def least_recently_used(devices: list[Device]) -> Device:
-    """The device whose last dispatch is the oldest (one never used first)."""
-    last = dict(Device.objects.filter(pk__in=[device.pk for device in devices]).annotate(last=Max("dispatches__created")).values_list("pk", "last"))
-    never = datetime.min.replace(tzinfo=dt_timezone.utc)
-    return min(devices, key=lambda device: (last.get(device.pk) or never, device.name))
 
 
 def _cache_name(namespace: str, prompt_cache_key: str) -> str:

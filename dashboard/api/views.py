@@ -102,11 +102,11 @@ async def _complete(request, kind: str) -> HttpResponse:
             raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
         api = parse_request(parse_body(raw), kind)
         schema_source = await _schema_source(api)
-        device = await sync_to_async(routing.choose_device)(key, api)
+        device, routed = await sync_to_async(routing.choose_route)(key, api)
         run = _run_request(key, device, api, schema_source)
     except ApiError as exc:
         return exc.response()
-    return await _answer(key, device, api, run)
+    return await _answer(key, device, api, run, routed)
 
 
 async def _authorized(request) -> ApiKey:
@@ -167,7 +167,7 @@ def _run_request(key: ApiKey, device: Device, api: ApiRequest, schema_source: st
         raise bad_request(f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}", param=api.prompt_param) from None
 
 
-async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest) -> HttpResponse:
+async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest, routed=None) -> HttpResponse:
     """Dispatch the run and answer from its stream (subscribed first: nothing published is missed)."""
     timeout = settings.EDGECACHE_API_TIMEOUT
     subscription = streams.subscribe(
@@ -181,7 +181,7 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest)
     handed_over = finished = False
     try:
         try:
-            await sync_to_async(dispatch_api_run)(device, run, expires=timeout)
+            await sync_to_async(dispatch_api_run)(device, run, expires=timeout, routed=routed)
         except BrokerUnavailable as exc:
             finished = True  # never sent: nothing to cancel
             raise _unavailable(f"The message broker (the cache box's Redis) is not reachable: {exc}. Nothing was sent.") from None
@@ -236,7 +236,7 @@ class _Follower:
             except MessageRefused as exc:
                 log.warning("ignored an event on %s: %s", stream_channel(self.request_id), exc)
                 continue
-            if event.request_id == self.request_id:
+            if event.request_id == self.request_id and event.type != "stage":  # stages are for the Run page
                 return event
 
 
