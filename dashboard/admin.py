@@ -2,17 +2,18 @@ from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth.admin import UserAdmin
 from django.contrib.admin import helpers
-from django.template.defaultfilters import filesizeformat
 from django.template.response import TemplateResponse
 
 from cachebox.models import CacheEntry
 
+from .entry_preview import previews
+from .explain import human_bytes
 from .models import ApiKey, AuditEvent, Device, InferenceRun, Membership, Namespace, SavedPrompt
 
 SHOWN = 50  # items listed on a confirmation page
 
 
-def confirmation(modeladmin, request, queryset, *, title: str, verb: str, explanation: str, describe):
+def confirmation(modeladmin, request, queryset, *, title: str, verb: str, explanation: str, describe, destructive: bool = True):
     """None once the staff member has confirmed this action; otherwise the page that asks (``describe`` lists each object)."""
     if request.POST.get("confirmed") == "yes":
         return None
@@ -25,6 +26,7 @@ def confirmation(modeladmin, request, queryset, *, title: str, verb: str, explan
             "title": title,
             "verb": verb,
             "explanation": explanation,
+            "destructive": destructive,
             "items": [describe(obj) for obj in queryset[:SHOWN]],
             "more": max(0, count - SHOWN),
             "action": request.POST.get("action"),
@@ -140,16 +142,33 @@ class AuditEventAdmin(admin.ModelAdmin):
 
 # The cache-box mirror lives in the cachebox app (URLs stay admin:cachebox_cacheentry_*),
 # its pages here: cachebox is a plain library and knows no control plane.
+_ENTRY_CONSEQUENCES = {
+    "evict": "Evicting deletes them from the cache box: this cannot be undone from here. Boards that meet these prompts "
+    "again prefill them and upload new entries.",
+    "pin": "Pinned entries never expire: they stay in the cache box until unpinned or evicted.",
+    "unpin": "Unpinning deletes nothing: the entries stay in the cache box and are served as before, and now expire "
+    "after their time to live like any other entry. You can pin them again at any time.",
+}
+
+
+def entry_line(entry: CacheEntry, holds: str = "") -> str:
+    """One entry as a person reads it: what it holds, where, how big."""
+    what = f"“{holds}” " if holds else ""
+    return f"{what}{entry.namespace}, tokens {entry.start}–{entry.end} ({entry.tokens} tokens), {human_bytes(entry.bytes)}, {entry.hits} hit{'s' if entry.hits != 1 else ''}"
+
+
 def _confirm_entries(modeladmin, request, queryset, verb: str):
-    """None after the staff member confirmed; otherwise the page that asks."""
+    """None after the staff member confirmed; otherwise the page that asks, in the words of the action."""
+    holds = previews(queryset[:SHOWN])
     return confirmation(
         modeladmin,
         request,
         queryset,
         title=f"{verb.capitalize()} {queryset.count()} cache entries?",
         verb=verb,
-        explanation="This cannot be undone from here; boards recompute and upload what they need again.",
-        describe=lambda e: f"{e.key} ({e.namespace}, [{e.start}, {e.end}), {filesizeformat(e.bytes)})",
+        explanation=_ENTRY_CONSEQUENCES[verb],
+        describe=lambda e: entry_line(e, holds.get(e.key, "")),
+        destructive=verb == "evict",
     )
 
 
@@ -157,7 +176,7 @@ def _confirm_entries(modeladmin, request, queryset, verb: str):
 class CacheEntryAdmin(admin.ModelAdmin):
     """Filter, sort, evict, pin and unpin cache entries (staff only, confirmed, logged)."""
 
-    list_display = ("key", "model", "namespace", "start", "end", "tokens", "bytes", "hits", "last_hit", "creator_device", "pinned", "created")
+    list_display = ("holds", "namespace", "start", "end", "tokens", "size", "hits", "last_hit", "creator_device", "pinned", "created", "key", "model")
     list_filter = ("namespace", "model", "pinned", "creator_device")
     search_fields = ("key", "namespace", "model", "creator_device")
     ordering = ("-created",)
@@ -166,6 +185,15 @@ class CacheEntryAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request):
         return False  # entries come from boards, never typed in
+
+    @admin.display(description="holds")
+    def holds(self, obj):
+        """The first words of the entry's range (or its schema and module), from the run that stored it."""
+        return previews([obj]).get(obj.key) or "–"
+
+    @admin.display(description="size", ordering="bytes")
+    def size(self, obj):
+        return human_bytes(obj.bytes)
 
     def has_change_permission(self, request, obj=None):
         return False
@@ -189,7 +217,7 @@ class CacheEntryAdmin(admin.ModelAdmin):
         count = evict_entries(request.user, queryset)
         self.message_user(request, f"Evicted {count} entries.", messages.SUCCESS)
 
-    @admin.action(description="Pin selected entries (never evicted)")
+    @admin.action(description="Pin selected entries (never expire)")
     def pin(self, request, queryset):
         from .actions import pin_entries
 

@@ -14,9 +14,11 @@ from cachebox.link import LinkProfile
 from inference.breakdown import STACK
 from inference.breakeven import LinearFit, crossover, fit_line, points_from_breakdowns
 
+from .chart_series import ChartPoint
+
 # The paper's table-3 components, in its order and words (one source for charts and live.js).
 COMPONENTS = STACK
-WINDOW = 200  # points kept per trace: the charts stay smooth with hundreds of runs
+WINDOW = 5000  # points a trace keeps while live points arrive (the range's points come from the database)
 
 # The top margin leaves the band above the title to Plotly's toolbar (shown on hover, top right):
 # the title sits just above the plot area, left-aligned, so the toolbar never covers it. The
@@ -27,12 +29,29 @@ _LAYOUT = dict(
 )
 
 
-def _figure(traces, title: str, **layout) -> dict:
+EMPTY_TEXT = "No runs in this time range yet"
+
+
+def _has_points(traces) -> bool:
+    return any(len(trace.x or ()) for trace in traces)
+
+
+def _figure(traces, title: str, *, empty_text: str | None = EMPTY_TEXT, **layout) -> dict:
+    """A figure as Plotly.js takes it. Without a single point it says so (``empty_text``) instead
+    of drawing empty axes (Plotly's -1..6); ``layout.meta.empty`` tells the page to show the axes
+    again when live points arrive."""
     fig = go.Figure(data=traces)
     fig.update_layout(
         title=dict(text=title, font=dict(size=14), x=0, xref="paper", xanchor="left", y=1, yref="paper", yanchor="bottom", pad=dict(b=8)),
         **{**_LAYOUT, **layout},
     )
+    if empty_text and not _has_points(traces):
+        fig.update_layout(
+            meta={"empty": True},
+            xaxis=dict(visible=False),
+            yaxis=dict(visible=False),
+            annotations=[dict(text=empty_text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(size=15, color="#667085"))],
+        )
     return fig.to_plotly_json()
 
 
@@ -50,57 +69,86 @@ def breakdown_figure(runs: list) -> dict:
     return _figure(traces, "Time-to-last-token breakdown per run (ms)", barmode="stack", yaxis_title="ms", legend=dict(orientation="h", y=-0.25, traceorder="normal"))
 
 
-def timeline_figure(runs: list, devices: Iterable[str]) -> dict:
+def _mine(points: list[ChartPoint], device: str) -> list[ChartPoint]:
+    return [point for point in points if point.device == device]
+
+
+def _when(point: ChartPoint) -> str:
+    return point.created.isoformat()
+
+
+def _color(colors: dict[str, str] | None, device: str) -> str | None:
+    return (colors or {}).get(device)
+
+
+def timeline_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[str, str] | None = None) -> dict:
     traces = []
     for device in devices:
-        mine = [run for run in runs if run.device.name == device]
+        mine = _mine(points, device)
         for field, metric in (("ttft_ms", "TTFT"), ("ttlt_ms", "TTLT")):
             traces.append(
                 go.Scatter(
                     name=f"{device} {metric}",
-                    x=[run.created.isoformat() for run in mine],
-                    y=[run.breakdown.get(field, 0) for run in mine],
+                    x=[_when(point) for point in mine],
+                    y=[getattr(point, field) for point in mine],
                     mode="lines+markers",
-                    line=dict(dash="solid" if metric == "TTFT" else "dot"),
+                    line=dict(dash="solid" if metric == "TTFT" else "dot", color=_color(colors, device)),
                 )
             )
     return _figure(traces, "TTFT and TTLT over time (ms)", yaxis_title="ms")
 
 
-def hit_counts(runs: list) -> dict[str, list[int]]:
+def tbt_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[str, str] | None = None) -> dict:
+    """Time between answer tokens of each run (p50 solid, p99 dotted): what a streaming reader feels."""
+    traces = []
+    for device in devices:
+        mine = [point for point in _mine(points, device) if point.tbt_p50_ms > 0]  # one-token answers have none
+        for field, metric in (("tbt_p50_ms", "TBT p50"), ("tbt_p99_ms", "TBT p99")):
+            traces.append(
+                go.Scatter(
+                    name=f"{device} {metric}",
+                    x=[_when(point) for point in mine],
+                    y=[getattr(point, field) for point in mine],
+                    mode="lines+markers",
+                    line=dict(dash="solid" if metric == "TBT p50" else "dot", color=_color(colors, device)),
+                )
+            )
+    return _figure(traces, "Time between tokens, p50 and p99 per run (ms)", yaxis_title="ms")
+
+
+def hit_counts(points: list[ChartPoint]) -> dict[str, list[int]]:
     counts: dict[str, list[int]] = {}
-    for run in runs:
-        hits, total = counts.setdefault(run.device.name, [0, 0])
-        counts[run.device.name] = [hits + (run.case in ("partial", "full")), total + 1]
+    for point in points:
+        hits, total = counts.setdefault(point.device, [0, 0])
+        counts[point.device] = [hits + point.hits, total + point.runs]
     return counts
 
 
-def hit_ratio_figure(runs: list, devices: Iterable[str]) -> dict:
-    """Cumulative fraction of runs that restored at least one range from the cache box."""
+def hit_ratio_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[str, str] | None = None) -> dict:
+    """Cumulative fraction of runs (within the range) that restored at least one cached range."""
     traces = []
     for device in devices:
         xs, ys, hits, total = [], [], 0, 0
-        for run in runs:
-            if run.device.name != device:
-                continue
-            total += 1
-            hits += run.case in ("partial", "full")
-            xs.append(run.created.isoformat())
+        for point in _mine(points, device):
+            total += point.runs
+            hits += point.hits
+            xs.append(_when(point))
             ys.append(hits / total)
-        traces.append(go.Scatter(name=device, x=xs, y=ys, mode="lines+markers"))
+        traces.append(go.Scatter(name=device, x=xs, y=ys, mode="lines+markers", line=dict(color=_color(colors, device))))
     return _figure(traces, "Cache hit ratio", yaxis=dict(range=[0, 1.05], title="runs with a hit"))
 
 
-def bytes_figure(runs: list, devices: Iterable[str]) -> dict:
+def bytes_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[str, str] | None = None) -> dict:
     traces = []
     for device in devices:
-        mine = [run for run in runs if run.device.name == device]
+        mine = _mine(points, device)
         traces.append(
             go.Scatter(
                 name=device,
-                x=[run.created.isoformat() for run in mine],
-                y=[run.breakdown.get("state_bytes", 0) / 1e6 for run in mine],
+                x=[_when(point) for point in mine],
+                y=[point.state_bytes / 1e6 for point in mine],
                 mode="markers",
+                marker=dict(color=_color(colors, device)),
             )
         )
     return _figure(traces, "Prompt state moved per run (MB, fetched + uploaded)", yaxis_title="MB")
@@ -159,6 +207,7 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
     return _figure(
         traces,
         f"Break-even on {link_label}: {verdict}",
+        empty_text="No runs on this board yet",
         xaxis_title="prompt tokens (prefilled or fetched)",
         yaxis_title="ms",
         shapes=shapes,

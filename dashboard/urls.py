@@ -7,6 +7,7 @@ from .api import views as api
 
 urlpatterns = [
     path("", views.home, name="home"),
+    path("charts.json", views.home_charts_json, name="home-charts"),
     path("devices/", views.device_list, name="devices"),
     path("devices/register/", views.device_register, name="device-register"),
     path("devices/<slug:name>/", views.device_detail, name="device-detail"),
@@ -14,6 +15,7 @@ urlpatterns = [
     path("devices/<slug:name>/rotate/", views.device_rotate, name="device-rotate"),
     path("devices/<slug:name>/revoke/", views.device_revoke, name="device-revoke"),
     path("run/", views.run_page, name="run"),
+    path("run/cancel/", views.run_cancel, name="run-cancel"),
     path("runs/", views.run_list, name="runs"),
     path("runs/export.csv", views.run_export, {"fmt": "csv"}, name="runs-export-csv"),
     path("runs/export.json", views.run_export, {"fmt": "json"}, name="runs-export-json"),

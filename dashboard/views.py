@@ -39,8 +39,12 @@ from inference.breakdown import Breakdown
 from inference.models import Schema
 from inference.pml import PMLError
 from .schema_info import describe, key_names, layout_of
+from .chart_series import RANGE_LABELS, chart_series, parse_range
+from .colors import device_colors
+from .entry_preview import previews
+from .explain import explain_run
 
-from . import actions, charts, metrics, ratelimit
+from . import actions, charts, metrics, ratelimit, run_stream
 from .forms import MAX_PROMPT_CHARS, ConfirmForm, DeviceForm, EncodeForm, FlushForm, RunFilterForm, RunForm, SchemaForm
 from .models import AuditEvent, Device, InferenceRun
 from .stats import device_summary, explain_error, explained, fill_label, recent_runs, visible_devices, visible_runs
@@ -87,25 +91,39 @@ def staff_member_required(view):
     return wrapper
 
 
-def _device_names(runs, devices=None) -> list[str]:
-    names = {run.device.name for run in runs}
-    names.update(device.name for device in devices or [])
-    return sorted(names)
+BREAKDOWN_BARS = 50  # runs the stacked breakdown chart shows (the newest of the range)
+
+
+def home_charts(viewer, range_name: str) -> dict:
+    """The dashboard's figures for a time range (``chart_series.RANGES``), as the page draws them."""
+    devices = list(visible_devices(viewer))
+    runs = visible_runs(viewer)
+    series = chart_series(runs, range_name)
+    names = sorted({point.device for point in series.points} | {device.name for device in devices})
+    colors = device_colors(devices)
+    newest = runs.filter(error="")
+    if series.since is not None:
+        newest = newest.filter(created__gte=series.since)
+    bars = list(reversed(newest[:BREAKDOWN_BARS]))
+    return {
+        "breakdown": charts.breakdown_figure(bars),
+        "timeline": charts.timeline_figure(series.points, names, colors),
+        "tbt": charts.tbt_figure(series.points, names, colors),
+        "hits": charts.hit_ratio_figure(series.points, names, colors),
+        "bytes": charts.bytes_figure(series.points, names, colors),
+        "hitCounts": charts.hit_counts(series.points),
+        "colors": colors,
+        "range": series.range,
+        "granularity": series.granularity,
+        "runs": series.runs,
+        "window": charts.WINDOW,
+    }
 
 
 @login_required
 def home(request):
     devices = list(visible_devices(request.user))
-    runs = recent_runs(request.user, charts.WINDOW)
-    names = _device_names(runs, devices)
-    chart_data = {
-        "breakdown": charts.breakdown_figure(runs[-50:]),
-        "timeline": charts.timeline_figure(runs, names),
-        "hits": charts.hit_ratio_figure(runs, names),
-        "bytes": charts.bytes_figure(runs, names),
-        "hitCounts": charts.hit_counts(runs),
-        "window": charts.WINDOW,
-    }
+    chart_data = home_charts(request.user, parse_range(request.GET.get("range")))
     store = actions.cachebox()
     return render(
         request,
@@ -113,6 +131,7 @@ def home(request):
         {
             "summaries": [device_summary(device) for device in devices],
             "chart_data": chart_data,
+            "ranges": RANGE_LABELS,
             # The table lists failed runs too (the charts draw successful ones only).
             "runs": explained(recent_runs(request.user, 20, failed=True)[::-1]),
             "cachebox_up": store.ping(),
@@ -120,6 +139,12 @@ def home(request):
             "embedded": settings.REDIS_URL_IS_EMBEDDED,
         },
     )
+
+
+@login_required
+def home_charts_json(request):
+    """The dashboard's figures for ``?range=`` (15m, 1h, 24h, all): the page's range buttons."""
+    return JsonResponse(home_charts(request.user, parse_range(request.GET.get("range"))))
 
 
 @login_required
@@ -239,7 +264,8 @@ def _again_initial(request) -> tuple[dict, InferenceRun | None]:
 def run_page(request):
     if request.method == "POST":
         form = RunForm(request.POST, user=request.user)
-        wants_json = request.headers.get("Accept", "").startswith("application/json")
+        accept = request.headers.get("Accept", "")
+        wants_json = accept.startswith("application/json") or accept.startswith(run_stream.CONTENT_TYPE)  # refusals: JSON for the script
         # Refused submissions (empty, too long, another tenant's device) send nothing and are not
         # counted: the limit counts only the valid submissions about to be sent.
         if not form.is_valid():
@@ -257,6 +283,12 @@ def run_page(request):
                 message = "No board is online to take it: start one with `python manage.py edge --name NAME`, or tick a device (it gets the run when it starts)."
                 return JsonResponse({"errors": {"any_board": [{"message": message}]}}, status=503) if wants_json else _run_page_refused(request, message, 503)
             devices = [routed.device]
+        if accept.startswith(run_stream.CONTENT_TYPE):
+            # The page's script: the runs' stages and tokens follow in this response, as they come.
+            response = StreamingHttpResponse(run_stream.follow(request.user, devices, spec, routed), content_type=run_stream.CONTENT_TYPE)
+            response["Cache-Control"] = "no-cache"
+            response["X-Accel-Buffering"] = "no"
+            return response
         try:
             sent = _each_until_broker_fails(devices, lambda device: actions.dispatch_run(request.user, [device], spec, routed=routed))
         except _BrokerDown as down:
@@ -280,6 +312,17 @@ def run_page(request):
             chart_data={"breakdown": charts.breakdown_figure(charted), "window": charts.WINDOW},
         ),
     )
+
+
+@login_required
+@require_POST
+def run_cancel(request):
+    """The Run page's Cancel: the boards stop these runs between two tokens (or never start them)."""
+    try:
+        cancelled = run_stream.cancel_runs(request.user, request.POST.getlist("request_id"))
+    except CacheBoxUnavailable as exc:
+        return JsonResponse({"errors": {"__all__": [{"message": f"Not cancelled: the cache box does not answer ({exc}).", "code": "cachebox_unavailable"}]}}, status=503)
+    return JsonResponse({"cancelled": cancelled})
 
 
 # -- the Runs page, one run, exports ----------------------------------------------------------------
@@ -373,7 +416,7 @@ def _breakdown_rows(breakdown: dict) -> list[tuple[str, object]]:
     """Every field of a run's breakdown: the known ones in their order, then any others."""
     known = [f.name for f in dataclass_fields(Breakdown)]
     rows = [(name, breakdown[name]) for name in known if name in breakdown]
-    rows += sorted((name, value) for name, value in breakdown.items() if name not in known)
+    rows += sorted((name, value) for name, value in breakdown.items() if name not in known and name != "entries")  # entries: their own section
     return rows
 
 
@@ -382,10 +425,20 @@ def run_detail(request, pk):
     run = get_object_or_404(visible_runs(request.user), pk=pk)  # another tenant's: 404, as if absent
     run.error_message = explain_error(run.error)
     breakdown = run.breakdown or {}
+    entries = breakdown.get("entries") or {}
     return render(
         request,
         "dashboard/run_detail.html",
-        {"run": run, "breakdown_rows": _breakdown_rows(breakdown), "modules_hit": breakdown.get("modules_hit")},
+        {
+            "run": run,
+            "breakdown_rows": _breakdown_rows(breakdown),
+            "modules_hit": breakdown.get("modules_hit"),
+            "entries_known": "entries" in breakdown,
+            "fetched_entries": entries.get("fetched", []),
+            "stored_entries": entries.get("stored", []),
+            "explanation": explain_run(text=run.text, error=run.error, expected_answer=run.expected_answer, breakdown=breakdown),
+            "tbt": (breakdown.get("tbt_p50_ms"), breakdown.get("tbt_p99_ms")),
+        },
     )
 
 
@@ -473,6 +526,15 @@ def _master_epoch(store, namespace: str) -> str:
     return value.decode(errors="replace") if value else ""
 
 
+NEWEST_ENTRIES = 15  # entries the Cache page lists (Admin > Cache entries lists them all)
+
+
+def _newest_entries() -> list[dict]:
+    entries = list(CacheEntry.objects.order_by("-created")[:NEWEST_ENTRIES])
+    holds = previews(entries)
+    return [{"entry": entry, "holds": holds.get(entry.key, "")} for entry in entries]
+
+
 @staff_member_required
 def cache_page(request):
     store = actions.cachebox()
@@ -525,6 +587,7 @@ def cache_page(request):
             "reachable": reachable,
             "devices": devices,
             "flush_form": FlushForm(),
+            "entries": _newest_entries(),
             "events": AuditEvent.objects.select_related("user")[:15],
         },
     )

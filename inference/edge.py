@@ -139,6 +139,8 @@ def serve(board, request: RunRequest) -> RunReport:
     if stream is not None and stream.cancel_requested():
         stream.close()
         return RunReport.for_request(request, **_sender(), error=CANCELLED)  # its client left while it waited
+    if stream is not None:
+        stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage="started"))
     answer = _Answer(request.stop)
     cancelled = False
 

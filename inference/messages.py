@@ -279,10 +279,12 @@ class RunReport(BoardMessage):
 class StreamEvent(Message):
     """What a board publishes on a streamed run's channel (``cachebox.keys.stream_channel``): each
     answer piece as it is chosen (``token``), then one ``done`` (the answer's text, why it ended,
-    its breakdown) or ``error``. Not signed: the RunReport that follows on the control queue stays
-    the signed record; these only carry the answer to a waiting client sooner."""
+    its breakdown) or ``error``; before the first token, ``stage`` events say how far the board is
+    (``started``: it took the run off its queue; lookup, fetch and prefill follow). Not signed: the
+    RunReport that follows on the control queue stays the signed record; these only carry the
+    answer to a waiting client sooner."""
 
-    type: Literal["token", "done", "error"]
+    type: Literal["token", "done", "error", "stage"]
     request_id: str = Field(pattern=_UUID)
     device: str = Field("", max_length=64)
     index: int = Field(0, ge=0)  # token events: 0, 1, 2, ...
@@ -290,6 +292,7 @@ class StreamEvent(Message):
     finish_reason: Literal["", "stop", "length", "cancelled"] = ""
     error: str = Field("", max_length=10_000)
     breakdown: dict[str, Any] = Field(default_factory=dict)
+    stage: Literal["", "started"] = ""  # stage events
 
     def encode(self) -> bytes:
         return self.model_dump_json(exclude_defaults=True).encode()

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from .breakdown import Breakdown
 from .engine import Engine
 from .messages import StoredEntry
@@ -78,15 +80,19 @@ def decode_answer(
 ) -> tuple[list[int], str]:
     """Decode the answer after its first token (R-decode + Sample), stopping at end of generation.
 
-    Fills ``decode_ms``, ``sample_ms``, ``ttlt_ms`` and ``generated_tokens``; returns the
-    answer's tokens (without the end-of-generation token) and its text. ``on_token`` sees each
-    token as it is chosen and may stop the generation.
+    Fills ``decode_ms``, ``sample_ms``, ``ttlt_ms``, ``generated_tokens`` and the time between
+    answer tokens (``tbt_p50_ms``, ``tbt_p99_ms``: from one token chosen to the next, the
+    ``on_token`` hook included, as a streaming client sees them); returns the answer's tokens
+    (without the end-of-generation token) and its text. ``on_token`` sees each token as it is
+    chosen and may stop the generation.
     """
     generated = [token]
+    between: list[float] = []  # ms from one answer token chosen to the next
     pieces = _TextPieces(engine) if on_token is not None else None
     going = True
     if pieces is not None and not engine.is_end_of_generation(token):
         going = on_token(token, pieces.add(token)) is not False
+    last = time.perf_counter()
     while going and len(generated) < max_tokens and not engine.is_end_of_generation(token):
         mark = time.perf_counter()
         logits = engine.decode_one(token, position)
@@ -96,9 +102,16 @@ def decode_answer(
         token = choose(logits, sampling, rng, top)
         breakdown.sample_ms += ms_since(mark)
         generated.append(token)
-        if pieces is not None and not engine.is_end_of_generation(token):
+        if engine.is_end_of_generation(token):
+            break  # not an answer token: no time between tokens to count
+        if pieces is not None:
             going = on_token(token, pieces.add(token)) is not False
+        now = time.perf_counter()
+        between.append((now - last) * 1000.0)
+        last = now
     breakdown.ttlt_ms = ms_since(started)
+    if between:
+        breakdown.tbt_p50_ms, breakdown.tbt_p99_ms = (float(value) for value in np.percentile(between, [50, 99]))
     if engine.is_end_of_generation(generated[-1]):
         generated.pop()
     breakdown.generated_tokens = len(generated)

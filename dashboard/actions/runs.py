@@ -18,6 +18,7 @@ from ..celery import app as celery_app
 from .. import routing
 from ..live import broadcast
 from ..models import Device, Dispatch, InferenceRun
+from ..entry_preview import stored_entries
 from .cache import acceptable_entries
 from .devices import receive_board_message
 
@@ -37,19 +38,22 @@ class PromptSpec:
     use_cache: bool = True
     schema: str = ""  # PML schema source, for a PML prompt (then ``pml`` holds the prompt)
     pml: str = ""
+    stream: bool = False  # the board publishes stages and tokens on the run's pub/sub channel (the Run page follows them)
 
     @property
     def text(self) -> str:
         return "".join(self.segments)
 
 
-def dispatch_run(user, devices: list[Device], spec: PromptSpec, routed: routing.Routed | None = None) -> list[dict]:
-    """Send the prompt to each device's own queue; returns one {request_id, device} per device."""
+def dispatch_run(user, devices: list[Device], spec: PromptSpec, request_ids: list[str] | None = None, routed: routing.Routed | None = None) -> list[dict]:
+    """Send the prompt to each device's own queue; returns one {request_id, device} per device.
+
+    ``request_ids`` (one per device) are for a caller that subscribed to the runs' channels first."""
     sent = []
     meta = RunMeta(source=spec.source[:32], title=spec.title[:200], expected_answer=spec.expected_answer[:16])
-    for device in devices:
+    for index, device in enumerate(devices):
         request = RunRequest(
-            request_id=str(uuid.uuid4()),
+            request_id=request_ids[index] if request_ids else str(uuid.uuid4()),
             segments=spec.segments,
             schema=spec.schema,
             pml=spec.pml,
@@ -57,6 +61,7 @@ def dispatch_run(user, devices: list[Device], spec: PromptSpec, routed: routing.
             namespace=spec.namespace or device.namespace_id,
             use_cache=spec.use_cache,
             meta=meta,
+            stream=spec.stream,
         )
         # ``routed``: the router chose this (one) device for a prompt sent to any board; a run to a
         # named board keeps its prompt's keys too (the routing history: what each board holds).
@@ -90,6 +95,10 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
     if device is None or not answers_dispatch(device, report.request_id, "run"):
         return None
     breakdown = report.breakdown
+    accepted = acceptable_entries(device, report.uploaded)
+    # The entries the run used and stored, by name (the run page lists them; the Cache page reads
+    # what an entry holds from the prompt of the run that stored it: dashboard.entry_preview).
+    entries = {"fetched": list(report.fetched), "stored": stored_entries(accepted)}
     with transaction.atomic():
         run, created = InferenceRun.objects.get_or_create(
             request_id=report.request_id,
@@ -101,7 +110,11 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
                 "prompt": report.prompt,
                 "text": report.text,
                 "error": report.error,
-                "breakdown": {**breakdown.as_dict(), **({"modules_hit": report.modules_hit} if report.modules_hit is not None else {})},
+                "breakdown": {
+                    **breakdown.as_dict(),
+                    **({"modules_hit": report.modules_hit} if report.modules_hit is not None else {}),
+                    **({"entries": entries} if entries["fetched"] or entries["stored"] else {}),
+                },
                 "case": breakdown.case.value if not report.error else "",
                 "ttft_ms": breakdown.ttft_ms,
                 "ttlt_ms": breakdown.ttlt_ms,
@@ -112,7 +125,7 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
         )
         if not created:
             return run  # a redelivered message: stored once, broadcast once
-        mirror.record_uploads([entry.dump() for entry in acceptable_entries(device, report.uploaded)], device.name)
+        mirror.record_uploads([entry.dump() for entry in accepted], device.name)
         mirror.record_hits(report.fetched)
         Device.objects.filter(pk=device.pk).update(last_seen=timezone.now())
         transaction.on_commit(lambda: broadcast("run", run_json(run)))
@@ -138,12 +151,15 @@ def run_json(run: InferenceRun) -> dict:
     updated figures (the device cards show them without a reload)."""
     from django.urls import reverse
 
+    from ..colors import device_color
+    from ..explain import explain_run
     from ..stats import explain_error, run_figures
 
     return {
         "id": run.pk,
         "request_id": str(run.request_id),
         "device": run.device.name,
+        "device_color": device_color(run.device),
         "created": run.created.isoformat(),
         "title": run.title,
         "source": run.source,
@@ -152,6 +168,7 @@ def run_json(run: InferenceRun) -> dict:
         "error_message": explain_error(run.error),
         "expected_answer": run.expected_answer,
         "breakdown": run.breakdown,
+        "explanation": explain_run(text=run.text, error=run.error, expected_answer=run.expected_answer, breakdown=run.breakdown),
         "url": reverse("run-detail", args=[run.pk]),
         "device_figures": run_figures(run.device),
     }

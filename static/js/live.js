@@ -79,6 +79,7 @@
   }
   const elBreakdown = draw("chart-breakdown", charts.breakdown);
   const elTimeline = draw("chart-timeline", charts.timeline);
+  const elTbt = draw("chart-tbt", charts.tbt);
   const elHits = draw("chart-hits", charts.hits);
   const elBytes = draw("chart-bytes", charts.bytes);
   const elBreakeven = draw("chart-breakeven", charts.breakeven);
@@ -90,6 +91,109 @@
       index = node.data.length - 1;
     }
     return index;
+  }
+  // A chart drawn empty ("No runs in this time range yet", no axes) gets its axes at its first point.
+  function notEmpty(node) {
+    if (node && node.layout && node.layout.meta && node.layout.meta.empty) {
+      Plotly.relayout(node, { "xaxis.visible": true, "yaxis.visible": true, annotations: [], meta: {} });
+    }
+  }
+
+  // -- one colour per device on every chart (the server's choice; a new device takes a free one) ---
+  const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
+  const colors = charts.colors || {};
+  function colorOf(device, given) {
+    if (!colors[device]) {
+      const used = Object.values(colors);
+      colors[device] = given || PALETTE.find((c) => used.indexOf(c) < 0) || PALETTE[used.length % PALETTE.length];
+    }
+    return colors[device];
+  }
+
+  // -- each chart's data as CSV or JSON: the points it draws (live ones too), not a picture ------
+  function chartRows(node) {
+    const rows = [];
+    (node.data || []).forEach(function (trace) {
+      const xs = trace.x || [], ys = trace.y || [];
+      for (let i = 0; i < xs.length; i++) rows.push({ series: trace.name, x: xs[i], y: ys[i] });
+    });
+    return rows;
+  }
+  function csvCell(value) {
+    let text = value == null ? "" : String(value);
+    if (/^[=+\-@\t\r]/.test(text)) text = "'" + text; // a spreadsheet shows it, never runs it
+    return /[",\n]/.test(text) ? '"' + text.replace(/"/g, '""') + '"' : text;
+  }
+  function download(name, type, body) {
+    const link = el("a", { href: URL.createObjectURL(new Blob([body], { type: type })), download: name });
+    document.body.appendChild(link);
+    link.click();
+    setTimeout(function () { URL.revokeObjectURL(link.href); link.remove(); }, 1000);
+  }
+  function chartFileName(node, ext) {
+    const range = charts.range ? "-" + charts.range : "";
+    return "edgecache-" + (node.dataset.title || node.id) + range + "." + ext;
+  }
+  document.querySelectorAll(".chart").forEach(function (node) {
+    if (!node.id) return;
+    const csv = el("button", { type: "button", class: "secondary small", id: node.id + "-csv", text: "CSV" });
+    const json = el("button", { type: "button", class: "secondary small", id: node.id + "-json", text: "JSON" });
+    csv.addEventListener("click", function () {
+      const lines = ["series,x,y"].concat(chartRows(node).map((r) => [r.series, r.x, r.y].map(csvCell).join(",")));
+      download(chartFileName(node, "csv"), "text/csv", lines.join("\n") + "\n");
+    });
+    json.addEventListener("click", function () {
+      const title = node.layout && node.layout.title ? String(node.layout.title.text || "").replace(/<br>/g, " ") : "";
+      download(chartFileName(node, "json"), "application/json", JSON.stringify({ chart: node.dataset.title || node.id, title: title, range: charts.range || null, points: chartRows(node) }, null, 1));
+    });
+    node.parentNode.insertBefore(el("div", { class: "chart-tools muted small" }, ["data: ", csv, " ", json]), node.nextSibling);
+  });
+
+  // -- time range and pause (the dashboard): figures from the server, downsampled there -----------
+  const controls = document.getElementById("chart-controls");
+  let paused = false, missed = 0;
+  function chartStatus(text) { const node = document.getElementById("chart-status"); if (node) node.textContent = text; }
+  function describe(data) {
+    return data.runs + (data.runs === 1 ? " run" : " runs") + (data.granularity && data.granularity !== "run" ? ", averaged per " + data.granularity : "");
+  }
+  function redraw(node, fig) { if (node && fig) Plotly.react(node, fig.data, fitLayout(node, fig.layout), config); }
+  function loadRange(range) {
+    if (!controls) return Promise.resolve();
+    chartStatus("loading…");
+    return fetch(controls.dataset.url + "?range=" + encodeURIComponent(range), { credentials: "same-origin", headers: { Accept: "application/json" } })
+      .then((r) => r.json())
+      .then(function (data) {
+        charts.range = data.range;
+        Object.keys(hitCounts).forEach((k) => delete hitCounts[k]);
+        Object.assign(hitCounts, data.hitCounts || {});
+        Object.assign(colors, data.colors || {});
+        redraw(elBreakdown, data.breakdown); redraw(elTimeline, data.timeline); redraw(elTbt, data.tbt);
+        redraw(elHits, data.hits); redraw(elBytes, data.bytes);
+        controls.querySelectorAll("[data-range]").forEach(function (button) {
+          const on = button.dataset.range === data.range;
+          button.classList.toggle("active", on);
+          button.setAttribute("aria-pressed", String(on));
+        });
+        const url = new URL(window.location.href);
+        url.searchParams.set("range", data.range);
+        window.history.replaceState(null, "", url);
+        chartStatus(describe(data));
+      })
+      .catch(function (err) { chartStatus("could not load the charts: " + err); });
+  }
+  if (controls) {
+    controls.querySelectorAll("[data-range]").forEach(function (button) {
+      button.addEventListener("click", function () { loadRange(button.dataset.range); });
+    });
+    const pause = document.getElementById("chart-pause");
+    pause.addEventListener("click", function () {
+      paused = !paused;
+      pause.textContent = paused ? "Resume" : "Pause";
+      pause.setAttribute("aria-pressed", String(paused));
+      document.body.classList.toggle("charts-paused", paused);
+      if (paused) { missed = 0; chartStatus("paused: the charts hold still"); }
+      else loadRange(charts.range || "24h"); // catch up with what arrived meanwhile
+    });
   }
 
   // -- runs tables ---------------------------------------------------------------------------------
@@ -130,26 +234,41 @@
   function onRun(run) {
     const b = run.breakdown || {};
     const label = run.device + " #" + run.id;
-    if (!run.error) {
+    if (!run.error && paused) {
+      missed += 1;
+      chartStatus("paused: " + missed + (missed === 1 ? " new run" : " new runs") + " not drawn yet");
+    }
+    if (!run.error && !paused) {
       if (elBreakdown && elBreakdown.data) {
         Plotly.extendTraces(elBreakdown, { x: STACK.map(() => [label]), y: STACK.map((f) => [b[f] || 0]) }, STACK.map((_, i) => i), 50);
+        notEmpty(elBreakdown);
       }
+      const color = colorOf(run.device, run.device_color);
       if (elTimeline && elTimeline.data) {
-        const ttft = traceIndex(elTimeline, run.device + " TTFT", { mode: "lines+markers" });
-        const ttlt = traceIndex(elTimeline, run.device + " TTLT", { mode: "lines+markers", line: { dash: "dot" } });
+        const ttft = traceIndex(elTimeline, run.device + " TTFT", { mode: "lines+markers", line: { color: color } });
+        const ttlt = traceIndex(elTimeline, run.device + " TTLT", { mode: "lines+markers", line: { dash: "dot", color: color } });
         Plotly.extendTraces(elTimeline, { x: [[run.created], [run.created]], y: [[b.ttft_ms], [b.ttlt_ms]] }, [ttft, ttlt], WINDOW);
+        notEmpty(elTimeline);
+      }
+      if (elTbt && elTbt.data && b.tbt_p50_ms > 0) {
+        const p50 = traceIndex(elTbt, run.device + " TBT p50", { mode: "lines+markers", line: { color: color } });
+        const p99 = traceIndex(elTbt, run.device + " TBT p99", { mode: "lines+markers", line: { dash: "dot", color: color } });
+        Plotly.extendTraces(elTbt, { x: [[run.created], [run.created]], y: [[b.tbt_p50_ms], [b.tbt_p99_ms]] }, [p50, p99], WINDOW);
+        notEmpty(elTbt);
       }
       if (elHits && elHits.data) {
         const counts = hitCounts[run.device] || [0, 0];
         counts[0] += b.case === "partial" || b.case === "full" ? 1 : 0;
         counts[1] += 1;
         hitCounts[run.device] = counts;
-        const i = traceIndex(elHits, run.device, { mode: "lines+markers" });
+        const i = traceIndex(elHits, run.device, { mode: "lines+markers", line: { color: color } });
         Plotly.extendTraces(elHits, { x: [[run.created]], y: [[counts[0] / counts[1]]] }, [i], WINDOW);
+        notEmpty(elHits);
       }
       if (elBytes && elBytes.data) {
-        const i = traceIndex(elBytes, run.device, { mode: "markers" });
+        const i = traceIndex(elBytes, run.device, { mode: "markers", marker: { color: color } });
         Plotly.extendTraces(elBytes, { x: [[run.created]], y: [[(b.state_bytes || 0) / 1e6]] }, [i], WINDOW);
+        notEmpty(elBytes);
       }
       if (elBreakeven && document.body.dataset.device === run.device) refreshBreakeven();
     }
@@ -203,30 +322,76 @@
   }
 
   // -- answer cards on the Run page ----------------------------------------------------------------
+  const STAGES = {
+    queued: "queued: waiting for the board…",
+    started: "on the board: looking up the cache, fetching or prefilling…",
+    decoding: "decoding: tokens as they are chosen",
+    finishing: "answered: recording the run…",
+    cancelling: "cancelling: the board stops at its next token…",
+    "cancel-failed": "could not cancel",
+  };
+  function setStage(card, stage, words) {
+    card.dataset.stage = stage;
+    const node = card.querySelector('[data-role="stage"]');
+    if (node) node.textContent = words || STAGES[stage] || stage;
+    if (stage === "finishing") {
+      const button = card.querySelector(".cancel-run");
+      if (button) button.remove();
+    }
+  }
+  function stopCard(card) {
+    if (card._hintTimer) clearTimeout(card._hintTimer);
+    if (card._elapsedTimer) clearInterval(card._elapsedTimer);
+  }
+  // A response of JSON lines, each handed to ``each`` as it arrives.
+  function readLines(response, each) {
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    function pump() {
+      return reader.read().then(function (chunk) {
+        buffer += decoder.decode(chunk.value || new Uint8Array(), { stream: !chunk.done });
+        let end;
+        while ((end = buffer.indexOf("\n")) >= 0) {
+          const text = buffer.slice(0, end);
+          buffer = buffer.slice(end + 1);
+          if (text.trim()) { try { each(JSON.parse(text)); } catch (err) { /* a line cut by a dropped connection */ } }
+        }
+        return chunk.done ? null : pump();
+      });
+    }
+    return pump();
+  }
+
   function fillAnswer(card, run) {
     const b = run.breakdown || {};
-    if (card._hintTimer) clearTimeout(card._hintTimer);
+    const x = run.explanation || {};
+    stopCard(card);
     card.classList.remove("pending");
     card.classList.add(run.error ? "failed" : "done");
     clear(card);
     card.appendChild(el("h3", {}, [run.device + " ", run.url ? el("a", { href: run.url, class: "muted small", text: "run #" + run.id }) : null]));
+    if (run.title) card.appendChild(el("p", { class: "muted prompt-title", text: "answers: " + run.title }));
     if (run.error) {
       card.appendChild(el("p", { class: "error", title: show(run.error), text: errorText(run) }));
       return;
     }
     card.appendChild(el("p", { class: "answer", text: run.text }));
+    if (x.verdict) card.appendChild(el("p", { class: "verdict " + (x.right === true ? "right" : x.right === false ? "wrong" : ""), text: x.verdict }));
     card.appendChild(el("p", {}, [
       el("strong", { text: b.case }),
       ": " + show(b.matched_tokens) + "/" + show(b.prompt_tokens) + " prompt tokens from the cache box (" + show(b.cachebox) +
-        ") · TTFT " + fmt(b.ttft_ms) + " ms · TTLT " + fmt(b.ttlt_ms) + " ms",
+        ") · TTFT " + fmt(b.ttft_ms) + " ms · TTLT " + fmt(b.ttlt_ms) + " ms" +
+        (b.tbt_p50_ms > 0 ? " · between tokens p50 " + fmt(b.tbt_p50_ms) + " ms, p99 " + fmt(b.tbt_p99_ms) + " ms" : ""),
     ]));
+    (x.why || []).forEach((sentence) => card.appendChild(el("p", { class: "why", text: sentence })));
     if (Array.isArray(b.modules_hit)) {
       // A schema run: its modules came from the cache box, the text around them was computed.
       const modules = b.modules_hit.length ? " (modules " + b.modules_hit.join(", ") + " from the cache box)" : " (no module from the cache box)";
       card.appendChild(el("p", { class: "matched", text: "matched " + show(b.matched_tokens) + " of " + show(b.prompt_tokens) + " prompt tokens" + modules }));
     }
     card.appendChild(el("p", { class: "muted", text: STACK.map((f) => f.replace("_ms", "") + " " + fmt(b[f])).join(" · ") + " (ms)" }));
-    if (run.expected_answer) card.appendChild(el("p", { text: "expected answer: " + run.expected_answer }));
+    if (run.expected_answer && !x.verdict) card.appendChild(el("p", { text: "expected answer: " + run.expected_answer }));
   }
 
   function errorsText(errors) {
@@ -258,15 +423,29 @@
 
     function waitingCard(item, device) {
       const hintAfter = parseInt(answers.dataset.hintAfter || "30", 10);
-      const card = el("div", { class: "card answer-card pending", "data-request": item.request_id, "data-device": item.device }, [
+      const cancel = el("button", { type: "button", class: "secondary small cancel-run", text: "Cancel" });
+      const card = el("div", { class: "card answer-card pending", "data-request": item.request_id, "data-device": item.device, "data-stage": "queued" }, [
         el("h3", { text: item.device }),
-        el("p", { class: "muted waiting", text: "waiting for the board…" }),
+        item.title ? el("p", { class: "muted prompt-title", text: "answers: " + item.title }) : null,
+        item.routing && item.routing.board ? el("p", { class: "muted routing", text: "sent to any board: the router chose " + item.routing.board +
+          (item.routing.expected_ms != null ? ", expecting " + Math.round(item.routing.expected_ms) + " ms to the first token" : "") }) : null,
+        el("p", { class: "stage" }, [
+          el("span", { class: "muted waiting", "data-role": "stage", text: STAGES.queued }),
+          el("span", { class: "muted", "data-role": "elapsed", text: "0.0 s" }),
+          cancel,
+        ]),
       ]);
+      cancel.addEventListener("click", function () { cancelRun(card); });
+      const started = performance.now();
+      card._elapsedTimer = setInterval(function () {
+        const elapsed = card.querySelector('[data-role="elapsed"]');
+        if (elapsed) elapsed.textContent = ((performance.now() - started) / 1000).toFixed(1) + " s";
+      }, 100);
       if (device && device.status !== "online") {
         card.appendChild(el("p", { class: "warning", text: item.device + " (" + (device.label || "not running") + "): the run waits in its queue until its board starts, and expires after " + expires + " s." }));
       }
       card._hintTimer = setTimeout(function () {
-        if (!card.classList.contains("pending")) return;
+        if (!card.classList.contains("pending") || card.dataset.stage !== "queued") return; // the board has it
         card.appendChild(el("p", { class: "hint" }, [
           "no answer after " + hintAfter + " s: is the board running? ",
           el("code", { text: "python manage.py edge --name " + item.device }),
@@ -276,29 +455,88 @@
       return card;
     }
 
+    function cardOf(requestId) { return answers.querySelector('.answer-card[data-request="' + requestId + '"]'); }
+
+    function cancelRun(card) {
+      const body = new FormData();
+      body.append("csrfmiddlewaretoken", (form.querySelector("[name=csrfmiddlewaretoken]") || {}).value || "");
+      body.append("request_id", card.dataset.request);
+      const button = card.querySelector(".cancel-run");
+      if (button) { button.disabled = true; button.textContent = "Cancelling…"; }
+      fetch(form.dataset.cancelUrl, { method: "POST", body: body, headers: { Accept: "application/json" }, credentials: "same-origin" })
+        .then((r) => r.json().then((res) => ({ ok: r.ok, res: res })))
+        .then(function (answer) {
+          if (!answer.ok) { setStage(card, "cancel-failed", errorsText(answer.res.errors)); return; }
+          if (card.classList.contains("pending")) setStage(card, "cancelling");
+        })
+        .catch(function (err) { setStage(card, "cancel-failed", "could not cancel: " + err); });
+    }
+
+    // One streamed event of a run (its board's stage, a token, its end) onto its card.
+    function onStreamEvent(event) {
+      const card = cardOf(event.request_id);
+      if (!card || !card.classList.contains("pending")) return; // the record came first: it is final
+      if (event.event === "stage" && event.stage === "started" && card.dataset.stage === "queued") setStage(card, "started");
+      else if (event.event === "token") {
+        if (card.dataset.stage !== "decoding" && card.dataset.stage !== "cancelling") setStage(card, "decoding");
+        let answer = card.querySelector(".answer.streaming");
+        if (!answer) { answer = el("p", { class: "answer streaming", "aria-live": "polite" }); card.appendChild(answer); }
+        answer.textContent += event.text || "";
+        card.dataset.tokens = String((parseInt(card.dataset.tokens || "0", 10) || 0) + 1);
+      } else if (event.event === "done") setStage(card, "finishing", event.finish_reason === "cancelled" ? "cancelled: recording the run…" : null);
+      else if (event.event === "error" || event.event === "lost") setStage(card, "finishing", event.error);
+    }
+
     function send(devices) {
       hideWarning();
       feedback.textContent = "sending…";
       feedback.className = "muted";
-      fetch(form.action || window.location.href, { method: "POST", body: new FormData(form), headers: { Accept: "application/json" }, credentials: "same-origin" })
-        .then((r) => r.json().then((body) => ({ ok: r.ok, body: body })))
-        .then(function (res) {
-          if (!res.ok) {
-            feedback.textContent = errorsText(res.body.errors) || "not sent";
-            feedback.className = "error";
-            return;
+      const title = describePrompt();
+      fetch(form.action || window.location.href, { method: "POST", body: new FormData(form), headers: { Accept: "application/x-ndjson" }, credentials: "same-origin" })
+        .then(function (r) {
+          if (!r.ok) {
+            return r.json().then(function (body) {
+              feedback.textContent = errorsText(body.errors) || "not sent";
+              feedback.className = "error";
+            });
           }
-          feedback.className = "muted";
-          feedback.textContent = "sent to " + res.body.dispatched.map((d) => d.device).join(", ");
-          res.body.dispatched.forEach(function (item) {
-            const device = devices.find((d) => d.name === item.device);
-            const card = waitingCard(item, device);
-            answers.insertBefore(card, answers.firstChild);
-            if (early.has(item.request_id)) { fillAnswer(card, early.get(item.request_id)); early.delete(item.request_id); }
+          return readLines(r, function (event) {
+            if (event.event === "dispatched") {
+              feedback.className = "muted";
+              feedback.textContent = "sent to " + event.dispatched.map((d) => d.device).join(", ");
+              event.dispatched.forEach(function (item) {
+                const device = devices.find((d) => d.name === item.device);
+                const card = waitingCard(Object.assign({ title: title }, item), device);
+                answers.insertBefore(card, answers.firstChild);
+                if (early.has(item.request_id)) { fillAnswer(card, early.get(item.request_id)); early.delete(item.request_id); }
+              });
+            } else if (event.event === "refused") {
+              feedback.textContent = errorsText(event.errors) || "not sent";
+              feedback.className = "error";
+            } else onStreamEvent(event);
           });
         })
         .catch(function (err) { feedback.textContent = "could not send: " + err; feedback.className = "error"; });
     }
+
+    // The prompt as its card names it: the text's start, the MMLU question, the saved prompt's name.
+    function describePrompt() {
+      const source = (form.querySelector('input[name="source"]:checked') || {}).value || "text";
+      const value = (id) => ((document.getElementById(id) || {}).value || "");
+      const option = (id) => { const select = document.getElementById(id); return select && select.selectedIndex >= 0 ? select.options[select.selectedIndex].text : ""; };
+      if (source === "mmlu") return "MMLU " + option("id_topic") + ", question " + value("id_question");
+      if (source === "saved") return option("id_saved_prompt");
+      if (source === "pml") return truncate(value("id_pml").replace(/\s+/g, " "), 80);
+      return truncate(value("id_text").replace(/\s+/g, " ").trim(), 80);
+    }
+
+    // Ctrl+Enter (⌘+Enter) sends from anywhere in the form.
+    form.addEventListener("keydown", function (event) {
+      if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
+        event.preventDefault();
+        if (form.requestSubmit) form.requestSubmit(document.getElementById("run-submit")); else document.getElementById("run-submit").click();
+      }
+    });
 
     form.addEventListener("submit", function (event) {
       event.preventDefault();

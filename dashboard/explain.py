@@ -1,0 +1,88 @@
+"""What an answer card says about its run, in a person's words: right or wrong (an MMLU
+question), why a hit was slow, what the policy forecast when it skipped a fetch.
+
+Pure functions of a run's stored fields (its breakdown as the board reported it): no I/O.
+"""
+
+from __future__ import annotations
+
+from inference import mmlu
+from inference.breakdown import Case, Decision, Tier
+
+SLOW_SHARE = 0.5  # a hit is "slow" when the fetch took at least this share of its TTFT
+SLOW_MS = 200.0  # ... and at least this long (a 3 ms fetch is never worth a sentence)
+
+
+def human_bytes(count) -> str:
+    """Bytes as people read them, decimal units as the charts use: 950 B, 18.5 kB, 8.4 MB, 1.2 GB."""
+    try:
+        value = float(count or 0)
+    except (TypeError, ValueError):
+        return "–"
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(value) < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"  # pragma: no cover - the loop returns at GB
+
+
+def human_ms(ms) -> str:
+    """A duration: 850 ms, 3.4 s."""
+    ms = float(ms or 0.0)
+    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
+
+
+def mmlu_verdict(text: str, expected: str) -> tuple[bool | None, str]:
+    """(right?, the sentence) for an answer to a multiple-choice question whose answer is ``expected``;
+    (None, sentence) when the answer names no letter."""
+    given = mmlu.parse_answer(text or "")
+    if given is None:
+        return None, f"no answer letter in the reply: the answer is {expected}"
+    if given == expected:
+        return True, f"right: answered {given}"
+    return False, f"wrong: answered {given}, the answer is {expected}"
+
+
+def _link_words(link: str) -> str:
+    if not link or link == "unshaped":
+        return "the link to the cache box"
+    return f"the emulated {link} link"
+
+
+def why(breakdown: dict) -> list[str]:
+    """Sentences on where a run's time went when a person would ask: a slow hit, a skipped fetch,
+    a fetch that came late."""
+    b = breakdown or {}
+    sentences = []
+    decision, case, tier = b.get("decision", ""), b.get("case", ""), b.get("tier", "")
+    fetch_ms = float(b.get("fetch_ms") or b.get("redis_ms") or 0.0)
+    ttft = float(b.get("ttft_ms") or 0.0)
+    fetched = b.get("fetched_bytes") or 0
+    if case in (Case.PARTIAL, Case.FULL) and tier == Tier.CACHEBOX and fetch_ms >= SLOW_MS and ttft > 0 and fetch_ms >= SLOW_SHARE * ttft:
+        sentence = f"A slow hit: {_link_words(b.get('link', ''))} took {human_ms(fetch_ms)} for {human_bytes(fetched)}"
+        forecast = float(b.get("predicted_fetch_ms") or 0.0)
+        if forecast > 0:
+            sentence += f" (forecast {human_ms(forecast)})"
+        sentence += f", {fetch_ms / ttft:.0%} of the time to first token."
+        sentences.append(sentence)
+    if decision == Decision.POLICY_SKIP:
+        tokens = b.get("candidate_tokens") or 0
+        sentences.append(
+            f"Fetch skipped: for the cached {tokens} tokens the policy forecast {human_ms(b.get('predicted_fetch_ms'))} to fetch and restore "
+            f"against {human_ms(b.get('predicted_prefill_ms'))} to prefill them here, so it prefilled."
+        )
+    if b.get("fetch_late"):
+        sentences.append("The fetch ran slower than forecast: this board computed past the planned split while it waited.")
+    return sentences
+
+
+def explain_run(*, text: str, error: str, expected_answer: str, breakdown: dict) -> dict:
+    """What the pages add to a run: ``verdict`` (MMLU: right/wrong words, ``right``: True/False/None)
+    and ``why`` (sentences, maybe none)."""
+    explanation: dict = {"verdict": "", "right": None, "why": []}
+    if error:
+        return explanation
+    if expected_answer:
+        explanation["right"], explanation["verdict"] = mmlu_verdict(text, expected_answer)
+    explanation["why"] = why(breakdown)
+    return explanation
