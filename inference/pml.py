@@ -522,9 +522,13 @@ def _prompt_items(
 def _unknown_module_message(tag: str, available: dict[str, Module], schema_modules=None) -> str:
     nested = [path for path in (schema_modules or {}) if path.rsplit("/", 1)[-1] == tag and "/" in path]
     if nested:
-        outer = nested[0].rsplit("/", 1)[0].split("/")
-        opening = "".join(f"<{name}>" for name in outer)
-        closing = "".join(f"</{name}>" for name in reversed(outer))
-        return f"module <{tag}/> is nested in {'/'.join(outer)!r}: import it as {opening}<{tag}/>{closing}"
+        ways = []
+        for path in nested[:3]:  # one name may live in several scopes
+            outer = path.rsplit("/", 1)[0].split("/")
+            opening = "".join(f"<{name}>" for name in outer)
+            closing = "".join(f"</{name}>" for name in reversed(outer))
+            ways.append(f"{opening}<{tag}/>{closing}")
+        scopes = ", ".join(repr(path.rsplit("/", 1)[0]) for path in nested[:3])
+        return f"module <{tag}/> is nested in {scopes}: import it as {' or '.join(ways)}"
     choices = ", ".join(sorted(available)) or "none here"
     return f"unknown module <{tag}/> (modules importable here: {choices})"

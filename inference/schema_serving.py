@@ -9,7 +9,9 @@ context) and the prompt's own text, then generating. llama.cpp requires a non-em
 sequence to continue at its last position + 1, so text goes right after the last cell
 (as the paper places text after the module it follows); a module that would overlap text
 placed before it is shifted right (RoPE re-rotation), and gaps inside a module are made
-the same way when it is encoded.
+the same way when it is encoded. A module marked ``cache="false"`` is encoded the same way
+for every request and never leaves the board; a module holding only nested modules has no
+state at all.
 
 Fetching, checking, restoring and storing module entries is the exchange's work
 (``inference.exchange``), the same code prefix serving uses. Approximate by design
@@ -228,10 +230,11 @@ class SchemaServing:
             if total + max_tokens > engine.n_ctx:
                 raise context_error(total, max_tokens, engine.n_ctx)
 
-            refs = {piece.key_name: self.ref(layout, namespace, piece) for piece in module_pieces}
+            # A cache="false" module has no ref: never looked up, fetched or stored.
+            refs = {piece.key_name: self.ref(layout, namespace, piece) for piece in module_pieces if piece.cache}
             cached: dict[str, Fetched] = {}
-            if session is not None:
-                cached = self._fetch(session, layout, module_pieces, refs)
+            if session is not None and refs:
+                cached = self._fetch(session, layout, [piece for piece in module_pieces if piece.cache], refs)
 
             engine.clear()
             placement = Placement(compact=self._should_compact(layout, plan))
@@ -258,9 +261,10 @@ class SchemaServing:
                     breakdown.restore_ms += ms_since(mark)
                     hits.append(piece.key_name)
                     matched += sum(layout.modules[m].token_count for m in piece.members)
-                else:  # not cached, or refused on restore: encode it here
+                else:  # not cached, refused on restore, or cache="false": encode it here
                     blob = self.encode(layout, piece)
-                    fresh.append((piece, blob))
+                    if piece.cache:
+                        fresh.append((piece, blob))
                     engine.remove(WORK_SEQ)
                     engine.import_range(blob, 0, seq=WORK_SEQ)
                     self._move_into_main(shift)

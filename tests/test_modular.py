@@ -7,12 +7,15 @@ import pytest
 from cachebox.entry import decode_header
 from cachebox.store import CacheBox
 from inference.pml import PMLError
+from inference.pml_layout import ModulePiece
 
 from .conftest import ROOT, run_manage
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 
 SCHEMA = (ROOT / "examples" / "travel.pml").read_text()
+PERSONA = (ROOT / "examples" / "persona.pml").read_text()  # Prompt Cache's own dialect
+PERSONA_PROMPT = (ROOT / "examples" / "persona-prompt.pml").read_text()
 PROMPT = '<prompt schema="travel"><trip-plan duration="3 days"/><tokyo><kyoto/></tokyo><user>Which places first?</user></prompt>'
 
 
@@ -147,3 +150,67 @@ def test_a_scaffold_whose_members_lie_far_apart_still_serves(valkey_url, namespa
     warm = board.run_pml(schema, prompt, max_tokens=3, namespace=namespace)
     assert warm.modules_hit[-1] == "scaffold:short-tail" and warm.breakdown.case == "partial"
     assert warm.tokens == cold.tokens and warm.breakdown.rejected_entries == 0
+
+
+# -- Prompt Cache's own dialect ------------------------------------------------------------------------
+def entry_name(board, namespace, source, path):
+    """The cache box key a module of ``source`` is stored under."""
+    _, layout = board.schemas.load_schema(source)
+    return board.schemas.ref(layout, namespace, ModulePiece(path, [path], layout.modules[path].start)).name
+
+
+def test_a_schema_in_prompt_caches_dialect_serves_and_never_stores_an_uncached_module(valkey_url, namespace, make_board, monkeypatch):
+    board = make_board(valkey_url, namespace)
+    store = CacheBox(valkey_url)
+    encoded = []
+    original = board.schemas.encode
+    monkeypatch.setattr(board.schemas, "encode", lambda layout, piece: encoded.append(piece.key_name) or original(layout, piece))
+    stored = ["_text0", "tone/cheerful", "_text1", "age/young-adult", "residence/seaside", "hobby"]
+
+    cold = board.run_pml(PERSONA, PERSONA_PROMPT, max_tokens=6, namespace=namespace)
+    assert cold.modules_hit == [] and encoded == [*stored, "today"]
+    assert sorted(entry.piece for entry in cold.uploaded) == sorted(stored)  # today (cache="false") is not uploaded
+    names = module_names(store, namespace)
+    assert names == sorted(entry_name(board, namespace, PERSONA, path) for path in stored)
+    assert entry_name(board, namespace, PERSONA, "today") not in names
+
+    encoded.clear()
+    warm = board.run_pml(PERSONA, PERSONA_PROMPT, max_tokens=6, namespace=namespace)
+    assert warm.modules_hit == stored and encoded == ["today"]  # every module from the cache box but today, computed again
+    assert warm.uploaded == [] and module_names(store, namespace) == names
+    assert warm.breakdown.case == "partial" and warm.breakdown.fetched_bytes > 0
+    uncached = board.run_pml(PERSONA, PERSONA_PROMPT, max_tokens=6, namespace=namespace, use_cache=False)
+    assert warm.tokens == cold.tokens == uncached.tokens  # a module fetched is the module encoded
+    assert board.schemas.encode_schema(PERSONA, namespace=namespace)["skipped"]  # nothing encoded twice
+    other_day = board.run_pml(PERSONA, PERSONA_PROMPT.replace("a rainy Tuesday", "Christmas Day"), max_tokens=6, namespace=namespace)
+    assert other_day.modules_hit == stored and entry_name(board, namespace, PERSONA, "today") not in module_names(store, namespace)
+
+
+def test_same_named_modules_in_two_scopes_are_two_entries(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace)
+    encoded = board.schemas.encode_schema(PERSONA, namespace=namespace)
+    pieces = {entry.piece for entry in encoded["stored"]}
+    assert {"age/default", "residence/default"} <= pieces and not pieces & {"age", "residence", "tone", "today"}
+    age, residence = (entry_name(board, namespace, PERSONA, path) for path in ("age/default", "residence/default"))
+    assert age != residence and {age, residence} <= set(module_names(CacheBox(valkey_url), namespace))
+    prompt = "<prompt schema='persona'><age><default/></age><residence><default/></residence><user>Where do I live?</user></prompt>"
+    result = board.run_pml(PERSONA, prompt, max_tokens=4, namespace=namespace)
+    assert result.modules_hit == ["_text0", "_text1", "age/default", "residence/default"]
+    assert result.breakdown.rejected_entries == 0  # each entry holds its own module's tokens
+
+
+def test_malformed_reference_schemas_are_refused_with_line_and_column(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace)
+    broken = PERSONA.replace('<module name="hobby">', '<module name="hobby>')
+    with pytest.raises(PMLError, match="not well-formed") as error:
+        board.run_pml(broken, PERSONA_PROMPT, namespace=namespace)
+    assert error.value.line == PERSONA.splitlines().index('  <module name="hobby">') + 2 and error.value.column
+
+
+def test_the_control_plane_accepts_the_reference_schema_with_the_models_tokenizer():
+    from inference.schema_serving import layout_for  # what Schema.clean runs before a schema is saved
+
+    layout = layout_for(PERSONA, n_ctx=2048)
+    assert layout.name == "persona" and layout.modules["age"].runs == [] and not layout.modules["today"].cache
+    hobby = layout.modules["hobby"]
+    assert hobby.params["activity"][1] == 8 and 0 < layout.positions < 2048

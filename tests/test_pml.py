@@ -286,6 +286,10 @@ def test_the_reference_prompt_imports_members_through_their_scope():
     assert doc.items[-1].role == "user" and doc.items[-1].text == "Introduce yourself in two sentences."
     one_line = parse_prompt("<prompt schema='persona'><age> <senior/> </age><user>Hi</user></prompt>", schema)
     assert one_line.items[0].children[0].name == "age/senior"  # spaces between imports are not free text
+    with pytest.raises(PMLError, match="nested in 'age', 'residence': import it as <age><default/></age> or <residence><default/></residence>"):
+        parse_prompt("<prompt schema='persona'><default/></prompt>", schema)
+    with pytest.raises(PMLError, match="members of one union"):
+        parse_prompt("<prompt schema='persona'><age><child/><senior/></age></prompt>", schema)
 
 
 def test_a_module_of_modules_has_no_state_and_its_members_keep_their_slot():
@@ -419,3 +423,12 @@ def test_any_choice_of_union_members_plans_into_stored_pieces_with_distinct_keys
     assert all((p.key_name in stored) == p.cache for p in pieces)  # cached pieces are exactly the stored ones
     keys = [module_key("ns", "fp", schema.digest, p.key_name) for p in pieces]
     assert len(set(keys)) == len(keys)
+
+
+def test_cache_false_covers_the_modules_nested_in_it():
+    schema = parse_schema(
+        "<schema name='s'><module name='a' cache='false'>x<union><module name='b'>y</module><module name='c' cache='true'>z</module></union></module>"
+        "<module name='d'>w<module name='e' cache='false'>v</module></module></schema>"
+    )
+    assert {path: module.cache for path, module in schema.modules.items()} == {"a": False, "a/b": False, "a/c": False, "d": True, "d/e": False}
+    assert [piece.key_name for piece in all_pieces(lay_out(schema, WordTokenizer()))] == ["_text0", "d"]
