@@ -83,17 +83,20 @@ def parse_cluster_url(url: str) -> ClusterAddress:
 def cluster_client(address: ClusterAddress, **options) -> RedisCluster:
     """A redis-py cluster client; connects to a startup node at once to load the slot map.
 
-    ``options`` (timeouts, ``connection_class``) reach every node's connections. No retries at
-    the cluster level: the store decides what an unreachable node costs (it skips it for a
-    while), instead of redis-py's default of ten attempts with back-off in between. Raises
-    ``redis.RedisError`` or ``redis.exceptions.RedisClusterException`` when no node answers.
+    ``options`` (timeouts, ``connection_class``) reach every node's connections. The store
+    sends its commands through each node's own client (no retries: it decides what an
+    unreachable node costs, and skips it for a while); the cluster client itself, which asks a
+    node for the command table while it is built, moves on to another node at once when one
+    fails (one attempt more than the nodes named, no back-off), instead of redis-py's default of
+    ten attempts with growing pauses. Raises ``redis.RedisError`` or
+    ``redis.exceptions.RedisClusterException`` when no node answers.
     """
     return RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
         username=address.username,
         password=address.password,
         ssl=address.tls,
-        retry=Retry(NoBackoff(), 0),
+        retry=Retry(NoBackoff(), len(address.nodes) + 1),
         # Slots whose node is gone are not fatal to the client: their keys are misses.
         require_full_coverage=False,
         **options,

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .errors import CacheBoxUnavailable
 
@@ -194,8 +196,16 @@ def _low_free_ports(count: int) -> list[int]:
     raise CacheBoxUnavailable(f"no {count} free ports between 20000 and 32000 on 127.0.0.1")
 
 
+def _node_client(port: int, *, timeout: float = 1.0, decode_responses: bool = False) -> redis.Redis:
+    # No retries: redis-py's default (ten, with back-off) makes every probe of a stopped node
+    # take seconds, and a SHUTDOWN (whose connection the server closes) look like a failure.
+    return redis.Redis(
+        host="127.0.0.1", port=port, socket_connect_timeout=0.3, socket_timeout=timeout, decode_responses=decode_responses, retry=Retry(NoBackoff(), 0)
+    )
+
+
 def _node_answers(port: int, node_dir: Path) -> bool:
-    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.3, socket_timeout=1, decode_responses=True)
+    client = _node_client(port, decode_responses=True)
     try:
         return _owner_dir(client) == str(Path(node_dir).resolve())
     finally:
@@ -203,7 +213,7 @@ def _node_answers(port: int, node_dir: Path) -> bool:
 
 
 def _cluster_info(port: int) -> dict[str, str]:
-    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.3, socket_timeout=1, decode_responses=True)
+    client = _node_client(port, decode_responses=True)
     try:
         raw = client.execute_command("CLUSTER", "INFO")
     finally:
@@ -286,7 +296,7 @@ def ensure_cluster(data_dir: Path, *, masters: int = 3, maxmemory: str = "256mb"
                 cluster.stop()
                 raise CacheBoxUnavailable(f"the cluster nodes did not answer within {timeout:.0f} s; see {data_dir}/node-*/valkey.log")
             time.sleep(0.05)
-        clients = [redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=5) for port in cluster.ports]
+        clients = [_node_client(port, timeout=5) for port in cluster.ports]
         try:
             share = CLUSTER_SLOTS // masters
             for index, client in enumerate(clients):
@@ -325,7 +335,7 @@ def _shutdown(node_dir: Path, port: int, timeout: float) -> bool:
     """Stop the server of ``node_dir`` listening on ``port``; False when it was not running."""
     if not _node_answers(port, node_dir):
         return False
-    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=2)
+    client = _node_client(port, timeout=2)
     try:
         client.shutdown(nosave=True)
     except (redis.ConnectionError, OSError):
