@@ -9,6 +9,10 @@ polling and not the Celery queue: a token reaches the client one hop after it wa
 
 Typed errors as everywhere in this package: an unreachable server is
 ``CacheBoxUnavailable``, an error the server answered ``CacheBoxRefused``.
+
+On a cluster cache box (``redis+cluster://``) a subscription listens on the first node of the
+URL that answers: a PUBLISH to any node reaches the subscribers of every node. A cancel flag
+is a key, so it goes to the node of its slot (the node first asked names it, MOVED).
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from typing import Awaitable, TypeVar
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import MovedError
 
+from .cluster import is_cluster_url, parse_cluster_url
 from .errors import CacheBoxRefused, CacheBoxUnavailable
 
 T = TypeVar("T")
@@ -27,7 +35,19 @@ _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 def _client(url: str, connect_timeout: float, timeout: float) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, socket_connect_timeout=connect_timeout, socket_timeout=timeout, health_check_interval=0)
+    return _clients(url, connect_timeout, timeout)[0]
+
+
+def _clients(url: str, connect_timeout: float, timeout: float) -> list[aioredis.Redis]:
+    """A client of the server, or one per node a cluster URL names (each a plain client of that node)."""
+    options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, health_check_interval=0)
+    if not is_cluster_url(url):
+        return [aioredis.Redis.from_url(url, **options)]
+    address = parse_cluster_url(url)
+    return [
+        aioredis.Redis(host=host, port=port, username=address.username, password=address.password, ssl=address.tls, retry=Retry(NoBackoff(), 0), **options)
+        for host, port in address.nodes
+    ]
 
 
 async def _guarded(call: Awaitable[T], url: str) -> T:
@@ -41,6 +61,11 @@ async def _guarded(call: Awaitable[T], url: str) -> T:
 
 def _safe(url: str) -> str:
     """The URL without a password, for messages."""
+    if is_cluster_url(url):
+        try:
+            return parse_cluster_url(url).safe_url
+        except ValueError:
+            return url.split("://", 1)[0] + "://?"
     scheme, _, rest = url.partition("://")
     return f"{scheme}://{rest.rsplit('@', 1)[-1]}" if rest else url
 
@@ -51,16 +76,33 @@ class Subscription:
     def __init__(self, url: str, channel: str, *, connect_timeout: float = 0.5, timeout: float = 5.0):
         self.url = url
         self.channel = channel
-        self._client = _client(url, connect_timeout, timeout)
+        self._candidates = _clients(url, connect_timeout, timeout)  # a cluster: one per node named
+        self._client = self._candidates[0]
         self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
 
     async def open(self) -> "Subscription":
-        """Subscribe (one round trip); messages published from now on are kept for ``get``."""
+        """Subscribe (one round trip); messages published from now on are kept for ``get``.
+        On a cluster, a node that does not answer passes the subscription to the next one."""
         try:
-            await _guarded(self._pubsub.subscribe(self.channel), self.url)
+            for index, client in enumerate(self._candidates):
+                if client is not self._client:
+                    await self._close()
+                    self._client, self._pubsub = client, client.pubsub(ignore_subscribe_messages=True)
+                try:
+                    await _guarded(self._pubsub.subscribe(self.channel), self.url)
+                    break
+                except CacheBoxRefused:
+                    raise
+                except CacheBoxUnavailable:
+                    if index == len(self._candidates) - 1:
+                        raise
         except BaseException:
             await self.close()
             raise
+        finally:
+            for client in self._candidates:
+                if client is not self._client:
+                    await client.aclose()
         return self
 
     async def __aenter__(self) -> "Subscription":
@@ -102,8 +144,38 @@ def subscribe(url: str, channel: str, *, connect_timeout: float = 0.5, timeout: 
 
 async def set_flag(url: str, name: str, ttl: int, *, connect_timeout: float = 0.5, timeout: float = 5.0) -> None:
     """Set the flag key ``name`` for ``ttl`` seconds (a run's cancel flag); one connection, one round trip."""
+    if is_cluster_url(url):
+        await _guarded(_set_on_cluster(url, name, ttl, connect_timeout, timeout), url)
+        return
     client = _client(url, connect_timeout, timeout)
     try:
         await _guarded(client.set(name, b"1", ex=max(1, int(ttl))), url)
     finally:
         await client.aclose()
+
+
+async def _set_on_cluster(url: str, name: str, ttl: int, connect_timeout: float, timeout: float) -> None:
+    # Asked of the first node that answers; one that does not serve the key's slot answers
+    # MOVED with the node that does (one more round trip). No slot map to load for one SET.
+    unreachable: Exception | None = None
+    for client in _clients(url, connect_timeout, timeout):
+        try:
+            try:
+                await client.set(name, b"1", ex=max(1, int(ttl)))
+                return
+            except MovedError as moved:
+                address = parse_cluster_url(url)
+                owner = aioredis.Redis(
+                    host=moved.host, port=moved.port, username=address.username, password=address.password, ssl=address.tls,
+                    socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry=Retry(NoBackoff(), 0),
+                )
+                try:
+                    await owner.set(name, b"1", ex=max(1, int(ttl)))
+                    return
+                finally:
+                    await owner.aclose()
+            except _UNREACHABLE as exc:
+                unreachable = exc
+        finally:
+            await client.aclose()
+    raise unreachable or redis.ConnectionError("no node answered")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -10,10 +11,10 @@ import uuid
 import pytest
 import redis
 
-from cachebox import embedded, sync
+from cachebox import embedded, streams, sync
 from cachebox.cluster import ClusterAddress, parse_cluster_url
 from cachebox.errors import CacheBoxUnavailable
-from cachebox.keys import catalog_key_names, entry_key_name, prefix_keys, range_boundaries
+from cachebox.keys import cancel_key_name, catalog_key_names, entry_key_name, prefix_keys, range_boundaries, stream_channel
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogReplica
 
@@ -49,9 +50,9 @@ def node_clients(cluster) -> list[redis.Redis]:
     return [redis.Redis.from_url(cluster.node_url(index), socket_timeout=5) for index in range(len(cluster.ports))]
 
 
-def node_index_of(cluster, name: str) -> int:
+def node_index_of(cluster, name: str, asking: int = 0) -> int:
     """Which node serves ``name``, as the servers themselves say (CLUSTER KEYSLOT, CLUSTER SLOTS)."""
-    client = redis.Redis.from_url(cluster.node_url(0), socket_timeout=5)
+    client = redis.Redis.from_url(cluster.node_url(asking), socket_timeout=5)
     slot = client.execute_command("CLUSTER", "KEYSLOT", name)
     for first, last, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
         if first <= slot <= last:
@@ -152,6 +153,33 @@ def test_a_publish_reaches_subscribers_on_every_node(cluster):
     for pubsub in subscribers:
         assert next_message(pubsub, "message")["data"] == b"token"
         pubsub.close()
+
+
+def test_the_control_plane_follows_runs_and_cancels_them_through_a_cluster_with_a_node_down(own_cluster):
+    """What the API does around a streamed run: subscribe, read the board's tokens, set the cancel flag."""
+    store = CacheBox(own_cluster.url, connect_timeout=0.3, timeout=2.0)
+    request_ids = [str(uuid.uuid4()) for _ in range(12)]
+    assert own_cluster.stop_node(0)  # the first node of the URL: the subscription moves on to the next
+
+    async def follow_and_cancel():
+        async with streams.subscribe(own_cluster.url, stream_channel(request_ids[0]), connect_timeout=0.3, timeout=2.0) as stream:
+            await asyncio.to_thread(store.publish, stream_channel(request_ids[0]), b"token")
+            received = await stream.get(5.0)
+        cancelled = []
+        for request_id in request_ids:
+            try:
+                await streams.set_flag(own_cluster.url, cancel_key_name(request_id), 60, connect_timeout=0.3, timeout=2.0)
+                cancelled.append(request_id)
+            except CacheBoxUnavailable:
+                pass
+        return received, cancelled
+
+    received, cancelled = asyncio.run(follow_and_cancel())
+    assert received == b"token"
+    # Every flag whose slot lives on a running node was set, where the board looks for it.
+    on_running = [request_id for request_id in request_ids if node_index_of(own_cluster, cancel_key_name(request_id), asking=1) != 0]
+    assert cancelled == on_running and len(on_running) > 0
+    assert all(store.flag_set(cancel_key_name(request_id)) for request_id in cancelled)
 
 
 def test_a_node_that_stops_answering_costs_one_timeout_then_only_its_keys_are_skipped(own_cluster):
