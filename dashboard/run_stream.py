@@ -51,7 +51,7 @@ async def follow(user, devices: list[Device], spec: actions.PromptSpec, routed=N
     spec.stream = True
     request_ids = [str(uuid.uuid4()) for _ in devices]
     subscriptions = [
-        streams.subscribe(settings.REDIS_URL, stream_channel(request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
+        streams.subscribe(actions.cachebox_url(), stream_channel(request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
         for request_id in request_ids
     ]
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import dj_database_url
 
+from cachebox.cluster import is_cluster_url, parse_cluster_url
 from cachebox.embedded import url_for
 from inference.config import BoardConfig, edgecache_home
 from inference.worker import celery_settings
@@ -216,13 +217,24 @@ STATIC_ROOT = EDGECACHE_HOME / "staticfiles"
 STATIC_ROOT.mkdir(exist_ok=True)
 WHITENOISE_USE_FINDERS = True  # serve straight from static/ and the apps: no collectstatic step to forget
 
-# --- The cache box, broker and channel layer: one Redis/Valkey server. -------------------
+# --- The cache box, broker and channel layer: one Redis/Valkey server unless the cache box has its own. ---
 EDGECACHE_BOARD = BoardConfig.from_env()
 EDGECACHE_EMBEDDED_DIR = EDGECACHE_BOARD.embedded_dir
 EDGECACHE_EMBEDDED_PORT = EDGECACHE_BOARD.embedded_port
 EDGECACHE_EMBEDDED_MAXMEMORY = EDGECACHE_BOARD.embedded_maxmemory
 REDIS_URL_IS_EMBEDDED = EDGECACHE_BOARD.uses_embedded_cachebox
 REDIS_URL = EDGECACHE_BOARD.redis_url or url_for(EDGECACHE_EMBEDDED_DIR, EDGECACHE_EMBEDDED_PORT)
+if is_cluster_url(REDIS_URL):
+    raise ValueError(
+        "REDIS_URL is the Celery broker's and the channel layer's, which need one plain Redis/Valkey server; "
+        "put a cluster in EDGECACHE_CACHEBOX_URL (the cache box alone may be a cluster)"
+    )
+# The cache box alone may live elsewhere, e.g. on a Redis/Valkey Cluster
+# (redis+cluster://host:port[,host:port...]); empty: REDIS_URL's server holds it too (read at call
+# time by dashboard.actions.cache.cachebox_url). Boards read the same variable.
+EDGECACHE_CACHEBOX_URL = os.environ.get("EDGECACHE_CACHEBOX_URL", "").strip()
+if is_cluster_url(EDGECACHE_CACHEBOX_URL):
+    parse_cluster_url(EDGECACHE_CACHEBOX_URL)  # a malformed one stops here, with the reason
 
 # Celery: the settings boards use too (inference.worker), as CELERY_* names.
 for _name, _value in celery_settings(REDIS_URL).items():

@@ -32,6 +32,7 @@ from cachebox.catalog import Catalog
 from cachebox.errors import CacheBoxError, CacheBoxUnavailable, CatalogFormatError, InvalidNamespace
 from cachebox.events import security_event
 from cachebox.keys import catalog_key_names
+from cachebox.store import CacheBox
 from cachebox.link import LinkProfile
 from cachebox.models import CacheEntry
 
@@ -499,13 +500,13 @@ def _each_until_broker_fails(devices: list[Device], send) -> list[dict]:
 
 def _broker_unavailable(request, down: _BrokerDown, wants_json: bool, page) -> HttpResponse:
     """503 with what happened and what to do; JSON for the page's script, else ``page(message)``."""
-    where = actions.cachebox().safe_url  # the broker is the cache box's server (no password shown)
+    where = CacheBox(settings.REDIS_URL).safe_url  # the broker's server, which may not be the cache box's (no password shown)
     if down.sent:
         outcome = f"sent to {', '.join(item['device'] for item in down.sent)} only; not sent to {', '.join(down.not_sent)}"
     else:
         outcome = "nothing was sent"
     message = (
-        f"The message broker (the cache box's Redis at {where}) is not reachable: start it (`make run` starts the embedded one) "
+        f"The message broker (the Redis/Valkey server at {where}) is not reachable: start it (`make run` starts the embedded one) "
         f"or check REDIS_URL; {outcome}. Try again in {BROKER_RETRY_AFTER} seconds."
     )
     log.warning("broker unreachable at %s (%s, %d sent, %d not): %s", where, request.path, len(down.sent), len(down.not_sent), down.error)

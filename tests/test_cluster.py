@@ -261,3 +261,25 @@ def test_a_cluster_cache_box_serves_hits_and_a_stopped_node_turns_only_its_entri
     assert newcomer.catalogs.sync_all()
     later = newcomer.run([on_live], max_tokens=4)
     assert later.breakdown.case == "full" and later.tokens == cold[on_live].tokens
+
+
+@pytest.mark.django_db
+def test_the_control_plane_points_only_its_cache_box_at_a_cluster(cluster, valkey_url, settings):
+    from dashboard import actions
+
+    settings.REDIS_URL = valkey_url  # broker and channel layer: one plain server
+    settings.EDGECACHE_CACHEBOX_URL = cluster.url
+    namespace = f"t-{uuid.uuid4().hex[:12]}"
+    name = entry_key_name(namespace, FINGERPRINT, os.urandom(16))
+    CacheBox(cluster.url).put_entries([(name, b"entry")])
+    assert actions.cachebox_url() == cluster.url and actions.cachebox().safe_url.startswith("redis+cluster://")
+    assert actions.flush_entries(None, namespace, None) == 1 and not CacheBox(cluster.url).exists([name])[0]
+    settings.EDGECACHE_CACHEBOX_URL = ""  # unset: the cache box is on REDIS_URL's server, as before
+    assert actions.cachebox_url() == valkey_url
+
+
+def test_a_cluster_url_is_refused_for_the_broker():
+    from .conftest import run_manage
+
+    done = run_manage("check", env={"REDIS_URL": "redis+cluster://127.0.0.1:7000"}, timeout=60)
+    assert done.returncode != 0 and b"EDGECACHE_CACHEBOX_URL" in done.stderr

@@ -6,7 +6,7 @@ reports validate them against the message contract (``inference.messages``) firs
 """
 
 from .audit import AuditAction, audit
-from .cache import cachebox, evict_entries, flush_entries, pin_entries
+from .cache import cachebox, cachebox_url, evict_entries, flush_entries, pin_entries
 from .devices import (
     authenticate_board,
     device_json,
@@ -30,6 +30,7 @@ __all__ = [
     "audit",
     "authenticate_board",
     "cachebox",
+    "cachebox_url",
     "delete_schema",
     "device_json",
     "dispatch_encode",

@@ -14,9 +14,14 @@ from inference.messages import StoredEntry
 from .audit import AuditAction, audit
 
 
+def cachebox_url() -> str:
+    """Where the cache box is: EDGECACHE_CACHEBOX_URL (it may be a cluster), else REDIS_URL's server."""
+    return settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL
+
+
 def cachebox() -> CacheBox:
     """The control plane's client of the cache box."""
-    return CacheBox(settings.REDIS_URL, connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
+    return CacheBox(cachebox_url(), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
 
 
 def entry_names(names) -> list[str]:

@@ -36,6 +36,7 @@ from inference.messages import ChatMessage, MessageRefused, RunMeta, RunRequest,
 from inference.models import Schema
 
 from .. import metrics, ratelimit
+from ..actions.cache import cachebox_url
 from ..actions.runs import dispatch_api_run
 from ..models import ApiKey, Device
 from . import keys, routing
@@ -171,7 +172,7 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
     """Dispatch the run and answer from its stream (subscribed first: nothing published is missed)."""
     timeout = settings.EDGECACHE_API_TIMEOUT
     subscription = streams.subscribe(
-        settings.REDIS_URL, stream_channel(run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
+        cachebox_url(), stream_channel(run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
     )
     try:
         await subscription.open()
@@ -278,7 +279,7 @@ async def _cancel(request_id: str) -> None:
     """Tell the board to stop: its client is gone (the flag outlives the run's queue expiry)."""
     try:
         await asyncio.shield(
-            streams.set_flag(settings.REDIS_URL, cancel_key_name(request_id), settings.EDGECACHE_API_TIMEOUT + 60, connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT)
+            streams.set_flag(cachebox_url(), cancel_key_name(request_id), settings.EDGECACHE_API_TIMEOUT + 60, connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT)
         )
         log.info("run %s cancelled: its client went away or its board fell silent", request_id)
     except (CacheBoxUnavailable, asyncio.CancelledError) as exc:

@@ -51,10 +51,13 @@ class Command(BaseCommand):
             self.stdout.write("embedded cache box stopped" if stopped else "embedded cache box was not running")
 
     def do_status(self, **options):
-        store = CacheBox(settings.REDIS_URL)
-        kind = "embedded Valkey" if settings.REDIS_URL_IS_EMBEDDED else "REDIS_URL"
+        store = CacheBox(settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL)
+        if settings.EDGECACHE_CACHEBOX_URL:
+            kind = "EDGECACHE_CACHEBOX_URL"
+        else:
+            kind = "embedded Valkey" if settings.REDIS_URL_IS_EMBEDDED else "REDIS_URL"
         if not store.ping():
-            hint = "run `python manage.py cachebox start`" if settings.REDIS_URL_IS_EMBEDDED else "check REDIS_URL"
+            hint = "run `python manage.py cachebox start`" if kind == "embedded Valkey" else f"check {kind}"
             raise CommandError(f"cache box ({kind}, {store.safe_url}) does not answer; {hint}")
         try:
             entries = sum(1 for _ in store.scan_entries())
@@ -78,7 +81,7 @@ class Command(BaseCommand):
                 self.stdout.write("nothing deleted")
                 return
         try:
-            removed = CacheBox(settings.REDIS_URL).flush(namespace, model)
+            removed = CacheBox(settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL).flush(namespace, model)
         except (CacheBoxUnavailable, ValueError) as exc:
             raise CommandError(str(exc))
         self.stdout.write(f"deleted {removed} entries of {scope}")

@@ -13,7 +13,7 @@ class Command(BaseCommand):
     help = "Scan the cache box and make the admin's entry list and every namespace's master catalog match it."
 
     def handle(self, *args, **options):
-        store = CacheBox(settings.REDIS_URL, timeout=30)
+        store = CacheBox(settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL, timeout=30)
         if not store.ping():
             raise CommandError(f"the cache box at {store.safe_url} does not answer")
         try:
