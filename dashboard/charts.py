@@ -19,6 +19,7 @@ from .chart_series import ChartPoint
 # The paper's table-3 components, in its order and words (one source for charts and live.js).
 COMPONENTS = STACK
 WINDOW = 5000  # points a trace keeps while live points arrive (the range's points come from the database)
+BREAKEVEN_RUNS = 200  # a board's newest runs its break-even chart fits lines to
 
 # The top margin leaves the band above the title to Plotly's toolbar (shown on hover, top right):
 # the title sits just above the plot area, left-aligned, so the toolbar never covers it. The

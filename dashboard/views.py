@@ -171,7 +171,7 @@ def _link(device: Device) -> LinkProfile | None:
 
 
 def _breakeven(device: Device, viewer) -> dict:
-    breakdowns = [run.breakdown for run in recent_runs(viewer, charts.WINDOW, device)]
+    breakdowns = [run.breakdown for run in recent_runs(viewer, charts.BREAKEVEN_RUNS, device)]
     return charts.breakeven_figure(breakdowns, _link(device), device.link_label)
 
 
