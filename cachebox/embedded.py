@@ -174,9 +174,9 @@ class EmbeddedCluster:
         """Stop one node (its slots then have no server); False when it was not running."""
         return _shutdown(self.node_dir(index), self.ports[index], timeout)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        for index in range(len(self.ports)):
-            self.stop_node(index, timeout)
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop every node; False when none was running."""
+        return [self.stop_node(index, timeout) for index in range(len(self.ports))].count(True) > 0
 
 
 def _low_free_ports(count: int) -> list[int]:
@@ -321,14 +321,13 @@ def ensure_cluster(data_dir: Path, *, masters: int = 3, maxmemory: str = "256mb"
 
 
 def stop_cluster(data_dir: Path, timeout: float = 10.0) -> bool:
-    """Stop the cluster started under ``data_dir``; False when none was recorded there."""
+    """Stop the cluster started under ``data_dir``; False when none of its nodes was running."""
     data_dir = Path(data_dir).resolve()
     saved = data_dir / CLUSTER_FILE
     if not saved.exists():
         return False
     known = json.loads(saved.read_text())
-    EmbeddedCluster(data_dir, tuple(known["ports"]), tuple(known["bus_ports"])).stop(timeout)
-    return True
+    return EmbeddedCluster(data_dir, tuple(known["ports"]), tuple(known["bus_ports"])).stop(timeout)
 
 
 def _shutdown(node_dir: Path, port: int, timeout: float) -> bool:

@@ -1,4 +1,4 @@
-"""python manage.py cachebox {start,stop,status,flush}: the cache box from the command line."""
+"""python manage.py cachebox {start,stop,status,flush,cluster-start,cluster-stop}: the cache box from the command line."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ class Command(BaseCommand):
         flush.add_argument("--namespace", help="only this namespace (default: every namespace)")
         flush.add_argument("--model", help="only this model fingerprint")
         flush.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+        sub.add_parser("cluster-start", help="start a 3-master Valkey Cluster on loopback to try EDGECACHE_CACHEBOX_URL with (no-op when running)")
+        sub.add_parser("cluster-stop", help="stop that cluster")
 
     def handle(self, *args, action, **options):
-        return getattr(self, f"do_{action}")(**options)
+        return getattr(self, f"do_{action.replace('-', '_')}")(**options)
 
     def _embedded_only(self, verb: str) -> bool:
         if not settings.REDIS_URL_IS_EMBEDDED:
@@ -49,6 +51,20 @@ class Command(BaseCommand):
         if self._embedded_only("stop"):
             stopped = embedded.stop(settings.EDGECACHE_EMBEDDED_DIR, settings.EDGECACHE_EMBEDDED_PORT)
             self.stdout.write("embedded cache box stopped" if stopped else "embedded cache box was not running")
+
+    def _cluster_dir(self):
+        return settings.EDGECACHE_EMBEDDED_DIR.parent / "valkey-cluster"
+
+    def do_cluster_start(self, **options):
+        try:
+            cluster = embedded.ensure_cluster(self._cluster_dir())
+        except CacheBoxUnavailable as exc:
+            raise CommandError(str(exc))
+        self.stdout.write(f"Valkey Cluster running (data in {cluster.data_dir}); point the cache box at it with\n  EDGECACHE_CACHEBOX_URL={cluster.url}")
+
+    def do_cluster_stop(self, **options):
+        stopped = embedded.stop_cluster(self._cluster_dir())
+        self.stdout.write("Valkey Cluster stopped" if stopped else "no Valkey Cluster was started here")
 
     def do_status(self, **options):
         store = CacheBox(settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL)
