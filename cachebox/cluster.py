@@ -91,11 +91,16 @@ def cluster_client(address: ClusterAddress, **options) -> RedisCluster:
     ten attempts with growing pauses. Raises ``redis.RedisError`` or
     ``redis.exceptions.RedisClusterException`` when no node answers.
     """
+    # Named by URL, so that redis-py builds each node's connections from a pool class given the
+    # options (a connection_class among them: the emulated link), not from ``Redis(**options)``.
+    (first_host, first_port), others = address.nodes[0], address.nodes[1:]
+    scheme = "rediss" if address.tls else "redis"
+    host = f"[{first_host}]" if ":" in first_host else first_host
     return RedisCluster(
-        startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
+        url=f"{scheme}://{host}:{first_port}/0",
+        startup_nodes=[ClusterNode(host, port) for host, port in others],
         username=address.username,
         password=address.password,
-        ssl=address.tls,
         retry=Retry(NoBackoff(), len(address.nodes) + 1),
         # Slots whose node is gone are not fatal to the client: their keys are misses.
         require_full_coverage=False,

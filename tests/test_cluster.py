@@ -15,6 +15,7 @@ from cachebox import embedded, streams, sync
 from cachebox.cluster import ClusterAddress, parse_cluster_url
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.keys import cancel_key_name, catalog_key_names, entry_key_name, prefix_keys, range_boundaries, stream_channel
+from cachebox.link import LinkProfile
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogReplica
 
@@ -113,6 +114,19 @@ def test_entries_spread_over_every_node_and_multi_key_commands_span_slots(cluste
     assert sorted(store.scan_entries(namespace)) == sorted(names[30:])  # SCAN walks every node
     assert store.flush(namespace) == 30
     assert entries_per_node(cluster, namespace) == [0, 0, 0]
+
+
+def test_an_emulated_link_paces_the_connections_to_every_node(cluster):
+    namespace = f"t-{uuid.uuid4().hex[:12]}"
+    names = [entry_key_name(namespace, FINGERPRINT, os.urandom(16)) for _ in range(12)]
+    CacheBox(cluster.url).put_entries([(name, os.urandom(250_000)) for name in names])
+    assert len({node_index_of(cluster, name) for name in names}) == 3
+    shaped = CacheBox(cluster.url, link=LinkProfile(bandwidth_mbps=80, rtt_ms=5))
+    assert shaped.ping()  # connections and the slot map first
+    started = time.monotonic()
+    assert sum(map(len, shaped.read_entries(names))) == 3_000_000
+    assert time.monotonic() - started >= 3_000_000 * 8 / 80e6  # 0.3 s: every byte crossed the 80 Mbit/s link
+    CacheBox(cluster.url).flush(namespace)
 
 
 def test_the_catalog_lives_on_one_node_and_compacts_there(cluster, monkeypatch):
