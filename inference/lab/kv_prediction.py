@@ -261,7 +261,7 @@ def fit_predictors(
 
 
 def ensure_predictors(
-    model: ModelFile, ks: Sequence[int], directory: str | Path, tokenize: Callable[[str], list[int]], *, threads: int = 0, max_documents: int | None = None, progress=None
+    model: ModelFile, ks: Sequence[int], directory: str | Path, tokenize: Callable[[str], list[int]], *, threads: int = 0, max_documents: int | None = None, progress=None, reference=None
 ) -> dict[int, Path]:
     """The predictor file for each k, fitted (with the reference engine, on the lab's calibration
     text) for those that do not exist yet. Needs the lab extra when any is missing."""
@@ -271,7 +271,7 @@ def ensure_predictors(
         from .reference import ReferenceModel
         from .texts import calibration_documents
 
-        reference = ReferenceModel.load(model.path, threads=threads)
+        reference = reference or ReferenceModel.load(model.path, threads=threads)
         documents = calibration_documents(tokenize)
         if max_documents is not None:
             documents = documents[:max_documents]

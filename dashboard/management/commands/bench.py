@@ -93,6 +93,14 @@ class Command(BaseCommand):
         fleet.add_argument("--spacing", type=float, default=1.0, help="arrivals every this many cold TTFTs of one board alone (default 1.0)")
         fleet.add_argument("--seed", type=int, default=7)
         fleet.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+        lab = sub.add_parser("lab", help="the reference engine against llama.cpp; KV prediction (seed 001) for each k against full prefill")
+        lab.add_argument("--ks", nargs="+", type=int, default=[3, 6, 9], metavar="K", help="auxiliary layers to try (default 3 6 9)")
+        lab.add_argument("--prompts", type=int, default=300, help="5-shot MMLU prompts over all topics (default 300)")
+        lab.add_argument("--shots", type=int, default=5)
+        lab.add_argument("--heldout", type=int, default=57, help="held-out texts for the next-token KL (default 57)")
+        lab.add_argument("--reference-prompts", type=int, default=200, help="0-shot MMLU prompts the reference engine is checked on (0: skip)")
+        lab.add_argument("--calibration-docs", type=int, default=57, help="calibration documents when a predictor must be fitted (default 57, one per topic)")
+        lab.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
     def handle(self, *args, bench, **options):
@@ -492,6 +500,68 @@ class Command(BaseCommand):
         )
         self.stdout.write(document["summary"])
         self._save("fleet", json_path, document, fleet_report)
+
+    def bench_lab(self, ks, prompts, shots, heldout, reference_prompts, calibration_docs, json_path: str | None, **options):
+        from types import SimpleNamespace
+
+        from inference.benchmarks.lab import lab_report, run_lab
+        from inference.engine import Engine
+        from inference.lab import texts
+        from inference.lab.kv_prediction import KVPredictionServing, PredictorFileError, ensure_predictors, lab_dir
+        from inference.board import engine_config
+        from inference.model_file import resolve_model
+
+        if prompts < 1 or heldout < 0 or reference_prompts < 0 or not ks or any(not 1 <= k < 18 for k in ks):
+            raise CommandError("--prompts must be at least 1, --heldout and --reference-prompts >= 0, every k between 1 and 17")
+        try:
+            selected = texts.evaluation_prompts(prompts, shots)
+            heldout_texts = texts.heldout_prompts(heldout)
+            reference_texts = [p.text for p in texts.evaluation_prompts(reference_prompts, 0)] if reference_prompts else []
+        except (ValueError, FileNotFoundError) as exc:
+            raise CommandError(str(exc))
+        config = settings.EDGECACHE_BOARD
+        engine = Engine(resolve_model(config.model or None), engine_config(config))
+        strategies = {}
+        try:
+            reference = None
+            if reference_texts or any(not (lab_dir() / f"kvp-{engine.model_file.sha256[:16]}-k{k}.npz").exists() for k in ks):
+                try:
+                    from inference.lab.reference import ReferenceModel
+                except ImportError as exc:
+                    raise CommandError(str(exc))
+                self.stdout.write("loading the reference engine (dequantizing the GGUF)...")
+                reference = ReferenceModel.load(engine.model_file.path, threads=engine.config.threads())
+            with tqdm(total=calibration_docs, desc="fitting KV predictors (if missing)", unit="doc") as bar:
+                ensure_predictors(
+                    engine.model_file, ks, lab_dir(), lambda text: engine.tokenize(text, add_bos=True),
+                    max_documents=calibration_docs, progress=bar.update, reference=reference,
+                )
+            try:
+                strategies = {k: KVPredictionServing.open(engine, k, lab_dir()) for k in ks}
+            except PredictorFileError as exc:
+                raise CommandError(str(exc))
+            with tqdm(total=len(reference_texts) + len(selected) + len(heldout_texts), desc=f"bench lab (k = {' '.join(map(str, ks))})", unit="prompt") as bar:
+                document = run_lab(engine, strategies, selected, heldout_texts, reference=reference, reference_prompts=reference_texts, progress=bar.update)
+            document.update({"shots": shots, "calibration": {k: s.predictor.calibration for k, s in strategies.items()}, "machine": machine_info(SimpleNamespace(engine=engine, store=None))})
+        finally:
+            for strategy in strategies.values():
+                strategy.close()
+            engine.close()
+        if "reference" in document:
+            r = document["reference"]
+            self.stdout.write(
+                f"\nreference engine vs llama.cpp on {r['prompts']} prompts: greedy agreement {r['greedy_agreement']}, "
+                f"up to near-ties {r['agreement_up_to_near_ties']}; max |logit diff| {r['max_abs_logit_diff']} (median {r['median_max_abs_logit_diff']})"
+            )
+        self.stdout.write(f"\nbase: median TTFT {document['base']['median_ttft_ms']} ms over {document['prompts']} prompts, accuracy {document['base']['accuracy']}")
+        self.stdout.write(f"{'method':<30}{'TTFT ms':>9}{'ratio':>7}{'agree':>7}{'acc':>7}{'KL':>8}")
+        for row in document["table"]:
+            self.stdout.write(
+                f"{row['method']:<30}{row['median_ttft_ms']:>9.1f}{row['ttft_ratio']:>7.3f}{row['first_token_agreement']:>7.3f}{row['accuracy']:>7.3f}"
+                f"{(row['heldout_kl_mean'] if row['heldout_kl_mean'] is not None else float('nan')):>8.3f}"
+            )
+        document["summary"] = "KV prediction against full prefill, the auxiliary alone and a truncated prompt."
+        self._save("lab", json_path, document, lab_report)
 
     def _default_path(self, name: str) -> Path:
         return Path(settings.BASE_DIR) / "bench-results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
