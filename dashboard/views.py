@@ -798,6 +798,11 @@ def _benchmark_summary(doc: dict) -> str:
         return f"catalog sweep over {doc.get('link', '')}"
     if "lengths" in doc:
         return f"{len(doc['lengths'])} prompt lengths"
+    if "ks" in doc and "table" in doc:  # bench lab
+        rows = [row for row in doc["table"] if row.get("kind") == "kvp"]
+        return "KV prediction (lab): " + "; ".join(
+            f"k={row['k']} TTFT x{row['ttft_ratio']}, agreement {row['first_token_agreement']}, KL {row['heldout_kl_mean']}" for row in rows
+        )
     return ""
 
 

@@ -243,3 +243,26 @@ def test_a_kv_prediction_run_never_stores_or_leaves_state_an_exact_run_could_reu
     cold = board.run(prompt, max_tokens=3, use_cache=False)
     assert exact.tokens == cold.tokens
     board._lab.pop(K)
+
+
+@pytest.mark.django_db
+def test_the_benchmarks_page_shows_a_lab_report_with_its_trade_off_chart(client, django_user_model, settings, tmp_path):
+    import json
+
+    from django.urls import reverse
+
+    from inference.benchmarks.lab import lab_report
+
+    settings.BASE_DIR = tmp_path
+    folder = tmp_path / "bench-results"
+    row = {"kind": "kvp", "k": 6, "method": "KV prediction (k=6)", "median_ttft_ms": 300.0, "ttft_ratio": 0.4, "first_token_agreement": 0.8,
+           "accuracy": 0.3, "accuracy_retention": 0.9, "paired": {"both_correct": 1, "only_base": 0, "only_this": 0}, "heldout_kl_mean": 0.5, "heldout_kl_median": 0.4}
+    doc = {"ks": [6], "prompts": 1, "heldout_texts": 1, "table": [row, {**row, "kind": "aux", "method": "auxiliary alone (k=6)"}], "machine": {"date": "today"}}
+    folder.mkdir()
+    (folder / "lab-1.json").write_text(json.dumps(doc))
+    lab_report(folder / "lab-1.html", doc)
+    client.force_login(django_user_model.objects.create_user("lab", password="pw-lab-123456", is_staff=True))
+    page = client.get(reverse("benchmarks")).content.decode()
+    assert "KV prediction (lab): k=6 TTFT x0.4, agreement 0.8" in page
+    report = client.get(reverse("benchmark-report", args=["lab-1"])).content.decode()
+    assert "Efficiency-accuracy trade-off" in report and "plotly" in report.lower() and "Differs from the paper" in report
