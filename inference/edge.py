@@ -27,6 +27,7 @@ from .chat import chat_prompt
 from .devices import DeviceRecord, DeviceRefused, authenticate, enroll
 from .engine import EngineError
 from .identity import BoardKeys
+from .lab.kv_prediction import parse_strategy
 from .messages import (
     BoardMessage,
     BoardStatus,
@@ -162,7 +163,16 @@ def serve(board, request: RunRequest) -> RunReport:
         options = dict(max_tokens=request.max_tokens, sampling=sampling, use_cache=request.use_cache, namespace=_namespace(request.namespace))
         if stream is not None or request.stop:
             options["on_token"] = on_token
-        if request.is_schema_run:
+        kv_prediction_k = parse_strategy(request.strategy)
+        if kv_prediction_k is not None:  # lab strategy: approximate, never reads or writes the cache box
+            lab_options = {name: options[name] for name in ("max_tokens", "sampling", "on_token") if name in options}
+            if request.is_chat_run:
+                chat = chat_prompt(board.engine, [(message.role, message.content) for message in request.messages])
+                prompt = chat.text
+                result = board.kv_prediction(kv_prediction_k).run(chat.text, tokens=chat.tokens, **lab_options)
+            else:
+                result = board.kv_prediction(kv_prediction_k).run(request.segments, **lab_options)
+        elif request.is_schema_run:
             result: RunResult = board.run_pml(request.schema_source, request.pml, **options)
         elif request.is_chat_run:
             chat = chat_prompt(board.engine, [(message.role, message.content) for message in request.messages])

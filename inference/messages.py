@@ -150,6 +150,8 @@ class RunRequest(Message):
     meta: RunMeta = RunMeta()
     stream: bool = False
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
+    # "" (exact serving) or a lab strategy: "kv-prediction:K" (approximate; never uses the cache box).
+    strategy: str = Field("", pattern=r"^(|exact|kv-prediction:[0-9]{1,2})$")
 
     model_config = ConfigDict(populate_by_name=True)
 
@@ -168,6 +170,8 @@ class RunRequest(Message):
             raise ValueError(f"a run has one kind of prompt, got {' and '.join(kinds)}")
         if self.schema_source and not self.pml:
             raise ValueError("a schema run needs its PML prompt ('pml')")
+        if self.schema_source and self.strategy not in ("", "exact"):
+            raise ValueError("a schema run serves exact modules: it takes no lab strategy")
         if self.messages:
             if sum(len(message.content) for message in self.messages) > MAX_PROMPT_CHARS:
                 raise ValueError(f"the messages are over {MAX_PROMPT_CHARS} characters")

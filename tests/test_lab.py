@@ -232,11 +232,22 @@ def test_a_predicted_state_imports_and_the_base_model_decodes_from_it(engine, kv
 @pytest.mark.model
 @pytest.mark.cachebox
 def test_a_kv_prediction_run_never_stores_or_leaves_state_an_exact_run_could_reuse(engine, kv_strategy, make_board, valkey_url, namespace):
+    import uuid
+
+    from inference.edge import serve
+    from inference.messages import RunRequest
+
     board = make_board(valkey_url, namespace)
     board._lab[K] = kv_strategy
     prompt = PROMPTS[4]
     predicted = board.kv_prediction(K).run(prompt, max_tokens=3)
     assert predicted.uploaded == [] and predicted.breakdown.uploaded_bytes == 0
+    # A dispatched run asks for the strategy by name, and its report says which one answered.
+    report = serve(board, RunRequest(request_id=str(uuid.uuid4()), segments=[prompt], max_tokens=3, namespace=namespace, strategy=f"kv-prediction:{K}"))
+    assert report.error == "" and report.breakdown.strategy == "kv-prediction(6)" and report.breakdown.cachebox == "off"
+    assert report.text == predicted.text
+    with pytest.raises(ValueError, match="strategy"):
+        RunRequest(request_id=str(uuid.uuid4()), segments=[prompt], strategy="kv-prediction")
     exact = board.run(prompt, max_tokens=3)
     assert exact.breakdown.matched_tokens == 0 and exact.breakdown.case == "miss"  # nothing cached, nothing reused
     engine.clear()

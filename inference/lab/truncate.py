@@ -12,15 +12,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import gguf
-
 
 def truncated_path(directory: Path, base_sha256: str, k: int) -> Path:
     return Path(directory) / f"aux-{base_sha256[:16]}-first{k}.gguf"
 
 
 def write_truncated(source: str | os.PathLike, target: str | os.PathLike, k: int) -> Path:
-    """Write the first ``k`` blocks of ``source`` to ``target`` (atomically: a temp file, then renamed)."""
+    """Write the first ``k`` blocks of ``source`` to ``target`` (atomically: a temp file, then renamed).
+    Needs the ``gguf`` package (lab extra); a board given the file needs nothing more."""
+    try:
+        import gguf
+    except ImportError as exc:  # pragma: no cover - depends on the optional extra
+        raise ImportError("writing an auxiliary GGUF needs the lab extra: pip install -e '.[lab]' (gguf)") from exc
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
