@@ -178,6 +178,11 @@ class RunForm(_ForUser, forms.Form):
     max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=8)
     namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
     use_cache = forms.BooleanField(required=False, initial=True)
+    STRATEGIES = [("exact", "exact (prefix serving)")] + [(f"kv-prediction:{k}", f"KV prediction, {k} auxiliary layers (lab, approximate)") for k in (3, 6, 9)]
+    strategy = forms.ChoiceField(
+        choices=STRATEGIES, initial="exact", required=False,
+        help_text="lab strategies answer from a predicted KV cache (seed 001): faster first token, approximate answer; they never use the cache box",
+    )
 
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
@@ -246,11 +251,14 @@ class RunForm(_ForUser, forms.Form):
                     parse_prompt(data.get("pml") or "", parse_schema(schema.source))
                 except PMLError as exc:
                     self.add_error("pml", str(exc))
+        if data.get("source") == "pml" and (data.get("strategy") or "exact") != "exact":
+            self.add_error("strategy", "A schema prompt is served from exact cached modules: choose the exact strategy for it.")
         return data
 
     def prompt_spec(self) -> PromptSpec:
         data = self.cleaned_data
-        common = dict(max_tokens=data["max_tokens"], namespace=data.get("namespace", ""), use_cache=data.get("use_cache", False))
+        strategy = data.get("strategy") or "exact"
+        common = dict(max_tokens=data["max_tokens"], namespace=data.get("namespace", ""), use_cache=data.get("use_cache", False), strategy="" if strategy == "exact" else strategy)
         if data["source"] == "mmlu":
             prompt = data["mmlu_prompt"]
             title = f"MMLU {prompt.target.topic}, {len(prompt.examples)}-shot, question {data['question']}"

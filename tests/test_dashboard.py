@@ -540,3 +540,16 @@ def test_benchmarks_page_lists_reports_and_serves_only_them(staff_client, settin
     assert report.status_code == 200 and b"chart" in report.content and "default-src 'none'" in report["Content-Security-Policy"]
     assert staff_client.get("/benchmarks/secret/").status_code == 404
     assert staff_client.get("/benchmarks/..%2Fsecret/").status_code == 404
+
+
+def test_run_page_sends_a_lab_strategy_and_refuses_it_for_schema_prompts(staff_client, control_plane, sent_tasks):
+    device, _ = register("lab-board")
+    form = {"devices": [device.pk], "source": "mmlu", "topic": "astronomy", "shots": 1, "question": 1, "max_tokens": 4}
+    response = staff_client.post(reverse("run"), {**form, "strategy": "kv-prediction:6"}, HTTP_ACCEPT="application/json")
+    assert response.status_code == 200 and sent_tasks[0]["args"][0]["strategy"] == "kv-prediction:6"
+    exact = staff_client.post(reverse("run"), form, HTTP_ACCEPT="application/json")  # no choice: exact serving
+    assert exact.status_code == 200 and sent_tasks[1]["args"][0]["strategy"] == ""
+    pml = {**form, "source": "pml", "pml": '<prompt schema="travel"><user>Surf?</user></prompt>', "strategy": "kv-prediction:3"}
+    refused = staff_client.post(reverse("run"), pml, HTTP_ACCEPT="application/json")
+    assert refused.status_code == 400 and "exact strategy" in refused.json()["errors"]["strategy"][0]["message"]
+    assert len(sent_tasks) == 2

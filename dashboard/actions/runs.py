@@ -39,6 +39,7 @@ class PromptSpec:
     schema: str = ""  # PML schema source, for a PML prompt (then ``pml`` holds the prompt)
     pml: str = ""
     stream: bool = False  # the board publishes stages and tokens on the run's pub/sub channel (the Run page follows them)
+    strategy: str = ""  # "" exact serving; "kv-prediction:K" a lab strategy (approximate, no cache box)
 
     @property
     def text(self) -> str:
@@ -62,6 +63,7 @@ def dispatch_run(user, devices: list[Device], spec: PromptSpec, request_ids: lis
             use_cache=spec.use_cache,
             meta=meta,
             stream=spec.stream,
+            strategy=spec.strategy,
         )
         # ``routed``: the router chose this (one) device for a prompt sent to any board; a run to a
         # named board keeps its prompt's keys too (the routing history: what each board holds).
