@@ -111,17 +111,24 @@ class Predictor:
         return np.concatenate([k.reshape(cells, -1), v.reshape(cells, -1).astype(np.float32), np.ones((cells, 1), np.float32)], axis=1)
 
     def predict(self, features: np.ndarray, positions: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """layer -> (K with k-norm and RoPE, V), each (cells, n_embd_kv) float32, for layers k..n_layer-1."""
-        out = {}
-        e = self.n_embd_kv
+        """layer -> (K with k-norm and RoPE, V), each (cells, n_embd_kv) float32, for layers k..n_layer-1.
+
+        One matrix product for every layer (features x all maps side by side), one norm, and the
+        rotation computed once per RoPE base (Gemma-3 has two)."""
+        e, h, d = self.n_embd_kv, self.n_head_kv, self.head_dim
+        layers = list(range(self.k, self.n_layer))
         cells = features.shape[0]
-        for index, layer in enumerate(range(self.k, self.n_layer)):
-            kv = features @ self.weights[index]
-            k_raw = kv[:, :e].reshape(cells, self.n_head_kv, self.head_dim)
-            k = k_raw / np.sqrt(np.mean(k_raw * k_raw, axis=-1, keepdims=True) + self.rms_eps) * self.k_norm[index]
-            k = rope_np(k, positions, float(self.rope_base[layer]))
-            out[layer] = (k.reshape(cells, e), kv[:, e:])
-        return out
+        stacked = self.weights.transpose(1, 0, 2).reshape(self.weights.shape[1], -1)
+        kv = (features @ stacked).reshape(cells, len(layers), 2 * e)
+        k_raw = kv[:, :, :e].reshape(cells, len(layers), h, d)
+        k = k_raw / np.sqrt(np.mean(k_raw * k_raw, axis=-1, keepdims=True) + self.rms_eps) * self.k_norm[None, :, None, :]
+        out = {}
+        for base in sorted({float(self.rope_base[layer]) for layer in layers}):
+            chosen = [index for index, layer in enumerate(layers) if float(self.rope_base[layer]) == base]
+            roped = rope_np(k[:, chosen].reshape(cells, len(chosen) * h, d), positions, base).reshape(cells, len(chosen), e)
+            for position, index in enumerate(chosen):
+                out[layers[index]] = (roped[:, position], kv[:, index, e:])
+        return dict(sorted(out.items()))
 
     # -- file -----------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
