@@ -277,3 +277,24 @@ def test_the_benchmarks_page_shows_a_lab_report_with_its_trade_off_chart(client,
     assert "KV prediction (lab): k=6 TTFT x0.4, agreement 0.8" in page
     report = client.get(reverse("benchmark-report", args=["lab-1"])).content.decode()
     assert "Efficiency-accuracy trade-off" in report and "plotly" in report.lower() and "Differs from the paper" in report
+
+
+@pytest.mark.model
+def test_prompts_longer_than_the_sliding_window_keep_every_position(engine, kv_strategy):
+    """A sliding-window cache exports only what its last position sees: the auxiliary state is
+    taken in windows, so the predicted state still holds every prompt position in both caches."""
+    from inference.lab.kv_prediction import export_prefix, merge_sections
+
+    text = " ".join(PROMPTS) * 3
+    tokens = engine.tokenize(text, add_bos=True)[:600]
+    aux = kv_strategy.aux
+    aux.clear()
+    aux.prefill(tokens[:-1], 0)
+    parts = export_prefix(aux, len(tokens) - 1, engine.n_swa)
+    aux.clear()
+    assert len(parts) == 2
+    for section in range(2):
+        positions, _ = merge_sections(parts, section)
+        assert list(positions) == list(range(len(tokens) - 1))
+    logits, breakdown = kv_strategy.prefill_logits(tokens)
+    assert np.all(np.isfinite(logits)) and breakdown.state_bytes > 0
