@@ -1,6 +1,9 @@
 """One cache entry: the raw llama.cpp state bytes of one token range plus a small header.
 
 Layout (no pickle): ``b"ECE2" | u32 header length | 32-byte MAC | header JSON | state bytes``.
+The state bytes are stored raw or under a lossless codec named in the header
+(``cachebox.codec``); the size and digest describe the stored bytes, so they are checked
+before anything is decoded.
 The header names the range ``[start, end)``, the digest of its tokens, the
 state's byte count and SHA-256 digest, the creator and time, the signing key's
 generation, and the top logits of the range's last position (so a full hit samples
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from blake3 import blake3
 
+from . import codec as codecs
 from .errors import EntryError
 from .keys import STATE_FORMAT_VERSION
 from .signing import MAC_BYTES, KeyRing
@@ -58,6 +62,8 @@ class EntryHeader:
     top_logits: np.ndarray | None = None  # float32, same order
     version: int = STATE_FORMAT_VERSION
     key_generation: int = 0  # the signing key's generation (set by encode_entry)
+    codec: str = codecs.RAW  # how the state is stored (``cachebox.codec``); state_bytes/checksum describe the stored bytes
+    raw_bytes: int = 0  # the state's size once decoded (what llama.cpp reads); 0 for raw: state_bytes
     # As read: the MAC and the exact header bytes it covers.
     mac: bytes = b""
     signed_bytes: bytes = b""
@@ -65,6 +71,11 @@ class EntryHeader:
     @property
     def token_count(self) -> int:
         return self.end - self.start
+
+    @property
+    def decoded_bytes(self) -> int:
+        """The size of the llama.cpp state this entry holds, once decoded."""
+        return self.raw_bytes if self.codec != codecs.RAW else self.state_bytes
 
     def to_json(self) -> bytes:
         doc = {
@@ -80,6 +91,9 @@ class EntryHeader:
             "t": round(self.created, 3),
             "kid": self.key_generation,
         }
+        if self.codec != codecs.RAW:
+            doc["codec"] = self.codec
+            doc["raw"] = self.raw_bytes
         if self.top_ids is not None and self.top_logits is not None:
             doc["top_ids"] = base64.b64encode(np.asarray(self.top_ids, "<i4").tobytes()).decode()
             doc["top_logits"] = base64.b64encode(np.asarray(self.top_logits, "<f4").tobytes()).decode()
@@ -109,11 +123,15 @@ class EntryHeader:
                 top_logits=top_logits,
                 version=int(doc["v"]),
                 key_generation=int(doc.get("kid", 0)),
+                codec=str(doc.get("codec", codecs.RAW)),
+                raw_bytes=int(doc.get("raw", 0)),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise EntryError(f"entry header is malformed: {exc}") from exc
         if not 0 <= header.start < header.end or header.state_bytes < 0:
             raise EntryError(f"entry header has an impossible range [{header.start}, {header.end})")
+        if header.codec != codecs.RAW and header.raw_bytes <= 0:
+            raise EntryError(f"entry header stores its state as {header.codec!r} without its decoded size")
         return header
 
 
@@ -177,8 +195,8 @@ def open_entry(blob: bytes, keyring: KeyRing, max_state_bytes: int) -> tuple[Ent
         raise EntryError("entry is truncated inside its header")
     header, offset = parsed
     verify_header(header, keyring)
-    if header.state_bytes > max_state_bytes:
-        raise EntryError(f"entry holds {header.state_bytes} bytes, over the {max_state_bytes}-byte limit")
+    if max(header.state_bytes, header.decoded_bytes) > max_state_bytes:
+        raise EntryError(f"entry holds {header.decoded_bytes} bytes, over the {max_state_bytes}-byte limit")
     verify_state(header, memoryview(blob)[offset:])  # a view: no copy of the megabytes
     return header, offset
 
@@ -205,3 +223,12 @@ def verify_state(header: EntryHeader, state: bytes) -> None:
         raise EntryError(f"entry state is {len(state)} bytes, header says {header.state_bytes}")
     if state_checksum(state) != header.checksum:
         raise EntryError("entry state does not match its signed digest")
+
+
+def decoded_state(header: EntryHeader, blob: bytes, offset: int) -> tuple[bytes, int]:
+    """The llama.cpp state of a verified entry as ``(buffer, offset)``: the entry itself for a raw
+    state (no copy), else the decoded bytes. Raises EntryError (UnknownCodec for a codec this
+    board does not know)."""
+    if header.codec == codecs.RAW:
+        return blob, offset
+    return codecs.decode(memoryview(blob)[offset:], header.codec, header.raw_bytes), 0

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from cachebox.link import LinkProfile
 from inference.breakdown import STACK
-from inference.breakeven import LinearFit, crossover, fit_line, points_from_breakdowns
+from inference.breakeven import LinearFit, crossover, fit_line, overlap_ms, points_from_breakdowns
 
 from .chart_series import ChartPoint
 
@@ -202,9 +202,21 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
     if prefill_fit and fetch_fit:
         cross = crossover(prefill_fit, fetch_fit)
         verdict = cross.describe() + (" (by the link model)" if fetch_fit.points == 0 else "")
+        # Loading while computing: the front computed while the back loads, meeting where both finish.
+        through_origin = LinearFit(max(prefill_fit.slope, 0.0), 0.0, prefill_fit.points)
+        dense = [xs[-1] * step / 40 for step in range(41)]
+        overlapped = [overlap_ms(x, through_origin, fetch_fit) for x in dense]
+        traces.append(go.Scatter(name="compute the front while the back loads", x=dense, y=overlapped, mode="lines", line=dict(color="#2ca02c", width=3)))
+        at = min(longest, 512)
+        alone = min(through_origin.predict(at), fetch_fit.predict(at))
+        if alone > 0:
+            verdict += f"; both together: {overlap_ms(at, through_origin, fetch_fit) / alone:.2f}x the better alone at {at:.0f} tokens"
         if cross.tokens is not None:
             shapes.append(dict(type="line", x0=cross.tokens, x1=cross.tokens, yref="paper", y0=0, y1=1, line=dict(color="#2ca02c", dash="dot")))
             annotations.append(dict(x=cross.tokens, yref="paper", y=1.0, yanchor="top", text=f"break-even ≈ {cross.tokens:.0f} tokens", showarrow=False, xanchor="left"))
+    profiles = sorted({b.get("compute_profile") for b in breakdowns if b.get("compute_profile")})
+    if profiles:
+        link_label += f", compute {' / '.join(profiles)}"
     return _figure(
         traces,
         f"Break-even on {link_label}: {verdict}",

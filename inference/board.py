@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 
 from cachebox import embedded
@@ -19,6 +20,7 @@ from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry, CatalogSyncThread
 
 from .breakeven import BreakEvenPolicy
+from .compute_profile import Pacer, profile_named
 from .config import BoardConfig
 from .engine import Engine, EngineConfig
 from .exchange import Exchange
@@ -54,6 +56,9 @@ class Board:
         keys: Keychain | None = None,
     ):
         self.engine = engine
+        profile = profile_named(config.compute_profile)  # the board's class, or None: this machine's speed
+        if profile is None or engine.pacer is None or engine.pacer.profile != profile:
+            engine.pacer = Pacer(profile) if profile is not None else None
         self.keys = keys
         self.store = store
         self.config = config
@@ -69,6 +74,7 @@ class Board:
             max_entry_bytes=config.max_entry_bytes,
             max_fetch_bytes=config.max_fetch_bytes,
             entry_ttl=config.entry_ttl,
+            codec=config.upload_codec(),
         )
         self.prefix = PrefixServing(
             engine,
@@ -76,7 +82,7 @@ class Board:
             chunk_tokens=config.chunk_tokens,
             top_logits=config.top_logits,
             namespace=config.namespace,
-            policy=BreakEvenPolicy(prefill_ms_per_token=config.prefill_ms_per_token, link=config.link, mode=config.policy),
+            policy=BreakEvenPolicy(prefill_ms_per_token=config.prefill_ms_per_token, link=config.link, mode=config.policy, overlap=config.overlap),
             context_reuse=config.context_reuse,
             ram_tier_bytes=config.ram_tier_bytes,
         )
@@ -108,6 +114,9 @@ class Board:
             # A fresh process knows what the cache box holds before its first request.
             synced = pool.submit(catalogs.sync_all)
             engine = Engine(resolve_model(config.model or None), engine_config(config))
+            profile = profile_named(config.compute_profile)
+            if profile is not None:
+                engine.pacer = Pacer(profile)  # before calibrating: the policy's prior is the paced rate
             config = config.with_(prefill_ms_per_token=calibrate_prefill(engine))
             synced.result()
         return cls(engine, store, config, catalogs=catalogs, background_sync=background_sync, keys=keys)
@@ -120,11 +129,29 @@ class Board:
 
     def run(self, prompt, **kwargs):
         """Serve a prompt (text or segments) by prefix reuse (see inference.prefix_serving)."""
-        return self.prefix.run(prompt, **kwargs)
+        with self._paced() as label:
+            result = self.prefix.run(prompt, **kwargs)
+        return label(result)
 
     def run_pml(self, schema_source: str, prompt_source: str, **kwargs):
         """Serve a PML prompt from the schema's cached modules (see inference.schema_serving)."""
-        return self.schemas.run(schema_source, prompt_source, **kwargs)
+        with self._paced() as label:
+            result = self.schemas.run(schema_source, prompt_source, **kwargs)
+        return label(result)
+
+    @contextmanager
+    def _paced(self):
+        """Label a run served under a compute profile (emulated) with the time its pacing added."""
+        pacer = self.engine.pacer
+        before = pacer.total_ms if pacer is not None else 0.0
+
+        def label(result):
+            if pacer is not None:
+                result.breakdown.compute_profile = pacer.profile.emulated_label
+                result.breakdown.paced_ms = round(pacer.total_ms - before, 3)
+            return result
+
+        yield label
 
     def kv_prediction(self, k: int):
         """The KV prediction strategy with ``k`` auxiliary layers (lab, approximate; loaded on first
@@ -156,6 +183,9 @@ class Board:
             "threads": self.engine.config.threads(),
             "catalogs": catalogs,
             "ram_tier": self.prefix.ram.status() if self.prefix.ram is not None else None,
+            "kv_type": self.engine.config.kv_type,
+            "codec": self.exchange.codec,
+            "compute_profile": self.engine.pacer.profile.emulated_label if self.engine.pacer is not None else "",
         }
 
     def close(self) -> None:

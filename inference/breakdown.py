@@ -44,6 +44,7 @@ class Decision(StrEnum):
     FETCH = "fetch"
     LOCAL = "local"  # served from the board's own context or RAM: no lookup over the network needed
     POLICY_SKIP = "policy-skip"  # recomputing was forecast to be faster on this board and link
+    DEADLINE = "deadline"  # the fetch ran slower than forecast: the board stopped waiting and computed the rest
     NO_USABLE_ENTRY = "no-usable-entry"  # catalog "maybe"s, but nothing complete and valid was there
     CACHEBOX_UNAVAILABLE = "cachebox-unavailable"
     NO_CACHE = "no-cache"
@@ -83,6 +84,7 @@ class Breakdown:
     fetch_ms: float = 0.0  # network part of redis_ms (headers + state bytes)
     restore_ms: float = 0.0  # llama.cpp part of redis_ms (load state into the context)
     verify_ms: float = 0.0  # part of fetch_ms: signatures and state digests checked
+    decompress_ms: float = 0.0  # part of fetch_ms: compressed states decoded (``cachebox.codec``)
     upload_ms: float = 0.0  # export + upload of new ranges, after the answer
     # What happened.
     prompt_tokens: int = 0

@@ -8,7 +8,7 @@ is the prompt length from which fetching wins on that board and link.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
     from cachebox.link import LinkProfile
@@ -80,8 +80,59 @@ def points_from_breakdowns(breakdowns: Iterable[dict]) -> BreakEvenPoints:
     return BreakEvenPoints(prefill, fetch)
 
 
+def overlap_ms(tokens: float, prefill: LinearFit, fetch: LinearFit) -> float:
+    """Time to have ``tokens`` in the context when the front is computed while the back loads,
+    both meeting where they finish together (prefill through the origin, fetch with its fixed
+    cost): ``min over s of max(prefill(s), fetch(tokens - s))``. Pure."""
+    if tokens <= 0:
+        return 0.0
+    a, b, c = prefill.slope, fetch.intercept, fetch.slope
+    if a <= 0:
+        return 0.0
+    if a * tokens <= b or a + c <= 0:  # computing it all is done before the first byte would arrive
+        return a * tokens
+    split = (b + c * tokens) / (a + c)
+    return a * min(split, tokens)
+
+
 # -- the per-request policy ------------------------------------------------------------------
 POLICIES = ("adaptive", "always", "never")
+
+
+@dataclass(frozen=True)
+class Range:
+    """One cached range a fetch may load: ``[start, end)`` and the bytes that would cross the link."""
+
+    start: int
+    end: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """How one request gets the cached ranges ``[floor, end)`` into its context.
+
+    ``split == floor``: load them all (the board waits, up to the deadline). ``floor < split <
+    end``: compute ``[floor, split)`` while ``[split, end)`` loads back to front; the two meet
+    wherever they really do. ``fetch`` False: compute everything.
+    ``arrivals_ms``: when each range is forecast to have arrived, in load order (back to front),
+    from the request's start; a range later than ``deadline(index)`` is given up on.
+    """
+
+    fetch: bool
+    split: int
+    predicted_ms: float  # this plan's forecast for [floor, end)
+    predicted_fetch_ms: float  # loading all of [floor, end)
+    predicted_prefill_ms: float  # computing all of [floor, end): what a fetch saves
+    arrivals_ms: tuple[float, ...] = ()
+    slack: float = 0.5  # a range may be this much later than forecast (relative) ...
+    slack_ms: float = 25.0  # ... plus this much, before the board computes instead of waiting
+
+    def deadline_ms(self, index: int) -> float | None:
+        """The latest time (ms from the start) to wait for the ``index``-th range in load order."""
+        if index >= len(self.arrivals_ms):
+            return None
+        return self.arrivals_ms[index] * (1 + self.slack) + self.slack_ms
 
 
 class OnlineFit:
@@ -138,17 +189,19 @@ class BreakEvenPolicy:
         margin: float = 0.05,
         margin_ms: float = 1.0,
         mode: str = "adaptive",
+        overlap: bool = True,
     ):
         if mode not in POLICIES:
             raise ValueError(f"unknown policy {mode!r}; choose one of {', '.join(POLICIES)}")
         self.mode = mode
+        self.overlap = overlap  # may compute the front of a prompt while the back loads
         self.prior_prefill = prefill_ms_per_token
         self.link = link
         self.restore_bytes_per_ms = restore_bytes_per_ms
         self.margin = margin
         self.margin_ms = margin_ms
         self.prefill = OnlineFit()
-        self.fetch = OnlineFit(fixed_ms=(2 * link.rtt_ms if link else 0.0) + 0.5)
+        self.fetch = OnlineFit(fixed_ms=(link.rtt_ms if link else 0.0) + 0.5)  # one request per range
 
     def predict_prefill_ms(self, tokens: int) -> float:
         line = self.prefill.fit()
@@ -168,6 +221,47 @@ class BreakEvenPolicy:
         if self.mode == "never":
             return Decision(False, fetch_ms, prefill_ms)
         return Decision(fetch_ms * (1 + self.margin) + self.margin_ms < prefill_ms, fetch_ms, prefill_ms)
+
+    def predict_range_ms(self, stored_bytes: int) -> float:
+        """One range fetched on its own (one request) and restored."""
+        line = self.fetch.fit()
+        if line:
+            return max(0.0, line.predict(stored_bytes))
+        transfer = self.link.transfer_ms(stored_bytes, round_trips=1) if self.link else 0.5
+        return transfer + stored_bytes / self.restore_bytes_per_ms
+
+    def plan(self, floor: int, ranges: Sequence[Range]) -> FetchPlan:
+        """Compute, load, or both, for the cached ranges ``ranges`` (front to back, contiguous from
+        ``floor``). Pure arithmetic over the fitted rates; the loads are one request per range,
+        back to front, so the front can be computed meanwhile."""
+        if not ranges:
+            return FetchPlan(False, floor, 0.0, 0.0, 0.0)
+        end = ranges[-1].end
+        compute_all = self.predict_prefill_ms(end - floor)
+        per_range = [self.predict_range_ms(r.stored_bytes) for r in ranges]
+        arrivals, total = [], 0.0
+        for cost in reversed(per_range):
+            total += cost
+            arrivals.append(total)
+        load_all = total
+        if self.mode == "never":
+            return FetchPlan(False, floor, compute_all, load_all, compute_all)
+        if self.mode == "always":
+            return FetchPlan(True, floor, load_all, load_all, compute_all)  # waits for every range: no deadline
+        best_split, best = floor, load_all
+        if self.overlap:
+            # Split at each range start: the front computed, the ranges from there loaded.
+            for index in range(1, len(ranges)):
+                split = ranges[index].start
+                loaded = arrivals[len(ranges) - index - 1]
+                cost = max(self.predict_prefill_ms(split - floor), loaded)
+                if cost < best:
+                    best_split, best = split, cost
+        fetch = best * (1 + self.margin) + self.margin_ms < compute_all
+        # Waiting past the forecast by one batch's compute (or 25 ms) before computing: a batch once
+        # started cannot stop, so starting one for a range that is merely a little late loses time.
+        batch_ms = self.predict_prefill_ms(max(r.end - r.start for r in ranges))
+        return FetchPlan(fetch, best_split if fetch else floor, best if fetch else compute_all, load_all, compute_all, tuple(arrivals), slack_ms=max(25.0, batch_ms))
 
     def observe_prefill(self, tokens: int, ms: float) -> None:
         if tokens > 0 and ms > 0:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Mapping
 
+from cachebox.codec import CodecChoice
 from cachebox.link import LinkProfile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,11 +68,20 @@ class BoardConfig:
     context_reuse: bool = True  # a prompt that shares a prefix with the board's last one continues from it
     ram_tier_bytes: int = 128 * 1024 * 1024  # range entries kept next to the model (0: no RAM tier)
     policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
+    overlap: bool = True  # compute the front of a prompt while the back of it loads, when that is faster
+    codec: str = "auto"  # how uploaded states are stored: raw, zstd, zstd-shuffle, or auto (by the link: cachebox.codec)
+    compute_profile: str = ""  # pace model work to a board class (inference.compute_profile); "" = this machine
     prefill_ms_per_token: float = 3.0  # the policy's prior until the board has measured itself
     embedded_dir: Path = field(default_factory=lambda: edgecache_home() / "valkey")
     embedded_port: int | None = None
     embedded_maxmemory: str = "1gb"
     keys_dir: Path = field(default_factory=lambda: edgecache_home() / "board-keys")  # this board's private keys (0600 files)
+
+    def upload_codec(self) -> str:
+        """The codec this board stores its states with: ``codec``, or by its link when "auto"."""
+        if self.codec != "auto":
+            return self.codec
+        return CodecChoice().choose(self.link.bytes_per_second if self.link is not None else None)
 
     @property
     def uses_embedded_cachebox(self) -> bool:
@@ -106,6 +116,9 @@ class BoardConfig:
             max_fetch_bytes=_int(environ, "EDGECACHE_MAX_FETCH_BYTES", d["max_fetch_bytes"].default),
             entry_ttl=ttl or None,
             context_reuse=environ.get("EDGECACHE_CONTEXT_REUSE", "1").strip() not in ("0", "false", "no", "off"),
+            overlap=environ.get("EDGECACHE_OVERLAP", "1").strip() not in ("0", "false", "no", "off"),
+            codec=environ.get("EDGECACHE_CODEC", "").strip() or d["codec"].default,
+            compute_profile=environ.get("EDGECACHE_COMPUTE_PROFILE", "").strip(),
             ram_tier_bytes=_int(environ, "EDGECACHE_RAM_TIER_MB", d["ram_tier_bytes"].default // (1024 * 1024)) * 1024 * 1024,
             embedded_dir=home / "valkey",
             embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,

@@ -91,6 +91,7 @@ def main(argv: list[str]) -> int:
     print(
         f"board {args.name} ready ({board.engine.model_file.path.name}, {board.engine.config.threads()} threads, "
         f"{board.store.link_label} to the cache box, namespace {me.record.cache_namespace}, "
+        f"{('compute paced to ' + board.engine.pacer.profile.emulated_label + ', ') if board.engine.pacer is not None else ''}"
         f"signing keys {'generation ' + str(me.ring.current) if me.ring else 'missing: cache off'}); "
         f"serving queues {queues}",
         flush=True,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import llama_cpp
@@ -23,9 +24,11 @@ import numpy as np
 
 from cachebox.keys import ModelIdentity
 
+from .compute_profile import Pacer
 from .model_file import ModelFile
 
-KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "f32": llama_cpp.GGML_TYPE_F32}
+KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0, "f32": llama_cpp.GGML_TYPE_F32}
+QUANTIZED_KV = frozenset({"q8_0", "q4_0"})  # llama.cpp stores a quantized V cache only with flash attention
 
 # Sequence ids inside the one context: 0 holds the prompt being served; the last
 # one is scratch space for moving ranges in and out; those between are work space
@@ -184,6 +187,7 @@ class Engine(Vocabulary):
         self.lock = threading.RLock()
         self.scratch_seq = config.n_seq_max - 1
         self.generation = 0  # counts clear(): a strategy that keeps its context checks it is still there
+        self.pacer: Pacer | None = None  # a compute profile slowing model work to a board class (emulation)
 
         model_params = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(model.path).encode(), model_params)
@@ -199,6 +203,8 @@ class Engine(Vocabulary):
         params.n_seq_max = config.n_seq_max
         params.n_threads = params.n_threads_batch = config.threads()
         params.type_k = params.type_v = KV_TYPES[config.kv_type]
+        if config.kv_type in QUANTIZED_KV:
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.kv_unified = True  # sequences share cells: seq_cp tags cells, it does not copy them
         params.swa_full = True  # keep every position of sliding-window layers, so any range can be exported
         params.no_perf = True
@@ -269,9 +275,12 @@ class Engine(Vocabulary):
             for index in range(size):
                 batch.seq_id[index][0] = seq
             batch.n_tokens = size
+            mark = time.perf_counter()
             status = llama_cpp.llama_decode(self._ctx, batch)
             if status != 0:
                 raise EngineError(f"llama_decode failed with status {status} at positions {first}..{first + size - 1}")
+            if self.pacer is not None:
+                self.pacer.after_prefill(size, (time.perf_counter() - mark) * 1000.0)
             for index in np.flatnonzero(wanted):
                 out[int(positions[index])] = self.logits(int(index)).copy()
             if on_batch is not None:
@@ -287,9 +296,12 @@ class Engine(Vocabulary):
         batch.seq_id[0][0] = seq
         batch.logits[0] = 1
         batch.n_tokens = 1
+        mark = time.perf_counter()
         status = llama_cpp.llama_decode(self._ctx, batch)
         if status != 0:
             raise EngineError(f"llama_decode failed with status {status} at position {position}")
+        if self.pacer is not None:
+            self.pacer.after_decode((time.perf_counter() - mark) * 1000.0)
         return self.logits(0)
 
     def logits(self, batch_index: int) -> np.ndarray:

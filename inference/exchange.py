@@ -22,8 +22,10 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from cachebox import codec as codecs
 from cachebox.catalog import Catalog
-from cachebox.entry import HEADER_PEEK_BYTES, EntryHeader, decode_header, encode_entry, entry_size, open_entries, state_checksum, verify_header
+from cachebox.codec import UnknownCodec
+from cachebox.entry import HEADER_PEEK_BYTES, EntryHeader, decode_header, decoded_state, encode_entry, entry_size, open_entries, state_checksum, verify_header
 from cachebox.errors import CacheBoxUnavailable, EntryError
 from cachebox.events import security_event
 from cachebox.keys import entry_key_name, module_key, module_key_name, prefix_keys
@@ -71,12 +73,19 @@ def module_ref(namespace: str, fingerprint: str, schema_digest: str, piece: str,
 
 @dataclass
 class Fetched:
-    """An entry read and verified: its state is ``blob[offset:]``."""
+    """An entry read and verified: ``blob[offset:]`` as stored, ``state[state_offset:]`` what
+    llama.cpp reads (the same buffer for a raw entry, the decoded bytes otherwise)."""
 
     ref: EntryRef
     header: EntryHeader
     blob: bytes
     offset: int
+    state: bytes = b""
+    state_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.state:
+            self.state, self.state_offset = self.blob, self.offset
 
 
 class OverLimit(EntryError):
@@ -124,7 +133,11 @@ class Exchange:
         max_entry_bytes: int = 64 * 1024 * 1024,
         max_fetch_bytes: int = 256 * 1024 * 1024,
         entry_ttl: int | None = None,
+        codec: str = codecs.RAW,
     ):
+        if codec not in codecs.CODECS:
+            raise ValueError(f"unknown state codec {codec!r}; choose one of {', '.join(codecs.CODECS)}")
+        self.codec = codec  # how this board stores the states it uploads
         self.store = store
         self.catalogs = catalogs
         self.fingerprint = fingerprint
@@ -221,7 +234,7 @@ class ExchangeSession:
                 except UnknownKey as exc:
                     self._newer_key(ref, exc)
                     continue
-                except OverLimit as exc:
+                except (OverLimit, UnknownCodec) as exc:
                     log.info("skipping %s: %s", ref.name, exc)
                     continue
                 except EntryError as exc:
@@ -275,8 +288,16 @@ class ExchangeSession:
                     raise result
                 header, offset = result
                 self._check(ref, header, expect)
+                decoding = time.perf_counter()
+                state, state_offset = decoded_state(header, blob, offset)  # after the digest of the stored bytes
+                self.breakdown.decompress_ms += ms_since(decoding)
             except UnknownKey as exc:
                 self._newer_key(ref, exc)
+                if chain:
+                    break
+                continue
+            except (OverLimit, UnknownCodec) as exc:
+                log.info("skipping %s: %s", ref.name, exc)
                 if chain:
                     break
                 continue
@@ -285,23 +306,26 @@ class ExchangeSession:
                 if chain:
                     break
                 continue
-            usable.append(Fetched(ref, header, blob, offset))
+            usable.append(Fetched(ref, header, blob, offset, state, state_offset))
+            self.breakdown.codec = header.codec
         self.breakdown.fetch_ms += ms_since(mark)
         return usable
 
-    def restore(self, engine: Engine, item: Fetched, seq: int, first_positions: range) -> bool:
+    def restore(self, engine: Engine, item: Fetched, seq: int, first_positions: range, last_position: int | None = None) -> bool:
         """Import a verified entry into ``seq``; False (entry evicted) when llama.cpp refuses it or
-        it leaves positions other than ``first_positions``..``end - 1``. Times ``restore_ms``."""
+        it leaves positions other than ``first_positions``..``last_position`` (default: the
+        range's end - 1). Times ``restore_ms``."""
         mark = time.perf_counter()
+        last_position = item.ref.end - 1 if last_position is None else last_position
         try:
             try:
-                engine.import_range(item.blob, item.offset, seq=seq)
+                engine.import_range(item.state, item.state_offset, seq=seq)
             except EngineError as exc:
                 self.reject(item.ref, exc)
                 return False
             first, last = engine.positions(seq)
-            if last != item.ref.end - 1 or first not in first_positions:
-                self.reject(item.ref, EntryError(f"restore left positions {first}..{last}, expected {first_positions.start}..{item.ref.end - 1}"))
+            if last != last_position or first not in first_positions:
+                self.reject(item.ref, EntryError(f"restore left positions {first}..{last}, expected {first_positions.start}..{last_position}"))
                 return False
             self.breakdown.fetched_bytes += len(item.blob)  # the whole entry, as moved
             return True
@@ -320,8 +344,10 @@ class ExchangeSession:
         if header.fingerprint != self.exchange.fingerprint or header.namespace != self.namespace:
             raise EntryError("entry was made for another model or namespace")
         expect(ref, header)
-        if header.state_bytes > self.exchange.max_entry_bytes:
-            raise OverLimit(f"entry holds {header.state_bytes} bytes, over this board's {self.exchange.max_entry_bytes}-byte limit")
+        if header.codec not in codecs.CODECS:
+            raise UnknownCodec(f"entry is stored as {header.codec!r}, a codec this board does not know")
+        if max(header.state_bytes, header.decoded_bytes) > self.exchange.max_entry_bytes:
+            raise OverLimit(f"entry holds {header.decoded_bytes} bytes, over this board's {self.exchange.max_entry_bytes}-byte limit")
 
     def reject(self, ref: EntryRef, reason: Exception) -> None:
         """An entry failed a check: count and log it, evict it (best effort); the run computes instead."""
@@ -352,19 +378,25 @@ class ExchangeSession:
         top_ids = top_values = None
         if logits is not None:
             top_ids, top_values = top_candidates(logits, top)
+        codec = self.exchange.codec
+        stored = codecs.encode(state, codec)
+        if codec != codecs.RAW and len(stored) >= len(state):
+            codec, stored = codecs.RAW, state  # nothing gained: readers skip the decoding
         header = EntryHeader(
             fingerprint=self.exchange.fingerprint,
             namespace=self.namespace,
             start=ref.start,
             end=ref.end,
             tokens_digest=tokens_digest,
-            state_bytes=len(state),
-            checksum=state_checksum(state),
+            state_bytes=len(stored),
+            checksum=state_checksum(stored),
             device=self.exchange.device,
             top_ids=top_ids,
             top_logits=top_values,
+            codec=codec,
+            raw_bytes=len(state) if codec != codecs.RAW else 0,
         )
-        return encode_entry(header, state, self.ring)
+        return encode_entry(header, stored, self.ring)
 
     def share(self, items: Iterable[tuple[EntryRef, bytes]], *, chain: bool) -> list[StoredEntry]:
         """Store sealed entries and announce their keys to every board's catalog (one place for both).

@@ -33,22 +33,37 @@ from cachebox.errors import EntryError
 from cachebox.keys import check_namespace, grid_cuts, range_boundaries, tokens_digest
 
 from .breakdown import Breakdown, CacheBoxState, Decision, Tier
-from .breakeven import BreakEvenPolicy
+from .breakeven import BreakEvenPolicy, FetchPlan, Range
 from .engine import MAIN_SEQ, Engine, EngineError
 from .exchange import EntryRef, Exchange, ExchangeSession, Fetched, run_session, plan_chain, prefix_refs
 from .local_tier import Context, RamTier
+from .overlap import DONE, Arrival, RangeLoader
 from .sampling import TOP_CANDIDATES, SamplingParams, choose, sample
 from .serving import OnToken, PromptError, RunResult, context_error, decode_answer, ms_since
 
 log = logging.getLogger(__name__)
 
+Exports = dict[int, tuple[int, bytes]]  # range end -> (range start, state), taken as soon as computed
+
 
 @dataclass
 class _Restored:
+    """What the context holds before the rest of the prompt is computed: ``[0, matched)``."""
+
     matched: int = 0
     top_ids: np.ndarray | None = None
     top_logits: np.ndarray | None = None
     entries: list[str] = field(default_factory=list)
+    computed: int = 0  # tokens of [0, matched) this run computed itself (the front, while loading)
+    logits: dict[int, np.ndarray] = field(default_factory=dict)  # the last position's, when the front reached it
+    exports: Exports = field(default_factory=dict)
+    loader: RangeLoader | None = None  # may still be finishing a useless request: joined after the answer
+    arrivals: list[Arrival] = field(default_factory=list)
+    used: dict[str, Fetched] = field(default_factory=dict)
+
+    @property
+    def served(self) -> int:
+        return self.matched - self.computed
 
 
 class PrefixServing:
@@ -149,20 +164,20 @@ class PrefixServing:
                 elif breakdown.tier != Tier.NONE:
                     breakdown.decision = Decision.LOCAL
             matched = restored.matched
-            breakdown.classify(matched, prompt_tokens)
+            breakdown.classify(restored.served, prompt_tokens)
 
             # P-decode: only what was not restored, in the batches of the grid. The entry at the
             # prompt's end keeps the top logits of its last position (no extra model work): the
             # same prompt later is a full hit with no decode at all.
-            boundary_logits: dict[int, np.ndarray] = {}
-            exports: dict[int, bytes] = {}  # range end -> state, taken as soon as the range is computed
+            boundary_logits: dict[int, np.ndarray] = dict(restored.logits)
+            exports: Exports = dict(restored.exports)
             if matched < prompt_tokens:
                 on_batch = self._exporter(boundaries, matched, exports) if session is not None else None
                 mark = time.perf_counter()
-                boundary_logits = engine.prefill(
-                    tokens[matched:], matched, logits_at={prompt_tokens - 1}, on_batch=on_batch, cuts=grid_cuts(prompt_tokens, self.chunk_tokens, matched)
+                boundary_logits.update(
+                    engine.prefill(tokens[matched:], matched, logits_at={prompt_tokens - 1}, on_batch=on_batch, cuts=grid_cuts(prompt_tokens, self.chunk_tokens, matched))
                 )
-                breakdown.prefill_ms = ms_since(mark)
+                breakdown.prefill_ms += ms_since(mark)
 
             # First token: from fresh logits, or from the ones stored with a full hit.
             rng = np.random.default_rng(sampling.seed)
@@ -175,15 +190,17 @@ class PrefixServing:
             breakdown.ttft_ms = ms_since(started)
 
             generated, text = decode_answer(engine, token, prompt_tokens, max_tokens, sampling, rng, breakdown, started, self.top_logits, on_token)
+            self._finish_loading(restored, breakdown)
+            breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
 
             uploaded = []
             if session is not None and upload and breakdown.cachebox == CacheBoxState.OK:
-                uploaded = self._upload(session, tokens, refs, known, matched, boundary_logits, exports)
+                uploaded = self._upload(session, tokens, refs, known, boundary_logits, exports)
                 session.touch(restored.entries)
             elif session is not None and self.ram is not None:
-                self._keep_in_ram(session, tokens, refs, matched, boundary_logits, exports)
+                self._keep_in_ram(session, tokens, refs, boundary_logits, exports)
             breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
-            self._learn(breakdown)
+            self._learn(breakdown, restored)
             if self.context_reuse and use_cache:
                 stored = (restored.top_ids, restored.top_logits) if restored.top_ids is not None else None
                 self._context = Context.after(tokens, engine.claim_main(), boundary_logits.get(prompt_tokens - 1), stored, self.top_logits)
@@ -238,7 +255,8 @@ class PrefixServing:
         return _Restored(matched, last.top_ids if full else None, last.top_logits if full else None)
 
     def _lookup_and_restore(self, session: ExchangeSession, tokens: list[int], refs: list[EntryRef], known: set[bytes], use_catalog: bool, held: _Restored) -> _Restored:
-        """Extend what the board holds (``held``: its context or RAM tier) from the cache box."""
+        """Extend what the board holds (``held``: its context or RAM tier) from the cache box:
+        load the chain of ranges, computing the front of it meanwhile when that is faster."""
         breakdown = session.breakdown
         floor = held.matched
         candidates = session.maybe(refs, use_catalog=use_catalog)
@@ -249,11 +267,9 @@ class PrefixServing:
             return held
         longest = candidates[-1].end
         breakdown.candidate_tokens = longest
-        decision = self.policy.decide(longest - floor, int((longest - floor) * self.bytes_per_token))
-        breakdown.predicted_fetch_ms = decision.predicted_fetch_ms
-        breakdown.predicted_prefill_ms = decision.predicted_prefill_ms
-        if not decision.fetch:
-            breakdown.decision = Decision.POLICY_SKIP  # recomputing is forecast to be faster on this board and link
+        # Before any round trip: would even the best plan beat computing, at the sizes seen so far?
+        guess = [Range(ref.start, ref.end, int((ref.end - ref.start) * self.bytes_per_token)) for ref in refs if floor < ref.end <= longest]
+        if not self._planned(self.policy.plan(floor, guess), breakdown):
             return held
 
         def expect(ref: EntryRef, header: EntryHeader) -> None:
@@ -278,91 +294,213 @@ class PrefixServing:
             ends = ends[:-1]
         chain = [by_end[end] for end in ends]
         chain = session.within_budget(chain, {by_end[end].name: header for end, header in headers.items()})
-        fetched = session.fetch(chain, expect, chain=True)
-        matched = floor
-        used: list[Fetched] = []
-        for item in fetched:
-            if not session.restore(self.engine, item, MAIN_SEQ, range(0, 1)):
-                break
-            matched = item.ref.end
-            used.append(item)
-        if fetched and matched < fetched[-1].ref.end:
-            self.engine.remove(MAIN_SEQ, matched, -1)  # drop a partly restored range
-        breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
-        if matched == floor:
+        if not chain:
             if breakdown.cachebox == CacheBoxState.OK:
                 breakdown.decision = Decision.NO_USABLE_ENTRY
             return held
-        session.record_hits(len(used))
+        # The real sizes are known now (compressed entries are smaller): plan again.
+        plan = self.policy.plan(floor, [Range(headers[ref.end].start, ref.end, headers[ref.end].state_bytes) for ref in chain])
+        if not self._planned(plan, breakdown):
+            return held
+        restored = self._load(session, tokens, chain, expect, floor, plan)
+        if restored.served <= floor:
+            if breakdown.cachebox == CacheBoxState.OK:
+                breakdown.decision = Decision.DEADLINE if breakdown.fetch_late else Decision.NO_USABLE_ENTRY
+            restored.top_ids, restored.top_logits = (held.top_ids, held.top_logits) if restored.matched == held.matched else (None, None)
+            return restored
+        session.record_hits(len(restored.entries))
         breakdown.decision = Decision.FETCH
         breakdown.tier = Tier.CACHEBOX
-        if self.ram is not None:
-            for item in used:
-                self.ram.put(item.ref.name, item.header, item.blob, item.offset)
-        last = used[-1].header
-        full = matched == len(tokens)
-        return _Restored(matched, last.top_ids if full else None, last.top_logits if full else None, [item.ref.name for item in used])
+        return restored
 
-    def _learn(self, breakdown: Breakdown) -> None:
+    def _planned(self, plan: FetchPlan, breakdown: Breakdown) -> bool:
+        """Record the policy's forecast; False (said on the breakdown) when computing wins."""
+        breakdown.predicted_fetch_ms = round(plan.predicted_ms if plan.fetch else plan.predicted_fetch_ms, 3)
+        breakdown.predicted_prefill_ms = round(plan.predicted_prefill_ms, 3)
+        if not plan.fetch:
+            breakdown.decision = Decision.POLICY_SKIP  # recomputing is forecast to be faster on this board and link
+        return plan.fetch
+
+    def _load(self, session: ExchangeSession, tokens: list[int], chain: list[EntryRef], expect, floor: int, plan: FetchPlan) -> _Restored:
+        """Get ``chain`` into the context, by the plan.
+
+        ``plan.split == floor``: load the ranges front to back, restoring each as soon as it
+        arrives; one later than forecast (the deadline) ends the wait, and the rest is computed.
+        Otherwise: load them back to front in a thread while the front is computed here, batch
+        by batch on the grid, until the two meet; the loaded ranges then join the context.
+        They are restored at the meeting, in position order, not on arrival: llama.cpp sums
+        attention over cells in the order they sit in the cache, so cells restored out of order
+        would give other bits than the cold run (restoring is a memory copy, ~1 ms a range).
+        Verification and decoding happen in the loader, as each range arrives.
+        A range that is missing or fails verification stops the loading; the rest is computed.
+        """
+        breakdown = session.breakdown
+        breakdown.planned_split = plan.split
+        forward = plan.split <= floor
+        loader = RangeLoader(session, chain if forward else chain[::-1], expect)
+        loader.computed_to = floor
+        started = time.perf_counter()
+        loader.start()
+        if forward:
+            restored = self._load_in_order(session, loader, plan, floor, started)
+        else:
+            restored = self._load_while_computing(session, tokens, loader, chain[-1].end, floor)
+        loader.stop()
+        restored.loader = loader
+        breakdown.met_at = floor + restored.computed if not forward else restored.matched  # where computing took over
+        if not forward and restored.computed > plan.split - floor + self.chunk_tokens:
+            breakdown.fetch_late = True  # the loads came slower than forecast: compute went past the plan
+        if self.ram is not None:
+            for name, item in restored.used.items():
+                self.ram.put(name, item.header, item.state, item.state_offset)
+        return restored
+
+    def _load_in_order(self, session: ExchangeSession, loader: RangeLoader, plan: FetchPlan, floor: int, started: float) -> _Restored:
+        """Wait for each range, front to back, restoring it on arrival; stop at the deadline."""
+        breakdown, matched, used = session.breakdown, floor, {}
+        arrivals: list[Arrival] = []
+        while True:
+            deadline = plan.deadline_ms(len(arrivals))
+            timeout = None if deadline is None else max(0.0, deadline - ms_since(started)) / 1000.0
+            got = loader.take(timeout)
+            if got is None:  # later than forecast: compute the rest (the deadline)
+                breakdown.fetch_late = True
+                break
+            if got is DONE:
+                break
+            arrivals.append(got)
+            item = got.item
+            if item.header.start != matched or not session.restore(self.engine, item, MAIN_SEQ, range(0, 1)):
+                break
+            matched = item.ref.end
+            used[item.ref.name] = item
+        if self.engine.positions(MAIN_SEQ)[1] != matched - 1:
+            self.engine.remove(MAIN_SEQ, matched, -1)  # drop a partly restored range
+        return self._restored(matched, 0, used, arrivals, {}, {})
+
+    def _load_while_computing(self, session: ExchangeSession, tokens: list[int], loader: RangeLoader, end: int, floor: int) -> _Restored:
+        """Compute from ``floor`` while ranges arrive from ``end`` backwards; meet; restore in order."""
+        engine, breakdown, total = self.engine, session.breakdown, len(tokens)
+        computed, loaded_from, done = floor, end, False
+        arrivals: list[Arrival] = []
+        logits: dict[int, np.ndarray] = {}
+        exports: Exports = {}
+        on_batch = self._exporter(range_boundaries(total, self.chunk_tokens), floor, exports)
+        while computed < loaded_from:
+            got = None if done else loader.take(0)
+            if got is DONE:
+                done = True
+                continue
+            if got is not None:
+                header = got.item.header
+                if header.end != loaded_from or header.end <= computed:
+                    loader.stop()  # computed past it: nothing later can be used either
+                    done = True
+                    continue
+                arrivals.append(got)
+                loaded_from = header.start
+                continue
+            # One grid batch of the front, as the cold run computes it.
+            stop = min(total, (computed // self.chunk_tokens + 1) * self.chunk_tokens)
+            mark = time.perf_counter()
+            logits.update(engine.prefill(tokens[computed:stop], computed, logits_at={total - 1} if stop == total else set(), on_batch=on_batch))
+            breakdown.prefill_ms += ms_since(mark)
+            computed = loader.computed_to = stop
+        loader.stop()
+        matched, used = computed, {}
+        for arrival in sorted(arrivals, key=lambda arrival: arrival.item.header.start):
+            item = arrival.item
+            if item.header.end <= matched:
+                continue  # computed meanwhile
+            if item.header.start != matched or not session.restore(engine, item, MAIN_SEQ, range(0, 1)):
+                break
+            matched = item.ref.end
+            used[item.ref.name] = item
+        if engine.positions(MAIN_SEQ)[1] != matched - 1:
+            engine.remove(MAIN_SEQ, matched, -1)  # drop a partly restored range
+        return self._restored(matched, computed - floor, used, arrivals, logits, exports)
+
+    def _restored(self, matched: int, computed: int, used: dict[str, Fetched], arrivals, logits, exports) -> _Restored:
+        last = max((item.header for item in used.values()), key=lambda header: header.end, default=None)
+        full = last is not None and last.end == matched and last.top_ids is not None
+        return _Restored(
+            matched,
+            last.top_ids if full else None,
+            last.top_logits if full else None,
+            list(used),
+            computed=computed,
+            logits=logits,
+            exports=exports,
+            arrivals=arrivals,
+            used=used,
+        )
+
+    def _finish_loading(self, restored: _Restored, breakdown: Breakdown) -> None:
+        """After the answer: let the loader end (it may be finishing a request nobody needs), then
+        learn the link's rate from each range's own request."""
+        if restored.loader is None:
+            return
+        restored.loader.stop()
+        restored.loader.join(timeout=30.0)  # bounded by the cache box client's own I/O timeout
+        for arrival in restored.arrivals:
+            self.policy.observe_fetch(len(arrival.item.blob), arrival.ms)
+
+    def _learn(self, breakdown: Breakdown, restored: _Restored) -> None:
         """Feed this run's measured costs to the break-even policy."""
         self.policy.observe_prefill(breakdown.prompt_tokens - breakdown.matched_tokens, breakdown.prefill_ms)
-        if breakdown.matched_tokens and breakdown.fetched_bytes:
-            self.policy.observe_fetch(breakdown.fetched_bytes, breakdown.redis_ms)
-            self.bytes_per_token = 0.8 * self.bytes_per_token + 0.2 * breakdown.fetched_bytes / breakdown.matched_tokens
+        loaded = sum(arrival.item.header.token_count for arrival in restored.arrivals)
+        if loaded and breakdown.fetched_bytes:
+            self.bytes_per_token = 0.8 * self.bytes_per_token + 0.2 * breakdown.fetched_bytes / loaded
 
-    def _exporter(self, boundaries: list[int], matched: int, exports: dict[int, bytes]):
+    def _exporter(self, boundaries: list[int], start: int, exports: Exports):
         """A prefill callback that copies each new range out as soon as it is computed.
 
         Exporting later (after the answer) would be too late for sliding-window layers:
         llama.cpp reuses the cells that no later token can see (about 0.1 ms per MB).
         """
-        pending = [end for end in boundaries if end > matched]
+        pending = [end for end in boundaries if end > start]
+        begin = [start]
 
         def export_ready(next_position: int) -> None:
-            start = max([matched] + list(exports))
             while pending and pending[0] <= next_position:
                 end = pending.pop(0)
-                exports[end] = self.engine.export_range(start, end)
-                start = end
+                exports[end] = (begin[0], self.engine.export_range(begin[0], end))
+                begin[0] = end
 
         return export_ready
 
-    def _sealed(self, session: ExchangeSession, tokens, refs: list[EntryRef], known: set[bytes], matched: int, boundary_logits, exports) -> list[tuple[EntryRef, bytes, bool]]:
-        """(range, signed entry, whether the cache box needs it) for each range this run computed.
+    def _sealed(self, session: ExchangeSession, tokens, refs: list[EntryRef], known: set[bytes], boundary_logits, exports: Exports) -> list[tuple[EntryRef, bytes, bool, bytes]]:
+        """(range, signed entry, whether the cache box needs it, state) for each range this run computed.
 
-        A range the cache box already holds (the policy chose to recompute) is sealed only
-        for the RAM tier, and is not uploaded twice."""
-        items: list[tuple[EntryRef, bytes, bool]] = []
-        start = matched
+        A range the cache box already holds (the policy chose to recompute, or computed the
+        front while the rest loaded) is sealed only for the RAM tier, and is not uploaded twice."""
+        items: list[tuple[EntryRef, bytes, bool, bytes]] = []
         for ref in refs:
-            if ref.end <= matched:
-                continue
-            state = exports.get(ref.end)
-            if state is None:
-                break  # not computed in this run
+            if ref.end not in exports:
+                continue  # not computed in this run
+            start, state = exports[ref.end]
             needed = not (ref.key in known and ref.name not in session.missing)
             if needed or self.ram is not None:
                 stored = EntryRef(start, ref.end, ref.key, ref.name)
-                items.append((stored, session.seal(stored, state, tokens_digest(tokens[start : ref.end]), boundary_logits.get(ref.end - 1), self.top_logits), needed))
-            start = ref.end
+                items.append((stored, session.seal(stored, state, tokens_digest(tokens[start : ref.end]), boundary_logits.get(ref.end - 1), self.top_logits), needed, state))
         return items
 
     def _remember(self, items) -> None:
-        """Keep this run's own entries in the RAM tier (sealed here: nothing to verify)."""
+        """Keep this run's own entries in the RAM tier, as states (sealed here: nothing to verify)."""
         if self.ram is None:
             return
-        for ref, blob, _ in items:
-            header, offset = decode_header(blob)
-            self.ram.put(ref.name, header, blob, offset)
+        for ref, blob, _, state in items:
+            header, _ = decode_header(blob)
+            self.ram.put(ref.name, header, state, 0)
 
-    def _keep_in_ram(self, session: ExchangeSession, tokens, refs, matched, boundary_logits, exports) -> None:
-        self._remember(self._sealed(session, tokens, refs, set(), matched, boundary_logits, exports))
+    def _keep_in_ram(self, session: ExchangeSession, tokens, refs, boundary_logits, exports: Exports) -> None:
+        self._remember(self._sealed(session, tokens, refs, set(), boundary_logits, exports))
 
-    def _upload(self, session: ExchangeSession, tokens, refs: list[EntryRef], known: set[bytes], matched: int, boundary_logits, exports) -> list:
+    def _upload(self, session: ExchangeSession, tokens, refs: list[EntryRef], known: set[bytes], boundary_logits, exports: Exports) -> list:
         """Store the ranges this run computed (after the answer is out), in RAM and in the cache box."""
         mark = time.perf_counter()
-        items = self._sealed(session, tokens, refs, known, matched, boundary_logits, exports)
+        items = self._sealed(session, tokens, refs, known, boundary_logits, exports)
         self._remember(items)
-        uploaded = session.share([(ref, blob) for ref, blob, needed in items if needed], chain=True)
+        uploaded = session.share([(ref, blob) for ref, blob, needed, _ in items if needed], chain=True)
         session.breakdown.upload_ms = ms_since(mark)
         return uploaded

@@ -236,6 +236,10 @@ def test_device_pages_show_summaries_and_breakeven(staff_client, control_plane):
     assert "Break-even on 20.9 Mbit/s" in figure["layout"]["title"]["text"]
     names = [trace["name"] for trace in figure["data"]]
     assert "prefill (measured)" in names and any(name.startswith("link model") for name in names)
+    overlapped = next(trace for trace in figure["data"] if trace["name"] == "compute the front while the back loads")
+    assert "both together" in figure["layout"]["title"]["text"]
+    computing = next(trace for trace in figure["data"] if trace["name"].startswith("prefill fit"))
+    assert overlapped["y"][-1] < computing["y"][-1]  # together beats computing alone on this slow link
 
 
 # -- runs -----------------------------------------------------------------------------------------

@@ -90,8 +90,10 @@ def test_cache_box_killed_mid_transfer_then_restarted_empty(engine, namespace, s
     cut = board.run(LONG_PROMPT, max_tokens=3)
     elapsed = time.monotonic() - started
     assert shaper.killed.is_set()
-    assert cut.breakdown.cachebox == "unavailable" and cut.breakdown.decision == "cachebox-unavailable"
-    assert cut.breakdown.case == "miss" and cut.tokens == cold.tokens  # answered by local prefill
+    # Ranges are fetched one request each and restored as they arrive: what came before the
+    # server died is used, the rest is prefilled here.
+    assert cut.breakdown.cachebox == "unavailable" and cut.breakdown.decision in ("fetch", "cachebox-unavailable")
+    assert cut.breakdown.matched_tokens < cut.breakdown.prompt_tokens and cut.tokens == cold.tokens
     assert elapsed < 30  # bounded by the socket timeout, not waiting for a dead server
 
     # While it is down: answers, with a refused connection instead of a hang.

@@ -13,12 +13,13 @@ from pathlib import Path
 import llama_cpp
 
 
-def prefix_serving(engine, store, catalogs, keys, policy=None):
-    """Prefix serving on ``engine`` over its own exchange with ``store`` (None: no cache at all)."""
+def prefix_serving(engine, store, catalogs, keys, policy=None, codec: str = "raw"):
+    """Prefix serving on ``engine`` over its own exchange with ``store`` (None: no cache at all),
+    storing states with ``codec``."""
     from inference.exchange import Exchange
     from inference.prefix_serving import PrefixServing
 
-    exchange = Exchange(store, catalogs, fingerprint=engine.fingerprint, keys=keys) if store is not None else None
+    exchange = Exchange(store, catalogs, fingerprint=engine.fingerprint, keys=keys, codec=codec) if store is not None else None
     return PrefixServing(engine, exchange, policy=policy)
 
 
@@ -53,6 +54,7 @@ def machine_info(board) -> dict:
         "model_sha256": engine.model_file.sha256[:16],
         "n_ctx": engine.n_ctx,
         "kv_type": engine.config.kv_type,
+        "compute_profile": engine.pacer.profile.emulated_label if engine.pacer is not None else "this machine (not paced)",
         "cachebox": board.store.safe_url if board.store else None,
         "link": board.store.link_label if board.store else "no cache box",
         "git_commit": commit,

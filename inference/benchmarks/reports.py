@@ -84,7 +84,8 @@ def cases_report(path: Path, doc: dict) -> Path:
 
 def breakeven_report(path: Path, doc: dict) -> Path:
     figure = make_subplots(rows=1, cols=len(doc["presets"]), subplot_titles=[f"{p}: {d['link']}" for p, d in doc["presets"].items()])
-    colors = {"always": "#1f77b4", "never": "#d62728", "adaptive": "#2ca02c"}
+    palette = {"always": "#1f77b4", "never": "#d62728", "fetch-or-compute": "#ff7f0e", "adaptive": "#2ca02c"}
+    colors = {mode: palette[mode] for mode in doc.get("modes", ["always", "never", "adaptive"])}
     rows = []
     for column, (preset, data) in enumerate(doc["presets"].items(), start=1):
         cases = list(data["cases"])
@@ -92,9 +93,40 @@ def breakeven_report(path: Path, doc: dict) -> Path:
             figure.add_bar(x=[f"case {c}" for c in cases], y=[data["cases"][c][f"{mode}_ttft_ms"] for c in cases], name=mode, marker_color=color, showlegend=column == 1, row=1, col=column)
         for case, row in data["cases"].items():
             rows.append({"link": preset, "case": f"{case} {doc['case_names'][case]}", **{k: v for k, v in row.items() if k != "adaptive_decisions"}, "decisions": ", ".join(f"{k}: {v}" for k, v in row["adaptive_decisions"].items())})
-    figure.update_layout(title="Median TTFT: always fetch, never fetch, adaptive policy (emulated links)", barmode="group", template="plotly_white")
+    profile = doc.get("compute_profile") or ""
+    threads = doc.get("threads")
+    figure.update_layout(
+        title=f"Median TTFT: always fetch, never fetch, fetch-or-compute, adaptive with loading while computing ({threads} thread(s){'; ' + profile if profile else ''})",
+        barmode="group",
+        template="plotly_white",
+    )
     figure.update_yaxes(title_text="ms", type="log")
-    return write_report(path, "bench breakeven", f"Policy within 5% of the better fixed choice everywhere: {doc['target_met']}. Every figure is taken under an emulated link except 'none'.", [figure], {"Median TTFT per link and case": rows}, doc)
+    summary = f"Policy within 5% of the better fixed choice everywhere: {doc['target_met']}."
+    if doc.get("overlap_target_met") is not None:
+        summary += f" Wi-Fi 4, cases 4 and 5, adaptive at most {doc['overlap_target']}x the better fixed choice: {doc['overlap_target_met']}."
+    summary += " Every figure is taken under an emulated link except 'none'."
+    if profile:
+        summary += f" Compute paced to {profile}: emulated, not measured on that board."
+    return write_report(path, "bench breakeven", summary, [figure], {"Median TTFT per link and case": rows}, doc)
+
+
+def kv_report(path: Path, doc: dict) -> Path:
+    kinds = list(doc["kv_types"])
+    codecs = list(next(iter(doc["kv_types"].values()))["codecs"])
+    sizes = go.Figure([go.Bar(x=kinds, y=[doc["kv_types"][kv]["codecs"][name]["bytes_per_token"] for kv in kinds], name=name) for name in codecs])
+    sizes.update_layout(title="Bytes per cached token, by KV type and codec", barmode="group", yaxis_title="bytes", template="plotly_white")
+    quality = go.Figure()
+    for field, label in (("accuracy", "MMLU accuracy"), ("first_token_agreement", "first-token agreement with f16"), ("answer_agreement", "answer agreement with f16")):
+        quality.add_bar(x=kinds, y=[doc["kv_types"][kv][field] for kv in kinds], name=label)
+    quality.update_layout(title=f"Quality against f16 ({doc['n']} paired prompts)", barmode="group", yaxis=dict(range=[0, 1]), template="plotly_white")
+    rows = []
+    for kv in kinds:
+        row = doc["kv_types"][kv]
+        for name, figures in row["codecs"].items():
+            rows.append({"kv": kv, "codec": name, **figures})
+    quality_rows = [{"kv": kv, **{k: v for k, v in row.items() if k != "codecs"}} for kv, row in doc["kv_types"].items()]
+    summary = "Lossless codecs are exact; quantized KV types are other model configurations (their own fingerprint), measured against f16."
+    return write_report(path, "bench kv", summary, [sizes, quality], {"Codecs": rows, "Quality": quality_rows}, doc)
 
 
 def modules_report(path: Path, doc: dict) -> Path:

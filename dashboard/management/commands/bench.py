@@ -39,7 +39,20 @@ class Command(BaseCommand):
         breakeven.add_argument("--topic", default="astronomy")
         breakeven.add_argument("--prompts", type=int, default=30)
         breakeven.add_argument("--shots", type=int, default=5)
+        breakeven.add_argument("--threads", type=int, default=0, help="llama.cpp threads of the measured engine (1: board-like; default: every core)")
+        breakeven.add_argument("--links", nargs="+", default=None, metavar="PRESET", help="link presets (default: wifi4 fast-ethernet none)")
+        breakeven.add_argument("--cases", nargs="+", default=None, metavar="CASE", help="the paper's cases 1-5 (default: all)")
+        breakeven.add_argument("--modes", nargs="+", default=None, metavar="MODE", help="always never fetch-or-compute adaptive (default: all)")
+        breakeven.add_argument("--profile", default="", help="pace the engine to a board class: pi-zero-2w or pi5 (emulated; default: this machine)")
         breakeven.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+        kv = sub.add_parser("kv", help="state codecs (bytes, speed) and quantized KV (q8_0, q4_0) against f16: agreement, accuracy, KL")
+        kv.add_argument("--topics", nargs="+", default=["astronomy", "high_school_biology", "world_religions"], metavar="TOPIC")
+        kv.add_argument("--prompts", type=int, default=100, help="questions per topic (default 100: 300 paired prompts)")
+        kv.add_argument("--shots", type=int, default=3)
+        kv.add_argument("--held-out", nargs="+", default=["philosophy", "prehistory"], metavar="TOPIC", help="topics whose questions are the KL text")
+        kv.add_argument("--texts", type=int, default=16, help="held-out texts per topic for the KL (64 positions each)")
+        kv.add_argument("--threads", type=int, default=0)
+        kv.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         peers = sub.add_parser("peers", help="EdgeCache against no cache, llama-cpp-python's caches and the paper's design")
         peers.add_argument("--topic", default="astronomy")
         peers.add_argument("--prompts", type=int, default=5)
@@ -194,6 +207,36 @@ class Command(BaseCommand):
             self.stdout.write(f"  {case:<8} {row['runs']:4d} runs  greedy agreement {row['greedy_agreement']}  TTFT {row['median_ttft_ms']} ms (cold {row['median_cold_ttft_ms']} ms)")
         self._save("exact", json_path, document, exact_report)
 
+    def bench_kv(self, topics, prompts, shots, held_out, texts, threads, json_path: str | None, **options):
+        from inference.benchmarks.kv import run_kv
+        from inference.benchmarks.reports import kv_report
+
+        try:
+            chosen = [mmlu.normalize_topic(topic) for topic in topics]
+            spare = [mmlu.normalize_topic(topic) for topic in held_out]
+        except (mmlu.UnknownTopic, FileNotFoundError) as exc:
+            raise CommandError(str(exc))
+        if set(chosen) & set(spare):
+            raise CommandError("the held-out topics must differ from the evaluated ones")
+        selected = [prompt for topic in chosen for prompt in self._prompts(topic, shots, prompts)]
+        questions = mmlu.load_questions()
+        held_out_texts = [question.render(with_answer=True) for topic in spare for question in questions[topic][:texts]]
+        board = self._board(threads=threads or None)
+        machine, model_file = machine_info(board), board.engine.model_file
+        board.close()
+        with tqdm(total=len(selected), desc=f"bench kv ({len(selected)} prompts x f16, q8_0, q4_0)", unit="prompt") as bar:
+            document = run_kv(model_file, selected, held_out_texts, threads=threads, progress=bar.update)
+        document.update({"topics": chosen, "held_out_topics": spare, "shots": shots, "machine": machine})
+        self.stdout.write(f"\n{document['n']} paired prompts ({shots}-shot), KL over {document['kl_positions']} held-out positions")
+        self.stdout.write(f"{'KV':<6}{'B/token':>9}{'zstd-shuffle':>14}{'decode/saving':>15}{'accuracy':>10}{'1st-token agr':>15}{'answer agr':>12}{'KL mean':>10}")
+        for kv, row in document["kv_types"].items():
+            shuffled = row["codecs"]["zstd-shuffle"]
+            self.stdout.write(
+                f"{kv:<6}{row['bytes_per_token']:>9.0f}{shuffled['ratio']:>13.3f}x{shuffled['wifi4_decode_to_saving'] or 0:>15.3f}"
+                f"{row['accuracy']:>10.3f}{row['first_token_agreement']:>15.3f}{row['answer_agreement']:>12.3f}{row.get('kl_mean') or 0:>10.4f}"
+            )
+        self._save("kv", json_path, document, kv_report)
+
     def bench_tiers(self, topic, prompts, shots, max_tokens, json_path: str | None, **options):
         from inference.benchmarks.reports import tiers_report
         from inference.benchmarks.tiers import run_tiers
@@ -249,8 +292,9 @@ class Command(BaseCommand):
         except (mmlu.UnknownTopic, ValueError, FileNotFoundError) as exc:
             raise CommandError(str(exc))
 
-    def _board(self) -> Board:
-        board = Board.start(settings.EDGECACHE_BOARD, keys=control_plane_keys(), background_sync=False).cachebox_only()  # measure the cache box, not the board-local tiers
+    def _board(self, **config) -> Board:
+        board_config = settings.EDGECACHE_BOARD.with_(**config)
+        board = Board.start(board_config, keys=control_plane_keys(), background_sync=False).cachebox_only()  # measure the cache box, not the board-local tiers
         if board.store is None or not board.store.ping():
             board.close()
             raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start` or fix REDIS_URL")
@@ -261,30 +305,59 @@ class Command(BaseCommand):
         html_path = report(path.with_suffix(".html"), document)
         self.stdout.write(f"saved {path} and {html_path}")
 
-    def bench_breakeven(self, topic, prompts, shots, json_path: str | None, **options):
-        from inference.benchmarks.breakeven import MODES, run_breakeven
+    def bench_breakeven(self, topic, prompts, shots, threads, links, cases, modes, profile, json_path: str | None, **options):
+        from cachebox.link import LINK_PRESETS
+        from inference.benchmarks.breakeven import MODES, PRESETS, run_breakeven
+        from inference.benchmarks.cases import CASE_NAMES
         from inference.benchmarks.reports import breakeven_report
+        from inference.compute_profile import profile_named
 
-        selected = self._prompts(topic, shots, prompts)
-        board = self._board()
+        links, cases, modes = links or list(PRESETS), cases or list(CASE_NAMES), modes or list(MODES)
+        for name, given, known in (("link", links, LINK_PRESETS), ("case", cases, CASE_NAMES), ("mode", modes, MODES)):
+            unknown = [value for value in given if value not in known]
+            if unknown:
+                raise CommandError(f"unknown {name} {', '.join(unknown)}; choose from {', '.join(known)}")
         try:
-            with tqdm(total=len(selected), desc="bench breakeven (3 links x 5 cases x 3 policies)", unit="prompt") as bar:
+            profile_named(profile)
+        except ValueError as exc:
+            raise CommandError(str(exc))
+        selected = self._prompts(topic, shots, prompts)
+        board = self._board(threads=threads or None, compute_profile=profile or None)
+        label = f"{len(links)} links x {len(cases)} cases x {len(modes)} policies, {board.engine.config.threads()} thread(s)"
+        try:
+            with tqdm(total=len(selected), desc=f"bench breakeven ({label})", unit="prompt") as bar:
                 document = run_breakeven(
-                    board.engine, board.store.url, selected, keys=board.keys, prefill_ms_per_token=board.config.prefill_ms_per_token, progress=bar.update
+                    board.engine,
+                    board.store.url,
+                    selected,
+                    keys=board.keys,
+                    prefill_ms_per_token=board.config.prefill_ms_per_token,
+                    presets=links,
+                    cases=cases,
+                    modes=modes,
+                    progress=bar.update,
                 )
             document.update({"topic": selected[0].target.topic, "shots": shots, "machine": machine_info(board)})
         finally:
             board.close()
+        if document["compute_profile"]:
+            self.stdout.write(f"compute paced to {document['compute_profile']}: every figure below is emulated")
         for preset, data in document["presets"].items():
-            self.stdout.write(f"\n{preset} ({data['link']}{', emulated link' if data['emulated'] else ''}): median TTFT ms")
-            self.stdout.write(f"{'case':<32}" + "".join(f"{mode:>11}" for mode in MODES) + f"{'adaptive/best':>15}")
+            self.stdout.write(f"\n{preset} ({data['link']}{', emulated link' if data['emulated'] else ''}; entries stored {data['codec']}): median TTFT ms")
+            self.stdout.write(f"{'case':<32}" + "".join(f"{mode:>18}" for mode in modes) + f"{'adaptive/best':>15}")
             for case, row in data["cases"].items():
                 name = document["case_names"][case]
+                ratio = row.get("adaptive_vs_best")
+                note = "" if row.get("within_5pct", True) else "  (over 5%)"
+                if "overlap_target_met" in row:
+                    note += f"  (target {row['overlap_target']}: {'met' if row['overlap_target_met'] else 'not met'})"
                 self.stdout.write(
-                    f"{case + ' ' + name:<32}" + "".join(f"{row[mode + '_ttft_ms']:>11.1f}" for mode in MODES)
-                    + f"{row['adaptive_vs_best']:>15.3f}{'' if row['within_5pct'] else '  (over 5%)'}"
+                    f"{case + ' ' + name:<32}" + "".join(f"{row[mode + '_ttft_ms']:>18.1f}" for mode in modes)
+                    + (f"{ratio:>15.3f}" if ratio is not None else f"{'-':>15}") + note
                 )
         self.stdout.write(f"\npolicy within 5% of the better fixed choice everywhere: {document['target_met']}")
+        if document["overlap_target_met"] is not None:
+            self.stdout.write(f"Wi-Fi 4, cases 4 and 5, adaptive at most {document['overlap_target']}x the better fixed choice: {document['overlap_target_met']}")
         self._save("breakeven", json_path, document, breakeven_report)
 
     def bench_peers(self, topic, prompts, shots, max_tokens, json_path: str | None, **options):
