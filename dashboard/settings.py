@@ -232,7 +232,7 @@ if is_cluster_url(REDIS_URL):
 # The cache box alone may live elsewhere, e.g. on a Redis/Valkey Cluster
 # (redis+cluster://host:port[,host:port...]); empty: REDIS_URL's server holds it too (read at call
 # time by dashboard.actions.cache.cachebox_url). Boards read the same variable.
-EDGECACHE_CACHEBOX_URL = os.environ.get("EDGECACHE_CACHEBOX_URL", "").strip()
+EDGECACHE_CACHEBOX_URL = EDGECACHE_BOARD.cachebox_url
 if is_cluster_url(EDGECACHE_CACHEBOX_URL):
     parse_cluster_url(EDGECACHE_CACHEBOX_URL)  # a malformed one stops here, with the reason
 

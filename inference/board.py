@@ -31,11 +31,16 @@ from .schema_serving import SchemaServing
 log = logging.getLogger(__name__)
 
 
-def cachebox_url(config: BoardConfig) -> str:
-    """The cache box URL; starts this checkout's embedded Valkey when no REDIS_URL is set."""
+def broker_url(config: BoardConfig) -> str:
+    """The Celery broker's URL (REDIS_URL); starts this checkout's embedded Valkey when none is set."""
     if config.uses_embedded_cachebox:
         return embedded.ensure_running(config.embedded_dir, port=config.embedded_port, maxmemory=config.embedded_maxmemory)
     return config.redis_url
+
+
+def cachebox_url(config: BoardConfig) -> str:
+    """The cache box URL: EDGECACHE_CACHEBOX_URL (a server or a cluster of its own), else the broker's server."""
+    return config.cachebox_url or broker_url(config)
 
 
 def engine_config(config: BoardConfig) -> EngineConfig:
@@ -106,7 +111,7 @@ class Board:
             url = cachebox_url(config)
         except CacheBoxUnavailable as exc:
             log.warning("%s", exc)
-            url = config.redis_url or embedded.url_for(config.embedded_dir, config.embedded_port)
+            url = config.cachebox_url or config.redis_url or embedded.url_for(config.embedded_dir, config.embedded_port)
         store = CacheBox(url, connect_timeout=config.connect_timeout, timeout=config.io_timeout, link=config.link)
         catalogs = CatalogRegistry(store, config.catalog_capacity, config.catalog_fp_rate)
         catalogs.get(config.namespace)

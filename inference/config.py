@@ -49,7 +49,8 @@ def edgecache_home(environ: Mapping[str, str] = os.environ) -> Path:
 class BoardConfig:
     device: str = field(default_factory=lambda: os.uname().nodename)
     namespace: str = "default"
-    redis_url: str = ""  # empty: this checkout's embedded Valkey
+    redis_url: str = ""  # the broker (and the cache box unless cachebox_url is set); empty: this checkout's embedded Valkey
+    cachebox_url: str = ""  # the cache box alone, e.g. a Redis/Valkey Cluster (redis+cluster://h:p,h:p); empty: redis_url's server
     model: str = ""  # a GGUF path; empty: the Gemma-3 270M package
     n_ctx: int = 4096
     threads: int = 0  # 0: every core
@@ -101,6 +102,7 @@ class BoardConfig:
             device=environ.get("EDGECACHE_DEVICE", "").strip() or os.uname().nodename,
             namespace=environ.get("EDGECACHE_NAMESPACE", "").strip() or d["namespace"].default,
             redis_url=environ.get("REDIS_URL", "").strip(),
+            cachebox_url=environ.get("EDGECACHE_CACHEBOX_URL", "").strip(),
             model=environ.get("EDGECACHE_MODEL", "").strip(),
             n_ctx=_int(environ, "EDGECACHE_N_CTX", d["n_ctx"].default),
             threads=_int(environ, "EDGECACHE_THREADS", d["threads"].default),

@@ -21,7 +21,7 @@ from cachebox.link import LinkProfile
 from cachebox.store import CacheBox
 
 from . import edge
-from .board import Board, cachebox_url, set_board
+from .board import Board, broker_url, cachebox_url, set_board
 from .config import BoardConfig, ConfigError
 from .devices import DeviceRefused
 from .identity import BoardKeys
@@ -63,9 +63,9 @@ def main(argv: list[str]) -> int:
     try:
         config = BoardConfig.from_env(device=args.name)
         keys = BoardKeys.load_or_create(config.key_file(args.name))
-        url = cachebox_url(config)
-        app = board_app(url)  # before enrolling: the request goes through its broker
-        me = edge.become(args.name, keys, CacheBox(url, connect_timeout=config.connect_timeout, timeout=config.io_timeout), token=token or None)
+        app = board_app(broker_url(config))  # before enrolling: the request goes through its broker
+        store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout)
+        me = edge.become(args.name, keys, store, token=token or None)
     except (ConfigError, ValueError) as exc:
         return fail(str(exc))
     except DeviceRefused as exc:

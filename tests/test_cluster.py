@@ -297,3 +297,15 @@ def test_a_cluster_url_is_refused_for_the_broker():
 
     done = run_manage("check", env={"REDIS_URL": "redis+cluster://127.0.0.1:7000"}, timeout=60)
     assert done.returncode != 0 and b"EDGECACHE_CACHEBOX_URL" in done.stderr
+
+
+def test_a_board_reads_its_record_from_a_cluster_cache_box_and_its_queue_from_redis_url(cluster, valkey_url, tmp_path):
+    from inference import devices as registry
+
+    from .conftest import run_manage
+
+    name = f"clustered-{uuid.uuid4().hex[:8]}"
+    registry.publish(CacheBox(cluster.url), registry.DeviceRecord(name=name, token_sha256=registry.hash_token("the-right-token"), threads=1))
+    env = {"REDIS_URL": valkey_url, "EDGECACHE_CACHEBOX_URL": cluster.url, "EDGECACHE_BOARD_KEYS_DIR": str(tmp_path)}
+    done = run_manage("edge", "--name", name, "--token", "a-wrong-token", env=env, timeout=60)
+    assert done.returncode != 0 and b"wrong token" in done.stderr  # its record was found on the cluster ("unknown device" on REDIS_URL's server)

@@ -26,7 +26,7 @@ from cachebox.errors import CacheBoxUnavailable
 from cachebox.link import LINK_PRESETS
 from dashboard import actions
 from dashboard.models import Device
-from inference.board import cachebox_url
+from inference.board import broker_url, cachebox_url
 from inference.messages import Queue
 
 ADMIN_USERNAME = "admin"
@@ -71,6 +71,7 @@ class Command(BaseCommand):
             if probe.connect_ex((host, port)) == 0:
                 raise CommandError(f"port {port} on {host} is already in use (another `make run`?); stop it or pass --port")
         try:
+            broker_url(settings.EDGECACHE_BOARD)  # the embedded Valkey starts here unless REDIS_URL is set
             url = cachebox_url(settings.EDGECACHE_BOARD)
         except CacheBoxUnavailable as exc:
             raise CommandError(str(exc))
