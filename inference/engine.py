@@ -223,6 +223,19 @@ class Engine(Vocabulary):
             llama_build=f"llama-cpp-python {llama_cpp.__version__}",
         )
         self.fingerprint = self.identity.fingerprint()
+        self.state_bytes_per_token = self._measure_state_bytes()
+
+    def _measure_state_bytes(self) -> float:
+        """Bytes one token's state takes (the KV of every layer), from two tiny scratch prefills
+        (a few ms, at start, while the context is empty)."""
+        sizes = []
+        token = self.bos if self.bos is not None else 1
+        for count in (4, 12):
+            self.remove(self.scratch_seq)
+            self.prefill([token] * count, 0, seq=self.scratch_seq)
+            sizes.append(llama_cpp.llama_state_seq_get_size(self._ctx, self.scratch_seq))
+        self.clear()
+        return (sizes[1] - sizes[0]) / 8
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):

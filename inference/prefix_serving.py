@@ -43,6 +43,10 @@ from .serving import OnToken, PromptError, RunResult, context_error, decode_answ
 
 log = logging.getLogger(__name__)
 
+# A chain forecast to arrive within this many ms comes in one request (one round trip): per-range
+# requests, which let a slow link's ranges be restored as they arrive, only cost round trips here.
+AT_ONCE_MS = 50.0
+
 Exports = dict[int, tuple[int, bytes]]  # range end -> (range start, state), taken as soon as computed
 
 
@@ -92,7 +96,7 @@ class PrefixServing:
         self.top_logits = top_logits
         self.namespace = check_namespace(namespace)
         self.policy = policy or BreakEvenPolicy()
-        self.bytes_per_token = 18_500.0  # refined from every fetch
+        self.bytes_per_token = engine.state_bytes_per_token  # what a range weighs on the link; refined from every header read
 
     # -- public -------------------------------------------------------------------------
     def tokenize(self, segments: Sequence[str]) -> tuple[list[int], list[int]]:
@@ -281,6 +285,9 @@ class PrefixServing:
         by_end = {ref.end: ref for ref in refs}
         heads = session.read_headers(candidates[::-1], expect)
         headers = {ref.end: heads[ref.name] for ref in candidates if ref.name in heads}
+        if heads:  # what entries here really weigh (codec included): the next pre-plan's guess
+            seen = sum(header.state_bytes for header in heads.values()) / sum(header.token_count for header in heads.values())
+            self.bytes_per_token = 0.5 * self.bytes_per_token + 0.5 * seen
 
         def read_link(end: int) -> EntryHeader | None:
             # A range stored by a prompt cut differently: read that link's header too.
@@ -302,6 +309,7 @@ class PrefixServing:
         plan = self.policy.plan(floor, [Range(headers[ref.end].start, ref.end, headers[ref.end].state_bytes) for ref in chain])
         if not self._planned(plan, breakdown):
             return held
+        self._starts = {ref.end: headers[ref.end].start for ref in chain}
         restored = self._load(session, tokens, chain, expect, floor, plan)
         if restored.served <= floor:
             if breakdown.cachebox == CacheBoxState.OK:
@@ -326,6 +334,7 @@ class PrefixServing:
 
         ``plan.split == floor``: load the ranges front to back, restoring each as soon as it
         arrives; one later than forecast (the deadline) ends the wait, and the rest is computed.
+        (On a fast link, the whole chain in one request.)
         Otherwise: load them back to front in a thread while the front is computed here, batch
         by batch on the grid, until the two meet; the loaded ranges then join the context.
         They are restored at the meeting, in position order, not on arrival: llama.cpp sums
@@ -337,16 +346,20 @@ class PrefixServing:
         breakdown = session.breakdown
         breakdown.planned_split = plan.split
         forward = plan.split <= floor
-        loader = RangeLoader(session, chain if forward else chain[::-1], expect)
-        loader.computed_to = floor
-        started = time.perf_counter()
-        loader.start()
-        if forward:
-            restored = self._load_in_order(session, loader, plan, floor, started)
+        if forward and plan.predicted_fetch_ms < AT_ONCE_MS:
+            restored = self._load_at_once(session, chain, expect, floor)
         else:
-            restored = self._load_while_computing(session, tokens, loader, chain[-1].end, floor)
-        loader.stop()
-        restored.loader = loader
+            loader = RangeLoader(session, chain if forward else chain[::-1], expect)  # one request per range
+            loader.computed_to = floor
+            started = time.perf_counter()
+            loader.start()
+            if forward:
+                restored = self._load_in_order(session, loader, plan, floor, started)
+            else:
+                starts = [self._starts[ref.end] for ref in chain]
+                restored = self._load_while_computing(session, tokens, loader, chain[-1].end, floor, plan, sorted(starts, reverse=True), started)
+            loader.stop()
+            restored.loader = loader
         breakdown.met_at = floor + restored.computed if not forward else restored.matched  # where computing took over
         if not forward and restored.computed > plan.split - floor + self.chunk_tokens:
             breakdown.fetch_late = True  # the loads came slower than forecast: compute went past the plan
@@ -354,6 +367,31 @@ class PrefixServing:
             for name, item in restored.used.items():
                 self.ram.put(name, item.header, item.state, item.state_offset)
         return restored
+
+    def _load_at_once(self, session: ExchangeSession, chain: list[EntryRef], expect, floor: int) -> _Restored:
+        """A fast link: the whole chain in one request (one round trip), restored in order."""
+        mark = time.perf_counter()
+        fetched = session.fetch(chain, expect, chain=True)
+        elapsed = ms_since(mark)
+        total = sum(len(item.blob) for item in fetched) or 1
+        arrivals = [Arrival(item, elapsed * len(item.blob) / total, elapsed) for item in fetched]  # each range's share, to learn the rate
+        matched, used = self._restore_in_order(session, fetched, floor)
+        return self._restored(matched, 0, used, arrivals, {}, {})
+
+    def _restore_in_order(self, session: ExchangeSession, items, matched: int, used: dict[str, Fetched] | None = None) -> tuple[int, dict[str, Fetched]]:
+        """Restore ``items`` (position order) while each starts where the context ends; stop at a
+        gap or a refusal, dropping a partly restored range. Returns where the context ends now."""
+        used = {} if used is None else used
+        for item in items:
+            if item.header.end <= matched:
+                continue  # computed meanwhile
+            if item.header.start != matched or not session.restore(self.engine, item, MAIN_SEQ, range(0, 1)):
+                break
+            matched = item.ref.end
+            used[item.ref.name] = item
+        if self.engine.positions(MAIN_SEQ)[1] != matched - 1:
+            self.engine.remove(MAIN_SEQ, matched, -1)  # drop a partly restored range
+        return matched, used
 
     def _load_in_order(self, session: ExchangeSession, loader: RangeLoader, plan: FetchPlan, floor: int, started: float) -> _Restored:
         """Wait for each range, front to back, restoring it on arrival; stop at the deadline."""
@@ -369,17 +407,21 @@ class PrefixServing:
             if got is DONE:
                 break
             arrivals.append(got)
-            item = got.item
-            if item.header.start != matched or not session.restore(self.engine, item, MAIN_SEQ, range(0, 1)):
+            restored_to, used = self._restore_in_order(session, [got.item], matched, used)
+            if restored_to == matched:
                 break
-            matched = item.ref.end
-            used[item.ref.name] = item
-        if self.engine.positions(MAIN_SEQ)[1] != matched - 1:
-            self.engine.remove(MAIN_SEQ, matched, -1)  # drop a partly restored range
+            matched = restored_to
         return self._restored(matched, 0, used, arrivals, {}, {})
 
-    def _load_while_computing(self, session: ExchangeSession, tokens: list[int], loader: RangeLoader, end: int, floor: int) -> _Restored:
-        """Compute from ``floor`` while ranges arrive from ``end`` backwards; meet; restore in order."""
+    def _load_while_computing(
+        self, session: ExchangeSession, tokens: list[int], loader: RangeLoader, end: int, floor: int, plan: FetchPlan, starts: list[int], started: float
+    ) -> _Restored:
+        """Compute from ``floor`` while ranges arrive from ``end`` backwards; meet; restore in order.
+
+        Before each batch: when the ranges down to where computing stands are forecast to arrive
+        before that batch would end, wait for them (up to their deadline) instead: a batch once
+        started cannot stop, and one that the loads overtake is wasted. ``starts``: the ranges'
+        starts in load order."""
         engine, breakdown, total = self.engine, session.breakdown, len(tokens)
         computed, loaded_from, done = floor, end, False
         arrivals: list[Arrival] = []
@@ -387,7 +429,16 @@ class PrefixServing:
         exports: Exports = {}
         on_batch = self._exporter(range_boundaries(total, self.chunk_tokens), floor, exports)
         while computed < loaded_from:
-            got = None if done else loader.take(0)
+            stop = min(total, (computed // self.chunk_tokens + 1) * self.chunk_tokens)
+            patience = 0.0
+            if not done:
+                # The arrival that would bring the loaded ranges down to ``computed``, and when it is due.
+                needed = sum(1 for start in starts if start >= computed) - 1
+                due = plan.arrivals_ms[needed] if 0 <= needed < len(plan.arrivals_ms) else None
+                elapsed = ms_since(started)
+                if due is not None and due <= elapsed + self.policy.predict_prefill_ms(stop - computed):
+                    patience = max(0.0, plan.deadline_ms(needed) - plan.slack_ms + 25.0 - elapsed) / 1000.0
+            got = None if done else loader.take(patience)
             if got is DONE:
                 done = True
                 continue
@@ -400,24 +451,15 @@ class PrefixServing:
                 arrivals.append(got)
                 loaded_from = header.start
                 continue
+            if patience > 0:
+                breakdown.fetch_late = True  # waited past the forecast: compute instead
             # One grid batch of the front, as the cold run computes it.
-            stop = min(total, (computed // self.chunk_tokens + 1) * self.chunk_tokens)
             mark = time.perf_counter()
             logits.update(engine.prefill(tokens[computed:stop], computed, logits_at={total - 1} if stop == total else set(), on_batch=on_batch))
             breakdown.prefill_ms += ms_since(mark)
             computed = loader.computed_to = stop
         loader.stop()
-        matched, used = computed, {}
-        for arrival in sorted(arrivals, key=lambda arrival: arrival.item.header.start):
-            item = arrival.item
-            if item.header.end <= matched:
-                continue  # computed meanwhile
-            if item.header.start != matched or not session.restore(engine, item, MAIN_SEQ, range(0, 1)):
-                break
-            matched = item.ref.end
-            used[item.ref.name] = item
-        if engine.positions(MAIN_SEQ)[1] != matched - 1:
-            engine.remove(MAIN_SEQ, matched, -1)  # drop a partly restored range
+        matched, used = self._restore_in_order(session, sorted((arrival.item for arrival in arrivals), key=lambda item: item.header.start), computed)
         return self._restored(matched, computed - floor, used, arrivals, logits, exports)
 
     def _restored(self, matched: int, computed: int, used: dict[str, Fetched], arrivals, logits, exports) -> _Restored:
@@ -438,17 +480,16 @@ class PrefixServing:
     def _finish_loading(self, restored: _Restored, breakdown: Breakdown) -> None:
         """After the answer: let the loader end (it may be finishing a request nobody needs), then
         learn the link's rate from each range's own request."""
-        if restored.loader is None:
-            return
-        restored.loader.stop()
-        restored.loader.join(timeout=30.0)  # bounded by the cache box client's own I/O timeout
+        if restored.loader is not None:
+            restored.loader.stop()
+            restored.loader.join(timeout=30.0)  # bounded by the cache box client's own I/O timeout
         for arrival in restored.arrivals:
             self.policy.observe_fetch(len(arrival.item.blob), arrival.ms)
 
     def _learn(self, breakdown: Breakdown, restored: _Restored) -> None:
         """Feed this run's measured costs to the break-even policy."""
         self.policy.observe_prefill(breakdown.prompt_tokens - breakdown.matched_tokens, breakdown.prefill_ms)
-        loaded = sum(arrival.item.header.token_count for arrival in restored.arrivals)
+        loaded = sum(item.header.token_count for item in restored.used.values())
         if loaded and breakdown.fetched_bytes:
             self.bytes_per_token = 0.8 * self.bytes_per_token + 0.2 * breakdown.fetched_bytes / loaded
 

@@ -24,15 +24,18 @@ QUESTION = "Question: which pier did the last ferry leave from?\nAnswer:"
 
 
 class SplitPolicy(BreakEvenPolicy):
-    """The real policy, except that it always plans to compute up to ``split`` while the rest loads."""
+    """The real policy, except that it always plans to compute up to ``split`` while the rest loads,
+    forecasting each range to take ``range_ms`` (so the board computes rather than waits)."""
 
-    def __init__(self, split: int, **kwargs):
+    def __init__(self, split: int, range_ms: float = 10_000.0, **kwargs):
         super().__init__(**kwargs)
         self.split = split
+        self.range_ms = range_ms
 
     def plan(self, floor, ranges):
         plan = super().plan(floor, ranges)
-        return FetchPlan(True, max(floor, self.split), plan.predicted_ms, plan.predicted_fetch_ms, plan.predicted_prefill_ms, plan.arrivals_ms)
+        arrivals = tuple(self.range_ms * (index + 1) for index in range(len(ranges)))
+        return FetchPlan(True, max(floor, self.split), plan.predicted_ms, plan.predicted_fetch_ms, plan.predicted_prefill_ms, arrivals)
 
 
 @pytest.fixture
@@ -95,6 +98,20 @@ def test_computing_the_front_while_the_back_loads_gives_the_cold_answer(board_fo
     assert (b.planned_split, b.met_at, b.tier, b.decision) == (256, 128, "cachebox", "fetch")
     assert b.matched_tokens == b.prompt_tokens - 128 and b.case == "partial"
     assert b.uploaded_bytes == 0  # the front it computed is in the cache box already
+
+
+def test_when_the_loads_are_due_before_a_batch_would_end_the_board_waits_for_them(board_for, namespace):
+    prompt = CONTEXT + QUESTION
+    seeder = board_for(device="seeder")
+    cold = seeder.run(prompt, max_tokens=8, use_cache=False)
+    seeder.run(prompt, max_tokens=1)
+    # Planned to compute the front, but every range is forecast within 10 ms: a 128-token batch
+    # (hundreds of ms) would end after them, so it waits and computes nothing.
+    board = board_for(policy=SplitPolicy(256, range_ms=10.0))
+    served = board.run(prompt, max_tokens=8)
+    b = served.breakdown
+    assert served.tokens == cold.tokens
+    assert (b.met_at, b.case, b.prefill_ms) == (0, "full", 0.0)
 
 
 def test_a_range_that_fails_verification_mid_way_is_computed_instead(board_for, engine, namespace):
