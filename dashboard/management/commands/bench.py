@@ -113,6 +113,7 @@ class Command(BaseCommand):
         lab.add_argument("--heldout", type=int, default=57, help="held-out texts for the next-token KL (default 57)")
         lab.add_argument("--reference-prompts", type=int, default=200, help="0-shot MMLU prompts the reference engine is checked on (0: skip)")
         lab.add_argument("--calibration-docs", type=int, default=57, help="calibration documents when a predictor must be fitted (default 57, one per topic)")
+        lab.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: the board's; 1 keeps timings steady on a shared machine)")
         lab.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
@@ -574,7 +575,7 @@ class Command(BaseCommand):
         self.stdout.write(document["summary"])
         self._save("fleet", json_path, document, fleet_report)
 
-    def bench_lab(self, ks, prompts, shots, heldout, reference_prompts, calibration_docs, json_path: str | None, **options):
+    def bench_lab(self, ks, prompts, shots, heldout, reference_prompts, calibration_docs, threads, json_path: str | None, **options):
         from types import SimpleNamespace
 
         from inference.benchmarks.lab import lab_report, run_lab
@@ -593,7 +594,7 @@ class Command(BaseCommand):
         except (ValueError, FileNotFoundError) as exc:
             raise CommandError(str(exc))
         config = settings.EDGECACHE_BOARD
-        engine = Engine(resolve_model(config.model or None), engine_config(config))
+        engine = Engine(resolve_model(config.model or None), engine_config(config.with_(threads=threads) if threads > 0 else config))
         strategies = {}
         try:
             reference = None
