@@ -163,6 +163,8 @@ def serve(board, request: RunRequest) -> RunReport:
         options = dict(max_tokens=request.max_tokens, sampling=sampling, use_cache=request.use_cache, namespace=_namespace(request.namespace))
         if stream is not None or request.stop:
             options["on_token"] = on_token
+        if stream is not None and not request.is_schema_run:
+            options["on_stage"] = lambda stage: stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage=stage))
         kv_prediction_k = parse_strategy(request.strategy)
         if kv_prediction_k is not None:  # lab strategy: approximate, never reads or writes the cache box
             lab_options = {name: options[name] for name in ("max_tokens", "sampling", "on_token") if name in options}

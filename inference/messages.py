@@ -296,7 +296,7 @@ class StreamEvent(Message):
     finish_reason: Literal["", "stop", "length", "cancelled"] = ""
     error: str = Field("", max_length=10_000)
     breakdown: dict[str, Any] = Field(default_factory=dict)
-    stage: Literal["", "started"] = ""  # stage events
+    stage: Literal["", "started", "fetching", "prefilling"] = ""  # stage events, in this order (a run may skip some)
 
     def encode(self) -> bytes:
         return self.model_dump_json(exclude_defaults=True).encode()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -124,13 +124,15 @@ class PrefixServing:
         use_catalog: bool = True,
         on_token: OnToken | None = None,
         tokens: Sequence[int] | None = None,
+        on_stage: Callable[[str], None] | None = None,
     ) -> RunResult:
         """Answer ``prompt`` (a string, or its segments in order) and time every step.
 
         ``upload=False`` leaves the cache box as it was (benchmarks measure one state many
         ways); ``use_catalog=False`` asks the cache box about every candidate range, as a
         design without a catalog would. ``on_token`` sees each answer token as it is chosen
-        (streaming) and may stop the generation.
+        (streaming) and may stop the generation; ``on_stage`` hears "fetching" when cached ranges
+        start to load and "prefilling" when the board starts computing prompt tokens.
         """
         segments = [prompt] if isinstance(prompt, str) else list(prompt)
         if not segments or not "".join(segments).strip():
@@ -139,6 +141,7 @@ class PrefixServing:
             raise PromptError("max_tokens must be at least 1")
         namespace = check_namespace(namespace or self.namespace)
         engine = self.engine
+        self._on_stage = on_stage or (lambda stage: None)
         with engine.lock:
             breakdown = Breakdown()
             started = time.perf_counter()
@@ -176,6 +179,7 @@ class PrefixServing:
             boundary_logits: dict[int, np.ndarray] = dict(restored.logits)
             exports: Exports = dict(restored.exports)
             if matched < prompt_tokens:
+                self._on_stage("prefilling")
                 on_batch = self._exporter(boundaries, matched, exports) if session is not None else None
                 mark = time.perf_counter()
                 boundary_logits.update(
@@ -346,6 +350,7 @@ class PrefixServing:
         breakdown = session.breakdown
         breakdown.planned_split = plan.split
         forward = plan.split <= floor
+        self._on_stage("fetching")
         if forward and plan.predicted_fetch_ms < AT_ONCE_MS:
             restored = self._load_at_once(session, chain, expect, floor)
         else:
@@ -454,6 +459,8 @@ class PrefixServing:
             if patience > 0:
                 breakdown.fetch_late = True  # waited past the forecast: compute instead
             # One grid batch of the front, as the cold run computes it.
+            if computed == floor:
+                self._on_stage("prefilling")
             mark = time.perf_counter()
             logits.update(engine.prefill(tokens[computed:stop], computed, logits_at={total - 1} if stop == total else set(), on_batch=on_batch))
             breakdown.prefill_ms += ms_since(mark)

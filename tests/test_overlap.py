@@ -192,3 +192,18 @@ def test_a_paced_board_takes_its_profiles_time_and_says_it_is_emulated(board_for
     plain = board_for(device="board-b")  # a board without a profile runs at this machine's speed
     assert plain.engine.pacer is None
     assert plain.run("A short prompt about ferries.", max_tokens=1, use_cache=False).breakdown.compute_profile == ""
+
+
+def test_a_run_says_when_it_fetches_and_when_it_prefills(board_for, namespace):
+    """The stages a streamed run shows on the Run page, in order."""
+    prompt = CONTEXT + QUESTION
+    board = board_for(policy=BreakEvenPolicy(mode="always"))
+    stages = []
+    board.run(prompt, max_tokens=1, on_stage=stages.append)
+    assert stages == ["prefilling"]  # cold: nothing to fetch
+    stages.clear()
+    board.run(prompt, max_tokens=1, on_stage=stages.append)
+    assert stages == ["fetching"]  # a full hit computes nothing
+    stages.clear()
+    board.run(prompt + " The pier", max_tokens=1, on_stage=stages.append)
+    assert stages == ["fetching", "prefilling"]  # a partial hit: the cached ranges, then the rest

@@ -324,7 +324,9 @@
   // -- answer cards on the Run page ----------------------------------------------------------------
   const STAGES = {
     queued: "queued: waiting for the board…",
-    started: "on the board: looking up the cache, fetching or prefilling…",
+    started: "on the board: looking up the cache…",
+    fetching: "fetching: cached ranges loading from the cache box…",
+    prefilling: "prefilling: computing the prompt's uncached tokens…",
     decoding: "decoding: tokens as they are chosen",
     finishing: "answered: recording the run…",
     cancelling: "cancelling: the board stops at its next token…",
@@ -476,7 +478,9 @@
     function onStreamEvent(event) {
       const card = cardOf(event.request_id);
       if (!card || !card.classList.contains("pending")) return; // the record came first: it is final
-      if (event.event === "stage" && event.stage === "started" && card.dataset.stage === "queued") setStage(card, "started");
+      // Stages only move forward: queued, started, fetching, prefilling (a run may skip some), then decoding.
+      const ORDER = ["queued", "started", "fetching", "prefilling"];
+      if (event.event === "stage" && ORDER.indexOf(event.stage) > ORDER.indexOf(card.dataset.stage) && ORDER.indexOf(card.dataset.stage) >= 0) setStage(card, event.stage);
       else if (event.event === "token") {
         if (card.dataset.stage !== "decoding" && card.dataset.stage !== "cancelling") setStage(card, "decoding");
         let answer = card.querySelector(".answer.streaming");
