@@ -267,13 +267,24 @@ class ExchangeSession:
         if not refs:
             return []
         mark = time.perf_counter()
-        usable: list[Fetched] = []
+        blobs = self.download(refs)
+        usable = self.open(refs, blobs, expect, chain=chain) if blobs is not None else []
+        self.breakdown.fetch_ms += ms_since(mark)
+        return usable
+
+    def download(self, refs: Sequence[EntryRef]) -> list[bytes | None] | None:
+        """The entries as stored (None where absent), unchecked, in one round trip; None (said on
+        the breakdown) when the cache box fails. ``open`` checks them."""
         try:
-            blobs = self.store.read_entries([ref.name for ref in refs])
+            return self.store.read_entries([ref.name for ref in refs])
         except CacheBoxUnavailable as exc:
             self._unavailable(exc)
-            self.breakdown.fetch_ms += ms_since(mark)
-            return []
+            return None
+
+    def open(self, refs: Sequence[EntryRef], blobs: Sequence[bytes | None], expect: Expect, *, chain: bool) -> list[Fetched]:
+        """Verify and decode downloaded entries (``fetch``'s checks); with ``chain``, stop before
+        the first that fails."""
+        usable: list[Fetched] = []
         checking = time.perf_counter()
         opened = open_entries([blob or b"" for blob in blobs], self.ring, self.exchange.max_entry_bytes)
         self.breakdown.verify_ms += ms_since(checking)
@@ -308,7 +319,6 @@ class ExchangeSession:
                 continue
             usable.append(Fetched(ref, header, blob, offset, state, state_offset))
             self.breakdown.codec = header.codec
-        self.breakdown.fetch_ms += ms_since(mark)
         return usable
 
     def restore(self, engine: Engine, item: Fetched, seq: int, first_positions: range, last_position: int | None = None) -> bool:

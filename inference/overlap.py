@@ -21,10 +21,29 @@ from .exchange import EntryRef, Expect, ExchangeSession, Fetched
 
 
 @dataclass
+class Unchecked:
+    """A range downloaded but not yet verified (``RangeLoader(check=False)``)."""
+
+    ref: EntryRef
+    blob: bytes
+
+
+@dataclass
 class Arrival:
-    item: Fetched
-    ms: float  # the request's own time: fetch, verification and decoding
+    item: Fetched | Unchecked
+    ms: float  # the request's own time: download (and, when the loader checks, verification and decoding)
     at_ms: float  # when it arrived, from the loader's start
+
+    def settle(self, session: ExchangeSession, expect: Expect) -> Fetched | None:
+        """The verified range (checked here if the loader did not); None when it fails its checks."""
+        if isinstance(self.item, Unchecked):
+            mark = time.perf_counter()
+            opened = session.open([self.item.ref], [self.item.blob], expect, chain=True)
+            session.breakdown.fetch_ms += (time.perf_counter() - mark) * 1000.0
+            if not opened:
+                return None
+            self.item = opened[0]
+        return self.item
 
 
 _DONE = object()
@@ -38,11 +57,14 @@ class RangeLoader(threading.Thread):
     next range (``computed_to``). Every fetch goes through the exchange session's checks.
     """
 
-    def __init__(self, session: ExchangeSession, refs: Sequence[EntryRef], expect: Expect):
+    def __init__(self, session: ExchangeSession, refs: Sequence[EntryRef], expect: Expect, *, check: bool = True):
         super().__init__(name="edgecache-range-loader", daemon=True)
         self.session = session
         self.refs = list(refs)
         self.expect = expect
+        # False: only download here; the serving thread checks each range (``settle``). For an
+        # engine that uses every core, whose threads stall when one of them is preempted.
+        self.check = check
         self.arrived: queue.Queue = queue.Queue()
         self.computed_to = 0  # written by the serving thread: ranges ending at or before it are useless
         self._stop_event = threading.Event()
@@ -56,12 +78,19 @@ class RangeLoader(threading.Thread):
                 if self._stop_event.is_set() or ref.end <= self.computed_to:
                     break
                 mark = time.perf_counter()
-                fetched = self.session.fetch([ref], self.expect, chain=True)
-                if not fetched:
+                if self.check:
+                    fetched = self.session.fetch([ref], self.expect, chain=True)
+                    item = fetched[0] if fetched else None
+                else:
+                    blobs = self.session.download([ref])
+                    item = Unchecked(ref, blobs[0]) if blobs and blobs[0] is not None else None
+                    if blobs is not None and item is None:
+                        self.session.missing.add(ref.name)  # evicted since its header was read
+                if item is None:
                     self.failed = True
                     break
                 now = time.perf_counter()
-                self.arrived.put(Arrival(fetched[0], (now - mark) * 1000.0, (now - self.started_at) * 1000.0))
+                self.arrived.put(Arrival(item, (now - mark) * 1000.0, (now - self.started_at) * 1000.0))
         finally:
             self.arrived.put(_DONE)
 

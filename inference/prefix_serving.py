@@ -22,6 +22,7 @@ says so.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -354,7 +355,10 @@ class PrefixServing:
         if forward and plan.predicted_fetch_ms < AT_ONCE_MS:
             restored = self._load_at_once(session, chain, expect, floor)
         else:
-            loader = RangeLoader(session, chain if forward else chain[::-1], expect)  # one request per range
+            # An engine on every core stalls when a thread of it is preempted: then the loader only
+            # downloads while the board computes, and the ranges are checked at the meeting.
+            check = forward or self.engine.config.threads() < (os.cpu_count() or 1)
+            loader = RangeLoader(session, chain if forward else chain[::-1], expect, check=check)  # one request per range
             loader.computed_to = floor
             started = time.perf_counter()
             loader.start()
@@ -362,7 +366,7 @@ class PrefixServing:
                 restored = self._load_in_order(session, loader, plan, floor, started)
             else:
                 starts = [self._starts[ref.end] for ref in chain]
-                restored = self._load_while_computing(session, tokens, loader, chain[-1].end, floor, plan, sorted(starts, reverse=True), started)
+                restored = self._load_while_computing(session, tokens, loader, chain[-1].end, floor, plan, sorted(starts, reverse=True), started, expect)
             loader.stop()
             restored.loader = loader
         breakdown.met_at = floor + restored.computed if not forward else restored.matched  # where computing took over
@@ -419,7 +423,7 @@ class PrefixServing:
         return self._restored(matched, 0, used, arrivals, {}, {})
 
     def _load_while_computing(
-        self, session: ExchangeSession, tokens: list[int], loader: RangeLoader, end: int, floor: int, plan: FetchPlan, starts: list[int], started: float
+        self, session: ExchangeSession, tokens: list[int], loader: RangeLoader, end: int, floor: int, plan: FetchPlan, starts: list[int], started: float, expect
     ) -> _Restored:
         """Compute from ``floor`` while ranges arrive from ``end`` backwards; meet; restore in order.
 
@@ -448,13 +452,13 @@ class PrefixServing:
                 done = True
                 continue
             if got is not None:
-                header = got.item.header
-                if header.end != loaded_from or header.end <= computed:
+                range_end = got.item.ref.end
+                if range_end != loaded_from or range_end <= computed:
                     loader.stop()  # computed past it: nothing later can be used either
                     done = True
                     continue
                 arrivals.append(got)
-                loaded_from = header.start
+                loaded_from = self._starts[range_end]
                 continue
             if patience > 0:
                 breakdown.fetch_late = True  # waited past the forecast: compute instead
@@ -466,8 +470,22 @@ class PrefixServing:
             breakdown.prefill_ms += ms_since(mark)
             computed = loader.computed_to = stop
         loader.stop()
-        matched, used = self._restore_in_order(session, sorted((arrival.item for arrival in arrivals), key=lambda item: item.header.start), computed)
-        return self._restored(matched, computed - floor, used, arrivals, logits, exports)
+        matched, used, recomputed = computed, {}, 0
+        for arrival in sorted((arrival for arrival in arrivals if arrival.item.ref.end > computed), key=lambda arrival: arrival.item.ref.end):
+            item = arrival.settle(session, expect)  # verified here when the loader only downloaded
+            if item is None:  # refused (and evicted): compute that range, on the grid, and go on
+                range_end = arrival.item.ref.end
+                mark = time.perf_counter()
+                logits.update(engine.prefill(tokens[matched:range_end], matched, logits_at={total - 1} if range_end == total else set(), on_batch=on_batch, cuts=grid_cuts(total, self.chunk_tokens, matched)))
+                breakdown.prefill_ms += ms_since(mark)
+                recomputed += range_end - matched
+                matched = range_end
+                continue
+            restored_to, used = self._restore_in_order(session, [item], matched, used)
+            if restored_to == matched:
+                break
+            matched = restored_to
+        return self._restored(matched, computed - floor + recomputed, used, arrivals, logits, exports)
 
     def _restored(self, matched: int, computed: int, used: dict[str, Fetched], arrivals, logits, exports) -> _Restored:
         last = max((item.header for item in used.values()), key=lambda header: header.end, default=None)
