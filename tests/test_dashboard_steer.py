@@ -213,7 +213,7 @@ def test_unpin_asks_without_calling_itself_destructive(admin_client, control_pla
 
 
 # -- the Run page streams: stages and tokens over the runs' pub/sub channels; Cancel ------------------------------
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)  # leaves the migrated rows (content types) as it found them
 def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sent_tasks, django_user_model):
     from django.test import AsyncClient
 

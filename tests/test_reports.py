@@ -37,7 +37,7 @@ def test_cases_report_puts_the_papers_tables_beside_ours(tmp_path):
 def test_breakeven_and_catalog_and_scale_reports(tmp_path):
     row = {"always_ttft_ms": 3000.0, "never_ttft_ms": 1200.0, "adaptive_ttft_ms": 1210.0, "best_fixed_ttft_ms": 1200.0, "adaptive_vs_best": 1.008, "within_5pct": True, "adaptive_decisions": {"policy-skip": 3}}
     doc = {"presets": {"wifi4": {"link": "Wi-Fi 4", "emulated": True, "cases": {"5": row}}}, "target_met": True, "case_names": {"5": "full hit"}, "machine": MACHINE}
-    assert_self_contained(reports.breakeven_report(tmp_path / "be.html", doc), "always fetch, never fetch, adaptive", "policy-skip: 3")
+    assert_self_contained(reports.breakeven_report(tmp_path / "be.html", doc), "always fetch, never fetch, fetch-or-compute, adaptive", "policy-skip: 3")
     sweep = [{"hit_ratio": r, "with_catalog": {"mean_ttft_ms": 1000.0, "miss_network_ms": 0.0, "hits": 1}, "without_catalog": {"mean_ttft_ms": 1010.0, "miss_network_ms": 9.0, "hits": 1}} for r in (0.0, 0.5)]
     doc = {"sweep": sweep, "link": "emulated link Wi-Fi 4", "false_positives": false_positive_rates(capacities=(2000,), probes=20_000), "machine": MACHINE}
     assert_self_contained(reports.catalog_report(tmp_path / "cat.html", doc), "Mean TTFT against hit ratio", "False positives")
