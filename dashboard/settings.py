@@ -158,8 +158,10 @@ if Path(str(DATABASES["default"].get("NAME", ""))) == _SQLITE_DEFAULT:
     if stat.S_IMODE(_SQLITE_DEFAULT.stat().st_mode) & 0o077:
         _SQLITE_DEFAULT.chmod(0o600)
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
-    # The web server and the control-plane worker write at once: wait for the lock.
-    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    # The web server and the control-plane worker write at once: wait for the lock. Transactions
+    # take the write lock when they begin (IMMEDIATE): a deferred one that reads, then writes,
+    # fails at once with "database is locked" when another writer holds it, timeout or not.
+    DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20, "transaction_mode": "IMMEDIATE"})
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

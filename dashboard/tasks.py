@@ -5,13 +5,16 @@ Each hands the raw message to its verb, which validates it against the message c
 """
 
 from celery import shared_task
+from django.db import OperationalError
 
 from inference.messages import Task
 
 from . import actions
 
 
-@shared_task(name=Task.RECORD_RUN.value, acks_late=True, ignore_result=True)
+# A computed answer must reach the database: a busy database (SQLite locked, PostgreSQL
+# restarting) is retried with back-off; recording is idempotent (a run is stored once).
+@shared_task(name=Task.RECORD_RUN.value, acks_late=True, ignore_result=True, autoretry_for=(OperationalError,), retry_backoff=1, retry_backoff_max=30, max_retries=8)
 def record_run(payload: dict) -> None:
     actions.record_run(payload)
 

@@ -557,3 +557,21 @@ def test_run_page_sends_a_lab_strategy_and_refuses_it_for_schema_prompts(staff_c
     refused = staff_client.post(reverse("run"), pml, HTTP_ACCEPT="application/json")
     assert refused.status_code == 400 and "exact strategy" in refused.json()["errors"]["strategy"][0]["message"]
     assert len(sent_tasks) == 2
+
+
+def test_a_busy_database_delays_a_report_but_never_loses_it(monkeypatch):
+    """'database is locked' (SQLite) or a restarting PostgreSQL: the record_run task retries."""
+    from django.db import OperationalError
+
+    from dashboard import tasks
+
+    calls = []
+
+    def flaky(payload):
+        calls.append(payload)
+        if len(calls) < 3:
+            raise OperationalError("database is locked")
+
+    monkeypatch.setattr(tasks.actions, "record_run", flaky)
+    result = tasks.record_run.apply(args=[{"request_id": "r"}])
+    assert result.successful() and len(calls) == 3
