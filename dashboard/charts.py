@@ -82,38 +82,33 @@ def _color(colors: dict[str, str] | None, device: str) -> str | None:
     return (colors or {}).get(device)
 
 
-def timeline_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[str, str] | None = None) -> dict:
+def _paired_traces(points: list[ChartPoint], devices: Iterable[str], colors, pair, keep=lambda point: True) -> list:
+    """Two lines per device in its colour: ``pair`` = ((field, label) solid, (field, label) dotted)."""
     traces = []
     for device in devices:
-        mine = _mine(points, device)
-        for field, metric in (("ttft_ms", "TTFT"), ("ttlt_ms", "TTLT")):
+        mine = [point for point in _mine(points, device) if keep(point)]
+        for (field, metric), dash in zip(pair, ("solid", "dot")):
             traces.append(
                 go.Scatter(
                     name=f"{device} {metric}",
                     x=[_when(point) for point in mine],
                     y=[getattr(point, field) for point in mine],
                     mode="lines+markers",
-                    line=dict(dash="solid" if metric == "TTFT" else "dot", color=_color(colors, device)),
+                    line=dict(dash=dash, color=_color(colors, device)),
                 )
             )
+    return traces
+
+
+def timeline_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[str, str] | None = None) -> dict:
+    traces = _paired_traces(points, devices, colors, (("ttft_ms", "TTFT"), ("ttlt_ms", "TTLT")))
     return _figure(traces, "TTFT and TTLT over time (ms)", yaxis_title="ms")
 
 
 def tbt_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[str, str] | None = None) -> dict:
     """Time between answer tokens of each run (p50 solid, p99 dotted): what a streaming reader feels."""
-    traces = []
-    for device in devices:
-        mine = [point for point in _mine(points, device) if point.tbt_p50_ms > 0]  # one-token answers have none
-        for field, metric in (("tbt_p50_ms", "TBT p50"), ("tbt_p99_ms", "TBT p99")):
-            traces.append(
-                go.Scatter(
-                    name=f"{device} {metric}",
-                    x=[_when(point) for point in mine],
-                    y=[getattr(point, field) for point in mine],
-                    mode="lines+markers",
-                    line=dict(dash="solid" if metric == "TBT p50" else "dot", color=_color(colors, device)),
-                )
-            )
+    # One-token answers have no time between tokens: left out.
+    traces = _paired_traces(points, devices, colors, (("tbt_p50_ms", "TBT p50"), ("tbt_p99_ms", "TBT p99")), keep=lambda point: point.tbt_p50_ms > 0)
     return _figure(traces, "Time between tokens, p50 and p99 per run (ms)", yaxis_title="ms")
 
 
