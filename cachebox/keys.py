@@ -5,6 +5,10 @@ Pure functions only. Every function takes ``namespace, fingerprint`` first, in t
 ``fingerprint, namespace, tokens[0:p]`` fed range by range into one running hash,
 so a range key pins every token before it, does not depend on where earlier
 ranges were cut, and is stable across processes and machines (never ``hash()``).
+
+Batches are cut on a fixed grid and, for a prompt with structure (its segments, a chat's
+turns), at the positions where its parts begin (``extra`` cuts). A key also pins the extra
+cuts before its end: a hit then implies the very batch history its cold run has.
 """
 
 from __future__ import annotations
@@ -64,17 +68,19 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def prefix_keys(
-    namespace: str, fingerprint: str, tokens: Sequence[int], boundaries: Iterable[int], *, grid: int
+    namespace: str, fingerprint: str, tokens: Sequence[int], boundaries: Iterable[int], *, grid: int, extra: Iterable[int] = ()
 ) -> list[bytes]:
     """Keys of the prefixes ``tokens[:b]`` for each boundary ``b`` (ascending, 1..len).
 
-    ``grid`` is where every prefill cuts its batches (every ``grid`` positions): it enters
-    every key, so a key pins the batch history of its prefix too, and a hit restores the
-    very bits its cold run would compute.
+    ``grid`` is where every prefill cuts its batches (every ``grid`` positions) and ``extra``
+    the prompt's other cuts: both enter every key (the extra cuts below its end), so a key
+    pins the batch history of its prefix too, and a hit restores the very bits its cold run
+    would compute. Without extra cuts the keys are those of a plain prompt.
     """
     check_namespace(namespace)
     if grid < 1:
         raise ValueError(f"the batch grid must be at least 1 token, got {grid}")
+    extra = off_grid(extra, grid)
     running = hashlib.blake2b(digest_size=KEY_BYTES, person=b"edgecache-pfx")
     running.update(f"{fingerprint}\x00{namespace}\x00grid={grid}\x00".encode())
     keys: list[bytes] = []
@@ -83,7 +89,13 @@ def prefix_keys(
         if boundary <= previous or boundary > len(tokens):
             raise ValueError(f"boundaries must ascend within 1..{len(tokens)}, got {boundary}")
         running.update(token_bytes(tokens[previous:boundary]))
-        keys.append(running.copy().digest())
+        below = [cut for cut in extra if cut < boundary]
+        if below:
+            key = running.copy()
+            key.update(b"\x00cuts=" + token_bytes(below))
+            keys.append(key.digest())
+        else:
+            keys.append(running.copy().digest())
         previous = boundary
     return keys
 
@@ -157,19 +169,27 @@ def device_key_name(name: str) -> str:
     return f"{KEY_PREFIX}:device:{name}"
 
 
-def grid_cuts(n_tokens: int, grid: int, start: int = 0) -> list[int]:
-    """Positions in ``(start, n_tokens)`` where a prefill on this grid ends a batch."""
+def off_grid(extra: Iterable[int], grid: int) -> tuple[int, ...]:
+    """The extra cuts that add a batch end: positive, off the grid, ascending, once each."""
+    return tuple(sorted({int(cut) for cut in extra if cut > 0 and cut % grid}))
+
+
+def grid_cuts(n_tokens: int, grid: int, start: int = 0, extra: Iterable[int] = ()) -> list[int]:
+    """Positions in ``(start, n_tokens)`` where a prefill ends a batch: every grid point and
+    every extra cut (where a segment or a chat turn begins)."""
     first = (start // grid + 1) * grid
-    return list(range(first, n_tokens, grid))
+    points = set(range(first, n_tokens, grid))
+    points.update(cut for cut in extra if start < cut < n_tokens)
+    return sorted(points)
 
 
-def range_boundaries(n_tokens: int, grid: int) -> list[int]:
-    """Prefix lengths that are stored and looked up for a prompt of ``n_tokens``: every grid
-    point (where every prefill cuts its batches, so a range is whole batches) and the whole
-    prompt. Ascending; the lookup walks it from the end."""
+def range_boundaries(n_tokens: int, grid: int, extra: Iterable[int] = ()) -> list[int]:
+    """Prefix lengths that are stored and looked up for a prompt of ``n_tokens``: every cut
+    (where every prefill ends a batch, so a range is whole batches) and the whole prompt.
+    Ascending; the lookup walks it from the end."""
     if n_tokens <= 0:
         return []
-    return [*grid_cuts(n_tokens, grid), n_tokens]
+    return [*grid_cuts(n_tokens, grid, 0, extra), n_tokens]
 
 
 _REQUEST_ID_RE = re.compile(r"^[0-9a-fA-F-]{32,36}$")

@@ -2,7 +2,8 @@
 downsampled there (SQL ``GROUP BY`` on a truncated time) when the range holds many runs.
 
 A point is one run, or the runs of one device in one time bucket (averaged, hits and runs
-counted): the charts draw either the same way. Only successful runs are charted.
+counted, hits by the tier that served them): the charts draw either the same way. Only
+successful runs are charted.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from django.db.models import Avg, Count, F, FloatField, Q, QuerySet
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Cast, Trunc
 from django.utils import timezone
+
+from inference.breakdown import Case, Tier
 
 from .models import InferenceRun
 
@@ -30,7 +33,19 @@ RAW_LIMIT = 2000  # up to this many runs in the range: one point per run
 MAX_BUCKETS = 1500  # beyond: per device, at most about this many time buckets
 # Truncations the database does (Django's Trunc), finest first, with their width.
 GRANULARITIES = (("second", 1), ("minute", 60), ("hour", 3600), ("day", 86400), ("week", 7 * 86400), ("month", 31 * 86400))
-HITS = ("partial", "full")
+# A hit: a run whose matched_tokens > 0, i.e. its case is partial or full (Breakdown.classify).
+HITS = (Case.PARTIAL.value, Case.FULL.value)
+# The tiers a hit is attributed to, nearest first (the breakdown's ``tier``).
+HIT_TIERS = (Tier.CONTEXT.value, Tier.LOCAL.value, Tier.CACHEBOX.value)
+
+
+def hit_tier(case: str, tier: str | None) -> str:
+    """The tier a run's hit is attributed to ("" for a miss). A hit without a board-local tier
+    came from the cache box: schema runs (modules) and runs recorded before boards kept tiers
+    carry no ``tier``."""
+    if case not in HITS:
+        return ""
+    return tier if tier in (Tier.CONTEXT, Tier.LOCAL) else Tier.CACHEBOX.value
 
 
 @dataclass(frozen=True)
@@ -42,8 +57,25 @@ class ChartPoint:
     tbt_p50_ms: float
     tbt_p99_ms: float
     state_bytes: float
-    hits: int  # runs with a hit (partial or full) in this point
     runs: int  # runs in this point (1 for a raw point)
+    # Runs with a hit in this point, by the tier that served it (``hit_tier``).
+    context_hits: int = 0
+    local_hits: int = 0
+    cachebox_hits: int = 0
+
+    @property
+    def hits(self) -> int:
+        """Runs with a hit (partial or full) in this point, whatever the tier."""
+        return self.context_hits + self.local_hits + self.cachebox_hits
+
+    def tier_hits(self, tier: str) -> int:
+        return getattr(self, f"{tier}_hits")
+
+
+def _raw_point(created, device, ttft, ttlt, p50, p99, state, case, tier) -> ChartPoint:
+    served = hit_tier(case, tier)
+    hits = {f"{name}_hits": int(served == name) for name in HIT_TIERS}
+    return ChartPoint(created, device, ttft, ttlt, float(p50 or 0.0), float(p99 or 0.0), float(state), 1, **hits)
 
 
 @dataclass
@@ -86,12 +118,9 @@ def chart_series(runs: QuerySet[InferenceRun], range_name: str, now: datetime | 
     count = charted.count()
     if count <= RAW_LIMIT:
         rows = charted.order_by("created", "pk").values_list(
-            "created", "device__name", "ttft_ms", "ttlt_ms", "state_bytes", "case", "breakdown__tbt_p50_ms", "breakdown__tbt_p99_ms"
+            "created", "device__name", "ttft_ms", "ttlt_ms", "breakdown__tbt_p50_ms", "breakdown__tbt_p99_ms", "state_bytes", "case", "breakdown__tier"
         )
-        points = [
-            ChartPoint(created, device, ttft, ttlt, float(p50 or 0.0), float(p99 or 0.0), float(state), int(case in HITS), 1)
-            for created, device, ttft, ttlt, state, case, p50, p99 in rows
-        ]
+        points = [_raw_point(*row) for row in rows]
         return Series(points, range_name, since, "run", count)
     first = charted.order_by("created").values_list("created", flat=True).first()
     granularity = granularity_for(now - (since or first or now))
@@ -104,6 +133,9 @@ def chart_series(runs: QuerySet[InferenceRun], range_name: str, now: datetime | 
             state=Avg("state_bytes"),
             p50=Avg(_float_field("tbt_p50_ms")),
             p99=Avg(_float_field("tbt_p99_ms")),
+            # A hit without a board-local tier is the cache box's (hit_tier).
+            context_hits=Count("pk", filter=Q(case__in=HITS, breakdown__tier=Tier.CONTEXT.value)),
+            local_hits=Count("pk", filter=Q(case__in=HITS, breakdown__tier=Tier.LOCAL.value)),
             hits=Count("pk", filter=Q(case__in=HITS)),
             total=Count("pk"),
         )
@@ -112,7 +144,8 @@ def chart_series(runs: QuerySet[InferenceRun], range_name: str, now: datetime | 
     points = [
         ChartPoint(
             row["bucket"], row["device_name"], row["ttft"] or 0.0, row["ttlt"] or 0.0, row["p50"] or 0.0, row["p99"] or 0.0,
-            float(row["state"] or 0.0), row["hits"], row["total"],
+            float(row["state"] or 0.0), row["total"],
+            context_hits=row["context_hits"], local_hits=row["local_hits"], cachebox_hits=row["hits"] - row["context_hits"] - row["local_hits"],
         )
         for row in rows
     ]

@@ -14,7 +14,7 @@ from cachebox.link import LinkProfile
 from inference.breakdown import STACK
 from inference.breakeven import LinearFit, crossover, fit_line, overlap_ms, points_from_breakdowns
 
-from .chart_series import ChartPoint
+from .chart_series import HIT_TIERS, ChartPoint
 
 # The paper's table-3 components, in its order and words (one source for charts and live.js).
 COMPONENTS = STACK
@@ -120,18 +120,65 @@ def hit_counts(points: list[ChartPoint]) -> dict[str, list[int]]:
     return counts
 
 
+# Each tier of the hit-ratio chart: its label and dash (every device keeps its own colour), nearest
+# first. The page's script draws live runs with the same (``hit_tiers``).
+TIER_STYLES = {
+    "context": ("context", "dot", "the board's own context"),
+    "local": ("RAM tier", "dash", "the board's RAM tier"),
+    "cachebox": ("cache box", "solid", "the cache box"),
+}
+
+
+def hit_tiers() -> list[dict]:
+    """The hit-ratio chart's tiers as the page's script extends them: trace label, dash, hover text."""
+    return [
+        {"tier": tier, "label": label, "dash": dash, "hovertemplate": f"%{{y:.2f}} of runs hit from {where}<extra>%{{fullData.name}}</extra>"}
+        for tier, (label, dash, where) in ((tier, TIER_STYLES[tier]) for tier in HIT_TIERS)
+    ]
+
+
+def tier_counts(points: list[ChartPoint]) -> dict[str, dict[str, int]]:
+    """Per device, its runs and its hits by tier within the range (where live runs carry on from)."""
+    counts: dict[str, dict[str, int]] = {}
+    for point in points:
+        mine = counts.setdefault(point.device, {"runs": 0, **{tier: 0 for tier in HIT_TIERS}})
+        mine["runs"] += point.runs
+        for tier in HIT_TIERS:
+            mine[tier] += point.tier_hits(tier)
+    return counts
+
+
 def hit_ratio_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[str, str] | None = None) -> dict:
-    """Cumulative fraction of runs (within the range) that restored at least one cached range."""
+    """Per device and tier, the cumulative fraction of its runs (within the range) whose hit came
+    from that tier: the board's context, its RAM tier or the cache box. A device's tiers add up
+    to its hit ratio (runs that restored at least one cached range)."""
     traces = []
     for device in devices:
-        xs, ys, hits, total = [], [], 0, 0
-        for point in _mine(points, device):
+        mine = _mine(points, device)
+        total, hits = 0, {tier: 0 for tier in HIT_TIERS}
+        ys: dict[str, list[float]] = {tier: [] for tier in HIT_TIERS}
+        for point in mine:
             total += point.runs
-            hits += point.hits
-            xs.append(_when(point))
-            ys.append(hits / total)
-        traces.append(go.Scatter(name=device, x=xs, y=ys, mode="lines+markers", line=dict(color=_color(colors, device))))
-    return _figure(traces, "Cache hit ratio", yaxis=dict(range=[0, 1.05], title="runs with a hit"))
+            for tier in HIT_TIERS:
+                hits[tier] += point.tier_hits(tier)
+                ys[tier].append(hits[tier] / total)
+        for style in hit_tiers():
+            traces.append(
+                go.Scatter(
+                    name=f"{device} {style['label']}",
+                    x=[_when(point) for point in mine],
+                    y=ys[style["tier"]],
+                    mode="lines+markers",
+                    line=dict(color=_color(colors, device), dash=style["dash"]),
+                    legendgroup=device,
+                    hovertemplate=style["hovertemplate"],
+                )
+            )
+    return _figure(
+        traces,
+        "Cache hit ratio by tier: context (dotted), RAM tier (dashed), cache box (solid)",
+        yaxis=dict(range=[0, 1.05], title="share of runs"),
+    )
 
 
 def bytes_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[str, str] | None = None) -> dict:

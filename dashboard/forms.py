@@ -178,10 +178,16 @@ class RunForm(_ForUser, forms.Form):
     max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=8)
     namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
     use_cache = forms.BooleanField(required=False, initial=True)
-    STRATEGIES = [("exact", "exact (prefix serving)")] + [(f"kv-prediction:{k}", f"KV prediction, {k} auxiliary layers (lab, approximate)") for k in (3, 6, 9)]
+    STRATEGIES = [("exact", "exact (prefix serving)")] + [(f"kv-prediction:{k}", f"KV prediction, {k} auxiliary layers (lab, approximate)") for k in (3, 6, 9)] + [
+        ("anchors", "anchor tokens: earlier parts keep only their last token (lab, approximate)"),
+        ("anchors-tuned", "anchor tokens on the anchor-tuned model (lab, approximate)"),
+        ("early-exit:top-prob:0.8", "early exit while decoding, top probability >= 0.8 (lab, approximate)"),
+        ("early-exit:similarity:0.98", "early exit while decoding, hidden-state similarity >= 0.98 (lab, approximate)"),
+    ]
     strategy = forms.ChoiceField(
         choices=STRATEGIES, initial="exact", required=False,
-        help_text="lab strategies answer from a predicted KV cache (seed 001): faster first token, approximate answer; they never use the cache box",
+        help_text="lab strategies answer from an approximate KV cache (predicted, seed 001; pruned to anchor tokens, seed 004) "
+        "or leave the network early while decoding (seed 002): approximate answers; they never use the cache box",
     )
 
     def __init__(self, *args, user, **kwargs):

@@ -58,8 +58,9 @@ def _vocabulary(model: str):
     return Vocabulary.load(resolve_model(model or None))
 
 
-def prompt_tokens(prompt: Prompt) -> list[int] | None:
-    """The tokens a board computes for ``prompt`` (None: a schema run, or no vocabulary here)."""
+def prompt_tokens(prompt: Prompt) -> tuple[list[int], tuple[int, ...]] | None:
+    """The tokens a board computes for ``prompt`` and where it cuts them besides the grid (where its
+    last segment begins, where a chat's messages begin); None: a schema run, or no vocabulary here."""
     if not prompt.segments and not prompt.messages:
         return None
     try:
@@ -67,23 +68,28 @@ def prompt_tokens(prompt: Prompt) -> list[int] | None:
         if prompt.messages:
             from inference.chat import chat_prompt
 
-            return chat_prompt(vocabulary, list(prompt.messages)).tokens
+            chat = chat_prompt(vocabulary, list(prompt.messages))
+            return chat.tokens, chat.cuts
         tokens: list[int] = []
+        starts: list[int] = []
         for index, segment in enumerate(prompt.segments):
+            starts.append(len(tokens))
             tokens += vocabulary.tokenize(segment, add_bos=index == 0)
-        return tokens
+        return tokens, tuple(starts[-1:]) if len(starts) > 1 else ()
     except Exception as exc:  # routing then weighs queues only; the board reports any real error
         log.warning("prompt not tokenized for routing: %s", exc)
         return None
 
 
-def keys_for(device: Device, tokens: list[int] | None) -> PromptKeys:
-    """The prefix keys ``device`` uses for ``tokens`` (its namespace and model; none before its first heartbeat)."""
+def keys_for(device: Device, layout: tuple[list[int], tuple[int, ...]] | None) -> PromptKeys:
+    """The prefix keys ``device`` uses for a prompt's tokens and cuts (its namespace and model; none
+    before its first heartbeat)."""
     fingerprint = (device.status or {}).get("fingerprint")
-    if not tokens or not isinstance(fingerprint, str) or not fingerprint:
+    if not layout or not layout[0] or not isinstance(fingerprint, str) or not fingerprint:
         return PromptKeys()
+    tokens, cuts = layout
     try:
-        return prompt_keys(device.cache_namespace, fingerprint, tokens, grid=settings.EDGECACHE_BOARD.chunk_tokens)
+        return prompt_keys(device.cache_namespace, fingerprint, tokens, grid=settings.EDGECACHE_BOARD.chunk_tokens, extra=cuts)
     except ValueError:
         return PromptKeys()
 
@@ -148,9 +154,10 @@ def plan(devices: list[Device], prompt: Prompt, *, preferred: str = "", policy: 
     record the Dispatch keeps: the choice, its expected time and saving, and the prompt's keys."""
     if not devices:
         return None
-    tokens = prompt_tokens(prompt)
+    layout = prompt_tokens(prompt)
+    tokens = layout[0] if layout else None
     index = fleet_index(devices)
-    keys = {device.name: keys_for(device, tokens) for device in devices}
+    keys = {device.name: keys_for(device, layout) for device in devices}
     views = [
         index.view(
             device.name, keys[device.name], online=all_online or device.online, link=link_of(device), ram_budget_bytes=ram_budget(device),

@@ -30,6 +30,7 @@ urlpatterns = [
     path("cache/", views.cache_page, name="cache"),
     path("benchmarks/", views.benchmark_list, name="benchmarks"),
     path("benchmarks/<slug:name>/", views.benchmark_report, name="benchmark-report"),
+    path("lab/", views.lab_page, name="lab"),
     path("cache/flush/", views.cache_flush, name="cache-flush"),
     path("vendor/plotly.min.js", views.plotly_js, name="plotly-js"),
     path("metrics", views.metrics_view, name="metrics"),

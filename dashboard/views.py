@@ -23,6 +23,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.templatetags.static import static
 from django.utils import timezone
 from django.utils.crypto import constant_time_compare
+from django.utils.text import slugify
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST, require_safe
 from kombu.exceptions import OperationalError as BrokerUnavailable
@@ -45,7 +46,7 @@ from .colors import device_colors
 from .entry_preview import previews
 from .explain import explain_run
 
-from . import actions, charts, metrics, ratelimit, run_stream
+from . import actions, charts, lab_charts, metrics, ratelimit, run_stream
 from .forms import MAX_PROMPT_CHARS, ConfirmForm, DeviceForm, EncodeForm, FlushForm, RunFilterForm, RunForm, SchemaForm
 from .models import AuditEvent, Device, InferenceRun
 from .stats import device_summary, explain_error, explained, fill_label, recent_runs, visible_devices, visible_runs
@@ -113,6 +114,8 @@ def home_charts(viewer, range_name: str) -> dict:
         "hits": charts.hit_ratio_figure(series.points, names, colors),
         "bytes": charts.bytes_figure(series.points, names, colors),
         "hitCounts": charts.hit_counts(series.points),
+        "tierCounts": charts.tier_counts(series.points),  # live runs carry the hit-ratio chart on from these
+        "hitTiers": charts.hit_tiers(),
         "colors": colors,
         "range": series.range,
         "granularity": series.granularity,
@@ -758,20 +761,29 @@ def _reports_dir():
     return Path(settings.BASE_DIR) / "bench-results"
 
 
-@login_required
-def benchmark_list(request):
-    """Saved benchmark reports (``python manage.py bench ...`` writes JSON and HTML here)."""
-    reports = []
+def _saved_documents():
+    """(path, document) of every readable JSON report in ``bench-results/``, newest first."""
     folder = _reports_dir()
     for path in sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []:
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        yield path, doc
+
+
+@login_required
+def benchmark_list(request):
+    """Saved benchmark reports (``python manage.py bench ...`` writes JSON and HTML here)."""
+    reports = []
+    folder = _reports_dir()
+    for path, doc in _saved_documents():
+        if not isinstance(doc, dict):
+            continue
         reports.append(
             {
                 "name": path.stem,
-                "kind": path.stem.split("-")[0],
+                "kind": doc.get("bench") if isinstance(doc.get("bench"), str) else path.stem.split("-")[0],
                 "date": (doc.get("machine") or {}).get("date", ""),
                 "summary": _benchmark_summary(doc),
                 "has_html": path.with_suffix(".html").exists(),
@@ -798,12 +810,60 @@ def _benchmark_summary(doc: dict) -> str:
         return f"catalog sweep over {doc.get('link', '')}"
     if "lengths" in doc:
         return f"{len(doc['lengths'])} prompt lengths"
+    if doc.get("bench") == "lab-exit":
+        speedups = [point.get("speedup") for point in doc.get("curve") or [] if isinstance(point, dict) and isinstance(point.get("speedup"), (int, float))]
+        return f"early exit with KV fill (lab): {len(doc.get('curve') or [])} settings, speed-up up to {max(speedups, default=0):.2f}x (see the Lab page)"
+    if doc.get("bench") == "lab-anchors":
+        variants = [row.get("variant") for row in doc.get("rows") or [] if isinstance(row, dict)]
+        return f"anchor tokens (lab): {', '.join(map(str, variants))} (see the Lab page)"
     if "ks" in doc and "table" in doc:  # bench lab
         rows = [row for row in doc["table"] if row.get("kind") == "kvp"]
         return "KV prediction (lab): " + "; ".join(
             f"k={row['k']} TTFT x{row['ttft_ratio']}, agreement {row['first_token_agreement']}, KL {row['heldout_kl_mean']}" for row in rows
         )
     return ""
+
+
+def _latest_lab_documents() -> dict:
+    """The newest saved document of each lab study (``lab_charts.STUDIES``): kind -> (path, document)."""
+    wanted = {study.kind for study in lab_charts.STUDIES}
+    found = {}
+    for path, doc in _saved_documents():
+        kind = lab_charts.document_kind(doc)
+        if kind in wanted and kind not in found:
+            found[kind] = (path, doc)
+            if len(found) == len(wanted):
+                break
+    return found
+
+
+def _lab_section(study, saved) -> dict:
+    path, doc = saved or (None, None)
+    try:
+        shown = lab_charts.section(study, doc)
+    except Exception as exc:  # a document from another version of its bench: say so, draw the others
+        log.warning("lab document %s not drawn: %r", path, exc)
+        shown = {**lab_charts.section(study, None), "error": f"{type(exc).__name__}: {exc}"}
+    if path is not None:
+        machine = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
+        shown["document"] = {
+            "name": path.stem,
+            "file": f"{path.parent.name}/{path.name}",
+            "date": machine.get("date", ""),
+            "machine": ", ".join(str(machine[key]) for key in ("cpu", "model", "compute_profile") if machine.get(key)),
+            # Served by benchmark_report, whose address takes a slug.
+            "has_html": path.with_suffix(".html").exists() and slugify(path.stem) == path.stem,
+        }
+    return shown
+
+
+@login_required
+def lab_page(request):
+    """The lab strategies' trade-offs (approximate: lab), from their newest saved bench documents."""
+    found = _latest_lab_documents()
+    sections = [_lab_section(study, found.get(study.kind)) for study in lab_charts.STUDIES]
+    figures = {figure["id"]: figure["figure"] for shown in sections for figure in shown["figures"]}
+    return render(request, "dashboard/lab.html", {"sections": sections, "note": lab_charts.NOTE, "chart_data": {"figures": figures}})
 
 
 @login_required

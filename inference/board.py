@@ -25,7 +25,8 @@ from .config import BoardConfig
 from .engine import Engine, EngineConfig
 from .exchange import Exchange
 from .model_file import resolve_model
-from .prefix_serving import PrefixServing
+from .chat import chat_prompt, follow_up
+from .prefix_serving import Extension, PrefixServing
 from .schema_serving import SchemaServing
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class Board:
         )
         self.schemas = SchemaServing(engine, self.exchange, namespace=config.namespace)
         self._sync_thread: CatalogSyncThread | None = None
-        self._lab: dict[int, object] = {}  # k -> KV prediction strategy, loaded on first use
+        self._lab: dict[int | str, object] = {}  # k -> KV prediction, name -> anchor strategy, "early-exit"; loaded on first use
         if self.catalogs is not None:
             self.catalogs.get(config.namespace)
             if background_sync:
@@ -138,6 +139,23 @@ class Board:
             result = self.prefix.run(prompt, **kwargs)
         return label(result)
 
+    def run_chat(self, messages, **kwargs):
+        """Serve a conversation (role, content) through the model's chat template, cut where its
+        turns begin (see inference.chat)."""
+        chat = chat_prompt(self.engine, messages)
+        result = self.run(chat.text, tokens=chat.tokens, cuts=chat.cuts, **kwargs)
+        return chat, result
+
+    def follow_up(self, messages, answer: str, *, namespace: str | None = None, upload: bool = True) -> Extension:
+        """After a conversation's turn is answered: compute the prefix its next turn shares (the
+        answer and the next turn's opening) on that turn's cuts, keep it in the context and share
+        it, so the next turn prefills only its new message, on this board or another."""
+        prefix = follow_up(self.engine, messages, answer)
+        if prefix is None:
+            return Extension()
+        with self._paced():
+            return self.prefix.extend(prefix.tokens, prefix.cuts, namespace=namespace, upload=upload)
+
     def run_pml(self, schema_source: str, prompt_source: str, **kwargs):
         """Serve a PML prompt from the schema's cached modules (see inference.schema_serving)."""
         with self._paced() as label:
@@ -166,6 +184,27 @@ class Board:
         if k not in self._lab:
             self._lab[k] = KVPredictionServing.open(self.engine, k, lab_dir())
         return self._lab[k]
+
+    def anchors(self, strategy: str):
+        """Anchor inference (seed 004; lab, approximate): ``anchors`` prunes the board's own model's
+        state to anchor tokens, ``anchors-tuned`` runs the anchor-tuned GGUF from ``$EDGECACHE_HOME/lab``
+        (loaded on first use). Never reads or writes the cache box."""
+        from .lab.anchors import AnchorServing
+        from .lab.kv_prediction import lab_dir
+
+        if strategy not in self._lab:
+            self._lab[strategy] = AnchorServing.open(self.engine, strategy, lab_dir())
+        return self._lab[strategy]
+
+    def early_exit(self, policy):
+        """Early exit with KV fill (seed 002; lab, approximate) under ``policy``: decoding on the
+        reference engine of this board's model (loaded on first use: ~15 s, ~1 GB), with the exit
+        adapters ``bench lab-exit`` fitted if present. Never touches the context or the cache box."""
+        from .lab.early_exit import EarlyExitServing
+
+        if "early-exit" not in self._lab:
+            self._lab["early-exit"] = EarlyExitServing.open(self.engine)
+        return self._lab["early-exit"].with_policy(policy)
 
     def status(self) -> dict:
         """What a heartbeat reports: model, threads and every catalog's size and counters."""

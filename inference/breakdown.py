@@ -86,6 +86,10 @@ class Breakdown:
     verify_ms: float = 0.0  # part of fetch_ms: signatures and state digests checked
     decompress_ms: float = 0.0  # part of fetch_ms: compressed states decoded (``cachebox.codec``)
     upload_ms: float = 0.0  # export + upload of new ranges, after the answer
+    # A chat turn, after its answer: the prefix the next turn shares (the answer, the next turn's
+    # opening) computed on that turn's cuts and shared (``PrefixServing.extend``).
+    next_turn_tokens: int = 0
+    next_turn_ms: float = 0.0
     # What happened.
     prompt_tokens: int = 0
     matched_tokens: int = 0  # prompt tokens restored from the cache box

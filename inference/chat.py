@@ -8,7 +8,8 @@ text (``special=False``), so a message that contains ``<start_of_turn>`` stays t
 open a turn of its own. A template that refuses a system message (some have no system role)
 gets it folded into the first user turn.
 
-Pure apart from the tokenizer: ``chat_prompt(vocabulary, messages)``.
+Pure apart from the tokenizer: ``chat_prompt(vocabulary, messages)``, and ``follow_up`` for the
+prefix a conversation's next turn will share (the board prepares it after each answer).
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ ROLES = ("system", "user", "assistant")
 class ChatPrompt:
     text: str  # the rendered conversation, as a person reads it (the run's recorded prompt)
     tokens: list[int]  # what the model sees: BOS, markup with its control tokens, messages as text
+    starts: tuple[int, ...] = ()  # where each message's text begins, in tokens
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """Where prefills end a batch besides the grid: where each message after the first begins.
+        A turn's prompt ends where the next turn's answer begins, so the next turn resumes from it
+        (and from the answer, ``follow_up``) after the very batches its cold run computes."""
+        return self.starts[1:]
 
 
 def chat_prompt(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> ChatPrompt:
@@ -58,10 +67,27 @@ def chat_prompt(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add
         raise PromptError("the model's chat template repeated a message; send each message once")
 
     tokens = [vocabulary.bos] if vocabulary.bos is not None else []
+    starts: list[int] = []
     for markup, text in pieces:
+        if not markup:
+            starts.append(len(tokens))
         if text:
             tokens += vocabulary.tokenize(text, add_bos=False, special=markup)
-    return ChatPrompt(text="".join(text for _, text in pieces), tokens=tokens)
+    return ChatPrompt(text="".join(text for _, text in pieces), tokens=tokens, starts=tuple(starts))
+
+
+def follow_up(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], answer: str) -> ChatPrompt | None:
+    """The prefix every next turn of this conversation shares: ``messages``, the ``answer`` as the
+    client sends it back, and the markup that opens the next user message (None when there is
+    no answer to keep, or the template will not have it)."""
+    if not answer.strip():
+        return None
+    try:
+        whole = chat_prompt(vocabulary, [*messages, ("assistant", answer), ("user", "?")], add_generation_prompt=False)
+    except PromptError:
+        return None
+    end = whole.starts[-1]
+    return ChatPrompt(text="", tokens=whole.tokens[:end], starts=whole.starts[:-1])
 
 
 def _render(vocabulary: Vocabulary, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:

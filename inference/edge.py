@@ -27,6 +27,8 @@ from .chat import chat_prompt
 from .devices import DeviceRecord, DeviceRefused, authenticate, enroll
 from .engine import EngineError
 from .identity import BoardKeys
+from .lab.anchors import parse_strategy as parse_anchors
+from .lab.early_exit import parse_strategy as parse_early_exit
 from .lab.kv_prediction import parse_strategy
 from .messages import (
     BoardMessage,
@@ -158,6 +160,7 @@ def serve(board, request: RunRequest) -> RunReport:
         return True
 
     prompt = request.prompt_text
+    conversation = [(message.role, message.content) for message in request.messages]
     try:
         sampling = SamplingParams(**request.sampling.model_dump())
         options = dict(max_tokens=request.max_tokens, sampling=sampling, use_cache=request.use_cache, namespace=_namespace(request.namespace))
@@ -165,21 +168,28 @@ def serve(board, request: RunRequest) -> RunReport:
             options["on_token"] = on_token
         if stream is not None and not request.is_schema_run:
             options["on_stage"] = lambda stage: stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage=stage))
-        kv_prediction_k = parse_strategy(request.strategy)
-        if kv_prediction_k is not None:  # lab strategy: approximate, never reads or writes the cache box
+        anchors = parse_anchors(request.strategy)
+        early_exit = parse_early_exit(request.strategy) if anchors is None else None
+        kv_prediction_k = parse_strategy(request.strategy) if anchors is None and early_exit is None else None
+        if anchors:
+            lab = board.anchors(anchors)
+        elif early_exit is not None:
+            lab = board.early_exit(early_exit)
+        else:
+            lab = board.kv_prediction(kv_prediction_k) if kv_prediction_k is not None else None
+        if lab is not None:  # lab strategy: approximate, never reads or writes the cache box
             lab_options = {name: options[name] for name in ("max_tokens", "sampling", "on_token") if name in options}
             if request.is_chat_run:
-                chat = chat_prompt(board.engine, [(message.role, message.content) for message in request.messages])
+                chat = chat_prompt(board.engine, conversation)
                 prompt = chat.text
-                result = board.kv_prediction(kv_prediction_k).run(chat.text, tokens=chat.tokens, **lab_options)
+                result = lab.run(chat.text, tokens=chat.tokens, **lab_options)
             else:
-                result = board.kv_prediction(kv_prediction_k).run(request.segments, **lab_options)
+                result = lab.run(request.segments, **lab_options)
         elif request.is_schema_run:
             result: RunResult = board.run_pml(request.schema_source, request.pml, **options)
         elif request.is_chat_run:
-            chat = chat_prompt(board.engine, [(message.role, message.content) for message in request.messages])
+            chat, result = board.run_chat(conversation, **options)
             prompt = chat.text
-            result = board.run(chat.text, tokens=chat.tokens, **options)
         else:
             result = board.run(request.segments, **options)
     except (PromptError, ValueError, EngineError) as exc:  # PMLError is a ValueError
@@ -204,6 +214,17 @@ def serve(board, request: RunRequest) -> RunReport:
         extra = {"modules_hit": result.modules_hit} if result.modules_hit is not None else {}
         done = StreamEvent(type="done", request_id=request.request_id, device=stream.device, text=answer.text, finish_reason=finish, breakdown={**breakdown.as_dict(), **extra})
         stream.close(done)
+    uploaded = list(result.uploaded)
+    if request.is_chat_run and lab is None and request.use_cache and not cancelled:
+        # The answer is out: prepare the next turn (its shared prefix, computed and shared now).
+        # Whatever goes wrong there, this answer's report still goes to the control plane.
+        try:
+            turn = board.follow_up(conversation, answer.text, namespace=options["namespace"])
+        except (PromptError, ValueError, EngineError) as exc:
+            log.warning("run %s: the next turn's prefix was not prepared: %s", request.request_id, exc)
+        else:
+            breakdown.next_turn_tokens, breakdown.next_turn_ms = turn.tokens, turn.total_ms
+            uploaded += turn.uploaded
     return RunReport(
         **_sender(),
         request_id=request.request_id,
@@ -214,7 +235,7 @@ def serve(board, request: RunRequest) -> RunReport:
         tokens=result.tokens,
         breakdown=breakdown,
         fetched=result.fetched,
-        uploaded=result.uploaded,
+        uploaded=uploaded,
         modules_hit=result.modules_hit,
     )
 

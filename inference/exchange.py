@@ -58,9 +58,10 @@ class EntryRef:
     piece: str = ""
 
 
-def prefix_refs(namespace: str, fingerprint: str, tokens: Sequence[int], boundaries: Sequence[int], *, grid: int) -> list[EntryRef]:
-    """The prefix ranges of ``tokens`` cut at ``boundaries`` (ascending), as LMCache's token database yields them."""
-    keys = prefix_keys(namespace, fingerprint, tokens, boundaries, grid=grid)
+def prefix_refs(namespace: str, fingerprint: str, tokens: Sequence[int], boundaries: Sequence[int], *, grid: int, extra: Sequence[int] = ()) -> list[EntryRef]:
+    """The prefix ranges of ``tokens`` cut at ``boundaries`` (ascending), as LMCache's token
+    database yields them; ``extra``: the prompt's cuts off the grid (they enter the keys)."""
+    keys = prefix_keys(namespace, fingerprint, tokens, boundaries, grid=grid, extra=extra)
     starts = [0, *boundaries[:-1]]
     return [EntryRef(start, end, key, entry_key_name(namespace, fingerprint, key)) for start, end, key in zip(starts, boundaries, keys)]
 

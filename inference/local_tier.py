@@ -82,27 +82,30 @@ class RamTier:
 
 @dataclass
 class Context:
-    """What the engine's main sequence holds after a prefix run: its prompt, computed on the grid."""
+    """What the engine's main sequence holds after a prefix run: its prompt, computed in batches
+    cut on the grid and at ``extra`` (the prompt's own cuts off the grid)."""
 
     tokens: list[int]
     generation: int  # the engine's clear() count when it was left: anything else clearing it voids it
     top_ids: np.ndarray | None = None  # top logits at the prompt's last position (a repeat needs no decode)
     top_logits: np.ndarray | None = None
+    extra: tuple[int, ...] = ()
 
     @classmethod
-    def after(cls, tokens: list[int], generation: int, last_logits: np.ndarray | None, stored: tuple | None, count: int = TOP_CANDIDATES) -> "Context":
+    def after(cls, tokens: list[int], generation: int, last_logits: np.ndarray | None, stored: tuple | None, count: int = TOP_CANDIDATES, extra=()) -> "Context":
         if last_logits is not None:
             ids, values = top_candidates(last_logits, count)
         elif stored is not None:
             ids, values = stored
         else:
             ids = values = None
-        return cls(list(tokens), generation, ids, values)
+        return cls(list(tokens), generation, ids, values, tuple(extra))
 
-    def reusable(self, tokens: list[int], grid: int) -> int:
-        """How many leading tokens of ``tokens`` this context serves exactly: the whole prompt when it
-        is the same one (with its logits), else the last grid point within the shared prefix."""
-        if tokens == self.tokens and self.top_ids is not None:
+    def reusable(self, tokens: list[int], grid: int, extra: tuple[int, ...] = ()) -> int:
+        """How many leading tokens of ``tokens`` (cut at ``extra`` besides the grid) this context
+        serves exactly: the whole prompt when it is the same one (with its logits), else the last
+        position within the shared prefix where both ended a batch after the same batches."""
+        if tokens == self.tokens and extra == self.extra and self.top_ids is not None:
             return len(tokens)
         shared = 0
         limit = min(len(tokens), len(self.tokens))
@@ -110,4 +113,12 @@ class Context:
             shared += 1
         if shared == len(tokens):  # the new prompt is a prefix of the old one: its last batch differs
             shared -= 1
-        return shared // grid * grid
+        ours = {*self.extra, len(self.tokens)}
+        best = shared // grid * grid
+        for cut in extra:
+            if best < cut <= shared and cut in ours:
+                best = cut
+        # The batches before it must be the same ones: the same off-grid cuts below it.
+        while best and [cut for cut in self.extra if cut < best] != [cut for cut in extra if cut < best]:
+            best = max([point for point in (*extra, (best - 1) // grid * grid) if point < best and (point % grid == 0 or point in ours)], default=0)
+        return best

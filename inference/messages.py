@@ -150,8 +150,10 @@ class RunRequest(Message):
     meta: RunMeta = RunMeta()
     stream: bool = False
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
-    # "" (exact serving) or a lab strategy: "kv-prediction:K" (approximate; never uses the cache box).
-    strategy: str = Field("", pattern=r"^(|exact|kv-prediction:[0-9]{1,2})$")
+    # "" (exact serving) or a lab strategy (approximate; never uses the cache box): "kv-prediction:K"
+    # or "early-exit:MEASURE:THRESHOLD[:lens]" (inference.lab.early_exit.STRATEGY_PATTERN; tested equal)
+    # or "anchors" / "anchors-tuned" (inference.lab.anchors.STRATEGIES; tested equal).
+    strategy: str = Field("", pattern=r"^(|exact|kv-prediction:[0-9]{1,2}|early-exit:(top-prob|similarity):(0(\.[0-9]{1,4})?|1(\.0{1,4})?)(:lens)?|anchors|anchors-tuned)$")
 
     model_config = ConfigDict(populate_by_name=True)
 

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
-from cachebox.keys import prefix_keys, range_boundaries
+from cachebox.keys import off_grid, prefix_keys, range_boundaries
 from cachebox.link import LinkProfile
 
 from .breakdown import Tier
@@ -79,10 +79,12 @@ class PromptKeys:
         return cls(tuple(boundaries), tuple(str(key) for key in keys))
 
 
-def prompt_keys(namespace: str, fingerprint: str, tokens: Sequence[int], *, grid: int) -> PromptKeys:
-    """The keys a board of model ``fingerprint`` stores and looks up for ``tokens`` in ``namespace``."""
-    boundaries = range_boundaries(len(tokens), grid)
-    keys = prefix_keys(namespace, fingerprint, tokens, boundaries, grid=grid)
+def prompt_keys(namespace: str, fingerprint: str, tokens: Sequence[int], *, grid: int, extra: Sequence[int] = ()) -> PromptKeys:
+    """The keys a board of model ``fingerprint`` stores and looks up for ``tokens`` (cut at
+    ``extra`` besides the grid) in ``namespace``."""
+    extra = [cut for cut in extra if cut < len(tokens)]
+    boundaries = range_boundaries(len(tokens), grid, off_grid(extra, grid))
+    keys = prefix_keys(namespace, fingerprint, tokens, boundaries, grid=grid, extra=extra)
     return PromptKeys(tuple(boundaries), tuple(key.hex() for key in keys))
 
 

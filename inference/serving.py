@@ -22,6 +22,17 @@ def ms_since(since: float) -> float:
     return (time.perf_counter() - since) * 1000.0
 
 
+def prompt_segments(prompt, max_tokens: int, tokens=None) -> list[str]:
+    """A prompt (a string, or its segments in order) as segments; PromptError when it is empty
+    (unless its ``tokens`` are given) or asks for no tokens."""
+    segments = [prompt] if isinstance(prompt, str) else list(prompt)
+    if tokens is None and (not segments or not "".join(segments).strip()):
+        raise PromptError("the prompt is empty: give it some text")
+    if max_tokens < 1:
+        raise PromptError("max_tokens must be at least 1")
+    return segments
+
+
 def context_error(prompt_tokens: int, max_tokens: int, n_ctx: int) -> PromptError:
     return PromptError(
         f"the prompt has {prompt_tokens} tokens and {max_tokens} more were asked for, but the "

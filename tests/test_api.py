@@ -254,31 +254,28 @@ def test_stop_string_ends_the_answer_and_is_not_returned(stack):
     assert response.usage.completion_tokens < 24
 
 
-def test_second_turn_of_a_long_chat_reuses_the_first_turn_prompt_states(stack):
-    # Ranges are stored on the grid (every EDGECACHE_CHUNK_TOKENS tokens) and at the prompt's end;
-    # the second turn's prompt continues the first one but ends elsewhere, so what it reuses is
-    # the first turn's grid ranges: a first turn of ~400 tokens leaves several.
-    facts = " ".join(f"Fact {i}: the {word} lighthouse keeper counted {i * 7} ships." for i, word in enumerate(("north", "south", "east", "west") * 8))
-    system = f"You answer questions about these notes ({uuid.uuid4().hex}). {facts}"
+def test_second_turn_of_a_chat_reuses_the_first_turn_and_its_answer(stack):
+    # A turn's prompt ends where the next turn's answer begins and batches end where every message
+    # begins; after answering, the board computes what the next turn shares (the answer, the next
+    # turn's opening) on those cuts. The second turn prefills only its new message.
+    system = f"You answer in one short sentence about ferries ({uuid.uuid4().hex})."
     client = stack.client()
-    first = client.chat.completions.create(model=stack.model, messages=[{"role": "system", "content": system}, {"role": "user", "content": "Who counted ships?"}], max_tokens=8, temperature=0)
-    assert first.usage.prompt_tokens > 300
+    opening = [{"role": "system", "content": system}, {"role": "user", "content": "What should I bring on a ferry?"}]
+    first = client.chat.completions.create(model=stack.model, messages=opening, max_tokens=12, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
+    answer = first.choices[0].message.content
     second = client.chat.completions.create(
         model=stack.model,
-        messages=[
-            {"role": "system", "content": system},
-            {"role": "user", "content": "Who counted ships?"},
-            {"role": "assistant", "content": first.choices[0].message.content},
-            {"role": "user", "content": "How many did the north keeper count?"},
-        ],
+        messages=[*opening, {"role": "assistant", "content": answer}, {"role": "user", "content": "And in winter?"}],
         max_tokens=8,
         temperature=0,
-        prompt_cache_key="lighthouse-notes",
+        prompt_cache_key="ferry-chat",
     )
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached <= first.usage.prompt_tokens
-    assert second.model_extra["edgecache"]["case"] == "partial"
+    assert cached >= first.usage.prompt_tokens + 1  # the first turn's prompt and its answer
+    assert second.usage.prompt_tokens - cached <= 16  # "And in winter?" and its turn markup
+    extension = second.model_extra["edgecache"]
+    assert extension["case"] == "partial" and extension["tier"] == "context"
 
 
 def test_schema_prompt_through_the_api(stack):
@@ -317,7 +314,7 @@ def test_bench_api_measures_what_the_api_adds_to_the_board_ttft(stack, tmp_path)
     done = stack.manage("bench", "api", "--url", stack.url, "--clients", "2", "--seconds", "3", "--max-tokens", "4", "--json", str(out))
     document = json.loads(out.read_text())
     assert document["errors"] == 0 and document["requests"] >= 2, done.stdout
-    assert document["overhead_ms"]["p50"] is not None and document["board_ttft_ms"]["p50"] > 0
+    assert document["overhead_ms"]["p50"] is not None and document["board_ttft_ms"]["p50"] > 0 and document["queue_ms"]["p50"] > 0
     assert out.with_suffix(".html").exists() and "p50" in done.stdout
     assert stack.db("select count(*) from dashboard_apikey where name like 'bench api%' and revoked_at is null") == [(0,)]
 
@@ -341,6 +338,7 @@ def test_bad_requests_are_400_naming_the_field(stack):
         (dict(model=stack.model, messages=[{"role": "tool", "content": "x"}]), "messages[0].role", None),
         (dict(model=stack.model, messages=user, temperature=5), "temperature", None),
         (dict(model=stack.model, messages=user, tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported_parameter"),
+        (dict(model=stack.model, messages=user, extra_body={"edgecache": {"strategy": "telepathy"}}), "edgecache.strategy", None),
     ]
     for arguments, param, code in cases:
         with pytest.raises(openai.BadRequestError) as caught:

@@ -65,9 +65,10 @@ def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
     page.fill("#id_max_tokens", "4")
     for expected_points, expected_case in ((1, "miss"), (2, "full")):
         page.click("#run-submit")
+        expect(page.locator("#answers .answer-card")).to_have_count(expected_points, timeout=30_000)  # this run's card, first
         card = page.locator("#answers .answer-card").first
         expect(card).to_have_class("card answer-card done", timeout=90_000)
-        expect(card).to_contain_text(expected_case)
+        expect(card).to_contain_text(expected_case, timeout=30_000)
         page.wait_for_function(f"document.getElementById('chart-breakdown').data[0].x.length === {expected_points}")
     assert page.evaluate("window.__notReloaded") is True
     assert page.locator("#runs-body tr").count() >= 2

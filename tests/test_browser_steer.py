@@ -127,6 +127,22 @@ def test_an_empty_chart_says_so_and_the_first_live_run_draws_its_axes(stack, adm
     assert home.evaluate("document.getElementById('chart-timeline').layout.yaxis.visible") is True
     tbt = home.evaluate("document.getElementById('chart-tbt').data.map((t) => [t.name, t.y.length])")
     assert [f"{BOARD} TBT p50", 1] in tbt and [f"{BOARD} TBT p99", 1] in tbt
+    # The hit ratio by tier: the live run moved each of the board's tier lines, to what the server draws.
+    lines = f"(d) => Object.fromEntries(d.filter((t) => t.name.startsWith('{BOARD} ')).map((t) => [t.name, t.y]))"
+    live = home.evaluate(f"({lines})(document.getElementById('chart-hits').data)")
+    assert set(live) == {f"{BOARD} context", f"{BOARD} RAM tier", f"{BOARD} cache box"} and all(len(y) == 1 for y in live.values()), live
+    served = home.evaluate(f"fetch('/charts.json?range=24h').then((r) => r.json()).then((d) => ({lines})(d.hits.data))")
+    assert served == live
+    # The same prompt again: the board still holds it in its context, a hit of the context tier.
+    page = admin.new_page()
+    open_run_page(page, stack["url"], "The planets of the solar system are Mercury, Venus,", 4)
+    page.click("#run-submit")
+    expect(page.locator("#answers .answer-card").first).to_have_class(re.compile(r"\bdone\b"), timeout=LONG_WAIT)
+    page.close()
+    home.wait_for_function(f"document.getElementById('chart-hits').data.find((t) => t.name === '{BOARD} context').y.length === 2")
+    live = home.evaluate(f"({lines})(document.getElementById('chart-hits').data)")
+    served = home.evaluate(f"fetch('/charts.json?range=24h').then((r) => r.json()).then((d) => ({lines})(d.hits.data))")
+    assert live[f"{BOARD} context"] == [0, 0.5] and live[f"{BOARD} cache box"] == [0, 0] and served == live
     home.close()
 
 

@@ -190,7 +190,9 @@ def test_a_paced_board_takes_its_profiles_time_and_says_it_is_emulated(board_for
     result = board.run("A short prompt about ferries and piers.", max_tokens=2, use_cache=False)
     b = result.breakdown
     assert b.compute_profile == "Raspberry Pi Zero 2 W (emulated)"
-    assert b.prefill_ms >= 0.95 * b.prompt_tokens * 39.56 and b.paced_ms > 0
+    assert b.prefill_ms >= 0.95 * b.prompt_tokens * 39.56
+    # Pacing adds what this machine did not take itself (nothing when a loaded machine was slower still).
+    assert b.paced_ms > 0 or b.prefill_ms - b.paced_ms >= 0.95 * b.prompt_tokens * 39.56
     assert board.status()["compute_profile"] == "Raspberry Pi Zero 2 W (emulated)"
     plain = board_for(device="board-b")  # a board without a profile runs at this machine's speed
     assert plain.engine.pacer is None

@@ -29,8 +29,8 @@ def segment_ends(board, prompt):
 
 def entry_names(board, prompt, namespace):
     tokens, ends = board.prefix.tokenize(prompt.segments)
-    boundaries = range_boundaries(len(tokens), board.config.chunk_tokens)
-    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, boundaries, grid=board.config.chunk_tokens)
+    boundaries = range_boundaries(len(tokens), board.config.chunk_tokens, ends[-2:-1])  # the question begins a batch
+    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, boundaries, grid=board.config.chunk_tokens, extra=ends[-2:-1])
     return tokens, {end: entry_key_name(namespace, board.engine.fingerprint, key) for end, key in zip(boundaries, keys)}
 
 
@@ -66,17 +66,28 @@ def test_another_process_hits_what_this_board_uploaded(valkey_url, namespace, ma
 
 def test_partial_hit_restores_the_longest_cached_range_and_answers_as_cold(valkey_url, namespace, make_board, prompts):
     board = make_board(valkey_url, namespace, chunk_tokens=64)
-    prompt = prompts[0]
+    other, prompt = prompts[1], prompts[0]
+    assert other.segments[:-1] == prompt.segments[:-1]  # the same instruction and examples, another question
     ends = segment_ends(board, prompt)  # instruction, example 1, example 2, question
     board.run(prompt.segments[:1], max_tokens=1)  # instruction alone: shorter than one grid cell
-    board.run(prompt.segments[:3], max_tokens=1)  # instruction + both examples
+    board.run(other.segments, max_tokens=1)
     result = board.run(prompt.segments, max_tokens=32)
     assert result.breakdown.case == "partial"
-    # Ranges are whole batches of the grid: the longest shared one ends at the last grid point
-    # before the examples' end (the stored range that ends there belongs to another prompt end).
-    assert result.breakdown.matched_tokens == ends[2] // 64 * 64
+    # Batches end on the grid and where the last segment (the question) begins: the shared
+    # instruction and examples are reused whole.
+    assert result.breakdown.matched_tokens == ends[2]
     cold = make_board(None, namespace, chunk_tokens=64).run(prompt.segments, max_tokens=32)
     assert result.tokens == cold.tokens  # 32 greedy tokens, bit-exact reuse
+
+
+def test_a_prefix_stored_as_a_prompt_of_its_own_serves_up_to_its_own_last_cut(valkey_url, namespace, make_board, prompts):
+    board = make_board(valkey_url, namespace, chunk_tokens=64)
+    prompt = prompts[0]
+    ends = segment_ends(board, prompt)
+    board.run(prompt.segments[:3], max_tokens=1)  # its last segment (example 2) began a batch: the full prompt's cold run has no cut there
+    result = board.run(prompt.segments, max_tokens=32)
+    assert result.breakdown.case == "partial" and result.breakdown.matched_tokens == ends[1] // 64 * 64
+    assert result.tokens == make_board(None, namespace, chunk_tokens=64).run(prompt.segments, max_tokens=32).tokens
 
 
 def test_unstructured_prompts_share_fixed_chunks(valkey_url, namespace, make_board):
@@ -90,8 +101,8 @@ def test_unstructured_prompts_share_fixed_chunks(valkey_url, namespace, make_boa
 
 def test_catalog_false_positive_costs_a_fetch_but_not_the_answer(valkey_url, namespace, make_board, prompts):
     board = make_board(valkey_url, namespace)
-    tokens, names = entry_names(board, prompts[2], namespace)
-    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, sorted(names), grid=board.config.chunk_tokens)
+    tokens, ends = board.prefix.tokenize(prompts[2].segments)
+    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, [len(tokens)], grid=board.config.chunk_tokens, extra=ends[-2:-1])
     catalog = board.catalogs.get(namespace).catalog
     catalog.add(keys[-1])  # the catalog now says "maybe" for a state nobody stored
     result = board.run(prompts[2].segments, max_tokens=4)

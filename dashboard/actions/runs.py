@@ -153,6 +153,7 @@ def run_json(run: InferenceRun) -> dict:
     updated figures (the device cards show them without a reload)."""
     from django.urls import reverse
 
+    from ..chart_series import hit_tier
     from ..colors import device_color
     from ..explain import explain_run
     from ..stats import explain_error, run_figures
@@ -170,6 +171,7 @@ def run_json(run: InferenceRun) -> dict:
         "error_message": explain_error(run.error),
         "expected_answer": run.expected_answer,
         "breakdown": run.breakdown,
+        "hit_tier": hit_tier(run.case, (run.breakdown or {}).get("tier")),  # the hit-ratio chart's tier ("" for a miss)
         "explanation": explain_run(text=run.text, error=run.error, expected_answer=run.expected_answer, breakdown=run.breakdown),
         "url": reverse("run-detail", args=[run.pk]),
         "device_figures": run_figures(run.device),

@@ -60,6 +60,7 @@ class ApiRequest:
     device: str = ""  # edgecache.device
     schema: str = ""  # edgecache.schema (a stored schema's name)
     pml: str = ""  # edgecache.pml
+    strategy: str = ""  # edgecache.strategy: a lab strategy (approximate), e.g. "kv-prediction:6"
 
     @property
     def prompt_param(self) -> str:
@@ -118,9 +119,10 @@ def parse_request(body: dict, kind: str) -> ApiRequest:
     if extension is not None:
         if not isinstance(extension, dict):
             raise bad_request("'edgecache' must be an object such as {\"device\": \"NAME\"} or {\"schema\": \"NAME\", \"pml\": \"<prompt ...>\"}.", param="edgecache")
-        unknown = sorted(set(extension) - {"device", "schema", "pml"})
+        unknown = sorted(set(extension) - {"device", "schema", "pml", "strategy"})
         if unknown:
-            raise bad_request(f"Unknown field 'edgecache.{unknown[0]}': the extension takes device, schema and pml.", param=f"edgecache.{unknown[0]}")
+            raise bad_request(f"Unknown field 'edgecache.{unknown[0]}': the extension takes device, schema, pml and strategy.", param=f"edgecache.{unknown[0]}")
+        request.strategy = _str(extension, "strategy", "edgecache.strategy", 64)
         request.device = _str(extension, "device", "edgecache.device", 64)
         request.schema = _str(extension, "schema", "edgecache.schema", 64)
         request.pml = _str(extension, "pml", "edgecache.pml", MAX_PROMPT_CHARS)

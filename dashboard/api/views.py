@@ -49,7 +49,7 @@ RETRY_AFTER_S = 30  # what a client is told to wait when the cache box or broker
 # Breakdown fields every answer carries in its "edgecache" object (like llama.cpp's "timings").
 EXTENSION_FIELDS = (
     "case", "tier", "decision", "cachebox", "ttft_ms", "ttlt_ms", "prefill_ms", "redis_ms", "local_ms",
-    "prompt_tokens", "matched_tokens", "generated_tokens", "fetched_bytes", "uploaded_bytes", "link", "modules_hit",
+    "prompt_tokens", "matched_tokens", "generated_tokens", "fetched_bytes", "uploaded_bytes", "link", "modules_hit", "strategy",
 )
 
 
@@ -162,9 +162,16 @@ def _run_request(key: ApiKey, device: Device, api: ApiRequest, schema_source: st
             meta=RunMeta(source="api", title=title[:200]),
             stream=True,
             stop=api.stop,
+            strategy="" if api.strategy == "exact" else api.strategy,
         )
     except ValidationError as exc:
         problem = exc.errors()[0]
+        if problem["loc"][:1] == ("strategy",) or (api.strategy and api.pml):
+            raise bad_request(
+                f"Unknown or unusable strategy {api.strategy!r}: leave 'edgecache.strategy' out (exact serving) or name a lab strategy such as "
+                f"'kv-prediction:6'; a schema (PML) prompt takes none.",
+                param="edgecache.strategy",
+            ) from None
         raise bad_request(f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}", param=api.prompt_param) from None
 
 
@@ -182,6 +189,7 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
     handed_over = finished = False
     try:
         try:
+            follower.dispatched_at = time.perf_counter()
             await sync_to_async(dispatch_api_run)(device, run, expires=timeout, routed=routed)
         except BrokerUnavailable as exc:
             finished = True  # never sent: nothing to cancel
@@ -193,13 +201,13 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
             raise board_error(event.error, param=api.prompt_param, device=device.name)
         if api.stream:
             handed_over = True
-            return _sse_response(follower, event, _Shape(api, run, device))
+            return _sse_response(follower, event, _Shape(api, run, device, follower))
         while event.type == "token":
             event = await follower.next()
         finished = True
         if event.type == "error":
             raise board_error(event.error, param=api.prompt_param, device=device.name)
-        return JsonResponse(_Shape(api, run, device).whole(event), headers={"X-Request-Id": run.request_id})
+        return JsonResponse(_Shape(api, run, device, follower).whole(event), headers={"X-Request-Id": run.request_id})
     except ApiError as exc:
         return exc.response()
     finally:
@@ -217,6 +225,15 @@ class _Follower:
         self.request_id = request_id
         self.device = device
         self.timeout = timeout
+        self.dispatched_at: float | None = None
+        self.started_at: float | None = None  # when the board's "started" stage arrived: it took the run
+
+    @property
+    def queue_ms(self) -> float | None:
+        """From dispatch to the board taking the run (the broker, the board's queue, the pub/sub hop)."""
+        if self.dispatched_at is None or self.started_at is None:
+            return None
+        return round((self.started_at - self.dispatched_at) * 1000.0, 3)
 
     async def next(self) -> StreamEvent:
         while True:
@@ -237,8 +254,12 @@ class _Follower:
             except MessageRefused as exc:
                 log.warning("ignored an event on %s: %s", stream_channel(self.request_id), exc)
                 continue
-            if event.request_id == self.request_id and event.type != "stage":  # stages are for the Run page
+            if event.request_id != self.request_id:
+                continue
+            if event.type != "stage":  # stages are for the Run page; "started" times the queue
                 return event
+            if event.stage == "started" and self.started_at is None:
+                self.started_at = time.perf_counter()
 
 
 def _sse_response(follower: _Follower, first: StreamEvent, shape: "_Shape") -> StreamingHttpResponse:
@@ -290,10 +311,11 @@ async def _cancel(request_id: str) -> None:
 class _Shape:
     """One answer in OpenAI's JSON: whole, or chunk by chunk."""
 
-    def __init__(self, api: ApiRequest, run: RunRequest, device: Device):
+    def __init__(self, api: ApiRequest, run: RunRequest, device: Device, follower: _Follower | None = None):
         self.api = api
         self.run = run
         self.device = device
+        self.follower = follower
         self.created = int(time.time())
         chat = api.kind == "chat"
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{run.request_id}"
@@ -331,7 +353,8 @@ class _Shape:
 
     def extension(self, done: StreamEvent) -> dict:
         breakdown = done.breakdown
-        return {"request_id": self.run.request_id, "device": self.device.name, **{name: breakdown[name] for name in EXTENSION_FIELDS if name in breakdown}}
+        queued = {"queue_ms": self.follower.queue_ms} if self.follower is not None and self.follower.queue_ms is not None else {}
+        return {"request_id": self.run.request_id, "device": self.device.name, **queued, **{name: breakdown[name] for name in EXTENSION_FIELDS if name in breakdown}}
 
     @staticmethod
     def sse(body: dict) -> str:

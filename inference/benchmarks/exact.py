@@ -32,18 +32,26 @@ def _grid_cuts(grid: int, count: int) -> list[int]:
     return list(range(grid, count, grid))
 
 
-def cut_costs(engine, prompts: list[MMLUPrompt], tokenize, *, grids=GRIDS, repeats: int = 2, progress=None) -> dict:
-    """Median cold prefill time per grid (and without cuts), measured interleaved in random order."""
-    variants = {"n_batch only": None, **{f"every {grid}": grid for grid in grids}}
+def cut_costs(engine, prompts: list[MMLUPrompt], tokenize, *, grids=GRIDS, board_grid: int = 128, repeats: int = 2, progress=None) -> dict:
+    """Median cold prefill time per grid (and without cuts), and on the board's grid plus every
+    segment's end (the instruction and each example end a batch: why segment ends are not cuts),
+    measured interleaved in random order."""
+    segmented = f"every {board_grid} + segment ends"
+    last = f"every {board_grid} + last segment start"  # what the board does
+    variants = {"n_batch only": None, **{f"every {grid}": grid for grid in grids}, last: board_grid, segmented: board_grid}
     times: dict[str, list[float]] = {name: [] for name in variants}
     order_rng = random.Random(0)
     for _ in range(repeats):
         for prompt in prompts:
-            tokens = tokenize(prompt.segments)[0]
+            tokens, ends = tokenize(prompt.segments)
             order = list(variants.items())
             order_rng.shuffle(order)
             for name, grid in order:
                 cuts = _grid_cuts(grid, len(tokens)) if grid else ()
+                if name == segmented:
+                    cuts = sorted({*cuts, *ends[:-1]})
+                elif name == last:
+                    cuts = sorted({*cuts, *ends[-2:-1]})
                 with engine.lock:
                     engine.clear()
                     started = time.perf_counter()
@@ -55,11 +63,12 @@ def cut_costs(engine, prompts: list[MMLUPrompt], tokenize, *, grids=GRIDS, repea
     return {name: {"prefill_ms": median(values), "ratio_to_uncut": round(median(values) / base, 4) if base else None} for name, values in times.items()}
 
 
-def resumed_logits_identical(engine, tokens: list[int], grid: int) -> tuple[bool, float]:
-    """Cold prefill vs restore of ``[0, r)`` + prefill of the rest, r the last grid point before the end."""
+def resumed_logits_identical(engine, tokens: list[int], grid: int, extra=()) -> tuple[bool, float]:
+    """Cold prefill vs restore of ``[0, r)`` + prefill of the rest, r the last cut before the end
+    (a grid point, or where the last segment begins), both cut as the board cuts them."""
     count = len(tokens)
-    resume = (count - 1) // grid * grid
-    cuts = _grid_cuts(grid, count)
+    cuts = sorted({*_grid_cuts(grid, count), *(cut for cut in extra if 0 < cut < count)})
+    resume = cuts[-1] if cuts else 0
     with engine.lock:
         engine.clear()
         cold = engine.prefill(tokens, 0, logits_at={count - 1}, cuts=cuts)[count - 1]
@@ -77,7 +86,7 @@ def run_exact(board, topics: list[str], per_topic: int, shots: int, *, max_token
     every = [prompt for prompts in prompts_by_topic.values() for prompt in prompts]
     grid = board.prefix.chunk_tokens
     tokenize = board.prefix.tokenize
-    costs = cut_costs(board.engine, every[: min(len(every), 24)], tokenize, progress=None)
+    costs = cut_costs(board.engine, every[: min(len(every), 24)], tokenize, board_grid=grid, progress=None)
     identical, max_diff = 0, 0.0
     rows = []
     for topic, prompts in prompts_by_topic.items():
@@ -88,7 +97,8 @@ def run_exact(board, topics: list[str], per_topic: int, shots: int, *, max_token
                     cold = board.run(prompt.segments, max_tokens=max_tokens, use_cache=False)
                     served = board.run(prompt.segments, max_tokens=max_tokens, namespace=namespace)
                     if phase == "first pass":
-                        same, diff = resumed_logits_identical(board.engine, tokenize(prompt.segments)[0], grid)
+                        tokens, ends = tokenize(prompt.segments)
+                        same, diff = resumed_logits_identical(board.engine, tokens, grid, ends[-2:-1])
                         identical += same
                         max_diff = max(max_diff, diff)
                     b = served.breakdown

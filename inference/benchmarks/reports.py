@@ -15,6 +15,7 @@ from plotly.subplots import make_subplots
 
 from inference.breakdown import STACK
 
+from .common import median
 from .html_report import write_report
 
 PAPER_SOURCE = "Matsutani, Matsuda, Sugiura: distributed prompt caching (tables 2-4, figure 5)"
@@ -215,4 +216,20 @@ def tiers_report(path: Path, doc: dict) -> Path:
     figure = go.Figure([go.Bar(x=list(medians), y=list(medians.values()), text=[f"{v:.1f} ms" for v in medians.values()])])
     figure.update_layout(title="Full-hit TTFT by where the state comes from (median ms, log scale)", yaxis_type="log", yaxis_title="ms", template="plotly_white")
     summary = f"{doc['n']} prompts; ratios {doc['ratios']}; network bytes {doc['network_bytes']}; agreement with cold {doc['agreement_with_cold']}."
-    return write_report(path, "bench tiers", summary, [figure], {"Medians": [{"source": k, "ttft_ms": v} for k, v in medians.items()]}, doc)
+    figures, tables = [figure], {"Medians": [{"source": k, "ttft_ms": v} for k, v in medians.items()]}
+    conversation = doc.get("conversation")
+    if conversation:
+        rows = conversation["rows"]
+        turns = sorted({row["turn"] for row in rows})
+
+        def by_turn(name: str) -> list[float]:
+            return [median(row[name] for row in rows if row["turn"] == turn) for turn in turns]
+
+        chat = go.Figure(
+            [go.Bar(name=label, x=[f"turn {turn}" for turn in turns], y=by_turn(name)) for name, label in (("cold_ttft_ms", "cold"), ("cachebox_ttft_ms", "cache box (another board)"), ("context_ttft_ms", "context (same board)"))]
+        )
+        chat.update_layout(title="Conversation turns: TTFT by where the previous turns' state comes from (median ms)", barmode="group", yaxis_title="ms", template="plotly_white")
+        figures.append(chat)
+        tables["Conversation turns"] = rows
+        summary += f" Conversations, later turns: {conversation['later_turns']}."
+    return write_report(path, "bench tiers", summary, figures, tables, doc)

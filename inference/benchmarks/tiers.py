@@ -4,6 +4,11 @@ For each MMLU prompt, side by side in one run: cold (no cache), a full hit from 
 (local tiers off), a full hit from the board's context (the same prompt again), a full hit
 from its RAM tier (another prompt in between), and llama-cpp-python's LlamaRAMCache hit
 (its own RAM cache next to the model). Medians, network bytes, and agreement with cold.
+
+Conversations (``run_conversations``): four turns each; every later turn is served from the
+board's context (the previous turn's prompt and answer, prepared after it), from the cache box
+on a board that did not see the conversation, and cold. Per turn: tokens prefilled, TTFT,
+agreement with cold.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import uuid
 from typing import Callable
 
+from inference.chat import chat_prompt, follow_up
 from inference.exchange import Exchange
 from inference.mmlu import MMLUPrompt
 from inference.prefix_serving import PrefixServing
@@ -79,4 +85,87 @@ def run_tiers(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, progress
             "llama_ram_cache_over_context": round(summary["llama_ram_cache"] / summary["context"], 1) if summary["context"] else None,
         },
         "rows": rows,
+    }
+
+
+FOLLOW_UPS = ("Explain your answer in one sentence.", "Which option is the most tempting wrong one?", "Summarise the question in five words.")
+
+
+def run_conversations(board, prompts: list[MMLUPrompt], *, max_tokens: int = 16, progress: Callable[[], None] | None = None) -> dict:
+    """Four-turn conversations (an MMLU question, then three follow-ups), played on one board from
+    its context (each answer's continuation prepared and shared after it); then every turn again,
+    cold and from the cache box on a board with no context, with the same history."""
+    engine = board.engine
+    namespace = f"bench-chat-{uuid.uuid4().hex[:10]}"
+    exchange = Exchange(board.store, board.catalogs, fingerprint=engine.fingerprint, device=board.config.device, keys=board.keys)
+    local = PrefixServing(engine, exchange, chunk_tokens=board.prefix.chunk_tokens, context_reuse=True)
+    remote = PrefixServing(engine, exchange, chunk_tokens=board.prefix.chunk_tokens)
+    turns: list[dict] = []
+    try:
+        for prompt in prompts:
+            messages = [("user", prompt.text)]
+            played = []
+            for number in range(1 + len(FOLLOW_UPS)):
+                if number:
+                    messages.append(("user", FOLLOW_UPS[number - 1]))
+                chat = chat_prompt(engine, messages)
+                result = local.run(chat.text, tokens=chat.tokens, cuts=chat.cuts, max_tokens=max_tokens, namespace=namespace)
+                prefix = follow_up(engine, messages, result.text)
+                extension = local.extend(prefix.tokens, prefix.cuts, namespace=namespace) if prefix is not None else None
+                played.append((list(messages), chat, result, extension))
+                messages.append(("assistant", result.text))
+            # Last turn first, each without the entries its own run stored: what the cache box held
+            # when that turn arrived (the earlier turns and the continuations prepared after them).
+            for number, (history, chat, result, extension) in reversed(list(enumerate(played, start=1))):
+                board.store.delete([entry.name for entry in result.uploaded])
+                cold = remote.run(chat.text, tokens=chat.tokens, cuts=chat.cuts, max_tokens=max_tokens, use_cache=False)
+                fetched = remote.run(chat.text, tokens=chat.tokens, cuts=chat.cuts, max_tokens=max_tokens, namespace=namespace, upload=False)
+                b, f = result.breakdown, fetched.breakdown
+                turns.append(
+                    {
+                        "turn": number,
+                        "prompt_tokens": b.prompt_tokens,
+                        "new_tokens": b.prompt_tokens - (chat.starts[-1] if number > 1 else 0),
+                        "prefilled_tokens": b.prompt_tokens - b.matched_tokens,
+                        "context_tier": str(b.tier),
+                        "context_ttft_ms": b.ttft_ms,
+                        "cachebox_tier": str(f.tier),
+                        "cachebox_prefilled_tokens": f.prompt_tokens - f.matched_tokens,
+                        "cachebox_ttft_ms": f.ttft_ms,
+                        "cold_ttft_ms": cold.breakdown.ttft_ms,
+                        "next_turn_ms": extension.total_ms if extension is not None else 0.0,
+                        "context_agrees": result.tokens == cold.tokens,
+                        "cachebox_agrees": fetched.tokens == cold.tokens,
+                    }
+                )
+            turns.sort(key=lambda row: row["turn"])
+            if progress:
+                progress()
+    finally:
+        board.store.flush(namespace)
+        board.catalogs.forget(namespace)
+
+    later = [turn for turn in turns if turn["turn"] > 1]
+
+    def med(name: str, rows=later) -> float:
+        return median(row[name] for row in rows)
+
+    return {
+        "conversations": len(prompts),
+        "turns": 1 + len(FOLLOW_UPS),
+        "max_tokens": max_tokens,
+        "later_turns": {
+            "prefilled_equals_new_tokens": round(sum(row["prefilled_tokens"] == row["new_tokens"] for row in later) / len(later), 4) if later else None,
+            "median_prompt_tokens": med("prompt_tokens"),
+            "median_new_tokens": med("new_tokens"),
+            "median_prefilled_tokens": med("prefilled_tokens"),
+            "median_cachebox_prefilled_tokens": med("cachebox_prefilled_tokens"),
+            "median_ttft_ms": {"context": med("context_ttft_ms"), "cachebox": med("cachebox_ttft_ms"), "cold": med("cold_ttft_ms")},
+            "median_next_turn_ms": med("next_turn_ms", turns),
+            "agreement_with_cold": {
+                "context": round(sum(row["context_agrees"] for row in later) / len(later), 4) if later else None,
+                "cachebox": round(sum(row["cachebox_agrees"] for row in later) / len(later), 4) if later else None,
+            },
+        },
+        "rows": turns,
     }

@@ -35,7 +35,7 @@ from ..breakdown import Breakdown, CacheBoxState, Decision
 from ..engine import MAIN_SEQ, Engine, EngineConfig
 from ..model_file import ModelFile, _cached_sha256
 from ..sampling import SamplingParams, choose
-from ..serving import OnToken, PromptError, RunResult, context_error, decode_answer, ms_since
+from ..serving import OnToken, RunResult, context_error, decode_answer, ms_since, prompt_segments
 from . import state_blob
 from .truncate import ensure_truncated
 
@@ -370,11 +370,7 @@ class KVPredictionServing:
         on_token: OnToken | None = None,
         tokens: Sequence[int] | None = None,
     ) -> RunResult:
-        segments = [prompt] if isinstance(prompt, str) else list(prompt)
-        if tokens is None and (not segments or not "".join(segments).strip()):
-            raise PromptError("the prompt is empty: give it some text")
-        if max_tokens < 1:
-            raise PromptError("max_tokens must be at least 1")
+        segments = prompt_segments(prompt, max_tokens, tokens)
         engine, aux = self.engine, self.aux
         with engine.lock:
             breakdown = Breakdown(strategy=strategy_name(self.k))

@@ -282,46 +282,66 @@ class ReferenceModel:
         keep = Trace() if trace else None
         depth = c.n_layer if layers is None else layers
 
-        x = self._w["token_embd.weight"][ids] * math.sqrt(c.n_embd)
+        x = self.embed(ids)
         new_layers: list[LayerCache | None] = list(cache.layers)
         for layer in range(depth):
             if keep is not None:
                 keep.hidden.append(x)
-            h = self.rms_norm(x, self.w(layer, "attn_norm"))
-            q = self.lin(layer, "attn_q", h).view(n, c.n_head, c.head_dim)
-            q = self.rope(self.rms_norm(q, self.w(layer, "attn_q_norm")), q_pos, layer)
-            k_raw, k_normed, v = self.key_value(layer, h)
-            k = self.f16(self.rope(k_normed, q_pos, layer))  # the cache holds float16
-            v = self.f16(v)
-            if keep is not None:
-                keep.k_raw.append(k_raw)
-                keep.k_normed.append(k_normed)
-                keep.v.append(v)
-            past = cache.layers[layer]
-            k_all = torch.cat([past.k, k]) if past is not None else k
-            v_all = torch.cat([past.v, v]) if past is not None else v
-            new_layers[layer] = LayerCache(k_all, v_all)
-            allowed = self.allowed(layer, q_pos, k_pos)
-            if mask is not None:
-                allowed = allowed & mask
-            attn = self._attention(self.f16(q * c.attn_scale), k_all, v_all, allowed)
-            attn = self.lin(layer, "attn_output", attn)
-            x = x + self.rms_norm(attn, self.w(layer, "post_attention_norm"))
-            h = self.rms_norm(x, self.w(layer, "ffn_norm"))
-            gate = F.gelu(self.f16(self.lin(layer, "ffn_gate", h)), approximate="tanh")
-            ff = self.lin(layer, "ffn_down", self.f16(gate) * self.lin(layer, "ffn_up", h))
-            x = x + self.rms_norm(ff, self.w(layer, "post_ffw_norm"))
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int = layer) -> torch.Tensor:
+                past = cache.layers[layer]
+                k_all = torch.cat([past.k, k]) if past is not None else k
+                v_all = torch.cat([past.v, v]) if past is not None else v
+                new_layers[layer] = LayerCache(k_all, v_all)
+                allowed = self.allowed(layer, q_pos, k_pos)
+                if mask is not None:
+                    allowed = allowed & mask
+                return self._attention(q, k_all, v_all, allowed)
+
+            x = self.block(layer, x, q_pos, attend, keep)
         if keep is not None:
             keep.hidden.append(x)
 
         wanted = [n - 1] if logits_at is None else list(logits_at)
-        logits = None
-        if wanted:
-            out = self.matmul(self.rms_norm(x[wanted], self._w["output_norm.weight"]), self.output_name)
-            if c.final_softcap:
-                out = torch.tanh(out / c.final_softcap) * c.final_softcap
-            logits = out
+        logits = self.output_logits(x[wanted]) if wanted else None
         return ForwardResult(logits=logits, cache=KVCache(new_layers, k_pos), trace=keep)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering layer 0 for token ids (n,): (n, n_embd)."""
+        return self._w["token_embd.weight"][ids] * math.sqrt(self.config.n_embd)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and the output embedding on residual rows (n, n_embd): (n, n_vocab). About
+        0.34 GFLOP and a read of the whole 262k-row matrix per call: more than all 18 blocks."""
+        out = self.matmul(self.rms_norm(x, self._w["output_norm.weight"]), self.output_name)
+        if self.config.final_softcap:
+            out = torch.tanh(out / self.config.final_softcap) * self.config.final_softcap
+        return out
+
+    def block(self, layer: int, x: torch.Tensor, q_pos: torch.Tensor, attend, keep: Trace | None = None) -> torch.Tensor:
+        """One transformer block on residual rows ``x`` (n, n_embd) at positions ``q_pos`` (n,).
+
+        ``attend(q, k, v)`` gets this block's queries (scaled, float16-rounded like the cache), new
+        keys (norm and RoPE applied) and values, keeps the keys and values where its caller caches
+        them, and returns the attention output (n, n_head * head_dim). ``keep``: a trace to extend."""
+        c = self.config
+        n = x.shape[0]
+        h = self.rms_norm(x, self.w(layer, "attn_norm"))
+        q = self.lin(layer, "attn_q", h).view(n, c.n_head, c.head_dim)
+        q = self.rope(self.rms_norm(q, self.w(layer, "attn_q_norm")), q_pos, layer)
+        k_raw, k_normed, v = self.key_value(layer, h)
+        k = self.f16(self.rope(k_normed, q_pos, layer))  # the cache holds float16
+        v = self.f16(v)
+        if keep is not None:
+            keep.k_raw.append(k_raw)
+            keep.k_normed.append(k_normed)
+            keep.v.append(v)
+        attn = self.lin(layer, "attn_output", attend(self.f16(q * c.attn_scale), k, v))
+        x = x + self.rms_norm(attn, self.w(layer, "post_attention_norm"))
+        h = self.rms_norm(x, self.w(layer, "ffn_norm"))
+        gate = F.gelu(self.f16(self.lin(layer, "ffn_gate", h)), approximate="tanh")
+        ff = self.lin(layer, "ffn_down", self.f16(gate) * self.lin(layer, "ffn_up", h))
+        return x + self.rms_norm(ff, self.w(layer, "post_ffw_norm"))
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Grouped attention: q (n, n_head, d), k and v (m, n_head_kv, d), allowed (n, m)."""

@@ -9,7 +9,9 @@
   // [field, label] pairs in stack order, from the page (inference.breakdown.STACK).
   const stackNode = document.getElementById("chart-stack");
   const STACK = (stackNode ? JSON.parse(stackNode.textContent || "[]") : []).map((pair) => pair[0]);
-  const hitCounts = charts.hitCounts || {};
+  // Per device: its runs and hits by tier in the range; the hit-ratio chart's tiers (the server's words).
+  const tierCounts = charts.tierCounts || {};
+  const HIT_TIERS = charts.hitTiers || [];
   // The toolbar shows on hover only, above the plot area (titles sit below it: see fitLayout).
   const config = { responsive: true, displaylogo: false, displayModeBar: "hover" };
 
@@ -83,6 +85,8 @@
   const elHits = draw("chart-hits", charts.hits);
   const elBytes = draw("chart-bytes", charts.bytes);
   const elBreakeven = draw("chart-breakeven", charts.breakeven);
+  // Pages of fixed figures (the Lab page): each chart names its figure in charts.figures.
+  document.querySelectorAll(".chart[data-figure]").forEach((node) => draw(node.id, (charts.figures || {})[node.dataset.figure]));
 
   function traceIndex(node, name, template) {
     let index = node.data.findIndex((trace) => trace.name === name);
@@ -115,6 +119,10 @@
     const rows = [];
     (node.data || []).forEach(function (trace) {
       const xs = trace.x || [], ys = trace.y || [];
+      if (trace.z) { // a heatmap: one row per cell, its row's label as the series
+        ys.forEach((label, i) => xs.forEach((x, j) => rows.push({ series: label, x: x, y: (trace.z[i] || [])[j] })));
+        return;
+      }
       for (let i = 0; i < xs.length; i++) rows.push({ series: trace.name, x: xs[i], y: ys[i] });
     });
     return rows;
@@ -164,8 +172,8 @@
       .then((r) => r.json())
       .then(function (data) {
         charts.range = data.range;
-        Object.keys(hitCounts).forEach((k) => delete hitCounts[k]);
-        Object.assign(hitCounts, data.hitCounts || {});
+        Object.keys(tierCounts).forEach((k) => delete tierCounts[k]);
+        Object.assign(tierCounts, data.tierCounts || {});
         Object.assign(colors, data.colors || {});
         redraw(elBreakdown, data.breakdown); redraw(elTimeline, data.timeline); redraw(elTbt, data.tbt);
         redraw(elHits, data.hits); redraw(elBytes, data.bytes);
@@ -256,13 +264,15 @@
         Plotly.extendTraces(elTbt, { x: [[run.created], [run.created]], y: [[b.tbt_p50_ms], [b.tbt_p99_ms]] }, [p50, p99], WINDOW);
         notEmpty(elTbt);
       }
-      if (elHits && elHits.data) {
-        const counts = hitCounts[run.device] || [0, 0];
-        counts[0] += b.case === "partial" || b.case === "full" ? 1 : 0;
-        counts[1] += 1;
-        hitCounts[run.device] = counts;
-        const i = traceIndex(elHits, run.device, { mode: "lines+markers", line: { color: color } });
-        Plotly.extendTraces(elHits, { x: [[run.created]], y: [[counts[0] / counts[1]]] }, [i], WINDOW);
+      if (elHits && elHits.data && HIT_TIERS.length) {
+        // Every run moves each of its device's tier lines (the share of its runs each tier served).
+        const counts = tierCounts[run.device] || (tierCounts[run.device] = { runs: 0 });
+        counts.runs += 1;
+        if (run.hit_tier) counts[run.hit_tier] = (counts[run.hit_tier] || 0) + 1;
+        const indices = HIT_TIERS.map((t) => traceIndex(elHits, run.device + " " + t.label, {
+          mode: "lines+markers", line: { color: color, dash: t.dash }, legendgroup: run.device, hovertemplate: t.hovertemplate,
+        }));
+        Plotly.extendTraces(elHits, { x: HIT_TIERS.map(() => [run.created]), y: HIT_TIERS.map((t) => [(counts[t.tier] || 0) / counts.runs]) }, indices, WINDOW);
         notEmpty(elHits);
       }
       if (elBytes && elBytes.data) {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import signal
 import time
@@ -17,6 +18,23 @@ from inference.benchmarks.common import machine_info, save_json
 from inference.board import Board
 
 from dashboard.signing import control_plane_keys, keyring_for
+
+# Lab studies that live in their own module: ``add_arguments(parser)`` and ``handle(command, **options)``
+# (the command gives them ``stdout``, ``_save`` and ``_default_path``).
+LAB_STUDIES = {
+    "lab-exit": ("inference.benchmarks.early_exit", "early exit with KV fill (seed 002) on the reference engine: speed-quality curve across thresholds"),
+    "lab-anchors": ("inference.benchmarks.anchors", "anchor tokens (seed 004): KV and entry bytes, speed, MMLU accuracy, base and anchor-tuned, full and pruned"),
+}
+
+
+def _lab_study(name: str):
+    module_name = LAB_STUDIES[name][0]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        return None  # not in this checkout
 
 
 class Command(BaseCommand):
@@ -87,6 +105,7 @@ class Command(BaseCommand):
         tiers.add_argument("--prompts", type=int, default=10)
         tiers.add_argument("--shots", type=int, default=5)
         tiers.add_argument("--max-tokens", type=int, default=4)
+        tiers.add_argument("--conversations", type=int, default=4, help="four-turn conversations played from the context, the cache box and cold (0: skip)")
         tiers.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         api = sub.add_parser("api", help="concurrent streaming clients of the OpenAI-compatible API against the online boards (a running server)")
         api.add_argument("--url", default="http://127.0.0.1:8000", help="the running dashboard (default http://127.0.0.1:8000; `make run`)")
@@ -115,9 +134,15 @@ class Command(BaseCommand):
         lab.add_argument("--calibration-docs", type=int, default=57, help="calibration documents when a predictor must be fitted (default 57, one per topic)")
         lab.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: the board's; 1 keeps timings steady on a shared machine)")
         lab.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+        for name, (_, help_text) in LAB_STUDIES.items():
+            study = _lab_study(name)
+            if study is not None:
+                study.add_arguments(sub.add_parser(name, help=help_text))
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
     def handle(self, *args, bench, **options):
+        if bench in LAB_STUDIES:
+            return _lab_study(bench).handle(self, **options)
         return getattr(self, f"bench_{bench}")(**options)
 
     def bench_topics(self, **options):
@@ -238,21 +263,32 @@ class Command(BaseCommand):
             )
         self._save("kv", json_path, document, kv_report)
 
-    def bench_tiers(self, topic, prompts, shots, max_tokens, json_path: str | None, **options):
+    def bench_tiers(self, topic, prompts, shots, max_tokens, conversations, json_path: str | None, **options):
         from inference.benchmarks.reports import tiers_report
-        from inference.benchmarks.tiers import run_tiers
+        from inference.benchmarks.tiers import run_conversations, run_tiers
 
         selected = self._prompts(topic, shots, prompts)
         board = self._board()
         try:
-            with tqdm(total=2 * len(selected), desc="bench tiers", unit="step") as bar:
+            with tqdm(total=2 * len(selected) + conversations, desc="bench tiers", unit="step") as bar:
                 document = run_tiers(board, selected, max_tokens=max_tokens, progress=bar.update)
+                if conversations > 0:
+                    document["conversation"] = run_conversations(board, (selected * conversations)[:conversations], progress=bar.update)
             document.update({"topic": selected[0].target.topic, "shots": shots, "machine": machine_info(board)})
         finally:
             board.close()
         self.stdout.write(f"\nfull-hit TTFT, median ms over {document['n']} prompts: " + ", ".join(f"{k} {v}" for k, v in document["median_ttft_ms"].items()))
         self.stdout.write(f"ratios: {document['ratios']}")
         self.stdout.write(f"network bytes: {document['network_bytes']}; agreement with cold: {document['agreement_with_cold']}")
+        if "conversation" in document:
+            later = document["conversation"]["later_turns"]
+            self.stdout.write(
+                f"conversations ({document['conversation']['conversations']} x {document['conversation']['turns']} turns), later turns, medians: "
+                f"prompt {later['median_prompt_tokens']} tokens, new {later['median_new_tokens']}, prefilled {later['median_prefilled_tokens']} "
+                f"(from the cache box on another board: {later['median_cachebox_prefilled_tokens']}); prefilled only the new tokens in "
+                f"{later['prefilled_equals_new_tokens']:.0%} of turns; TTFT {later['median_ttft_ms']}; next-turn preparation {later['median_next_turn_ms']} ms "
+                f"after each answer; agreement with cold {later['agreement_with_cold']}"
+            )
         self._save("tiers", json_path, document, tiers_report)
 
     def bench_api(self, url, clients, seconds, max_tokens, namespace, json_path: str | None, **options):
@@ -279,8 +315,8 @@ class Command(BaseCommand):
         self.stdout.write(
             f"\n{document['requests']} requests, {document['errors']} errors, {document['requests_per_s']} requests/s, {document['chunks_per_s']} chunks/s"
         )
-        for name in ("first_chunk_ms", "board_ttft_ms", "overhead_ms", "total_ms"):
-            self.stdout.write(f"  {name:<16} p50 {document[name]['p50']}  p99 {document[name]['p99']}")
+        for name in ("first_chunk_ms", "queue_ms", "board_ttft_ms", "first_minus_board_ttft_ms", "overhead_ms", "total_ms"):
+            self.stdout.write(f"  {name:<26} p50 {document[name]['p50']}  p99 {document[name]['p99']}")
         for example in document["error_examples"]:
             self.stdout.write(f"  error: {example}")
         self._save("api", json_path, document, api_report)

@@ -1,4 +1,4 @@
-"""python manage.py infer --prompt-file F [--max-tokens N] [--no-cache] [--strategy exact|kv-prediction:K] [--json]"""
+"""python manage.py infer --prompt-file F [--max-tokens N] [--no-cache] [--strategy exact|kv-prediction:K|early-exit:M:T|anchors|anchors-tuned] [--json]"""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from dashboard.cli import add_sampling_arguments, read_prompt_file, sampling_fro
 from inference.model_file import ModelNotFound
 from inference.serving import PromptError
 from inference.pml import PMLError, parse_schema
+from inference.lab.anchors import parse_strategy as parse_anchors
+from inference.lab.early_exit import parse_strategy as parse_early_exit
 from inference.lab.kv_prediction import PredictorFileError, parse_strategy
 
 from dashboard.signing import control_plane_keys
@@ -39,8 +41,12 @@ class Command(BaseCommand):
             "--strategy",
             default="exact",
             metavar="S",
-            help="exact (default: prefix serving through the cache box) or kv-prediction:K (lab, approximate: "
-            "K auxiliary layers predict the rest of the KV cache; never reads or writes the cache box)",
+            help="exact (default: prefix serving through the cache box), kv-prediction:K (lab, approximate: "
+            "K auxiliary layers predict the rest of the KV cache), early-exit:MEASURE:THRESHOLD[:lens] (lab, approximate: "
+            "decoding leaves the network early, MEASURE top-prob or similarity, on the reference engine) or anchors / "
+            "anchors-tuned (lab, approximate: earlier sentences or --split-on parts keep only their last token's KV, on the "
+            "served or the anchor-tuned model); "
+            "lab strategies never read or write the cache box",
         )
         add_sampling_arguments(parser)
 
@@ -50,11 +56,13 @@ class Command(BaseCommand):
             raise CommandError(f"prompt file {options['prompt_file']} is empty: put the prompt text in it")
         sampling = sampling_from_options(options)
         try:
-            kv_prediction_k = parse_strategy(options["strategy"])
+            anchors = parse_anchors(options["strategy"])
+            early_exit = parse_early_exit(options["strategy"]) if anchors is None else None
+            kv_prediction_k = parse_strategy(options["strategy"]) if early_exit is None and anchors is None else None
         except ValueError as exc:
             raise CommandError(str(exc))
-        if kv_prediction_k is not None and options["schema"]:
-            raise CommandError("--schema serves exact modules; it cannot be combined with --strategy kv-prediction")
+        if (kv_prediction_k is not None or early_exit is not None or anchors is not None) and options["schema"]:
+            raise CommandError(f"--schema serves exact modules; it cannot be combined with --strategy {options['strategy']}")
         schema_text = None
         if options["schema"]:
             schema_text = read_prompt_file(options["schema"])
@@ -66,13 +74,29 @@ class Command(BaseCommand):
             board = Board.start(settings.EDGECACHE_BOARD.with_(namespace=options["namespace"]), keys=control_plane_keys(), background_sync=False)
         except (ModelNotFound, InvalidNamespace, ConfigError) as exc:
             raise CommandError(str(exc))
+        layers = None
         try:
-            if kv_prediction_k is not None:
+            if early_exit is not None:
+                try:
+                    from inference.lab.early_exit import EarlyExitServing
+
+                    strategy = EarlyExitServing.open(board.engine)
+                    result = strategy.run(text, policy=early_exit, max_tokens=options["max_tokens"], sampling=sampling)
+                except (ImportError, ValueError) as exc:  # no lab extra, adapters missing or refused
+                    raise CommandError(str(exc))
+                layers = strategy.last_depths
+            elif kv_prediction_k is not None:
                 try:
                     strategy = board.kv_prediction(kv_prediction_k)
                 except (PredictorFileError, ValueError) as exc:
                     raise CommandError(str(exc))
                 result = strategy.run(text, max_tokens=options["max_tokens"], sampling=sampling)
+            elif anchors is not None:
+                try:
+                    strategy = board.anchors(anchors)
+                except ValueError as exc:  # no anchor-tuned model yet
+                    raise CommandError(str(exc))
+                result = strategy.run(split_segments(text, options["split_on"]), max_tokens=options["max_tokens"], sampling=sampling)
             elif schema_text is not None:
                 result = board.run_pml(
                     schema_text, text, max_tokens=options["max_tokens"], sampling=sampling, use_cache=not options["no_cache"]
@@ -93,6 +117,13 @@ class Command(BaseCommand):
             return
         b = result.breakdown
         self.stdout.write(result.text)
+        if layers is not None:
+            self.stderr.write(
+                f"\n[{b.strategy} (approximate; no cache box; reference engine): {b.prompt_tokens} prompt tokens; TTFT {b.ttft_ms:.1f} ms = "
+                f"token {b.token_ms:.1f} + full-depth prefill {b.prefill_ms:.1f} + first decode step and sample; TTLT {b.ttlt_ms:.1f} ms; "
+                f"layers run per answer token: {' '.join(map(str, layers))}]"
+            )
+            return
         if b.strategy:
             self.stderr.write(
                 f"\n[{b.strategy} (approximate; no cache box): {b.prompt_tokens} prompt tokens; TTFT {b.ttft_ms:.1f} ms = "

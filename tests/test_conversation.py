@@ -1,0 +1,106 @@
+"""Conversations: a chat's next turn reuses the previous turn's state, its answer included, on the
+same board (its context) or another (the cache box), and answers exactly as its cold run does.
+
+A turn's prompt ends where the next turn's answer begins, and batches are cut where every
+message begins, so a turn's stored state is a batch-exact prefix of the next turn. The answer's
+cells come one token per batch while decoding, so after each answer the board computes the shared
+prefix of the next turn (``Board.follow_up``) on that turn's cuts and shares it."""
+
+import pytest
+
+from inference.local_tier import Context
+
+GRID = 128
+
+
+# -- pure: where a context may be resumed -------------------------------------------------------
+def test_a_context_resumes_at_a_cut_both_prompts_share():
+    held = Context(list(range(100)), generation=1, extra=(40,))
+    # The new prompt is cut at 40 too and shares 70 tokens: resume at 40.
+    assert held.reusable(list(range(70)) + [999] * 30, GRID, (40, 90)) == 40
+    # A prompt cut elsewhere before 40 has another batch history: nothing below the grid is shared.
+    assert held.reusable(list(range(70)) + [999] * 30, GRID, (20, 40)) == 0
+    # The held prompt's end is a batch end: a prompt that continues it resumes there.
+    assert held.reusable(list(range(100)) + [7] * 20, GRID, (40, 100)) == 100
+    # ... but not when the new prompt is not cut there (its cold run computes past it in one batch).
+    assert held.reusable(list(range(100)) + [7] * 20, GRID, (40,)) == 40
+
+
+def test_grid_points_still_serve_when_the_extra_cuts_differ_above_them():
+    held = Context(list(range(300)), generation=1, extra=(200,))
+    assert held.reusable(list(range(290)) + [5], GRID, (150,)) == 128
+
+
+# -- the real model ------------------------------------------------------------------------------
+FIRST = [("system", "You are a terse assistant for ferry passengers."), ("user", "Name three things to bring on a ferry trip.")]
+NEXT = ["Which of them matters most in winter?", "Why?", "Thanks. Anything else for children?"]
+
+
+def turns(board, count: int, max_tokens: int = 24, **options):
+    """Play ``count`` turns of the conversation on ``board``; yields (messages, result) per turn."""
+    messages = list(FIRST)
+    for number in range(count):
+        if number:
+            messages.append(("user", NEXT[number - 1]))
+        chat, result = board.run_chat(messages, max_tokens=max_tokens, **options)
+        yield list(messages), chat, result
+        board.follow_up(messages, result.text, namespace=options.get("namespace"))
+        messages.append(("assistant", result.text))
+
+
+@pytest.mark.model
+def test_a_turn_prompt_is_a_cut_prefix_of_the_next_turn(engine):
+    from inference.chat import chat_prompt, follow_up
+
+    first = chat_prompt(engine, FIRST)
+    prefix = follow_up(engine, FIRST, "Water, a jacket and snacks.")
+    second = chat_prompt(engine, [*FIRST, ("assistant", "Water, a jacket and snacks."), ("user", NEXT[0])])
+    assert second.tokens[: len(first.tokens)] == first.tokens
+    assert second.tokens[: len(prefix.tokens)] == prefix.tokens
+    assert len(first.tokens) in second.cuts and len(prefix.tokens) in second.cuts  # where the answer and the new message begin
+    assert [cut for cut in second.cuts if cut < len(prefix.tokens)] == list(prefix.cuts)
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
+def test_later_turns_prefill_only_their_new_message_from_the_context_and_answer_as_cold(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace, context_reuse=True)
+    played = list(turns(board, 4, namespace=namespace))
+    for number, (messages, chat, result) in enumerate(played[1:], start=2):
+        b = result.breakdown
+        previous_messages, previous_chat, previous = played[number - 2]
+        assert b.tier == "context" and b.fetched_bytes == 0, number
+        # Everything up to where the new message begins was held: the previous prompt and its answer.
+        assert b.matched_tokens == chat.starts[-1] > len(previous_chat.tokens) + previous.breakdown.generated_tokens - 2, number
+        cold = board.run(chat.text, tokens=chat.tokens, cuts=chat.cuts, max_tokens=24, use_cache=False)
+        assert result.tokens == cold.tokens, number
+    assert played[1][2].breakdown.prompt_tokens - played[1][2].breakdown.matched_tokens < 24  # the new message and its markup
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
+def test_another_board_continues_a_conversation_from_the_cache_box(valkey_url, namespace, make_board):
+    first_board = make_board(valkey_url, namespace, device="dev-a", context_reuse=True)
+    ((messages, chat, result),) = turns(first_board, 1, namespace=namespace)
+    turn = first_board.follow_up(messages, result.text, namespace=namespace)  # already prepared: nothing more to do
+    assert turn.tokens == 0
+
+    other = make_board(valkey_url, namespace, device="dev-b", context_reuse=True)
+    other.catalogs.sync_all()
+    second = [*messages, ("assistant", result.text), ("user", NEXT[0])]
+    chat2, continued = other.run_chat(second, max_tokens=32)
+    b = continued.breakdown
+    assert b.tier == "cachebox" and b.fetched_bytes > 0
+    assert b.matched_tokens == chat2.starts[-1] >= len(chat.tokens) + result.breakdown.generated_tokens - 1
+    cold = other.run(chat2.text, tokens=chat2.tokens, cuts=chat2.cuts, max_tokens=32, use_cache=False)
+    assert continued.tokens == cold.tokens
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
+def test_a_follow_up_needs_the_turn_it_follows(valkey_url, namespace, make_board):
+    board = make_board(valkey_url, namespace, context_reuse=True)
+    _, result = board.run_chat(FIRST, max_tokens=8)
+    board.run(["Something unrelated, about lighthouses."], max_tokens=2)  # the engine moved on
+    assert board.follow_up(FIRST, result.text, namespace=namespace).tokens == 0
+    assert board.follow_up(FIRST, "   ", namespace=namespace).tokens == 0  # no answer to keep
