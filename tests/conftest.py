@@ -61,6 +61,24 @@ def engine():
     engine.close()
 
 
+@pytest.fixture(scope="session")
+def reference(engine):
+    """The lab's reference engine (PyTorch) over the served model's GGUF: loaded once (~15 s, ~1 GB)."""
+    pytest.importorskip("torch")
+    from inference.lab.reference import ReferenceModel
+
+    return ReferenceModel.load(engine.model_file.path, threads=engine.config.threads())
+
+
+def assert_exact_serving_ignores_lab_runs(board, engine, prompt) -> None:
+    """After a lab (approximate) run, an exact run finds nothing of it to reuse and answers as cold."""
+    exact = board.run(prompt, max_tokens=3)
+    assert exact.breakdown.matched_tokens == 0 and exact.breakdown.case == "miss"
+    engine.clear()
+    cold = board.run(prompt, max_tokens=3, use_cache=False)
+    assert exact.tokens == cold.tokens
+
+
 @pytest.fixture
 def signing_keys(settings):
     """Signing keys as the commands on the control plane derive them (first generation of any namespace)."""

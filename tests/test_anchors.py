@@ -30,6 +30,8 @@ from inference.lab.anchors import (
 )
 from inference.lab.texts import evaluation_prompts
 
+from .conftest import assert_exact_serving_ignores_lab_runs
+
 
 # -- pure parts ---------------------------------------------------------------------------------
 def test_a_text_splits_into_sentences_and_paragraphs_that_add_up_to_it():
@@ -153,14 +155,6 @@ def test_past_the_sliding_window_the_global_layers_keep_every_anchor(engine):
     engine.clear()
 
 
-@pytest.fixture(scope="module")
-def reference(engine):
-    pytest.importorskip("torch")
-    from inference.lab.reference import ReferenceModel
-
-    return ReferenceModel.load(engine.model_file.path, threads=engine.config.threads())
-
-
 @pytest.mark.model
 def test_pruning_on_llama_cpp_is_the_anchor_mask_the_fine_tune_trains_with(engine, reference):
     import torch
@@ -202,11 +196,7 @@ def test_an_anchor_run_is_labelled_and_never_stored_or_reused_as_an_exact_entry(
         assert report.error == "" and report.breakdown.strategy == "anchors(base)" and report.uploaded == []
         assert report.text == anchored.text
         assert list(CacheBox(valkey_url).scan_entries(namespace)) == []
-    exact = board.run(prompt, max_tokens=3)
-    assert exact.breakdown.matched_tokens == 0 and exact.breakdown.case == "miss"
-    engine.clear()
-    cold = board.run(prompt, max_tokens=3, use_cache=False)
-    assert exact.tokens == cold.tokens
+    assert_exact_serving_ignores_lab_runs(board, engine, prompt)
 
 
 @pytest.mark.model

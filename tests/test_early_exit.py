@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 from inference.lab.early_exit import EarlyExitDecoder, SequenceCache, fit_lens  # noqa: E402  (needs torch)
 from inference.lab.reference import Gemma3Config, ReferenceModel  # noqa: E402
+from .conftest import assert_exact_serving_ignores_lab_runs  # noqa: E402
 
 N_LAYER = 4
 
@@ -249,11 +250,6 @@ def test_exit_adapters_fit_save_load_and_refuse_other_models(tiny, tmp_path):
 
 
 # -- the real model -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def reference(engine):
-    return ReferenceModel.load(engine.model_file.path, threads=engine.config.threads())
-
-
 @pytest.mark.model
 def test_on_the_served_model_full_depth_decoding_is_the_reference_engines_and_a_never_exit_policy_changes_nothing(engine, reference):
     from inference.lab.texts import evaluation_prompts
@@ -288,12 +284,7 @@ def test_the_board_strategy_is_labelled_and_never_reads_or_writes_the_cache_box(
     assert 1 <= b.generated_tokens <= 3 and len(strategy.last_depths) == b.generated_tokens and b.ttft_ms > 0
     assert sorted(store.redis.keys("*")) == keys_before  # nothing written
     assert engine.positions() == context_before  # the board's llama.cpp context was not touched
-    # An exact run after it finds nothing of the exited run to reuse, and answers as a cold run.
-    exact = board.run(prompt, max_tokens=3)
-    assert exact.breakdown.matched_tokens == 0 and exact.breakdown.case == "miss"
-    engine.clear()
-    cold = board.run(prompt, max_tokens=3, use_cache=False)
-    assert exact.tokens == cold.tokens
+    assert_exact_serving_ignores_lab_runs(board, engine, prompt)
 
 
 @pytest.mark.model

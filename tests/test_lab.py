@@ -145,14 +145,6 @@ def test_a_rebuilt_state_imports_and_gives_the_restored_logits(engine):
     assert np.array_equal(rebuilt, restored)
 
 
-@pytest.fixture(scope="module")
-def reference(engine):
-    pytest.importorskip("torch")
-    from inference.lab.reference import ReferenceModel
-
-    return ReferenceModel.load(engine.model_file.path, threads=engine.config.threads())
-
-
 @pytest.mark.model
 def test_reference_engine_matches_llama_cpp(engine, reference):
     """Same GGUF, same tokens: the logits stay close and the reference's greedy token is

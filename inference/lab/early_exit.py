@@ -48,6 +48,7 @@ import numpy as np
 from ..breakdown import Breakdown, CacheBoxState, Decision
 from ..sampling import SamplingParams, choose
 from ..serving import OnToken, RunResult, context_error, decode_answer, ms_since, prompt_segments
+from .array_file import load_arrays, save_arrays
 
 try:  # the lab extra; the strategy's name parses without it (the edge imports this module)
     import torch
@@ -153,38 +154,23 @@ class ExitLens:
         return self._cached
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial.npz")
         depths = self.depths
-        np.savez(
-            partial,
+        return save_arrays(
+            path,
             format=np.array(LENS_FORMAT),
             fingerprint=np.array(self.fingerprint),
             depths=np.array(depths, dtype=np.int64),
             weights=np.stack([self.weights[d] for d in depths]).astype(np.float32),
             calibration=np.array(json.dumps(self.calibration)),
         )
-        partial.replace(path)
-        return path
 
     @classmethod
     def load(cls, path: str | Path, *, fingerprint: str) -> "ExitLens":
         """Read and check an adapter file; refuses (LensFileError) anything it cannot trust."""
-        path = Path(path)
-        if not path.is_file():
-            raise LensFileError(f"no exit adapters at {path}: fit them with `python manage.py bench lab-exit` (needs the lab extra)")
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                arrays = {name: data[name] for name in data.files}
-        except Exception as exc:  # zip, header or pickle errors: all mean "not an adapter file"
-            raise LensFileError(f"{path} is not a readable exit-adapter file ({type(exc).__name__}: {exc})") from None
-        if missing := {"format", "fingerprint", "depths", "weights", "calibration"} - arrays.keys():
-            raise LensFileError(f"{path} lacks {', '.join(sorted(missing))}: not an exit-adapter file of this version")
-        if str(arrays["format"]) != LENS_FORMAT:
-            raise LensFileError(f"{path} has format {str(arrays['format'])!r}, expected {LENS_FORMAT!r}")
-        if str(arrays["fingerprint"]) != fingerprint:
-            raise LensFileError(f"{path} was fitted for model {str(arrays['fingerprint'])[:16]}..., not this model ({fingerprint[:16]}...)")
+        arrays = load_arrays(
+            path, error=LensFileError, what="exit-adapter file", fit_hint="fit them with `python manage.py bench lab-exit` (needs the lab extra)",
+            format=LENS_FORMAT, fingerprint=fingerprint, needed={"depths", "weights", "calibration"},
+        )
         depths, weights = arrays["depths"], arrays["weights"]
         if depths.dtype != np.int64 or depths.ndim != 1 or weights.dtype != np.float32 or weights.ndim != 3 or weights.shape[0] != depths.shape[0] or weights.shape[1] != weights.shape[2] + 1:
             raise LensFileError(f"{path}: depths {depths.dtype} {depths.shape} and weights {weights.dtype} {weights.shape} do not fit together")

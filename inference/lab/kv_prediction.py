@@ -37,6 +37,7 @@ from ..model_file import ModelFile, _cached_sha256
 from ..sampling import SamplingParams, choose
 from ..serving import OnToken, RunResult, context_error, decode_answer, ms_since, prompt_segments
 from . import state_blob
+from .array_file import load_arrays, save_arrays
 from .truncate import ensure_truncated
 
 FORMAT = "edgecache-kv-predictor-1"
@@ -132,11 +133,8 @@ class Predictor:
 
     # -- file -----------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial.npz")
-        np.savez(
-            partial,
+        return save_arrays(
+            path,
             format=np.array(FORMAT),
             fingerprint=np.array(self.fingerprint),
             shape=np.array([self.k, self.n_layer, self.n_head_kv, self.head_dim], dtype=np.int64),
@@ -146,27 +144,14 @@ class Predictor:
             k_norm=self.k_norm.astype(np.float32),
             calibration=np.array(json.dumps(self.calibration)),
         )
-        partial.replace(path)
-        return path
 
     @classmethod
     def load(cls, path: str | Path, *, fingerprint: str, k: int) -> "Predictor":
         """Read and check a predictor file; refuses (PredictorFileError) anything it cannot trust."""
-        path = Path(path)
-        if not path.is_file():
-            raise PredictorFileError(f"no KV predictor at {path}: fit one with `python manage.py bench lab` (needs the lab extra)")
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                arrays = {name: data[name] for name in data.files}
-        except Exception as exc:  # zip, header or pickle errors: all mean "not a predictor file"
-            raise PredictorFileError(f"{path} is not a readable predictor file ({type(exc).__name__}: {exc})") from None
-        needed = {"format", "fingerprint", "shape", "rms_eps", "rope_base", "weights", "k_norm", "calibration"}
-        if missing := needed - arrays.keys():
-            raise PredictorFileError(f"{path} lacks {', '.join(sorted(missing))}: not a predictor file of this version")
-        if str(arrays["format"]) != FORMAT:
-            raise PredictorFileError(f"{path} has format {str(arrays['format'])!r}, expected {FORMAT!r}")
-        if str(arrays["fingerprint"]) != fingerprint:
-            raise PredictorFileError(f"{path} was fitted for model {str(arrays['fingerprint'])[:16]}..., not this model ({fingerprint[:16]}...)")
+        arrays = load_arrays(
+            path, error=PredictorFileError, what="predictor file", fit_hint="fit one with `python manage.py bench lab` (needs the lab extra)",
+            format=FORMAT, fingerprint=fingerprint, needed={"shape", "rms_eps", "rope_base", "weights", "k_norm", "calibration"},
+        )
         shape = arrays["shape"]
         if shape.dtype != np.int64 or shape.shape != (4,):
             raise PredictorFileError(f"{path}: bad shape record")
