@@ -125,15 +125,15 @@ def fleet_index(devices: list[Device]) -> FleetIndex:
         dispatches = list(Dispatch.objects.filter(device=device, kind="run").order_by("-created")[:HISTORY])[::-1]
         reported = {
             str(run["request_id"]): run
-            for run in InferenceRun.objects.filter(request_id__in=[d.request_id for d in dispatches]).values("request_id", "error")
+            for run in InferenceRun.objects.filter(request_id__in=[d.request_id for d in dispatches]).values("request_id", "error", "created")
         }
         for dispatch in dispatches:
             request_id = str(dispatch.request_id)
             record = dispatch.routing or {}
-            index.dispatched(device.name, request_id, PromptKeys.from_dict(record.get("prompt")), _number(record.get("work_ms")))
+            index.dispatched(device.name, request_id, PromptKeys.from_dict(record.get("prompt")), _number(record.get("work_ms")), at=dispatch.created.timestamp())
             run = reported.get(request_id)
             if run is not None:
-                index.reported(device.name, request_id, failed=bool(run["error"]))
+                index.reported(device.name, request_id, failed=bool(run["error"]), at=run["created"].timestamp())
             elif dispatch.created < expired_before:
                 index.reported(device.name, request_id, failed=True)  # it expired: it holds nothing of it, owes nothing
         for run in InferenceRun.objects.filter(device=device, error="").order_by("-created").values("request_id", "breakdown")[:RATE_SAMPLES][::-1]:
@@ -157,11 +157,12 @@ def plan(devices: list[Device], prompt: Prompt, *, preferred: str = "", policy: 
     layout = prompt_tokens(prompt)
     tokens = layout[0] if layout else None
     index = fleet_index(devices)
+    now = timezone.now().timestamp()
     keys = {device.name: keys_for(device, layout) for device in devices}
     views = [
         index.view(
             device.name, keys[device.name], online=all_online or device.online, link=link_of(device), ram_budget_bytes=ram_budget(device),
-            cachebox_tokens=cachebox_tokens(device, keys[device.name]),
+            cachebox_tokens=cachebox_tokens(device, keys[device.name]), now=now,
         )
         for device in devices
     ]

@@ -3,7 +3,8 @@
 The router picks, among the online boards, the one with the lowest expected time to first
 token::
 
-    expected = queued work (runs dispatched to it and not yet reported)
+    expected = queued work (runs dispatched to it and not yet reported, less what the
+               board has already spent on the one it is running)
              + prefill of the tokens it does not hold, at its learned rate
              (+ fetching what the cache box holds, at its link's cost, when that is cheaper)
 
@@ -199,9 +200,16 @@ class _Dispatched:
 
 
 @dataclass
+class _Outstanding:
+    work_ms: float  # expected work
+    at: float | None  # when it was dispatched (seconds, any clock the caller keeps; None: unknown)
+
+
+@dataclass
 class _BoardHistory:
     recent: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # _Dispatched, oldest first
-    outstanding: dict[str, float] = field(default_factory=dict)  # request id -> expected work (ms)
+    outstanding: dict[str, _Outstanding] = field(default_factory=dict)  # request id -> its work, in dispatch order
+    last_report_at: float | None = None  # when the board last answered (it took its next run then)
     prefill_rates: deque = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
     decode_rates: deque = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
 
@@ -230,19 +238,34 @@ class FleetIndex:
     def decode_rate(self, board: str) -> float:
         return learned_rate(self._board(board).decode_rates, self.decode_prior)
 
-    def dispatched(self, board: str, request_id: str, keys: PromptKeys, work_ms: float) -> None:
-        """A prompt was sent to ``board``: it will hold it next, and owes ``work_ms`` until it reports."""
+    def dispatched(self, board: str, request_id: str, keys: PromptKeys, work_ms: float, *, at: float | None = None) -> None:
+        """A prompt was sent to ``board`` (at time ``at``, seconds): it will hold it next, and owes
+        ``work_ms`` until it reports."""
         history = self._board(board)
         history.recent.append(_Dispatched(request_id, keys, work_ms))
-        history.outstanding[request_id] = max(0.0, work_ms)
+        history.outstanding[request_id] = _Outstanding(max(0.0, work_ms), at)
+
+    def queued_ms(self, board: str, now: float | None = None) -> float:
+        """The work ``board`` still owes: its unreported runs' expected work, less, when ``now`` is
+        given, the time it has already spent on the oldest one (it serves its queue in order, so it
+        took that run when it was dispatched or when the board last answered, whichever is later)."""
+        history = self._board(board)
+        items = list(history.outstanding.values())
+        total = sum(item.work_ms for item in items)
+        if now is None or not items or items[0].at is None:
+            return total
+        began = max(items[0].at, history.last_report_at if history.last_report_at is not None else items[0].at)
+        spent = min(items[0].work_ms, max(0.0, (now - began) * 1000.0))
+        return round(total - spent, 3)
 
     def reported(
         self, board: str, request_id: str, *, prompt_tokens: int = 0, matched_tokens: int = 0, prefill_ms: float = 0.0,
-        decode_ms: float = 0.0, generated_tokens: int = 0, stored_keys: Iterable[str] = (), failed: bool = False,
+        decode_ms: float = 0.0, generated_tokens: int = 0, stored_keys: Iterable[str] = (), failed: bool = False, at: float | None = None,
     ) -> None:
-        """``board`` answered ``request_id``: its work is done; learn its rates; note the keys it stored."""
+        """``board`` answered ``request_id`` (at time ``at``): its work is done; learn its rates; note the keys it stored."""
         history = self._board(board)
-        history.outstanding.pop(request_id, None)
+        if history.outstanding.pop(request_id, None) is not None and at is not None:
+            history.last_report_at = at if history.last_report_at is None else max(history.last_report_at, at)
         if failed:
             # A failed run left nothing in the engine: forget it as the board's context.
             history.recent = deque((item for item in history.recent if item.request_id != request_id), maxlen=HISTORY)
@@ -284,16 +307,16 @@ class FleetIndex:
 
     def view(
         self, board: str, keys: PromptKeys, *, online: bool = True, link: LinkProfile | None = None, ram_budget_bytes: int = 0,
-        cachebox_tokens: int | None = None,
+        cachebox_tokens: int | None = None, now: float | None = None,
     ) -> BoardView:
-        """The router's view of ``board`` for a prompt of ``keys`` (``cachebox_tokens``: what the cache box
-        holds for this board, when the caller knows better than the index)."""
+        """The router's view of ``board`` for a prompt of ``keys`` at time ``now`` (``cachebox_tokens``: what
+        the cache box holds for this board, when the caller knows better than the index)."""
         context, ram = self.holdings(board, keys, ram_budget_bytes)
         return BoardView(
             name=board,
             online=online,
             prefill_ms_per_token=self.prefill_rate(board),
-            queued_ms=sum(self._board(board).outstanding.values()),
+            queued_ms=self.queued_ms(board, now),
             context_tokens=context,
             ram_tokens=ram,
             cachebox_tokens=keys.held(self.cachebox) if cachebox_tokens is None else cachebox_tokens,

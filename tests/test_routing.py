@@ -70,6 +70,23 @@ def test_the_index_knows_context_ram_and_queue_from_dispatches():
     assert index.view("b", second).context_tokens == 0  # a board it never went to holds nothing
 
 
+def test_a_board_owes_less_the_longer_it_has_worked_on_its_current_run():
+    index = FleetIndex(prefill_prior=2.0)
+    topic = keys_of(list(range(1, 400)))
+    index.dispatched("a", "r1", topic, work_ms=1200.0, at=100.0)
+    index.dispatched("a", "r2", topic, work_ms=1000.0, at=100.5)
+    assert index.view("a", topic).queued_ms == 2200.0  # no clock: every run's whole work
+    assert index.queued_ms("a", now=100.9) == 1300.0  # 0.9 s into r1: 0.3 s of it left, then r2
+    assert index.queued_ms("a", now=105.0) == 1000.0  # r1 overran its estimate: about done; r2 not begun
+    index.reported("a", "r1", at=101.5)
+    assert index.queued_ms("a", now=101.6) == 900.0  # r2 began when r1 was answered, not when it was sent
+    # The topic's next prompt: board a holds it and is 0.25 s into r2; board b is idle and holds nothing.
+    index.dispatched("b", "r3", keys_of(list(range(2000, 2100))), work_ms=100.0, at=101.6)
+    index.reported("b", "r3", at=101.7)
+    assert route(399, [index.view(name, topic, now=101.75) for name in ("a", "b")]).board == "a"  # 750 ms left vs 798 ms cold
+    assert route(399, [index.view(name, topic) for name in ("a", "b")]).board == "b"  # counting r2 whole, a looked dearer
+
+
 def test_the_same_prompt_again_is_held_whole_and_a_failed_run_is_forgotten():
     index = FleetIndex()
     keys = keys_of(list(range(1, 300)))

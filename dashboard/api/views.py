@@ -95,6 +95,7 @@ async def completions(request):
 async def _complete(request, kind: str) -> HttpResponse:
     if request.method != "POST":
         return _method_not_allowed("POST")
+    received = time.perf_counter()
     try:
         key = await _authorized(request)
         try:
@@ -107,7 +108,7 @@ async def _complete(request, kind: str) -> HttpResponse:
         run = _run_request(key, device, api, schema_source)
     except ApiError as exc:
         return exc.response()
-    return await _answer(key, device, api, run, routed)
+    return await _answer(key, device, api, run, routed, received)
 
 
 async def _authorized(request) -> ApiKey:
@@ -175,7 +176,7 @@ def _run_request(key: ApiKey, device: Device, api: ApiRequest, schema_source: st
         raise bad_request(f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}", param=api.prompt_param) from None
 
 
-async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest, routed=None) -> HttpResponse:
+async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest, routed=None, received: float | None = None) -> HttpResponse:
     """Dispatch the run and answer from its stream (subscribed first: nothing published is missed)."""
     timeout = settings.EDGECACHE_API_TIMEOUT
     subscription = streams.subscribe(
@@ -186,6 +187,7 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
     except CacheBoxUnavailable as exc:
         return _unavailable(f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent.").response()
     follower = _Follower(subscription, run.request_id, device.name, timeout)
+    follower.received_at = received
     handed_over = finished = False
     try:
         try:
@@ -225,6 +227,7 @@ class _Follower:
         self.request_id = request_id
         self.device = device
         self.timeout = timeout
+        self.received_at: float | None = None  # when the request arrived
         self.dispatched_at: float | None = None
         self.started_at: float | None = None  # when the board's "started" stage arrived: it took the run
 
@@ -234,6 +237,13 @@ class _Follower:
         if self.dispatched_at is None or self.started_at is None:
             return None
         return round((self.started_at - self.dispatched_at) * 1000.0, 3)
+
+    @property
+    def api_ms(self) -> float | None:
+        """From the request's arrival to its dispatch: key, rate, body, routing, subscription."""
+        if self.received_at is None or self.dispatched_at is None:
+            return None
+        return round((self.dispatched_at - self.received_at) * 1000.0, 3)
 
     async def next(self) -> StreamEvent:
         while True:
@@ -353,7 +363,8 @@ class _Shape:
 
     def extension(self, done: StreamEvent) -> dict:
         breakdown = done.breakdown
-        queued = {"queue_ms": self.follower.queue_ms} if self.follower is not None and self.follower.queue_ms is not None else {}
+        follower = self.follower
+        queued = {name: value for name, value in (("api_ms", follower.api_ms), ("queue_ms", follower.queue_ms)) if value is not None} if follower is not None else {}
         return {"request_id": self.run.request_id, "device": self.device.name, **queued, **{name: breakdown[name] for name in EXTENSION_FIELDS if name in breakdown}}
 
     @staticmethod

@@ -108,9 +108,9 @@ def run_policy(boards, jobs: list[_Job], policy: str, *, interval_s: float, name
                 if b is not None:
                     stored = [parse_entry_key_name(entry.name)[2].hex() for entry in result.uploaded]
                     index.reported(name, job.request_id, prompt_tokens=b.prompt_tokens, matched_tokens=b.matched_tokens, prefill_ms=b.prefill_ms,
-                                   decode_ms=b.decode_ms, generated_tokens=b.generated_tokens, stored_keys=stored)
+                                   decode_ms=b.decode_ms, generated_tokens=b.generated_tokens, stored_keys=stored, at=finished)
                 else:
-                    index.reported(name, job.request_id, failed=True)
+                    index.reported(name, job.request_id, failed=True, at=finished)
                 records.append({
                     "index": job.index, "topic": job.topic, "board": name, "error": error,
                     "arrived_s": job.arrived, "started_s": started, "finished_s": finished,
@@ -141,11 +141,11 @@ def run_policy(boards, jobs: list[_Job], policy: str, *, interval_s: float, name
                 elif policy == "round-robin":
                     chosen = names[job.index % len(names)]
                 else:
-                    views = [index.view(name, job.keys[name], link=link, ram_budget_bytes=ram_budget_bytes) for name in names]
+                    views = [index.view(name, job.keys[name], link=link, ram_budget_bytes=ram_budget_bytes, now=job.arrived) for name in names]
                     decision = route(job.keys[names[0]].tokens, views)
                     chosen = decision.board
                     decisions.append({k: v for k, v in decision.record().items() if k in ("board", "expected_ms", "queued_ms", "held_tokens", "source", "saving_ms")})
-                index.dispatched(chosen, job.request_id, job.keys[chosen], index.work_ms(chosen, job.keys[chosen], max_tokens, link))
+                index.dispatched(chosen, job.request_id, job.keys[chosen], index.work_ms(chosen, job.keys[chosen], max_tokens, link), at=job.arrived)
             job.board = chosen
             queues[chosen].put(job)
     finally:
