@@ -122,19 +122,20 @@ def fleet_index(devices: list[Device]) -> FleetIndex:
     now = timezone.now()
     expired_before = now - timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES)
     for device in devices:
-        dispatches = list(Dispatch.objects.filter(device=device, kind="run").order_by("-created")[:HISTORY])[::-1]
+        # Plain rows, not model instances: this runs for every routed request.
+        dispatches = list(Dispatch.objects.filter(device=device, kind="run").order_by("-created").values_list("request_id", "created", "routing")[:HISTORY])[::-1]
         reported = {
-            str(run["request_id"]): run
-            for run in InferenceRun.objects.filter(request_id__in=[d.request_id for d in dispatches]).values("request_id", "error", "created")
+            str(run_id): (error, created)
+            for run_id, error, created in InferenceRun.objects.filter(request_id__in=[row[0] for row in dispatches]).values_list("request_id", "error", "created")
         }
-        for dispatch in dispatches:
-            request_id = str(dispatch.request_id)
-            record = dispatch.routing or {}
-            index.dispatched(device.name, request_id, PromptKeys.from_dict(record.get("prompt")), _number(record.get("work_ms")), at=dispatch.created.timestamp())
+        for dispatch_id, created, record in dispatches:
+            request_id = str(dispatch_id)
+            record = record or {}
+            index.dispatched(device.name, request_id, PromptKeys.from_dict(record.get("prompt")), _number(record.get("work_ms")), at=created.timestamp())
             run = reported.get(request_id)
             if run is not None:
-                index.reported(device.name, request_id, failed=bool(run["error"]), at=run["created"].timestamp())
-            elif dispatch.created < expired_before:
+                index.reported(device.name, request_id, failed=bool(run[0]), at=run[1].timestamp())
+            elif created < expired_before:
                 index.reported(device.name, request_id, failed=True)  # it expired: it holds nothing of it, owes nothing
         for run in InferenceRun.objects.filter(device=device, error="").order_by("-created").values("request_id", "breakdown")[:RATE_SAMPLES][::-1]:
             b = run["breakdown"] if isinstance(run["breakdown"], dict) else {}

@@ -161,7 +161,9 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # The web server and the control-plane worker write at once: wait for the lock. Transactions
     # take the write lock when they begin (IMMEDIATE): a deferred one that reads, then writes,
     # fails at once with "database is locked" when another writer holds it, timeout or not.
-    DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20, "transaction_mode": "IMMEDIATE"})
+    # Write-ahead logging: readers (an API request's key and routing) never wait for a writer (the
+    # worker recording a run), and a writer never waits for readers.
+    DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"})
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

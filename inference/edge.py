@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from celery import current_app
 from pydantic import ValidationError
@@ -131,12 +132,14 @@ def _sender() -> dict:
 CANCELLED = "cancelled by the client"
 
 
-def serve(board, request: RunRequest) -> RunReport:
+def serve(board, request: RunRequest, work_waiting: Callable[[], bool] | None = None) -> RunReport:
     """Run one dispatched prompt; returns the report for the control plane (an error is a report too).
 
     A streamed run (``request.stream``) publishes each answer piece on its channel as it is
     chosen and a last ``done`` (or ``error``) event, and stops when its cancel flag appears;
-    ``request.stop`` ends the answer at the first stop string, streamed or not.
+    ``request.stop`` ends the answer at the first stop string, streamed or not. After a chat
+    turn's answer, the next turn's prefix is prepared unless ``work_waiting()`` says another
+    run waits for this board: a waiting answer goes before a turn that may never come.
     """
     stream = _Publisher(board.store, request.request_id, _sender()["device"]) if request.stream and board.store is not None else None
     if stream is not None and stream.cancel_requested():
@@ -215,7 +218,7 @@ def serve(board, request: RunRequest) -> RunReport:
         done = StreamEvent(type="done", request_id=request.request_id, device=stream.device, text=answer.text, finish_reason=finish, breakdown={**breakdown.as_dict(), **extra})
         stream.close(done)
     uploaded = list(result.uploaded)
-    if request.is_chat_run and lab is None and request.use_cache and not cancelled:
+    if request.is_chat_run and lab is None and request.use_cache and not cancelled and not _waiting(work_waiting, request.request_id):
         # The answer is out: prepare the next turn (its shared prefix, computed and shared now).
         # Whatever goes wrong there, this answer's report still goes to the control plane.
         try:
@@ -238,6 +241,40 @@ def serve(board, request: RunRequest) -> RunReport:
         uploaded=uploaded,
         modules_hit=result.modules_hit,
     )
+
+
+def messages_waiting(app, queues: Sequence[str]) -> int:
+    """How many messages wait in ``queues`` of ``app``'s broker (a queue never used counts 0)."""
+    from kombu.exceptions import ChannelError
+
+    waiting = 0
+    with app.pool.acquire(block=True, timeout=5) as connection:
+        channel = connection.default_channel
+        for name in queues:
+            try:
+                waiting += channel.queue_declare(queue=name, passive=True).message_count
+            except ChannelError:  # no such queue yet: nothing waits in it
+                continue
+    return waiting
+
+
+def board_work_waiting() -> bool:
+    """Whether a run or an encode waits for this board, in its own queue or the shared one."""
+    return messages_waiting(current_app, [Queue.device(identity().name), Queue.SHARED.value]) > 0
+
+
+def _waiting(work_waiting: Callable[[], bool] | None, request_id: str) -> bool:
+    """Whether another run waits for this board (never raises: unknown counts as no)."""
+    if work_waiting is None:
+        return False
+    try:
+        waiting = bool(work_waiting())
+    except Exception as exc:  # the broker unreachable: the next turn is prepared as usual
+        log.warning("run %s: could not see whether work waits: %s", request_id, exc)
+        return False
+    if waiting:
+        log.info("run %s: another run waits; the next turn's prefix is not prepared", request_id)
+    return waiting
 
 
 class _Answer:

@@ -17,7 +17,7 @@ from cachebox.events import security_event
 
 from .board import get_board
 from .devices import DeviceRefused
-from .edge import encode, identity, refused_request, report, send_progress, serve
+from .edge import board_work_waiting, encode, identity, refused_request, report, send_progress, serve
 from .messages import EncodeProgress, EncodeReport, EncodeRequest, MessageRefused, RunReport, RunRequest, Task
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def run_prompt(message: dict) -> None:
     if request is None or not _still_enrolled(request.request_id):
         return
     try:
-        result = serve(get_board(), request)
+        result = serve(get_board(), request, work_waiting=board_work_waiting)
     except Exception as exc:  # a bug or a broken engine: the run is reported, not lost
         log.exception("run %s failed", request.request_id)
         result = RunReport.for_request(request, device=identity().name, error=f"the board failed: {type(exc).__name__}: {exc}")

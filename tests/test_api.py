@@ -191,6 +191,7 @@ def test_chat_completion_answers_with_usage_and_is_recorded_as_an_api_run(stack)
     assert usage.prompt_tokens_details.cached_tokens >= 0
     extension = response.model_extra["edgecache"]
     assert extension["device"] == BOARD and extension["ttft_ms"] > 0 and extension["case"] in ("miss", "partial", "full")
+    assert 0 < extension["api_ms"] < 5000 and 0 < extension["queue_ms"] < 120_000  # arrival to dispatch; dispatch to the board taking it
     request_id = response.id.removeprefix("chatcmpl-")
     assert extension["request_id"] == request_id
     run = stack.run_row(request_id)

@@ -104,3 +104,51 @@ def test_a_follow_up_needs_the_turn_it_follows(valkey_url, namespace, make_board
     board.run(["Something unrelated, about lighthouses."], max_tokens=2)  # the engine moved on
     assert board.follow_up(FIRST, result.text, namespace=namespace).tokens == 0
     assert board.follow_up(FIRST, "   ", namespace=namespace).tokens == 0  # no answer to keep
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
+def test_a_waiting_run_goes_before_preparing_the_next_turn(valkey_url, namespace, make_board):
+    import uuid
+
+    from inference.edge import serve
+    from inference.messages import ChatMessage, RunRequest
+
+    board = make_board(valkey_url, namespace, context_reuse=True)
+
+    def turn(work_waiting):
+        request = RunRequest(request_id=str(uuid.uuid4()), messages=[ChatMessage(role=r, content=c) for r, c in FIRST], max_tokens=6, namespace=namespace)
+        return serve(board, request, work_waiting=work_waiting)
+
+    idle = turn(lambda: False)
+    assert idle.error == "" and idle.breakdown.next_turn_tokens > 0  # nothing waits: the next turn's prefix is ready
+    busy = turn(lambda: True)
+    assert busy.error == "" and busy.breakdown.next_turn_tokens == 0 and busy.text == idle.text  # another run waits: it goes first
+
+    def broker_down():
+        raise ConnectionError("broker unreachable")
+
+    assert turn(broker_down).breakdown.next_turn_tokens > 0  # unknown counts as nothing waiting
+
+
+@pytest.mark.cachebox
+def test_the_board_sees_messages_waiting_in_its_queues(valkey_url):
+    import uuid
+
+    from celery import Celery
+
+    from inference.edge import messages_waiting
+    from inference.worker import celery_settings
+
+    app = Celery("waiting-test", set_as_current=False)  # not the process's current app
+    app.conf.update(celery_settings(valkey_url))
+    own, shared = f"device.t-{uuid.uuid4().hex[:8]}", f"boards-{uuid.uuid4().hex[:8]}"
+    assert messages_waiting(app, [own, shared]) == 0  # queues never used
+    app.send_task("edgecache.run_prompt", args=[{}], queue=own)
+    app.send_task("edgecache.run_prompt", args=[{}], queue=shared)
+    app.send_task("edgecache.run_prompt", args=[{}], queue=shared)
+    assert messages_waiting(app, [own]) == 1 and messages_waiting(app, [own, shared]) == 3
+    with app.connection_for_write() as connection:
+        for name in (own, shared):
+            connection.default_channel.queue_purge(name)
+    assert messages_waiting(app, [own, shared]) == 0
