@@ -315,7 +315,7 @@ class Command(BaseCommand):
         self.stdout.write(
             f"\n{document['requests']} requests, {document['errors']} errors, {document['requests_per_s']} requests/s, {document['chunks_per_s']} chunks/s"
         )
-        for name in ("first_chunk_ms", "queue_ms", "board_ttft_ms", "first_minus_board_ttft_ms", "overhead_ms", "total_ms"):
+        for name in ("first_chunk_ms", "api_ms", "queue_ms", "board_ttft_ms", "first_minus_board_ttft_ms", "overhead_ms", "total_ms"):
             self.stdout.write(f"  {name:<26} p50 {document[name]['p50']}  p99 {document[name]['p99']}")
         for example in document["error_examples"]:
             self.stdout.write(f"  error: {example}")
