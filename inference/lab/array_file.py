@@ -4,6 +4,7 @@ what the caller expects (another format, another model, missing arrays)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +20,13 @@ def save_arrays(path: str | Path, **arrays: np.ndarray) -> Path:
     return path
 
 
-def load_arrays(path: str | Path, *, error: type[Exception], what: str, fit_hint: str, format: str, fingerprint: str, needed: set[str]) -> dict[str, np.ndarray]:
+def load_arrays(
+    path: str | Path, *, error: type[Exception], what: str, fit_hint: str, format: str, fingerprint: str, needed: set[str], json_records: tuple[str, ...] = ("calibration",)
+) -> dict:
     """The arrays of a file written by ``save_arrays`` with its ``format`` and ``fingerprint``
     arrays, holding at least ``needed``; raises ``error`` naming the problem otherwise
-    (``what``: "exit-adapter file"; ``fit_hint``: how to make one)."""
+    (``what``: "exit-adapter file"; ``fit_hint``: how to make one). The ``json_records`` (strings
+    holding JSON) come back decoded."""
     path = Path(path)
     if not path.is_file():
         raise error(f"no {what} at {path}: {fit_hint}")
@@ -37,4 +41,10 @@ def load_arrays(path: str | Path, *, error: type[Exception], what: str, fit_hint
         raise error(f"{path} has format {str(arrays['format'])!r}, expected {format!r}")
     if str(arrays["fingerprint"]) != fingerprint:
         raise error(f"{path} was fitted for model {str(arrays['fingerprint'])[:16]}..., not this model ({fingerprint[:16]}...)")
+    for name in json_records:
+        if name in arrays:
+            try:
+                arrays[name] = json.loads(str(arrays[name]))
+            except ValueError:
+                raise error(f"{path}: {name} record is not JSON") from None
     return arrays

@@ -176,10 +176,7 @@ class ExitLens:
             raise LensFileError(f"{path}: depths {depths.dtype} {depths.shape} and weights {weights.dtype} {weights.shape} do not fit together")
         if not np.all(np.isfinite(weights)):
             raise LensFileError(f"{path}: weights hold NaN or infinite values")
-        try:
-            calibration = json.loads(str(arrays["calibration"]))
-        except ValueError:
-            raise LensFileError(f"{path}: calibration record is not JSON") from None
+        calibration = arrays["calibration"]
         return cls(fingerprint, {int(d): weights[i] for i, d in enumerate(depths)}, calibration)
 
 

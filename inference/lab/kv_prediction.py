@@ -170,10 +170,7 @@ class Predictor:
                 raise PredictorFileError(f"{path}: {name} is {array.dtype} {array.shape}, expected {np.dtype(want_dtype)} {want_shape}")
             if not np.all(np.isfinite(array)):
                 raise PredictorFileError(f"{path}: {name} holds NaN or infinite values")
-        try:
-            calibration = json.loads(str(arrays["calibration"]))
-        except ValueError:
-            raise PredictorFileError(f"{path}: calibration record is not JSON") from None
+        calibration = arrays["calibration"]
         return cls(
             fingerprint=fingerprint,
             k=k,
