@@ -575,3 +575,10 @@ def test_a_busy_database_delays_a_report_but_never_loses_it(monkeypatch):
     monkeypatch.setattr(tasks.actions, "record_run", flaky)
     result = tasks.record_run.apply(args=[{"request_id": "r"}])
     assert result.successful() and len(calls) == 3
+
+
+@pytest.mark.django_db
+def test_every_model_change_has_its_migration():
+    from django.core.management import call_command
+
+    call_command("makemigrations", "--check", "--dry-run", verbosity=0)  # exits 1 when a migration is missing
