@@ -41,7 +41,7 @@ from .local_tier import Context, RamTier
 from .messages import StoredEntry
 from .overlap import DONE, Arrival, RangeLoader
 from .sampling import TOP_CANDIDATES, SamplingParams, choose, sample
-from .serving import OnToken, PromptError, RunResult, context_error, decode_answer, ms_since
+from .serving import OnToken, PromptError, RunResult, context_error, decode_answer, ms_since, segment_tokens
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,7 @@ class PrefixServing:
         Segments are tokenized one by one, so a segment's tokens (and so its cache key)
         do not depend on the text that follows it.
         """
-        tokens: list[int] = []
-        ends: list[int] = []
-        for index, segment in enumerate(segments):
-            tokens += self.engine.tokenize(segment, add_bos=index == 0)
-            ends.append(len(tokens))
-        return tokens, ends
+        return segment_tokens(self.engine, segments)
 
     def run(
         self,

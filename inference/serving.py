@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
-from .breakdown import Breakdown
+from .breakdown import Breakdown, CacheBoxState, Decision
 from .engine import Engine
 from .messages import StoredEntry
 from .sampling import TOP_CANDIDATES, SamplingParams, choose
@@ -31,6 +31,25 @@ def prompt_segments(prompt, max_tokens: int, tokens=None) -> list[str]:
     if max_tokens < 1:
         raise PromptError("max_tokens must be at least 1")
     return segments
+
+
+def segment_tokens(vocabulary, segments: Sequence[str]) -> tuple[list[int], list[int]]:
+    """Token ids of a prompt given as segments, and the index where each segment ends. Each
+    segment is tokenized on its own (BOS before the first), so its tokens, and its cache key, do
+    not depend on the text that follows it."""
+    tokens: list[int] = []
+    ends: list[int] = []
+    for index, segment in enumerate(segments):
+        tokens += vocabulary.tokenize(segment, add_bos=index == 0)
+        ends.append(len(tokens))
+    return tokens, ends
+
+
+def approximate_breakdown(strategy: str) -> Breakdown:
+    """The breakdown of a lab (approximate) run: labelled, and never reading or writing the cache box."""
+    breakdown = Breakdown(strategy=strategy)
+    breakdown.cache_off(CacheBoxState.OFF, Decision.NO_CACHE)
+    return breakdown
 
 
 def context_error(prompt_tokens: int, max_tokens: int, n_ctx: int) -> PromptError:

@@ -39,11 +39,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..breakdown import Breakdown, CacheBoxState, Decision
 from ..engine import MAIN_SEQ, Engine, EngineConfig
 from ..model_file import ModelFile, _cached_sha256
 from ..sampling import SamplingParams, choose
-from ..serving import OnToken, RunResult, context_error, decode_answer, ms_since, prompt_segments
+from ..serving import OnToken, RunResult, approximate_breakdown, context_error, decode_answer, ms_since, prompt_segments
 
 BASE = "anchors"  # the served model, pruned without training (expected to lose accuracy)
 TUNED = "anchors-tuned"  # the anchor-tuned GGUF (``anchor_tune``), pruned
@@ -243,8 +242,7 @@ class AnchorServing:
         segments = prompt_segments(prompt, max_tokens, tokens)
         engine = self.engine
         with engine.lock:
-            breakdown = Breakdown(strategy=strategy_label(self.strategy))
-            breakdown.cache_off(CacheBoxState.OFF, Decision.NO_CACHE)  # an anchor state is never exchanged
+            breakdown = approximate_breakdown(strategy_label(self.strategy))  # an anchor state is never exchanged
             started = time.perf_counter()
             mark = time.perf_counter()
             sequences = [list(tokens)] if tokens is not None else prompt_sequences(engine, segments)

@@ -45,9 +45,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..breakdown import Breakdown, CacheBoxState, Decision
 from ..sampling import SamplingParams, choose
-from ..serving import OnToken, RunResult, context_error, decode_answer, ms_since, prompt_segments
+from ..serving import OnToken, RunResult, approximate_breakdown, context_error, decode_answer, ms_since, prompt_segments, segment_tokens
 from .array_file import load_arrays, save_arrays
 
 try:  # the lab extra; the strategy's name parses without it (the edge imports this module)
@@ -520,12 +519,9 @@ class EarlyExitServing:
         self.decoder.check(policy)
         engine = self.engine
         with engine.lock:  # one run at a time on the board, exact or not (its tokenizer is llama.cpp's)
-            breakdown = Breakdown(strategy=strategy_name(policy))
-            breakdown.cache_off(CacheBoxState.OFF, Decision.NO_CACHE)  # an exited state is never exchanged
+            breakdown = approximate_breakdown(strategy_name(policy))  # an exited state is never exchanged
             started = mark = time.perf_counter()
-            if tokens is None:
-                tokens = [t for index, segment in enumerate(segments) for t in engine.tokenize(segment, add_bos=index == 0)]
-            tokens = list(tokens)
+            tokens = segment_tokens(engine, segments)[0] if tokens is None else list(tokens)
             breakdown.token_ms = ms_since(mark)
             n = len(tokens)
             breakdown.prompt_tokens = n

@@ -31,11 +31,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..config import edgecache_home
-from ..breakdown import Breakdown, CacheBoxState, Decision
+from ..breakdown import Breakdown
 from ..engine import MAIN_SEQ, Engine, EngineConfig
 from ..model_file import ModelFile, _cached_sha256
 from ..sampling import SamplingParams, choose
-from ..serving import OnToken, RunResult, context_error, decode_answer, ms_since, prompt_segments
+from ..serving import OnToken, RunResult, approximate_breakdown, context_error, decode_answer, ms_since, prompt_segments, segment_tokens
 from . import state_blob
 from .array_file import load_arrays, save_arrays
 from .truncate import ensure_truncated
@@ -353,17 +353,12 @@ class KVPredictionServing:
         tokens: Sequence[int] | None = None,
     ) -> RunResult:
         segments = prompt_segments(prompt, max_tokens, tokens)
-        engine, aux = self.engine, self.aux
+        engine = self.engine
         with engine.lock:
-            breakdown = Breakdown(strategy=strategy_name(self.k))
-            breakdown.cache_off(CacheBoxState.OFF, Decision.NO_CACHE)  # a predicted state is never exchanged
+            breakdown = approximate_breakdown(strategy_name(self.k))  # a predicted state is never exchanged
             started = time.perf_counter()
             mark = time.perf_counter()
-            if tokens is None:
-                tokens = []
-                for index, segment in enumerate(segments):
-                    tokens += engine.tokenize(segment, add_bos=index == 0)
-            tokens = list(tokens)
+            tokens = segment_tokens(engine, segments)[0] if tokens is None else list(tokens)
             breakdown.token_ms = ms_since(mark)
             n = len(tokens)
             breakdown.prompt_tokens = n
