@@ -10,6 +10,10 @@ import logging
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from channels_redis.core import RedisChannelLayer
+from cryptography.fernet import InvalidToken
+
+from cachebox.events import security_event
 
 log = logging.getLogger(__name__)
 
@@ -32,3 +36,17 @@ def broadcast(event: str, data: dict) -> None:
         async_to_sync(layer.group_send)(GROUP, {"type": "live.event", "event": event, "data": data, "device": event_device(event, data)})
     except Exception as exc:  # the page misses one live update; the data is stored anyway
         log.warning("live update %s not broadcast: %s", event, exc)
+
+
+class AuthenticatedChannelLayer(RedisChannelLayer):
+    """The Redis channel layer whose messages must decrypt under the server's key
+    (``symmetric_encryption_keys``, Fernet: encrypted and authenticated). A message someone else
+    wrote into the layer's keys is dropped and logged; the page keeps listening (the stock layer
+    raises, which would close every open page's socket)."""
+
+    async def receive_single(self, channel):
+        while True:
+            try:
+                return await super().receive_single(channel)
+            except InvalidToken:
+                security_event("live_event_refused", channel=channel[:100], reason="not made by this server (does not decrypt under its key)")

@@ -2,12 +2,17 @@
 
 One counter per user and minute: ``cache.add`` creates it (only if missing, so the first
 request of the window does not race another one), ``cache.incr`` counts atomically.
+
+It never fails open: when the cache cannot be reached (down, or every pooled connection busy),
+the count goes on in this process (``_local``), with the same window and limit. Several web
+processes then each allow up to the limit until the cache answers again: bounded, not open.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -32,8 +37,8 @@ class Verdict:
 def hit(scope: str, who: str | int, limit: int, *, window: int = WINDOW_SECONDS, cache_alias: str = "default") -> Verdict:
     """Count one request of ``who`` in ``scope``; refused once the window holds more than ``limit``.
 
-    A limit of 0 or less turns the limit off. When the cache cannot be reached the request
-    is let through (logged): the runs it would dispatch travel through the same server.
+    A limit of 0 or less turns the limit off. When the cache cannot be reached the request is
+    counted in this process instead (logged once a window): refused past the limit all the same.
     """
     if limit <= 0:
         return Verdict(True, 0, limit, 0)
@@ -49,7 +54,29 @@ def hit(scope: str, who: str | int, limit: int, *, window: int = WINDOW_SECONDS,
             cache.set(key, 1, timeout=window + 5)
             count = 1
     except CACHE_SERVER_ERRORS as exc:
-        log.warning("rate limit %s not enforced: the cache is unreachable (%s)", scope, exc)
-        return Verdict(True, 0, limit, 0)
+        count = _local.count(key, current, lambda: log.warning("rate limit %s counted in this process: the cache is unreachable (%s)", scope, exc))
     retry_after = max(1, math.ceil((current + 1) * window - now))
     return Verdict(count <= limit, count, limit, retry_after)
+
+
+class _LocalCounts:
+    """Fixed-window counters of this process, for while the shared cache does not answer."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._window = None
+        self._counts: dict[str, int] = {}
+
+    def count(self, key: str, window: int, on_first) -> int:
+        with self._lock:
+            if self._window != window:  # a new window: older counters are over
+                self._window, self._counts = window, {}
+            first = not self._counts
+            self._counts[key] = self._counts.get(key, 0) + 1
+            count = self._counts[key]
+        if first:
+            on_first()
+        return count
+
+
+_local = _LocalCounts()

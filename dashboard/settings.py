@@ -248,10 +248,13 @@ for _name, _value in celery_settings(REDIS_URL).items():
 # meets it reports it, so it is recorded as expired instead of vanishing.
 EDGECACHE_TASK_EXPIRES = _env_int("EDGECACHE_TASK_EXPIRES", 600)
 
+# Live events travel through Redis: they are encrypted and authenticated with a key derived from
+# SECRET_KEY (Fernet), so a page only ever shows events this server made. A message someone else
+# wrote into the layer's keys fails to decrypt and is dropped.
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL]},
+        "BACKEND": "dashboard.live.AuthenticatedChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "symmetric_encryption_keys": [SECRET_KEY]},
     }
 }
 
@@ -295,11 +298,19 @@ if REDIS_URL.split("://", 1)[0] in ("redis", "rediss", "unix"):
             "BACKEND": "cachebox.django_cache.CacheBoxRedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": "edgecache:django",
-            "OPTIONS": {"socket_connect_timeout": EDGECACHE_CONNECT_TIMEOUT, "socket_timeout": EDGECACHE_IO_TIMEOUT},
+            # JSON values (never pickle: cachebox.django_cache). A bounded pool: a burst of requests
+            # waits up to the I/O timeout for a connection instead of opening one each.
+            "OPTIONS": {
+                "socket_connect_timeout": EDGECACHE_CONNECT_TIMEOUT,
+                "socket_timeout": EDGECACHE_IO_TIMEOUT,
+                "pool_class": "redis.BlockingConnectionPool",
+                "max_connections": _env_int("EDGECACHE_CACHE_CONNECTIONS", 32),
+                "timeout": EDGECACHE_IO_TIMEOUT,
+            },
         }
     }
 else:  # not a Redis URL: counters per process only
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "edgecache"}}
+    CACHES = {"default": {"BACKEND": "cachebox.django_cache.JSONLocMemCache", "LOCATION": "edgecache"}}
 
 # `edgecache.security`: one JSON object per line (cachebox.events.security_event).
 LOGGING["formatters"]["json_lines"] = {"()": "cachebox.events.JsonLineFormatter"}

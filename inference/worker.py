@@ -39,6 +39,12 @@ def celery_settings(broker_url: str, environ=os.environ) -> dict:
             "unacked_restore_throttle": 1,
         },
         "worker_prefetch_multiplier": 1,
+        # No broadcast control commands (ping, cancel_consumer, shutdown, ...): any writer of the
+        # broker could send them to every worker. Boards and control workers take work from their
+        # queues and nothing else; no events are published for monitors either.
+        "worker_enable_remote_control": False,
+        "worker_send_task_events": False,
+        "task_send_sent_event": False,
         "task_default_queue": Queue.CONTROL.value,
         "task_routes": {task.value: {"queue": Queue.CONTROL.value} for task in CONTROL_TASKS},
         "broker_connection_retry_on_startup": True,

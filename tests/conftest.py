@@ -129,7 +129,7 @@ def _own_django_cache(settings):
 
     Tests that need the shared Redis cache point ``settings.CACHES`` at a server themselves.
     """
-    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}}
+    settings.CACHES = {"default": {"BACKEND": "cachebox.django_cache.JSONLocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}}
 
 
 @pytest.fixture(autouse=True)

@@ -81,14 +81,39 @@ class ApiRequest:
         return " ".join(text.split())[:80]
 
 
+MAX_JSON_DEPTH = 32  # OpenAI's bodies nest a few levels; deeper is refused before anything walks it
+
+
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw or b"")
+    except RecursionError:
+        raise bad_request(f"The request body nests too deeply (more than {MAX_JSON_DEPTH} levels); send OpenAI's request shape.") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON ({exc}); send a JSON object with Content-Type: application/json.") from None
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}.")
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise bad_request(f"The request body nests too deeply (more than {MAX_JSON_DEPTH} levels); send OpenAI's request shape.")
     return body
+
+
+def json_depth(value) -> int:
+    """How deeply ``value`` (parsed JSON) nests lists and objects; iterative, so any depth is safe."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_JSON_DEPTH:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def parse_request(body: dict, kind: str) -> ApiRequest:
