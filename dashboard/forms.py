@@ -20,7 +20,7 @@ from inference.pml import PMLError, parse_prompt, parse_schema
 
 from .actions import PromptSpec
 from .models import Device, SavedPrompt
-from .stats import sees_every_namespace, visible_devices
+from .stats import sees_every_namespace, visible_devices, visible_schemas
 
 MAX_PROMPT_CHARS = 32_000  # the Run page's limit, in the text boxes (counter) and here (form error)
 SCHEMA_IN_PROMPT = re.compile(r"""<prompt\b[^>]*?\bschema\s*=\s*["']([^"']+)["']""")
@@ -119,10 +119,18 @@ class DeviceForm(forms.ModelForm):
 
 
 class SchemaForm(forms.ModelForm):
+    namespace = forms.ChoiceField(required=False, help_text="the namespace whose keys, users and boards may use it; shared: every namespace")
+
     class Meta:
         model = Schema
-        fields = ["source"]
+        fields = ["source", "namespace"]
         widgets = {"source": forms.Textarea(attrs={"rows": 18, "spellcheck": "false"})}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from .models import Namespace
+
+        self.fields["namespace"].choices = [("", "shared with every namespace")] + [(name, name) for name in Namespace.objects.values_list("name", flat=True)]
 
 
 class _ForUser:
@@ -148,9 +156,11 @@ class EncodeForm(_ForUser, forms.Form):
     devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple)
     namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
 
-    def __init__(self, *args, user, **kwargs):
+    def __init__(self, *args, user, schema: Schema | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._scope_to(user)
+        if schema is not None and schema.namespace:  # a namespace's schema is encoded by its own boards only
+            self.fields["devices"].queryset = self.fields["devices"].queryset.filter(namespace_id=schema.namespace)
 
     def clean_namespace(self):
         return self._check_namespace_is_theirs(_clean_namespace(self.cleaned_data.get("namespace")))
@@ -193,6 +203,7 @@ class RunForm(_ForUser, forms.Form):
     def __init__(self, *args, user, **kwargs):
         super().__init__(*args, **kwargs)
         self._scope_to(user)
+        self.fields["schema"].queryset = visible_schemas(user)
         try:
             self.fields["topic"].choices = [(topic, topic) for topic in mmlu.topics()]
         except FileNotFoundError:
@@ -218,7 +229,7 @@ class RunForm(_ForUser, forms.Form):
     def _schema_named_in(self, pml: str) -> Schema | None:
         """The schema a PML prompt names (``<prompt schema="travel">``), when it is a known one."""
         found = SCHEMA_IN_PROMPT.search(pml or "")
-        return Schema.objects.filter(name=found.group(1)).first() if found else None
+        return visible_schemas(self.user).filter(name=found.group(1)).first() if found else None
 
     def clean(self):
         data = super().clean()
@@ -247,7 +258,7 @@ class RunForm(_ForUser, forms.Form):
                 pass  # too long: said already
             elif not schema:
                 found = SCHEMA_IN_PROMPT.search(data.get("pml") or "")
-                known = ", ".join(Schema.objects.values_list("name", flat=True)) or "none yet"
+                known = ", ".join(visible_schemas(self.user).values_list("name", flat=True)) or "none yet"
                 if found:
                     self.add_error("schema", f"The prompt names schema {found.group(1)!r}, which is not known (known: {known}): choose one.")
                 else:
@@ -257,6 +268,9 @@ class RunForm(_ForUser, forms.Form):
                     parse_prompt(data.get("pml") or "", parse_schema(schema.source))
                 except PMLError as exc:
                     self.add_error("pml", str(exc))
+                foreign = [device.name for device in data.get("devices") or () if schema.namespace and device.namespace_id != schema.namespace]
+                if foreign:
+                    self.add_error("schema", f"Schema {schema.name!r} belongs to namespace {schema.namespace!r}: {', '.join(foreign)} may not run it.")
         if data.get("source") == "pml" and (data.get("strategy") or "exact") != "exact":
             self.add_error("strategy", "A schema prompt is served from exact cached modules: choose the exact strategy for it.")
         return data

@@ -118,6 +118,26 @@ def visible_devices(user) -> QuerySet[Device]:
     return devices.filter(namespace__memberships__user=user)  # (user, namespace) is unique: no duplicates
 
 
+def visible_namespaces(user) -> list[str] | None:
+    """Names of the namespaces ``user`` is a member of; None for "every namespace" (staff)."""
+    if sees_every_namespace(user):
+        return None
+    if user is None or not user.is_authenticated or not user.is_active:
+        return []
+    return list(user.memberships.values_list("namespace_id", flat=True))
+
+
+def visible_schemas(user):
+    """The schemas ``user`` may see and run: staff all; others their namespaces' and the shared ones."""
+    from django.db.models import Q
+
+    from inference.models import Schema
+
+    namespaces = visible_namespaces(user)
+    schemas = Schema.objects.all()
+    return schemas if namespaces is None else schemas.filter(Q(namespace="") | Q(namespace__in=namespaces))
+
+
 def visible_device_names(user) -> frozenset[str] | None:
     """Names of the devices ``user`` may see; None for "every device" (staff). One query."""
     if sees_every_namespace(user):

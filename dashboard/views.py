@@ -49,7 +49,7 @@ from .explain import explain_run
 from . import actions, charts, lab_charts, metrics, ratelimit, run_stream
 from .forms import MAX_PROMPT_CHARS, ConfirmForm, DeviceForm, EncodeForm, FlushForm, RunFilterForm, RunForm, SchemaForm
 from .models import AuditEvent, Device, InferenceRun
-from .stats import device_summary, explain_error, explained, fill_label, recent_runs, visible_devices, visible_runs
+from .stats import device_summary, explain_error, explained, fill_label, recent_runs, visible_devices, visible_runs, visible_schemas
 
 log = logging.getLogger("dashboard.views")
 BROKER_RETRY_AFTER = 30  # seconds a client is told to wait after the broker was unreachable
@@ -161,7 +161,7 @@ def device_list(request):
 def device_register(request):
     form = DeviceForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        data = {field: form.cleaned_data[field] for field in ("name", "kind", "cpu_threads", "memory_mb", "link_bandwidth_mbps", "link_rtt_ms")}
+        data = {field: form.cleaned_data[field] for field in ("name", "namespace", "kind", "cpu_threads", "memory_mb", "link_bandwidth_mbps", "link_rtt_ms")}
         device, token = actions.register_device(request.user, **data)
         return render(request, "dashboard/device_token.html", {"device": device, "token": token, "created": True})
     return render(request, "dashboard/device_form.html", {"form": form, "link_presets": DeviceForm.link_presets()})
@@ -668,7 +668,7 @@ def plotly_js(request):
 # -- schemas ---------------------------------------------------------------------------------------
 @login_required
 def schema_list(request):
-    return render(request, "dashboard/schemas.html", {"schemas": Schema.objects.all()})
+    return render(request, "dashboard/schemas.html", {"schemas": visible_schemas(request.user)})
 
 
 @staff_member_required
@@ -698,7 +698,7 @@ def _cache_status(schema: Schema, layout, viewer) -> tuple[list[Device], dict[st
 
 @login_required
 def schema_detail(request, pk):
-    schema = get_object_or_404(Schema, pk=pk)
+    schema = get_object_or_404(visible_schemas(request.user), pk=pk)
     try:
         layout = layout_of(schema.source)
     except PMLError as exc:
@@ -711,7 +711,7 @@ def schema_detail(request, pk):
     return render(
         request,
         "dashboard/schema_detail.html",
-        {"schema": schema, "rows": rows, "devices": devices, "positions": layout.positions, "encode_form": EncodeForm(user=request.user), "has_status": bool(status)},
+        {"schema": schema, "rows": rows, "devices": devices, "positions": layout.positions, "encode_form": EncodeForm(user=request.user, schema=schema), "has_status": bool(status)},
     )
 
 
@@ -719,7 +719,7 @@ def schema_detail(request, pk):
 @require_POST
 def schema_encode(request, pk):
     schema = get_object_or_404(Schema, pk=pk)
-    form = EncodeForm(request.POST, user=request.user)
+    form = EncodeForm(request.POST, user=request.user, schema=schema)
     wants_json = request.headers.get("Accept", "").startswith("application/json")
     if not form.is_valid():
         if wants_json:

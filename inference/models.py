@@ -13,6 +13,10 @@ class Schema(models.Model):
     name = models.CharField(max_length=64, unique=True, editable=False, help_text="from <schema name=...>")
     source = models.TextField(help_text="the PML document")
     digest = models.CharField(max_length=16, editable=False, help_text="changes whenever the source does")
+    # The tenant whose keys, pages and boards may use it; "" is shared with every namespace (staff
+    # choose to share one). A name (``dashboard.Namespace``), not a foreign key: boards' app
+    # (inference) knows nothing of the control plane's models.
+    namespace = models.CharField(max_length=40, blank=True, default="", help_text="the namespace that owns it; empty: shared with every namespace")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created = models.DateTimeField(auto_now_add=True)
     updated = models.DateTimeField(auto_now=True)

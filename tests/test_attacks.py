@@ -209,3 +209,67 @@ def test_a_live_event_written_into_redis_by_someone_else_never_reaches_a_page(se
         asyncio.run(scenario())
     finally:
         channel_layers.backends.clear()
+
+
+# -- probe 9: registration keeps the namespace chosen; weak: schemas belong to namespaces -----------------
+@pytest.fixture
+def staff(django_user_model, client):
+    user = django_user_model.objects.create_user("root", password="pw-root-12345", is_staff=True, is_superuser=True)
+    client.force_login(user)
+    return client
+
+
+def test_registering_a_device_keeps_the_namespace_chosen(staff, monkeypatch):
+    from django.urls import reverse
+
+    from dashboard.models import Device, Namespace
+
+    monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
+    tenant = Namespace.objects.create(name="tenant-b")
+    response = staff.post(reverse("device-register"), {"name": "b-board", "namespace": tenant.name, "kind": "", "cpu_threads": 1, "memory_mb": 512, "link_preset": "none"})
+    assert response.status_code == 200, response.content[:500]
+    assert Device.objects.get(name="b-board").namespace_id == "tenant-b"
+
+
+TRAVEL = '<schema name="{name}"><module name="city">Lisbon has trams.</module></schema>'
+
+
+def test_a_namespaces_schema_is_neither_seen_nor_run_by_another_tenant(client, django_user_model):
+    from django.urls import reverse
+
+    from dashboard.forms import RunForm
+    from dashboard.models import Device, Membership, Namespace
+    from inference.models import Schema
+
+    for name in ("acme", "globex"):
+        Namespace.objects.create(name=name)
+    own = Schema(source=TRAVEL.format(name="acme-travel"), namespace="acme")
+    own.full_clean(), own.save()
+    shared = Schema(source=TRAVEL.format(name="shared-travel"))
+    shared.full_clean(), shared.save()
+    globex_device = Device.objects.create(name="g1", namespace_id="globex", token_sha256="x")
+    bob = django_user_model.objects.create_user("bob", password="pw-bob-12345")
+    Membership.objects.create(user=bob, namespace_id="globex")
+    client.force_login(bob)
+    listing = client.get(reverse("schemas")).content.decode()
+    assert "shared-travel" in listing and "acme-travel" not in listing
+    assert client.get(reverse("schema-detail", args=[own.pk])).status_code == 404
+    form = RunForm({"devices": [globex_device.pk], "source": "pml", "pml": '<prompt schema="acme-travel"><city/></prompt>', "max_tokens": 4}, user=bob)
+    assert not form.is_valid() and "schema" in form.errors
+    form = RunForm({"devices": [globex_device.pk], "source": "pml", "pml": '<prompt schema="shared-travel"><city/></prompt>', "max_tokens": 4}, user=bob)
+    assert form.is_valid(), form.errors
+
+
+def test_an_api_key_runs_only_its_namespaces_and_shared_schemas(client):
+    from dashboard.api.keys import create_key
+    from dashboard.models import Namespace
+    from inference.models import Schema
+
+    for name in ("acme", "globex"):
+        Namespace.objects.create(name=name)
+    schema = Schema(source=TRAVEL.format(name="acme-travel"), namespace="acme")
+    schema.full_clean(), schema.save()
+    _, key = create_key(None, "globex")
+    body = {"model": "m", "messages": [], "edgecache": {"schema": "acme-travel", "pml": '<prompt schema="acme-travel"><city/></prompt>'}}
+    response = client.post("/v1/chat/completions", data=json.dumps(body), content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert response.status_code == 400 and "No schema named 'acme-travel'" in response.json()["error"]["message"]

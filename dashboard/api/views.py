@@ -23,6 +23,7 @@ import uuid
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.db.models import Q
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from kombu.exceptions import OperationalError as BrokerUnavailable
@@ -103,7 +104,7 @@ async def _complete(request, kind: str) -> HttpResponse:
         except RequestDataTooBig:
             raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
         api = parse_request(parse_body(raw), kind)
-        schema_source = await _schema_source(api)
+        schema_source = await _schema_source(api, key.namespace_id)
         device, routed = await sync_to_async(routing.choose_route)(key, api)
         run = _run_request(key, device, api, schema_source)
     except ApiError as exc:
@@ -138,10 +139,12 @@ async def _authorized(request) -> ApiKey:
     return key
 
 
-async def _schema_source(api: ApiRequest) -> str:
+async def _schema_source(api: ApiRequest, namespace: str) -> str:
+    """A stored schema the key's namespace may use (its own, or one shared with every namespace)."""
     if not api.schema:
         return ""
-    source = await Schema.objects.filter(name=api.schema).values_list("source", flat=True).afirst()
+    usable = Schema.objects.filter(name=api.schema).filter(Q(namespace="") | Q(namespace=namespace))
+    source = await usable.values_list("source", flat=True).afirst()
     if source is None:
         raise bad_request(f"No schema named {api.schema!r}; the Schemas page lists them (staff create them there).", param="edgecache.schema")
     return source
