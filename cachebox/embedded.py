@@ -5,6 +5,10 @@ The first command that needs it starts the ``valkey-server`` binary bundled by t
 find it by its port file and reuse it; ``stop()`` ends it. The port is derived from
 the folder so that two checkouts on one machine do not meet.
 
+With a ``password`` (the control plane's, from its secrets folder) the server requires it for
+the ``default`` user, and keeps its ACL users in an ACL file of its own (``users.acl``, 0600):
+boards' users, saved with ``ACL SAVE``, outlive a restart of the server.
+
 ``ensure_cluster()`` starts a Valkey Cluster of three masters on loopback from the same
 binary (for tests, and for trying ``redis+cluster://`` URLs on one machine).
 """
@@ -19,7 +23,9 @@ import random
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+from urllib.parse import quote
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +45,26 @@ def default_port(data_dir: Path) -> int:
     return 20000 + int.from_bytes(digest, "little") % 12000
 
 
-def url_for(data_dir: Path, port: int | None = None) -> str:
-    return f"redis://127.0.0.1:{port or default_port(data_dir)}/0"
+def url_for(data_dir: Path, port: int | None = None, password: str | None = None, host: str = "127.0.0.1") -> str:
+    """The server's URL; with ``password``, as the ``default`` user (the control plane's)."""
+    credentials = f"default:{quote(password, safe='')}@" if password else ""
+    return f"redis://{credentials}{host}:{port or default_port(data_dir)}/0"
+
+
+ACL_FILE = "users.acl"
+
+
+def _write_acl_file(data_dir: Path, password: str) -> Path:
+    """The ACL file with the ``default`` user's password (by its SHA-256), keeping every other
+    user it holds (boards' users saved before). Written whole, 0600."""
+    path = Path(data_dir) / ACL_FILE
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    others = [line for line in (path.read_text().splitlines() if path.exists() else []) if line.strip() and not line.startswith("user default ")]
+    fd, temporary = tempfile.mkstemp(dir=data_dir, prefix=".users.acl.")
+    with os.fdopen(fd, "w") as out:
+        out.write("\n".join([f"user default on #{digest} ~* &* +@all", *others]) + "\n")
+    os.replace(temporary, path)
+    return path
 
 
 @contextmanager
@@ -69,22 +93,26 @@ def _owner_dir(client: redis.Redis) -> str | None:
         return None
 
 
-def is_running(data_dir: Path, port: int | None = None) -> bool:
+def is_running(data_dir: Path, port: int | None = None, password: str | None = None) -> bool:
     """True when this checkout's embedded server answers on its port."""
-    client = redis.Redis.from_url(url_for(data_dir, port), socket_connect_timeout=0.3, socket_timeout=1, decode_responses=True)
+    client = redis.Redis.from_url(url_for(data_dir, port, password), socket_connect_timeout=0.3, socket_timeout=1, decode_responses=True)
     try:
         return _owner_dir(client) == str(Path(data_dir).resolve())
     finally:
         client.close()
 
 
-def ensure_running(data_dir: Path, *, port: int | None = None, maxmemory: str = "1gb", timeout: float = 10.0) -> str:
-    """Start the embedded server unless it runs already; returns its URL."""
+def ensure_running(
+    data_dir: Path, *, port: int | None = None, maxmemory: str = "1gb", timeout: float = 10.0, password: str | None = None, bind: str = "127.0.0.1"
+) -> str:
+    """Start the embedded server unless it runs already; returns its URL (with ``password``, as the
+    ``default`` user, whom no one reaches without it). ``bind``: the addresses it listens on
+    (space-separated; boards on other hosts reach it at one of them)."""
     data_dir = Path(data_dir).resolve()
     port = port or default_port(data_dir)
-    url = url_for(data_dir, port)
+    url = url_for(data_dir, port, password)
     with _locked(data_dir):
-        if is_running(data_dir, port):
+        if is_running(data_dir, port, password):
             return url
         probe = socket.socket()
         try:
@@ -98,7 +126,7 @@ def ensure_running(data_dir: Path, *, port: int | None = None, maxmemory: str = 
         args = [
             _binary(),
             "--port", str(port),
-            "--bind", "127.0.0.1",
+            "--bind", *bind.split(),
             "--protected-mode", "yes",
             "--dir", str(data_dir),
             "--daemonize", "yes",
@@ -112,24 +140,26 @@ def ensure_running(data_dir: Path, *, port: int | None = None, maxmemory: str = 
             "--maxmemory", maxmemory,
             "--maxmemory-policy", "volatile-lru",
         ]
+        if password:
+            args += ["--aclfile", str(_write_acl_file(data_dir, password))]
         result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:
             raise CacheBoxUnavailable(f"the embedded cache box failed to start: {result.stderr.strip() or result.stdout.strip()}")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if is_running(data_dir, port):
+            if is_running(data_dir, port, password):
                 return url
             time.sleep(0.05)
         raise CacheBoxUnavailable(f"the embedded cache box did not answer within {timeout:.0f} s; see {data_dir / 'valkey.log'}")
 
 
-def stop(data_dir: Path, port: int | None = None, timeout: float = 10.0) -> bool:
+def stop(data_dir: Path, port: int | None = None, timeout: float = 10.0, password: str | None = None) -> bool:
     """Stop this checkout's embedded server; False when none was running."""
     data_dir = Path(data_dir).resolve()
     with _locked(data_dir):
-        if not is_running(data_dir, port):
+        if not is_running(data_dir, port, password):
             return False
-        client = redis.Redis.from_url(url_for(data_dir, port), socket_connect_timeout=0.5, socket_timeout=2)
+        client = redis.Redis.from_url(url_for(data_dir, port, password), socket_connect_timeout=0.5, socket_timeout=2)
         try:
             client.shutdown(nosave=True)
         except (redis.ConnectionError, OSError):
@@ -139,7 +169,7 @@ def stop(data_dir: Path, port: int | None = None, timeout: float = 10.0) -> bool
             if pid_file.exists():
                 os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and is_running(data_dir, port):
+        while time.monotonic() < deadline and is_running(data_dir, port, password):
             time.sleep(0.05)
         return True
 

@@ -1,14 +1,22 @@
-"""One cache entry: the raw llama.cpp state bytes of one token range plus a small header.
+"""One cache entry: the llama.cpp state of one token range, sealed under its namespace's data key,
+behind a small signed header.
 
-Layout (no pickle): ``b"ECE2" | u32 header length | 32-byte MAC | header JSON | state bytes``.
-The state bytes are stored raw or under a lossless codec named in the header
-(``cachebox.codec``); the size and digest describe the stored bytes, so they are checked
-before anything is decoded.
-The header names the range ``[start, end)``, the digest of its tokens, the
-state's byte count and SHA-256 digest, the creator and time, the signing key's
-generation, and the top logits of the range's last position (so a full hit samples
-its first token with no decode). The MAC (HMAC-SHA256 under the namespace's key,
-see ``signing``) authenticates the header, and through its digest the state.
+Layout (no pickle): ``b"ECE3" | u32 header length | 32-byte MAC | header JSON | sealed state``.
+
+- The **header** names what a board needs before it downloads the state: model fingerprint,
+  namespace, range ``[start, end)``, the stored size, codec and cipher, the key generation, and
+  a sealed *private* part (the digest of the range's tokens, the creator, and the top logits of
+  the range's last position, so a full hit samples its first token with no decode). The MAC
+  (HMAC-SHA256 under the namespace's MAC key, ``signing.KeyRing``) authenticates the header, so a
+  board refuses a forged or oversized entry before downloading it.
+- The **state** is encrypted and authenticated (AES-256-GCM or ChaCha20-Poly1305, a key of its own
+  per entry: ``signing.seal_data``) with the header bytes as associated data: it opens only under
+  the namespace's key and only behind the header it was written with. A dump of the cache box
+  shows ranges and sizes, never a tenant's state, tokens or logits.
+
+The state is stored raw or under a lossless codec (``cachebox.codec``) before it is sealed:
+decryption authenticates the bytes before the decompressor or llama.cpp sees one, and
+decompression is bounded by the signed decoded size.
 """
 
 from __future__ import annotations
@@ -22,29 +30,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from blake3 import blake3
 
 from . import codec as codecs
 from .errors import EntryError
 from .keys import STATE_FORMAT_VERSION
-from .signing import MAC_BYTES, KeyRing
+from .signing import CIPHERS, DEFAULT_CIPHER, MAC_BYTES, SALT_BYTES, TAG_BYTES, KeyRing
 
-MAGIC = b"ECE2"
+MAGIC = b"ECE3"
 _PREFIX = struct.Struct("<4sI")
-# Bytes fetched first to read a header without its state; headers are ~1 KB.
+# Bytes fetched first to read a header without its state; headers are ~1.5 KB.
 HEADER_PEEK_BYTES = 4096
 MAX_HEADER_BYTES = 64 * 1024
+SEAL_OVERHEAD = SALT_BYTES + TAG_BYTES
 
-
-# The state digest is BLAKE3 (a cryptographic hash, 256 bits): 8.5 MB in ~2.8 ms on one core
-# of the development machine, against ~5.4 ms for SHA-256. Entries of one fetch are hashed
-# on a small pool (the binding releases the GIL), each still checked before it is restored.
-_hash_pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="edgecache-digest")
-
-
-def state_checksum(state: bytes | memoryview) -> str:
-    """BLAKE3 of the state bytes, hex (signed through the header's MAC)."""
-    return blake3(state).hexdigest()
+# Entries of one fetch are opened on a small pool (decryption releases the GIL for large
+# inputs), each still checked before it is restored.
+_open_pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="edgecache-open")
 
 
 @dataclass
@@ -54,28 +55,44 @@ class EntryHeader:
     start: int
     end: int
     tokens_digest: str
-    state_bytes: int
-    checksum: str
+    state_bytes: int  # the stored (sealed) state's size: what the cache box holds and a fetch moves
     device: str = ""
     created: float = field(default_factory=time.time)
     top_ids: np.ndarray | None = None  # int32, best first
     top_logits: np.ndarray | None = None  # float32, same order
     version: int = STATE_FORMAT_VERSION
-    key_generation: int = 0  # the signing key's generation (set by encode_entry)
-    codec: str = codecs.RAW  # how the state is stored (``cachebox.codec``); state_bytes/checksum describe the stored bytes
-    raw_bytes: int = 0  # the state's size once decoded (what llama.cpp reads); 0 for raw: state_bytes
-    # As read: the MAC and the exact header bytes it covers.
+    key_generation: int = 0  # the namespace key's generation (set by encode_entry)
+    codec: str = codecs.RAW  # how the state was encoded before sealing (``cachebox.codec``)
+    raw_bytes: int = 0  # the state's size once decoded (what llama.cpp reads); 0 for raw
+    cipher: str = DEFAULT_CIPHER
+    # As read: the MAC, the exact header bytes it covers, and the private part still sealed.
     mac: bytes = b""
     signed_bytes: bytes = b""
+    sealed_private: bytes = b""
 
     @property
     def token_count(self) -> int:
         return self.end - self.start
 
     @property
+    def plain_bytes(self) -> int:
+        """The encoded state's size once opened (the sealed size without salt and tag)."""
+        return max(0, self.state_bytes - SEAL_OVERHEAD)
+
+    @property
     def decoded_bytes(self) -> int:
-        """The size of the llama.cpp state this entry holds, once decoded."""
-        return self.raw_bytes if self.codec != codecs.RAW else self.state_bytes
+        """The size of the llama.cpp state this entry holds, once opened and decoded."""
+        return self.raw_bytes if self.codec != codecs.RAW else self.plain_bytes
+
+    def private_aad(self) -> bytes:
+        return f"edgecache/entry-private/v3|{self.fingerprint}|{self.namespace}|{self.start}|{self.end}|{self.key_generation}".encode()
+
+    def private_json(self) -> bytes:
+        doc: dict = {"tok": self.tokens_digest, "dev": self.device}
+        if self.top_ids is not None and self.top_logits is not None:
+            doc["top_ids"] = base64.b64encode(np.asarray(self.top_ids, "<i4").tobytes()).decode()
+            doc["top_logits"] = base64.b64encode(np.asarray(self.top_logits, "<f4").tobytes()).decode()
+        return json.dumps(doc, separators=(",", ":")).encode()
 
     def to_json(self) -> bytes:
         doc = {
@@ -84,82 +101,91 @@ class EntryHeader:
             "ns": self.namespace,
             "start": self.start,
             "end": self.end,
-            "tok": self.tokens_digest,
             "n": self.state_bytes,
-            "sum": self.checksum,
-            "dev": self.device,
             "t": round(self.created, 3),
             "kid": self.key_generation,
+            "cipher": self.cipher,
+            "priv": base64.b64encode(self.sealed_private).decode(),
         }
         if self.codec != codecs.RAW:
             doc["codec"] = self.codec
             doc["raw"] = self.raw_bytes
-        if self.top_ids is not None and self.top_logits is not None:
-            doc["top_ids"] = base64.b64encode(np.asarray(self.top_ids, "<i4").tobytes()).decode()
-            doc["top_logits"] = base64.b64encode(np.asarray(self.top_logits, "<f4").tobytes()).decode()
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "EntryHeader":
         try:
             doc = json.loads(raw)
-            top_ids = top_logits = None
-            if "top_ids" in doc:
-                top_ids = np.frombuffer(base64.b64decode(doc["top_ids"], validate=True), "<i4")
-                top_logits = np.frombuffer(base64.b64decode(doc["top_logits"], validate=True), "<f4")
-                if top_ids.shape != top_logits.shape:
-                    raise ValueError("top ids and logits differ in length")
             header = cls(
                 fingerprint=str(doc["fp"]),
                 namespace=str(doc["ns"]),
                 start=int(doc["start"]),
                 end=int(doc["end"]),
-                tokens_digest=str(doc["tok"]),
+                tokens_digest="",
                 state_bytes=int(doc["n"]),
-                checksum=str(doc["sum"]),
-                device=str(doc.get("dev", "")),
                 created=float(doc.get("t", 0.0)),
-                top_ids=top_ids,
-                top_logits=top_logits,
                 version=int(doc["v"]),
                 key_generation=int(doc.get("kid", 0)),
                 codec=str(doc.get("codec", codecs.RAW)),
                 raw_bytes=int(doc.get("raw", 0)),
+                cipher=str(doc.get("cipher", "")),
+                sealed_private=base64.b64decode(str(doc.get("priv", "")), validate=True),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise EntryError(f"entry header is malformed: {exc}") from exc
-        if not 0 <= header.start < header.end or header.state_bytes < 0:
-            raise EntryError(f"entry header has an impossible range [{header.start}, {header.end})")
+        if not 0 <= header.start < header.end or header.state_bytes < SEAL_OVERHEAD:
+            raise EntryError(f"entry header has an impossible range [{header.start}, {header.end}) or size {header.state_bytes}")
         if header.codec != codecs.RAW and header.raw_bytes <= 0:
             raise EntryError(f"entry header stores its state as {header.codec!r} without its decoded size")
+        if header.cipher not in CIPHERS:
+            raise EntryError(f"entry is sealed with {header.cipher!r}, a cipher this board does not know")
         return header
 
+    def open_private(self, keyring: KeyRing) -> None:
+        """Fill the private fields (tokens digest, creator, top logits) from the sealed part."""
+        plain = keyring.open_data(self.key_generation, self.sealed_private, self.private_aad(), cipher=self.cipher)
+        try:
+            doc = json.loads(plain)
+            self.tokens_digest = str(doc["tok"])
+            self.device = str(doc.get("dev", ""))
+            if "top_ids" in doc:
+                top_ids = np.frombuffer(base64.b64decode(doc["top_ids"], validate=True), "<i4")
+                top_logits = np.frombuffer(base64.b64decode(doc["top_logits"], validate=True), "<f4")
+                if top_ids.shape != top_logits.shape:
+                    raise ValueError("top ids and logits differ in length")
+                self.top_ids, self.top_logits = top_ids, top_logits
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EntryError(f"entry header's private part is malformed: {exc}") from exc
 
-def encode_entry(header: EntryHeader, state: bytes, keyring: KeyRing) -> bytes:
-    """Serialize and sign one entry. ``header.state_bytes``/``checksum`` must describe ``state``."""
-    if header.state_bytes != len(state):
-        raise ValueError("header.state_bytes does not match the state")
+
+def encode_entry(header: EntryHeader, encoded_state: bytes, keyring: KeyRing) -> bytes:
+    """Seal and sign one entry; ``encoded_state`` is the state after ``header.codec``. Fills the
+    header's generation, cipher, sealed private part and stored size."""
     if not keyring.covers(header.namespace):
         raise ValueError(f"key ring of {keyring.namespace!r} cannot sign entries of namespace {header.namespace!r}")
     header.key_generation = keyring.current
+    header.cipher = header.cipher or DEFAULT_CIPHER
+    _, header.sealed_private = keyring.seal_data(header.private_json(), header.private_aad(), cipher=header.cipher)
+    header.state_bytes = len(encoded_state) + SEAL_OVERHEAD
     raw = header.to_json()
     prefix = _PREFIX.pack(MAGIC, len(raw))
     _, mac = keyring.sign(prefix + raw)
-    return prefix + mac + raw + state
+    _, sealed = keyring.seal_data(encoded_state, prefix + raw, cipher=header.cipher)
+    return prefix + mac + raw + sealed
 
 
 def decode_header(prefix: bytes) -> tuple[EntryHeader, int] | int:
-    """Parse the header from the first bytes of an entry (not yet authenticated: see verify_header).
+    """Parse the public header from the first bytes of an entry (not yet authenticated nor opened:
+    see ``verify_header``).
 
-    Returns ``(header, offset_of_state)``, or the number of bytes needed when
-    ``prefix`` is too short to hold the whole header. Raises EntryError when the
-    bytes are not an entry.
+    Returns ``(header, offset_of_state)``, or the number of bytes needed when ``prefix`` is too
+    short to hold the whole header. Raises EntryError when the bytes are not an entry.
     """
     if len(prefix) < _PREFIX.size:
         raise EntryError("entry is truncated before its header")
     magic, header_len = _PREFIX.unpack_from(prefix)
     if magic != MAGIC:
-        raise EntryError("entry does not start with the EdgeCache magic bytes")
+        raise EntryError("entry does not start with the EdgeCache magic bytes (or is of an older format)")
     if header_len > MAX_HEADER_BYTES:
         raise EntryError(f"entry header claims {header_len} bytes (limit {MAX_HEADER_BYTES})")
     offset = _PREFIX.size + MAC_BYTES + header_len
@@ -173,10 +199,12 @@ def decode_header(prefix: bytes) -> tuple[EntryHeader, int] | int:
 
 
 def verify_header(header: EntryHeader, keyring: KeyRing) -> None:
-    """Raise EntryError unless the header was signed by a key of ``keyring`` (UnknownKey: newer key)."""
+    """Raise EntryError unless the header was signed by a key of ``keyring`` (UnknownKey: a newer
+    key); then open its private part."""
     if not keyring.covers(header.namespace):
         raise EntryError(f"entry of namespace {header.namespace!r} is outside this board's key ring")
     keyring.verify(header.key_generation, header.mac, header.signed_bytes)
+    header.open_private(keyring)
 
 
 def entry_size(header: EntryHeader, offset: int) -> int:
@@ -184,27 +212,35 @@ def entry_size(header: EntryHeader, offset: int) -> int:
     return offset + header.state_bytes
 
 
-def open_entry(blob: bytes, keyring: KeyRing, max_state_bytes: int) -> tuple[EntryHeader, int]:
-    """Parse and authenticate a whole entry: signature, size limit, then the state's digest.
+def open_entry(blob: bytes, keyring: KeyRing, max_state_bytes: int) -> tuple[EntryHeader, bytes]:
+    """Parse, authenticate and decrypt a whole entry: signature, size limits, then the sealed state.
 
-    Returns ``(header, offset_of_state)``; the caller still checks that the header is
-    the one it asked for (model, namespace, range, tokens). Raises EntryError.
+    Returns ``(header, encoded_state)`` (the state as its codec stored it); the caller still
+    checks that the header is the one it asked for (model, namespace, range, tokens). Raises
+    EntryError.
     """
     parsed = decode_header(blob)
     if isinstance(parsed, int):
         raise EntryError("entry is truncated inside its header")
     header, offset = parsed
     verify_header(header, keyring)
-    if max(header.state_bytes, header.decoded_bytes) > max_state_bytes:
+    if max(header.plain_bytes, header.decoded_bytes) > max_state_bytes:
         raise EntryError(f"entry holds {header.decoded_bytes} bytes, over the {max_state_bytes}-byte limit")
-    verify_state(header, memoryview(blob)[offset:])  # a view: no copy of the megabytes
-    return header, offset
+    return header, open_state(header, memoryview(blob)[offset:], keyring)
 
 
-def open_entries(blobs, keyring: KeyRing, max_state_bytes: int) -> list[tuple[EntryHeader, int] | EntryError]:
-    """``open_entry`` for the entries of one fetch, their states hashed concurrently.
+def open_state(header: EntryHeader, sealed: bytes | memoryview, keyring: KeyRing) -> bytes:
+    """The encoded state of a verified header from its sealed bytes (EntryError when they differ in
+    length from the header's promise, or fail to authenticate)."""
+    if len(sealed) != header.state_bytes:
+        raise EntryError(f"entry state is {len(sealed)} bytes, header says {header.state_bytes}")
+    return keyring.open_data(header.key_generation, sealed, header.signed_bytes, cipher=header.cipher)
 
-    One result per blob, in order: ``(header, offset)`` or the EntryError that refused it.
+
+def open_entries(blobs, keyring: KeyRing, max_state_bytes: int) -> list[tuple[EntryHeader, bytes] | EntryError]:
+    """``open_entry`` for the entries of one fetch, opened concurrently.
+
+    One result per blob, in order: ``(header, encoded_state)`` or the EntryError that refused it.
     """
 
     def one(blob):
@@ -214,21 +250,12 @@ def open_entries(blobs, keyring: KeyRing, max_state_bytes: int) -> list[tuple[En
             return exc
 
     blobs = list(blobs)
-    return list(_hash_pool.map(one, blobs)) if len(blobs) > 1 else [one(blob) for blob in blobs]
+    return list(_open_pool.map(one, blobs)) if len(blobs) > 1 else [one(blob) for blob in blobs]
 
 
-def verify_state(header: EntryHeader, state: bytes) -> None:
-    """Raise EntryError unless ``state`` has the length and digest the (verified) header promises."""
-    if len(state) != header.state_bytes:
-        raise EntryError(f"entry state is {len(state)} bytes, header says {header.state_bytes}")
-    if state_checksum(state) != header.checksum:
-        raise EntryError("entry state does not match its signed digest")
-
-
-def decoded_state(header: EntryHeader, blob: bytes, offset: int) -> tuple[bytes, int]:
-    """The llama.cpp state of a verified entry as ``(buffer, offset)``: the entry itself for a raw
-    state (no copy), else the decoded bytes. Raises EntryError (UnknownCodec for a codec this
-    board does not know)."""
+def decoded_state(header: EntryHeader, encoded: bytes) -> bytes:
+    """The llama.cpp state of an opened entry: ``encoded`` itself for a raw state (no copy), else
+    the decoded bytes. Raises EntryError (UnknownCodec for a codec this board does not know)."""
     if header.codec == codecs.RAW:
-        return blob, offset
-    return codecs.decode(memoryview(blob)[offset:], header.codec, header.raw_bytes), 0
+        return encoded
+    return codecs.decode(encoded, header.codec, header.raw_bytes)

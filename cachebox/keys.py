@@ -24,7 +24,7 @@ from .errors import InvalidNamespace
 
 # Bump when the layout of stored state bytes or entry headers changes: old entries
 # then simply stop matching instead of being restored into an incompatible context.
-STATE_FORMAT_VERSION = 3  # 2: signed entries (ECE2); 3: prefills cut on a fixed grid (bit-exact reuse)
+STATE_FORMAT_VERSION = 4  # 2: signed entries (ECE2); 3: prefills cut on a fixed grid (bit-exact reuse); 4: sealed states (ECE3)
 
 KEY_BYTES = 16
 DEFAULT_NAMESPACE = "default"
@@ -201,11 +201,29 @@ def _request_id(request_id: str) -> str:
     return request_id.lower()
 
 
-def stream_channel(request_id: str) -> str:
-    """Pub/sub channel a board publishes a run's tokens on while it answers (``ec:stream:<id>``)."""
-    return f"{KEY_PREFIX}:stream:{_request_id(request_id)}"
+def _device(name: str) -> str:
+    if not isinstance(name, str) or not _DEVICE_RE.match(name):
+        raise ValueError(f"invalid device name {name!r}")
+    return name
 
 
-def cancel_key_name(request_id: str) -> str:
-    """Key whose existence tells a board to stop a run: its client went away (``ec:cancel:<id>``)."""
-    return f"{KEY_PREFIX}:cancel:{_request_id(request_id)}"
+def stream_channel(device: str, request_id: str) -> str:
+    """Pub/sub channel the board ``device`` publishes a run's events on while it answers
+    (``ec:stream:<device>:<id>``): a board's ACL reaches its own channels only."""
+    return f"{KEY_PREFIX}:stream:{_device(device)}:{_request_id(request_id)}"
+
+
+def stream_pattern(device: str) -> str:
+    """Every stream channel of ``device`` (its ACL's channel pattern)."""
+    return f"{KEY_PREFIX}:stream:{_device(device)}:*"
+
+
+def cancel_key_name(device: str, request_id: str) -> str:
+    """Key that tells the board ``device`` to stop a run, holding the control plane's signed cancel
+    (``ec:cancel:<device>:<id>``): a board reads its own flags only and writes none."""
+    return f"{KEY_PREFIX}:cancel:{_device(device)}:{_request_id(request_id)}"
+
+
+def cancel_pattern(device: str) -> str:
+    """Every cancel flag of ``device`` (its ACL's read pattern)."""
+    return f"{KEY_PREFIX}:cancel:{_device(device)}:*"

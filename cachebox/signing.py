@@ -1,14 +1,20 @@
-"""Entry signing keys: one key ring per namespace (tenant), rotated by generation.
+"""Keys and signatures: namespace key rings, the control plane's signing key, sealed delivery.
 
-Every entry header is authenticated with HMAC-SHA256 under its namespace's current
-key, and the header commits to the state through a SHA-256 digest, so a board checks
-an entry before any of its bytes reach llama.cpp. Keys are derived on the control
-plane from one master secret (``derive_keyring``); boards receive their namespace's
-ring sealed to their own X25519 public key (``seal`` / ``unseal``), through the device
-registry, and never see other tenants' keys.
+- **Namespace rings.** One root key per namespace (tenant) and generation, derived on the control
+  plane from one master secret (``derive_keyring``). From each root key come a MAC key (entry
+  headers: HMAC-SHA256) and a data key (entry states and tenant messages: AEAD, ``seal_data``);
+  a namespace's entry *names* are keyed by a name key that does not rotate (so a rotation keeps
+  the cache), so a dump of the cache box confirms no guessed prompt. Boards receive their
+  namespace's ring sealed to their own X25519 key and never see other tenants' keys.
+- **The control plane's key.** An Ed25519 key derived from the same master secret
+  (``control_plane_key``). What a board must trust (registry records, key rings, run requests,
+  cancel flags) carries its signature; a board pins its public key at enrollment (``pin_proof``:
+  the token vouches for it) and refuses anything signed by anyone else.
+- **Documents.** ``sign_document`` / ``verify_document``: an Ed25519 signature over the canonical
+  JSON of a dict (boards sign their messages the same way with their own key).
 
-Pure logic and standard crypto primitives (hashlib, hmac; X25519, HKDF and AES-GCM from
-``cryptography``): no I/O, tested in milliseconds.
+Pure logic and standard primitives (hashlib, hmac; Ed25519, X25519, HKDF, AES-GCM and
+ChaCha20-Poly1305 from ``cryptography``): no I/O, tested in milliseconds.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import EntryError
@@ -42,15 +50,25 @@ class UnknownKey(EntryError):
     """
 
 
+def _subkey(root: bytes, purpose: str) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=f"edgecache/{purpose}/v1".encode()).derive(root)
+
+
 @dataclass(frozen=True)
 class KeyRing:
-    """The signing keys of one namespace: generation -> 32-byte key."""
+    """The keys of one namespace: generation -> 32-byte root key, and the name key.
+
+    Each root key gives a MAC key (``sign``/``verify``: entry headers) and a data key
+    (``seal_data``/``open_data``: entry states and the tenant's messages). ``name_key`` keys the
+    namespace's entry names (``cachebox.keys.prefix_keys``); it does not rotate.
+    """
 
     namespace: str
     keys: dict[int, bytes]
     current: int
     # Namespaces whose entries this ring signs (a tenant's own and its boards' private ones).
     extra_namespaces: tuple[str, ...] = field(default=())
+    name_key: bytes = b""
 
     def __post_init__(self):
         if self.current not in self.keys:
@@ -58,23 +76,46 @@ class KeyRing:
         if any(len(key) < 16 for key in self.keys.values()):
             raise ValueError("signing keys must be at least 16 bytes")
 
+    @cached_property
+    def _mac_keys(self) -> dict[int, bytes]:
+        return {gen: _subkey(key, "entry-mac") for gen, key in self.keys.items()}
+
+    @cached_property
+    def _data_keys(self) -> dict[int, bytes]:
+        return {gen: _subkey(key, "data") for gen, key in self.keys.items()}
+
     def covers(self, namespace: str) -> bool:
         return namespace == self.namespace or namespace in self.extra_namespaces
 
     def sign(self, message: bytes) -> tuple[int, bytes]:
         """(generation, MAC) of ``message`` under the current key."""
-        return self.current, hmac.new(self.keys[self.current], message, hashlib.sha256).digest()
+        return self.current, hmac.new(self._mac_keys[self.current], message, hashlib.sha256).digest()
 
     def verify(self, generation: int, mac: bytes, message: bytes) -> None:
         """Raise EntryError unless ``mac`` authenticates ``message`` under ``generation``."""
-        key = self.keys.get(generation)
-        if key is None:
-            if generation > self.current:
-                raise UnknownKey(f"entry is signed with key generation {generation}, newer than this board's {self.current}")
-            raise EntryError(f"entry is signed with key generation {generation}, which was retired")
+        key = self._mac_keys.get(self._known(generation))
         expected = hmac.new(key, message, hashlib.sha256).digest()
         if not hmac.compare_digest(expected, mac):
             raise EntryError("entry signature does not match: forged or altered")
+
+    def _known(self, generation: int) -> int:
+        if generation not in self.keys:
+            if generation > self.current:
+                raise UnknownKey(f"signed with key generation {generation}, newer than this holder's {self.current}")
+            raise EntryError(f"signed with key generation {generation}, which was retired")
+        return generation
+
+    def data_key(self, generation: int) -> bytes:
+        """The data key of ``generation`` (UnknownKey / EntryError when this ring lacks it)."""
+        return self._data_keys[self._known(generation)]
+
+    def seal_data(self, plaintext: bytes | memoryview, aad: bytes, *, cipher: str = "") -> tuple[int, bytes]:
+        """``(generation, sealed)``: ``plaintext`` encrypted and authenticated under the current data key."""
+        return self.current, seal_data(self._data_keys[self.current], plaintext, aad, cipher=cipher or DEFAULT_CIPHER)
+
+    def open_data(self, generation: int, sealed: bytes | memoryview, aad: bytes, *, cipher: str = "") -> bytes:
+        """The plaintext of ``seal_data``'s output; EntryError when it was altered or is not ours."""
+        return open_data(self.data_key(generation), sealed, aad, cipher=cipher or DEFAULT_CIPHER)
 
     def to_dict(self) -> dict:
         return {
@@ -82,6 +123,7 @@ class KeyRing:
             "current": self.current,
             "keys": {str(gen): key.hex() for gen, key in self.keys.items()},
             "extra": list(self.extra_namespaces),
+            "names": self.name_key.hex(),
         }
 
     @classmethod
@@ -92,16 +134,23 @@ class KeyRing:
                 keys={int(gen): bytes.fromhex(key) for gen, key in doc["keys"].items()},
                 current=int(doc["current"]),
                 extra_namespaces=tuple(str(ns) for ns in doc.get("extra", ())),
+                name_key=bytes.fromhex(str(doc.get("names", ""))),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed key ring: {exc}") from exc
 
 
 def derive_key(master: bytes, namespace: str, generation: int) -> bytes:
-    """The signing key of ``namespace`` at ``generation`` (HMAC-SHA256 as a KDF)."""
+    """The root key of ``namespace`` at ``generation`` (HMAC-SHA256 as a KDF)."""
     if generation < 1:
         raise ValueError("key generations start at 1")
     return hmac.new(master, f"edgecache/entry-key/v1/{namespace}/{generation}".encode(), hashlib.sha256).digest()
+
+
+def derive_name_key(master: bytes, namespace: str) -> bytes:
+    """The key of ``namespace``'s entry names: the same for every generation (a rotation keeps the
+    cache), unknown to anyone outside the namespace (a dump's key names confirm no guess)."""
+    return hmac.new(master, f"edgecache/entry-names/v1/{namespace}".encode(), hashlib.sha256).digest()
 
 
 def derive_keyring(master: bytes, namespace: str, generation: int, extra_namespaces=()) -> KeyRing:
@@ -110,7 +159,92 @@ def derive_keyring(master: bytes, namespace: str, generation: int, extra_namespa
         raise ValueError("the signing master secret must be at least 16 bytes")
     first = max(1, generation - KEEP_GENERATIONS + 1)
     keys = {gen: derive_key(master, namespace, gen) for gen in range(first, generation + 1)}
-    return KeyRing(namespace, keys, generation, tuple(extra_namespaces))
+    return KeyRing(namespace, keys, generation, tuple(extra_namespaces), derive_name_key(master, namespace))
+
+
+# -- authenticated encryption of states and messages ------------------------------------------------
+# Every sealed item gets a key of its own: HKDF(data key, a random 16-byte salt), with a zero nonce.
+# No nonce is ever reused however many items a key seals (random 96-bit nonces would wear out at a
+# few billion items), and the salt travels in front of the ciphertext.
+AES_GCM = "aes-256-gcm"  # fast where the CPU has AES instructions (x86, Pi 5)
+CHACHA20 = "chacha20-poly1305"  # fast without them (a Pi Zero 2W's Cortex-A53 has none)
+CIPHERS = {AES_GCM: AESGCM, CHACHA20: ChaCha20Poly1305}
+DEFAULT_CIPHER = os.environ.get("EDGECACHE_CIPHER", "").strip() or AES_GCM
+SALT_BYTES = 16
+TAG_BYTES = 16
+_ZERO_NONCE = bytes(12)
+
+
+def _item_key(data_key: bytes, salt: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=b"edgecache/item/v1").derive(data_key)
+
+
+def seal_data(data_key: bytes, plaintext: bytes | memoryview, aad: bytes, *, cipher: str = AES_GCM) -> bytes:
+    """``salt | ciphertext | tag`` of ``plaintext`` bound to ``aad`` (one copy of the bytes)."""
+    if cipher not in CIPHERS:
+        raise ValueError(f"unknown cipher {cipher!r} (known: {', '.join(CIPHERS)})")
+    salt = os.urandom(SALT_BYTES)
+    return salt + CIPHERS[cipher](_item_key(data_key, salt)).encrypt(_ZERO_NONCE, bytes(plaintext) if isinstance(plaintext, memoryview) else plaintext, aad)
+
+
+def open_data(data_key: bytes, sealed: bytes | memoryview, aad: bytes, *, cipher: str = AES_GCM) -> bytes:
+    """The plaintext of ``seal_data``'s output; EntryError when it was altered, cut, or sealed under
+    another key or ``aad``."""
+    if cipher not in CIPHERS:
+        raise EntryError(f"sealed with a cipher this holder does not know ({cipher!r})")
+    if len(sealed) < SALT_BYTES + TAG_BYTES:
+        raise EntryError("sealed data is truncated")
+    view = memoryview(sealed)
+    try:
+        return CIPHERS[cipher](_item_key(data_key, bytes(view[:SALT_BYTES]))).decrypt(_ZERO_NONCE, view[SALT_BYTES:], aad)
+    except InvalidTag:
+        raise EntryError("sealed data does not authenticate: altered, or not sealed with this namespace's key") from None
+
+
+# -- signed documents (the control plane's and the boards' Ed25519 keys) -----------------------------
+SIGNATURE_FIELD = "signature"
+
+
+def canonical(doc: dict) -> bytes:
+    """The bytes a signature covers: the document without its signature, keys sorted, compact."""
+    body = {key: value for key, value in doc.items() if key != SIGNATURE_FIELD}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def sign_document(key: Ed25519PrivateKey, doc: dict) -> dict:
+    """``doc`` with its Ed25519 signature (``signature``, base64) over ``canonical(doc)``."""
+    signed = {key_: value for key_, value in doc.items() if key_ != SIGNATURE_FIELD}
+    signed[SIGNATURE_FIELD] = base64.b64encode(key.sign(canonical(signed))).decode()
+    return signed
+
+
+def verify_document(doc: dict, public_key_hex: str) -> bool:
+    """True when ``doc`` carries a valid signature of the holder of this Ed25519 public key (hex)."""
+    try:
+        signature = base64.b64decode(str(doc.get(SIGNATURE_FIELD, "")), validate=True)
+        Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key_hex)).verify(signature, canonical(doc))
+        return True
+    except (InvalidSignature, ValueError, TypeError, AttributeError):
+        return False
+
+
+def public_hex(key: Ed25519PrivateKey) -> str:
+    return key.public_key().public_bytes_raw().hex()
+
+
+def control_plane_key(master: bytes) -> Ed25519PrivateKey:
+    """The control plane's Ed25519 key, derived from the master secret (every control-plane process
+    derives the same one; no file of its own to lose or copy)."""
+    if len(master) < 16:
+        raise ValueError("the signing master secret must be at least 16 bytes")
+    return Ed25519PrivateKey.from_private_bytes(hmac.new(master, b"edgecache/control-plane-signing/v1", hashlib.sha256).digest())
+
+
+def pin_proof(token: str, control_plane_public_key: str) -> str:
+    """What lets a board that holds the device's token trust the control plane's public key once:
+    a MAC under a key only the token gives. It reveals neither the token nor any key."""
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"edgecache/pin/v1").derive(token.encode())
+    return hmac.new(key, control_plane_public_key.encode(), hashlib.sha256).hexdigest()
 
 
 def private_namespace(namespace: str, device: str) -> str:
@@ -133,38 +267,45 @@ def tenant_of(namespace: str) -> str:
 
 
 # -- delivery to boards ---------------------------------------------------------------------
-# A ring reaches a board sealed to the board's own X25519 public key (an ephemeral-static
-# Diffie-Hellman, HKDF-SHA256, AES-256-GCM bound to the device name). Only the board, which
-# keeps the private key and never sends it, can open it: a Redis dump (sealed rings, public
-# keys) or a database dump (public keys) alone opens no ring.
+# A ring reaches a board signed by the control plane, then sealed to the board's own X25519
+# public key (an ephemeral-static Diffie-Hellman, HKDF-SHA256, AES-256-GCM bound to the device
+# name): sign then encrypt. Only the board, which keeps the private key and never sends it, can
+# open it, and it accepts only a ring the control plane signed for it: anyone can seal to a
+# public key, nobody else can sign. A Redis dump (sealed rings, public keys) or a database dump
+# (public keys) alone opens no ring.
 
-_SEAL_INFO = b"edgecache/keyring-seal/v2"
+_SEAL_INFO = b"edgecache/keyring-seal/v3"
 
 
 def _seal_key(shared: bytes, device: str) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_SEAL_INFO + b"/" + device.encode()).derive(shared)
 
 
-def seal(ring: KeyRing, box_public_key: bytes, device: str) -> str:
-    """The ring encrypted for one board's X25519 public key (32 bytes), bound to its name."""
+def seal(ring: KeyRing, box_public_key: bytes, device: str, signer: Ed25519PrivateKey) -> str:
+    """The ring, signed by ``signer`` (the control plane) for ``device``, encrypted for the board's
+    X25519 public key (32 bytes) and bound to its name."""
+    signed = sign_document(signer, {"device": device, "ring": ring.to_dict()})
     ephemeral = X25519PrivateKey.generate()
     shared = ephemeral.exchange(X25519PublicKey.from_public_bytes(box_public_key))
     nonce = os.urandom(12)
-    sealed = AESGCM(_seal_key(shared, device)).encrypt(nonce, json.dumps(ring.to_dict()).encode(), device.encode())
+    sealed = AESGCM(_seal_key(shared, device)).encrypt(nonce, json.dumps(signed).encode(), device.encode())
     return base64.b64encode(ephemeral.public_key().public_bytes_raw() + nonce + sealed).decode()
 
 
-def unseal(sealed: str, box_private_key: X25519PrivateKey, device: str) -> KeyRing:
-    """Open a ring sealed for ``device``; ValueError when the key or the blob is wrong."""
+def unseal(sealed: str, box_private_key: X25519PrivateKey, device: str, control_plane_public_key: str) -> KeyRing:
+    """Open a ring sealed for ``device`` and signed by the control plane; ValueError when the key or
+    the blob is wrong, or the ring inside was not signed by the control plane for this device."""
     try:
         raw = base64.b64decode(sealed, validate=True)
         if len(raw) < 32 + 12 + 16:
             raise ValueError("too short")
         shared = box_private_key.exchange(X25519PublicKey.from_public_bytes(raw[:32]))
-        plain = AESGCM(_seal_key(shared, device)).decrypt(raw[32:44], raw[44:], device.encode())
-        return KeyRing.from_dict(json.loads(plain))
+        doc = json.loads(AESGCM(_seal_key(shared, device)).decrypt(raw[32:44], raw[44:], device.encode()))
     except (InvalidTag, ValueError, TypeError) as exc:
         raise ValueError(f"cannot open the key ring for device {device!r}: {exc or 'not sealed for this board'}") from exc
+    if not isinstance(doc, dict) or doc.get("device") != device or not verify_document(doc, control_plane_public_key):
+        raise ValueError(f"the key ring for device {device!r} is not signed by the control plane this board pinned: refused")
+    return KeyRing.from_dict(doc.get("ring"))
 
 
 class Keychain:

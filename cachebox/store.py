@@ -32,7 +32,9 @@ from .link import LinkProfile
 from .shaping import LinkShaper, ShapedConnection
 
 # The server could not be reached: back off. Any other redis.RedisError is an answer
-# (OOM, WRONGTYPE, ...): typed too, but the next call may go to the network at once.
+# (OOM, WRONGTYPE, NOPERM, a wrong password, ...): typed too, but the next call may go to the
+# network at once. (redis-py raises a refused AUTH as a ConnectionError: it is checked first.)
+_NOT_ALLOWED = (redis.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError)
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 # A cluster node that answers "not now" for its slots (cluster down, slot migrating): its keys
 # are missing for this call, the node is not skipped (MOVED is handled: the slot map is reloaded).
@@ -143,6 +145,8 @@ class CacheBox:
         self._guard()
         try:
             return func()
+        except _NOT_ALLOWED as exc:  # a wrong user or password: an answer, not an outage
+            raise self._refused(exc) from exc
         except _UNREACHABLE as exc:
             raise self._failed(exc) from exc
         except redis.RedisError as exc:
@@ -160,6 +164,8 @@ class CacheBox:
         try:
             for name in self.redis.scan_iter(match=pattern, count=1000):
                 yield name.decode()
+        except _NOT_ALLOWED as exc:
+            raise self._refused(exc) from exc
         except _UNREACHABLE as exc:
             raise self._failed(exc) from exc
         except redis.RedisError as exc:
@@ -261,6 +267,8 @@ class CacheBox:
                     self._node_down_until.pop(name, None)
                 client.nodes_manager.initialize()
             return client
+        except _NOT_ALLOWED as exc:
+            raise self._refused(exc) from exc
         except (*_UNREACHABLE, *TOPOLOGY_ERRORS) as exc:
             raise self._failed(exc) from exc
         except redis.RedisError as exc:
@@ -286,6 +294,8 @@ class CacheBox:
             raise CacheBoxUnavailable(f"cache box node {node.name} was unreachable moments ago")
         try:
             return func(self.redis.get_redis_connection(node))
+        except _NOT_ALLOWED as exc:
+            raise self._refused(exc) from exc
         except _UNREACHABLE as exc:
             self._node_down_until[node.name] = time.monotonic() + self.retry_after
             log.warning("cache box node %s of %s is unreachable, its entries are misses for %g s: %s", node.name, self.safe_url, self.retry_after, exc)
@@ -521,13 +531,47 @@ class CacheBox:
         listens, the message is gone). One round trip."""
         return int(self._on_any_node(lambda client: client.publish(channel, data)))
 
-    def flag_set(self, name: str) -> bool:
-        """Whether the flag key ``name`` exists (one EXISTS round trip; cancel flags)."""
-        return bool(self._on_key(name, lambda client: client.exists(name)))
+    def read_flag(self, name: str) -> bytes | None:
+        """The value of the flag key ``name``, None when it is not set (one GET round trip; cancel flags)."""
+        return self._on_key(name, lambda client: client.get(name))
 
-    def set_flag(self, name: str, ttl: int) -> None:
-        """Set the flag key ``name`` for ``ttl`` seconds; one round trip."""
-        self._on_key(name, lambda client: client.set(name, b"1", ex=max(1, int(ttl))))
+    def set_flag(self, name: str, ttl: int, value: bytes = b"1") -> None:
+        """Set the flag key ``name`` to ``value`` for ``ttl`` seconds; one round trip."""
+        self._on_key(name, lambda client: client.set(name, value, ex=max(1, int(ttl))))
+
+    # -- identities (ACL users; the control plane's credentials only) ------------------------
+    def _on_every_server(self, func: Callable[[redis.Redis], T]) -> list[T]:
+        """``func(client)`` on the server, or on every primary of a cluster (ACLs are per node)."""
+        if self.cluster is None:
+            return [self._run(lambda: func(self.redis))]
+        return [self._on_node(node, func) for node in self._topology().get_primaries()]
+
+    def set_user(self, name: str, rules: Sequence[str]) -> None:
+        """Create or replace the ACL user ``name`` (``ACL SETUSER``) on every server; its existing
+        connections keep their old rights until they reconnect, so callers that narrow a user
+        also ``kill_user``. Raises CacheBoxRefused when the server has no ACLs or refuses us."""
+        self._on_every_server(lambda client: client.execute_command("ACL", "SETUSER", name, *rules))
+
+    def delete_user(self, name: str) -> None:
+        """Delete the ACL user ``name`` everywhere: its connections are closed at once."""
+        self._on_every_server(lambda client: client.execute_command("ACL", "DELUSER", name))
+
+    def kill_user(self, name: str) -> None:
+        """Close every connection of ``name`` (they reconnect under its current rules, or not at all)."""
+        self._on_every_server(lambda client: client.execute_command("CLIENT", "KILL", "USER", name))
+
+    def users(self) -> list[str]:
+        """The ACL users of the server (of its first primary, on a cluster)."""
+        return [name.decode() if isinstance(name, bytes) else str(name) for name in self._on_every_server(lambda client: client.execute_command("ACL", "USERS"))[0]]
+
+    def save_users(self) -> bool:
+        """Write the ACL users to the server's ACL file (``ACL SAVE``), so they outlive a restart;
+        False where the server keeps no ACL file (then the control plane applies them at start)."""
+        try:
+            self._on_every_server(lambda client: client.execute_command("ACL", "SAVE"))
+            return True
+        except CacheBoxRefused:
+            return False
 
     # -- server -----------------------------------------------------------------------------
     def memory_used(self) -> str:

@@ -105,6 +105,11 @@ class Subscription:
                     await client.aclose()
         return self
 
+    async def add(self, channel: str) -> None:
+        """Listen on ``channel`` too, on the same connection (a run moved to another board)."""
+        await _guarded(self._pubsub.subscribe(channel), self.url)
+        self.channel = channel
+
     async def __aenter__(self) -> "Subscription":
         return await self.open()
 
@@ -142,26 +147,27 @@ def subscribe(url: str, channel: str, *, connect_timeout: float = 0.5, timeout: 
     return Subscription(url, channel, connect_timeout=connect_timeout, timeout=timeout)
 
 
-async def set_flag(url: str, name: str, ttl: int, *, connect_timeout: float = 0.5, timeout: float = 5.0) -> None:
-    """Set the flag key ``name`` for ``ttl`` seconds (a run's cancel flag); one connection, one round trip."""
+async def set_flag(url: str, name: str, ttl: int, value: bytes = b"1", *, connect_timeout: float = 0.5, timeout: float = 5.0) -> None:
+    """Set the flag key ``name`` to ``value`` for ``ttl`` seconds (a run's signed cancel flag); one
+    connection, one round trip."""
     if is_cluster_url(url):
-        await _guarded(_set_on_cluster(url, name, ttl, connect_timeout, timeout), url)
+        await _guarded(_set_on_cluster(url, name, ttl, value, connect_timeout, timeout), url)
         return
     client = _client(url, connect_timeout, timeout)
     try:
-        await _guarded(client.set(name, b"1", ex=max(1, int(ttl))), url)
+        await _guarded(client.set(name, value, ex=max(1, int(ttl))), url)
     finally:
         await client.aclose()
 
 
-async def _set_on_cluster(url: str, name: str, ttl: int, connect_timeout: float, timeout: float) -> None:
+async def _set_on_cluster(url: str, name: str, ttl: int, value: bytes, connect_timeout: float, timeout: float) -> None:
     # Asked of the first node that answers; one that does not serve the key's slot answers
     # MOVED with the node that does (one more round trip). No slot map to load for one SET.
     unreachable: Exception | None = None
     for client in _clients(url, connect_timeout, timeout):
         try:
             try:
-                await client.set(name, b"1", ex=max(1, int(ttl)))
+                await client.set(name, value, ex=max(1, int(ttl)))
                 return
             except MovedError as moved:
                 address = parse_cluster_url(url)
@@ -170,7 +176,7 @@ async def _set_on_cluster(url: str, name: str, ttl: int, connect_timeout: float,
                     socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry=Retry(NoBackoff(), 0),
                 )
                 try:
-                    await owner.set(name, b"1", ex=max(1, int(ttl)))
+                    await owner.set(name, value, ex=max(1, int(ttl)))
                     return
                 finally:
                     await owner.aclose()

@@ -15,7 +15,16 @@ from django.utils import timezone
 from inference.messages import Queue
 from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision
 
-ONLINE_WITHIN = timedelta(seconds=30)
+ONLINE_WITHIN = timedelta(seconds=30)  # a board that never said how often it beats
+
+
+def offline_after(status: dict | None) -> timedelta:
+    """How long a board may stay silent before it counts as offline: ``EDGECACHE_MISSED_HEARTBEATS``
+    of the heartbeats it said it sends (its status's ``heartbeat_s``), plus one for slack."""
+    interval = (status or {}).get("heartbeat_s")
+    if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not 0 < interval <= 3600:
+        return ONLINE_WITHIN
+    return timedelta(seconds=interval * (settings.EDGECACHE_MISSED_HEARTBEATS + 1))
 
 namespace_name = RegexValidator(r"^[A-Za-z0-9_-]{1,40}$", "Use 1-40 letters, digits, '-' or '_'.")
 
@@ -59,13 +68,20 @@ class Device(models.Model):
         help_text="the tenant whose cache entries this board may read and write",
     )
     # The enrollment token is shown once; kept are its hash (the board checks a token locally
-    # before enrolling) and, until the board enrolls, the key that checks its enrollment proof.
+    # before enrolling) and, until the board enrolls or the token expires, the public key that
+    # checks the enrollment's signature (a copy of the database enrolls nobody with it) and the
+    # token's proof of the control plane's key (which the board pins).
     token_sha256 = models.CharField(max_length=64, editable=False)
-    enroll_key = models.CharField(max_length=64, editable=False, blank=True)
+    enroll_key = models.CharField(max_length=64, editable=False, blank=True, help_text="the token's Ed25519 public key (hex) until the board enrolls")
+    pin_proof = models.CharField(max_length=64, editable=False, blank=True)
+    enroll_redis_sha256 = models.CharField(max_length=64, editable=False, blank=True, help_text="the SHA-256 of the enrollment Redis user's password (the token gives it)")
+    token_expires = models.DateTimeField(null=True, blank=True, editable=False, help_text="after this the token enrolls nothing (EDGECACHE_TOKEN_TTL_HOURS)")
     # The board's own public keys, sent once at enrollment: Ed25519 checks every message it
     # sends, X25519 is what its namespace's key ring is sealed to. Its private keys never leave it.
     signing_public_key = models.CharField(max_length=64, editable=False, blank=True)
     box_public_key = models.CharField(max_length=64, editable=False, blank=True)
+    # The SHA-256 of the board's own Redis password (its ACL user's, ``#<hash>``): the password never travels.
+    redis_password_sha256 = models.CharField(max_length=64, editable=False, blank=True)
     enrolled_at = models.DateTimeField(null=True, blank=True, editable=False)
     last_message_ts = models.FloatField(default=0.0, editable=False, help_text="send time of the newest heartbeat accepted (replays are older)")
     token_created = models.DateTimeField(default=timezone.now)
@@ -98,7 +114,7 @@ class Device(models.Model):
 
     @property
     def online(self) -> bool:
-        return self.revoked_at is None and self.last_seen is not None and timezone.now() - self.last_seen < ONLINE_WITHIN
+        return self.revoked_at is None and self.last_seen is not None and timezone.now() - self.last_seen < offline_after(self.status)
 
     @property
     def link_label(self) -> str:
@@ -123,6 +139,15 @@ class Dispatch(models.Model):
         help_text="the prompt's prefix keys and expected work; for a run sent to any board, the router's choice and its expected saving",
     )
     created = models.DateTimeField(auto_now_add=True, db_index=True)
+    # How it ended: answered (a report came) or lost (no board answered: a failed run says why);
+    # "" while it is under way (``attempt`` 2 once it was re-sent to another board, for a client
+    # still waiting). The request is kept while it is under way, for that one re-send.
+    OUTCOMES = [("", "under way"), ("answered", "answered"), ("lost", "lost")]
+    outcome = models.CharField(max_length=10, choices=OUTCOMES, blank=True, default="", db_index=True)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="no board takes it after this")
+    waits_until = models.DateTimeField(null=True, blank=True, help_text="how long its client (the API, the Run page) waits for the answer")
+    attempt = models.PositiveSmallIntegerField(default=1, help_text="2 once re-sent to another board")
+    request = models.JSONField(default=dict, blank=True, help_text="the request while it is under way (for a re-send); emptied when it ends")
 
     class Meta:
         # The router reads each device's newest dispatches for every request it routes: with this

@@ -54,7 +54,8 @@ def hit(scope: str, who: str | int, limit: int, *, window: int = WINDOW_SECONDS,
             cache.set(key, 1, timeout=window + 5)
             count = 1
     except CACHE_SERVER_ERRORS as exc:
-        count = _local.count(key, current, lambda: log.warning("rate limit %s counted in this process: the cache is unreachable (%s)", scope, exc))
+        why = str(exc)
+        count = _local.count(key, current, lambda: log.warning("rate limit %s counted in this process: the cache is unreachable (%s)", scope, why))
     retry_after = max(1, math.ceil((current + 1) * window - now))
     return Verdict(count <= limit, count, limit, retry_after)
 

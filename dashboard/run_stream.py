@@ -28,11 +28,13 @@ from kombu.exceptions import OperationalError as BrokerUnavailable
 
 from cachebox import streams
 from cachebox.errors import CacheBoxError, CacheBoxUnavailable
+from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
 from inference.messages import MessageRefused, StreamEvent
 
 from . import actions
 from .models import Device, Dispatch
+from .signing import cancel_flag, control_plane_public_key
 from .stats import visible_devices
 
 log = logging.getLogger("dashboard.run_stream")
@@ -51,9 +53,10 @@ async def follow(user, devices: list[Device], spec: actions.PromptSpec, routed=N
     spec.stream = True
     request_ids = [str(uuid.uuid4()) for _ in devices]
     subscriptions = [
-        streams.subscribe(actions.cachebox_url(), stream_channel(request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
-        for request_id in request_ids
+        streams.subscribe(actions.cachebox_url(), stream_channel(device.name, request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
+        for device, request_id in zip(devices, request_ids)
     ]
+    openers = [await sync_to_async(_opener)(device) for device in devices]
     try:
         try:
             for subscription in subscriptions:
@@ -76,7 +79,7 @@ async def follow(user, devices: list[Device], spec: actions.PromptSpec, routed=N
         if not sent:
             return
         yield line({"event": "dispatched", "dispatched": sent})
-        async for event in _merged([subscriptions[i] for i in range(len(sent))], [item["request_id"] for item in sent]):
+        async for event in _merged([subscriptions[i] for i in range(len(sent))], [item["request_id"] for item in sent], openers[: len(sent)]):
             yield line(event)
         yield line({"event": "closed"})
     finally:
@@ -84,12 +87,22 @@ async def follow(user, devices: list[Device], spec: actions.PromptSpec, routed=N
             await subscription.close()
 
 
-async def _merged(subscriptions: list[streams.Subscription], request_ids: list[str]):
-    """Every run's events, as they come, until each run ended (done or error) or expired."""
+def _opener(device: Device):
+    """What reads ``device``'s events: its board's public key and its namespace's ring."""
+    from .signing import stream_ring_for
+
+    return device.name, device.signing_public_key, stream_ring_for(device)
+
+
+async def _merged(subscriptions: list[streams.Subscription], request_ids: list[str], openers: list):
+    """Every run's events, as they come, until each run ended (done or error) or expired: only
+    events the board each run went to sealed and signed for it."""
     queue: asyncio.Queue = asyncio.Queue()
     deadline = settings.EDGECACHE_TASK_EXPIRES + WAIT_MARGIN_S
 
-    async def read(subscription: streams.Subscription, request_id: str) -> None:
+    async def read(subscription: streams.Subscription, request_id: str, opener) -> None:
+        device, signer, ring_for = opener
+        control_plane_key = await sync_to_async(control_plane_public_key)()
         loop = asyncio.get_running_loop()
         until = loop.time() + deadline
         try:
@@ -98,11 +111,16 @@ async def _merged(subscriptions: list[streams.Subscription], request_ids: list[s
                 if data is None:
                     continue
                 try:
-                    event = StreamEvent.decode(data)
+                    event = StreamEvent.open(data, request_id=request_id, signer_public_key=signer, ring_for=ring_for, control_plane_key=control_plane_key)
                 except MessageRefused as exc:
-                    log.warning("ignored an event on %s: %s", stream_channel(request_id), exc)
+                    security_event("stream_event_refused", device=device, request_id=request_id, reason=str(exc)[:300])
                     continue
-                if event.request_id != request_id:
+                if event.type == "resent":  # its board died: follow the board it was sent to
+                    moved = await Device.objects.filter(name=event.device).afirst()
+                    if moved is not None and moved.signing_public_key:
+                        device, signer = moved.name, moved.signing_public_key
+                        await subscription.add(stream_channel(moved.name, request_id))
+                    await queue.put({"event": "resent", "request_id": request_id, "device": event.device, "reason": event.error})
                     continue
                 await queue.put(_as_line(event))
                 if event.type in ("done", "error"):
@@ -112,7 +130,7 @@ async def _merged(subscriptions: list[streams.Subscription], request_ids: list[s
         finally:
             await queue.put(None)
 
-    readers = [asyncio.create_task(read(subscription, request_id)) for subscription, request_id in zip(subscriptions, request_ids)]
+    readers = [asyncio.create_task(read(subscription, request_id, opener)) for subscription, request_id, opener in zip(subscriptions, request_ids, openers)]
     try:
         running = len(readers)
         while running:
@@ -150,11 +168,11 @@ def cancel_runs(user, request_ids: list[str]) -> list[str]:
         except ValueError:
             continue
     allowed = visible_devices(user).values_list("pk", flat=True)
-    dispatches = Dispatch.objects.filter(request_id__in=wanted, kind="run", device_id__in=allowed)
+    dispatches = Dispatch.objects.filter(request_id__in=wanted, kind="run", device_id__in=allowed).select_related("device")
     cancelled = []
     store = actions.cachebox()
     for dispatch in dispatches:
         request_id = str(dispatch.request_id)
-        store.set_flag(cancel_key_name(request_id), settings.EDGECACHE_TASK_EXPIRES + 60)
+        store.set_flag(cancel_key_name(dispatch.device.name, request_id), settings.EDGECACHE_TASK_EXPIRES + 60, cancel_flag(dispatch.device.name, request_id))
         cancelled.append(request_id)
     return cancelled

@@ -16,11 +16,14 @@ import dj_database_url
 
 from cachebox.cluster import is_cluster_url, parse_cluster_url
 from cachebox.embedded import url_for
-from inference.config import BoardConfig, edgecache_home
+from inference.config import BoardConfig, edgecache_home, move_legacy_secret, secrets_home
 from inference.worker import celery_settings
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 EDGECACHE_HOME = edgecache_home()
+# Secrets apart from the state: a backup or copy of EDGECACHE_HOME (database, cache box files)
+# opens nothing. Keep them in a secret store or another backup than the state's.
+EDGECACHE_SECRETS_DIR = secrets_home()
 
 
 def _private_dir(folder: Path) -> None:
@@ -31,6 +34,7 @@ def _private_dir(folder: Path) -> None:
 
 
 _private_dir(EDGECACHE_HOME)
+_private_dir(EDGECACHE_SECRETS_DIR)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -71,7 +75,8 @@ def _read_secret(key_file: Path) -> str:
 
 
 def _secret(env: str, file_name: str) -> str:
-    """A secret from the environment, else one generated once into .edgecache/ (mode 0600).
+    """A secret from the environment, else one generated once into the secrets folder (mode 0600;
+    an older version's, found in the state folder, is moved there).
 
     Processes that start together race to create it: each writes a complete secret to a
     temporary file of its own and links it into place, which fails if another one got there
@@ -80,9 +85,10 @@ def _secret(env: str, file_name: str) -> str:
     """
     if os.environ.get(env):
         return os.environ[env]
-    key_file = EDGECACHE_HOME / file_name
+    key_file = EDGECACHE_SECRETS_DIR / file_name
+    move_legacy_secret(EDGECACHE_HOME / file_name, key_file)
     if not key_file.exists():
-        fd, temporary = tempfile.mkstemp(dir=EDGECACHE_HOME, prefix=f".{file_name}.")  # mode 0600
+        fd, temporary = tempfile.mkstemp(dir=EDGECACHE_SECRETS_DIR, prefix=f".{file_name}.")  # mode 0600
         try:
             with os.fdopen(fd, "w") as out:
                 out.write(secrets.token_urlsafe(50))
@@ -227,7 +233,14 @@ EDGECACHE_EMBEDDED_DIR = EDGECACHE_BOARD.embedded_dir
 EDGECACHE_EMBEDDED_PORT = EDGECACHE_BOARD.embedded_port
 EDGECACHE_EMBEDDED_MAXMEMORY = EDGECACHE_BOARD.embedded_maxmemory
 REDIS_URL_IS_EMBEDDED = EDGECACHE_BOARD.uses_embedded_cachebox
-REDIS_URL = EDGECACHE_BOARD.redis_url or url_for(EDGECACHE_EMBEDDED_DIR, EDGECACHE_EMBEDDED_PORT)
+# The embedded Valkey's password for its ``default`` user: the control plane's alone (boards get
+# users of their own, see cachebox.acl). Kept with the other secrets.
+EDGECACHE_EMBEDDED_PASSWORD = _secret("EDGECACHE_EMBEDDED_PASSWORD", "cachebox_password") if REDIS_URL_IS_EMBEDDED else ""
+# Addresses the embedded Valkey listens on (boards on other hosts reach it at one of them).
+EDGECACHE_EMBEDDED_BIND = os.environ.get("EDGECACHE_EMBEDDED_BIND", "").strip() or "127.0.0.1"
+REDIS_URL = EDGECACHE_BOARD.redis_url or url_for(EDGECACHE_EMBEDDED_DIR, EDGECACHE_EMBEDDED_PORT, EDGECACHE_EMBEDDED_PASSWORD)
+if REDIS_URL_IS_EMBEDDED:  # commands that run a board next to the control plane reach it as the control plane
+    EDGECACHE_BOARD = EDGECACHE_BOARD.with_(redis_url=REDIS_URL)
 if is_cluster_url(REDIS_URL):
     raise ValueError(
         "REDIS_URL is the Celery broker's and the channel layer's, which need one plain Redis/Valkey server; "
@@ -247,6 +260,21 @@ for _name, _value in celery_settings(REDIS_URL).items():
 # run any more (a board back from a long outage does not replay stale work); the board that
 # meets it reports it, so it is recorded as expired instead of vanishing.
 EDGECACHE_TASK_EXPIRES = _env_int("EDGECACHE_TASK_EXPIRES", 600)
+# Every board reaches Redis as a user of its own (cachebox.acl); the control plane creates them.
+# Off (0) only where the server has no ACLs the control plane may manage: boards then use REDIS_URL
+# as given, and any board can act on every key (docs/operations.md).
+EDGECACHE_BOARD_ACL = _env_bool("EDGECACHE_BOARD_ACL", True)
+# A board counts as offline once it has missed this many of its heartbeats (it says how often it
+# beats: `manage.py edge --heartbeat`, 5 s by default); open pages are told at once.
+EDGECACHE_MISSED_HEARTBEATS = _env_int("EDGECACHE_MISSED_HEARTBEATS", 3)
+if EDGECACHE_MISSED_HEARTBEATS < 1:
+    raise ValueError(f"EDGECACHE_MISSED_HEARTBEATS must be at least 1, got {EDGECACHE_MISSED_HEARTBEATS}")
+# How often the control worker looks for runs nobody will answer (expired, or on a board that died).
+EDGECACHE_SWEEP_SECONDS = _env_float("EDGECACHE_SWEEP_SECONDS", 5.0)
+# A device token enrolls one board once, within this many hours of being shown (then rotate it).
+EDGECACHE_TOKEN_TTL_HOURS = _env_float("EDGECACHE_TOKEN_TTL_HOURS", 24.0)
+if EDGECACHE_TOKEN_TTL_HOURS <= 0:
+    raise ValueError(f"EDGECACHE_TOKEN_TTL_HOURS must be positive, got {EDGECACHE_TOKEN_TTL_HOURS}")
 
 # Live events travel through Redis: they are encrypted and authenticated with a key derived from
 # SECRET_KEY (Fernet), so a page only ever shows events this server made. A message someone else

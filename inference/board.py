@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 
 from cachebox import embedded
-from cachebox.errors import CacheBoxUnavailable
 from cachebox.signing import Keychain
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry, CatalogSyncThread
@@ -33,9 +32,10 @@ log = logging.getLogger(__name__)
 
 
 def broker_url(config: BoardConfig) -> str:
-    """The Celery broker's URL (REDIS_URL); starts this checkout's embedded Valkey when none is set."""
+    """The Celery broker's URL (REDIS_URL); this checkout's embedded Valkey when none is set (the
+    control plane starts it: a board only connects)."""
     if config.uses_embedded_cachebox:
-        return embedded.ensure_running(config.embedded_dir, port=config.embedded_port, maxmemory=config.embedded_maxmemory)
+        return embedded.url_for(config.embedded_dir, config.embedded_port)
     return config.redis_url
 
 
@@ -108,12 +108,7 @@ class Board:
         A cache box that cannot be reached is not fatal: runs then say "unavailable" and the
         puller retries in the background.
         """
-        try:
-            url = cachebox_url(config)
-        except CacheBoxUnavailable as exc:
-            log.warning("%s", exc)
-            url = config.cachebox_url or config.redis_url or embedded.url_for(config.embedded_dir, config.embedded_port)
-        store = CacheBox(url, connect_timeout=config.connect_timeout, timeout=config.io_timeout, link=config.link)
+        store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout, link=config.link)
         catalogs = CatalogRegistry(store, config.catalog_capacity, config.catalog_fp_rate)
         catalogs.get(config.namespace)
         with ThreadPoolExecutor(max_workers=1) as pool:

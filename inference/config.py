@@ -45,6 +45,32 @@ def edgecache_home(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(environ.get("EDGECACHE_HOME", ROOT / ".edgecache")).resolve()
 
 
+def secrets_home(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where the secrets live (``EDGECACHE_SECRETS_DIR``): by default a folder beside the state
+    folder, never inside it (``.edgecache-secrets`` beside ``.edgecache``), so that a copy of the
+    state (the database, the cache box's files) holds no key that opens anything."""
+    explicit = environ.get("EDGECACHE_SECRETS_DIR", "").strip()
+    if explicit:
+        return Path(explicit).resolve()
+    home = edgecache_home(environ)
+    return home.with_name(f"{home.name}-secrets")
+
+
+def move_legacy_secret(old: Path, new: Path) -> bool:
+    """Move a secret an older version kept in the state folder to ``new`` (once, keeping its mode);
+    False when there is nothing to move."""
+    if new.exists() or not old.exists():
+        return False
+    new.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        os.replace(old, new)
+    except OSError:  # another file system: copy, then remove
+        new.write_bytes(old.read_bytes())
+        new.chmod(0o600)
+        old.unlink()
+    return True
+
+
 @dataclass(frozen=True)
 class BoardConfig:
     device: str = field(default_factory=lambda: os.uname().nodename)
@@ -76,7 +102,8 @@ class BoardConfig:
     embedded_dir: Path = field(default_factory=lambda: edgecache_home() / "valkey")
     embedded_port: int | None = None
     embedded_maxmemory: str = "1gb"
-    keys_dir: Path = field(default_factory=lambda: edgecache_home() / "board-keys")  # this board's private keys (0600 files)
+    keys_dir: Path = field(default_factory=lambda: secrets_home() / "board-keys")  # this board's private keys (0600 files)
+    board_acl: bool = True  # reach Redis as this board's own user (cachebox.acl), never with REDIS_URL's credentials
 
     def upload_codec(self) -> str:
         """The codec this board stores its states with: ``codec``, or by its link when "auto"."""
@@ -89,8 +116,11 @@ class BoardConfig:
         return not self.redis_url
 
     def key_file(self, device: str) -> Path:
-        """Where the board ``device`` keeps its private keys."""
-        return self.keys_dir / f"{device}.key"
+        """Where the board ``device`` keeps its private keys (moved there from the state folder,
+        where older versions kept them)."""
+        path = self.keys_dir / f"{device}.key"
+        move_legacy_secret(self.embedded_dir.parent / "board-keys" / f"{device}.key", path)
+        return path
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "BoardConfig":
@@ -125,7 +155,8 @@ class BoardConfig:
             embedded_dir=home / "valkey",
             embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,
             embedded_maxmemory=environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "").strip() or d["embedded_maxmemory"].default,
-            keys_dir=Path(environ.get("EDGECACHE_BOARD_KEYS_DIR", "").strip() or home / "board-keys"),
+            keys_dir=Path(environ.get("EDGECACHE_BOARD_KEYS_DIR", "").strip() or secrets_home(environ) / "board-keys"),
+            board_acl=environ.get("EDGECACHE_BOARD_ACL", "1").strip().lower() not in ("0", "false", "no", "off"),
         )
         return config.with_(**overrides)
 

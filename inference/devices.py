@@ -1,14 +1,18 @@
-"""Devices as boards see them: a registry in the cache box, no database.
+"""Devices as boards see them: a registry in the cache box, signed by the control plane, no database.
 
 The control plane publishes one JSON record per device (its board's public keys, the token's
-hash until it enrolls, threads, link profile, revoked flag, the namespace and its key ring
-sealed to the board) whenever a device is registered, enrolled, rotated or revoked. Nothing
-in a record lets its reader act as a board or open a ring: keys are public, rings are sealed
-to a private key only the board holds, and a token's SHA-256 does not give the token.
+hash while it may enroll, threads, memory, link profile, revoked flag, the namespace and its key
+ring sealed to the board) whenever a device is registered, enrolled, rotated or revoked. Every
+record carries the control plane's Ed25519 signature and a serial; a board accepts a record only
+when the control plane it pinned signed it, and never one older than the last it accepted. Nothing
+in a record lets its reader act as a board or open a ring: keys are public, rings are sealed to a
+private key only the board holds, and a token's SHA-256 does not give the token.
 
-A board enrolls once with its token (``enroll``), then proves itself with its keys: it checks
-that the record still names its public key when it starts, before every task and at every
-heartbeat, so a revoked device or a rotated token stops it at once.
+A board enrolls once with its token (``enroll``): the record then carries the control plane's
+public key with a proof only the token checks (``cachebox.signing.pin_proof``), which the board
+pins. From then on it proves itself with its keys: it checks that the record still names its
+public key when it starts, before every task and at every heartbeat, so a revoked device or a
+rotated token stops it at once.
 """
 
 from __future__ import annotations
@@ -21,13 +25,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from cachebox.signing import KeyRing, private_namespace, unseal
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from cachebox.errors import CacheBoxRefused
+from cachebox.events import security_event
+from cachebox.signing import KeyRing, pin_proof, private_namespace, public_hex, sign_document, unseal, verify_document
 
 from .identity import BoardKeys
 
 
 class DeviceRefused(Exception):
-    """A board presented an unknown name, a wrong token, or a revoked one."""
+    """A board presented an unknown name, a wrong token, or a revoked one; or its record is not
+    one the control plane it trusts signed."""
 
 
 def new_token() -> str:
@@ -45,13 +54,17 @@ class DeviceRecord:
     signing_key: str = ""  # the enrolled board's Ed25519 public key (hex); "" until it enrolls
     box_key: str = ""  # its X25519 public key, which the ring is sealed to
     threads: int = 1
+    memory_mb: int = 0  # the board's registered memory (0: unknown): it sizes its buffers from it
     link_bandwidth_mbps: float | None = None
     link_rtt_ms: float | None = None
     revoked: bool = False
     namespace: str = "default"  # the tenant: the board reads and writes this namespace only
     share: bool = True  # False: the board caches in a namespace of its own (no cross-device timing leaks)
-    keyring: str = ""  # the namespace's signing keys, sealed to ``box_key`` (see cachebox.signing)
+    keyring: str = ""  # the namespace's keys, signed by the control plane and sealed to ``box_key``
     enrollment: dict = field(default_factory=dict)  # the last refused enrollment: {"signing_key", "reason"}
+    control_plane_key: str = ""  # the control plane's Ed25519 public key (hex), which signs this record
+    pin: str = ""  # while the token may enroll: the token's proof of ``control_plane_key`` (a board pins it)
+    serial: int = 0  # when it was published (ns); a board refuses a record older than the last it accepted
 
     @property
     def cache_namespace(self) -> str:
@@ -59,10 +72,11 @@ class DeviceRecord:
         return self.namespace if self.share else private_namespace(self.namespace, self.name)
 
     def open_keyring(self, keys: BoardKeys) -> KeyRing | None:
-        """The signing keys, opened with the board's private key (None when none were sealed for it)."""
+        """The namespace's keys, opened with the board's private key and checked against the control
+        plane's signature (None when none were sealed for it; ValueError when refused)."""
         if not self.keyring:
             return None
-        return unseal(self.keyring, keys.box, self.name)
+        return unseal(self.keyring, keys.box, self.name, keys.control_plane_key)
 
     def check(self, keys: BoardKeys) -> None:
         """Raise DeviceRefused unless this record names this board (enrolled, not revoked)."""
@@ -76,16 +90,21 @@ class DeviceRecord:
 
     def check_token(self, token: str) -> None:
         if not self.token_sha256 or not hmac.compare_digest(self.token_sha256, hash_token(token)):
-            raise DeviceRefused(f"wrong token for device {self.name!r}; use the token shown when it was registered or rotated")
+            raise DeviceRefused(f"wrong or expired token for device {self.name!r}; use the token shown when it was registered or rotated")
 
 
-def publish(store, record: DeviceRecord) -> None:
-    """Store the record for boards to read (CacheBoxUnavailable when the cache box cannot take it)."""
-    store.put_device_record(record.name, json.dumps(asdict(record)))
+def publish(store, record: DeviceRecord, signer: Ed25519PrivateKey) -> None:
+    """Sign the record with the control plane's key and store it for boards to read
+    (CacheBoxUnavailable when the cache box cannot take it)."""
+    record.control_plane_key = public_hex(signer)
+    record.serial = time.time_ns()
+    doc = {key: value for key, value in asdict(record).items()}
+    store.put_device_record(record.name, json.dumps(sign_document(signer, doc)))
 
 
 def lookup(store, name: str) -> DeviceRecord | None:
-    """The device's record, None when unknown (CacheBoxUnavailable when the cache box cannot tell)."""
+    """The device's record (with the signed document it came from), None when unknown
+    (CacheBoxUnavailable when the cache box cannot tell). Not checked yet: see ``verified``."""
     try:
         raw = store.get_device_record(name)
     except ValueError:
@@ -94,48 +113,111 @@ def lookup(store, name: str) -> DeviceRecord | None:
         return None
     try:
         doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
         known = set(DeviceRecord.__dataclass_fields__)
-        return DeviceRecord(**{key: value for key, value in doc.items() if key in known})
+        record = DeviceRecord(**{key: value for key, value in doc.items() if key in known})
     except (ValueError, TypeError) as exc:
         raise DeviceRefused(f"the registry record of device {name!r} is unreadable ({exc}); re-save the device on the dashboard") from exc
-
-
-def _known(store, name: str) -> DeviceRecord:
-    record = lookup(store, name)
-    if record is None:
-        raise DeviceRefused(f"unknown device {name!r}: register it on the dashboard (Devices > Register) first")
+    record.signed_document = doc  # what its signature covers, as stored
     return record
 
 
-def authenticate(store, name: str, keys: BoardKeys) -> DeviceRecord:
-    """The device's record if it names this board's keys, else DeviceRefused."""
-    record = _known(store, name)
+def verified(record: DeviceRecord, keys: BoardKeys, *, newer_than: int = 0) -> DeviceRecord:
+    """The record if the control plane this board pinned signed it for this device, and it is not
+    older than ``newer_than`` (a serial); else DeviceRefused (logged)."""
+    doc = getattr(record, "signed_document", {})
+    reason = ""
+    if not keys.control_plane_key:
+        reason = "this board has not pinned a control plane yet"
+    elif not verify_document(doc, keys.control_plane_key):
+        reason = "not signed by the control plane this board pinned"
+    elif doc.get("name") != record.name:
+        reason = "signed for another device"
+    elif record.serial < newer_than:
+        reason = f"older than the record accepted before (serial {record.serial} < {newer_than}): a replay"
+    if reason:
+        security_event("record_refused", device=record.name, reason=reason)
+        raise DeviceRefused(f"the registry record of device {record.name!r} was refused: {reason}")
+    return record
+
+
+def _known(store, name: str) -> DeviceRecord:
+    found = lookup(store, name)
+    if found is None:
+        raise DeviceRefused(f"unknown device {name!r}: register it on the dashboard (Devices > Register) first")
+    return found
+
+
+def authenticate(store, name: str, keys: BoardKeys, *, newer_than: int = 0) -> DeviceRecord:
+    """The device's record if the pinned control plane signed it and it names this board's keys,
+    else DeviceRefused."""
+    record = verified(_known(store, name), keys, newer_than=newer_than)
     record.check(keys)
     return record
 
 
-def enroll(store, name: str, keys: BoardKeys, token: str | None, send: Callable[[dict], None], *, timeout: float = 30.0, poll: float = 0.2) -> DeviceRecord:
-    """This board's record, enrolling it first when the registry does not name its keys yet.
-
-    The token is checked locally against its hash, then an enrollment request (public keys +
-    token proof, see ``inference.identity``) goes to the control plane through ``send``; the
-    board waits for its record to name its keys. Raises DeviceRefused with what to do.
-    """
+def pin(store, name: str, keys: BoardKeys, token: str) -> BoardKeys:
+    """Trust the control plane the token vouches for: the record's public key, when its pin proof
+    checks under the token. Returns the keys with it pinned (the caller saves them)."""
     record = _known(store, name)
+    record.check_token(token)
+    if not record.control_plane_key or not record.pin or not hmac.compare_digest(record.pin, pin_proof(token, record.control_plane_key)):
+        security_event("record_refused", device=name, reason="the control plane's key is not vouched for by this token")
+        raise DeviceRefused(f"the registry record of {name!r} does not prove the control plane's key with this token: rotate the token and try again")
+    return keys.pinned(record.control_plane_key)
+
+
+def enroll(
+    store,
+    name: str,
+    keys: BoardKeys,
+    token: str | None,
+    send: Callable[[dict], None],
+    *,
+    timeout: float = 30.0,
+    poll: float = 0.2,
+    save: Callable[[BoardKeys], None] | None = None,
+    then_as: Callable[[], object] | None = None,
+) -> tuple[DeviceRecord, BoardKeys]:
+    """This board's record (and its keys, the control plane pinned), enrolling it first when the
+    registry does not name its keys yet.
+
+    Without a pinned control plane the token pins one first (``pin``; ``save`` keeps it). The token
+    is checked locally against its hash, then an enrollment request (public keys + the token key's
+    signature, see ``inference.identity``) goes to the control plane through ``send``; the board
+    waits for its record to name its keys. ``then_as()``: the store as the board's own Redis user,
+    used once the enrollment user is gone (the control plane deletes it as it enrolls the board).
+    Raises DeviceRefused with what to do.
+    """
+    if not keys.control_plane_key:
+        if not token:
+            raise DeviceRefused(f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)")
+        keys = pin(store, name, keys, token)
+        if save is not None:
+            save(keys)
+    record = verified(_known(store, name), keys)
     if record.revoked:
         record.check(keys)  # raises "revoked"
     if record.signing_key == keys.signing_public_key:
-        return record
+        return record, keys
     if not token:
         raise DeviceRefused(f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)")
     record.check_token(token)
     send(keys.enrollment(name, token))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        record = _known(store, name)
+        try:
+            found = _known(store, name)
+        except CacheBoxRefused:
+            if then_as is None:
+                raise
+            store, then_as = then_as(), None  # enrolled meanwhile: the enrollment user is gone
+            continue
+        record = verified(found, keys)
         if record.signing_key == keys.signing_public_key:
             record.check(keys)
-            return record
+            return record, keys
         refused = record.enrollment or {}
         if refused.get("signing_key") == keys.signing_public_key:
             raise DeviceRefused(f"the control plane refused this board's enrollment: {refused.get('reason', 'no reason given')}")

@@ -1,12 +1,14 @@
 """An edge board as a Celery worker: its identity, the messages it serves, its heartbeat.
 
-Pure-ish functions here are what the Celery tasks call and what the tests call; a
-board holds no database credentials: it needs the broker/cache-box URL, its token once
-(to enroll) and then its own key pair (``inference.identity``).
+Pure-ish functions here are what the Celery tasks call and what the tests call; a board holds
+no database credentials: it needs the broker/cache-box URL, its token once (to enroll) and then
+its own keys (``inference.identity``). It opens only requests the control plane it pinned signed
+and sealed for it, and signs (and seals) everything it sends (``inference.envelope``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -24,9 +26,11 @@ from cachebox.keys import cancel_key_name, stream_channel
 from cachebox.signing import Keychain, KeyRing
 from cachebox.store import CacheBox
 
+from . import envelope
 from .chat import chat_prompt
 from .devices import DeviceRecord, DeviceRefused, authenticate, enroll
 from .engine import EngineError
+from .envelope import CONTROL, EnvelopeRefused, Kind
 from .identity import BoardKeys
 from .lab.anchors import parse_strategy as parse_anchors
 from .lab.early_exit import parse_strategy as parse_early_exit
@@ -53,16 +57,17 @@ log = logging.getLogger(__name__)
 @dataclass
 class EdgeIdentity:
     name: str
-    keys: BoardKeys  # this board's private keys: they sign its messages and open its ring
+    keys: BoardKeys  # this board's private keys (they sign its messages and open its ring) and the pinned control plane
     record: DeviceRecord
     store: CacheBox
-    ring: KeyRing | None = None  # the namespace's signing keys, as last received
+    ring: KeyRing | None = None  # the namespace's keys, as last received
 
     def recheck(self) -> None:
         """Raise DeviceRefused if the device was revoked or its token rotated since the board
-        enrolled; otherwise take the namespace's current signing keys (a rotation arrives this way)."""
+        enrolled, or its record is not one the pinned control plane signed (or older than the last
+        one); otherwise take the namespace's current keys (a rotation arrives this way)."""
         previous = self.record.cache_namespace
-        self.record = authenticate(self.store, self.name, self.keys)
+        self.record = authenticate(self.store, self.name, self.keys, newer_than=self.record.serial)
         if self.record.cache_namespace != previous:
             raise DeviceRefused(f"device {self.name!r} was moved to namespace {self.record.cache_namespace!r}; restart the board to serve it")
         self._open_ring()
@@ -92,6 +97,37 @@ class EdgeIdentity:
 
         return Keychain(source, remember=False, on_refresh=reread)
 
+    def ring_for(self, namespace: str) -> KeyRing | None:
+        """The ring that opens what was sealed for ``namespace`` (this board's own only)."""
+        ring = self.ring
+        return ring if ring is not None and ring.covers(namespace) else None
+
+    def open_request(self, message, kind: Kind, *, expired_ok: bool = False) -> dict:
+        """A request the pinned control plane sealed and signed for this board; EnvelopeRefused
+        (logged) for anything else: unsigned, signed by anyone else, for another board, expired."""
+        try:
+            body, _ = envelope.open_envelope(
+                message, kind=kind, to=self.name, signer_public_key=self.keys.control_plane_key, ring_for=self.ring_for, expired_ok=expired_ok
+            )
+        except EnvelopeRefused as exc:
+            security_event("request_refused", device=self.name, kind=str(kind), reason=str(exc)[:500])
+            raise
+        return body
+
+    def seal_event(self, event: StreamEvent) -> bytes:
+        """A stream event as it is published: sealed under the namespace's key, signed by this board,
+        addressed to its run."""
+        sealed = envelope.seal(event.compact(), kind=Kind.STREAM, sender=self.name, to=event.request_id, signer=self.keys.signing, ring=self.ring)
+        return json.dumps(sealed, separators=(",", ":")).encode()
+
+    def seal(self, message: "BoardMessage", kind: Kind) -> dict:
+        """``message`` as it travels to the control plane: signed with this board's key, sealed
+        under the namespace's data key (heartbeats, which carry nothing of a tenant, in the clear)."""
+        ring = None if kind == Kind.HEARTBEAT else self.ring
+        if ring is None and kind != Kind.HEARTBEAT:
+            raise DeviceRefused(f"board {self.name!r} holds no key of its namespace: nothing can be sent sealed")
+        return envelope.seal(message.dump(), kind=kind, sender=self.name, to=CONTROL, signer=self.keys.signing, ring=ring, message_id=str(getattr(message, "request_id", "") or ""))
+
     def check_namespace(self, requested: str | None) -> str:
         """The namespace a request may use: this board's own, whatever was asked."""
         own = self.record.cache_namespace
@@ -105,15 +141,19 @@ _identity: EdgeIdentity | None = None
 
 
 def send_enrollment(fields: dict) -> None:
-    """An enrollment request to the control plane's queue (public keys and a token proof only)."""
-    current_app.send_task(Task.ENROLL.value, args=[EnrollRequest(**fields).dump()], queue=Queue.CONTROL.value, expires=120)
+    """An enrollment request to the control plane's queue (public keys, signed with the token's key)."""
+    current_app.send_task(
+        Task.ENROLL.value, args=[EnrollRequest(**fields).dump()], queue=Queue.CONTROL.value, exchange="", routing_key=Queue.CONTROL.value, declare=[], expires=120
+    )
 
 
-def become(name: str, keys: BoardKeys, store: CacheBox, *, token: str | None = None, send=send_enrollment, timeout: float = 30.0) -> EdgeIdentity:
-    """Make this process the board ``name``, enrolling its keys with ``token`` when the registry does
-    not name them yet (raises DeviceRefused with what to do)."""
+def become(name: str, keys: BoardKeys, store: CacheBox, *, token: str | None = None, send=send_enrollment, timeout: float = 30.0, save=None, then_as=None) -> EdgeIdentity:
+    """Make this process the board ``name``, pinning the control plane and enrolling its keys with
+    ``token`` when the registry does not name them yet (``save`` keeps the pinned keys; ``then_as()``
+    gives the store as the board's own Redis user once enrolled; raises DeviceRefused with what to do)."""
     global _identity
-    _identity = EdgeIdentity(name, keys, enroll(store, name, keys, token, send, timeout=timeout), store)
+    record, keys = enroll(store, name, keys, token, send, timeout=timeout, save=save, then_as=then_as)
+    _identity = EdgeIdentity(name, keys, record, store)
     _identity._open_ring()
     return _identity
 
@@ -136,15 +176,19 @@ def serve(board, request: RunRequest, work_waiting: Callable[[], bool] | None = 
     """Run one dispatched prompt; returns the report for the control plane (an error is a report too).
 
     A streamed run (``request.stream``) publishes each answer piece on its channel as it is
-    chosen and a last ``done`` (or ``error``) event, and stops when its cancel flag appears;
-    ``request.stop`` ends the answer at the first stop string, streamed or not. After a chat
-    turn's answer, the next turn's prefix is prepared unless ``work_waiting()`` says another
-    run waits for this board: a waiting answer goes before a turn that may never come.
+    chosen and a last ``done`` (or ``error``) event, sealed and signed by this board, and stops
+    when the control plane's signed cancel flag appears; ``request.stop`` ends the answer at the
+    first stop string, streamed or not. After a chat turn's answer, the next turn's prefix is
+    prepared unless ``work_waiting()`` says another run waits for this board: a waiting answer
+    goes before a turn that may never come. Only a board process (an identity) streams.
     """
-    stream = _Publisher(board.store, request.request_id, _sender()["device"]) if request.stream and board.store is not None else None
+    streaming = request.stream and board.store is not None and _identity is not None
+    stream = _Publisher(board.store, request.request_id, _identity) if streaming else None
     if stream is not None and stream.cancel_requested():
         stream.close()
         return RunReport.for_request(request, **_sender(), error=CANCELLED)  # its client left while it waited
+    if stream is None and _identity is not None and board.store is not None and signed_cancel_set(board.store, _identity, request.request_id):
+        return RunReport.for_request(request, **_sender(), error=CANCELLED)  # revoked while queued, or re-sent elsewhere
     if stream is not None:
         stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage="started"))
     answer = _Answer(request.stop)
@@ -243,6 +287,26 @@ def serve(board, request: RunRequest, work_waiting: Callable[[], bool] | None = 
     )
 
 
+def signed_cancel_set(store: CacheBox, me: EdgeIdentity, request_id: str) -> bool:
+    """Whether the pinned control plane signed a cancel for this run on this board (one GET; a
+    flag anyone else set is refused and logged; a cache box that does not answer: no)."""
+    try:
+        raw = store.read_flag(cancel_key_name(me.name, request_id))
+    except CacheBoxUnavailable as exc:
+        log.warning("cannot check whether run %s was cancelled: %s", request_id, exc)
+        return False
+    if raw is None:
+        return False
+    try:
+        body, _ = envelope.open_envelope(json.loads(raw), kind=Kind.CANCEL, to=me.name, signer_public_key=me.keys.control_plane_key)
+        if body.get("request_id") == request_id:
+            return True
+        raise EnvelopeRefused("it names another run")
+    except (ValueError, UnicodeDecodeError) as exc:  # EnvelopeRefused is a ValueError
+        security_event("cancel_refused", device=me.name, request_id=request_id, reason=str(exc)[:300])
+        return False
+
+
 def messages_waiting(app, queues: Sequence[str]) -> int:
     """How many messages wait in ``queues`` of ``app``'s broker (a queue never used counts 0)."""
     from kombu.exceptions import ChannelError
@@ -259,8 +323,9 @@ def messages_waiting(app, queues: Sequence[str]) -> int:
 
 
 def board_work_waiting() -> bool:
-    """Whether a run or an encode waits for this board, in its own queue or the shared one."""
-    return messages_waiting(current_app, [Queue.device(identity().name), Queue.SHARED.value]) > 0
+    """Whether a run or an encode waits for this board, in its own queue or its namespace's shared one."""
+    me = identity()
+    return messages_waiting(current_app, [Queue.device(me.name), Queue.shared(me.record.cache_namespace)]) > 0
 
 
 def _waiting(work_waiting: Callable[[], bool] | None, request_id: str) -> bool:
@@ -316,18 +381,21 @@ class _Answer:
 
 
 class _Publisher(threading.Thread):
-    """A streamed run's events to its pub/sub channel, from a thread of its own so that a publish
-    (one round trip, over an emulated link too) never delays the next token; it also checks the
-    run's cancel flag, at most every ``CHECK_EVERY_S``, with one cheap EXISTS."""
+    """A streamed run's events to its pub/sub channel, sealed and signed by this board, from a
+    thread of its own so that a publish (one round trip, over an emulated link too) never delays
+    the next token; it also checks the run's cancel flag, at most every ``CHECK_EVERY_S``, with one
+    cheap GET, and obeys only a cancel the pinned control plane signed for this run and board."""
 
     CHECK_EVERY_S = 0.1
 
-    def __init__(self, store: CacheBox, request_id: str, device: str):
+    def __init__(self, store: CacheBox, request_id: str, me: EdgeIdentity):
         super().__init__(name=f"edgecache-stream-{request_id[:8]}", daemon=True)
         self.store = store
-        self.device = device
-        self.channel = stream_channel(request_id)
-        self.cancel_key = cancel_key_name(request_id)
+        self.me = me
+        self.device = me.name
+        self.request_id = request_id
+        self.channel = stream_channel(me.name, request_id)
+        self.cancel_key = cancel_key_name(me.name, request_id)
         self.cancelled = threading.Event()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._sent = 0
@@ -340,7 +408,7 @@ class _Publisher(threading.Thread):
         return self._sent - 1
 
     def send(self, event: StreamEvent) -> None:
-        self._queue.put(event.encode())
+        self._queue.put(event)
 
     def close(self, last: StreamEvent | None = None, timeout: float = 5.0) -> None:
         """Publish ``last`` after everything sent before it, then stop the thread."""
@@ -350,24 +418,21 @@ class _Publisher(threading.Thread):
         self.join(timeout)
 
     def cancel_requested(self) -> bool:
-        try:
-            if self.store.flag_set(self.cancel_key):
-                self.cancelled.set()
-        except CacheBoxUnavailable as exc:
-            log.warning("cannot check whether run %s was cancelled: %s", self.channel, exc)
+        if not self.cancelled.is_set() and signed_cancel_set(self.store, self.me, self.request_id):
+            self.cancelled.set()
         return self.cancelled.is_set()
 
     def run(self) -> None:
         next_check = time.monotonic() + self.CHECK_EVERY_S
         while True:
             try:
-                data = self._queue.get(timeout=self.CHECK_EVERY_S)
+                event = self._queue.get(timeout=self.CHECK_EVERY_S)
             except queue.Empty:
-                data = b""
-            if data is None:
+                event = False
+            if event is None:
                 return
-            if data:
-                self._publish(data)
+            if event:
+                self._publish(self.me.seal_event(event))
             if time.monotonic() >= next_check and not self.cancelled.is_set():
                 self.cancel_requested()
                 next_check = time.monotonic() + self.CHECK_EVERY_S
@@ -412,19 +477,24 @@ def _namespace(requested: str) -> str | None:
     return _identity.check_namespace(requested)
 
 
-def signed(message: BoardMessage) -> dict:
-    """The message as it travels: stamped and signed with this board's key."""
-    return identity().keys.sign(message.dump())
+_KINDS = {Task.RECORD_RUN: Kind.REPORT, Task.ENCODED: Kind.ENCODED, Task.ENCODE_PROGRESS: Kind.PROGRESS, Task.HEARTBEAT: Kind.HEARTBEAT}
+
+
+def send_to_control(task: Task, message: BoardMessage, **options) -> None:
+    """One message to the control plane's queue, signed (and sealed) by this board. Published on the
+    default exchange straight into the queue: a board declares and binds nothing on the broker."""
+    sealed = identity().seal(message, _KINDS[task])
+    current_app.send_task(task.value, args=[sealed], queue=Queue.CONTROL.value, exchange="", routing_key=Queue.CONTROL.value, declare=[], **options)
 
 
 def send_progress(progress: EncodeProgress) -> None:
     """Encoding progress to the control plane (best effort: progress may be lost, the result is not)."""
-    current_app.send_task(Task.ENCODE_PROGRESS.value, args=[signed(progress)], queue=Queue.CONTROL.value, expires=60)
+    send_to_control(Task.ENCODE_PROGRESS, progress, expires=60)
 
 
 def report(message: BoardMessage, task: Task = Task.RECORD_RUN) -> None:
-    """Send a signed report to the control plane's queue."""
-    current_app.send_task(task.value, args=[signed(message)], queue=Queue.CONTROL.value)
+    """Send a signed, sealed report to the control plane's queue."""
+    send_to_control(task, message)
 
 
 class HeartbeatThread(threading.Thread):
@@ -453,9 +523,8 @@ class HeartbeatThread(threading.Thread):
             return
         except CacheBoxUnavailable:
             pass  # cannot tell now; the control plane checks every message anyway
-        status = BoardStatus(pid=os.getpid(), sent=time.time(), **self.board_status())
-        beat = Heartbeat(device=me.name, status=status)
-        current_app.send_task(Task.HEARTBEAT.value, args=[signed(beat)], queue=Queue.CONTROL.value, expires=self.interval * 3)
+        status = BoardStatus(pid=os.getpid(), sent=time.time(), heartbeat_s=self.interval, **self.board_status())
+        send_to_control(Task.HEARTBEAT, Heartbeat(device=me.name, status=status), expires=self.interval * 3)
 
     def run(self) -> None:
         while True:

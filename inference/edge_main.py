@@ -15,7 +15,8 @@ import os
 import signal
 import sys
 
-from cachebox.errors import CacheBoxUnavailable
+from cachebox.acl import board_transport_options, board_user, enroll_user, has_credentials, with_credentials
+from cachebox.errors import CacheBoxRefused, CacheBoxUnavailable
 from cachebox.events import LOGGER_NAME, JsonLineFormatter
 from cachebox.link import LinkProfile
 from cachebox.store import CacheBox
@@ -24,10 +25,12 @@ from . import edge
 from .board import Board, broker_url, cachebox_url, set_board
 from .config import BoardConfig, ConfigError
 from .devices import DeviceRefused
-from .identity import BoardKeys
+from .identity import BoardKeys, enrollment_redis_password
 from .messages import Queue
 from .model_file import ModelNotFound
 from .worker import board_app
+
+log = logging.getLogger("inference.edge")
 
 
 def _logging(level: str) -> None:
@@ -40,6 +43,60 @@ def _logging(level: str) -> None:
     security.addHandler(handler)
     security.setLevel(logging.INFO)
     security.propagate = False
+
+
+def _as_board(config: BoardConfig, name: str, keys: BoardKeys) -> BoardConfig:
+    """The configuration whose URLs reach Redis as this board's own user (``cachebox.acl``)."""
+    if not config.board_acl:
+        return config
+    broker = with_credentials(broker_url(config), board_user(name), keys.redis_password)
+    return config.with_(redis_url=broker, cachebox_url=with_credentials(config.cachebox_url, board_user(name), keys.redis_password) if config.cachebox_url else "")
+
+
+def _as_enrolling(config: BoardConfig, name: str, token: str) -> BoardConfig:
+    """The configuration of a board not enrolled yet: Redis as the device's enrollment user, which
+    may read its record and send its enrollment, nothing else."""
+    if not config.board_acl:
+        return config
+    password = enrollment_redis_password(token)
+    broker = with_credentials(broker_url(config), enroll_user(name), password)
+    return config.with_(redis_url=broker, cachebox_url=with_credentials(config.cachebox_url, enroll_user(name), password) if config.cachebox_url else "")
+
+
+def _enrolled(name: str, config: BoardConfig, keys: BoardKeys, token: str, key_file) -> edge.EdgeIdentity:
+    """This process as the board ``name``: as its own Redis user when it enrolled before, else (with
+    the token) enrolled through its enrollment user first."""
+    if config.board_acl and (has_credentials(config.redis_url) or has_credentials(config.cachebox_url)):
+        log.warning("REDIS_URL / EDGECACHE_CACHEBOX_URL carry credentials: a board uses its own Redis user, not those (remove them from its environment)")
+
+    def store_of(cfg: BoardConfig) -> CacheBox:
+        return CacheBox(cachebox_url(cfg), connect_timeout=cfg.connect_timeout, timeout=cfg.io_timeout)
+
+    if keys.control_plane_key:  # enrolled before (or at least pinned): try its own user first
+        own = _as_board(config, name, keys)
+        try:
+            board_app(broker_url(own))
+            return edge.become(name, keys, store_of(own), token=None, save=lambda pinned: pinned.save(key_file))
+        except (CacheBoxRefused, DeviceRefused) as exc:  # no such user yet, or not enrolled: enroll with the token
+            if not token:
+                raise DeviceRefused(f"{exc}; start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)") from None
+    elif not token:
+        raise DeviceRefused(f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)")
+    enrolling = _as_enrolling(config, name, token)
+    board_app(broker_url(enrolling))  # the enrollment goes through the broker, as the enrollment user
+    holder = {"keys": keys}
+
+    def save(pinned: BoardKeys) -> None:
+        holder["keys"] = pinned
+        pinned.save(key_file)
+
+    try:
+        return edge.become(name, keys, store_of(enrolling), token=token, save=save, then_as=lambda: store_of(_as_board(config, name, holder["keys"])))
+    except CacheBoxRefused as exc:
+        raise DeviceRefused(
+            f"the cache box refused this board's enrollment user ({exc}): the token is wrong, expired or spent, "
+            "or the control plane is not running; rotate the token on the device's page"
+        ) from None
 
 
 def main(argv: list[str]) -> int:
@@ -62,10 +119,9 @@ def main(argv: list[str]) -> int:
     token = args.token or os.environ.get("EDGECACHE_DEVICE_TOKEN", "")
     try:
         config = BoardConfig.from_env(device=args.name)
-        keys = BoardKeys.load_or_create(config.key_file(args.name))
-        app = board_app(broker_url(config))  # before enrolling: the request goes through its broker
-        store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout)
-        me = edge.become(args.name, keys, store, token=token or None)
+        key_file = config.key_file(args.name)
+        keys = BoardKeys.load_or_create(key_file)
+        me = _enrolled(args.name, config, keys, token, key_file)
     except (ConfigError, ValueError) as exc:
         return fail(str(exc))
     except DeviceRefused as exc:
@@ -75,7 +131,10 @@ def main(argv: list[str]) -> int:
     link = None
     if me.record.link_bandwidth_mbps:
         link = LinkProfile(me.record.link_bandwidth_mbps, me.record.link_rtt_ms or 0.0)
-    config = config.with_(namespace=me.record.cache_namespace, threads=me.record.threads or None, link=link)
+    config = _as_board(config, args.name, me.keys).with_(namespace=me.record.cache_namespace, threads=me.record.threads or None, link=link)
+    me.store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout)  # as its own user from now on
+    queues = [Queue.device(args.name), Queue.shared(me.record.cache_namespace)]
+    app = board_app(broker_url(config), queues=queues, transport_options=board_transport_options(args.name, me.record.cache_namespace))
     try:
         board = set_board(Board.start(config, keys=me.keychain()))
     except ModelNotFound as exc:
@@ -87,7 +146,7 @@ def main(argv: list[str]) -> int:
 
     beat = edge.HeartbeatThread(board.status, args.heartbeat, on_refused=stop_worker)
     beat.start()
-    queues = f"{Queue.device(args.name)},{Queue.SHARED.value}"
+    queues = ",".join(queues)
     print(
         f"board {args.name} ready ({board.engine.model_file.path.name}, {board.engine.config.threads()} threads, "
         f"{board.store.link_label} to the cache box, namespace {me.record.cache_namespace}, "
@@ -97,7 +156,9 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     try:
-        app.worker_main(["worker", "--queues", queues, "--pool", "solo", "--hostname", f"{args.name}@%h", "--loglevel", args.loglevel, "--without-gossip", "--without-mingle"])
+        app.worker_main(
+            ["worker", "--queues", queues, "--pool", "solo", "--hostname", f"{args.name}@%h", "--loglevel", args.loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat"]
+        )
     finally:
         beat.stop()
         board.close()

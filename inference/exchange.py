@@ -25,7 +25,7 @@ import numpy as np
 from cachebox import codec as codecs
 from cachebox.catalog import Catalog
 from cachebox.codec import UnknownCodec
-from cachebox.entry import HEADER_PEEK_BYTES, EntryHeader, decode_header, decoded_state, encode_entry, entry_size, open_entries, state_checksum, verify_header
+from cachebox.entry import HEADER_PEEK_BYTES, EntryHeader, decode_header, decoded_state, encode_entry, entry_size, open_entries, verify_header
 from cachebox.errors import CacheBoxUnavailable, EntryError
 from cachebox.events import security_event
 from cachebox.keys import entry_key_name, module_key, module_key_name, prefix_keys
@@ -74,8 +74,8 @@ def module_ref(namespace: str, fingerprint: str, schema_digest: str, piece: str,
 
 @dataclass
 class Fetched:
-    """An entry read and verified: ``blob[offset:]`` as stored, ``state[state_offset:]`` what
-    llama.cpp reads (the same buffer for a raw entry, the decoded bytes otherwise)."""
+    """An entry read, verified and opened: ``blob`` as stored (sealed), ``state[state_offset:]``
+    what llama.cpp reads (decrypted, and decoded when a codec stored it)."""
 
     ref: EntryRef
     header: EntryHeader
@@ -83,10 +83,6 @@ class Fetched:
     offset: int
     state: bytes = b""
     state_offset: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.state:
-            self.state, self.state_offset = self.blob, self.offset
 
 
 class OverLimit(EntryError):
@@ -298,10 +294,11 @@ class ExchangeSession:
             try:
                 if isinstance(result, EntryError):
                     raise result
-                header, offset = result
+                header, encoded = result
+                offset = len(blob) - header.state_bytes
                 self._check(ref, header, expect)
                 decoding = time.perf_counter()
-                state, state_offset = decoded_state(header, blob, offset)  # after the digest of the stored bytes
+                state = decoded_state(header, encoded)  # after decryption authenticated the stored bytes
                 self.breakdown.decompress_ms += ms_since(decoding)
             except UnknownKey as exc:
                 self._newer_key(ref, exc)
@@ -318,7 +315,7 @@ class ExchangeSession:
                 if chain:
                     break
                 continue
-            usable.append(Fetched(ref, header, blob, offset, state, state_offset))
+            usable.append(Fetched(ref, header, blob, offset, state, 0))
             self.breakdown.codec = header.codec
         return usable
 
@@ -385,7 +382,7 @@ class ExchangeSession:
 
     # -- upload ----------------------------------------------------------------------------------
     def seal(self, ref: EntryRef, state: bytes, tokens_digest: str, logits: np.ndarray | None = None, top: int = TOP_CANDIDATES) -> bytes:
-        """The signed entry of ``state`` for ``ref`` (with the top logits of its last position, if given)."""
+        """The sealed, signed entry of ``state`` for ``ref`` (with the top logits of its last position, if given)."""
         top_ids = top_values = None
         if logits is not None:
             top_ids, top_values = top_candidates(logits, top)
@@ -399,8 +396,7 @@ class ExchangeSession:
             start=ref.start,
             end=ref.end,
             tokens_digest=tokens_digest,
-            state_bytes=len(stored),
-            checksum=state_checksum(stored),
+            state_bytes=0,  # set by encode_entry: the sealed size
             device=self.exchange.device,
             top_ids=top_ids,
             top_logits=top_values,

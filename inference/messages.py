@@ -1,15 +1,17 @@
 """What boards and the control plane say to each other: one typed definition of each message.
 
-Every message crosses the broker as JSON (never pickle) and is validated where it is
-received (``Message.receive``): a malformed or unknown message is refused with a logged
-reason and never reaches the code that acts on it, so no worker crashes on a bad dict.
+Every message crosses the broker as JSON (never pickle), inside a signed envelope that seals
+what a tenant wrote (``inference.envelope``), and is validated where it is received
+(``Message.receive``): a malformed or unknown message is refused with a logged reason and never
+reaches the code that acts on it, so no worker crashes on a bad dict.
 Queue and task names are enums here; the run's own words (case, decision, cache-box
 state) are enums of ``inference.breakdown``.
 
-Control plane -> board: ``RunRequest``, ``EncodeRequest`` (on ``device.NAME`` or ``boards``).
-Board -> control plane (queue ``control``): ``RunReport``, ``EncodeProgress``,
-``EncodeReport``, ``Heartbeat`` (each signed by the board), and once ``EnrollRequest``;
-on a streamed run's pub/sub channel: ``StreamEvent``.
+Control plane -> board: ``RunRequest``, ``EncodeRequest`` (on ``device.NAME`` or the namespace's
+``boards.NS``), sealed and signed by the control plane.
+Board -> control plane (queue ``control``): ``RunReport``, ``EncodeProgress``, ``EncodeReport``
+(sealed) and ``Heartbeat``, each signed by the board, and once ``EnrollRequest`` (signed with the
+token's key); on a streamed run's pub/sub channel: ``StreamEvent`` (sealed, signed by the board).
 """
 
 from __future__ import annotations
@@ -38,12 +40,17 @@ _UUID = r"^[0-9a-fA-F-]{32,36}$"
 
 class Queue(StrEnum):
     CONTROL = "control"  # the control plane's worker: reports, heartbeats, progress
-    SHARED = "boards"  # work any board may take
+    SHARED = "boards"  # work any board of a namespace may take: ``boards.NS``
 
     @staticmethod
     def device(name: str) -> str:
         """A board's own queue."""
         return f"device.{name}"
+
+    @staticmethod
+    def shared(namespace: str) -> str:
+        """The queue any board of ``namespace`` takes work from (boards of other tenants cannot read it)."""
+        return f"boards.{namespace}"
 
 
 class Task(StrEnum):
@@ -235,23 +242,23 @@ class StoredEntry(Message):
 
 
 class BoardMessage(Message):
-    """What every board message carries: who sends it, when, and its Ed25519 signature over the
-    rest (``inference.identity``); no secret: a reader of the broker learns nothing that lets it
-    act as the board."""
+    """What every board message names: the board that sends it. It travels in an envelope the
+    board signs (``inference.envelope``), whose sender must be this device; no secret: a reader of
+    the broker learns nothing that lets it act as the board."""
 
     device: str = Field(pattern=_NAME)
-    ts: float = 0.0  # send time (heartbeats must be newer than the last one accepted)
-    signature: str = Field("", max_length=200)
 
 
 class EnrollRequest(Message):
-    """A board's public keys, sent once, with a proof that it holds the device's token."""
+    """A board's public keys and its Redis password's hash, sent once, signed with the key the
+    device's token gives (``inference.identity.enrollment_key``)."""
 
     device: str = Field(pattern=_NAME)
     signing_public_key: str = Field(pattern=r"^[0-9a-f]{64}$")
     box_public_key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    redis_password_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     ts: float
-    proof: str = Field(pattern=r"^[0-9a-f]{64}$")
+    proof: str = Field(pattern=r"^[A-Za-z0-9+/]{86}==$")  # an Ed25519 signature, base64
 
 
 class RunReport(BoardMessage):
@@ -286,11 +293,12 @@ class StreamEvent(Message):
     """What a board publishes on a streamed run's channel (``cachebox.keys.stream_channel``): each
     answer piece as it is chosen (``token``), then one ``done`` (the answer's text, why it ended,
     its breakdown) or ``error``; before the first token, ``stage`` events say how far the board is
-    (``started``: it took the run off its queue; lookup, fetch and prefill follow). Not signed: the
-    RunReport that follows on the control queue stays the signed record; these only carry the
-    answer to a waiting client sooner."""
+    (``started``: it took the run off its queue; lookup, fetch and prefill follow). Each travels
+    sealed and signed by the board (``inference.envelope``); a reader accepts events only from the
+    board the run was dispatched to. The RunReport that follows on the control queue stays the
+    record; these carry the answer to a waiting client sooner."""
 
-    type: Literal["token", "done", "error", "stage"]
+    type: Literal["token", "done", "error", "stage", "resent"]  # resent: the control plane moved the run to ``device``
     request_id: str = Field(pattern=_UUID)
     device: str = Field("", max_length=64)
     index: int = Field(0, ge=0)  # token events: 0, 1, 2, ...
@@ -300,17 +308,27 @@ class StreamEvent(Message):
     breakdown: dict[str, Any] = Field(default_factory=dict)
     stage: Literal["", "started", "fetching", "prefilling"] = ""  # stage events, in this order (a run may skip some)
 
-    def encode(self) -> bytes:
-        return self.model_dump_json(exclude_defaults=True).encode()
+    def compact(self) -> dict:
+        """The fields that differ from their defaults (what travels)."""
+        return self.model_dump(mode="json", exclude_defaults=True)
 
     @classmethod
-    def decode(cls, data: bytes | str) -> "StreamEvent":
-        """The event in ``data`` (JSON bytes from the channel), or MessageRefused."""
+    def open(cls, data: bytes | str, *, request_id: str, signer_public_key: str, ring_for, control_plane_key: str = "") -> "StreamEvent":
+        """The event published on a run's channel, if the board ``signer_public_key`` names sealed
+        and signed it for run ``request_id`` (or, with ``control_plane_key``, the control plane did:
+        a run it re-sent or gave up on); MessageRefused (with why) for anything else."""
+        from .envelope import CONTROL, Kind, open_envelope, peek
+
         try:
-            raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise MessageRefused(f"StreamEvent is not JSON: {exc}") from None
-        return cls.parse(raw)
+            envelope = json.loads(data)
+            signer = control_plane_key if control_plane_key and peek(envelope)["from"] == CONTROL else signer_public_key
+            message, _ = open_envelope(envelope, kind=Kind.STREAM, to=request_id, signer_public_key=signer, ring_for=ring_for)
+        except (ValueError, UnicodeDecodeError) as exc:  # EnvelopeRefused is a ValueError
+            raise MessageRefused(f"StreamEvent refused: {exc}") from None
+        event = cls.parse(message)
+        if event.request_id != request_id:
+            raise MessageRefused("StreamEvent refused: it names another run")
+        return event
 
 
 class EncodeProgress(BoardMessage):
@@ -352,6 +370,7 @@ class BoardStatus(Message):
     model: str = Field("", max_length=200)
     fingerprint: str = Field("", pattern=r"^$|^[0-9a-f]{1,32}$")
     threads: int = Field(0, ge=0)
+    heartbeat_s: float = Field(5.0, gt=0, le=3600)  # how often it beats (the control plane counts missed ones)
     catalogs: dict[str, CatalogStatus] = Field(default_factory=dict, max_length=1000)
 
 

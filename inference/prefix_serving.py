@@ -613,22 +613,23 @@ class PrefixServing:
                 items.append((stored, session.seal(stored, state, tokens_digest(tokens[start : ref.end]), boundary_logits.get(ref.end - 1), self.top_logits), needed, state))
         return items
 
-    def _remember(self, items) -> None:
+    def _remember(self, session: ExchangeSession, items) -> None:
         """Keep this run's own entries in the RAM tier, as states (sealed here: nothing to verify)."""
         if self.ram is None:
             return
         for ref, blob, _, state in items:
             header, _ = decode_header(blob)
+            header.open_private(session.ring)  # sealed here a moment ago: its top logits serve a repeat
             self.ram.put(ref.name, header, state, 0)
 
     def _keep_in_ram(self, session: ExchangeSession, tokens, refs, boundary_logits, exports: Exports) -> None:
-        self._remember(self._sealed(session, tokens, refs, set(), boundary_logits, exports))
+        self._remember(session, self._sealed(session, tokens, refs, set(), boundary_logits, exports))
 
     def _upload(self, session: ExchangeSession, tokens, refs: list[EntryRef], known: set[bytes], boundary_logits, exports: Exports) -> list:
         """Store the ranges this run computed (after the answer is out), in RAM and in the cache box."""
         mark = time.perf_counter()
         items = self._sealed(session, tokens, refs, known, boundary_logits, exports)
-        self._remember(items)
+        self._remember(session, items)
         uploaded = session.share([(ref, blob) for ref, blob, needed, _ in items if needed], chain=True)
         session.breakdown.upload_ms = ms_since(mark)
         return uploaded

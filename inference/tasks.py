@@ -1,23 +1,30 @@
-"""Celery tasks that edge boards execute. Thin: validate the message, call a plain function, report.
+"""Celery tasks that edge boards execute. Thin: open the envelope, validate the message, call a
+plain function, report.
 
-A message that does not follow the contract (``inference.messages``) is refused with a
-logged reason, and answered with an error report when it names its request, so nothing
-a person sent vanishes. An unexpected failure while serving is reported the same way.
+A request must be sealed and signed by the control plane this board pinned, for this board
+(``inference.envelope``); anything else (unsigned, forged, for another board, expired, replayed)
+is refused and logged, and answered with nothing: its request id cannot be trusted. An authentic
+request that does not follow the contract (``inference.messages``) is answered with an error
+report, so nothing a person sent vanishes. An unexpected failure while serving is reported too.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 
 from celery import shared_task
 from celery.signals import task_revoked
 
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
+from cachebox.signing import UnknownKey
 
 from .board import get_board
 from .devices import DeviceRefused
 from .edge import board_work_waiting, encode, identity, refused_request, report, send_progress, serve
+from .envelope import EnvelopeRefused, Kind
 from .messages import EncodeProgress, EncodeReport, EncodeRequest, MessageRefused, RunReport, RunRequest, Task
 
 log = logging.getLogger(__name__)
@@ -40,13 +47,52 @@ def _still_enrolled(request_id: str) -> bool:
     return True
 
 
+class _Seen:
+    """Request ids this process has taken already: a request delivered again (replayed into the
+    queue, or restored while it still runs) is not served twice."""
+
+    def __init__(self, size: int = 10_000):
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def first_time(self, request_id: str) -> bool:
+        with self._lock:
+            if request_id in self._ids:
+                return False
+            self._ids[request_id] = None
+            if len(self._ids) > self._size:
+                self._ids.popitem(last=False)
+            return True
+
+
+_seen = _Seen()
+_KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE}
+
+
 def _receive(cls, message, task: Task):
+    """The request in a task's envelope, or None (refused, logged; answered when authentic)."""
+    me = identity()
     try:
-        return cls.parse(message)
+        body = me.open_request(message, _KINDS[task])
+    except UnknownKey:
+        me.recheck()  # sealed under a key generation this board has not received yet: fetch it, once
+        try:
+            body = me.open_request(message, _KINDS[task])
+        except (EnvelopeRefused, UnknownKey):
+            return None
+    except EnvelopeRefused:
+        return None  # logged by open_request: not from the control plane, or not for this board
+    try:
+        request = cls.parse(body)
     except MessageRefused as exc:
-        security_event("message_refused", message=cls.__name__, receiver=identity().name, reason=str(exc)[:500])
-        refused_request(message, str(exc), task)
+        security_event("message_refused", message=cls.__name__, receiver=me.name, reason=str(exc)[:500])
+        refused_request(body, str(exc), task)
         return None
+    if not _seen.first_time(request.request_id):
+        security_event("request_refused", device=me.name, request_id=request.request_id, reason="delivered again: served once already")
+        return None
+    return request
 
 
 @shared_task(name=Task.RUN_PROMPT.value, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
@@ -93,7 +139,10 @@ def report_expired(sender=None, request=None, expired=False, **_) -> None:
         return
     me = identity()
     error = EXPIRED.format(device=me.name, expires=request.expires or "its expiry")
-    message = request.args[0]
+    try:
+        message = me.open_request(request.args[0], _KINDS[Task(name)], expired_ok=True)
+    except (EnvelopeRefused, UnknownKey):
+        return  # not the control plane's: nothing to answer
     log.warning("request %s %s", message.get("request_id"), error)
     try:
         if name == Task.RUN_PROMPT:

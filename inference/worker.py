@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 
 from celery import Celery
+from kombu import Exchange, Queue as KombuQueue
+
+from cachebox.broker import without_scripts
 
 from .messages import CONTROL_TASKS, Queue
 
@@ -52,10 +55,19 @@ def celery_settings(broker_url: str, environ=os.environ) -> dict:
     }
 
 
-def board_app(broker_url: str) -> Celery:
-    """The Celery app of one edge process: the board tasks, JSON only, current and default."""
+def board_app(broker_url: str, *, queues: list[str] | None = None, transport_options: dict | None = None) -> Celery:
+    """The Celery app of one edge process: the board tasks, JSON only, current and default.
+
+    ``queues``: the queues it consumes, used as they are (the control plane declares and binds
+    them; a board's Redis user may not). ``transport_options``: the board's own Kombu keys
+    (``cachebox.acl.board_transport_options``)."""
     app = Celery("edgecache-board", set_as_current=True)
-    app.conf.update(celery_settings(broker_url))
+    settings = celery_settings(broker_url)
+    settings["broker_transport_options"] = {**settings["broker_transport_options"], **(transport_options or {})}
+    if queues:
+        settings["task_queues"] = [KombuQueue(name, Exchange(name), routing_key=name, no_declare=True) for name in queues]
+    app.conf.update(settings)
     app.conf.update(include=["inference.tasks"])
     app.set_default()
+    without_scripts()  # this process is a board: its Redis user may run no script
     return app

@@ -109,6 +109,12 @@ def make_board(engine, signing_keys):
             board._sync_thread.stop()
 
 
+def control_plane_password(home: Path) -> str:
+    """The embedded cache box's password of a control plane whose EDGECACHE_HOME is ``home`` (in
+    its secrets folder, beside the state folder)."""
+    return (Path(home).with_name(f"{Path(home).name}-secrets") / "cachebox_password").read_text().strip()
+
+
 def run_manage(*args: str, env: dict | None = None, unset=(), input_bytes: bytes | None = None, timeout: float = 180):
     """Run ``python manage.py ...`` in a fresh process, as a user would."""
     full_env = {key: value for key, value in os.environ.items() if key not in unset}

@@ -412,40 +412,68 @@ def test_chat_prompt_keeps_what_people_wrote_as_text(engine):
     assert injected.tokens.count(turn) == 2  # the user's and the answer's: the typed one stayed text
 
 
-def _events(pubsub) -> list[dict]:
-    """What was published on the subscribed channel, up to its last event."""
+def _events(pubsub, request_id: str, me) -> list[dict]:
+    """What was published on the subscribed channel, up to its last event, opened as the API opens
+    it (sealed and signed by the board ``me``)."""
+    from inference.messages import StreamEvent
+
     events, deadline = [], time.monotonic() + 5
     while time.monotonic() < deadline and not (events and events[-1]["type"] in ("done", "error")):
         message = pubsub.get_message(timeout=0.5)  # None also for the (ignored) subscribe confirmation
         if message is not None and message["type"] == "message":
-            events.append(json.loads(message["data"]))
+            assert b"type" not in message["data"] or b'"sealed"' in message["data"]  # nothing readable on the channel
+            event = StreamEvent.open(message["data"], request_id=request_id, signer_public_key=me.keys.signing_public_key, ring_for=me.ring_for)
+            events.append(event.model_dump(mode="json"))
     return events
 
 
-def test_serve_streams_each_piece_then_done_and_honours_stop_and_cancel(valkey_url, namespace, make_board):
+def test_serve_streams_each_piece_then_done_and_honours_stop_and_cancel(valkey_url, namespace, make_board, monkeypatch, settings):
     import redis
 
     from cachebox.keys import cancel_key_name, stream_channel
+    from cachebox.signing import derive_keyring, public_hex
     from cachebox.store import CacheBox
+    from inference import edge, envelope
     from inference.edge import serve
+    from inference.envelope import CONTROL, Kind
     from inference.messages import RunRequest
 
+    from .test_edge import CONTROL_PLANE, board_identity
+
     board = make_board(valkey_url, namespace, device="streamer")
+    me = board_identity("streamer")
+    me.ring = derive_keyring(settings.EDGECACHE_SIGNING_SECRET, namespace, 1)
+    me.record.namespace = namespace
+    monkeypatch.setattr(edge, "_identity", me)
     pubsub = redis.Redis.from_url(valkey_url).pubsub(ignore_subscribe_messages=True)
     request = RunRequest(
         request_id=str(uuid.uuid4()), messages=[{"role": "user", "content": "List the numbers 1, 2, 3, 4, 5, 6 and 7."}], max_tokens=30, stream=True, stop=["5"], namespace=namespace
     )
-    pubsub.subscribe(stream_channel(request.request_id))
+    pubsub.subscribe(stream_channel("streamer", request.request_id))
     report = serve(board, request)
-    events = _events(pubsub)
+    events = _events(pubsub, request.request_id, me)
     tokens, done = [e for e in events if e["type"] == "token"], events[-1]
     assert done["type"] == "done" and done["text"] == report.text and "".join(e["text"] for e in tokens) == report.text
     assert [e.get("index", 0) for e in tokens] == list(range(len(tokens))) and len(tokens) >= 2
     assert "5" not in report.text and done["finish_reason"] == "stop" and report.error == ""
     assert report.prompt.startswith("<start_of_turn>user\n") and done["breakdown"]["generated_tokens"] == report.breakdown.generated_tokens
 
+    def cancel(request_id: str, signer) -> bytes:
+        return json.dumps(envelope.seal({"request_id": request_id}, kind=Kind.CANCEL, sender=CONTROL, to="streamer", signer=signer)).encode()
+
+    # A cancel flag the control plane did not sign (the key is the board's own to read, but a
+    # flag planted there by anyone else) stops nothing.
+    from cachebox.signing import control_plane_key
+
+    forged = RunRequest(request_id=str(uuid.uuid4()), segments=["Once upon a time"], max_tokens=3, stream=True, namespace=namespace)
+    CacheBox(valkey_url).set_flag(cancel_key_name("streamer", forged.request_id), 60, b"1")
+    assert serve(board, forged).error == ""
+    CacheBox(valkey_url).set_flag(cancel_key_name("streamer", forged.request_id), 60, cancel(forged.request_id, control_plane_key(b"an attacker's own master secret!")))
+    assert serve(board, forged).error == ""
+    assert public_hex(CONTROL_PLANE) == me.keys.control_plane_key
+
     waiting = RunRequest(request_id=str(uuid.uuid4()), segments=["Once upon a time"], max_tokens=50, stream=True, namespace=namespace)
-    CacheBox(valkey_url).set_flag(cancel_key_name(waiting.request_id), 60)  # its client left while it waited
+    CacheBox(valkey_url).set_flag(cancel_key_name("streamer", waiting.request_id), 60, cancel(waiting.request_id, CONTROL_PLANE))  # its client left while it waited
     report = serve(board, waiting)
     assert report.error == "cancelled by the client" and report.breakdown.generated_tokens == 0
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import control_plane_password, ROOT
 from .stack import ADMIN_PASSWORD, SCREENSHOTS, browser, stack, stack_env  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.cachebox]
@@ -126,5 +126,5 @@ def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
 
     from cachebox.embedded import url_for
 
-    client = redis.Redis.from_url(url_for(Path(stack["home"]) / "valkey"))
+    client = redis.Redis.from_url(url_for(Path(stack["home"]) / "valkey", password=control_plane_password(stack["home"])))
     assert client.exists(key) == 0

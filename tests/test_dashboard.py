@@ -18,7 +18,7 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from django.urls import reverse
 
-from cachebox.entry import EntryHeader, encode_entry, state_checksum
+from cachebox.entry import EntryHeader, encode_entry
 from cachebox.signing import derive_keyring
 from cachebox.keys import entry_key_name
 from cachebox.models import CacheEntry
@@ -28,7 +28,10 @@ from dashboard.celery import app as celery_app
 from dashboard.consumers import LiveConsumer
 from dashboard.live import GROUP
 from dashboard.models import AuditEvent, Device, Dispatch, InferenceRun
+from dashboard.signing import control_plane_public_key, device_ring
 from inference import devices as registry
+from inference import envelope
+from inference.envelope import CONTROL, Kind
 from inference.identity import BoardKeys
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
@@ -46,11 +49,19 @@ def control_plane(settings, valkey_url):
 
 @pytest.fixture
 def sent_tasks(monkeypatch):
+    """What the control plane sends to boards, opened as the board would open it (the envelope as
+    sent is kept under "envelope")."""
     calls = []
 
     def capture(name, args=None, queue=None, **kwargs):
         json.dumps(args)  # messages must be plain JSON
-        calls.append({"name": name, "args": args, "queue": queue, **kwargs})
+        call = {"name": name, "args": args, "queue": queue, **kwargs}
+        kind = {"edgecache.run_prompt": Kind.RUN, "edgecache.encode_schema": Kind.ENCODE}.get(name)
+        if kind is not None:
+            device = Device.objects.select_related("namespace").get(name=queue.removeprefix("device."))
+            message, _ = envelope.open_envelope(args[0], kind=kind, to=device.name, signer_public_key=control_plane_public_key(), ring_for=lambda _ns: device_ring(device))
+            call.update(args=[message], envelope=args[0])
+        calls.append(call)
 
     monkeypatch.setattr(celery_app, "send_task", capture)
     return calls
@@ -77,14 +88,25 @@ def register(name="zero", **fields):
 
 
 def enrolled(device, token) -> BoardKeys:
-    """The key pair of a board that enrolled as ``device`` with ``token`` (as `manage.py edge` does)."""
-    keys = BoardKeys.generate()
+    """The keys of a board that enrolled as ``device`` with ``token`` and pinned the control plane
+    (as `manage.py edge` does)."""
+    keys = BoardKeys.generate().pinned(control_plane_public_key())
     assert actions.enroll_device(keys.enrollment(device.name, token)) is not None
     return keys
 
 
+def board_message(keys, device_name: str, kind: Kind, message: dict, *, sealed: bool = True) -> dict:
+    """A message as ``device_name``'s board sends it: signed with ``keys``, sealed under its
+    namespace's key (``sealed``; a device the database does not know seals with a key of its own)."""
+    ring = None
+    if sealed:
+        device = Device.objects.select_related("namespace").filter(name=device_name).first()
+        ring = device_ring(device) if device is not None else derive_keyring(b"a key of its own, 32 bytes long!", "default", 1)
+    return envelope.seal(message, kind=kind, sender=device_name, to=CONTROL, signer=keys.signing, ring=ring)
+
+
 def heartbeat(keys, status=None, device="zero"):
-    return keys.sign({"device": device, "status": status or {}})
+    return board_message(keys, device, Kind.HEARTBEAT, {"device": device, "status": status or {}}, sealed=False)
 
 
 def result_payload(device, keys, *, dispatched=True, **overrides):
@@ -103,7 +125,7 @@ def result_payload(device, keys, *, dispatched=True, **overrides):
     payload.update(overrides)
     if dispatched:
         Dispatch.objects.get_or_create(request_id=payload["request_id"], defaults={"kind": "run", "device": device, "namespace": device.namespace_id})
-    return keys.sign(payload)
+    return board_message(keys, device.name, Kind.REPORT, payload)
 
 
 # -- access ---------------------------------------------------------------------------------
@@ -175,7 +197,7 @@ def test_rotating_asks_first_then_the_old_board_and_token_stop_working(staff_cli
     with pytest.raises(registry.DeviceRefused, match="not enrolled"):
         registry.authenticate(control_plane, "zero", board)
     assert actions.record_run(result_payload(device, board)) is None  # the old board is refused
-    with pytest.raises(registry.DeviceRefused, match="wrong token"):
+    with pytest.raises(registry.DeviceRefused, match="wrong or expired token"):
         registry.lookup(control_plane, "zero").check_token(old)
     assert actions.enroll_device(BoardKeys.generate().enrollment("zero", old)) is None  # a spent token enrolls no one
     replacement = enrolled(Device.objects.get(name="zero"), new)
@@ -195,7 +217,7 @@ def test_a_revoked_device_is_refused_by_boards_and_control_plane(staff_client, c
 
 
 def test_unknown_devices_are_refused():
-    assert actions.record_run(BoardKeys.generate().sign({"device": "ghost", "request_id": str(uuid.uuid4())})) is None
+    assert actions.record_run(board_message(BoardKeys.generate(), "ghost", Kind.REPORT, {"device": "ghost", "request_id": str(uuid.uuid4())})) is None
 
 
 @pytest.mark.parametrize(
@@ -206,7 +228,6 @@ def test_unknown_devices_are_refused():
         ({"breakdown": {"ttft_ms": "fast"}}, "ttft_ms"),
         ({"uploaded": [{"name": "ec:e:x", "namespace": "default", "model": "zz", "start": 5, "end": 1, "bytes": 1}]}, "uploaded"),
         ({"tokens": "not a list"}, "tokens"),
-        ({"signature": None}, "signature"),
         ({"extra_field": 1}, "extra_field"),
     ],
 )
@@ -215,11 +236,25 @@ def test_a_malformed_board_report_is_refused_logged_and_stores_nothing(control_p
     device, token = register()
     keys = enrolled(device, token)
     with caplog.at_level(logging.INFO, logger="edgecache.security"):
-        assert tasks.record_run.run({**result_payload(device, keys), **change}) is None
+        assert tasks.record_run.run(result_payload(device, keys, dispatched="request_id" not in change, **change)) is None
     assert not InferenceRun.objects.exists() and not CacheEntry.objects.exists()
     refused = [record for record in caplog.records if record.name == "edgecache.security" and record.getMessage() == "message_refused"]
     assert refused and reason in refused[-1].security_fields["reason"]
     assert actions.record_run(result_payload(device, keys)) is not None  # the next good report is stored
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [({"signature": None}, "not signed"), ({"from": "pi5"}, "unknown device"), ({"ts": 1.0}, "not signed"), ({"v": 0}, "not a signed"), ({"sealed": "AAAA"}, "not signed")],
+)
+def test_an_altered_or_unsigned_envelope_is_refused_logged_and_stores_nothing(control_plane, change, reason, caplog):
+    device, token = register()
+    keys = enrolled(device, token)
+    with caplog.at_level(logging.INFO, logger="edgecache.security"):
+        assert tasks.record_run.run({**result_payload(device, keys), **change}) is None
+    assert not InferenceRun.objects.exists()
+    refused = [record for record in caplog.records if record.name == "edgecache.security" and record.getMessage() == "board_message_refused"]
+    assert refused and reason in refused[-1].security_fields["reason"]
 
 
 def test_device_pages_show_summaries_and_breakeven(staff_client, control_plane):
@@ -292,7 +327,7 @@ def test_record_run_stores_once_mirrors_entries_and_broadcasts_once(control_plan
     assert run.pk == again.pk and InferenceRun.objects.count() == 1
     assert run.case == "partial" and run.ttft_ms == 120.0 and run.get_breakdown().matched_tokens == 256
     message = async_to_sync(layer.receive)(channel)
-    assert message["event"] == "run" and message["data"]["request_id"] == payload["request_id"]
+    assert message["event"] == "run" and message["data"]["request_id"] == str(run.request_id)
     entry = CacheEntry.objects.get()
     assert (entry.start, entry.end, entry.creator_device) == (256, 300, "zero")
     actions.record_run(result_payload(device, keys, fetched=[entry.key]))
@@ -371,7 +406,7 @@ def test_dashboard_renders_charts_with_run_points(staff_client, control_plane):
 def store_entry(store, namespace, start=0, end=64, device="zero"):
     state = os.urandom(2048)
     key = os.urandom(16)
-    header = EntryHeader("00ff00ff00ff00ff", namespace, start, end, "d" * 32, len(state), state_checksum(state), device=device)
+    header = EntryHeader("00ff00ff00ff00ff", namespace, start, end, "d" * 32, 0, device=device)
     name = entry_key_name(namespace, "00ff00ff00ff00ff", key)
     store.put_entries([(name, encode_entry(header, state, derive_keyring(b"k" * 32, namespace, 1)))], ttl=3600)
     return name, key
@@ -491,7 +526,7 @@ def test_encoding_is_sent_to_boards_and_its_result_mirrored(staff_client, contro
     name = f"ec:m:default:00ff00ff00ff00ff:{schema.digest}:{{{'cd' * 16}}}"
     with django_capture_on_commit_callbacks(execute=True):  # pages hear of it once it commits
         actions.record_encoded(
-            board.sign({"device": "zero", "request_id": message["request_id"], "schema_id": schema.pk, "stored": [{"name": name, "namespace": "default", "model": "00ff00ff00ff00ff", "start": 0, "end": 13, "bytes": 1000}], "skipped": []})
+            board_message(board, "zero", Kind.ENCODED, {"device": "zero", "request_id": message["request_id"], "schema_id": schema.pk, "stored": [{"name": name, "namespace": "default", "model": "00ff00ff00ff00ff", "start": 0, "end": 13, "bytes": 1000}], "skipped": []})
         )
     assert CacheEntry.objects.filter(key=name).exists()
     event = async_to_sync(layer.receive)(channel)

@@ -18,7 +18,10 @@ from django.utils import timezone
 from cachebox.keys import cancel_key_name, stream_channel
 from cachebox.models import CacheEntry
 from dashboard import actions, chart_series, explain
-from dashboard.models import InferenceRun
+from dashboard.models import Device, InferenceRun
+from dashboard.signing import control_plane_public_key, device_ring
+from inference import envelope
+from inference.envelope import Kind
 from inference.messages import StreamEvent
 
 from .test_dashboard import control_plane, enrolled, register, result_payload, sent_tasks, staff_client  # noqa: F401  (fixtures)
@@ -256,10 +259,9 @@ def test_an_entry_is_described_by_the_first_words_of_its_range_or_its_module():
 def test_the_cache_page_and_admin_show_what_an_entry_holds(admin_client, control_plane):
     device, token = register()
     keys = enrolled(device, token)
-    payload = result_payload(device, keys, prompt="The quick brown fox jumps over the lazy dog while the farmer sleeps in the barn.")
-    payload = json.loads(json.dumps(payload))
-    payload["uploaded"][0].update(start=0, end=20)
-    run = actions.record_run(keys.sign({k: v for k, v in payload.items() if k != "signature"}))
+    uploaded = [{"name": f"ec:e:default:00ff00ff00ff00ff:{{{'ab' * 16}}}", "namespace": "default", "model": "00ff00ff00ff00ff", "start": 0, "end": 20, "bytes": 800_000}]
+    payload = result_payload(device, keys, prompt="The quick brown fox jumps over the lazy dog while the farmer sleeps in the barn.", uploaded=uploaded)
+    run = actions.record_run(payload)
     assert run is not None and run.breakdown["entries"]["stored"][0]["start"] == 0
     page = admin_client.get(reverse("cache")).content.decode()
     assert "The quick brown fox" in page
@@ -285,11 +287,20 @@ def test_unpin_asks_without_calling_itself_destructive(admin_client, control_pla
 def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sent_tasks, django_user_model):
     from django.test import AsyncClient
 
-    device, _ = register("zero")
+    device, token = register("zero")
+    keys = enrolled(device, token)
+    intruder, intruder_token = register("mallory")
+    intruder_keys = enrolled(intruder, intruder_token)
+    device.refresh_from_db()
+    ring = device_ring(Device.objects.select_related("namespace").get(name="zero"))
     user = django_user_model.objects.create_user("alice", password="pw-alice-123", is_staff=True)
     client = AsyncClient()
     client.force_login(user)
     store = control_plane
+
+    def published(event, signer=keys, sender="zero"):
+        sealed = envelope.seal(event.compact(), kind=Kind.STREAM, sender=sender, to=event.request_id, signer=signer.signing, ring=ring)
+        return json.dumps(sealed).encode()
 
     async def scenario():
         response = await client.post(
@@ -303,6 +314,12 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
         request_id = first["dispatched"][0]["request_id"]
         task = sent_tasks[-1]
         assert task["queue"] == "device.zero" and task["args"][0]["request_id"] == request_id and task["args"][0]["stream"] is True
+        channel = stream_channel("zero", request_id)
+        # Events the page must not show: unsigned (the old format), and signed by another board.
+        forged = StreamEvent(type="token", request_id=request_id, device="zero", index=0, text="Pay to IBAN DE00 ATTACKER")
+        store.publish(channel, json.dumps(forged.compact()).encode())
+        store.publish(channel, published(forged, intruder_keys, "mallory"))
+        store.publish(channel, published(forged, intruder_keys, "zero"))
         # The board's events, as inference.edge publishes them.
         for event in (
             StreamEvent(type="stage", request_id=request_id, device="zero", stage="started"),
@@ -310,7 +327,7 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
             StreamEvent(type="token", request_id=request_id, device="zero", index=1, text=","),
             StreamEvent(type="done", request_id=request_id, device="zero", text=" three,", finish_reason="stop", breakdown={"ttft_ms": 42.0}),
         ):
-            store.publish(stream_channel(request_id), event.encode())
+            store.publish(channel, published(event))
         seen = []
         async for raw in lines:
             seen.append(json.loads(raw))
@@ -328,7 +345,9 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
     sync_client.force_login(user)
     answer = sync_client.post(reverse("run-cancel"), {"request_id": [request_id, str(uuid.uuid4()), "not-a-uuid"]})
     assert answer.json() == {"cancelled": [request_id]}
-    assert store.flag_set(cancel_key_name(request_id))
+    flag = json.loads(store.read_flag(cancel_key_name("zero", request_id)))
+    body, _ = envelope.open_envelope(flag, kind=Kind.CANCEL, to="zero", signer_public_key=control_plane_public_key())
+    assert body == {"request_id": request_id}
 
 
 @pytest.mark.django_db
@@ -338,12 +357,16 @@ def test_cancel_reaches_only_runs_the_user_may_see(control_plane, sent_tasks, dj
     outsider = django_user_model.objects.create_user("eve", password="pw-eve-12345")
     client.force_login(outsider)
     assert client.post(reverse("run-cancel"), {"request_id": sent[0]["request_id"]}).json() == {"cancelled": []}
-    assert not control_plane.flag_set(cancel_key_name(sent[0]["request_id"]))
+    assert control_plane.read_flag(cancel_key_name("zero", sent[0]["request_id"])) is None
 
 
 def test_stage_events_follow_the_message_contract():
+    from cachebox.signing import control_plane_key, derive_keyring
+
     request_id = str(uuid.uuid4())
-    event = StreamEvent.decode(StreamEvent(type="stage", request_id=request_id, stage="started").encode())
+    board, ring = control_plane_key(b"b" * 32), derive_keyring(b"m" * 32, "default", 1)
+    sealed = envelope.seal(StreamEvent(type="stage", request_id=request_id, stage="started").compact(), kind=Kind.STREAM, sender="zero", to=request_id, signer=board, ring=ring)
+    event = StreamEvent.open(json.dumps(sealed), request_id=request_id, signer_public_key=board.public_key().public_bytes_raw().hex(), ring_for=lambda _ns: ring)
     assert event.type == "stage" and event.stage == "started"
     with pytest.raises(Exception):
         StreamEvent.parse({"type": "stage", "request_id": request_id, "stage": "dreaming"})

@@ -3,14 +3,16 @@
 import json
 import logging
 import uuid
-from types import SimpleNamespace
 
 import pytest
 
 from cachebox.events import LOGGER_NAME, JsonLineFormatter
+from cachebox.signing import control_plane_key, derive_keyring, pin_proof, public_hex
 from cachebox.store import CacheBox
 from inference import devices as registry
-from inference.edge import serve
+from inference import envelope
+from inference.edge import EdgeIdentity, serve
+from inference.envelope import CONTROL, Kind
 from inference.identity import BoardKeys
 from inference.messages import MessageRefused, RunReport, RunRequest, Task
 
@@ -18,28 +20,36 @@ from .conftest import run_manage
 
 pytestmark = [pytest.mark.cachebox]
 
+CONTROL_PLANE = control_plane_key(b"the control plane's master secret")
+
 
 def publish(url, name, token, revoked=False):
-    registry.publish(CacheBox(url), registry.DeviceRecord(name=name, token_sha256=registry.hash_token(token), threads=1, revoked=revoked))
+    """A device record as the control plane publishes it before its board enrolls."""
+    record = registry.DeviceRecord(name=name, token_sha256=registry.hash_token(token), threads=1, revoked=revoked, pin=pin_proof(token, public_hex(CONTROL_PLANE)))
+    registry.publish(CacheBox(url), record, CONTROL_PLANE)
 
 
 @pytest.mark.parametrize(
     "registered, revoked, message",
-    [(False, False, b"unknown device"), (True, False, b"wrong token"), (True, True, b"revoked")],
+    [(False, False, b"unknown device"), (True, False, b"wrong or expired token"), (True, True, b"revoked")],
 )
 def test_edge_refuses_to_start_with_a_bad_token(valkey_url, registered, revoked, message, tmp_path):
     name = f"edge-{registered}-{revoked}".lower()
     if registered:
         publish(valkey_url, name, "the-right-token", revoked=revoked)
     token = "the-right-token" if revoked else "a-wrong-token"
-    done = run_manage("edge", "--name", name, "--token", token, env={"REDIS_URL": valkey_url, "EDGECACHE_BOARD_KEYS_DIR": str(tmp_path)}, timeout=60)
+    # The registry's own checks (a server without board users: EDGECACHE_BOARD_ACL=0).
+    done = run_manage("edge", "--name", name, "--token", token, env={"REDIS_URL": valkey_url, "EDGECACHE_BOARD_KEYS_DIR": str(tmp_path), "EDGECACHE_BOARD_ACL": "0"}, timeout=60)
     assert done.returncode != 0
     assert b"refused" in done.stderr and message in done.stderr
+    # With board users (the default), a token that gives no enrollment user gets no further than the login.
+    done = run_manage("edge", "--name", name, "--token", token, env={"REDIS_URL": valkey_url, "EDGECACHE_BOARD_KEYS_DIR": str(tmp_path / "acl")}, timeout=60)
+    assert done.returncode != 0 and b"refused" in done.stderr and b"the token is wrong, expired or spent" in done.stderr
 
 
 def test_edge_needs_a_token_to_enroll_and_keeps_its_private_keys_to_itself(valkey_url, tmp_path):
     publish(valkey_url, "fresh", "the-right-token")  # registered, never enrolled
-    done = run_manage("edge", "--name", "fresh", env={"REDIS_URL": valkey_url, "EDGECACHE_BOARD_KEYS_DIR": str(tmp_path)}, unset=("EDGECACHE_DEVICE_TOKEN",), timeout=60)
+    done = run_manage("edge", "--name", "fresh", env={"REDIS_URL": valkey_url, "EDGECACHE_BOARD_KEYS_DIR": str(tmp_path), "EDGECACHE_BOARD_ACL": "0"}, unset=("EDGECACHE_DEVICE_TOKEN",), timeout=60)
     assert done.returncode != 0 and b"not enrolled" in done.stderr and b"--token" in done.stderr
     key_file = tmp_path / "fresh.key"
     assert key_file.exists() and key_file.stat().st_mode & 0o777 == 0o600  # made once, readable by the board only
@@ -100,16 +110,40 @@ def test_a_malformed_request_is_refused_with_its_reason_and_logged(message, reas
     assert events and events[-1]["event"] == "message_refused" and reason in events[-1]["reason"]
 
 
-def test_the_board_task_answers_a_malformed_request_with_an_error_report_and_keeps_running(monkeypatch):
-    """A worker never crashes on a bad message; one that names its request is answered, so it is not lost."""
+def board_identity(name: str = "zero") -> EdgeIdentity:
+    """A board that pinned ``CONTROL_PLANE`` and holds the ``default`` namespace's ring."""
+    keys = BoardKeys.generate().pinned(public_hex(CONTROL_PLANE))
+    ring = derive_keyring(b"the control plane's master secret", "default", 1)
+    return EdgeIdentity(name, keys, registry.DeviceRecord(name=name, signing_key=keys.signing_public_key), store=None, ring=ring)
+
+
+def test_the_board_task_answers_a_malformed_request_with_an_error_report_and_keeps_running(monkeypatch, caplog):
+    """A worker never crashes on a bad message; an authentic one that names its request is answered,
+    so it is not lost. What the control plane did not sign for this board is refused and answered
+    with nothing (its request id cannot be trusted)."""
     from inference import edge, tasks
 
+    me = board_identity()
     sent = []
-    monkeypatch.setattr(tasks, "identity", lambda: SimpleNamespace(name="zero", token="t"))
+    monkeypatch.setattr(tasks, "identity", lambda: me)
     monkeypatch.setattr(edge, "report", lambda message, task=Task.RECORD_RUN: sent.append((task, message)))
+
+    def sealed(message, *, to="zero", signer=CONTROL_PLANE):
+        return envelope.seal(message, kind=Kind.RUN, sender=CONTROL, to=to, signer=signer, ring=me.ring, ttl=60)
+
     request_id = str(uuid.uuid4())
-    tasks.run_prompt.run({"request_id": request_id, "segments": 42})  # would have been TypeError in serve()
-    tasks.run_prompt.run({"segments": ["no id"]})  # nothing to answer: dropped, logged
+    tasks.run_prompt.run(sealed({"request_id": request_id, "segments": 42}))  # would have been TypeError in serve()
+    tasks.run_prompt.run(sealed({"segments": ["no id"]}))  # nothing to answer: dropped, logged
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        for forged in (
+            {"request_id": str(uuid.uuid4()), "segments": ["unsigned"]},  # the old, unsigned format
+            sealed({"request_id": str(uuid.uuid4()), "segments": ["hi"]}, to="pi5"),  # for another board
+            sealed({"request_id": str(uuid.uuid4()), "segments": ["hi"]}, signer=control_plane_key(b"an attacker's own master secret!")),
+        ):
+            tasks.run_prompt.run(forged)
     assert len(sent) == 1
     task, report = sent[0]
     assert task == Task.RECORD_RUN and report.request_id == request_id and "refused by the board" in report.error and "segments" in report.error
+    refused = [json.loads(JsonLineFormatter().format(r)) for r in caplog.records if r.name == LOGGER_NAME and r.getMessage() == "request_refused"]
+    reasons = [event["reason"] for event in refused]
+    assert len(reasons) == 3 and all(any(phrase in reason for reason in reasons) for phrase in ("not a signed", "addressed to 'pi5'", "not signed by"))

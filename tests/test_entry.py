@@ -1,20 +1,11 @@
-"""Entry encoding, signing and verification: pure, millisecond tests."""
+"""Entry sealing, signing and verification: pure, millisecond tests."""
 
 import numpy as np
 import pytest
 
-from cachebox.entry import (
-    EntryHeader,
-    decode_header,
-    encode_entry,
-    open_entries,
-    open_entry,
-    state_checksum,
-    verify_header,
-    verify_state,
-)
+from cachebox.entry import SEAL_OVERHEAD, EntryHeader, decode_header, encode_entry, open_entries, open_entry, open_state, verify_header
 from cachebox.errors import EntryError
-from cachebox.signing import UnknownKey, derive_keyring
+from cachebox.signing import CHACHA20, UnknownKey, derive_keyring
 
 MASTER = b"m" * 32
 RING = derive_keyring(MASTER, "ns", 1)
@@ -27,8 +18,7 @@ def make(state=b"\x01\x02" * 1000, **overrides):
         start=64,
         end=128,
         tokens_digest="d" * 32,
-        state_bytes=len(state),
-        checksum=state_checksum(state),
+        state_bytes=0,
         device="zero",
         top_ids=np.array([5, 3, 9], dtype=np.int32),
         top_logits=np.array([2.5, 1.0, -3.0], dtype=np.float32),
@@ -37,19 +27,32 @@ def make(state=b"\x01\x02" * 1000, **overrides):
     return EntryHeader(**fields), state
 
 
-def test_entry_round_trip_keeps_header_state_and_top_logits():
-    header, state = make()
+@pytest.mark.parametrize("cipher", ["aes-256-gcm", CHACHA20])
+def test_entry_round_trip_keeps_header_state_and_top_logits(cipher):
+    header, state = make(cipher=cipher)
     blob = encode_entry(header, state, RING)
-    parsed, offset = open_entry(blob, RING, max_state_bytes=1 << 20)
-    assert blob[offset:] == state
-    assert (parsed.start, parsed.end, parsed.token_count, parsed.device, parsed.key_generation) == (64, 128, 64, "zero", 1)
+    parsed, opened = open_entry(blob, RING, max_state_bytes=1 << 20)
+    assert opened == state and parsed.cipher == cipher and parsed.state_bytes == len(state) + SEAL_OVERHEAD
+    assert (parsed.start, parsed.end, parsed.token_count, parsed.device, parsed.key_generation, parsed.tokens_digest) == (64, 128, 64, "zero", 1, "d" * 32)
     assert parsed.top_ids.tolist() == [5, 3, 9]
     assert parsed.top_logits.tolist() == [2.5, 1.0, -3.0]
+
+
+def test_a_stored_entry_shows_neither_state_nor_tokens_nor_logits():
+    """What a dump of the cache box holds: sizes and ranges, nothing a tenant wrote."""
+    state = b"The launch code is 4471. " * 80
+    header, _ = make(state, device="acme-secret-board", tokens_digest="feedface" * 4)
+    blob = encode_entry(header, state, RING)
+    for secret in (b"launch code", b"4471", b"acme-secret-board", b"feedface", np.array([5, 3, 9], "<i4").tobytes()):
+        assert secret not in blob
+    public, _ = decode_header(blob)  # without the key: no tokens digest, no creator, no logits
+    assert public.tokens_digest == "" and public.device == "" and public.top_ids is None
 
 
 def test_header_without_logits_round_trips():
     header, state = make(top_ids=None, top_logits=None)
     parsed, _ = decode_header(encode_entry(header, state, RING))
+    verify_header(parsed, RING)
     assert parsed.top_ids is None and parsed.top_logits is None
 
 
@@ -63,7 +66,7 @@ def test_short_prefix_asks_for_more_bytes():
 
 @pytest.mark.parametrize(
     "blob",
-    [b"", b"ECE", b"XXXX\x05\x00\x00\x00hello", b"ECE2\xff\xff\xff\x7f", b"ECE2\x05\x00\x00\x00" + b"m" * 32 + b"{bad}"],
+    [b"", b"ECE", b"XXXX\x05\x00\x00\x00hello", b"ECE3\xff\xff\xff\x7f", b"ECE3\x05\x00\x00\x00" + b"m" * 32 + b"{bad}", b"ECE2\x05\x00\x00\x00"],
 )
 def test_garbage_is_an_entry_error_not_a_crash(blob):
     with pytest.raises(EntryError):
@@ -76,30 +79,30 @@ def test_impossible_range_is_rejected():
         decode_header(encode_entry(header, state, RING))
 
 
-def test_corrupted_or_truncated_state_fails_verification():
+def test_corrupted_or_truncated_state_fails_to_open():
     header, state = make()
-    flipped = bytearray(state)
-    flipped[100] ^= 0xFF
-    with pytest.raises(EntryError, match="digest"):
-        verify_state(header, bytes(flipped))
+    blob = encode_entry(header, state, RING)
+    parsed, offset = decode_header(blob)
+    verify_header(parsed, RING)
+    sealed = bytearray(blob[offset:])
+    sealed[100] ^= 0xFF
+    with pytest.raises(EntryError, match="authenticate"):
+        open_state(parsed, bytes(sealed), RING)
     with pytest.raises(EntryError, match="bytes"):
-        verify_state(header, state[:-1])
+        open_state(parsed, blob[offset:-1], RING)
 
 
-def test_digest_covers_every_byte_of_a_large_state():
+def test_authentication_covers_every_byte_of_a_large_state():
     state = bytes(3 * (1 << 20) + 17)
-    digest = state_checksum(state)
-    for where in (0, (1 << 20) + 5, len(state) - 1):
-        changed = bytearray(state)
-        changed[where] = 1
-        assert state_checksum(bytes(changed)) != digest
-    assert state_checksum(memoryview(state)) == digest
-
-
-def test_encode_refuses_a_header_that_lies_about_the_state():
-    header, state = make()
-    with pytest.raises(ValueError):
-        encode_entry(header, state + b"x", RING)
+    blob = encode_entry(make(state)[0], state, RING)
+    parsed, offset = decode_header(blob)
+    verify_header(parsed, RING)
+    assert open_state(parsed, memoryview(blob)[offset:], RING) == state
+    for where in (offset, offset + (1 << 20) + 5, len(blob) - 1):
+        changed = bytearray(blob)
+        changed[where] ^= 1
+        with pytest.raises(EntryError):
+            open_state(parsed, bytes(changed[offset:]), RING)
 
 
 def test_a_forger_without_the_key_is_refused():
@@ -116,14 +119,26 @@ def test_a_forger_without_the_key_is_refused():
 
 
 def test_a_state_swapped_under_a_genuine_header_is_refused():
+    """Another entry's sealed state (same namespace, same size) under this header: the header is
+    the state's associated data, so it does not open."""
     header, state = make()
     blob = encode_entry(header, state, RING)
-    offset = decode_header(blob)[1]
-    swapped = blob[:offset] + bytes(len(state))
-    with pytest.raises(EntryError, match="digest"):
+    other = encode_entry(make(start=0, end=64)[0], state, RING)
+    offset, other_offset = decode_header(blob)[1], decode_header(other)[1]
+    swapped = blob[:offset] + other[other_offset:]
+    with pytest.raises(EntryError, match="authenticate"):
         open_entry(swapped, RING, 1 << 20)
     with pytest.raises(EntryError, match="bytes"):
         open_entry(blob[:-10], RING, 1 << 20)
+
+
+def test_another_namespace_with_its_own_key_cannot_open_a_state():
+    header, state = make()
+    blob = encode_entry(header, state, RING)
+    parsed, offset = decode_header(blob)
+    verify_header(parsed, RING)
+    with pytest.raises(EntryError):
+        open_state(parsed, blob[offset:], derive_keyring(b"x" * 32, "ns", 1))
 
 
 def test_entries_of_another_namespace_are_outside_the_ring():
@@ -145,7 +160,7 @@ def test_rotation_keeps_the_previous_key_and_retires_older_ones():
         open_entry(newer, RING, 1 << 20)
 
 
-def test_size_limit_is_checked_before_the_state_is_hashed():
+def test_size_limit_is_checked_before_the_state_is_opened():
     header, state = make()
     with pytest.raises(EntryError, match="limit"):
         open_entry(encode_entry(header, state, RING), RING, max_state_bytes=len(state) - 1)

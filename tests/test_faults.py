@@ -127,6 +127,7 @@ def test_cache_box_at_maxmemory_evicts_and_boards_treat_it_as_a_miss(engine, nam
     assert store.redis.exists(last)
     # The cold run's logits for the answer, as the last range's signed header keeps them.
     header, _ = decode_header(store.read_prefixes([last], 8192)[0])
+    header.open_private(signing_keys.ring(namespace))  # the logits are sealed: the namespace's key shows them
 
     # Fill the server with other TTL'd values until Redis's own LRU evicts this prompt's last range.
     filler = os.urandom(1 << 20)

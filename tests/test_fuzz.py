@@ -6,12 +6,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachebox.catalog import Catalog
-from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry, state_checksum
+from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry
 from cachebox.errors import CatalogFormatError, EntryError
 from cachebox.keys import prefix_keys
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from cachebox.signing import derive_keyring, seal, unseal
+from cachebox.signing import control_plane_key, derive_keyring, public_hex, seal, unseal
 from inference.pml import PMLError, PromptDoc, PMLSchema, parse_prompt, parse_schema
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,7 +98,7 @@ def test_arbitrary_entry_bytes_never_crash_the_header_reader(raw):
 
 RING = derive_keyring(b"fuzz" * 8, "ns", 2)
 STATE = os.urandom(3000)
-SIGNED = encode_entry(EntryHeader("f" * 16, "ns", 0, 64, "d" * 32, len(STATE), state_checksum(STATE)), STATE, RING)
+SIGNED = encode_entry(EntryHeader("f" * 16, "ns", 0, 64, "d" * 32, 0), STATE, RING)
 
 
 @FAST
@@ -117,13 +117,15 @@ def test_any_altered_or_cut_signed_entry_is_refused_cleanly(flips, cut):
 
 
 BOARD_KEY = X25519PrivateKey.generate()
+CONTROL = control_plane_key(b"fuzz" * 8)
+CONTROL_KEY = public_hex(CONTROL)
 
 
 @FAST
 @given(st.text(max_size=200))
 def test_arbitrary_sealed_rings_fail_cleanly(sealed):
     try:
-        unseal(sealed, BOARD_KEY, "zero")
+        unseal(sealed, BOARD_KEY, "zero", CONTROL_KEY)
     except ValueError:
         return
     raise AssertionError("garbage opened as a key ring")
@@ -134,25 +136,25 @@ def test_arbitrary_sealed_rings_fail_cleanly(sealed):
 def test_altered_sealed_rings_fail_cleanly(noise):
     import base64
 
-    sealed = seal(RING, BOARD_KEY.public_key().public_bytes_raw(), "zero")
+    sealed = seal(RING, BOARD_KEY.public_key().public_bytes_raw(), "zero", CONTROL)
     raw = bytearray(base64.b64decode(sealed))
     for index, byte in enumerate(noise[: len(raw)]):
         raw[index] ^= byte
     if bytes(raw) == base64.b64decode(sealed):
         return
     try:
-        unseal(base64.b64encode(bytes(raw)).decode(), BOARD_KEY, "zero")
+        unseal(base64.b64encode(bytes(raw)).decode(), BOARD_KEY, "zero", CONTROL_KEY)
     except ValueError:
         return
     raise AssertionError("an altered sealed ring opened")
 
 
 def test_a_sealed_ring_opens_for_its_board_only():
-    sealed = seal(RING, BOARD_KEY.public_key().public_bytes_raw(), "zero")
-    assert unseal(sealed, BOARD_KEY, "zero") == RING
+    sealed = seal(RING, BOARD_KEY.public_key().public_bytes_raw(), "zero", CONTROL)
+    assert unseal(sealed, BOARD_KEY, "zero", CONTROL_KEY) == RING
     for _ in range(5):
         try:
-            unseal(sealed, X25519PrivateKey.generate(), "zero")
+            unseal(sealed, X25519PrivateKey.generate(), "zero", CONTROL_KEY)
         except ValueError:
             continue
         raise AssertionError("another board's key opened the ring")

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from cachebox import embedded
-from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry, state_checksum
+from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry
 from cachebox.events import JsonLineFormatter
 from cachebox.keys import entry_key_name, prefix_keys, range_boundaries, tokens_digest
 from cachebox.store import CacheBox
@@ -141,13 +141,14 @@ def test_forged_truncated_and_swapped_entries_never_reach_llama_cpp(valkey_url, 
     first = names[sorted(names)[0]]
     genuine = store.read_entries([first])[0]
     header, offset = decode_header(genuine)
+    header.open_private(board.keys.ring(namespace))
     attacks = {
-        # the same header and state, re-signed with a key the forger made up
-        "signature": encode_entry(header, genuine[offset:], derive_keyring(b"not the key" * 3, namespace, 1)),
+        # a header and state of the forger's own, signed and sealed with a key it made up
+        "signature": encode_entry(header, bytes(header.plain_bytes), derive_keyring(b"not the key" * 3, namespace, 1)),
         # the genuine signed header over a state cut short (an interrupted write)
         "bytes": genuine[:-1000],
         # the genuine signed header over another state of the same size
-        "digest": genuine[:offset] + bytes(len(genuine) - offset),
+        "authenticate": genuine[:offset] + bytes(len(genuine) - offset),
     }
     for reason, blob in attacks.items():
         store.redis.set(first, blob)
@@ -187,13 +188,8 @@ def test_garbage_entry_and_forged_positions_are_rejected(valkey_url, namespace, 
     assert result.breakdown.rejected_entries >= 1 and result.breakdown.case == "miss"
     assert result.tokens == cold.tokens
     # 2. A well-formed entry whose state holds other positions than its header claims.
-    second = store.read_entries([names[ends[1]]])[0]
-    header, offset = decode_header(second)
-    state = second[offset:]
-    forged = EntryHeader(
-        fingerprint=header.fingerprint, namespace=namespace, start=0, end=ends[0],
-        tokens_digest=tokens_digest(tokens[: ends[0]]), state_bytes=len(state), checksum=state_checksum(state),
-    )
+    header, state = open_entry(store.read_entries([names[ends[1]]])[0], board.keys.ring(namespace), 1 << 30)
+    forged = EntryHeader(fingerprint=header.fingerprint, namespace=namespace, start=0, end=ends[0], tokens_digest=tokens_digest(tokens[: ends[0]]), state_bytes=0)
     store.redis.set(names[ends[0]], encode_entry(forged, state, board.keys.ring(namespace)))  # even when signed
     result = board.run(prompts[1].segments, max_tokens=4)
     assert result.breakdown.rejected_entries == 1 and result.breakdown.case == "miss"
@@ -226,6 +222,8 @@ def test_catalog_sync_between_two_boards(valkey_url, namespace, make_board, prom
     after = board_b.run(prompts[1].segments, max_tokens=2)
     assert after.breakdown.case == "full"
     header, _ = decode_header(CacheBox(valkey_url).read_prefixes([entry_names(board_a, prompts[1], namespace)[1][after.breakdown.prompt_tokens]], 4096)[0])
+    assert header.device == ""  # the creator is sealed: only the namespace's key shows it
+    header.open_private(board_b.keys.ring(namespace))
     assert header.device == "zero"
 
 
@@ -252,10 +250,9 @@ def test_a_full_hit_without_stored_logits_computes_the_last_batch_as_cold_does(v
     tokens, names = entry_names(board, prompts[2], namespace)
     store = CacheBox(valkey_url)
     last = names[len(tokens)]
-    blob = store.read_entries([last])[0]
-    header, offset = decode_header(blob)
+    header, state = open_entry(store.read_entries([last])[0], board.keys.ring(namespace), 1 << 30)
     header.top_ids = header.top_logits = None  # as for a range that ends at a grid point of a longer prompt
-    store.redis.set(last, encode_entry(header, blob[offset:], board.keys.ring(namespace)))
+    store.redis.set(last, encode_entry(header, state, board.keys.ring(namespace)))
     result = board.run(prompts[2].segments, max_tokens=8, upload=False)
     # Recomputing the last token alone would round differently: the cold run's last batch is recomputed.
     assert result.breakdown.case == "partial" and result.breakdown.matched_tokens == header.start

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from .conftest import ROOT
+from .conftest import ROOT, control_plane_password
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 
@@ -30,19 +30,21 @@ VISIBILITY_TIMEOUT = 20
 
 
 def _request_id(message: bytes) -> str | None:
-    """The request id inside a Celery message as kombu's Redis transport stores it (JSON, base64 body)."""
-    envelope = json.loads(message)
-    body = json.loads(base64.b64decode(envelope["body"]))
+    """The request id a Celery message carries, as kombu's Redis transport stores it (JSON, base64
+    body): the id of its sealed envelope (the request itself is sealed)."""
+    celery_message = json.loads(message)
+    body = json.loads(base64.b64decode(celery_message["body"]))
     args = body[0] if isinstance(body, list) else body.get("args", [])
-    return args[0].get("request_id") if args and isinstance(args[0], dict) else None
+    return args[0].get("id") if args and isinstance(args[0], dict) else None
 
 
 def queued_requests(client: redis.Redis, queue: str) -> set[str]:
     return {_request_id(raw) for raw in client.lrange(queue, 0, -1)}
 
 
-def unacked_requests(client: redis.Redis) -> set[str]:
-    return {_request_id(json.dumps(json.loads(raw)[0]).encode()) for raw in client.hvals("unacked")}
+def unacked_requests(client: redis.Redis, board: str = "solo") -> set[str]:
+    """The requests a board holds unacknowledged (under its own keys: ``unacked.NAME``)."""
+    return {_request_id(json.dumps(json.loads(raw)[0]).encode()) for raw in client.hvals(f"unacked.{board}")}
 
 
 def until(condition, timeout: float, what: str, every: float = 0.2):
@@ -126,7 +128,7 @@ def plane(tmp_path_factory):
     url = plane.manage("cachebox", "start").split(" at ")[1].split(" ")[0]
     plane.manage("migrate", "--verbosity", "0")
     plane.token = plane.shell("from dashboard import actions; print(actions.register_device(None, name='solo', cpu_threads=1)[1])")
-    plane.redis = redis.Redis.from_url(url)
+    plane.redis = redis.Redis.from_url(url, username="default", password=control_plane_password(plane.home))
     try:
         yield plane
     finally:
@@ -142,7 +144,7 @@ def test_a_board_killed_mid_task_gets_it_again_and_the_run_is_stored_once(plane)
     board = plane.board(plane.token)
     request_id = plane.dispatch(max_tokens=120)
     # The board took the message (it sits in the broker's unacknowledged set) and is running it.
-    until(lambda: plane.redis.hlen("unacked") > 0, 30, "the board to take the task")
+    until(lambda: plane.redis.hlen("unacked.solo") > 0, 30, "the board to take the task")
     board.send_signal(signal.SIGKILL)
     board.wait(timeout=30)
     assert plane.runs(request_id) == 0, "the board finished before it was killed: make the task longer"
@@ -150,7 +152,7 @@ def test_a_board_killed_mid_task_gets_it_again_and_the_run_is_stored_once(plane)
 
     plane.board(plane.token)  # the board comes back (same device, same token)
     until(lambda: plane.runs(request_id) == 1, 120, "the redelivered run to be stored")
-    until(lambda: plane.redis.hlen("unacked") == 0 and plane.redis.llen("device.solo") == 0 and plane.redis.llen("control") == 0, 60, "the queues to drain")
+    until(lambda: plane.redis.hlen("unacked.solo") == 0 and plane.redis.llen("device.solo") == 0 and plane.redis.llen("control") == 0, 60, "the queues to drain")
     assert plane.runs(request_id) == 1 and plane.runs() == 1
     assert control.poll() is None
 
@@ -186,5 +188,5 @@ def test_a_run_that_waits_past_its_expiry_is_recorded_as_expired_not_lost(plane)
     error, text, case = plane.run_fields(request_id, "error", "text", "case")
     assert error.startswith("expired: no board of solo started it") and "send it again" in error
     assert text == "" and case == ""  # it never ran
-    until(lambda: plane.redis.llen("device.solo") == 0 and plane.redis.hlen("unacked") == 0, 30, "the queue to drain")
+    until(lambda: plane.redis.llen("device.solo") == 0 and plane.redis.hlen("unacked.solo") == 0, 30, "the queue to drain")
     assert plane.runs() == before + 1

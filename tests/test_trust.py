@@ -26,10 +26,12 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from dashboard import actions
 from dashboard.models import Device, InferenceRun
 from inference import edge
+from dashboard.signing import control_plane_public_key
+from inference.envelope import Kind
 from inference.identity import BoardKeys, verify_signature
 from inference.messages import RunReport, RunRequest, Task
 
-from .test_dashboard import control_plane, enrolled, register, result_payload, sent_tasks  # noqa: F401  (fixtures)
+from .test_dashboard import board_message, control_plane, enrolled, register, result_payload, sent_tasks  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
@@ -49,14 +51,16 @@ def test_broker_messages_carry_no_token_and_are_signed_by_the_board(control_plan
     edge.report(RunReport(device="dev-a", request_id=request_id, text="hello"))
     raw = client.lrange("control", 0, -1)
     assert len(raw) == 1 and token.encode() not in raw[0]  # what `LRANGE control` shows
-    envelope = json.loads(raw[0])
-    args = json.loads(base64.b64decode(envelope["body"]))[0]
-    payload = args[0]
-    assert "token" not in payload and payload["request_id"] == request_id
+    celery_message = json.loads(raw[0])
+    payload = json.loads(base64.b64decode(celery_message["body"]))[0][0]
+    assert "token" not in payload and "hello" not in json.dumps(payload)  # the answer is sealed
+    assert payload["from"] == "dev-a" and payload["kind"] == "report" and payload["sealed"] and payload["id"] == request_id
     device.refresh_from_db()
     assert verify_signature(payload, device.signing_public_key)
-    assert not verify_signature({**payload, "text": "FAKE ANSWER"}, device.signing_public_key)
+    assert not verify_signature({**payload, "to": "somewhere"}, device.signing_public_key)
     assert me.keys.signing_public_key == device.signing_public_key
+    report = actions.record_run(payload)  # the control plane opens it: no dispatch, so refused, but read
+    assert report is None
     client.delete("control")
 
 
@@ -71,8 +75,8 @@ def test_a_redis_dump_or_a_database_dump_alone_opens_no_key_ring(control_plane, 
     for value in row.values():
         if isinstance(value, str) and len(value) == 64:
             with pytest.raises(ValueError, match="cannot open"):
-                unseal(record["keyring"], X25519PrivateKey.from_private_bytes(bytes.fromhex(value)), "dev-a")
-    assert unseal(record["keyring"], board.box, "dev-a").namespace == "default"  # only the board's own key does
+                unseal(record["keyring"], X25519PrivateKey.from_private_bytes(bytes.fromhex(value)), "dev-a", control_plane_public_key())
+    assert unseal(record["keyring"], board.box, "dev-a", control_plane_public_key()).namespace == "default"  # only the board's own key does
 
 
 # -- 2. a board answers only for its own work ---------------------------------------------------
@@ -82,15 +86,16 @@ def test_a_board_cannot_answer_for_another_board(control_plane, caplog):
     board_a, board_b = enrolled(device_a, token_a), enrolled(device_b, token_b)
     sent = actions.dispatch_run(None, [device_b], actions.PromptSpec(segments=["Q: capital of France?"], max_tokens=2, title="probe"))
     request_id = sent[0]["request_id"]
-    forged = board_a.sign({"device": "dev-a", "request_id": request_id, "text": "FAKE ANSWER FROM A"})
+    forged = board_message(board_a, "dev-a", Kind.REPORT, {"device": "dev-a", "request_id": request_id, "text": "FAKE ANSWER FROM A"})
     with caplog.at_level(logging.INFO, logger="edgecache.security"):
         assert actions.record_run(forged) is None
         # Claiming to be dev-b does not help: the signature is dev-a's.
-        assert actions.record_run(board_a.sign({"device": "dev-b", "request_id": request_id, "text": "FAKE ANSWER FROM A"})) is None
+        assert actions.record_run(board_message(board_a, "dev-b", Kind.REPORT, {"device": "dev-b", "request_id": request_id, "text": "FAKE ANSWER FROM A"})) is None
+        assert actions.record_run(board_message(board_a, "dev-a", Kind.REPORT, {"device": "dev-b", "request_id": request_id, "text": "FAKE ANSWER FROM A"})) is None
         # Nor does answering a request nobody dispatched.
         assert actions.record_run(result_payload(device_a, board_a, dispatched=False)) is None
     assert security_events(caplog, "report_refused") and security_events(caplog, "board_message_refused")
-    real = actions.record_run(board_b.sign({"device": "dev-b", "request_id": request_id, "text": " Paris"}))
+    real = actions.record_run(board_message(board_b, "dev-b", Kind.REPORT, {"device": "dev-b", "request_id": request_id, "text": " Paris"}))
     assert real is not None and InferenceRun.objects.get(request_id=request_id).text == " Paris"
 
 
@@ -151,15 +156,19 @@ def test_private_namespaces_of_long_similar_names_differ():
     assert private_namespace("t", "b") == "t.dev-b"  # short ones stay readable
 
 
-def test_the_board_task_sends_its_report_signed(monkeypatch):
-    """The task path: ``report`` signs with the board's key whatever message it is given."""
-    keys = BoardKeys.generate()
-    monkeypatch.setattr(edge, "_identity", type("Me", (), {"name": "dev-a", "keys": keys})())
+def test_the_board_task_sends_its_report_signed_and_sealed(monkeypatch):
+    """The task path: ``report`` signs with the board's key whatever message it is given, and seals it
+    straight into the control queue (no binding declared on the broker)."""
+    from .test_edge import board_identity
+
+    me = board_identity("dev-a")
+    monkeypatch.setattr(edge, "_identity", me)
     sent = []
-    monkeypatch.setattr(current_app, "send_task", lambda name, args=None, queue=None, **kw: sent.append((name, args[0], queue)))
-    edge.report(RunReport(device="dev-a", request_id=str(uuid.uuid4()), text="x"))
-    name, payload, queue = sent[0]
-    assert name == Task.RECORD_RUN and queue == "control" and verify_signature(payload, keys.signing_public_key)
+    monkeypatch.setattr(current_app, "send_task", lambda name, args=None, queue=None, **kw: sent.append((name, args[0], queue, kw)))
+    edge.report(RunReport(device="dev-a", request_id=str(uuid.uuid4()), text="the answer"))
+    name, payload, queue, options = sent[0]
+    assert name == Task.RECORD_RUN and queue == "control" and verify_signature(payload, me.keys.signing_public_key)
+    assert "the answer" not in json.dumps(payload) and options["exchange"] == "" and options["declare"] == []
 
 
 # -- 4. any cache-box error degrades to local work; the answer always reaches the control plane --

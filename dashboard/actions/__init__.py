@@ -6,7 +6,7 @@ reports validate them against the message contract (``inference.messages``) firs
 """
 
 from .audit import AuditAction, audit
-from .cache import cachebox, cachebox_url, evict_entries, flush_entries, pin_entries
+from .cache import cachebox, cachebox_url, evict_entries, flush_entries, pin_entries, start_cachebox, stop_cachebox
 from .devices import (
     authenticate_board,
     device_json,
@@ -31,6 +31,8 @@ __all__ = [
     "authenticate_board",
     "cachebox",
     "cachebox_url",
+    "start_cachebox",
+    "stop_cachebox",
     "delete_schema",
     "device_json",
     "dispatch_encode",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import transaction
 
+from cachebox import embedded
 from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
 from cachebox.models import CacheEntry
@@ -17,6 +18,28 @@ from .audit import AuditAction, audit
 def cachebox_url() -> str:
     """Where the cache box is: EDGECACHE_CACHEBOX_URL (it may be a cluster), else REDIS_URL's server."""
     return settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL
+
+
+def start_cachebox() -> str:
+    """Start this checkout's embedded cache box unless REDIS_URL names a server (the control plane's
+    password for it comes from the secrets folder); returns the cache box's URL.
+    CacheBoxUnavailable when it cannot start."""
+    if settings.REDIS_URL_IS_EMBEDDED:
+        embedded.ensure_running(
+            settings.EDGECACHE_EMBEDDED_DIR,
+            port=settings.EDGECACHE_EMBEDDED_PORT,
+            maxmemory=settings.EDGECACHE_EMBEDDED_MAXMEMORY,
+            password=settings.EDGECACHE_EMBEDDED_PASSWORD,
+            bind=settings.EDGECACHE_EMBEDDED_BIND,
+        )
+    return cachebox_url()
+
+
+def stop_cachebox() -> bool:
+    """Stop this checkout's embedded cache box; False when none ran (or REDIS_URL names a server)."""
+    if not settings.REDIS_URL_IS_EMBEDDED:
+        return False
+    return embedded.stop(settings.EDGECACHE_EMBEDDED_DIR, settings.EDGECACHE_EMBEDDED_PORT, password=settings.EDGECACHE_EMBEDDED_PASSWORD)
 
 
 def cachebox() -> CacheBox:

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
+from datetime import timedelta
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
+from cachebox.signing import pin_proof
 from inference import devices as registry
-from inference.identity import enroll_key, enroll_proof, verify_signature
+from inference.envelope import EnvelopeRefused, Kind, peek
+from inference.identity import check_enrollment_signature, enrollment_public_key, enrollment_redis_password, password_sha256
 from inference.messages import BoardMessage, EnrollRequest, Heartbeat
 
 from ..live import broadcast
 from ..models import Device, Namespace
-from ..signing import sealed_ring
+from ..signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring
 from .audit import AuditAction, audit
 from .cache import cachebox
 
@@ -26,14 +29,22 @@ log = logging.getLogger("dashboard.actions")
 ENROLL_WINDOW_S = 600  # an enrollment request older than this (or from a clock this far off) is refused
 
 
+def token_usable(device: Device) -> bool:
+    """Whether the device's token may still enroll a board: not spent, not expired."""
+    return bool(device.enroll_key) and (device.token_expires is None or device.token_expires > timezone.now())
+
+
 def _record_for(device: Device, enrollment: dict | None = None) -> registry.DeviceRecord:
+    usable = token_usable(device)
     return registry.DeviceRecord(
         name=device.name,
-        token_sha256=device.token_sha256 if device.enroll_key else "",  # only while the token may still enroll
+        token_sha256=device.token_sha256 if usable else "",  # only while the token may still enroll
+        pin=device.pin_proof if usable else "",
         signing_key=device.signing_public_key,
         box_key=device.box_public_key,
         enrollment=enrollment or {},
         threads=device.cpu_threads,
+        memory_mb=device.memory_mb,
         link_bandwidth_mbps=device.link_bandwidth_mbps,
         link_rtt_ms=device.link_rtt_ms,
         revoked=device.revoked_at is not None,
@@ -44,13 +55,14 @@ def _record_for(device: Device, enrollment: dict | None = None) -> registry.Devi
 
 
 def publish_device(device: Device, enrollment: dict | None = None) -> bool:
-    """Tell boards (through the cache box) the device's current token hash and settings.
+    """Tell boards (through the cache box) the device's current token hash and settings, signed
+    by the control plane.
 
     False when the cache box cannot be reached: the database stays the truth and
     ``publish_all_devices`` (run at every start) publishes it later.
     """
     try:
-        registry.publish(cachebox(), _record_for(device, enrollment))
+        registry.publish(cachebox(), _record_for(device, enrollment), control_plane_signer())
         return True
     except CacheBoxError as exc:
         log.warning("device %s not published to the cache box: %s", device.name, exc)
@@ -58,20 +70,27 @@ def publish_device(device: Device, enrollment: dict | None = None) -> bool:
 
 
 def publish_all_devices() -> int:
-    """Re-publish every device (after the cache box restarted empty)."""
+    """Re-publish every device and its Redis users (after the cache box restarted empty)."""
+    from .identities import apply_all_identities
+
+    apply_all_identities()
     store = cachebox()
+    signer = control_plane_signer()
     count = 0
     for device in Device.objects.select_related("namespace"):
-        registry.publish(store, _record_for(device))
+        registry.publish(store, _record_for(device), signer)
         count += 1
     return count
 
 
 def _changed(devices) -> None:
-    """Publish changed devices to their boards (the registry in the cache box) and, once the
-    change commits, tell the open pages. Call it after the verb's transaction block: a
-    device record must not reach boards before the database holds it."""
+    """Publish changed devices to their boards (the registry in the cache box), make their Redis
+    users match (``identities``) and, once the change commits, tell the open pages. Call it after
+    the verb's transaction block: a device record must not reach boards before the database holds it."""
+    from .identities import apply_identity
+
     for device in devices:
+        apply_identity(device)
         publish_device(device)
         transaction.on_commit(lambda device=device: broadcast("device", device_json(device)))
 
@@ -104,10 +123,15 @@ def rotate_signing_key(user, namespace: Namespace) -> int:
 
 # -- devices -----------------------------------------------------------------------------------------
 def _set_token(device: Device) -> str:
-    """A new one-time enrollment token; the board enrolled before (if any) is refused from now on."""
+    """A new one-time enrollment token (it expires after ``EDGECACHE_TOKEN_TTL_HOURS``); the board
+    enrolled before (if any) is refused from now on. Kept: the token's hash, the public key that
+    checks an enrollment signed with it, and its proof of the control plane's key."""
     token = registry.new_token()
     device.token_sha256 = registry.hash_token(token)
-    device.enroll_key = enroll_key(token).hex()
+    device.enroll_key = enrollment_public_key(token)
+    device.pin_proof = pin_proof(token, control_plane_public_key())
+    device.enroll_redis_sha256 = password_sha256(enrollment_redis_password(token))
+    device.token_expires = timezone.now() + timedelta(hours=settings.EDGECACHE_TOKEN_TTL_HOURS)
     device.signing_public_key = device.box_public_key = ""
     device.enrolled_at = None
     device.last_message_ts = 0.0
@@ -160,14 +184,15 @@ def revoke_device(user, device: Device) -> None:
 
 
 def enroll_device(payload: dict) -> Device | None:
-    """A board sends its public keys with a proof that it holds the device's token: the device is
-    enrolled to those keys (the token is spent) and its ring is sealed to them. Refusals are
-    logged, and published on the record so that the board that asked can say why."""
+    """A board sends its public keys and its Redis password's hash, signed with the key its token
+    gives: the device is enrolled to those keys (the token is spent), its own Redis user is made,
+    and its ring is sealed to them. Refusals are logged, and published on the record so that the
+    board that asked can say why."""
     request = EnrollRequest.receive(payload, receiver="control")
     if request is None:
         return None
     with transaction.atomic():
-        device = Device.objects.select_for_update().filter(name=request.device).first()
+        device = Device.objects.select_for_update().filter(name=request.device).select_related("namespace").first()
         reason = ""
         if device is None:
             reason = "unknown device"
@@ -175,12 +200,12 @@ def enroll_device(payload: dict) -> Device | None:
             reason = "revoked"
         elif not device.enroll_key:
             reason = "the token was already used to enroll a board: rotate the token to enroll another one"
+        elif not token_usable(device):
+            reason = "the token expired: rotate it on the device's page and start the board with the new one"
         elif abs(time.time() - request.ts) > ENROLL_WINDOW_S:
             reason = "the enrollment request is stale (check the board's clock)"
-        else:
-            expected = enroll_proof(bytes.fromhex(device.enroll_key), request.device, request.signing_public_key, request.box_public_key, request.ts)
-            if not hmac.compare_digest(expected, request.proof):
-                reason = "wrong token"
+        elif not check_enrollment_signature(request.dump(), device.enroll_key):
+            reason = "wrong token"
         if reason:
             security_event("enrollment_refused", device=request.device, reason=reason)
             if device is not None and device.signing_public_key != request.signing_public_key:
@@ -188,17 +213,18 @@ def enroll_device(payload: dict) -> Device | None:
             return None
         device.signing_public_key = request.signing_public_key
         device.box_public_key = request.box_public_key
-        device.enroll_key = ""  # spent: a token enrolls one board once
+        device.redis_password_sha256 = request.redis_password_sha256
+        device.enroll_key = device.pin_proof = device.enroll_redis_sha256 = ""  # spent: a token enrolls one board once
         device.enrolled_at = timezone.now()
-        device.save(update_fields=["signing_public_key", "box_public_key", "enroll_key", "enrolled_at"])
+        device.save(update_fields=["signing_public_key", "box_public_key", "redis_password_sha256", "enroll_key", "pin_proof", "enroll_redis_sha256", "enrolled_at"])
         audit(None, AuditAction.DEVICE_ENROLL, device.name, f"signing key {device.signing_public_key[:16]}…")
     _changed([device])
     return device
 
 
-def authenticate_board(name: str, payload: dict) -> Device | None:
-    """The enrolled, unrevoked device whose board signed ``payload``, or None (logged)."""
-    device = Device.objects.filter(name=name).select_related("namespace").first()
+def authenticate_board(name: str) -> Device | None:
+    """The enrolled, unrevoked device ``name``, or None (logged)."""
+    device = Device.objects.filter(name=name).select_related("namespace").first() if isinstance(name, str) else None
     reason = ""
     if device is None:
         reason = "unknown device"
@@ -206,33 +232,50 @@ def authenticate_board(name: str, payload: dict) -> Device | None:
         reason = "revoked"
     elif not device.signing_public_key:
         reason = "not enrolled"
-    elif not verify_signature(payload, device.signing_public_key):
-        reason = "bad signature"
     if reason:
-        security_event("board_message_refused", device=name, reason=reason)
+        security_event("board_message_refused", device=str(name)[:64], reason=reason)
         return None
     return device
 
 
-def receive_board_message(cls: type[BoardMessage], payload: BoardMessage | dict) -> tuple[BoardMessage | None, Device | None]:
-    """A board's message checked at the boundary: (message, its device), or Nones (logged) when
-    it does not follow the contract or is not signed by its enrolled, unrevoked board."""
-    message = cls.receive(payload, receiver="control")
+_KINDS = {"RunReport": Kind.REPORT, "EncodeReport": Kind.ENCODED, "EncodeProgress": Kind.PROGRESS, "Heartbeat": Kind.HEARTBEAT}
+
+
+def receive_board_message(cls: type[BoardMessage], payload: dict) -> tuple[BoardMessage | None, Device | None, float]:
+    """A board's message checked at the boundary: (message, its device, its send time), or Nones
+    (logged) when it is not signed (and sealed) by its enrolled, unrevoked board, names another
+    sender than its envelope, or does not follow the contract."""
+    try:
+        sender = peek(payload)["from"]
+    except EnvelopeRefused as exc:
+        security_event("board_message_refused", message=cls.__name__, reason=str(exc)[:300])
+        return None, None, 0.0
+    device = authenticate_board(sender)
+    if device is None:
+        return None, None, 0.0
+    try:
+        body, head = open_from(device, payload, _KINDS[cls.__name__])
+    except (EnvelopeRefused, CacheBoxError, ValueError) as exc:  # UnknownKey too: nothing this control plane sealed
+        security_event("board_message_refused", device=device.name, message=cls.__name__, reason=str(exc)[:300])
+        return None, None, 0.0
+    message = cls.receive(body, receiver="control")
     if message is None:
-        return None, None
-    device = authenticate_board(message.device, payload)
-    return (message, device) if device is not None else (None, None)
+        return None, None, 0.0
+    if message.device != device.name:
+        security_event("board_message_refused", device=device.name, message=cls.__name__, reason=f"names device {message.device!r}, not its signer")
+        return None, None, 0.0
+    return message, device, float(head["ts"])
 
 
 def record_heartbeat(payload: dict) -> Device | None:
     """A board lives: store its status (catalogs, model) and tell the open pages.
 
     A heartbeat older than the last one accepted is a replay (or out of order): refused."""
-    beat, device = receive_board_message(Heartbeat, payload)
+    beat, device, sent = receive_board_message(Heartbeat, payload)
     if device is None:
         return None
     with transaction.atomic():
-        fresh = Device.objects.filter(pk=device.pk, last_message_ts__lt=beat.ts).update(last_message_ts=beat.ts)
+        fresh = Device.objects.filter(pk=device.pk, last_message_ts__lt=sent).update(last_message_ts=sent)
         if not fresh:
             security_event("board_message_refused", device=device.name, reason="replayed or out-of-order heartbeat")
             return None

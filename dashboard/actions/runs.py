@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -12,17 +13,21 @@ from django.utils import timezone
 
 from cachebox import mirror
 from cachebox.events import security_event
+from inference.envelope import Kind
 from inference.messages import Queue, RunMeta, RunReport, RunRequest, Task
 
 from ..celery import app as celery_app
 from .. import routing
 from ..live import broadcast
 from ..models import Device, Dispatch, InferenceRun
+from ..signing import seal_for
 from ..entry_preview import stored_entries
 from .cache import acceptable_entries
 from .devices import receive_board_message
 
 log = logging.getLogger("dashboard.actions")
+
+PAGE_WAIT_MARGIN_S = 30  # the Run page follows its runs this long past their expiry (dashboard.run_stream)
 
 
 @dataclass
@@ -68,12 +73,27 @@ def dispatch_run(user, devices: list[Device], spec: PromptSpec, request_ids: lis
         # ``routed``: the router chose this (one) device for a prompt sent to any board; a run to a
         # named board keeps its prompt's keys too (the routing history: what each board holds).
         record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, route_prompt(spec))
-        Dispatch.objects.create(request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record)
-        celery_app.send_task(Task.RUN_PROMPT.value, args=[request.dump()], queue=Queue.device(device.name), expires=settings.EDGECACHE_TASK_EXPIRES)
+        now = timezone.now()
+        expires = timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES)
+        Dispatch.objects.create(
+            request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),
+            expires_at=now + expires, waits_until=now + expires + timedelta(seconds=PAGE_WAIT_MARGIN_S) if spec.stream else None,
+        )
+        send_to_board(device, Task.RUN_PROMPT, request.dump(), settings.EDGECACHE_TASK_EXPIRES)
         sent.append({"request_id": request.request_id, "device": device.name, **({"routing": routing.shown(record)} if routed is not None else {})})
         broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": meta.title})
     log.info("dispatched user=%s devices=%s", getattr(user, "username", None), [d.name for d in devices])
     return sent
+
+
+_KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE}
+
+
+def send_to_board(device: Device, task: Task, message: dict, expires: float) -> None:
+    """One request on ``device``'s own queue: sealed under its namespace's key and signed by the
+    control plane (``inference.envelope``), valid until it expires."""
+    sealed = seal_for(device, _KINDS[task], message, ttl=expires)
+    celery_app.send_task(task.value, args=[sealed], queue=Queue.device(device.name), expires=expires)
 
 
 def route_run(candidates: list[Device], spec: PromptSpec) -> routing.Routed | None:
@@ -93,7 +113,7 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
     A report that does not follow the contract, is not signed by its enrolled board, or answers
     a request that was not dispatched to that board is refused (logged) and stores nothing.
     """
-    report, device = receive_board_message(RunReport, payload)
+    report, device, _ = receive_board_message(RunReport, payload)
     if device is None or not answers_dispatch(device, report.request_id, "run"):
         return None
     breakdown = report.breakdown
@@ -126,12 +146,29 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
             },
         )
         if not created:
+            if run.error.startswith(LOST_PREFIX) and not report.error:
+                # The board was slow, not gone: its answer replaces the run given up on.
+                _answer_lost_run(run, report)
+                transaction.on_commit(lambda: broadcast("run", run_json(run)))
             return run  # a redelivered message: stored once, broadcast once
+        Dispatch.objects.filter(request_id=report.request_id, outcome="").update(outcome="answered", request={})
         mirror.record_uploads([entry.dump() for entry in accepted], device.name)
         mirror.record_hits(report.fetched)
         Device.objects.filter(pk=device.pk).update(last_seen=timezone.now())
         transaction.on_commit(lambda: broadcast("run", run_json(run)))
     return run
+
+
+LOST_PREFIX = "lost: "
+
+
+def _answer_lost_run(run: InferenceRun, report: RunReport) -> None:
+    breakdown = report.breakdown
+    run.text, run.error, run.breakdown = report.text, "", breakdown.as_dict()
+    run.case, run.ttft_ms, run.ttlt_ms = breakdown.case.value, breakdown.ttft_ms, breakdown.ttlt_ms
+    run.prompt_tokens, run.matched_tokens, run.state_bytes = breakdown.prompt_tokens, breakdown.matched_tokens, breakdown.state_bytes
+    run.save()
+    Dispatch.objects.filter(request_id=report.request_id).update(outcome="answered", request={})
 
 
 def answers_dispatch(device: Device, request_id: str, kind: str) -> bool:
@@ -188,8 +225,12 @@ def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, route
     if not request.stream:
         raise ValueError("an API run streams its answer back: build its RunRequest with stream=True")
     record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, routing.api_prompt(request))
-    Dispatch.objects.create(request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record)
-    celery_app.send_task(Task.RUN_PROMPT.value, args=[request.dump()], queue=Queue.device(device.name), expires=expires)
+    now = timezone.now()
+    Dispatch.objects.create(
+        request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),
+        expires_at=now + timedelta(seconds=expires), waits_until=now + timedelta(seconds=expires),
+    )
+    send_to_board(device, Task.RUN_PROMPT, request.dump(), expires)
     broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": request.meta.title})
     log.info("dispatched api run %s to %s", request.request_id, device.name)
     return request

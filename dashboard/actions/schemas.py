@@ -9,16 +9,15 @@ from django.db import transaction
 
 from cachebox import mirror
 from cachebox.models import CacheEntry
-from inference.messages import EncodeProgress, EncodeReport, EncodeRequest, Queue, Task
+from inference.messages import EncodeProgress, EncodeReport, EncodeRequest, Task
 from inference.models import Schema
 
-from ..celery import app as celery_app
 from ..live import broadcast
 from ..models import Device, Dispatch
 from .audit import AuditAction, audit
 from .cache import acceptable_entries, cachebox
 from .devices import receive_board_message
-from .runs import answers_dispatch
+from .runs import answers_dispatch, send_to_board
 
 
 def save_schema(user, form) -> Schema:
@@ -35,14 +34,14 @@ def dispatch_encode(user, schema: Schema, devices: list[Device], namespace: str 
     for device in devices:
         request = EncodeRequest(request_id=str(uuid.uuid4()), schema_id=schema.pk, schema=schema.source, namespace=namespace or device.namespace_id)
         Dispatch.objects.create(request_id=request.request_id, kind="encode", device=device, namespace=request.namespace)
-        celery_app.send_task(Task.ENCODE_SCHEMA.value, args=[request.dump()], queue=Queue.device(device.name), expires=settings.EDGECACHE_TASK_EXPIRES)
+        send_to_board(device, Task.ENCODE_SCHEMA, request.dump(), settings.EDGECACHE_TASK_EXPIRES)
         sent.append({"request_id": request.request_id, "device": device.name})
     audit(user, AuditAction.SCHEMA_ENCODE, schema.name, ", ".join(d.name for d in devices))
     return sent
 
 
 def record_encode_progress(payload: EncodeProgress | dict) -> None:
-    progress, device = receive_board_message(EncodeProgress, payload)
+    progress, device, _ = receive_board_message(EncodeProgress, payload)
     if device is None or not answers_dispatch(device, progress.request_id, "encode"):
         return
     fields = progress.dump()
@@ -51,7 +50,7 @@ def record_encode_progress(payload: EncodeProgress | dict) -> None:
 
 def record_encoded(payload: EncodeReport | dict) -> None:
     """A board finished encoding: mirror the stored entries and tell the pages."""
-    report, device = receive_board_message(EncodeReport, payload)
+    report, device, _ = receive_board_message(EncodeReport, payload)
     if device is None or not answers_dispatch(device, report.request_id, "encode"):
         return
     with transaction.atomic():

@@ -40,6 +40,7 @@ from .. import metrics, ratelimit
 from ..actions.cache import cachebox_url
 from ..actions.runs import dispatch_api_run
 from ..models import ApiKey, Device
+from ..signing import cancel_flag, control_plane_public_key, stream_ring_for
 from . import keys, routing
 from .errors import ApiError, bad_request, board_error
 from .requests import ApiRequest, parse_body, parse_request
@@ -183,13 +184,13 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
     """Dispatch the run and answer from its stream (subscribed first: nothing published is missed)."""
     timeout = settings.EDGECACHE_API_TIMEOUT
     subscription = streams.subscribe(
-        cachebox_url(), stream_channel(run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
+        cachebox_url(), stream_channel(device.name, run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
     )
     try:
         await subscription.open()
     except CacheBoxUnavailable as exc:
         return _unavailable(f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent.").response()
-    follower = _Follower(subscription, run.request_id, device.name, timeout)
+    follower = _Follower(subscription, run.request_id, device, timeout, await sync_to_async(stream_ring_for)(device))
     follower.received_at = received
     handed_over = finished = False
     try:
@@ -218,17 +219,21 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
     finally:
         if not handed_over:  # the stream's generator owns them otherwise
             if not finished:  # a timeout, or the client went away (this task cancelled)
-                await _cancel(run.request_id)
+                await _cancel(follower.device, run.request_id)
             await subscription.close()
 
 
 class _Follower:
-    """The run's events in order, each within the timeout (ApiError 504 / 503 otherwise)."""
+    """The run's events in order, each within the timeout (ApiError 504 / 503 otherwise): only
+    events the board the run went to sealed and signed for this run; any other is dropped and logged."""
 
-    def __init__(self, subscription: streams.Subscription, request_id: str, device: str, timeout: float):
+    def __init__(self, subscription: streams.Subscription, request_id: str, device: Device, timeout: float, ring_for):
         self.subscription = subscription
         self.request_id = request_id
-        self.device = device
+        self.device = device.name
+        self.signer = device.signing_public_key
+        self.ring_for = ring_for
+        self.control_plane_key = control_plane_public_key()
         self.timeout = timeout
         self.received_at: float | None = None  # when the request arrived
         self.dispatched_at: float | None = None
@@ -263,16 +268,26 @@ class _Follower:
                     code="board_timeout",
                 )
             try:
-                event = StreamEvent.decode(data)
+                event = StreamEvent.open(data, request_id=self.request_id, signer_public_key=self.signer, ring_for=self.ring_for, control_plane_key=self.control_plane_key)
             except MessageRefused as exc:
-                log.warning("ignored an event on %s: %s", stream_channel(self.request_id), exc)
+                security_event("stream_event_refused", device=self.device, request_id=self.request_id, reason=str(exc)[:300])
                 continue
-            if event.request_id != self.request_id:
+            if event.type == "resent":  # its board died: the control plane sent it to another one
+                await self.follow(event.device)
                 continue
             if event.type != "stage":  # stages are for the Run page; "started" times the queue
                 return event
             if event.stage == "started" and self.started_at is None:
                 self.started_at = time.perf_counter()
+
+
+    async def follow(self, device_name: str) -> None:
+        """Listen to the board the run was moved to, and accept its events only."""
+        device = await Device.objects.select_related("namespace").filter(name=device_name).afirst()
+        if device is None or not device.signing_public_key:
+            return
+        self.device, self.signer = device.name, device.signing_public_key
+        await self.subscription.add(stream_channel(device.name, self.request_id))
 
 
 def _sse_response(follower: _Follower, first: StreamEvent, shape: "_Shape") -> StreamingHttpResponse:
@@ -305,15 +320,19 @@ async def _sse(follower: _Follower, event: StreamEvent, shape: "_Shape"):
         yield shape.sse(exc.body())
     finally:
         if not finished:  # the client went away (this generator cancelled) or the board fell silent
-            await _cancel(follower.request_id)
+            await _cancel(follower.device, follower.request_id)
         await follower.subscription.close()
 
 
-async def _cancel(request_id: str) -> None:
-    """Tell the board to stop: its client is gone (the flag outlives the run's queue expiry)."""
+async def _cancel(device: str, request_id: str) -> None:
+    """Tell the board to stop: its client is gone (the flag, signed by the control plane, outlives
+    the run's queue expiry)."""
     try:
         await asyncio.shield(
-            streams.set_flag(cachebox_url(), cancel_key_name(request_id), settings.EDGECACHE_API_TIMEOUT + 60, connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT)
+            streams.set_flag(
+                cachebox_url(), cancel_key_name(device, request_id), settings.EDGECACHE_API_TIMEOUT + 60, cancel_flag(device, request_id),
+                connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT,
+            )
         )
         log.info("run %s cancelled: its client went away or its board fell silent", request_id)
     except (CacheBoxUnavailable, asyncio.CancelledError) as exc:
@@ -368,7 +387,8 @@ class _Shape:
         breakdown = done.breakdown
         follower = self.follower
         queued = {name: value for name, value in (("api_ms", follower.api_ms), ("queue_ms", follower.queue_ms)) if value is not None} if follower is not None else {}
-        return {"request_id": self.run.request_id, "device": self.device.name, **queued, **{name: breakdown[name] for name in EXTENSION_FIELDS if name in breakdown}}
+        device = follower.device if follower is not None else self.device.name  # where it ran (a re-sent run: the second board)
+        return {"request_id": self.run.request_id, "device": device, **queued, **{name: breakdown[name] for name in EXTENSION_FIELDS if name in breakdown}}
 
     @staticmethod
     def sse(body: dict) -> str:

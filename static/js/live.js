@@ -499,6 +499,7 @@
         card.dataset.tokens = String((parseInt(card.dataset.tokens || "0", 10) || 0) + 1);
       } else if (event.event === "done") setStage(card, "finishing", event.finish_reason === "cancelled" ? "cancelled: recording the run…" : null);
       else if (event.event === "error" || event.event === "lost") setStage(card, "finishing", event.error);
+      else if (event.event === "resent") setStage(card, "queued", "its board stopped answering: sent to " + event.device + " instead");
     }
 
     function send(devices) {

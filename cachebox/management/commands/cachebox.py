@@ -38,18 +38,20 @@ class Command(BaseCommand):
     def do_start(self, **options):
         if self._embedded_only("start"):
             try:
-                url = embedded.ensure_running(
+                embedded.ensure_running(
                     settings.EDGECACHE_EMBEDDED_DIR,
                     port=settings.EDGECACHE_EMBEDDED_PORT,
                     maxmemory=settings.EDGECACHE_EMBEDDED_MAXMEMORY,
+                    password=settings.EDGECACHE_EMBEDDED_PASSWORD,
+                    bind=settings.EDGECACHE_EMBEDDED_BIND,
                 )
             except CacheBoxUnavailable as exc:
                 raise CommandError(str(exc))
-            self.stdout.write(f"embedded cache box running at {url} (data in {settings.EDGECACHE_EMBEDDED_DIR})")
+            self.stdout.write(f"embedded cache box running at {CacheBox(settings.REDIS_URL).safe_url} (data in {settings.EDGECACHE_EMBEDDED_DIR})")
 
     def do_stop(self, **options):
         if self._embedded_only("stop"):
-            stopped = embedded.stop(settings.EDGECACHE_EMBEDDED_DIR, settings.EDGECACHE_EMBEDDED_PORT)
+            stopped = embedded.stop(settings.EDGECACHE_EMBEDDED_DIR, settings.EDGECACHE_EMBEDDED_PORT, password=settings.EDGECACHE_EMBEDDED_PASSWORD)
             self.stdout.write("embedded cache box stopped" if stopped else "embedded cache box was not running")
 
     def _cluster_dir(self):

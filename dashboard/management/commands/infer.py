@@ -7,7 +7,7 @@ import json
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from cachebox.errors import InvalidNamespace
+from cachebox.errors import CacheBoxUnavailable, InvalidNamespace
 from inference.board import Board
 from inference.config import ConfigError
 from dashboard.cli import add_sampling_arguments, read_prompt_file, sampling_from_options, split_segments
@@ -18,6 +18,7 @@ from inference.lab.anchors import parse_strategy as parse_anchors
 from inference.lab.early_exit import parse_strategy as parse_early_exit
 from inference.lab.kv_prediction import PredictorFileError, parse_strategy
 
+from dashboard.actions import start_cachebox
 from dashboard.signing import control_plane_keys
 
 
@@ -70,6 +71,10 @@ class Command(BaseCommand):
                 parse_schema(schema_text)  # fail before loading the model
             except PMLError as exc:
                 raise CommandError(f"schema {options['schema']}: {exc}")
+        try:
+            start_cachebox()  # the embedded Valkey starts here unless REDIS_URL is set (a miss otherwise: "unavailable")
+        except CacheBoxUnavailable as exc:
+            self.stderr.write(f"the cache box does not start ({exc}): answering by local prefill")
         try:
             board = Board.start(settings.EDGECACHE_BOARD.with_(namespace=options["namespace"]), keys=control_plane_keys(), background_sync=False)
         except (ModelNotFound, InvalidNamespace, ConfigError) as exc:

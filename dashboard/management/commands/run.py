@@ -26,7 +26,6 @@ from cachebox.errors import CacheBoxUnavailable
 from cachebox.link import LINK_PRESETS
 from dashboard import actions
 from dashboard.models import Device
-from inference.board import broker_url, cachebox_url
 from inference.messages import Queue
 
 ADMIN_USERNAME = "admin"
@@ -71,11 +70,10 @@ class Command(BaseCommand):
             if probe.connect_ex((host, port)) == 0:
                 raise CommandError(f"port {port} on {host} is already in use (another `make run`?); stop it or pass --port")
         try:
-            broker_url(settings.EDGECACHE_BOARD)  # the embedded Valkey starts here unless REDIS_URL is set
-            url = cachebox_url(settings.EDGECACHE_BOARD)
+            actions.start_cachebox()  # the embedded Valkey starts here unless REDIS_URL is set
         except CacheBoxUnavailable as exc:
             raise CommandError(str(exc))
-        self.stdout.write(f"cache box: {url}")
+        self.stdout.write(f"cache box: {actions.cachebox().safe_url}")
         call_command("migrate", interactive=False, verbosity=0)
         self._first_admin(admin_password)
         actions.publish_all_devices()  # an embedded cache box starts empty: boards need their records

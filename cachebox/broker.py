@@ -1,0 +1,42 @@
+"""The broker as a board uses it: Kombu's Redis transport without Lua scripts.
+
+A board's Redis user may run no script (``cachebox.acl``: a script holds the whole server while
+it runs). Kombu takes a lock while it puts back the messages a dead worker held, through
+redis-py's ``Lock``, whose release is a script; ``without_scripts`` swaps in a lock made of plain
+commands (SET NX EX to take it; WATCH, GET, MULTI/DEL to give it back only while it is ours).
+"""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import contextmanager
+
+from kombu.transport import redis as kombu_redis
+from redis import exceptions as redis_errors
+
+
+@contextmanager
+def script_free_mutex(client, name: str, expire: int):
+    """Kombu's ``Mutex`` contract (raise ``MutexHeld`` when another holds it), with plain commands."""
+    token = uuid.uuid4().hex.encode()
+    if not client.set(name, token, nx=True, ex=max(1, int(expire))):
+        raise kombu_redis.MutexHeld()
+    try:
+        yield
+    finally:
+        with client.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(name)
+                if pipe.get(name) == token:
+                    pipe.multi()
+                    pipe.delete(name)
+                    pipe.execute()
+                else:
+                    pipe.unwatch()
+            except redis_errors.WatchError:
+                pass  # it expired and someone else took it: theirs now
+
+
+def without_scripts() -> None:
+    """Make this process's Kombu Redis transport lock without scripts (a board process)."""
+    kombu_redis.Mutex = script_free_mutex

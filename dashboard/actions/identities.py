@@ -1,0 +1,100 @@
+"""Verbs on boards' Redis identities: one ACL user per enrolled board, one per pending enrollment.
+
+The control plane holds the deployment's Redis password; every board reaches the broker and the
+cache box as a user of its own (``cachebox.acl``), made when it enrolls, replaced when its token is
+rotated and deleted (its connections closed) when it is revoked. ``apply_all_identities`` runs at
+every start and after the cache box restarted: the database stays the truth.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.conf import settings
+from kombu import Exchange, Queue as KombuQueue
+
+from cachebox import acl
+from cachebox.errors import CacheBoxError
+from cachebox.store import CacheBox
+from inference.messages import Queue
+
+from ..models import Device
+
+log = logging.getLogger("dashboard.actions")
+
+
+def servers() -> list[CacheBox]:
+    """The servers a board talks to: the broker, and the cache box when it lives elsewhere."""
+    options = dict(connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
+    found = [CacheBox(settings.REDIS_URL, **options)]
+    if settings.EDGECACHE_CACHEBOX_URL and settings.EDGECACHE_CACHEBOX_URL != settings.REDIS_URL:
+        found.append(CacheBox(settings.EDGECACHE_CACHEBOX_URL, **options))
+    return found
+
+
+def _enrolled(device: Device) -> bool:
+    return device.revoked_at is None and bool(device.signing_public_key) and bool(device.redis_password_sha256)
+
+
+def apply_identity(device: Device, *, stores: list[CacheBox] | None = None, save: bool = True) -> bool:
+    """Make the Redis users of ``device`` what the database says: its board's user while it is
+    enrolled and not revoked, its enrollment user while its token may enroll. False (logged) when a
+    server could not be told (``apply_all_identities`` at the next start tells it)."""
+    if not settings.EDGECACHE_BOARD_ACL:
+        return True
+    from .devices import token_usable
+
+    board, enrolling = acl.board_user(device.name), acl.enroll_user(device.name)
+    try:
+        for store in stores or servers():
+            if _enrolled(device):
+                store.set_user(board, acl.board_rules(device.name, device.cache_namespace, device.redis_password_sha256))
+            else:
+                store.delete_user(board)  # its connections close now
+            if token_usable(device) and device.enroll_redis_sha256:
+                store.set_user(enrolling, acl.enroll_rules(device.name, device.enroll_redis_sha256))
+            else:
+                store.delete_user(enrolling)
+            if save:
+                store.save_users()
+    except CacheBoxError as exc:
+        log.warning("the Redis users of device %s were not updated: %s", device.name, exc)
+        return False
+    if _enrolled(device):
+        declare_queue(device)
+    return True
+
+
+def declare_queue(device: Device) -> None:
+    """Declare the board's queue and its binding on the broker (a board may only read bindings:
+    it puts a message it held back where the control plane bound it)."""
+    from ..celery import app as celery_app
+
+    name = Queue.device(device.name)
+    try:
+        with celery_app.connection_for_write(connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT) as connection:
+            connection.ensure_connection(max_retries=1)
+            KombuQueue(name, Exchange(name), routing_key=name)(connection.default_channel).declare()
+    except Exception as exc:  # the broker away: the first dispatch declares it too
+        log.warning("queue %s not declared: %s", name, exc)
+
+
+def apply_all_identities() -> int:
+    """Every device's Redis users, and no board user the database does not know (a deleted
+    device's is removed). Returns how many devices were applied."""
+    if not settings.EDGECACHE_BOARD_ACL:
+        return 0
+    stores = servers()
+    devices = list(Device.objects.select_related("namespace"))
+    for device in devices:
+        apply_identity(device, stores=stores, save=False)
+    known = {acl.board_user(device.name) for device in devices} | {acl.enroll_user(device.name) for device in devices}
+    for store in stores:
+        try:
+            for user in store.users():
+                if user.startswith((acl.BOARD_USER_PREFIX, acl.ENROLL_USER_PREFIX)) and user not in known:
+                    store.delete_user(user)
+            store.save_users()
+        except CacheBoxError as exc:
+            log.warning("Redis users not reconciled on %s: %s", store.safe_url, exc)
+    return len(devices)
