@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import csv
 import functools
-import json
 import logging
 from dataclasses import fields as dataclass_fields
 from datetime import timedelta
-from pathlib import Path
 
 import plotly.offline
 from django.conf import settings
@@ -47,6 +45,7 @@ from .entry_preview import previews
 from .explain import explain_run
 
 from . import actions, charts, lab_charts, metrics, ratelimit, run_stream
+from .bench import documents as bench_documents
 from .forms import MAX_PROMPT_CHARS, ConfirmForm, DeviceForm, EncodeForm, FlushForm, RunFilterForm, RunForm, SchemaForm
 from .models import AuditEvent, Device, InferenceRun
 from .stats import device_summary, explain_error, explained, fill_label, recent_runs, visible_devices, visible_runs, visible_schemas
@@ -757,84 +756,23 @@ def schema_delete(request, pk):
 
 
 # -- benchmarks ------------------------------------------------------------------------------------
-def _reports_dir():
-    return Path(settings.BASE_DIR) / "bench-results"
-
-
-def _saved_documents():
-    """(path, document) of every readable JSON report in ``bench-results/``, newest first."""
-    folder = _reports_dir()
-    for path in sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []:
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        yield path, doc
-
-
 @login_required
 def benchmark_list(request):
     """Saved benchmark reports (``python manage.py bench ...`` writes JSON and HTML here)."""
     reports = []
-    folder = _reports_dir()
-    for path, doc in _saved_documents():
+    for path, doc in bench_documents.saved_documents():
         if not isinstance(doc, dict):
             continue
         reports.append(
             {
                 "name": path.stem,
-                "kind": doc.get("bench") if isinstance(doc.get("bench"), str) else path.stem.split("-")[0],
+                "kind": bench_documents.kind_of(doc) or path.stem.split("-")[0],
                 "date": (doc.get("machine") or {}).get("date", ""),
-                "summary": _benchmark_summary(doc),
+                "summary": bench_documents.headline(doc),
                 "has_html": path.with_suffix(".html").exists(),
             }
         )
-    return render(request, "dashboard/benchmarks.html", {"reports": reports, "folder": folder})
-
-
-def _benchmark_summary(doc: dict) -> str:
-    if "lost" in doc and "devices" in doc:
-        return (
-            f"{doc['devices']} boards, {doc['seconds']} s: {doc['runs']} runs, {doc['errors']} errors, {doc['lost']} lost, "
-            f"TTFT p50 {doc['ttft_ms_p50']} ms / p99 {doc['ttft_ms_p99']} ms, hit ratio {doc['hit_ratio']}"
-        )
-    if "ttft_ratio_full_to_cold" in doc:
-        return f"full hit / cold TTFT {doc['ttft_ratio_full_to_cold']}, greedy agreement {doc['greedy_agreement']}, n={doc['n']}"
-    if "accuracy_cached" in doc:
-        return f"modules / full prefill TTFT {doc['ratio']}, accuracy {doc['accuracy_baseline']} vs {doc['accuracy_cached']}, n={doc['n']}"
-    if "presets" in doc:
-        return f"adaptive policy within 5% everywhere: {doc['target_met']}"
-    if "peers" in doc:
-        return f"EdgeCache hit {doc.get('edgecache_hit_vs_ram_cache_hit')}x faster than a LlamaRAMCache hit"
-    if "sweep" in doc:
-        return f"catalog sweep over {doc.get('link', '')}"
-    if "lengths" in doc:
-        return f"{len(doc['lengths'])} prompt lengths"
-    if doc.get("bench") == "lab-exit":
-        speedups = [point.get("speedup") for point in doc.get("curve") or [] if isinstance(point, dict) and isinstance(point.get("speedup"), (int, float))]
-        return f"early exit with KV fill (lab): {len(doc.get('curve') or [])} settings, speed-up up to {max(speedups, default=0):.2f}x (see the Lab page)"
-    if doc.get("bench") == "lab-anchors":
-        variants = [row.get("variant") for row in doc.get("rows") or [] if isinstance(row, dict)]
-        return f"anchor tokens (lab): {', '.join(map(str, variants))} (see the Lab page)"
-    if "ks" in doc and "table" in doc:  # bench lab
-        rows = [row for row in doc["table"] if row.get("kind") == "kvp"]
-        return "KV prediction (lab): " + "; ".join(
-            f"k={row['k']} TTFT x{row['ttft_ratio']}, agreement {row['first_token_agreement']}, KL {row['heldout_kl_mean']}" for row in rows
-        )
-    return ""
-
-
-def _latest_lab_documents() -> dict:
-    """The newest saved document of each lab study (``lab_charts.STUDIES``): kind -> (path, document)."""
-    wanted = {study.kind for study in lab_charts.STUDIES}
-    found = {}
-    for path, doc in _saved_documents():
-        kind = lab_charts.document_kind(doc)
-        if kind in wanted and kind not in found:
-            found[kind] = (path, doc)
-            if len(found) == len(wanted):
-                break
-    return found
+    return render(request, "dashboard/benchmarks.html", {"reports": reports, "folder": bench_documents.results_dir()})
 
 
 def _lab_section(study, saved) -> dict:
@@ -860,7 +798,7 @@ def _lab_section(study, saved) -> dict:
 @login_required
 def lab_page(request):
     """The lab strategies' trade-offs (approximate: lab), from their newest saved bench documents."""
-    found = _latest_lab_documents()
+    found = bench_documents.newest(study.kind for study in lab_charts.STUDIES)
     sections = [_lab_section(study, found.get(study.kind)) for study in lab_charts.STUDIES]
     figures = {figure["id"]: figure["figure"] for shown in sections for figure in shown["figures"]}
     return render(request, "dashboard/lab.html", {"sections": sections, "note": lab_charts.NOTE, "chart_data": {"figures": figures}})
@@ -869,7 +807,7 @@ def lab_page(request):
 @login_required
 def benchmark_report(request, name):
     """One saved HTML report (self-contained: plotly.js inline)."""
-    folder = _reports_dir()
+    folder = bench_documents.results_dir()
     candidates = {path.stem: path for path in folder.glob("*.html")} if folder.is_dir() else {}
     if name not in candidates:  # only files the folder lists: no path tricks
         raise Http404("no such report")
