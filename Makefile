@@ -1,5 +1,6 @@
-# EdgeCache: the two commands a new user needs are `make run` and `make test`.
-# Both create .venv and install everything on first use (pip's cache is reused).
+# EdgeCache: the two commands a new user needs are `make run` and `make test`
+# (`make test-fast`: the pure and unit tests only, in about a minute).
+# They create .venv and install everything on first use (pip's cache is reused).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -9,7 +10,7 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: install run test stop bench clean browser
+.PHONY: install run test test-fast stop bench clean browser
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,14 +41,20 @@ browser:
 # The control-plane tests run a second time on PostgreSQL when one answers (DATABASE_URL deployments).
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 
+# Every test; a missing optional package (torch, openai, import-linter) fails instead of skipping.
 test: install browser
-	$(PY) -m pytest
+	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest
 	@if $(PY) -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=2).close()" 2>/dev/null; then \
 		echo "Control-plane tests again, on PostgreSQL ($(PG_TEST_URL)):"; \
-		DATABASE_URL=$(PG_TEST_URL) $(PY) -m pytest -q -m django_db; \
+		DATABASE_URL=$(PG_TEST_URL) EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -q -m django_db; \
 	else \
 		echo "No PostgreSQL at $(PG_TEST_URL): the PostgreSQL run of the control-plane tests is skipped."; \
 	fi
+
+# The pure and unit tests: no model, no Redis/Valkey server, no browser, no processes of their own
+# (the markers in pyproject.toml; tests/conftest.py refuses a test whose fixtures need a marker it lacks).
+test-fast: install
+	$(PY) -m pytest -q -m "not model and not cachebox and not browser and not processes"
 
 stop:
 	@if [ -x $(PY) ]; then $(PY) manage.py cachebox stop; else echo "nothing to stop"; fi

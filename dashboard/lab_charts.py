@@ -32,7 +32,7 @@ KVP_KINDS = {"kvp": ("KV prediction", "circle"), "aux": ("auxiliary alone", "x")
 
 @dataclass(frozen=True)
 class Study:
-    kind: str  # what the document is (``document_kind``) and the bench subcommand
+    kind: str  # the bench subcommand, and the ``bench`` field of its documents
     title: str
     seed: str  # the paper it follows (../shared/seeds)
     build: Callable[[dict], dict]
@@ -43,14 +43,11 @@ class Study:
 
 
 def document_kind(doc) -> str | None:
-    """Which lab study a saved benchmark document holds, or None (another benchmark)."""
-    if not isinstance(doc, dict):
-        return None
-    if doc.get("bench") in ("lab-exit", "lab-anchors"):
-        return doc["bench"]
-    if "ks" in doc and "table" in doc:  # bench lab (KV prediction) names itself by its fields
-        return "lab"
-    return None
+    """Which lab study a saved benchmark document holds (its ``bench``), or None (another benchmark)."""
+    from .bench.documents import kind_of
+
+    kind = kind_of(doc)
+    return kind if kind in {study.kind for study in STUDIES} else None
 
 
 # -- small helpers ----------------------------------------------------------------------------------

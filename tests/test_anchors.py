@@ -30,7 +30,7 @@ from inference.lab.anchors import (
 )
 from inference.lab.texts import evaluation_prompts
 
-from .conftest import assert_exact_serving_ignores_lab_runs
+from .conftest import assert_exact_serving_ignores_lab_runs, require
 
 
 # -- pure parts ---------------------------------------------------------------------------------
@@ -268,8 +268,9 @@ def _tiny_gguf(source, target, seed: int = 0):
     return target
 
 
+@pytest.mark.model
 def test_a_few_anchor_tuning_steps_export_to_a_gguf_llama_cpp_serves(tmp_path):
-    torch = pytest.importorskip("torch")
+    torch = require("torch", "the lab extra installs torch")
     from inference.engine import Engine, EngineConfig
     from inference.lab.anchor_tune import LoRA, distillation_loss, export_tuned, loss_positions
     from inference.lab.reference import ReferenceModel

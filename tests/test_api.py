@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import ROOT, require
 from .stack import free_port, wait_for_http
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 
-openai = pytest.importorskip("openai", reason="the test extra installs openai (make install)")
+openai = require("openai", "the test extra installs openai (make install)")
 
 BOARD = "api-board"
 OFFLINE_MODEL = "retired-model.gguf"

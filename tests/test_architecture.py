@@ -8,25 +8,31 @@ is not an import and is not seen.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from .conftest import REQUIRE_ALL
+
 ROOT = Path(__file__).resolve().parent.parent
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+PACKAGES = ("cachebox", "inference", "dashboard")
 
+# Skipped without import-linter, except under `make test` (EDGECACHE_REQUIRE_ALL=1), where it fails.
 needs_lint_imports = pytest.mark.skipif(
-    not LINT_IMPORTS.exists(), reason=f"import-linter is not installed in this venv ({LINT_IMPORTS} missing): run `make install`"
+    not LINT_IMPORTS.exists() and not REQUIRE_ALL, reason=f"import-linter is not installed in this venv ({LINT_IMPORTS} missing): run `make install`"
 )
 
 
-def lint_imports() -> subprocess.CompletedProcess:
+def lint_imports(root: Path = ROOT) -> subprocess.CompletedProcess:
+    """lint-imports over the packages under ``root`` (the checkout, or a copy of it)."""
     # --no-cache: leave no .import_linter_cache in the checkout; a wide terminal so rich wraps nothing.
     return subprocess.run(
         [str(LINT_IMPORTS), "--no-cache"],
-        cwd=ROOT,
+        cwd=root,
         capture_output=True,
         text=True,
         timeout=120,
@@ -41,6 +47,16 @@ def test_the_packages_keep_their_import_contracts():
     assert "0 broken" in result.stdout
 
 
+@pytest.fixture(scope="module")
+def tree_copy(tmp_path_factory) -> Path:
+    """A copy of the packages and pyproject.toml: probes are written there, never into the checkout."""
+    root = tmp_path_factory.mktemp("tree")
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, root / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+    return root
+
+
 @needs_lint_imports
 @pytest.mark.parametrize(
     "package, line, contract",
@@ -51,15 +67,34 @@ def test_the_packages_keep_their_import_contracts():
         ("inference", "from inference.benchmarks import common", "only the control plane (its bench command) imports inference.benchmarks"),
     ],
 )
-def test_a_forbidden_import_breaks_its_contract(package, line, contract):
-    """The contracts are not vacuous: one wrong import in the real tree makes lint-imports fail."""
-    probe = ROOT / package / "_wrong_import_probe.py"
-    assert not probe.exists(), f"{probe} is left over from an interrupted run: delete it"
-    probe.write_text(f"{line}  # written by tests/test_architecture.py, deleted at once\n")
+def test_a_forbidden_import_breaks_its_contract(tree_copy, package, line, contract):
+    """The contracts are not vacuous: one wrong import in a copy of the tree makes lint-imports fail."""
+    probe = tree_copy / package / "_wrong_import_probe.py"
+    probe.write_text(f"{line}  # written by tests/test_architecture.py into a copy of the tree\n")
     try:
-        result = lint_imports()
+        result = lint_imports(tree_copy)
     finally:
         probe.unlink()
     assert result.returncode != 0, result.stdout
     broken = result.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken and f"{package}._wrong_import_probe" in broken, result.stdout
+
+
+def test_a_missing_optional_package_skips_here_and_fails_under_make_test(monkeypatch):
+    """`make test` sets EDGECACHE_REQUIRE_ALL=1: there no test is skipped for a package it forgot to install."""
+    from . import conftest
+
+    monkeypatch.setattr(conftest, "REQUIRE_ALL", False)
+    with pytest.raises(pytest.skip.Exception):
+        conftest.require("edgecache_no_such_package", "an example")
+    monkeypatch.setattr(conftest, "REQUIRE_ALL", True)
+    with pytest.raises(pytest.fail.Exception, match="edgecache_no_such_package is missing and EDGECACHE_REQUIRE_ALL=1"):
+        conftest.require("edgecache_no_such_package", "an example")
+    assert conftest.require("json").dumps([]) == "[]"
+
+
+def test_make_test_requires_every_package_and_test_fast_leaves_out_the_slow_markers():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest" in makefile
+    fast = next(line for line in makefile.splitlines() if line.strip().startswith("$(PY) -m pytest") and "not model" in line)
+    assert all(f"not {marker}" in fast for marker in ("model", "cachebox", "browser", "processes"))

@@ -50,6 +50,7 @@ def redis_cache(settings, valkey_url):
     caches["default"].clear()
 
 
+@pytest.mark.cachebox
 def test_a_pickle_planted_in_a_routing_hint_runs_nothing_and_is_ignored(redis_cache, tmp_path):
     from dashboard.api import routing
 
@@ -66,6 +67,7 @@ def test_a_pickle_planted_in_a_routing_hint_runs_nothing_and_is_ignored(redis_ca
     assert json.loads(server.get(name)) == "pi5"
 
 
+@pytest.mark.cachebox
 def test_rate_limit_counters_stay_numbers_the_server_can_count(redis_cache):
     from dashboard import ratelimit
 
@@ -142,6 +144,7 @@ def test_an_unreachable_cache_still_limits_in_this_process(settings, caplog):
     assert "counted in this process" in caplog.text
 
 
+@pytest.mark.cachebox
 def test_two_hundred_parallel_requests_get_no_more_than_the_limit(redis_cache, settings):
     """The probe: 200 requests at once on a key limited to 60 per minute. A bounded pool makes some
     wait for a connection; none is let through uncounted."""
@@ -180,6 +183,7 @@ def test_json_nested_a_hundred_thousand_deep_is_a_400_in_openais_shape(client):
         assert error["type"] == "invalid_request_error" and "nests too deeply" in error["message"]
 
 
+@pytest.mark.cachebox
 def test_a_live_event_written_into_redis_by_someone_else_never_reaches_a_page(settings, valkey_url):
     from dashboard import settings as configured
     from dashboard.live import GROUP

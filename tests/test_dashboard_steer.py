@@ -64,6 +64,7 @@ def _run(device, *, ago: timedelta, ttft=100.0, case="miss", tbt=(10.0, 14.0), e
     return run
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_chart_ranges_are_served_from_the_database(staff_client, control_plane):
     zero, _ = register("zero")
@@ -93,6 +94,7 @@ def test_chart_ranges_are_served_from_the_database(staff_client, control_plane):
     assert page.context["chart_data"]["runs"] == 2 and 'data-range="1h"' in page.content.decode()
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_many_runs_are_downsampled_by_the_database(staff_client, control_plane, monkeypatch):
     zero, _ = register("zero")
@@ -112,6 +114,7 @@ def test_many_runs_are_downsampled_by_the_database(staff_client, control_plane, 
     assert "averaged per minute" in staff_client.get(reverse("home"), {"range": "15m"}).content.decode()
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_each_device_keeps_one_colour_on_every_chart(staff_client, control_plane):
     zero, _ = register("zero")
@@ -127,6 +130,7 @@ def test_each_device_keeps_one_colour_on_every_chart(staff_client, control_plane
             assert color == data["colors"][device], f"{chart}: {trace['name']}"
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_an_empty_chart_says_so_instead_of_drawing_empty_axes(staff_client, control_plane):
     register("zero")
@@ -174,6 +178,7 @@ def test_the_hit_ratio_chart_draws_one_line_per_tier_whose_shares_add_up_to_the_
     assert tier_counts(points) == {"zero": {"runs": 4, "context": 1, "local": 1, "cachebox": 1}, "one": {"runs": 4, "context": 0, "local": 1, "cachebox": 0}}
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 @pytest.mark.parametrize("raw_limit", [2000, 3], ids=["one point per run", "averaged per bucket"])
 def test_the_dashboard_splits_the_hit_ratio_by_tier_from_the_database(staff_client, control_plane, monkeypatch, raw_limit):
@@ -192,6 +197,7 @@ def test_the_dashboard_splits_the_hit_ratio_by_tier_from_the_database(staff_clie
     assert "Cache hit ratio by tier" in page.content.decode()
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_a_live_run_names_the_tier_of_its_hit(control_plane):
     device, token = register()
@@ -218,6 +224,7 @@ def test_a_slow_hit_says_why_and_a_skipped_fetch_says_what_was_forecast():
     ]
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_a_recorded_mmlu_run_carries_its_verdict_to_the_page(staff_client, control_plane, django_capture_on_commit_callbacks):
     device, token = register()
@@ -254,6 +261,7 @@ def test_an_entry_is_described_by_the_first_words_of_its_range_or_its_module():
     assert describe('<prompt schema="travel"><miami/></prompt>', {"start": 5, "end": 40, "piece": "miami"}) == "schema travel, miami"
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 @pytest.mark.model
 def test_the_cache_page_and_admin_show_what_an_entry_holds(admin_client, control_plane):
@@ -270,6 +278,7 @@ def test_the_cache_page_and_admin_show_what_an_entry_holds(admin_client, control
     assert "The quick brown fox" in admin and "800.0 kB" in admin
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_unpin_asks_without_calling_itself_destructive(admin_client, control_plane):
     CacheEntry.objects.create(key="ec:e:default:00ff00ff00ff00ff:{" + "cd" * 16 + "}", model="00ff00ff00ff00ff", namespace="default", start=0, end=128, bytes=2_400_000, pinned=True)
@@ -283,6 +292,7 @@ def test_unpin_asks_without_calling_itself_destructive(admin_client, control_pla
 
 
 # -- the Run page streams: stages and tokens over the runs' pub/sub channels; Cancel ------------------------------
+@pytest.mark.cachebox
 @pytest.mark.django_db(transaction=True, serialized_rollback=True)  # leaves the migrated rows (content types) as it found them
 def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sent_tasks, django_user_model):
     from django.test import AsyncClient
@@ -350,6 +360,7 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
     assert body == {"request_id": request_id}
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_cancel_reaches_only_runs_the_user_may_see(control_plane, sent_tasks, django_user_model, client):
     device, _ = register("zero")

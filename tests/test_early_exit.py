@@ -16,11 +16,12 @@ from inference.lab.early_exit import (
     strategy_name,
 )
 
-torch = pytest.importorskip("torch")
+from .conftest import assert_exact_serving_ignores_lab_runs, require
+
+torch = require("torch", "the lab extra installs torch")
 
 from inference.lab.early_exit import EarlyExitDecoder, SequenceCache, fit_lens  # noqa: E402  (needs torch)
 from inference.lab.reference import Gemma3Config, ReferenceModel  # noqa: E402
-from .conftest import assert_exact_serving_ignores_lab_runs  # noqa: E402
 
 N_LAYER = 4
 
@@ -83,7 +84,7 @@ def _tiny_model(seed: int = 0) -> ReferenceModel:
             "ffn_gate": w(n_ff, n_embd), "ffn_up": w(n_ff, n_embd), "ffn_down": w(n_embd, n_ff), "post_ffw_norm": 1 + w(n_embd, scale=0.1),
         }
         tensors.update({f"blk.{layer}.{name}.weight": value for name, value in block.items()})
-    return ReferenceModel(config, tensors)
+    return ReferenceModel(config, tensors, threads=1)  # one torch thread: tiny tensors, and no spinning on a busy machine
 
 
 @pytest.fixture(scope="module")

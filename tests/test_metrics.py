@@ -282,6 +282,7 @@ def run_form(dev: Device, text: str = "Hello there") -> dict:
     return {"devices": [dev.pk], "source": "text", "text": text, "max_tokens": 4, "use_cache": "on"}
 
 
+@pytest.mark.cachebox
 def test_the_run_after_the_limit_gets_429_and_dispatches_nothing(staff_client, settings, shared_cache, sent_tasks, security_log):
     server, prefix = shared_cache
     settings.EDGECACHE_RUN_RATE = 3
@@ -319,6 +320,7 @@ def test_the_run_after_the_limit_gets_429_and_dispatches_nothing(staff_client, s
     assert lines[0]["retry_after"] == wait and lines[0]["path"] == reverse("run") and lines[0]["time"].endswith("Z")
 
 
+@pytest.mark.cachebox
 def test_the_limit_is_per_user_and_per_minute(client, django_user_model, settings, shared_cache, sent_tasks, monkeypatch):
     settings.EDGECACHE_RUN_RATE = 1
     zero = device("zero")
@@ -342,6 +344,7 @@ def test_the_limit_is_per_user_and_per_minute(client, django_user_model, setting
     assert len(sent_tasks) == 3
 
 
+@pytest.mark.cachebox
 def test_only_valid_submissions_count(staff_client, settings, shared_cache, sent_tasks):
     settings.EDGECACHE_RUN_RATE = 1
     zero = device("zero")
@@ -369,6 +372,7 @@ def test_an_unreachable_cache_still_limits_runs_in_this_process(staff_client, se
     assert sent_tasks == ["device.zero"]
 
 
+@pytest.mark.cachebox
 def test_clearing_the_django_cache_keeps_the_cache_box(shared_cache):
     server, prefix = shared_cache
     foreign = f"ec:test-foreign:{uuid.uuid4().hex}"

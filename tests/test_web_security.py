@@ -73,6 +73,7 @@ def tenants(db):
 
 
 # -- 1. users see the namespaces they are members of; staff see all ------------------------------------
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_a_member_sees_only_the_devices_and_runs_of_their_namespaces(control_plane, tenants, django_user_model):
     bob = logged_in(member_of(django_user_model, "bob", "acme"))
@@ -96,6 +97,7 @@ def test_a_member_sees_only_the_devices_and_runs_of_their_namespaces(control_pla
     assert [run.device.name for run in run_page.context["runs"]] == ["acme-1"] and "globex" not in run_page.content.decode()
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_staff_see_every_namespace_and_a_user_without_membership_sees_none(control_plane, tenants, staff_client, django_user_model):
     home = staff_client.get(reverse("home"))
@@ -109,6 +111,7 @@ def test_staff_see_every_namespace_and_a_user_without_membership_sees_none(contr
     assert nobody.get(reverse("device-detail", args=["acme-1"])).status_code == 404
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_a_run_naming_another_tenants_device_is_refused_with_a_form_error(control_plane, tenants, sent_tasks, django_user_model):
     acme, globex = tenants
@@ -127,6 +130,7 @@ def test_a_run_naming_another_tenants_device_is_refused_with_a_form_error(contro
     assert sent.status_code == 200 and [call["queue"] for call in sent_tasks] == ["device.acme-1"]
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_memberships_are_managed_in_the_user_admin(control_plane, staff_client, django_user_model):
     staff_client.user.is_superuser = True
@@ -146,6 +150,7 @@ def _listen(user):
 # Transactional: the consumer reads the database through database_sync_to_async, which closes the
 # connection around each call; inside a plain django_db test's transaction that breaks the second
 # call on PostgreSQL (a test artefact: pages have no surrounding transaction).
+@pytest.mark.cachebox
 @pytest.mark.django_db(transaction=True, serialized_rollback=True)
 def test_live_events_reach_only_pages_that_may_see_their_device(control_plane, django_user_model):
     device("acme-1", "acme")
@@ -180,6 +185,7 @@ def test_live_events_reach_only_pages_that_may_see_their_device(control_plane, d
 
 
 # -- 2. no token characters after creation ------------------------------------------------------------
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_the_device_page_shows_no_token_characters_and_says_whether_the_board_enrolled(control_plane, staff_client):
     waiting = device("zero")
@@ -243,6 +249,7 @@ def _production_env(tmp_path, **extra) -> dict:
 HTTPS_WARNINGS = ("security.W004", "security.W008", "security.W012", "security.W016")
 
 
+@pytest.mark.processes
 def test_https_settings_pass_the_deploy_check(tmp_path):
     plain = run_manage("check", "--deploy", env=_production_env(tmp_path), unset=("DJANGO_DEBUG", "EDGECACHE_HTTPS"))
     assert all(code in plain.stderr.decode() + plain.stdout.decode() for code in HTTPS_WARNINGS)  # the default: plain HTTP
@@ -276,6 +283,7 @@ for round in range(rounds):  # each round: every process loads the settings at t
 ROUNDS = 4
 
 
+@pytest.mark.processes
 def test_processes_starting_together_read_the_same_complete_secrets(tmp_path):
     """40 processes create the secrets at the same moment, on 4 fresh folders in turn: every
     process must read the same, complete secrets (touch-then-write let some read an empty one)."""
@@ -309,6 +317,7 @@ def _mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+@pytest.mark.processes
 def test_a_new_sqlite_database_and_its_folder_are_private(tmp_path):
     home = tmp_path / "fresh" / ".edgecache"
     done = _manage_with_umask("migrate", "--noinput", home=home)
@@ -318,6 +327,7 @@ def test_a_new_sqlite_database_and_its_folder_are_private(tmp_path):
     assert (_mode(database), _mode(home)) == (0o600, 0o700)
 
 
+@pytest.mark.processes
 def test_an_existing_more_open_database_and_folder_are_closed_down(tmp_path):
     home = tmp_path / ".edgecache"
     home.mkdir(mode=0o755)
@@ -347,6 +357,7 @@ def run_form(*devices: Device) -> dict:
     return {"devices": [d.pk for d in devices], "source": "text", "text": "Hello there", "max_tokens": 4, "use_cache": "on"}
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_a_run_while_the_broker_is_down_answers_503_json_with_what_to_do(control_plane, staff_client, dead_broker):
     zero = device("zero")
@@ -359,6 +370,7 @@ def test_a_run_while_the_broker_is_down_answers_503_json_with_what_to_do(control
     assert response.json()["dispatched"] == []
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_a_run_while_the_broker_is_down_answers_503_html_with_the_form_as_sent(control_plane, staff_client, dead_broker):
     zero = device("zero")
@@ -368,6 +380,7 @@ def test_a_run_while_the_broker_is_down_answers_503_html_with_the_form_as_sent(c
     assert "not reachable" in html and "nothing was sent" in html and "Hello there" in html
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_a_broker_failing_midway_says_which_devices_got_the_run(control_plane, staff_client, monkeypatch):
     zero, pi5 = device("zero"), device("pi5")
@@ -386,6 +399,7 @@ def test_a_broker_failing_midway_says_which_devices_got_the_run(control_plane, s
     assert [item["device"] for item in response.json()["dispatched"]] == [first]
 
 
+@pytest.mark.cachebox
 @pytest.mark.django_db
 def test_encoding_while_the_broker_is_down_answers_503(control_plane, staff_client, dead_broker):
     from inference.models import Schema

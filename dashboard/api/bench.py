@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 
 import plotly.graph_objects as go
 
-from inference.benchmarks.load import percentile
+from inference.benchmarks.base import Benchmark, BenchError
+from inference.benchmarks.common import percentile
 from inference.benchmarks.html_report import write_report
 
 QUESTIONS = (
@@ -176,3 +177,61 @@ def _request(url: str, method: str, path: str, key: str, body: dict | None) -> t
         return response.status, response.read()
     finally:
         connection.close()
+
+
+# -- the command (python manage.py bench api) ----------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the running dashboard (default http://127.0.0.1:8000; `make run`)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default 8)")
+    parser.add_argument("--seconds", type=float, default=30, help="how long requests are sent (default 30)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default 32)")
+    parser.add_argument("--namespace", default="default", help="the namespace whose boards answer (a temporary API key of it is made, then revoked)")
+
+
+def run(ctx, *, url, clients, seconds, max_tokens, namespace, **options) -> dict:
+    from .keys import create_key, revoke_key
+
+    if clients < 1 or not 0 < seconds <= 3600 or max_tokens < 1:
+        raise BenchError("--clients must be at least 1, --seconds between 0 and 3600, --max-tokens at least 1")
+    try:
+        row, key = create_key(None, namespace, name="bench api (temporary)", rate_per_minute=0)
+    except ValueError as exc:
+        raise BenchError(str(exc))
+    try:
+        try:
+            served = models(url, key)
+        except (OSError, RuntimeError) as exc:
+            raise BenchError(f"the API at {url} does not answer ({exc}); start the dashboard (`make run`) or pass --url")
+        if not served:
+            raise BenchError(f"no board of namespace {namespace!r} is online; start one with `python manage.py edge --name NAME`")
+        with ctx.progress(desc=f"bench api ({clients} clients, {seconds:g} s)", unit="request") as bar:
+            return run_api_bench(url, key, served[0], clients=clients, seconds=seconds, max_tokens=max_tokens, progress=bar.update)
+    finally:
+        revoke_key(None, row)
+
+
+def lines(doc: dict) -> list[str]:
+    out = [f"\n{doc['requests']} requests, {doc['errors']} errors, {doc['requests_per_s']} requests/s, {doc['chunks_per_s']} chunks/s"]
+    for name in ("first_chunk_ms", "api_ms", "queue_ms", "board_ttft_ms", "first_minus_board_ttft_ms", "overhead_ms", "total_ms"):
+        out.append(f"  {name:<26} p50 {doc[name]['p50']}  p99 {doc[name]['p99']}")
+    out += [f"  error: {example}" for example in doc["error_examples"]]
+    return out
+
+
+def headline(doc: dict) -> str:
+    return (
+        f"{doc['clients']} clients, {doc['seconds']:g} s: {doc['requests']} requests, {doc['errors']} errors; "
+        f"first chunk p50 {doc['first_chunk_ms']['p50']} ms, p99 {doc['first_chunk_ms']['p99']} ms"
+    )
+
+
+BENCH = Benchmark(
+    name="api",
+    format=1,
+    help="concurrent streaming clients of the OpenAI-compatible API against the online boards (a running server)",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=api_report,
+    headline=headline,
+)

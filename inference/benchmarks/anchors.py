@@ -32,7 +32,8 @@ from inference import mmlu
 from inference.engine import Engine
 from inference.lab.anchors import anchor_prefill, prefix_entry, prompt_sequences
 
-from .common import median
+from .base import Benchmark, BenchError
+from .common import machine_info, median
 
 LAB_KEY_SPACE = f"{KEY_PREFIX}:lab:anchors"
 VARIANTS = ("base-full", "base-pruned", "tuned-full", "tuned-pruned")
@@ -226,19 +227,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--link-prompts", type=int, default=10, help="prompts whose prefix entry is also fetched over the emulated link (default 10; 0: none, no cache box needed)")
     parser.add_argument("--link", default="wifi4", help="link preset for those fetches (default wifi4, the paper's)")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: steady timings on a shared machine)")
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
 
 
-def handle(command, *, prompts, shots, decode_tokens, link_prompts, link, threads, json_path=None, **options) -> None:
+def run(ctx, *, prompts, shots, decode_tokens, link_prompts, link, threads, **options) -> dict:
     from types import SimpleNamespace
-
-    from django.conf import settings
-    from django.core.management.base import CommandError
-    from tqdm import tqdm
 
     from cachebox.link import LINK_PRESETS
     from cachebox.store import CacheBox
-    from inference.board import cachebox_url
     from inference.engine import EngineConfig
     from inference.lab import texts
     from inference.lab.anchor_tune import record_path
@@ -246,22 +241,18 @@ def handle(command, *, prompts, shots, decode_tokens, link_prompts, link, thread
     from inference.lab.kv_prediction import lab_dir
     from inference.model_file import ModelFile, _cached_sha256, resolve_model
 
-    from .common import machine_info
-
     if prompts < 1 or threads < 1 or decode_tokens < 0 or link_prompts < 0:
-        raise CommandError("--prompts and --threads must be at least 1, --decode-tokens and --link-prompts at least 0")
+        raise BenchError("--prompts and --threads must be at least 1, --decode-tokens and --link-prompts at least 0")
     if LINK_PRESETS.get(link) is None:
-        raise CommandError(f"--link must be one of {', '.join(name for name, profile in LINK_PRESETS.items() if profile)}")
+        raise BenchError(f"--link must be one of {', '.join(name for name, profile in LINK_PRESETS.items() if profile)}")
     try:
         chosen = texts.evaluation_prompts(prompts, shots)
     except (ValueError, FileNotFoundError) as exc:
-        raise CommandError(str(exc))
+        raise BenchError(str(exc))
     store = shaped = None
     if link_prompts:
-        url = cachebox_url(settings.EDGECACHE_BOARD)
+        url = ctx.cachebox_url(hint="or pass --link-prompts 0")
         store = CacheBox(url, timeout=60)
-        if not store.ping():
-            raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start`, or pass --link-prompts 0")
         shaped = CacheBox(url, link=LINK_PRESETS[link], timeout=60)
     config = EngineConfig(n_ctx=2048, n_threads=threads, n_seq_max=2)
     engines = {"base": Engine(resolve_model(), config)}
@@ -273,16 +264,15 @@ def handle(command, *, prompts, shots, decode_tokens, link_prompts, link, thread
         fine_tune = json.loads(record.read_text()) if record.exists() else {"path": str(path), "record": "missing"}
     else:
         fine_tune = {"status": f"no anchor-tuned model at {path}: run `python -m inference.lab.anchor_tune` (lab extra); tuned rows left out"}
-        command.stdout.write(fine_tune["status"])
+        ctx.write(fine_tune["status"])
     try:
-        with tqdm(total=len(chosen), desc=f"bench lab-anchors ({', '.join(engines)}; {threads} thread(s))", unit="prompt") as bar:
+        with ctx.progress(total=len(chosen), desc=f"bench lab-anchors ({', '.join(engines)}; {threads} thread(s))", unit="prompt") as bar:
             document = run_anchors(engines, chosen, decode_tokens=decode_tokens, store=store, shaped_store=shaped, link_prompts=link_prompts, progress=bar.update)
         machine = machine_info(SimpleNamespace(engine=engines["base"], store=shaped))
     finally:
         for engine in engines.values():
             engine.close()
     document = {
-        "bench": "lab-anchors",
         "machine": machine,
         "shots": shots,
         "link": link,
@@ -291,21 +281,21 @@ def handle(command, *, prompts, shots, decode_tokens, link_prompts, link, thread
         "fine_tune": fine_tune,
         "differs_from_paper": DIFFERS_FROM_PAPER,
     }
-    _print_table(command, document)
-    command._save("lab-anchors", json_path, document, anchors_report)
+    return document
 
 
-def _print_table(command, document: dict) -> None:
-    command.stdout.write(f"\n{document['prompts']} five-shot MMLU prompts (median {document['median_prompt_tokens']:.0f} tokens), {document['machine']['threads']} llama.cpp thread(s)")
-    command.stdout.write(f"{'variant':<15}{'KV bytes':>11}{'entry':>11}{'KV cut':>8}{'TTFT ms':>9}{'tok/s':>7}{'MMLU':>7}{'agree':>7}{'own':>6}{'A-D':>6}{'cached TTFT':>13}{'Wi-Fi 4 TTFT':>14}")
+def lines(document: dict) -> list[str]:
+    out = [f"\n{document['prompts']} five-shot MMLU prompts (median {document['median_prompt_tokens']:.0f} tokens), {document['machine']['threads']} llama.cpp thread(s)"]
+    out.append(f"{'variant':<15}{'KV bytes':>11}{'entry':>11}{'KV cut':>8}{'TTFT ms':>9}{'tok/s':>7}{'MMLU':>7}{'agree':>7}{'own':>6}{'A-D':>6}{'cached TTFT':>13}{'Wi-Fi 4 TTFT':>14}")
     for row in document["rows"] + document["baselines"]:
         wifi = f"{row['wifi4_ttft_ms']:.0f}" if row["wifi4_ttft_ms"] is not None else "-"
         cached = f"{row['cached_ttft_ms']:.0f}" if row["cached_ttft_ms"] is not None else "-"
         own = f"{row['agreement_with_own_full']:.2f}" if row["agreement_with_own_full"] is not None else "-"
         speed = f"{row['decode_tokens_per_s']:.1f}" if row["decode_tokens_per_s"] else "-"
-        command.stdout.write(
+        out.append(
             f"{row['variant']:<15}{row['kv_bytes']:>11,}{row['entry_bytes']:>11,}{row['kv_reduction']:>8.1%}{row['ttft_ms']:>9.0f}{speed:>7}{row['mmlu_accuracy']:>7.3f}{row['agreement']:>7.3f}{own:>6}{row['letter_rate']:>6.2f}{cached:>13}{wifi:>14}"
         )
+    return out
 
 
 def anchors_report(path, doc: dict):
@@ -341,3 +331,20 @@ def anchors_report(path, doc: dict):
     fine_tune = {k: v for k, v in doc.get("fine_tune", {}).items() if k not in ("exports",)}
     tables = {"Variants": table, "Fine-tune": [fine_tune] if fine_tune else [], f"Paper (quoted as data): {PAPER_SOURCE}": PAPER_TABLE}
     return write_report(path, "bench lab-anchors: anchor tokens (seed 004)", summary, [quality, sizes, speed], tables, doc)
+
+
+def headline(doc: dict) -> str:
+    variants = [row.get("variant") for row in doc.get("rows") or [] if isinstance(row, dict)]
+    return f"anchor tokens (lab): {', '.join(map(str, variants))} (see the Lab page)"
+
+
+BENCH = Benchmark(
+    name="lab-anchors",
+    format=1,
+    help="anchor tokens (seed 004): KV and entry bytes, speed, MMLU accuracy, base and anchor-tuned, full and pruned",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=anchors_report,
+    headline=headline,
+)

@@ -24,8 +24,10 @@ from cachebox.sync import CatalogRegistry
 from inference.breakeven import BreakEvenPolicy
 from inference.mmlu import MMLUPrompt
 
+from .base import Benchmark, BenchError, prompts_of
 from .cases import CASE_NAMES, seed_segments
-from .common import median, prefix_serving
+from .common import machine_info, median, prefix_serving
+from .reports import breakeven_report
 
 PRESETS = ("wifi4", "fast-ethernet", "none")
 MODES = ("always", "never", "fetch-or-compute", "adaptive")
@@ -133,3 +135,86 @@ def run_breakeven(
         "modes": list(modes),
         "case_names": {case: CASE_NAMES[case] for case in cases},
     }
+
+
+# -- the command (python manage.py bench breakeven) ----------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--topic", default="astronomy")
+    parser.add_argument("--prompts", type=int, default=30)
+    parser.add_argument("--shots", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads of the measured engine (1: board-like; default: every core)")
+    parser.add_argument("--links", nargs="+", default=None, metavar="PRESET", help="link presets (default: wifi4 fast-ethernet none)")
+    parser.add_argument("--cases", nargs="+", default=None, metavar="CASE", help="the paper's cases 1-5 (default: all)")
+    parser.add_argument("--modes", nargs="+", default=None, metavar="MODE", help="always never fetch-or-compute adaptive (default: all)")
+    parser.add_argument("--profile", default="", help="pace the engine to a board class: pi-zero-2w or pi5 (emulated; default: this machine)")
+
+
+def run(ctx, *, topic, prompts, shots, threads, links, cases, modes, profile, **options) -> dict:
+    from inference.compute_profile import profile_named
+
+    links, cases, modes = links or list(PRESETS), cases or list(CASE_NAMES), modes or list(MODES)
+    for name, given, known in (("link", links, LINK_PRESETS), ("case", cases, CASE_NAMES), ("mode", modes, MODES)):
+        unknown = [value for value in given if value not in known]
+        if unknown:
+            raise BenchError(f"unknown {name} {', '.join(unknown)}; choose from {', '.join(known)}")
+    try:
+        profile_named(profile)
+    except ValueError as exc:
+        raise BenchError(str(exc))
+    selected = prompts_of(topic, shots, prompts)
+    with ctx.board(threads=threads or None, compute_profile=profile or None) as board:
+        label = f"{len(links)} links x {len(cases)} cases x {len(modes)} policies, {board.engine.config.threads()} thread(s)"
+        with ctx.progress(total=len(selected), desc=f"bench breakeven ({label})", unit="prompt") as bar:
+            document = run_breakeven(
+                board.engine,
+                board.store.url,
+                selected,
+                keys=board.keys,
+                prefill_ms_per_token=board.config.prefill_ms_per_token,
+                presets=links,
+                cases=cases,
+                modes=modes,
+                progress=bar.update,
+            )
+        document.update({"topic": selected[0].target.topic, "shots": shots, "machine": machine_info(board)})
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    modes = doc["modes"]
+    out = []
+    if doc["compute_profile"]:
+        out.append(f"compute paced to {doc['compute_profile']}: every figure below is emulated")
+    for preset, data in doc["presets"].items():
+        out.append(f"\n{preset} ({data['link']}{', emulated link' if data['emulated'] else ''}; entries stored {data['codec']}): median TTFT ms")
+        out.append(f"{'case':<32}" + "".join(f"{mode:>18}" for mode in modes) + f"{'adaptive/best':>15}")
+        for case, row in data["cases"].items():
+            name = doc["case_names"][case]
+            ratio = row.get("adaptive_vs_best")
+            note = "" if row.get("within_5pct", True) else "  (over 5%)"
+            if "overlap_target_met" in row:
+                note += f"  (target {row['overlap_target']}: {'met' if row['overlap_target_met'] else 'not met'})"
+            out.append(
+                f"{case + ' ' + name:<32}" + "".join(f"{row[mode + '_ttft_ms']:>18.1f}" for mode in modes)
+                + (f"{ratio:>15.3f}" if ratio is not None else f"{'-':>15}") + note
+            )
+    out.append(f"\npolicy within 5% of the better fixed choice everywhere: {doc['target_met']}")
+    if doc["overlap_target_met"] is not None:
+        out.append(f"Wi-Fi 4, cases 4 and 5, adaptive at most {doc['overlap_target']}x the better fixed choice: {doc['overlap_target_met']}")
+    return out
+
+
+def headline(doc: dict) -> str:
+    return f"adaptive policy within 5% everywhere: {doc['target_met']}"
+
+
+BENCH = Benchmark(
+    name="breakeven",
+    format=1,
+    help="always / never / adaptive fetching under each emulated link",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=breakeven_report,
+    headline=headline,
+)

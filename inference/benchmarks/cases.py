@@ -14,7 +14,9 @@ from typing import Callable
 from inference.breakdown import STACK_FIELDS, Breakdown
 from inference.mmlu import MMLUPrompt, parse_answer
 
-from .common import median
+from .base import Benchmark, prompts_of
+from .common import machine_info, median
+from .reports import cases_report
 
 CASE_NAMES = {
     "1": "miss",
@@ -84,3 +86,59 @@ def summarize(runs: list[Breakdown]) -> dict:
         "state_bytes": median(r.state_bytes for r in runs),
         "cases_seen": {name: sum(r.case == name for r in runs) for name in ("miss", "partial", "full")},
     }
+
+
+# -- the command (python manage.py bench cases) --------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--topic", default="astronomy", help="MMLU topic (see `bench topics`)")
+    parser.add_argument("--prompts", type=int, default=20, help="number of target questions")
+    parser.add_argument("--shots", type=int, default=5, help="few-shot examples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per run")
+
+
+def run(ctx, *, topic, prompts, shots, max_tokens, **options) -> dict:
+    selected = prompts_of(topic, shots, prompts)
+    with ctx.board() as board:
+        with ctx.progress(total=len(selected), desc=f"bench cases ({selected[0].target.topic}, {shots}-shot)", unit="prompt") as bar:
+            document = run_cases(board, selected, max_tokens=max_tokens, progress=bar.update)
+        document.update({"topic": selected[0].target.topic, "shots": shots, "max_tokens": max_tokens, "machine": machine_info(board)})
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    out = [
+        f"\nMedians over {doc['n']} prompts ({doc['topic']}, {doc['shots']}-shot), milliseconds:",
+        f"{'case':<32}{'TTFT':>9}{'TTLT':>9}{'Token':>8}{'Bloom':>7}{'P-dec':>9}{'Redis':>8}{'R-dec':>8}{'Sample':>8}{'matched':>9}{'tokens':>8}{'MB':>7}",
+    ]
+    for case, row in doc["cases"].items():
+        b = row["breakdown_ms"]
+        out.append(
+            f"{case + ' ' + row['name']:<32}{row['ttft_ms']:>9.1f}{row['ttlt_ms']:>9.1f}{b['token_ms']:>8.2f}{b['bloom_ms']:>7.3f}"
+            f"{b['prefill_ms']:>9.1f}{b['redis_ms']:>8.1f}{b['decode_ms']:>8.1f}{b['sample_ms']:>8.2f}"
+            f"{row['matched_tokens']:>9.0f}{row['prompt_tokens']:>8.0f}{row['state_bytes'] / 1e6:>7.2f}"
+        )
+    out.append(
+        f"full-hit TTFT / cold TTFT = {doc['ttft_ratio_full_to_cold']}; greedy agreement = {doc['greedy_agreement']}; "
+        f"accuracy case 1 = {doc['accuracy']['1']}, case 5 = {doc['accuracy']['5']}; "
+        f"bytes per cached token = {doc['bytes_per_cached_token']}; catalog lookup median = {doc['catalog_lookup_ms']} ms"
+    )
+    full = doc["cases"].get("5", {}).get("breakdown_ms", {})
+    if "verify_ms" in full:
+        out.append(f"full hit: signature and digest checks {full['verify_ms']:.2f} ms of {full['redis_ms']:.1f} ms fetch + restore")
+    return out
+
+
+def headline(doc: dict) -> str:
+    return f"full hit / cold TTFT {doc['ttft_ratio_full_to_cold']}, greedy agreement {doc['greedy_agreement']}, n={doc['n']}"
+
+
+BENCH = Benchmark(
+    name="cases",
+    format=1,
+    help="cases 1-5 of the paper on MMLU prompts",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=cases_report,
+    headline=headline,
+)

@@ -20,7 +20,9 @@ from cachebox.sync import CatalogRegistry
 from inference.breakeven import BreakEvenPolicy
 from inference.mmlu import MMLUPrompt
 
-from .common import prefix_serving
+from .base import Benchmark, BenchError
+from .common import machine_info, prefix_serving
+from .reports import catalog_report
 
 HIT_RATIOS = (0.0, 0.1, 0.5, 0.9)
 
@@ -73,3 +75,55 @@ def false_positive_rates(capacities=(10_000, 1_000_000), probes: int = 200_000) 
             }
         )
     return rows
+
+
+# -- the command (python manage.py bench catalog) ------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--prompts", type=int, default=10, help="prompts, one per MMLU topic (no shared prefixes)")
+    parser.add_argument("--shots", type=int, default=5)
+    parser.add_argument("--link", default="wifi4", help="link preset for the cache-box traffic (default wifi4)")
+
+
+def run(ctx, *, prompts, shots, link, **options) -> dict:
+    from inference import mmlu
+
+    if link not in LINK_PRESETS or LINK_PRESETS[link] is None:
+        raise BenchError(f"--link must be one of {', '.join(k for k, v in LINK_PRESETS.items() if v)}")
+    if not 1 <= prompts <= 57:
+        raise BenchError("--prompts must be between 1 and 57 (one prompt per MMLU topic)")
+    # One prompt per topic: no two share a prefix, so an uncached prompt is a true miss.
+    selected = [mmlu.build_prompts(name, shots, 1)[0] for name in mmlu.topics()[:prompts]]
+    with ctx.board() as board:
+        with ctx.progress(total=2 * len(HIT_RATIOS), desc="bench catalog", unit="pass") as bar:
+            document = run_catalog(board.engine, board.store.url, selected, keys=board.keys, link_preset=link, progress=bar.update)
+        document.update({"topics": [p.target.topic for p in selected], "shots": shots, "machine": machine_info(board)})
+    document["summary"] = "Catalog: a sure miss costs no network; without it every miss asks the cache box."
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    out = [f"\n{doc['link']}; mean TTFT ms over {doc['n']} prompts", f"{'hit ratio':>10}{'catalog':>12}{'no catalog':>12}{'miss cost without':>20}"]
+    for row in doc["sweep"]:
+        out.append(
+            f"{row['hit_ratio']:>10.1f}{row['with_catalog']['mean_ttft_ms']:>12.1f}{row['without_catalog']['mean_ttft_ms']:>12.1f}"
+            f"{row['without_catalog']['miss_network_ms']:>17.1f} ms"
+        )
+    for row in doc["false_positives"]:
+        out.append(f"false positives at capacity {row['capacity']}: observed {row['observed']}, configured {row['configured']} ({row['size_bytes'] / 1e6:.2f} MB)")
+    return out
+
+
+def headline(doc: dict) -> str:
+    return f"catalog sweep over {doc.get('link', '')}"
+
+
+BENCH = Benchmark(
+    name="catalog",
+    format=1,
+    help="hit-ratio sweep with and without the catalog; false positives",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=catalog_report,
+    headline=headline,
+)

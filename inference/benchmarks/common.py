@@ -1,8 +1,9 @@
-"""What every benchmark shares: machine metadata, medians, saving JSON."""
+"""What every benchmark shares: machine metadata, medians and percentiles, saving JSON."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -28,8 +29,28 @@ def median(values) -> float:
     return round(statistics.median(values), 3) if values else 0.0
 
 
-def machine_info(board) -> dict:
-    engine = board.engine
+def percentile(values, p: float, digits: int = 3) -> float | None:
+    """The ``p``-th percentile (0-100) of ``values``, None for no values.
+
+    The one definition every benchmark uses: linear interpolation between the closest ranks
+    (numpy's default, Hyndman and Fan's type 7): rank ``(n - 1) * p / 100`` of the sorted values.
+    So ``percentile(v, 50)`` is the median, and p99 of fewer than 100 values lies between the two
+    largest. (``bench fleet`` used the nearest rank before its documents said their format.)
+    """
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    if not 0 <= p <= 100:
+        raise ValueError("p must be between 0 and 100")
+    rank = (len(ordered) - 1) * p / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    value = ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return round(float(value), digits)
+
+
+def host_info() -> dict:
+    """The machine a benchmark ran on, without a model (benchmarks that load none)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -47,8 +68,19 @@ def machine_info(board) -> dict:
         "platform": platform.platform(),
         "cpu": cpu_model,
         "cpu_count": os.cpu_count(),
-        "threads": engine.config.threads(),
         "python": platform.python_version(),
+        "git_commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def machine_info(board) -> dict:
+    """The machine and the engine a benchmark ran: ``board`` has ``engine`` and ``store`` (None: no cache box)."""
+    engine, host = board.engine, host_info()
+    return {
+        **{key: host[key] for key in ("hostname", "platform", "cpu", "cpu_count")},
+        "threads": engine.config.threads(),
+        "python": host["python"],
         "llama_cpp_python": llama_cpp.__version__,
         "model": engine.model_file.path.name,
         "model_sha256": engine.model_file.sha256[:16],
@@ -57,8 +89,8 @@ def machine_info(board) -> dict:
         "compute_profile": engine.pacer.profile.emulated_label if engine.pacer is not None else "this machine (not paced)",
         "cachebox": board.store.safe_url if board.store else None,
         "link": board.store.link_label if board.store else "no cache box",
-        "git_commit": commit,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_commit": host["git_commit"],
+        "date": host["date"],
     }
 
 

@@ -21,6 +21,9 @@ from typing import Callable, Sequence
 
 from inference import mmlu
 
+from .base import Benchmark, BenchError
+from .common import machine_info
+
 # Paper figures quoted as data (Miao et al., "An Efficient Inference Framework for Early-exit Large
 # Language Models", section 5.1 and table 1): tokens/s on one RTX 4090, techniques in the order the
 # paper lists them (softmax response, hidden-state similarity, classifier).
@@ -180,26 +183,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lens", action=argparse.BooleanOptionalAction, default=True, help="also exit through ridge-fitted adapters (fitted on first use; default on)")
     parser.add_argument("--calibration-docs", type=int, default=24, help="calibration documents when the adapters must be fitted (default 24)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady timings on a shared machine)")
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
 
 
-def handle(command, *, prompts, mmlu_prompts, shots, tokens, batch, exits, top_prob, similarity, lens, calibration_docs, threads, json_path=None, **options) -> None:
+def run(ctx, *, prompts, mmlu_prompts, shots, tokens, batch, exits, top_prob, similarity, lens, calibration_docs, threads, **options) -> dict:
     from types import SimpleNamespace
-
-    from django.conf import settings
-    from django.core.management.base import CommandError
-    from tqdm import tqdm
 
     from inference.engine import EngineConfig, Vocabulary
     from inference.lab import texts
     from inference.model_file import resolve_model
 
-    from .common import machine_info
-
     if prompts < 1 or mmlu_prompts < 0 or tokens < 1 or any(b < 1 for b in batch) or threads < 1:
-        raise CommandError("--prompts, --tokens, --batch and --threads must be at least 1, --mmlu-prompts at least 0")
+        raise BenchError("--prompts, --tokens, --batch and --threads must be at least 1, --mmlu-prompts at least 0")
     if not top_prob and not similarity:
-        raise CommandError("give at least one threshold (--top-prob or --similarity)")
+        raise BenchError("give at least one threshold (--top-prob or --similarity)")
     try:
         from inference.lab.early_exit import EarlyExitDecoder, ExitLens, fit_lens, lens_path
         from inference.lab.kv_prediction import lab_dir
@@ -209,35 +205,34 @@ def handle(command, *, prompts, mmlu_prompts, shots, tokens, batch, exits, top_p
         configs = _configs({"top-prob": top_prob, "similarity": similarity}, exits, lens)  # each policy checks itself
         chosen = texts.evaluation_prompts(prompts + mmlu_prompts, shots)
     except (ImportError, ValueError, FileNotFoundError) as exc:
-        raise CommandError(str(exc))
+        raise BenchError(str(exc))
     decoded, first_only = chosen[:prompts], chosen[prompts:]
-    model = resolve_model(settings.EDGECACHE_BOARD.model or None)
+    model = resolve_model(ctx.config.model or None)
     vocabulary = Vocabulary.load(model)
-    command.stdout.write("loading the reference engine (dequantizing the GGUF)...")
+    ctx.write("loading the reference engine (dequantizing the GGUF)...")
     reference = ReferenceModel.load(model.path, threads=threads)
     if any(d >= reference.config.n_layer for d in exits):
-        raise CommandError(f"exits must be below the model's {reference.config.n_layer} layers")
+        raise BenchError(f"exits must be below the model's {reference.config.n_layer} layers")
     exit_lens = None
     if lens:
         path = lens_path(lab_dir(), model.sha256)
         exit_lens = ExitLens.load(path, fingerprint=model.sha256) if path.exists() else None
         if exit_lens is None or not set(exits) <= set(exit_lens.depths):
             documents = texts.calibration_documents(lambda text: vocabulary.tokenize(text, add_bos=True), max_tokens=384)[:calibration_docs]
-            with tqdm(total=len(documents), desc="fitting exit adapters", unit="doc") as bar:
+            with ctx.progress(total=len(documents), desc="fitting exit adapters", unit="doc") as bar:
                 exit_lens = fit_lens(reference, documents, exits, model.sha256, source="MMLU calibration questions (inference.lab.texts)", progress=bar.update)
             exit_lens.save(path)
     decoder = EarlyExitDecoder(reference, exit_lens)
     started = time.perf_counter()
     runs = []
     for size in batch:
-        with tqdm(total=len(chosen), desc=f"bench lab-exit (batch {size}, {len(configs) + 1} configurations)", unit="prompt") as bar:
+        with ctx.progress(total=len(chosen), desc=f"bench lab-exit (batch {size}, {len(configs) + 1} configurations)", unit="prompt") as bar:
             runs.append(run_exit_study(decoder, vocabulary, decoded, first_only, configs, batch=size, tokens=tokens, progress=bar.update))
     machine = machine_info(SimpleNamespace(engine=SimpleNamespace(config=EngineConfig(n_threads=threads), model_file=model, n_ctx=0, pacer=None), store=None))
     import torch
 
     machine.update({"engine": "lab reference engine (PyTorch float32, CPU)", "torch": torch.__version__, "kv_type": "float16-rounded float32"})
     document = {
-        "bench": "lab-exit",
         "machine": machine,
         "shots": shots,
         "prompts": len(decoded),
@@ -257,8 +252,7 @@ def handle(command, *, prompts, mmlu_prompts, shots, tokens, batch, exits, top_p
         "seconds": round(time.perf_counter() - started, 1),
     }
     document["summary"] = summary(document)
-    _print(command, document)
-    command._save("lab-exit", json_path, document, exit_report)
+    return document
 
 
 def _all_rows(doc: dict) -> list[dict]:
@@ -282,18 +276,20 @@ def summary(doc: dict) -> str:
     return text
 
 
-def _print(command, doc: dict) -> None:
+def lines(doc: dict) -> list[str]:
+    out = []
     for size, full in doc["full_depth_by_batch"].items():
-        command.stdout.write(f"\nbatch {size}: full depth {full['tokens_per_s']} tokens/s, MMLU {full['mmlu_accuracy']}")
+        out.append(f"\nbatch {size}: full depth {full['tokens_per_s']} tokens/s, MMLU {full['mmlu_accuracy']}")
     exits = [str(d) for d in doc["exits"]] + [str(doc["n_layer"])]
-    command.stdout.write(f"({doc['seconds']} s)")
-    command.stdout.write(f"{'B':>2} {'configuration':<46}{'tok/s':>7}{'x':>7}{'agree':>7}{'exact':>7}{'MMLU':>7}  exit rate " + "/".join(exits))
+    out.append(f"({doc['seconds']} s)")
+    out.append(f"{'B':>2} {'configuration':<46}{'tok/s':>7}{'x':>7}{'agree':>7}{'exact':>7}{'MMLU':>7}  exit rate " + "/".join(exits))
     for row in _all_rows(doc):
         rates = "/".join(f"{row['exit_rate_by_layer'][d]:.2f}" for d in exits)
-        command.stdout.write(
+        out.append(
             f"{row['batch']:>2} {row['label']:<46}{row['tokens_per_s']:>7.2f}{row['speedup']:>7.3f}{row['agreement_token']:>7.3f}"
             f"{row['exact_match_32']:>7.3f}{row['mmlu_accuracy']:>7.3f}  {rates}"
         )
+    return out
 
 
 # -- report -------------------------------------------------------------------------------------------
@@ -346,3 +342,20 @@ def exit_report(path, doc: dict):
         "Paper (quoted as data): table 1": PAPER_TABLE1,
     }
     return write_report(path, "bench lab-exit: early exit with KV fill (seed 002)", doc.get("summary", ""), figures, tables, doc)
+
+
+def headline(doc: dict) -> str:
+    speedups = [point.get("speedup") for point in doc.get("curve") or [] if isinstance(point, dict) and isinstance(point.get("speedup"), (int, float))]
+    return f"early exit with KV fill (lab): {len(doc.get('curve') or [])} settings, speed-up up to {max(speedups, default=0):.2f}x (see the Lab page)"
+
+
+BENCH = Benchmark(
+    name="lab-exit",
+    format=1,
+    help="early exit with KV fill (seed 002) on the reference engine: speed-quality curve across thresholds",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=exit_report,
+    headline=headline,
+)

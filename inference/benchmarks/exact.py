@@ -23,7 +23,9 @@ import numpy as np
 from inference.engine import MAIN_SEQ
 from inference.mmlu import MMLUPrompt, build_prompts
 
-from .common import median
+from .base import Benchmark, BenchError, topics_named
+from .common import machine_info, median
+from .reports import exact_report
 
 GRIDS = (64, 128, 256)
 
@@ -143,3 +145,48 @@ def run_exact(board, topics: list[str], per_topic: int, shots: int, *, max_token
         "greedy_agreement_all": round(sum(row["agree"] for row in rows) / len(rows), 4) if rows else None,
         "rows": rows,
     }
+
+
+# -- the command (python manage.py bench exact) --------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--topics", nargs="+", default=["astronomy", "high_school_biology", "world_religions"], metavar="TOPIC")
+    parser.add_argument("--prompts", type=int, default=34, help="questions per topic (default 34: 102 over 3 topics)")
+    parser.add_argument("--shots", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=8, help="greedy tokens compared per run")
+
+
+def run(ctx, *, topics, prompts, shots, max_tokens, **options) -> dict:
+    chosen = topics_named(topics)
+    if prompts < 2:
+        raise BenchError("--prompts must be at least 2 (the first prompt of a topic stores, the others hit)")
+    with ctx.board() as board:
+        with ctx.progress(total=2 * prompts * len(chosen), desc=f"bench exact ({len(chosen)} topics, {shots}-shot)", unit="run") as bar:
+            document = run_exact(board, chosen, prompts, shots, max_tokens=max_tokens, progress=bar.update)
+        document.update({"shots": shots, "machine": machine_info(board)})
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    out = [f"\ngrid {doc['grid']} tokens; cold prefill, median ms (ratio to n_batch batches):"]
+    for name, row in doc["cut_costs"].items():
+        out.append(f"  {name:<14} {row['prefill_ms']:9.1f}  x{row['ratio_to_uncut']}")
+    out.append(f"resumed logits bitwise identical to cold: {doc['resumed_logits_bitwise_identical']} (max |diff| {doc['resumed_logits_max_abs_diff']})")
+    for case, row in doc["by_case"].items():
+        out.append(f"  {case:<8} {row['runs']:4d} runs  greedy agreement {row['greedy_agreement']}  TTFT {row['median_ttft_ms']} ms (cold {row['median_cold_ttft_ms']} ms)")
+    return out
+
+
+def headline(doc: dict) -> str:
+    return f"greedy agreement with cold {doc['greedy_agreement_all']}; resumed logits bitwise identical {doc['resumed_logits_bitwise_identical']}"
+
+
+BENCH = Benchmark(
+    name="exact",
+    format=1,
+    help="a cached answer is the cold answer: agreement by case, and what the batch cuts cost",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=exact_report,
+    headline=headline,
+)

@@ -10,6 +10,8 @@ over a ``FleetIndex`` fed exactly as the control plane feeds it (what was dispat
 what came back), so the bench measures the control plane's function.
 
 TTFT here is from arrival: the wait in the board's queue plus the board's own TTFT.
+``ttft_ms_p90`` is ``common.percentile`` (linear between ranks) from format 1 on; documents
+without a format took the nearest rank.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from cachebox.keys import parse_entry_key_name
 
 from inference.routing import FleetIndex, prompt_keys, route
 
-from .common import median
+from .base import Benchmark, BenchError, topics_named
+from .common import machine_info, median, percentile
 
 POLICIES = ("random", "round-robin", "cache-aware")
 DEFAULT_TOPICS = ("astronomy", "high_school_biology", "world_religions", "marketing")
@@ -42,14 +45,6 @@ class _Job:
     request_id: str = ""
     arrived: float = 0.0
     board: str = ""
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1), nearest rank; 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, max(0, int(round(q * (len(ordered) - 1)))))], 3)
 
 
 def idle_while_waiting(records: list[dict], boards: list[str]) -> float:
@@ -171,7 +166,7 @@ def run_policy(boards, jobs: list[_Job], policy: str, *, interval_s: float, name
         "runs": len(records),
         "errors": len(records) - len(served),
         "ttft_ms_p50": median(ttfts),
-        "ttft_ms_p90": percentile(ttfts, 0.9),
+        "ttft_ms_p90": percentile(ttfts, 90),
         "service_ttft_ms_p50": median(service),
         "wait_ms_p50": median(r["wait_ms"] for r in served),
         "hit_ratio_by_tier": {tier: round(count / len(served), 4) for tier, count in sorted(tiers.items())} if served else {},
@@ -270,3 +265,77 @@ def fleet_report(path, doc: dict):
         for p in names
     ]
     return write_report(path, f"bench fleet: {doc['boards']} boards, {doc['link']}", doc.get("summary", ""), [ttft, by_tier, over_time], {"Policies": rows}, doc)
+
+
+# -- the command (python manage.py bench fleet) --------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--boards", type=int, default=4, help="in-process boards, 1 llama.cpp thread each (default 4)")
+    parser.add_argument("--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics, interleaved (default: 4)")
+    parser.add_argument("--prompts", type=int, default=40, help="prompts in the stream, over all topics (default 40)")
+    parser.add_argument("--shots", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--link", default="wifi4", help="link preset between boards and cache box (default wifi4; none: loopback)")
+    parser.add_argument("--ram-mb", type=int, default=None, help="each board's RAM tier in MB (default: the board default, EDGECACHE_RAM_TIER_MB)")
+    parser.add_argument("--spacing", type=float, default=1.0, help="arrivals every this many cold TTFTs of one board alone (default 1.0)")
+    parser.add_argument("--seed", type=int, default=7)
+
+
+def run(ctx, *, boards, topics, prompts, shots, max_tokens, link, ram_mb, spacing, seed, **options) -> dict:
+    from contextlib import ExitStack
+
+    from cachebox.link import LINK_PRESETS
+    from inference import mmlu
+
+    if boards < 2 or prompts < boards or max_tokens < 1 or spacing <= 0 or not 0 <= shots <= 8:
+        raise BenchError("--boards must be at least 2, --prompts at least --boards, --max-tokens at least 1, --spacing positive, --shots 0 to 8")
+    if link not in LINK_PRESETS:
+        raise BenchError(f"--link must be one of {', '.join(LINK_PRESETS)}")
+    chosen = topics_named(topics or DEFAULT_TOPICS)
+    try:
+        per_topic = [prompts // len(chosen) + (1 if index < prompts % len(chosen) else 0) for index in range(len(chosen))]
+        by_topic = {topic: mmlu.build_prompts(topic, shots, count) for topic, count in zip(chosen, per_topic) if count}
+    except (mmlu.UnknownTopic, ValueError, FileNotFoundError) as exc:
+        raise BenchError(str(exc))
+    profile = LINK_PRESETS[link]
+    base = ctx.config.with_(threads=1, link=profile, ram_tier_bytes=ram_mb * 1024 * 1024 if ram_mb is not None else None, context_reuse=True)
+    with ExitStack() as stack:
+        started = [
+            stack.enter_context(ctx.board(base.with_(device=f"fleet-{number}"), cachebox_only=False, background_sync=True))
+            for number in ctx.progress(iterable=range(boards), desc=f"bench fleet: loading {boards} boards", unit="board")
+        ]
+        with ctx.progress(total=len(POLICIES) * prompts, desc=f"bench fleet ({link})", unit="run") as bar:
+            document = run_fleet(started, by_topic, link=profile, link_name=link, max_tokens=max_tokens, spacing=spacing, ram_budget_bytes=base.ram_tier_bytes, seed=seed, progress=bar.update)
+        document.update({"shots": shots, "seed": seed, "machine": machine_info(started[0])})
+    document["summary"] = (
+        f"Median TTFT round-robin / cache-aware = {document['median_ttft_round_robin_over_cache_aware']} (target 2x: {document['target_met']}); "
+        f"{document['boards']} boards on {document['link_label']}."
+    )
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    out = [
+        f"\n{doc['boards']} boards, {doc['link_label']}, RAM tier {doc['ram_tier_mb']} MB; {doc['prompts']} prompts of "
+        f"{len(doc['topics'])} topics, one every {doc['interval_ms']:.0f} ms (cold TTFT alone {doc['cold_ttft_ms_alone']:.0f} ms)",
+        f"{'policy':<13}{'TTFT p50':>10}{'p90':>10}{'service p50':>13}{'wait p50':>10}{'idle+waiting':>14}  tiers",
+    ]
+    for name, row in doc["policies"].items():
+        tiers = ", ".join(f"{tier} {share:.2f}" for tier, share in row["hit_ratio_by_tier"].items())
+        p90 = "-" if row["ttft_ms_p90"] is None else f"{row['ttft_ms_p90']:.1f}"
+        out.append(
+            f"{name:<13}{row['ttft_ms_p50']:>10.1f}{p90:>10}{row['service_ttft_ms_p50']:>13.1f}{row['wait_ms_p50']:>10.1f}{row['idle_while_waiting_s']:>12.2f} s  {tiers}"
+            + (f"  ({row['errors']} errors)" if row["errors"] else "")
+        )
+    out.append(doc["summary"])
+    return out
+
+
+BENCH = Benchmark(
+    name="fleet",
+    format=1,
+    help="random, round-robin and cache-aware routing of one MMLU arrival stream over N in-process boards",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=fleet_report,
+)

@@ -25,7 +25,9 @@ from cachebox.link import LINK_PRESETS
 from inference.engine import MAIN_SEQ, Engine, EngineConfig
 from inference.mmlu import MMLUPrompt, parse_answer
 
-from .common import median
+from .base import Benchmark, BenchError, prompts_of, topics_named
+from .common import machine_info, median, percentile
+from .reports import kv_report
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
 GRID = 128
@@ -154,7 +156,7 @@ def run_kv(
         if kv in kl:
             row["kl_mean"] = round(statistics.fmean(kl[kv]), 6) if kl[kv] else None
             row["kl_median"] = median(kl[kv])
-            row["kl_p99"] = round(float(np.percentile(kl[kv], 99)), 6) if kl[kv] else None
+            row["kl_p99"] = percentile(kl[kv], 99, digits=6)
         rows[kv] = row
     return {
         "reference": reference,
@@ -165,3 +167,60 @@ def run_kv(
         "max_tokens": max_tokens,
         "link_for_saving": wifi.label,
     }
+
+
+# -- the command (python manage.py bench kv) -----------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--topics", nargs="+", default=["astronomy", "high_school_biology", "world_religions"], metavar="TOPIC")
+    parser.add_argument("--prompts", type=int, default=100, help="questions per topic (default 100: 300 paired prompts)")
+    parser.add_argument("--shots", type=int, default=3)
+    parser.add_argument("--held-out", nargs="+", default=["philosophy", "prehistory"], metavar="TOPIC", help="topics whose questions are the KL text")
+    parser.add_argument("--texts", type=int, default=16, help="held-out texts per topic for the KL (64 positions each)")
+    parser.add_argument("--threads", type=int, default=0)
+
+
+def run(ctx, *, topics, prompts, shots, held_out, texts, threads, **options) -> dict:
+    from inference import mmlu
+
+    chosen, spare = topics_named(topics), topics_named(held_out)
+    if set(chosen) & set(spare):
+        raise BenchError("the held-out topics must differ from the evaluated ones")
+    selected = [prompt for topic in chosen for prompt in prompts_of(topic, shots, prompts)]
+    questions = mmlu.load_questions()
+    held_out_texts = [question.render(with_answer=True) for topic in spare for question in questions[topic][:texts]]
+    with ctx.board(threads=threads or None) as board:
+        machine, model_file = machine_info(board), board.engine.model_file
+    with ctx.progress(total=len(selected), desc=f"bench kv ({len(selected)} prompts x f16, q8_0, q4_0)", unit="prompt") as bar:
+        document = run_kv(model_file, selected, held_out_texts, threads=threads, progress=bar.update)
+    document.update({"topics": chosen, "held_out_topics": spare, "shots": shots, "machine": machine})
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    out = [
+        f"\n{doc['n']} paired prompts ({doc['shots']}-shot), KL over {doc['kl_positions']} held-out positions",
+        f"{'KV':<6}{'B/token':>9}{'zstd-shuffle':>14}{'decode/saving':>15}{'accuracy':>10}{'1st-token agr':>15}{'answer agr':>12}{'KL mean':>10}",
+    ]
+    for kv, row in doc["kv_types"].items():
+        shuffled = row["codecs"]["zstd-shuffle"]
+        out.append(
+            f"{kv:<6}{row['bytes_per_token']:>9.0f}{shuffled['ratio']:>13.3f}x{shuffled['wifi4_decode_to_saving'] or 0:>15.3f}"
+            f"{row['accuracy']:>10.3f}{row['first_token_agreement']:>15.3f}{row['answer_agreement']:>12.3f}{row.get('kl_mean') or 0:>10.4f}"
+        )
+    return out
+
+
+def headline(doc: dict) -> str:
+    return "; ".join(f"{kv} {row['bytes_per_token']:.0f} B/token, accuracy {row['accuracy']}" for kv, row in doc["kv_types"].items())
+
+
+BENCH = Benchmark(
+    name="kv",
+    format=1,
+    help="state codecs (bytes, speed) and quantized KV (q8_0, q4_0) against f16: agreement, accuracy, KL",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=kv_report,
+    headline=headline,
+)

@@ -18,7 +18,8 @@ from inference import mmlu
 from inference.engine import Engine
 from inference.lab.kv_prediction import KVPredictionServing
 
-from .common import median
+from .base import Benchmark, BenchError
+from .common import machine_info, median
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -214,3 +215,99 @@ def lab_report(path, doc: dict):
         tables["Reference engine against llama.cpp"] = [doc["reference"]]
     tables[f"Paper (quoted as data): {PAPER_SOURCE}"] = PAPER_TABLE3
     return write_report(path, "bench lab: KV prediction (seed 001)", summary, figures, tables, doc)
+
+
+# -- the command (python manage.py bench lab) ----------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--ks", nargs="+", type=int, default=[3, 6, 9], metavar="K", help="auxiliary layers to try (default 3 6 9)")
+    parser.add_argument("--prompts", type=int, default=300, help="5-shot MMLU prompts over all topics (default 300)")
+    parser.add_argument("--shots", type=int, default=5)
+    parser.add_argument("--heldout", type=int, default=57, help="held-out texts for the next-token KL (default 57)")
+    parser.add_argument("--reference-prompts", type=int, default=200, help="0-shot MMLU prompts the reference engine is checked on (0: skip)")
+    parser.add_argument("--calibration-docs", type=int, default=57, help="calibration documents when a predictor must be fitted (default 57, one per topic)")
+    parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: the board's; 1 keeps timings steady on a shared machine)")
+
+
+def run(ctx, *, ks, prompts, shots, heldout, reference_prompts, calibration_docs, threads, **options) -> dict:
+    from types import SimpleNamespace
+
+    from inference.board import engine_config
+    from inference.lab import texts
+    from inference.lab.kv_prediction import PredictorFileError, ensure_predictors, lab_dir
+    from inference.model_file import resolve_model
+
+    if prompts < 1 or heldout < 0 or reference_prompts < 0 or not ks or any(not 1 <= k < 18 for k in ks):
+        raise BenchError("--prompts must be at least 1, --heldout and --reference-prompts >= 0, every k between 1 and 17")
+    try:
+        selected = texts.evaluation_prompts(prompts, shots)
+        heldout_texts = texts.heldout_prompts(heldout)
+        reference_texts = [p.text for p in texts.evaluation_prompts(reference_prompts, 0)] if reference_prompts else []
+    except (ValueError, FileNotFoundError) as exc:
+        raise BenchError(str(exc))
+    config = ctx.config
+    engine = Engine(resolve_model(config.model or None), engine_config(config.with_(threads=threads) if threads > 0 else config))
+    strategies = {}
+    try:
+        reference = None
+        if reference_texts or any(not (lab_dir() / f"kvp-{engine.model_file.sha256[:16]}-k{k}.npz").exists() for k in ks):
+            try:
+                from inference.lab.reference import ReferenceModel
+            except ImportError as exc:
+                raise BenchError(str(exc))
+            ctx.write("loading the reference engine (dequantizing the GGUF)...")
+            reference = ReferenceModel.load(engine.model_file.path, threads=engine.config.threads())
+        with ctx.progress(total=calibration_docs, desc="fitting KV predictors (if missing)", unit="doc") as bar:
+            ensure_predictors(
+                engine.model_file, ks, lab_dir(), lambda text: engine.tokenize(text, add_bos=True),
+                max_documents=calibration_docs, progress=bar.update, reference=reference,
+            )
+        try:
+            strategies = {k: KVPredictionServing.open(engine, k, lab_dir()) for k in ks}
+        except PredictorFileError as exc:
+            raise BenchError(str(exc))
+        with ctx.progress(total=len(reference_texts) + len(selected) + len(heldout_texts), desc=f"bench lab (k = {' '.join(map(str, ks))})", unit="prompt") as bar:
+            document = run_lab(engine, strategies, selected, heldout_texts, reference=reference, reference_prompts=reference_texts, progress=bar.update)
+        document.update({"shots": shots, "calibration": {k: s.predictor.calibration for k, s in strategies.items()}, "machine": machine_info(SimpleNamespace(engine=engine, store=None))})
+    finally:
+        for strategy in strategies.values():
+            strategy.close()
+        engine.close()
+    document["summary"] = "KV prediction against full prefill, the auxiliary alone and a truncated prompt."
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    out = []
+    if "reference" in doc:
+        r = doc["reference"]
+        out.append(
+            f"\nreference engine vs llama.cpp on {r['prompts']} prompts: greedy agreement {r['greedy_agreement']}, "
+            f"up to near-ties {r['agreement_up_to_near_ties']}; max |logit diff| {r['max_abs_logit_diff']} (median {r['median_max_abs_logit_diff']})"
+        )
+    out.append(f"\nbase: median TTFT {doc['base']['median_ttft_ms']} ms over {doc['prompts']} prompts, accuracy {doc['base']['accuracy']}")
+    out.append(f"{'method':<30}{'TTFT ms':>9}{'ratio':>7}{'agree':>7}{'acc':>7}{'KL':>8}")
+    for row in doc["table"]:
+        out.append(
+            f"{row['method']:<30}{row['median_ttft_ms']:>9.1f}{row['ttft_ratio']:>7.3f}{row['first_token_agreement']:>7.3f}{row['accuracy']:>7.3f}"
+            f"{(row['heldout_kl_mean'] if row['heldout_kl_mean'] is not None else float('nan')):>8.3f}"
+        )
+    return out
+
+
+def headline(doc: dict) -> str:
+    rows = [row for row in doc["table"] if row.get("kind") == "kvp"]
+    return "KV prediction (lab): " + "; ".join(
+        f"k={row['k']} TTFT x{row['ttft_ratio']}, agreement {row['first_token_agreement']}, KL {row['heldout_kl_mean']}" for row in rows
+    )
+
+
+BENCH = Benchmark(
+    name="lab",
+    format=1,
+    help="the reference engine against llama.cpp; KV prediction (seed 001) for each k against full prefill",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=lab_report,
+    headline=headline,
+)

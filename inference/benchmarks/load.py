@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Callable, Sequence
 
+from .base import Benchmark, BenchError, topics_named
+from .common import percentile
+
 WINDOW_SECONDS = 10.0
 # p99 counts as stable when it does not rise over time: over the windows that start after
 # the warm-up (until every board has answered once: with an empty cache box they all
@@ -63,20 +66,6 @@ class LoadError(RuntimeError):
 
 
 # -- pure summary arithmetic -------------------------------------------------------------------
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """The ``p``-th percentile (0-100), linear between closest ranks; None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    if not 0 <= p <= 100:
-        raise ValueError("p must be between 0 and 100")
-    rank = (len(ordered) - 1) * p / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    value = ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-    return round(value, 3)
-
-
 def _ratio(numerator: float, denominator: float, digits: int = 4) -> float:
     return round(numerator / denominator, digits) if denominator else 0.0
 
@@ -599,3 +588,133 @@ class LoadRun:
                 slot.conn.close()
             except OSError:
                 pass
+
+
+# -- the command (python manage.py bench load) ---------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--devices", type=int, default=8, help="board processes (1 llama.cpp thread each; default 8)")
+    parser.add_argument("--seconds", type=float, default=60, help="how long prompts are dispatched (default 60)")
+    parser.add_argument("--shots", type=int, default=5)
+    parser.add_argument("--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics the prompts come from (default: 3)")
+    parser.add_argument("--prompts", type=int, default=8, help="questions per topic in the pool prompts are drawn from (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per run")
+    parser.add_argument("--drain", type=float, default=60, help="seconds to wait for outstanding answers after the clock")
+
+
+def run(ctx, *, devices, seconds, shots, topics, prompts, max_tokens, drain, **options) -> dict:
+    from cachebox.errors import CacheBoxUnavailable
+    from cachebox.store import CacheBox
+    from inference import mmlu
+
+    if devices < 1 or seconds <= 0 or prompts < 1 or max_tokens < 1 or drain < 0 or not 0 <= shots <= 8:
+        raise BenchError("--devices, --prompts and --max-tokens must be at least 1, --seconds positive, --drain >= 0, --shots 0 to 8")
+    chosen = topics_named(topics or DEFAULT_TOPICS)
+    try:
+        pool = prompt_pool(chosen, shots, prompts)
+    except (mmlu.UnknownTopic, ValueError, FileNotFoundError) as exc:
+        raise BenchError(str(exc))
+    url = ctx.cachebox_url()  # the embedded Valkey starts here, once, not in N boards at a time
+    store = CacheBox(url)
+    namespace = f"bench-load-{int(time.time())}"
+    bars = {"loading": ctx.progress(total=devices, desc=f"bench load: loading {devices} boards", unit="board")}
+
+    def ready(count: int) -> None:
+        bars["loading"].update(count - bars["loading"].n)
+
+    def tick(elapsed: float, state: dict) -> None:
+        if "clock" not in bars:
+            bars["loading"].close()
+            bars["clock"] = ctx.progress(
+                total=int(math.ceil(seconds)), desc=f"bench load ({devices} boards)", bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s{postfix}"
+            )
+        bar = bars["clock"]
+        if state["draining"]:
+            bar.set_description(f"bench load ({devices} boards): draining")
+        bar.set_postfix(runs=state["runs"], errors=state["errors"], out=state["outstanding"], refresh=False)
+        bar.update(max(0, min(bar.total, int(elapsed)) - bar.n))
+        if state["final"]:
+            bar.refresh()
+
+    runner = LoadRun(devices, seconds, pool, namespace=namespace, ring=ctx.keyring(namespace), max_tokens=max_tokens, drain_seconds=drain, on_ready=ready, on_tick=tick)
+    # Ctrl-C must stop the boards even when started from a shell that ignores SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        document = runner.run()
+    except LoadError as exc:
+        raise BenchError(str(exc))
+    except KeyboardInterrupt:
+        raise BenchError("interrupted: every board was stopped, nothing saved")
+    finally:
+        for bar in bars.values():
+            bar.close()
+        try:
+            store.flush(namespace)
+        except CacheBoxUnavailable:
+            pass
+    document.update(
+        {
+            "topics": chosen,
+            "shots": shots,
+            "prompts_per_topic": prompts,
+            "cachebox": {"kind": "embedded valkey" if ctx.embedded_cachebox else f"REDIS_URL ({url.split(':', 1)[0]})", "url": store.safe_url},
+        }
+    )
+    document["summary"] = (
+        f"{devices} boards x {seconds:g} s: {document['runs']} runs, {document['errors']} errors, {document['lost']} lost; "
+        f"TTFT p50 {document['ttft_ms_p50']} ms, p99 {document['ttft_ms_p99']} ms; hit ratio {document['hit_ratio']}; "
+        f"{document['cachebox_mb_per_s']} MB/s to and from the cache box."
+    )
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    stable = doc["p99_stability"]
+    out = [
+        f"\n{doc['summary']}",
+        f"cache box: {doc['cachebox']['kind']} at {doc['cachebox']['url']}; {doc['dispatched']} dispatched, "
+        f"{doc['repeated_prompts']} exact repeats; cases {doc['cases']}; measured {doc['measured_seconds']:.1f} s",
+        f"{'window':>12}{'runs':>6}{'p50 ms':>10}{'p99 ms':>10}{'hit':>7}",
+    ]
+    for w in doc["windows"]:
+        p50 = "-" if w["ttft_ms_p50"] is None else f"{w['ttft_ms_p50']:.1f}"
+        p99 = "-" if w["ttft_ms_p99"] is None else f"{w['ttft_ms_p99']:.1f}"
+        label = f"{w['start_s']:g}-{w['end_s']:g} s"
+        out.append(f"{label:>12}{w['runs']:>6}{p50:>10}{p99:>10}{w['hit_ratio']:>7.2f}")
+    out.append("runs per board: " + ", ".join(f"{b['board']} {b['runs']}" for b in doc["per_board"]))
+    starts = ", ".join(f"{start:g}" for start in stable["windows_compared"]) or "none"
+    steady = doc["after_warmup"]
+    out.append(
+        f"warm-up (until every board answered once): {stable['warmup_s']} s; after it {steady['runs']} runs, "
+        f"TTFT p50 {steady['ttft_ms_p50']} ms, p99 {steady['ttft_ms_p99']} ms\n"
+        f"p99 stability over the windows after it with >= {stable['min_runs']} runs (start s: {starts}): largest rise over an "
+        f"earlier window {stable['max_rise']} (stable if <= {stable['threshold']:g}): {stable['stable']}\n"
+        f"target (0 errors, 0 lost, stable p99) met: {doc['target_met']}"
+    )
+    out += [f"error: {message}" for message in doc["error_messages"]]
+    out += [f"board {death['board']} died at {death['t_s']} s (exit code {death['exitcode']})" for death in doc["board_deaths"]]
+    return out
+
+
+def headline(doc: dict) -> str:
+    return (
+        f"{doc['devices']} boards, {doc['seconds']} s: {doc['runs']} runs, {doc['errors']} errors, {doc['lost']} lost, "
+        f"TTFT p50 {doc['ttft_ms_p50']} ms / p99 {doc['ttft_ms_p99']} ms, hit ratio {doc['hit_ratio']}"
+    )
+
+
+def _report(path, doc: dict):
+    from .reports import load_report  # plotly: not in the board processes, which import this module
+
+    return load_report(path, doc)
+
+
+BENCH = Benchmark(
+    name="load",
+    format=1,
+    help="N boards (one process each) send MMLU prompts to one cache box for a bounded time",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=_report,
+    headline=headline,
+)

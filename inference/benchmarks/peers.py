@@ -28,7 +28,9 @@ from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
 from inference.mmlu import MMLUPrompt, parse_answer
 
-from .common import median, prefix_serving
+from .base import Benchmark, BenchError, prompts_of
+from .common import machine_info, median, prefix_serving
+from .reports import peers_report
 
 
 class PaperDesign:
@@ -180,3 +182,49 @@ def summarize(results: dict[str, list[dict]], prompts: list[MMLUPrompt]) -> dict
         "n": len(prompts),
         "not_run": {"llama.cpp server slot save/restore": "no registry package ships the llama.cpp server binary; building it needs the llama.cpp sources, which only come from GitHub here"},
     }
+
+
+# -- the command (python manage.py bench peers) --------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--topic", default="astronomy")
+    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--shots", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=4)
+
+
+def run(ctx, *, topic, prompts, shots, max_tokens, **options) -> dict:
+    if prompts < 2:
+        raise BenchError("--prompts must be at least 2: a hit must not find its prompt still in the context")
+    selected = prompts_of(topic, shots, prompts)
+    with ctx.board() as board:
+        with ctx.progress(total=6, desc="bench peers", unit="peer") as bar:
+            document = run_peers(board, selected, max_tokens=max_tokens, progress=bar.update)
+        document.update({"topic": selected[0].target.topic, "shots": shots, "max_tokens": max_tokens, "machine": machine_info(board)})
+    document["summary"] = f"EdgeCache full-hit TTFT is {document['edgecache_hit_vs_ram_cache_hit']}x faster than a LlamaRAMCache hit."
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    out = [f"\n{'peer':<42}{'TTFT':>10}{'TTLT':>10}{'hit TTFT':>10}{'state MB':>10}{'agree':>8}"]
+    for name, row in doc["peers"].items():
+        out.append(
+            f"{name:<42}{row['ttft_ms']:>10.1f}{row['ttlt_ms']:>10.1f}{row['hit_ttft_ms']:>10.1f}{row['state_bytes'] / 1e6:>10.2f}{row['agreement_with_cold']:>8.2f}"
+        )
+    out.append(doc["summary"])
+    return out
+
+
+def headline(doc: dict) -> str:
+    return f"EdgeCache hit {doc.get('edgecache_hit_vs_ram_cache_hit')}x faster than a LlamaRAMCache hit"
+
+
+BENCH = Benchmark(
+    name="peers",
+    format=1,
+    help="EdgeCache against no cache, llama-cpp-python's caches and the paper's design",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=peers_report,
+    headline=headline,
+)

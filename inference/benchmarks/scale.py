@@ -5,7 +5,9 @@ from __future__ import annotations
 import uuid
 from typing import Callable
 
-from .common import median
+from .base import Benchmark
+from .common import machine_info, median
+from .reports import scale_report
 
 LENGTHS = (128, 256, 512, 1024, 2048)
 
@@ -55,3 +57,40 @@ def run_scale(board, *, repeats: int = 3, lengths=LENGTHS, progress: Callable[[]
         if progress:
             progress()
     return {"lengths": rows, "repeats": repeats}
+
+
+# -- the command (python manage.py bench scale) --------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--repeats", type=int, default=3)
+
+
+def run(ctx, *, repeats, **options) -> dict:
+    with ctx.board() as board:
+        with ctx.progress(total=len(LENGTHS), desc="bench scale", unit="length") as bar:
+            document = run_scale(board, repeats=repeats, progress=bar.update)
+        document["machine"] = machine_info(board)
+    document["summary"] = "Cold prefill grows with the prompt; a hit costs the bytes moved and restored."
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    out = [f"\n{'tokens':>8}{'cold TTFT':>12}{'hit TTFT':>12}{'ratio':>8}{'state MB':>10}"]
+    for row in doc["lengths"]:
+        out.append(f"{row['prompt_tokens']:>8}{row['cold_ttft_ms']:>12.1f}{row['hit_ttft_ms']:>12.1f}{row['ratio']:>8.3f}{row['state_bytes'] / 1e6:>10.2f}")
+    return out
+
+
+def headline(doc: dict) -> str:
+    return f"{len(doc['lengths'])} prompt lengths"
+
+
+BENCH = Benchmark(
+    name="scale",
+    format=1,
+    help="cold and full-hit TTFT from 128 to 2048 prompt tokens",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=scale_report,
+    headline=headline,
+)

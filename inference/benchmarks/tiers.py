@@ -21,8 +21,10 @@ from inference.exchange import Exchange
 from inference.mmlu import MMLUPrompt
 from inference.prefix_serving import PrefixServing
 
-from .common import median
+from .base import Benchmark, prompts_of
+from .common import machine_info, median
 from .peers import LlamaCppPromptCache
+from .reports import tiers_report
 
 FILLER = ["A prompt about something else entirely, to move the board's context on."]
 
@@ -169,3 +171,57 @@ def run_conversations(board, prompts: list[MMLUPrompt], *, max_tokens: int = 16,
         },
         "rows": turns,
     }
+
+
+# -- the command (python manage.py bench tiers) --------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--topic", default="astronomy")
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--shots", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--conversations", type=int, default=4, help="four-turn conversations played from the context, the cache box and cold (0: skip)")
+
+
+def run(ctx, *, topic, prompts, shots, max_tokens, conversations, **options) -> dict:
+    selected = prompts_of(topic, shots, prompts)
+    with ctx.board() as board:
+        with ctx.progress(total=2 * len(selected) + conversations, desc="bench tiers", unit="step") as bar:
+            document = run_tiers(board, selected, max_tokens=max_tokens, progress=bar.update)
+            if conversations > 0:
+                document["conversation"] = run_conversations(board, (selected * conversations)[:conversations], progress=bar.update)
+        document.update({"topic": selected[0].target.topic, "shots": shots, "machine": machine_info(board)})
+    return document
+
+
+def lines(doc: dict) -> list[str]:
+    out = [
+        f"\nfull-hit TTFT, median ms over {doc['n']} prompts: " + ", ".join(f"{k} {v}" for k, v in doc["median_ttft_ms"].items()),
+        f"ratios: {doc['ratios']}",
+        f"network bytes: {doc['network_bytes']}; agreement with cold: {doc['agreement_with_cold']}",
+    ]
+    if "conversation" in doc:
+        later = doc["conversation"]["later_turns"]
+        out.append(
+            f"conversations ({doc['conversation']['conversations']} x {doc['conversation']['turns']} turns), later turns, medians: "
+            f"prompt {later['median_prompt_tokens']} tokens, new {later['median_new_tokens']}, prefilled {later['median_prefilled_tokens']} "
+            f"(from the cache box on another board: {later['median_cachebox_prefilled_tokens']}); prefilled only the new tokens in "
+            f"{later['prefilled_equals_new_tokens']:.0%} of turns; TTFT {later['median_ttft_ms']}; next-turn preparation {later['median_next_turn_ms']} ms "
+            f"after each answer; agreement with cold {later['agreement_with_cold']}"
+        )
+    return out
+
+
+def headline(doc: dict) -> str:
+    return "full-hit TTFT, median ms: " + ", ".join(f"{k} {v}" for k, v in doc["median_ttft_ms"].items())
+
+
+BENCH = Benchmark(
+    name="tiers",
+    format=1,
+    help="full hits from the board's context, its RAM tier, the cache box, and llama-cpp-python's LlamaRAMCache",
+    add_arguments=add_arguments,
+    run=run,
+    lines=lines,
+    report=tiers_report,
+    headline=headline,
+)

@@ -1,0 +1,88 @@
+"""Saved benchmark documents, read back for the Benchmarks and Lab pages.
+
+A document says what it is in its ``bench`` field. Documents saved before they did are mapped
+once, here (``_LEGACY_KINDS``), from the fields only that benchmark wrote; nothing else guesses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+from django.conf import settings
+
+from . import BENCHMARKS, get
+from .runner import RESULTS_DIR
+
+log = logging.getLogger(__name__)
+
+# Older documents (no "bench" field): the bench whose fields they hold, first match wins.
+_LEGACY_KINDS = (
+    ("load", ("lost", "devices")),
+    ("cases", ("ttft_ratio_full_to_cold",)),
+    ("modules", ("accuracy_cached",)),
+    ("breakeven", ("presets",)),
+    ("peers", ("peers",)),
+    ("catalog", ("sweep",)),
+    ("scale", ("lengths",)),
+    ("lab", ("ks", "table")),
+    ("kv", ("kv_types",)),
+    ("exact", ("cut_costs",)),
+    ("tiers", ("median_ttft_ms", "ratios")),
+    ("fleet", ("policies", "boards")),
+    ("api", ("first_chunk_ms", "clients")),
+)
+
+
+def results_dir() -> Path:
+    return Path(settings.BASE_DIR) / RESULTS_DIR
+
+
+def saved_documents(folder: Path | None = None) -> Iterator[tuple[Path, object]]:
+    """(path, document) of every readable JSON file in ``bench-results/``, newest first."""
+    folder = results_dir() if folder is None else folder
+    for path in sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        yield path, doc
+
+
+def kind_of(doc) -> str | None:
+    """The benchmark a document comes from: its ``bench`` field, else (older documents) its fields."""
+    if not isinstance(doc, dict):
+        return None
+    named = doc.get("bench")
+    if isinstance(named, str):
+        return named
+    for kind, fields in _LEGACY_KINDS:
+        if all(field in doc for field in fields):
+            return kind
+    return None
+
+
+def newest(kinds, folder: Path | None = None) -> dict:
+    """The newest saved document of each of ``kinds``: kind -> (path, document)."""
+    wanted, found = set(kinds), {}
+    for path, doc in saved_documents(folder):
+        kind = kind_of(doc)
+        if kind in wanted and kind not in found:
+            found[kind] = (path, doc)
+            if len(found) == len(wanted):
+                break
+    return found
+
+
+def headline(doc) -> str:
+    """One line about ``doc`` for the Benchmarks page ("" when its benchmark cannot say)."""
+    kind = kind_of(doc)
+    if kind not in BENCHMARKS:
+        return ""
+    try:
+        return get(kind).headline_of(doc)
+    except Exception as exc:  # a document of another version of its bench: list it without a line
+        log.warning("no headline for a %s document: %r", kind, exc)
+        return ""

@@ -1,0 +1,113 @@
+"""The Cache page (entries, catalogs, boards' filters) and flushing entries."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib import messages
+from django.db.models import Count, Sum
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from cachebox.catalog import Catalog
+from cachebox.errors import CacheBoxUnavailable, CatalogFormatError, InvalidNamespace
+from cachebox.keys import catalog_key_names
+from cachebox.models import CacheEntry
+
+from .. import actions
+from ..entry_preview import previews
+from ..forms import FlushForm
+from ..models import AuditEvent, Device
+from ..stats import device_summary, fill_label
+from .auth import staff_member_required
+
+
+def _master_epoch(store, namespace: str) -> str:
+    """The namespace's live catalog epoch (boards compare theirs with it at every sync); "" when
+    the cache box holds none (flushed or restarted: the next board to sync starts a new one).
+    Read as it is, never created: the page only looks."""
+    value = store.read_entries([catalog_key_names(namespace)["epoch"]])[0]  # a plain GET
+    return value.decode(errors="replace") if value else ""
+
+
+NEWEST_ENTRIES = 15  # entries the Cache page lists (Admin > Cache entries lists them all)
+
+
+def _newest_entries() -> list[dict]:
+    entries = list(CacheEntry.objects.order_by("-created")[:NEWEST_ENTRIES])
+    holds = previews(entries)
+    return [{"entry": entry, "holds": holds.get(entry.key, "")} for entry in entries]
+
+
+@staff_member_required
+def cache_page(request):
+    store = actions.cachebox()
+    namespaces = list(
+        CacheEntry.objects.values("namespace", "model").annotate(entries=Count("id"), bytes=Sum("bytes"), hits=Sum("hits")).order_by("namespace", "model")
+    )
+    devices = [device_summary(device) for device in Device.objects.select_related("namespace")]
+    board_namespaces = {namespace for summary in devices for namespace in summary["catalogs"]}
+    masters, epochs = [], {}
+    try:
+        for namespace in sorted({row["namespace"] for row in namespaces} | {settings.EDGECACHE_NAMESPACE} | board_namespaces):
+            try:
+                catalog_key_names(namespace)
+            except InvalidNamespace:
+                continue  # a board's report naming no usable namespace: no master copy to read
+            bloom, last_id, _ = store.catalog_snapshot(namespace)
+            pending = store.catalog_log_length(namespace)
+            epochs[namespace] = epoch = _master_epoch(store, namespace)
+            catalog = None
+            if bloom:
+                try:
+                    catalog = Catalog.from_bytes(bloom)
+                except CatalogFormatError:
+                    catalog = None
+            masters.append(
+                {
+                    "namespace": namespace,
+                    "has_snapshot": catalog is not None,
+                    "snapshot_items": round(catalog.approx_items) if catalog else 0,
+                    "fill_label": fill_label(catalog.fill_ratio()) if catalog else "–",
+                    "estimated_fp_rate": catalog.estimated_fp_rate() if catalog else None,
+                    "pending_log": pending,
+                    "epoch": epoch,
+                }
+            )
+        reachable = True
+    except CacheBoxUnavailable:
+        reachable = False
+    for summary in devices:
+        for namespace, catalog in summary["catalogs"].items():
+            # A board's filter from an older epoch (the catalog was flushed, or the cache box
+            # restarted empty) is dropped at its next sync; until then its figures are the old ones.
+            catalog["stale"] = reachable and catalog["epoch"] != epochs.get(namespace, "")
+    return render(
+        request,
+        "dashboard/cache.html",
+        {
+            "namespaces": namespaces,
+            "masters": masters,
+            "reachable": reachable,
+            "devices": devices,
+            "flush_form": FlushForm(),
+            "entries": _newest_entries(),
+            "events": AuditEvent.objects.select_related("user")[:15],
+        },
+    )
+
+
+@staff_member_required
+@require_POST
+def cache_flush(request):
+    form = FlushForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "Nothing flushed: " + "; ".join(" ".join(errors) for errors in form.errors.values()))
+        return redirect("cache")
+    namespace, model = form.cleaned_data.get("namespace") or None, form.cleaned_data.get("model") or None
+    try:
+        removed = actions.flush_entries(request.user, namespace, model)
+    except CacheBoxUnavailable as exc:
+        messages.error(request, f"Nothing flushed: {exc}")
+        return redirect("cache")
+    messages.success(request, f"Deleted {removed} entries.")
+    return redirect("cache")

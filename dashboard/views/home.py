@@ -1,0 +1,96 @@
+"""The home page: every board at a glance and the live charts; the favicon and plotly.js it loads."""
+
+from __future__ import annotations
+
+import functools
+
+import plotly.offline
+from django.conf import settings
+from django.http import HttpResponse, JsonResponse
+from django.shortcuts import redirect, render
+from django.templatetags.static import static
+
+from .. import actions, charts
+from ..chart_series import RANGE_LABELS, chart_series, parse_range
+from ..colors import device_colors
+from ..stats import (
+    device_summary,
+    explained,
+    recent_runs,
+    visible_devices,
+    visible_runs,
+)
+from .auth import login_required
+
+BREAKDOWN_BARS = 50  # runs the stacked breakdown chart shows (the newest of the range)
+
+
+def home_charts(viewer, range_name: str) -> dict:
+    """The dashboard's figures for a time range (``chart_series.RANGES``), as the page draws them."""
+    devices = list(visible_devices(viewer))
+    runs = visible_runs(viewer)
+    series = chart_series(runs, range_name)
+    names = sorted({point.device for point in series.points} | {device.name for device in devices})
+    colors = device_colors(devices)
+    newest = runs.filter(error="")
+    if series.since is not None:
+        newest = newest.filter(created__gte=series.since)
+    bars = list(reversed(newest[:BREAKDOWN_BARS]))
+    return {
+        "breakdown": charts.breakdown_figure(bars),
+        "timeline": charts.timeline_figure(series.points, names, colors),
+        "tbt": charts.tbt_figure(series.points, names, colors),
+        "hits": charts.hit_ratio_figure(series.points, names, colors),
+        "bytes": charts.bytes_figure(series.points, names, colors),
+        "hitCounts": charts.hit_counts(series.points),
+        "tierCounts": charts.tier_counts(series.points),  # live runs carry the hit-ratio chart on from these
+        "hitTiers": charts.hit_tiers(),
+        "colors": colors,
+        "range": series.range,
+        "granularity": series.granularity,
+        "runs": series.runs,
+        "window": charts.WINDOW,
+    }
+
+
+@login_required
+def home(request):
+    devices = list(visible_devices(request.user))
+    chart_data = home_charts(request.user, parse_range(request.GET.get("range")))
+    store = actions.cachebox()
+    return render(
+        request,
+        "dashboard/home.html",
+        {
+            "summaries": [device_summary(device) for device in devices],
+            "chart_data": chart_data,
+            "ranges": RANGE_LABELS,
+            # The table lists failed runs too (the charts draw successful ones only).
+            "runs": explained(recent_runs(request.user, 20, failed=True)[::-1]),
+            "cachebox_up": store.ping(),
+            "cachebox_url": store.safe_url,
+            "embedded": settings.REDIS_URL_IS_EMBEDDED,
+        },
+    )
+
+
+@login_required
+def home_charts_json(request):
+    """The dashboard's figures for ``?range=`` (15m, 1h, 24h, all): the page's range buttons."""
+    return JsonResponse(home_charts(request.user, parse_range(request.GET.get("range"))))
+
+
+def favicon(request):
+    return redirect(static("favicon.svg"), permanent=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _plotly_js() -> str:
+    return plotly.offline.get_plotlyjs()
+
+
+def plotly_js(request):
+    """Plotly.js from the plotly package itself: no CDN, works offline."""
+    response = HttpResponse(_plotly_js(), content_type="application/javascript")
+    response["Cache-Control"] = "public, max-age=86400"
+    return response
