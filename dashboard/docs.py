@@ -84,9 +84,29 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_RAM_TIER_MB": (None, "range entries a board computed or fetched, kept in its RAM, in MB (least recently used dropped first; 0: off)"),
     "EDGECACHE_EMBEDDED_PORT": ("derived from the folder", "port of the embedded Valkey"),
     "EDGECACHE_EMBEDDED_MAXMEMORY": (None, "`maxmemory` of the embedded Valkey"),
-    "EDGECACHE_BOARD_KEYS_DIR": ("`.edgecache/board-keys/`", "where a board keeps its private key pair (one 0600 file per device name)"),
-    "DJANGO_SECRET_KEY": ("generated into `.edgecache/secret_key`", "Django's secret key"),
-    "EDGECACHE_SIGNING_SECRET": ("generated into `.edgecache/signing_secret`", "master secret of the entry-signing keys"),
+    "EDGECACHE_BOARD_KEYS_DIR": (
+        "`board-keys/` in the secrets folder",
+        "where a board keeps its private keys, its Redis password and the control plane's pinned key (one 0600 file per device name)",
+    ),
+    "EDGECACHE_SECRETS_DIR": (
+        "`.edgecache-secrets/` beside `.edgecache/`",
+        "the secrets (Django's key, the signing master secret, the embedded Valkey's password, boards' keys), never inside "
+        "the state folder: a copy of the database or of the cache box's files opens nothing",
+    ),
+    "EDGECACHE_BOARD_ACL": (
+        None,
+        "every board reaches Redis as a user of its own (its queue, its namespace's entries, LPUSH only on `control`); "
+        "`0` only for a server whose ACLs the control plane may not manage (boards then use `REDIS_URL` as given)",
+    ),
+    "EDGECACHE_CIPHER": (
+        None,
+        "how a board seals the states it uploads: `aes-256-gcm` (CPUs with AES instructions) or `chacha20-poly1305` "
+        "(a Pi Zero 2W's Cortex-A53 has none); named in each entry's signed header, readers need no setting",
+    ),
+    "EDGECACHE_EMBEDDED_BIND": (None, "addresses the embedded Valkey listens on, space-separated (boards on other hosts reach it at one of them)"),
+    "EDGECACHE_EMBEDDED_PASSWORD": ("generated into the secrets folder", "the control plane's password of the embedded Valkey's `default` user"),
+    "DJANGO_SECRET_KEY": ("generated into the secrets folder", "Django's secret key"),
+    "EDGECACHE_SIGNING_SECRET": ("generated into the secrets folder", "master secret of the namespaces' keys and of the control plane's signing key"),
     "DJANGO_DEBUG": ("off", "Django's debug mode (`1`: on; never in production)"),
     "DJANGO_ALLOWED_HOSTS": (None, "host names the dashboard answers to, comma-separated"),
     "DATABASE_URL": (
@@ -106,6 +126,9 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_HSTS_INCLUDE_SUBDOMAINS": (None, "HSTS covers subdomains, with `EDGECACHE_HTTPS`"),
     "EDGECACHE_HSTS_PRELOAD": (None, "ask browsers' preload lists, with `EDGECACHE_HTTPS`"),
     "EDGECACHE_TASK_EXPIRES": (None, "seconds a run or encode may wait for its board; later, the board records it as expired instead of running it"),
+    "EDGECACHE_TOKEN_TTL_HOURS": (None, "hours a device token may enroll a board (once); then rotate it"),
+    "EDGECACHE_MISSED_HEARTBEATS": (None, "heartbeats a board may miss before it counts as offline (pages are told at once; its runs are re-sent or lost)"),
+    "EDGECACHE_SWEEP_SECONDS": (None, "how often each control worker ends the runs nobody will answer (expired, or on a board that went quiet)"),
     "EDGECACHE_LOG_LEVEL": (None, "level of the `cachebox` and `inference` loggers"),
     "EDGECACHE_METRICS_TOKEN": ("unset", "bearer token for `/metrics` (staff logins get in too)"),
     "EDGECACHE_METRICS_CACHE_SECONDS": (None, "how long one computation of the run metrics is served"),

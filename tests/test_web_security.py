@@ -434,7 +434,7 @@ def test_run_stops_on_a_weak_admin_password_before_starting_anything(monkeypatch
     def started(*args, **kwargs):
         raise AssertionError("the cache box was started")
 
-    monkeypatch.setattr(run_command, "cachebox_url", started)
+    monkeypatch.setattr(run_command.actions, "start_cachebox", started)
     monkeypatch.setenv("EDGECACHE_ADMIN_PASSWORD", "12345678")
     with pytest.raises(CommandError, match="EDGECACHE_ADMIN_PASSWORD is refused"):
         call_command("run", "--no-boards", "--port", "1")
