@@ -67,7 +67,8 @@ class BoardConfig:
     entry_ttl: int | None = DEFAULT_ENTRY_TTL  # unpinned entries expire after this many seconds unused
     link: LinkProfile | None = None  # emulated link to the cache box (None: as the network is)
     context_reuse: bool = True  # a prompt that shares a prefix with the board's last one continues from it
-    ram_tier_bytes: int = 128 * 1024 * 1024  # range entries kept next to the model (0: no RAM tier)
+    ram_tier_bytes: int | None = None  # range entries kept next to the model (0: no RAM tier; None: follows memory_mb, 128 MB when unknown)
+    memory_mb: int = 0  # the board's registered memory: its buffers are sized to it (inference.memory_plan); 0: unknown, defaults
     policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
     overlap: bool = True  # compute the front of a prompt while the back of it loads, when that is faster
     codec: str = "auto"  # how uploaded states are stored: raw, zstd, zstd-shuffle, or auto (by the link: cachebox.codec)
@@ -121,7 +122,8 @@ class BoardConfig:
             overlap=environ.get("EDGECACHE_OVERLAP", "1").strip() not in ("0", "false", "no", "off"),
             codec=environ.get("EDGECACHE_CODEC", "").strip() or d["codec"].default,
             compute_profile=environ.get("EDGECACHE_COMPUTE_PROFILE", "").strip(),
-            ram_tier_bytes=_int(environ, "EDGECACHE_RAM_TIER_MB", d["ram_tier_bytes"].default // (1024 * 1024)) * 1024 * 1024,
+            ram_tier_bytes=_int(environ, "EDGECACHE_RAM_TIER_MB", -1) * 1024 * 1024 if environ.get("EDGECACHE_RAM_TIER_MB", "").strip() else None,
+            memory_mb=_int(environ, "EDGECACHE_MEMORY_MB", 0),
             embedded_dir=home / "valkey",
             embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,
             embedded_maxmemory=environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "").strip() or d["embedded_maxmemory"].default,

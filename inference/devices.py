@@ -45,6 +45,7 @@ class DeviceRecord:
     signing_key: str = ""  # the enrolled board's Ed25519 public key (hex); "" until it enrolls
     box_key: str = ""  # its X25519 public key, which the ring is sealed to
     threads: int = 1
+    memory_mb: int = 0  # the board's registered memory: its buffers are sized to it (0: unknown)
     link_bandwidth_mbps: float | None = None
     link_rtt_ms: float | None = None
     revoked: bool = False

@@ -29,7 +29,7 @@ from .devices import DeviceRecord, DeviceRefused, authenticate, enroll
 from .engine import EngineError
 from .identity import BoardKeys
 from .lab.anchors import parse_strategy as parse_anchors
-from .lab.early_exit import parse_strategy as parse_early_exit
+from .lab.exit_policy import parse_strategy as parse_early_exit
 from .lab.kv_prediction import parse_strategy
 from .messages import (
     BoardMessage,

@@ -3,8 +3,9 @@
 Starts without the control plane: no Django settings, no database, no signing secret.
 It reads its ``BoardConfig`` from the environment, enrolls its own key pair with the device
 token the first time (``inference.identity``), checks the device registry in the cache box
-names its keys, loads the model once, then serves its own queue
-(``device.NAME``) and the shared one as a Celery worker, sending heartbeats.
+names its keys, loads the model once (its buffers sized to the device's registered memory,
+``inference.memory_plan``), then serves its own queue (``device.NAME``) and the shared one as a
+Celery worker, sending heartbeats.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from .board import Board, broker_url, cachebox_url, set_board
 from .config import BoardConfig, ConfigError
 from .devices import DeviceRefused
 from .identity import BoardKeys
+from .memory_plan import MemoryRefused
 from .messages import Queue
 from .model_file import ModelNotFound
+from .proc_memory import tune_malloc
 from .worker import board_app
 
 
@@ -43,6 +46,7 @@ def _logging(level: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    tune_malloc()  # before the first state is allocated (see inference.proc_memory)
     parser = argparse.ArgumentParser(
         prog="manage.py edge",
         description="Start an edge board: checks its token, loads the model once, then serves its own queue "
@@ -75,11 +79,13 @@ def main(argv: list[str]) -> int:
     link = None
     if me.record.link_bandwidth_mbps:
         link = LinkProfile(me.record.link_bandwidth_mbps, me.record.link_rtt_ms or 0.0)
-    config = config.with_(namespace=me.record.cache_namespace, threads=me.record.threads or None, link=link)
+    config = config.with_(namespace=me.record.cache_namespace, threads=me.record.threads or None, link=link, memory_mb=me.record.memory_mb or None)
     try:
         board = set_board(Board.start(config, keys=me.keychain()))
     except ModelNotFound as exc:
         return fail(str(exc))
+    except MemoryRefused as exc:
+        return fail(f"refused: {exc}")
 
     def stop_worker(reason):
         print(f"refused: {reason}; stopping the board", file=sys.stderr)
@@ -92,6 +98,7 @@ def main(argv: list[str]) -> int:
         f"board {args.name} ready ({board.engine.model_file.path.name}, {board.engine.config.threads()} threads, "
         f"{board.store.link_label} to the cache box, namespace {me.record.cache_namespace}, "
         f"{('compute paced to ' + board.engine.pacer.profile.emulated_label + ', ') if board.engine.pacer is not None else ''}"
+        f"{_memory_line(board)}"
         f"signing keys {'generation ' + str(me.ring.current) if me.ring else 'missing: cache off'}); "
         f"serving queues {queues}",
         flush=True,
@@ -102,3 +109,12 @@ def main(argv: list[str]) -> int:
         beat.stop()
         board.close()
     return 0
+
+
+def _memory_line(board: Board) -> str:
+    plan = board.memory_plan
+    if plan is None or not plan.memory_mb:
+        return "memory not registered: default buffers, "
+    over = "" if plan.within_budget else f", over its {plan.budget_mb:.0f} MB budget"
+    return f"{plan.memory_mb} MB registered: context {plan.n_ctx}, RAM tier {plan.ram_tier_bytes // 2**20} MB, about {plan.estimate_mb:.0f} MB{over}, "
+

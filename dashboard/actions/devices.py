@@ -18,6 +18,7 @@ from inference.messages import BoardMessage, EnrollRequest, Heartbeat
 from ..live import broadcast
 from ..models import Device, Namespace
 from ..signing import sealed_ring
+from ..stats import memory_label
 from .audit import AuditAction, audit
 from .cache import cachebox
 
@@ -34,6 +35,7 @@ def _record_for(device: Device, enrollment: dict | None = None) -> registry.Devi
         box_key=device.box_public_key,
         enrollment=enrollment or {},
         threads=device.cpu_threads,
+        memory_mb=device.memory_mb,
         link_bandwidth_mbps=device.link_bandwidth_mbps,
         link_rtt_ms=device.link_rtt_ms,
         revoked=device.revoked_at is not None,
@@ -250,4 +252,5 @@ def device_json(device: Device) -> dict:
         "revoked": device.revoked_at is not None,
         "last_seen": device.last_seen.isoformat() if device.last_seen else None,
         "link": device.link_label,
+        "memory": memory_label(device.status, device.memory_mb),
     }

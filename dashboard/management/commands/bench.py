@@ -12,6 +12,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
+from cachebox.errors import CacheBoxUnavailable
 from inference import mmlu
 from inference.benchmarks.cases import run_cases
 from inference.benchmarks.common import machine_info, save_json
@@ -138,6 +139,12 @@ class Command(BaseCommand):
             study = _lab_study(name)
             if study is not None:
                 study.add_arguments(sub.add_parser(name, help=help_text))
+        footprint = sub.add_parser("footprint", help="a board's memory (peak RSS, PSS, by part) in a process of its own, sized to a registered memory, with TTFT beside an unsized board")
+        footprint.add_argument("--memory-mb", type=int, default=512, help="the board's registered memory (default 512: a Pi Zero 2W)")
+        footprint.add_argument("--runs", type=int, default=50, help="runs: cold, misses, partial and full hits, a 4-turn conversation, schema runs (default 50)")
+        footprint.add_argument("--threads", type=int, default=1, help="llama.cpp threads of the board (default 1)")
+        footprint.add_argument("--no-compare", dest="compare", action="store_false", help="skip the unsized board (no TTFT ratios)")
+        footprint.add_argument("--json", dest="json_path", default=None, metavar="PATH")
         sub.add_parser("topics", help="list the 57 MMLU topics and their sizes")
 
     def handle(self, *args, bench, **options):
@@ -320,6 +327,39 @@ class Command(BaseCommand):
         for example in document["error_examples"]:
             self.stdout.write(f"  error: {example}")
         self._save("api", json_path, document, api_report)
+
+    def bench_footprint(self, memory_mb, runs, threads, compare, json_path: str | None, **options):
+        from inference.benchmarks import footprint
+
+        if memory_mb < 64 or runs < 1 or threads < 1:
+            raise CommandError("--memory-mb must be at least 64, --runs and --threads at least 1")
+        env = {"EDGECACHE_HOME": str(settings.EDGECACHE_EMBEDDED_DIR.parent), "REDIS_URL": settings.REDIS_URL}
+        if settings.EDGECACHE_CACHEBOX_URL:
+            env["EDGECACHE_CACHEBOX_URL"] = settings.EDGECACHE_CACHEBOX_URL
+        try:
+            from inference.board import broker_url
+
+            broker_url(settings.EDGECACHE_BOARD)  # the embedded cache box starts here, once
+        except CacheBoxUnavailable as exc:
+            raise CommandError(str(exc))
+        self.stdout.write(f"bench footprint: a {memory_mb} MB board serves {runs} runs" + (", then an unsized one the same runs" if compare else ""))
+        try:
+            document = footprint.run(
+                {"memory_mb": memory_mb, "runs": runs, "threads": threads, "compare": compare, "ring": lambda namespace: keyring_for(namespace).to_dict(),
+                 "board_env": env, "progress": lambda label: self.stdout.write(f"  {label} board done")}
+            )
+        except footprint.FootprintError as exc:
+            raise CommandError(str(exc))
+        self.stdout.write(
+            f"\npeak RSS {document['peak_rss_mb']} MB, PSS {document['pss_mb']} MB (budget {document['budget_mb']} MB of {memory_mb} MB: "
+            f"{'within' if document['within_budget'] else 'over'}); unsized board: peak {document.get('peak_rss_mb_unsized', '-')} MB; "
+            f"answers agree with cold: {document['agreement_with_cold']}"
+        )
+        for row in document["parts"]:
+            self.stdout.write(f"  {row['mb']:>7.1f} MB  {row['part']}")
+        for label, row in (document.get("ttft") or {}).items():
+            self.stdout.write(f"  TTFT {label:<28} sized {row['sized_ms']}  unsized {row['unsized_ms']}  ratio {row['ratio']}  (n {row['n'][0]}/{row['n'][1]})")
+        self._save("footprint", json_path, document, footprint.report)
 
     def _prompts(self, topic: str, shots: int, count: int):
         if count < 1:
@@ -588,7 +628,7 @@ class Command(BaseCommand):
             if started[0].store is None or not started[0].store.ping():
                 raise CommandError("the cache box does not answer; start it with `python manage.py cachebox start` or fix REDIS_URL")
             with tqdm(total=len(POLICIES) * prompts, desc=f"bench fleet ({link})", unit="run") as bar:
-                document = run_fleet(started, by_topic, link=profile, link_name=link, max_tokens=max_tokens, spacing=spacing, ram_budget_bytes=base.ram_tier_bytes, seed=seed, progress=bar.update)
+                document = run_fleet(started, by_topic, link=profile, link_name=link, max_tokens=max_tokens, spacing=spacing, ram_budget_bytes=started[0].prefix.ram.budget_bytes if started[0].prefix.ram else 0, seed=seed, progress=bar.update)
             document.update({"shots": shots, "seed": seed, "machine": machine_info(started[0])})
         finally:
             for board in started:
