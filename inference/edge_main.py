@@ -1,11 +1,12 @@
-"""``python manage.py edge --name NAME --token TOKEN``: run this machine as an edge board.
+"""``edgecache-board --name NAME --token TOKEN`` (or ``python manage.py edge ...``): run this machine as an edge board.
 
 Starts without the control plane: no Django settings, no database, no signing secret.
 It reads its ``BoardConfig`` from the environment, enrolls its own key pair with the device
 token the first time (``inference.identity``), checks the device registry in the cache box
 names its keys, loads the model once (its buffers sized to the device's registered memory,
 ``inference.memory_plan``), then serves its own queue (``device.NAME``) and the shared one as a
-Celery worker, sending heartbeats.
+Celery worker, sending heartbeats. It imports none of the control plane's packages (Django,
+Channels, Daphne, Plotly, psycopg) nor PyTorch: ``pip install .`` installs all it needs.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ def _logging(level: str) -> None:
     security.propagate = False
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prog: str = "manage.py edge") -> int:
     tune_malloc()  # before the first state is allocated (see inference.proc_memory)
     parser = argparse.ArgumentParser(
-        prog="manage.py edge",
+        prog=prog,
         description="Start an edge board: checks its token, loads the model once, then serves its own queue "
         "(device.NAME) and the shared one as a Celery worker, sending heartbeats.",
     )
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> int:
         keys = BoardKeys.load_or_create(config.key_file(args.name))
         app = board_app(broker_url(config))  # before enrolling: the request goes through its broker
         store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout)
-        me = edge.become(args.name, keys, store, token=token or None)
+        me = edge.become(args.name, keys, store, token=token or None, timeout=float(os.environ.get("EDGECACHE_ENROLL_TIMEOUT", "30")))
     except (ConfigError, ValueError) as exc:
         return fail(str(exc))
     except DeviceRefused as exc:
@@ -118,3 +119,7 @@ def _memory_line(board: Board) -> str:
     over = "" if plan.within_budget else f", over its {plan.budget_mb:.0f} MB budget"
     return f"{plan.memory_mb} MB registered: context {plan.n_ctx}, RAM tier {plan.ram_tier_bytes // 2**20} MB, about {plan.estimate_mb:.0f} MB{over}, "
 
+
+def run() -> None:
+    """The ``edgecache-board`` console script."""
+    sys.exit(main(sys.argv[1:], prog="edgecache-board"))
