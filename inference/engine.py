@@ -247,7 +247,6 @@ class Engine(Vocabulary):
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, config.n_seq_max)
         self.identity = ModelIdentity(
             gguf_sha256=model.sha256,
-            n_ctx=self.n_ctx,
             kv_type=config.kv_type,
             llama_build=f"llama-cpp-python {llama_cpp.__version__}",
         )

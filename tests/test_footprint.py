@@ -148,6 +148,26 @@ def test_a_board_registered_with_512_mb_sizes_its_engine_and_answers_as_an_unsiz
 
 @pytest.mark.model
 @pytest.mark.cachebox
+def test_a_small_board_restores_what_a_board_with_a_larger_context_stored_and_answers_as_cold(small_board, engine):
+    """Contexts of 1024 and 2048 tokens give the same state bits: one fingerprint, shared entries."""
+    from inference.board import Board
+    from inference.config import BoardConfig
+    from inference.mmlu import build_prompts
+
+    assert small_board.engine.fingerprint == engine.fingerprint and small_board.engine.n_ctx != engine.n_ctx
+    prompt = build_prompts("astronomy", 5, 3)[2].segments
+    large = Board(engine, small_board.store, BoardConfig(device="large", namespace="footprint", context_reuse=False, ram_tier_bytes=0), background_sync=False, keys=small_board.keys)
+    stored = large.run(prompt, max_tokens=4, namespace="footprint")
+    assert stored.uploaded
+    small_board.catalogs.sync_all()
+    small_board.engine.clear()
+    hit = small_board.run(prompt, max_tokens=4, namespace="footprint")
+    assert hit.breakdown.case == "full" and hit.breakdown.tier == "cachebox"
+    assert hit.tokens == stored.tokens
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
 def test_a_strategy_the_memory_cannot_hold_is_a_clear_error_in_the_runs_report(small_board):
     import uuid
 
