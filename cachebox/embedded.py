@@ -78,13 +78,45 @@ def is_running(data_dir: Path, port: int | None = None) -> bool:
         client.close()
 
 
-def ensure_running(data_dir: Path, *, port: int | None = None, maxmemory: str = "1gb", timeout: float = 10.0) -> str:
-    """Start the embedded server unless it runs already; returns its URL."""
+LOOPBACK = ("127.0.0.1",)
+
+
+def _listen_args(bind: tuple[str, ...]) -> list[str]:
+    """Where the server listens: loopback always, plus ``bind``'s other addresses (boards on a
+    host network of their own, ``inference.hosts``). Valkey's protected mode refuses every client
+    not on loopback while the default user has no password, so it is off exactly when other
+    addresses are asked for; those are the machine's own private links."""
+    addresses = list(dict.fromkeys([*LOOPBACK, *bind]))
+    return ["--bind", " ".join(addresses), "--protected-mode", "yes" if addresses == list(LOOPBACK) else "no"]
+
+
+def _rebind(url: str, bind: tuple[str, ...]) -> None:
+    """Make a running server listen on ``bind`` too (CONFIG SET bind: no restart, clients stay)."""
+    args = _listen_args(bind)
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=2, decode_responses=True)
+    try:
+        current = set(client.config_get("bind").get("bind", "").split())
+        if set(args[1].split()) <= current:
+            return
+        client.config_set("protected-mode", args[3])
+        client.config_set("bind", " ".join(dict.fromkeys([*current, *args[1].split()])))
+    except (redis.RedisError, OSError) as exc:
+        raise CacheBoxUnavailable(f"the embedded cache box cannot listen on {' '.join(bind)}: {exc}") from exc
+    finally:
+        client.close()
+
+
+def ensure_running(data_dir: Path, *, port: int | None = None, maxmemory: str = "1gb", timeout: float = 10.0, bind: tuple[str, ...] = LOOPBACK) -> str:
+    """Start the embedded server unless it runs already; returns its URL (on loopback).
+
+    ``bind``: addresses to listen on besides loopback (a running server is asked to add them)."""
     data_dir = Path(data_dir).resolve()
     port = port or default_port(data_dir)
     url = url_for(data_dir, port)
     with _locked(data_dir):
         if is_running(data_dir, port):
+            if tuple(bind) != LOOPBACK:
+                _rebind(url, tuple(bind))
             return url
         probe = socket.socket()
         try:
@@ -98,8 +130,7 @@ def ensure_running(data_dir: Path, *, port: int | None = None, maxmemory: str = 
         args = [
             _binary(),
             "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--protected-mode", "yes",
+            *_listen_args(tuple(bind)),
             "--dir", str(data_dir),
             "--daemonize", "yes",
             "--pidfile", str(data_dir / "valkey.pid"),

@@ -25,6 +25,7 @@ from .compute_profile import Pacer, profile_named
 from .config import BoardConfig
 from .engine import Engine, EngineConfig
 from .exchange import Exchange
+from .host_plan import rtt_only
 from .memory_plan import MAX_RAM_TIER_BYTES, MemoryPlan, ModelFacts, check_lab_strategy, plan_memory, unsized_plan
 from .model_file import resolve_model
 from .proc_memory import ProcessMemory
@@ -38,13 +39,19 @@ log = logging.getLogger(__name__)
 def broker_url(config: BoardConfig) -> str:
     """The Celery broker's URL (REDIS_URL); starts this checkout's embedded Valkey when none is set."""
     if config.uses_embedded_cachebox:
-        return embedded.ensure_running(config.embedded_dir, port=config.embedded_port, maxmemory=config.embedded_maxmemory)
+        return embedded.ensure_running(config.embedded_dir, port=config.embedded_port, maxmemory=config.embedded_maxmemory, bind=config.embedded_bind)
     return config.redis_url
 
 
 def cachebox_url(config: BoardConfig) -> str:
     """The cache box URL: EDGECACHE_CACHEBOX_URL (a server or a cluster of its own), else the broker's server."""
     return config.cachebox_url or broker_url(config)
+
+
+def store_link(config: BoardConfig):
+    """The link the board's cache-box client paces: all of it, or only the round trip where the
+    kernel already shapes the board's interface (boards as hosts, ``inference.host_plan``)."""
+    return rtt_only(config.link) if config.link_shaped_by == "kernel" else config.link
 
 
 def engine_config(config: BoardConfig) -> EngineConfig:
@@ -145,7 +152,7 @@ class Board:
         except CacheBoxUnavailable as exc:
             log.warning("%s", exc)
             url = config.cachebox_url or config.redis_url or embedded.url_for(config.embedded_dir, config.embedded_port)
-        store = CacheBox(url, connect_timeout=config.connect_timeout, timeout=config.io_timeout, link=config.link)
+        store = CacheBox(url, connect_timeout=config.connect_timeout, timeout=config.io_timeout, link=store_link(config))
         catalogs = CatalogRegistry(store, config.catalog_capacity, config.catalog_fp_rate)
         catalogs.get(config.namespace)
         sizer = _Sizer(config)

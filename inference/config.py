@@ -77,6 +77,8 @@ class BoardConfig:
     embedded_dir: Path = field(default_factory=lambda: edgecache_home() / "valkey")
     embedded_port: int | None = None
     embedded_maxmemory: str = "1gb"
+    embedded_bind: tuple[str, ...] = ("127.0.0.1",)  # addresses the embedded Valkey listens on (boards as hosts reach it on their hub's)
+    link_shaped_by: str = "socket"  # who paces ``link``: "socket" (cachebox.shaping) or "kernel" (the board's interface; sockets add the RTT only)
     keys_dir: Path = field(default_factory=lambda: edgecache_home() / "board-keys")  # this board's private keys (0600 files)
 
     def upload_codec(self) -> str:
@@ -127,6 +129,8 @@ class BoardConfig:
             embedded_dir=home / "valkey",
             embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,
             embedded_maxmemory=environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "").strip() or d["embedded_maxmemory"].default,
+            embedded_bind=tuple(environ.get("EDGECACHE_EMBEDDED_BIND", "").replace(",", " ").split()) or d["embedded_bind"].default,
+            link_shaped_by=environ.get("EDGECACHE_LINK_SHAPED_BY", "").strip() or d["link_shaped_by"].default,
             keys_dir=Path(environ.get("EDGECACHE_BOARD_KEYS_DIR", "").strip() or home / "board-keys"),
         )
         return config.with_(**overrides)

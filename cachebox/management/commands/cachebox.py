@@ -42,6 +42,7 @@ class Command(BaseCommand):
                     settings.EDGECACHE_EMBEDDED_DIR,
                     port=settings.EDGECACHE_EMBEDDED_PORT,
                     maxmemory=settings.EDGECACHE_EMBEDDED_MAXMEMORY,
+                    bind=settings.EDGECACHE_BOARD.embedded_bind,
                 )
             except CacheBoxUnavailable as exc:
                 raise CommandError(str(exc))
