@@ -30,6 +30,10 @@ class DeviceRefused(Exception):
     """A board presented an unknown name, a wrong token, or a revoked one."""
 
 
+class DeviceUnknown(DeviceRefused):
+    """The registry holds no record of this device (never registered, or a cache box that restarted empty)."""
+
+
 def new_token() -> str:
     return secrets.token_urlsafe(32)
 
@@ -104,7 +108,7 @@ def lookup(store, name: str) -> DeviceRecord | None:
 def _known(store, name: str) -> DeviceRecord:
     record = lookup(store, name)
     if record is None:
-        raise DeviceRefused(f"unknown device {name!r}: register it on the dashboard (Devices > Register) first")
+        raise DeviceUnknown(f"unknown device {name!r}: register it on the dashboard (Devices > Register) first")
     return record
 
 

@@ -25,7 +25,7 @@ from cachebox.signing import Keychain, KeyRing
 from cachebox.store import CacheBox
 
 from .chat import chat_prompt
-from .devices import DeviceRecord, DeviceRefused, authenticate, enroll
+from .devices import DeviceRecord, DeviceRefused, DeviceUnknown, authenticate, enroll
 from .engine import EngineError
 from .identity import BoardKeys
 from .lab.anchors import parse_strategy as parse_anchors
@@ -62,7 +62,15 @@ class EdgeIdentity:
         """Raise DeviceRefused if the device was revoked or its token rotated since the board
         enrolled; otherwise take the namespace's current signing keys (a rotation arrives this way)."""
         previous = self.record.cache_namespace
-        self.record = authenticate(self.store, self.name, self.keys)
+        try:
+            self.record = authenticate(self.store, self.name, self.keys)
+        except DeviceUnknown:
+            # This board enrolled, so its record existed: a registry without it is a cache box that
+            # restarted empty. Revoking or rotating writes a record; only its absence is "cannot
+            # tell" (as an unreachable cache box), and the control plane publishes it again when
+            # it accepts this board's next heartbeat.
+            log.warning("the registry has no record of %s (the cache box restarted empty?): serving on with its last one", self.name)
+            return
         if self.record.cache_namespace != previous:
             raise DeviceRefused(f"device {self.name!r} was moved to namespace {self.record.cache_namespace!r}; restart the board to serve it")
         self._open_ring()

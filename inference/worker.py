@@ -46,10 +46,16 @@ def celery_settings(broker_url: str, environ=os.environ) -> dict:
     }
 
 
+# A board's reports wait for a broker that is away (its Wi-Fi dropped, the broker restarted)
+# instead of failing after Celery's default three quick retries: the answer is computed, and the
+# report is what the control plane records; a heartbeat waits in its own thread the same way.
+BOARD_PUBLISH_RETRY = {"max_retries": None, "interval_start": 0.5, "interval_step": 1.0, "interval_max": 5.0}
+
+
 def board_app(broker_url: str) -> Celery:
     """The Celery app of one edge process: the board tasks, JSON only, current and default."""
     app = Celery("edgecache-board", set_as_current=True)
     app.conf.update(celery_settings(broker_url))
-    app.conf.update(include=["inference.tasks"])
+    app.conf.update(include=["inference.tasks"], task_publish_retry_policy=BOARD_PUBLISH_RETRY, broker_connection_max_retries=None)
     app.set_default()
     return app

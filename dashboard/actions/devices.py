@@ -242,7 +242,21 @@ def record_heartbeat(payload: dict) -> Device | None:
         device.status = beat.status.dump()
         device.save(update_fields=["last_seen", "status"])
         transaction.on_commit(lambda: broadcast("device", device_json(device)))
+    _republish_if_missing(device)
     return device
+
+
+def _republish_if_missing(device: Device) -> None:
+    """A live board whose record the registry lost (its cache box restarted empty) gets it back."""
+    try:
+        missing = registry.lookup(cachebox(), device.name) is None
+    except CacheBoxError:
+        return
+    except registry.DeviceRefused:  # unreadable: written again below
+        missing = True
+    if missing:
+        log.warning("device %s: its registry record was gone (cache box restarted?); published again", device.name)
+        publish_device(device)
 
 
 def device_json(device: Device) -> dict:
