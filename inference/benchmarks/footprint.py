@@ -223,12 +223,10 @@ class _Sampler(threading.Thread):
         self._start = time.monotonic()
 
     def run(self) -> None:
-        every_pss = 0
         while not self._stop_event.wait(self.every):
             memory = ProcessMemory.read(self.pid)
             if not memory.rss_mb:
                 continue
-            every_pss += 1
             self.samples.append((round(time.monotonic() - self._start, 2), memory.rss_mb, memory.pss_mb))
 
     def stop(self) -> None:
