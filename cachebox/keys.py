@@ -36,10 +36,14 @@ _DEVICE_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """Everything that makes two prompt states interchangeable."""
+    """Everything that makes two prompt states interchangeable.
+
+    Not the context size: a range's state bytes and the logits after restoring it are the same
+    bits at n_ctx 1024, 2048 and 4096 (measured), so a board sized to a small memory shares
+    entries with the rest of the fleet; a prompt that does not fit its context is refused
+    before any lookup."""
 
     gguf_sha256: str
-    n_ctx: int
     kv_type: str
     llama_build: str
     state_format: int = STATE_FORMAT_VERSION

@@ -97,6 +97,8 @@ class CacheBox:
         """How this client reaches the cache box, for every figure taken through it."""
         if self.link is None:
             return "unshaped"
+        if self.link.bandwidth_mbps == float("inf"):  # the network shapes the bandwidth; the socket adds the round trip
+            return self.link.label or f"{self.link.rtt_ms:g} ms RTT added per round trip"
         return f"emulated link {self.link.bandwidth_mbps:g} Mbit/s, {self.link.rtt_ms:g} ms RTT"
 
     # -- availability -------------------------------------------------------------

@@ -103,8 +103,24 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "how a board seals the states it uploads: `aes-256-gcm` (CPUs with AES instructions) or `chacha20-poly1305` "
         "(a Pi Zero 2W's Cortex-A53 has none); named in each entry's signed header, readers need no setting",
     ),
-    "EDGECACHE_EMBEDDED_BIND": (None, "addresses the embedded Valkey listens on, space-separated (boards on other hosts reach it at one of them)"),
     "EDGECACHE_EMBEDDED_PASSWORD": ("generated into the secrets folder", "the control plane's password of the embedded Valkey's `default` user"),
+    "EDGECACHE_EMBEDDED_BIND": (
+        "`127.0.0.1`",
+        "more addresses the embedded Valkey listens on, besides loopback (boards as hosts reach it on their hub's); it needs the "
+        "control plane's password wherever it listens",
+    ),
+    "EDGECACHE_MEMORY_MB": (
+        "the device's registered memory",
+        "a board's memory: its context, batch buffers, repacked weights and RAM tier are sized to it (`inference/memory_plan.py`); "
+        "0 or unset, with no registered memory: every buffer at its default",
+    ),
+    "EDGECACHE_LINK_SHAPED_BY": (
+        None,
+        "who paces a board's registered link: its sockets (`socket`: bandwidth and RTT), or `kernel` (a `tc`-shaped interface: "
+        "the sockets add the RTT only)",
+    ),
+    "EDGECACHE_BOARD_HOSTS": ("off", "`1`: `make run` (as root) starts its demo boards as hosts: a network namespace, a kernel-shaped veth link and a cgroup each"),
+    "EDGECACHE_ENROLL_TIMEOUT": (None, "seconds a board waits for the control plane to confirm its enrollment"),
     "DJANGO_SECRET_KEY": ("generated into the secrets folder", "Django's secret key"),
     "EDGECACHE_SIGNING_SECRET": ("generated into the secrets folder", "master secret of the namespaces' keys and of the control plane's signing key"),
     "DJANGO_DEBUG": ("off", "Django's debug mode (`1`: on; never in production)"),

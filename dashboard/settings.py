@@ -236,8 +236,8 @@ REDIS_URL_IS_EMBEDDED = EDGECACHE_BOARD.uses_embedded_cachebox
 # The embedded Valkey's password for its ``default`` user: the control plane's alone (boards get
 # users of their own, see cachebox.acl). Kept with the other secrets.
 EDGECACHE_EMBEDDED_PASSWORD = _secret("EDGECACHE_EMBEDDED_PASSWORD", "cachebox_password") if REDIS_URL_IS_EMBEDDED else ""
-# Addresses the embedded Valkey listens on (boards on other hosts reach it at one of them).
-EDGECACHE_EMBEDDED_BIND = os.environ.get("EDGECACHE_EMBEDDED_BIND", "").strip() or "127.0.0.1"
+# Addresses the embedded Valkey listens on besides loopback (boards on other hosts reach it at one of them).
+EDGECACHE_EMBEDDED_BIND = EDGECACHE_BOARD.embedded_bind
 REDIS_URL = EDGECACHE_BOARD.redis_url or url_for(EDGECACHE_EMBEDDED_DIR, EDGECACHE_EMBEDDED_PORT, EDGECACHE_EMBEDDED_PASSWORD)
 if REDIS_URL_IS_EMBEDDED:  # commands that run a board next to the control plane reach it as the control plane
     EDGECACHE_BOARD = EDGECACHE_BOARD.with_(redis_url=REDIS_URL)

@@ -47,6 +47,21 @@ def fill_label(ratio) -> str:
     return f"{float(f'{percent:.2g}'):g}%"
 
 
+def memory_label(status: dict | None, memory_mb: int) -> str:
+    """A board's memory as its last heartbeat reported it, against what it registered:
+    "412 MB RSS (peak 419 MB) of 512 MB; budget 399 MB"; "" without a report."""
+    memory = (status or {}).get("memory") or {}
+    try:
+        rss, peak = float(memory["rss_mb"]), float(memory.get("peak_rss_mb") or memory["rss_mb"])
+    except (KeyError, TypeError, ValueError):
+        return ""
+    label = f"{rss:.0f} MB RSS (peak {peak:.0f} MB) of {memory_mb} MB"
+    budget = memory.get("budget_mb")
+    if isinstance(budget, (int, float)) and budget:
+        label += f"; budget {budget:.0f} MB" + (", peak over it" if peak > budget else "")
+    return label
+
+
 def device_state(device: Device) -> tuple[str, str]:
     """(status, words) of a device: online, offline since …, never started, revoked."""
     if device.revoked_at is not None:
@@ -74,6 +89,7 @@ def device_summary(device: Device) -> dict:
         "catalog_items": sum(c.get("approx_items", 0) for c in catalogs.values()),
         "catalog_fp_rate": max((c.get("estimated_fp_rate", 0.0) for c in catalogs.values()), default=None),
         "catalogs": catalogs,
+        "memory": memory_label(device.status, device.memory_mb),
     }
 
 

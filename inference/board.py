@@ -12,6 +12,7 @@ import logging
 import time
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from cachebox import embedded
 from cachebox.signing import Keychain
@@ -23,7 +24,10 @@ from .compute_profile import Pacer, profile_named
 from .config import BoardConfig
 from .engine import Engine, EngineConfig
 from .exchange import Exchange
+from .host_plan import rtt_only
+from .memory_plan import MAX_RAM_TIER_BYTES, MemoryPlan, ModelFacts, check_lab_strategy, plan_memory, unsized_plan
 from .model_file import resolve_model
+from .proc_memory import ProcessMemory
 from .chat import chat_prompt, follow_up
 from .prefix_serving import Extension, PrefixServing
 from .schema_serving import SchemaServing
@@ -44,8 +48,37 @@ def cachebox_url(config: BoardConfig) -> str:
     return config.cachebox_url or broker_url(config)
 
 
+def store_link(config: BoardConfig):
+    """The link the board's cache-box client paces: all of it, or only the round trip where the
+    kernel already shapes the board's interface (boards as hosts, ``inference.host_plan``)."""
+    return rtt_only(config.link) if config.link_shaped_by == "kernel" else config.link
+
+
 def engine_config(config: BoardConfig) -> EngineConfig:
     return EngineConfig(n_ctx=config.n_ctx, n_threads=config.threads, kv_type=config.kv_type)
+
+
+class _Sizer:
+    """Sizes a board's engine to its registered memory once the model's facts are known
+    (``inference.memory_plan``); keeps the plan for the board. Without a registered memory,
+    every buffer keeps its default (the plan only describes them)."""
+
+    def __init__(self, config: BoardConfig):
+        self.config = config
+        self.plan: MemoryPlan | None = None
+
+    def __call__(self, facts: ModelFacts) -> EngineConfig:
+        base = engine_config(self.config)
+        if not self.config.memory_mb:
+            self.plan = unsized_plan(facts, n_ctx=base.n_ctx, n_ubatch=base.n_ubatch or base.n_batch, ram_tier_bytes=self.config.ram_tier_bytes)
+            return base
+        self.plan = plan_memory(self.config.memory_mb, facts, n_ctx=self.config.n_ctx, grid=self.config.chunk_tokens, ram_tier_bytes=self.config.ram_tier_bytes)
+        if self.plan.n_ctx < self.config.n_ctx:
+            log.warning(
+                "a context of %d tokens does not fit this board's %d MB: it runs with %d (%s)",
+                self.config.n_ctx, self.config.memory_mb, self.plan.n_ctx, ", ".join(f"{name} {mb:g} MB" for name, mb in self.plan.parts_mb.items()),
+            )
+        return replace(base, n_ctx=self.plan.n_ctx, n_ubatch=self.plan.n_ubatch, repack=self.plan.repack)
 
 
 class Board:
@@ -60,6 +93,7 @@ class Board:
         catalogs: CatalogRegistry | None = None,
         background_sync: bool = True,
         keys: Keychain | None = None,
+        memory_plan: MemoryPlan | None = None,
     ):
         self.engine = engine
         profile = profile_named(config.compute_profile)  # the board's class, or None: this machine's speed
@@ -82,6 +116,11 @@ class Board:
             entry_ttl=config.entry_ttl,
             codec=config.upload_codec(),
         )
+        self.memory_plan = memory_plan
+        if config.ram_tier_bytes is not None:
+            ram_tier_bytes = config.ram_tier_bytes
+        else:  # follows the memory: on a small board the cache box is its memory
+            ram_tier_bytes = memory_plan.ram_tier_bytes if memory_plan is not None else MAX_RAM_TIER_BYTES
         self.prefix = PrefixServing(
             engine,
             self.exchange,
@@ -90,7 +129,7 @@ class Board:
             namespace=config.namespace,
             policy=BreakEvenPolicy(prefill_ms_per_token=config.prefill_ms_per_token, link=config.link, mode=config.policy, overlap=config.overlap),
             context_reuse=config.context_reuse,
-            ram_tier_bytes=config.ram_tier_bytes,
+            ram_tier_bytes=ram_tier_bytes,
         )
         self.schemas = SchemaServing(engine, self.exchange, namespace=config.namespace)
         self._sync_thread: CatalogSyncThread | None = None
@@ -108,19 +147,23 @@ class Board:
         A cache box that cannot be reached is not fatal: runs then say "unavailable" and the
         puller retries in the background.
         """
-        store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout, link=config.link)
+        store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout, link=store_link(config))
         catalogs = CatalogRegistry(store, config.catalog_capacity, config.catalog_fp_rate)
         catalogs.get(config.namespace)
+        sizer = _Sizer(config)
         with ThreadPoolExecutor(max_workers=1) as pool:
             # A fresh process knows what the cache box holds before its first request.
             synced = pool.submit(catalogs.sync_all)
-            engine = Engine(resolve_model(config.model or None), engine_config(config))
+            # A sized board loads without repacked weights (their copy would count in its peak); it
+            # loads them again only where the plan has room for them.
+            first = replace(engine_config(config), repack=False) if config.memory_mb else engine_config(config)
+            engine = Engine(resolve_model(config.model or None), first, size=sizer)  # MemoryRefused: the model does not fit
             profile = profile_named(config.compute_profile)
             if profile is not None:
                 engine.pacer = Pacer(profile)  # before calibrating: the policy's prior is the paced rate
             config = config.with_(prefill_ms_per_token=calibrate_prefill(engine))
             synced.result()
-        return cls(engine, store, config, catalogs=catalogs, background_sync=background_sync, keys=keys)
+        return cls(engine, store, config, catalogs=catalogs, background_sync=background_sync, keys=keys, memory_plan=sizer.plan)
 
     def cachebox_only(self) -> "Board":
         """Turn the board-local tiers off (benchmarks that measure the cache box itself)."""
@@ -174,9 +217,10 @@ class Board:
     def kv_prediction(self, k: int):
         """The KV prediction strategy with ``k`` auxiliary layers (lab, approximate; loaded on first
         use: the auxiliary GGUF and the predictor file from ``$EDGECACHE_HOME/lab``)."""
-        from .lab.kv_prediction import KVPredictionServing, lab_dir
-
         if k not in self._lab:
+            self._check_memory(f"kv-prediction:{k}")
+            from .lab.kv_prediction import KVPredictionServing, lab_dir
+
             self._lab[k] = KVPredictionServing.open(self.engine, k, lab_dir())
         return self._lab[k]
 
@@ -184,10 +228,11 @@ class Board:
         """Anchor inference (seed 004; lab, approximate): ``anchors`` prunes the board's own model's
         state to anchor tokens, ``anchors-tuned`` runs the anchor-tuned GGUF from ``$EDGECACHE_HOME/lab``
         (loaded on first use). Never reads or writes the cache box."""
-        from .lab.anchors import AnchorServing
-        from .lab.kv_prediction import lab_dir
-
         if strategy not in self._lab:
+            self._check_memory(strategy)
+            from .lab.anchors import AnchorServing
+            from .lab.kv_prediction import lab_dir
+
             self._lab[strategy] = AnchorServing.open(self.engine, strategy, lab_dir())
         return self._lab[strategy]
 
@@ -195,11 +240,32 @@ class Board:
         """Early exit with KV fill (seed 002; lab, approximate) under ``policy``: decoding on the
         reference engine of this board's model (loaded on first use: ~15 s, ~1 GB), with the exit
         adapters ``bench lab-exit`` fitted if present. Never touches the context or the cache box."""
-        from .lab.early_exit import EarlyExitServing
-
         if "early-exit" not in self._lab:
+            self._check_memory("early-exit")  # before PyTorch is imported: it alone is 200 MB
+            from .lab.early_exit import EarlyExitServing
+
             self._lab["early-exit"] = EarlyExitServing.open(self.engine)
         return self._lab["early-exit"].with_policy(policy)
+
+    def _check_memory(self, strategy: str) -> None:
+        """MemoryRefused (a clear error in the run's report) when ``strategy`` would not fit this
+        board's registered memory next to what it holds now."""
+        facts = getattr(self.engine, "facts", None)
+        if facts is not None:
+            check_lab_strategy(strategy, facts, n_ctx=self.engine.n_ctx, memory_mb=self.config.memory_mb, rss_mb=ProcessMemory.read().rss_mb)
+
+    def memory(self) -> dict:
+        """This process's memory now and at its peak, against what the board registered."""
+        now = ProcessMemory.read()
+        plan = self.memory_plan
+        return {
+            "rss_mb": now.rss_mb,
+            "peak_rss_mb": now.peak_rss_mb,
+            "pss_mb": now.pss_mb,
+            "memory_mb": self.config.memory_mb,
+            "budget_mb": plan.budget_mb if plan is not None and plan.memory_mb else None,
+            "n_ctx": self.engine.n_ctx,
+        }
 
     def status(self) -> dict:
         """What a heartbeat reports: model, threads and every catalog's size and counters."""
@@ -225,6 +291,7 @@ class Board:
             "kv_type": self.engine.config.kv_type,
             "codec": self.exchange.codec,
             "compute_profile": self.engine.pacer.profile.emulated_label if self.engine.pacer is not None else "",
+            "memory": self.memory(),
         }
 
     def close(self) -> None:

@@ -93,7 +93,8 @@ class BoardConfig:
     entry_ttl: int | None = DEFAULT_ENTRY_TTL  # unpinned entries expire after this many seconds unused
     link: LinkProfile | None = None  # emulated link to the cache box (None: as the network is)
     context_reuse: bool = True  # a prompt that shares a prefix with the board's last one continues from it
-    ram_tier_bytes: int = 128 * 1024 * 1024  # range entries kept next to the model (0: no RAM tier)
+    ram_tier_bytes: int | None = None  # range entries kept next to the model (0: no RAM tier; None: follows memory_mb, 128 MB when unknown)
+    memory_mb: int = 0  # the board's registered memory: its buffers are sized to it (inference.memory_plan); 0: unknown, defaults
     policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
     overlap: bool = True  # compute the front of a prompt while the back of it loads, when that is faster
     codec: str = "auto"  # how uploaded states are stored: raw, zstd, zstd-shuffle, or auto (by the link: cachebox.codec)
@@ -102,6 +103,8 @@ class BoardConfig:
     embedded_dir: Path = field(default_factory=lambda: edgecache_home() / "valkey")
     embedded_port: int | None = None
     embedded_maxmemory: str = "1gb"
+    embedded_bind: tuple[str, ...] = ("127.0.0.1",)  # addresses the embedded Valkey listens on (boards as hosts reach it on their hub's)
+    link_shaped_by: str = "socket"  # who paces ``link``: "socket" (cachebox.shaping) or "kernel" (the board's interface; sockets add the RTT only)
     keys_dir: Path = field(default_factory=lambda: secrets_home() / "board-keys")  # this board's private keys (0600 files)
     board_acl: bool = True  # reach Redis as this board's own user (cachebox.acl), never with REDIS_URL's credentials
 
@@ -151,10 +154,13 @@ class BoardConfig:
             overlap=environ.get("EDGECACHE_OVERLAP", "1").strip() not in ("0", "false", "no", "off"),
             codec=environ.get("EDGECACHE_CODEC", "").strip() or d["codec"].default,
             compute_profile=environ.get("EDGECACHE_COMPUTE_PROFILE", "").strip(),
-            ram_tier_bytes=_int(environ, "EDGECACHE_RAM_TIER_MB", d["ram_tier_bytes"].default // (1024 * 1024)) * 1024 * 1024,
+            ram_tier_bytes=_int(environ, "EDGECACHE_RAM_TIER_MB", -1) * 1024 * 1024 if environ.get("EDGECACHE_RAM_TIER_MB", "").strip() else None,
+            memory_mb=_int(environ, "EDGECACHE_MEMORY_MB", 0),
             embedded_dir=home / "valkey",
             embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,
             embedded_maxmemory=environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "").strip() or d["embedded_maxmemory"].default,
+            embedded_bind=tuple(environ.get("EDGECACHE_EMBEDDED_BIND", "").replace(",", " ").split()) or d["embedded_bind"].default,
+            link_shaped_by=environ.get("EDGECACHE_LINK_SHAPED_BY", "").strip() or d["link_shaped_by"].default,
             keys_dir=Path(environ.get("EDGECACHE_BOARD_KEYS_DIR", "").strip() or secrets_home(environ) / "board-keys"),
             board_acl=environ.get("EDGECACHE_BOARD_ACL", "1").strip().lower() not in ("0", "false", "no", "off"),
         )

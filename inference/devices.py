@@ -39,6 +39,10 @@ class DeviceRefused(Exception):
     one the control plane it trusts signed."""
 
 
+class DeviceUnknown(DeviceRefused):
+    """The registry holds no record of this device (never registered, or a cache box that restarted empty)."""
+
+
 def new_token() -> str:
     return secrets.token_urlsafe(32)
 
@@ -54,7 +58,7 @@ class DeviceRecord:
     signing_key: str = ""  # the enrolled board's Ed25519 public key (hex); "" until it enrolls
     box_key: str = ""  # its X25519 public key, which the ring is sealed to
     threads: int = 1
-    memory_mb: int = 0  # the board's registered memory (0: unknown): it sizes its buffers from it
+    memory_mb: int = 0  # the board's registered memory: its buffers are sized to it (0: unknown)
     link_bandwidth_mbps: float | None = None
     link_rtt_ms: float | None = None
     revoked: bool = False
@@ -145,7 +149,7 @@ def verified(record: DeviceRecord, keys: BoardKeys, *, newer_than: int = 0) -> D
 def _known(store, name: str) -> DeviceRecord:
     found = lookup(store, name)
     if found is None:
-        raise DeviceRefused(f"unknown device {name!r}: register it on the dashboard (Devices > Register) first")
+        raise DeviceUnknown(f"unknown device {name!r}: register it on the dashboard (Devices > Register) first")
     return found
 
 

@@ -28,12 +28,12 @@ from cachebox.store import CacheBox
 
 from . import envelope
 from .chat import chat_prompt
-from .devices import DeviceRecord, DeviceRefused, authenticate, enroll
+from .devices import DeviceRecord, DeviceRefused, DeviceUnknown, authenticate, enroll
 from .engine import EngineError
 from .envelope import CONTROL, EnvelopeRefused, Kind
 from .identity import BoardKeys
 from .lab.anchors import parse_strategy as parse_anchors
-from .lab.early_exit import parse_strategy as parse_early_exit
+from .lab.exit_policy import parse_strategy as parse_early_exit
 from .lab.kv_prediction import parse_strategy
 from .messages import (
     BoardMessage,
@@ -67,7 +67,15 @@ class EdgeIdentity:
         enrolled, or its record is not one the pinned control plane signed (or older than the last
         one); otherwise take the namespace's current keys (a rotation arrives this way)."""
         previous = self.record.cache_namespace
-        self.record = authenticate(self.store, self.name, self.keys, newer_than=self.record.serial)
+        try:
+            self.record = authenticate(self.store, self.name, self.keys, newer_than=self.record.serial)
+        except DeviceUnknown:
+            # This board enrolled, so its record existed: a registry without it is a cache box that
+            # restarted empty. Revoking or rotating writes a record; only its absence is "cannot
+            # tell" (as an unreachable cache box), and the control plane publishes it again when
+            # it accepts this board's next heartbeat.
+            log.warning("the registry has no record of %s (the cache box restarted empty?): serving on with its last one", self.name)
+            return
         if self.record.cache_namespace != previous:
             raise DeviceRefused(f"device {self.name!r} was moved to namespace {self.record.cache_namespace!r}; restart the board to serve it")
         self._open_ring()

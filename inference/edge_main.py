@@ -1,10 +1,12 @@
-"""``python manage.py edge --name NAME --token TOKEN``: run this machine as an edge board.
+"""``edgecache-board --name NAME --token TOKEN`` (or ``python manage.py edge ...``): run this machine as an edge board.
 
 Starts without the control plane: no Django settings, no database, no signing secret.
 It reads its ``BoardConfig`` from the environment, enrolls its own key pair with the device
 token the first time (``inference.identity``), checks the device registry in the cache box
-names its keys, loads the model once, then serves its own queue
-(``device.NAME``) and the shared one as a Celery worker, sending heartbeats.
+names its keys, loads the model once (its buffers sized to the device's registered memory,
+``inference.memory_plan``), then serves its own queue (``device.NAME``) and the shared one as a
+Celery worker, sending heartbeats. It imports none of the control plane's packages (Django,
+Channels, Daphne, Plotly, psycopg) nor PyTorch: ``pip install .`` installs all it needs.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from .board import Board, broker_url, cachebox_url, set_board
 from .config import BoardConfig, ConfigError
 from .devices import DeviceRefused
 from .identity import BoardKeys, enrollment_redis_password
+from .memory_plan import MemoryRefused
 from .messages import Queue
 from .model_file import ModelNotFound
+from .proc_memory import tune_malloc
 from .worker import board_app
 
 log = logging.getLogger("inference.edge")
+ENROLL_TIMEOUT = float(os.environ.get("EDGECACHE_ENROLL_TIMEOUT", "30"))  # seconds a board waits for its enrollment to be confirmed
 
 
 def _logging(level: str) -> None:
@@ -76,7 +81,7 @@ def _enrolled(name: str, config: BoardConfig, keys: BoardKeys, token: str, key_f
         own = _as_board(config, name, keys)
         try:
             board_app(broker_url(own))
-            return edge.become(name, keys, store_of(own), token=None, save=lambda pinned: pinned.save(key_file))
+            return edge.become(name, keys, store_of(own), token=None, save=lambda pinned: pinned.save(key_file), timeout=ENROLL_TIMEOUT)
         except (CacheBoxRefused, DeviceRefused) as exc:  # no such user yet, or not enrolled: enroll with the token
             if not token:
                 raise DeviceRefused(f"{exc}; start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)") from None
@@ -91,7 +96,9 @@ def _enrolled(name: str, config: BoardConfig, keys: BoardKeys, token: str, key_f
         pinned.save(key_file)
 
     try:
-        return edge.become(name, keys, store_of(enrolling), token=token, save=save, then_as=lambda: store_of(_as_board(config, name, holder["keys"])))
+        return edge.become(
+            name, keys, store_of(enrolling), token=token, save=save, then_as=lambda: store_of(_as_board(config, name, holder["keys"])), timeout=ENROLL_TIMEOUT
+        )
     except CacheBoxRefused as exc:
         raise DeviceRefused(
             f"the cache box refused this board's enrollment user ({exc}): the token is wrong, expired or spent, "
@@ -99,9 +106,10 @@ def _enrolled(name: str, config: BoardConfig, keys: BoardKeys, token: str, key_f
         ) from None
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prog: str = "manage.py edge") -> int:
+    tune_malloc()  # before the first state is allocated (see inference.proc_memory)
     parser = argparse.ArgumentParser(
-        prog="manage.py edge",
+        prog=prog,
         description="Start an edge board: checks its token, loads the model once, then serves its own queue "
         "(device.NAME) and the shared one as a Celery worker, sending heartbeats.",
     )
@@ -131,7 +139,9 @@ def main(argv: list[str]) -> int:
     link = None
     if me.record.link_bandwidth_mbps:
         link = LinkProfile(me.record.link_bandwidth_mbps, me.record.link_rtt_ms or 0.0)
-    config = _as_board(config, args.name, me.keys).with_(namespace=me.record.cache_namespace, threads=me.record.threads or None, link=link)
+    config = _as_board(config, args.name, me.keys).with_(
+        namespace=me.record.cache_namespace, threads=me.record.threads or None, link=link, memory_mb=me.record.memory_mb or None
+    )
     me.store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout)  # as its own user from now on
     queues = [Queue.device(args.name), Queue.shared(me.record.cache_namespace)]
     app = board_app(broker_url(config), queues=queues, transport_options=board_transport_options(args.name, me.record.cache_namespace))
@@ -139,6 +149,8 @@ def main(argv: list[str]) -> int:
         board = set_board(Board.start(config, keys=me.keychain()))
     except ModelNotFound as exc:
         return fail(str(exc))
+    except MemoryRefused as exc:
+        return fail(f"refused: {exc}")
 
     def stop_worker(reason):
         print(f"refused: {reason}; stopping the board", file=sys.stderr)
@@ -151,6 +163,7 @@ def main(argv: list[str]) -> int:
         f"board {args.name} ready ({board.engine.model_file.path.name}, {board.engine.config.threads()} threads, "
         f"{board.store.link_label} to the cache box, namespace {me.record.cache_namespace}, "
         f"{('compute paced to ' + board.engine.pacer.profile.emulated_label + ', ') if board.engine.pacer is not None else ''}"
+        f"{_memory_line(board)}"
         f"signing keys {'generation ' + str(me.ring.current) if me.ring else 'missing: cache off'}); "
         f"serving queues {queues}",
         flush=True,
@@ -163,3 +176,16 @@ def main(argv: list[str]) -> int:
         beat.stop()
         board.close()
     return 0
+
+
+def _memory_line(board: Board) -> str:
+    plan = board.memory_plan
+    if plan is None or not plan.memory_mb:
+        return "memory not registered: default buffers, "
+    over = "" if plan.within_budget else f", over its {plan.budget_mb:.0f} MB budget"
+    return f"{plan.memory_mb} MB registered: context {plan.n_ctx}, RAM tier {plan.ram_tier_bytes // 2**20} MB, about {plan.estimate_mb:.0f} MB{over}, "
+
+
+def run() -> None:
+    """The ``edgecache-board`` console script."""
+    sys.exit(main(sys.argv[1:], prog="edgecache-board"))

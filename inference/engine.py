@@ -18,16 +18,21 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
-import llama_cpp
 import numpy as np
 
 from cachebox.keys import ModelIdentity
 
+from .bindings import llama_cpp as _bindings
 from .compute_profile import Pacer
+from .memory_plan import ModelFacts
 from .model_file import ModelFile
 
+llama_cpp = _bindings()  # the ctypes functions alone (the high-level half of the package loads only if something asks)
+
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0, "f32": llama_cpp.GGML_TYPE_F32}
+KV_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "f32": 4.0}  # ggml's block sizes
 QUANTIZED_KV = frozenset({"q8_0", "q4_0"})  # llama.cpp stores a quantized V cache only with flash attention
 
 # Sequence ids inside the one context: 0 holds the prompt being served; the last
@@ -85,10 +90,12 @@ def _quiet_llama() -> None:
 @dataclass(frozen=True)
 class EngineConfig:
     n_ctx: int = 4096
-    n_batch: int = 512
+    n_batch: int = 512  # the most tokens one llama_decode call takes
     n_threads: int = 0  # 0: every core
     n_seq_max: int = 4
     kv_type: str = "f16"
+    n_ubatch: int = 0  # the most tokens llama.cpp computes at once (0: n_batch); sizes its compute buffer
+    repack: bool = True  # llama.cpp's repacked copies of some weights (faster kernels, ~5% of the file more memory)
 
     def threads(self) -> int:
         return self.n_threads or max(1, os.cpu_count() or 1)
@@ -178,28 +185,50 @@ class Vocabulary:
 class Engine(Vocabulary):
     """One model and one context. Not thread-safe: callers serialize (``lock``)."""
 
-    def __init__(self, model: ModelFile, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: ModelFile, config: EngineConfig = EngineConfig(), size: Callable[[ModelFacts], EngineConfig] | None = None):
+        """Load ``model`` (mapped: its pages are the file's) and make its context.
+
+        ``size(facts)``, when given, is called once the model is loaded and before the context
+        is made (the KV cache and compute buffers are most of the memory that follows); it
+        returns the config to use, or raises (a board refuses a model its memory cannot hold).
+        """
         if config.kv_type not in KV_TYPES:
             raise ValueError(f"unknown KV type {config.kv_type!r}; choose one of {', '.join(KV_TYPES)}")
         _quiet_llama()
         self.model_file = model
-        self.config = config
         self.lock = threading.RLock()
-        self.scratch_seq = config.n_seq_max - 1
         self.generation = 0  # counts clear(): a strategy that keeps its context checks it is still there
         self.pacer: Pacer | None = None  # a compute profile slowing model work to a board class (emulation)
 
         model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = config.repack
         self._model = llama_cpp.llama_model_load_from_file(str(model.path).encode(), model_params)
         if not self._model:
             raise EngineError(f"llama.cpp could not load {model.path}")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.facts = self._model_facts(config)
+        if size is not None:
+            try:
+                sized = size(self.facts)
+            except BaseException:
+                llama_cpp.llama_model_free(self._model)
+                raise
+            if sized.repack != config.repack:  # repacking happens at load: load again without it (cheap: the file is mapped)
+                llama_cpp.llama_model_free(self._model)
+                model_params.use_extra_bufts = sized.repack
+                self._model = llama_cpp.llama_model_load_from_file(str(model.path).encode(), model_params)
+                if not self._model:
+                    raise EngineError(f"llama.cpp could not load {model.path}")
+                self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+            config = sized
+        self.config = config
+        self.scratch_seq = config.n_seq_max - 1
 
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = config.n_ctx
         params.n_batch = config.n_batch
-        params.n_ubatch = config.n_batch
+        params.n_ubatch = config.n_ubatch or config.n_batch
         params.n_seq_max = config.n_seq_max
         params.n_threads = params.n_threads_batch = config.threads()
         params.type_k = params.type_v = KV_TYPES[config.kv_type]
@@ -218,12 +247,32 @@ class Engine(Vocabulary):
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, config.n_seq_max)
         self.identity = ModelIdentity(
             gguf_sha256=model.sha256,
-            n_ctx=self.n_ctx,
             kv_type=config.kv_type,
             llama_build=f"llama-cpp-python {llama_cpp.__version__}",
         )
         self.fingerprint = self.identity.fingerprint()
         self.state_bytes_per_token = self._measure_state_bytes()
+
+    def _model_facts(self, config: EngineConfig) -> ModelFacts:
+        """What this model's memory depends on: file size, parameters, vocabulary, KV bytes per position."""
+        arch = self._meta("general.architecture")
+        n_layer = llama_cpp.llama_model_n_layer(self._model)
+        n_head_kv = llama_cpp.llama_model_n_head_kv(self._model)
+        head = llama_cpp.llama_model_n_embd(self._model) // max(1, llama_cpp.llama_model_n_head(self._model))
+        k_len = int(self._meta(f"{arch}.attention.key_length") or head)
+        v_len = int(self._meta(f"{arch}.attention.value_length") or head)
+        return ModelFacts(
+            file_bytes=os.path.getsize(self.model_file.path),
+            n_params=llama_cpp.llama_model_n_params(self._model),
+            n_vocab=self.n_vocab,
+            kv_bytes_per_token=int(n_layer * n_head_kv * (k_len + v_len) * KV_BYTES_PER_VALUE[config.kv_type]),
+            n_seq_max=config.n_seq_max,
+        )
+
+    def _meta(self, key: str) -> str:
+        buffer = ctypes.create_string_buffer(128)
+        length = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buffer, len(buffer))
+        return buffer.value.decode(errors="replace") if length >= 0 else ""
 
     def _measure_state_bytes(self) -> float:
         """Bytes one token's state takes (the KV of every layer), from two tiny scratch prefills

@@ -50,6 +50,22 @@ log = logging.getLogger(__name__)
 AT_ONCE_MS = 50.0
 
 Exports = dict[int, tuple[int, bytes]]  # range end -> (range start, state), taken as soon as computed
+# Sealed states sent in one round trip at most: bounds what an upload holds besides the exports
+# (a sealed copy and the client's packed copy of each state in flight).
+UPLOAD_GROUP_BYTES = 2 * 1024 * 1024  # one 128-token range of Gemma-3 270M (2.4 MB) per round trip
+
+
+def _upload_groups(refs: list[EntryRef], exports: Exports, limit: int) -> list[list[EntryRef]]:
+    """``refs`` in order, in groups whose exported states add up to ``limit`` bytes or just past it. Pure."""
+    groups: list[list[EntryRef]] = [[]]
+    size = 0
+    for ref in refs:
+        if size >= limit and groups[-1]:
+            groups.append([])
+            size = 0
+        groups[-1].append(ref)
+        size += len(exports[ref.end][1]) if ref.end in exports else 0
+    return [group for group in groups if group]
 
 
 @dataclass
@@ -626,10 +642,25 @@ class PrefixServing:
         self._remember(session, self._sealed(session, tokens, refs, set(), boundary_logits, exports))
 
     def _upload(self, session: ExchangeSession, tokens, refs: list[EntryRef], known: set[bytes], boundary_logits, exports: Exports) -> list:
-        """Store the ranges this run computed (after the answer is out), in RAM and in the cache box."""
+        """Store the ranges this run computed (after the answer is out), in RAM and in the cache box.
+
+        A few ranges at a time (``UPLOAD_GROUP_BYTES``): each group is sealed, sent in one round
+        trip and let go before the next, and without a RAM tier each range's exported state goes
+        as soon as it is sealed. On a small board the sealed and packed copies of a whole prompt's
+        states would otherwise be most of its spare memory."""
         mark = time.perf_counter()
-        items = self._sealed(session, tokens, refs, known, boundary_logits, exports)
-        self._remember(session, items)
-        uploaded = session.share([(ref, blob) for ref, blob, needed, _ in items if needed], chain=True)
+        uploaded: list = []
+        for group in _upload_groups(refs, exports, UPLOAD_GROUP_BYTES):
+            items = self._sealed(session, tokens, group, known, boundary_logits, exports)
+            self._remember(session, items)
+            if self.ram is None:
+                for ref in group:
+                    exports.pop(ref.end, None)
+            wanted = [(ref, blob) for ref, blob, needed, _ in items if needed]
+            del items
+            stored = session.share(wanted, chain=True)
+            uploaded += stored
+            if len(stored) < len(wanted):
+                break  # a range was left out or the cache box failed: later ranges would link to a missing one
         session.breakdown.upload_ms = ms_since(mark)
         return uploaded

@@ -55,6 +55,12 @@ def celery_settings(broker_url: str, environ=os.environ) -> dict:
     }
 
 
+# A board's reports wait for a broker that is away (its Wi-Fi dropped, the broker restarted)
+# instead of failing after Celery's default three quick retries: the answer is computed, and the
+# report is what the control plane records; a heartbeat waits in its own thread the same way.
+BOARD_PUBLISH_RETRY = {"max_retries": None, "interval_start": 0.5, "interval_step": 1.0, "interval_max": 5.0}
+
+
 def board_app(broker_url: str, *, queues: list[str] | None = None, transport_options: dict | None = None) -> Celery:
     """The Celery app of one edge process: the board tasks, JSON only, current and default.
 
@@ -67,7 +73,7 @@ def board_app(broker_url: str, *, queues: list[str] | None = None, transport_opt
     if queues:
         settings["task_queues"] = [KombuQueue(name, Exchange(name), routing_key=name, no_declare=True) for name in queues]
     app.conf.update(settings)
-    app.conf.update(include=["inference.tasks"])
+    app.conf.update(include=["inference.tasks"], task_publish_retry_policy=BOARD_PUBLISH_RETRY, broker_connection_max_retries=None)
     app.set_default()
     without_scripts()  # this process is a board: its Redis user may run no script
     return app

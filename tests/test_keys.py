@@ -15,20 +15,24 @@ from cachebox.keys import (
     tokens_digest,
 )
 
-IDENTITY = ModelIdentity(gguf_sha256="ab" * 32, n_ctx=4096, kv_type="f16", llama_build="x")
+IDENTITY = ModelIdentity(gguf_sha256="ab" * 32, kv_type="f16", llama_build="x")
 
 
 def test_fingerprint_is_stable_and_sensitive_to_every_field():
-    assert IDENTITY.fingerprint() == ModelIdentity("ab" * 32, 4096, "f16", "x").fingerprint()
+    assert IDENTITY.fingerprint() == ModelIdentity("ab" * 32, "f16", "x").fingerprint()
     assert len(IDENTITY.fingerprint()) == 16
     others = [
-        ModelIdentity("cd" * 32, 4096, "f16", "x"),
-        ModelIdentity("ab" * 32, 2048, "f16", "x"),
-        ModelIdentity("ab" * 32, 4096, "q8_0", "x"),
-        ModelIdentity("ab" * 32, 4096, "f16", "y"),
-        ModelIdentity("ab" * 32, 4096, "f16", "x", state_format=99),
+        ModelIdentity("cd" * 32, "f16", "x"),
+        ModelIdentity("ab" * 32, "q8_0", "x"),
+        ModelIdentity("ab" * 32, "f16", "y"),
+        ModelIdentity("ab" * 32, "f16", "x", state_format=99),
     ]
-    assert len({IDENTITY.fingerprint(), *(o.fingerprint() for o in others)}) == 6
+    assert len({IDENTITY.fingerprint(), *(o.fingerprint() for o in others)}) == 5
+
+
+def test_the_context_size_is_no_part_of_a_models_identity():
+    # States are the same bits whatever the context holds: boards sized to small memories share them.
+    assert "n_ctx" not in ModelIdentity.__dataclass_fields__
 
 
 def test_prefix_key_does_not_depend_on_where_earlier_ranges_were_cut():

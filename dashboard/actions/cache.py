@@ -20,9 +20,10 @@ def cachebox_url() -> str:
     return settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL
 
 
-def start_cachebox() -> str:
+def start_cachebox(bind: tuple[str, ...] | None = None) -> str:
     """Start this checkout's embedded cache box unless REDIS_URL names a server (the control plane's
-    password for it comes from the secrets folder); returns the cache box's URL.
+    password for it comes from the secrets folder; ``bind``: the addresses it listens on besides
+    loopback, default EDGECACHE_EMBEDDED_BIND); returns the cache box's URL.
     CacheBoxUnavailable when it cannot start."""
     if settings.REDIS_URL_IS_EMBEDDED:
         embedded.ensure_running(
@@ -30,7 +31,7 @@ def start_cachebox() -> str:
             port=settings.EDGECACHE_EMBEDDED_PORT,
             maxmemory=settings.EDGECACHE_EMBEDDED_MAXMEMORY,
             password=settings.EDGECACHE_EMBEDDED_PASSWORD,
-            bind=settings.EDGECACHE_EMBEDDED_BIND,
+            bind=tuple(bind if bind is not None else settings.EDGECACHE_EMBEDDED_BIND),
         )
     return cachebox_url()
 

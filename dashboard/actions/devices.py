@@ -21,6 +21,7 @@ from inference.messages import BoardMessage, EnrollRequest, Heartbeat
 from ..live import broadcast
 from ..models import Device, Namespace
 from ..signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring
+from ..stats import memory_label
 from .audit import AuditAction, audit
 from .cache import cachebox
 
@@ -283,7 +284,21 @@ def record_heartbeat(payload: dict) -> Device | None:
         device.status = beat.status.dump()
         device.save(update_fields=["last_seen", "status"])
         transaction.on_commit(lambda: broadcast("device", device_json(device)))
+    _republish_if_missing(device)
     return device
+
+
+def _republish_if_missing(device: Device) -> None:
+    """A live board whose record the registry lost (its cache box restarted empty) gets it back."""
+    try:
+        missing = registry.lookup(cachebox(), device.name) is None
+    except CacheBoxError:
+        return
+    except registry.DeviceRefused:  # unreadable: written again below
+        missing = True
+    if missing:
+        log.warning("device %s: its registry record was gone (cache box restarted?); published again", device.name)
+        publish_device(device)
 
 
 def device_json(device: Device) -> dict:
@@ -293,4 +308,5 @@ def device_json(device: Device) -> dict:
         "revoked": device.revoked_at is not None,
         "last_seen": device.last_seen.isoformat() if device.last_seen else None,
         "link": device.link_label,
+        "memory": memory_label(device.status, device.memory_mb),
     }

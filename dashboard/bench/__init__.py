@@ -32,6 +32,7 @@ BENCHMARKS = {
     "lab": "inference.benchmarks.lab",
     "lab-exit": "inference.benchmarks.early_exit",
     "lab-anchors": "inference.benchmarks.anchors",
+    "footprint": "inference.benchmarks.footprint",
 }
 
 

@@ -40,10 +40,21 @@ class CommandContext:
 
         return keyring_for(namespace).to_dict()
 
+    def _start_cachebox(self) -> None:
+        """Start this checkout's embedded cache box (a board only connects; the control plane starts it)."""
+        from cachebox.errors import CacheBoxUnavailable
+        from dashboard.actions import start_cachebox
+
+        try:
+            start_cachebox()
+        except CacheBoxUnavailable as exc:
+            raise BenchError(str(exc))
+
     @contextmanager
     def board(self, config=None, *, cachebox_only: bool = True, background_sync: bool = False, **changes):
         from inference.board import Board
 
+        self._start_cachebox()
         config = (config or self.config).with_(**changes) if changes else (config or self.config)
         board = Board.start(config, keys=self.keys, background_sync=background_sync)
         try:
@@ -60,8 +71,9 @@ class CommandContext:
         from cachebox.store import CacheBox
         from inference.board import cachebox_url
 
+        self._start_cachebox()
         try:
-            url = cachebox_url(self.config)  # starts the embedded Valkey when it is the cache box
+            url = cachebox_url(self.config)
         except CacheBoxUnavailable as exc:
             raise BenchError(str(exc))
         if not CacheBox(url).ping():

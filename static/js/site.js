@@ -41,6 +41,7 @@
         badge.className = "badge " + (state[0] === "online" ? "ok" : "off");
       });
       holder.querySelectorAll('[data-role="last-seen"]').forEach(function (cell) { cell.textContent = device.last_seen ? when(device.last_seen) : "never"; });
+      if (device.memory) holder.querySelectorAll('[data-role="memory"]').forEach(function (cell) { cell.textContent = device.memory; });
     });
   }
   window.EdgeCache = { deviceState: deviceState, when: when };

@@ -3,6 +3,9 @@
 Starts the embedded cache box, migrates, creates a first admin, starts the control-plane
 worker and two demo boards ("zero": 1 thread paced to the paper's Raspberry Pi Zero 2W on
 its Wi-Fi 4 link, both emulated; "pi5": 2 threads, unshaped) and serves the dashboard. Ctrl-C stops all of it.
+With EDGECACHE_BOARD_HOSTS=1, as root, the demo boards run as hosts (``inference.hosts``): each in a
+network namespace of its own behind a kernel-shaped link, in a cgroup capped at its registered
+memory and threads; otherwise (or where the machine cannot) as plain processes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from dashboard.models import Device
 from inference.messages import Queue
 
 ADMIN_USERNAME = "admin"
+# EDGECACHE_BOARD_HOSTS=1: the demo boards as hosts (inference.hosts) on this hub.
+HOSTS_PREFIX = "ecrun"
+HOSTS_SUBNET = "10.78.0.0/24"
 
 
 def checked_admin_password(password: str | None) -> str | None:
@@ -55,6 +61,12 @@ DEMO_BOARDS = [
 ]
 
 
+def board_url(url: str, host: str) -> str:
+    """``url`` as a board on another host reaches it: at ``host`` for loopback, without credentials."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2].replace('127.0.0.1', host)}"
+
+
 class Command(BaseCommand):
     help = "Run EdgeCache on this machine: cache box, control-plane worker, two demo boards and the dashboard."
 
@@ -69,9 +81,15 @@ class Command(BaseCommand):
         with socket.socket() as probe:
             if probe.connect_ex((host, port)) == 0:
                 raise CommandError(f"port {port} on {host} is already in use (another `make run`?); stop it or pass --port")
+        network = None if no_boards else self._host_network()
+        board_config = settings.EDGECACHE_BOARD
+        if network is not None:  # the boards reach the cache box on the hub's address too
+            board_config = board_config.with_(embedded_bind=(*board_config.embedded_bind, network.hub.address))
         try:
-            actions.start_cachebox()  # the embedded Valkey starts here unless REDIS_URL is set
+            actions.start_cachebox(bind=board_config.embedded_bind)  # the embedded Valkey starts here unless REDIS_URL is set
         except CacheBoxUnavailable as exc:
+            if network is not None:
+                network.destroy()
             raise CommandError(str(exc))
         self.stdout.write(f"cache box: {actions.cachebox().safe_url}")
         call_command("migrate", interactive=False, verbosity=0)
@@ -84,13 +102,12 @@ class Command(BaseCommand):
             if not no_boards:
                 for spec in DEMO_BOARDS:
                     token = self._demo_token(spec)
-                    children.append(
-                        self._spawn(
-                            f"board {spec['name']}" + (f" (compute paced to {spec['compute_profile']})" if spec["compute_profile"] else ""),
-                            [sys.executable, "manage.py", "edge", "--name", spec["name"]],
-                            {"EDGECACHE_DEVICE_TOKEN": token, "EDGECACHE_COMPUTE_PROFILE": spec["compute_profile"]},
-                        )
-                    )
+                    label = f"board {spec['name']}" + (f" (compute paced to {spec['compute_profile']})" if spec["compute_profile"] else "")
+                    argv = [sys.executable, "manage.py", "edge", "--name", spec["name"]]
+                    if network is None:
+                        children.append(self._spawn(label, argv, self._board_env(spec, token)))
+                    else:
+                        children.append(self._spawn_host(network, spec, label, argv, self._board_env(spec, token, network)))
             self.stdout.write(self.style.SUCCESS(f"dashboard: http://{host}:{port}/  (Ctrl-C stops everything; `make stop` also ends the cache box)"))
             from daphne.cli import CommandLineInterface
 
@@ -99,6 +116,46 @@ class Command(BaseCommand):
             CommandLineInterface().run(["-b", host, "-p", str(port), "dashboard.asgi:application"])
         finally:
             self._stop(children)
+            if network is not None:
+                network.destroy()
+                self.stdout.write("removed the boards' namespaces, links and cgroups")
+
+    def _host_network(self):
+        """With EDGECACHE_BOARD_HOSTS=1, as root: a hub for the demo boards to run as hosts."""
+        if os.environ.get("EDGECACHE_BOARD_HOSTS", "").strip() not in ("1", "true", "yes", "on"):
+            return None
+        from inference.hosts import HostNetwork, HostsUnavailable, unavailable_reason
+
+        reason = unavailable_reason()
+        if not reason and not settings.REDIS_URL_IS_EMBEDDED and "127.0.0.1" in settings.REDIS_URL + settings.EDGECACHE_CACHEBOX_URL:
+            reason = "REDIS_URL names 127.0.0.1, which a board in a namespace of its own cannot reach"
+        if reason:
+            self.stdout.write(self.style.WARNING(f"EDGECACHE_BOARD_HOSTS=1, but {reason}: the demo boards run as processes"))
+            return None
+        try:
+            network = HostNetwork.create(HOSTS_PREFIX, HOSTS_SUBNET)
+        except HostsUnavailable as exc:
+            self.stdout.write(self.style.WARNING(f"the demo boards run as processes: {exc}"))
+            return None
+        self.stdout.write(f"boards as hosts: hub {network.hub.address} (bridge {network.hub.bridge}), one network namespace, link and cgroup per board")
+        return network
+
+    def _board_env(self, spec: dict, token: str, network=None) -> dict:
+        """What a demo board is told (its broker and cache box, from its own namespace when it is a
+        host): addresses only, never the control plane's password (a board logs in as itself)."""
+        env = {"EDGECACHE_DEVICE_TOKEN": token, "EDGECACHE_COMPUTE_PROFILE": spec["compute_profile"]}
+        if network is not None:
+            hub = network.hub.address
+            env.update({"REDIS_URL": board_url(settings.REDIS_URL, hub), "EDGECACHE_LINK_SHAPED_BY": "kernel"})
+            if settings.EDGECACHE_CACHEBOX_URL:
+                env["EDGECACHE_CACHEBOX_URL"] = board_url(settings.EDGECACHE_CACHEBOX_URL, hub)
+        return env
+
+    def _spawn_host(self, network, spec: dict, label: str, argv: list[str], env: dict) -> subprocess.Popen:
+        link = LINK_PRESETS[spec["link"]]
+        host = network.add(spec["name"], memory_mb=spec["memory_mb"], threads=spec["cpu_threads"], link=link)
+        self.stdout.write(f"starting {label} as a host: {host.address}, {spec['memory_mb']} MB, {spec['cpu_threads']} CPU, link {link.label if link else 'unshaped'} (tc)")
+        return host.spawn(argv, {**os.environ, **env}, cwd=settings.BASE_DIR)
 
     def _spawn(self, label: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         self.stdout.write(f"starting {label}")
