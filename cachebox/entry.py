@@ -170,8 +170,11 @@ def encode_entry(header: EntryHeader, encoded_state: bytes, keyring: KeyRing) ->
     raw = header.to_json()
     prefix = _PREFIX.pack(MAGIC, len(raw))
     _, mac = keyring.sign(prefix + raw)
-    _, sealed = keyring.seal_data(encoded_state, prefix + raw, cipher=header.cipher)
-    return prefix + mac + raw + sealed
+    head = prefix + mac + raw
+    entry = bytearray(len(head) + header.state_bytes)  # one buffer: the state is encrypted straight into it
+    entry[: len(head)] = head
+    keyring.seal_into(encoded_state, prefix + raw, memoryview(entry)[len(head) :], cipher=header.cipher)
+    return bytes(entry)
 
 
 def decode_header(prefix: bytes) -> tuple[EntryHeader, int] | int:

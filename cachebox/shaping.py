@@ -96,3 +96,16 @@ class ShapedConnection(redis.Connection):
     def _connect(self):
         sock = super()._connect()
         return ShapedSocket(sock, self.shaper) if self.shaper else sock
+
+
+class ShapedSSLConnection(redis.SSLConnection):
+    """A redis-py TLS connection whose (wrapped) socket is a ShapedSocket: the link is paced
+    below TLS, as the network would pace it."""
+
+    def __init__(self, *args, shaper: LinkShaper | None = None, **kwargs):
+        self.shaper = shaper
+        super().__init__(*args, **kwargs)
+
+    def _connect(self):
+        sock = super()._connect()
+        return ShapedSocket(sock, self.shaper) if self.shaper else sock

@@ -113,6 +113,11 @@ class KeyRing:
         """``(generation, sealed)``: ``plaintext`` encrypted and authenticated under the current data key."""
         return self.current, seal_data(self._data_keys[self.current], plaintext, aad, cipher=cipher or DEFAULT_CIPHER)
 
+    def seal_into(self, plaintext: bytes | memoryview, aad: bytes, out: memoryview, *, cipher: str = "") -> int:
+        """``seal_data`` into ``out``; returns the generation it was sealed under."""
+        seal_into(self._data_keys[self.current], plaintext, aad, out, cipher=cipher or DEFAULT_CIPHER)
+        return self.current
+
     def open_data(self, generation: int, sealed: bytes | memoryview, aad: bytes, *, cipher: str = "") -> bytes:
         """The plaintext of ``seal_data``'s output; EntryError when it was altered or is not ours."""
         return open_data(self.data_key(generation), sealed, aad, cipher=cipher or DEFAULT_CIPHER)
@@ -180,11 +185,20 @@ def _item_key(data_key: bytes, salt: bytes) -> bytes:
 
 
 def seal_data(data_key: bytes, plaintext: bytes | memoryview, aad: bytes, *, cipher: str = AES_GCM) -> bytes:
-    """``salt | ciphertext | tag`` of ``plaintext`` bound to ``aad`` (one copy of the bytes)."""
+    """``salt | ciphertext | tag`` of ``plaintext`` bound to ``aad``."""
+    out = bytearray(SALT_BYTES + len(plaintext) + TAG_BYTES)
+    seal_into(data_key, plaintext, aad, memoryview(out), cipher=cipher)
+    return bytes(out)
+
+
+def seal_into(data_key: bytes, plaintext: bytes | memoryview, aad: bytes, out: memoryview, *, cipher: str = AES_GCM) -> None:
+    """``seal_data`` written into ``out`` (exactly ``SALT_BYTES + len(plaintext) + TAG_BYTES`` long):
+    no copy of the megabytes besides the ciphertext itself."""
     if cipher not in CIPHERS:
         raise ValueError(f"unknown cipher {cipher!r} (known: {', '.join(CIPHERS)})")
     salt = os.urandom(SALT_BYTES)
-    return salt + CIPHERS[cipher](_item_key(data_key, salt)).encrypt(_ZERO_NONCE, bytes(plaintext) if isinstance(plaintext, memoryview) else plaintext, aad)
+    out[:SALT_BYTES] = salt
+    CIPHERS[cipher](_item_key(data_key, salt)).encrypt_into(_ZERO_NONCE, plaintext, aad, out[SALT_BYTES:])
 
 
 def open_data(data_key: bytes, sealed: bytes | memoryview, aad: bytes, *, cipher: str = AES_GCM) -> bytes:

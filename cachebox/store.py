@@ -18,6 +18,7 @@ the nodes it needed answered.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Callable, Iterable, Iterator, Sequence, TypeVar
@@ -29,7 +30,8 @@ from .cluster import TOPOLOGY_ERRORS, cluster_client, is_cluster_url, parse_clus
 from .errors import CacheBoxRefused, CacheBoxUnavailable
 from .keys import catalog_key_names, device_key_name, entry_key_pattern, schema_key_pattern
 from .link import LinkProfile
-from .shaping import LinkShaper, ShapedConnection
+from .shaping import LinkShaper, ShapedConnection, ShapedSSLConnection
+from .tls import client_options, is_tls_url
 
 # The server could not be reached: back off. Any other redis.RedisError is an answer
 # (OOM, WRONGTYPE, NOPERM, a wrong password, ...): typed too, but the next call may go to the
@@ -63,7 +65,7 @@ class CacheBox:
         self.retry_after = retry_after
         self.link = link
         self._down_until = 0.0
-        options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry_on_timeout=False, health_check_interval=0)
+        options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry_on_timeout=False, health_check_interval=0, **client_options(url))
         # A cluster URL: the client connects (loads the slot map) at first use, so that a board
         # starts while the cluster is away, like with one server.
         self.cluster = parse_cluster_url(url) if is_cluster_url(url) else None
@@ -72,12 +74,13 @@ class CacheBox:
         self._redis: redis.Redis | redis.RedisCluster | None = None
         if self.cluster is not None:
             # The same timeouts reach every node's connections (and one paced link is shared by all).
-            self._cluster_options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout)
+            self._cluster_options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, **client_options(url))
             if link is not None:
-                self._cluster_options["connection_class"] = _shaped_connection_class(LinkShaper(link))
+                self._cluster_options["connection_class"] = _shaped_connection_class(LinkShaper(link), tls=self.cluster.tls)
         elif link is not None and not url.startswith("unix"):
             # Emulated link: every connection of this client shares one paced link.
-            pool = redis.ConnectionPool.from_url(url, connection_class=ShapedConnection, shaper=LinkShaper(link), **options)
+            connection_class = ShapedSSLConnection if is_tls_url(url) else ShapedConnection
+            pool = redis.ConnectionPool.from_url(url, connection_class=connection_class, shaper=LinkShaper(link), **options)
             self._redis = redis.Redis(connection_pool=pool)
         else:
             self._redis = redis.Redis.from_url(url, **options)
@@ -551,8 +554,23 @@ class CacheBox:
     def set_user(self, name: str, rules: Sequence[str]) -> None:
         """Create or replace the ACL user ``name`` (``ACL SETUSER``) on every server; its existing
         connections keep their old rights until they reconnect, so callers that narrow a user
-        also ``kill_user``. Raises CacheBoxRefused when the server has no ACLs or refuses us."""
-        self._on_every_server(lambda client: client.execute_command("ACL", "SETUSER", name, *rules))
+        also ``kill_user``. A command the server does not know (``client|setinfo`` before Redis
+        7.2) is left out of the rules: nothing can run it there anyway. Raises CacheBoxRefused when
+        the server has no ACLs or refuses us."""
+
+        def apply(client) -> None:
+            kept = list(rules)
+            while True:
+                try:
+                    client.execute_command("ACL", "SETUSER", name, *kept)
+                    return
+                except redis.ResponseError as exc:
+                    unknown = re.search(r"modifier '([^']+)': Unknown command", str(exc))
+                    if unknown is None or unknown.group(1) not in kept:
+                        raise
+                    kept.remove(unknown.group(1))
+
+        self._on_every_server(apply)
 
     def delete_user(self, name: str) -> None:
         """Delete the ACL user ``name`` everywhere: its connections are closed at once."""
@@ -604,11 +622,11 @@ def _stream_id_after(candidate: str, current: str) -> bool:
     return parse(candidate) > parse(current)
 
 
-def _shaped_connection_class(shaper: LinkShaper) -> type:
+def _shaped_connection_class(shaper: LinkShaper, tls: bool = False) -> type:
     """A connection class bound to one paced link, for clients that build connections from a class
     and keyword arguments they filter (every node of a cluster client)."""
 
-    class ClusterShapedConnection(ShapedConnection):
+    class ClusterShapedConnection(ShapedSSLConnection if tls else ShapedConnection):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("shaper", shaper)
             super().__init__(*args, **kwargs)

@@ -28,6 +28,7 @@ from redis.exceptions import MovedError
 
 from .cluster import is_cluster_url, parse_cluster_url
 from .errors import CacheBoxRefused, CacheBoxUnavailable
+from .tls import client_options
 
 T = TypeVar("T")
 
@@ -40,7 +41,7 @@ def _client(url: str, connect_timeout: float, timeout: float) -> aioredis.Redis:
 
 def _clients(url: str, connect_timeout: float, timeout: float) -> list[aioredis.Redis]:
     """A client of the server, or one per node a cluster URL names (each a plain client of that node)."""
-    options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, health_check_interval=0)
+    options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, health_check_interval=0, **client_options(url))
     if not is_cluster_url(url):
         return [aioredis.Redis.from_url(url, **options)]
     address = parse_cluster_url(url)
@@ -173,7 +174,7 @@ async def _set_on_cluster(url: str, name: str, ttl: int, value: bytes, connect_t
                 address = parse_cluster_url(url)
                 owner = aioredis.Redis(
                     host=moved.host, port=moved.port, username=address.username, password=address.password, ssl=address.tls,
-                    socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry=Retry(NoBackoff(), 0),
+                    socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry=Retry(NoBackoff(), 0), **client_options(url),
                 )
                 try:
                     await owner.set(name, value, ex=max(1, int(ttl)))

@@ -103,6 +103,11 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "how a board seals the states it uploads: `aes-256-gcm` (CPUs with AES instructions) or `chacha20-poly1305` "
         "(a Pi Zero 2W's Cortex-A53 has none); named in each entry's signed header, readers need no setting",
     ),
+    "EDGECACHE_REDIS_CA_CERT": (
+        "the system's CAs",
+        "the CA bundle that signed the Redis/Valkey server's certificate, for `rediss://` URLs (the certificate is always "
+        "verified and its name checked against the URL's host); every process reads it: boards, web, workers",
+    ),
     "EDGECACHE_EMBEDDED_PASSWORD": ("generated into the secrets folder", "the control plane's password of the embedded Valkey's `default` user"),
     "EDGECACHE_EMBEDDED_BIND": (
         "`127.0.0.1`",

@@ -16,6 +16,7 @@ import dj_database_url
 
 from cachebox.cluster import is_cluster_url, parse_cluster_url
 from cachebox.embedded import url_for
+from cachebox.tls import client_options as tls_options
 from inference.config import BoardConfig, edgecache_home, move_legacy_secret, secrets_home
 from inference.worker import celery_settings
 
@@ -196,6 +197,9 @@ LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
 SESSION_COOKIE_HTTPONLY = True
+# Sessions are stored under a keyed digest of their cookie, never the cookie itself: a copy of the
+# database replays no login (dashboard.sessions).
+SESSION_ENGINE = "dashboard.sessions"
 CSRF_COOKIE_SAMESITE = "Lax"
 X_FRAME_OPTIONS = "DENY"
 
@@ -282,7 +286,7 @@ if EDGECACHE_TOKEN_TTL_HOURS <= 0:
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "dashboard.live.AuthenticatedChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "symmetric_encryption_keys": [SECRET_KEY]},
+        "CONFIG": {"hosts": [{"address": REDIS_URL, **tls_options(REDIS_URL)} if tls_options(REDIS_URL) else REDIS_URL], "symmetric_encryption_keys": [SECRET_KEY]},
     }
 }
 
@@ -334,6 +338,7 @@ if REDIS_URL.split("://", 1)[0] in ("redis", "rediss", "unix"):
                 "pool_class": "redis.BlockingConnectionPool",
                 "max_connections": _env_int("EDGECACHE_CACHE_CONNECTIONS", 32),
                 "timeout": EDGECACHE_IO_TIMEOUT,
+                **tls_options(REDIS_URL),  # rediss://: the server's certificate checked (EDGECACHE_REDIS_CA_CERT)
             },
         }
     }

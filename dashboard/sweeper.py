@@ -20,11 +20,13 @@ class Sweeper(threading.Thread):
         self._stopped = threading.Event()
 
     def run(self) -> None:
+        from .actions.identities import ensure_identities
         from .actions.sweeper import announce_liveness, sweep
 
         while not self._stopped.wait(self.interval):
             try:
                 close_old_connections()
+                ensure_identities()
                 counts = sweep()
                 if counts["resent"] or counts["lost"]:
                     log.warning("sweep: %s", counts)

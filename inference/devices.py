@@ -39,6 +39,11 @@ class DeviceRefused(Exception):
     one the control plane it trusts signed."""
 
 
+class RecordRefused(DeviceRefused):
+    """A registry record the pinned control plane did not sign for this device (forged, altered,
+    replayed): not an order to stop. A board keeps its last good record."""
+
+
 class DeviceUnknown(DeviceRefused):
     """The registry holds no record of this device (never registered, or a cache box that restarted empty)."""
 
@@ -142,7 +147,7 @@ def verified(record: DeviceRecord, keys: BoardKeys, *, newer_than: int = 0) -> D
         reason = f"older than the record accepted before (serial {record.serial} < {newer_than}): a replay"
     if reason:
         security_event("record_refused", device=record.name, reason=reason)
-        raise DeviceRefused(f"the registry record of device {record.name!r} was refused: {reason}")
+        raise RecordRefused(f"the registry record of device {record.name!r} was refused: {reason}")
     return record
 
 

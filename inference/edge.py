@@ -28,7 +28,7 @@ from cachebox.store import CacheBox
 
 from . import envelope
 from .chat import chat_prompt
-from .devices import DeviceRecord, DeviceRefused, DeviceUnknown, authenticate, enroll
+from .devices import DeviceRecord, DeviceRefused, DeviceUnknown, RecordRefused, authenticate, enroll
 from .engine import EngineError
 from .envelope import CONTROL, EnvelopeRefused, Kind
 from .identity import BoardKeys
@@ -69,6 +69,10 @@ class EdgeIdentity:
         previous = self.record.cache_namespace
         try:
             self.record = authenticate(self.store, self.name, self.keys, newer_than=self.record.serial)
+        except RecordRefused:
+            # Not the control plane's word (logged): neither a revocation nor new keys. This board
+            # serves on with the last record it trusted.
+            return
         except DeviceUnknown:
             # This board enrolled, so its record existed: a registry without it is a cache box that
             # restarted empty. Revoking or rotating writes a record; only its absence is "cannot

@@ -13,6 +13,7 @@ from celery import Celery
 from kombu import Exchange, Queue as KombuQueue
 
 from cachebox.broker import without_scripts
+from cachebox.tls import kombu_options
 
 from .messages import CONTROL_TASKS, Queue
 
@@ -51,6 +52,9 @@ def celery_settings(broker_url: str, environ=os.environ) -> dict:
         "task_default_queue": Queue.CONTROL.value,
         "task_routes": {task.value: {"queue": Queue.CONTROL.value} for task in CONTROL_TASKS},
         "broker_connection_retry_on_startup": True,
+        # TLS to the broker for a rediss:// URL: the server's certificate verified against
+        # EDGECACHE_REDIS_CA_CERT (cachebox.tls); None for a plain URL.
+        "broker_use_ssl": kombu_options(broker_url),
         "worker_hijack_root_logger": False,
     }
 

@@ -53,9 +53,10 @@ def pytest_collection_modifyitems(config, items):
 def valkey_url(tmp_path_factory):
     """A real embedded Valkey server of the test session's own (not the checkout's)."""
     data_dir = tmp_path_factory.mktemp("valkey")
-    url = embedded.ensure_running(data_dir, maxmemory="512mb")
+    port = embedded._low_free_ports(1)[0]  # free now (the folder's own port may be another program's)
+    url = embedded.ensure_running(data_dir, port=port, maxmemory="512mb")
     yield url
-    embedded.stop(data_dir)
+    embedded.stop(data_dir, port)
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,12 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
-import os
 import pickle
 import threading
 import uuid
 from pathlib import Path
+
+from cachebox.store import CacheBox
 
 import pytest
 import redis
@@ -277,3 +278,225 @@ def test_an_api_key_runs_only_its_namespaces_and_shared_schemas(client):
     body = {"model": "m", "messages": [], "edgecache": {"schema": "acme-travel", "pml": '<prompt schema="acme-travel"><city/></prompt>'}}
     response = client.post("/v1/chat/completions", data=json.dumps(body), content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
     assert response.status_code == 400 and "No schema named 'acme-travel'" in response.json()["error"]["message"]
+
+
+# -- probe 8: a copy of the database opens nothing live ----------------------------------------------------
+def test_a_session_copied_from_the_database_replays_no_login(client, django_user_model):
+    from django.contrib.sessions.models import Session
+    from django.test import Client
+
+    admin = django_user_model.objects.create_superuser("admin", "", "pw-admin-12345")
+    page = client.post("/accounts/login/", {"username": "admin", "password": "pw-admin-12345"})  # as a person logs in
+    assert page.status_code == 302, page.content[:300]
+    cookie = client.cookies["sessionid"].value
+    assert client.get("/admin/").status_code == 200
+    rows = list(Session.objects.values_list("session_key", flat=True))
+    assert rows and cookie not in rows  # the table holds no cookie
+    for stolen in rows:  # the attacker's replay of what the dump holds
+        thief = Client()
+        thief.cookies["sessionid"] = stolen
+        assert thief.get("/admin/").status_code == 302
+    client.logout()  # logging out still ends it server-side
+    assert not Session.objects.exists()
+    replay = Client()
+    replay.cookies["sessionid"] = cookie
+    assert replay.get("/admin/").status_code == 302
+    assert admin.pk
+
+
+def test_a_copy_of_the_database_enrolls_no_board(settings, monkeypatch):
+    """The probe: a registered but not yet started device's enroll_key let the attacker enroll its own
+    keys. The database now keeps the token's public key only: nothing in the row signs an enrollment."""
+    from dashboard import actions
+    from dashboard.models import Device
+    from inference.identity import BoardKeys
+
+    monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
+    monkeypatch.setattr("dashboard.actions.identities.apply_identity", lambda device, **kw: True)
+    device, token = actions.register_device(None, name="pending", cpu_threads=1)
+    row = Device.objects.filter(name="pending").values().get()
+    attacker = BoardKeys.generate()
+    for value in row.values():  # every secret-looking value of the row, tried as the token
+        if isinstance(value, str) and value:
+            assert actions.enroll_device(attacker.enrollment("pending", value)) is None
+    assert Device.objects.get(name="pending").signing_public_key == ""
+    assert actions.enroll_device(BoardKeys.generate().enrollment("pending", token)) is not None  # the token itself does
+
+
+def test_an_expired_token_enrolls_nothing(monkeypatch):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from dashboard import actions
+    from dashboard.models import Device
+    from inference.identity import BoardKeys
+
+    monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
+    monkeypatch.setattr("dashboard.actions.identities.apply_identity", lambda device, **kw: True)
+    device, token = actions.register_device(None, name="late", cpu_threads=1)
+    Device.objects.filter(pk=device.pk).update(token_expires=timezone.now() - timedelta(seconds=1))
+    assert actions.enroll_device(BoardKeys.generate().enrollment("late", token)) is None
+
+
+def test_secrets_live_outside_the_state_folder(tmp_path):
+    from inference.config import secrets_home
+
+    home = tmp_path / "state"
+    secrets = secrets_home({"EDGECACHE_HOME": str(home)})
+    assert home not in secrets.parents and secrets != home
+    assert secrets_home({"EDGECACHE_HOME": str(home), "EDGECACHE_SECRETS_DIR": str(tmp_path / "vault")}) == tmp_path / "vault"
+
+
+# -- probe 2: forged key rings and registry records ------------------------------------------------------
+@pytest.mark.cachebox
+def test_a_forged_ring_or_revocation_in_the_registry_changes_nothing_on_the_board(settings, valkey_url, monkeypatch, caplog):
+    """The attacker (able to write the registry key, as every board once was) seals a ring of its own to
+    zero's public key, and then sets ``revoked: true``. zero refuses both records and serves on."""
+    from cachebox.signing import control_plane_key, derive_keyring, seal
+    from dashboard import actions
+    from dashboard.models import Namespace
+    from inference import devices as registry
+    from inference import edge
+    from inference.identity import BoardKeys
+
+    settings.REDIS_URL = valkey_url
+    settings.EDGECACHE_BOARD_ACL = False  # the session's Valkey has no users to manage; the registry is what is tried here
+    Namespace.objects.get_or_create(name="default")
+    device, token = actions.register_device(None, name="zero", cpu_threads=1)
+    me = edge.become("zero", BoardKeys.generate(), CacheBox(valkey_url), token=token, send=actions.enroll_device, timeout=5)
+    good_ring = me.ring
+    store = CacheBox(valkey_url)
+    attacker = control_plane_key(b"the attacker's very own secret!!")
+    planted = derive_keyring(b"the attacker's very own secret!!", "default", 1)
+    record = registry.lookup(store, "zero")
+    record.keyring = seal(planted, bytes.fromhex(me.keys.box_public_key), "zero", attacker)
+    for forged in (
+        {**record.signed_document, "keyring": record.keyring},  # the genuine signature over other fields
+        registry.sign_document(attacker, {**record.signed_document, "keyring": record.keyring}),  # the attacker's signature
+        registry.sign_document(attacker, {**record.signed_document, "revoked": True}),
+        {**record.signed_document, "revoked": True},
+    ):
+        store.put_device_record("zero", json.dumps(forged))
+        with caplog.at_level("INFO", logger="edgecache.security"):
+            me.recheck()  # refused and logged; not a revocation, not new keys
+        assert me.ring == good_ring and not me.record.revoked
+    assert sum(1 for r in caplog.records if r.getMessage() == "record_refused") >= 4
+    # An older genuine record, replayed, is refused too (its serial is behind).
+    actions.publish_device(device)
+    older = json.loads(store.get_device_record("zero"))
+    actions.rotate_signing_key(None, Namespace.objects.get(name="default"))
+    me.recheck()
+    assert me.ring.current == 2
+    store.put_device_record("zero", json.dumps(older))
+    me.recheck()
+    assert me.ring.current == 2
+
+
+# -- probe 3: fake tokens streamed to an application --------------------------------------------------------
+@pytest.mark.cachebox
+def test_the_api_follows_only_events_the_dispatched_board_signed(settings, valkey_url):
+    """A run's channel carries an attacker's unsigned event and one signed by another board; the API's
+    reader takes only the dispatched board's (and the control plane's)."""
+    from cachebox import streams
+    from cachebox.keys import stream_channel
+    from cachebox.signing import derive_keyring
+    from dashboard.api.views import _Follower
+    from inference import envelope as env
+    from inference.envelope import Kind
+    from inference.identity import BoardKeys
+    from inference.messages import StreamEvent
+
+    ring = derive_keyring(b"m" * 32, "default", 1)
+    zero, mallory = BoardKeys.generate(), BoardKeys.generate()
+    device = type("D", (), {"name": "zero", "signing_public_key": zero.signing_public_key})()
+    request_id = str(uuid.uuid4())
+
+    def published(keys, sender, event):
+        return json.dumps(env.seal(event.compact(), kind=Kind.STREAM, sender=sender, to=request_id, signer=keys.signing, ring=ring)).encode()
+
+    async def scenario():
+        subscription = await streams.subscribe(valkey_url, stream_channel("zero", request_id)).open()
+        follower = _Follower(subscription, request_id, device, 10, lambda _ns: ring)
+        store = CacheBox(valkey_url)
+        fake = StreamEvent(type="token", request_id=request_id, device="zero", text="Pay to IBAN DE00 ATTACKER 6666 today.")
+        store.publish(stream_channel("zero", request_id), json.dumps(fake.compact()).encode())
+        store.publish(stream_channel("zero", request_id), published(mallory, "zero", fake))
+        store.publish(stream_channel("zero", request_id), published(mallory, "mallory", StreamEvent(type="done", request_id=request_id, text="fake")))
+        store.publish(stream_channel("zero", request_id), published(zero, "zero", StreamEvent(type="token", request_id=request_id, text=" 10000")))
+        store.publish(stream_channel("zero", request_id), published(zero, "zero", StreamEvent(type="done", request_id=request_id, text=" 10000", finish_reason="stop")))
+        events = [await follower.next(), await follower.next()]
+        await subscription.close()
+        return events
+
+    events = asyncio.run(scenario())
+    assert [(e.type, e.text) for e in events] == [("token", " 10000"), ("done", " 10000")]
+
+
+# -- probe 6: answers lost for good ----------------------------------------------------------------------------
+@pytest.mark.cachebox
+def test_a_run_nobody_takes_before_its_expiry_ends_as_a_failed_run_with_the_reason(settings, valkey_url, monkeypatch):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from dashboard import actions
+    from dashboard.actions import sweeper
+    from dashboard.models import Dispatch, InferenceRun
+
+    from .test_dashboard import register
+
+    settings.REDIS_URL = valkey_url
+    settings.EDGECACHE_BOARD_ACL = False
+    monkeypatch.setattr("dashboard.actions.runs.celery_app.send_task", lambda *a, **k: None)  # the board never starts
+    device, _ = register("never")
+    sent = actions.dispatch_run(None, [device], actions.PromptSpec(segments=["Tenant secret question?"], max_tokens=4, title="waits"))
+    request_id = sent[0]["request_id"]
+    assert sweeper.sweep()["lost"] == 0  # not expired yet
+    later = timezone.now() + timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES) + sweeper.EXPIRY_GRACE + timedelta(seconds=1)
+    assert sweeper.sweep(later)["lost"] == 1
+    run = InferenceRun.objects.get(request_id=request_id)
+    assert run.error.startswith("lost: board never did not start it before it expired") and "send it again" in run.error
+    assert run.device == device and run.prompt == "Tenant secret question?"
+    assert Dispatch.objects.get(request_id=request_id).outcome == "lost" and sweeper.sweep(later)["lost"] == 0  # once
+
+
+@pytest.mark.cachebox
+def test_a_run_on_a_board_that_died_goes_once_to_another_board_for_a_waiting_client(settings, valkey_url, monkeypatch):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from dashboard import actions
+    from dashboard.actions import sweeper
+    from dashboard.models import Device, Dispatch, InferenceRun
+
+    from .test_dashboard import enrolled, register, result_payload
+
+    settings.REDIS_URL = valkey_url
+    settings.EDGECACHE_BOARD_ACL = False
+    sent_to = []
+    monkeypatch.setattr("dashboard.actions.runs.celery_app.send_task", lambda name, args=None, queue=None, **k: sent_to.append(queue))
+    first, first_token = register("first")
+    second, second_token = register("second")
+    first_keys, second_keys = enrolled(first, first_token), enrolled(second, second_token)
+    now = timezone.now()
+    Device.objects.filter(name__in=["first", "second"]).update(last_seen=now, status={"heartbeat_s": 1, "fingerprint": "00ff00ff00ff00ff"})
+    first.refresh_from_db()
+    spec = actions.PromptSpec(segments=["Question?"], max_tokens=4, title="waiting", stream=True)  # the Run page follows it
+    request_id = actions.dispatch_run(None, [first], spec)[0]["request_id"]
+    assert sent_to == ["device.first"]
+    # Ten seconds later: first stopped beating right after it took the run (killed); second beats on.
+    later = timezone.now() + timedelta(seconds=10)
+    Device.objects.filter(name="second").update(last_seen=later)
+    assert sweeper.sweep()["resent"] == 0  # first is still within its heartbeats now
+    counts = sweeper.sweep(later)
+    assert counts["resent"] == 1 and sent_to == ["device.first", "device.second"]
+    dispatch = Dispatch.objects.get(request_id=request_id)
+    assert (dispatch.device.name, dispatch.attempt, dispatch.outcome) == ("second", 2, "")
+    assert sweeper.sweep(later)["resent"] == 0  # once
+    # first's late answer is refused; second's is the run.
+    assert actions.record_run(result_payload(first, first_keys, request_id=request_id, dispatched=False)) is None
+    run = actions.record_run(result_payload(second, second_keys, request_id=request_id, dispatched=False))
+    assert run is not None and run.device.name == "second" and InferenceRun.objects.filter(request_id=request_id).count() == 1
+    assert Dispatch.objects.get(request_id=request_id).outcome == "answered"

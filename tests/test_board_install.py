@@ -145,12 +145,14 @@ def test_edgecache_board_starts_from_the_board_environment_and_enrolls(board_env
 @pytest.mark.cachebox
 def test_a_board_without_a_control_plane_says_what_it_waits_for(board_env, valkey_url, tmp_path):
     """No control-plane worker: the board waits for its enrollment, then says what is missing."""
-    from cachebox.store import CacheBox
-    from inference import devices as registry
+    from .test_edge import publish
 
     name = f"waiting-{os.getpid()}"
-    registry.publish(CacheBox(valkey_url), registry.DeviceRecord(name=name, token_sha256=registry.hash_token("t0ken")))
-    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path)), "REDIS_URL": valkey_url, "EDGECACHE_HOME": str(tmp_path), "EDGECACHE_ENROLL_TIMEOUT": "3"}
+    publish(valkey_url, name, "t0ken")  # signed as the control plane signs records, with its pin for this token
+    env = {
+        "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path)), "REDIS_URL": valkey_url, "EDGECACHE_HOME": str(tmp_path),
+        "EDGECACHE_ENROLL_TIMEOUT": "3", "EDGECACHE_BOARD_ACL": "0",  # this test server has no board users
+    }
     done = subprocess.run([str(board_env.parent / "edgecache-board"), "--name", name, "--token", "t0ken"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert f"the control plane did not confirm the enrollment of {name!r}" in done.stderr and "is its worker running" in done.stderr

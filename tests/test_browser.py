@@ -128,3 +128,51 @@ def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
 
     client = redis.Redis.from_url(url_for(Path(stack["home"]) / "valkey", password=control_plane_password(stack["home"])))
     assert client.exists(key) == 0
+
+
+def test_a_board_registered_in_a_second_tenant_caches_there_only(stack, browser):
+    """The probe: the form saved a board picked for tenant-b into default, its prompt's states landed
+    in default, a default key got a full hit on them, and flushing tenant-b left them behind."""
+    from playwright.sync_api import expect
+
+    from .stack import manage, start_board
+
+    manage(stack, "shell", "-c", "from dashboard.models import Namespace; Namespace.objects.get_or_create(name='tenant-b')")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(60_000)
+    base = stack["url"]
+    page.goto(base + "/accounts/login/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", ADMIN_PASSWORD)
+    page.click("#login-submit")
+    page.goto(base + "/devices/register/")
+    page.fill("#id_name", "b-board")
+    page.select_option("#id_namespace", "tenant-b")
+    page.fill("#id_cpu_threads", "2")
+    page.select_option("#id_link_preset", "none")
+    page.click("#register-submit")
+    token = page.locator("#device-token").inner_text().strip()
+    start_board(stack, "b-board", token)
+    page.goto(base + "/devices/b-board/")
+    expect(page.locator('h1 [data-role="online"]')).to_have_text("online", timeout=120_000)
+    expect(page.locator("body")).to_contain_text("tenant-b")
+
+    counts = "from cachebox.models import CacheEntry; print(CacheEntry.objects.filter(namespace='default').count(), CacheEntry.objects.filter(namespace='tenant-b').count())"
+    default_before, _ = map(int, manage(stack, "shell", "-c", counts).split()[-2:])
+    pk = manage(stack, "shell", "-c", "from dashboard.models import Device; print(Device.objects.get(name='b-board').pk)").split()[-1]
+    page.goto(base + "/run/")
+    page.check(f"input[name=devices][value='{pk}']")
+    page.check("input[name=source][value=text]")
+    page.fill("#id_text", "Tenant B secret: the launch code is 4471. Repeat the launch code:")
+    page.fill("#id_max_tokens", "4")
+    page.click("#run-submit")
+    card = page.locator("#answers .answer-card").first
+    expect(card).to_have_class("card answer-card done", timeout=120_000)
+    default_after, tenant_b = map(int, manage(stack, "shell", "-c", counts).split()[-2:])
+    assert default_after == default_before and tenant_b >= 1  # its states went to tenant-b only
+    page.goto(base + "/cache/")
+    expect(page.locator("body")).to_contain_text("tenant-b")
+    # Flushing tenant-b removes them, from the cache box too.
+    manage(stack, "cachebox", "flush", "--namespace", "tenant-b", "--yes")
+    listed = manage(stack, "shell", "-c", "from cachebox.store import CacheBox; from django.conf import settings; print(len(list(CacheBox(settings.REDIS_URL).scan_entries('tenant-b'))))")
+    assert listed.split()[-1] == "0"

@@ -195,15 +195,15 @@ def test_a_board_whose_memory_cannot_hold_the_model_refuses_before_making_its_co
 def test_the_device_page_shows_the_boards_rss_against_its_registered_memory(settings, valkey_url, client, django_user_model):
     from dashboard import actions
     from inference import devices as registry
-    from inference.identity import BoardKeys
 
     settings.REDIS_URL = valkey_url
     device, token = actions.register_device(None, name="zero", kind="Pi Zero 2W", cpu_threads=1, memory_mb=512)
     assert registry.lookup(actions.cachebox(), "zero").memory_mb == 512  # boards receive it in their record
-    keys = BoardKeys.generate()
-    actions.enroll_device(keys.enrollment("zero", token))
+    from .test_dashboard import enrolled, heartbeat
+
+    keys = enrolled(device, token)
     memory = {"rss_mb": 412.3, "peak_rss_mb": 419.0, "pss_mb": 300.0, "memory_mb": 512, "budget_mb": 399.4, "n_ctx": 1024}
-    assert actions.record_heartbeat(keys.sign({"device": "zero", "status": {"catalogs": {}, "memory": memory}})) is not None
+    assert actions.record_heartbeat(heartbeat(keys, {"catalogs": {}, "memory": memory})) is not None
     device.refresh_from_db()
     assert actions.device_json(device)["memory"] == "412 MB RSS (peak 419 MB) of 512 MB; budget 399 MB, peak over it"
     client.force_login(django_user_model.objects.create_user("alice", password="pw-alice-123", is_staff=True))

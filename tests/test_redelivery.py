@@ -90,11 +90,12 @@ class Plane:
              "--concurrency", "2", "--hostname", "control@%h", "--loglevel", "info", "--without-gossip", "--without-mingle"],
         )
 
-    def board(self, token: str) -> subprocess.Popen:
-        before = self.log("board").count("board solo ready") if (self.home / "board.log").exists() else 0
-        process = self.spawn("board", [sys.executable, "manage.py", "edge", "--name", "solo"], {"EDGECACHE_DEVICE_TOKEN": token})
-        until(lambda: self.log("board").count("board solo ready") > before or process.poll() is not None, 120, "the board to load its model")
-        assert process.poll() is None, self.log("board")
+    def board(self, token: str, name: str = "solo") -> subprocess.Popen:
+        log = "board" if name == "solo" else f"board-{name}"
+        before = self.log(log).count(f"board {name} ready") if (self.home / f"{log}.log").exists() else 0
+        process = self.spawn(log, [sys.executable, "manage.py", "edge", "--name", name], {"EDGECACHE_DEVICE_TOKEN": token})
+        until(lambda: self.log(log).count(f"board {name} ready") > before or process.poll() is not None, 120, f"board {name} to load its model")
+        assert process.poll() is None, self.log(log)
         return process
 
     def runs(self, request_id: str | None = None) -> int:
@@ -113,13 +114,21 @@ class Plane:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
             return db.execute("select count(*) from dashboard_device").fetchone()[0]
 
-    def dispatch(self, max_tokens: int, expires: int | None = None) -> str:
+    def dispatch(self, max_tokens: int, expires: int | None = None, stream: bool = False, text: str = "Write a long story about a lighthouse keeper and the sea.") -> str:
+        """Send a run to solo (``stream``: as the Run page does, whose client waits for it)."""
         return self.shell(
             "from dashboard import actions; from dashboard.models import Device; "
             "print(actions.dispatch_run(None, [Device.objects.get(name='solo')], actions.PromptSpec("
-            f"segments=['Write a long story about a lighthouse keeper and the sea.'], max_tokens={max_tokens}, title='fault'))[0]['request_id'])",
+            f"segments=[{text!r}], max_tokens={max_tokens}, title='fault', stream={stream!r}))[0]['request_id'])",
             env={"EDGECACHE_TASK_EXPIRES": str(expires)} if expires else None,
         )
+
+    def run_device(self, request_id: str) -> str:
+        with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
+            return db.execute(
+                "select d.name from dashboard_inferencerun r join dashboard_device d on d.id = r.device_id where replace(r.request_id, '-', '') = ?",
+                (request_id.replace("-", ""),),
+            ).fetchone()[0]
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +199,79 @@ def test_a_run_that_waits_past_its_expiry_is_recorded_as_expired_not_lost(plane)
     assert text == "" and case == ""  # it never ran
     until(lambda: plane.redis.llen("device.solo") == 0 and plane.redis.hlen("unacked.solo") == 0, 30, "the queue to drain")
     assert plane.runs() == before + 1
+
+
+def _kill_boards(plane) -> None:
+    for process in plane.processes:
+        if "edge" in process.args and process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+def test_a_board_killed_mid_run_with_its_client_waiting_hands_the_run_to_another_board(plane):
+    """kill -9 while a run is on the board and its client (the Run page) waits: the sweeper sees the
+    board stop beating and sends the run once to another board of the namespace, which answers."""
+    _kill_boards(plane)
+    if not plane.shell("from dashboard.models import Device; print(Device.objects.filter(name='spare').exists())") == "True":
+        plane.spare_token = plane.shell("from dashboard import actions; print(actions.register_device(None, name='spare', cpu_threads=1)[1])")
+    plane.board(plane.spare_token, "spare")
+    solo = plane.board(plane.token)
+    request_id = plane.dispatch(max_tokens=160, stream=True)
+    until(lambda: plane.redis.hlen("unacked.solo") > 0, 60, "solo to take the run")
+    solo.send_signal(signal.SIGKILL)
+    solo.wait(timeout=30)
+    assert plane.runs(request_id) == 0, "solo finished before it was killed: make the run longer"
+    until(lambda: plane.runs(request_id) == 1, 180, "the run to be answered by the other board")
+    error, text = plane.run_fields(request_id, "error", "text")
+    assert error == "" and text and plane.run_device(request_id) == "spare"
+
+
+def test_a_board_killed_mid_run_with_nobody_waiting_ends_as_a_failed_run_that_says_why(plane):
+    _kill_boards(plane)
+    solo = plane.board(plane.token)
+    request_id = plane.dispatch(max_tokens=160)
+    until(lambda: plane.redis.hlen("unacked.solo") > 0, 60, "solo to take the run")
+    solo.send_signal(signal.SIGKILL)
+    solo.wait(timeout=30)
+    until(lambda: plane.runs(request_id) == 1, 120, "the run to be given up on")
+    error, text = plane.run_fields(request_id, "error", "text")
+    assert error.startswith("lost: board solo stopped answering") and "send it again" in error and text == ""
+
+
+def _dump(client: redis.Redis) -> bytes:
+    """Every value the server holds, as a dump of it would show them."""
+    parts = []
+    for key in client.scan_iter(count=1000):
+        kind = client.type(key).decode()
+        if kind == "string":
+            parts.append(client.get(key) or b"")
+        elif kind == "list":
+            parts += client.lrange(key, 0, -1)
+        elif kind == "hash":
+            parts += [item for pair in client.hgetall(key).items() for item in pair]
+        elif kind == "set":
+            parts += list(client.smembers(key))
+        elif kind == "zset":
+            parts += client.zrange(key, 0, -1)
+        elif kind == "stream":
+            parts += [value for _, fields in client.xrange(key) for pair in fields.items() for value in pair]
+        parts.append(key)
+    return b"\n".join(part if isinstance(part, bytes) else str(part).encode() for part in parts)
+
+
+def test_a_dump_of_the_cache_box_shows_no_prompt_answer_or_state(plane):
+    """The probe: LRANGE of a board's queue showed another tenant's prompt, and the control queue its
+    answer. Now a dump taken while the run waits, and after it ran, shows neither."""
+    _kill_boards(plane)
+    secret = "Tenant B secret: the launch code is 4471. What is the launch code?"
+    request_id = plane.dispatch(max_tokens=8, text=secret)
+    waiting = _dump(plane.redis)
+    assert request_id.encode() in waiting  # the queued request is there, sealed
+    assert b"launch code" not in waiting and b"4471" not in waiting
+    plane.board(plane.token)
+    until(lambda: plane.runs(request_id) == 1, 120, "the run to be stored")
+    (text,) = plane.run_fields(request_id, "text")
+    after = _dump(plane.redis)
+    assert b"launch code" not in after and b"4471" not in after and b"Tenant B" not in after
+    assert not text or text.strip().encode() not in after or len(text.strip()) < 4  # the answer is not there either
+    assert any(key.startswith(b"ec:e:") for key in plane.redis.scan_iter(match="ec:e:*"))  # its states are, sealed

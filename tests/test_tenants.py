@@ -91,7 +91,7 @@ def test_a_board_refuses_messages_for_another_namespace(control_plane, valkey_ur
     device, token = register("acme-1", namespace=tenant("acme"))
     become("acme-1", token, valkey_url)
     request = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": ["hello"], "namespace": "globex"})
-    report = edge.serve(None, request)
+    report = edge.serve(type("NoBoard", (), {"store": None})(), request)  # refused before the board is asked anything
     assert "does not serve 'globex'" in report.error
     # The control plane sends each device its own namespace.
     actions.dispatch_run(None, [device], actions.PromptSpec(segments=["hello"], max_tokens=1, title="t"))

@@ -298,9 +298,10 @@ def test_processes_starting_together_read_the_same_complete_secrets(tmp_path):
     for round in range(ROUNDS):
         printed = {line for out, _ in results for line in out.decode().splitlines() if line.split()[0] == str(round)}
         assert len(printed) == 1 and empty not in printed.pop(), (round, printed)
-        home = tmp_path / str(round)
+        home = tmp_path / f"{round}-secrets"  # the secrets folder, beside the state folder
         for name in ("signing_secret", "secret_key"):
             assert stat.S_IMODE((home / name).stat().st_mode) == 0o600 and len((home / name).read_text()) > 40
+        assert not (tmp_path / str(round) / "signing_secret").exists()  # nothing of them in the state folder
         assert not [path.name for path in home.iterdir() if path.name.startswith(".")]  # no temporary file left
 
 
@@ -349,7 +350,6 @@ def dead_broker(monkeypatch):
     app = Celery("dead-broker", set_as_current=False)
     app.conf.update(celery_settings(DEAD_BROKER))
     monkeypatch.setattr(runs, "celery_app", app)
-    monkeypatch.setattr(schemas, "celery_app", app)
     return app
 
 

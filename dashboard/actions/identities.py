@@ -8,6 +8,7 @@ every start and after the cache box restarted: the database stays the truth.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from django.conf import settings
@@ -24,12 +25,17 @@ log = logging.getLogger("dashboard.actions")
 
 
 def servers() -> list[CacheBox]:
-    """The servers a board talks to: the broker, and the cache box when it lives elsewhere."""
-    options = dict(connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
-    found = [CacheBox(settings.REDIS_URL, **options)]
+    """The servers a board talks to: the broker, and the cache box when it lives elsewhere (one
+    client each per process: the sweeper asks every few seconds)."""
+    urls = [settings.REDIS_URL]
     if settings.EDGECACHE_CACHEBOX_URL and settings.EDGECACHE_CACHEBOX_URL != settings.REDIS_URL:
-        found.append(CacheBox(settings.EDGECACHE_CACHEBOX_URL, **options))
-    return found
+        urls.append(settings.EDGECACHE_CACHEBOX_URL)
+    return [_client(url, settings.EDGECACHE_CONNECT_TIMEOUT, settings.EDGECACHE_IO_TIMEOUT) for url in urls]
+
+
+@functools.lru_cache(maxsize=8)
+def _client(url: str, connect_timeout: float, timeout: float) -> CacheBox:
+    return CacheBox(url, connect_timeout=connect_timeout, timeout=timeout)
 
 
 def _enrolled(device: Device) -> bool:
@@ -79,6 +85,30 @@ def declare_queue(device: Device) -> None:
         log.warning("queue %s not declared: %s", name, exc)
 
 
+APPLIED_FLAG = "ec:control:identities-applied"  # set on every server once every user was applied
+
+
+def ensure_identities() -> bool:
+    """Apply every device's Redis users (and publish every record) again when a server lost them:
+    it restarted empty, without an ACL file to reload them from. One GET per server when nothing
+    is missing. True when they had to be applied."""
+    from .devices import publish_all_devices
+
+    if not settings.EDGECACHE_BOARD_ACL:
+        return False
+    stores = servers()
+    try:
+        missing = [store for store in stores if store.read_flag(APPLIED_FLAG) is None]
+    except CacheBoxError as exc:
+        log.warning("cannot tell whether boards' Redis users are in place: %s", exc)
+        return False
+    if not missing:
+        return False
+    log.warning("boards' Redis users missing on %s (restarted empty?): applying them again", ", ".join(store.safe_url for store in missing))
+    publish_all_devices()  # applies every identity, then publishes every record
+    return True
+
+
 def apply_all_identities() -> int:
     """Every device's Redis users, and no board user the database does not know (a deleted
     device's is removed). Returns how many devices were applied."""
@@ -95,6 +125,7 @@ def apply_all_identities() -> int:
                 if user.startswith((acl.BOARD_USER_PREFIX, acl.ENROLL_USER_PREFIX)) and user not in known:
                     store.delete_user(user)
             store.save_users()
+            store.set_flag(APPLIED_FLAG, 10 * 365 * 24 * 3600, b"1")
         except CacheBoxError as exc:
             log.warning("Redis users not reconciled on %s: %s", store.safe_url, exc)
     return len(devices)

@@ -36,7 +36,7 @@ from ..signing import cancel_flag, control_plane_signer, device_ring
 log = logging.getLogger("dashboard.actions")
 
 LOST = "lost: {why}. Nothing was answered; send it again"
-EXPIRY_GRACE = timedelta(seconds=10)  # a board that meets an expired run reports it itself first
+EXPIRY_GRACE = timedelta(seconds=60)  # a board that meets an expired run (back after an outage) reports it itself first
 BATCH = 500
 
 
@@ -56,7 +56,7 @@ def sweep(now=None) -> dict:
         if not why:
             continue
         if dispatch.attempt == 1 and dispatch.waits_until is not None and now < dispatch.waits_until and dispatch.request:
-            other = _another_board(dispatch)
+            other = _another_board(dispatch, now)
             if other is not None and resend(dispatch, other, why):
                 counts["resent"] += 1
                 continue
@@ -70,19 +70,23 @@ def why_lost(dispatch: Dispatch, now) -> str:
     if dispatch.expires_at is not None and now > dispatch.expires_at + EXPIRY_GRACE:
         where = f"board {device.name}" if device is not None else f"no board of namespace {dispatch.namespace}"
         return f"{where} did not start it before it expired ({dispatch.expires_at:%Y-%m-%d %H:%M:%S} UTC)"
-    if device is not None and device.last_seen is not None and not device.online:
+    if device is not None and device.last_seen is not None and not _online(device, now):
         window = offline_after(device.status)
         if device.last_seen >= dispatch.created - window:  # it was alive when the run went to it, and went quiet since
             return f"board {device.name} stopped answering (its last heartbeat came at {device.last_seen:%H:%M:%S} UTC) while the run waited on it"
     return ""
 
 
-def _another_board(dispatch: Dispatch) -> Device | None:
+def _online(device: Device, now) -> bool:
+    return device.revoked_at is None and device.last_seen is not None and now - device.last_seen < offline_after(device.status)
+
+
+def _another_board(dispatch: Dispatch, now) -> Device | None:
     """An online board of the dispatch's namespace, other than its own, serving the same model."""
     device = dispatch.device
     fingerprint = (device.status or {}).get("fingerprint") if device is not None else None
     candidates = Device.objects.filter(namespace_id=device.namespace_id if device else dispatch.namespace, revoked_at__isnull=True).exclude(pk=getattr(device, "pk", None)).select_related("namespace")
-    online = [other for other in candidates if other.online and other.signing_public_key and (not fingerprint or (other.status or {}).get("fingerprint") == fingerprint)]
+    online = [other for other in candidates if _online(other, now) and other.signing_public_key and (not fingerprint or (other.status or {}).get("fingerprint") == fingerprint)]
     return min(online, key=lambda other: other.last_seen, default=None) if online else None
 
 

@@ -33,6 +33,7 @@ BENCHMARKS = {
     "lab-exit": "inference.benchmarks.early_exit",
     "lab-anchors": "inference.benchmarks.anchors",
     "footprint": "inference.benchmarks.footprint",
+    "seal": "inference.benchmarks.seal",
 }
 
 
