@@ -10,7 +10,7 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: install install-board run test test-fast stop bench clean browser
+.PHONY: install install-board run test test-fast stop bench clean browser promtool
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,11 +46,25 @@ browser:
 		fi; \
 	fi
 
+# The alert rules' test (docs/ops/) runs promtool: the one from PATH, else the binary taken out of
+# Debian's prometheus package (downloaded, not installed: no server is set up or started).
+PROMTOOL := $(VENV)/bin/promtool
+promtool: $(STAMP)
+	@if [ ! -x $(PROMTOOL) ]; then \
+		if command -v promtool >/dev/null; then ln -sf "$$(command -v promtool)" $(PROMTOOL); \
+		else \
+			echo "Fetching promtool from Debian's prometheus package for the alert rules' test..."; \
+			tmp=$$(mktemp -d) && (cd $$tmp && apt-get download -qq prometheus && dpkg-deb -x prometheus_*.deb root) \
+				&& cp $$tmp/root/usr/bin/promtool $(PROMTOOL); status=$$?; rm -rf $$tmp; \
+			if [ $$status != 0 ]; then echo "Could not fetch promtool: apt-get install prometheus (or put promtool on PATH)"; exit 1; fi; \
+		fi; \
+	fi
+
 # The control-plane tests run a second time on PostgreSQL when one answers (DATABASE_URL deployments).
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 
 # Every test; a missing optional package (torch, openai, import-linter) fails instead of skipping.
-test: install browser
+test: install browser promtool
 	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest
 	@if $(PY) -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=2).close()" 2>/dev/null; then \
 		echo "Control-plane tests again, on PostgreSQL ($(PG_TEST_URL)):"; \

@@ -30,6 +30,8 @@ from __future__ import annotations
 import re
 from urllib.parse import quote
 
+from .keys import HEARTBEAT_LIST
+
 BOARD_USER_PREFIX = "edgecache-board-"
 ENROLL_USER_PREFIX = "edgecache-enroll-"
 CONTROL_QUEUE = "control"
@@ -78,7 +80,7 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
         f"(~unacked_mutex.{name} +set +get +del +expire {_TRANSACTIONS})",
         # where a message it puts back goes (the control plane declares these)
         f"(%R~_kombu.binding.device.{name} %R~_kombu.binding.boards.{ns} +smembers)",
-        f"(%W~{CONTROL_QUEUE} +lpush)",
+        f"(%W~{CONTROL_QUEUE} %W~{HEARTBEAT_LIST} +lpush)",
         # its cache namespace: entries, prompt modules, catalog
         f"(~ec:e:{ns}:* ~ec:m:{ns}:* ~ec:c:{{{ns}}}:* "
         f"+get +set +getrange +strlen +exists +expire +del +xadd +xrange +xlen +xtrim +hgetall +hget +hset {_TRANSACTIONS})",

@@ -173,6 +173,18 @@ def device_key_name(name: str) -> str:
     return f"{KEY_PREFIX}:device:{name}"
 
 
+def queue_key_names(namespace: str, who: str = "") -> list[str]:
+    """Redis keys of the runs under way in ``namespace`` (``ec:q:{ns}``) and, with ``who`` (an API
+    key's id), of that key's own (``ec:q:{ns}:k:<who>``): sorted sets the control plane alone
+    writes (admission control); one hash tag so a script takes both on a cluster."""
+    tag = f"{KEY_PREFIX}:q:{{{check_namespace(namespace)}}}"
+    if not who:
+        return [tag]
+    if not isinstance(who, str) or not _DEVICE_RE.match(who):
+        raise ValueError(f"invalid queue owner {who!r}")
+    return [tag, f"{tag}:k:{who}"]
+
+
 def off_grid(extra: Iterable[int], grid: int) -> tuple[int, ...]:
     """The extra cuts that add a batch end: positive, off the grid, ascending, once each."""
     return tuple(sorted({int(cut) for cut in extra if cut > 0 and cut % grid}))
@@ -209,6 +221,11 @@ def _device(name: str) -> str:
     if not isinstance(name, str) or not _DEVICE_RE.match(name):
         raise ValueError(f"invalid device name {name!r}")
     return name
+
+
+# Boards' signed heartbeats, pushed onto this list of the broker's server (write-only for them);
+# the control plane's workers take them off in batches (``dashboard.actions.devices.HeartbeatBatch``).
+HEARTBEAT_LIST = f"{KEY_PREFIX}:heartbeats"
 
 
 def stream_channel(device: str, request_id: str) -> str:

@@ -397,6 +397,11 @@ class CacheBox:
         replies = self._batch(names, str, lambda pipe, name: pipe.exists(name))
         return [bool(reply[0]) if reply is not None else False for reply in replies]
 
+    def pop_oldest(self, name: str, count: int) -> list[bytes]:
+        """Up to ``count`` items of the list ``name`` that producers push on the left, oldest first,
+        taken off it (one RPOP; several consumers never get the same item)."""
+        return self._on_key(name, lambda client: client.rpop(name, count)) or []
+
     def ttls(self, names: Sequence[str]) -> list[int]:
         """Seconds each key has left, in one round trip: -1 no TTL (pinned), -2 missing."""
         replies = self._batch(names, str, lambda pipe, name: pipe.ttl(name))
@@ -544,6 +549,50 @@ class CacheBox:
         """Set the flag key ``name`` to ``value`` for ``ttl`` seconds; one round trip."""
         self._on_key(name, lambda client: client.set(name, value, ex=max(1, int(ttl))))
 
+    # -- admission: bounded queues of runs under way (the control plane only) ------------------
+    # Each name is a sorted set of request ids scored by when they stop counting (their client's
+    # deadline): a run whose release was lost (a web process killed) stops counting then.
+    _ADMIT = """
+    for i, name in ipairs(KEYS) do
+        redis.call('ZREMRANGEBYSCORE', name, '-inf', ARGV[1])
+        if redis.call('ZSCORE', name, ARGV[3]) == false and redis.call('ZCARD', name) >= tonumber(ARGV[3 + i]) then
+            return {i, redis.call('ZCARD', name), tonumber(redis.call('ZRANGE', name, 0, 0, 'WITHSCORES')[2])}
+        end
+    end
+    for i, name in ipairs(KEYS) do
+        redis.call('ZADD', name, ARGV[2], ARGV[3])
+        local keep = math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[1])) + 1
+        if redis.call('TTL', name) < keep then redis.call('EXPIRE', name, keep) end
+    end
+    return {0, 0, 0}
+    """
+
+    def admit(self, names: Sequence[str], limits: Sequence[int], member: str, *, now: float, until: float) -> tuple[int, int, float]:
+        """Count ``member`` as under way in every set of ``names`` (one hash tag) until ``until``, if
+        each holds fewer than its limit (0 or less: no limit) of members still counting at ``now``.
+        Returns (0, 0, 0) when admitted, else (which set is full, 1-based; how many it holds; when
+        its oldest stops counting). One atomic round trip."""
+        caps = [int(limit) if limit > 0 else 2**31 for limit in limits]
+        reply = self._on_key(names[0], lambda client: client.eval(self._ADMIT, len(names), *names, repr(float(now)), repr(float(until)), member, *caps))
+        return int(reply[0]), int(reply[1]), float(reply[2])
+
+    def release(self, names: Sequence[str], member: str) -> None:
+        """``member`` is no longer under way (its answer came, or its client left); one round trip."""
+        if not names:
+            return
+
+        def remove(client):
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.zrem(name, member)
+            pipe.execute()
+
+        self._on_key(names[0], remove)
+
+    def under_way(self, name: str, now: float) -> int:
+        """How many members of the set ``name`` still count at ``now``."""
+        return int(self._on_key(name, lambda client: client.zcount(name, f"({float(now)!r}", "+inf")))
+
     # -- identities (ACL users; the control plane's credentials only) ------------------------
     def _on_every_server(self, func: Callable[[redis.Redis], T]) -> list[T]:
         """``func(client)`` on the server, or on every primary of a cluster (ACLs are per node)."""
@@ -593,7 +642,26 @@ class CacheBox:
         except CacheBoxRefused:
             return False
 
+    # -- counters (the control plane's shared counts: every process adds, /metrics reads) -----
+    def count(self, name: str, field: str, by: int = 1) -> None:
+        """Add ``by`` to ``field`` of the hash ``name``; one round trip (HINCRBY)."""
+        self._on_key(name, lambda client: client.hincrby(name, field, by))
+
+    def counts(self, name: str) -> dict[str, int]:
+        """Every field of the hash ``name`` with its count; one round trip (HGETALL)."""
+        raw = self._on_key(name, lambda client: client.hgetall(name))
+        return {(key.decode() if isinstance(key, bytes) else str(key)): int(value) for key, value in raw.items()}
+
     # -- server -----------------------------------------------------------------------------
+    def memory_bytes(self) -> tuple[int, int]:
+        """(used, maxmemory) in bytes, summed over a cluster's primaries; maxmemory 0: no limit
+        (on a cluster: 0 when a node has none). One round trip per server (INFO memory)."""
+        infos = [self._run(lambda: self.redis.info("memory"))] if self.cluster is None else [
+            self._on_node(node, lambda client: client.info("memory")) for node in self._topology().get_primaries()
+        ]
+        limits = [int(info.get("maxmemory", 0) or 0) for info in infos]
+        return sum(int(info.get("used_memory", 0) or 0) for info in infos), (0 if 0 in limits else sum(limits))
+
     def memory_used(self) -> str:
         """The server's used memory, human readable ("1.21M"); one round trip (INFO memory).
         A cluster: the sum over the nodes that answer, "(2 of 3 nodes)" when some did not."""

@@ -9,6 +9,7 @@ from cachebox.models import CacheEntry
 from .entry_preview import previews
 from .explain import human_bytes
 from .models import ApiKey, AuditEvent, Device, InferenceRun, Membership, Namespace, SavedPrompt
+from .api.routing import example_model
 
 SHOWN = 50  # items listed on a confirmation page
 
@@ -273,7 +274,7 @@ _KEY_SHOWN_ONCE = """{% extends "admin/base_site.html" %}
 it is shown this once; only its SHA-256 is kept.</p>
 <p><code id="api-key" style="font-size:1.2em;user-select:all">{{ key }}</code></p>
 <pre>curl -N {{ base }}/v1/chat/completions -H "Authorization: Bearer {{ key }}" -H "Content-Type: application/json" \\
-  -d '{"model": "MODEL", "stream": true, "messages": [{"role": "user", "content": "Hello"}]}'</pre>
+  -d '{"model": "{{ model }}", "stream": true, "messages": [{"role": "user", "content": "Hello"}]}'</pre>
 <p><a href="{{ back }}">Back to the API keys</a></p>
 {% endblock %}"""
 
@@ -318,6 +319,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
             "row": obj,
             "key": key,
             "base": request.build_absolute_uri("/").rstrip("/"),
+            "model": example_model(obj.namespace_id),
             "back": reverse("admin:dashboard_apikey_changelist"),
         }
         response = HttpResponse(page.render(context, request))

@@ -18,6 +18,8 @@ app.autodiscover_tasks()
 def _start_sweeper(sender=None, **_) -> None:
     if getattr(getattr(sender, "app", None), "main", None) != app.main:
         return  # another app's worker in this process (a board's): not the control plane's
+    from .actions.devices import HEARTBEATS
     from .sweeper import start
 
     start()
+    HEARTBEATS.start()  # boards' heartbeats, taken off the broker's list in batches

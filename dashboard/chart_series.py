@@ -36,7 +36,7 @@ GRANULARITIES = (("second", 1), ("minute", 60), ("hour", 3600), ("day", 86400), 
 # A hit: a run whose matched_tokens > 0, i.e. its case is partial or full (Breakdown.classify).
 HITS = (Case.PARTIAL.value, Case.FULL.value)
 # The tiers a hit is attributed to, nearest first (the breakdown's ``tier``).
-HIT_TIERS = (Tier.CONTEXT.value, Tier.LOCAL.value, Tier.CACHEBOX.value)
+HIT_TIERS = (Tier.CONTEXT.value, Tier.LOCAL.value, Tier.FLASH.value, Tier.CACHEBOX.value)
 
 
 def hit_tier(case: str, tier: str | None) -> str:
@@ -45,7 +45,7 @@ def hit_tier(case: str, tier: str | None) -> str:
     carry no ``tier``."""
     if case not in HITS:
         return ""
-    return tier if tier in (Tier.CONTEXT, Tier.LOCAL) else Tier.CACHEBOX.value
+    return tier if tier in (Tier.CONTEXT, Tier.LOCAL, Tier.FLASH) else Tier.CACHEBOX.value
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,13 @@ class ChartPoint:
     # Runs with a hit in this point, by the tier that served it (``hit_tier``).
     context_hits: int = 0
     local_hits: int = 0
+    flash_hits: int = 0
     cachebox_hits: int = 0
 
     @property
     def hits(self) -> int:
         """Runs with a hit (partial or full) in this point, whatever the tier."""
-        return self.context_hits + self.local_hits + self.cachebox_hits
+        return self.context_hits + self.local_hits + self.flash_hits + self.cachebox_hits
 
     def tier_hits(self, tier: str) -> int:
         return getattr(self, f"{tier}_hits")
@@ -136,6 +137,7 @@ def chart_series(runs: QuerySet[InferenceRun], range_name: str, now: datetime | 
             # A hit without a board-local tier is the cache box's (hit_tier).
             context_hits=Count("pk", filter=Q(case__in=HITS, breakdown__tier=Tier.CONTEXT.value)),
             local_hits=Count("pk", filter=Q(case__in=HITS, breakdown__tier=Tier.LOCAL.value)),
+            flash_hits=Count("pk", filter=Q(case__in=HITS, breakdown__tier=Tier.FLASH.value)),
             hits=Count("pk", filter=Q(case__in=HITS)),
             total=Count("pk"),
         )
@@ -145,7 +147,8 @@ def chart_series(runs: QuerySet[InferenceRun], range_name: str, now: datetime | 
         ChartPoint(
             row["bucket"], row["device_name"], row["ttft"] or 0.0, row["ttlt"] or 0.0, row["p50"] or 0.0, row["p99"] or 0.0,
             float(row["state"] or 0.0), row["total"],
-            context_hits=row["context_hits"], local_hits=row["local_hits"], cachebox_hits=row["hits"] - row["context_hits"] - row["local_hits"],
+            context_hits=row["context_hits"], local_hits=row["local_hits"], flash_hits=row["flash_hits"],
+            cachebox_hits=row["hits"] - row["context_hits"] - row["local_hits"] - row["flash_hits"],
         )
         for row in rows
     ]

@@ -24,6 +24,18 @@ def _allowed_devices(user_pk: int) -> frozenset[str] | None | bool:
     return visible_device_names(user)
 
 
+SYNC_LIMIT = 500  # device names a page may ask the state of at once (a page shows 50 a table)
+
+
+@database_sync_to_async
+def _device_states(names: list[str]) -> list[dict]:
+    """The current state of the named devices, as a ``device`` event carries it. One query."""
+    from .actions.devices import device_json
+    from .models import Device
+
+    return [device_json(device) for device in Device.objects.filter(name__in=names).select_related("namespace")]
+
+
 class LiveConsumer(AsyncJsonWebsocketConsumer):
     allowed: frozenset[str] | None = frozenset()  # None: every device (staff)
 
@@ -41,6 +53,20 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         self.allowed = allowed
         await self.channel_layer.group_add(GROUP, self.channel_name)
         await self.accept()
+
+    async def receive_json(self, content, **kwargs):
+        """``{"sync": [names]}``: a page that (re)connects asks the state of the devices it shows,
+        so what changed while its socket was down (or not yet open) reaches it too."""
+        names = content.get("sync") if isinstance(content, dict) else None
+        if not isinstance(names, list):
+            return
+        names = sorted({name for name in names[:SYNC_LIMIT] if isinstance(name, str) and len(name) <= 100})
+        if self.allowed is not None:
+            names = [name for name in names if name in self.allowed]
+        if not names:
+            return
+        for data in await _device_states(names):
+            await self.send_json({"event": DEVICE_EVENT, "data": data})
 
     async def disconnect(self, code):
         await self.channel_layer.group_discard(GROUP, self.channel_name)

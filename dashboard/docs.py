@@ -45,6 +45,7 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     ),
     "EDGECACHE_MODEL": ("Gemma-3 270M Q4_K_M from PyPI", "any GGUF file"),
     "EDGECACHE_N_CTX": (None, "context size (tokens)"),
+    "EDGECACHE_PEERS_DIR": ("~/.cache/edgecache/peers", "where `bench vs-server` keeps the llama-server it builds (once per machine; never a product dependency)"),
     "EDGECACHE_THREADS": (None, "llama.cpp threads (0: all cores)"),
     "EDGECACHE_KV_TYPE": (
         None,
@@ -82,6 +83,8 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "every run, chart and report)",
     ),
     "EDGECACHE_RAM_TIER_MB": (None, "range entries a board computed or fetched, kept in its RAM, in MB (least recently used dropped first; 0: off)"),
+    "EDGECACHE_FLASH_TIER_MB": (None, "range entries a board computed or fetched, kept on its own disk between its RAM and the cache box, in MB (verified on every read, least recently used removed first, kept across restarts; 0: off)"),
+    "EDGECACHE_FLASH_DIR": ("`.edgecache/flash/<device>`", "the flash tier's folder (one per board)"),
     "EDGECACHE_EMBEDDED_PORT": ("derived from the folder", "port of the embedded Valkey"),
     "EDGECACHE_EMBEDDED_MAXMEMORY": (None, "`maxmemory` of the embedded Valkey"),
     "EDGECACHE_BOARD_KEYS_DIR": (
@@ -150,6 +153,7 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_TOKEN_TTL_HOURS": (None, "hours a device token may enroll a board (once); then rotate it"),
     "EDGECACHE_MISSED_HEARTBEATS": (None, "heartbeats a board may miss before it counts as offline (pages are told at once; its runs are re-sent or lost)"),
     "EDGECACHE_SWEEP_SECONDS": (None, "how often each control worker ends the runs nobody will answer (expired, or on a board that went quiet)"),
+    "EDGECACHE_COUNT_DB_WRITES": ("unset", "`1`: every process of the control plane counts its database writes in Redis (`bench fleet-sim` sets it)"),
     "EDGECACHE_LOG_LEVEL": (None, "level of the `cachebox` and `inference` loggers"),
     "EDGECACHE_METRICS_TOKEN": ("unset", "bearer token for `/metrics` (staff logins get in too)"),
     "EDGECACHE_METRICS_CACHE_SECONDS": (None, "how long one computation of the run metrics is served"),
@@ -158,6 +162,12 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_API_RATE": (None, "API requests per key and minute (a key's own rate wins; 0: no limit)"),
     "EDGECACHE_API_TIMEOUT": (None, "seconds a board may stay silent during an API call (then 504, and the run is cancelled)"),
     "EDGECACHE_API_MAX_TOKENS": (None, "answer length of an API request that names none"),
+    "EDGECACHE_QUEUE_PER_BOARD": (
+        None,
+        "runs under way (queued or running) per online board of a namespace, API and Run page together; past it a run is "
+        "refused at once (API: 503 with `Retry-After`; Run page: the fleet is busy); 0: no bound",
+    ),
+    "EDGECACHE_API_QUEUE_PER_KEY": (None, "API requests under way per API key; past it 429 with `Retry-After`; 0: no bound"),
     "EDGECACHE_ADMIN_PASSWORD": (
         "generated, printed once",
         "password of the first admin `make run` creates; must pass Django's password validators, else `make run` stops before "
@@ -339,6 +349,14 @@ def render_benchmarks(text: str, folder: Path | None = None) -> str:
         return match.group(1) + bench_section(name, newest.get(name)) + match.group(4)
 
     return SECTION.sub(replace, text)
+
+
+def render_readme(text: str, folder: Path | None = None) -> str:
+    """``text`` (README.md) with its vs-server table regenerated from the newest ``bench vs-server`` document."""
+    from inference.benchmarks import side_by_side
+
+    saved = [doc for _, doc in documents.saved_documents(folder) if documents.kind_of(doc) == "vs-server"]
+    return side_by_side.replace_readme_table(text, side_by_side.readme_table(saved))
 
 
 def missing_sections(text: str) -> list[str]:

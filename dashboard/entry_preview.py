@@ -43,10 +43,13 @@ def _vocabulary(model_path: str):
     return Vocabulary.load(resolve_model(model_path or None))
 
 
-def range_words(prompt: str, start: int, end: int, *, special: bool = False, vocabulary=None) -> str:
-    """The first words of tokens [start, end) of ``prompt`` ("…" around when cut)."""
+def range_words(prompt: str, start: int, end: int, *, special: bool = False, vocabulary=None, answer: str = "") -> str:
+    """The first words of tokens [start, end) of ``prompt`` ("…" around when cut); a range past the
+    prompt (a chat's next turn, prepared after the answer) reads on into the ``answer``."""
     vocabulary = vocabulary or _vocabulary(settings.EDGECACHE_MODEL)
     tokens = vocabulary.tokenize(prompt, add_bos=True, special=special)
+    if answer and start >= len(tokens) - 1:
+        tokens = vocabulary.tokenize(prompt + answer, add_bos=True, special=special)
     shown = tokens[start : min(end, start + PREVIEW_TOKENS)]
     if not shown:
         return ""
@@ -54,15 +57,15 @@ def range_words(prompt: str, start: int, end: int, *, special: bool = False, voc
     return ("…" if start > 1 else "") + text + ("…" if end > start + PREVIEW_TOKENS else "")
 
 
-def describe(prompt: str, stored: dict, *, special: bool = False, vocabulary=None) -> str:
+def describe(prompt: str, stored: dict, *, special: bool = False, vocabulary=None, answer: str = "") -> str:
     if stored.get("piece"):
         schema = SCHEMA_NAME.search(prompt or "")
         return f"schema {schema.group(1) if schema else '?'}, {stored['piece']}"
-    return range_words(prompt, stored["start"], stored["end"], special=special, vocabulary=vocabulary)
+    return range_words(prompt, stored["start"], stored["end"], special=special, vocabulary=vocabulary, answer=answer)
 
 
 def _storing_run(entry: CacheEntry) -> tuple[InferenceRun, dict] | None:
-    runs = InferenceRun.objects.filter(created__range=(entry.created - NEAR, entry.created + NEAR)).only("prompt", "breakdown", "source")
+    runs = InferenceRun.objects.filter(created__range=(entry.created - NEAR, entry.created + NEAR)).only("prompt", "text", "breakdown", "source")
     for run in runs.order_by("-created"):
         for stored in (run.breakdown or {}).get("entries", {}).get("stored", []):
             if stored.get("name") == entry.key:
@@ -80,7 +83,8 @@ def previews(entries: Iterable[CacheEntry]) -> dict[str, str]:
             continue
         run, stored = match
         try:
-            found[entry.key] = describe(run.prompt, stored, special=run.source == "api")
+            # A chat's prompt (the API's, the Run page's) holds its template's control tokens.
+            found[entry.key] = describe(run.prompt, stored, special=run.source in ("api", "chat"), answer=run.text)
         except (ModelNotFound, OSError, RuntimeError, ValueError):  # no model file here: no words shown
             found[entry.key] = ""
     return found

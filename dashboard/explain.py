@@ -44,9 +44,12 @@ def mmlu_verdict(text: str, expected: str) -> tuple[bool | None, str]:
 
 
 def _link_words(link: str) -> str:
+    """The link a fetch went over, as a sentence names it, from the board's label: "unshaped",
+    "emulated link 20.9 Mbit/s, 4 ms RTT" (the client paces it), or a kernel-shaped link's preset
+    ("Wi-Fi 4 (20.9 Mbit/s, 4 ms)"). Emulated either way: said once."""
     if not link or link == "unshaped":
         return "the link to the cache box"
-    return f"the emulated {link} link"
+    return f"the emulated {link.removeprefix('emulated link ')} link"
 
 
 def why(breakdown: dict) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from django import forms
@@ -14,15 +15,26 @@ from cachebox.keys import check_namespace
 from cachebox.link import LINK_PRESETS
 from inference import mmlu
 from inference.breakdown import Case, Decision
+from inference.messages import RunRequest
 from .cli import split_segments
 from inference.models import Schema
 from inference.pml import PMLError, parse_prompt, parse_schema
 
-from .actions import PromptSpec
+from .actions import run_request as asked_run
 from .models import Device, SavedPrompt
 from .stats import sees_every_namespace, visible_devices, visible_schemas
 
 MAX_PROMPT_CHARS = 32_000  # the Run page's limit, in the text boxes (counter) and here (form error)
+MAX_CHAT_TURNS = 64  # turns a Run page chat sends back (the board's context ends it sooner)
+
+
+def lf(text: str) -> str:
+    """``text`` with the line endings a browser posts (CRLF, by the HTML standard) as typed: LF.
+    The same prompt then has the same tokens, and keys, from the Run page, the API and ``infer``;
+    and its length is what the page's counter counted."""
+    return (text or "").replace("\r\n", "\n").replace("\r", "\n")
+
+
 SCHEMA_IN_PROMPT = re.compile(r"""<prompt\b[^>]*?\bschema\s*=\s*["']([^"']+)["']""")
 
 
@@ -83,6 +95,14 @@ class DeviceForm(forms.ModelForm):
             key: ({"bandwidth_mbps": profile.bandwidth_mbps, "rtt_ms": profile.rtt_ms} if profile else None)
             for key, profile in LINK_PRESETS.items()
         }
+
+    def clean_name(self):
+        name = self.cleaned_data.get("name")
+        if name and Device.objects.filter(name=name).exclude(pk=self.instance.pk).exists():
+            raise forms.ValidationError(
+                f"A device named {name!r} is registered already: choose another name (or rotate that device's token on its page).", code="unique"
+            )
+        return name
 
     def clean_namespace(self):
         from .models import Namespace
@@ -167,15 +187,20 @@ class EncodeForm(_ForUser, forms.Form):
 
 
 class RunForm(_ForUser, forms.Form):
-    SOURCES = [("text", "Free text"), ("mmlu", "MMLU question"), ("saved", "Saved prompt"), ("pml", "Schema prompt (PML)")]
+    SOURCES = [("chat", "Chat"), ("text", "Free text (no chat template)"), ("mmlu", "MMLU question"), ("saved", "Saved prompt"), ("pml", "Schema prompt (PML)")]
 
     devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple, required=False)
     any_board = forms.BooleanField(
         required=False, label="any board",
         help_text="one run, on the board expected to answer first: the one holding the longest prefix of the prompt, weighed with its queue (of the ticked devices, or of all)",
     )
-    source = forms.ChoiceField(choices=SOURCES, initial="text", widget=forms.RadioSelect)
-    text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6}), required=False)
+    source = forms.ChoiceField(choices=SOURCES, initial="chat", widget=forms.RadioSelect)
+    # A chat: the system prompt, the turns so far (JSON, kept by the page) and the next message.
+    system = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False, label="System prompt", help_text="optional: how the model should answer")
+    history = forms.CharField(widget=forms.HiddenInput, required=False)
+    message = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), required=False, label="Message")
+    # Not stripped: a prompt's last space or line break changes its tokens (and its cache keys).
+    text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6}), required=False, strip=False)
     split_on = forms.CharField(required=False, max_length=20, help_text=r"optional: cut the text after each of these (e.g. \n\n)")
     topic = forms.ChoiceField(required=False, initial="astronomy")
     shots = forms.IntegerField(min_value=0, max_value=5, initial=5, required=False)
@@ -185,7 +210,10 @@ class RunForm(_ForUser, forms.Form):
         queryset=Schema.objects.all(), required=False, empty_label="the one the prompt names", help_text='optional when the prompt names a known schema (<prompt schema="...">)'
     )
     pml = forms.CharField(widget=forms.Textarea(attrs={"rows": 5, "spellcheck": "false"}), required=False, label="PML prompt")
-    max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=8)
+    max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=64)
+    temperature = forms.FloatField(min_value=0.0, max_value=2.0, initial=0.0, required=False, help_text="0: greedy (the same answer every time)")
+    top_p = forms.FloatField(min_value=0.01, max_value=1.0, initial=0.95, required=False, label="Top-p")
+    seed = forms.IntegerField(min_value=0, max_value=2**63 - 1, required=False, help_text="optional: the same seed samples the same answer")
     namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
     use_cache = forms.BooleanField(required=False, initial=True)
     STRATEGIES = [("exact", "exact (prefix serving)")] + [(f"kv-prediction:{k}", f"KV prediction, {k} auxiliary layers (lab, approximate)") for k in (3, 6, 9)] + [
@@ -208,23 +236,52 @@ class RunForm(_ForUser, forms.Form):
             self.fields["topic"].choices = [(topic, topic) for topic in mmlu.topics()]
         except FileNotFoundError:
             self.fields["topic"].choices = []
-        for name in ("text", "pml"):
+        for name in ("text", "pml", "message", "system"):
             _limit_without_cut(self.fields[name], MAX_PROMPT_CHARS)
 
     def clean_namespace(self):
         return self._check_namespace_is_theirs(_clean_namespace(self.cleaned_data.get("namespace")))
 
     def clean_text(self):
-        text = self.cleaned_data.get("text") or ""
+        text = lf(self.cleaned_data.get("text"))
         if len(text) > MAX_PROMPT_CHARS:
             raise _too_long("The prompt", text, MAX_PROMPT_CHARS, "Nothing was sent: shorten it (a board's context holds a few thousand tokens).")
         return text
 
     def clean_pml(self):
-        pml = self.cleaned_data.get("pml") or ""
+        pml = lf(self.cleaned_data.get("pml"))
         if len(pml) > MAX_PROMPT_CHARS:
             raise _too_long("The PML prompt", pml, MAX_PROMPT_CHARS, "Nothing was sent: shorten it.")
         return pml
+
+    def clean_message(self):
+        message = lf(self.cleaned_data.get("message"))
+        if len(message) > MAX_PROMPT_CHARS:
+            raise _too_long("The message", message, MAX_PROMPT_CHARS, "Nothing was sent: shorten it.")
+        return message
+
+    def clean_system(self):
+        return lf(self.cleaned_data.get("system"))
+
+    def clean_history(self):
+        """The chat's turns so far, as the page keeps them: [{"role", "content"}, ...] alternating
+        user and assistant (an assistant turn may be a cancelled, partial answer)."""
+        raw = self.cleaned_data.get("history") or ""
+        if not raw.strip():
+            return []
+        try:
+            turns = json.loads(raw)
+        except ValueError:
+            raise forms.ValidationError("The conversation could not be read: press New chat and start again.")
+        if not isinstance(turns, list) or len(turns) > MAX_CHAT_TURNS:
+            raise forms.ValidationError(f"A conversation holds at most {MAX_CHAT_TURNS} turns: press New chat.")
+        history = []
+        for turn in turns:
+            if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant") or not isinstance(turn.get("content"), str):
+                raise forms.ValidationError("The conversation could not be read: press New chat and start again.")
+            if turn["content"].strip():
+                history.append((turn["role"], lf(turn["content"])))
+        return history
 
     def _schema_named_in(self, pml: str) -> Schema | None:
         """The schema a PML prompt names (``<prompt schema="travel">``), when it is a known one."""
@@ -236,12 +293,28 @@ class RunForm(_ForUser, forms.Form):
         if not data.get("devices") and not data.get("any_board") and "devices" not in self.errors:
             self.add_error("devices", "Tick the devices to run it on, or 'any board'.")
         source = data.get("source")
-        if source == "text":
+        if source == "chat":
+            if "message" not in self.errors and not (data.get("message") or "").strip():
+                self.add_error("message", "Write a message.")
+            if len(data.get("devices") or ()) > 1:
+                self.add_error("devices", "A chat talks to one board: tick one device (or 'any board').")
+            turns = [("system", data.get("system") or "")] + list(data.get("history") or []) + [("user", data.get("message") or "")]
+            if sum(len(content) for _, content in turns) > MAX_PROMPT_CHARS:
+                self.add_error("message", f"The conversation is over {MAX_PROMPT_CHARS:,} characters: press New chat to start another.")
+        elif source == "text":
             if "text" not in self.errors and not (data.get("text") or "").strip():
                 self.add_error("text", "Write a prompt, or pick an MMLU question or a saved prompt.")
         elif source == "mmlu":
             topic, shots, number = data.get("topic"), data.get("shots"), data.get("question")
             if topic and shots is not None and number:
+                try:
+                    available = mmlu.target_count(topic, shots)
+                except mmlu.UnknownTopic as exc:
+                    available = None
+                    self.add_error("topic", str(exc))
+                if available is not None and number > available:
+                    self.add_error("question", f"{topic} has {available:,} questions at {shots} shots: choose a question from 1 to {available:,}.")
+                    return data
                 try:
                     data["mmlu_prompt"] = mmlu.build_prompts(topic, shots, 1, start=number - 1)[0]
                 except (mmlu.UnknownTopic, ValueError) as exc:
@@ -275,42 +348,88 @@ class RunForm(_ForUser, forms.Form):
             self.add_error("strategy", "A schema prompt is served from exact cached modules: choose the exact strategy for it.")
         return data
 
-    def prompt_spec(self) -> PromptSpec:
+    def run_request(self) -> RunRequest:
+        """What the form asks for, as the board's ``RunRequest`` (``dispatch_run`` gives each device its id)."""
         data = self.cleaned_data
         strategy = data.get("strategy") or "exact"
-        common = dict(max_tokens=data["max_tokens"], namespace=data.get("namespace", ""), use_cache=data.get("use_cache", False), strategy="" if strategy == "exact" else strategy)
+        common = dict(
+            max_tokens=data["max_tokens"], namespace=data.get("namespace", ""), use_cache=data.get("use_cache", False), strategy="" if strategy == "exact" else strategy,
+            sampling=self.sampling(),
+        )
+        if data["source"] == "chat":
+            system = (data.get("system") or "").strip()
+            messages = ([("system", system)] if system else []) + list(data.get("history") or []) + [("user", data["message"])]
+            return asked_run(source="chat", title="Chat: " + " ".join(data["message"].split())[:74], messages=messages, **common)
         if data["source"] == "mmlu":
             prompt = data["mmlu_prompt"]
             title = f"MMLU {prompt.target.topic}, {len(prompt.examples)}-shot, question {data['question']}"
-            return PromptSpec(prompt.segments, "mmlu", title, prompt.target.answer, **common)
+            return asked_run(prompt.segments, source="mmlu", title=title, expected_answer=prompt.target.answer, **common)
         if data["source"] == "pml":
             title = f"PML {data['schema'].name}: " + " ".join((data["pml"] or "").split())[:60]
-            return PromptSpec([], "pml", title, schema=data["schema"].source, pml=data["pml"], **common)
+            return asked_run(source="pml", title=title, schema=data["schema"].source, pml=data["pml"], **common)
         if data["source"] == "saved":
             saved = data["saved_prompt"]
-            return PromptSpec(split_segments(saved.text, saved.split_on), "saved", saved.name, **common)
+            return asked_run(split_segments(lf(saved.text), saved.split_on), source="saved", title=saved.name, **common)
         text = data["text"]
-        return PromptSpec(split_segments(text, data.get("split_on")), "text", " ".join(text.split())[:80], **common)
+        return asked_run(split_segments(text, data.get("split_on")), source="text", title=" ".join(text.split())[:80], **common)
+
+    def sampling(self) -> dict:
+        """The sampling controls as the run request's ``SamplingSpec`` takes them (empty fields: its defaults)."""
+        data = self.cleaned_data
+        chosen = {"temperature": data.get("temperature"), "top_p": data.get("top_p"), "seed": data.get("seed")}
+        return {name: value for name, value in chosen.items() if value is not None}
 
 
 class ConfirmForm(forms.Form):
     confirm = forms.BooleanField(required=True, label="Yes, I am sure")
 
 
+def model_names() -> dict[str, str]:
+    """{model fingerprint: model file name} as the boards report them in their heartbeats."""
+    names = {}
+    for status in Device.objects.exclude(status={}).values_list("status", flat=True):
+        fingerprint, model = (status or {}).get("fingerprint"), (status or {}).get("model")
+        if isinstance(fingerprint, str) and isinstance(model, str) and fingerprint and model:
+            names.setdefault(fingerprint[:16], model)
+    return names
+
+
+def model_label(fingerprint: str, names: dict[str, str]) -> str:
+    name = names.get(fingerprint)
+    return f"{name} ({fingerprint})" if name else f"{fingerprint} (no board reports this model now)"
+
+
 class FlushForm(forms.Form):
-    namespace = forms.CharField(required=False, max_length=64)
-    model = forms.RegexField(regex=r"^[0-9a-f]{16}$", required=False, help_text="model fingerprint (16 hex characters)")
+    """Flush by namespace and/or model, chosen from those the cache box holds (or any namespace
+    that exists): a name typed wrong can no longer delete nothing without a word."""
+
+    namespace = forms.ChoiceField(required=False)
+    model = forms.ChoiceField(required=False)
     confirm = forms.BooleanField(required=True, label="Yes, delete these entries")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from cachebox.models import CacheEntry
+
+        from .models import Namespace
+
+        held = set(CacheEntry.objects.values_list("namespace", flat=True).distinct())
+        private = {device.cache_namespace for device in Device.objects.select_related("namespace")}  # boards that share nothing
+        namespaces = sorted(held | private | set(Namespace.objects.values_list("name", flat=True)))
+        self.fields["namespace"].choices = [("", "every namespace")] + [
+            (name, name if name in held else f"{name} (no entries)") for name in namespaces
+        ]
+        names = model_names()
+        models = sorted(set(CacheEntry.objects.values_list("model", flat=True).distinct()))
+        self.fields["model"].choices = [("", "every model")] + [(fingerprint, model_label(fingerprint, names)) for fingerprint in models]
+        known = ", ".join(namespaces) or "none yet"
+        self.fields["namespace"].error_messages["invalid_choice"] = f"There is no namespace %(value)r here (known: {known}): choose one from the list."
+        self.fields["model"].error_messages["invalid_choice"] = "The cache box holds no entry of model %(value)r: choose one from the list."
 
     def clean(self):
         data = super().clean()
-        if not data.get("namespace") and not data.get("model"):
-            raise forms.ValidationError("Give a namespace, a model, or both: flushing everything is done per namespace.")
-        if data.get("namespace"):
-            try:
-                check_namespace(data["namespace"])
-            except InvalidNamespace as exc:
-                self.add_error("namespace", str(exc))
+        if not data.get("namespace") and not data.get("model") and not self.errors:
+            raise forms.ValidationError("Choose a namespace, a model, or both: flushing everything is done per namespace.")
         return data
 
 

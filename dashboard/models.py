@@ -13,7 +13,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from inference.messages import Queue
-from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision
+from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
 
 ONLINE_WITHIN = timedelta(seconds=30)  # a board that never said how often it beats
 
@@ -57,8 +57,8 @@ class Namespace(models.Model):
 class Device(models.Model):
     name = models.SlugField(max_length=40, unique=True, help_text="letters, digits, '-' and '_'; the board's queue is device.<name>")
     kind = models.CharField(max_length=100, blank=True, help_text='e.g. "Raspberry Pi Zero 2W"')
-    cpu_threads = models.PositiveSmallIntegerField(default=1)
-    memory_mb = models.PositiveIntegerField(default=512)
+    cpu_threads = models.PositiveSmallIntegerField("CPU threads", default=1)
+    memory_mb = models.PositiveIntegerField("Memory (MB)", default=512)
     link_bandwidth_mbps = models.FloatField(
         null=True, blank=True, help_text="link bandwidth to the cache box in megabits/s; empty for an unshaped link"
     )
@@ -87,6 +87,10 @@ class Device(models.Model):
     token_created = models.DateTimeField(default=timezone.now)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True)
+    # What the open pages were last told: online (a heartbeat came) or offline (the sweeper saw it
+    # miss EDGECACHE_MISSED_HEARTBEATS heartbeats). Kept here so that one sweeper, of however many,
+    # tells them once, and a control worker that restarts still tells them.
+    announced_online = models.BooleanField(default=False, editable=False)
     status = models.JSONField(default=dict, blank=True, help_text="the board's last heartbeat (catalog size, ...)")
     created = models.DateTimeField(auto_now_add=True)
 
@@ -114,7 +118,11 @@ class Device(models.Model):
 
     @property
     def online(self) -> bool:
-        return self.revoked_at is None and self.last_seen is not None and timezone.now() - self.last_seen < offline_after(self.status)
+        return self.online_at(timezone.now())
+
+    def online_at(self, now) -> bool:
+        """Whether the board counted as online at ``now`` (it beat within ``offline_after``)."""
+        return self.revoked_at is None and self.last_seen is not None and now - self.last_seen < offline_after(self.status)
 
     @property
     def link_label(self) -> str:
@@ -139,10 +147,11 @@ class Dispatch(models.Model):
         help_text="the prompt's prefix keys and expected work; for a run sent to any board, the router's choice and its expected saving",
     )
     created = models.DateTimeField(auto_now_add=True, db_index=True)
-    # How it ended: answered (a report came) or lost (no board answered: a failed run says why);
+    # How it ended: answered (a report came), lost (no board answered: a failed run says why) or
+    # revoked (someone took it back from the queue page: a failed run says who);
     # "" while it is under way (``attempt`` 2 once it was re-sent to another board, for a client
     # still waiting). The request is kept while it is under way, for that one re-send.
-    OUTCOMES = [("", "under way"), ("answered", "answered"), ("lost", "lost")]
+    OUTCOMES = [("", "under way"), ("answered", "answered"), ("lost", "lost"), ("revoked", "revoked")]
     outcome = models.CharField(max_length=10, choices=OUTCOMES, blank=True, default="", db_index=True)
     expires_at = models.DateTimeField(null=True, blank=True, help_text="no board takes it after this")
     waits_until = models.DateTimeField(null=True, blank=True, help_text="how long its client (the API, the Run page) waits for the answer")
@@ -180,7 +189,7 @@ class SavedPrompt(models.Model):
 
 
 class InferenceRun(models.Model):
-    SOURCES = [("text", "free text"), ("mmlu", "MMLU question"), ("saved", "saved prompt"), ("api", "API")]
+    SOURCES = [("chat", "chat"), ("text", "free text"), ("mmlu", "MMLU question"), ("saved", "saved prompt"), ("api", "API")]
 
     request_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="runs")
@@ -205,6 +214,12 @@ class InferenceRun(models.Model):
     rejected_entries = models.PositiveIntegerField(default=0)
     cache_lookup = models.BooleanField(default=False)
     cachebox_unavailable = models.BooleanField(default=False)
+    # Where the matched tokens came from (``inference.breakdown.tokens_by_tier``): the tier label of /metrics.
+    context_tokens = models.PositiveIntegerField(default=0)
+    local_tokens = models.PositiveIntegerField(default=0)
+    flash_tokens = models.PositiveIntegerField(default=0)
+    fetched_tokens = models.PositiveIntegerField(default=0)
+    tpot_ms = models.FloatField(default=0, help_text="time per output token after the first (0: fewer than two tokens)")
     created = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:
@@ -218,6 +233,16 @@ class InferenceRun(models.Model):
         return Breakdown.from_dict(self.breakdown)
 
     @property
+    def served_from(self) -> str:
+        """Where its prompt came from, in the words of every page ("468/468 prompt tokens from the board's own context")."""
+        return served_from(self.breakdown) if not self.error else ""
+
+    @property
+    def source_label(self) -> str:
+        """The short word for it: "context", "RAM tier", "cache box", "computed"."""
+        return source_label(self.breakdown) if not self.error else ""
+
+    @property
     def routing(self) -> dict:
         """How the router chose this run's board, for a run sent to any board (else {}): expected
         time, what the board held, the expected saving (``dashboard.routing``)."""
@@ -228,6 +253,14 @@ class InferenceRun(models.Model):
         for name, value in breakdown_counts(self.breakdown, self.error).items():
             setattr(self, name, value)
         super().save(*args, **kwargs)
+
+
+def _finite(value) -> float:
+    try:
+        number = float(value) if not isinstance(value, bool) else 0.0
+    except (TypeError, ValueError):
+        return 0.0
+    return number if math.isfinite(number) else 0.0
 
 
 def _count(value) -> int:
@@ -243,7 +276,15 @@ def breakdown_counts(breakdown, error: str = "") -> dict:
     """The counters /metrics sums, from one run's breakdown (whatever a board sent)."""
     breakdown = breakdown if isinstance(breakdown, dict) else {}
     decision, cachebox = breakdown.get("decision"), breakdown.get("cachebox")
+    tiers = tokens_by_tier(breakdown) if not error else {}
+    generated = _count(breakdown.get("generated_tokens"))
+    decoding = _finite(breakdown.get("ttlt_ms")) - _finite(breakdown.get("ttft_ms"))
     return {
+        "context_tokens": tiers.get(Tier.CONTEXT.value, 0),
+        "local_tokens": tiers.get(Tier.LOCAL.value, 0),
+        "flash_tokens": tiers.get(Tier.FLASH.value, 0),
+        "fetched_tokens": tiers.get(Tier.CACHEBOX.value, 0),
+        "tpot_ms": decoding / (generated - 1) if not error and generated > 1 and decoding > 0 else 0.0,
         "fetched_bytes": _count(breakdown.get("fetched_bytes")),
         "uploaded_bytes": _count(breakdown.get("uploaded_bytes")),
         "false_positives": _count(breakdown.get("false_positives")),

@@ -30,7 +30,7 @@ from cachebox import streams
 from cachebox.errors import CacheBoxError, CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
-from inference.messages import MessageRefused, StreamEvent
+from inference.messages import MessageRefused, RunRequest, StreamEvent
 
 from . import actions
 from .models import Device, Dispatch
@@ -47,11 +47,12 @@ def line(body: dict) -> str:
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False) + "\n"
 
 
-async def follow(user, devices: list[Device], spec: actions.PromptSpec, routed=None):
+async def follow(user, devices: list[Device], asked: RunRequest, routed=None, request_ids: list[str] | None = None):
     """Subscribe to each run's channel, dispatch the runs, then yield their events as lines
-    (``routed``: the router's choice of a prompt sent to any board, as ``dispatch_run`` takes it)."""
-    spec.stream = True
-    request_ids = [str(uuid.uuid4()) for _ in devices]
+    (``routed``: the router's choice of a prompt sent to any board, as ``dispatch_run`` takes it;
+    ``request_ids``: one per device, as counted in the bounded queues)."""
+    asked = asked.model_copy(update={"stream": True})
+    request_ids = request_ids or [str(uuid.uuid4()) for _ in devices]
     subscriptions = [
         streams.subscribe(actions.cachebox_url(), stream_channel(device.name, request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
         for device, request_id in zip(devices, request_ids)
@@ -67,7 +68,7 @@ async def follow(user, devices: list[Device], spec: actions.PromptSpec, routed=N
         sent: list[dict] = []
         for device, request_id in zip(devices, request_ids):
             try:
-                sent += await sync_to_async(actions.dispatch_run)(user, [device], spec, [request_id], routed=routed)
+                sent += await sync_to_async(actions.dispatch_run)(user, [device], asked, [request_id], routed=routed)
             except BrokerUnavailable as exc:
                 not_sent = [d.name for d in devices[len(sent):]]
                 message = (
@@ -152,7 +153,7 @@ def _as_line(event: StreamEvent) -> dict:
     elif event.type == "stage":
         body["stage"] = event.stage
     elif event.type == "done":
-        body.update(finish_reason=event.finish_reason, ttft_ms=event.breakdown.get("ttft_ms"), generated_tokens=event.breakdown.get("generated_tokens"))
+        body.update(finish_reason=event.finish_reason, text=event.text, ttft_ms=event.breakdown.get("ttft_ms"), generated_tokens=event.breakdown.get("generated_tokens"))
     elif event.type == "error":
         body["error"] = event.error
     return body

@@ -206,6 +206,7 @@ X_FRAME_OPTIONS = "DENY"
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = False
+FORMAT_MODULE_PATH = ["dashboard.formats"]  # one date format on every page: Y-m-d H:i
 USE_TZ = True
 
 # --- HTTPS: off for `make run` (plain HTTP on localhost); set EDGECACHE_HTTPS=1 where the
@@ -348,7 +349,9 @@ else:  # not a Redis URL: counters per process only
 # `edgecache.security`: one JSON object per line (cachebox.events.security_event).
 LOGGING["formatters"]["json_lines"] = {"()": "cachebox.events.JsonLineFormatter"}
 LOGGING["handlers"]["security"] = {"class": "logging.StreamHandler", "formatter": "json_lines"}
-LOGGING["loggers"]["edgecache.security"] = {"handlers": ["security"], "level": "INFO", "propagate": False}
+# ... and counted in the cache box for /metrics (edgecache_security_events_total{event}).
+LOGGING["handlers"]["security_count"] = {"class": "dashboard.security_counts.SecurityEventCounter"}
+LOGGING["loggers"]["edgecache.security"] = {"handlers": ["security", "security_count"], "level": "INFO", "propagate": False}
 
 # --- The OpenAI-compatible API (/v1/, dashboard.api) ---------------------------------------------
 # Requests per API key and minute (a key's own rate, set by staff, wins; 0: no limit); over it, 429.
@@ -359,5 +362,10 @@ EDGECACHE_API_RATE = _env_int("EDGECACHE_API_RATE", 60)
 EDGECACHE_API_TIMEOUT = _env_int("EDGECACHE_API_TIMEOUT", 120)
 if EDGECACHE_API_TIMEOUT < 1:
     raise ValueError(f"EDGECACHE_API_TIMEOUT must be at least 1 second, got {EDGECACHE_API_TIMEOUT}")
+# Bounded queues (dashboard.admission): runs under way per online board of a namespace (API and Run
+# page together), and per API key; past either, the run is refused at once (429 / 503 with
+# Retry-After; the Run page says the fleet is busy). 0: no bound.
+EDGECACHE_QUEUE_PER_BOARD = _env_int("EDGECACHE_QUEUE_PER_BOARD", 8)
+EDGECACHE_API_QUEUE_PER_KEY = _env_int("EDGECACHE_API_QUEUE_PER_KEY", 16)
 # Answer length when a request names none (max_tokens / max_completion_tokens).
 EDGECACHE_API_MAX_TOKENS = _env_int("EDGECACHE_API_MAX_TOKENS", 256)

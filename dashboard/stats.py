@@ -32,6 +32,84 @@ def run_figures(device: Device) -> dict:
     }
 
 
+def run_figures_many(devices) -> dict[str, dict]:
+    """``run_figures`` of each of ``devices`` (by name) in two queries, whatever their number."""
+    from django.db.models import Count, F, Window
+    from django.db.models.functions import RowNumber
+
+    pks = {device.pk: device.name for device in devices}
+    if not pks:
+        return {}
+    counts = dict(InferenceRun.objects.filter(device_id__in=pks).values("device_id").annotate(n=Count("id")).values_list("device_id", "n"))
+    recent: dict[int, list] = {pk: [] for pk in pks}
+    rows = (
+        InferenceRun.objects.filter(device_id__in=pks, error="")
+        .annotate(rank=Window(RowNumber(), partition_by=[F("device_id")], order_by=F("created").desc()))
+        .filter(rank__lte=RECENT)
+        .values_list("device_id", "ttft_ms", "case")
+    )
+    for device_id, ttft, case in rows:
+        recent[device_id].append((ttft, case))
+    out = {}
+    for pk, name in pks.items():
+        mine = recent[pk]
+        out[name] = {
+            "runs": counts.get(pk, 0),
+            "hit_ratio": sum(1 for _, case in mine if case in HITS) / len(mine) if mine else None,
+            "median_ttft_ms": statistics.median(ttft for ttft, _ in mine) if mine else None,
+        }
+    return out
+
+
+def device_summaries(devices) -> list[dict]:
+    """``device_summary`` of each of ``devices``, their run figures read in two queries for all."""
+    devices = list(devices)
+    figures = run_figures_many(devices)
+    return [device_summary(device, figures[device.name]) for device in devices]
+
+
+STATUSES = ("online", "offline", "never", "revoked")  # what the Devices page filters by
+
+
+def status_of(revoked_at, last_seen, heartbeat_s, now=None) -> str:
+    """One of ``STATUSES``, as ``Device.online`` decides it, from a device's plain fields."""
+    from .models import offline_after
+
+    if revoked_at is not None:
+        return "revoked"
+    if last_seen is None:
+        return "never"
+    now = now or timezone.now()
+    return "online" if now - last_seen < offline_after({"heartbeat_s": heartbeat_s}) else "offline"
+
+
+def fleet_counts(devices: QuerySet[Device]) -> dict:
+    """How many of ``devices`` are online, offline, never seen, revoked; overall and per namespace
+    (one query of plain fields: no status is decoded)."""
+    now = timezone.now()
+    total = {state: 0 for state in STATUSES}
+    per_namespace: dict[str, dict] = {}
+    for namespace, revoked_at, last_seen, heartbeat_s in devices.order_by().values_list("namespace_id", "revoked_at", "last_seen", "status__heartbeat_s"):
+        state = status_of(revoked_at, last_seen, heartbeat_s, now)
+        total[state] += 1
+        row = per_namespace.setdefault(namespace, {"namespace": namespace, **{key: 0 for key in STATUSES}})
+        row[state] += 1
+    return {"total": sum(total.values()), **total, "namespaces": [per_namespace[name] for name in sorted(per_namespace)]}
+
+
+def filter_devices(devices: QuerySet[Device], *, name: str = "", status: str = "", namespace: str = "") -> QuerySet[Device]:
+    """``devices`` whose name contains ``name``, of ``namespace``, in ``status`` (one of ``STATUSES``)."""
+    if name:
+        devices = devices.filter(name__icontains=name)
+    if namespace:
+        devices = devices.filter(namespace_id=namespace)
+    if status in STATUSES:
+        now = timezone.now()
+        wanted = [pk for pk, revoked_at, last_seen, heartbeat_s in devices.order_by().values_list("pk", "revoked_at", "last_seen", "status__heartbeat_s") if status_of(revoked_at, last_seen, heartbeat_s, now) == status]
+        devices = devices.filter(pk__in=wanted)
+    return devices
+
+
 def fill_label(ratio) -> str:
     """A Bloom filter's fill as people read it: a percentage with 2 significant digits
     ("0.22%", "12%"), "< 0.01%" for a few bits set in a large filter, "0%" when empty."""
@@ -73,7 +151,13 @@ def device_state(device: Device) -> tuple[str, str]:
     return "offline", f"offline since {timezone.localtime(device.last_seen):%Y-%m-%d %H:%M}"
 
 
-def device_summary(device: Device) -> dict:
+def device_summary(device: Device, figures: dict | None = None) -> dict:
+    """What the pages show of a device (``figures``: its ``run_figures`` when read already)."""
+    return {"device": device, **(figures if figures is not None else run_figures(device)), **catalog_summary(device)}
+
+
+def catalog_summary(device: Device) -> dict:
+    """A device's catalogs as its last heartbeat reported them (no query)."""
     catalogs = {}
     for namespace, catalog in ((device.status or {}).get("catalogs") or {}).items():
         last_sync = catalog.get("last_sync")
@@ -84,8 +168,6 @@ def device_summary(device: Device) -> dict:
             "epoch": str(catalog.get("epoch") or ""),
         }
     return {
-        "device": device,
-        **run_figures(device),
         "catalog_items": sum(c.get("approx_items", 0) for c in catalogs.values()),
         "catalog_fp_rate": max((c.get("estimated_fp_rate", 0.0) for c in catalogs.values()), default=None),
         "catalogs": catalogs,

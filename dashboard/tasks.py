@@ -21,7 +21,7 @@ def record_run(payload: dict) -> None:
 
 @shared_task(name=Task.HEARTBEAT.value, ignore_result=True)
 def heartbeat(payload: dict) -> None:
-    actions.record_heartbeat(payload)
+    actions.take_heartbeat(payload)  # recorded with the others of the next half second (HeartbeatBatch)
 
 
 @shared_task(name=Task.ENCODE_PROGRESS.value, ignore_result=True)

@@ -13,6 +13,7 @@ import time
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any, Callable, TypeVar
 
 from cachebox import embedded
 from cachebox.signing import Keychain
@@ -26,13 +27,19 @@ from .engine import Engine, EngineConfig
 from .exchange import Exchange
 from .host_plan import rtt_only
 from .memory_plan import MAX_RAM_TIER_BYTES, MemoryPlan, ModelFacts, check_lab_strategy, plan_memory, unsized_plan
+from .messages import BoardRates
 from .model_file import resolve_model
 from .proc_memory import ProcessMemory
 from .chat import chat_prompt, follow_up
 from .prefix_serving import Extension, PrefixServing
+from .routing import DEFAULT_DECODE_MS_PER_TOKEN
 from .schema_serving import SchemaServing
+from .serving import Prompt, RunOptions, RunResult, Strategy
+from .strategies import EXACT, REGISTRY, StrategySpec
 
 log = logging.getLogger(__name__)
+
+Opened = TypeVar("Opened")
 
 
 def broker_url(config: BoardConfig) -> str:
@@ -94,8 +101,10 @@ class Board:
         background_sync: bool = True,
         keys: Keychain | None = None,
         memory_plan: MemoryPlan | None = None,
+        rates: BoardRates | None = None,
     ):
         self.engine = engine
+        self.rates = rates  # measured at start (``calibrate``): reported in every heartbeat
         profile = profile_named(config.compute_profile)  # the board's class, or None: this machine's speed
         if profile is None or engine.pacer is None or engine.pacer.profile != profile:
             engine.pacer = Pacer(profile) if profile is not None else None
@@ -130,10 +139,12 @@ class Board:
             policy=BreakEvenPolicy(prefill_ms_per_token=config.prefill_ms_per_token, link=config.link, mode=config.policy, overlap=config.overlap),
             context_reuse=config.context_reuse,
             ram_tier_bytes=ram_tier_bytes,
+            flash_tier_bytes=config.flash_tier_bytes,
+            flash_dir=config.flash_folder(),
         )
         self.schemas = SchemaServing(engine, self.exchange, namespace=config.namespace)
         self._sync_thread: CatalogSyncThread | None = None
-        self._lab: dict[int | str, object] = {}  # k -> KV prediction, name -> anchor strategy, "early-exit"; loaded on first use
+        self._opened: dict[StrategySpec, Any] = {}  # lab strategies (or what they share), loaded on first use; closed with the board
         if self.catalogs is not None:
             self.catalogs.get(config.namespace)
             if background_sync:
@@ -161,28 +172,52 @@ class Board:
             profile = profile_named(config.compute_profile)
             if profile is not None:
                 engine.pacer = Pacer(profile)  # before calibrating: the policy's prior is the paced rate
-            config = config.with_(prefill_ms_per_token=calibrate_prefill(engine))
+            rates = calibrate(engine)
+            config = config.with_(prefill_ms_per_token=rates.prefill_ms_per_token)
             synced.result()
-        return cls(engine, store, config, catalogs=catalogs, background_sync=background_sync, keys=keys, memory_plan=sizer.plan)
+        return cls(engine, store, config, catalogs=catalogs, background_sync=background_sync, keys=keys, memory_plan=sizer.plan, rates=rates)
 
     def cachebox_only(self) -> "Board":
         """Turn the board-local tiers off (benchmarks that measure the cache box itself)."""
-        self.prefix.context_reuse = False
+        self.prefix.context.reuse = False
         self.prefix.ram = None
+        self.prefix.flash = None
         return self
 
-    def run(self, prompt, **kwargs):
-        """Serve a prompt (text or segments) by prefix reuse (see inference.prefix_serving)."""
+    def strategy(self, spec: StrategySpec, prompt: Prompt | None = None) -> Strategy:
+        """The strategy that serves ``spec`` here: prefix serving, or schema serving for a PML
+        prompt, when exact; a lab strategy opened by its registered module (on first use)."""
+        if spec.exact:
+            return self.schemas if prompt is not None and prompt.is_schema else self.prefix
+        self._check_memory(spec)
+        return REGISTRY[spec.name].open(self, spec)
+
+    def opened(self, key: StrategySpec, load: Callable[[], Opened]) -> Opened:
+        """What a lab strategy loaded for ``key`` (a second model, a reference engine): loaded on
+        first use, kept until the board closes."""
+        if key not in self._opened:
+            self._opened[key] = load()
+        return self._opened[key]
+
+    def serve(self, spec: StrategySpec, prompt: Prompt, options: RunOptions) -> RunResult:
+        """Answer ``prompt`` with the strategy ``spec`` names (``inference.strategies``)."""
+        strategy = self.strategy(spec, prompt)
+        if not spec.exact:  # a lab run may not run on the paced engine at all (a reference engine, a second model)
+            return strategy.run(prompt, options)
         with self._paced() as label:
-            result = self.prefix.run(prompt, **kwargs)
-        return label(result)
+            return label(strategy.run(prompt, options))
+
+    def run(self, prompt, **kwargs) -> RunResult:
+        """Serve a prompt (text or segments) by prefix reuse (see inference.prefix_serving); ``tokens=``
+        and ``cuts=`` complete it, the other keywords are ``RunOptions``."""
+        asked = Prompt.of(prompt, tokens=kwargs.pop("tokens", None), cuts=kwargs.pop("cuts", ()))
+        return self.serve(EXACT, asked, RunOptions(**kwargs))
 
     def run_chat(self, messages, **kwargs):
         """Serve a conversation (role, content) through the model's chat template, cut where its
         turns begin (see inference.chat)."""
         chat = chat_prompt(self.engine, messages)
-        result = self.run(chat.text, tokens=chat.tokens, cuts=chat.cuts, **kwargs)
-        return chat, result
+        return chat, self.serve(EXACT, chat.prompt, RunOptions(**kwargs))
 
     def follow_up(self, messages, answer: str, *, namespace: str | None = None, upload: bool = True) -> Extension:
         """After a conversation's turn is answered: compute the prefix its next turn shares (the
@@ -194,11 +229,9 @@ class Board:
         with self._paced():
             return self.prefix.extend(prefix.tokens, prefix.cuts, namespace=namespace, upload=upload)
 
-    def run_pml(self, schema_source: str, prompt_source: str, **kwargs):
+    def run_pml(self, schema_source: str, prompt_source: str, **kwargs) -> RunResult:
         """Serve a PML prompt from the schema's cached modules (see inference.schema_serving)."""
-        with self._paced() as label:
-            result = self.schemas.run(schema_source, prompt_source, **kwargs)
-        return label(result)
+        return self.serve(EXACT, Prompt(schema=schema_source, pml=prompt_source), RunOptions(**kwargs))
 
     @contextmanager
     def _paced(self):
@@ -214,44 +247,15 @@ class Board:
 
         yield label
 
-    def kv_prediction(self, k: int):
-        """The KV prediction strategy with ``k`` auxiliary layers (lab, approximate; loaded on first
-        use: the auxiliary GGUF and the predictor file from ``$EDGECACHE_HOME/lab``)."""
-        if k not in self._lab:
-            self._check_memory(f"kv-prediction:{k}")
-            from .lab.kv_prediction import KVPredictionServing, lab_dir
-
-            self._lab[k] = KVPredictionServing.open(self.engine, k, lab_dir())
-        return self._lab[k]
-
-    def anchors(self, strategy: str):
-        """Anchor inference (seed 004; lab, approximate): ``anchors`` prunes the board's own model's
-        state to anchor tokens, ``anchors-tuned`` runs the anchor-tuned GGUF from ``$EDGECACHE_HOME/lab``
-        (loaded on first use). Never reads or writes the cache box."""
-        if strategy not in self._lab:
-            self._check_memory(strategy)
-            from .lab.anchors import AnchorServing
-            from .lab.kv_prediction import lab_dir
-
-            self._lab[strategy] = AnchorServing.open(self.engine, strategy, lab_dir())
-        return self._lab[strategy]
-
-    def early_exit(self, policy):
-        """Early exit with KV fill (seed 002; lab, approximate) under ``policy``: decoding on the
-        reference engine of this board's model (loaded on first use: ~15 s, ~1 GB), with the exit
-        adapters ``bench lab-exit`` fitted if present. Never touches the context or the cache box."""
-        if "early-exit" not in self._lab:
-            self._check_memory("early-exit")  # before PyTorch is imported: it alone is 200 MB
-            from .lab.early_exit import EarlyExitServing
-
-            self._lab["early-exit"] = EarlyExitServing.open(self.engine)
-        return self._lab["early-exit"].with_policy(policy)
-
-    def _check_memory(self, strategy: str) -> None:
-        """MemoryRefused (a clear error in the run's report) when ``strategy`` would not fit this
-        board's registered memory next to what it holds now."""
+    def _check_memory(self, spec: StrategySpec) -> None:
+        """MemoryRefused (a clear error in the run's report) when the lab strategy ``spec`` would
+        not fit this board's registered memory next to what it holds now (checked before its
+        module is imported: PyTorch alone is 200 MB)."""
+        if any(key.name == spec.name and key.aux_layers == spec.aux_layers for key in self._opened):
+            return  # loaded already: what it holds is in the board's memory now
         facts = getattr(self.engine, "facts", None)
         if facts is not None:
+            strategy = f"{spec.name}:{spec.aux_layers}" if spec.aux_layers is not None else spec.name
             check_lab_strategy(strategy, facts, n_ctx=self.engine.n_ctx, memory_mb=self.config.memory_mb, rss_mb=ProcessMemory.read().rss_mb)
 
     def memory(self) -> dict:
@@ -288,30 +292,59 @@ class Board:
             "threads": self.engine.config.threads(),
             "catalogs": catalogs,
             "ram_tier": self.prefix.ram.status() if self.prefix.ram is not None else None,
+            "flash_tier": self.prefix.flash.status() if self.prefix.flash is not None else None,
             "kv_type": self.engine.config.kv_type,
             "codec": self.exchange.codec,
             "compute_profile": self.engine.pacer.profile.emulated_label if self.engine.pacer is not None else "",
             "memory": self.memory(),
+            "rates": self.rates.dump() if self.rates is not None else None,
         }
 
     def close(self) -> None:
         if self._sync_thread is not None:
             self._sync_thread.stop()
-        for strategy in self._lab.values():
-            strategy.close()
+        for opened in self._opened.values():
+            opened.close()
         self.engine.close()
 
 
-def calibrate_prefill(engine: Engine, tokens: int = 48) -> float:
-    """This board's prefill cost in ms per token, measured once at start (the policy's prior)."""
-    sample = (engine.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_bos=True) * 2)[:tokens]
+CALIBRATION_PROMPT_TOKENS = 32  # a short prompt, as llama-bench's: 1.3 s on a paced Pi Zero 2W, ~50 ms here
+CALIBRATION_DECODE_TOKENS = 2  # paced to a Pi Zero 2W, ~0.6 s each
+CALIBRATION_BUDGET_S = 1.0  # repetitions (at most 3) while they fit: the best one is the board's rate
+
+
+def calibrate(engine: Engine, prompt_tokens: int = CALIBRATION_PROMPT_TOKENS, decode_tokens: int = CALIBRATION_DECODE_TOKENS) -> BoardRates:
+    """This board's prefill and decode cost in ms per token, measured once at start as llama-bench
+    does (a fixed prompt, then a few decode steps), under its compute profile when one paces it.
+    Repeated while it fits ``CALIBRATION_BUDGET_S`` (a fast board, 3 times) and the best kept: a
+    board starting next to other work measures its own speed, not its neighbours' load. The
+    breakeven policy's prior, and what its heartbeats tell the router."""
+    sample = (engine.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_bos=True) * 2)[:prompt_tokens]
+    prefills: list[float] = []
+    steps: list[float] = []
+    began = time.perf_counter()
     with engine.lock:
-        engine.remove(engine.scratch_seq)
-        started = time.perf_counter()
-        engine.prefill(sample, 0, seq=engine.scratch_seq)
-        elapsed_ms = (time.perf_counter() - started) * 1000.0
-        engine.remove(engine.scratch_seq)
-    return elapsed_ms / len(sample)
+        while len(prefills) < 3 and (not prefills or time.perf_counter() - began < CALIBRATION_BUDGET_S / 2):
+            engine.remove(engine.scratch_seq)
+            try:
+                started = time.perf_counter()
+                logits = engine.prefill(sample, 0, seq=engine.scratch_seq, logits_at={len(sample) - 1})
+                prefills.append((time.perf_counter() - started) * 1000.0)
+                token = int(logits[len(sample) - 1].argmax())
+                for position in range(len(sample), len(sample) + decode_tokens):
+                    started = time.perf_counter()
+                    token = int(engine.decode_one(token, position, seq=engine.scratch_seq).argmax())
+                    steps.append((time.perf_counter() - started) * 1000.0)
+            finally:
+                engine.remove(engine.scratch_seq)
+    pacer = engine.pacer
+    return BoardRates(
+        prefill_ms_per_token=round(min(prefills) / len(sample), 4),
+        decode_ms_per_token=round(min(steps), 4) if steps else DEFAULT_DECODE_MS_PER_TOKEN,
+        prompt_tokens=len(sample),
+        decode_tokens=len(steps),
+        compute_profile=pacer.profile.name if pacer is not None else "",
+    )
 
 
 _board: Board | None = None

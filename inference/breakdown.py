@@ -33,6 +33,7 @@ class Tier(StrEnum):
     NONE = ""  # computed
     CONTEXT = "context"  # the board's own last sequence: no copy at all
     LOCAL = "local"  # the board's RAM tier: no network
+    FLASH = "flash"  # the board's flash tier (its own disk): no network
     CACHEBOX = "cachebox"  # fetched over the link
 
 
@@ -50,6 +51,63 @@ class Decision(StrEnum):
     NO_CACHE = "no-cache"
     NO_SIGNING_KEY = "no-signing-key"
     MODULES = "modules"  # schema serving: modules from the cache box, the rest computed
+
+
+# Where a prompt's tokens came from, nearest first, in the words every page, chart and metric uses:
+# (short label, where), and the breakdown field that counts a tier's tokens.
+TIER_WORDS = {
+    Tier.CONTEXT: ("context", "the board's own context"),
+    Tier.LOCAL: ("RAM tier", "the board's RAM tier"),
+    Tier.FLASH: ("flash tier", "the board's flash tier"),
+    Tier.CACHEBOX: ("cache box", "the cache box"),
+}
+TIER_TOKENS = {Tier.CONTEXT: "context_tokens", Tier.LOCAL: "local_tokens", Tier.FLASH: "flash_tokens", Tier.CACHEBOX: "fetched_tokens"}
+BOARD_TIERS = (Tier.CONTEXT, Tier.LOCAL, Tier.FLASH)  # on the board itself: nothing crosses the link
+COMPUTED = "computed"
+
+
+def _int(value) -> int:
+    try:
+        number = int(value) if not isinstance(value, bool) else 0
+    except (TypeError, ValueError):
+        return 0
+    return max(number, 0)
+
+
+def tokens_by_tier(breakdown: dict) -> dict[str, int]:
+    """Prompt tokens each tier served (``Tier`` value -> tokens), from a breakdown as stored. A run
+    recorded before boards counted them per tier gives all its matched tokens to ``tier`` (the
+    furthest it restored from), or to the cache box when it names no board-local tier (schema runs,
+    runs recorded before boards kept tiers)."""
+    b = breakdown if isinstance(breakdown, dict) else {}
+    counts = {tier.value: _int(b.get(name)) for tier, name in TIER_TOKENS.items()}
+    matched = _int(b.get("matched_tokens"))
+    rest = matched - sum(counts.values())
+    if rest > 0:
+        tier = b.get("tier")
+        counts[tier if tier in BOARD_TIERS else Tier.CACHEBOX.value] += rest
+    return counts
+
+
+def served_from(breakdown: dict) -> str:
+    """Where a run's prompt came from, said one way on every page: "468/468 prompt tokens from the
+    board's own context", "256/300 prompt tokens from the cache box, 44 computed"."""
+    b = breakdown if isinstance(breakdown, dict) else {}
+    total = _int(b.get("prompt_tokens"))
+    parts = [(tokens, TIER_WORDS[Tier(tier)][1]) for tier, tokens in tokens_by_tier(b).items() if tokens]
+    if not parts:
+        return f"all {total} prompt tokens computed"
+    served = sum(tokens for tokens, _ in parts)
+    where = parts[0][1] if len(parts) == 1 else ", ".join(f"{tokens} from {words}" for tokens, words in parts)
+    sentence = f"{served}/{total} prompt tokens from {where}" if len(parts) == 1 else f"{served}/{total} prompt tokens reused: {where}"
+    return sentence + (f", {total - served} computed" if total > served else "")
+
+
+def source_label(breakdown: dict) -> str:
+    """The short word for where a run's prompt came from: a tier's label ("context", "RAM tier",
+    "cache box"), several joined by "+", or "computed"."""
+    labels = [TIER_WORDS[Tier(tier)][0] for tier, tokens in tokens_by_tier(breakdown).items() if tokens]
+    return " + ".join(labels) or COMPUTED
 
 
 # Runs with these never consulted a cache (for the lookup counters).
@@ -75,7 +133,7 @@ class Breakdown:
     bloom_ms: float = 0.0  # Bloom: look the candidate ranges up in the local catalog
     prefill_ms: float = 0.0  # P-decode: prefill the tokens that were not cached
     redis_ms: float = 0.0  # Redis: fetch + verify + restore the cached ranges (= fetch_ms + restore_ms)
-    local_ms: float = 0.0  # restore from the board's own tiers (context, RAM): no network
+    local_ms: float = 0.0  # restore from the board's own tiers (context, RAM, flash): no network
     decode_ms: float = 0.0  # R-decode: decode the response tokens after the first
     sample_ms: float = 0.0  # Sample: choose every response token
     ttft_ms: float = 0.0  # time to first token
@@ -92,7 +150,11 @@ class Breakdown:
     next_turn_ms: float = 0.0
     # What happened.
     prompt_tokens: int = 0
-    matched_tokens: int = 0  # prompt tokens restored from the cache box
+    matched_tokens: int = 0  # prompt tokens restored instead of prefilled, from any tier (the three below add up to it)
+    context_tokens: int = 0  # of them, kept in the board's own context
+    local_tokens: int = 0  # restored from the board's RAM tier
+    flash_tokens: int = 0  # restored from the board's flash tier
+    fetched_tokens: int = 0  # fetched from the cache box (schema runs: their modules)
     generated_tokens: int = 0
     state_bytes: int = 0  # prompt state moved: fetched_bytes + uploaded_bytes
     fetched_bytes: int = 0
@@ -151,6 +213,12 @@ class Breakdown:
         self.cachebox = CacheBoxState.UNAVAILABLE
         if decision is not None:
             self.decision = decision
+
+    def restored(self, tier: Tier, tokens: int) -> None:
+        """``tokens`` more prompt tokens came from ``tier`` (the walk over the tiers says so)."""
+        if tokens > 0 and tier in TIER_TOKENS:
+            name = TIER_TOKENS[tier]
+            setattr(self, name, getattr(self, name) + tokens)
 
     def classify(self, matched: int, total: int) -> None:
         """Set ``matched_tokens`` and the case from how many of ``total`` prompt tokens were served."""

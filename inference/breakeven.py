@@ -69,15 +69,29 @@ class BreakEvenPoints:
 
 
 def points_from_breakdowns(breakdowns: Iterable[dict]) -> BreakEvenPoints:
-    """Measured points of a device's runs (breakdown dicts as stored)."""
+    """Measured points of a device's runs (breakdown dicts as stored): prefill against the tokens
+    computed, and fetch + restore against the tokens fetched from the cache box. Restores from the
+    board's own context, RAM or flash tier (no byte over the link) are no fetch: left out."""
     prefill, fetch = [], []
     for b in breakdowns:
         computed = b.get("prompt_tokens", 0) - b.get("matched_tokens", 0)
         if computed > 0 and b.get("prefill_ms", 0) > 0:
             prefill.append((computed, float(b["prefill_ms"])))
-        if b.get("matched_tokens", 0) > 0:
-            fetch.append((b["matched_tokens"], float(b.get("redis_ms", 0.0))))
+        fetched = _fetched_tokens(b)
+        if fetched > 0:
+            fetch.append((fetched, float(b.get("redis_ms", 0.0))))
     return BreakEvenPoints(prefill, fetch)
+
+
+def _fetched_tokens(b: dict) -> int:
+    """Prompt tokens a run fetched from the cache box. Runs recorded before boards counted them
+    (no ``fetched_tokens``): their matched tokens, unless a board-local tier served them or no
+    byte was fetched."""
+    if "fetched_tokens" in b:
+        return int(b.get("fetched_tokens") or 0)
+    if b.get("tier") in ("context", "local", "flash") or b.get("fetched_bytes", 1) == 0:
+        return 0
+    return int(b.get("matched_tokens") or 0)
 
 
 def overlap_ms(tokens: float, prefill: LinearFit, fetch: LinearFit) -> float:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .engine import Vocabulary
-from .serving import PromptError
+from .serving import Prompt, PromptError
 
 ROLES = ("system", "user", "assistant")
 
@@ -36,6 +36,11 @@ class ChatPrompt:
         A turn's prompt ends where the next turn's answer begins, so the next turn resumes from it
         (and from the answer, ``follow_up``) after the very batches its cold run computes."""
         return self.starts[1:]
+
+    @property
+    def prompt(self) -> Prompt:
+        """What a strategy runs: the tokens, cut where the turns begin (the text for the record)."""
+        return Prompt((self.text,), tuple(self.tokens), self.cuts)
 
 
 def chat_prompt(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> ChatPrompt:

@@ -94,6 +94,8 @@ class BoardConfig:
     link: LinkProfile | None = None  # emulated link to the cache box (None: as the network is)
     context_reuse: bool = True  # a prompt that shares a prefix with the board's last one continues from it
     ram_tier_bytes: int | None = None  # range entries kept next to the model (0: no RAM tier; None: follows memory_mb, 128 MB when unknown)
+    flash_tier_bytes: int = 0  # range entries kept on the board's own disk, between RAM and the cache box (0: no flash tier)
+    flash_dir: Path | None = None  # where the flash tier keeps them (None: the state folder's flash/<device>)
     memory_mb: int = 0  # the board's registered memory: its buffers are sized to it (inference.memory_plan); 0: unknown, defaults
     policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
     overlap: bool = True  # compute the front of a prompt while the back of it loads, when that is faster
@@ -117,6 +119,11 @@ class BoardConfig:
     @property
     def uses_embedded_cachebox(self) -> bool:
         return not self.redis_url
+
+    def flash_folder(self) -> Path:
+        """Where this board's flash tier keeps its entries (one folder per board: boards sharing a
+        disk never evict each other's files)."""
+        return self.flash_dir if self.flash_dir is not None else self.embedded_dir.parent / "flash" / self.device
 
     def key_file(self, device: str) -> Path:
         """Where the board ``device`` keeps its private keys (moved there from the state folder,
@@ -155,6 +162,8 @@ class BoardConfig:
             codec=environ.get("EDGECACHE_CODEC", "").strip() or d["codec"].default,
             compute_profile=environ.get("EDGECACHE_COMPUTE_PROFILE", "").strip(),
             ram_tier_bytes=_int(environ, "EDGECACHE_RAM_TIER_MB", -1) * 1024 * 1024 if environ.get("EDGECACHE_RAM_TIER_MB", "").strip() else None,
+            flash_tier_bytes=_int(environ, "EDGECACHE_FLASH_TIER_MB", 0) * 1024 * 1024,
+            flash_dir=Path(environ["EDGECACHE_FLASH_DIR"].strip()) if environ.get("EDGECACHE_FLASH_DIR", "").strip() else None,
             memory_mb=_int(environ, "EDGECACHE_MEMORY_MB", 0),
             embedded_dir=home / "valkey",
             embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,

@@ -164,6 +164,7 @@ def main(argv: list[str], prog: str = "manage.py edge") -> int:
         f"{board.store.link_label} to the cache box, namespace {me.record.cache_namespace}, "
         f"{('compute paced to ' + board.engine.pacer.profile.emulated_label + ', ') if board.engine.pacer is not None else ''}"
         f"{_memory_line(board)}"
+        f"{_rates_line(board)}"
         f"signing keys {'generation ' + str(me.ring.current) if me.ring else 'missing: cache off'}); "
         f"serving queues {queues}",
         flush=True,
@@ -184,6 +185,13 @@ def _memory_line(board: Board) -> str:
         return "memory not registered: default buffers, "
     over = "" if plan.within_budget else f", over its {plan.budget_mb:.0f} MB budget"
     return f"{plan.memory_mb} MB registered: context {plan.n_ctx}, RAM tier {plan.ram_tier_bytes // 2**20} MB, about {plan.estimate_mb:.0f} MB{over}, "
+
+
+def _rates_line(board: Board) -> str:
+    rates = board.rates
+    if rates is None:
+        return ""
+    return f"measured prefill {rates.prefill_ms_per_token:.2f} ms/token, decode {rates.decode_ms_per_token:.2f} ms/token, "
 
 
 def run() -> None:

@@ -83,6 +83,7 @@ class Fetched:
     offset: int
     state: bytes = b""
     state_offset: int = 0
+    source: str = ""  # the board tier it was read from ("": the cache box)
 
 
 class OverLimit(EntryError):
@@ -278,9 +279,11 @@ class ExchangeSession:
             self._unavailable(exc)
             return None
 
-    def open(self, refs: Sequence[EntryRef], blobs: Sequence[bytes | None], expect: Expect, *, chain: bool) -> list[Fetched]:
+    def open(self, refs: Sequence[EntryRef], blobs: Sequence[bytes | None], expect: Expect, *, chain: bool, reject: Callable[[EntryRef, Exception], None] | None = None) -> list[Fetched]:
         """Verify and decode downloaded entries (``fetch``'s checks); with ``chain``, stop before
-        the first that fails."""
+        the first that fails. ``reject``: what to do with an entry that fails a check (default:
+        count it and evict it from the cache box; the flash tier removes its own file instead)."""
+        reject = reject or self.reject
         usable: list[Fetched] = []
         checking = time.perf_counter()
         opened = open_entries([blob or b"" for blob in blobs], self.ring, self.exchange.max_entry_bytes)
@@ -311,7 +314,7 @@ class ExchangeSession:
                     break
                 continue
             except EntryError as exc:
-                self.reject(ref, exc)
+                reject(ref, exc)
                 if chain:
                     break
                 continue

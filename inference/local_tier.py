@@ -1,13 +1,11 @@
-"""The board-local tiers, nearest first: the board's own context, then its RAM.
+"""The pure bookkeeping of the board-local tiers (``inference.tiers.context`` and ``.ram``).
 
-- **Context**: the prompt part of the last sequence stays in the engine. A prompt that shares a
-  prefix with it keeps the cells up to the last grid point both share (the cold run's batches,
-  so the very bits) and drops the rest: no copy at all.
-- **RAM**: range entries this board computed or fetched stay in an LRU under a byte budget,
-  the same signed bytes that travel, verified once when they entered (sealed here, or
-  checked on fetch). A lookup restores a chain of them with no network.
+- ``Context``: what the engine's main sequence holds after a prefix run, and how much of a new
+  prompt it serves exactly (up to the last cut both share: the cold run's batches, so the bits).
+- ``RamEntries``: range entries this board computed or fetched, in an LRU under a byte budget,
+  the same signed bytes that travel, verified once when they entered.
 
-Pure bookkeeping; the restore itself is the engine's.
+No engine here; the restores are the tiers'.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ class LocalEntry:
     offset: int
 
 
-class RamTier:
+class RamEntries:
     """Signed range entries kept next to the model, least recently used dropped first."""
 
     def __init__(self, budget_bytes: int):

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cachebox.events import security_event
 
 from .breakdown import Breakdown, Case, Decision  # noqa: F401 (re-exported: the run's words)
+from .strategies import parse_strategy
 
 # Bounds that keep a hostile message from costing memory before it is refused.
 MAX_PROMPT_CHARS = 1_000_000
@@ -33,6 +34,7 @@ MAX_TOKENS = 32_768
 MAX_LIST = 100_000
 MAX_STOPS = 4  # stop strings per run (OpenAI's limit)
 MAX_STOP_CHARS = 200
+CANCELLED = "cancelled by the client"  # a run's error when its client cancelled it (its text: what was answered until then)
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _UUID = r"^[0-9a-fA-F-]{32,36}$"
@@ -157,12 +159,17 @@ class RunRequest(Message):
     meta: RunMeta = RunMeta()
     stream: bool = False
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
-    # "" (exact serving) or a lab strategy (approximate; never uses the cache box): "kv-prediction:K"
-    # or "early-exit:MEASURE:THRESHOLD[:lens]" (inference.lab.early_exit.STRATEGY_PATTERN; tested equal)
-    # or "anchors" / "anchors-tuned" (inference.lab.anchors.STRATEGIES; tested equal).
-    strategy: str = Field("", pattern=r"^(|exact|kv-prediction:[0-9]{1,2}|early-exit:(top-prob|similarity):(0(\.[0-9]{1,4})?|1(\.0{1,4})?)(:lens)?|anchors|anchors-tuned)$")
+    # "" (exact serving) or a lab strategy (approximate; never uses the cache box), as
+    # ``inference.strategies.parse_strategy`` reads it: "kv-prediction:K", "anchors", ...
+    strategy: str = Field("", max_length=64)
 
     model_config = ConfigDict(populate_by_name=True)
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        parse_strategy(value)  # ValueError saying what to write
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -362,6 +369,17 @@ class CatalogStatus(Message):
     epoch: str = Field("", max_length=64)
 
 
+class BoardRates(Message):
+    """What a board measured of itself when it started (``inference.board.calibrate``): the router
+    weighs a board by these until its own runs say better, never by the fleet-wide prior."""
+
+    prefill_ms_per_token: float = Field(gt=0, le=100_000)
+    decode_ms_per_token: float = Field(gt=0, le=1_000_000)
+    prompt_tokens: int = Field(0, ge=0, le=MAX_TOKENS)  # the calibration's prompt length
+    decode_tokens: int = Field(0, ge=0, le=MAX_TOKENS)  # decode steps it timed
+    compute_profile: str = Field("", max_length=100)  # the class its model work is paced to ("": this machine)
+
+
 class BoardStatus(Message):
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -372,6 +390,7 @@ class BoardStatus(Message):
     threads: int = Field(0, ge=0)
     heartbeat_s: float = Field(5.0, gt=0, le=3600)  # how often it beats (the control plane counts missed ones)
     catalogs: dict[str, CatalogStatus] = Field(default_factory=dict, max_length=1000)
+    rates: BoardRates | None = None  # its measured prefill and decode rates (None: a board of an older version)
 
 
 class Heartbeat(BoardMessage):

@@ -96,6 +96,11 @@ def instruction_for(topic: str) -> str:
     return f"The following are multiple choice questions (with answers) about {topic}.\n\n"
 
 
+def target_count(topic: str, shots: int) -> int:
+    """How many target questions ``topic`` has when its first ``shots`` questions are the examples."""
+    return max(0, len(load_questions()[normalize_topic(topic)]) - max(0, shots))
+
+
 def build_prompts(topic: str, shots: int, count: int, start: int = 0) -> list[MMLUPrompt]:
     """``count`` prompts of ``topic`` with ``shots`` examples each (shared by all of them)."""
     topic = normalize_topic(topic)
@@ -104,7 +109,7 @@ def build_prompts(topic: str, shots: int, count: int, start: int = 0) -> list[MM
         raise ValueError("shots must be >= 0")
     targets = questions[shots:]
     if count > len(targets) - start:
-        raise ValueError(f"topic {topic!r} has {len(targets)} target questions at {shots} shots; asked for {count} from {start}")
+        raise ValueError(f"topic {topic!r} has {len(targets)} target questions at {shots} shots; asked for {count} from question {start + 1}")
     examples = tuple(q.render(with_answer=True) for q in questions[:shots])
     return [MMLUPrompt(instruction_for(topic), examples, target) for target in targets[start : start + count]]
 

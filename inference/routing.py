@@ -5,8 +5,13 @@ token::
 
     expected = queued work (runs dispatched to it and not yet reported, less what the
                board has already spent on the one it is running)
-             + prefill of the tokens it does not hold, at its learned rate
+             + prefill of the tokens it does not hold, at its rate
              (+ fetching what the cache box holds, at its link's cost, when that is cheaper)
+
+A board's rate is the median of its recent runs' rates; before it has any, the rate it measured
+when it started (``inference.board.calibrate``, reported in its heartbeats); the fleet-wide
+prior only for a board that reported neither (an older board). A dispatched run's expected work
+is what it costs on its board: the prefill of what the board will not hold, then its answer.
 
 What a board holds is approximated from routing history, as Dynamo's KV router does in its
 approximate mode: a board processes its queue in order, so when a new prompt reaches the
@@ -32,7 +37,7 @@ from cachebox.link import LinkProfile
 
 from .breakdown import Tier
 
-DEFAULT_PREFILL_MS_PER_TOKEN = 3.0  # until a board has reported runs (BoardConfig's prior too)
+DEFAULT_PREFILL_MS_PER_TOKEN = 3.0  # a board that reported neither runs nor measured rates (BoardConfig's prior too)
 DEFAULT_DECODE_MS_PER_TOKEN = 10.0
 DEFAULT_BYTES_PER_TOKEN = 18_500.0  # Gemma-3 270M, f16 KV: what one cached token moves
 RAM_RESTORE_MS_PER_TOKEN = 0.007  # copy a RAM-tier entry into the context (bench tiers: 7.3 ms for ~450 tokens)
@@ -212,6 +217,8 @@ class _BoardHistory:
     last_report_at: float | None = None  # when the board last answered (it took its next run then)
     prefill_rates: deque = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
     decode_rates: deque = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
+    measured_prefill: float | None = None  # ms per token, as the board measured itself at start
+    measured_decode: float | None = None
 
 
 class FleetIndex:
@@ -232,11 +239,20 @@ class FleetIndex:
     def _board(self, name: str) -> _BoardHistory:
         return self.boards.setdefault(name, _BoardHistory())
 
+    def measured(self, board: str, *, prefill_ms_per_token: float | None, decode_ms_per_token: float | None) -> None:
+        """``board`` measured its own rates when it started (its heartbeat says so): its rates until
+        its runs say better, instead of the fleet-wide priors."""
+        history = self._board(board)
+        history.measured_prefill = prefill_ms_per_token if prefill_ms_per_token and prefill_ms_per_token > 0 else None
+        history.measured_decode = decode_ms_per_token if decode_ms_per_token and decode_ms_per_token > 0 else None
+
     def prefill_rate(self, board: str) -> float:
-        return learned_rate(self._board(board).prefill_rates, self.prefill_prior)
+        history = self._board(board)
+        return learned_rate(history.prefill_rates, history.measured_prefill or self.prefill_prior)
 
     def decode_rate(self, board: str) -> float:
-        return learned_rate(self._board(board).decode_rates, self.decode_prior)
+        history = self._board(board)
+        return learned_rate(history.decode_rates, history.measured_decode or self.decode_prior)
 
     def dispatched(self, board: str, request_id: str, keys: PromptKeys, work_ms: float, *, at: float | None = None) -> None:
         """A prompt was sent to ``board`` (at time ``at``, seconds): it will hold it next, and owes
@@ -277,13 +293,16 @@ class FleetIndex:
             history.decode_rates.append(decode_ms / (generated_tokens - 1))
         self.cachebox.update(stored_keys)
 
-    def work_ms(self, board: str, keys: PromptKeys, max_tokens: int, link: LinkProfile | None = None) -> float:
-        """What a prompt occupies ``board`` for: its prefill (nothing held assumed), its answer and the
-        upload of the ranges the cache box lacks."""
+    def work_ms(self, board: str, keys: PromptKeys, max_tokens: int, link: LinkProfile | None = None, *, estimate: Estimate | None = None) -> float:
+        """What a prompt occupies ``board`` for: its prefill, its answer and the upload of the ranges
+        it computes that the cache box lacks. With ``estimate`` (the router's for this board), the
+        prefill of what the board will not hold; without, of the whole prompt."""
         prompt_tokens = keys.tokens
-        new = prompt_tokens - keys.held(self.cachebox)
+        held = estimate.held_tokens if estimate is not None else 0
+        new = prompt_tokens - max(held, keys.held(self.cachebox))
         upload = link.transfer_ms(new * self.bytes_per_token) if link is not None and new > 0 else 0.0
-        return prompt_tokens * self.prefill_rate(board) + max(0, max_tokens - 1) * self.decode_rate(board) + upload
+        prefill = prompt_tokens * self.prefill_rate(board) if estimate is None else estimate.prefill_ms
+        return prefill + max(0, max_tokens - 1) * self.decode_rate(board) + upload
 
     def holdings(self, board: str, keys: PromptKeys, ram_budget_bytes: int) -> tuple[int, int]:
         """(context tokens, RAM-tier tokens) of ``keys`` that ``board`` should hold when the prompt reaches it."""

@@ -24,20 +24,18 @@ from __future__ import annotations
 import functools
 import logging
 import time
-
-import numpy as np
+from dataclasses import dataclass, field
 
 from cachebox.entry import EntryHeader
 from cachebox.errors import CacheBoxUnavailable, EntryError
 from cachebox.keys import check_namespace, tokens_digest
 
-from .breakdown import Breakdown, CacheBoxState, Decision
+from .breakdown import Breakdown, CacheBoxState, Decision, Tier
 from .engine import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, Vocabulary
 from .exchange import EntryRef, Exchange, ExchangeSession, Fetched, run_session, module_ref
 from .pml import PMLError, PMLSchema, parse_prompt, parse_schema
-from .pml_layout import ModulePiece, Placement, Run, SchemaLayout, TextPiece, all_pieces, lay_out, piece_runs, plan_prompt
-from .sampling import SamplingParams, choose
-from .serving import OnToken, PromptError, RunResult, context_error, decode_answer, ms_since
+from .pml_layout import ModulePiece, Placement, Plan, Run, SchemaLayout, TextPiece, all_pieces, lay_out, piece_runs, plan_prompt
+from .serving import FirstToken, RunResult, RunState, ServingStrategy, ms_since
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +95,26 @@ def layout_for(source: str, model_path: str = "", n_ctx: int | None = None) -> S
     return layout
 
 
-class SchemaServing:
+@dataclass
+class _SchemaRun:
+    """One schema run between the skeleton's steps."""
+
+    namespace: str
+    layout: SchemaLayout
+    plan: Plan
+    session: ExchangeSession | None = None
+    refs: dict[str, EntryRef] = field(default_factory=dict)
+    fresh: list[tuple[ModulePiece, bytes]] = field(default_factory=list)  # encoded here, to store
+    hits: list[str] = field(default_factory=list)  # modules restored from the cache box
+
+    @property
+    def prompt_tokens(self) -> int:
+        """What the prompt fills of the context: its modules' tokens and its texts'."""
+        modules = sum(self.layout.modules[m].token_count for piece in self.plan.pieces if isinstance(piece, ModulePiece) for m in piece.members)
+        return modules + sum(len(piece.tokens) for piece in self.plan.pieces if isinstance(piece, TextPiece))
+
+
+class SchemaServing(ServingStrategy[_SchemaRun]):
     """Prompt Cache on one engine, with module states shared through the exchange."""
 
     def __init__(self, engine: Engine, exchange: Exchange | None, *, namespace: str = "default", compact: bool | str = "auto"):
@@ -200,109 +217,89 @@ class SchemaServing:
                     progress(index + 1, len(pieces), piece.key_name)
         return {"schema": schema.name, "digest": schema.digest, "stored": stored, "skipped": skipped, "bytes": sum(entry.bytes for entry in stored)}
 
-    # -- serving -----------------------------------------------------------------------------------
-    def run(
-        self,
-        schema_source: str,
-        prompt_source: str,
-        *,
-        max_tokens: int = 16,
-        sampling: SamplingParams = SamplingParams(),
-        use_cache: bool = True,
-        namespace: str | None = None,
-        on_token: OnToken | None = None,
-    ) -> RunResult:
-        if max_tokens < 1:
-            raise PromptError("max_tokens must be at least 1")
-        namespace = check_namespace(namespace or self.namespace)
-        engine = self.engine
-        with engine.lock:
-            breakdown = Breakdown(decision=Decision.MODULES)
-            session = run_session(self.exchange, namespace, breakdown, use_cache)
-            started = time.perf_counter()
-            mark = started
-            schema, layout = self.load_schema(schema_source)
-            plan = plan_prompt(parse_prompt(prompt_source, schema), layout, self.tokenizer)
-            breakdown.token_ms = ms_since(mark)
-            module_pieces = [piece for piece in plan.pieces if isinstance(piece, ModulePiece)]
-            total = sum(layout.modules[m].token_count for piece in module_pieces for m in piece.members)
-            total += sum(len(piece.tokens) for piece in plan.pieces if isinstance(piece, TextPiece))
-            if total + max_tokens > engine.n_ctx:
-                raise context_error(total, max_tokens, engine.n_ctx)
+    # -- serving: the skeleton's steps -------------------------------------------------------------
+    def new_breakdown(self) -> Breakdown:
+        return Breakdown(decision=Decision.MODULES)
 
-            # A cache="false" module has no ref: never looked up, fetched or stored.
-            refs = {piece.key_name: self.ref(layout, namespace, piece) for piece in module_pieces if piece.cache}
-            cached: dict[str, Fetched] = {}
-            if session is not None and refs:
-                cached = self._fetch(session, layout, [piece for piece in module_pieces if piece.cache], refs)
+    def prepare(self, state: RunState) -> _SchemaRun:
+        """The schema laid out and the prompt planned over it (PMLError when either is wrong)."""
+        namespace = check_namespace(state.options.namespace or self.namespace)
+        schema, layout = self.load_schema(state.prompt.schema)
+        plan = plan_prompt(parse_prompt(state.prompt.pml, schema), layout, self.tokenizer)
+        return _SchemaRun(namespace, layout, plan)
 
-            engine.clear()
-            placement = Placement(compact=self._should_compact(layout, plan))
-            fresh: list[tuple[ModulePiece, bytes]] = []
-            hits: list[str] = []
-            logits, last_token, last_position, matched, cells = None, None, -1, 0, 0
-            for index, piece in enumerate(plan.pieces):
-                is_last = index == len(plan.pieces) - 1
-                if isinstance(piece, TextPiece):
-                    mark = time.perf_counter()
-                    position = placement.text(len(piece.tokens))
-                    out = engine.prefill(piece.tokens, position, logits_at={position + len(piece.tokens) - 1} if is_last else frozenset())
-                    breakdown.prefill_ms += ms_since(mark)
-                    logits = out.get(position + len(piece.tokens) - 1)
-                    last_token, last_position = piece.tokens[-1], position + len(piece.tokens) - 1
-                    cells += len(piece.tokens)
-                    continue
-                runs = self._runs(layout, piece)
-                shift = placement.module([(run.start, run.end) for run in runs])
+    def first_token(self, state: RunState, prompt: _SchemaRun) -> FirstToken:
+        """Each module from the cache box (or encoded here), each text computed, in position order."""
+        engine, breakdown, layout, plan = self.engine, state.breakdown, prompt.layout, prompt.plan
+        session = prompt.session = run_session(self.exchange, prompt.namespace, breakdown, state.options.use_cache)
+        module_pieces = [piece for piece in plan.pieces if isinstance(piece, ModulePiece)]
+        # A cache="false" module has no ref: never looked up, fetched or stored.
+        refs = prompt.refs = {piece.key_name: self.ref(layout, prompt.namespace, piece) for piece in module_pieces if piece.cache}
+        cached: dict[str, Fetched] = {}
+        if session is not None and refs:
+            cached = self._fetch(session, layout, [piece for piece in module_pieces if piece.cache], refs)
+
+        engine.clear()
+        placement = Placement(compact=self._should_compact(layout, plan))
+        logits, last_token, last_position, matched, cells = None, None, -1, 0, 0
+        for index, piece in enumerate(plan.pieces):
+            is_last = index == len(plan.pieces) - 1
+            if isinstance(piece, TextPiece):
                 mark = time.perf_counter()
-                item = cached.get(piece.key_name)
-                if item is not None and session.restore(engine, item, WORK_SEQ, range(runs[0].start, runs[-1].end)):
-                    self._move_into_main(shift)
-                    breakdown.restore_ms += ms_since(mark)
-                    hits.append(piece.key_name)
-                    matched += sum(layout.modules[m].token_count for m in piece.members)
-                else:  # not cached, refused on restore, or cache="false": encode it here
-                    blob = self.encode(layout, piece)
-                    if piece.cache:
-                        fresh.append((piece, blob))
-                    engine.remove(WORK_SEQ)
-                    engine.import_range(blob, 0, seq=WORK_SEQ)
-                    self._move_into_main(shift)
-                    breakdown.prefill_ms += ms_since(mark)
-                last_position, last_token = runs[-1].end - 1 + shift, runs[-1].tokens[-1]
-                cells += sum(layout.modules[m].token_count for m in piece.members)
-                if piece.args:
-                    mark = time.perf_counter()
-                    cells += self._fill_args(layout, piece, shift)
-                    breakdown.prefill_ms += ms_since(mark)
-                logits = None
-            if logits is None:
-                # The prompt ends inside a module: recompute its last token for the logits.
-                mark = time.perf_counter()
-                engine.remove(MAIN_SEQ, last_position, -1)
-                logits = engine.prefill([last_token], last_position, logits_at={last_position})[last_position]
+                position = placement.text(len(piece.tokens))
+                out = engine.prefill(piece.tokens, position, logits_at={position + len(piece.tokens) - 1} if is_last else frozenset())
                 breakdown.prefill_ms += ms_since(mark)
-            breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
-            breakdown.prompt_tokens = cells
-            breakdown.classify(matched, cells)  # by tokens: a run with some modules computed is partial
-
-            rng = np.random.default_rng(sampling.seed)
+                logits = out.get(position + len(piece.tokens) - 1)
+                last_token, last_position = piece.tokens[-1], position + len(piece.tokens) - 1
+                cells += len(piece.tokens)
+                continue
+            runs = self._runs(layout, piece)
+            shift = placement.module([(run.start, run.end) for run in runs])
             mark = time.perf_counter()
-            token = choose(logits, sampling, rng)
-            breakdown.sample_ms = ms_since(mark)
-            breakdown.ttft_ms = ms_since(started)
-            position = engine.positions(MAIN_SEQ)[1] + 1
-            generated, text = decode_answer(engine, token, position, max_tokens, sampling, rng, breakdown, started, on_token=on_token)
-
-            uploaded = []
-            if session is not None and fresh and breakdown.cachebox == CacheBoxState.OK:
+            item = cached.get(piece.key_name)
+            if item is not None and session.restore(engine, item, WORK_SEQ, range(runs[0].start, runs[-1].end)):
+                self._move_into_main(shift)
+                breakdown.restore_ms += ms_since(mark)
+                prompt.hits.append(piece.key_name)
+                matched += sum(layout.modules[m].token_count for m in piece.members)
+            else:  # not cached, refused on restore, or cache="false": encode it here
+                blob = self.encode(layout, piece)
+                if piece.cache:
+                    prompt.fresh.append((piece, blob))
+                engine.remove(WORK_SEQ)
+                engine.import_range(blob, 0, seq=WORK_SEQ)
+                self._move_into_main(shift)
+                breakdown.prefill_ms += ms_since(mark)
+            last_position, last_token = runs[-1].end - 1 + shift, runs[-1].tokens[-1]
+            cells += sum(layout.modules[m].token_count for m in piece.members)
+            if piece.args:
                 mark = time.perf_counter()
-                items = [(refs[piece.key_name], session.seal(refs[piece.key_name], state, self._digest(layout, piece))) for piece, state in fresh]
-                uploaded = session.share(items, chain=False)
-                breakdown.upload_ms = ms_since(mark)
-            breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
-            fetched = [refs[piece].name for piece in hits]
-            return RunResult(text, generated, breakdown, fetched=fetched, uploaded=uploaded, modules_hit=hits)
+                cells += self._fill_args(layout, piece, shift)
+                breakdown.prefill_ms += ms_since(mark)
+            logits = None
+        if logits is None:
+            # The prompt ends inside a module: recompute its last token for the logits.
+            mark = time.perf_counter()
+            engine.remove(MAIN_SEQ, last_position, -1)
+            logits = engine.prefill([last_token], last_position, logits_at={last_position})[last_position]
+            breakdown.prefill_ms += ms_since(mark)
+        breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
+        breakdown.prompt_tokens = cells
+        breakdown.classify(matched, cells)  # by tokens: a run with some modules computed is partial
+        breakdown.restored(Tier.CACHEBOX, matched)  # every module restored came from the cache box
+        return FirstToken(logits, position=engine.positions(MAIN_SEQ)[1] + 1)
+
+    def finish(self, state: RunState, prompt: _SchemaRun, first: FirstToken, result: RunResult) -> None:
+        """After the answer: store the modules encoded here."""
+        breakdown, session, refs = state.breakdown, prompt.session, prompt.refs
+        if session is not None and prompt.fresh and breakdown.cachebox == CacheBoxState.OK:
+            mark = time.perf_counter()
+            items = [(refs[piece.key_name], session.seal(refs[piece.key_name], state, self._digest(prompt.layout, piece))) for piece, state in prompt.fresh]
+            result.uploaded = session.share(items, chain=False)
+            breakdown.upload_ms = ms_since(mark)
+        breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
+        result.fetched = [refs[piece].name for piece in prompt.hits]
+        result.modules_hit = prompt.hits
 
     def _should_compact(self, layout: SchemaLayout, plan) -> bool:
         """Close gaps only when they would push the prompt past the sliding window.

@@ -1,17 +1,27 @@
-"""What every serving strategy shares: the result of a run, prompt errors, the decode loop."""
+"""The run skeleton every serving strategy fills in, and what strategies share.
+
+A strategy (prefix serving, schema serving, a lab strategy) is a ``Strategy``: ``run(prompt,
+options)`` answers a ``Prompt`` under ``RunOptions`` and returns a ``RunResult`` whose
+``Breakdown`` times every step. ``ServingStrategy.run`` is the skeleton, written once: check the
+prompt, tokenize (``token_ms``), fit the context (``context_error``), restore or prefill up to the
+first token's logits, choose it (``sample_ms``, ``ttft_ms``), decode the rest (``decode_answer``),
+then keep what the run leaves (after the answer, off the TTFT path). A strategy supplies three
+steps: ``prepare`` (tokenize), ``first_token`` (restore or prefill) and ``finish`` (keep).
+Strategies are registered by name in ``inference.strategies``.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
 import numpy as np
 
 from .breakdown import Breakdown, CacheBoxState, Decision
 from .engine import Engine
 from .messages import StoredEntry
-from .sampling import TOP_CANDIDATES, SamplingParams, choose
+from .sampling import TOP_CANDIDATES, SamplingParams, choose, sample
 
 
 class PromptError(ValueError):
@@ -20,17 +30,6 @@ class PromptError(ValueError):
 
 def ms_since(since: float) -> float:
     return (time.perf_counter() - since) * 1000.0
-
-
-def prompt_segments(prompt, max_tokens: int, tokens=None) -> list[str]:
-    """A prompt (a string, or its segments in order) as segments; PromptError when it is empty
-    (unless its ``tokens`` are given) or asks for no tokens."""
-    segments = [prompt] if isinstance(prompt, str) else list(prompt)
-    if tokens is None and (not segments or not "".join(segments).strip()):
-        raise PromptError("the prompt is empty: give it some text")
-    if max_tokens < 1:
-        raise PromptError("max_tokens must be at least 1")
-    return segments
 
 
 def segment_tokens(vocabulary, segments: Sequence[str]) -> tuple[list[int], list[int]]:
@@ -43,13 +42,6 @@ def segment_tokens(vocabulary, segments: Sequence[str]) -> tuple[list[int], list
         tokens += vocabulary.tokenize(segment, add_bos=index == 0)
         ends.append(len(tokens))
     return tokens, ends
-
-
-def approximate_breakdown(strategy: str) -> Breakdown:
-    """The breakdown of a lab (approximate) run: labelled, and never reading or writing the cache box."""
-    breakdown = Breakdown(strategy=strategy)
-    breakdown.cache_off(CacheBoxState.OFF, Decision.NO_CACHE)
-    return breakdown
 
 
 def context_error(prompt_tokens: int, max_tokens: int, n_ctx: int) -> PromptError:
@@ -79,6 +71,194 @@ class RunResult:
 OnToken = Callable[[int, str], bool]
 
 
+# -- what a run is asked ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prompt:
+    """What a run answers: text segments (each tokenized on its own, where entries may be cut), a
+    chat's token ids and the cuts where its turns begin (``inference.chat``: the template's markup
+    holds control tokens no text tokenizes to; ``segments`` is then its text), or a PML prompt and
+    its schema."""
+
+    segments: tuple[str, ...] = ()
+    tokens: tuple[int, ...] | None = None
+    cuts: tuple[int, ...] = ()
+    schema: str = ""
+    pml: str = ""
+
+    @classmethod
+    def of(cls, prompt: "str | Sequence[str] | Prompt", *, tokens: Sequence[int] | None = None, cuts: Sequence[int] = ()) -> "Prompt":
+        """A prompt given as its text or its segments (in order), with its tokens and cuts if known."""
+        if isinstance(prompt, Prompt):
+            return prompt
+        segments = (prompt,) if isinstance(prompt, str) else tuple(prompt)
+        return cls(segments, None if tokens is None else tuple(tokens), tuple(cuts))
+
+    @property
+    def is_schema(self) -> bool:
+        return bool(self.schema)
+
+    @property
+    def text(self) -> str:
+        """The prompt as a person reads it."""
+        return self.pml if self.schema else "".join(self.segments)
+
+    def check(self, max_tokens: int) -> None:
+        """PromptError for a prompt with no text (unless its tokens are given) or no tokens asked for."""
+        if not self.schema and self.tokens is None and not "".join(self.segments).strip():
+            raise PromptError("the prompt is empty: give it some text")
+        if max_tokens < 1:
+            raise PromptError("max_tokens must be at least 1")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run it. Approximate (lab) strategies use only ``max_tokens``, ``sampling`` and
+    ``on_token``: they never read or write a cache."""
+
+    max_tokens: int = 16
+    sampling: SamplingParams = SamplingParams()
+    use_cache: bool = True
+    namespace: str | None = None  # None: the strategy's own
+    upload: bool = True  # False: leave the cache box as it was (benchmarks measure one state many ways)
+    use_catalog: bool = True  # False: ask the cache box about every candidate range, as a design without a catalog would
+    on_token: OnToken | None = None  # sees each answer token as it is chosen (streaming) and may stop the generation
+    on_stage: Callable[[str], None] | None = None  # hears "fetching" and "prefilling" as a prefix run starts them
+
+
+class Strategy(Protocol):
+    """A way of answering prompts on a board (registered by name in ``inference.strategies``)."""
+
+    label: str  # what its runs' ``Breakdown.strategy`` says: "" for exact serving
+    approximate: bool  # True: its answers are not the cold run's, and it never touches the cache box
+
+    def run(self, prompt: Prompt, options: RunOptions) -> RunResult:
+        """Answer ``prompt``; raises PromptError (or another ValueError) for a run that cannot be served."""
+
+    def close(self) -> None:
+        """Free what the strategy loaded (a second model, a reference engine)."""
+
+
+# -- the skeleton ------------------------------------------------------------------------------
+@dataclass
+class RunState:
+    """One run as the skeleton hands it to a strategy's steps."""
+
+    prompt: Prompt
+    options: RunOptions
+    breakdown: Breakdown
+    started: float  # perf_counter() when the run began: TTFT and TTLT count from here
+
+
+@dataclass
+class FirstToken:
+    """Where the first answer token comes from (the prompt's last logits, or the top candidates an
+    entry stored with them), where it goes, and what decodes the rest."""
+
+    logits: np.ndarray | None
+    stored: tuple[np.ndarray, np.ndarray] | None = None  # (ids, logits) when ``logits`` is None
+    position: int = 0
+    decoder: object = None  # what decodes the rest (``decode_answer``'s engine); None: the strategy's engine
+
+    def choose(self, sampling: SamplingParams, rng, top: int) -> int:
+        if self.logits is not None:
+            return choose(self.logits, sampling, rng, top)
+        return sample(*self.stored, sampling, rng)
+
+
+Prepared = TypeVar("Prepared")
+
+
+class ServingStrategy(Generic[Prepared]):
+    """The run skeleton: a strategy is this with its three steps filled in.
+
+    ``prepare(run)`` tokenizes (timed as ``token_ms``) and returns what the later steps need,
+    with ``prompt_tokens`` (what must fit the context); ``first_token(run, prepared)`` restores
+    or prefills until the first token's logits; ``finish(run, prepared, first, result)`` keeps
+    what the run leaves, after the answer. Every step runs under the engine's lock.
+    """
+
+    engine: Engine
+    label = ""
+    approximate = False
+    top = TOP_CANDIDATES  # candidates kept when choosing a token
+    clears_context = False  # True: the engine's context is cleared before and after (an approximate state must not stay)
+
+    def run(self, prompt: "Prompt | str | Sequence[str]", options: RunOptions | None = None, /, **fields) -> RunResult:
+        """Answer ``prompt`` (a ``Prompt``, or its text or segments, with ``tokens=`` and ``cuts=``
+        as keywords) under ``options`` (a ``RunOptions``, or its fields as keywords)."""
+        if not isinstance(prompt, Prompt):
+            prompt = Prompt.of(prompt, tokens=fields.pop("tokens", None), cuts=fields.pop("cuts", ()))
+        if options is None:
+            options = RunOptions(**fields)
+        elif fields:
+            raise TypeError(f"run() takes options or their fields, not both ({', '.join(fields)})")
+        prompt.check(options.max_tokens)
+        engine = self.engine
+        with engine.lock:
+            breakdown = self.new_breakdown()
+            started = time.perf_counter()
+            run = RunState(prompt, options, breakdown, started)
+            prepared = self.prepare(run)
+            breakdown.token_ms = ms_since(started)
+            prompt_tokens = breakdown.prompt_tokens = prepared.prompt_tokens
+            if prompt_tokens + options.max_tokens > engine.n_ctx:
+                raise context_error(prompt_tokens, options.max_tokens, engine.n_ctx)
+            if self.clears_context:
+                engine.clear()  # no exact run may keep or find an approximate cell
+            try:
+                first = self.first_token(run, prepared)
+                rng = np.random.default_rng(options.sampling.seed)
+                mark = time.perf_counter()
+                token = first.choose(options.sampling, rng, self.top)
+                breakdown.sample_ms = ms_since(mark)
+                breakdown.ttft_ms = ms_since(started)
+                decoder = first.decoder if first.decoder is not None else engine
+                generated, text = decode_answer(decoder, token, first.position, options.max_tokens, options.sampling, rng, breakdown, started, self.top, options.on_token)
+            finally:
+                if self.clears_context:
+                    engine.clear()
+            result = RunResult(text, generated, breakdown)
+            self.finish(run, prepared, first, result)
+            return result
+
+    def new_breakdown(self) -> Breakdown:
+        """An approximate strategy's runs are labelled and never read or write the cache box."""
+        if not self.approximate:
+            return Breakdown()
+        breakdown = Breakdown(strategy=self.label)
+        breakdown.cache_off(CacheBoxState.OFF, Decision.NO_CACHE)
+        return breakdown
+
+    def prepare(self, run: RunState) -> Prepared:
+        raise NotImplementedError
+
+    def first_token(self, run: RunState, prepared: Prepared) -> FirstToken:
+        raise NotImplementedError
+
+    def finish(self, run: RunState, prepared: Prepared, first: FirstToken, result: RunResult) -> None:
+        """After the answer: what the run leaves (entries to store, a context to keep). Nothing by default."""
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Tokens:
+    """A prompt as token ids (what ``prepare`` returns for a strategy that needs nothing else)."""
+
+    tokens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def prompt_tokens(vocabulary, prompt: Prompt) -> list[int]:
+    """The token ids of ``prompt``: its own (a chat's), or its segments' (``segment_tokens``)."""
+    return list(prompt.tokens) if prompt.tokens is not None else segment_tokens(vocabulary, prompt.segments)[0]
+
+
+# -- the decode loop ---------------------------------------------------------------------------
 class _TextPieces:
     """The text each new token adds (multi-byte characters complete once their last byte arrives)."""
 

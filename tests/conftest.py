@@ -177,4 +177,4 @@ def _no_board_identity(monkeypatch):
     """Each test starts in a process that is no board; one that becomes a board does not leak it."""
     from inference import edge
 
-    monkeypatch.setattr(edge, "_identity", None)
+    monkeypatch.setattr(edge.enrollment, "_identity", None)

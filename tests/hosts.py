@@ -163,7 +163,7 @@ class HostedPlane:
         code = (
             "import json, os; from dashboard import actions; from dashboard.models import Device; ids = []\n"
             "for job in json.loads(os.environ['HOSTED_JOBS']):\n"
-            "    spec = actions.PromptSpec(segments=job['segments'], max_tokens=job.get('max_tokens', 4), use_cache=job.get('use_cache', True), title=job.get('title', 'hosted'))\n"
+            "    spec = actions.run_request(segments=job['segments'], max_tokens=job.get('max_tokens', 4), use_cache=job.get('use_cache', True), title=job.get('title', 'hosted'))\n"
             "    ids.append(actions.dispatch_run(None, [Device.objects.get(name=job['device'])], spec)[0]['request_id'])\n"
             "print(json.dumps(ids))"
         )

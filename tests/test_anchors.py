@@ -20,7 +20,6 @@ from inference.lab.anchors import (
     anchor_positions,
     anchor_prefill,
     kept_positions,
-    parse_strategy,
     prefix_entry,
     prompt_sequences,
     pruned_ranges,
@@ -29,6 +28,7 @@ from inference.lab.anchors import (
     strategy_label,
 )
 from inference.lab.texts import evaluation_prompts
+from inference.strategies import parse_strategy
 
 from .conftest import assert_exact_serving_ignores_lab_runs, require
 
@@ -70,11 +70,12 @@ def test_the_request_accepts_exactly_the_anchor_strategies_the_board_parses():
     from inference.messages import RunRequest
 
     for text in STRATEGIES:
-        assert parse_strategy(text) == text
+        assert parse_strategy(text).name == text
         assert RunRequest(request_id=str(uuid.uuid4()), segments=["Hi"], strategy=text).strategy == text
     assert strategy_label("anchors") == "anchors(base)" and strategy_label("anchors-tuned") == "anchors(tuned)"
     for text in ("anchors:3", "anchor", "anchors-tuned-q8"):
-        assert parse_strategy(text) is None
+        with pytest.raises(ValueError, match="unknown strategy"):
+            parse_strategy(text)
         with pytest.raises(ValueError, match="strategy"):
             RunRequest(request_id=str(uuid.uuid4()), segments=["Hi"], strategy=text)
 
@@ -188,14 +189,14 @@ def test_an_anchor_run_is_labelled_and_never_stored_or_reused_as_an_exact_entry(
     assert b.prompt_tokens == sum(len(s) for s in prompt_sequences(engine, prompt)) and 1 <= b.generated_tokens <= 3
     assert engine.positions() == (-1, -1), "the pruned state must not stay in the context"
     assert list(CacheBox(valkey_url).scan_entries(namespace)) == []
-    if hasattr(board, "anchors"):  # a dispatched run names the strategy (inference/edge.py serve)
-        from inference.edge import serve
-        from inference.messages import RunRequest
+    # A dispatched run names the strategy (inference/edge.py serve).
+    from inference.edge import serve
+    from inference.messages import RunRequest
 
-        report = serve(board, RunRequest(request_id=str(uuid.uuid4()), segments=prompt, max_tokens=3, namespace=namespace, strategy="anchors"))
-        assert report.error == "" and report.breakdown.strategy == "anchors(base)" and report.uploaded == []
-        assert report.text == anchored.text
-        assert list(CacheBox(valkey_url).scan_entries(namespace)) == []
+    report = serve(board, RunRequest(request_id=str(uuid.uuid4()), segments=prompt, max_tokens=3, namespace=namespace, strategy="anchors"))
+    assert report.error == "" and report.breakdown.strategy == "anchors(base)" and report.uploaded == []
+    assert report.text == anchored.text
+    assert list(CacheBox(valkey_url).scan_entries(namespace)) == []
     assert_exact_serving_ignores_lab_runs(board, engine, prompt)
 
 

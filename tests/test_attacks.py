@@ -232,7 +232,7 @@ def test_registering_a_device_keeps_the_namespace_chosen(staff, monkeypatch):
     monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
     tenant = Namespace.objects.create(name="tenant-b")
     response = staff.post(reverse("device-register"), {"name": "b-board", "namespace": tenant.name, "kind": "", "cpu_threads": 1, "memory_mb": 512, "link_preset": "none"})
-    assert response.status_code == 200, response.content[:500]
+    assert response.status_code == 302 and response["Location"] == reverse("device-token", args=["b-board"]), response.content[:500]
     assert Device.objects.get(name="b-board").namespace_id == "tenant-b"
 
 
@@ -450,7 +450,7 @@ def test_a_run_nobody_takes_before_its_expiry_ends_as_a_failed_run_with_the_reas
     settings.EDGECACHE_BOARD_ACL = False
     monkeypatch.setattr("dashboard.actions.runs.celery_app.send_task", lambda *a, **k: None)  # the board never starts
     device, _ = register("never")
-    sent = actions.dispatch_run(None, [device], actions.PromptSpec(segments=["Tenant secret question?"], max_tokens=4, title="waits"))
+    sent = actions.dispatch_run(None, [device], actions.run_request(segments=["Tenant secret question?"], max_tokens=4, title="waits"))
     request_id = sent[0]["request_id"]
     assert sweeper.sweep()["lost"] == 0  # not expired yet
     later = timezone.now() + timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES) + sweeper.EXPIRY_GRACE + timedelta(seconds=1)
@@ -483,7 +483,7 @@ def test_a_run_on_a_board_that_died_goes_once_to_another_board_for_a_waiting_cli
     now = timezone.now()
     Device.objects.filter(name__in=["first", "second"]).update(last_seen=now, status={"heartbeat_s": 1, "fingerprint": "00ff00ff00ff00ff"})
     first.refresh_from_db()
-    spec = actions.PromptSpec(segments=["Question?"], max_tokens=4, title="waiting", stream=True)  # the Run page follows it
+    spec = actions.run_request(segments=["Question?"], max_tokens=4, title="waiting", stream=True)  # the Run page follows it
     request_id = actions.dispatch_run(None, [first], spec)[0]["request_id"]
     assert sent_to == ["device.first"]
     # Ten seconds later: first stopped beating right after it took the run (killed); second beats on.

@@ -94,6 +94,9 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
         "read zero's queue": lambda: mallory.lrange("device.zero", 0, -1),
         "read the control queue": lambda: mallory.lrange("control", 0, -1),
         "take reports off the control queue": lambda: mallory.brpop("control", 1),
+        "read other boards' heartbeats": lambda: mallory.lrange("ec:heartbeats", 0, -1),
+        "take other boards' heartbeats": lambda: mallory.rpop("ec:heartbeats"),
+        "empty the heartbeat list": lambda: mallory.delete("ec:heartbeats"),
         "listen to zero's stream": lambda: mallory.execute_command("SUBSCRIBE", f"ec:stream:zero:{uuid.uuid4()}"),
         # 6. answers lost: a competing consumer of zero's queue, or of its unacknowledged messages
         "take zero's work": lambda: mallory.brpop("device.zero", 1),
@@ -120,6 +123,7 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
     assert mallory.xadd("ec:c:{globex}:log", {"k": b"key"}) and mallory.xrange("ec:c:{globex}:log")
     assert json.loads(mallory.get("ec:device:mallory"))["name"] == "mallory"
     assert mallory.lpush("control", b"a report") == 1  # write-only: it cannot read it back
+    assert mallory.lpush("ec:heartbeats", b"a heartbeat") >= 1  # the same
     assert mallory.lpush("device.mallory", b"x") and mallory.brpop(["device.mallory", "boards.globex"], 1)
     assert mallory.publish(f"ec:stream:mallory:{uuid.uuid4()}", b"token") == 0
     assert mallory.get(f"ec:cancel:mallory:{uuid.uuid4()}") is None

@@ -97,7 +97,7 @@ def test_every_page_is_live(stack, admin, devices):
     from playwright.sync_api import expect
 
     page = admin.new_page()
-    for path in ("/devices/register/", "/devices/ghost/rotate/", "/cache/", "/benchmarks/", "/schemas/", "/devices/", "/runs/"):
+    for path in ("/devices/register/", "/devices/ghost/rotate/", "/cache/", "/benchmarks/", "/schemas/", "/devices/", "/runs/", "/queue/"):
         page.goto(stack["url"] + path)
         expect(page.locator("#live-status"), f"{path} is not live").to_have_text("live")
     page.close()
@@ -151,6 +151,7 @@ def test_run_page_shows_each_board_status_and_warns_before_sending_to_an_absent_
 
     page.evaluate("document.getElementById('answers').dataset.hintAfter = '1'")
     page.check("#run-form label:has-text('ghost') input[name=devices]")
+    page.check("input[name=source][value=text]")
     page.fill("#id_text", "Is anybody there?")
     with page.expect_response(lambda r: r.url.endswith("/run/") and r.request.method == "POST") as sent:
         page.click("#run-submit")
@@ -178,6 +179,7 @@ def test_rejected_submissions_do_not_use_up_the_rate_limit(stack, browser, devic
     context = log_in(browser, stack["url"], "clicker", "clicker-pw-12345")
     page = context.new_page()
     page.goto(stack["url"] + "/run/")
+    page.check("input[name=source][value=text]")  # the page opens on Chat
     feedback = page.locator("#run-feedback")
     for _ in range(RUN_RATE + 2):  # empty clicks: each is refused by the form
         with page.expect_response(lambda r: r.url.endswith("/run/") and r.request.method == "POST") as answer:
@@ -201,6 +203,7 @@ def test_an_overlong_prompt_is_refused_not_cut(stack, admin, devices):
     page.goto(stack["url"] + "/run/")
     page.check(f"#run-form label:has-text('{BOARD}') input[name=devices]")
     pasted = ("All work and no play makes a long prompt. " * 2400)[:100_000]
+    page.check("input[name=source][value=text]")
     page.click("#id_text")
     page.keyboard.insert_text(pasted)  # a paste: the text box keeps all of it
     assert page.evaluate("document.getElementById('id_text').value.length") == 100_000
@@ -240,9 +243,12 @@ def test_device_cards_update_live(stack, admin, devices):
     home.evaluate("window.__notReloaded = true")
     card = home.locator(f'.device-card[data-device="{BOARD}"]')
     runs = int(re.search(r"(\d+) runs? · hit ratio", card.inner_text()).group(1))
+    charted = int(re.match(r"(\d+) runs?$", home.locator("#chart-status").inner_text()).group(1))
     other = admin.new_page()
     send_text(other, stack["url"], BOARD, "The three primary colors are red, yellow and")
-    expect(card).to_contain_text(re.compile(rf"\b{runs + 1} runs · hit ratio \d\.\d\d · median TTFT \d+ ms"), timeout=LONG_WAIT)
+    expect(card).to_contain_text(re.compile(rf"\b{runs + 1} runs? · hit ratio \d\.\d\d · median TTFT \d+ ms"), timeout=LONG_WAIT)
+    # B2 (issue 28): the count beside Pause follows the runs as they arrive.
+    expect(home.locator("#chart-status")).to_have_text(re.compile(rf"^{charted + 1} runs?$"))
     assert home.evaluate("window.__notReloaded") is True
     other.close()
     home.close()
@@ -315,7 +321,7 @@ def test_cache_page_shows_epochs_fill_and_stale_boards(stack, admin, devices):
     expect(sleeper.locator("td").nth(3)).to_have_text("< 0.01%")
 
     # A flush: the board drops its filter at its next sync and reports the new epoch.
-    page.fill("#flush-form #id_namespace", "default")
+    page.select_option("#flush-form #id_namespace", "default")
     page.check("#flush-form #id_confirm")
     page.click("#flush-form button")
     expect(page.locator(".messages")).to_contain_text("Deleted")
@@ -416,7 +422,7 @@ def test_pages_fit_a_phone_screen(stack, browser, admin, devices):
     phone = browser.new_context(storage_state=admin.storage_state(), viewport={"width": 390, "height": 844})
     page = phone.new_page()
     pages = ["/", "/devices/", f"/devices/{BOARD}/", "/run/", "/runs/", f"/runs/{run_id}/", "/schemas/", f"/schemas/{schema_id}/", "/cache/",
-             "/benchmarks/", "/devices/register/"]
+             "/benchmarks/", "/devices/register/", "/queue/"]
     assert run_id and schema_id
     for path in pages:
         page.goto(base + path)
@@ -424,7 +430,7 @@ def test_pages_fit_a_phone_screen(stack, browser, admin, devices):
             page.wait_for_function("Array.from(document.querySelectorAll('.chart')).every((c) => c.classList.contains('js-plotly-plot'))")
         width = page.evaluate("document.scrollingElement.scrollWidth")
         assert width <= 390, f"{path} is {width} px wide at 390 px"
-        if path in ("/", "/run/", "/cache/"):
+        if path in ("/", "/run/", "/cache/", "/queue/"):
             SCREENSHOTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOTS / f"phone-{path.strip('/') or 'dashboard'}.png"), full_page=True)
 
@@ -454,3 +460,80 @@ def test_pages_fit_a_phone_screen(stack, browser, admin, devices):
                        or title["y"] + title["height"] <= modebar["y"] or modebar["y"] + modebar["height"] <= title["y"])
         assert not overlap, f"the toolbar covers the title of {chart}"
     phone.close()
+
+
+# The tests of issue 28 come last: they leave a failed (revoked) run and a dead board behind.
+# -- issue 28, B1: a board that dies goes offline on every open page, without a reload -----------------
+def test_a_board_that_dies_goes_offline_on_every_open_page(stack, admin, devices):
+    import signal
+
+    from playwright.sync_api import expect
+
+    name = "doomed"
+    token = shell(
+        stack,
+        "from dashboard import actions\n"
+        f"device, token = actions.register_device(None, name={name!r}, kind='test runner', cpu_threads=1, memory_mb=1024, link_bandwidth_mbps=None, link_rtt_ms=None)\n"
+        "print(token)\n",
+    ).strip().splitlines()[-1]
+    board = start_board(stack, name, token)  # 1 s heartbeats: offline after 4 s (3 missed + 1), told at the next sweep (5 s)
+    badges = {
+        f"/devices/{name}/": 'h1 [data-role="online"]',
+        "/": f'.device-card[data-device="{name}"] [data-role="online"]',
+        "/devices/": f'tr[data-device="{name}"] [data-role="online"]',
+        "/run/": f'label[data-device="{name}"] [data-role="online"]',
+    }
+    pages = {}
+    for path, badge in badges.items():
+        page = pages[path] = admin.new_page()
+        page.goto(stack["url"] + path)
+        expect(page.locator(badge)).to_have_text("online", timeout=LONG_WAIT)  # the first waits for the board to start
+        page.evaluate("window.__notReloaded = true")
+    board.send_signal(signal.SIGKILL)
+    board.wait(timeout=10)
+    for path, badge in badges.items():
+        expect(pages[path].locator(badge)).to_have_text(re.compile(r"^offline since \d{4}-\d\d-\d\d \d\d:\d\d$"), timeout=20_000)
+        assert pages[path].evaluate("window.__notReloaded") is True, path
+    assert pages["/run/"].locator(f'label[data-device="{name}"]').get_attribute("data-status") == "offline"
+    for page in pages.values():
+        page.close()
+    shell(stack, f"from dashboard.models import Device; Device.objects.filter(name={name!r}).delete()")  # the tests after see the boards they made
+
+
+# -- issue 28, B6: an answer served from the board's context says so, not "from the cache box" -------
+def test_an_answer_from_the_boards_context_says_so(stack, admin, devices):
+    from playwright.sync_api import expect
+
+    page = admin.new_page()
+    text = "Where an answer came from: the board keeps this prompt in its context for the next run."
+    for _ in range(2):
+        send_text(page, stack["url"], BOARD, text)
+        card = page.locator("#answers .answer-card").first
+        expect(card).to_have_class(re.compile(r"\bdone\b"), timeout=LONG_WAIT)
+    expect(card).to_contain_text(re.compile(r"full: (\d+)/\1 prompt tokens from the board's own context"))
+    assert "from the cache box" not in card.inner_text()
+    page.close()
+
+
+# -- issue 28, the queue: what waits shows up live, and Revoke takes it back ---------------------------
+def test_the_queue_page_follows_a_run_sent_to_an_absent_board_and_revokes_it(stack, admin, devices):
+    from playwright.sync_api import expect
+
+    page = admin.new_page()
+    page.goto(stack["url"] + "/queue/")
+    page.evaluate("window.__notReloaded = true")
+    request_id = shell(
+        stack,
+        "from dashboard import actions\nfrom dashboard.models import Device\n"
+        "sent = actions.dispatch_run(None, [Device.objects.get(name='ghost')], actions.run_request(segments=['Anyone home?'], max_tokens=2, title='queued while watching'))\n"
+        "print(sent[0]['request_id'])\n",
+    ).strip().splitlines()[-1]
+    row = page.locator(f'#queue-waiting tr[data-request="{request_id}"]')
+    expect(row).to_contain_text("queued while watching", timeout=10_000)  # no reload: the page follows the dispatch
+    expect(row).to_contain_text("waiting for its board to start")
+    assert page.evaluate("window.__notReloaded") is True
+    row.locator("button", has_text="Revoke").click()
+    expect(page.locator(".messages")).to_contain_text("Revoked the run")
+    expect(page.locator(f'#queue-waiting tr[data-request="{request_id}"]')).to_have_count(0)
+    expect(page.locator(f'#queue-ended tr[data-request="{request_id}"]')).to_contain_text("revoked: admin took it back from the queue")
+    page.close()

@@ -163,3 +163,21 @@ def test_pacer_slows_decoding_by_the_prefill_factor(monkeypatch):
     assert slept[0] == pytest.approx((128 * 4.99 - 128) / 1000)
     assert slept[1] == pytest.approx(10.0 * (4.99 - 1) / 1000, rel=0.01)
     assert pacer.total_ms == pytest.approx(sum(slept) * 1000)
+
+
+@pytest.mark.model
+def test_a_board_measures_its_prefill_and_decode_rates_at_start_at_its_profiles_pace(engine):
+    from inference.board import calibrate
+
+    own = calibrate(engine, prompt_tokens=24, decode_tokens=2)
+    assert own.prefill_ms_per_token > 0 and own.decode_ms_per_token > 0  # this machine's speed (whatever its load)
+    assert own.prompt_tokens == 24 and own.decode_tokens in (2, 4, 6) and own.compute_profile == ""  # repeated while it fits its budget
+    engine.pacer = Pacer(PI_ZERO_2W)  # as `make run` paces its zero board
+    try:
+        paced = calibrate(engine, prompt_tokens=24, decode_tokens=2)
+    finally:
+        engine.pacer = None
+    assert paced.prefill_ms_per_token >= PI_ZERO_2W.prefill_ms_per_token  # never faster than the class it emulates
+    assert paced.decode_ms_per_token > 0 and paced.compute_profile == "pi-zero-2w"
+    assert paced.decode_tokens == 2  # one repetition: a paced board spends its budget on it
+    assert engine.positions(engine.scratch_seq) == (-1, -1)  # it leaves nothing in the context

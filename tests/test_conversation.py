@@ -152,3 +152,11 @@ def test_the_board_sees_messages_waiting_in_its_queues(valkey_url):
         for name in (own, shared):
             connection.default_channel.queue_purge(name)
     assert messages_waiting(app, [own, shared]) == 0
+
+
+def test_a_run_sent_just_after_the_answer_goes_before_the_next_turns_preparation():
+    from inference.edge.serving import _waiting
+
+    arrivals = iter([False, False, True])  # the next request lands in the queue on the third look
+    assert _waiting(lambda: next(arrivals), "run", grace_s=30) is True
+    assert _waiting(lambda: False, "run", grace_s=0.05) is False  # nothing came: the next turn is prepared

@@ -164,18 +164,18 @@ def test_the_hit_ratio_chart_draws_one_line_per_tier_whose_shares_add_up_to_the_
     points = [_point("zero", 0, ""), _point("zero", 1, "cachebox"), _point("zero", 2, "context"), _point("zero", 3, "local"), _point("one", 4, "local", runs=4)]
     figure = hit_ratio_figure(points, ["zero", "one"], {"zero": "#111111", "one": "#222222"})
     lines = {trace["name"]: trace for trace in figure["data"]}
-    assert list(lines) == ["zero context", "zero RAM tier", "zero cache box", "one context", "one RAM tier", "one cache box"]
+    assert list(lines) == ["zero context", "zero RAM tier", "zero flash tier", "zero cache box", "one context", "one RAM tier", "one flash tier", "one cache box"]
     # Cumulative share of the device's runs that each tier served, after each point.
     assert lines["zero context"]["y"] == [0, 0, 1 / 3, 1 / 4]
     assert lines["zero RAM tier"]["y"] == [0, 0, 0, 1 / 4]
     assert lines["zero cache box"]["y"] == [0, 1 / 2, 1 / 3, 1 / 4]
     assert lines["one RAM tier"]["y"] == [1 / 4] and lines["one cache box"]["y"] == [0]  # a bucket of 4 runs, 1 hit
-    assert {lines[name]["line"]["dash"] for name in ("zero context", "zero RAM tier", "zero cache box")} == {"dot", "dash", "solid"}
+    assert {lines[name]["line"]["dash"] for name in ("zero context", "zero RAM tier", "zero flash tier", "zero cache box")} == {"dot", "dash", "dashdot", "solid"}
     assert all(trace["line"]["color"] == "#111111" for name, trace in lines.items() if name.startswith("zero "))
     hit_ratio = sum(lines[f"zero {label}"]["y"][-1] for label in ("context", "RAM tier", "cache box"))
     assert hit_ratio == 3 / 4
-    assert "by tier" in figure["layout"]["title"]["text"]
-    assert tier_counts(points) == {"zero": {"runs": 4, "context": 1, "local": 1, "cachebox": 1}, "one": {"runs": 4, "context": 0, "local": 1, "cachebox": 0}}
+    assert figure["layout"]["title"]["text"] == "Cache hit ratio by tier: context (dotted), RAM tier (dashed), flash tier (dash-dotted), cache box (solid)"
+    assert tier_counts(points) == {"zero": {"runs": 4, "context": 1, "local": 1, "flash": 0, "cachebox": 1}, "one": {"runs": 4, "context": 0, "local": 1, "flash": 0, "cachebox": 0}}
 
 
 @pytest.mark.cachebox
@@ -187,11 +187,11 @@ def test_the_dashboard_splits_the_hit_ratio_by_tier_from_the_database(staff_clie
     for minutes, case, tier in ((1, "full", "context"), (2, "partial", "local"), (3, "full", "cachebox"), (4, "full", None), (5, "miss", ""), (6, "partial", "local")):
         _run(zero, ago=timedelta(minutes=minutes), case=case, tier=tier)
     data = staff_client.get(reverse("home-charts"), {"range": "1h"}).json()
-    assert data["tierCounts"] == {"zero": {"runs": 6, "context": 1, "local": 2, "cachebox": 2}}
+    assert data["tierCounts"] == {"zero": {"runs": 6, "context": 1, "local": 2, "flash": 0, "cachebox": 2}}
     assert data["hitCounts"] == {"zero": [5, 6]}
-    assert [tier["tier"] for tier in data["hitTiers"]] == ["context", "local", "cachebox"]
+    assert [tier["tier"] for tier in data["hitTiers"]] == ["context", "local", "flash", "cachebox"]
     last = {trace["name"]: trace["y"][-1] for trace in data["hits"]["data"]}
-    assert last == pytest.approx({"zero context": 1 / 6, "zero RAM tier": 2 / 6, "zero cache box": 2 / 6})
+    assert last == pytest.approx({"zero context": 1 / 6, "zero RAM tier": 2 / 6, "zero flash tier": 0, "zero cache box": 2 / 6})
     page = staff_client.get(reverse("home"), {"range": "1h"})
     assert page.context["chart_data"]["tierCounts"] == data["tierCounts"]
     assert "Cache hit ratio by tier" in page.content.decode()
@@ -345,8 +345,9 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
 
     request_id, seen = async_to_sync(scenario)()
     assert [(e["event"], e.get("stage") or e.get("text") or e.get("finish_reason") or "") for e in seen] == [
-        ("stage", "started"), ("token", " three"), ("token", ","), ("done", "stop"), ("closed", "")
+        ("stage", "started"), ("token", " three"), ("token", ","), ("done", " three,"), ("closed", "")
     ]
+    assert seen[3]["finish_reason"] == "stop"  # the done line carries the whole answer (the chat keeps it) and why it ended
 
     # Cancel: the run's flag is set for its board (which stops between two tokens).
     from django.test import Client
@@ -364,7 +365,7 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
 @pytest.mark.django_db
 def test_cancel_reaches_only_runs_the_user_may_see(control_plane, sent_tasks, django_user_model, client):
     device, _ = register("zero")
-    sent = actions.dispatch_run(None, [device], actions.PromptSpec(["Hi"]))
+    sent = actions.dispatch_run(None, [device], actions.run_request(["Hi"]))
     outsider = django_user_model.objects.create_user("eve", password="pw-eve-12345")
     client.force_login(outsider)
     assert client.post(reverse("run-cancel"), {"request_id": sent[0]["request_id"]}).json() == {"cancelled": []}

@@ -12,9 +12,9 @@ from inference.lab.early_exit import (
     ExitLens,
     ExitPolicy,
     LensFileError,
-    parse_strategy,
     strategy_name,
 )
+from inference.strategies import StrategySpec, parse_strategy
 
 from .conftest import assert_exact_serving_ignores_lab_runs, require
 
@@ -28,9 +28,9 @@ N_LAYER = 4
 
 # -- names -----------------------------------------------------------------------------------------
 def test_strategy_strings_parse_to_policies_and_other_strategies_are_not_ours():
-    assert parse_strategy("early-exit:top-prob:0.9") == ExitPolicy("top-prob", 0.9)
-    assert parse_strategy("early-exit:similarity:0.98:lens") == ExitPolicy("similarity", 0.98, head="lens")
-    assert parse_strategy("") is None and parse_strategy("exact") is None and parse_strategy("kv-prediction:6") is None
+    assert ExitPolicy.of(parse_strategy("early-exit:top-prob:0.9")) == ExitPolicy("top-prob", 0.9)
+    assert ExitPolicy.of(parse_strategy("early-exit:similarity:0.98:lens")) == ExitPolicy("similarity", 0.98, head="lens")
+    assert all(parse_strategy(text).name != "early-exit" for text in ("", "exact", "kv-prediction:6"))
     for bad in ("early-exit", "early-exit:entropy:0.5", "early-exit:top-prob:1.5", "early-exit:top-prob:0.5:lenses"):
         with pytest.raises(ValueError, match="early-exit:MEASURE:THRESHOLD"):
             parse_strategy(bad)
@@ -45,22 +45,19 @@ def test_every_run_of_the_strategy_names_how_it_exited():
 
 
 def test_the_request_accepts_exactly_the_strategies_the_board_parses():
-    import re
-
-    from inference.lab.early_exit import STRATEGY_PATTERN
-
-    for text in ("early-exit:top-prob:0.9", "early-exit:similarity:1", "early-exit:similarity:0.975:lens"):
-        assert re.fullmatch(STRATEGY_PATTERN, text) and parse_strategy(text) is not None
-    assert not re.fullmatch(STRATEGY_PATTERN, "early-exit:top-prob:1.5")
     import uuid
 
     from inference.messages import RunRequest
 
     for text in ("early-exit:top-prob:0.9", "early-exit:similarity:1", "early-exit:similarity:0.975:lens", "kv-prediction:6", "exact"):
         assert RunRequest(request_id=str(uuid.uuid4()), segments=["Hi"], strategy=text).strategy == text
+    for text in ("early-exit:top-prob:0.9", "early-exit:similarity:1", "early-exit:similarity:0.975:lens"):
+        assert ExitPolicy.of(parse_strategy(text)).measure in ("top-prob", "similarity")
     for text in ("early-exit:top-prob:1.5", "early-exit:entropy:0.5", "early-exit:top-prob:0.5:lenses"):
         with pytest.raises(ValueError, match="strategy"):
             RunRequest(request_id=str(uuid.uuid4()), segments=["Hi"], strategy=text)
+        with pytest.raises(ValueError, match="early-exit:MEASURE:THRESHOLD"):
+            parse_strategy(text)
 
 
 # -- a tiny random Gemma-3 (fast, exact arithmetic of the real code paths) -------------------------
@@ -277,8 +274,8 @@ def test_the_board_strategy_is_labelled_and_never_reads_or_writes_the_cache_box(
     keys_before = sorted(store.redis.keys("*"))
     context_before = engine.positions()
     strategy = EarlyExitServing(board.engine, reference)
-    policy = parse_strategy("early-exit:top-prob:0.5")
-    result = strategy.run(prompt, policy=policy, max_tokens=3)
+    policy = ExitPolicy.of(parse_strategy("early-exit:top-prob:0.5"))
+    result = strategy.with_policy(policy).run(prompt, max_tokens=3)
     b = result.breakdown
     assert b.strategy == "early-exit(top-prob>=0.5)" and b.cachebox == "off" and b.decision == "no-cache"
     assert result.uploaded == [] and result.fetched == [] and b.uploaded_bytes == b.fetched_bytes == 0
@@ -298,14 +295,14 @@ def test_a_dispatched_early_exit_run_is_labelled_and_stores_nothing(engine, refe
     from inference.messages import RunRequest
 
     board = make_board(valkey_url, namespace)
-    board._lab["early-exit"] = EarlyExitServing(board.engine, reference)  # the session's reference engine, not a second copy
+    board._opened[StrategySpec("early-exit")] = EarlyExitServing(board.engine, reference)  # the session's reference engine, not a second copy
     keys_before = sorted(board.store.redis.keys("*"))
     request = RunRequest(request_id=str(uuid.uuid4()), segments=["The capital of France is"], max_tokens=3, namespace=namespace, strategy="early-exit:similarity:0.98")
     report = serve(board, request)
     assert report.error == "" and report.breakdown.strategy == "early-exit(similarity>=0.98)" and report.breakdown.cachebox == "off"
     assert report.uploaded == [] and report.fetched == []
     assert sorted(board.store.redis.keys("*")) == keys_before
-    board._lab.pop("early-exit")
+    board._opened.pop(StrategySpec("early-exit"))
 
 
 # -- the study's document (the dashboard's Lab page reads these names) --------------------------------

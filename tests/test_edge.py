@@ -126,7 +126,7 @@ def test_the_board_task_answers_a_malformed_request_with_an_error_report_and_kee
     me = board_identity()
     sent = []
     monkeypatch.setattr(tasks, "identity", lambda: me)
-    monkeypatch.setattr(edge, "report", lambda message, task=Task.RECORD_RUN: sent.append((task, message)))
+    monkeypatch.setattr(edge.outbox, "report", lambda message, task=Task.RECORD_RUN: sent.append((task, message)))
 
     def sealed(message, *, to="zero", signer=CONTROL_PLANE):
         return envelope.seal(message, kind=Kind.RUN, sender=CONTROL, to=to, signer=signer, ring=me.ring, ttl=60)

@@ -20,10 +20,12 @@ FINGERPRINT = "00ff00ff00ff00ff"
 LONG_PROMPT = "The history of astronomy, told one observatory at a time. " * 40 + "\nQuestion: which planet is largest?\nAnswer:"
 
 
-def online_board(name):
+def online_board(name, rates=None):
     device, token = register(name)
     keys = enrolled(device, token)
     status = {"model": "gemma-3-270m.gguf", "fingerprint": FINGERPRINT, "catalogs": {}, "ram_tier": {"entries": 0, "bytes": 0, "budget_bytes": 128 * 2**20}}
+    if rates is not None:
+        status["rates"] = rates
     assert actions.record_heartbeat(heartbeat(keys, status, device=name)) is not None
     device.refresh_from_db()
     return device, keys
@@ -86,3 +88,41 @@ def test_a_busy_board_loses_a_new_prompt_and_offline_boards_get_none(staff_clien
     response = staff_client.post(reverse("run"), {"any_board": "on", "source": "text", "text": "hi", "max_tokens": 4}, HTTP_ACCEPT="application/json")
     assert response.status_code == 503 and "any_board" in response.json()["errors"]
     assert InferenceRun.objects.count() == 0
+
+
+def test_boards_are_weighed_by_the_rates_their_heartbeats_report_before_any_run(staff_client, control_plane, sent_tasks):
+    # zero (paced to a Pi Zero 2W) is first in order; with the fleet-wide prior both looked alike.
+    online_board("zero", rates={"prefill_ms_per_token": 39.56, "decode_ms_per_token": 400.0, "prompt_tokens": 48, "decode_tokens": 3, "compute_profile": "pi-zero-2w"})
+    online_board("pi5", rates={"prefill_ms_per_token": 1.5, "decode_ms_per_token": 12.0, "prompt_tokens": 48, "decode_tokens": 3})
+    first = send_to_any_board(staff_client, LONG_PROMPT)
+    assert first["device"] == "pi5"
+    runner_up_ms = first["routing"]["runner_up_ms"]
+    assert first["routing"]["runner_up"] == "zero" and runner_up_ms > 20 * first["routing"]["expected_ms"]
+    # The repeat: pi5 holds it and still owes only its (short) remaining work.
+    second = send_to_any_board(staff_client, LONG_PROMPT)
+    assert second["device"] == "pi5" and second["routing"]["source"] == "context"
+    assert Dispatch.objects.get(request_id=second["request_id"]).routing["work_ms"] < 100  # a hit: its answer, not a cold prefill
+
+
+def test_a_heartbeat_with_unusable_rates_is_refused(control_plane):
+    device, token = register("odd")
+    keys = enrolled(device, token)
+    status = {"model": "gemma-3-270m.gguf", "fingerprint": FINGERPRINT, "rates": {"prefill_ms_per_token": -1.0, "decode_ms_per_token": 10.0}}
+    assert actions.record_heartbeat(heartbeat(keys, status, device="odd")) is None
+
+
+def test_the_run_page_says_the_fleet_is_busy_past_its_bounded_queue(staff_client, control_plane, sent_tasks, settings, django_capture_on_commit_callbacks):
+    settings.EDGECACHE_QUEUE_PER_BOARD = 2  # runs under way per online board of the namespace
+    device, keys = online_board("a-board")
+    first, second = send_to(staff_client, device, "One prompt."), send_to(staff_client, device, "Another.")
+    response = staff_client.post(reverse("run"), {"devices": [device.pk], "source": "text", "text": "A third.", "max_tokens": 4}, HTTP_ACCEPT="application/json")
+    assert response.status_code == 503 and int(response["Retry-After"]) >= 1
+    (error,) = response.json()["errors"]["__all__"]
+    assert error["code"] == "fleet_busy" and error["message"].startswith("The fleet is busy") and "try again in" in error["message"]
+    page = staff_client.post(reverse("run"), {"devices": [device.pk], "source": "text", "text": "A third.", "max_tokens": 4})
+    assert page.status_code == 503 and b"The fleet is busy" in page.content  # the page itself, without its script
+    assert Dispatch.objects.count() == 2 and len([task for task in sent_tasks if task["name"] == "edgecache.run_prompt"]) == 2  # nothing more was sent
+    with django_capture_on_commit_callbacks(execute=True):
+        assert report(device, keys, first["request_id"]) is not None  # an answer frees its place
+    assert send_to(staff_client, device, "A third.")["device"] == "a-board"
+    assert second["request_id"] != first["request_id"]

@@ -69,10 +69,14 @@ def test_a_link_that_goes_down_during_a_fetch_ends_in_a_computed_run_and_the_boa
     plane.zero_host.link_down()
     try:
         until(lambda: "computing locally" in plane.log("board-zero"), 60, "zero to give up the fetch")
-        assert plane.run(request_id) is None  # its report cannot leave while the link is down
+        given_up = plane.run(request_id)  # its report cannot leave while the link is down; the control
+        assert given_up is None or given_up["error"].startswith("lost: ")  # plane may give the quiet board's run up
     finally:
         plane.zero_host.link_up()
-    [run] = plane.wait_runs([request_id], timeout=180)
+    # The answer the board computed during the outage reaches the control plane when the link
+    # returns (and replaces the run given up on, if it was).
+    until(lambda: (plane.run(request_id) or {}).get("error", "none yet") == "", 180, "zero's computed answer to arrive")
+    run = plane.run(request_id)
     print(f"link down mid-fetch: {run['case']}, {run['fetched_bytes'] / 1e6:.2f} MB fetched before the cut, decision {run['breakdown']['decision']}, TTFT {run['ttft_ms']:.0f} ms")
     assert not run["error"] and run["cachebox_unavailable"]
     assert run["text"] == plane.cold["A"]  # what arrived before the cut was used, the rest computed: the cold answer

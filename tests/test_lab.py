@@ -15,20 +15,20 @@ from inference.lab.kv_prediction import (
     Predictor,
     PredictorFileError,
     open_auxiliary,
-    parse_strategy,
     predicted_state,
     predictor_path,
     rope_np,
 )
 from inference.lab.texts import CALIBRATION_PER_TOPIC, calibration_questions, evaluation_limit, evaluation_prompts, heldout_questions
+from inference.strategies import StrategySpec, parse_strategy
 
 K = 6
 
 
 # -- pure parts ---------------------------------------------------------------------------------
 def test_strategy_names_parse_and_bad_ones_say_what_to_write():
-    assert parse_strategy("") is None and parse_strategy("exact") is None
-    assert parse_strategy("kv-prediction:6") == 6
+    assert parse_strategy("").exact and parse_strategy("exact").exact
+    assert parse_strategy("kv-prediction:6") == StrategySpec("kv-prediction", aux_layers=6)
     with pytest.raises(ValueError, match="kv-prediction:K"):
         parse_strategy("kv-prediction")
     with pytest.raises(ValueError, match="unknown strategy"):
@@ -230,9 +230,10 @@ def test_a_kv_prediction_run_never_stores_or_leaves_state_an_exact_run_could_reu
     from inference.messages import RunRequest
 
     board = make_board(valkey_url, namespace)
-    board._lab[K] = kv_strategy
+    spec = parse_strategy(f"kv-prediction:{K}")
+    board._opened[spec] = kv_strategy
     prompt = PROMPTS[4]
-    predicted = board.kv_prediction(K).run(prompt, max_tokens=3)
+    predicted = board.strategy(spec).run(prompt, max_tokens=3)
     assert predicted.uploaded == [] and predicted.breakdown.uploaded_bytes == 0
     # A dispatched run asks for the strategy by name, and its report says which one answered.
     report = serve(board, RunRequest(request_id=str(uuid.uuid4()), segments=[prompt], max_tokens=3, namespace=namespace, strategy=f"kv-prediction:{K}"))
@@ -245,7 +246,7 @@ def test_a_kv_prediction_run_never_stores_or_leaves_state_an_exact_run_could_reu
     engine.clear()
     cold = board.run(prompt, max_tokens=3, use_cache=False)
     assert exact.tokens == cold.tokens
-    board._lab.pop(K)
+    board._opened.pop(spec)
 
 
 @pytest.mark.django_db

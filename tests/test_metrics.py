@@ -90,7 +90,7 @@ def run(dev: Device, ttft_ms: float, prompt: int, matched: int, error: str = "",
         ttft_ms=0 if error else ttft_ms,
         prompt_tokens=prompt,
         matched_tokens=matched,
-    )
+    )  # (save() fills the counters from the breakdown, as for a board's report)
 
 
 def samples(body: str) -> dict:
@@ -130,7 +130,6 @@ def test_counters_per_device_from_the_runs(client, two_devices):
         "edgecache_run_errors_total": {"zero": 1, "pi5": 0, "idle": 0},
         "edgecache_cache_lookups_total": {"zero": 4, "pi5": 1, "idle": 0},
         "edgecache_prompt_tokens_total": {"zero": 530, "pi5": 600, "idle": 0},
-        "edgecache_hit_tokens_total": {"zero": 164, "pi5": 300, "idle": 0},
         "edgecache_fetched_bytes_total": {"zero": 7000, "pi5": 9000, "idle": 0},
         "edgecache_uploaded_bytes_total": {"zero": 1700, "pi5": 0, "idle": 0},
         "edgecache_catalog_false_positives_total": {"zero": 2, "pi5": 1, "idle": 0},
@@ -139,7 +138,11 @@ def test_counters_per_device_from_the_runs(client, two_devices):
     }
     for name, per_device in expected.items():
         for dev, value in per_device.items():
-            assert found[(name, (("device", dev),))] == value, (name, dev)
+            assert found[(name, (("device", dev), ("namespace", "default")))] == value, (name, dev)
+    # Hit tokens by tier: these runs name no board-local tier, so the cache box served them.
+    for dev, value in {"zero": 164, "pi5": 300, "idle": 0}.items():
+        assert found[("edgecache_hit_tokens_total", (("device", dev), ("namespace", "default"), ("tier", "cachebox")))] == value
+        assert found[("edgecache_hit_tokens_total", (("device", dev), ("namespace", "default"), ("tier", "context")))] == 0
 
 
 def test_ttft_histogram_buckets_in_seconds(client, two_devices):
@@ -153,15 +156,41 @@ def test_ttft_histogram_buckets_in_seconds(client, two_devices):
         "0.005": 2, "0.01": 2, "0.025": 2, "0.05": 3, "0.1": 3, "0.25": 3, "0.5": 3,
         "1.0": 3, "2.5": 4, "5.0": 4, "10.0": 4, "20.0": 4, "30.0": 4, "+Inf": 5,
     }
-    assert found[("edgecache_ttft_seconds_count", (("device", "zero"),))] == 5
-    assert found[("edgecache_ttft_seconds_sum", (("device", "zero"),))] == pytest.approx(46.548)
+    assert found[("edgecache_ttft_seconds_count", (("device", "zero"), ("namespace", "default")))] == 5
+    assert found[("edgecache_ttft_seconds_sum", (("device", "zero"), ("namespace", "default")))] == pytest.approx(46.548)
     # pi5: 12 ms and 250 ms (on the 0.25 bound).
     assert buckets("pi5") == {
         "0.005": 0, "0.01": 0, "0.025": 1, "0.05": 1, "0.1": 1, "0.25": 2, "0.5": 2,
         "1.0": 2, "2.5": 2, "5.0": 2, "10.0": 2, "20.0": 2, "30.0": 2, "+Inf": 2,
     }
-    assert found[("edgecache_ttft_seconds_sum", (("device", "pi5"),))] == pytest.approx(0.262)
+    assert found[("edgecache_ttft_seconds_sum", (("device", "pi5"), ("namespace", "default")))] == pytest.approx(0.262)
     assert buckets("idle")["+Inf"] == 0
+
+
+def test_hit_tokens_say_their_tier_and_namespace_and_genai_names_are_exported(client):
+    """Issue 28, B6: a context hit is not a cache-box hit, in /metrics too; OpenTelemetry's GenAI names."""
+    from dashboard.models import Namespace
+
+    Namespace.objects.get_or_create(name="tenant-b")
+    zero = device("zero")
+    bee = Device.objects.create(name="bee", token_sha256="0" * 64, namespace_id="tenant-b")
+    run(zero, 20.0, 468, 468, decision="local", tier="context", context_tokens=468, generated_tokens=5, ttlt_ms=60.0)  # 10 ms/token
+    run(zero, 900.0, 400, 300, decision="fetch", tier="cachebox", context_tokens=100, fetched_tokens=200, fetched_bytes=4_000_000, generated_tokens=1, ttlt_ms=900.0)
+    run(bee, 30.0, 200, 128, decision="local", tier="local", local_tokens=128, generated_tokens=3, ttlt_ms=630.0)  # 300 ms/token
+    found = scrape(client)
+    hits = {(labels[0][1], labels[1][1], labels[2][1]): value for (name, labels), value in found.items() if name == "edgecache_hit_tokens_total"}
+    assert hits[("zero", "default", "context")] == 568 and hits[("zero", "default", "cachebox")] == 200 and hits[("zero", "default", "local")] == 0
+    assert hits[("bee", "tenant-b", "local")] == 128 and hits[("bee", "tenant-b", "cachebox")] == 0
+    assert found[("gen_ai_usage_cache_read_input_tokens_total", (("device", "zero"), ("namespace", "default")))] == 768
+    zero_labels = (("device", "zero"), ("namespace", "default"))
+    assert found[("gen_ai_server_time_to_first_token_seconds_count", zero_labels)] == 2
+    assert found[("gen_ai_server_time_to_first_token_seconds_sum", zero_labels)] == pytest.approx(0.92)
+    # Time per output token after the first: only runs with two tokens or more.
+    assert found[("gen_ai_server_time_per_output_token_seconds_count", zero_labels)] == 1
+    assert found[("gen_ai_server_time_per_output_token_seconds_sum", zero_labels)] == pytest.approx(0.010)
+    assert found[("gen_ai_server_time_per_output_token_seconds_bucket", (*zero_labels[:1], ("le", "0.01"), zero_labels[1]))] == 1
+    bee_labels = (("device", "bee"), ("namespace", "tenant-b"))
+    assert found[("gen_ai_server_time_per_output_token_seconds_sum", bee_labels)] == pytest.approx(0.300)
 
 
 def test_collector_queries_do_not_grow_with_the_runs(two_devices, django_assert_max_num_queries):
@@ -176,11 +205,11 @@ def test_collector_output_is_kept_for_the_configured_seconds(client, metrics_set
     zero = device("zero")
     run(zero, 10.0, 10, 0)
     metrics_settings.EDGECACHE_METRICS_CACHE_SECONDS = 60
-    assert scrape(client)[("edgecache_runs_total", (("device", "zero"),))] == 1
+    assert scrape(client)[("edgecache_runs_total", (("device", "zero"), ("namespace", "default")))] == 1
     run(zero, 10.0, 10, 0)
-    assert scrape(client)[("edgecache_runs_total", (("device", "zero"),))] == 1  # cached
+    assert scrape(client)[("edgecache_runs_total", (("device", "zero"), ("namespace", "default")))] == 1  # cached
     metrics_settings.EDGECACHE_METRICS_CACHE_SECONDS = 0
-    assert scrape(client)[("edgecache_runs_total", (("device", "zero"),))] == 2
+    assert scrape(client)[("edgecache_runs_total", (("device", "zero"), ("namespace", "default")))] == 2
 
 
 # -- who may read them ------------------------------------------------------------------------------
@@ -232,7 +261,7 @@ def test_the_token_gets_in(client, two_devices):
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain; version=0.0.4")
     assert "no-cache" in response["Cache-Control"] or "max-age=0" in response["Cache-Control"]
-    assert samples(response.content.decode())[("edgecache_runs_total", (("device", "zero"),))] == 6
+    assert samples(response.content.decode())[("edgecache_runs_total", (("device", "zero"), ("namespace", "default")))] == 6
     openmetrics = client.get(reverse("metrics"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}", HTTP_ACCEPT="application/openmetrics-text; version=1.0.0")
     assert openmetrics["Content-Type"].startswith("application/openmetrics-text") and openmetrics.content.endswith(b"# EOF\n")
 
@@ -241,7 +270,7 @@ def test_a_staff_login_gets_in(staff_client, two_devices):
     response = staff_client.get(reverse("metrics"))
     assert response.status_code == 200
     found = samples(response.content.decode())
-    assert found[("edgecache_runs_total", (("device", "pi5"),))] == 2
+    assert found[("edgecache_runs_total", (("device", "pi5"), ("namespace", "default")))] == 2
     assert ("edgecache_refused_requests_total", (("reason", "rate_limited"),)) in found
 
 

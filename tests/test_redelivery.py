@@ -118,7 +118,7 @@ class Plane:
         """Send a run to solo (``stream``: as the Run page does, whose client waits for it)."""
         return self.shell(
             "from dashboard import actions; from dashboard.models import Device; "
-            "print(actions.dispatch_run(None, [Device.objects.get(name='solo')], actions.PromptSpec("
+            "print(actions.dispatch_run(None, [Device.objects.get(name='solo')], actions.run_request("
             f"segments=[{text!r}], max_tokens={max_tokens}, title='fault', stream={stream!r}))[0]['request_id'])",
             env={"EDGECACHE_TASK_EXPIRES": str(expires)} if expires else None,
         )

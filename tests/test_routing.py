@@ -100,3 +100,71 @@ def test_prompt_keys_travel_as_json():
     keys = keys_of(list(range(1, 300)))
     assert PromptKeys.from_dict(keys.as_dict()) == keys and keys.boundaries == (128, 256, 299)
     assert PromptKeys.from_dict({"boundaries": [1], "keys": []}) == PromptKeys()
+
+
+# -- measured rates: right from the first request (issue 24, item 3) --------------------------------
+ZERO_MS_PER_TOKEN = 39.56  # inference.compute_profile.PI_ZERO_2W, as `make run`'s zero board measures itself
+PI5_MS_PER_TOKEN = 1.5  # this machine's own speed, as the unpaced pi5 board measures itself
+
+
+def test_a_repeat_goes_to_the_board_that_holds_it_not_to_a_slow_board_without_history():
+    index = FleetIndex()  # the fleet-wide prior (3 ms per token) is what misled the router before
+    index.measured("zero", prefill_ms_per_token=ZERO_MS_PER_TOKEN, decode_ms_per_token=400.0)
+    index.measured("pi5", prefill_ms_per_token=PI5_MS_PER_TOKEN, decode_ms_per_token=12.0)
+    prompt = keys_of(list(range(1, 479)))  # ~460 tokens of system prompt and a question
+    assert index.view("zero", prompt).prefill_ms_per_token == ZERO_MS_PER_TOKEN  # never the prior once measured
+    first = route(prompt.tokens, [index.view(name, prompt) for name in ("zero", "pi5")])
+    assert first.board == "pi5"  # neither holds anything: the faster one
+    index.dispatched("pi5", "r1", prompt, index.work_ms("pi5", prompt, 1, estimate=first.chosen), at=10.0)
+    index.reported("pi5", "r1", prompt_tokens=478, prefill_ms=478 * PI5_MS_PER_TOKEN, at=10.8)
+    repeat = route(prompt.tokens, [index.view(name, prompt, now=11.0) for name in ("zero", "pi5")])
+    assert repeat.board == "pi5" and repeat.chosen.held_tokens == 478 and repeat.chosen.source == "context"
+    zero = next(e for e in repeat.estimates if e.board == "zero")
+    assert zero.expected_ms == round(478 * ZERO_MS_PER_TOKEN, 3)  # ~18.9 s cold, as it took
+    # The next question under the same system prompt: pi5 holds all but its last range.
+    follow = keys_of(list(range(1, 460)) + list(range(900, 920)))
+    assert route(follow.tokens, [index.view(name, follow, now=11.0) for name in ("zero", "pi5")]).board == "pi5"
+
+
+def test_with_the_global_prior_the_slow_board_looked_as_fast_as_any():
+    # What the router did before boards reported their rates: zero and pi5 both at 3 ms per token.
+    index = FleetIndex()
+    prompt = keys_of(list(range(1, 479)))
+    assert index.view("zero", prompt).prefill_ms_per_token == index.view("pi5", prompt).prefill_ms_per_token == 3.0
+
+
+def test_a_boards_own_runs_outweigh_what_it_measured_at_start():
+    index = FleetIndex()
+    index.measured("a", prefill_ms_per_token=5.0, decode_ms_per_token=20.0)
+    assert (index.prefill_rate("a"), index.decode_rate("a")) == (5.0, 20.0)
+    index.dispatched("a", "r1", keys_of(list(range(1, 200))), 100.0)
+    index.reported("a", "r1", prompt_tokens=199, prefill_ms=199 * 4.0, decode_ms=3 * 15.0, generated_tokens=4)
+    assert (index.prefill_rate("a"), index.decode_rate("a")) == (4.0, 15.0)
+    index.measured("b", prefill_ms_per_token=0.0, decode_ms_per_token=None)  # nothing usable: the priors
+    assert (index.prefill_rate("b"), index.decode_rate("b")) == (index.prefill_prior, index.decode_prior)
+
+
+def test_a_busy_board_that_holds_the_prompt_is_weighed_by_its_remaining_work():
+    index = FleetIndex()
+    index.measured("zero", prefill_ms_per_token=ZERO_MS_PER_TOKEN, decode_ms_per_token=400.0)
+    index.measured("pi5", prefill_ms_per_token=PI5_MS_PER_TOKEN, decode_ms_per_token=12.0)
+    prompt = keys_of(list(range(1, 479)))
+    # pi5 took a long answer 20 s ago (its whole run: 478 tokens of prefill and 2,000 of answer, ~24.7 s).
+    work = index.work_ms("pi5", prompt, 2000)
+    assert work == round(478 * PI5_MS_PER_TOKEN + 1999 * 12.0, 3)
+    index.dispatched("pi5", "long", prompt, work, at=100.0)
+    chosen = route(prompt.tokens, [index.view(name, prompt, now=120.0) for name in ("zero", "pi5")])
+    assert chosen.board == "pi5" and chosen.chosen.queued_ms == round(work - 20_000.0, 3)  # ~4.7 s left, vs ~18.9 s cold on zero
+    # Weighed by its whole run, pi5 would have lost the prompt it holds to zero.
+    assert route(prompt.tokens, [index.view(name, prompt) for name in ("zero", "pi5")]).board == "zero"
+
+
+def test_a_hit_occupies_its_board_for_its_answer_not_for_a_cold_prefill():
+    index = FleetIndex()
+    index.measured("pi5", prefill_ms_per_token=PI5_MS_PER_TOKEN, decode_ms_per_token=12.0)
+    prompt = keys_of(list(range(1, 479)))
+    index.dispatched("pi5", "r1", prompt, 1000.0)
+    held = route(prompt.tokens, [index.view("pi5", prompt)])
+    assert index.work_ms("pi5", prompt, 4, LINK_PRESETS["wifi4"], estimate=held.chosen) == 3 * 12.0  # nothing computed: nothing to upload either
+    assert index.work_ms("pi5", prompt, 4, LINK_PRESETS["wifi4"]) > 478 * PI5_MS_PER_TOKEN + 1000  # counted cold, it uploads 8.8 MB over Wi-Fi 4
+    assert held.chosen.prefill_ms == 0.0  # its context holds it whole

@@ -202,3 +202,25 @@ def test_device_records_live_under_checked_names(valkey_url):
         with pytest.raises(ValueError, match="invalid device name"):
             store.get_device_record(bad)
     store.delete([device_key_name(name)])
+
+
+def test_admission_bounds_runs_under_way_per_namespace_and_per_key_across_clients(valkey_url, namespace):
+    from cachebox.keys import queue_key_names
+
+    web1, web2 = CacheBox(valkey_url), CacheBox(valkey_url)  # two web processes, one count
+    key_a, key_b = queue_key_names(namespace, "1"), queue_key_names(namespace, "2")
+    assert key_a[0] == key_b[0] and key_a[1] != key_b[1]
+    now = 1000.0
+    assert [web1.admit(key_a, [3, 2], f"a{i}", now=now, until=now + 30)[0] for i in range(3)] == [0, 0, 2]  # key a's own bound
+    assert web1.admit(key_a, [3, 2], "a0", now=now, until=now + 30)[0] == 0  # the same run again counts once
+    assert web2.admit(key_b, [3, 2], "b0", now=now, until=now + 40) == (0, 0, 0)
+    full, holds, oldest = web2.admit(key_b, [3, 2], "b1", now=now, until=now + 40)
+    assert (full, holds, oldest) == (1, 3, now + 30)  # the namespace is full: a0 stops counting first
+    assert web1.under_way(key_a[0], now) == 3
+    web2.release(key_a, "a0")  # its answer came
+    assert web2.admit(key_b, [3, 2], "b1", now=now, until=now + 40)[0] == 0
+    # A run whose release was lost stops counting at its deadline; no limit (0) never refuses.
+    assert web1.admit(key_a, [3, 2], "a3", now=now + 31, until=now + 61)[0] == 0
+    assert web1.under_way(key_a[0], now + 31) == 3
+    assert all(web1.admit(key_a, [0, 0], f"x{i}", now=now + 31, until=now + 61)[0] == 0 for i in range(10))
+    web1.redis.delete(*key_a, key_b[1])

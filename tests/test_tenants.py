@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
 @pytest.fixture(autouse=True)
 def no_identity(monkeypatch):
-    monkeypatch.setattr(edge, "_identity", None)
+    monkeypatch.setattr(edge.enrollment, "_identity", None)
 
 
 def tenant(name: str, share: bool = True) -> Namespace:
@@ -94,7 +94,7 @@ def test_a_board_refuses_messages_for_another_namespace(control_plane, valkey_ur
     report = edge.serve(type("NoBoard", (), {"store": None})(), request)  # refused before the board is asked anything
     assert "does not serve 'globex'" in report.error
     # The control plane sends each device its own namespace.
-    actions.dispatch_run(None, [device], actions.PromptSpec(segments=["hello"], max_tokens=1, title="t"))
+    actions.dispatch_run(None, [device], actions.run_request(segments=["hello"], max_tokens=1, title="t"))
     assert sent_tasks[-1]["args"][0]["namespace"] == "acme"
 
 

@@ -74,4 +74,6 @@ def test_context_and_cache_box_chain_together(valkey_url, namespace, make_board)
     result = reader.run(longer, max_tokens=8)
     b = result.breakdown
     assert b.tier == "cachebox" and b.case == "full" and b.local_ms >= 0 and b.fetched_bytes > 0
+    # Each tier's share is counted (issue 28, B6): the context's part is not the cache box's.
+    assert b.context_tokens > 0 and b.fetched_tokens > 0 and b.context_tokens + b.local_tokens + b.fetched_tokens == b.matched_tokens
     assert result.tokens == reader.run(longer, max_tokens=8, use_cache=False).tokens

@@ -84,7 +84,7 @@ def test_a_board_cannot_answer_for_another_board(control_plane, caplog):
     device_a, token_a = register("dev-a")
     device_b, token_b = register("dev-b")
     board_a, board_b = enrolled(device_a, token_a), enrolled(device_b, token_b)
-    sent = actions.dispatch_run(None, [device_b], actions.PromptSpec(segments=["Q: capital of France?"], max_tokens=2, title="probe"))
+    sent = actions.dispatch_run(None, [device_b], actions.run_request(segments=["Q: capital of France?"], max_tokens=2, title="probe"))
     request_id = sent[0]["request_id"]
     forged = board_message(board_a, "dev-a", Kind.REPORT, {"device": "dev-a", "request_id": request_id, "text": "FAKE ANSWER FROM A"})
     with caplog.at_level(logging.INFO, logger="edgecache.security"):
@@ -162,7 +162,7 @@ def test_the_board_task_sends_its_report_signed_and_sealed(monkeypatch):
     from .test_edge import board_identity
 
     me = board_identity("dev-a")
-    monkeypatch.setattr(edge, "_identity", me)
+    monkeypatch.setattr(edge.enrollment, "_identity", me)
     sent = []
     monkeypatch.setattr(current_app, "send_task", lambda name, args=None, queue=None, **kw: sent.append((name, args[0], queue, kw)))
     edge.report(RunReport(device="dev-a", request_id=str(uuid.uuid4()), text="the answer"))

@@ -15,18 +15,18 @@ from .devices import (
     publish_device,
     record_heartbeat,
     register_device,
+    take_heartbeat,
     revoke_device,
     rotate_signing_key,
     rotate_token,
     save_namespace,
     update_device,
 )
-from .runs import PromptSpec, dispatch_run, record_run, route_run, run_json
+from .runs import dispatch_run, record_run, route_run, run_json, run_request
 from .schemas import delete_schema, dispatch_encode, record_encode_progress, record_encoded, save_schema
 
 __all__ = [
     "AuditAction",
-    "PromptSpec",
     "audit",
     "authenticate_board",
     "cachebox",
@@ -49,10 +49,12 @@ __all__ = [
     "record_run",
     "route_run",
     "register_device",
+    "take_heartbeat",
     "revoke_device",
     "rotate_signing_key",
     "rotate_token",
     "run_json",
+    "run_request",
     "save_namespace",
     "save_schema",
     "update_device",

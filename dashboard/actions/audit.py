@@ -26,6 +26,7 @@ class AuditAction(StrEnum):
     SCHEMA_DELETE = "schema.delete"
     APIKEY_CREATE = "apikey.create"
     APIKEY_REVOKE = "apikey.revoke"
+    RUN_REVOKE = "run.revoke"
 
 
 def audit(user, action: AuditAction, target: str, detail: str = "") -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import timedelta
 
@@ -19,7 +20,7 @@ from inference.identity import check_enrollment_signature, enrollment_public_key
 from inference.messages import BoardMessage, EnrollRequest, Heartbeat
 
 from ..live import broadcast
-from ..models import Device, Namespace
+from ..models import Device, Namespace, offline_after
 from ..signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring
 from ..stats import memory_label
 from .audit import AuditAction, audit
@@ -226,6 +227,10 @@ def enroll_device(payload: dict) -> Device | None:
 def authenticate_board(name: str) -> Device | None:
     """The enrolled, unrevoked device ``name``, or None (logged)."""
     device = Device.objects.filter(name=name).select_related("namespace").first() if isinstance(name, str) else None
+    return _authenticated(device, name)
+
+
+def _authenticated(device: Device | None, name) -> Device | None:
     reason = ""
     if device is None:
         reason = "unknown device"
@@ -251,7 +256,13 @@ def receive_board_message(cls: type[BoardMessage], payload: dict) -> tuple[Board
     except EnvelopeRefused as exc:
         security_event("board_message_refused", message=cls.__name__, reason=str(exc)[:300])
         return None, None, 0.0
-    device = authenticate_board(sender)
+    return _checked(cls, payload, None, sender, loaded=False)
+
+
+def _checked(cls: type[BoardMessage], payload: dict, device: Device | None, sender: str, *, loaded: bool = True) -> tuple[BoardMessage | None, Device | None, float]:
+    """``receive_board_message`` for a sender whose device was read already (``loaded``: ``device``
+    is what the database holds for ``sender``, None for none)."""
+    device = _authenticated(device, sender) if loaded else authenticate_board(sender)
     if device is None:
         return None, None, 0.0
     try:
@@ -282,10 +293,210 @@ def record_heartbeat(payload: dict) -> Device | None:
             return None
         device.last_seen = timezone.now()
         device.status = beat.status.dump()
-        device.save(update_fields=["last_seen", "status"])
+        device.announced_online = True
+        device.save(update_fields=["last_seen", "status", "announced_online"])
         transaction.on_commit(lambda: broadcast("device", device_json(device)))
     _republish_if_missing(device)
     return device
+
+
+class HeartbeatBatch:
+    """Heartbeats as a control worker takes them: kept in memory and written together every
+    ``FLUSH_S`` (one query for their devices, one transaction of one UPDATE each, one pipelined
+    look-up of their registry records), instead of a query, two writes, a commit and a registry
+    read per heartbeat. Each is checked as ``record_heartbeat`` checks it (signed by its enrolled,
+    unrevoked board, newer than the last one accepted); pages are told of a board at most every
+    ``BROADCAST_EVERY_S``, of ``BROADCASTS_PER_FLUSH`` boards per flush at most. A worker that dies loses the heartbeats of its
+    last ``FLUSH_S`` at most: its boards beat again within their interval.
+    """
+
+    FLUSH_S = 0.5
+    BROADCAST_EVERY_S = 30.0
+    # Pages are told of at most this many boards per flush (a broadcast is a round trip): 5,000 boards
+    # coming online at once took 41 s of broadcasts and the list grew faster than it drained. The
+    # sweeper tells pages of every board whose online state changed, every few seconds, anyway.
+    BROADCASTS_PER_FLUSH = 20
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: list[dict] = []
+        self._thread: threading.Thread | None = None
+        self._told: dict[str, float] = {}  # device -> when the pages were last told of it
+
+    TAKE = 1000  # heartbeats taken off the list per round trip
+    TAKE_PER_FLUSH = 20_000  # a flush stays bounded (~3 s of checking) whatever the backlog
+
+    def add(self, payload: dict) -> None:
+        """One heartbeat for the next flush (a Celery task from a board older than the list)."""
+        with self._lock:
+            self._pending.append(payload)
+
+    def start(self) -> None:
+        """Record heartbeats from now on, every ``FLUSH_S``: those of the broker's heartbeat list and
+        those ``add``ed (a control worker starts it; several workers share the list)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="edgecache-heartbeats", daemon=True)
+                self._thread.start()
+
+    def take(self) -> int:
+        """Move what boards pushed onto the broker's heartbeat list into this batch; how many."""
+        import json
+
+        from cachebox.keys import HEARTBEAT_LIST
+
+        broker = _broker()
+        taken = 0
+        while True:
+            raws = broker.pop_oldest(HEARTBEAT_LIST, self.TAKE)
+            for raw in raws:
+                try:
+                    payload = json.loads(raw)
+                except ValueError:
+                    security_event("board_message_refused", message="Heartbeat", reason="not JSON")
+                    continue
+                with self._lock:
+                    self._pending.append(payload)
+            taken += len(raws)
+            if len(raws) < self.TAKE or taken >= self.TAKE_PER_FLUSH:
+                return taken  # a backlog is taken over the next flushes (stale heartbeats are dropped there)
+
+    def _run(self) -> None:
+        from django.db import close_old_connections
+
+        warned = 0.0
+        while True:
+            time.sleep(self.FLUSH_S)
+            try:
+                close_old_connections()
+                self.take()
+                self.flush()
+            except Exception as exc:  # the broker or database away for a moment: the next heartbeats land
+                if time.monotonic() - warned > 30:
+                    warned = time.monotonic()
+                    log.warning("heartbeats not recorded (again in %.1f s): %s: %s", self.FLUSH_S, type(exc).__name__, exc)
+            finally:
+                close_old_connections()
+
+    def flush(self) -> int:
+        """Record every heartbeat taken since the last flush; returns how many were accepted."""
+        with self._lock:
+            payloads, self._pending = self._pending, []
+        if not payloads:
+            return 0
+        senders = {}
+        for payload in payloads:
+            try:
+                senders[id(payload)] = peek(payload)["from"]
+            except EnvelopeRefused as exc:
+                security_event("board_message_refused", message="Heartbeat", reason=str(exc)[:300])
+        devices = {device.name: device for device in Device.objects.filter(name__in=set(senders.values())).select_related("namespace")}
+        newest: dict[str, tuple[float, dict]] = {}
+        for payload in payloads:
+            name = senders.get(id(payload))
+            if name is None:
+                continue
+            beat, device, sent = _checked(Heartbeat, payload, devices.get(name), name)
+            if device is None:
+                continue
+            if time.time() - sent > offline_after(beat.status.dump()).total_seconds():
+                continue  # sent before its board would count as offline now: it says nothing of now
+            if name not in newest or sent > newest[name][0]:
+                newest[name] = (sent, beat.status.dump())
+        accepted = []
+        for name, (sent, status) in newest.items():
+            device = devices[name]
+            if sent > device.last_message_ts:
+                accepted.append((device, sent, status))
+            else:
+                security_event("board_message_refused", device=name, reason="replayed or out-of-order heartbeat")
+        now = timezone.now()
+        _write_heartbeats([(device.pk, sent, status) for device, sent, status in accepted], now)
+        # Boards the pages were told are offline (or never told of) come back first in the broadcasts.
+        accepted.sort(key=lambda row: row[0].announced_online)
+        returning = {device.name for device, _, _ in accepted if not device.announced_online}
+        for device, sent, status in accepted:
+            device.last_message_ts, device.last_seen, device.status, device.announced_online = sent, now, status, True
+        accepted = [device for device, _, _ in accepted]
+        if accepted:
+            from ..routing import CANDIDATES
+
+            CANDIDATES.forget()
+        clock = time.monotonic()
+        told = 0
+        for device in accepted:
+            told_at = self._told.get(device.name)
+            if told < self.BROADCASTS_PER_FLUSH and (device.name in returning or told_at is None or clock - told_at > self.BROADCAST_EVERY_S):
+                self._told[device.name] = clock
+                told += 1
+                broadcast("device", device_json(device))
+        _republish_missing(accepted)
+        return len(accepted)
+
+
+HEARTBEATS = HeartbeatBatch()
+
+
+def _write_heartbeats(rows: list[tuple[int, float, dict]], now) -> None:
+    """One statement for every accepted heartbeat, in one transaction (no model instance, no query
+    built per row); a row only moves forward (``last_message_ts``), whoever else writes meanwhile."""
+    from django.db import connection
+
+    if not rows:
+        return
+    fields = {name: Device._meta.get_field(name) for name in ("last_message_ts", "last_seen", "status", "announced_online")}
+    seen = fields["last_seen"].get_db_prep_save(now, connection)
+    online = fields["announced_online"].get_db_prep_save(True, connection)
+    quote = connection.ops.quote_name
+    sql = (
+        f"UPDATE {quote(Device._meta.db_table)} SET {quote(fields['last_message_ts'].column)} = %s, {quote(fields['last_seen'].column)} = %s, "
+        f"{quote(fields['status'].column)} = %s, {quote(fields['announced_online'].column)} = %s "
+        f"WHERE {quote(Device._meta.pk.column)} = %s AND {quote(fields['last_message_ts'].column)} < %s"
+    )
+    params = [(sent, seen, fields["status"].get_db_prep_save(status, connection), online, pk, sent) for pk, sent, status in rows]
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.executemany(sql, params)
+
+
+def _broker():
+    """The broker's server (``REDIS_URL``), where boards push their heartbeats (one client per process)."""
+    from .identities import _client
+
+    return _client(settings.REDIS_URL, settings.EDGECACHE_CONNECT_TIMEOUT, settings.EDGECACHE_IO_TIMEOUT)
+
+
+def take_heartbeat(payload: dict) -> None:
+    """A heartbeat from the control queue, recorded with the others of the next ``HeartbeatBatch.FLUSH_S``."""
+    HEARTBEATS.add(payload)
+    HEARTBEATS.start()
+
+
+def _republish_missing(devices: list[Device]) -> None:
+    """Live boards whose records the registry lost (its cache box restarted empty) get them back:
+    one pipelined look-up for all of them."""
+    if not devices:
+        return
+    from cachebox.keys import device_key_name
+
+    try:
+        present = cachebox().exists([device_key_name(device.name) for device in devices])
+    except CacheBoxError:
+        return
+    for device, there in zip(devices, present):
+        if not there:
+            log.warning("device %s: its registry record was gone (cache box restarted?); published again", device.name)
+            publish_device(device)
+
+
+def heartbeat_records() -> list[tuple[str, float, float]]:
+    """(device, when its last accepted heartbeat was sent, when the control plane took it), as
+    Unix times, for every device that has beaten (what ``bench fleet-sim`` samples for the ingest lag)."""
+    out = []
+    for name, status, last_seen in Device.objects.exclude(last_seen=None).values_list("name", "status", "last_seen"):
+        sent = (status or {}).get("sent")
+        if isinstance(sent, (int, float)) and sent > 0:
+            out.append((name, float(sent), last_seen.timestamp()))
+    return out
 
 
 def _republish_if_missing(device: Device) -> None:
@@ -301,10 +512,10 @@ def _republish_if_missing(device: Device) -> None:
         publish_device(device)
 
 
-def device_json(device: Device) -> dict:
+def device_json(device: Device, now=None) -> dict:
     return {
         "name": device.name,
-        "online": device.online,
+        "online": device.online_at(now or timezone.now()),
         "revoked": device.revoked_at is not None,
         "last_seen": device.last_seen.isoformat() if device.last_seen else None,
         "link": device.link_label,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
@@ -14,10 +13,10 @@ from django.utils import timezone
 from cachebox import mirror
 from cachebox.events import security_event
 from inference.envelope import Kind
-from inference.messages import Queue, RunMeta, RunReport, RunRequest, Task
+from inference.messages import CANCELLED, ChatMessage, Queue, RunMeta, RunReport, RunRequest, SamplingSpec, Task
 
 from ..celery import app as celery_app
-from .. import routing
+from .. import admission, routing
 from ..live import broadcast
 from ..models import Device, Dispatch, InferenceRun
 from ..signing import seal_for
@@ -30,54 +29,38 @@ log = logging.getLogger("dashboard.actions")
 PAGE_WAIT_MARGIN_S = 30  # the Run page follows its runs this long past their expiry (dashboard.run_stream)
 
 
-@dataclass
-class PromptSpec:
-    """What to run, as the run page or a script describes it."""
-
-    segments: list[str]
-    source: str = "text"
-    title: str = ""
-    expected_answer: str = ""
-    max_tokens: int = 16
-    namespace: str = ""
-    use_cache: bool = True
-    schema: str = ""  # PML schema source, for a PML prompt (then ``pml`` holds the prompt)
-    pml: str = ""
-    stream: bool = False  # the board publishes stages and tokens on the run's pub/sub channel (the Run page follows them)
-    strategy: str = ""  # "" exact serving; "kv-prediction:K" a lab strategy (approximate, no cache box)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.segments)
+def run_request(segments=(), *, source: str = "text", title: str = "", expected_answer: str = "", messages=(), sampling: dict | None = None, **fields) -> RunRequest:
+    """A run as the Run page, the API or a script asks for it: the board's own ``RunRequest`` (the
+    one prompt type from the form to the board); ``dispatch_run`` gives each device its own id and
+    namespace. ``messages``: a chat's (role, content) turns; ``fields``: RunRequest's others
+    (max_tokens, use_cache, schema, pml, stream, strategy, stop, namespace)."""
+    return RunRequest(
+        request_id=str(uuid.uuid4()),
+        segments=list(segments),
+        messages=[ChatMessage(role=role, content=content) for role, content in messages],
+        sampling=SamplingSpec(**(sampling or {})),
+        meta=RunMeta(source=source[:32], title=title[:200], expected_answer=expected_answer[:16]),
+        **fields,
+    )
 
 
-def dispatch_run(user, devices: list[Device], spec: PromptSpec, request_ids: list[str] | None = None, routed: routing.Routed | None = None) -> list[dict]:
-    """Send the prompt to each device's own queue; returns one {request_id, device} per device.
+def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: list[str] | None = None, routed: routing.Routed | None = None) -> list[dict]:
+    """Send the run ``asked`` to each device's own queue, each with its own request id (and its
+    namespace unless one was asked); returns one {request_id, device} per device.
 
     ``request_ids`` (one per device) are for a caller that subscribed to the runs' channels first."""
     sent = []
-    meta = RunMeta(source=spec.source[:32], title=spec.title[:200], expected_answer=spec.expected_answer[:16])
+    meta = asked.meta
     for index, device in enumerate(devices):
-        request = RunRequest(
-            request_id=request_ids[index] if request_ids else str(uuid.uuid4()),
-            segments=spec.segments,
-            schema=spec.schema,
-            pml=spec.pml,
-            max_tokens=spec.max_tokens,
-            namespace=spec.namespace or device.namespace_id,
-            use_cache=spec.use_cache,
-            meta=meta,
-            stream=spec.stream,
-            strategy=spec.strategy,
-        )
+        request = asked.model_copy(update={"request_id": request_ids[index] if request_ids else str(uuid.uuid4()), "namespace": asked.namespace or device.namespace_id})
         # ``routed``: the router chose this (one) device for a prompt sent to any board; a run to a
         # named board keeps its prompt's keys too (the routing history: what each board holds).
-        record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, route_prompt(spec))
+        record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, request)
         now = timezone.now()
         expires = timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES)
         Dispatch.objects.create(
             request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),
-            expires_at=now + expires, waits_until=now + expires + timedelta(seconds=PAGE_WAIT_MARGIN_S) if spec.stream else None,
+            expires_at=now + expires, waits_until=now + expires + timedelta(seconds=PAGE_WAIT_MARGIN_S) if request.stream else None,
         )
         send_to_board(device, Task.RUN_PROMPT, request.dump(), settings.EDGECACHE_TASK_EXPIRES)
         sent.append({"request_id": request.request_id, "device": device.name, **({"routing": routing.shown(record)} if routed is not None else {})})
@@ -96,15 +79,10 @@ def send_to_board(device: Device, task: Task, message: dict, expires: float) -> 
     celery_app.send_task(task.value, args=[sealed], queue=Queue.device(device.name), expires=expires)
 
 
-def route_run(candidates: list[Device], spec: PromptSpec) -> routing.Routed | None:
-    """The board of ``candidates`` a prompt sent to "any board" goes to (None: none is online):
+def route_run(candidates: list[Device], asked: RunRequest) -> routing.Routed | None:
+    """The board of ``candidates`` a run sent to "any board" goes to (None: none is online):
     the one expected to answer first, given what it holds and its queue (``dashboard.routing``)."""
-    return routing.plan(candidates, route_prompt(spec))
-
-
-def route_prompt(spec: PromptSpec) -> routing.Prompt:
-    """A prompt as the router sees it (a schema run has no prefix keys: queues decide)."""
-    return routing.Prompt(segments=() if spec.schema else tuple(spec.segments), max_tokens=spec.max_tokens)
+    return routing.plan(candidates, asked)
 
 
 def record_run(payload: RunReport | dict) -> InferenceRun | None:
@@ -121,6 +99,7 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
     # The entries the run used and stored, by name (the run page lists them; the Cache page reads
     # what an entry holds from the prompt of the run that stored it: dashboard.entry_preview).
     entries = {"fetched": list(report.fetched), "stored": stored_entries(accepted)}
+    asked = asked_of(report.request_id)
     with transaction.atomic():
         run, created = InferenceRun.objects.get_or_create(
             request_id=report.request_id,
@@ -136,6 +115,7 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
                     **breakdown.as_dict(),
                     **({"modules_hit": report.modules_hit} if report.modules_hit is not None else {}),
                     **({"entries": entries} if entries["fetched"] or entries["stored"] else {}),
+                    **({"asked": asked} if asked else {}),
                 },
                 "case": breakdown.case.value if not report.error else "",
                 "ttft_ms": breakdown.ttft_ms,
@@ -152,6 +132,7 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
                 transaction.on_commit(lambda: broadcast("run", run_json(run)))
             return run  # a redelivered message: stored once, broadcast once
         Dispatch.objects.filter(request_id=report.request_id, outcome="").update(outcome="answered", request={})
+        transaction.on_commit(lambda: admission.answered(device.namespace_id, report.request_id))  # no longer under way
         mirror.record_uploads([entry.dump() for entry in accepted], device.name)
         mirror.record_hits(report.fetched)
         Device.objects.filter(pk=device.pk).update(last_seen=timezone.now())
@@ -160,6 +141,20 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
 
 
 LOST_PREFIX = "lost: "
+
+
+def asked_of(request_id: str) -> dict:
+    """What a run asked for that its report does not say (the request is emptied once answered):
+    the tokens asked for, the sampling, a chat's turns. "Run again" fills the Run page with it."""
+    request = Dispatch.objects.filter(request_id=request_id).values_list("request", flat=True).first() or {}
+    if not request:
+        return {}
+    asked = {"max_tokens": request.get("max_tokens")}
+    sampling = request.get("sampling") or {}
+    asked.update({name: sampling[name] for name in ("temperature", "top_p", "seed") if name in sampling})
+    if request.get("messages"):
+        asked["messages"] = [{"role": m["role"], "content": m["content"]} for m in request["messages"]]
+    return asked
 
 
 def _answer_lost_run(run: InferenceRun, report: RunReport) -> None:
@@ -206,9 +201,12 @@ def run_json(run: InferenceRun) -> dict:
         "text": run.text,
         "error": run.error,
         "error_message": explain_error(run.error),
+        "cancelled": run.error == CANCELLED,  # its text: what was answered until then
         "expected_answer": run.expected_answer,
         "breakdown": run.breakdown,
         "hit_tier": hit_tier(run.case, (run.breakdown or {}).get("tier")),  # the hit-ratio chart's tier ("" for a miss)
+        "served_from": run.served_from,  # where its prompt came from, in every page's words
+        "served_from_label": run.source_label,
         "explanation": explain_run(text=run.text, error=run.error, expected_answer=run.expected_answer, breakdown=run.breakdown),
         "url": reverse("run-detail", args=[run.pk]),
         "device_figures": run_figures(run.device),
@@ -224,7 +222,7 @@ def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, route
     """
     if not request.stream:
         raise ValueError("an API run streams its answer back: build its RunRequest with stream=True")
-    record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, routing.api_prompt(request))
+    record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, request)
     now = timezone.now()
     Dispatch.objects.create(
         request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),

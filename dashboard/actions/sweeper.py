@@ -78,7 +78,7 @@ def why_lost(dispatch: Dispatch, now) -> str:
 
 
 def _online(device: Device, now) -> bool:
-    return device.revoked_at is None and device.last_seen is not None and now - device.last_seen < offline_after(device.status)
+    return device.online_at(now)
 
 
 def _another_board(dispatch: Dispatch, now) -> Device | None:
@@ -142,12 +142,34 @@ def resend(dispatch: Dispatch, other: Device, why: str) -> bool:
 
 def lose(dispatch: Dispatch, why: str) -> InferenceRun | None:
     """End the run as failed, with why; None when it ended otherwise meanwhile."""
+    return _end_unanswered(dispatch, "lost", LOST.format(why=why))[1]
+
+
+REVOKED = "revoked: {who} took it back from the queue before its board answered. Nothing was answered; send it again"
+
+
+def revoke(user, dispatch: Dispatch) -> bool:
+    """Take a run under way back from its queue (the Queue page's Revoke): its board drops it if it
+    ever takes it (a signed cancel flag; one already decoding stops at its next token), and it ends
+    as a failed run saying who revoked it. False when it ended otherwise meanwhile."""
+    from .audit import AuditAction, audit
+
+    ended, _ = _end_unanswered(dispatch, "revoked", REVOKED.format(who=getattr(user, "username", "") or "someone"))
+    if ended:
+        audit(user, AuditAction.RUN_REVOKE, str(dispatch.request_id), f"on {dispatch.device.name if dispatch.device else 'namespace ' + dispatch.namespace}")
+    return ended
+
+
+def _end_unanswered(dispatch: Dispatch, outcome: str, error: str) -> tuple[bool, InferenceRun | None]:
+    """End a dispatch nobody answered as ``outcome`` (lost, revoked): a failed run with ``error``
+    (broadcast, so every page that lists runs shows it), its board told to drop it, its waiting
+    client told at once. (False, None) when it ended otherwise meanwhile (one conditional update
+    decides); the run is None for a dispatch to no board in particular."""
     from .runs import run_json
 
-    if not Dispatch.objects.filter(pk=dispatch.pk, outcome="").update(outcome="lost"):
-        return None
+    if not Dispatch.objects.filter(pk=dispatch.pk, outcome="").update(outcome=outcome):
+        return False, None
     request_id = str(dispatch.request_id)
-    error = LOST.format(why=why)
     meta = RunMeta.parse(dispatch.request.get("meta", {})) if isinstance(dispatch.request, dict) and dispatch.request.get("meta") else RunMeta()
     prompt = RunRequest.parse(dispatch.request).prompt_text if dispatch.request else ""
     run = None
@@ -163,23 +185,25 @@ def lose(dispatch: Dispatch, why: str) -> InferenceRun | None:
         _publish(dispatch.device, request_id, StreamEvent(type="error", request_id=request_id, device=dispatch.device.name, error=error[:10_000]))
     Dispatch.objects.filter(pk=dispatch.pk).update(request={})
     log.warning("run %s %s", request_id, error)
-    return run
+    return True, run
 
 
 # -- liveness: boards that stop beating go offline on every open page --------------------------------
-_known_online: dict[str, bool] = {}
-
-
-def announce_liveness() -> list[str]:
-    """Tell open pages about every board whose online state changed since the last call (a board
-    that missed its heartbeats goes offline within ``EDGECACHE_MISSED_HEARTBEATS`` of them)."""
+def announce_liveness(now=None) -> list[str]:
+    """Mark offline every board the open pages last saw online that has since missed
+    ``EDGECACHE_MISSED_HEARTBEATS`` of its heartbeats, and tell them (a ``device`` event, as a
+    heartbeat sends when it comes online). Returns the names marked. Each board is marked by one
+    conditional update, so of several sweepers one tells the pages, once."""
     from .devices import device_json
 
-    changed = []
-    for device in Device.objects.select_related("namespace").only("name", "last_seen", "revoked_at", "status", "link_bandwidth_mbps", "link_rtt_ms", "namespace"):
-        online = device.online
-        if _known_online.get(device.name, online) != online:
-            broadcast("device", device_json(device))
-            changed.append(device.name)
-        _known_online[device.name] = online
-    return changed
+    now = now or timezone.now()
+    marked = []
+    for device in Device.objects.filter(announced_online=True).select_related("namespace"):
+        if _online(device, now):
+            continue
+        if Device.objects.filter(pk=device.pk, announced_online=True, last_seen=device.last_seen).update(announced_online=False):
+            device.announced_online = False
+            broadcast("device", device_json(device, now))
+            marked.append(device.name)
+            log.warning("board %s went offline: no heartbeat since %s", device.name, device.last_seen)
+    return marked

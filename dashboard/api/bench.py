@@ -203,7 +203,7 @@ def run(ctx, *, url, clients, seconds, max_tokens, namespace, **options) -> dict
         except (OSError, RuntimeError) as exc:
             raise BenchError(f"the API at {url} does not answer ({exc}); start the dashboard (`make run`) or pass --url")
         if not served:
-            raise BenchError(f"no board of namespace {namespace!r} is online; start one with `python manage.py edge --name NAME`")
+            raise BenchError(f"no board of namespace {namespace!r} is online; start one with `edgecache-board --name NAME`")
         with ctx.progress(desc=f"bench api ({clients} clients, {seconds:g} s)", unit="request") as bar:
             return run_api_bench(url, key, served[0], clients=clients, seconds=seconds, max_tokens=max_tokens, progress=bar.update)
     finally:

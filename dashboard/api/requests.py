@@ -61,6 +61,7 @@ class ApiRequest:
     schema: str = ""  # edgecache.schema (a stored schema's name)
     pml: str = ""  # edgecache.pml
     strategy: str = ""  # edgecache.strategy: a lab strategy (approximate), e.g. "kv-prediction:6"
+    use_cache: bool = True  # edgecache.cache: false runs it cold (no cache tier read or written), to check answers against
 
     @property
     def prompt_param(self) -> str:
@@ -144,9 +145,10 @@ def parse_request(body: dict, kind: str) -> ApiRequest:
     if extension is not None:
         if not isinstance(extension, dict):
             raise bad_request("'edgecache' must be an object such as {\"device\": \"NAME\"} or {\"schema\": \"NAME\", \"pml\": \"<prompt ...>\"}.", param="edgecache")
-        unknown = sorted(set(extension) - {"device", "schema", "pml", "strategy"})
+        unknown = sorted(set(extension) - {"device", "schema", "pml", "strategy", "cache"})
         if unknown:
-            raise bad_request(f"Unknown field 'edgecache.{unknown[0]}': the extension takes device, schema, pml and strategy.", param=f"edgecache.{unknown[0]}")
+            raise bad_request(f"Unknown field 'edgecache.{unknown[0]}': the extension takes device, schema, pml, strategy and cache.", param=f"edgecache.{unknown[0]}")
+        request.use_cache = extension.get("cache") is None or _bool(extension, "cache", "edgecache.cache")
         request.strategy = _str(extension, "strategy", "edgecache.strategy", 64)
         request.device = _str(extension, "device", "edgecache.device", 64)
         request.schema = _str(extension, "schema", "edgecache.schema", 64)

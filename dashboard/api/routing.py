@@ -20,14 +20,16 @@ from django.core.cache import cache
 from cachebox.django_cache import CACHE_SERVER_ERRORS
 
 from ..models import ApiKey, Device
-from ..routing import Prompt, Routed, plan
+from inference.messages import RunRequest
+
+from ..routing import CANDIDATES, Routed, plan
 from .errors import ApiError, bad_request
 from .requests import ApiRequest
 
 log = logging.getLogger("dashboard.api")
 
 CACHE_KEY_TTL_S = 24 * 3600  # how long a prompt_cache_key remembers its board
-START_A_BOARD = "start one with `python manage.py edge --name NAME` (a device registered on the Devices page, in this key's namespace)"
+START_A_BOARD = "start one with `edgecache-board --name NAME` on the board (a device registered on the Devices page, in this key's namespace; REDIS_URL names the cache box)"
 
 
 def serves(device: Device, model: str) -> bool:
@@ -36,8 +38,8 @@ def serves(device: Device, model: str) -> bool:
 
 
 def namespace_devices(namespace: str) -> list[Device]:
-    """The key's namespace's devices that are not revoked."""
-    return list(Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace"))
+    """The key's namespace's devices that are not revoked (``dashboard.routing.Candidates``: read at most once a second)."""
+    return CANDIDATES.of(namespace)
 
 
 def online_models(namespace: str) -> list[dict]:
@@ -54,16 +56,34 @@ def online_models(namespace: str) -> list[dict]:
     return sorted(models.values(), key=lambda entry: entry["id"])
 
 
-def choose_device(key: ApiKey, request: ApiRequest) -> Device:
-    """The board that answers ``request`` (ApiError 400/404/503 saying why there is none)."""
-    return choose_route(key, request)[0]
+def example_model(namespace: str) -> str:
+    """A model name a request of ``namespace`` may send: one its online boards serve, else one its
+    boards reported, else the configured model's file name (what a board of it will report)."""
+    online = online_models(namespace)
+    if online:
+        return online[0]["id"]
+    for device in namespace_devices(namespace):
+        model = (device.status or {}).get("model")
+        if isinstance(model, str) and model:
+            return model
+    from django.conf import settings
+
+    from inference.model_file import ModelNotFound, resolve_model
+
+    try:
+        return resolve_model(settings.EDGECACHE_MODEL or None).path.name
+    except (ModelNotFound, OSError):
+        return "MODEL-NAME (GET /v1/models lists them)"
 
 
-def choose_route(key: ApiKey, request: ApiRequest) -> tuple[Device, Routed | None]:
-    """The board that answers ``request`` and, when the router chose it, its routing record."""
+def choose_route(key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[Device, Routed | None, int]:
+    """The board that answers ``request`` (whose prompt is ``run``), the router's record when it
+    chose it, and how many boards of the key's namespace are online (its bounded queue's size,
+    ``dashboard.admission``)."""
     devices = namespace_devices(key.namespace_id)
+    online_boards = sum(1 for device in devices if device.online)
     if request.device:
-        return _named(devices, request.device, request.model, key.namespace_id), None
+        return _named(devices, request.device, request.model, key.namespace_id), None, online_boards
     known = [device for device in devices if serves(device, request.model)]
     if not known:
         served = sorted({(device.status or {}).get("model") for device in devices if device.online and (device.status or {}).get("model")})
@@ -74,15 +94,9 @@ def choose_route(key: ApiKey, request: ApiRequest) -> tuple[Device, Routed | Non
         names = ", ".join(device.name for device in known)
         raise ApiError(503, f"No board serving {request.model!r} is online (its devices: {names}); {START_A_BOARD}.", type="server_error", code="no_board_online")
     remembered = _remembered(key.namespace_id, request.prompt_cache_key) if request.prompt_cache_key else None
-    routed = plan(online, _prompt(request), preferred=remembered or "")
-    return routed.device, routed
-
-
-def _prompt(request: ApiRequest) -> Prompt:
-    if request.pml or request.schema:
-        return Prompt(max_tokens=request.max_tokens)
-    messages = tuple((str(m.get("role", "")), str(m.get("content", ""))) for m in request.messages)
-    return Prompt(segments=(request.prompt,) if request.prompt else (), messages=messages, max_tokens=request.max_tokens)
+    # Online a moment ago is online for this choice (a heartbeat late by a few ms must not leave none).
+    routed = plan(online, run, preferred=remembered or "", all_online=True)
+    return routed.device, routed, online_boards
 
 
 def _named(devices: list[Device], name: str, model: str, namespace: str) -> Device:

@@ -2,7 +2,8 @@
 ``POST /v1/completions`` (async views, served by daphne).
 
 One request: check the key (401) and its rate (429), the body (400), choose a board of the
-key's namespace (``routing``: 400/404/503), subscribe to the run's pub/sub channel, dispatch
+key's namespace (``routing``: 400/404/503), count it against the bounded queues of the key (429)
+and the namespace (503: the fleet is busy; ``dashboard.admission``), subscribe to the run's pub/sub channel, dispatch
 the run (``actions.dispatch_api_run``: a ``Dispatch`` row and a task on ``device.NAME``), then
 follow the board's ``StreamEvent``s: each token as an SSE chunk (``stream: true``) or the whole
 answer from the last ``done`` event. The response never waits on the database: the board's
@@ -35,8 +36,9 @@ from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
 from inference.messages import ChatMessage, MessageRefused, RunMeta, RunRequest, SamplingSpec, StreamEvent
 from inference.models import Schema
+from inference.strategies import parse_strategy
 
-from .. import metrics, ratelimit
+from .. import admission, metrics, ratelimit
 from ..actions.cache import cachebox_url
 from ..actions.runs import dispatch_api_run
 from ..models import ApiKey, Device
@@ -106,11 +108,32 @@ async def _complete(request, kind: str) -> HttpResponse:
             raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
         api = parse_request(parse_body(raw), kind)
         schema_source = await _schema_source(api, key.namespace_id)
-        device, routed = await sync_to_async(routing.choose_route)(key, api)
-        run = _run_request(key, device, api, schema_source)
+        run = _run_request(key, api, schema_source)  # the one prompt type, from here to the board
+        device, routed, ticket = await sync_to_async(_route_and_admit)(key, api, run)
     except ApiError as exc:
         return exc.response()
-    return await _answer(key, device, api, run, routed, received)
+    return await _answer(key, device, api, run, routed, received, ticket)
+
+
+def _route_and_admit(key: ApiKey, api: ApiRequest, run: RunRequest):
+    """The board that answers (``routing``), and the run counted against the key's and its
+    namespace's bounded queues (ApiError 429 / 503 with Retry-After when one is full)."""
+    request_id = run.request_id
+    device, routed, online_boards = routing.choose_route(key, api, run)
+    expected_ms = routed.record.get("expected_ms") if routed is not None else None
+    try:
+        ticket = admission.admit(
+            device.namespace_id, request_id, online_boards=online_boards, key_id=key.pk,
+            hold_s=2 * settings.EDGECACHE_API_TIMEOUT, retry_after=admission.retry_after_s(expected_ms),
+        )
+    except admission.FleetBusy as busy:
+        metrics.refused("queue_full" if busy.scope == "key" else "fleet_busy")
+        security_event("api.queue_full", key=key.key_prefix, namespace=key.namespace_id, scope=busy.scope, limit=busy.limit, retry_after=busy.retry_after)
+        raise ApiError(
+            429 if busy.scope == "key" else 503, str(busy), type="requests" if busy.scope == "key" else "server_error",
+            code="queue_full" if busy.scope == "key" else "fleet_busy", headers={"Retry-After": str(busy.retry_after)},
+        ) from None
+    return device, routed, ticket
 
 
 async def _authorized(request) -> ApiKey:
@@ -151,7 +174,8 @@ async def _schema_source(api: ApiRequest, namespace: str) -> str:
     return source
 
 
-def _run_request(key: ApiKey, device: Device, api: ApiRequest, schema_source: str) -> RunRequest:
+def _run_request(key: ApiKey, api: ApiRequest, schema_source: str) -> RunRequest:
+    """The API request's prompt as the board's ``RunRequest`` (in the key's namespace, streamed)."""
     who = key.name or key.key_prefix
     title = f"API {api.kind} ({who}{', user ' + api.user if api.user else ''}): {api.snippet}"
     try:
@@ -163,7 +187,8 @@ def _run_request(key: ApiKey, device: Device, api: ApiRequest, schema_source: st
             pml=api.pml,
             max_tokens=api.max_tokens,
             sampling=SamplingSpec(temperature=api.temperature, top_p=api.top_p, seed=api.seed),
-            namespace=device.namespace_id,
+            namespace=key.namespace_id,
+            use_cache=api.use_cache,
             meta=RunMeta(source="api", title=title[:200]),
             stream=True,
             stop=api.stop,
@@ -172,16 +197,19 @@ def _run_request(key: ApiKey, device: Device, api: ApiRequest, schema_source: st
     except ValidationError as exc:
         problem = exc.errors()[0]
         if problem["loc"][:1] == ("strategy",) or (api.strategy and api.pml):
-            raise bad_request(
-                f"Unknown or unusable strategy {api.strategy!r}: leave 'edgecache.strategy' out (exact serving) or name a lab strategy such as "
-                f"'kv-prediction:6'; a schema (PML) prompt takes none.",
-                param="edgecache.strategy",
-            ) from None
+            try:
+                parse_strategy(api.strategy)  # the grammar's own words for what to write
+            except ValueError as unknown:
+                reason = str(unknown)
+            else:
+                reason = f"strategy {api.strategy!r} is a lab strategy: a schema (PML) prompt takes none"
+            raise bad_request(f"Unusable 'edgecache.strategy': {reason}; or leave it out (exact serving).", param="edgecache.strategy") from None
         raise bad_request(f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}", param=api.prompt_param) from None
 
 
-async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest, routed=None, received: float | None = None) -> HttpResponse:
-    """Dispatch the run and answer from its stream (subscribed first: nothing published is missed)."""
+async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest, routed=None, received: float | None = None, ticket=None) -> HttpResponse:
+    """Dispatch the run and answer from its stream (subscribed first: nothing published is missed);
+    ``ticket`` (its place in the bounded queues) is released when the answer ends."""
     timeout = settings.EDGECACHE_API_TIMEOUT
     subscription = streams.subscribe(
         cachebox_url(), stream_channel(device.name, run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
@@ -189,9 +217,11 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
     try:
         await subscription.open()
     except CacheBoxUnavailable as exc:
+        admission.release(ticket)
         return _unavailable(f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent.").response()
     follower = _Follower(subscription, run.request_id, device, timeout, await sync_to_async(stream_ring_for)(device))
     follower.received_at = received
+    follower.ticket = ticket
     handed_over = finished = False
     try:
         try:
@@ -220,6 +250,7 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
         if not handed_over:  # the stream's generator owns them otherwise
             if not finished:  # a timeout, or the client went away (this task cancelled)
                 await _cancel(follower.device, run.request_id)
+            admission.release(ticket)  # one round trip
             await subscription.close()
 
 
@@ -238,6 +269,7 @@ class _Follower:
         self.received_at: float | None = None  # when the request arrived
         self.dispatched_at: float | None = None
         self.started_at: float | None = None  # when the board's "started" stage arrived: it took the run
+        self.ticket = None  # its place in the bounded queues (dashboard.admission), released when it ends
 
     @property
     def queue_ms(self) -> float | None:
@@ -321,6 +353,7 @@ async def _sse(follower: _Follower, event: StreamEvent, shape: "_Shape"):
     finally:
         if not finished:  # the client went away (this generator cancelled) or the board fell silent
             await _cancel(follower.device, follower.request_id)
+        admission.release(follower.ticket)  # one round trip
         await follower.subscription.close()
 
 

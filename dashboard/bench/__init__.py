@@ -34,6 +34,8 @@ BENCHMARKS = {
     "lab-anchors": "inference.benchmarks.anchors",
     "footprint": "inference.benchmarks.footprint",
     "seal": "inference.benchmarks.seal",
+    "fleet-sim": "dashboard.bench.fleet_sim",
+    "vs-server": "inference.benchmarks.vs_server",
 }
 
 

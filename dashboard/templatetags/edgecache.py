@@ -10,3 +10,18 @@ register = template.Library()
 @register.filter
 def human_bytes(count) -> str:
     return _human_bytes(count)
+
+
+@register.filter
+def seconds(value) -> str:
+    """A wait in seconds as people read it: 42 s, 3 min 5 s, 2 h 10 min."""
+    try:
+        total = int(round(float(value)))
+    except (TypeError, ValueError):
+        return "–"
+    sign, total = ("-" if total < 0 else ""), abs(total)
+    if total < 60:
+        return f"{sign}{total} s"
+    if total < 3600:
+        return f"{sign}{total // 60} min {total % 60} s"
+    return f"{sign}{total // 3600} h {total % 3600 // 60} min"

@@ -15,9 +15,9 @@ from cachebox.models import CacheEntry
 
 from .. import actions
 from ..entry_preview import previews
-from ..forms import FlushForm
+from ..forms import FlushForm, model_names
 from ..models import AuditEvent, Device
-from ..stats import device_summary, fill_label
+from ..stats import catalog_summary, fill_label
 from .auth import staff_member_required
 
 
@@ -30,6 +30,7 @@ def _master_epoch(store, namespace: str) -> str:
 
 
 NEWEST_ENTRIES = 15  # entries the Cache page lists (Admin > Cache entries lists them all)
+BOARD_CATALOGS = 50  # boards' filters the Cache page lists (found by name past that; every board is counted)
 
 
 def _newest_entries() -> list[dict]:
@@ -44,7 +45,11 @@ def cache_page(request):
     namespaces = list(
         CacheEntry.objects.values("namespace", "model").annotate(entries=Count("id"), bytes=Sum("bytes"), hits=Sum("hits")).order_by("namespace", "model")
     )
-    devices = [device_summary(device) for device in Device.objects.select_related("namespace")]
+    names = model_names()
+    for row in namespaces:
+        row["model_name"] = names.get(row["model"], "")
+    board = request.GET.get("board", "").strip()[:40]
+    devices = [{"device": device, **catalog_summary(device)} for device in Device.objects.only("name", "status", "memory_mb")]
     board_namespaces = {namespace for summary in devices for namespace in summary["catalogs"]}
     masters, epochs = [], {}
     try:
@@ -76,11 +81,24 @@ def cache_page(request):
         reachable = True
     except CacheBoxUnavailable:
         reachable = False
+    per_namespace: dict[str, dict] = {}
     for summary in devices:
         for namespace, catalog in summary["catalogs"].items():
             # A board's filter from an older epoch (the catalog was flushed, or the cache box
             # restarted empty) is dropped at its next sync; until then its figures are the old ones.
             catalog["stale"] = reachable and catalog["epoch"] != epochs.get(namespace, "")
+            row = per_namespace.setdefault(namespace, {"namespace": namespace, "boards": 0, "stale": 0, "items": [], "fp": 0.0, "oldest_sync": None})
+            row["boards"] += 1
+            row["stale"] += bool(catalog["stale"])
+            row["items"].append(catalog.get("approx_items", 0))
+            row["fp"] = max(row["fp"], catalog.get("estimated_fp_rate", 0.0) or 0.0)
+            if catalog["last_sync"] and (row["oldest_sync"] is None or catalog["last_sync"] < row["oldest_sync"]):
+                row["oldest_sync"] = catalog["last_sync"]
+    board_summary = [
+        {**row, "median_items": sorted(row["items"])[len(row["items"]) // 2] if row["items"] else 0} for _, row in sorted(per_namespace.items())
+    ]
+    reporting = [summary for summary in devices if summary["catalogs"] and (not board or board.lower() in summary["device"].name.lower())]
+    reporting.sort(key=lambda summary: (not any(c["stale"] for c in summary["catalogs"].values()), summary["device"].name))  # stale ones first
     return render(
         request,
         "dashboard/cache.html",
@@ -88,7 +106,11 @@ def cache_page(request):
             "namespaces": namespaces,
             "masters": masters,
             "reachable": reachable,
-            "devices": devices,
+            "devices": reporting[:BOARD_CATALOGS],
+            "boards_found": len(reporting),
+            "boards_listed": min(len(reporting), BOARD_CATALOGS),
+            "board_summary": board_summary,
+            "board": board,
             "flush_form": FlushForm(),
             "entries": _newest_entries(),
             "events": AuditEvent.objects.select_related("user")[:15],
@@ -109,5 +131,9 @@ def cache_flush(request):
     except CacheBoxUnavailable as exc:
         messages.error(request, f"Nothing flushed: {exc}")
         return redirect("cache")
-    messages.success(request, f"Deleted {removed} entries.")
+    what = " and ".join(part for part in (f"namespace {namespace}" if namespace else "", f"model {model}" if model else "") if part)
+    if removed:
+        messages.success(request, f"Deleted {removed} entr{'y' if removed == 1 else 'ies'} of {what}.")
+    else:
+        messages.warning(request, f"Nothing to delete: the cache box holds no entry of {what}.")
     return redirect("cache")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlencode
+
 from django.contrib import messages
 from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -12,13 +14,31 @@ from cachebox.link import LinkProfile
 from .. import actions, charts
 from ..forms import ConfirmForm, DeviceForm
 from ..models import Device
-from ..stats import device_summary, explained, recent_runs, visible_devices
+from ..stats import STATUSES, device_summaries, device_summary, explained, filter_devices, fleet_counts, recent_runs, visible_devices
 from .auth import login_required, staff_member_required
+
+DEVICES_PER_PAGE = 50
 
 
 @login_required
 def device_list(request):
-    return render(request, "dashboard/devices.html", {"summaries": [device_summary(d) for d in visible_devices(request.user)]})
+    """The devices, a page at a time: found by name, status or namespace, with the fleet's counts."""
+    from django.core.paginator import Paginator
+
+    visible = visible_devices(request.user)
+    found = {"q": request.GET.get("q", "").strip()[:40], "status": request.GET.get("status", ""), "namespace": request.GET.get("namespace", "").strip()[:40]}
+    devices = filter_devices(visible, name=found["q"], status=found["status"], namespace=found["namespace"])
+    page = Paginator(devices, DEVICES_PER_PAGE).get_page(request.GET.get("page"))
+    counts = fleet_counts(visible)
+    query = urlencode({key: value for key, value in found.items() if value})
+    return render(
+        request,
+        "dashboard/devices.html",
+        {
+            "summaries": device_summaries(page.object_list), "page": page, "found": found, "filtered": any(found.values()), "query": query,
+            "counts": counts, "statuses": STATUSES, "namespaces": [row["namespace"] for row in counts["namespaces"]],
+        },
+    )
 
 
 @staff_member_required
@@ -28,7 +48,7 @@ def device_register(request):
     if request.method == "POST" and form.is_valid():
         data = {field: form.cleaned_data[field] for field in ("name", "namespace", "kind", "cpu_threads", "memory_mb", "link_bandwidth_mbps", "link_rtt_ms")}
         device, token = actions.register_device(request.user, **data)
-        return render(request, "dashboard/device_token.html", {"device": device, "token": token, "created": True})
+        return _show_token_once(request, device, token, created=True)
     return render(request, "dashboard/device_form.html", {"form": form, "link_presets": DeviceForm.link_presets()})
 
 
@@ -82,7 +102,28 @@ def device_rotate(request, name):
     if page:
         return page
     token = actions.rotate_token(request.user, device)
-    return render(request, "dashboard/device_token.html", {"device": device, "token": token, "created": False})
+    return _show_token_once(request, device, token, created=False)
+
+
+TOKEN_SESSION_KEY = "edgecache_token_once"
+
+
+def _show_token_once(request, device: Device, token: str, *, created: bool):
+    """POST, then redirect, then GET (a reload neither posts again nor makes another token): the
+    token waits in the session (server-side) for that one GET, which takes it out."""
+    request.session[TOKEN_SESSION_KEY] = {"device": device.name, "token": token, "created": created}
+    return redirect("device-token", name=device.name)
+
+
+@staff_member_required
+@never_cache
+def device_token(request, name):
+    device = get_object_or_404(Device, name=name)
+    shown = request.session.pop(TOKEN_SESSION_KEY, None)
+    if not shown or shown.get("device") != device.name:
+        messages.info(request, f"The token of {device.name} was shown once and is not kept (only its hash is): rotate it to get a new one.")
+        return redirect(device)
+    return render(request, "dashboard/device_token.html", {"device": device, "token": shown["token"], "created": shown["created"]})  # never cached
 
 
 @staff_member_required

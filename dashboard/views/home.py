@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import plotly.offline
 from django.conf import settings
@@ -14,7 +15,8 @@ from .. import actions, charts
 from ..chart_series import RANGE_LABELS, chart_series, parse_range
 from ..colors import device_colors
 from ..stats import (
-    device_summary,
+    device_summaries,
+    fleet_counts,
     explained,
     recent_runs,
     visible_devices,
@@ -23,14 +25,24 @@ from ..stats import (
 from .auth import login_required
 
 BREAKDOWN_BARS = 50  # runs the stacked breakdown chart shows (the newest of the range)
+HOME_CARDS = 24  # device cards the dashboard shows; a larger fleet is counted, and found on the Devices page
+CHART_DEVICES = 12  # devices the per-device charts draw a trace for (the busiest in the range)
 
 
 def home_charts(viewer, range_name: str) -> dict:
-    """The dashboard's figures for a time range (``chart_series.RANGES``), as the page draws them."""
-    devices = list(visible_devices(viewer))
+    """The dashboard's figures for a time range (``chart_series.RANGES``), as the page draws them:
+    a trace per device that ran in it (and per device when the fleet is small)."""
     runs = visible_runs(viewer)
     series = chart_series(runs, range_name)
-    names = sorted({point.device for point in series.points} | {device.name for device in devices})
+    busiest = Counter(point.device for point in series.points)
+    shown_devices = len(busiest)
+    if len(busiest) > CHART_DEVICES:  # hundreds of boards ran: a trace each would draw nothing readable, slowly
+        kept = {name for name, _ in busiest.most_common(CHART_DEVICES)}
+        series.points = [point for point in series.points if point.device in kept]
+    ran = {point.device for point in series.points}
+    visible = visible_devices(viewer)
+    devices = list(visible if visible.count() <= HOME_CARDS else visible.filter(name__in=ran))
+    names = sorted(ran | {device.name for device in devices})
     colors = device_colors(devices)
     newest = runs.filter(error="")
     if series.since is not None:
@@ -49,26 +61,33 @@ def home_charts(viewer, range_name: str) -> dict:
         "range": series.range,
         "granularity": series.granularity,
         "runs": series.runs,
+        "devices_ran": shown_devices,
+        "devices_drawn": len(ran),
         "window": charts.WINDOW,
     }
 
 
 @login_required
 def home(request):
-    devices = list(visible_devices(request.user))
+    visible = visible_devices(request.user)
+    counts = fleet_counts(visible)
+    # A small fleet: a card each. A large one: its counts, and cards for the boards seen last.
+    devices = list(visible if counts["total"] <= HOME_CARDS else visible.exclude(last_seen=None).order_by("-last_seen")[:HOME_CARDS])
     chart_data = home_charts(request.user, parse_range(request.GET.get("range")))
     store = actions.cachebox()
     return render(
         request,
         "dashboard/home.html",
         {
-            "summaries": [device_summary(device) for device in devices],
+            "summaries": device_summaries(devices),
+            "counts": counts,
+            "all_cards": counts["total"] <= HOME_CARDS,
             "chart_data": chart_data,
             "ranges": RANGE_LABELS,
             # The table lists failed runs too (the charts draw successful ones only).
             "runs": explained(recent_runs(request.user, 20, failed=True)[::-1]),
             "cachebox_up": store.ping(),
-            "cachebox_url": store.safe_url,
+            "cachebox_url": store.safe_url if request.user.is_staff else "",  # an internal address: staff only
             "embedded": settings.REDIS_URL_IS_EMBEDDED,
         },
     )

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import csv
+import json
+import re
+import uuid
 from dataclasses import fields as dataclass_fields
 
 from django.conf import settings
@@ -17,11 +20,12 @@ from django.views.decorators.http import require_POST
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
 from inference.breakdown import Breakdown
+from inference.messages import CANCELLED
 
-from .. import actions, charts, metrics, ratelimit, run_stream
+from .. import actions, admission, charts, metrics, ratelimit, run_stream
 from ..explain import explain_run
 from ..forms import MAX_PROMPT_CHARS, RunFilterForm, RunForm
-from ..models import InferenceRun
+from ..models import Device, InferenceRun
 from ..stats import explain_error, explained, recent_runs, visible_runs
 from .auth import _who, login_required
 from .broker import _broker_unavailable, _BrokerDown, _each_until_broker_fails
@@ -41,8 +45,13 @@ def _run_page_context(request, form, **extra) -> dict:
     }
 
 
+MMLU_TITLE = re.compile(r"^MMLU (?P<topic>.+), (?P<shots>\d+)-shot, question (?P<question>\d+)$")  # RunForm.run_request's title
+
+
 def _again_initial(request) -> tuple[dict, InferenceRun | None]:
-    """The Run page filled in from a run of ``?again=<id>`` (one the user may see), to send it again."""
+    """The Run page filled in from a run of ``?again=<id>`` (one the user may see), to send it again:
+    the same kind of prompt (an MMLU question stays one, and keeps its verdict), the tokens and
+    sampling it asked for (not the tokens a cancelled run generated)."""
     try:
         pk = int(request.GET.get("again", ""))
     except ValueError:
@@ -50,9 +59,20 @@ def _again_initial(request) -> tuple[dict, InferenceRun | None]:
     run = visible_runs(request.user).filter(pk=pk).first()
     if run is None:
         return {}, None
-    generated = (run.breakdown or {}).get("generated_tokens") or 8
-    initial = {"devices": [run.device.pk], "max_tokens": max(1, min(256, int(generated)))}
-    if run.prompt.lstrip().startswith("<prompt"):
+    breakdown = run.breakdown or {}
+    asked = breakdown.get("asked") or {}
+    tokens = asked.get("max_tokens") or breakdown.get("generated_tokens") or 8  # runs stored before they kept what they asked
+    initial = {"devices": [run.device.pk], "max_tokens": max(1, min(256, int(tokens)))}
+    initial.update({name: asked[name] for name in ("temperature", "top_p", "seed") if asked.get(name) is not None})
+    mmlu_title = MMLU_TITLE.match(run.title) if run.source == "mmlu" else None
+    turns = [turn for turn in asked.get("messages") or () if turn.get("role") in ("system", "user", "assistant")]
+    if mmlu_title:
+        initial.update(source="mmlu", topic=mmlu_title["topic"], shots=int(mmlu_title["shots"]), question=int(mmlu_title["question"]))
+    elif turns and turns[-1]["role"] == "user":
+        system = "\n\n".join(turn["content"] for turn in turns if turn["role"] == "system")
+        history = [turn for turn in turns[:-1] if turn["role"] != "system"]
+        initial.update(source="chat", system=system, history=json.dumps(history, ensure_ascii=False) if history else "", message=turns[-1]["content"])
+    elif run.prompt.lstrip().startswith("<prompt"):
         initial.update(source="pml", pml=run.prompt)
     else:
         initial.update(source="text", text=run.prompt)
@@ -74,23 +94,31 @@ def run_page(request):
         verdict = ratelimit.hit("run", request.user.pk, settings.EDGECACHE_RUN_RATE)
         if not verdict.allowed:
             return _run_rate_limited(request, verdict, wants_json)
-        devices, spec = list(form.cleaned_data["devices"]), form.prompt_spec()
+        devices, asked = list(form.cleaned_data["devices"]), form.run_request()
         routed = None
         if form.cleaned_data.get("any_board"):
-            routed = actions.route_run(devices or list(form.fields["devices"].queryset), spec)
+            routed = actions.route_run(devices or list(form.fields["devices"].queryset), asked)
             if routed is None:
-                message = "No board is online to take it: start one with `python manage.py edge --name NAME`, or tick a device (it gets the run when it starts)."
+                message = "No board is online to take it: start one with `edgecache-board --name NAME`, or tick a device (it gets the run when it starts)."
                 return JsonResponse({"errors": {"any_board": [{"message": message}]}}, status=503) if wants_json else _run_page_refused(request, message, 503)
             devices = [routed.device]
+        request_ids = [str(uuid.uuid4()) for _ in devices]
+        try:
+            tickets = _admit(devices, request_ids, routed)
+        except admission.FleetBusy as busy:
+            return _fleet_busy(request, busy, wants_json)
         if accept.startswith(run_stream.CONTENT_TYPE):
             # The page's script: the runs' stages and tokens follow in this response, as they come.
-            response = StreamingHttpResponse(run_stream.follow(request.user, devices, spec, routed), content_type=run_stream.CONTENT_TYPE)
+            response = StreamingHttpResponse(run_stream.follow(request.user, devices, asked, routed, request_ids), content_type=run_stream.CONTENT_TYPE)
             response["Cache-Control"] = "no-cache"
             response["X-Accel-Buffering"] = "no"
             return response
         try:
-            sent = _each_until_broker_fails(devices, lambda device: actions.dispatch_run(request.user, [device], spec, routed=routed))
+            ids = dict(zip((device.pk for device in devices), request_ids))
+            sent = _each_until_broker_fails(devices, lambda device: actions.dispatch_run(request.user, [device], asked, [ids[device.pk]], routed=routed))
         except _BrokerDown as down:
+            for ticket in tickets:
+                admission.release(ticket)
             return _broker_unavailable(request, down, wants_json, lambda message: _run_page_refused(request, message, 503))
         if wants_json:
             return JsonResponse({"dispatched": sent})
@@ -128,7 +156,7 @@ def run_cancel(request):
 RUNS_PER_PAGE = 50
 EXPORT_LIMIT = 10_000  # rows one export holds at most (newest first)
 EXPORT_FIELDS = [
-    "id", "created", "device", "namespace", "source", "title", "case", "decision", "cachebox", "prompt_tokens", "matched_tokens",
+    "id", "created", "device", "namespace", "source", "title", "case", "decision", "cachebox", "prompt_tokens", "matched_tokens", "context_tokens", "local_tokens", "flash_tokens", "fetched_tokens",
     "generated_tokens", "ttft_ms", "ttlt_ms", "state_bytes", "error", "prompt", "answer",
 ]
 
@@ -166,6 +194,10 @@ def _export_row(run: InferenceRun) -> dict:
         "cachebox": breakdown.get("cachebox", ""),
         "prompt_tokens": run.prompt_tokens,
         "matched_tokens": run.matched_tokens,
+        "context_tokens": run.context_tokens,
+        "local_tokens": run.local_tokens,
+        "flash_tokens": run.flash_tokens,
+        "fetched_tokens": run.fetched_tokens,
         "generated_tokens": breakdown.get("generated_tokens", 0),
         "ttft_ms": run.ttft_ms,
         "ttlt_ms": run.ttlt_ms,
@@ -191,12 +223,18 @@ class _Echo:
 @login_required
 def run_export(request, fmt):
     """The Runs page's filtered list (newest first, at most EXPORT_LIMIT rows) as CSV or JSON."""
-    _, runs = _filtered_runs(request)
+    form, runs = _filtered_runs(request)
+    # A filter the user may not use (another tenant's namespace, a bad date) is not applied, as on
+    # the page; the export says so: in its JSON and in a header, never silently.
+    dropped = {name: [str(error) for error in errors] for name, errors in form.errors.items()} if form.is_bound else {}
     rows = runs[:EXPORT_LIMIT]
     stamp = timezone.now().strftime("%Y%m%d-%H%M%S")
     if fmt == "json":
         data = [_export_row(run) for run in rows.iterator()]
-        response = JsonResponse({"count": len(data), "limit": EXPORT_LIMIT, "runs": data}, json_dumps_params={"ensure_ascii": False})
+        body = {"count": len(data), "limit": EXPORT_LIMIT, "runs": data}
+        if dropped:
+            body["filters_not_applied"] = dropped
+        response = JsonResponse(body, json_dumps_params={"ensure_ascii": False})
     else:
         writer = csv.writer(_Echo())
 
@@ -207,7 +245,9 @@ def run_export(request, fmt):
                 yield writer.writerow([_csv_cell(row[field]) for field in EXPORT_FIELDS])
 
         response = StreamingHttpResponse(lines(), content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = f'attachment; filename="edgecache-runs-{stamp}.{fmt}"'
+    response["Content-Disposition"] = f'attachment; filename="edgecache-runs-{stamp}{"-unfiltered" if dropped else ""}.{fmt}"'
+    if dropped:
+        response["X-EdgeCache-Filters-Not-Applied"] = "; ".join(f"{name}: {' '.join(errors)}" for name, errors in dropped.items())[:1000]
     return response
 
 
@@ -215,7 +255,7 @@ def _breakdown_rows(breakdown: dict) -> list[tuple[str, object]]:
     """Every field of a run's breakdown: the known ones in their order, then any others."""
     known = [f.name for f in dataclass_fields(Breakdown)]
     rows = [(name, breakdown[name]) for name in known if name in breakdown]
-    rows += sorted((name, value) for name, value in breakdown.items() if name not in known and name != "entries")  # entries: their own section
+    rows += sorted((name, value) for name, value in breakdown.items() if name not in known and name not in ("entries", "asked"))  # their own sections
     return rows
 
 
@@ -237,6 +277,8 @@ def run_detail(request, pk):
             "stored_entries": entries.get("stored", []),
             "explanation": explain_run(text=run.text, error=run.error, expected_answer=run.expected_answer, breakdown=breakdown),
             "tbt": (breakdown.get("tbt_p50_ms"), breakdown.get("tbt_p99_ms")),
+            "asked": breakdown.get("asked") or {},
+            "cancelled": run.error == CANCELLED,
         },
     )
 
@@ -263,6 +305,38 @@ def _run_rate_limited(request, verdict: ratelimit.Verdict, wants_json: bool) -> 
     else:
         response = _run_page_refused(request, message, 429)
     response["Retry-After"] = str(verdict.retry_after)
+    return response
+
+
+def _admit(devices, request_ids: list[str], routed) -> list:
+    """Each run counted against its namespace's bounded queue (``dashboard.admission``); FleetBusy,
+    with none counted, when one is full."""
+    online: dict[str, int] = {}
+    tickets = []
+    hold_s = settings.EDGECACHE_TASK_EXPIRES + actions.runs.PAGE_WAIT_MARGIN_S
+    retry_after = admission.retry_after_s(routed.record.get("expected_ms") if routed is not None else None)
+    try:
+        for device, request_id in zip(devices, request_ids):
+            namespace = device.namespace_id
+            if namespace not in online:
+                online[namespace] = sum(1 for other in Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace") if other.online)
+            tickets.append(admission.admit(namespace, request_id, online_boards=online[namespace], hold_s=hold_s, retry_after=retry_after))
+    except admission.FleetBusy:
+        for ticket in tickets:
+            admission.release(ticket)
+        raise
+    return tickets
+
+
+def _fleet_busy(request, busy: admission.FleetBusy, wants_json: bool) -> HttpResponse:
+    """503: the namespace's bounded queue is full; nothing is sent, the form comes back as it was."""
+    metrics.refused("fleet_busy")
+    security_event("run.fleet_busy", namespace=busy.namespace, limit=busy.limit, retry_after=busy.retry_after, **_who(request))
+    if wants_json:
+        response = JsonResponse({"errors": {"__all__": [{"message": str(busy), "code": "fleet_busy"}]}, "retry_after": busy.retry_after}, status=503)
+    else:
+        response = _run_page_refused(request, str(busy), 503)
+    response["Retry-After"] = str(busy.retry_after)
     return response
 
 

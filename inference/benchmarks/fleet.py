@@ -75,6 +75,9 @@ def run_policy(boards, jobs: list[_Job], policy: str, *, interval_s: float, name
     names = [board.config.device for board in boards]
     by_name = dict(zip(names, boards))
     index = FleetIndex(prefill_prior=sum(b.config.prefill_ms_per_token for b in boards) / len(boards))
+    for board in boards:  # what each measured of itself at start, as its heartbeats tell the control plane
+        if board.rates is not None:
+            index.measured(board.config.device, prefill_ms_per_token=board.rates.prefill_ms_per_token, decode_ms_per_token=board.rates.decode_ms_per_token)
     lock = threading.Lock()
     queues = {name: queue.Queue() for name in names}
     records: list[dict] = []
@@ -131,6 +134,7 @@ def run_policy(boards, jobs: list[_Job], policy: str, *, interval_s: float, name
             job.arrived = time.perf_counter()
             job.request_id = str(uuid.uuid4())
             with lock:
+                chosen_estimate = None  # a cache-blind policy: the whole prompt's prefill
                 if policy == "random":
                     chosen = rng.choice(names)
                 elif policy == "round-robin":
@@ -138,9 +142,9 @@ def run_policy(boards, jobs: list[_Job], policy: str, *, interval_s: float, name
                 else:
                     views = [index.view(name, job.keys[name], link=link, ram_budget_bytes=ram_budget_bytes, now=job.arrived) for name in names]
                     decision = route(job.keys[names[0]].tokens, views)
-                    chosen = decision.board
+                    chosen, chosen_estimate = decision.board, decision.chosen
                     decisions.append({k: v for k, v in decision.record().items() if k in ("board", "expected_ms", "queued_ms", "held_tokens", "source", "saving_ms")})
-                index.dispatched(chosen, job.request_id, job.keys[chosen], index.work_ms(chosen, job.keys[chosen], max_tokens, link), at=job.arrived)
+                index.dispatched(chosen, job.request_id, job.keys[chosen], index.work_ms(chosen, job.keys[chosen], max_tokens, link, estimate=chosen_estimate), at=job.arrived)
             job.board = chosen
             queues[chosen].put(job)
     finally:

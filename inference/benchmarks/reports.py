@@ -216,6 +216,7 @@ def tiers_report(path: Path, doc: dict) -> Path:
     figure = go.Figure([go.Bar(x=list(medians), y=list(medians.values()), text=[f"{v:.1f} ms" for v in medians.values()])])
     figure.update_layout(title="Full-hit TTFT by where the state comes from (median ms, log scale)", yaxis_type="log", yaxis_title="ms", template="plotly_white")
     summary = f"{doc['n']} prompts; ratios {doc['ratios']}; network bytes {doc['network_bytes']}; agreement with cold {doc['agreement_with_cold']}."
+    summary += f" Link to the cache box: {doc.get('link', 'unshaped')}; flash tier read from {doc.get('flash_disk') or 'this machine'}."
     figures, tables = [figure], {"Medians": [{"source": k, "ttft_ms": v} for k, v in medians.items()]}
     conversation = doc.get("conversation")
     if conversation:

@@ -41,8 +41,8 @@ import numpy as np
 
 from ..engine import MAIN_SEQ, Engine, EngineConfig
 from ..model_file import ModelFile, _cached_sha256
-from ..sampling import SamplingParams, choose
-from ..serving import OnToken, RunResult, approximate_breakdown, context_error, decode_answer, ms_since, prompt_segments
+from ..serving import FirstToken, RunState, ServingStrategy, ms_since
+from ..strategies import StrategySpec
 
 BASE = "anchors"  # the served model, pruned without training (expected to lose accuracy)
 TUNED = "anchors-tuned"  # the anchor-tuned GGUF (``anchor_tune``), pruned
@@ -51,12 +51,6 @@ STRATEGIES = (BASE, TUNED)
 
 class TunedModelMissing(ValueError):
     """No anchor-tuned GGUF for this base model in the lab directory (a ValueError: the run reports it)."""
-
-
-def parse_strategy(text: str) -> str | None:
-    """``"anchors"`` or ``"anchors-tuned"`` -> itself; anything else -> None (not an anchor strategy)."""
-    text = (text or "").strip()
-    return text if text in STRATEGIES else None
 
 
 def strategy_label(strategy: str) -> str:
@@ -203,13 +197,30 @@ def prefix_entry(engine: Engine, end: int, seq: int = MAIN_SEQ) -> list[bytes]:
     return [engine.export_range(p0, min(end, p0 + step), seq=seq) for p0 in range(0, end, step)]
 
 
-class AnchorServing:
-    """Serves prompts on ``engine`` with anchor inference (labelled ``anchors(base)`` or ``anchors(tuned)``)."""
+@dataclass
+class _Sequences:
+    """A prompt as its anchored sequences' token lists."""
+
+    sequences: list[list[int]]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(tokens) for tokens in self.sequences)
+
+
+class AnchorServing(ServingStrategy[_Sequences]):
+    """Serves prompts on ``engine`` with anchor inference (labelled ``anchors(base)`` or ``anchors(tuned)``).
+
+    An anchor state is never exchanged, and the context is cleared before and after each run."""
+
+    approximate = True
+    clears_context = True  # no exact run may keep or find pruned cells
 
     def __init__(self, engine: Engine, strategy: str = BASE, owns_engine: bool = False):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown anchor strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
         self.engine, self.strategy, self.owns_engine = engine, strategy, owns_engine
+        self.label = strategy_label(strategy)
 
     @classmethod
     def open(cls, engine: Engine, strategy: str, lab_dir: str | Path) -> "AnchorServing":
@@ -228,41 +239,24 @@ class AnchorServing:
         if self.owns_engine:
             self.engine.close()
 
-    def run(
-        self,
-        prompt: str | Sequence[str],
-        *,
-        max_tokens: int = 16,
-        sampling: SamplingParams = SamplingParams(),
-        on_token: OnToken | None = None,
-        tokens: Sequence[int] | None = None,
-    ) -> RunResult:
-        """Answer ``prompt`` (one text, or its segments) from an anchor-pruned state. ``tokens``
-        (a chat prompt's) are served as one sequence: nothing to prune."""
-        segments = prompt_segments(prompt, max_tokens, tokens)
-        engine = self.engine
-        with engine.lock:
-            breakdown = approximate_breakdown(strategy_label(self.strategy))  # an anchor state is never exchanged
-            started = time.perf_counter()
-            mark = time.perf_counter()
-            sequences = [list(tokens)] if tokens is not None else prompt_sequences(engine, segments)
-            breakdown.token_ms = ms_since(mark)
-            n = sum(len(s) for s in sequences)
-            breakdown.prompt_tokens = n
-            if n + max_tokens > engine.n_ctx:
-                raise context_error(n, max_tokens, engine.n_ctx)
-            engine.clear()  # no exact run may keep or find pruned cells
-            try:
-                mark = time.perf_counter()
-                done = anchor_prefill(engine, sequences)
-                breakdown.prefill_ms = ms_since(mark)
-                breakdown.state_bytes = int(done.kept * engine.state_bytes_per_token)  # the KV it keeps
-                rng = np.random.default_rng(sampling.seed)
-                mark = time.perf_counter()
-                token = choose(done.logits, sampling, rng)
-                breakdown.sample_ms = ms_since(mark)
-                breakdown.ttft_ms = ms_since(started)
-                generated, text = decode_answer(engine, token, n, max_tokens, sampling, rng, breakdown, started, on_token=on_token)
-            finally:
-                engine.clear()
-            return RunResult(text=text, tokens=generated, breakdown=breakdown)
+    def prepare(self, run: RunState) -> _Sequences:
+        """The prompt's sequences (one text, or its segments); a chat's ``tokens`` are one sequence: nothing to prune."""
+        prompt = run.prompt
+        return _Sequences([list(prompt.tokens)] if prompt.tokens is not None else prompt_sequences(self.engine, prompt.segments))
+
+    def first_token(self, run: RunState, prompt: _Sequences) -> FirstToken:
+        """The anchor-pruned prefill."""
+        mark = time.perf_counter()
+        done = anchor_prefill(self.engine, prompt.sequences)
+        run.breakdown.prefill_ms = ms_since(mark)
+        run.breakdown.state_bytes = int(done.kept * self.engine.state_bytes_per_token)  # the KV it keeps
+        return FirstToken(done.logits, position=prompt.prompt_tokens)
+
+
+def open_strategy(board, spec: StrategySpec) -> AnchorServing:
+    """The board's anchor strategy ``spec.name`` (``anchors`` on its own engine; ``anchors-tuned``
+    loads the anchor-tuned GGUF from ``$EDGECACHE_HOME/lab`` on first use). Never reads or writes
+    the cache box."""
+    from .kv_prediction import lab_dir
+
+    return board.opened(spec, lambda: AnchorServing.open(board.engine, spec.name, lab_dir()))

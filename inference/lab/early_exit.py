@@ -37,7 +37,6 @@ the board's llama.cpp context, and never reads or writes the cache box.
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,28 +44,61 @@ from typing import Sequence
 
 import numpy as np
 
-from ..sampling import SamplingParams, choose
-from ..serving import OnToken, RunResult, approximate_breakdown, context_error, decode_answer, ms_since, prompt_segments, segment_tokens
+from ..serving import FirstToken, RunResult, RunState, ServingStrategy, Tokens, ms_since, prompt_tokens
+from ..strategies import StrategySpec
 from .array_file import load_arrays, save_arrays
 
-try:  # the lab extra; boards parse the strategy's name from .exit_policy and import this module only to run it
+try:  # the lab extra; without it this module still imports (a run then says what to install)
     import torch
     import torch.nn.functional as F
 except ImportError:  # pragma: no cover - depends on the optional extra
     torch = F = None
 
-from .exit_policy import (  # noqa: F401 (re-exported: the strategy's names live there, without torch)
-    DEFAULT_EXITS,
-    HEADS,
-    MEASURES,
-    STRATEGY_PATTERN,
-    STRATEGY_PREFIX,
-    ExitPolicy,
-    parse_strategy,
-    strategy_name,
-)
-
+MEASURES = ("top-prob", "similarity")
+HEADS = ("plain", "lens")
+DEFAULT_EXITS = (12, 14, 16)  # exits after this many of the 18 layers (plain exits below 12 are useless here)
+STRATEGY_PREFIX = "early-exit"
 LENS_FORMAT = "edgecache-exit-lens-1"
+
+
+@dataclass(frozen=True)
+class ExitPolicy:
+    """When a decode step may stop early. ``exits``: depths (layers run) where confidence is
+    checked, ascending, each below the model's depth; ``threshold``: a sequence is confident at
+    an exit when its measure reaches it."""
+
+    measure: str
+    threshold: float
+    exits: tuple[int, ...] = DEFAULT_EXITS
+    kv_fill: bool = True
+    head: str = "plain"
+
+    def __post_init__(self) -> None:
+        if self.measure not in MEASURES:
+            raise ValueError(f"unknown confidence measure {self.measure!r}: use {' or '.join(MEASURES)}")
+        if self.head not in HEADS:
+            raise ValueError(f"unknown exit head {self.head!r}: use {' or '.join(HEADS)}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"the threshold is a probability or a cosine in [0, 1], got {self.threshold}")
+        if not self.exits or list(self.exits) != sorted(set(self.exits)) or self.exits[0] < 1:
+            raise ValueError(f"exits must be distinct depths >= 1 in ascending order, got {self.exits}")
+
+    @property
+    def label(self) -> str:
+        return strategy_name(self)
+
+    @classmethod
+    def of(cls, spec: StrategySpec) -> "ExitPolicy":
+        """The policy an ``early-exit:MEASURE:THRESHOLD[:lens]`` strategy names (``inference.strategies``)."""
+        return cls(spec.measure, spec.threshold, head=spec.head)
+
+
+def strategy_name(policy: ExitPolicy) -> str:
+    """How a run names the strategy that answered it, e.g. ``early-exit(similarity>=0.98)``."""
+    head = ", lens" if policy.head == "lens" else ""
+    exits = "" if policy.exits == DEFAULT_EXITS else f", exits {'/'.join(map(str, policy.exits))}"
+    fill = "" if policy.kv_fill else ", no KV fill"
+    return f"{STRATEGY_PREFIX}({policy.measure}>={policy.threshold:g}{head}{exits}{fill})"
 
 
 def _need_torch() -> None:
@@ -426,9 +458,10 @@ class _ExitEngine:
 
 
 class EarlyExitServing:
-    """Serves prompts with early exits on the reference engine of the board's model (lab,
-    approximate). Loads ~1 GB of float32 weights once; the board's llama.cpp context and the
-    cache box are never touched, so no exited state can be stored or reused as an exact entry."""
+    """Early exits on the reference engine of the board's model (lab, approximate). Loads ~1 GB of
+    float32 weights once; ``with_policy`` gives the strategy that serves with one policy. The
+    board's llama.cpp context and the cache box are never touched, so no exited state can be
+    stored or reused as an exact entry."""
 
     def __init__(self, engine, reference, lens: ExitLens | None = None):
         self.engine = engine
@@ -455,55 +488,43 @@ class EarlyExitServing:
         pass  # nothing but memory
 
     def with_policy(self, policy: ExitPolicy) -> "PolicyRunner":
-        """This strategy with one policy: ``run`` takes the arguments every lab strategy takes."""
+        """The strategy that serves with ``policy`` (refused now if this decoder cannot run it)."""
         self.decoder.check(policy)
         return PolicyRunner(self, policy)
 
-    def run(
-        self,
-        prompt: str | Sequence[str],
-        *,
-        policy: ExitPolicy,
-        max_tokens: int = 16,
-        sampling: SamplingParams = SamplingParams(),
-        on_token: OnToken | None = None,
-        tokens: Sequence[int] | None = None,
-    ) -> RunResult:
-        segments = prompt_segments(prompt, max_tokens, tokens)
-        self.decoder.check(policy)
-        engine = self.engine
-        with engine.lock:  # one run at a time on the board, exact or not (its tokenizer is llama.cpp's)
-            breakdown = approximate_breakdown(strategy_name(policy))  # an exited state is never exchanged
-            started = mark = time.perf_counter()
-            tokens = segment_tokens(engine, segments)[0] if tokens is None else list(tokens)
-            breakdown.token_ms = ms_since(mark)
-            n = len(tokens)
-            breakdown.prompt_tokens = n
-            if n + max_tokens > engine.n_ctx:
-                raise context_error(n, max_tokens, engine.n_ctx)
-            mark = time.perf_counter()
-            cache = self.decoder.prefill(tokens[:-1], spare=max_tokens + 1) if n > 1 else SequenceCache(self.decoder.config.n_layer, self.decoder.config.n_head_kv, self.decoder.config.head_dim)
-            breakdown.prefill_ms = ms_since(mark)
-            exiting = _ExitEngine(engine, self.decoder, cache, policy)
-            mark = time.perf_counter()
-            logits = exiting.decode_one(tokens[-1], n - 1)  # the first answer token is a decode step: it may exit
-            breakdown.decode_ms = ms_since(mark)
-            rng = np.random.default_rng(sampling.seed)
-            mark = time.perf_counter()
-            token = choose(logits, sampling, rng)
-            breakdown.sample_ms = ms_since(mark)
-            breakdown.ttft_ms = ms_since(started)
-            generated, text = decode_answer(exiting, token, n, max_tokens, sampling, rng, breakdown, started, on_token=on_token)
-            self.last_depths = exiting.depths
-            return RunResult(text=text, tokens=generated, breakdown=breakdown)
+
+class PolicyRunner(ServingStrategy[Tokens]):
+    """Early exit with one ``ExitPolicy``: prefill at full depth on the reference engine, then every
+    answer token (the first one too: the prompt's last token is the first decode step) may exit."""
+
+    approximate = True
+
+    def __init__(self, serving: EarlyExitServing, policy: ExitPolicy):
+        self.serving, self.policy = serving, policy
+        self.engine = serving.engine  # its tokenizer (llama.cpp's, which holds no state) and its lock: one run at a time
+        self.label = strategy_name(policy)
+
+    def prepare(self, run: RunState) -> Tokens:
+        return Tokens(prompt_tokens(self.engine, run.prompt))
+
+    def first_token(self, run: RunState, prompt: Tokens) -> FirstToken:
+        decoder, tokens, n = self.serving.decoder, prompt.tokens, prompt.prompt_tokens
+        mark = time.perf_counter()
+        cache = decoder.prefill(tokens[:-1], spare=run.options.max_tokens + 1) if n > 1 else SequenceCache(decoder.config.n_layer, decoder.config.n_head_kv, decoder.config.head_dim)
+        run.breakdown.prefill_ms = ms_since(mark)
+        exiting = _ExitEngine(self.engine, decoder, cache, self.policy)
+        mark = time.perf_counter()
+        logits = exiting.decode_one(tokens[-1], n - 1)  # the first answer token is a decode step: it may exit
+        run.breakdown.decode_ms = ms_since(mark)
+        return FirstToken(logits, position=n, decoder=exiting)
+
+    def finish(self, run: RunState, prompt: Tokens, first: FirstToken, result: RunResult) -> None:
+        self.serving.last_depths = first.decoder.depths
 
 
-@dataclass(frozen=True)
-class PolicyRunner:
-    """An ``EarlyExitServing`` bound to one ``ExitPolicy`` (what the board hands the edge)."""
-
-    serving: EarlyExitServing
-    policy: ExitPolicy
-
-    def run(self, prompt: str | Sequence[str], **options) -> RunResult:
-        return self.serving.run(prompt, policy=self.policy, **options)
+def open_strategy(board, spec: StrategySpec) -> PolicyRunner:
+    """Early exit under the policy ``spec`` names, decoding on the reference engine of this board's
+    model (loaded on first use: ~15 s, ~1 GB, shared by every policy), with the exit adapters
+    ``bench lab-exit`` fitted if present. Never touches the context or the cache box."""
+    serving = board.opened(StrategySpec(STRATEGY_PREFIX), lambda: EarlyExitServing.open(board.engine))
+    return serving.with_policy(ExitPolicy.of(spec))

@@ -34,8 +34,8 @@ from ..config import edgecache_home
 from ..breakdown import Breakdown
 from ..engine import MAIN_SEQ, Engine, EngineConfig
 from ..model_file import ModelFile, _cached_sha256
-from ..sampling import SamplingParams, choose
-from ..serving import OnToken, RunResult, approximate_breakdown, context_error, decode_answer, ms_since, prompt_segments, segment_tokens
+from ..serving import FirstToken, RunState, ServingStrategy, Tokens, ms_since, prompt_tokens
+from ..strategies import StrategySpec
 from . import state_blob
 from .array_file import load_arrays, save_arrays
 from .truncate import ensure_truncated
@@ -51,17 +51,6 @@ class PredictorFileError(ValueError):
 
 def strategy_name(k: int) -> str:
     return f"kv-prediction({k})"
-
-
-def parse_strategy(text: str) -> int | None:
-    """``"kv-prediction:6"`` -> 6; ``""``/``"exact"`` -> None (exact serving). ValueError otherwise."""
-    text = (text or "").strip()
-    if text in ("", "exact"):
-        return None
-    name, _, value = text.partition(":")
-    if name != "kv-prediction" or not value.strip().isdigit():
-        raise ValueError(f"unknown strategy {text!r}: use 'exact' or 'kv-prediction:K' (K auxiliary layers, e.g. kv-prediction:6)")
-    return int(value)
 
 
 def rope_np(x: np.ndarray, positions: np.ndarray, base: float, inverse: bool = False) -> np.ndarray:
@@ -321,8 +310,13 @@ def predicted_state(predictor: Predictor, aux_parts: list[state_blob.SequenceSta
     return state_blob.encode(state_blob.SequenceState(0, sections)), prediction_ms
 
 
-class KVPredictionServing:
-    """Serves prompts on the base engine from a KV cache predicted from ``k`` auxiliary layers."""
+class KVPredictionServing(ServingStrategy[Tokens]):
+    """Serves prompts on the base engine from a KV cache predicted from ``k`` auxiliary layers.
+
+    A predicted state is never exchanged, and the base context is cleared before and after each run."""
+
+    approximate = True
+    clears_context = True  # no exact run may keep or find predicted cells
 
     def __init__(self, engine: Engine, predictor: Predictor, aux: Engine):
         if predictor.fingerprint != engine.model_file.sha256:
@@ -331,6 +325,7 @@ class KVPredictionServing:
             raise PredictorFileError("KV prediction writes f16 rows: run the board with EDGECACHE_KV_TYPE=f16")
         self.engine, self.predictor, self.aux = engine, predictor, aux
         self.k = predictor.k
+        self.label = strategy_name(self.k)
 
     @classmethod
     def open(cls, engine: Engine, k: int, lab_dir: str | Path) -> "KVPredictionServing":
@@ -343,39 +338,12 @@ class KVPredictionServing:
     def close(self) -> None:
         self.aux.close()
 
-    def run(
-        self,
-        prompt: str | Sequence[str],
-        *,
-        max_tokens: int = 16,
-        sampling: SamplingParams = SamplingParams(),
-        on_token: OnToken | None = None,
-        tokens: Sequence[int] | None = None,
-    ) -> RunResult:
-        segments = prompt_segments(prompt, max_tokens, tokens)
-        engine = self.engine
-        with engine.lock:
-            breakdown = approximate_breakdown(strategy_name(self.k))  # a predicted state is never exchanged
-            started = time.perf_counter()
-            mark = time.perf_counter()
-            tokens = segment_tokens(engine, segments)[0] if tokens is None else list(tokens)
-            breakdown.token_ms = ms_since(mark)
-            n = len(tokens)
-            breakdown.prompt_tokens = n
-            if n + max_tokens > engine.n_ctx:
-                raise context_error(n, max_tokens, engine.n_ctx)
-            engine.clear()  # no exact run may keep or find predicted cells
-            logits = self._prefill(tokens, breakdown)
-            rng = np.random.default_rng(sampling.seed)
-            mark = time.perf_counter()
-            token = choose(logits, sampling, rng)
-            breakdown.sample_ms = ms_since(mark)
-            breakdown.ttft_ms = ms_since(started)
-            try:
-                generated, text = decode_answer(engine, token, n, max_tokens, sampling, rng, breakdown, started, on_token=on_token)
-            finally:
-                engine.clear()
-            return RunResult(text=text, tokens=generated, breakdown=breakdown)
+    def prepare(self, run: RunState) -> Tokens:
+        return Tokens(prompt_tokens(self.engine, run.prompt))
+
+    def first_token(self, run: RunState, prompt: Tokens) -> FirstToken:
+        """The auxiliary prefill, the predicted state imported, the base model's last prompt token."""
+        return FirstToken(self._prefill(prompt.tokens, run.breakdown), position=prompt.prompt_tokens)
 
     def prefill_logits(self, tokens: Sequence[int]) -> tuple[np.ndarray, Breakdown]:
         """The base model's logits after the prompt, from the predicted cache (benchmarks)."""
@@ -409,6 +377,12 @@ class KVPredictionServing:
         base_ms = ms_since(mark)
         breakdown.prefill_ms = breakdown.aux_prefill_ms + base_ms
         return logits
+
+
+def open_strategy(board, spec: StrategySpec) -> KVPredictionServing:
+    """The board's KV prediction strategy with ``spec.aux_layers`` auxiliary layers (opened on first
+    use: the auxiliary GGUF and the predictor file from ``$EDGECACHE_HOME/lab``)."""
+    return board.opened(spec, lambda: KVPredictionServing.open(board.engine, spec.aux_layers, lab_dir()))
 
 
 def open_auxiliary(engine: Engine, k: int, lab_dir: str | Path) -> Engine:

@@ -47,6 +47,12 @@
     if (line) lines.push(line);
     return lines;
   }
+  // Titles and legends get room of their own, at any width: the title sits at the top of the
+  // chart (below the hover toolbar), wrapped, and the chart grows by its extra lines; a horizontal
+  // legend sits at the bottom, below the x-axis title, and the chart grows by its height (measured
+  // once drawn: fitLegend). The plot area keeps its height instead of being squeezed.
+  const TOOLBAR_PX = 40; // the hover toolbar (about 25 px) and a gap: titles start below it
+  const AXIS_PX = 52; // tick labels and the x-axis title, below the plot
   function fitLayout(node, layout) {
     layout = Object.assign({}, layout);
     const width = node.clientWidth || 600;
@@ -54,16 +60,30 @@
       layout.margin = Object.assign({}, layout.margin, { l: 45, r: 10 });
       layout.legend = Object.assign({}, layout.legend, { font: { size: 10 } });
     }
+    const base = layout.height || 320;
+    let extra = 0;
     const title = layout.title && typeof layout.title === "object" ? Object.assign({}, layout.title) : null;
     if (title && title.text) {
       const size = width < 520 ? 12 : (title.font && title.font.size) || 14;
       const usable = width - ((layout.margin && layout.margin.l) || 55) - 10; // the title starts at the plot's left edge
       const lines = wrap(title.text.replace(/<br>/g, " "), Math.max(16, Math.floor(usable / (size * 0.6))));
+      const lineHeight = Math.round(size * 1.35);
       title.text = lines.join("<br>");
       title.font = Object.assign({}, title.font, { size: size });
+      Object.assign(title, { yref: "container", y: 1, yanchor: "top", pad: { t: TOOLBAR_PX, b: 0, l: 0, r: 0 } });
       layout.title = title;
-      layout.margin = Object.assign({}, layout.margin, { t: 56 + (lines.length - 1) * (size + 4) });
+      layout.margin = Object.assign({}, layout.margin, { t: TOOLBAR_PX + lines.length * lineHeight + 12 });
+      extra += (lines.length - 1) * lineHeight;
     }
+    const legend = layout.legend || {};
+    if (legend.orientation === "h") {
+      const height = parseFloat(node.dataset.legendHeight || "0") || 0; // measured on the last drawing
+      layout.legend = Object.assign({}, legend, { yref: "container", y: 0, yanchor: "bottom", x: 0, xanchor: "left" });
+      layout.margin = Object.assign({}, layout.margin, { b: AXIS_PX + height + 8 });
+      extra += height;
+    }
+    layout.height = base + extra;
+    node.dataset.baseHeight = String(base);
     if (window.matchMedia && window.matchMedia("(prefers-color-scheme: dark)").matches) {
       const grid = { gridcolor: "#2c3344", zerolinecolor: "#344054", linecolor: "#344054" };
       layout.paper_bgcolor = "rgba(0,0,0,0)";
@@ -74,9 +94,23 @@
     }
     return layout;
   }
+  // Once drawn, the legend's real height: drawn again with room for it when the guess was off.
+  function fitLegend(node, layout) {
+    const full = node && node._fullLayout;
+    if (!full || !full.legend || full.legend.orientation !== "h" || !full.showlegend) return;
+    const measured = Math.ceil(full.legend._height || 0);
+    const guessed = parseFloat(node.dataset.legendHeight || "0") || 0;
+    if (Math.abs(measured - guessed) <= 2) return;
+    node.dataset.legendHeight = String(measured);
+    Plotly.relayout(node, { "margin.b": AXIS_PX + measured + 8, height: full.height + measured - guessed });
+  }
+  function plot(node, fig, fresh) {
+    const layout = fitLayout(node, fig.layout);
+    return (fresh ? Plotly.newPlot : Plotly.react)(node, fig.data, layout, config).then(() => fitLegend(node, layout));
+  }
   function draw(id, fig) {
     const node = document.getElementById(id);
-    if (node && fig && window.Plotly) Plotly.newPlot(node, fig.data, fitLayout(node, fig.layout), config);
+    if (node && fig && window.Plotly) plot(node, fig, true);
     return node;
   }
   const elBreakdown = draw("chart-breakdown", charts.breakdown);
@@ -164,7 +198,7 @@
   function describe(data) {
     return data.runs + (data.runs === 1 ? " run" : " runs") + (data.granularity && data.granularity !== "run" ? ", averaged per " + data.granularity : "");
   }
-  function redraw(node, fig) { if (node && fig) Plotly.react(node, fig.data, fitLayout(node, fig.layout), config); }
+  function redraw(node, fig) { if (node && fig) plot(node, fig, false); }
   function loadRange(range) {
     if (!controls) return Promise.resolve();
     chartStatus("loading…");
@@ -172,6 +206,8 @@
       .then((r) => r.json())
       .then(function (data) {
         charts.range = data.range;
+        charts.runs = data.runs;
+        charts.granularity = data.granularity;
         Object.keys(tierCounts).forEach((k) => delete tierCounts[k]);
         Object.assign(tierCounts, data.tierCounts || {});
         Object.assign(colors, data.colors || {});
@@ -207,7 +243,8 @@
   // -- runs tables ---------------------------------------------------------------------------------
   function runRow(run) {
     const b = run.breakdown || {};
-    const when = new Date(run.created).toLocaleTimeString();
+    // As the server writes it (H:i:s, its time zone), not the browser's locale ("8:15:56 PM").
+    const when = window.EdgeCache && window.EdgeCache.clock ? window.EdgeCache.clock(run.created) : show(run.created).slice(11, 19);
     const answer = run.error
       ? el("span", { class: "error", title: show(run.error), text: truncate(errorText(run), 200) })
       : document.createTextNode(truncate(run.text || "", 40));
@@ -221,7 +258,7 @@
       el("td", { text: run.error ? "–" : show(b.matched_tokens) + "/" + show(b.prompt_tokens) }),
       el("td", { text: run.error ? "–" : fmt(b.ttft_ms) }),
       el("td", { text: run.error ? "–" : fmt(b.ttlt_ms) }),
-      el("td", { text: run.error ? "" : b.cachebox }),
+      el("td", { text: run.error ? "" : run.served_from_label }),
     ]);
   }
 
@@ -245,6 +282,11 @@
     if (!run.error && paused) {
       missed += 1;
       chartStatus("paused: " + missed + (missed === 1 ? " new run" : " new runs") + " not drawn yet");
+    }
+    if (!run.error && !paused && controls && typeof charts.runs === "number") {
+      // The count beside Pause follows the runs as they arrive (a bucketed range counts runs too).
+      charts.runs += 1;
+      chartStatus(describe(charts));
     }
     if (!run.error && !paused) {
       if (elBreakdown && elBreakdown.data) {
@@ -310,14 +352,18 @@
       breakevenTimer = null;
       fetch(document.body.dataset.breakevenUrl, { credentials: "same-origin" })
         .then((r) => r.json())
-        .then((fig) => Plotly.react(elBreakeven, fig.data, fitLayout(elBreakeven, fig.layout), config));
+        .then(function (fig) {
+          plot(elBreakeven, fig, false);
+          const verdict = document.getElementById("breakeven-verdict");
+          if (verdict && fig.verdict) verdict.textContent = fig.verdict;
+        });
     }, 500);
   }
 
   // A device the page did not list yet (registered meanwhile): a card on the dashboard.
   function onDevice(device) {
     const grid = document.getElementById("device-cards");
-    if (!grid || !device.name) return;
+    if (!grid || !device.name || grid.dataset.full) return;  // a large fleet: the page shows counts, not a card each
     const known = Array.from(grid.querySelectorAll("[data-device]")).some((card) => card.dataset.device === device.name);
     if (known) return;
     const state = window.EdgeCache ? window.EdgeCache.deviceState(device) : ["offline", "offline"];
@@ -380,20 +426,30 @@
     const x = run.explanation || {};
     stopCard(card);
     card.classList.remove("pending");
-    card.classList.add(run.error ? "failed" : "done");
+    card.classList.add(run.error && !run.cancelled ? "failed" : "done");
     clear(card);
     card.appendChild(el("h3", {}, [run.device + " ", run.url ? el("a", { href: run.url, class: "muted small", text: "run #" + run.id }) : null]));
     if (run.title) card.appendChild(el("p", { class: "muted prompt-title", text: "answers: " + run.title }));
-    if (run.error) {
+    if (typeof onChatRecord === "function") onChatRecord(run);
+    if (run.error && !run.cancelled) {
       card.appendChild(el("p", { class: "error", title: show(run.error), text: errorText(run) }));
+      return;
+    }
+    if (run.cancelled) {
+      // Cancel keeps what was answered: the partial answer, marked.
+      card.classList.add("cancelled");
+      card.appendChild(el("p", { class: "cancelled-note" }, [el("span", { class: "badge cancelled", text: "cancelled" }),
+        " " + show(b.generated_tokens) + " token" + (b.generated_tokens === 1 ? "" : "s") + " answered before the board stopped"]));
+      card.appendChild(el("p", { class: "answer", text: run.text }));
       return;
     }
     card.appendChild(el("p", { class: "answer", text: run.text }));
     if (x.verdict) card.appendChild(el("p", { class: "verdict " + (x.right === true ? "right" : x.right === false ? "wrong" : ""), text: x.verdict }));
     card.appendChild(el("p", {}, [
       el("strong", { text: b.case }),
-      ": " + show(b.matched_tokens) + "/" + show(b.prompt_tokens) + " prompt tokens from the cache box (" + show(b.cachebox) +
-        ") · TTFT " + fmt(b.ttft_ms) + " ms · TTLT " + fmt(b.ttlt_ms) + " ms" +
+      // Where the prompt came from, in the server's words (the board's context, its RAM tier, the cache box, computed).
+      ": " + show(run.served_from) + (b.cachebox && b.cachebox !== "ok" ? " (cache box " + show(b.cachebox) + ")" : "") +
+        " · TTFT " + fmt(b.ttft_ms) + " ms · TTLT " + fmt(b.ttlt_ms) + " ms" +
         (b.tbt_p50_ms > 0 ? " · between tokens p50 " + fmt(b.tbt_p50_ms) + " ms, p99 " + fmt(b.tbt_p99_ms) + " ms" : ""),
     ]));
     (x.why || []).forEach((sentence) => card.appendChild(el("p", { class: "why", text: sentence })));
@@ -412,10 +468,11 @@
 
   // The run form: send with fetch, then wait for each device's answer on the socket.
   const form = document.getElementById("run-form");
+  let onChatRecord = null; // the chat's hook for a run's record (set below on the Run page)
   if (form) {
     const sources = form.querySelectorAll('input[name="source"]');
     function showSource() {
-      const chosen = (form.querySelector('input[name="source"]:checked') || {}).value || "text";
+      const chosen = (form.querySelector('input[name="source"]:checked') || {}).value || "chat";
       form.querySelectorAll("[data-source]").forEach((div) => { div.hidden = div.dataset.source !== chosen; });
     }
     sources.forEach((radio) => radio.addEventListener("change", showSource));
@@ -502,14 +559,96 @@
       else if (event.event === "resent") setStage(card, "queued", "its board stopped answering: sent to " + event.device + " instead");
     }
 
+    // -- the chat: the conversation so far is kept in the form (``history``, JSON) and drawn as
+    // bubbles; each answer streams into the last bubble; its final text (what the board answered,
+    // so the board's prepared next turn matches it) joins the conversation, cancelled or not.
+    const chatLog = document.getElementById("chat-log");
+    const historyField = document.getElementById("id_history");
+    const messageField = document.getElementById("id_message");
+    let chatTurn = null; // {user, bubble, request}: the turn waiting for its answer
+    function turns() { try { const list = JSON.parse((historyField && historyField.value) || "[]"); return Array.isArray(list) ? list : []; } catch (err) { return []; } }
+    function setTurns(list) { if (historyField) historyField.value = list.length ? JSON.stringify(list) : ""; }
+    function bubble(role, text, extra) { return el("div", Object.assign({ class: "chat-msg " + role, "data-role": role, text: text }, extra || {})); }
+    function drawChat() {
+      if (!chatLog) return;
+      clear(chatLog);
+      turns().forEach((turn) => chatLog.appendChild(bubble(turn.role, turn.content)));
+    }
+    drawChat();
+    const newChat = document.getElementById("chat-new");
+    if (newChat) newChat.addEventListener("click", function () {
+      setTurns([]); drawChat(); chatTurn = null;
+      if (messageField) { messageField.value = ""; messageField.dispatchEvent(new Event("input")); messageField.focus(); }
+    });
+    if (messageField) messageField.addEventListener("keydown", function (event) {
+      // Enter sends (as in llama.cpp's web UI); Shift+Enter starts a new line.
+      if (event.key === "Enter" && !event.shiftKey && !event.ctrlKey && !event.metaKey && !event.isComposing) {
+        event.preventDefault();
+        if (form.requestSubmit) form.requestSubmit(document.getElementById("run-submit")); else document.getElementById("run-submit").click();
+      }
+    });
+    function chatSource() { return ((form.querySelector('input[name="source"]:checked') || {}).value || "chat") === "chat"; }
+    function startTurn() {
+      const user = messageField ? messageField.value : "";
+      const reply = bubble("assistant", "", { class: "chat-msg assistant pending", "aria-busy": "true" });
+      chatTurn = { user: user, bubble: reply, request: null, userBubble: bubble("user", user) };
+      chatLog.appendChild(chatTurn.userBubble);
+      chatLog.appendChild(reply);
+      chatLog.scrollTop = chatLog.scrollHeight;
+    }
+    function dropTurn() {
+      if (!chatTurn) return;
+      chatTurn.userBubble.remove(); chatTurn.bubble.remove(); chatTurn = null;
+    }
+    function endTurn(requestId, text, how) {
+      if (!chatTurn || chatTurn.request !== requestId) return;
+      const turn = chatTurn;
+      chatTurn = null;
+      turn.bubble.classList.remove("pending");
+      turn.bubble.removeAttribute("aria-busy");
+      if (how === "error") {
+        turn.bubble.classList.add("failed");
+        turn.bubble.textContent = text;
+        if (messageField && !messageField.value) messageField.value = turn.user; // send it again when ready
+        setTimeout(function () { turn.userBubble.remove(); }, 0);
+        return;
+      }
+      turn.bubble.textContent = text;
+      if (how === "cancelled") {
+        turn.bubble.classList.add("cancelled");
+        turn.bubble.appendChild(el("span", { class: "meta", text: "cancelled" }));
+      }
+      if (text.trim()) setTurns(turns().concat([{ role: "user", content: turn.user }, { role: "assistant", content: text }]));
+    }
+    function onChatEvent(event) {
+      if (!chatTurn || chatTurn.request !== event.request_id) return;
+      if (event.event === "token") { chatTurn.bubble.textContent += event.text || ""; chatLog.scrollTop = chatLog.scrollHeight; }
+      else if (event.event === "done") endTurn(event.request_id, event.text != null ? event.text : chatTurn.bubble.textContent, event.finish_reason === "cancelled" ? "cancelled" : "done");
+      else if (event.event === "error") endTurn(event.request_id, event.error || "failed", "error");
+    }
+    onChatRecord = function (run) {
+      if (!chatTurn || chatTurn.request !== run.request_id) return;
+      if (run.cancelled) endTurn(run.request_id, run.text || "", "cancelled");
+      else if (run.error) endTurn(run.request_id, run.error_message || run.error, "error");
+      else endTurn(run.request_id, run.text || "", "done");
+    };
+
     function send(devices) {
       hideWarning();
+      const chatting = chatSource() && chatLog;
+      if (chatting && chatTurn) {
+        feedback.textContent = "wait for the answer (or cancel it) before the next message";
+        feedback.className = "error";
+        return;
+      }
+      if (chatting) startTurn();
       feedback.textContent = "sending…";
       feedback.className = "muted";
       const title = describePrompt();
       fetch(form.action || window.location.href, { method: "POST", body: new FormData(form), headers: { Accept: "application/x-ndjson" }, credentials: "same-origin" })
         .then(function (r) {
           if (!r.ok) {
+            if (chatting) dropTurn();
             return r.json().then(function (body) {
               feedback.textContent = errorsText(body.errors) || "not sent";
               feedback.className = "error";
@@ -519,6 +658,11 @@
             if (event.event === "dispatched") {
               feedback.className = "muted";
               feedback.textContent = "sent to " + event.dispatched.map((d) => d.device).join(", ");
+              if (chatting && chatTurn && event.dispatched.length) {
+                chatTurn.request = event.dispatched[0].request_id;
+                chatTurn.bubble.dataset.request = chatTurn.request;
+                if (messageField) { messageField.value = ""; messageField.dispatchEvent(new Event("input")); }
+              }
               event.dispatched.forEach(function (item) {
                 const device = devices.find((d) => d.name === item.device);
                 const card = waitingCard(Object.assign({ title: title }, item), device);
@@ -526,19 +670,21 @@
                 if (early.has(item.request_id)) { fillAnswer(card, early.get(item.request_id)); early.delete(item.request_id); }
               });
             } else if (event.event === "refused") {
+              if (chatting && chatTurn && !chatTurn.request) dropTurn();
               feedback.textContent = errorsText(event.errors) || "not sent";
               feedback.className = "error";
-            } else onStreamEvent(event);
+            } else { onChatEvent(event); onStreamEvent(event); }
           });
         })
-        .catch(function (err) { feedback.textContent = "could not send: " + err; feedback.className = "error"; });
+        .catch(function (err) { if (chatting && chatTurn && !chatTurn.request) dropTurn(); feedback.textContent = "could not send: " + err; feedback.className = "error"; });
     }
 
     // The prompt as its card names it: the text's start, the MMLU question, the saved prompt's name.
     function describePrompt() {
-      const source = (form.querySelector('input[name="source"]:checked') || {}).value || "text";
+      const source = (form.querySelector('input[name="source"]:checked') || {}).value || "chat";
       const value = (id) => ((document.getElementById(id) || {}).value || "");
       const option = (id) => { const select = document.getElementById(id); return select && select.selectedIndex >= 0 ? select.options[select.selectedIndex].text : ""; };
+      if (source === "chat") return "Chat: " + truncate(value("id_message").replace(/\s+/g, " ").trim(), 74);
       if (source === "mmlu") return "MMLU " + option("id_topic") + ", question " + value("id_question");
       if (source === "saved") return option("id_saved_prompt");
       if (source === "pml") return truncate(value("id_pml").replace(/\s+/g, " "), 80);
@@ -635,8 +781,29 @@
     });
   }
 
+  // -- the Queue page: its tables follow runs sent, answered and ended, and boards going up or down --
+  // (the server renders them; the fresh tables replace the old ones, no innerHTML).
+  const queueTables = document.getElementById("queue-tables");
+  let queueTimer = null;
+  function refreshQueue() {
+    if (!queueTables || queueTimer) return;
+    queueTimer = setTimeout(function () {
+      queueTimer = null;
+      fetch(window.location.href, { credentials: "same-origin", headers: { Accept: "text/html" } })
+        .then((r) => r.text())
+        .then(function (text) {
+          const fresh = new DOMParser().parseFromString(text, "text/html").getElementById("queue-tables");
+          const current = document.getElementById("queue-tables");
+          if (fresh && current) current.replaceWith(document.importNode(fresh, true));
+        })
+        .catch(function () { /* the next event or tick tries again */ });
+    }, 1000);
+  }
+  if (queueTables) setInterval(refreshQueue, 15000);
+
   document.addEventListener("edgecache:live", function (e) {
     const event = e.detail || {};
+    if (event.event === "run" || event.event === "run.dispatched" || event.event === "device") refreshQueue();
     if (event.event === "run") onRun(event.data || {});
     else if (event.event === "device") onDevice(event.data || {});
     else if (event.event === "encode.progress" || event.event === "encode.done") onEncode(event.event, event.data || {});

@@ -17,12 +17,20 @@
   }
 
   // -- device status words: online, offline since …, never started, revoked --------------------
-  function when(iso) {
+  // Dates as the server writes them (Y-m-d H:i, in its time zone), whatever the browser's zone.
+  const zoneMeta = document.querySelector('meta[name="edgecache-time-zone"]');
+  let serverZone;
+  try { serverZone = zoneMeta && zoneMeta.content ? new Intl.DateTimeFormat("en-CA", { timeZone: zoneMeta.content }).resolvedOptions().timeZone : undefined; } catch (err) { serverZone = undefined; }
+  const partsOf = new Intl.DateTimeFormat("en-CA", { timeZone: serverZone, year: "numeric", month: "2-digit", day: "2-digit", hour: "2-digit", minute: "2-digit", second: "2-digit", hourCycle: "h23" });
+  function parts(iso) {
     const date = new Date(iso);
-    if (isNaN(date.getTime())) return "";
-    const pad = (n) => String(n).padStart(2, "0");
-    return date.getFullYear() + "-" + pad(date.getMonth() + 1) + "-" + pad(date.getDate()) + " " + pad(date.getHours()) + ":" + pad(date.getMinutes());
+    if (isNaN(date.getTime())) return null;
+    const part = {};
+    partsOf.formatToParts(date).forEach((p) => { part[p.type] = p.value; });
+    return part;
   }
+  function when(iso) { const p = parts(iso); return p ? p.year + "-" + p.month + "-" + p.day + " " + p.hour + ":" + p.minute : ""; }
+  function clock(iso) { const p = parts(iso); return p ? p.hour + ":" + p.minute + ":" + p.second : ""; }
   function deviceState(device) {
     if (device.revoked) return ["revoked", "revoked"];
     if (device.online) return ["online", "online"];
@@ -44,7 +52,7 @@
       if (device.memory) holder.querySelectorAll('[data-role="memory"]').forEach(function (cell) { cell.textContent = device.memory; });
     });
   }
-  window.EdgeCache = { deviceState: deviceState, when: when };
+  window.EdgeCache = { deviceState: deviceState, when: when, clock: clock };
 
   // -- the socket: every logged-in page connects; the badge says whether updates arrive --------
   const badge = document.getElementById("live-status");
@@ -56,7 +64,13 @@
   }
   function connect() {
     const socket = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/ws/live/");
-    socket.onopen = function () { delay = 500; setBadge(true); };
+    socket.onopen = function () {
+      delay = 500;
+      setBadge(true);
+      // What changed while the socket was down (or not yet open): the state of every device shown.
+      const names = Array.from(new Set(Array.from(document.querySelectorAll("[data-device]")).map((node) => node.dataset.device).filter(Boolean)));
+      if (names.length) socket.send(JSON.stringify({ sync: names.slice(0, 500) }));
+    };
     socket.onmessage = function (message) {
       let event;
       try { event = JSON.parse(message.data); } catch (err) { return; }

@@ -1,4 +1,4 @@
-"""python manage.py docs [--check]: regenerate docs/configuration.md and the benchmark figures of docs/benchmarks.md."""
+"""python manage.py docs [--check]: regenerate docs/configuration.md, the benchmark figures of docs/benchmarks.md and the README's vs-server table."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dashboard import docs
 
 
 class Command(BaseCommand):
-    help = "Write docs/configuration.md (from the code) and docs/benchmarks.md's figures (from the newest results in bench-results/)."
+    help = "Write docs/configuration.md (from the code), docs/benchmarks.md's figures and the README's vs-server table (from the newest results in bench-results/)."
 
     def add_arguments(self, parser):
         parser.add_argument("--check", action="store_true", help="change nothing; fail if a generated file is out of date")
@@ -19,7 +19,12 @@ class Command(BaseCommand):
         missing = docs.missing_sections(benchmarks)
         if missing:
             raise CommandError(f"docs/benchmarks.md has no marked section for {', '.join(missing)} (<!-- bench:NAME --> ... <!-- /bench:NAME -->)")
-        wanted = {folder / "configuration.md": docs.render_configuration(), folder / "benchmarks.md": docs.render_benchmarks(benchmarks)}
+        readme = docs.ROOT / "README.md"
+        wanted = {
+            folder / "configuration.md": docs.render_configuration(),
+            folder / "benchmarks.md": docs.render_benchmarks(benchmarks),
+            readme: docs.render_readme(readme.read_text(encoding="utf-8")),
+        }
         stale = [path for path, text in wanted.items() if not path.exists() or path.read_text(encoding="utf-8") != text]
         if check:
             if stale:

@@ -14,9 +14,8 @@ from dashboard.cli import add_sampling_arguments, read_prompt_file, sampling_fro
 from inference.model_file import ModelNotFound
 from inference.serving import PromptError
 from inference.pml import PMLError, parse_schema
-from inference.lab.anchors import parse_strategy as parse_anchors
-from inference.lab.early_exit import parse_strategy as parse_early_exit
-from inference.lab.kv_prediction import PredictorFileError, parse_strategy
+from inference.serving import Prompt, RunOptions
+from inference.strategies import REGISTRY, parse_strategy
 
 from dashboard.actions import start_cachebox
 from dashboard.signing import control_plane_keys
@@ -42,12 +41,9 @@ class Command(BaseCommand):
             "--strategy",
             default="exact",
             metavar="S",
-            help="exact (default: prefix serving through the cache box), kv-prediction:K (lab, approximate: "
-            "K auxiliary layers predict the rest of the KV cache), early-exit:MEASURE:THRESHOLD[:lens] (lab, approximate: "
-            "decoding leaves the network early, MEASURE top-prob or similarity, on the reference engine) or anchors / "
-            "anchors-tuned (lab, approximate: earlier sentences or --split-on parts keep only their last token's KV, on the "
-            "served or the anchor-tuned model); "
-            "lab strategies never read or write the cache box",
+            help="; ".join(line.form for line in REGISTRY.values()) + ". Exact serving is the default; the others are lab "
+            "strategies (approximate: KV prediction from K auxiliary layers, early exit while decoding on the reference "
+            "engine, anchor tokens for earlier sentences or --split-on parts); lab strategies never read or write the cache box",
         )
         add_sampling_arguments(parser)
 
@@ -57,12 +53,10 @@ class Command(BaseCommand):
             raise CommandError(f"prompt file {options['prompt_file']} is empty: put the prompt text in it")
         sampling = sampling_from_options(options)
         try:
-            anchors = parse_anchors(options["strategy"])
-            early_exit = parse_early_exit(options["strategy"]) if anchors is None else None
-            kv_prediction_k = parse_strategy(options["strategy"]) if early_exit is None and anchors is None else None
+            spec = parse_strategy(options["strategy"].strip())
         except ValueError as exc:
             raise CommandError(str(exc))
-        if (kv_prediction_k is not None or early_exit is not None or anchors is not None) and options["schema"]:
+        if not spec.exact and options["schema"]:
             raise CommandError(f"--schema serves exact modules; it cannot be combined with --strategy {options['strategy']}")
         schema_text = None
         if options["schema"]:
@@ -79,40 +73,17 @@ class Command(BaseCommand):
             board = Board.start(settings.EDGECACHE_BOARD.with_(namespace=options["namespace"]), keys=control_plane_keys(), background_sync=False)
         except (ModelNotFound, InvalidNamespace, ConfigError) as exc:
             raise CommandError(str(exc))
-        layers = None
+        if schema_text is not None:
+            prompt = Prompt(schema=schema_text, pml=text)
+        else:
+            prompt = Prompt.of(split_segments(text, options["split_on"]))
         try:
-            if early_exit is not None:
-                try:
-                    from inference.lab.early_exit import EarlyExitServing
-
-                    strategy = EarlyExitServing.open(board.engine)
-                    result = strategy.run(text, policy=early_exit, max_tokens=options["max_tokens"], sampling=sampling)
-                except (ImportError, ValueError) as exc:  # no lab extra, adapters missing or refused
-                    raise CommandError(str(exc))
-                layers = strategy.last_depths
-            elif kv_prediction_k is not None:
-                try:
-                    strategy = board.kv_prediction(kv_prediction_k)
-                except (PredictorFileError, ValueError) as exc:
-                    raise CommandError(str(exc))
-                result = strategy.run(text, max_tokens=options["max_tokens"], sampling=sampling)
-            elif anchors is not None:
-                try:
-                    strategy = board.anchors(anchors)
-                except ValueError as exc:  # no anchor-tuned model yet
-                    raise CommandError(str(exc))
-                result = strategy.run(split_segments(text, options["split_on"]), max_tokens=options["max_tokens"], sampling=sampling)
-            elif schema_text is not None:
-                result = board.run_pml(
-                    schema_text, text, max_tokens=options["max_tokens"], sampling=sampling, use_cache=not options["no_cache"]
-                )
-            else:
-                result = board.run(
-                    split_segments(text, options["split_on"]),
-                    max_tokens=options["max_tokens"],
-                    sampling=sampling,
-                    use_cache=not options["no_cache"],
-                )
+            try:
+                strategy = board.strategy(spec, prompt)
+            except (ImportError, ValueError) as exc:  # no lab extra, no predictor or tuned model, adapters refused
+                raise CommandError(str(exc))
+            result = board.serve(spec, prompt, RunOptions(max_tokens=options["max_tokens"], sampling=sampling, use_cache=not options["no_cache"]))
+            layers = strategy.serving.last_depths if spec.name == "early-exit" else None
         except (PromptError, PMLError) as exc:
             raise CommandError(str(exc))
         finally:

@@ -6,6 +6,9 @@ its Wi-Fi 4 link, both emulated; "pi5": 2 threads, unshaped) and serves the dash
 With EDGECACHE_BOARD_HOSTS=1, as root, the demo boards run as hosts (``inference.hosts``): each in a
 network namespace of its own behind a kernel-shaped link, in a cgroup capped at its registered
 memory and threads; otherwise (or where the machine cannot) as plain processes.
+``--web N --workers M``: N web processes sharing the one port (each a daphne on the listening
+socket this command opens: the kernel hands each connection to one of them) and M control
+workers, over the same broker and database.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ ADMIN_USERNAME = "admin"
 # EDGECACHE_BOARD_HOSTS=1: the demo boards as hosts (inference.hosts) on this hub.
 HOSTS_PREFIX = "ecrun"
 HOSTS_SUBNET = "10.78.0.0/24"
+LISTEN_BACKLOG = 1024  # connections the web port holds before they are accepted
 
 
 def checked_admin_password(password: str | None) -> str | None:
@@ -67,6 +71,10 @@ def board_url(url: str, host: str) -> str:
     return f"{scheme}://{rest.rpartition('@')[2].replace('127.0.0.1', host)}"
 
 
+def _interrupted(*_):
+    raise KeyboardInterrupt
+
+
 class Command(BaseCommand):
     help = "Run EdgeCache on this machine: cache box, control-plane worker, two demo boards and the dashboard."
 
@@ -74,8 +82,12 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--no-boards", action="store_true", help="do not start the two demo boards")
+        parser.add_argument("--web", type=int, default=1, metavar="N", help="web (ASGI) processes sharing the port (default 1)")
+        parser.add_argument("--workers", type=int, default=1, metavar="N", help="control-plane workers (default 1)")
 
-    def handle(self, *args, host, port, no_boards, **options):
+    def handle(self, *args, host, port, no_boards, web, workers, **options):
+        if web < 1 or workers < 1:
+            raise CommandError("--web and --workers need at least 1 process each")
         # First, before the cache box or anything else starts: a weak admin password stops here.
         admin_password = checked_admin_password(os.environ.get("EDGECACHE_ADMIN_PASSWORD"))
         with socket.socket() as probe:
@@ -98,7 +110,9 @@ class Command(BaseCommand):
 
         children: list[subprocess.Popen] = []
         try:
-            children.append(self._spawn("control worker", [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "--queues", Queue.CONTROL.value, "--pool", "threads", "--concurrency", "2", "--hostname", "control@%h", "--loglevel", "warning", "--without-gossip", "--without-mingle"]))
+            for number in range(1, workers + 1):
+                name = "control" if workers == 1 else f"control{number}"
+                children.append(self._spawn(f"control worker {name}", [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "--queues", Queue.CONTROL.value, "--pool", "threads", "--concurrency", "2", "--hostname", f"{name}@%h", "--loglevel", "warning", "--without-gossip", "--without-mingle"]))
             if not no_boards:
                 for spec in DEMO_BOARDS:
                     token = self._demo_token(spec)
@@ -108,12 +122,18 @@ class Command(BaseCommand):
                         children.append(self._spawn(label, argv, self._board_env(spec, token)))
                     else:
                         children.append(self._spawn_host(network, spec, label, argv, self._board_env(spec, token, network)))
+            if web > 1:
+                self._serve_many(host, port, web, children)
+                return
             self.stdout.write(self.style.SUCCESS(f"dashboard: http://{host}:{port}/  (Ctrl-C stops everything; `make stop` also ends the cache box)"))
             from daphne.cli import CommandLineInterface
 
             # Ctrl-C must stop everything even when started from a shell that ignores SIGINT.
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            CommandLineInterface().run(["-b", host, "-p", str(port), "dashboard.asgi:application"])
+            # A backlog of LISTEN_BACKLOG, not Twisted's 50: a burst of connections waits to be
+            # accepted (then answered or refused, dashboard.admission) instead of being reset.
+            endpoint = f"tcp:port={port}:interface={host.replace(':', chr(92) + ':')}:backlog={LISTEN_BACKLOG}"
+            CommandLineInterface().run(["-e", endpoint, "dashboard.asgi:application"])
         finally:
             self._stop(children)
             if network is not None:
@@ -157,9 +177,32 @@ class Command(BaseCommand):
         self.stdout.write(f"starting {label} as a host: {host.address}, {spec['memory_mb']} MB, {spec['cpu_threads']} CPU, link {link.label if link else 'unshaped'} (tc)")
         return host.spawn(argv, {**os.environ, **env}, cwd=settings.BASE_DIR)
 
-    def _spawn(self, label: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    def _serve_many(self, host: str, port: int, web: int, children: list[subprocess.Popen]) -> None:
+        """``web`` daphne processes on one listening socket (opened here, inherited by each); returns
+        when one of them ends (then everything stops: a half-served port is worse than none) or on Ctrl-C."""
+        listener = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+        listener.set_inheritable(True)
+        fd = listener.fileno()
+        served = [
+            self._spawn(f"web process {number}", [sys.executable, "-m", "daphne", "--fd", str(fd), "dashboard.asgi:application"], pass_fds=(fd,))
+            for number in range(1, web + 1)
+        ]
+        children.extend(served)
+        listener.close()  # the web processes hold it now
+        self.stdout.write(self.style.SUCCESS(f"dashboard: http://{host}:{port}/ served by {web} web processes  (Ctrl-C stops everything; `make stop` also ends the cache box)"))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _interrupted)  # stop as on Ctrl-C: the children too
+        try:
+            while all(child.poll() is None for child in served):
+                time.sleep(0.5)
+            ended = next(child for child in served if child.poll() is not None)
+            self.stderr.write(f"a web process ended with {ended.returncode}: stopping everything")
+        except KeyboardInterrupt:
+            pass
+
+    def _spawn(self, label: str, argv: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
         self.stdout.write(f"starting {label}")
-        return subprocess.Popen(argv, cwd=settings.BASE_DIR, env={**os.environ, **(env or {})})
+        return subprocess.Popen(argv, cwd=settings.BASE_DIR, env={**os.environ, **(env or {})}, **popen)
 
     def _stop(self, children: list[subprocess.Popen]) -> None:
         for child in children:

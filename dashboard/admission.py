@@ -1,0 +1,124 @@
+"""Bounded queues: overload is refused at once, not queued without end.
+
+A namespace holds at most ``EDGECACHE_QUEUE_PER_BOARD`` runs under way (waiting in a board's queue
+or running) per online board of it, whoever sent them (the API, the Run page); an API key at most
+``EDGECACHE_API_QUEUE_PER_KEY``. Past either bound a run is refused before it is sent: the API
+answers 429 (the key's own bound) or 503 (the namespace's: the fleet is busy), with ``Retry-After``,
+and the Run page says the fleet is busy. A client then waits its turn outside, where it can give
+up, instead of inside a queue longer than it will wait.
+
+The counts are sorted sets in the cache box's Redis (``cachebox.store.CacheBox.admit``: one atomic
+script), shared by every web process and control worker. A run stops counting when its answer
+comes (the API's stream ends; the control worker records the report) or, should that be lost
+with its process, at its deadline. Without the cache box nothing is counted (logged): runs could
+not be followed either, and the caller says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from django.conf import settings
+
+from cachebox.errors import CacheBoxError
+from cachebox.keys import queue_key_names
+
+from cachebox.store import CacheBox
+
+from .actions.cache import cachebox_url
+
+log = logging.getLogger("dashboard.admission")
+
+DEFAULT_RETRY_AFTER_S = 2  # a refused client's wait when nothing better is known
+_stores: dict[str, CacheBox] = {}
+
+
+def _store() -> CacheBox:
+    """This process's client of the cache box for the counts (its connections reused: every API request counts)."""
+    url = cachebox_url()
+    store = _stores.get(url)
+    if store is None:
+        # No skipping after a failure (retry_after 0): one slow connect under load must not make
+        # every release of the next seconds fail (each would hold its place until its deadline).
+        store = _stores[url] = CacheBox(url, connect_timeout=max(2.0, settings.EDGECACHE_CONNECT_TIMEOUT), timeout=settings.EDGECACHE_IO_TIMEOUT, retry_after=0.0)
+    return store
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A run counted as under way; ``release`` it when its answer came."""
+
+    names: tuple[str, ...]
+    request_id: str
+
+
+class FleetBusy(Exception):
+    """A bound is reached: ``scope`` "key" (this API key's own runs) or "namespace" (the fleet's)."""
+
+    def __init__(self, scope: str, namespace: str, limit: int, under_way: int, retry_after: int):
+        self.scope, self.namespace, self.limit, self.under_way, self.retry_after = scope, namespace, limit, under_way, retry_after
+        if scope == "key":
+            what = f"This API key has {under_way} requests under way, its bound (EDGECACHE_API_QUEUE_PER_KEY {limit})"
+        else:
+            what = f"The fleet is busy: namespace {namespace!r} has {under_way} runs under way, its bound ({limit}: EDGECACHE_QUEUE_PER_BOARD per online board)"
+        seconds = "1 second" if retry_after == 1 else f"{retry_after} seconds"
+        super().__init__(f"{what}. Nothing was sent; try again in {seconds}.")
+
+
+def namespace_limit(online_boards: int) -> int:
+    """How many runs a namespace with ``online_boards`` may have under way (0: no bound)."""
+    per_board = settings.EDGECACHE_QUEUE_PER_BOARD
+    return per_board * max(1, online_boards) if per_board > 0 else 0
+
+
+def admit(namespace: str, request_id: str, *, online_boards: int, key_id: int | None = None, hold_s: float, retry_after: int = DEFAULT_RETRY_AFTER_S) -> Ticket:
+    """Count run ``request_id`` as under way in ``namespace`` (and for API key ``key_id``) for at most
+    ``hold_s`` seconds; FleetBusy (nothing counted) when a bound is reached."""
+    limits = [namespace_limit(online_boards)]
+    who = ""
+    if key_id is not None:
+        who = str(key_id)
+        limits.append(settings.EDGECACHE_API_QUEUE_PER_KEY)
+    names = tuple(queue_key_names(namespace, who))
+    if all(limit <= 0 for limit in limits):
+        return Ticket((), request_id)
+    now = time.time()
+    try:
+        full, under_way, _ = _store().admit(names, limits, request_id, now=now, until=now + hold_s)
+    except CacheBoxError as exc:
+        log.warning("run %s not counted against the bounded queues: %s", request_id, exc)
+        return Ticket((), request_id)
+    if full:
+        raise FleetBusy("namespace" if full == 1 else "key", namespace, limits[full - 1], under_way, max(1, int(retry_after)))
+    return Ticket(names, request_id)
+
+
+def release(ticket: Ticket | None) -> None:
+    """``ticket``'s run is no longer under way (never raises)."""
+    if ticket is None or not ticket.names:
+        return
+    for attempt in (1, 2):
+        try:
+            _store().release(ticket.names, ticket.request_id)
+            return
+        except CacheBoxError as exc:
+            if attempt == 2:  # it stops counting at its deadline
+                log.warning("run %s not released from the bounded queues: %s", ticket.request_id, exc)
+
+
+def answered(namespace: str, request_id: str) -> None:
+    """A run's report was recorded: it no longer counts in its namespace (whichever process admitted it)."""
+    try:
+        release(Ticket(tuple(queue_key_names(namespace)), request_id))
+    except ValueError:  # not a namespace name: nothing was counted under it
+        pass
+
+
+def retry_after_s(expected_ms: float | None) -> int:
+    """What a refused client is told to wait: the chosen board's expected wait, in whole seconds."""
+    if not expected_ms or expected_ms <= 0:
+        return DEFAULT_RETRY_AFTER_S
+    return max(1, min(settings.EDGECACHE_API_TIMEOUT, math.ceil(expected_ms / 1000.0)))

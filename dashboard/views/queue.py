@@ -1,0 +1,37 @@
+"""The Queue page: what the boards' queues hold, per board and per namespace, what ended
+unanswered, and Revoke for a run under way (``dashboard.queue``, ``actions.sweeper.revoke``)."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.contrib import messages
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from ..actions.sweeper import revoke
+from ..queue import queue_view, revocable
+from .auth import login_required
+
+
+@login_required
+def queue_page(request):
+    return render(request, "dashboard/queue.html", {"queue": queue_view(request.user)})
+
+
+@login_required
+@require_POST
+def queue_revoke(request):
+    """Revoke one run under way that the user may see; anything else changes nothing."""
+    try:
+        request_id = uuid.UUID(request.POST.get("request_id", ""))
+    except ValueError:
+        request_id = None
+    dispatch = revocable(request.user, request_id) if request_id else None
+    if dispatch is None:
+        messages.error(request, "Nothing revoked: that run is not under way (it was answered, lost or revoked meanwhile), or not yours to see.")
+    elif revoke(request.user, dispatch):
+        messages.success(request, f"Revoked the run {request_id} on {dispatch.device.name if dispatch.device else 'any board'}: its board drops it; the Runs page lists it as failed.")
+    else:
+        messages.error(request, "Nothing revoked: the run ended meanwhile.")
+    return redirect("queue")

@@ -1,0 +1,160 @@
+"""A board's identity in this process: enrollment (its keys pinned to the control plane it
+trusts), the registry record and namespace ring it last trusted, and what it may open or sign.
+
+``become`` makes this process the board; every other room of ``inference.edge`` asks
+``current()`` (None outside a board process: tests and commands run as "local").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from celery import current_app
+
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.events import security_event
+from cachebox.signing import Keychain, KeyRing
+from cachebox.store import CacheBox
+
+from .. import envelope
+from ..devices import DeviceRecord, DeviceRefused, DeviceUnknown, RecordRefused, authenticate, enroll
+from ..envelope import CONTROL, EnvelopeRefused, Kind
+from ..identity import BoardKeys
+from ..messages import BoardMessage, EnrollRequest, Queue, StreamEvent, Task
+from ..serving import PromptError
+
+log = logging.getLogger("inference.edge")
+
+
+@dataclass
+class EdgeIdentity:
+    name: str
+    keys: BoardKeys  # this board's private keys (they sign its messages and open its ring) and the pinned control plane
+    record: DeviceRecord
+    store: CacheBox
+    ring: KeyRing | None = None  # the namespace's keys, as last received
+
+    def recheck(self) -> None:
+        """Raise DeviceRefused if the device was revoked or its token rotated since the board
+        enrolled, or its record is not one the pinned control plane signed (or older than the last
+        one); otherwise take the namespace's current keys (a rotation arrives this way)."""
+        previous = self.record.cache_namespace
+        try:
+            self.record = authenticate(self.store, self.name, self.keys, newer_than=self.record.serial)
+        except RecordRefused:
+            # Not the control plane's word (logged): neither a revocation nor new keys. This board
+            # serves on with the last record it trusted.
+            return
+        except DeviceUnknown:
+            # This board enrolled, so its record existed: a registry without it is a cache box that
+            # restarted empty. Revoking or rotating writes a record; only its absence is "cannot
+            # tell" (as an unreachable cache box), and the control plane publishes it again when
+            # it accepts this board's next heartbeat.
+            log.warning("the registry has no record of %s (the cache box restarted empty?): serving on with its last one", self.name)
+            return
+        if self.record.cache_namespace != previous:
+            raise DeviceRefused(f"device {self.name!r} was moved to namespace {self.record.cache_namespace!r}; restart the board to serve it")
+        self._open_ring()
+
+    def _open_ring(self) -> None:
+        try:
+            ring = self.record.open_keyring(self.keys)
+        except ValueError as exc:
+            security_event("keyring_refused", device=self.name, reason=str(exc), outcome="cache off until a good ring arrives")
+            ring = None
+        if ring is None and self.ring is None:
+            log.warning("no signing keys for this board yet: it answers by local prefill and shares nothing until the control plane seals its namespace's ring for it")
+        self.ring = ring
+
+    def keychain(self) -> Keychain:
+        """Keys for the pipeline: always this identity's current ring; refreshing re-reads the registry."""
+
+        def source(namespace: str) -> KeyRing | None:
+            ring = self.ring
+            return ring if ring is not None and ring.covers(namespace) else None
+
+        def reread() -> None:
+            try:
+                self.recheck()
+            except (DeviceRefused, CacheBoxUnavailable) as exc:
+                log.warning("could not refresh signing keys: %s", exc)
+
+        return Keychain(source, remember=False, on_refresh=reread)
+
+    def ring_for(self, namespace: str) -> KeyRing | None:
+        """The ring that opens what was sealed for ``namespace`` (this board's own only)."""
+        ring = self.ring
+        return ring if ring is not None and ring.covers(namespace) else None
+
+    def open_request(self, message, kind: Kind, *, expired_ok: bool = False) -> dict:
+        """A request the pinned control plane sealed and signed for this board; EnvelopeRefused
+        (logged) for anything else: unsigned, signed by anyone else, for another board, expired."""
+        try:
+            body, _ = envelope.open_envelope(
+                message, kind=kind, to=self.name, signer_public_key=self.keys.control_plane_key, ring_for=self.ring_for, expired_ok=expired_ok
+            )
+        except EnvelopeRefused as exc:
+            security_event("request_refused", device=self.name, kind=str(kind), reason=str(exc)[:500])
+            raise
+        return body
+
+    def seal_event(self, event: StreamEvent) -> bytes:
+        """A stream event as it is published: sealed under the namespace's key, signed by this board,
+        addressed to its run."""
+        sealed = envelope.seal(event.compact(), kind=Kind.STREAM, sender=self.name, to=event.request_id, signer=self.keys.signing, ring=self.ring)
+        return json.dumps(sealed, separators=(",", ":")).encode()
+
+    def seal(self, message: BoardMessage, kind: Kind) -> dict:
+        """``message`` as it travels to the control plane: signed with this board's key, sealed
+        under the namespace's data key (heartbeats, which carry nothing of a tenant, in the clear)."""
+        ring = None if kind == Kind.HEARTBEAT else self.ring
+        if ring is None and kind != Kind.HEARTBEAT:
+            raise DeviceRefused(f"board {self.name!r} holds no key of its namespace: nothing can be sent sealed")
+        return envelope.seal(message.dump(), kind=kind, sender=self.name, to=CONTROL, signer=self.keys.signing, ring=ring, message_id=str(getattr(message, "request_id", "") or ""))
+
+    def check_namespace(self, requested: str | None) -> str:
+        """The namespace a request may use: this board's own, whatever was asked."""
+        own = self.record.cache_namespace
+        if requested and requested not in (self.record.namespace, own):
+            security_event("request_refused", device=self.name, reason="foreign namespace", namespace=requested)
+            raise PromptError(f"device {self.name!r} belongs to namespace {self.record.namespace!r}; it does not serve {requested!r}")
+        return own
+
+
+_identity: EdgeIdentity | None = None
+
+
+def send_enrollment(fields: dict) -> None:
+    """An enrollment request to the control plane's queue (public keys, signed with the token's key)."""
+    current_app.send_task(
+        Task.ENROLL.value, args=[EnrollRequest(**fields).dump()], queue=Queue.CONTROL.value, exchange="", routing_key=Queue.CONTROL.value, declare=[], expires=120
+    )
+
+
+def become(name: str, keys: BoardKeys, store: CacheBox, *, token: str | None = None, send=send_enrollment, timeout: float = 30.0, save=None, then_as=None) -> EdgeIdentity:
+    """Make this process the board ``name``, pinning the control plane and enrolling its keys with
+    ``token`` when the registry does not name them yet (``save`` keeps the pinned keys; ``then_as()``
+    gives the store as the board's own Redis user once enrolled; raises DeviceRefused with what to do)."""
+    global _identity
+    record, keys = enroll(store, name, keys, token, send, timeout=timeout, save=save, then_as=then_as)
+    _identity = EdgeIdentity(name, keys, record, store)
+    _identity._open_ring()
+    return _identity
+
+
+def identity() -> EdgeIdentity:
+    if _identity is None:
+        raise RuntimeError("this process is not an edge board; start it with `edgecache-board --name NAME` (or `python manage.py edge`)")
+    return _identity
+
+
+def current() -> EdgeIdentity | None:
+    """This process's board identity, or None (not a board process)."""
+    return _identity
+
+
+def sender() -> dict:
+    """The field that names this board in every message it sends (the outbox signs them)."""
+    return {"device": _identity.name if _identity is not None else "local"}

@@ -1,0 +1,72 @@
+"""The board's heartbeat: every few seconds, signed, with its status (catalogs, memory, rates);
+each beat re-checks the board's record, so a revoked or rotated board stops instead of serving on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+from celery import current_app
+
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.keys import HEARTBEAT_LIST
+
+from ..devices import DeviceRefused
+from ..envelope import Kind
+from ..messages import BoardStatus, Heartbeat
+from .enrollment import identity
+
+log = logging.getLogger("inference.edge")
+
+
+def push_heartbeat(sealed: dict) -> None:
+    """A signed heartbeat onto the broker's heartbeat list (``cachebox.keys.HEARTBEAT_LIST``, one
+    LPUSH): the control plane's workers take them off in batches, not as a Celery task each."""
+    with current_app.pool.acquire(block=True, timeout=10) as connection:
+        connection.default_channel.client.lpush(HEARTBEAT_LIST, json.dumps(sealed, separators=(",", ":")))
+
+
+class HeartbeatThread(threading.Thread):
+    """Tells the control plane every few seconds that this board lives, and how its catalogs look.
+
+    Each beat also re-checks the token: a board whose token was revoked or rotated calls
+    ``on_refused`` (the edge command stops the worker) instead of serving on.
+    """
+
+    def __init__(self, board_status, interval: float = 5.0, on_refused=None):
+        super().__init__(name="edgecache-heartbeat", daemon=True)
+        self.board_status = board_status
+        self.interval = interval
+        self.on_refused = on_refused
+        self._stop_event = threading.Event()
+
+    def beat(self) -> None:
+        me = identity()
+        try:
+            me.recheck()
+        except DeviceRefused as exc:
+            log.error("stopping: %s", exc)
+            if self.on_refused:
+                self.on_refused(exc)
+            self.stop()
+            return
+        except CacheBoxUnavailable:
+            pass  # cannot tell now; the control plane checks every message anyway
+        status = BoardStatus(pid=os.getpid(), sent=time.time(), heartbeat_s=self.interval, **self.board_status())
+        push_heartbeat(me.seal(Heartbeat(device=me.name, status=status), Kind.HEARTBEAT))
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.beat()
+            except Exception as exc:  # the broker may be down for a while: keep trying
+                log.warning("heartbeat not sent: %s", exc)
+            if self._stop_event.is_set() or self._stop_event.wait(self.interval):
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()

@@ -1,0 +1,193 @@
+"""Serving a dispatched run on the board: the strategy it names answers (``Board.serve``), this
+room streams, stops at stop strings, obeys a signed cancel, prepares a chat's next turn when no
+other work waits, and always returns a report (an error is a report too); and encoding a schema.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+from celery import current_app
+
+from cachebox.errors import CacheBoxUnavailable
+
+from ..chat import chat_prompt
+from ..engine import EngineError
+from ..messages import CANCELLED, EncodeReport, EncodeRequest, Queue, RunReport, RunRequest, StreamEvent
+from ..sampling import SamplingParams
+from ..serving import Prompt, PromptError, RunOptions
+from ..strategies import parse_strategy
+from . import enrollment
+from .enrollment import identity, sender
+from .streaming import AnswerText, StreamPublisher, signed_cancel_set
+
+log = logging.getLogger("inference.edge")
+
+
+def serve(board, request: RunRequest, work_waiting: Callable[[], bool] | None = None) -> RunReport:
+    """Run one dispatched prompt; returns the report for the control plane (an error is a report too).
+
+    A streamed run (``request.stream``) publishes each answer piece on its channel as it is
+    chosen and a last ``done`` (or ``error``) event, sealed and signed by this board, and stops
+    when the control plane's signed cancel flag appears; ``request.stop`` ends the answer at the
+    first stop string, streamed or not. After a chat turn's answer, the next turn's prefix is
+    prepared unless ``work_waiting()`` says another run waits for this board: a waiting answer
+    goes before a turn that may never come. Only a board process (an identity) streams.
+    """
+    me = enrollment.current()
+    streaming = request.stream and board.store is not None and me is not None
+    stream = StreamPublisher(board.store, request.request_id, me) if streaming else None
+    if stream is not None and stream.cancel_requested():
+        stream.close()
+        return RunReport.for_request(request, **sender(), error=CANCELLED)  # its client left while it waited
+    if stream is None and me is not None and board.store is not None and signed_cancel_set(board.store, me, request.request_id):
+        return RunReport.for_request(request, **sender(), error=CANCELLED)  # revoked while queued, or re-sent elsewhere
+    if stream is not None:
+        stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage="started"))
+    answer = AnswerText(request.stop)
+    cancelled = False
+
+    def on_token(token: int, piece: str) -> bool:
+        nonlocal cancelled
+        released = answer.add(piece)
+        if released and stream is not None:
+            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=stream.count(), text=released))
+        if answer.stopped:
+            return False
+        if stream is not None and stream.cancelled.is_set():
+            cancelled = True
+            return False
+        return True
+
+    conversation = [(message.role, message.content) for message in request.messages]
+    try:
+        sampling = SamplingParams(**request.sampling.model_dump())
+        options = dict(max_tokens=request.max_tokens, sampling=sampling, use_cache=request.use_cache, namespace=_namespace(request.namespace))
+        if stream is not None or request.stop:
+            options["on_token"] = on_token
+        if stream is not None and not request.is_schema_run:
+            options["on_stage"] = lambda stage: stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage=stage))
+        asked, prompt = _asked(board, request, conversation)
+        spec = parse_strategy(request.strategy)  # a lab strategy is approximate: it never reads or writes the cache box
+        result = board.serve(spec, asked, RunOptions(**options))
+    except (PromptError, ValueError, EngineError) as exc:  # PMLError is a ValueError
+        if stream is not None:
+            stream.close(StreamEvent(type="error", request_id=request.request_id, device=stream.device, error=str(exc)[:10_000]))
+        return RunReport.for_request(request, **sender(), error=str(exc))
+    except BaseException as exc:  # a bug or a broken engine: the waiting client hears it now (tasks.py reports it)
+        if stream is not None:
+            stream.close(StreamEvent(type="error", request_id=request.request_id, device=stream.device, error=f"the board failed: {type(exc).__name__}: {exc}"[:10_000]))
+        raise
+    tail = answer.finish(result.text)
+    breakdown = result.breakdown
+    finish = "cancelled" if cancelled else ("stop" if answer.stopped or breakdown.generated_tokens < request.max_tokens else "length")
+    if stream is not None:
+        if tail and not cancelled:
+            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=stream.count(), text=tail))
+        extra = {"modules_hit": result.modules_hit} if result.modules_hit is not None else {}
+        done = StreamEvent(type="done", request_id=request.request_id, device=stream.device, text=answer.text, finish_reason=finish, breakdown={**breakdown.as_dict(), **extra})
+        stream.close(done)
+    uploaded = list(result.uploaded)
+    if request.is_chat_run and spec.exact and request.use_cache and not cancelled and not _waiting(work_waiting, request.request_id):
+        uploaded += _prepare_next_turn(board, request.request_id, conversation, answer.text, options["namespace"], breakdown)
+    return RunReport(
+        **sender(),
+        request_id=request.request_id,
+        meta=request.meta,
+        prompt=prompt,
+        text=answer.text,
+        error=CANCELLED if cancelled else "",
+        tokens=result.tokens,
+        breakdown=breakdown,
+        fetched=result.fetched,
+        uploaded=uploaded,
+        modules_hit=result.modules_hit,
+    )
+
+
+def _asked(board, request: RunRequest, conversation: list[tuple[str, str]]) -> tuple[Prompt, str]:
+    """What the strategy answers, and the prompt's text as the run records it (a chat's, templated)."""
+    if request.is_chat_run:
+        chat = chat_prompt(board.engine, conversation)
+        return chat.prompt, chat.text
+    return Prompt(tuple(request.segments), schema=request.schema_source, pml=request.pml), request.prompt_text
+
+
+def _prepare_next_turn(board, request_id: str, conversation: list[tuple[str, str]], answer: str, namespace: str | None, breakdown) -> list:
+    """The answer is out: compute and share the next chat turn's shared prefix now; the entries it
+    stored (none when it fails: this answer's report still goes to the control plane)."""
+    try:
+        turn = board.follow_up(conversation, answer, namespace=namespace)
+    except (PromptError, ValueError, EngineError) as exc:
+        log.warning("run %s: the next turn's prefix was not prepared: %s", request_id, exc)
+        return []
+    breakdown.next_turn_tokens, breakdown.next_turn_ms = turn.tokens, turn.total_ms
+    return list(turn.uploaded)
+
+
+def messages_waiting(app, queues: Sequence[str]) -> int:
+    """How many messages wait in ``queues`` of ``app``'s broker (a queue never used counts 0)."""
+    from kombu.exceptions import ChannelError
+
+    waiting = 0
+    with app.pool.acquire(block=True, timeout=5) as connection:
+        channel = connection.default_channel
+        for name in queues:
+            try:
+                waiting += channel.queue_declare(queue=name, passive=True).message_count
+            except ChannelError:  # no such queue yet: nothing waits in it
+                continue
+    return waiting
+
+
+def board_work_waiting() -> bool:
+    """Whether a run or an encode waits for this board, in its own queue or its namespace's shared one."""
+    me = identity()
+    return messages_waiting(current_app, [Queue.device(me.name), Queue.shared(me.record.cache_namespace)]) > 0
+
+
+# A client that answers at once (a script, a chat app sending the next turn, another user of the
+# API) sends its next request within tens of milliseconds of the answer: the board looks for it
+# this long before it starts the speculative next-turn work, which would otherwise make that
+# request wait (750-860 ms under load in `bench vs-server`, the system-prompt questions).
+FOLLOW_UP_GRACE_S = 0.25
+_GRACE_POLL_S = 0.02
+
+
+def _waiting(work_waiting: Callable[[], bool] | None, request_id: str, grace_s: float = FOLLOW_UP_GRACE_S) -> bool:
+    """Whether another run waits for this board, or arrives within ``grace_s`` (never raises:
+    unknown counts as no)."""
+    if work_waiting is None:
+        return False
+    deadline = time.monotonic() + grace_s
+    try:
+        while not (waiting := bool(work_waiting())) and time.monotonic() < deadline:
+            time.sleep(_GRACE_POLL_S)
+    except Exception as exc:  # the broker unreachable: the next turn is prepared as usual
+        log.warning("run %s: could not see whether work waits: %s", request_id, exc)
+        return False
+    if waiting:
+        log.info("run %s: another run waits; the next turn's prefix is not prepared", request_id)
+    return waiting
+
+
+def encode(board, request: EncodeRequest, on_progress=None) -> EncodeReport:
+    """Encode a schema's modules into the cache box; returns the report for the control plane."""
+    base = dict(**sender(), request_id=request.request_id, schema_id=request.schema_id)
+    try:
+        result = board.schemas.encode_schema(request.schema_source, namespace=_namespace(request.namespace), progress=on_progress)
+    except (ValueError, EngineError) as exc:
+        return EncodeReport(**base, error=str(exc))
+    except CacheBoxUnavailable as exc:
+        return EncodeReport(**base, error=f"the cache box is unavailable: {exc}")
+    return EncodeReport(**base, stored=result["stored"], skipped=result["skipped"], bytes=result["bytes"])
+
+
+def _namespace(requested: str) -> str | None:
+    """The namespace a message may use: on a board, its own (a foreign one is refused)."""
+    me = enrollment.current()
+    if me is None:  # not a board process (tests, commands): as asked
+        return requested or None
+    return me.check_namespace(requested)

@@ -1,0 +1,148 @@
+"""A streamed run's side of the board: its answer released piece by piece (cut at stop strings),
+its events published sealed and signed on the run's channel from a thread of its own, and the
+control plane's signed cancel flag, obeyed only when the pinned control plane signed it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.events import security_event
+from cachebox.keys import cancel_key_name, stream_channel
+from cachebox.store import CacheBox
+
+from .. import envelope
+from ..envelope import EnvelopeRefused, Kind
+from ..messages import StreamEvent
+from .enrollment import EdgeIdentity
+
+log = logging.getLogger("inference.edge")
+
+
+def signed_cancel_set(store: CacheBox, me: EdgeIdentity, request_id: str) -> bool:
+    """Whether the pinned control plane signed a cancel for this run on this board (one GET; a
+    flag anyone else set is refused and logged; a cache box that does not answer: no)."""
+    try:
+        raw = store.read_flag(cancel_key_name(me.name, request_id))
+    except CacheBoxUnavailable as exc:
+        log.warning("cannot check whether run %s was cancelled: %s", request_id, exc)
+        return False
+    if raw is None:
+        return False
+    try:
+        body, _ = envelope.open_envelope(json.loads(raw), kind=Kind.CANCEL, to=me.name, signer_public_key=me.keys.control_plane_key)
+        if body.get("request_id") == request_id:
+            return True
+        raise EnvelopeRefused("it names another run")
+    except (ValueError, UnicodeDecodeError) as exc:  # EnvelopeRefused is a ValueError
+        security_event("cancel_refused", device=me.name, request_id=request_id, reason=str(exc)[:300])
+        return False
+
+
+class AnswerText:
+    """The answer as its client sees it: cut before the first stop string, and released piece by
+    piece only once a piece can no longer turn out to be the start of one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [stop for stop in stops if stop]
+        self.text = ""
+        self.sent = 0  # characters of ``text`` released
+        self.stopped = False
+
+    def add(self, piece: str) -> str:
+        """Take the next piece; returns the text that may be released now."""
+        if self.stopped or not piece:
+            return ""
+        self.text += piece
+        if not self.stops:
+            return self._release(len(self.text))
+        # A stop string can only begin in the unreleased part (whatever could begin one is held).
+        found = [index for index in (self.text.find(stop, self.sent) for stop in self.stops) if index >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+            self.stopped = True
+            return self._release(len(self.text))
+        held = max((k for stop in self.stops for k in range(1, min(len(stop), len(self.text) - self.sent) + 1) if self.text.endswith(stop[:k])), default=0)
+        return self._release(len(self.text) - held)
+
+    def finish(self, full_text: str) -> str:
+        """The run is over: the text still held back (none after a stop). Without a stop the
+        answer is the run's own text (its last character may have been incomplete as a piece)."""
+        if not self.stopped:
+            self.text = full_text if full_text.startswith(self.text[: self.sent]) else self.text
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        released, self.sent = self.text[self.sent : upto], max(self.sent, upto)
+        return released
+
+
+class StreamPublisher(threading.Thread):
+    """A streamed run's events to its pub/sub channel, sealed and signed by this board, from a
+    thread of its own so that a publish (one round trip, over an emulated link too) never delays
+    the next token; it also checks the run's cancel flag, at most every ``CHECK_EVERY_S``, with one
+    cheap GET, and obeys only a cancel the pinned control plane signed for this run and board."""
+
+    CHECK_EVERY_S = 0.1
+
+    def __init__(self, store: CacheBox, request_id: str, me: EdgeIdentity):
+        super().__init__(name=f"edgecache-stream-{request_id[:8]}", daemon=True)
+        self.store = store
+        self.me = me
+        self.device = me.name
+        self.request_id = request_id
+        self.channel = stream_channel(me.name, request_id)
+        self.cancel_key = cancel_key_name(me.name, request_id)
+        self.cancelled = threading.Event()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._sent = 0
+        self._failed = False
+        self.start()
+
+    def count(self) -> int:
+        """The index of the next token event."""
+        self._sent += 1
+        return self._sent - 1
+
+    def send(self, event: StreamEvent) -> None:
+        self._queue.put(event)
+
+    def close(self, last: StreamEvent | None = None, timeout: float = 5.0) -> None:
+        """Publish ``last`` after everything sent before it, then stop the thread."""
+        if last is not None:
+            self.send(last)
+        self._queue.put(None)
+        self.join(timeout)
+
+    def cancel_requested(self) -> bool:
+        if not self.cancelled.is_set() and signed_cancel_set(self.store, self.me, self.request_id):
+            self.cancelled.set()
+        return self.cancelled.is_set()
+
+    def run(self) -> None:
+        next_check = time.monotonic() + self.CHECK_EVERY_S
+        while True:
+            try:
+                event = self._queue.get(timeout=self.CHECK_EVERY_S)
+            except queue.Empty:
+                event = False
+            if event is None:
+                return
+            if event:
+                self._publish(self.me.seal_event(event))
+            if time.monotonic() >= next_check and not self.cancelled.is_set():
+                self.cancel_requested()
+                next_check = time.monotonic() + self.CHECK_EVERY_S
+
+    def _publish(self, data: bytes) -> None:
+        try:
+            self.store.publish(self.channel, data)
+        except CacheBoxUnavailable as exc:  # the run goes on; its signed report still reaches the control plane
+            if not self._failed:
+                log.warning("stream %s: an event was not published: %s", self.channel, exc)
+            self._failed = True

@@ -1,0 +1,340 @@
+"""bench fleet-sim: its summary maths, the routing state kept in memory (the same decisions as the
+history rebuilt from the database for every request), and a small simulated fleet against a real stack."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from dashboard.bench.fleet_sim import p50_p99, per_board_minute, thirds_p99, trend_per_minute, verdicts
+from inference.routing import PromptKeys, route
+
+from .test_dashboard import control_plane  # noqa: F401 (fixture)
+
+
+# -- the summary maths ----------------------------------------------------------------------------
+def test_medians_and_p99_ignore_missing_values_and_say_how_many():
+    assert p50_p99([1.0, None, 3.0, 2.0]) == {"p50": 2.0, "p99": 2.98, "n": 3}
+    assert p50_p99([]) == {"p50": None, "p99": None, "n": 0}
+
+
+def test_a_lag_that_grows_by_one_second_a_minute_has_that_trend_and_a_flat_one_none():
+    assert trend_per_minute([(t, 100.0 + t * 1000.0 / 60.0) for t in range(0, 120, 5)]) == pytest.approx(1000.0)
+    assert trend_per_minute([(t, 250.0) for t in range(10)]) == 0.0
+    assert trend_per_minute([(1, 5.0), (2, 6.0)]) is None
+
+
+def test_p99_by_third_of_the_run_shows_where_a_lag_grew():
+    points = [(t, 10.0) for t in range(0, 20)] + [(t, 10.0) for t in range(20, 40)] + [(t, 900.0) for t in range(40, 60)]
+    first, middle, last = thirds_p99(points)
+    assert first == middle == 10.0 and last == 900.0
+    assert thirds_p99([]) == [None, None, None]
+
+
+def test_cpu_per_board_per_minute():
+    assert per_board_minute(60.0, 1000, 120.0) == 0.03  # 60 CPU s over 2 minutes for 1,000 boards
+    assert per_board_minute(1.0, 0, 10.0) is None
+
+
+def test_verdicts_name_each_target_and_a_growing_lag_fails():
+    doc = {
+        "heartbeat_ingest_lag_ms": {"p99": 400.0, "p99_by_third": [100.0, 150.0, 900.0]},
+        "routing_decision_ms": {"p99": 4.0},
+        "catalog_sync_lag_ms": {"p99": 1500.0},
+        "render_ms": {"/": {"p50": 120.0}, "/devices/": {"p50": 310.0}},
+        "lost_runs": 0,
+        "errors": {"total": 0},
+    }
+    assert verdicts(doc) == {
+        "routing_decision_p99_le_5ms": True, "routing_decision_p99_le_5ms_quiet": None, "heartbeat_lag_p99_le_1s": True, "heartbeat_lag_not_growing": False,
+        "catalog_sync_lag_p99_le_2s": True, "pages_le_300ms": False, "pages_le_300ms_quiet": None, "no_lost_runs": True, "no_errors": True,
+    }
+
+
+# -- the routing state kept in memory -------------------------------------------------------------
+def _keys(*names: str) -> PromptKeys:
+    return PromptKeys(tuple(128 * (index + 1) for index in range(len(names))), names)
+
+
+def _views(index, devices, keys, now):
+    from dashboard.routing import ram_budget
+
+    return [index.view(device.name, keys, online=True, ram_budget_bytes=ram_budget(device), now=now) for device in devices]
+
+
+def _dispatch(device, keys: PromptKeys, *, ago_s: float, work_ms: float = 900.0):
+    from dashboard.models import Dispatch
+
+    row = Dispatch.objects.create(request_id=uuid.uuid4(), kind="run", device=device, namespace=device.namespace_id, routing={"prompt": keys.as_dict(), "work_ms": work_ms})
+    Dispatch.objects.filter(pk=row.pk).update(created=timezone.now() - timedelta(seconds=ago_s))
+    return str(row.request_id)
+
+
+def _report(device, request_id, *, ago_s: float, error: str = "", prompt_tokens=384, matched=0, prefill_ms=1900.0):
+    from dashboard.models import InferenceRun
+
+    run = InferenceRun.objects.create(
+        request_id=request_id, device=device, error=error,
+        breakdown={"prompt_tokens": prompt_tokens, "matched_tokens": matched, "prefill_ms": prefill_ms, "decode_ms": 300.0, "generated_tokens": 4},
+    )
+    InferenceRun.objects.filter(pk=run.pk).update(created=timezone.now() - timedelta(seconds=ago_s))
+
+
+@pytest.mark.django_db
+def test_the_routing_state_kept_in_memory_decides_as_the_history_rebuilt_for_each_request(settings):
+    """Dispatches, answers, failures and an expired run, first read whole, then followed row by
+    row: every board's view of a prompt, and so the router's choice, is the same as ``fleet_index``
+    rebuilt from the database."""
+    from dashboard.models import Device, Namespace
+    from dashboard.routing import RoutingState, fleet_index
+
+    settings.EDGECACHE_TASK_EXPIRES = 600
+    Namespace.objects.get_or_create(name="default")
+    devices = [Device.objects.create(name=f"board-{n}", status={"fingerprint": "ab", "ram_tier": {"budget_bytes": 40 * 2**20}}) for n in range(4)]
+    a, b, c, d = devices
+    shared = _keys("k1", "k2", "k3")
+    other = _keys("x1", "x2")
+    # a: answered the shared prompt (fast); b: failed it; c: an expired run and a run under way; d: nothing.
+    _report(a, _dispatch(a, shared, ago_s=50), ago_s=45, prefill_ms=1200.0)
+    _report(b, _dispatch(b, shared, ago_s=40), ago_s=39, error="the board failed")
+    _dispatch(c, other, ago_s=900)
+    _dispatch(c, shared, ago_s=2, work_ms=3000.0)
+    for index in range(40):  # more than HISTORY dispatches on one board
+        _report(d, _dispatch(d, _keys(f"d{index}"), ago_s=300 - index), ago_s=299 - index, prefill_ms=500.0 + index)
+
+    state = RoutingState()
+    now = timezone.now().timestamp()
+    for prompt in (shared, other, _keys("k1", "zz")):
+        expected = _views(fleet_index(devices), devices, prompt, now)
+        assert _views(state.current(now), devices, prompt, now) == expected
+        assert route(prompt.tokens, _views(state.current(now), devices, prompt, now)) == route(prompt.tokens, expected)
+
+    # Followed: new rows are read by id, not the whole history.
+    built = state.built_at
+    late = _dispatch(b, other, ago_s=1)
+    _report(c, _dispatch(c, other, ago_s=1), ago_s=0.5, prefill_ms=7000.0)
+    _report(b, late, ago_s=0.2)
+    now = timezone.now().timestamp()
+    for prompt in (shared, other):
+        assert _views(state.current(now), devices, prompt, now) == _views(fleet_index(devices), devices, prompt, now)
+    assert state.built_at == built  # followed, not rebuilt
+
+
+@pytest.mark.django_db
+def test_the_routing_state_starts_over_when_the_rows_it_read_are_gone():
+    from dashboard.models import Device, Dispatch, Namespace
+    from dashboard.routing import RoutingState
+
+    Namespace.objects.get_or_create(name="default")
+    board = Device.objects.create(name="board-x", status={"fingerprint": "ab"})
+    _dispatch(board, _keys("k1"), ago_s=1)
+    state = RoutingState()
+    assert state.current().queued_ms("board-x") == pytest.approx(900.0, abs=5.0)
+    Dispatch.objects.all().delete()  # a database restored from before those runs
+    assert state.current().queued_ms("board-x") == 0.0
+
+
+@pytest.mark.django_db
+def test_weighing_two_boards_of_each_unused_kind_chooses_as_weighing_every_board(monkeypatch):
+    """Of the boards routing knows nothing of, two per kind (namespace, model, link) are weighed: the
+    choice, runner-up, expected time and saving are those of weighing all of them, the preferred
+    board still wins a tie, and the record counts every online candidate."""
+    from dashboard import actions, routing
+    from dashboard.models import Device, Namespace
+
+    Namespace.objects.get_or_create(name="default")
+    status = {"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 5, "ram_tier": {"budget_bytes": 64 * 2**20}}
+    devices = [
+        Device.objects.create(name=f"board-{n:02d}", status=status, last_seen=timezone.now(), link_bandwidth_mbps=20.0 if n % 7 == 0 else None)
+        for n in range(30)
+    ]
+    layouts = {"held": (list(range(300)), ()), "new": (list(range(1000, 1400)), ())}
+    monkeypatch.setattr(routing, "prompt_tokens", lambda prompt: layouts[prompt.segments[0]])
+    held, new = actions.run_request(["held"], max_tokens=4), actions.run_request(["new"], max_tokens=4)
+    _dispatch(devices[3], routing.keys_for(devices[3], layouts["held"]), ago_s=30, work_ms=500.0)
+    _report(devices[3], str(devices[3].dispatches.get().request_id), ago_s=29)
+    _dispatch(devices[5], routing.keys_for(devices[5], layouts["new"]), ago_s=1, work_ms=4000.0)  # busy
+    # Idle boards that learned their rates on other prompts: a fast one and a slow one.
+    other = PromptKeys((128,), ("other-prompt",))
+    for board, prefill_ms in ((devices[12], 300.0), (devices[13], 5000.0)):
+        _report(board, _dispatch(board, other, ago_s=20), ago_s=19, prefill_ms=prefill_ms)
+
+    def weighing_all(prompt, preferred=""):
+        index = routing.fleet_index(devices)
+        now = timezone.now().timestamp()
+        keys = {d.name: routing.keys_for(d, layouts[prompt.segments[0]]) for d in devices}
+        views = [index.view(d.name, keys[d.name], link=routing.link_of(d), ram_budget_bytes=routing.ram_budget(d), cachebox_tokens=0, now=now) for d in devices]
+        return route(len(layouts[prompt.segments[0]][0]), views, preferred=preferred)
+
+    for prompt, preferred in ((held, ""), (new, ""), (new, "board-26"), (held, "board-26"), (new, "board-13")):
+        full = weighing_all(prompt, preferred)
+        chosen = routing.plan(devices, prompt, preferred=preferred)
+        record = full.record()
+        assert chosen.device.name == full.board
+        for field in ("board", "runner_up", "runner_up_ms", "held_tokens", "source"):
+            assert chosen.record[field] == record[field], field
+        for field in ("expected_ms", "saving_ms"):
+            assert chosen.record[field] == pytest.approx(record[field], abs=50.0), field  # the busy board's queue drains between the two
+        assert chosen.record["candidates"] == 30
+    assert routing.plan(devices, held).device.name == "board-03"  # it holds the prompt
+    assert routing.plan(devices, new).device.name == "board-12"  # nobody holds it: the fastest idle board
+    assert routing.plan(devices, new, preferred="board-26").device.name == "board-12"  # a hint wins ties only
+
+
+# -- pages with many devices ----------------------------------------------------------------------
+def _fleet(count=60):
+    from dashboard.models import Device, Namespace
+
+    Namespace.objects.get_or_create(name="default")
+    Namespace.objects.get_or_create(name="site-b")
+    now = timezone.now()
+    Device.objects.bulk_create([
+        Device(
+            name=f"dev-{n:04d}", namespace_id="site-b" if n % 3 == 0 else "default", status={"heartbeat_s": 5},
+            last_seen=now if n < 10 else (now - timedelta(hours=1) if n < 40 else None), revoked_at=now if n in (58, 59) else None,
+        )
+        for n in range(count)
+    ])
+
+
+def _rows(response) -> list[str]:
+    import re
+
+    return re.findall(r'<tr data-device="([^"]+)"', response.content.decode())
+
+
+@pytest.mark.django_db
+def test_the_devices_page_lists_a_large_fleet_a_page_at_a_time_and_finds_a_board_by_name_status_or_namespace(client, django_user_model, django_assert_max_num_queries):
+    from django.urls import reverse
+
+    _fleet()
+    client.force_login(django_user_model.objects.create_user("ops", password="pw-ops-123", is_staff=True))
+    with django_assert_max_num_queries(12):  # the same few queries whatever the fleet's size
+        page = client.get(reverse("devices"))
+    text = page.content.decode()
+    assert "<strong>60</strong> devices: 10 online, 30 offline, 18 never seen, 2 revoked" in text and "page 1 of 2" in text
+    assert len(_rows(page)) == 50
+    assert _rows(client.get(reverse("devices"), {"page": 2})) == [f"dev-{n:04d}" for n in range(50, 60)]
+    assert _rows(client.get(reverse("devices"), {"q": "dev-005"})) == [f"dev-{n:04d}" for n in range(50, 60)]
+    assert _rows(client.get(reverse("devices"), {"status": "online"})) == [f"dev-{n:04d}" for n in range(10)]
+    assert _rows(client.get(reverse("devices"), {"status": "revoked"})) == ["dev-0058", "dev-0059"]
+    assert _rows(client.get(reverse("devices"), {"namespace": "site-b", "status": "online"})) == ["dev-0000", "dev-0003", "dev-0006", "dev-0009"]
+    assert "No device matches." in client.get(reverse("devices"), {"q": "nothing-like-it"}).content.decode()
+
+
+@pytest.mark.django_db
+@pytest.mark.cachebox
+def test_the_dashboard_of_a_large_fleet_counts_it_and_shows_cards_for_the_boards_seen_last(client, django_user_model, settings, valkey_url):
+    from django.urls import reverse
+
+    settings.REDIS_URL = valkey_url
+    _fleet()
+    client.force_login(django_user_model.objects.create_user("ops", password="pw-ops-123", is_staff=True))
+    text = client.get(reverse("home")).content.decode()
+    assert 'id="fleet-counts"' in text and "<strong>60</strong> devices: 10 online" in text and 'data-full="true"' in text
+    cards = text.count('class="card device-card"')
+    assert cards == 24
+
+
+# -- heartbeats taken in batches ----------------------------------------------------------------------
+@pytest.mark.django_db
+@pytest.mark.cachebox
+def test_heartbeats_recorded_in_a_batch_are_checked_one_by_one_and_the_newest_of_each_board_kept(control_plane):
+    """A control worker keeps heartbeats and writes them together: each is still checked (signed by
+    its enrolled, unrevoked board, newer than the last one accepted); a board's newest wins."""
+    from dashboard import actions
+    from dashboard.actions.devices import HeartbeatBatch
+    from dashboard.models import Device
+    from inference.identity import BoardKeys
+
+    from .test_dashboard import enrolled, heartbeat, register
+
+    boards = {}
+    for name in ("hb-a", "hb-b", "hb-c"):
+        device, token = register(name)
+        boards[name] = (device, enrolled(device, token))
+    actions.revoke_device(None, boards["hb-c"][0])
+    batch = HeartbeatBatch()
+    first = heartbeat(boards["hb-a"][1], {"model": "first"}, device="hb-a")
+    newest = heartbeat(boards["hb-a"][1], {"model": "newest"}, device="hb-a")
+    for payload in (
+        newest, first,  # out of order within the batch: the newest is kept
+        heartbeat(boards["hb-b"][1], {"model": "b"}, device="hb-b"),
+        heartbeat(BoardKeys.generate(), {"model": "forged"}, device="hb-b"),  # not signed by hb-b's board
+        heartbeat(boards["hb-c"][1], {"model": "revoked"}, device="hb-c"),
+        heartbeat(boards["hb-a"][1], {"model": "ghost"}, device="no-such-board"),
+        {"not": "an envelope"},
+    ):
+        batch.add(payload)
+    assert batch.flush() == 2
+    status = {device.name: (device.status.get("model"), device.online) for device in Device.objects.all()}
+    assert status == {"hb-a": ("newest", True), "hb-b": ("b", True), "hb-c": (None, False)}
+    batch.add(first)  # a replay of an older heartbeat
+    assert batch.flush() == 0
+    assert Device.objects.get(name="hb-a").status["model"] == "newest"
+
+
+# -- a small simulated fleet against a real stack ---------------------------------------------------
+@pytest.mark.processes
+def test_a_small_simulated_fleet_loses_no_run_and_every_report_is_signed_and_accepted(tmp_path):
+    """`bench fleet-sim` with 20 boards: each enrolls its own keys, beats, syncs its catalog and
+    answers its runs with signed reports through the real web server, worker, broker and cache box."""
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    out = tmp_path / "fleet-sim.json"
+    done = subprocess.run(
+        [sys.executable, "manage.py", "bench", "fleet-sim", "--boards", "20", "--seconds", "4", "--rate", "3", "--heartbeat", "1", "--time-scale", "0.1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "fleet-sim" and out.with_suffix(".html").exists()
+    assert doc["online_at_start"] == 20
+    assert doc["lost_runs"] == 0 and doc["errors"]["total"] == 0, doc["errors"]
+    assert doc["requests"] == 12 and doc["answered"] == 12
+    # Every run a board answered was stored from its signed report (a refused report stores nothing).
+    assert doc["board_counts"]["reports"] == doc["board_counts"]["runs"] == doc["runs_stored"] == doc["runs_dispatched"]
+    assert doc["board_counts"]["refused"] == 0 and doc["board_counts"]["heartbeats"] >= 20
+    assert doc["heartbeat_ingest_lag_ms"]["n"] > 0 and doc["catalog_sync_lag_ms"]["n"] > 0 and doc["routing_decision_ms"]["n"] == 12
+
+
+@pytest.mark.django_db
+@pytest.mark.cachebox
+def test_heartbeats_pushed_on_the_broker_list_are_taken_in_a_batch_and_stale_ones_say_nothing(control_plane):
+    import json
+    import time
+
+    import redis
+    from django.conf import settings
+
+    from cachebox.keys import HEARTBEAT_LIST
+    from dashboard.actions import devices as device_actions
+    from dashboard.models import Device
+    from inference.envelope import CONTROL, Kind, seal
+
+    from .test_dashboard import enrolled, heartbeat, register
+
+    device, token = register("hb-list")
+    keys = enrolled(device, token)
+    monkey = redis.Redis.from_url(settings.REDIS_URL)
+    monkey.delete(HEARTBEAT_LIST)
+    from cachebox.signing import SIGNATURE_FIELD, sign_document
+
+    old = seal({"device": "hb-list", "status": {"model": "old", "heartbeat_s": 5}}, kind=Kind.HEARTBEAT, sender="hb-list", to=CONTROL, signer=keys.signing)
+    old["ts"] -= 600  # a heartbeat sent ten minutes ago (the control plane was down), signed as such
+    old = sign_document(keys.signing, {k: v for k, v in old.items() if k != SIGNATURE_FIELD})
+    monkey.lpush(HEARTBEAT_LIST, json.dumps(old))
+    batch = device_actions.HeartbeatBatch()
+    assert batch.take() == 1 and batch.flush() == 0  # too old to say the board lives now
+    assert not Device.objects.get(name="hb-list").online
+    monkey.lpush(HEARTBEAT_LIST, json.dumps(heartbeat(keys, {"model": "now", "heartbeat_s": 5}, device="hb-list")), b"not json")
+    assert batch.take() == 2 and batch.flush() == 1
+    device = Device.objects.get(name="hb-list")
+    assert device.online and device.status["model"] == "now" and monkey.llen(HEARTBEAT_LIST) == 0
