@@ -37,7 +37,7 @@ from cachebox.keys import entry_key_name
 from cachebox.link import LinkProfile
 from cachebox.models import CacheEntry
 from inference.messages import RunRequest
-from inference.routing import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, prompt_keys, route
+from inference.routing import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, learned_rate, prompt_keys, route
 
 from .models import Device, Dispatch, InferenceRun, offline_after
 
@@ -297,6 +297,8 @@ class RoutingState:
         """Runs nobody took before their expiry: the board holds nothing of them and owes nothing."""
         expired_before = now - settings.EDGECACHE_TASK_EXPIRES
         for board, history in self.index.boards.items():
+            if not history.outstanding:
+                continue
             for request_id in [rid for rid, item in history.outstanding.items() if item.at is not None and item.at < expired_before]:
                 self.index.reported(board, request_id, failed=True)
 
@@ -322,30 +324,77 @@ STATE = RoutingState()
 
 class Candidates:
     """The devices of each namespace the API routes among, read at most once per ``TTL_S`` per web
-    process (1,000 devices take ~50 ms to read and decode; a decision takes a few). A device saved
-    in this process (registered, edited, revoked, a heartbeat recorded here) is seen at once;
-    heartbeats recorded by a control worker within ``TTL_S``, well inside a board's heartbeat
-    interval."""
+    process (1,000 devices take ~50 ms to read and decode; a decision takes a few), with what the
+    router reads of each worked out once per read (``Roster``). A device saved in this process
+    (registered, edited, revoked, a heartbeat recorded here) is seen at once; heartbeats recorded
+    by a control worker within ``TTL_S``, well inside a board's heartbeat interval."""
 
     TTL_S = 1.0
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._read: dict[str, tuple[float, list[Device]]] = {}
+        self._read: dict[str, tuple[float, Roster]] = {}
 
     def of(self, namespace: str) -> list[Device]:
+        return self.roster(namespace).devices
+
+    def roster(self, namespace: str, *, fresh: bool = False) -> "Roster":
+        """The namespace's devices as read less than ``TTL_S`` ago (``fresh``: read now)."""
         with self._lock:
             read = self._read.get(namespace)
-            if read is not None and time.monotonic() - read[0] < self.TTL_S:
+            if not fresh and read is not None and time.monotonic() - read[0] < self.TTL_S:
                 return read[1]
-        devices = list(Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace"))
+        roster = Roster(list(Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace")))
         with self._lock:
-            self._read[namespace] = (time.monotonic(), devices)
-        return devices
+            self._read[namespace] = (time.monotonic(), roster)
+        return roster
 
     def forget(self, **kwargs) -> None:
         with self._lock:
             self._read.clear()
+
+
+class _Entry:
+    """What the router reads of one device, worked out once per read of it."""
+
+    __slots__ = ("device", "name", "until", "models", "keys_kind", "idle_kind", "prefill", "decode", "applied")
+
+    def __init__(self, device: Device):
+        status = device.status or {}
+        self.device = device
+        self.name = device.name
+        # Online while its last heartbeat is younger than ``offline_after`` (``Device.online_at``).
+        self.until = float("-inf") if device.revoked_at is not None or device.last_seen is None else device.last_seen.timestamp() + offline_after(status).total_seconds()
+        fingerprint = status.get("fingerprint")
+        self.models = {value for value in (status.get("model"), fingerprint) if isinstance(value, str) and value}
+        self.keys_kind = (device.cache_namespace, fingerprint)  # boards of one namespace and model share a prompt's keys
+        self.idle_kind = (device.namespace_id, device.namespace.share_across_devices, fingerprint, device.link_bandwidth_mbps, device.link_rtt_ms)
+        rates = status.get("rates")
+        rates = rates if isinstance(rates, dict) else {}
+        self.prefill, self.decode = _number(rates.get("prefill_ms_per_token")), _number(rates.get("decode_ms_per_token"))
+        self.applied = None  # the index its measured rates were given to
+
+
+class Roster:
+    """Devices as the router reads them: liveness as one instant, the kinds boards share, the rates
+    they measured, each worked out once when the devices are read (``Candidates``) instead of once
+    per device per decision (6-9 ms a decision at 1,000 boards, ``bench fleet-sim``)."""
+
+    def __init__(self, devices: list[Device], entries: list[_Entry] | None = None):
+        self.devices = devices
+        self.entries = entries if entries is not None else [_Entry(device) for device in devices]
+
+    def online(self, now: float | None = None) -> "Roster":
+        now = time.time() if now is None else now
+        entries = [entry for entry in self.entries if entry.until > now]
+        return Roster([entry.device for entry in entries], entries)
+
+    def serving(self, model: str) -> "Roster":
+        entries = [entry for entry in self.entries if model and model in entry.models]
+        return Roster([entry.device for entry in entries], entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 CANDIDATES = Candidates()
@@ -355,7 +404,7 @@ def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value >= 0 else 0.0
 
 
-def plan(devices: list[Device], prompt: RunRequest, *, preferred: str = "", policy: str = "cache-aware", all_online: bool = False) -> Routed | None:
+def plan(devices: "list[Device] | Roster", prompt: RunRequest, *, preferred: str = "", policy: str = "cache-aware", all_online: bool = False) -> Routed | None:
     """The board of ``devices`` that should answer ``prompt`` (None when none is online), with the
     record the Dispatch keeps: the choice, its expected time and saving, and the prompt's keys.
 
@@ -364,7 +413,8 @@ def plan(devices: list[Device], prompt: RunRequest, *, preferred: str = "", poli
     kind (namespace, model, link): of each kind only the two fastest (and the ``preferred`` board) are
     weighed, which gives the same choice, runner-up and saving as weighing all of them, at a cost
     that grows with the boards that are busy or hold the prompt, not with the fleet."""
-    if not devices:
+    roster = devices if isinstance(devices, Roster) else Roster(devices)
+    if not roster.entries:
         return None
     began = time.perf_counter()
     layout = prompt_tokens(prompt)
@@ -372,40 +422,45 @@ def plan(devices: list[Device], prompt: RunRequest, *, preferred: str = "", poli
     now = timezone.now().timestamp()
     kinds: dict[tuple, PromptKeys] = {}  # (namespace, model) -> the prompt's keys there: boards of one kind share them
 
-    def keys_of(device: Device) -> PromptKeys:
-        fingerprint = (device.status or {}).get("fingerprint")
-        kind = (device.cache_namespace, fingerprint)
-        if kind not in kinds:
-            kinds[kind] = keys_for(device, layout)
-        return kinds[kind]
+    def keys_of(entry: _Entry) -> PromptKeys:
+        if entry.keys_kind not in kinds:
+            kinds[entry.keys_kind] = keys_for(entry.device, layout)
+        return kinds[entry.keys_kind]
 
     with STATE.lock:
         index = STATE.current(now)
         known = index.boards
-        full: list[tuple[int, Device]] = []  # (position, device): weighed as they are
-        idle: dict[tuple, list[tuple[float, int, Device]]] = {}  # kind -> (rate, position, device)
+        prior = index.prefill_prior
+        full: list[tuple[int, _Entry]] = []  # (position, device): weighed as they are
+        idle: dict[tuple, list[tuple[float, int, _Entry]]] = {}  # kind -> (rate, position, device)
         online = 0
-        alive = _Liveness()
-        for position, device in enumerate(devices):
-            if not (all_online or alive(device)):
+        for position, entry in enumerate(roster.entries):
+            if not all_online and entry.until <= now:
                 continue
             online += 1
-            measured_rates(index, device)  # what it measured at start, until its runs say better
-            history = known.get(device.name)
-            if history is not None and (history.outstanding or STATE.holds_any(device.name, history, keys_of(device))):
-                full.append((position, device))
+            if entry.applied is not index:  # what it measured at start, until its runs say better
+                index.measured(entry.name, prefill_ms_per_token=entry.prefill, decode_ms_per_token=entry.decode)
+                entry.applied = index
+            history = known.get(entry.name)
+            if history is not None and (history.outstanding or STATE.holds_any(entry.name, history, keys_of(entry))):
+                full.append((position, entry))
                 continue
             # Idle and holding none of the prompt: its expected time is its prefill at its rate (or
             # a fetch, the same for its kind), so only the two fastest of its kind can come first or second.
-            rate = index.prefill_rate(device.name) if history is not None else index.prefill_prior
-            kind = (device.namespace_id, device.namespace.share_across_devices, (device.status or {}).get("fingerprint"), device.link_bandwidth_mbps, device.link_rtt_ms)
-            idle.setdefault(kind, []).append((rate, position, device))
+            if history is None:
+                rate = prior
+            elif history.prefill_rates:
+                rate = learned_rate(history.prefill_rates, history.measured_prefill or prior)
+            else:
+                rate = history.measured_prefill or prior
+            idle.setdefault(entry.idle_kind, []).append((rate, position, entry))
         for boards in idle.values():
-            fastest = {position: device for _, position, device in heapq.nsmallest(2, boards, key=lambda item: (item[0], item[1]))}
-            fastest.update({position: device for _, position, device in boards if device.name == preferred})
+            fastest = {position: entry for _, position, entry in heapq.nsmallest(2, boards, key=lambda item: (item[0], item[1]))}
+            fastest.update({position: entry for _, position, entry in boards if entry.name == preferred})
             full += fastest.items()
-        weighed = [device for _, device in sorted(full, key=lambda item: item[0])]
-        keys = {device.name: keys_of(device) for device in weighed}
+        chosen_entries = [entry for _, entry in sorted(full, key=lambda item: item[0])]
+        weighed = [entry.device for entry in chosen_entries]
+        keys = {entry.name: keys_of(entry) for entry in chosen_entries}
         mirrored = mirrored_names(weighed, keys)
         views = [
             index.view(
@@ -428,24 +483,6 @@ def plan(devices: list[Device], prompt: RunRequest, *, preferred: str = "", poli
         "decided_ms": round((time.perf_counter() - began) * 1000.0, 3),  # the whole decision, tokenizing included
     }
     return Routed(device, record)
-
-
-class _Liveness:
-    """``Device.online`` for many devices at one instant: the clock and each heartbeat interval's
-    limit read once per decision, not once per board."""
-
-    def __init__(self):
-        self.now = timezone.now()
-        self.since: dict = {}
-
-    def __call__(self, device: Device) -> bool:
-        if device.revoked_at is not None or device.last_seen is None:
-            return False
-        interval = (device.status or {}).get("heartbeat_s")
-        since = self.since.get(interval)
-        if since is None:
-            since = self.since[interval] = self.now - offline_after(device.status)
-        return device.last_seen > since
 
 
 def history(device: Device, prompt: RunRequest) -> dict:

@@ -182,6 +182,37 @@ def test_weighing_two_boards_of_each_unused_kind_chooses_as_weighing_every_board
     assert routing.plan(devices, held).device.name == "board-03"  # it holds the prompt
     assert routing.plan(devices, new).device.name == "board-12"  # nobody holds it: the fastest idle board
     assert routing.plan(devices, new, preferred="board-26").device.name == "board-12"  # a hint wins ties only
+    # The API's way: a roster read once (Candidates) and reused by many decisions chooses the same.
+    roster = routing.Roster(devices)
+    for _ in range(2):
+        assert routing.plan(roster, held).device.name == "board-03"
+        via_roster, via_list = routing.plan(roster, new, preferred="board-26").record, routing.plan(devices, new, preferred="board-26").record
+        for field in ("board", "runner_up", "held_tokens", "source", "candidates", "prompt"):
+            assert via_roster[field] == via_list[field], field
+
+
+@pytest.mark.django_db
+def test_a_roster_counts_online_and_serving_boards_as_the_devices_do():
+    from datetime import timedelta
+
+    from dashboard import routing
+    from dashboard.api.routing import serves
+    from dashboard.models import Device, Namespace
+
+    Namespace.objects.get_or_create(name="default")
+    now = timezone.now()
+    devices = [
+        Device.objects.create(name="fresh", status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 1}, last_seen=now - timedelta(seconds=3)),
+        Device.objects.create(name="late", status={"model": "m.gguf", "heartbeat_s": 1}, last_seen=now - timedelta(seconds=5)),
+        Device.objects.create(name="slow-beats", status={"model": "other.gguf", "heartbeat_s": 30}, last_seen=now - timedelta(seconds=100)),
+        Device.objects.create(name="no-status", status={}, last_seen=now),
+        Device.objects.create(name="never", status={"model": "m.gguf"}),
+        Device.objects.create(name="revoked", status={"model": "m.gguf"}, last_seen=now, revoked_at=now),
+    ]
+    roster = routing.Roster(devices)
+    assert [device.name for device in roster.online(now.timestamp()).devices] == [device.name for device in devices if device.online_at(now)] == ["fresh", "slow-beats", "no-status"]
+    for model in ("m.gguf", "ab", "other.gguf", ""):
+        assert [device.name for device in roster.serving(model).devices] == [device.name for device in devices if serves(device, model)]
 
 
 # -- pages with many devices ----------------------------------------------------------------------
@@ -338,3 +369,27 @@ def test_heartbeats_pushed_on_the_broker_list_are_taken_in_a_batch_and_stale_one
     assert batch.take() == 2 and batch.flush() == 1
     device = Device.objects.get(name="hb-list")
     assert device.online and device.status["model"] == "now" and monkey.llen(HEARTBEAT_LIST) == 0
+
+
+@pytest.mark.django_db
+def test_a_board_another_process_saw_come_online_serves_a_request_this_process_read_it_offline(monkeypatch):
+    """Each web process reads the devices at most once a second: a board whose first heartbeat a
+    control worker recorded since is weighed again before a request is refused for want of it."""
+    from dashboard import actions, routing
+    from dashboard.api.keys import create_key
+    from dashboard.api.requests import parse_request
+    from dashboard.api.routing import choose_route
+    from dashboard.models import Device, Namespace
+
+    monkeypatch.setattr(routing, "prompt_tokens", lambda prompt: None)
+    monkeypatch.setattr(routing.Candidates, "TTL_S", 3600.0)
+    routing.CANDIDATES.forget()
+    Namespace.objects.get_or_create(name="default")
+    Device.objects.create(name="late-board", status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 1})
+    key, _ = create_key(None, "default")
+    request = parse_request({"model": "m.gguf", "messages": [{"role": "user", "content": "hi"}]}, "chat")
+    run = actions.run_request(["hi"], max_tokens=4)
+    assert not routing.CANDIDATES.roster("default").online()  # read while the board was silent
+    Device.objects.filter(name="late-board").update(last_seen=timezone.now())  # a worker records its heartbeat
+    device, routed, online = choose_route(key, request, run)
+    assert device.name == "late-board" and routed.device.name == "late-board" and online == 1

@@ -210,6 +210,7 @@ def test_the_peer_is_unavailable_with_what_to_install_where_build_tools_are_miss
 @pytest.mark.processes
 @pytest.mark.model
 @pytest.mark.cachebox
+@pytest.mark.timeout(1800)  # the first run on a machine builds the peer (~6 minutes on 2 cores, more under load)
 def test_both_systems_answer_the_same_two_prompts_through_their_apis(tmp_path):
     missing = llama_server.missing_tools()
     if missing and not llama_server.binary_path().exists():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 
 from django.core.cache import cache
 
@@ -79,19 +80,30 @@ def example_model(namespace: str) -> str:
 def choose_route(key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[Device, Routed | None, int]:
     """The board that answers ``request`` (whose prompt is ``run``), the router's record when it
     chose it, and how many boards of the key's namespace are online (its bounded queue's size,
-    ``dashboard.admission``)."""
-    devices = namespace_devices(key.namespace_id)
-    online_boards = sum(1 for device in devices if device.online)
+    ``dashboard.admission``). The devices are those this process read less than a second ago; a
+    request they cannot serve (no board online, an unknown model or device) is weighed again on
+    the devices as the database has them now before it is refused: a board that came online in
+    that second (its heartbeat recorded by a control worker, seen by another web process) serves it."""
+    try:
+        return _choose(CANDIDATES.roster(key.namespace_id), key, request, run)
+    except ApiError:
+        return _choose(CANDIDATES.roster(key.namespace_id, fresh=True), key, request, run)
+
+
+def _choose(roster, key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[Device, Routed | None, int]:
+    devices = roster.devices
+    now = time.time()
+    online_boards = len(roster.online(now))
     if request.device:
         return _named(devices, request.device, request.model, key.namespace_id), None, online_boards
-    known = [device for device in devices if serves(device, request.model)]
+    known = roster.serving(request.model)
     if not known:
         served = sorted({(device.status or {}).get("model") for device in devices if device.online and (device.status or {}).get("model")})
         listed = f"online boards of namespace {key.namespace_id!r} serve {', '.join(served)}" if served else f"no board of namespace {key.namespace_id!r} is online"
         raise bad_request(f"The model {request.model!r} does not exist here ({listed}); GET /v1/models lists them.", param="model", code="model_not_found")
-    online = [device for device in known if device.online]
+    online = known.online(now)
     if not online:
-        names = ", ".join(device.name for device in known)
+        names = ", ".join(device.name for device in known.devices)
         raise ApiError(503, f"No board serving {request.model!r} is online (its devices: {names}); {START_A_BOARD}.", type="server_error", code="no_board_online")
     remembered = _remembered(key.namespace_id, request.prompt_cache_key) if request.prompt_cache_key else None
     # Online a moment ago is online for this choice (a heartbeat late by a few ms must not leave none).
