@@ -123,6 +123,29 @@ def test_the_routing_state_kept_in_memory_decides_as_the_history_rebuilt_for_eac
     assert state.built_at == built  # followed, not rebuilt
 
 
+@pytest.mark.django_db(transaction=True)  # the rebuild reads the database from a thread of its own
+def test_the_periodic_rebuild_happens_beside_decisions_and_sees_a_run_moved_to_another_board():
+    from dashboard.models import Device, Dispatch, Namespace
+    from dashboard.routing import RoutingState, fleet_index
+
+    Namespace.objects.get_or_create(name="default")
+    first, second = (Device.objects.create(name=f"board-{n}", status={"fingerprint": "ab"}) for n in range(2))
+    request_id = _dispatch(first, _keys("k1"), ago_s=1, work_ms=5000.0)
+    state = RoutingState()
+    now = timezone.now().timestamp()
+    before = state.current(now)
+    assert before.queued_ms("board-0") > 0 and before.queued_ms("board-1") == 0
+    Dispatch.objects.filter(request_id=request_id).update(device=second)  # re-sent: changed in place, no new row
+    state.built_at -= state.REBUILD_S + 1
+    assert state.current(now) is before  # the decision goes on with the index it has
+    state._rebuilding.join(30)
+    after = state.current(now)
+    assert after is not before and state.built_at > now - 5
+    devices = [first, second]
+    assert _views(after, devices, _keys("k1"), now) == _views(fleet_index(devices), devices, _keys("k1"), now)
+    assert after.queued_ms("board-0") == 0 and after.queued_ms("board-1") > 0
+
+
 @pytest.mark.django_db
 def test_the_routing_state_starts_over_when_the_rows_it_read_are_gone():
     from dashboard.models import Device, Dispatch, Namespace

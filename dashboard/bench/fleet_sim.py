@@ -414,11 +414,11 @@ def _heartbeat_lags(seen: dict, t0: float) -> list[tuple[float, float]]:
 
 def _quiet_decisions(namespace: str, system: str, repeats: int = 50) -> list[float]:
     """Routing decisions over every device of ``namespace`` taken by this process once the load has
-    stopped: the decision's own cost, without a busy web process around it."""
+    stopped: the decision's own cost, without a busy web process around it. The devices come as the
+    API reads them (``Candidates``: at most once a second per process, each read timed apart)."""
     from dashboard import actions, routing
-    from dashboard.models import Device
 
-    devices = list(Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace"))
+    devices = routing.CANDIDATES.roster(namespace, fresh=True)
     prompt = actions.run_request(messages=(("system", system), ("user", "Which board is quietest?")), max_tokens=4)
     routing.plan(devices, prompt)  # the vocabulary, loaded once
     times = []
@@ -508,6 +508,19 @@ def drive(options: dict) -> dict:
         systems = [f"You are assistant number {index} of site operations. " + ("Answer briefly and precisely about the fleet, its boards and their caches. " * 12) for index in range(SYSTEM_PROMPTS)]
         futures = []
         render: dict = {}
+        pages = ["/", "/devices/", "/cache/"]
+
+        def render_under_load() -> None:
+            # In a thread of its own: the requests keep their schedule meanwhile (rendering in the
+            # sending loop held them back, then sent 9 at once: a burst the web process queued).
+            from django.db import connections
+
+            try:
+                render.update(_render_times(pages, fleet["admin_id"]))
+            finally:
+                connections.close_all()
+
+        renderer = threading.Thread(target=render_under_load, name="fleet-sim-render", daemon=True)
         with ThreadPoolExecutor(64) as pool:
             total = int(options["rate"] * options["seconds"])
             window_start = time.monotonic()
@@ -515,11 +528,12 @@ def drive(options: dict) -> dict:
                 time.sleep(max(0.0, window_start + index / options["rate"] - time.monotonic()))
                 namespace = names[index % len(names)]
                 futures.append((time.monotonic() - window_start, pool.submit(_chat, options["url"], fleet["keys"][namespace], SIM_MODEL, systems[index % SYSTEM_PROMPTS], f"Question {index}: how is board {index % 97} doing?")))
-                if not render and time.monotonic() - window_start > options["seconds"] / 2:
-                    render = _render_times(["/", "/devices/", "/cache/"], fleet["admin_id"])
+                if renderer.ident is None and time.monotonic() - window_start > options["seconds"] / 2:
+                    renderer.start()
             time.sleep(max(0.0, window_start + options["seconds"] - time.monotonic()))
-            if not render:
-                render = _render_times(["/", "/devices/", "/cache/"], fleet["admin_id"])
+            if renderer.ident is None:
+                renderer.start()
+            renderer.join()
             window = time.time() - t0
             load_end = [round(value, 2) for value in os.getloadavg()]
             cpu_after, box_after = _cpu_by_role(options["server_pid"], sim_pids, home), _valkey_counters(cachebox_urls)
@@ -530,7 +544,7 @@ def drive(options: dict) -> dict:
         stop.set()
         sampler.join()
         quiet = _quiet_decisions(names[0], systems[0])
-        render_quiet = _render_times(["/", "/devices/", "/cache/"], fleet["admin_id"])  # the load stopped, the boards still beat
+        render_quiet = _render_times(pages, fleet["admin_id"])  # the load stopped, the boards still beat
         print(f"fleet-sim: load done ({len(samples)} requests); draining", flush=True)
         stop_file.write_text("stop")
         deadline = time.monotonic() + 180  # each writes its results once its boards answered what they took
