@@ -123,7 +123,7 @@ def test_the_routing_state_kept_in_memory_decides_as_the_history_rebuilt_for_eac
     assert state.built_at == built  # followed, not rebuilt
 
 
-@pytest.mark.django_db(transaction=True)  # the rebuild reads the database from a thread of its own
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)  # the rebuild reads from a thread of its own; migrated rows left as found
 def test_the_periodic_rebuild_happens_beside_decisions_and_sees_a_run_moved_to_another_board():
     from dashboard.models import Device, Dispatch, Namespace
     from dashboard.routing import RoutingState, fleet_index
