@@ -79,7 +79,9 @@ def declare_queue(device: Device) -> None:
     name = Queue.device(device.name)
     try:
         with celery_app.connection_for_write(connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT) as connection:
-            connection.ensure_connection(max_retries=1)
+            # One quick retry: kombu waits 2 s before it by default, and a staff edit or an
+            # enrollment should not wait on a broker that is away (the first dispatch declares it).
+            connection.ensure_connection(max_retries=1, interval_start=0.2, interval_step=0.2, interval_max=0.2)
             KombuQueue(name, Exchange(name), routing_key=name)(connection.default_channel).declare()
     except Exception as exc:  # the broker away: the first dispatch declares it too
         log.warning("queue %s not declared: %s", name, exc)
