@@ -71,12 +71,14 @@ def run_api_bench(url: str, key: str, model: str, *, clients: int = 8, seconds: 
     return summarize(samples, clients=clients, seconds=seconds, elapsed=elapsed, model=model, max_tokens=max_tokens)
 
 
-def _one(url: str, key: str, model: str, question: str, max_tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+def stream_chat(url: str, key: str, body: dict, timeout: float) -> dict:
+    """One streamed chat completion through the API, as a client sees it: ``first_ms`` (to the
+    first content chunk, None without one), ``chunks`` (content chunks), ``figures`` (the last
+    chunk's ``edgecache`` figures), ``total_ms`` and ``error`` ('' when it answered)."""
     parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=300)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
     sent = time.perf_counter()
-    first_ms, tokens, figures, error = None, 0, {}, ""
+    first_ms, chunks, figures, error = None, 0, {}, ""
     try:
         connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
         response = connection.getresponse()
@@ -89,18 +91,24 @@ def _one(url: str, key: str, model: str, question: str, max_tokens: int) -> dict
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    error = chunk["error"].get("message", "error")
+                    error = str(chunk["error"].get("message", "error"))[:200]
                     break
                 if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-                    tokens += 1
+                    chunks += 1
                     if first_ms is None:
                         first_ms = (time.perf_counter() - sent) * 1000.0
                 figures = chunk.get("edgecache") or figures
     except (OSError, http.client.HTTPException, ValueError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         connection.close()
-    total_ms = (time.perf_counter() - sent) * 1000.0
+    return {"first_ms": first_ms, "chunks": chunks, "figures": figures, "total_ms": (time.perf_counter() - sent) * 1000.0, "error": error}
+
+
+def _one(url: str, key: str, model: str, question: str, max_tokens: int) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    answer = stream_chat(url, key, body, timeout=300)
+    first_ms, tokens, figures, error, total_ms = answer["first_ms"], answer["chunks"], answer["figures"], answer["error"], answer["total_ms"]
     board_ttft, queue_ms, api_ms = figures.get("ttft_ms"), figures.get("queue_ms"), figures.get("api_ms")
     return {
         "first_chunk_ms": round(first_ms, 3) if first_ms is not None else None,

@@ -344,35 +344,11 @@ def _valkey_counters(urls: list[str]) -> dict:
 
 
 def _chat(url: str, key: str, model: str, system: str, question: str) -> dict:
-    import http.client
-    from urllib.parse import urlsplit
+    from dashboard.api.bench import stream_chat
 
     body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], "max_tokens": 4, "stream": True}
-    parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
-    sent = time.perf_counter()
-    first_ms, figures, error = None, {}, ""
-    try:
-        connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
-        else:
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    error = str(chunk["error"].get("message", "error"))[:200]
-                    break
-                if first_ms is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-                    first_ms = (time.perf_counter() - sent) * 1000.0
-                figures = chunk.get("edgecache") or figures
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        error = f"{type(exc).__name__}: {exc}"[:200]
-    finally:
-        connection.close()
+    answer = stream_chat(url, key, body, timeout=120)
+    first_ms, figures, error = answer["first_ms"], answer["figures"], answer["error"]
     board_ttft = figures.get("ttft_ms")
     if not error and first_ms is None:
         error = "no content chunk"
