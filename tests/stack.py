@@ -102,6 +102,28 @@ def manage(stack: dict, *args: str, timeout: float = 120) -> str:
     return done.stdout
 
 
+def shell(stack: dict, code: str) -> str:
+    """Run Python in ``manage.py shell`` against the stack; returns its output."""
+    return manage(stack, "shell", "-c", code)
+
+
+def log_in(browser, base: str, username: str, password: str, width: int = 1400, **options):
+    """A browser context logged in as ``username`` (a window ``width`` px wide, ``options`` as
+    Playwright's new_context takes them, e.g. timezone_id)."""
+    from playwright.sync_api import expect
+
+    context = browser.new_context(viewport={"width": width, "height": 1000}, **options)
+    context.set_default_timeout(30_000)
+    page = context.new_page()
+    page.goto(base + "/accounts/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("#login-submit")
+    expect(page.locator("h1")).to_have_text("Dashboard")
+    page.close()
+    return context
+
+
 @pytest.fixture(scope="module")
 def browser():
     if not os.path.exists(CHROMIUM):

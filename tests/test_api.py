@@ -55,6 +55,18 @@ class Stack:
         self.processes.append(process)
         return process
 
+    def stop(self) -> None:
+        """Interrupt every process (the last started first), kill what outlives 30 s, stop the cache box."""
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        for process in self.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=self.env, capture_output=True, timeout=30)
+
     def log(self, name: str) -> str:
         return (self.home / f"{name}.log").read_text(errors="replace")
 
@@ -125,15 +137,7 @@ def stack(tmp_path_factory):
         stack.model = models[0].id
         yield stack
     finally:
-        for process in reversed(stack.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-        for process in stack.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30)
+        stack.stop()
 
 
 def post(stack: Stack, path: str, body: bytes | dict, key: str | None = "main") -> tuple[int, dict, bytes]:

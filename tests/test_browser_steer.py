@@ -14,16 +14,12 @@ import re
 
 import pytest
 
-from .stack import ADMIN_PASSWORD, SCREENSHOTS, browser, manage, stack, stack_env, start_board  # noqa: F401  (fixtures)
+from .stack import ADMIN_PASSWORD, SCREENSHOTS, browser, manage, shell, stack, stack_env, start_board  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.cachebox]
 
 BOARD = "steer-board"
 LONG_WAIT = 90_000  # ms: a board's first answer
-
-
-def shell(stack, code: str) -> str:
-    return manage(stack, "shell", "-c", code)
 
 
 @pytest.fixture(scope="module")

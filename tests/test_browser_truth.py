@@ -13,31 +13,12 @@ import time
 
 import pytest
 
-from .stack import ADMIN_PASSWORD, SCREENSHOTS, browser, manage, stack, stack_env, start_board  # noqa: F401  (fixtures)
+from .stack import ADMIN_PASSWORD, SCREENSHOTS, browser, log_in, manage, shell, stack, stack_env, start_board  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.cachebox]
 
 BOARD = "truth-board"
 LONG_WAIT = 90_000  # ms: a board's first answer
-
-
-def shell(stack, code: str) -> str:
-    return manage(stack, "shell", "-c", code)
-
-
-def log_in(browser, base: str, username: str, password: str, width: int = 1400, **options):
-    from playwright.sync_api import expect
-
-    context = browser.new_context(viewport={"width": width, "height": 1000}, **options)
-    context.set_default_timeout(30_000)
-    page = context.new_page()
-    page.goto(base + "/accounts/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", password)
-    page.click("#login-submit")
-    expect(page.locator("h1")).to_have_text("Dashboard")
-    page.close()
-    return context
 
 
 # Runs of a board that never ran ("chart-board", a Wi-Fi 4 link): prefills and fetches whose

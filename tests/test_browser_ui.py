@@ -14,7 +14,7 @@ import re
 import pytest
 
 from .conftest import ROOT
-from .stack import ADMIN_PASSWORD, SCREENSHOTS, browser, manage, stack, start_board  # noqa: F401  (fixtures)
+from .stack import ADMIN_PASSWORD, SCREENSHOTS, browser, log_in, manage, shell, stack, start_board  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.cachebox]
 
@@ -26,25 +26,6 @@ LONG_WAIT = 90_000  # ms: a board's first answer, an encode
 @pytest.fixture(scope="module")
 def stack_env():
     return {"EDGECACHE_RUN_RATE": str(RUN_RATE)}
-
-
-def shell(stack, code: str) -> str:
-    return manage(stack, "shell", "-c", code)
-
-
-def log_in(browser, base: str, username: str, password: str, **context_options):
-    from playwright.sync_api import expect
-
-    context = browser.new_context(viewport={"width": 1400, "height": 1000}, **context_options)
-    context.set_default_timeout(30_000)
-    page = context.new_page()
-    page.goto(base + "/accounts/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", password)
-    page.click("#login-submit")
-    expect(page.locator("h1")).to_have_text("Dashboard")
-    page.close()
-    return context
 
 
 @pytest.fixture(scope="module")

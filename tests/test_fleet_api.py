@@ -12,15 +12,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import signal
-import subprocess
 import sys
 import urllib.error
 import urllib.request
 
 import pytest
 
-from .conftest import ROOT, require
+from .conftest import require
 from .stack import free_port, wait_for_http
 from .test_api import Stack, error_of, until
 
@@ -66,15 +64,7 @@ def fleet(tmp_path_factory):
         stack.model = models[0].id
         yield stack
     finally:
-        for process in reversed(stack.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-        for process in stack.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30)
+        stack.stop()
 
 
 def ask(stack: Stack, question: str, *, max_tokens: int = 1) -> dict:

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.cookiejar
-import json
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, require
+from .conftest import require
 from .stack import free_port, wait_for_http
 from .test_api import Stack, until
 
@@ -74,15 +72,7 @@ def plane(tmp_path_factory):
         stack.model = until(lambda: stack.client().models.list().data, 240, "the board to come online")[0].id
         yield stack
     finally:
-        for process in reversed(stack.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-        for process in stack.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30)
+        stack.stop()
 
 
 def session_cookie(stack: Stack) -> str:
