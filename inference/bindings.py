@@ -53,3 +53,40 @@ def llama_cpp() -> ModuleType:
         package.__version__ = importlib.metadata.version("llama-cpp-python")
         package.__getattr__ = __getattr__
         return package
+
+
+# -- how llama.cpp was compiled ------------------------------------------------------------------
+# x86-64 builds (the wheel, ``make install``; the llama-server peer, ``inference.benchmarks.
+# llama_server``) take AVX2/FMA/F16C, not ``-march=native``: on a CPU that reports AMX (Intel
+# Sapphire Rapids and later, and the VMs they host) ``native`` compiles ggml's AMX kernels, and its
+# AMX weight buffers crashed llama.cpp (SIGSEGV in ggml_backend_amx_mul_mat) on the first batch of
+# every model loaded with its extra buffer types, on this project's test machines. The Makefile's
+# LLAMA_CMAKE_ARGS must say the same (tests/test_bindings.py checks it).
+X86_CMAKE_ARGS = ("-DGGML_NATIVE=OFF",)
+
+
+def cmake_args(machine: str | None = None) -> tuple[str, ...]:
+    """The CMake flags llama.cpp is built with on ``machine`` (``platform.machine()``)."""
+    import platform
+
+    machine = (machine or platform.machine()).lower()
+    return X86_CMAKE_ARGS if machine in ("x86_64", "amd64") else ()
+
+
+def system_info() -> str:
+    """llama.cpp's own list of the CPU features it was compiled for ("AVX2 = 1 | ...")."""
+    info = llama_cpp().llama_print_system_info()
+    return info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+
+
+def amx_build(info: str | None = None) -> bool:
+    """Whether this llama.cpp holds ggml's AMX kernels (see X86_CMAKE_ARGS)."""
+    info = system_info() if info is None else info
+    return any(f"{feature} = 1" in info for feature in ("AMX_INT8", "AMX_BF16", "AMX_TILE"))
+
+
+if __name__ == "__main__":  # `python -m inference.bindings`: make install's check of the build
+    if amx_build():
+        print("llama-cpp-python here was compiled with ggml's AMX kernels (-march=native, or a wheel pip cached before the Makefile set LLAMA_CMAKE_ARGS)", file=sys.stderr)
+        sys.exit(1)
+    print("llama.cpp build: " + " ".join(part.strip() for part in system_info().split("|") if part.strip().endswith("= 1")))

@@ -14,16 +14,19 @@ Never uses ``Llama.save_state()``: it copies n_tokens x vocab floats of logits.
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 
 from cachebox.keys import ModelIdentity
 
+from .bindings import amx_build
 from .bindings import llama_cpp as _bindings
 from .compute_profile import Pacer
 from .memory_plan import ModelFacts
@@ -182,6 +185,19 @@ class Vocabulary:
 
 
 
+@functools.cache
+def _repack_unsafe() -> bool:
+    """A llama.cpp compiled with AMX kernels puts weights in AMX buffers with the extra buffer
+    types, which crashed it (``inference.bindings.X86_CMAKE_ARGS``): such a build loads without."""
+    if not amx_build():
+        return False
+    logging.getLogger("inference.engine").warning(
+        "llama.cpp here was compiled with AMX kernels, which crashed it on the first batch: models load without "
+        "repacked weights (slower prefill). Rebuild it without them: `make install` (it checks the build)."
+    )
+    return True
+
+
 class Engine(Vocabulary):
     """One model and one context. Not thread-safe: callers serialize (``lock``)."""
 
@@ -195,6 +211,8 @@ class Engine(Vocabulary):
         if config.kv_type not in KV_TYPES:
             raise ValueError(f"unknown KV type {config.kv_type!r}; choose one of {', '.join(KV_TYPES)}")
         _quiet_llama()
+        if config.repack and _repack_unsafe():
+            config = replace(config, repack=False)
         self.model_file = model
         self.lock = threading.RLock()
         self.generation = 0  # counts clear(): a strategy that keeps its context checks it is still there
@@ -214,6 +232,8 @@ class Engine(Vocabulary):
             except BaseException:
                 llama_cpp.llama_model_free(self._model)
                 raise
+            if sized.repack and _repack_unsafe():
+                sized = replace(sized, repack=False)
             if sized.repack != config.repack:  # repacking happens at load: load again without it (cheap: the file is mapped)
                 llama_cpp.llama_model_free(self._model)
                 model_params.use_extra_bufts = sized.repack

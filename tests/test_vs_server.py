@@ -203,7 +203,8 @@ def test_the_peer_is_unavailable_with_what_to_install_where_build_tools_are_miss
     monkeypatch.setattr(llama_server.shutil, "which", lambda tool: None)
     with pytest.raises(llama_server.PeerUnavailable, match="cmake.*C\\+\\+ compiler.*apt-get install"):
         llama_server.ensure(lambda line: None)
-    assert llama_server.binary_path("9.9.9") == tmp_path / "llama-server-9.9.9" / "llama-server"
+    flavour = "-avx2" if llama_server.cmake_args() else ""
+    assert llama_server.binary_path("9.9.9") == tmp_path / f"llama-server-9.9.9{flavour}" / "llama-server"
 
 
 # -- the smoke run: both systems, two prompts ---------------------------------------------------

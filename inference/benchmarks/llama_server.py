@@ -23,10 +23,12 @@ from typing import Callable
 
 import llama_cpp
 
+from inference.bindings import cmake_args
+
 VERSION = llama_cpp.__version__  # the sdist is the version we run: its llama.cpp is the wheel's
 
-# Same as the wheel (llama-cpp-python's CMakeLists forces curl off; Release, native CPU flags by
-# default); no tests, examples or other tools; no HTTPS (loopback only) and no prebuilt web UI,
+# Same as the wheel (llama-cpp-python's CMakeLists forces curl off; Release; the CPU flags of
+# ``make install``, ``inference.bindings.cmake_args``); no tests, examples or other tools; no HTTPS (loopback only) and no prebuilt web UI,
 # which llama.cpp would otherwise fetch from the network at build time.
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -42,6 +44,7 @@ CMAKE_FLAGS = (
     "-DGGML_CUDA=OFF",
     "-DGGML_METAL=OFF",
     "-DGGML_VULKAN=OFF",
+    *cmake_args(),
 )
 
 
@@ -54,7 +57,8 @@ def peers_dir() -> Path:
 
 
 def binary_path(version: str = VERSION) -> Path:
-    return peers_dir() / f"llama-server-{version}" / "llama-server"
+    flavour = "-avx2" if cmake_args() else ""  # not the -march=native binaries of earlier builds (inference.bindings)
+    return peers_dir() / f"llama-server-{version}{flavour}" / "llama-server"
 
 
 def missing_tools() -> list[str]:
