@@ -112,3 +112,26 @@ def test_bench_cases_unknown_topic_is_a_clear_error(valkey_url):
     done = run_manage("bench", "cases", "--topic", "cooking", env={"REDIS_URL": valkey_url})
     assert done.returncode != 0 and b"unknown MMLU topic 'cooking'" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_make_run_says_which_of_its_processes_ended_and_how():
+    """A board that crashed at start (llama.cpp's AMX kernels did) left `make run` silent."""
+    import io
+    import subprocess
+    import sys
+
+    from django.core.management.base import OutputWrapper
+
+    from dashboard.management.commands.run import Command
+
+    command = Command()
+    said = io.StringIO()
+    command.stderr = OutputWrapper(said)
+    crashed = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
+    command._watch("board pi5", crashed).join(timeout=30)
+    assert "board pi5 ended (signal SIGSEGV); its log is above" in said.getvalue()
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watcher = command._watch("board zero", stopped)
+    command._stop([stopped])  # Ctrl-C: the processes it stops are not reported
+    watcher.join(timeout=30)
+    assert not watcher.is_alive() and "board zero" not in said.getvalue()

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from django.conf import settings
@@ -175,7 +176,9 @@ class Command(BaseCommand):
         link = LINK_PRESETS[spec["link"]]
         host = network.add(spec["name"], memory_mb=spec["memory_mb"], threads=spec["cpu_threads"], link=link)
         self.stdout.write(f"starting {label} as a host: {host.address}, {spec['memory_mb']} MB, {spec['cpu_threads']} CPU, link {link.label if link else 'unshaped'} (tc)")
-        return host.spawn(argv, {**os.environ, **env}, cwd=settings.BASE_DIR)
+        child = host.spawn(argv, {**os.environ, **env}, cwd=settings.BASE_DIR)
+        self._watch(label, child)
+        return child
 
     def _serve_many(self, host: str, port: int, web: int, children: list[subprocess.Popen]) -> None:
         """``web`` daphne processes on one listening socket (opened here, inherited by each); returns
@@ -202,9 +205,29 @@ class Command(BaseCommand):
 
     def _spawn(self, label: str, argv: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
         self.stdout.write(f"starting {label}")
-        return subprocess.Popen(argv, cwd=settings.BASE_DIR, env={**os.environ, **(env or {})}, **popen)
+        child = subprocess.Popen(argv, cwd=settings.BASE_DIR, env={**os.environ, **(env or {})}, **popen)
+        self._watch(label, child)
+        return child
+
+    def _watch(self, label: str, child: subprocess.Popen) -> threading.Thread:
+        """Say so when ``child`` ends before Ctrl-C (a board that crashed at start was silent)."""
+        if not hasattr(self, "_stopping"):
+            self._stopping = threading.Event()
+
+        def watch():
+            code = child.wait()
+            if self._stopping.is_set():
+                return
+            how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit status {code}"
+            self.stderr.write(f"{label} ended ({how}); its log is above. Ctrl-C and `make run` again start it anew.")
+
+        watcher = threading.Thread(target=watch, name=f"watch {label}", daemon=True)
+        watcher.start()
+        return watcher
 
     def _stop(self, children: list[subprocess.Popen]) -> None:
+        if hasattr(self, "_stopping"):
+            self._stopping.set()
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
