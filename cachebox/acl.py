@@ -73,8 +73,9 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
     return [
         *_base(password_sha256),
         # its own queue and its namespace's shared one (one BRPOP names both): take work and put
-        # it back, never delete or overwrite a queue
-        f"(~device.{name} ~boards.{ns} +brpop +lpush +rpush +llen +exists)",
+        # it back, never delete or overwrite a queue; BLMOVE from a queue to itself waits for work
+        # and leaves it in place (inference.edge.serving.work_arrives)
+        f"(~device.{name} ~boards.{ns} +brpop +blmove +lpush +rpush +llen +exists)",
         # the bookkeeping of the messages it holds, and the lock it restores them under
         f"(~unacked.{name} ~unacked_index.{name} +zadd +zrem +zrange +zrevrangebyscore +zrangebyscore +hset +hget +hdel {_TRANSACTIONS})",
         f"(~unacked_mutex.{name} +set +get +del +expire {_TRANSACTIONS})",

@@ -100,6 +100,7 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
         "listen to zero's stream": lambda: mallory.execute_command("SUBSCRIBE", f"ec:stream:zero:{uuid.uuid4()}"),
         # 6. answers lost: a competing consumer of zero's queue, or of its unacknowledged messages
         "take zero's work": lambda: mallory.brpop("device.zero", 1),
+        "move zero's work into its own queue": lambda: mallory.blmove("device.zero", "device.mallory", 0.1, "RIGHT", "LEFT"),
         "read zero's unacknowledged work": lambda: mallory.hgetall("unacked.zero"),
         "delete the control queue": lambda: mallory.delete("control"),
         "overwrite the control queue": lambda: mallory.set("control", b"x"),
@@ -125,6 +126,8 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
     assert mallory.lpush("control", b"a report") == 1  # write-only: it cannot read it back
     assert mallory.lpush("ec:heartbeats", b"a heartbeat") >= 1  # the same
     assert mallory.lpush("device.mallory", b"x") and mallory.brpop(["device.mallory", "boards.globex"], 1)
+    assert mallory.lpush("device.mallory", b"y") and mallory.blmove("device.mallory", "device.mallory", 0.1, "RIGHT", "RIGHT") == b"y"
+    assert mallory.brpop(["device.mallory"], 1) == (b"device.mallory", b"y")  # looked at, left in place
     assert mallory.publish(f"ec:stream:mallory:{uuid.uuid4()}", b"token") == 0
     assert mallory.get(f"ec:cancel:mallory:{uuid.uuid4()}") is None
 

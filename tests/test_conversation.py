@@ -120,12 +120,12 @@ def test_a_waiting_run_goes_before_preparing_the_next_turn(valkey_url, namespace
         request = RunRequest(request_id=str(uuid.uuid4()), messages=[ChatMessage(role=r, content=c) for r, c in FIRST], max_tokens=6, namespace=namespace)
         return serve(board, request, work_waiting=work_waiting)
 
-    idle = turn(lambda: False)
+    idle = turn(lambda within=0.0: False)
     assert idle.error == "" and idle.breakdown.next_turn_tokens > 0  # nothing waits: the next turn's prefix is ready
-    busy = turn(lambda: True)
+    busy = turn(lambda within=0.0: True)
     assert busy.error == "" and busy.breakdown.next_turn_tokens == 0 and busy.text == idle.text  # another run waits: it goes first
 
-    def broker_down():
+    def broker_down(within=0.0):
         raise ConnectionError("broker unreachable")
 
     assert turn(broker_down).breakdown.next_turn_tokens > 0  # unknown counts as nothing waiting
@@ -154,9 +154,37 @@ def test_the_board_sees_messages_waiting_in_its_queues(valkey_url):
     assert messages_waiting(app, [own, shared]) == 0
 
 
+@pytest.mark.cachebox
+def test_a_board_waiting_for_its_next_run_wakes_when_it_lands_and_leaves_it_queued(valkey_url):
+    import threading
+    import time
+    import uuid
+
+    from celery import Celery
+
+    from inference.edge import messages_waiting
+    from inference.edge.serving import work_arrives
+    from inference.worker import celery_settings
+
+    app = Celery("arrives-test", set_as_current=False)
+    app.conf.update(celery_settings(valkey_url))
+    own, shared = f"device.t-{uuid.uuid4().hex[:8]}", f"boards-{uuid.uuid4().hex[:8]}"
+    assert work_arrives(app, own, shared, 0.05) is False  # nothing came
+    threading.Timer(0.2, lambda: app.send_task("edgecache.run_prompt", args=[{}], queue=own)).start()
+    started = time.monotonic()
+    assert work_arrives(app, own, shared, 20) is True
+    assert time.monotonic() - started < 10  # woken by the message, not by the end of the wait
+    assert messages_waiting(app, [own]) == 1  # still there for the worker to take
+    app.send_task("edgecache.run_prompt", args=[{}], queue=shared)
+    assert work_arrives(app, own, shared, 0) is True  # the shared queue counts too
+    with app.connection_for_write() as connection:
+        for name in (own, shared):
+            connection.default_channel.queue_purge(name)
+
+
 def test_a_run_sent_just_after_the_answer_goes_before_the_next_turns_preparation():
     from inference.edge.serving import _waiting
 
     arrivals = iter([False, False, True])  # the next request lands in the queue on the third look
-    assert _waiting(lambda: next(arrivals), "run", grace_s=30) is True
-    assert _waiting(lambda: False, "run", grace_s=0.05) is False  # nothing came: the next turn is prepared
+    assert _waiting(lambda within: next(arrivals), "run", grace_s=30) is True
+    assert _waiting(lambda within: False, "run", grace_s=0.05) is False  # nothing came: the next turn is prepared

@@ -438,3 +438,27 @@ def test_run_stops_on_a_weak_admin_password_before_starting_anything(monkeypatch
     monkeypatch.setenv("EDGECACHE_ADMIN_PASSWORD", "12345678")
     with pytest.raises(CommandError, match="EDGECACHE_ADMIN_PASSWORD is refused"):
         call_command("run", "--no-boards", "--port", "1")
+
+
+
+def test_static_files_are_served_on_the_async_path_without_a_thread_hop_per_request():
+    """WhiteNoise's own middleware is sync only: Django then ran every request, the API's too,
+    through a worker thread and back. Ours is called on the event loop for async requests."""
+    import asyncio
+
+    from asgiref.sync import iscoroutinefunction
+    from django.http import HttpResponse
+    from django.test import RequestFactory
+
+    from dashboard.middleware import AsyncWhiteNoiseMiddleware
+
+    async def view(request):
+        return HttpResponse(b"the view")
+
+    middleware = AsyncWhiteNoiseMiddleware(view)
+    assert iscoroutinefunction(middleware)  # Django puts no sync adapter around it
+    static = asyncio.run(middleware(RequestFactory().get("/static/css/edgecache.css")))
+    assert static.status_code == 200 and static["Content-Type"].startswith("text/css")
+    passed_on = asyncio.run(middleware(RequestFactory().get("/v1/models")))
+    assert passed_on.content == b"the view"
+    assert AsyncWhiteNoiseMiddleware(lambda request: HttpResponse(b"sync view"))(RequestFactory().get("/")).content == b"sync view"

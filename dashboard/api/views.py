@@ -99,9 +99,10 @@ async def completions(request):
 async def _complete(request, kind: str) -> HttpResponse:
     if request.method != "POST":
         return _method_not_allowed("POST")
-    received = time.perf_counter()
+    phases = Phases()
     try:
         key = await _authorized(request)
+        phases.mark("auth")
         try:
             raw = request.body
         except RequestDataTooBig:
@@ -109,10 +110,12 @@ async def _complete(request, kind: str) -> HttpResponse:
         api = parse_request(parse_body(raw), kind)
         schema_source = await _schema_source(api, key.namespace_id)
         run = _run_request(key, api, schema_source)  # the one prompt type, from here to the board
+        phases.mark("parse")
         device, routed, ticket = await sync_to_async(_route_and_admit)(key, api, run)
+        phases.mark("route")
     except ApiError as exc:
         return exc.response()
-    return await _answer(key, device, api, run, routed, received, ticket)
+    return await _answer(key, device, api, run, routed, phases, ticket)
 
 
 def _route_and_admit(key: ApiKey, api: ApiRequest, run: RunRequest):
@@ -207,26 +210,30 @@ def _run_request(key: ApiKey, api: ApiRequest, schema_source: str) -> RunRequest
         raise bad_request(f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}", param=api.prompt_param) from None
 
 
-async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest, routed=None, received: float | None = None, ticket=None) -> HttpResponse:
+async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest, routed=None, phases: "Phases | None" = None, ticket=None) -> HttpResponse:
     """Dispatch the run and answer from its stream (subscribed first: nothing published is missed);
     ``ticket`` (its place in the bounded queues) is released when the answer ends."""
     timeout = settings.EDGECACHE_API_TIMEOUT
     subscription = streams.subscribe(
         cachebox_url(), stream_channel(device.name, run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
     )
+    phases = phases or Phases()
     try:
         await subscription.open()
     except CacheBoxUnavailable as exc:
         admission.release(ticket)
         return _unavailable(f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent.").response()
+    phases.mark("subscribe")
     follower = _Follower(subscription, run.request_id, device, timeout, await sync_to_async(stream_ring_for)(device))
-    follower.received_at = received
+    phases.mark("ring")
+    follower.phases = phases
     follower.ticket = ticket
     handed_over = finished = False
     try:
         try:
             follower.dispatched_at = time.perf_counter()
             await sync_to_async(dispatch_api_run)(device, run, expires=timeout, routed=routed)
+            phases.mark("dispatch")
         except BrokerUnavailable as exc:
             finished = True  # never sent: nothing to cancel
             raise _unavailable(f"The message broker (the cache box's Redis) is not reachable: {exc}. Nothing was sent.") from None
@@ -243,7 +250,7 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
         finished = True
         if event.type == "error":
             raise board_error(event.error, param=api.prompt_param, device=device.name)
-        return JsonResponse(_Shape(api, run, device, follower).whole(event), headers={"X-Request-Id": run.request_id})
+        return JsonResponse(_Shape(api, run, device, follower).whole(event), headers={"X-Request-Id": run.request_id, "Server-Timing": phases.server_timing()})
     except ApiError as exc:
         return exc.response()
     finally:
@@ -252,6 +259,28 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
                 await _cancel(follower.device, run.request_id)
             admission.release(ticket)  # one round trip
             await subscription.close()
+
+
+class Phases:
+    """How long each of the API's steps took before the first token, in order (milliseconds):
+    ``auth`` (key and rate limit), ``parse``, ``route`` (routing and the bounded queues),
+    ``subscribe``, ``ring``, ``dispatch`` (record, seal, send), ``board`` (until the board says it
+    started). In the answer's ``edgecache.api_phases_ms`` and its ``Server-Timing`` header."""
+
+    def __init__(self):
+        self.started = self._last = time.perf_counter()
+        self._spent: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self._spent[name] = self._spent.get(name, 0.0) + (now - self._last) * 1000.0
+        self._last = now
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: round(ms, 3) for name, ms in self._spent.items()}
+
+    def server_timing(self) -> str:
+        return ", ".join(f"{name};dur={ms:.3f}" for name, ms in self._spent.items())
 
 
 class _Follower:
@@ -266,7 +295,7 @@ class _Follower:
         self.ring_for = ring_for
         self.control_plane_key = control_plane_public_key()
         self.timeout = timeout
-        self.received_at: float | None = None  # when the request arrived
+        self.phases = Phases()  # the API's own steps, from the request's arrival
         self.dispatched_at: float | None = None
         self.started_at: float | None = None  # when the board's "started" stage arrived: it took the run
         self.ticket = None  # its place in the bounded queues (dashboard.admission), released when it ends
@@ -281,9 +310,9 @@ class _Follower:
     @property
     def api_ms(self) -> float | None:
         """From the request's arrival to its dispatch: key, rate, body, routing, subscription."""
-        if self.received_at is None or self.dispatched_at is None:
+        if self.dispatched_at is None:
             return None
-        return round((self.dispatched_at - self.received_at) * 1000.0, 3)
+        return round((self.dispatched_at - self.phases.started) * 1000.0, 3)
 
     async def next(self) -> StreamEvent:
         while True:
@@ -311,6 +340,7 @@ class _Follower:
                 return event
             if event.stage == "started" and self.started_at is None:
                 self.started_at = time.perf_counter()
+                self.phases.mark("board")  # the broker, the board's queue and the hop back
 
 
     async def follow(self, device_name: str) -> None:
@@ -327,6 +357,7 @@ def _sse_response(follower: _Follower, first: StreamEvent, shape: "_Shape") -> S
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # a proxy must pass each token on at once
     response["X-Request-Id"] = shape.run.request_id
+    response["Server-Timing"] = follower.phases.server_timing()
     return response
 
 
@@ -420,6 +451,8 @@ class _Shape:
         breakdown = done.breakdown
         follower = self.follower
         queued = {name: value for name, value in (("api_ms", follower.api_ms), ("queue_ms", follower.queue_ms)) if value is not None} if follower is not None else {}
+        if follower is not None:
+            queued["api_phases_ms"] = follower.phases.as_dict()
         device = follower.device if follower is not None else self.device.name  # where it ran (a re-sent run: the second board)
         return {"request_id": self.run.request_id, "device": device, **queued, **{name: breakdown[name] for name in EXTENSION_FIELDS if name in breakdown}}
 
