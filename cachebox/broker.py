@@ -40,3 +40,13 @@ def script_free_mutex(client, name: str, expire: int):
 def without_scripts() -> None:
     """Make this process's Kombu Redis transport lock without scripts (a board process)."""
     kombu_redis.Mutex = script_free_mutex
+
+
+def wait_in_queue(client, queue: str, timeout: float) -> bool | None:
+    """Whether a message lands in (or already waits in) the broker list ``queue`` within ``timeout``
+    seconds, leaving it there: BLMOVE from the list to its own end wakes the moment one lands and
+    moves nothing. None when the server refuses BLMOVE (Redis before 6.2, or an ACL without it)."""
+    try:
+        return client.blmove(queue, queue, timeout, "RIGHT", "RIGHT") is not None
+    except redis_errors.ResponseError:
+        return None

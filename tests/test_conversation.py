@@ -188,3 +188,20 @@ def test_a_run_sent_just_after_the_answer_goes_before_the_next_turns_preparation
     arrivals = iter([False, False, True])  # the next request lands in the queue on the third look
     assert _waiting(lambda within: next(arrivals), "run", grace_s=30) is True
     assert _waiting(lambda within: False, "run", grace_s=0.05) is False  # nothing came: the next turn is prepared
+
+
+def test_a_broker_without_blmove_is_looked_at_again_after_the_wait(monkeypatch):
+    from redis.exceptions import ResponseError
+
+    from cachebox.broker import wait_in_queue
+
+    class Refusing:
+        def blmove(self, *args):
+            raise ResponseError("NOPERM this user has no permissions to run the 'blmove' command")
+
+    class Landing:
+        def blmove(self, *args):
+            return b"a message"
+
+    assert wait_in_queue(Refusing(), "device.x", 0.01) is None  # the caller sleeps and looks again
+    assert wait_in_queue(Landing(), "device.x", 0.01) is True

@@ -147,6 +147,29 @@ def test_the_periodic_rebuild_happens_beside_decisions_and_sees_a_run_moved_to_a
 
 
 @pytest.mark.django_db
+def test_a_dispatch_committed_after_a_higher_id_is_followed_within_a_second():
+    """PostgreSQL may commit a lower id after a higher one: decisions read only the cursor's row and
+    newer ones, and once a second the ids behind it too."""
+    from dashboard.models import Device, Dispatch, Namespace
+    from dashboard.routing import RoutingState
+
+    Namespace.objects.get_or_create(name="default")
+    board = Device.objects.create(name="board-late", status={"fingerprint": "ab"})
+    _dispatch(board, _keys("k1"), ago_s=1, work_ms=1000.0)
+    state = RoutingState()
+    assert state.current().queued_ms("board-late") == pytest.approx(1000.0, abs=10.0)
+    first = Dispatch.objects.get()
+    skipped = first.pk + 1  # its id was taken, its transaction commits later
+    newer = Dispatch.objects.create(pk=skipped + 1, request_id=uuid.uuid4(), kind="run", device=board, namespace="default", routing={"prompt": _keys("k2").as_dict(), "work_ms": 2000.0})
+    assert state.current().queued_ms("board-late") == pytest.approx(3000.0, abs=10.0)
+    Dispatch.objects.create(pk=skipped, request_id=uuid.uuid4(), kind="run", device=board, namespace="default", routing={"prompt": _keys("k3").as_dict(), "work_ms": 4000.0})
+    assert newer.pk > skipped
+    assert state.current().queued_ms("board-late") == pytest.approx(3000.0, abs=10.0)  # behind the cursor: not yet
+    state._looked_back -= state.LOOKBACK_EVERY_S  # a second later
+    assert state.current().queued_ms("board-late") == pytest.approx(7000.0, abs=10.0)
+
+
+@pytest.mark.django_db
 def test_the_routing_state_starts_over_when_the_rows_it_read_are_gone():
     from dashboard.models import Device, Dispatch, Namespace
     from dashboard.routing import RoutingState
@@ -416,3 +439,44 @@ def test_a_board_another_process_saw_come_online_serves_a_request_this_process_r
     Device.objects.filter(name="late-board").update(last_seen=timezone.now())  # a worker records its heartbeat
     device, routed, online = choose_route(key, request, run)
     assert device.name == "late-board" and routed.device.name == "late-board" and online == 1
+
+
+def test_the_router_tokenizes_a_repeated_text_once_and_hands_out_copies():
+    from dashboard.routing import _RememberedTokens
+
+    class Words:
+        calls = 0
+        bos = 1
+
+        def tokenize(self, text, add_bos=True, special=False):
+            Words.calls += 1
+            return ([self.bos] if add_bos else []) + [len(word) for word in text.split()]
+
+    vocabulary = _RememberedTokens(Words())
+    first = vocabulary.tokenize("a shared system prompt", add_bos=False)
+    first.append(99)  # a caller extends what it got
+    assert vocabulary.tokenize("a shared system prompt", add_bos=False) == [1, 6, 6, 6]
+    assert Words.calls == 1
+    assert vocabulary.tokenize("a shared system prompt") == [1, 1, 6, 6, 6] and Words.calls == 2  # other arguments, other tokens
+    assert vocabulary.bos == 1  # everything else is the vocabulary's own
+
+
+def test_a_roster_read_again_keeps_what_the_router_was_told_of_unchanged_rates():
+    from dashboard.models import Device, Namespace
+    from dashboard.routing import Roster
+
+    namespace = Namespace(name="default")
+
+    def read(prefill):
+        return Roster([Device(name=f"b{n}", namespace=namespace, status={"rates": {"prefill_ms_per_token": prefill if n == 0 else 3.0, "decode_ms_per_token": 20.0}}) for n in range(3)])
+
+    index = object()  # the router's index the rates were given to
+    earlier = read(3.0)
+    for entry in earlier.entries:
+        entry.applied = index
+    again = read(3.0)
+    again.carry(earlier)
+    assert [entry.applied for entry in again.entries] == [index, index, index]
+    changed = read(40.0)  # b0 measured itself again: its new rates must reach the router
+    changed.carry(earlier)
+    assert [entry.applied for entry in changed.entries] == [None, index, index]

@@ -159,15 +159,13 @@ def work_arrives(app, own: str, shared: str, within: float) -> bool:
         return True
     if within <= 0:
         return False
-    from redis.exceptions import ResponseError
+    from cachebox.broker import wait_in_queue
 
     with app.pool.acquire(block=True, timeout=5) as connection:
-        client = connection.default_channel.client
-        try:
-            return client.blmove(own, own, within, "RIGHT", "RIGHT") is not None
-        except ResponseError as exc:  # unknown command, or no permission for it
-            log.debug("BLMOVE refused (%s): looking again after %.3f s", exc, within)
-    time.sleep(within)
+        landed = wait_in_queue(connection.default_channel.client, own, within)
+    if landed is not None:
+        return landed
+    time.sleep(within)  # no BLMOVE here: look again after the wait
     return messages_waiting(app, [own, shared]) > 0
 
 
