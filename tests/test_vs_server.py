@@ -283,3 +283,14 @@ def test_the_balancer_streams_each_request_from_the_server_its_policy_picks():
         (200, "1", "data: server 1\n\ndata: second\n\n"),
         (200, "0", "data: server 0\n\ndata: third\n\n"),
     ]
+
+
+def test_every_fleet_workload_names_a_link_the_boards_know():
+    """fleet-loopback asked LINK_PRESETS for 'loopback', which it has not: the whole bench stopped."""
+    from cachebox.link import LINK_PRESETS
+    from inference.benchmarks import vs_server
+
+    fleets = [name for name in vs_server.WORKLOADS if name.startswith("fleet-")]
+    assert sorted(vs_server.FLEET_LINKS) == sorted(fleets)
+    assert all(link in LINK_PRESETS for link in vs_server.FLEET_LINKS.values())
+    assert LINK_PRESETS[vs_server.FLEET_LINKS["fleet-loopback"]] is None  # unshaped

@@ -547,8 +547,8 @@ def run_vs_server(ctx, settings: Settings, options: Options, board_memory_mb: in
                         systems = run_fleet(ctx, stack, settings, options, name, requests, folder, cold_cache)
                     else:
                         systems = run_one_board(ctx, stack, settings, requests, folder, cold_cache)
-                except (BenchError, OSError, RuntimeError) as exc:  # the other workloads' figures are kept
-                    write(f"{name} failed: {exc}")
+                except Exception as exc:  # noqa: BLE001 - the other workloads' figures are kept, and this one says why it has none
+                    write(f"{name} failed: {type(exc).__name__}: {exc}")
                     skipped[name] = f"failed: {str(exc)[:500]}"
                     continue
                 workloads[name] = {"description": _describe(name, options), "requests": len(requests), **systems}
@@ -599,8 +599,11 @@ def run_in_turn(targets: Sequence[Target], requests: Sequence[sbs.Request], prog
     return {name: (rows, sum(r["total_ms"] for r in rows) / 1000.0) for name, rows in samples.items()}
 
 
+FLEET_LINKS = {"fleet-loopback": "none", "fleet-wifi4": "wifi4"}  # a fleet workload's boards' link (cachebox.link.LINK_PRESETS)
+
+
 def run_fleet(ctx, stack: EdgeCacheStack, settings: Settings, options: Options, name: str, requests: list[sbs.Request], folder: Path, cold_cache: dict) -> dict:
-    link = name.removeprefix("fleet-")
+    link = FLEET_LINKS[name]
     threads = max(1, settings.threads // 2) if options.boards > 1 else settings.threads
     systems, samples_out = {}, {}
     with _progress(ctx, len(requests) * 6, name) as bar:
