@@ -47,10 +47,15 @@ class ModelIdentity:
     kv_type: str
     llama_build: str
     state_format: int = STATE_FORMAT_VERSION
+    repacked: bool = False  # llama.cpp's repacked weights compute other bits: such boards share among themselves
 
     def fingerprint(self) -> str:
-        """16 hex characters naming this model configuration in every key."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """16 hex characters naming this model configuration in every key (a configuration without
+        repacked weights keeps the fingerprint it had before the field existed)."""
+        fields = asdict(self)
+        if not fields["repacked"]:
+            del fields["repacked"]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest()
 
 

@@ -119,7 +119,7 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     ),
     "EDGECACHE_MEMORY_MB": (
         "the device's registered memory",
-        "a board's memory: its context, batch buffers, repacked weights and RAM tier are sized to it (`inference/memory_plan.py`); "
+        "a board's memory: its context, batch buffers and RAM tier are sized to it (`inference/memory_plan.py`); "
         "0 or unset, with no registered memory: every buffer at its default",
     ),
     "EDGECACHE_LINK_SHAPED_BY": (

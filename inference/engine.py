@@ -98,7 +98,11 @@ class EngineConfig:
     n_seq_max: int = 4
     kv_type: str = "f16"
     n_ubatch: int = 0  # the most tokens llama.cpp computes at once (0: n_batch); sizes its compute buffer
-    repack: bool = True  # llama.cpp's repacked copies of some weights (faster kernels, ~5% of the file more memory)
+    # llama.cpp's repacked copies of some weights (other kernels, ~5% of the file more memory). Off:
+    # they change the bits (the last logits of a 300-token prefill differed by up to 1.29 with and
+    # without them, AVX2 build), so boards with and without them would share states that are not
+    # each other's cold run; and they saved ~1% of a prefill here. On, the fingerprint says so.
+    repack: bool = False
 
     def threads(self) -> int:
         return self.n_threads or max(1, os.cpu_count() or 1)
@@ -269,6 +273,7 @@ class Engine(Vocabulary):
             gguf_sha256=model.sha256,
             kv_type=config.kv_type,
             llama_build=f"llama-cpp-python {llama_cpp.__version__}",
+            repacked=config.repack,
         )
         self.fingerprint = self.identity.fingerprint()
         self.state_bytes_per_token = self._measure_state_bytes()

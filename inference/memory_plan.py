@@ -13,12 +13,13 @@ vocabulary) with ``bench footprint``:
 - the compute buffer: llama.cpp reserves n_ubatch x vocabulary x 4 bytes for logits it never
   computes (514 MB at n_ubatch 512, 129 MB at 128; virtual, barely touched), and the output
   buffer (n_seq_max x vocabulary x 4 bytes);
-- llama.cpp's repacked copies of some weights (faster kernels; ``REPACK_SHARE`` of the file);
+- llama.cpp's repacked copies of some weights (``REPACK_SHARE`` of the file), only when asked for:
+  they change the bits (``inference.engine.EngineConfig.repack``);
 - the states one run moves (fetched, restored, exported) and the RAM tier.
 
 ``plan_memory`` picks, within the budget, the largest context (up to what was asked), n_ubatch
 on the batch grid (a prefill is cut there anyway, so the bits are the cold run's), repacked
-weights when they fit, and gives the rest to the RAM tier: on a small board the cache box is
+weights when asked for and they fit, and gives the rest to the RAM tier: on a small board the cache box is
 its memory. When not even the smallest context fits, the board refuses (``MemoryRefused``) with
 the numbers. Pure: no I/O.
 """
@@ -107,11 +108,11 @@ def fixed_parts(facts: ModelFacts, n_ctx: int, *, repack: bool, state_bytes_per_
     }
 
 
-def plan_memory(memory_mb: int, facts: ModelFacts, *, n_ctx: int, grid: int, ram_tier_bytes: int | None = None) -> MemoryPlan:
+def plan_memory(memory_mb: int, facts: ModelFacts, *, n_ctx: int, grid: int, ram_tier_bytes: int | None = None, repack: bool = False) -> MemoryPlan:
     """Size a board registered with ``memory_mb`` for ``facts``' model.
 
-    ``n_ctx``: the context asked for; the largest one within the budget is taken (repacked
-    weights only if they fit too), else the smallest (``MIN_N_CTX``) when it fits the memory at
+    ``n_ctx``: the context asked for; the largest one within the budget is taken (``repack``:
+    repacked weights if they fit too), else the smallest (``MIN_N_CTX``) when it fits the memory at
     all: the plan then says it is over budget. ``grid``: the batch grid (n_ubatch is set to it,
     or to its largest divisor up to 512). ``ram_tier_bytes``: an explicit RAM tier (None: what
     the budget leaves, up to ``MAX_RAM_TIER_BYTES``). Raises MemoryRefused, with the numbers,
@@ -122,11 +123,11 @@ def plan_memory(memory_mb: int, facts: ModelFacts, *, n_ctx: int, grid: int, ram
     top = max(n_ctx, MIN_N_CTX)
     contexts = list(range(top // N_CTX_STEP * N_CTX_STEP, MIN_N_CTX - 1, -N_CTX_STEP)) or [MIN_N_CTX]
     for size in contexts:
-        for repack in (True, False):
-            parts = fixed_parts(facts, size, repack=repack)
+        for repacked in (True, False) if repack else (False,):
+            parts = fixed_parts(facts, size, repack=repacked)
             left_mb = budget - sum(parts.values())
             if left_mb >= 0:
-                return _with_ram_tier(MemoryPlan(memory_mb, budget, size, n_ubatch, repack, 0, parts), left_mb, ram_tier_bytes)
+                return _with_ram_tier(MemoryPlan(memory_mb, budget, size, n_ubatch, repacked, 0, parts), left_mb, ram_tier_bytes)
     smallest = fixed_parts(facts, MIN_N_CTX, repack=False)
     needed = sum(smallest.values())
     if needed <= limit:
@@ -149,12 +150,12 @@ def _with_ram_tier(plan: MemoryPlan, left_mb: float, ram_tier_bytes: int | None)
     return replace(plan, ram_tier_bytes=tier, parts_mb={**plan.parts_mb, "RAM tier": round(tier / MB, 1)})
 
 
-def unsized_plan(facts: ModelFacts, *, n_ctx: int, n_ubatch: int, ram_tier_bytes: int | None) -> MemoryPlan:
+def unsized_plan(facts: ModelFacts, *, n_ctx: int, n_ubatch: int, ram_tier_bytes: int | None, repack: bool = False) -> MemoryPlan:
     """What a board whose memory is unknown holds: the context asked for, every buffer at its default."""
     tier = MAX_RAM_TIER_BYTES if ram_tier_bytes is None else ram_tier_bytes
-    parts = fixed_parts(facts, n_ctx, repack=True)
+    parts = fixed_parts(facts, n_ctx, repack=repack)
     parts["RAM tier"] = round(tier / MB, 1)
-    return MemoryPlan(0, 0.0, n_ctx, n_ubatch, True, tier, parts)
+    return MemoryPlan(0, 0.0, n_ctx, n_ubatch, repack, tier, parts)
 
 
 def _ubatch_for(grid: int) -> int:

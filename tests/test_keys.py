@@ -26,8 +26,17 @@ def test_fingerprint_is_stable_and_sensitive_to_every_field():
         ModelIdentity("ab" * 32, "q8_0", "x"),
         ModelIdentity("ab" * 32, "f16", "y"),
         ModelIdentity("ab" * 32, "f16", "x", state_format=99),
+        ModelIdentity("ab" * 32, "f16", "x", repacked=True),  # repacked weights compute other bits
     ]
-    assert len({IDENTITY.fingerprint(), *(o.fingerprint() for o in others)}) == 5
+    assert len({IDENTITY.fingerprint(), *(o.fingerprint() for o in others)}) == 6
+
+
+def test_a_model_without_repacked_weights_keeps_the_fingerprint_it_had_before_the_field():
+    import hashlib
+    import json
+
+    before = json.dumps({"gguf_sha256": "ab" * 32, "kv_type": "f16", "llama_build": "x", "state_format": IDENTITY.state_format}, sort_keys=True, separators=(",", ":"))
+    assert IDENTITY.fingerprint() == hashlib.blake2b(before.encode(), digest_size=8).hexdigest()  # the entries already stored stay reachable
 
 
 def test_the_context_size_is_no_part_of_a_models_identity():
