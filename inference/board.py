@@ -165,10 +165,7 @@ class Board:
         with ThreadPoolExecutor(max_workers=1) as pool:
             # A fresh process knows what the cache box holds before its first request.
             synced = pool.submit(catalogs.sync_all)
-            # A sized board loads without repacked weights (their copy would count in its peak); it
-            # loads them again only where the plan has room for them.
-            first = replace(engine_config(config), repack=False) if config.memory_mb else engine_config(config)
-            engine = Engine(resolve_model(config.model or None), first, size=sizer)  # MemoryRefused: the model does not fit
+            engine = Engine(resolve_model(config.model or None), engine_config(config), size=sizer)  # MemoryRefused: the model does not fit
             profile = profile_named(config.compute_profile)
             if profile is not None:
                 engine.pacer = Pacer(profile)  # before calibrating: the policy's prior is the paced rate
