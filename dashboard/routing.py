@@ -22,8 +22,8 @@ record, so the history is whole whichever way a run was sent.
 
 from __future__ import annotations
 
+import bisect
 import functools
-import heapq
 import logging
 import threading
 import time
@@ -37,7 +37,7 @@ from cachebox.keys import entry_key_name
 from cachebox.link import LinkProfile
 from cachebox.models import CacheEntry
 from inference.messages import RunRequest
-from inference.routing import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, learned_rate, prompt_keys, route
+from inference.routing import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, prompt_keys, route
 
 from .models import Device, Dispatch, InferenceRun, offline_after
 
@@ -220,7 +220,6 @@ class RoutingState:
     def __init__(self):
         self.lock = threading.RLock()  # held by a decision while it reads the index
         self.index: FleetIndex | None = None
-        self._held: dict[str, tuple] = {}  # board -> (its history's stamp, the range keys it remembers)
         self._rebuilding: threading.Thread | None = None
         self._looked_back = float("-inf")  # time.monotonic() of the last look-back
 
@@ -249,7 +248,6 @@ class RoutingState:
             with self.lock:
                 for name in ("index", "built_at", "dispatch_cursor", "run_cursor", "marks", "seen_dispatches", "seen_runs"):
                     setattr(self, name, getattr(fresh, name))
-                self._held.clear()
         except Exception as exc:  # the next period tries again; decisions keep following meanwhile
             log.warning("routing history not rebuilt: %s: %s", type(exc).__name__, exc)
         finally:
@@ -344,22 +342,10 @@ class RoutingState:
     def _expire(self, now: float) -> None:
         """Runs nobody took before their expiry: the board holds nothing of them and owes nothing."""
         expired_before = now - settings.EDGECACHE_TASK_EXPIRES
-        for board, history in self.index.boards.items():
-            if not history.outstanding:
-                continue
+        for board in list(self.index.busy):  # only boards that owe runs
+            history = self.index.boards[board]
             for request_id in [rid for rid, item in history.outstanding.items() if item.at is not None and item.at < expired_before]:
                 self.index.reported(board, request_id, failed=True)
-
-    def holds_any(self, board: str, history, keys: PromptKeys) -> bool:
-        """Whether any prompt ``board``'s history remembers shares a range key with ``keys`` (the keys
-        of each board's history are gathered once per change of it)."""
-        if not keys.keys or not history.recent:
-            return False
-        stamp = (len(history.recent), history.recent[-1].request_id, history.recent[0].request_id)
-        cached = self._held.get(board)
-        if cached is None or cached[0] != stamp:
-            cached = self._held[board] = (stamp, frozenset(key for item in history.recent for key in item.keys.keys))
-        return not cached[1].isdisjoint(keys.keys)
 
     def _remember(self, seen: dict, request_id: str) -> None:
         seen[request_id] = None
@@ -425,24 +411,91 @@ class _Entry:
         self.applied = None  # the index its measured rates were given to
 
 
+class _Ranking:
+    """A roster's boards of each idle kind in order of prefill rate (then position), as one index
+    rates them: what a decision reads the fastest idle boards from without rating every board. Built
+    once per roster and index (applying the rates each board measured), then kept in order as the
+    index's rates change (its ``rate_changes``)."""
+
+    def __init__(self, roster: "Roster", index: FleetIndex):
+        self.index = index
+        self.kinds: dict[tuple, list[tuple[float, int]]] = {}
+        self.rated: dict[str, tuple[tuple, tuple[float, int]]] = {}  # board -> (its kind, its place)
+        for position, entry in enumerate(roster.entries):
+            if entry.applied is not index:  # what it measured at start, until its runs say better
+                index.measured(entry.name, prefill_ms_per_token=entry.prefill, decode_ms_per_token=entry.decode)
+                entry.applied = index
+        for position, entry in enumerate(roster.entries):
+            place = (index.prefill_rate(entry.name), position)
+            self.kinds.setdefault(entry.idle_kind, []).append(place)
+            self.rated[entry.name] = (entry.idle_kind, place)
+        for places in self.kinds.values():
+            places.sort()
+        self.epoch, self.seen = index.rate_epoch, len(index.rate_changes)  # the changes above are in
+
+    def current(self, index: FleetIndex) -> bool:
+        """Bring the order up to date with ``index``'s rate changes (False: another index, or its log
+        started over: build again)."""
+        if index is not self.index or index.rate_epoch != self.epoch:
+            return False
+        changed = index.rate_changes[self.seen:]
+        self.seen = len(index.rate_changes)
+        for name in set(changed):
+            rated = self.rated.get(name)
+            if rated is None:
+                continue  # not a board of this roster
+            kind, place = rated
+            fresh = (index.prefill_rate(name), place[1])
+            if fresh != place:
+                places = self.kinds[kind]
+                del places[bisect.bisect_left(places, place)]
+                bisect.insort(places, fresh)
+                self.rated[name] = (kind, fresh)
+        return True
+
+
 class Roster:
     """Devices as the router reads them: liveness as one instant, the kinds boards share, the rates
     they measured, each worked out once when the devices are read (``Candidates``) instead of once
-    per device per decision (6-9 ms a decision at 1,000 boards, ``bench fleet-sim``)."""
+    per device per decision (6-9 ms a decision at 1,000 boards, ``bench fleet-sim``); and, for the
+    router, the boards by name, their liveness in order and the idle boards ranked by rate, so that
+    a decision reads the boards that are busy or hold the prompt and the fastest idle ones of each
+    kind, not the whole fleet."""
 
     def __init__(self, devices: list[Device], entries: list[_Entry] | None = None):
         self.devices = devices
         self.entries = entries if entries is not None else [_Entry(device) for device in devices]
+        self.by_name = {entry.name: (position, entry) for position, entry in enumerate(self.entries)}
+        self.untils = sorted(entry.until for entry in self.entries)
+        self.key_kinds = {entry.keys_kind: entry for entry in self.entries}  # one board of each (namespace, model)
+        self._ranking: _Ranking | None = None
+        self._serving: dict[str, Roster] = {}
+        self._earlier: Roster | None = None  # the read this one carried from (its sub-rosters carry theirs)
+
+    def ranking(self, index: FleetIndex) -> _Ranking:
+        """The idle ranking as ``index`` rates the boards (the caller holds the routing state's lock)."""
+        if self._ranking is None or not self._ranking.current(index):
+            self._ranking = _Ranking(self, index)
+        return self._ranking
+
+    def online_count(self, now: float) -> int:
+        return len(self.untils) - bisect.bisect_right(self.untils, now)
 
     def carry(self, earlier: "Roster") -> None:
         """Keep what the router was told of each device by ``earlier`` (a read a second ago) where
         its rates are the same: else the first decision after each read gave every board its rates
-        again (1,000 calls, the slowest decisions at 1,000 boards)."""
+        again (1,000 calls, the slowest decisions at 1,000 boards). Where every board is as it was
+        (name, place, kind, measured rates), the idle ranking is kept too."""
+        self._earlier, earlier._earlier = earlier, None
         before = {entry.name: entry for entry in earlier.entries}
         for entry in self.entries:
             old = before.get(entry.name)
             if old is not None and (old.prefill, old.decode) == (entry.prefill, entry.decode):
                 entry.applied = old.applied
+        if earlier._ranking is not None and len(earlier.entries) == len(self.entries) and all(
+            old.name == new.name and old.idle_kind == new.idle_kind and old.applied is new.applied for old, new in zip(earlier.entries, self.entries)
+        ):
+            self._ranking = earlier._ranking
 
     def online(self, now: float | None = None) -> "Roster":
         now = time.time() if now is None else now
@@ -450,8 +503,16 @@ class Roster:
         return Roster([entry.device for entry in entries], entries)
 
     def serving(self, model: str) -> "Roster":
-        entries = [entry for entry in self.entries if model and model in entry.models]
-        return Roster([entry.device for entry in entries], entries)
+        """The boards serving ``model`` (worked out once per roster: its ranking lasts across decisions)."""
+        found = self._serving.get(model)
+        if found is None:
+            entries = [entry for entry in self.entries if model and model in entry.models]
+            found = Roster([entry.device for entry in entries], entries)
+            earlier = self._earlier._serving.get(model) if self._earlier is not None else None
+            if earlier is not None:
+                found.carry(earlier)
+            self._serving[model] = found
+        return found
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -464,15 +525,22 @@ def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value >= 0 else 0.0
 
 
-def plan(devices: "list[Device] | Roster", prompt: RunRequest, *, preferred: str = "", policy: str = "cache-aware", all_online: bool = False) -> Routed | None:
+def plan(
+    devices: "list[Device] | Roster", prompt: RunRequest, *, preferred: str = "", policy: str = "cache-aware", all_online: bool = False,
+    online_at: float | None = None,
+) -> Routed | None:
     """The board of ``devices`` that should answer ``prompt`` (None when none is online), with the
     record the Dispatch keeps: the choice, its expected time and saving, and the prompt's keys.
+    A board is online while its last heartbeat is fresh at ``online_at`` (default: now; the API
+    passes the instant it counted the boards it routes among), or whatever it says (``all_online``).
 
-    An idle board that holds none of the prompt (nothing queued, no range key of it in its history)
-    is expected to take its prefill at its rate, or a fetch that is the same for every board of its
-    kind (namespace, model, link): of each kind only the two fastest (and the ``preferred`` board) are
-    weighed, which gives the same choice, runner-up and saving as weighing all of them, at a cost
-    that grows with the boards that are busy or hold the prompt, not with the fleet."""
+    Weighed are the boards the routing history says are busy or hold part of the prompt (the
+    index keeps both as sets), and of the other online boards, which hold none of it and owe
+    nothing, the two fastest of each kind (namespace, model, link; the roster keeps them ranked by
+    rate) and the ``preferred`` board: an idle board that holds nothing is expected to take its
+    prefill at its rate, or a fetch that is the same for every board of its kind, so no other can
+    come first or second. That gives the choice, runner-up and saving of weighing every board, at a
+    cost that grows with the boards that are busy or hold the prompt, not with the fleet."""
     roster = devices if isinstance(devices, Roster) else Roster(devices)
     if not roster.entries:
         return None
@@ -480,6 +548,7 @@ def plan(devices: "list[Device] | Roster", prompt: RunRequest, *, preferred: str
     layout = prompt_tokens(prompt)
     tokens = layout[0] if layout else None
     now = timezone.now().timestamp()
+    alive_after = float("-inf") if all_online else (now if online_at is None else online_at)
     kinds: dict[tuple, PromptKeys] = {}  # (namespace, model) -> the prompt's keys there: boards of one kind share them
 
     def keys_of(entry: _Entry) -> PromptKeys:
@@ -489,36 +558,33 @@ def plan(devices: "list[Device] | Roster", prompt: RunRequest, *, preferred: str
 
     with STATE.lock:
         index = STATE.current(now)
-        known = index.boards
-        prior = index.prefill_prior
-        full: list[tuple[int, _Entry]] = []  # (position, device): weighed as they are
-        idle: dict[tuple, list[tuple[float, int, _Entry]]] = {}  # kind -> (rate, position, device)
-        online = 0
-        for position, entry in enumerate(roster.entries):
-            if not all_online and entry.until <= now:
-                continue
-            online += 1
-            if entry.applied is not index:  # what it measured at start, until its runs say better
-                index.measured(entry.name, prefill_ms_per_token=entry.prefill, decode_ms_per_token=entry.decode)
-                entry.applied = index
-            history = known.get(entry.name)
-            if history is not None and (history.outstanding or STATE.holds_any(entry.name, history, keys_of(entry))):
-                full.append((position, entry))
-                continue
-            # Idle and holding none of the prompt: its expected time is its prefill at its rate (or
-            # a fetch, the same for its kind), so only the two fastest of its kind can come first or second.
-            if history is None:
-                rate = prior
-            elif history.prefill_rates:
-                rate = learned_rate(history.prefill_rates, history.measured_prefill or prior)
-            else:
-                rate = history.measured_prefill or prior
-            idle.setdefault(entry.idle_kind, []).append((rate, position, entry))
-        for boards in idle.values():
-            fastest = {position: entry for _, position, entry in heapq.nsmallest(2, boards, key=lambda item: (item[0], item[1]))}
-            fastest.update({position: entry for _, position, entry in boards if entry.name == preferred})
-            full += fastest.items()
-        chosen_entries = [entry for _, entry in sorted(full, key=lambda item: item[0])]
+        ranking = roster.ranking(index)  # applies the rates boards measured; kept in order since
+        online = len(roster.entries) if all_online else roster.online_count(alive_after)
+        weigh: dict[int, _Entry] = {}  # position -> device: weighed as they are
+        active = set(index.busy)
+        for kind, entry in roster.key_kinds.items():
+            active.update(name for name in index.holding(keys_of(entry)) if name in roster.by_name and roster.by_name[name][1].keys_kind == kind)
+        for name in active:
+            found = roster.by_name.get(name)
+            if found is not None and found[1].until > alive_after:
+                weigh[found[0]] = found[1]
+        # Idle and holding none of the prompt: its expected time is its prefill at its rate (or a
+        # fetch, the same for its kind), so only the two fastest of its kind can come first or second.
+        for places in ranking.kinds.values():
+            taken = 0
+            for _, position in places:
+                entry = roster.entries[position]
+                if entry.name in active or entry.until <= alive_after:
+                    continue
+                weigh[position] = entry
+                taken += 1
+                if taken == 2:
+                    break
+        if preferred in roster.by_name and preferred not in active:
+            position, entry = roster.by_name[preferred]
+            if entry.until > alive_after:
+                weigh[position] = entry
+        chosen_entries = [weigh[position] for position in sorted(weigh)]
         weighed = [entry.device for entry in chosen_entries]
         keys = {entry.name: keys_of(entry) for entry in chosen_entries}
         mirrored = mirrored_names(weighed, keys)

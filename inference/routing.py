@@ -219,6 +219,7 @@ class _BoardHistory:
     decode_rates: deque = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
     measured_prefill: float | None = None  # ms per token, as the board measured itself at start
     measured_decode: float | None = None
+    prefill_rate: float | None = None  # its rate as last worked out (None: to work out again)
 
 
 class FleetIndex:
@@ -235,6 +236,14 @@ class FleetIndex:
         self.bytes_per_token = bytes_per_token
         self.boards: dict[str, _BoardHistory] = {}
         self.cachebox: set[str] = set()  # keys (hex) the cache box is known to hold
+        # Kept as the histories change, so that a decision reads the boards that matter to a prompt
+        # without walking every board (``dashboard.routing.plan`` at 1,000 boards):
+        self.busy: set[str] = set()  # boards with runs dispatched and not yet reported
+        self.holders: dict[str, dict[str, int]] = {}  # range key -> {board: how many of its remembered prompts have it}
+        self.rate_changes: list[str] = []  # boards whose prefill rate changed, in order (``RATE_LOG`` at most)
+        self.rate_epoch = 0  # counts the times ``rate_changes`` was emptied: who read it starts over
+
+    RATE_LOG = 4096
 
     def _board(self, name: str) -> _BoardHistory:
         return self.boards.setdefault(name, _BoardHistory())
@@ -243,12 +252,44 @@ class FleetIndex:
         """``board`` measured its own rates when it started (its heartbeat says so): its rates until
         its runs say better, instead of the fleet-wide priors."""
         history = self._board(board)
-        history.measured_prefill = prefill_ms_per_token if prefill_ms_per_token and prefill_ms_per_token > 0 else None
+        prefill = prefill_ms_per_token if prefill_ms_per_token and prefill_ms_per_token > 0 else None
         history.measured_decode = decode_ms_per_token if decode_ms_per_token and decode_ms_per_token > 0 else None
+        if prefill != history.measured_prefill:
+            history.measured_prefill = prefill
+            self._rate_changed(board, history)
 
     def prefill_rate(self, board: str) -> float:
         history = self._board(board)
-        return learned_rate(history.prefill_rates, history.measured_prefill or self.prefill_prior)
+        if history.prefill_rate is None:
+            history.prefill_rate = learned_rate(history.prefill_rates, history.measured_prefill or self.prefill_prior)
+        return history.prefill_rate
+
+    def _rate_changed(self, board: str, history: _BoardHistory) -> None:
+        history.prefill_rate = None
+        if len(self.rate_changes) >= self.RATE_LOG:
+            self.rate_changes, self.rate_epoch = [], self.rate_epoch + 1
+        self.rate_changes.append(board)
+
+    def holding(self, keys: PromptKeys) -> set[str]:
+        """The boards whose remembered prompts share a range key with ``keys`` (what ``holdings``
+        can find more than nothing of), from the keys' index rather than every board's history."""
+        found: set[str] = set()
+        for key in keys.keys:
+            boards = self.holders.get(key)
+            if boards:
+                found.update(boards)
+        return found
+
+    def _remember_keys(self, board: str, item: _Dispatched, step: int) -> None:
+        for key in set(item.keys.keys):
+            boards = self.holders.setdefault(key, {})
+            count = boards.get(board, 0) + step
+            if count > 0:
+                boards[board] = count
+            else:
+                boards.pop(board, None)
+                if not boards:
+                    del self.holders[key]
 
     def decode_rate(self, board: str) -> float:
         history = self._board(board)
@@ -258,8 +299,13 @@ class FleetIndex:
         """A prompt was sent to ``board`` (at time ``at``, seconds): it will hold it next, and owes
         ``work_ms`` until it reports."""
         history = self._board(board)
-        history.recent.append(_Dispatched(request_id, keys, work_ms))
+        if len(history.recent) == history.recent.maxlen:
+            self._remember_keys(board, history.recent[0], -1)  # the oldest falls out of the window
+        item = _Dispatched(request_id, keys, work_ms)
+        history.recent.append(item)
+        self._remember_keys(board, item, +1)
         history.outstanding[request_id] = _Outstanding(max(0.0, work_ms), at)
+        self.busy.add(board)
 
     def queued_ms(self, board: str, now: float | None = None) -> float:
         """The work ``board`` still owes: its unreported runs' expected work, less, when ``now`` is
@@ -282,13 +328,19 @@ class FleetIndex:
         history = self._board(board)
         if history.outstanding.pop(request_id, None) is not None and at is not None:
             history.last_report_at = at if history.last_report_at is None else max(history.last_report_at, at)
+        if not history.outstanding:
+            self.busy.discard(board)
         if failed:
             # A failed run left nothing in the engine: forget it as the board's context.
+            for item in history.recent:
+                if item.request_id == request_id:
+                    self._remember_keys(board, item, -1)
             history.recent = deque((item for item in history.recent if item.request_id != request_id), maxlen=HISTORY)
             return
         computed = prompt_tokens - matched_tokens
         if computed >= MIN_COMPUTED_TOKENS and prefill_ms > 0:
             history.prefill_rates.append(prefill_ms / computed)
+            self._rate_changed(board, history)
         if generated_tokens > 1 and decode_ms > 0:
             history.decode_rates.append(decode_ms / (generated_tokens - 1))
         self.cachebox.update(stored_keys)

@@ -237,6 +237,41 @@ def test_weighing_two_boards_of_each_unused_kind_chooses_as_weighing_every_board
             assert via_roster[field] == via_list[field], field
 
 
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)  # the rebuild reads from a thread of its own
+def test_a_roster_reused_by_many_decisions_follows_the_rates_and_queues_its_boards_report(monkeypatch):
+    """The API reads its devices once a second and decides many times on that read: the fastest
+    idle boards it keeps ranked follow every report (a board that proves faster wins the next
+    decision), a board that becomes busy is weighed with its queue, and one that went silent is not
+    chosen, all on the same roster."""
+    from dashboard import actions, routing
+    from dashboard.models import Device, Namespace
+
+    Namespace.objects.get_or_create(name="default")
+    devices = [
+        Device.objects.create(
+            name=f"board-{n:02d}", last_seen=timezone.now() - timedelta(seconds=5 if n == 0 else 0),  # board-00 beat last 5 s ago
+            status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 5, "rates": {"prefill_ms_per_token": 5.0 + n, "decode_ms_per_token": 30.0}},
+        )
+        for n in range(10)
+    ]
+    layouts = {"new": (list(range(1000, 1400)), ())}
+    monkeypatch.setattr(routing, "prompt_tokens", lambda prompt: layouts[prompt.segments[0]])
+    new = actions.run_request(["new"], max_tokens=4)
+    roster = routing.Roster(devices)
+    assert routing.plan(roster, new).device.name == "board-00"  # the fastest it measured
+    other = PromptKeys((128,), ("other-prompt",))
+    _report(devices[7], _dispatch(devices[7], other, ago_s=2), ago_s=1, prompt_tokens=384, prefill_ms=192.0)  # 0.5 ms a token
+    chosen = routing.plan(roster, new)
+    assert chosen.device.name == "board-07" and chosen.record["runner_up"] == "board-00"
+    _dispatch(devices[7], other, ago_s=0, work_ms=60_000.0)  # now it owes a minute of work
+    chosen = routing.plan(roster, new)
+    assert chosen.device.name == "board-00" and chosen.record["candidates"] == 10
+    # Silent since the roster was read (its heartbeats missed as of a later instant): not chosen, not counted.
+    later = roster.entries[0].until + 1
+    chosen = routing.plan(roster, new, online_at=later)
+    assert chosen.device.name == "board-01" and chosen.record["candidates"] == 9
+
+
 @pytest.mark.django_db
 def test_a_roster_counts_online_and_serving_boards_as_the_devices_do():
     from datetime import timedelta

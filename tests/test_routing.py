@@ -168,3 +168,44 @@ def test_a_hit_occupies_its_board_for_its_answer_not_for_a_cold_prefill():
     assert index.work_ms("pi5", prompt, 4, LINK_PRESETS["wifi4"], estimate=held.chosen) == 3 * 12.0  # nothing computed: nothing to upload either
     assert index.work_ms("pi5", prompt, 4, LINK_PRESETS["wifi4"]) > 478 * PI5_MS_PER_TOKEN + 1000  # counted cold, it uploads 8.8 MB over Wi-Fi 4
     assert held.chosen.prefill_ms == 0.0  # its context holds it whole
+
+
+def test_the_index_keeps_which_boards_hold_each_key_and_which_owe_work_as_their_histories_change():
+    """What a decision reads instead of every board's history: the boards whose remembered prompts
+    share a key with a prompt, and the boards with unreported runs, through dispatches, a history
+    window that forgets its oldest prompt, failed runs and answers."""
+    import random
+
+    from inference.routing import HISTORY
+
+    rnd = random.Random(7)
+    prompts = [keys_of(list(range(start, start + 300))) for start in range(0, 6000, 1000)]
+    index = FleetIndex()
+    outstanding: dict[str, str] = {}
+    for step in range(400):
+        board = f"b{rnd.randrange(5)}"
+        if outstanding and rnd.random() < 0.5:
+            request_id = rnd.choice(sorted(outstanding))
+            index.reported(outstanding.pop(request_id), request_id, prompt_tokens=300, prefill_ms=600.0, failed=rnd.random() < 0.2)
+        else:
+            request_id = f"r{step}"
+            index.dispatched(board, request_id, rnd.choice(prompts), 500.0)
+            outstanding[request_id] = board
+        for prompt in prompts:
+            walked = {name for name, history in index.boards.items() if any(set(item.keys.keys) & set(prompt.keys) for item in history.recent)}
+            assert index.holding(prompt) == walked
+        assert index.busy == {name for name, history in index.boards.items() if history.outstanding}
+    assert any(len(history.recent) == HISTORY for history in index.boards.values())  # the window did forget
+    assert index.holding(PromptKeys((128,), ("nobody-has-this",))) == set()
+
+
+def test_a_boards_rate_is_worked_out_again_when_it_changes_and_each_change_is_logged():
+    index = FleetIndex(prefill_prior=3.0)
+    assert index.prefill_rate("b") == 3.0
+    index.measured("b", prefill_ms_per_token=40.0, decode_ms_per_token=90.0)
+    assert index.prefill_rate("b") == 40.0
+    index.measured("b", prefill_ms_per_token=40.0, decode_ms_per_token=90.0)  # the same: nothing to log
+    index.dispatched("b", "r1", keys_of(list(range(300))), 100.0)
+    index.reported("b", "r1", prompt_tokens=300, prefill_ms=300.0)
+    assert index.prefill_rate("b") == 1.0  # its own run outweighs what it measured
+    assert index.rate_changes == ["b", "b"]

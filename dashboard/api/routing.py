@@ -93,7 +93,7 @@ def choose_route(key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[Dev
 def _choose(roster, key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[Device, Routed | None, int]:
     devices = roster.devices
     now = time.time()
-    online_boards = len(roster.online(now))
+    online_boards = roster.online_count(now)
     if request.device:
         return _named(devices, request.device, request.model, key.namespace_id), None, online_boards
     known = roster.serving(request.model)
@@ -101,13 +101,12 @@ def _choose(roster, key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[
         served = sorted({(device.status or {}).get("model") for device in devices if device.online and (device.status or {}).get("model")})
         listed = f"online boards of namespace {key.namespace_id!r} serve {', '.join(served)}" if served else f"no board of namespace {key.namespace_id!r} is online"
         raise bad_request(f"The model {request.model!r} does not exist here ({listed}); GET /v1/models lists them.", param="model", code="model_not_found")
-    online = known.online(now)
-    if not online:
+    if not known.online_count(now):
         names = ", ".join(device.name for device in known.devices)
         raise ApiError(503, f"No board serving {request.model!r} is online (its devices: {names}); {START_A_BOARD}.", type="server_error", code="no_board_online")
     remembered = _remembered(key.namespace_id, request.prompt_cache_key) if request.prompt_cache_key else None
     # Online a moment ago is online for this choice (a heartbeat late by a few ms must not leave none).
-    routed = plan(online, run, preferred=remembered or "", all_online=True)
+    routed = plan(known, run, preferred=remembered or "", online_at=now)
     return routed.device, routed, online_boards
 
 
