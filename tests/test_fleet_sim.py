@@ -273,6 +273,30 @@ def test_a_roster_reused_by_many_decisions_follows_the_rates_and_queues_its_boar
 
 
 @pytest.mark.django_db
+def test_the_entries_the_mirror_holds_are_found_in_one_statement_and_make_the_cache_box_the_source(monkeypatch):
+    """``mirrored_names`` (its SQL written by hand) finds exactly the mirrored entry names among the
+    candidates' keys, and a prompt whose first ranges the cache box holds is expected from there."""
+    from cachebox.models import CacheEntry
+    from dashboard import actions, routing
+    from dashboard.models import Device, Namespace
+
+    Namespace.objects.get_or_create(name="default")
+    device = Device.objects.create(name="fetcher", last_seen=timezone.now(), status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 5})
+    layout = (list(range(2000, 2400)), ())
+    monkeypatch.setattr(routing, "prompt_tokens", lambda prompt: layout)
+    keys = routing.keys_for(device, layout)
+    names = list(routing._entry_names(device, keys))  # one per range: 128, 256, 384, 400
+    assert len(names) == 4
+    assert routing.mirrored_names([device], {"fetcher": keys}) == set()
+    for name in names[:3]:
+        CacheEntry.objects.create(key=name, model="ab", namespace="default", start=0, end=128, bytes=1)
+    CacheEntry.objects.create(key="someone-elses-entry", model="ab", namespace="default", start=0, end=128, bytes=1)
+    assert routing.mirrored_names([device], {"fetcher": keys}) == set(names[:3])
+    record = routing.plan([device], actions.run_request(["x"], max_tokens=4)).record
+    assert (record["source"], record["held_tokens"]) == ("cachebox", 384)
+
+
+@pytest.mark.django_db
 def test_a_roster_counts_online_and_serving_boards_as_the_devices_do():
     from datetime import timedelta
 
