@@ -135,3 +135,19 @@ def test_make_run_says_which_of_its_processes_ended_and_how():
     command._stop([stopped])  # Ctrl-C: the processes it stops are not reported
     watcher.join(timeout=30)
     assert not watcher.is_alive() and "board zero" not in said.getvalue()
+
+
+def test_make_run_starts_its_demo_boards_below_the_control_planes_cpu_priority():
+    """Demo boards share this machine's cores with the web process: a board computing on every core
+    must not starve the API (the threads llama.cpp starts run at the board's priority too)."""
+    import subprocess
+    import sys
+
+    from dashboard.management.commands.run import BOARD_NICE, board_command
+
+    import os
+
+    probe = "import os, threading; seen = []; t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0))); t.start(); t.join(); print(os.nice(0), seen[0])"
+    out = subprocess.run(board_command([sys.executable, "-c", probe]), capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    here = os.nice(0)
+    assert [int(value) for value in out] == [min(19, here + BOARD_NICE)] * 2
