@@ -170,6 +170,30 @@ def test_a_dispatch_committed_after_a_higher_id_is_followed_within_a_second():
 
 
 @pytest.mark.django_db
+def test_a_run_this_process_dispatched_is_in_the_routing_state_at_once_and_counted_once(django_assert_num_queries):
+    """The web process feeds its own dispatches into its routing state as it writes them: the next
+    decision's follow reads no row back (its two id queries only), owes the run's work once, and a
+    row another process wrote meanwhile is still read."""
+    from dashboard.models import Device, Dispatch, Namespace
+    from dashboard.routing import RoutingState
+
+    Namespace.objects.get_or_create(name="default")
+    board = Device.objects.create(name="board-fed", status={"fingerprint": "ab"})
+    state = RoutingState()
+    state.current()
+    state._looked_back = float("inf")  # no look-back in this test: only the cursor's row and newer
+    mine = Dispatch.objects.create(request_id=uuid.uuid4(), kind="run", device=board, namespace="default", routing={"prompt": _keys("k1").as_dict(), "work_ms": 1000.0})
+    state.feed(str(mine.request_id), board.name, mine.routing, mine.created)
+    assert state.index.queued_ms("board-fed") == pytest.approx(1000.0)
+    with django_assert_num_queries(2):  # the ids of both tables: nothing fetched back
+        assert state.current().queued_ms("board-fed") == pytest.approx(1000.0, abs=10.0)
+    _dispatch(board, _keys("k2"), ago_s=0, work_ms=2000.0)  # written by another process
+    assert state.current().queued_ms("board-fed") == pytest.approx(3000.0, abs=10.0)
+    state.feed(str(mine.request_id), board.name, mine.routing, mine.created)  # fed twice: counted once
+    assert state.current().queued_ms("board-fed") == pytest.approx(3000.0, abs=10.0)
+
+
+@pytest.mark.django_db
 def test_the_routing_state_starts_over_when_the_rows_it_read_are_gone():
     from dashboard.models import Device, Dispatch, Namespace
     from dashboard.routing import RoutingState

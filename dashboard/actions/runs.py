@@ -58,10 +58,11 @@ def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: li
         record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, request)
         now = timezone.now()
         expires = timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES)
-        Dispatch.objects.create(
+        row = Dispatch.objects.create(
             request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),
             expires_at=now + expires, waits_until=now + expires + timedelta(seconds=PAGE_WAIT_MARGIN_S) if request.stream else None,
         )
+        routing.STATE.feed(str(row.request_id), device.name, record, row.created)
         send_to_board(device, Task.RUN_PROMPT, request.dump(), settings.EDGECACHE_TASK_EXPIRES)
         sent.append({"request_id": request.request_id, "device": device.name, **({"routing": routing.shown(record)} if routed is not None else {})})
         broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": meta.title})
@@ -224,10 +225,11 @@ def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, route
         raise ValueError("an API run streams its answer back: build its RunRequest with stream=True")
     record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, request)
     now = timezone.now()
-    Dispatch.objects.create(
+    row = Dispatch.objects.create(
         request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),
         expires_at=now + timedelta(seconds=expires), waits_until=now + timedelta(seconds=expires),
     )
+    routing.STATE.feed(str(row.request_id), device.name, record, row.created)
     send_to_board(device, Task.RUN_PROMPT, request.dump(), expires)
     broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": request.meta.title})
     log.info("dispatched api run %s to %s", request.request_id, device.name)
