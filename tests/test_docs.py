@@ -106,3 +106,16 @@ def test_every_benchmark_has_a_section_filled_from_its_newest_saved_result(tmp_p
 
     assert outside(filled) == outside(text)  # everything outside the sections is kept
     assert docs.render_benchmarks(filled, tmp_path) == filled  # regenerating changes nothing
+
+
+def test_the_newest_saved_result_is_the_one_measured_last_not_the_file_written_last(tmp_path):
+    """A fresh clone writes every file of bench-results/ at checkout time: the README and
+    benchmarks page must still show the run measured last (its machine.date)."""
+    from dashboard.bench import documents
+
+    for name, date, mtime in (("scale-old", "2026-11-24T10:00:00Z", 2_000_000_000), ("scale-new", "2026-11-25T10:00:00Z", 1_700_000_000), ("scale-undated", None, 1_600_000_000)):
+        machine = {"cpu": "Test CPU", **({"date": date} if date else {})}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"bench": "scale", "format": 1, "machine": machine, "lengths": []}))
+        os.utime(tmp_path / f"{name}.json", (mtime, mtime))
+    assert [path.stem for path, _ in documents.saved_documents(tmp_path)] == ["scale-new", "scale-old", "scale-undated"]
+    assert documents.newest(["scale"], tmp_path)["scale"][0].stem == "scale-new"

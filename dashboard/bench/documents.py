@@ -41,14 +41,34 @@ def results_dir() -> Path:
 
 
 def saved_documents(folder: Path | None = None) -> Iterator[tuple[Path, object]]:
-    """(path, document) of every readable JSON file in ``bench-results/``, newest first."""
+    """(path, document) of every readable JSON file in ``bench-results/``, newest first: by the time
+    the document says it was measured (``machine.date``), else its file's time. A clone's files all
+    carry the time of the checkout, so the file's time alone put an older run first."""
     folder = results_dir() if folder is None else folder
-    for path in sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []:
+    found = []
+    for path in folder.glob("*.json") if folder.is_dir() else []:
         try:
             doc = json.loads(path.read_text())
+            mtime = path.stat().st_mtime
         except (OSError, ValueError):
             continue
+        found.append((measured_at(doc) or mtime, mtime, path, doc))
+    for _, _, path, doc in sorted(found, key=lambda item: item[:2], reverse=True):
         yield path, doc
+
+
+def measured_at(doc) -> float | None:
+    """When ``doc`` says it was measured (its ``machine.date``, ISO 8601), as a POSIX time; None when it does not say."""
+    from datetime import datetime, timezone
+
+    date = (doc.get("machine") or {}).get("date") if isinstance(doc, dict) and isinstance(doc.get("machine"), dict) else None
+    if not isinstance(date, str) or not date:
+        return None
+    try:
+        when = datetime.fromisoformat(date.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def kind_of(doc) -> str | None:
