@@ -462,7 +462,7 @@ class _Ranking:
         self.index = index
         self.kinds: dict[tuple, list[tuple[float, int]]] = {}
         self.rated: dict[str, tuple[tuple, tuple[float, int]]] = {}  # board -> (its kind, its place)
-        for position, entry in enumerate(roster.entries):
+        for entry in roster.entries:
             if entry.applied is not index:  # what it measured at start, until its runs say better
                 index.measured(entry.name, prefill_ms_per_token=entry.prefill, decode_ms_per_token=entry.decode)
                 entry.applied = index
@@ -552,7 +552,8 @@ class Roster:
             earlier = self._earlier._serving.get(model) if self._earlier is not None else None
             if earlier is not None:
                 found.carry(earlier)
-            self._serving[model] = found
+            if entries:  # a model nobody serves (any name a request sends) is not kept
+                self._serving[model] = found
         return found
 
     def __len__(self) -> int:
