@@ -591,6 +591,9 @@ def plan(
     tokens = layout[0] if layout else None
     now = timezone.now().timestamp()
     alive_after = float("-inf") if all_online else (now if online_at is None else online_at)
+
+    def alive(entry: _Entry) -> bool:  # ``all_online``: a named board, even one that never beat yet
+        return all_online or entry.until > alive_after
     kinds: dict[tuple, PromptKeys] = {}  # (namespace, model) -> the prompt's keys there: boards of one kind share them
 
     def keys_of(entry: _Entry) -> PromptKeys:
@@ -608,7 +611,7 @@ def plan(
             active.update(name for name in index.holding(keys_of(entry)) if name in roster.by_name and roster.by_name[name][1].keys_kind == kind)
         for name in active:
             found = roster.by_name.get(name)
-            if found is not None and found[1].until > alive_after:
+            if found is not None and alive(found[1]):
                 weigh[found[0]] = found[1]
         # Idle and holding none of the prompt: its expected time is its prefill at its rate (or a
         # fetch, the same for its kind), so only the two fastest of its kind can come first or second.
@@ -616,7 +619,7 @@ def plan(
             taken = 0
             for _, position in places:
                 entry = roster.entries[position]
-                if entry.name in active or entry.until <= alive_after:
+                if entry.name in active or not alive(entry):
                     continue
                 weigh[position] = entry
                 taken += 1
@@ -624,7 +627,7 @@ def plan(
                     break
         if preferred in roster.by_name and preferred not in active:
             position, entry = roster.by_name[preferred]
-            if entry.until > alive_after:
+            if alive(entry):
                 weigh[position] = entry
         chosen_entries = [weigh[position] for position in sorted(weigh)]
         weighed = [entry.device for entry in chosen_entries]

@@ -126,3 +126,12 @@ def test_the_run_page_says_the_fleet_is_busy_past_its_bounded_queue(staff_client
         assert report(device, keys, first["request_id"]) is not None  # an answer frees its place
     assert send_to(staff_client, device, "A third.")["device"] == "a-board"
     assert second["request_id"] != first["request_id"]
+
+
+def test_a_run_sent_to_a_board_that_never_beat_keeps_its_prompts_keys(staff_client, control_plane, sent_tasks):
+    """A named board waits in its queue whether or not it was ever online; its run's routing record
+    still carries the prompt's keys, so the board is known to hold the prompt once it answers."""
+    device, _ = register("never-beat")
+    sent = send_to(staff_client, device, LONG_PROMPT)
+    record = Dispatch.objects.get(request_id=sent["request_id"]).routing
+    assert record["policy"] == "named" and "prompt" in record and record["work_ms"] > 0
