@@ -63,7 +63,8 @@ class Plane:
     def __init__(self, home: Path):
         self.home = home
         self.env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
-        self.env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_N_CTX": "2048", "EDGECACHE_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT), "EDGECACHE_RESTORE_INTERVAL": "1"})
+        self.env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_N_CTX": "2048", "EDGECACHE_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT), "EDGECACHE_RESTORE_INTERVAL": "1",
+                         "EDGECACHE_SWEEP_SECONDS": "1"})
         self.processes: list[subprocess.Popen] = []
 
     def manage(self, *args: str, env: dict | None = None) -> str:
@@ -90,10 +91,11 @@ class Plane:
              "--concurrency", "2", "--hostname", "control@%h", "--loglevel", "info", "--without-gossip", "--without-mingle"],
         )
 
-    def board(self, token: str, name: str = "solo") -> subprocess.Popen:
+    def board(self, token: str, name: str = "solo", heartbeat: float = 5) -> subprocess.Popen:
+        """A board process; one beating every second (``heartbeat=1``) is seen dead in ~4 s, not ~20."""
         log = "board" if name == "solo" else f"board-{name}"
         before = self.log(log).count(f"board {name} ready") if (self.home / f"{log}.log").exists() else 0
-        process = self.spawn(log, [sys.executable, "manage.py", "edge", "--name", name], {"EDGECACHE_DEVICE_TOKEN": token})
+        process = self.spawn(log, [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", str(heartbeat)], {"EDGECACHE_DEVICE_TOKEN": token})
         until(lambda: self.log(log).count(f"board {name} ready") > before or process.poll() is not None, 120, f"board {name} to load its model")
         assert process.poll() is None, self.log(log)
         return process
@@ -214,8 +216,8 @@ def test_a_board_killed_mid_run_with_its_client_waiting_hands_the_run_to_another
     _kill_boards(plane)
     if not plane.shell("from dashboard.models import Device; print(Device.objects.filter(name='spare').exists())") == "True":
         plane.spare_token = plane.shell("from dashboard import actions; print(actions.register_device(None, name='spare', cpu_threads=1)[1])")
-    plane.board(plane.spare_token, "spare")
-    solo = plane.board(plane.token)
+    plane.board(plane.spare_token, "spare", heartbeat=1)
+    solo = plane.board(plane.token, heartbeat=1)
     request_id = plane.dispatch(max_tokens=160, stream=True)
     until(lambda: plane.redis.hlen("unacked.solo") > 0, 60, "solo to take the run")
     solo.send_signal(signal.SIGKILL)
@@ -228,7 +230,7 @@ def test_a_board_killed_mid_run_with_its_client_waiting_hands_the_run_to_another
 
 def test_a_board_killed_mid_run_with_nobody_waiting_ends_as_a_failed_run_that_says_why(plane):
     _kill_boards(plane)
-    solo = plane.board(plane.token)
+    solo = plane.board(plane.token, heartbeat=1)
     request_id = plane.dispatch(max_tokens=160)
     until(lambda: plane.redis.hlen("unacked.solo") > 0, 60, "solo to take the run")
     solo.send_signal(signal.SIGKILL)
