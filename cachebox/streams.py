@@ -3,7 +3,7 @@
 A board publishes each answer token of a streamed run on the run's channel
 (``keys.stream_channel``, through ``CacheBox.publish``); the control plane's ASGI view
 subscribes before it dispatches the run (a message published while nobody listens is
-gone), reads the events as they come and, when its HTTP client goes away, sets the run's
+gone), on one connection its event loop shares for every run it follows, reads the events as they come and, when its HTTP client goes away, sets the run's
 cancel flag (``keys.cancel_key_name``) that the board checks between tokens. Pub/sub, not
 polling and not the Celery queue: a token reaches the client one hop after it was chosen.
 
@@ -27,7 +27,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import MovedError
 
 from .cluster import is_cluster_url, parse_cluster_url
-from .errors import CacheBoxRefused, CacheBoxUnavailable
+from .errors import CacheBoxError, CacheBoxRefused, CacheBoxUnavailable
 from .tls import client_options
 
 T = TypeVar("T")
@@ -39,14 +39,14 @@ def _client(url: str, connect_timeout: float, timeout: float) -> aioredis.Redis:
     return _clients(url, connect_timeout, timeout)[0]
 
 
-def _clients(url: str, connect_timeout: float, timeout: float) -> list[aioredis.Redis]:
+def _clients(url: str, connect_timeout: float, timeout: float, retry: Retry | None = None) -> list[aioredis.Redis]:
     """A client of the server, or one per node a cluster URL names (each a plain client of that node)."""
     options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, health_check_interval=0, **client_options(url))
     if not is_cluster_url(url):
-        return [aioredis.Redis.from_url(url, **options)]
+        return [aioredis.Redis.from_url(url, **options, **({"retry": retry} if retry is not None else {}))]
     address = parse_cluster_url(url)
     return [
-        aioredis.Redis(host=host, port=port, username=address.username, password=address.password, ssl=address.tls, retry=Retry(NoBackoff(), 0), **options)
+        aioredis.Redis(host=host, port=port, username=address.username, password=address.password, ssl=address.tls, retry=retry or Retry(NoBackoff(), 0), **options)
         for host, port in address.nodes
     ]
 
@@ -71,44 +71,181 @@ def _safe(url: str) -> str:
     return f"{scheme}://{rest.rsplit('@', 1)[-1]}" if rest else url
 
 
+class _Listener:
+    """One pub/sub connection to a server (a cluster: the first node of its URL that answers),
+    shared by every ``Subscription`` of one event loop: a run's channel is subscribed on it in one
+    round trip instead of a connection of its own per request (a connect, and AUTH where there is a
+    password). A reader task hands each message to the subscriptions of its channel. When the
+    connection fails, every subscription on it hears ``CacheBoxUnavailable`` (nothing published
+    while it was down can be replayed) and the next one connects afresh."""
+
+    def __init__(self, url: str, connect_timeout: float, timeout: float):
+        self.url = url
+        self.connect_timeout, self.timeout = connect_timeout, timeout
+        self.loop = asyncio.get_running_loop()
+        self.broken = False
+        self._client: aioredis.Redis | None = None
+        self._pubsub = None
+        self._reader: asyncio.Task | None = None
+        self._connecting = asyncio.Lock()
+        self._members: dict[bytes, set["Subscription"]] = {}
+        self._confirming: dict[bytes, list[asyncio.Future]] = {}
+
+    async def _connect(self) -> None:
+        async with self._connecting:
+            if self._pubsub is not None or self.broken:
+                return
+            # No silent reconnect: what was published meanwhile is lost, so the followers must hear it.
+            candidates = _clients(self.url, self.connect_timeout, self.timeout, retry=Retry(NoBackoff(), 0))
+            try:
+                for index, client in enumerate(candidates):
+                    pubsub = client.pubsub()
+                    try:
+                        await _guarded(pubsub.connect(), self.url)
+                    except CacheBoxRefused:
+                        raise
+                    except CacheBoxUnavailable:  # a cluster node that does not answer passes to the next
+                        await pubsub.aclose()
+                        if index == len(candidates) - 1:
+                            raise
+                        continue
+                    self._client, self._pubsub = client, pubsub
+                    break
+            finally:
+                for client in candidates:
+                    if client is not self._client:
+                        await client.aclose()
+            self._reader = self.loop.create_task(self._read(), name=f"edgecache-streams-{_safe(self.url)}")
+
+    async def join(self, member: "Subscription", channel: str) -> None:
+        """``member`` hears ``channel`` from now on (the server confirmed the subscription)."""
+        await self._connect()
+        name = channel.encode()
+        members = self._members.setdefault(name, set())
+        members.add(member)
+        if len(members) > 1 and name not in self._confirming:
+            return  # subscribed already, for another follower of the same run
+        confirmed = self.loop.create_future()
+        waiting = self._confirming.setdefault(name, [])
+        waiting.append(confirmed)
+        try:
+            if len(waiting) == 1:
+                await _guarded(self._pubsub.subscribe(name), self.url)
+            await asyncio.wait_for(asyncio.shield(confirmed), self.connect_timeout + self.timeout)
+        except (asyncio.TimeoutError, CacheBoxError) as exc:
+            self.leave(member, channel)
+            if isinstance(exc, asyncio.TimeoutError):
+                self._fail(CacheBoxUnavailable(f"cache box {_safe(self.url)} did not confirm a subscription within {self.connect_timeout + self.timeout:g} s"))
+                raise CacheBoxUnavailable(f"cache box {_safe(self.url)} did not confirm a subscription") from None
+            raise
+
+    def leave(self, member: "Subscription", channel: str) -> None:
+        name = channel.encode()
+        members = self._members.get(name)
+        if members is None:
+            return
+        members.discard(member)
+        if not members:
+            del self._members[name]
+            if not self.broken and self._pubsub is not None:
+                self.loop.create_task(self._unsubscribe(name))
+
+    async def _unsubscribe(self, name: bytes) -> None:
+        if name in self._members:
+            return  # followed again meanwhile
+        try:
+            await self._pubsub.unsubscribe(name)
+        except (redis.RedisError, OSError) as exc:
+            self._fail(CacheBoxUnavailable(f"cache box {_safe(self.url)} is unreachable: {exc}"))
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await self._pubsub.get_message(timeout=None)
+                if message is None:
+                    continue
+                kind, name = message.get("type"), message.get("channel")
+                if kind == "message":
+                    for member in tuple(self._members.get(name, ())):
+                        member._queue.put_nowait(message["data"])
+                elif kind == "subscribe":
+                    for confirmed in self._confirming.pop(name, ()):
+                        if not confirmed.done():
+                            confirmed.set_result(True)
+        except asyncio.CancelledError:
+            self._fail(CacheBoxUnavailable(f"stopped following cache box {_safe(self.url)}"))
+            await self._close()
+            raise
+        except (redis.RedisError, OSError, RuntimeError) as exc:
+            self._fail(CacheBoxUnavailable(f"cache box {_safe(self.url)} is unreachable: {exc}"))
+            await self._close()
+
+    def _fail(self, error: CacheBoxUnavailable) -> None:
+        """Every follower hears ``error``; the next subscription connects afresh."""
+        self.broken = True
+        if _LISTENERS.get((self.loop, self.url)) is self:
+            del _LISTENERS[(self.loop, self.url)]
+        for waiting in self._confirming.values():
+            for confirmed in waiting:
+                if not confirmed.done():
+                    confirmed.set_exception(error)
+        self._confirming.clear()
+        for members in self._members.values():
+            for member in members:
+                member._queue.put_nowait(error)
+        self._members.clear()
+        if self._reader is not None and asyncio.current_task() is not self._reader:
+            self._reader.cancel()
+
+    async def _close(self) -> None:
+        try:
+            if self._pubsub is not None:
+                await self._pubsub.aclose()
+            if self._client is not None:
+                await self._client.aclose()
+        except (redis.RedisError, OSError, RuntimeError):
+            pass
+
+
+_LISTENERS: dict[tuple[asyncio.AbstractEventLoop, str], _Listener] = {}
+
+
+def _listener(url: str, connect_timeout: float, timeout: float) -> _Listener:
+    loop = asyncio.get_running_loop()
+    for key in [key for key in _LISTENERS if key[0].is_closed()]:
+        del _LISTENERS[key]
+    found = _LISTENERS.get((loop, url))
+    if found is None or found.broken:
+        found = _LISTENERS[(loop, url)] = _Listener(url, connect_timeout, timeout)
+    return found
+
+
 class Subscription:
-    """One channel, subscribed for as long as the ``async with`` block lasts (its own connection)."""
+    """One run's channel, followed for as long as the ``async with`` block lasts, on its event
+    loop's shared connection to the server (``_Listener``)."""
 
     def __init__(self, url: str, channel: str, *, connect_timeout: float = 0.5, timeout: float = 5.0):
         self.url = url
         self.channel = channel
-        self._candidates = _clients(url, connect_timeout, timeout)  # a cluster: one per node named
-        self._client = self._candidates[0]
-        self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        self.connect_timeout, self.timeout = connect_timeout, timeout
+        self._listener: _Listener | None = None
+        self._channels: list[str] = []
+        self._queue: asyncio.Queue = asyncio.Queue()
 
     async def open(self) -> "Subscription":
-        """Subscribe (one round trip); messages published from now on are kept for ``get``.
-        On a cluster, a node that does not answer passes the subscription to the next one."""
-        try:
-            for index, client in enumerate(self._candidates):
-                if client is not self._client:
-                    await self._close()
-                    self._client, self._pubsub = client, client.pubsub(ignore_subscribe_messages=True)
-                try:
-                    await _guarded(self._pubsub.subscribe(self.channel), self.url)
-                    break
-                except CacheBoxRefused:
-                    raise
-                except CacheBoxUnavailable:
-                    if index == len(self._candidates) - 1:
-                        raise
-        except BaseException:
-            await self.close()
-            raise
-        finally:
-            for client in self._candidates:
-                if client is not self._client:
-                    await client.aclose()
+        """Subscribe (one round trip on the shared connection, a connect first when there is none):
+        messages published from now on are kept for ``get``. On a cluster, a node that does not
+        answer passes the connection to the next one."""
+        self._listener = _listener(self.url, self.connect_timeout, self.timeout)
+        await self.add(self.channel)
         return self
 
     async def add(self, channel: str) -> None:
-        """Listen on ``channel`` too, on the same connection (a run moved to another board)."""
-        await _guarded(self._pubsub.subscribe(channel), self.url)
+        """Listen on ``channel`` too (a run moved to another board)."""
+        if self._listener is None or self._listener.broken:
+            raise CacheBoxUnavailable(f"lost cache box {_safe(self.url)} while following {self.channel}")
+        await self._listener.join(self, channel)
+        self._channels.append(channel)
         self.channel = channel
 
     async def __aenter__(self) -> "Subscription":
@@ -118,29 +255,22 @@ class Subscription:
         await self.close()
 
     async def get(self, timeout: float) -> bytes | None:
-        """The next message published on the channel, or None when none came within ``timeout`` s."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None
-            message = await _guarded(self._pubsub.get_message(timeout=remaining), self.url)
-            if message is not None and message.get("type") == "message":
-                return message["data"]
+        """The next message published on the channel, or None when none came within ``timeout`` s;
+        CacheBoxUnavailable when the connection was lost."""
+        try:
+            item = await asyncio.wait_for(self._queue.get(), timeout) if timeout > 0 else self._queue.get_nowait()
+        except (asyncio.TimeoutError, asyncio.QueueEmpty):
+            return None
+        if isinstance(item, CacheBoxUnavailable):
+            raise item
+        return item
 
     async def close(self) -> None:
-        # Best effort and shielded: closing runs in a `finally` of a request that may be cancelled.
-        try:
-            await asyncio.shield(self._close())
-        except (asyncio.CancelledError, redis.RedisError, OSError):
-            pass
-
-    async def _close(self) -> None:
-        try:
-            await self._pubsub.aclose()
-        finally:
-            await self._client.aclose()
+        """Stop following (no round trip waited for: the shared connection unsubscribes behind)."""
+        if self._listener is not None:
+            for channel in self._channels:
+                self._listener.leave(self, channel)
+        self._channels = []
 
 
 def subscribe(url: str, channel: str, *, connect_timeout: float = 0.5, timeout: float = 5.0) -> Subscription:
