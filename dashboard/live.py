@@ -29,11 +29,16 @@ def event_device(event: str, data: dict) -> str | None:
 
 def broadcast(event: str, data: dict) -> None:
     """Send ``data`` to every open page; a channel layer that is down never fails the caller."""
+    async_to_sync(abroadcast)(event, data)
+
+
+async def abroadcast(event: str, data: dict) -> None:
+    """``broadcast`` for async code (the API sends it beside its answer, not before)."""
     layer = get_channel_layer()
     if layer is None:
         return
     try:
-        async_to_sync(layer.group_send)(GROUP, {"type": "live.event", "event": event, "data": data, "device": event_device(event, data)})
+        await layer.group_send(GROUP, {"type": "live.event", "event": event, "data": data, "device": event_device(event, data)})
     except Exception as exc:  # the page misses one live update; the data is stored anyway
         log.warning("live update %s not broadcast: %s", event, exc)
 

@@ -169,8 +169,12 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # take the write lock when they begin (IMMEDIATE): a deferred one that reads, then writes,
     # fails at once with "database is locked" when another writer holds it, timeout or not.
     # Write-ahead logging: readers (an API request's key and routing) never wait for a writer (the
-    # worker recording a run), and a writer never waits for readers.
-    DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"})
+    # worker recording a run), and a writer never waits for readers. synchronous=NORMAL, as SQLite
+    # advises with WAL: a commit no longer waits for an fsync (0.2 ms here, on every API dispatch);
+    # the database stays consistent on a crash, and a power cut may lose the last commits only.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"}
+    )
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -214,8 +214,10 @@ def run_json(run: InferenceRun) -> dict:
     }
 
 
-def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, routed: routing.Routed | None = None) -> RunRequest:
-    """Send a run of the OpenAI-compatible API (``dashboard.api``) to ``device``'s queue.
+def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, routed: routing.Routed | None = None, announce: bool = True) -> dict:
+    """Send a run of the OpenAI-compatible API (``dashboard.api``) to ``device``'s queue; returns
+    the ``run.dispatched`` live event, broadcast here unless ``announce`` is False (the caller
+    then sends it, off its answer's path).
 
     ``request`` streams (its tokens come back on its pub/sub channel; the caller subscribes
     before calling this) and is recorded as any run is, from the board's signed report. It
@@ -231,6 +233,8 @@ def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, route
     )
     routing.STATE.feed(str(row.request_id), device.name, record, row.created)
     send_to_board(device, Task.RUN_PROMPT, request.dump(), expires)
-    broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": request.meta.title})
+    event = {"request_id": request.request_id, "device": device.name, "title": request.meta.title}
+    if announce:
+        broadcast("run.dispatched", event)
     log.info("dispatched api run %s to %s", request.request_id, device.name)
-    return request
+    return event

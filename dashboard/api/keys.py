@@ -68,14 +68,14 @@ def bearer(header: str) -> str:
 LAST_USED_EVERY = timedelta(minutes=1)  # how stale a key's "last used" may be
 
 
-async def authenticate(header: str) -> ApiKey | None:
+def authenticate(header: str) -> ApiKey | None:
     """The active key named by the ``Authorization`` header, or None."""
     key = bearer(header)
     if not key.startswith(ApiKey.PREFIX) or len(key) > 200:
         return None
-    row = await ApiKey.objects.select_related("namespace").filter(key_sha256=hash_key(key), revoked_at__isnull=True).afirst()
+    row = ApiKey.objects.select_related("namespace").filter(key_sha256=hash_key(key), revoked_at__isnull=True).first()
     now = timezone.now()
     if row is not None and (row.last_used is None or now - row.last_used >= LAST_USED_EVERY):
         # To the minute: a write per request would queue every call behind the database's write lock.
-        await ApiKey.objects.filter(pk=row.pk).aupdate(last_used=now)
+        ApiKey.objects.filter(pk=row.pk).update(last_used=now)
     return row

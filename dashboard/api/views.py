@@ -20,10 +20,12 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import SyncToAsync, sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.db import close_old_connections
 from django.db.models import Q
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -41,6 +43,7 @@ from inference.strategies import parse_strategy
 from .. import admission, metrics, ratelimit
 from ..actions.cache import cachebox_url
 from ..actions.runs import dispatch_api_run
+from ..live import abroadcast
 from ..models import ApiKey, Device
 from ..signing import cancel_flag, control_plane_public_key, stream_ring_for
 from . import keys, routing
@@ -64,7 +67,7 @@ async def models(request):
     if request.method != "GET":
         return _method_not_allowed("GET")
     try:
-        key = await _authorized(request)
+        key = await sync_to_async(_authorized)(request)
     except ApiError as exc:
         return exc.response()
     entries = await sync_to_async(routing.online_models)(key.namespace_id)
@@ -76,7 +79,7 @@ async def model_detail(request, model: str):
     if request.method != "GET":
         return _method_not_allowed("GET")
     try:
-        key = await _authorized(request)
+        key = await sync_to_async(_authorized)(request)
     except ApiError as exc:
         return exc.response()
     for entry in await sync_to_async(routing.online_models)(key.namespace_id):
@@ -101,21 +104,69 @@ async def _complete(request, kind: str) -> HttpResponse:
         return _method_not_allowed("POST")
     phases = Phases()
     try:
-        key = await _authorized(request)
-        phases.mark("auth")
-        try:
-            raw = request.body
-        except RequestDataTooBig:
-            raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
-        api = parse_request(parse_body(raw), kind)
-        schema_source = await _schema_source(api, key.namespace_id)
-        run = _run_request(key, api, schema_source)  # the one prompt type, from here to the board
-        phases.mark("parse")
-        device, routed, ticket = await sync_to_async(_route_and_admit)(key, api, run)
-        phases.mark("route")
+        # The request's synchronous work (database, cache, routing) in one hop to a thread, not one
+        # per step: each hop costs a thread switch, and more under concurrent requests.
+        admitted = await _in_thread(_admit)(request, kind, phases)
     except ApiError as exc:
         return exc.response()
-    return await _answer(key, device, api, run, routed, phases, ticket)
+    return await _answer(admitted, phases)
+
+
+class _SyncWork(ThreadPoolExecutor):
+    """Threads for the API's synchronous work, kept from request to request with their database
+    connections: Django's ASGI handler gives each request a thread of its own, so each request's
+    first query opened a new connection (about 1 ms on SQLite, more on PostgreSQL). A connection
+    that failed or outlived CONN_MAX_AGE is closed before the next work on its thread, as Django
+    does between requests."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        def work():
+            close_old_connections()
+            return fn(*args, **kwargs)
+
+        return super().submit(work)
+
+
+_SYNC_WORK = _SyncWork(max_workers=4, thread_name_prefix="edgecache-api")
+
+
+def _in_thread(work):
+    """``work`` as an awaitable: on the API's own threads under the ASGI server (where each request
+    would otherwise get a new thread), else where Django runs sync code (a sync caller's own
+    thread: the WSGI test client's, whose transaction the work must see)."""
+    if SyncToAsync.thread_sensitive_context.get(None) is not None:
+        return sync_to_async(work, thread_sensitive=False, executor=_SYNC_WORK)
+    return sync_to_async(work)
+
+
+class _Admitted:
+    """A request past its key, rate, body, routing and bounded queues: what ``_answer`` needs."""
+
+    def __init__(self, key: ApiKey, api: ApiRequest, run: RunRequest, device: Device, routed, ticket, ring_for):
+        self.key, self.api, self.run, self.device, self.routed, self.ticket, self.ring_for = key, api, run, device, routed, ticket, ring_for
+
+
+def _admit(request, kind: str, phases: "Phases") -> _Admitted:
+    """Key and rate (401/429), body (413/400), the board (routing: 400/404/503) and a place in the
+    bounded queues (429/503), then what opens the board's stream events; each step marked in ``phases``."""
+    key = _authorized(request)
+    phases.mark("auth")
+    try:
+        raw = request.body
+    except RequestDataTooBig:
+        raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
+    api = parse_request(parse_body(raw), kind)
+    run = _run_request(key, api, _schema_source(api, key.namespace_id))  # the one prompt type, from here to the board
+    phases.mark("parse")
+    device, routed, ticket = _route_and_admit(key, api, run)
+    phases.mark("route")
+    try:
+        ring_for = stream_ring_for(device)
+    except BaseException:
+        admission.release(ticket)
+        raise
+    phases.mark("ring")
+    return _Admitted(key, api, run, device, routed, ticket, ring_for)
 
 
 def _route_and_admit(key: ApiKey, api: ApiRequest, run: RunRequest):
@@ -139,9 +190,9 @@ def _route_and_admit(key: ApiKey, api: ApiRequest, run: RunRequest):
     return device, routed, ticket
 
 
-async def _authorized(request) -> ApiKey:
+def _authorized(request) -> ApiKey:
     """The request's API key (401 without a valid one), counted against its rate (429)."""
-    key = await keys.authenticate(request.headers.get("Authorization", ""))
+    key = keys.authenticate(request.headers.get("Authorization", ""))
     if key is None:
         metrics.refused("bad_api_key")
         security_event("api.refused", reason="missing or unknown API key", remote_addr=request.META.get("REMOTE_ADDR", ""), path=request.path)
@@ -151,7 +202,7 @@ async def _authorized(request) -> ApiKey:
             "(Admin > API keys, or `python manage.py apikey create --namespace NAME`).",
             code="invalid_api_key",
         )
-    verdict = await sync_to_async(ratelimit.hit)("api", key.pk, key.rate())
+    verdict = ratelimit.hit("api", key.pk, key.rate())
     if not verdict.allowed:
         metrics.refused("rate_limited")
         security_event("api.rate_limited", key=key.key_prefix, namespace=key.namespace_id, limit_per_minute=verdict.limit, retry_after=verdict.retry_after)
@@ -166,12 +217,12 @@ async def _authorized(request) -> ApiKey:
     return key
 
 
-async def _schema_source(api: ApiRequest, namespace: str) -> str:
+def _schema_source(api: ApiRequest, namespace: str) -> str:
     """A stored schema the key's namespace may use (its own, or one shared with every namespace)."""
     if not api.schema:
         return ""
     usable = Schema.objects.filter(name=api.schema).filter(Q(namespace="") | Q(namespace=namespace))
-    source = await usable.values_list("source", flat=True).afirst()
+    source = usable.values_list("source", flat=True).first()
     if source is None:
         raise bad_request(f"No schema named {api.schema!r}; the Schemas page lists them (staff create them there).", param="edgecache.schema")
     return source
@@ -210,34 +261,33 @@ def _run_request(key: ApiKey, api: ApiRequest, schema_source: str) -> RunRequest
         raise bad_request(f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}", param=api.prompt_param) from None
 
 
-async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest, routed=None, phases: "Phases | None" = None, ticket=None) -> HttpResponse:
+async def _answer(admitted: _Admitted, phases: "Phases") -> HttpResponse:
     """Dispatch the run and answer from its stream (subscribed first: nothing published is missed);
-    ``ticket`` (its place in the bounded queues) is released when the answer ends."""
+    its place in the bounded queues (``admitted.ticket``) is released when the answer ends."""
+    key, api, run, device, ticket = admitted.key, admitted.api, admitted.run, admitted.device, admitted.ticket
     timeout = settings.EDGECACHE_API_TIMEOUT
     subscription = streams.subscribe(
         cachebox_url(), stream_channel(device.name, run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
     )
-    phases = phases or Phases()
+    follower = _Follower(subscription, run.request_id, device, timeout, admitted.ring_for)
+    follower.phases = phases
+    follower.ticket = ticket
     try:
         await subscription.open()
     except CacheBoxUnavailable as exc:
         admission.release(ticket)
         return _unavailable(f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent.").response()
     phases.mark("subscribe")
-    follower = _Follower(subscription, run.request_id, device, timeout, await sync_to_async(stream_ring_for)(device))
-    phases.mark("ring")
-    follower.phases = phases
-    follower.ticket = ticket
     handed_over = finished = False
     try:
         try:
             follower.dispatched_at = time.perf_counter()
-            await sync_to_async(dispatch_api_run)(device, run, expires=timeout, routed=routed)
+            dispatched = await _in_thread(_dispatch)(admitted, timeout)
             phases.mark("dispatch")
+            _beside(abroadcast("run.dispatched", dispatched))  # open pages hear of it beside the answer, not before it
         except BrokerUnavailable as exc:
             finished = True  # never sent: nothing to cancel
             raise _unavailable(f"The message broker (the cache box's Redis) is not reachable: {exc}. Nothing was sent.") from None
-        await sync_to_async(routing.remember)(key.namespace_id, api.prompt_cache_key, device)
         event = await follower.next()
         if event.type == "error":
             finished = True
@@ -261,11 +311,27 @@ async def _answer(key: ApiKey, device: Device, api: ApiRequest, run: RunRequest,
             await subscription.close()
 
 
+_BESIDE: set[asyncio.Task] = set()  # tasks run beside answers, kept until done (the loop holds them weakly)
+
+
+def _beside(work) -> None:
+    task = asyncio.ensure_future(work)
+    _BESIDE.add(task)
+    task.add_done_callback(_BESIDE.discard)
+
+
+def _dispatch(admitted: _Admitted, timeout: float) -> dict:
+    """Send the run to its board, then remember which board has its prompt cache key (one hop);
+    returns the live event that tells open pages (sent by the caller, beside the answer)."""
+    event = dispatch_api_run(admitted.device, admitted.run, expires=timeout, routed=admitted.routed, announce=False)
+    routing.remember(admitted.key.namespace_id, admitted.api.prompt_cache_key, admitted.device)
+    return event
+
+
 class Phases:
     """How long each of the API's steps took before the first token, in order (milliseconds):
-    ``auth`` (key and rate limit), ``parse``, ``route`` (routing and the bounded queues),
-    ``subscribe``, ``ring``, ``dispatch`` (record, seal, send), ``board`` (until the board says it
-    started). In the answer's ``edgecache.api_phases_ms`` and its ``Server-Timing`` header."""
+    ``auth`` (key and rate limit), ``parse``, ``route`` (routing and the bounded queues), ``ring``,
+    ``subscribe``, ``dispatch`` (record, seal, send), ``board`` (until the board says it started). In the answer's ``edgecache.api_phases_ms`` and its ``Server-Timing`` header."""
 
     def __init__(self):
         self.started = self._last = time.perf_counter()
