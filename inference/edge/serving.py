@@ -45,7 +45,7 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
     if stream is None and me is not None and board.store is not None and signed_cancel_set(board.store, me, request.request_id):
         return RunReport.for_request(request, **sender(), error=CANCELLED)  # revoked while queued, or re-sent elsewhere
     if stream is not None:
-        stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage="started"))
+        stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage="started"), now=True)
     answer = AnswerText(request.stop)
     cancelled = False
 
@@ -53,7 +53,8 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
         nonlocal cancelled
         released = answer.add(piece)
         if released and stream is not None:
-            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=stream.count(), text=released))
+            index = stream.count()
+            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=index, text=released), now=index == 0)
         if answer.stopped:
             return False
         if stream is not None and stream.cancelled.is_set():
