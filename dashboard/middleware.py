@@ -1,14 +1,18 @@
-"""WhiteNoise, callable from Django's async request path.
+"""Middleware callable from Django's async request path without thread hops.
 
 WhiteNoise's middleware is synchronous only, so Django ran every request (the API's too) through
 it on a worker thread and the rest of the stack back on the event loop: two thread hops each way
-per request. This one answers async requests on the event loop (a static file is looked up in a
-dict built at start; serving one opens the file, on a thread), and sync ones as WhiteNoise does.
+per request. ``AsyncWhiteNoiseMiddleware`` answers async requests on the event loop (a static file
+is looked up in a dict built at start; serving one opens the file, on a thread), and sync ones as
+WhiteNoise does. The API's own stack (``API_MIDDLEWARE``, ``dashboard.asgi``) runs Django's header
+middlewares on the event loop too.
 """
 
 from __future__ import annotations
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.middleware.clickjacking import XFrameOptionsMiddleware
+from django.middleware.security import SecurityMiddleware
 from whitenoise.middleware import WhiteNoiseMiddleware
 
 
@@ -32,3 +36,28 @@ class AsyncWhiteNoiseMiddleware(WhiteNoiseMiddleware):
         if static_file is not None:
             return await sync_to_async(self.serve)(static_file, request)
         return await self.get_response(request)
+
+
+class OnTheLoop:
+    """A Django middleware whose hooks read only settings and the request and set headers, called on
+    the event loop: ``MiddlewareMixin`` runs each hook through a thread under ASGI (two hops per
+    middleware and request), which the API's first chunk paid a dozen times."""
+
+    async def __acall__(self, request):
+        response = self.process_request(request) if hasattr(self, "process_request") else None
+        response = response or await self.get_response(request)
+        return self.process_response(request, response) if hasattr(self, "process_response") else response
+
+
+class ApiSecurityMiddleware(OnTheLoop, SecurityMiddleware):
+    """Django's SecurityMiddleware (HTTPS redirect, HSTS, nosniff, referrer and opener policies)."""
+
+
+class ApiXFrameOptionsMiddleware(OnTheLoop, XFrameOptionsMiddleware):
+    """Django's X-Frame-Options header."""
+
+
+# The OpenAI-compatible API's middleware (``ApiHandler``): a key in the Authorization header is its
+# only credential (no session, no CSRF cookie, no login lockout, no messages), so only the
+# response's security headers and the HTTPS redirect apply.
+API_MIDDLEWARE = (ApiSecurityMiddleware, ApiXFrameOptionsMiddleware)

@@ -237,6 +237,9 @@ def test_raw_stream_is_server_sent_events_ending_with_done(stack):
     text = "".join(chunk["choices"][0]["text"] for chunk in chunks)
     assert text.strip() and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert chunks[-1]["edgecache"]["device"] == BOARD
+    # The API's own middleware (dashboard.asgi.ApiHandler): the pages' security headers, no session.
+    assert headers["X-Content-Type-Options"] == "nosniff" and headers["X-Frame-Options"] == "DENY" and headers["Referrer-Policy"] == "same-origin"
+    assert "Set-Cookie" not in headers and "Vary" not in headers
 
 
 def test_async_client_completion_and_stream(stack):
