@@ -181,6 +181,10 @@ class Breakdown:
     strategy: str = ""  # "" = exact prefix/schema serving; a lab strategy names itself (approximate)
     tbt_p50_ms: float = 0.0  # time between answer tokens, median
     tbt_p99_ms: float = 0.0  # time between answer tokens, 99th percentile
+    # How long the run waited on its board for earlier work to end (the board's clock when that work
+    # ended, against the control plane's when it sealed the request): the fleet's queue, not the
+    # path to the board (boards on other hosts: as exact as their clocks agree).
+    behind_ms: float = 0.0
     # KV prediction (inference.lab.kv_prediction): prefill_ms = aux_prefill_ms + the base model's last prompt token.
     aux_prefill_ms: float = 0.0  # the auxiliary model's prefill and the export of its state
     predict_ms: float = 0.0  # predicted keys and values for the base model's other layers

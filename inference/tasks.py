@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 from celery import shared_task
@@ -95,21 +96,44 @@ def _receive(cls, message, task: Task):
     return request
 
 
+class _Work:
+    """When this board's last task ended (wall clock): a run sealed before that waited behind it."""
+
+    ended = 0.0
+
+    @classmethod
+    def behind_ms(cls, message: dict) -> float:
+        sealed_at = message.get("ts") if isinstance(message, dict) else None
+        if not isinstance(sealed_at, (int, float)) or cls.ended <= sealed_at:
+            return 0.0
+        return round((cls.ended - sealed_at) * 1000.0, 3)
+
+
 @shared_task(name=Task.RUN_PROMPT.value, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def run_prompt(message: dict) -> None:
-    request = _receive(RunRequest, message, Task.RUN_PROMPT)
-    if request is None or not _still_enrolled(request.request_id):
-        return
     try:
-        result = serve(get_board(), request, work_waiting=board_work_waiting)
-    except Exception as exc:  # a bug or a broken engine: the run is reported, not lost
-        log.exception("run %s failed", request.request_id)
-        result = RunReport.for_request(request, device=identity().name, error=f"the board failed: {type(exc).__name__}: {exc}")
-    report(result)
+        request = _receive(RunRequest, message, Task.RUN_PROMPT)
+        if request is None or not _still_enrolled(request.request_id):
+            return
+        try:
+            result = serve(get_board(), request, work_waiting=board_work_waiting, behind_ms=_Work.behind_ms(message))
+        except Exception as exc:  # a bug or a broken engine: the run is reported, not lost
+            log.exception("run %s failed", request.request_id)
+            result = RunReport.for_request(request, device=identity().name, error=f"the board failed: {type(exc).__name__}: {exc}")
+        report(result)
+    finally:
+        _Work.ended = time.time()
 
 
 @shared_task(name=Task.ENCODE_SCHEMA.value, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def encode_schema(message: dict) -> None:
+    try:
+        _encode_schema(message)
+    finally:
+        _Work.ended = time.time()
+
+
+def _encode_schema(message: dict) -> None:
     request = _receive(EncodeRequest, message, Task.ENCODE_SCHEMA)
     if request is None or not _still_enrolled(request.request_id):
         return

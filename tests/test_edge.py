@@ -147,3 +147,15 @@ def test_the_board_task_answers_a_malformed_request_with_an_error_report_and_kee
     refused = [json.loads(JsonLineFormatter().format(r)) for r in caplog.records if r.name == LOGGER_NAME and r.getMessage() == "request_refused"]
     reasons = [event["reason"] for event in refused]
     assert len(reasons) == 3 and all(any(phrase in reason for reason in reasons) for phrase in ("not a signed", "addressed to 'pi5'", "not signed by"))
+
+
+def test_a_run_sealed_before_the_boards_last_work_ended_waited_behind_it():
+    from inference.tasks import _Work
+
+    try:
+        _Work.ended = 1000.5
+        assert _Work.behind_ms({"ts": 1000.25}) == 250.0  # sealed while the board was busy
+        assert _Work.behind_ms({"ts": 1000.75}) == 0.0  # sealed after: the board was free
+        assert _Work.behind_ms({"ts": "x"}) == _Work.behind_ms({}) == _Work.behind_ms(None) == 0.0
+    finally:
+        _Work.ended = 0.0

@@ -56,7 +56,7 @@ RETRY_AFTER_S = 30  # what a client is told to wait when the cache box or broker
 # Breakdown fields every answer carries in its "edgecache" object (like llama.cpp's "timings").
 EXTENSION_FIELDS = (
     "case", "tier", "decision", "cachebox", "ttft_ms", "ttlt_ms", "prefill_ms", "redis_ms", "local_ms",
-    "prompt_tokens", "matched_tokens", "generated_tokens", "fetched_bytes", "uploaded_bytes", "link", "modules_hit", "strategy",
+    "prompt_tokens", "matched_tokens", "generated_tokens", "fetched_bytes", "uploaded_bytes", "link", "modules_hit", "strategy", "behind_ms",
 )
 
 

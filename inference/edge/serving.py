@@ -26,7 +26,7 @@ from .streaming import AnswerText, StreamPublisher, signed_cancel_set
 log = logging.getLogger("inference.edge")
 
 
-def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | None = None) -> RunReport:
+def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | None = None, behind_ms: float = 0.0) -> RunReport:
     """Run one dispatched prompt; returns the report for the control plane (an error is a report too).
 
     A streamed run (``request.stream``) publishes each answer piece on its channel as it is
@@ -35,6 +35,7 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
     first stop string, streamed or not. After a chat turn's answer, the next turn's prefix is
     prepared unless ``work_waiting()`` says another run waits for this board: a waiting answer
     goes before a turn that may never come. Only a board process (an identity) streams.
+    ``behind_ms``: how long the run waited for this board's earlier work (in its breakdown).
     """
     me = enrollment.current()
     streaming = request.stream and board.store is not None and me is not None
@@ -83,6 +84,7 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
         raise
     tail = answer.finish(result.text)
     breakdown = result.breakdown
+    breakdown.behind_ms = behind_ms
     finish = "cancelled" if cancelled else ("stop" if answer.stopped or breakdown.generated_tokens < request.max_tokens else "length")
     if stream is not None:
         if tail and not cancelled:
