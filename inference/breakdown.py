@@ -182,8 +182,8 @@ class Breakdown:
     tbt_p50_ms: float = 0.0  # time between answer tokens, median
     tbt_p99_ms: float = 0.0  # time between answer tokens, 99th percentile
     # How long the run waited on its board for earlier work to end (the board's clock when that work
-    # ended, against the control plane's when it sealed the request): the fleet's queue, not the
-    # path to the board (boards on other hosts: as exact as their clocks agree).
+    # ended, against the control plane's when the request arrived, or when it was sealed): the
+    # fleet's queue, not the path to the board (boards on other hosts: as exact as the clocks agree).
     behind_ms: float = 0.0
     # KV prediction (inference.lab.kv_prediction): prefill_ms = aux_prefill_ms + the base model's last prompt token.
     aux_prefill_ms: float = 0.0  # the auxiliary model's prefill and the export of its state

@@ -121,6 +121,7 @@ class RunMeta(Message):
     source: str = Field("text", max_length=32)
     title: str = Field("", max_length=200)
     expected_answer: str = Field("", max_length=16)
+    received_at: float = Field(0.0, ge=0)  # the control plane's clock when the request arrived (the API's); 0: when it was sealed
 
 
 class ChatMessage(Message):

@@ -97,16 +97,17 @@ def _receive(cls, message, task: Task):
 
 
 class _Work:
-    """When this board's last task ended (wall clock): a run sealed before that waited behind it."""
+    """When this board's last task ended (wall clock): a run that arrived at the control plane
+    before that (its ``meta.received_at``, else when its request was sealed) waited behind it."""
 
     ended = 0.0
 
     @classmethod
-    def behind_ms(cls, message: dict) -> float:
-        sealed_at = message.get("ts") if isinstance(message, dict) else None
-        if not isinstance(sealed_at, (int, float)) or cls.ended <= sealed_at:
+    def behind_ms(cls, message: dict, received_at: float = 0.0) -> float:
+        arrived = received_at or (message.get("ts") if isinstance(message, dict) else None)
+        if not isinstance(arrived, (int, float)) or cls.ended <= arrived:
             return 0.0
-        return round((cls.ended - sealed_at) * 1000.0, 3)
+        return round((cls.ended - arrived) * 1000.0, 3)
 
 
 @shared_task(name=Task.RUN_PROMPT.value, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
@@ -116,7 +117,7 @@ def run_prompt(message: dict) -> None:
         if request is None or not _still_enrolled(request.request_id):
             return
         try:
-            result = serve(get_board(), request, work_waiting=board_work_waiting, behind_ms=_Work.behind_ms(message))
+            result = serve(get_board(), request, work_waiting=board_work_waiting, behind_ms=_Work.behind_ms(message, request.meta.received_at))
         except Exception as exc:  # a bug or a broken engine: the run is reported, not lost
             log.exception("run %s failed", request.request_id)
             result = RunReport.for_request(request, device=identity().name, error=f"the board failed: {type(exc).__name__}: {exc}")

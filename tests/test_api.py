@@ -335,10 +335,11 @@ def test_bench_api_measures_what_the_api_adds_to_the_board_ttft(stack, tmp_path)
     document = json.loads(out.read_text())
     assert document["errors"] == 0 and document["requests"] >= 2, done.stdout
     assert document["overhead_ms"]["p50"] is not None and document["board_ttft_ms"]["p50"] > 0 and document["queue_ms"]["p50"] > 0
-    # Two clients, one board: a run waits behind the other; that wait is inside its queue and is
+    # Two clients, one board: a run waits behind the other; that wait, from the request's arrival,
+    # lies before the board took it (wall clock against the API's own: 1 ms apart at most) and is
     # not counted as the API's (overhead: first chunk minus the board's TTFT and that wait).
     samples = document["samples"]
-    assert all(0 <= sample["behind_ms"] <= sample["queue_ms"] for sample in samples) and any(sample["behind_ms"] > 0 for sample in samples)
+    assert all(0 <= sample["behind_ms"] <= sample["api_ms"] + sample["queue_ms"] + 1 for sample in samples) and any(sample["behind_ms"] > 0 for sample in samples)
     assert all(abs(sample["overhead_ms"] - (sample["first_minus_board_ttft_ms"] - sample["behind_ms"])) < 0.01 for sample in samples)
     assert out.with_suffix(".html").exists() and "p50" in done.stdout
     assert stack.db("select count(*) from dashboard_apikey where name like 'bench api%' and revoked_at is null") == [(0,)]

@@ -157,5 +157,8 @@ def test_a_run_sealed_before_the_boards_last_work_ended_waited_behind_it():
         assert _Work.behind_ms({"ts": 1000.25}) == 250.0  # sealed while the board was busy
         assert _Work.behind_ms({"ts": 1000.75}) == 0.0  # sealed after: the board was free
         assert _Work.behind_ms({"ts": "x"}) == _Work.behind_ms({}) == _Work.behind_ms(None) == 0.0
+        # Counted from the request's arrival at the API when it says (its dispatch came later).
+        assert _Work.behind_ms({"ts": 1000.75}, received_at=1000.0) == 500.0
+        assert _Work.behind_ms({"ts": 1000.25}, received_at=1000.6) == 0.0
     finally:
         _Work.ended = 0.0

@@ -4,10 +4,11 @@ Each client (a thread, plain HTTP) sends streamed chat requests one after anothe
 clock runs out and measures, per request, the first content chunk's latency and, from the last
 chunk's ``edgecache`` figures, the board's own TTFT, the queue (from dispatch to the board taking
 the run, as the API saw it) and how long the run waited on its board for earlier runs to end
-(``behind_ms``). What the API adds (``overhead_ms``) is the first chunk minus the board's TTFT and
-that wait: HTTP, key, routing, the dispatch and its hop to the board, the board's checks before it
-starts, the pub/sub hop of the first token. The wait behind other runs is the fleet's capacity,
-not the API's cost (with more clients than boards it is most of the first chunk). Bounded in count
+(``behind_ms``, from the request's arrival at the API). What the API adds (``overhead_ms``) is the
+first chunk minus the board's TTFT and that wait: HTTP, key, routing, the dispatch and its hop to
+the board, the board's checks before it starts, the pub/sub hop of the first token. The wait
+behind other runs is the fleet's capacity, not the API's cost (with more clients than boards it is
+most of the first chunk), and the API's work that overlaps it delays nothing. Bounded in count
 and time; loopback or the URL given only.
 """
 

@@ -156,7 +156,7 @@ def _admit(request, kind: str, phases: "Phases") -> _Admitted:
     except RequestDataTooBig:
         raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
     api = parse_request(parse_body(raw), kind)
-    run = _run_request(key, api, _schema_source(api, key.namespace_id))  # the one prompt type, from here to the board
+    run = _run_request(key, api, _schema_source(api, key.namespace_id), phases.received_at)  # the one prompt type, from here to the board
     phases.mark("parse")
     device, routed, ticket = _route_and_admit(key, api, run)
     phases.mark("route")
@@ -228,7 +228,7 @@ def _schema_source(api: ApiRequest, namespace: str) -> str:
     return source
 
 
-def _run_request(key: ApiKey, api: ApiRequest, schema_source: str) -> RunRequest:
+def _run_request(key: ApiKey, api: ApiRequest, schema_source: str, received_at: float = 0.0) -> RunRequest:
     """The API request's prompt as the board's ``RunRequest`` (in the key's namespace, streamed)."""
     who = key.name or key.key_prefix
     title = f"API {api.kind} ({who}{', user ' + api.user if api.user else ''}): {api.snippet}"
@@ -243,7 +243,7 @@ def _run_request(key: ApiKey, api: ApiRequest, schema_source: str) -> RunRequest
             sampling=SamplingSpec(temperature=api.temperature, top_p=api.top_p, seed=api.seed),
             namespace=key.namespace_id,
             use_cache=api.use_cache,
-            meta=RunMeta(source="api", title=title[:200]),
+            meta=RunMeta(source="api", title=title[:200], received_at=received_at),
             stream=True,
             stop=api.stop,
             strategy="" if api.strategy == "exact" else api.strategy,
@@ -335,6 +335,7 @@ class Phases:
 
     def __init__(self):
         self.started = self._last = time.perf_counter()
+        self.received_at = time.time()  # the wall clock, for the board (how long it was busy since)
         self._spent: dict[str, float] = {}
 
     def mark(self, name: str) -> None:
