@@ -580,8 +580,9 @@ def plan(
     index keeps both as sets), and of the other online boards, which hold none of it and owe
     nothing, the two fastest of each kind (namespace, model, link; the roster keeps them ranked by
     rate) and the ``preferred`` board: an idle board that holds nothing is expected to take its
-    prefill at its rate, or a fetch that is the same for every board of its kind, so no other can
-    come first or second. That gives the choice, runner-up and saving of weighing every board, at a
+    prefill at its rate and its answer at its decode pace, or a fetch that is the same for every
+    board of its kind, so no other can come first or second (where a board's two rates rank alike,
+    as they do when both come from its CPU). That gives the choice, runner-up and saving of weighing every board, at a
     cost that grows with the boards that are busy or hold the prompt, not with the fleet."""
     roster = devices if isinstance(devices, Roster) else Roster(devices)
     if not roster.entries:
@@ -640,7 +641,7 @@ def plan(
             )
             for device in weighed
         ]
-        chosen = route(len(tokens or ()), views, preferred=preferred)
+        chosen = route(len(tokens or ()), views, preferred=preferred, answer_tokens=prompt.max_tokens)
         if chosen is None:
             return None
         device = next(device for device in weighed if device.name == chosen.board)

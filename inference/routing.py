@@ -104,6 +104,7 @@ class BoardView:
     name: str
     online: bool = True
     prefill_ms_per_token: float = DEFAULT_PREFILL_MS_PER_TOKEN
+    decode_ms_per_token: float = 0.0  # its answer's pace (0: not weighed)
     queued_ms: float = 0.0  # expected work of the runs dispatched to it and not yet reported
     context_tokens: int = 0  # leading tokens of the prompt its context holds
     ram_tokens: int = 0  # ... its RAM tier holds
@@ -121,10 +122,17 @@ class Estimate:
     held_tokens: int
     source: str  # a Tier value: where the held part comes from ("" = computed)
     cold_ms: float  # the whole prompt computed there, after its queue
+    answer_ms: float = 0.0  # the rest of the answer after its first token, at the board's decode pace
+
+    @property
+    def finished_ms(self) -> float:
+        """When the whole answer is expected: what the router minimizes."""
+        return self.expected_ms + self.answer_ms
 
 
-def estimate(prompt_tokens: int, board: BoardView) -> Estimate:
-    """The expected time to first token of a ``prompt_tokens`` prompt on ``board``."""
+def estimate(prompt_tokens: int, board: BoardView, answer_tokens: int = 0) -> Estimate:
+    """The expected time to first token of a ``prompt_tokens`` prompt on ``board``, and to the last
+    of ``answer_tokens``."""
     rate = max(0.0, board.prefill_ms_per_token)
     local = max(board.context_tokens, board.ram_tokens)
     local = min(local, prompt_tokens)
@@ -138,7 +146,8 @@ def estimate(prompt_tokens: int, board: BoardView) -> Estimate:
         options.append(((prompt_tokens - remote) * rate + restore + fetch, remote, Tier.CACHEBOX))
     prefill, held, source = min(options, key=lambda option: option[0])
     queued = max(0.0, board.queued_ms)
-    return Estimate(board.name, round(queued + prefill, 3), round(queued, 3), round(prefill, 3), held, str(source), round(queued + prompt_tokens * rate, 3))
+    answer = max(0, answer_tokens - 1) * max(0.0, board.decode_ms_per_token)
+    return Estimate(board.name, round(queued + prefill, 3), round(queued, 3), round(prefill, 3), held, str(source), round(queued + prompt_tokens * rate, 3), round(answer, 3))
 
 
 @dataclass(frozen=True)
@@ -164,6 +173,7 @@ class Route:
             "expected_ms": best.expected_ms,
             "queued_ms": best.queued_ms,
             "prefill_ms": best.prefill_ms,
+            "answer_ms": best.answer_ms,
             "held_tokens": best.held_tokens,
             "source": best.source,
             "saving_ms": self.saving_ms,
@@ -173,16 +183,22 @@ class Route:
         }
 
 
-def route(prompt_tokens: int, boards: Sequence[BoardView], *, preferred: str = "") -> Route | None:
-    """The online board with the lowest expected time (None when no board is online).
+def route(prompt_tokens: int, boards: Sequence[BoardView], *, preferred: str = "", answer_tokens: int = 0) -> Route | None:
+    """The online board expected to finish the answer first (None when no board is online): its
+    queue, its prefill of what it does not hold, and ``answer_tokens`` at its decode pace. A board
+    that gives the first token sooner but decodes ten times slower loses a long answer (a paced
+    Pi Zero 2W holding the prompt in its context took 12 s for 32 tokens a Pi 5 decodes in 0.8 s).
 
-    Ties go to ``preferred`` (a routing hint, e.g. the board that served the same
-    ``prompt_cache_key``), then to the earlier board in ``boards`` order.
+    Ties go to the sooner first token, then to ``preferred`` (a routing hint, e.g. the board that
+    served the same ``prompt_cache_key``), then to the earlier board in ``boards`` order.
     """
     online = [(index, board) for index, board in enumerate(boards) if board.online]
     if not online:
         return None
-    ranked = sorted(((estimate(prompt_tokens, board), index, board) for index, board in online), key=lambda item: (item[0].expected_ms, item[2].name != preferred, item[1]))
+    ranked = sorted(
+        ((estimate(prompt_tokens, board, answer_tokens), index, board) for index, board in online),
+        key=lambda item: (item[0].finished_ms, item[0].expected_ms, item[2].name != preferred, item[1]),
+    )
     estimates = tuple(item[0] for item in ranked)
     blind = min(estimate.cold_ms for estimate in estimates)
     return Route(estimates[0].board, estimates, round(max(0.0, blind - estimates[0].expected_ms), 3))
@@ -387,6 +403,7 @@ class FleetIndex:
             name=board,
             online=online,
             prefill_ms_per_token=self.prefill_rate(board),
+            decode_ms_per_token=self.decode_rate(board),
             queued_ms=self.queued_ms(board, now),
             context_tokens=context,
             ram_tokens=ram,

@@ -126,6 +126,29 @@ def test_a_repeat_goes_to_the_board_that_holds_it_not_to_a_slow_board_without_hi
     assert route(follow.tokens, [index.view(name, follow, now=11.0) for name in ("zero", "pi5")]).board == "pi5"
 
 
+def test_a_board_that_decodes_far_slower_loses_a_long_answer_though_its_first_token_comes_sooner():
+    # As bench api saw it on make run: zero held a short chat prompt in its context (first token at
+    # once), pi5 in its RAM tier (a restore first), pi5 still owing a moment of its last run.
+    # The first token came sooner from zero, and the 32-token answer took 12 s there, 0.8 s on pi5.
+    index = FleetIndex()
+    index.measured("zero", prefill_ms_per_token=ZERO_MS_PER_TOKEN, decode_ms_per_token=380.0)
+    index.measured("pi5", prefill_ms_per_token=PI5_MS_PER_TOKEN, decode_ms_per_token=25.0)
+    prompt = keys_of(list(range(1, 17)))
+    views = [
+        BoardView("zero", prefill_ms_per_token=ZERO_MS_PER_TOKEN, decode_ms_per_token=380.0, context_tokens=16),
+        BoardView("pi5", prefill_ms_per_token=PI5_MS_PER_TOKEN, decode_ms_per_token=25.0, ram_tokens=16, queued_ms=40.0),
+    ]
+    long = route(prompt.tokens, views, answer_tokens=32)
+    assert long.board == "pi5" and long.chosen.answer_ms == 31 * 25.0 and long.chosen.finished_ms < 1000
+    zero = next(e for e in long.estimates if e.board == "zero")
+    assert zero.expected_ms < long.chosen.expected_ms and zero.finished_ms == 31 * 380.0  # sooner first token, later answer
+    # One token asked for: only the first token counts, and it comes sooner from zero.
+    assert route(prompt.tokens, views, answer_tokens=1).board == "zero"
+    assert route(prompt.tokens, views).board == "zero"  # no answer length given: the first token, as before
+    # Measured rates reach the view, so the control plane's router weighs answers too.
+    assert index.view("zero", prompt).decode_ms_per_token == 380.0
+
+
 def test_with_the_global_prior_the_slow_board_looked_as_fast_as_any():
     # What the router did before boards reported their rates: zero and pi5 both at 3 ms per token.
     index = FleetIndex()
