@@ -1,6 +1,6 @@
 """`python manage.py bench api`: concurrent streaming clients of the OpenAI-compatible API.
 
-Each client (a thread, plain HTTP) sends streamed chat requests one after another until the
+Each client (a process of its own, plain HTTP) sends streamed chat requests one after another until the
 clock runs out and measures, per request, the first content chunk's latency and, from the last
 chunk's ``edgecache`` figures, the board's own TTFT, the queue (from dispatch to the board taking
 the run, as the API saw it) and how long the run waited on its board for earlier runs to end
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
+import multiprocessing
+import queue
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -49,31 +50,49 @@ def models(url: str, key: str) -> list[str]:
 
 
 def run_api_bench(url: str, key: str, model: str, *, clients: int = 8, seconds: float = 30, max_tokens: int = 32, progress=None) -> dict:
-    """Run the clients for ``seconds``; the figures and every sample."""
-    samples: list[dict] = []
-    lock = threading.Lock()
+    """Run the clients for ``seconds``, each a process of its own (as clients are programs of their
+    own: threads of one interpreter would wait on each other's turn to read their chunks); the
+    figures and every sample."""
+    context = multiprocessing.get_context("fork")
+    done = context.Value("i", 0)
+    results = context.Queue()
     started = time.monotonic()
-    deadline = started + seconds
-
-    def client(number: int) -> None:
-        for index in range(MAX_REQUESTS_PER_CLIENT):
-            if time.monotonic() >= deadline:
-                return
-            question = QUESTIONS[(number + index) % len(QUESTIONS)]
-            sample = _one(url, key, model, question, max_tokens)
-            sample.update({"client": number, "t_s": round(time.monotonic() - started, 3)})
-            with lock:
-                samples.append(sample)
-            if progress is not None:
-                progress(1)
-
-    threads = [threading.Thread(target=client, args=(number,), daemon=True) for number in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(seconds + 180)  # a request started just before the clock may finish after it
+    processes = [context.Process(target=_client, args=(url, key, model, number, started, seconds, max_tokens, done, results), daemon=True) for number in range(clients)]
+    for process in processes:
+        process.start()
+    samples: list[dict] = []
+    reported, finished = 0, 0
+    limit = started + seconds + 180  # a request started just before the clock may finish after it
+    while finished < clients and time.monotonic() < limit:
+        try:
+            samples += results.get(timeout=0.2)
+            finished += 1
+        except queue.Empty:
+            pass
+        if progress is not None and done.value > reported:
+            progress(done.value - reported)
+            reported = done.value
+    for process in processes:
+        process.join(1)
+        if process.is_alive():
+            process.kill()
     elapsed = time.monotonic() - started
     return summarize(samples, clients=clients, seconds=seconds, elapsed=elapsed, model=model, max_tokens=max_tokens)
+
+
+def _client(url: str, key: str, model: str, number: int, started: float, seconds: float, max_tokens: int, done, results) -> None:
+    """One client: requests one after another until the clock runs out; its samples, at the end."""
+    samples = []
+    for index in range(MAX_REQUESTS_PER_CLIENT):
+        if time.monotonic() >= started + seconds:
+            break
+        question = QUESTIONS[(number + index) % len(QUESTIONS)]
+        sample = _one(url, key, model, question, max_tokens)
+        sample.update({"client": number, "t_s": round(time.monotonic() - started, 3)})
+        samples.append(sample)
+        with done.get_lock():
+            done.value += 1
+    results.put(samples)
 
 
 def stream_chat(url: str, key: str, body: dict, timeout: float) -> dict:
