@@ -541,6 +541,11 @@ class CacheBox:
         listens, the message is gone). One round trip."""
         return int(self._on_any_node(lambda client: client.publish(channel, data)))
 
+    def read_flags(self, names: Sequence[str]) -> list[bytes | None]:
+        """Several small keys' values (a record, flags) in one round trip (None where unset)."""
+        replies = self._batch(list(names), str, lambda pipe, name: pipe.get(name))
+        return [reply[0] if reply is not None else None for reply in replies]
+
     def read_flag(self, name: str) -> bytes | None:
         """The value of the flag key ``name``, None when it is not set (one GET round trip; cancel flags)."""
         return self._on_key(name, lambda client: client.get(name))

@@ -111,11 +111,22 @@ def publish(store, record: DeviceRecord, signer: Ed25519PrivateKey) -> None:
     store.put_device_record(record.name, json.dumps(sign_document(signer, doc)))
 
 
-def lookup(store, name: str) -> DeviceRecord | None:
+class _Unread:
+    """What a value not read yet is (a read may give None: nothing there)."""
+
+    def __repr__(self) -> str:
+        return "UNREAD"
+
+
+UNREAD = _Unread()
+
+
+def lookup(store, name: str, raw: bytes | None | _Unread = UNREAD) -> DeviceRecord | None:
     """The device's record (with the signed document it came from), None when unknown
-    (CacheBoxUnavailable when the cache box cannot tell). Not checked yet: see ``verified``."""
+    (CacheBoxUnavailable when the cache box cannot tell). Not checked yet: see ``verified``.
+    ``raw``: the record as read already (with other keys, in one round trip)."""
     try:
-        raw = store.get_device_record(name)
+        raw = store.get_device_record(name) if raw is UNREAD else raw
     except ValueError:
         return None  # a name no device can have (':', '*', ...): unknown, refused by the caller
     if raw is None:
@@ -151,17 +162,17 @@ def verified(record: DeviceRecord, keys: BoardKeys, *, newer_than: int = 0) -> D
     return record
 
 
-def _known(store, name: str) -> DeviceRecord:
-    found = lookup(store, name)
+def _known(store, name: str, raw: bytes | None | _Unread = UNREAD) -> DeviceRecord:
+    found = lookup(store, name, raw)
     if found is None:
         raise DeviceUnknown(f"unknown device {name!r}: register it on the dashboard (Devices > Register) first")
     return found
 
 
-def authenticate(store, name: str, keys: BoardKeys, *, newer_than: int = 0) -> DeviceRecord:
+def authenticate(store, name: str, keys: BoardKeys, *, newer_than: int = 0, raw: bytes | None | _Unread = UNREAD) -> DeviceRecord:
     """The device's record if the pinned control plane signed it and it names this board's keys,
-    else DeviceRefused."""
-    record = verified(_known(store, name), keys, newer_than=newer_than)
+    else DeviceRefused (``raw``: the record as read already)."""
+    record = verified(_known(store, name, raw), keys, newer_than=newer_than)
     record.check(keys)
     return record
 

@@ -20,10 +20,11 @@ from celery.signals import task_revoked
 
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
+from cachebox.keys import cancel_key_name, device_key_name
 from cachebox.signing import UnknownKey
 
 from .board import get_board
-from .devices import DeviceRefused
+from .devices import UNREAD, DeviceRefused
 from .edge import board_work_waiting, encode, identity, refused_request, report, send_progress, serve
 from .envelope import EnvelopeRefused, Kind
 from .messages import EncodeProgress, EncodeReport, EncodeRequest, MessageRefused, RunReport, RunRequest, Task
@@ -31,15 +32,27 @@ from .messages import EncodeProgress, EncodeReport, EncodeRequest, MessageRefuse
 log = logging.getLogger(__name__)
 
 
-def _still_enrolled(request_id: str) -> bool:
-    """Re-check the token before a task: a revoked or rotated token stops the board at once.
+def _read_before_run(request_id: str) -> tuple:
+    """This board's registry record and the run's cancel flag, in one round trip (each UNREAD when
+    the cache box does not answer: then each is looked for again, and reported, where it is used)."""
+    me = identity()
+    try:
+        record, cancel = me.store.read_flags([device_key_name(me.name), cancel_key_name(me.name, request_id)])
+    except CacheBoxUnavailable:
+        return UNREAD, UNREAD
+    return record, cancel
+
+
+def _still_enrolled(request_id: str, record=UNREAD) -> bool:
+    """Re-check the token before a task: a revoked or rotated token stops the board at once
+    (``record``: the registry record as read already).
 
     A cache box that is down cannot tell; the task then runs (by local prefill) and the
     control plane, which checks every report, still refuses a revoked board.
     """
     me = identity()
     try:
-        me.recheck()
+        me.recheck(record)
     except DeviceRefused as exc:
         security_event("task_refused", device=me.name, request_id=request_id, reason=str(exc))
         return False
@@ -114,10 +127,13 @@ class _Work:
 def run_prompt(message: dict) -> None:
     try:
         request = _receive(RunRequest, message, Task.RUN_PROMPT)
-        if request is None or not _still_enrolled(request.request_id):
+        if request is None:
+            return
+        record, cancel = _read_before_run(request.request_id)
+        if not _still_enrolled(request.request_id, record):
             return
         try:
-            result = serve(get_board(), request, work_waiting=board_work_waiting, behind_ms=_Work.behind_ms(message, request.meta.received_at))
+            result = serve(get_board(), request, work_waiting=board_work_waiting, behind_ms=_Work.behind_ms(message, request.meta.received_at), cancel_flag=cancel)
         except Exception as exc:  # a bug or a broken engine: the run is reported, not lost
             log.exception("run %s failed", request.request_id)
             result = RunReport.for_request(request, device=identity().name, error=f"the board failed: {type(exc).__name__}: {exc}")

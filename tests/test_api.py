@@ -501,6 +501,10 @@ def test_serve_streams_each_piece_then_done_and_honours_stop_and_cancel(valkey_u
     CacheBox(valkey_url).set_flag(cancel_key_name("streamer", waiting.request_id), 60, cancel(waiting.request_id, CONTROL_PLANE))  # its client left while it waited
     report = serve(board, waiting)
     assert report.error == "cancelled by the client" and report.breakdown.generated_tokens == 0
+    # The flag as a task reads it, with the board's registry record in one round trip: the same verdicts.
+    left, planted = (RunRequest(request_id=str(uuid.uuid4()), segments=["Once upon a time"], max_tokens=3, stream=True, namespace=namespace) for _ in range(2))
+    assert serve(board, left, cancel_flag=cancel(left.request_id, CONTROL_PLANE)).error == "cancelled by the client"
+    assert serve(board, planted, cancel_flag=b"1").error == "" and serve(board, planted.model_copy(update={"request_id": str(uuid.uuid4())}), cancel_flag=None).error == ""
 
 
 # -- the architecture: only cachebox talks to Redis --------------------------------------------------

@@ -224,3 +224,10 @@ def test_admission_bounds_runs_under_way_per_namespace_and_per_key_across_client
     assert web1.under_way(key_a[0], now + 31) == 3
     assert all(web1.admit(key_a, [0, 0], f"x{i}", now=now + 31, until=now + 61)[0] == 0 for i in range(10))
     web1.redis.delete(*key_a, key_b[1])
+
+
+def test_several_small_keys_are_read_in_one_call_and_unset_ones_are_none(valkey_url, namespace):
+    store = CacheBox(valkey_url)
+    store.set_flag(f"test:{namespace}:a", 60, b"A")
+    store.put_device_record(f"reader-{namespace}", b'{"name": "x"}')
+    assert store.read_flags([f"test:{namespace}:a", device_key_name(f"reader-{namespace}"), f"test:{namespace}:unset"]) == [b"A", b'{"name": "x"}', None]

@@ -19,7 +19,7 @@ from cachebox.signing import Keychain, KeyRing
 from cachebox.store import CacheBox
 
 from .. import envelope
-from ..devices import DeviceRecord, DeviceRefused, DeviceUnknown, RecordRefused, authenticate, enroll
+from ..devices import UNREAD, DeviceRecord, DeviceRefused, DeviceUnknown, RecordRefused, authenticate, enroll
 from ..envelope import CONTROL, EnvelopeRefused, Kind
 from ..identity import BoardKeys
 from ..messages import BoardMessage, EnrollRequest, Queue, StreamEvent, Task
@@ -36,13 +36,14 @@ class EdgeIdentity:
     store: CacheBox
     ring: KeyRing | None = None  # the namespace's keys, as last received
 
-    def recheck(self) -> None:
+    def recheck(self, raw: bytes | None | object = UNREAD) -> None:
         """Raise DeviceRefused if the device was revoked or its token rotated since the board
         enrolled, or its record is not one the pinned control plane signed (or older than the last
-        one); otherwise take the namespace's current keys (a rotation arrives this way)."""
+        one); otherwise take the namespace's current keys (a rotation arrives this way). ``raw``:
+        the registry record as read already (else it is read here)."""
         previous = self.record.cache_namespace
         try:
-            self.record = authenticate(self.store, self.name, self.keys, newer_than=self.record.serial)
+            self.record = authenticate(self.store, self.name, self.keys, newer_than=self.record.serial, raw=raw)
         except RecordRefused:
             # Not the control plane's word (logged): neither a revocation nor new keys. This board
             # serves on with the last record it trusted.

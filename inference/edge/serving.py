@@ -14,6 +14,7 @@ from celery import current_app
 from cachebox.errors import CacheBoxUnavailable
 
 from ..chat import chat_prompt
+from ..devices import UNREAD
 from ..engine import EngineError
 from ..messages import CANCELLED, EncodeReport, EncodeRequest, Queue, RunReport, RunRequest, StreamEvent
 from ..sampling import SamplingParams
@@ -21,12 +22,12 @@ from ..serving import Prompt, PromptError, RunOptions
 from ..strategies import parse_strategy
 from . import enrollment
 from .enrollment import identity, sender
-from .streaming import AnswerText, StreamPublisher, signed_cancel_set
+from .streaming import AnswerText, StreamPublisher, signed_cancel, signed_cancel_set
 
 log = logging.getLogger("inference.edge")
 
 
-def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | None = None, behind_ms: float = 0.0) -> RunReport:
+def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | None = None, behind_ms: float = 0.0, cancel_flag=UNREAD) -> RunReport:
     """Run one dispatched prompt; returns the report for the control plane (an error is a report too).
 
     A streamed run (``request.stream``) publishes each answer piece on its channel as it is
@@ -35,15 +36,18 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
     first stop string, streamed or not. After a chat turn's answer, the next turn's prefix is
     prepared unless ``work_waiting()`` says another run waits for this board: a waiting answer
     goes before a turn that may never come. Only a board process (an identity) streams.
-    ``behind_ms``: how long the run waited for this board's earlier work (in its breakdown).
+    ``behind_ms``: how long the run waited for this board's earlier work (in its breakdown);
+    ``cancel_flag``: the run's cancel flag as read already (else it is read here).
     """
     me = enrollment.current()
     streaming = request.stream and board.store is not None and me is not None
-    stream = StreamPublisher(board.store, request.request_id, me) if streaming else None
-    if stream is not None and stream.cancel_requested():
+    stream = StreamPublisher(board.store, request.request_id, me, cancel_flag=cancel_flag) if streaming else None
+    if stream is not None and (stream.cancelled.is_set() if cancel_flag is not UNREAD else stream.cancel_requested()):
         stream.close()
         return RunReport.for_request(request, **sender(), error=CANCELLED)  # its client left while it waited
-    if stream is None and me is not None and board.store is not None and signed_cancel_set(board.store, me, request.request_id):
+    if stream is None and me is not None and board.store is not None and (
+        signed_cancel(me, request.request_id, cancel_flag) if cancel_flag is not UNREAD else signed_cancel_set(board.store, me, request.request_id)
+    ):
         return RunReport.for_request(request, **sender(), error=CANCELLED)  # revoked while queued, or re-sent elsewhere
     if stream is not None:
         stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage="started"), now=True)

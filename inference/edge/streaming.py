@@ -1,6 +1,7 @@
 """A streamed run's side of the board: its answer released piece by piece (cut at stop strings),
-its events published sealed and signed on the run's channel from a thread of its own, and the
-control plane's signed cancel flag, obeyed only when the pinned control plane signed it.
+its events published sealed and signed on the run's channel (from the board's stream thread, the
+first ones inline), and the control plane's signed cancel flag, obeyed only when the pinned control
+plane signed it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from cachebox.keys import cancel_key_name, stream_channel
 from cachebox.store import CacheBox
 
 from .. import envelope
+from ..devices import UNREAD
 from ..envelope import EnvelopeRefused, Kind
 from ..messages import StreamEvent
 from .enrollment import EdgeIdentity
@@ -32,6 +34,12 @@ def signed_cancel_set(store: CacheBox, me: EdgeIdentity, request_id: str) -> boo
     except CacheBoxUnavailable as exc:
         log.warning("cannot check whether run %s was cancelled: %s", request_id, exc)
         return False
+    return signed_cancel(me, request_id, raw)
+
+
+def signed_cancel(me: EdgeIdentity, request_id: str, raw: bytes | None) -> bool:
+    """Whether ``raw`` (the run's cancel flag as read, None when unset) is a cancel the pinned
+    control plane signed for this run on this board; anything else is refused and logged."""
     if raw is None:
         return False
     try:
@@ -82,21 +90,73 @@ class AnswerText:
         return released
 
 
-class StreamPublisher(threading.Thread):
-    """A streamed run's events to its pub/sub channel, sealed and signed by this board, from a
-    thread of its own so that a publish (one round trip, over an emulated link too) never delays
-    the next token; it also checks the run's cancel flag, at most every ``CHECK_EVERY_S``, with one
-    cheap GET, and obeys only a cancel the pinned control plane signed for this run and board.
-
-    The events a waiting client's first chunk depends on ("started", the first token) go out from
-    the caller's thread instead (``send(..., now=True)``) when nothing waits before them: handing
-    them over cost 2-5 ms on a board whose compute threads fill its cores (the publisher thread
-    waits for a core), against one round trip inline."""
+class _StreamThread(threading.Thread):
+    """The board's one thread for streamed runs: it publishes the events handed to it, in order,
+    and looks at each streamed run's cancel flag every ``CHECK_EVERY_S``. One per process, started
+    once: a thread per run cost its start (``Thread.start`` waits until the thread runs, which on a
+    board whose compute threads fill its cores is a wait for a core) on the way to the first token."""
 
     CHECK_EVERY_S = 0.1
 
-    def __init__(self, store: CacheBox, request_id: str, me: EdgeIdentity):
-        super().__init__(name=f"edgecache-stream-{request_id[:8]}", daemon=True)
+    def __init__(self):
+        super().__init__(name="edgecache-streams", daemon=True)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._watched: dict["StreamPublisher", float] = {}  # a streamed run -> when to look at its cancel flag
+        self._lock = threading.Lock()
+
+    def watch(self, stream: "StreamPublisher") -> None:
+        with self._lock:
+            self._watched[stream] = time.monotonic() + self.CHECK_EVERY_S
+
+    def forget(self, stream: "StreamPublisher") -> None:
+        with self._lock:
+            self._watched.pop(stream, None)
+
+    def run(self) -> None:
+        while True:
+            try:
+                stream, event = self.jobs.get(timeout=self.CHECK_EVERY_S)
+                stream._publish_queued(event)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            with self._lock:
+                due = [stream for stream, at in self._watched.items() if at <= now]
+            for stream in due:
+                stream.cancel_requested()
+                with self._lock:
+                    if stream in self._watched:
+                        self._watched[stream] = time.monotonic() + self.CHECK_EVERY_S
+
+
+_THREAD: _StreamThread | None = None
+_THREAD_LOCK = threading.Lock()
+
+
+def _stream_thread() -> _StreamThread:
+    global _THREAD
+    with _THREAD_LOCK:
+        if _THREAD is None or not _THREAD.is_alive():
+            _THREAD = _StreamThread()
+            _THREAD.start()
+        return _THREAD
+
+
+class StreamPublisher:
+    """A streamed run's events to its pub/sub channel, sealed and signed by this board, handed to the
+    board's stream thread so that a publish (one round trip, over an emulated link too) never delays
+    the next token; that thread also looks at the run's cancel flag every ``CHECK_EVERY_S`` (one
+    cheap GET) and this run obeys only a cancel the pinned control plane signed for it and this board.
+
+    The events a waiting client's first chunk depends on ("started", the first token) go out from
+    the caller's thread instead (``send(..., now=True)``) when none waits before them: handing them
+    over cost 2-5 ms on a board whose compute threads fill its cores (the other thread waits for a
+    core), against one round trip inline. ``cancel_flag``: the run's flag as read already (one round
+    trip with the registry record, ``inference.tasks``), looked at before anything is published."""
+
+    CHECK_EVERY_S = _StreamThread.CHECK_EVERY_S
+
+    def __init__(self, store: CacheBox, request_id: str, me: EdgeIdentity, *, cancel_flag: bytes | None | object = UNREAD):
         self.store = store
         self.me = me
         self.device = me.name
@@ -104,12 +164,14 @@ class StreamPublisher(threading.Thread):
         self.channel = stream_channel(me.name, request_id)
         self.cancel_key = cancel_key_name(me.name, request_id)
         self.cancelled = threading.Event()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = 0  # events handed to the thread and not yet published
-        self._order = threading.Lock()
+        if cancel_flag is not UNREAD and signed_cancel(me, request_id, cancel_flag):
+            self.cancelled.set()
+        self._pending = 0  # events handed to the stream thread and not yet published
+        self._drained = threading.Condition()
         self._sent = 0
         self._failed = False
-        self.start()
+        self._thread = _stream_thread()
+        self._thread.watch(self)
 
     def count(self) -> int:
         """The index of the next token event."""
@@ -118,42 +180,36 @@ class StreamPublisher(threading.Thread):
 
     def send(self, event: StreamEvent, *, now: bool = False) -> None:
         """Publish ``event`` after every event sent before it: from this thread at once when ``now``
-        and none waits, else from the publisher's thread."""
-        with self._order:
+        and none waits, else from the stream thread."""
+        with self._drained:
             if now and not self._pending:
                 self._publish(self.me.seal_event(event))
                 return
             self._pending += 1
-        self._queue.put(event)
+        self._thread.jobs.put((self, event))
+
+    def _publish_queued(self, event: StreamEvent) -> None:
+        try:
+            self._publish(self.me.seal_event(event))
+        finally:
+            with self._drained:
+                self._pending -= 1
+                if not self._pending:
+                    self._drained.notify_all()
 
     def close(self, last: StreamEvent | None = None, timeout: float = 5.0) -> None:
-        """Publish ``last`` after everything sent before it, then stop the thread."""
+        """Publish ``last`` after everything sent before it (waiting up to ``timeout`` for them to
+        go out), and stop looking at the run's cancel flag."""
         if last is not None:
             self.send(last)
-        self._queue.put(None)
-        self.join(timeout)
+        with self._drained:
+            self._drained.wait_for(lambda: not self._pending, timeout)
+        self._thread.forget(self)
 
     def cancel_requested(self) -> bool:
         if not self.cancelled.is_set() and signed_cancel_set(self.store, self.me, self.request_id):
             self.cancelled.set()
         return self.cancelled.is_set()
-
-    def run(self) -> None:
-        next_check = time.monotonic() + self.CHECK_EVERY_S
-        while True:
-            try:
-                event = self._queue.get(timeout=self.CHECK_EVERY_S)
-            except queue.Empty:
-                event = False
-            if event is None:
-                return
-            if event:
-                self._publish(self.me.seal_event(event))
-                with self._order:
-                    self._pending -= 1
-            if time.monotonic() >= next_check and not self.cancelled.is_set():
-                self.cancel_requested()
-                next_check = time.monotonic() + self.CHECK_EVERY_S
 
     def _publish(self, data: bytes) -> None:
         try:
