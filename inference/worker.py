@@ -71,7 +71,10 @@ def board_app(broker_url: str, *, queues: list[str] | None = None, transport_opt
     ``queues``: the queues it consumes, used as they are (the control plane declares and binds
     them; a board's Redis user may not). ``transport_options``: the board's own Kombu keys
     (``cachebox.acl.board_transport_options``)."""
-    app = Celery("edgecache-board", set_as_current=True)
+    # No fixups: Celery's Django fixup sets Django up in any worker whose environment names
+    # DJANGO_SETTINGS_MODULE (make run's boards inherited it), which loaded the control plane's
+    # settings, secrets folder and every app into the board (41 MB more of a board worker's RSS).
+    app = Celery("edgecache-board", set_as_current=True, fixups=[])
     settings = celery_settings(broker_url)
     settings["broker_transport_options"] = {**settings["broker_transport_options"], **(transport_options or {})}
     if queues:

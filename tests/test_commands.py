@@ -151,3 +151,20 @@ def test_make_run_starts_its_demo_boards_below_the_control_planes_cpu_priority()
     out = subprocess.run(board_command([sys.executable, "-c", probe]), capture_output=True, text=True, timeout=60, check=True).stdout.split()
     here = os.nice(0)
     assert [int(value) for value in out] == [min(19, here + BOARD_NICE)] * 2
+
+
+def test_a_demo_board_gets_no_control_plane_variable_and_its_worker_never_sets_django_up(monkeypatch):
+    """make run's boards share this machine, not the control plane's settings: they inherited
+    DJANGO_SETTINGS_MODULE, and Celery's Django fixup then set Django up in each board worker (the
+    control plane's settings, which read its secrets folder, and every app: 41 MB of RSS)."""
+    from celery.fixups.django import DjangoFixup
+
+    from dashboard.management.commands.run import CONTROL_PLANE_ONLY, board_environment
+    from inference.worker import board_app
+
+    environ = {"PATH": "/usr/bin", "REDIS_URL": "redis://127.0.0.1:6379/0", "EDGECACHE_N_CTX": "2048", **{name: "secret" for name in CONTROL_PLANE_ONLY}}
+    assert board_environment(environ) == {"PATH": "/usr/bin", "REDIS_URL": "redis://127.0.0.1:6379/0", "EDGECACHE_N_CTX": "2048"}
+    assert {"DJANGO_SETTINGS_MODULE", "DATABASE_URL", "EDGECACHE_ADMIN_PASSWORD"} <= CONTROL_PLANE_ONLY
+    monkeypatch.setenv("DJANGO_SETTINGS_MODULE", "dashboard.settings")  # a board started from the control plane's shell
+    app = board_app("redis://127.0.0.1:1/0")
+    assert not any(isinstance(fixup, DjangoFixup) for fixup in app._fixups)

@@ -67,6 +67,16 @@ DEMO_BOARDS = [
 ]
 
 
+# The control plane's own variables, which a board is never given: its Django settings (whose
+# import reads the control plane's secrets), its database, its admin password and metrics token.
+CONTROL_PLANE_ONLY = frozenset({"DJANGO_SETTINGS_MODULE", "DATABASE_URL", "EDGECACHE_ADMIN_PASSWORD", "EDGECACHE_METRICS_TOKEN"})
+
+
+def board_environment(environ) -> dict:
+    """``environ`` as a board may see it: without ``CONTROL_PLANE_ONLY``."""
+    return {name: value for name, value in environ.items() if name not in CONTROL_PLANE_ONLY}
+
+
 BOARD_NICE = 10  # demo boards run as processes yield the CPU to the control plane (see board_command)
 
 
@@ -179,9 +189,11 @@ class Command(BaseCommand):
         return network
 
     def _board_env(self, spec: dict, token: str, network=None) -> dict:
-        """What a demo board is told (its broker and cache box, from its own namespace when it is a
-        host): addresses only, never the control plane's password (a board logs in as itself)."""
-        env = {"EDGECACHE_DEVICE_TOKEN": token, "EDGECACHE_COMPUTE_PROFILE": spec["compute_profile"]}
+        """A demo board's whole environment: this one's without the control plane's own variables
+        (``board_environment``), and what the board is told (its broker and cache box, from its own
+        namespace when it is a host): addresses only, never the control plane's password (a board
+        logs in as itself)."""
+        env = {**board_environment(os.environ), "EDGECACHE_DEVICE_TOKEN": token, "EDGECACHE_COMPUTE_PROFILE": spec["compute_profile"]}
         if network is not None:
             hub = network.hub.address
             env.update({"REDIS_URL": board_url(settings.REDIS_URL, hub), "EDGECACHE_LINK_SHAPED_BY": "kernel"})
@@ -193,7 +205,7 @@ class Command(BaseCommand):
         link = LINK_PRESETS[spec["link"]]
         host = network.add(spec["name"], memory_mb=spec["memory_mb"], threads=spec["cpu_threads"], link=link)
         self.stdout.write(f"starting {label} as a host: {host.address}, {spec['memory_mb']} MB, {spec['cpu_threads']} CPU, link {link.label if link else 'unshaped'} (tc)")
-        child = host.spawn(argv, {**os.environ, **env}, cwd=settings.BASE_DIR)
+        child = host.spawn(argv, env, cwd=settings.BASE_DIR)
         self._watch(label, child)
         return child
 
@@ -221,8 +233,9 @@ class Command(BaseCommand):
             pass
 
     def _spawn(self, label: str, argv: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
+        """``label``'s process with this environment (``env``: its whole environment instead)."""
         self.stdout.write(f"starting {label}")
-        child = subprocess.Popen(argv, cwd=settings.BASE_DIR, env={**os.environ, **(env or {})}, **popen)
+        child = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=os.environ.copy() if env is None else env, **popen)
         self._watch(label, child)
         return child
 
