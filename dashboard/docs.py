@@ -153,6 +153,7 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_TOKEN_TTL_HOURS": (None, "hours a device token may enroll a board (once); then rotate it"),
     "EDGECACHE_MISSED_HEARTBEATS": (None, "heartbeats a board may miss before it counts as offline (pages are told at once; its runs are re-sent or lost)"),
     "EDGECACHE_SWEEP_SECONDS": (None, "how often each control worker ends the runs nobody will answer (expired, or on a board that went quiet)"),
+    "EDGECACHE_ROUTING_FOLLOW_SECONDS": (None, "how often each web process reads the dispatches and reports other processes wrote, from a thread of its own, so that a routing decision reads memory only; `0`: each decision reads them"),
     "EDGECACHE_COUNT_DB_WRITES": ("unset", "`1`: every process of the control plane counts its database writes in Redis (`bench fleet-sim` sets it)"),
     "EDGECACHE_LOG_LEVEL": (None, "level of the `cachebox` and `inference` loggers"),
     "EDGECACHE_METRICS_TOKEN": ("unset", "bearer token for `/metrics` (staff logins get in too)"),

@@ -226,17 +226,23 @@ class RoutingState:
     LOOKBACK_EVERY_S = 1.0
     SEEN = 50_000  # request ids remembered (a re-read row is fed once)
 
+    FRESH_S = 0.5  # a follower that has not followed for this long is not trusted: decisions follow inline
+
     def __init__(self):
         self.lock = threading.RLock()  # held by a decision while it reads the index
         self.index: FleetIndex | None = None
         self._rebuilding: threading.Thread | None = None
         self._looked_back = float("-inf")  # time.monotonic() of the last look-back
+        self._follower: threading.Thread | None = None
+        self._follow_every = 0.0
+        self._followed_at = float("-inf")  # time.monotonic() of the follower's last look
 
     def current(self, now: float | None = None) -> FleetIndex:
-        """The index as of now (rows committed before this call)."""
+        """The index as of now: rows committed before this call, or, where this process's follower
+        keeps it (``follow_in_background``), up to its period before it."""
         with self.lock:
             now = time.time() if now is None else now
-            if self.index is None or not self._follow():
+            if self.index is None or (not self._fresh() and not self._follow()):
                 self._build(now)
             elif now - self.built_at > self.REBUILD_S and (self._rebuilding is None or not self._rebuilding.is_alive()):
                 self._rebuilding = threading.Thread(target=self._rebuild, name="edgecache-routing-rebuild", daemon=True)
@@ -312,34 +318,60 @@ class RoutingState:
         self.built_at = now
 
     def _follow(self) -> bool:
-        """Feed the rows written since the last read; False when the rows at the cursors are not the
-        ones read (the database is not the one this state was built from: restored, rolled back)."""
-        index = self.index
-        # Ids first (cheap), then whole rows for the ones not fed yet: the look-back re-reads no JSON.
-        lookback = 0
+        """Feed the rows written since the last read (the lock held); False when the rows at the
+        cursors are not the ones read (the database is not the one this state was built from:
+        restored, rolled back)."""
+        return self._apply(self._read(self._lookback()))
+
+    def _lookback(self) -> int:
         if time.monotonic() - self._looked_back >= self.LOOKBACK_EVERY_S:
-            lookback, self._looked_back = self.LOOKBACK, time.monotonic()
-        ids = _ids_from(Dispatch, self.dispatch_cursor - lookback)
-        runs = _ids_from(InferenceRun, self.run_cursor - lookback)
-        if ids.get(self.dispatch_cursor) != self.marks[0] or runs.get(self.run_cursor) != self.marks[1]:
+            self._looked_back = time.monotonic()
+            return self.LOOKBACK
+        return 0
+
+    def _read(self, lookback: int) -> tuple:
+        """What was written since the cursors: queries only, no index touched (the follower runs it
+        without the lock). Ids first (cheap), then whole rows for the ones not fed yet: the
+        look-back re-reads no JSON. ``(cursors, None)`` when the rows at the cursors are not the
+        ones read."""
+        cursors = (self.dispatch_cursor, self.run_cursor, self.marks)
+        ids = _ids_from(Dispatch, cursors[0] - lookback)
+        runs = _ids_from(InferenceRun, cursors[1] - lookback)
+        if ids.get(cursors[0]) != cursors[2][0] or runs.get(cursors[1]) != cursors[2][1]:
+            return cursors, None
+        new_dispatches = [pk for pk, request_id in ids.items() if str(request_id) not in self.seen_dispatches]
+        dispatch_rows = list(
+            Dispatch.objects.filter(pk__in=new_dispatches, kind="run", device__isnull=False).order_by("pk").values_list("pk", "request_id", "device__name", "created", "routing")
+        ) if new_dispatches else []
+        new_runs = [pk for pk, request_id in runs.items() if str(request_id) not in self.seen_runs]
+        run_rows = list(
+            InferenceRun.objects.filter(pk__in=new_runs).order_by("pk").values_list("pk", "request_id", "device__name", "created", "error", "breakdown")
+        ) if new_runs else []
+        return cursors, (ids, runs, new_dispatches, dispatch_rows, new_runs, run_rows)
+
+    def _apply(self, read: tuple) -> bool:
+        """Feed what ``_read`` found (the lock held); False when it found the database changed."""
+        _, found = read
+        if found is None:
             return False
-        new = [pk for pk, request_id in ids.items() if str(request_id) not in self.seen_dispatches]
-        if new:
-            for pk, dispatch_id, board, created, record in (
-                Dispatch.objects.filter(pk__in=new, kind="run", device__isnull=False).order_by("pk").values_list("pk", "request_id", "device__name", "created", "routing")
-            ):
-                request_id = str(dispatch_id)
-                record = record or {}
-                index.dispatched(board, request_id, PromptKeys.from_dict(record.get("prompt")), _number(record.get("work_ms")), at=created.timestamp())
-            for pk in new:  # encode dispatches and runs for a whole namespace included: nothing to feed
-                self._remember(self.seen_dispatches, str(ids[pk]))
+        ids, runs, new_dispatches, dispatch_rows, new_runs, run_rows = found
+        index = self.index
+        for _, dispatch_id, board, created, record in dispatch_rows:
+            request_id = str(dispatch_id)
+            if request_id in self.seen_dispatches:
+                continue  # fed meanwhile (this process dispatched it)
+            record = record or {}
+            index.dispatched(board, request_id, PromptKeys.from_dict(record.get("prompt")), _number(record.get("work_ms")), at=created.timestamp())
+        for pk in new_dispatches:  # encode dispatches and runs for a whole namespace included: nothing to feed
+            self._remember(self.seen_dispatches, str(ids[pk]))
         if ids:  # rows fed already (``feed``) move the cursor too
             top = max(ids)
             self.dispatch_cursor, self.marks = top, (ids[top], self.marks[1])
-        new = [pk for pk, request_id in runs.items() if str(request_id) not in self.seen_runs]
-        if new:
-            for pk, run_id, board, created, error, breakdown in InferenceRun.objects.filter(pk__in=new).order_by("pk").values_list("pk", "request_id", "device__name", "created", "error", "breakdown"):
+        if new_runs:
+            for _, run_id, board, created, error, breakdown in run_rows:
                 request_id = str(run_id)
+                if request_id in self.seen_runs:
+                    continue
                 self._remember(self.seen_runs, request_id)
                 if error:
                     index.reported(board, request_id, failed=True, at=created.timestamp())
@@ -348,6 +380,54 @@ class RoutingState:
             top = max(runs)
             self.run_cursor, self.marks = top, (self.marks[0], runs[top])
         return True
+
+    # -- the web process's follower ----------------------------------------------------------------
+    def follow_in_background(self, every_s: float) -> None:
+        """Follow the rows other processes write every ``every_s`` seconds from a thread of this
+        process, so that a decision reads memory only: following inline was about half a decision's
+        time at 1,000 boards, its queries each a point where the deciding thread gave the
+        interpreter to the web process's other threads (``bench fleet-sim``). A decision then sees
+        rows other processes wrote up to ``every_s`` before it (this process's own dispatches at
+        once, ``feed``); one made while the follower is late, stopped or absent follows inline as
+        before. A web process's start-up calls this (``dashboard.asgi``); nothing else does."""
+        with self.lock:
+            if every_s <= 0 or (self._follower is not None and self._follower.is_alive()):
+                return
+            self._follow_every = every_s
+            self._follower = threading.Thread(target=self._follow_loop, name="edgecache-routing-follow", daemon=True)
+            self._follower.start()
+
+    def _fresh(self) -> bool:
+        """Whether the follower followed lately enough for a decision to trust it."""
+        return self._follower is not None and time.monotonic() - self._followed_at < max(self.FRESH_S, 4 * self._follow_every) and self._follower.is_alive()
+
+    def _follow_loop(self) -> None:
+        from django.db import connections
+
+        failing = False
+        while True:
+            time.sleep(self._follow_every)
+            try:
+                self._follow_once()
+                failing = False
+            except Exception as exc:  # decisions follow inline meanwhile (the follower is not fresh)
+                if not failing:
+                    log.warning("routing history not followed in the background: %s: %s", type(exc).__name__, exc)
+                failing = True
+                connections.close_all()  # this thread's connection, which may be the broken part
+
+    def _follow_once(self) -> None:
+        """One look at the rows written since the cursors: read without the lock, fed under it."""
+        if self.index is None:
+            return  # the first decision builds it
+        read = self._read(self._lookback())
+        with self.lock:
+            if (self.dispatch_cursor, self.run_cursor, self.marks) != read[0]:
+                return  # followed or rebuilt meanwhile: the next look reads from the new cursors
+            if self._apply(read):
+                self._followed_at = time.monotonic()
+            else:
+                self._followed_at = float("-inf")  # the database changed: the next decision rebuilds
 
     def feed(self, request_id: str, board: str, record: dict, created) -> None:
         """A run this process dispatched a moment ago (its row just written): into the index now,

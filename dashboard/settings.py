@@ -280,6 +280,10 @@ if EDGECACHE_MISSED_HEARTBEATS < 1:
     raise ValueError(f"EDGECACHE_MISSED_HEARTBEATS must be at least 1, got {EDGECACHE_MISSED_HEARTBEATS}")
 # How often the control worker looks for runs nobody will answer (expired, or on a board that died).
 EDGECACHE_SWEEP_SECONDS = _env_float("EDGECACHE_SWEEP_SECONDS", 5.0)
+# How often a web process reads the dispatches and reports other processes wrote into its routing
+# state, from a thread of its own, so that a routing decision reads memory only (0: each decision
+# reads them itself, as other processes do).
+EDGECACHE_ROUTING_FOLLOW_SECONDS = _env_float("EDGECACHE_ROUTING_FOLLOW_SECONDS", 0.05)
 # A device token enrolls one board once, within this many hours of being shown (then rotate it).
 EDGECACHE_TOKEN_TTL_HOURS = _env_float("EDGECACHE_TOKEN_TTL_HOURS", 24.0)
 if EDGECACHE_TOKEN_TTL_HOURS <= 0:

@@ -3,6 +3,7 @@ history rebuilt from the database for every request), and a small simulated flee
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import timedelta
 
@@ -191,6 +192,42 @@ def test_a_run_this_process_dispatched_is_in_the_routing_state_at_once_and_count
     assert state.current().queued_ms("board-fed") == pytest.approx(3000.0, abs=10.0)
     state.feed(str(mine.request_id), board.name, mine.routing, mine.created)  # fed twice: counted once
     assert state.current().queued_ms("board-fed") == pytest.approx(3000.0, abs=10.0)
+
+
+@pytest.mark.django_db
+def test_with_a_fresh_follower_a_decision_reads_memory_only_and_without_one_it_follows_inline(django_assert_num_queries):
+    """A web process's follower reads what other processes wrote (``follow_in_background``), so its
+    decisions run no query; once the follower is late, stopped or absent, a decision follows inline
+    as every decision did before. The follower's look is driven by hand here, in the test's thread."""
+    import threading
+
+    from dashboard.models import Device, Namespace
+    from dashboard.routing import RoutingState
+
+    Namespace.objects.get_or_create(name="default")
+    board = Device.objects.create(name="board-followed", status={"fingerprint": "ab"})
+    state = RoutingState()
+    state.current()
+    state._looked_back = float("inf")  # no look-back in this test: only the cursor's row and newer
+    stop = threading.Event()
+    state._follower, state._follow_every = threading.Thread(target=stop.wait, daemon=True), 0.05  # alive, and idle: looks are made below
+    state._follower.start()
+    try:
+        _dispatch(board, _keys("k1"), ago_s=0, work_ms=1000.0)  # written by another process
+        state._follow_once()  # the follower's look
+        with django_assert_num_queries(0):
+            assert state.current().queued_ms("board-followed") == pytest.approx(1000.0, abs=10.0)
+        _dispatch(board, _keys("k2"), ago_s=0, work_ms=2000.0)
+        with django_assert_num_queries(0):  # not looked at yet: a decision does not read it
+            assert state.current().queued_ms("board-followed") == pytest.approx(1000.0, abs=10.0)
+        state._followed_at -= state.FRESH_S  # the follower fell behind
+        assert state.current().queued_ms("board-followed") == pytest.approx(3000.0, abs=10.0)  # followed inline
+    finally:
+        stop.set()
+    state._follower.join(5)
+    _dispatch(board, _keys("k3"), ago_s=0, work_ms=4000.0)
+    state._followed_at = time.monotonic()  # looked a moment ago, but the follower is gone
+    assert state.current().queued_ms("board-followed") == pytest.approx(7000.0, abs=10.0)
 
 
 @pytest.mark.django_db
