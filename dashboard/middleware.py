@@ -11,8 +11,10 @@ middlewares on the event loop too.
 from __future__ import annotations
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.core.exceptions import DisallowedHost
 from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.security import SecurityMiddleware
+from django.utils.deprecation import MiddlewareMixin
 from whitenoise.middleware import WhiteNoiseMiddleware
 
 
@@ -57,7 +59,22 @@ class ApiXFrameOptionsMiddleware(OnTheLoop, XFrameOptionsMiddleware):
     """Django's X-Frame-Options header."""
 
 
+class ApiAllowedHostsMiddleware(OnTheLoop, MiddlewareMixin):
+    """The Host header checked against ``ALLOWED_HOSTS`` (the pages' ``CommonMiddleware`` does it for
+    them), refused in OpenAI's error shape: a request naming another host is a DNS-rebinding
+    attempt or a misconfigured proxy, and gets nothing of the API."""
+
+    def process_request(self, request):
+        from .api.errors import ApiError
+
+        try:
+            request.get_host()
+        except DisallowedHost as exc:
+            return ApiError(400, f"{exc} Call the API by a name in DJANGO_ALLOWED_HOSTS.", code="disallowed_host").response()
+        return None
+
+
 # The OpenAI-compatible API's middleware (``ApiHandler``): a key in the Authorization header is its
-# only credential (no session, no CSRF cookie, no login lockout, no messages), so only the
-# response's security headers and the HTTPS redirect apply.
-API_MIDDLEWARE = (ApiSecurityMiddleware, ApiXFrameOptionsMiddleware)
+# only credential (no session, no CSRF cookie, no login lockout, no messages), so only the Host
+# check, the response's security headers and the HTTPS redirect apply.
+API_MIDDLEWARE = (ApiSecurityMiddleware, ApiAllowedHostsMiddleware, ApiXFrameOptionsMiddleware)

@@ -242,6 +242,23 @@ def test_raw_stream_is_server_sent_events_ending_with_done(stack):
     assert "Set-Cookie" not in headers and "Vary" not in headers
 
 
+def test_a_request_naming_another_host_is_refused_in_openai_shape(stack):
+    """The pages' CommonMiddleware checks the Host header against ALLOWED_HOSTS; the API's own stack
+    does too (a DNS-rebinding page would otherwise reach the API through a victim's browser)."""
+    request = urllib.request.Request(
+        stack.url + "/v1/models", headers={"Authorization": f"Bearer {stack.keys['main']}", "Host": "attacker.example"}, method="GET"
+    )
+    try:
+        urllib.request.urlopen(request, timeout=30)
+        raise AssertionError("a foreign Host was served")
+    except urllib.error.HTTPError as error:
+        status, raw = error.code, error.read()
+    assert status == 400
+    assert error_of(raw)["code"] == "disallowed_host"
+    status, _, _ = post(stack, "/v1/completions", {"model": stack.model, "prompt": "Hi", "max_tokens": 1}, key="main")
+    assert status == 200  # by its own address, as before
+
+
 def test_async_client_completion_and_stream(stack):
     async def talk():
         client = openai.AsyncOpenAI(api_key=stack.keys["main"], base_url=stack.url + "/v1", max_retries=0, timeout=120)
