@@ -64,20 +64,37 @@ def describe(prompt: str, stored: dict, *, special: bool = False, vocabulary=Non
     return range_words(prompt, stored["start"], stored["end"], special=special, vocabulary=vocabulary, answer=answer)
 
 
-def _storing_run(entry: CacheEntry) -> tuple[InferenceRun, dict] | None:
-    runs = InferenceRun.objects.filter(created__range=(entry.created - NEAR, entry.created + NEAR)).only("prompt", "text", "breakdown", "source")
-    for run in runs.order_by("-created"):
-        for stored in (run.breakdown or {}).get("entries", {}).get("stored", []):
-            if stored.get("name") == entry.key:
-                return run, stored
-    return None
+def _storing_runs(entries: list[CacheEntry]) -> dict[str, tuple[InferenceRun, dict]]:
+    """{entry key: (the newest run within NEAR of the entry that stored it, its stored record)}.
+    Entries whose windows overlap are looked up in one query (the Cache page's newest entries
+    mostly do): a query per entry read each run around it again, hundreds of runs' breakdowns
+    decoded per page under load."""
+    wanted = {entry.key: entry for entry in entries}
+    spans: list[list] = []
+    for entry in sorted(entries, key=lambda entry: entry.created):
+        low, high = entry.created - NEAR, entry.created + NEAR
+        if spans and low <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], high)
+        else:
+            spans.append([low, high])
+    found: dict[str, tuple[InferenceRun, dict]] = {}
+    for low, high in spans:
+        for run in InferenceRun.objects.filter(created__range=(low, high)).only("prompt", "text", "breakdown", "source", "created").order_by("-created"):
+            for stored in (run.breakdown or {}).get("entries", {}).get("stored", []):
+                name = stored.get("name") if isinstance(stored, dict) else None
+                entry = wanted.get(name) if isinstance(name, str) else None
+                if entry is not None and name not in found and abs(run.created - entry.created) <= NEAR:
+                    found[name] = (run, stored)
+    return found
 
 
 def previews(entries: Iterable[CacheEntry]) -> dict[str, str]:
     """{entry key: what it holds} for the entries whose storing run is known ("" otherwise)."""
+    entries = list(entries)
+    storing = _storing_runs(entries)
     found = {}
     for entry in entries:
-        match = _storing_run(entry)
+        match = storing.get(entry.key)
         if match is None:
             found[entry.key] = ""
             continue
