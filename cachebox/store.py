@@ -542,9 +542,16 @@ class CacheBox:
         return int(self._on_any_node(lambda client: client.publish(channel, data)))
 
     def read_flags(self, names: Sequence[str]) -> list[bytes | None]:
-        """Several small keys' values (a record, flags) in one round trip (None where unset)."""
-        replies = self._batch(list(names), str, lambda pipe, name: pipe.get(name))
-        return [reply[0] if reply is not None else None for reply in replies]
+        """Several small keys' values (a record, flags) in one round trip (None where unset).
+        CacheBoxUnavailable when any of them could not be read (a cluster node that did not
+        answer): a value not read is not a value unset, and a board must not take its registry
+        record's absence from a node that is down."""
+        names = list(names)
+        replies = self._batch(names, str, lambda pipe, name: pipe.get(name))
+        unread = [name for name, reply in zip(names, replies) if reply is None]
+        if unread:
+            raise CacheBoxUnavailable(f"the cache box node holding {', '.join(unread)} did not answer")
+        return [reply[0] for reply in replies]
 
     def read_flag(self, name: str) -> bytes | None:
         """The value of the flag key ``name``, None when it is not set (one GET round trip; cancel flags)."""

@@ -10,6 +10,8 @@ middlewares on the event loop too.
 
 from __future__ import annotations
 
+import logging
+
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.core.exceptions import DisallowedHost
 from django.middleware.clickjacking import XFrameOptionsMiddleware
@@ -70,6 +72,7 @@ class ApiAllowedHostsMiddleware(OnTheLoop, MiddlewareMixin):
         try:
             request.get_host()
         except DisallowedHost as exc:
+            logging.getLogger("django.security.DisallowedHost").warning("API request refused: %s", exc)  # where Django logs it for the pages
             return ApiError(400, f"{exc} Call the API by a name in DJANGO_ALLOWED_HOSTS.", code="disallowed_host").response()
         return None
 

@@ -231,3 +231,13 @@ def test_several_small_keys_are_read_in_one_call_and_unset_ones_are_none(valkey_
     store.set_flag(f"test:{namespace}:a", 60, b"A")
     store.put_device_record(f"reader-{namespace}", b'{"name": "x"}')
     assert store.read_flags([f"test:{namespace}:a", device_key_name(f"reader-{namespace}"), f"test:{namespace}:unset"]) == [b"A", b'{"name": "x"}', None]
+
+
+def test_a_key_whose_cluster_node_did_not_answer_is_not_read_as_unset(valkey_url, monkeypatch):
+    """On a cluster, ``_batch`` gives None for the keys of a node that did not answer: read_flags
+    must not hand that on as "unset" (a board would take its registry record for gone and refuse
+    its work), but say the cache box did not answer, so the caller reads each key again."""
+    store = CacheBox(valkey_url)
+    monkeypatch.setattr(store, "_batch", lambda items, name_of, queue: [[b"record"], None])
+    with pytest.raises(CacheBoxUnavailable, match="did not answer"):
+        store.read_flags(["ec:device:a", "ec:cancel:a:1"])

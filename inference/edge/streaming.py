@@ -115,18 +115,24 @@ class _StreamThread(threading.Thread):
     def run(self) -> None:
         while True:
             try:
-                stream, event = self.jobs.get(timeout=self.CHECK_EVERY_S)
-                stream._publish_queued(event)
-            except queue.Empty:
-                pass
-            now = time.monotonic()
+                self._step()
+            except Exception:  # one run's broken event or flag is not every later run's stream
+                log.exception("the stream thread met an error; it goes on with the next event")
+
+    def _step(self) -> None:
+        try:
+            stream, event = self.jobs.get(timeout=self.CHECK_EVERY_S)
+            stream._publish_queued(event)
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        with self._lock:
+            due = [stream for stream, at in self._watched.items() if at <= now]
+        for stream in due:
             with self._lock:
-                due = [stream for stream, at in self._watched.items() if at <= now]
-            for stream in due:
-                stream.cancel_requested()
-                with self._lock:
-                    if stream in self._watched:
-                        self._watched[stream] = time.monotonic() + self.CHECK_EVERY_S
+                if stream in self._watched:
+                    self._watched[stream] = time.monotonic() + self.CHECK_EVERY_S
+            stream.cancel_requested()
 
 
 _THREAD: _StreamThread | None = None
