@@ -11,9 +11,10 @@ from what the control plane already keeps:
   measured when it started (its heartbeat's ``rates``);
 - **its queue**: runs dispatched to it and not reported yet (within the task expiry).
 
-That history is kept in memory (``RoutingState``), brought up to date before each decision from the
-rows written since the last one, so a decision costs a few indexed queries whatever the fleet's size
-(it used to cost two queries per candidate board: 0.9 s at 100 boards, ``bench fleet-sim``).
+That history and the mirror's entry names are kept in memory (``RoutingState``), brought up to date
+from the rows written since the last read: by a thread of each web process, or before a decision
+where none follows. A decision in a web process reads memory only, whatever the fleet's size (it
+used to cost two queries per candidate board: 0.9 s at 100 boards, ``bench fleet-sim``).
 
 The prompt is tokenized with the control plane's vocabulary of the model (the tokens a board
 computes for the same segments or chat messages). Runs to a named board keep the same
@@ -123,14 +124,12 @@ def ram_budget(device: Device) -> int:
     return budget if isinstance(budget, int) and budget > 0 else 0
 
 
-def cachebox_tokens(device: Device, keys: PromptKeys, mirrored: set[str] | None = None) -> int:
-    """Leading tokens of the prompt whose entries the cache box holds for ``device`` (the mirror;
-    ``mirrored``: the entry names already looked up for every candidate at once)."""
+def cachebox_tokens(device: Device, keys: PromptKeys, mirrored: set[str]) -> int:
+    """Leading tokens of the prompt whose entries the cache box holds for ``device``, of the entry
+    names ``mirrored`` (the mirror's, looked up for every candidate at once)."""
     if not keys.keys:
         return 0
     names = _entry_names(device, keys)
-    if mirrored is None:
-        mirrored = set(CacheEntry.objects.filter(key__in=list(names)).values_list("key", flat=True))
     return keys.held({names[name] for name in names if name in mirrored})
 
 
@@ -143,24 +142,13 @@ def _names(namespace: str, fingerprint: str, keys: tuple[str, ...]) -> dict[str,
     return {entry_key_name(namespace, fingerprint, bytes.fromhex(key)): key for key in keys}
 
 
-def mirrored_names(devices: list[Device], keys: dict[str, PromptKeys]) -> set[str]:
-    """The entry names of every candidate's prompt keys that the mirror holds: one query for all
-    (boards of one namespace and model share theirs)."""
+def _wanted_names(devices: list[Device], keys: dict[str, PromptKeys]) -> set[str]:
+    """The entry names of every candidate's prompt keys (boards of one namespace and model share theirs)."""
     wanted: set[str] = set()
     for device in devices:
         if keys[device.name].keys:
             wanted.update(_entry_names(device, keys[device.name]))
-    if not wanted:
-        return set()
-    from django.db import connection
-
-    # The ORM's ``filter(key__in=...)`` spent longer compiling than the database answering; the
-    # statement is plain enough to write (the table and column names come from the model).
-    table, column = connection.ops.quote_name(CacheEntry._meta.db_table), connection.ops.quote_name(CacheEntry._meta.get_field("key").column)
-    names = sorted(wanted)
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {column} FROM {table} WHERE {column} IN ({', '.join(['%s'] * len(names))})", names)
-        return {row[0] for row in cursor.fetchall()}
+    return wanted
 
 
 def measured_rates(index: FleetIndex, device: Device) -> None:
@@ -236,6 +224,10 @@ class RoutingState:
         self._follower: threading.Thread | None = None
         self._follow_every = 0.0
         self._followed_at = float("-inf")  # time.monotonic() of the follower's last look
+        # The entry mirror's names (what the cache box holds, ``CacheEntry.key``), followed with the
+        # history: a decision reads memory only. The cursor is the newest row read, the mark its name.
+        self.entry_names: set[str] = set()
+        self.entry_cursor, self.entry_mark = 0, None
 
     def current(self, now: float | None = None) -> FleetIndex:
         """The index as of now: rows committed before this call, or, where this process's follower
@@ -261,7 +253,7 @@ class RoutingState:
             if not fresh._follow():
                 return  # the database changed under the build: the next decision finds out
             with self.lock:
-                for name in ("index", "built_at", "dispatch_cursor", "run_cursor", "marks", "seen_dispatches", "seen_runs"):
+                for name in ("index", "built_at", "dispatch_cursor", "run_cursor", "marks", "seen_dispatches", "seen_runs", "entry_names", "entry_cursor", "entry_mark"):
                     setattr(self, name, getattr(fresh, name))
         except Exception as exc:  # the next period tries again; decisions keep following meanwhile
             log.warning("routing history not rebuilt: %s: %s", type(exc).__name__, exc)
@@ -314,6 +306,7 @@ class RoutingState:
             self._remember(self.seen_runs, str(run_id))  # read above, as history or rates
         for dispatch_id in Dispatch.objects.filter(pk__gt=self.dispatch_cursor - self.LOOKBACK, pk__lte=self.dispatch_cursor).values_list("request_id", flat=True):
             self._remember(self.seen_dispatches, str(dispatch_id))
+        self._take_entries(True, _entry_rows(0))
         self.index = index
         self.built_at = now
 
@@ -329,12 +322,16 @@ class RoutingState:
             return self.LOOKBACK
         return 0
 
+    def _cursors(self) -> tuple:
+        return self.dispatch_cursor, self.run_cursor, self.marks, self.entry_cursor, self.entry_mark, len(self.entry_names)
+
     def _read(self, lookback: int) -> tuple:
         """What was written since the cursors: queries only, no index touched (the follower runs it
         without the lock). Ids first (cheap), then whole rows for the ones not fed yet: the
         look-back re-reads no JSON. ``(cursors, None)`` when the rows at the cursors are not the
         ones read."""
-        cursors = (self.dispatch_cursor, self.run_cursor, self.marks)
+        cursors = self._cursors()
+        entries = self._read_entries(whole_count=lookback > 0)
         ids = _ids_from(Dispatch, cursors[0] - lookback)
         runs = _ids_from(InferenceRun, cursors[1] - lookback)
         if ids.get(cursors[0]) != cursors[2][0] or runs.get(cursors[1]) != cursors[2][1]:
@@ -347,14 +344,55 @@ class RoutingState:
         run_rows = list(
             InferenceRun.objects.filter(pk__in=new_runs).order_by("pk").values_list("pk", "request_id", "device__name", "created", "error", "breakdown")
         ) if new_runs else []
-        return cursors, (ids, runs, new_dispatches, dispatch_rows, new_runs, run_rows)
+        return cursors, (ids, runs, new_dispatches, dispatch_rows, new_runs, run_rows, entries)
+
+    def _read_entries(self, *, whole_count: bool) -> tuple[bool, dict[int, str]] | None:
+        """What changed in the entry mirror (``CacheEntry``) since it was read: ``(False, rows)``, the
+        rows added after the cursor; ``(True, rows)``, every row (read again when rows went that the
+        newest row or the count shows: a flush, a reconcile, a database restored); None, nothing.
+        The count is compared once a second (``whole_count``): an entry deleted without a new one is
+        seen within a second, or at the next rebuild where rows were added meanwhile."""
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute(_entry_top_sql(connection))
+            row = cursor.fetchone()
+        count, top, top_name = row if row is not None else (0, 0, None)
+        known = len(self.entry_names)
+        if top == self.entry_cursor and top_name == self.entry_mark and (not whole_count or count == known):
+            return None
+        if top > self.entry_cursor:
+            rows = _entry_rows(self.entry_cursor)  # the cursor's own row included: it must be the one read
+            still = self.entry_cursor == 0 or rows.pop(self.entry_cursor, None) == self.entry_mark
+            if still and (not whole_count or count == known + len(rows)):
+                return False, rows
+        return True, _entry_rows(0)
+
+    def _take_entries(self, whole: bool, rows: dict[int, str]) -> None:
+        """Take in what ``_read_entries`` found (the lock held, or a state nobody else sees yet)."""
+        if whole:
+            self.entry_names = set(rows.values())
+            self.entry_cursor, self.entry_mark = 0, None
+        else:
+            self.entry_names.update(rows.values())
+        if rows:
+            top = max(rows)
+            if top > self.entry_cursor:
+                self.entry_cursor, self.entry_mark = top, rows[top]
+
+    def mirrored(self, wanted: set[str]) -> set[str]:
+        """The names of ``wanted`` that the entry mirror held when the index was last brought up to
+        date (the lock held, after ``current``)."""
+        return wanted & self.entry_names
 
     def _apply(self, read: tuple) -> bool:
         """Feed what ``_read`` found (the lock held); False when it found the database changed."""
         _, found = read
         if found is None:
             return False
-        ids, runs, new_dispatches, dispatch_rows, new_runs, run_rows = found
+        ids, runs, new_dispatches, dispatch_rows, new_runs, run_rows, entries = found
+        if entries is not None:
+            self._take_entries(*entries)
         index = self.index
         for _, dispatch_id, board, created, record in dispatch_rows:
             request_id = str(dispatch_id)
@@ -422,7 +460,7 @@ class RoutingState:
             return  # the first decision builds it
         read = self._read(self._lookback())
         with self.lock:
-            if (self.dispatch_cursor, self.run_cursor, self.marks) != read[0]:
+            if self._cursors() != read[0]:
                 return  # followed or rebuilt meanwhile: the next look reads from the new cursors
             if self._apply(read):
                 self._followed_at = time.monotonic()
@@ -472,6 +510,27 @@ def _ids_from(model, first_pk: int) -> dict:
     with connection.cursor() as cursor:
         cursor.execute(_ids_sql(model, connection.vendor), [first_pk])
         return {pk: value if isinstance(value, uuid.UUID) else uuid.UUID(value) for pk, value in cursor.fetchall()}
+
+
+def _entry_table(connection) -> tuple[str, str, str]:
+    quote = connection.ops.quote_name
+    return quote(CacheEntry._meta.db_table), quote(CacheEntry._meta.pk.column), quote(CacheEntry._meta.get_field("key").column)
+
+
+def _entry_top_sql(connection) -> str:
+    """The mirror's row count and its newest row (pk, name), in one statement (no row: empty)."""
+    table, pk, key = _entry_table(connection)
+    return f"SELECT (SELECT COUNT(*) FROM {table}), {pk}, {key} FROM {table} ORDER BY {pk} DESC LIMIT 1"
+
+
+def _entry_rows(from_pk: int) -> dict[int, str]:
+    """``{pk: name}`` of the mirror's rows from ``from_pk`` on."""
+    from django.db import connection
+
+    table, pk, key = _entry_table(connection)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {pk}, {key} FROM {table} WHERE {pk} >= %s", [from_pk])
+        return dict(cursor.fetchall())
 
 
 STATE = RoutingState()
@@ -667,7 +726,7 @@ def plan(
     roster = devices if isinstance(devices, Roster) else Roster(devices)
     if not roster.entries:
         return None
-    began = time.perf_counter()
+    began, began_cpu = time.perf_counter(), time.thread_time()
     layout = prompt_tokens(prompt)
     tokens = layout[0] if layout else None
     now = timezone.now().timestamp()
@@ -713,7 +772,7 @@ def plan(
         chosen_entries = [weigh[position] for position in sorted(weigh)]
         weighed = [entry.device for entry in chosen_entries]
         keys = {entry.name: keys_of(entry) for entry in chosen_entries}
-        mirrored = mirrored_names(weighed, keys)
+        mirrored = STATE.mirrored(_wanted_names(weighed, keys))  # followed with the history: no query here
         views = [
             index.view(
                 device.name, keys[device.name], online=True, link=link_of(device), ram_budget_bytes=ram_budget(device),
@@ -733,6 +792,8 @@ def plan(
         "work_ms": round(work_ms, 3),
         "prompt": keys[device.name].as_dict(),
         "decided_ms": round((time.perf_counter() - began) * 1000.0, 3),  # the whole decision, tokenizing included
+        # ... of which this thread ran: the rest it waited (for the interpreter's lock, a CPU, the tokenizer)
+        "decided_cpu_ms": round((time.thread_time() - began_cpu) * 1000.0, 3),
     }
     return Routed(device, record)
 

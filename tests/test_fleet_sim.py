@@ -173,7 +173,7 @@ def test_a_dispatch_committed_after_a_higher_id_is_followed_within_a_second():
 @pytest.mark.django_db
 def test_a_run_this_process_dispatched_is_in_the_routing_state_at_once_and_counted_once(django_assert_num_queries):
     """The web process feeds its own dispatches into its routing state as it writes them: the next
-    decision's follow reads no row back (its two id queries only), owes the run's work once, and a
+    decision's follow reads no row back (its two id queries and the mirror's newest row), owes the run's work once, and a
     row another process wrote meanwhile is still read."""
     from dashboard.models import Device, Dispatch, Namespace
     from dashboard.routing import RoutingState
@@ -186,7 +186,7 @@ def test_a_run_this_process_dispatched_is_in_the_routing_state_at_once_and_count
     mine = Dispatch.objects.create(request_id=uuid.uuid4(), kind="run", device=board, namespace="default", routing={"prompt": _keys("k1").as_dict(), "work_ms": 1000.0})
     state.feed(str(mine.request_id), board.name, mine.routing, mine.created)
     assert state.index.queued_ms("board-fed") == pytest.approx(1000.0)
-    with django_assert_num_queries(2):  # the ids of both tables: nothing fetched back
+    with django_assert_num_queries(3):  # the ids of both tables and the mirror's newest row: nothing fetched back
         assert state.current().queued_ms("board-fed") == pytest.approx(1000.0, abs=10.0)
     _dispatch(board, _keys("k2"), ago_s=0, work_ms=2000.0)  # written by another process
     assert state.current().queued_ms("board-fed") == pytest.approx(3000.0, abs=10.0)
@@ -334,9 +334,10 @@ def test_a_roster_reused_by_many_decisions_follows_the_rates_and_queues_its_boar
 
 
 @pytest.mark.django_db
-def test_the_entries_the_mirror_holds_are_found_in_one_statement_and_make_the_cache_box_the_source(monkeypatch):
-    """``mirrored_names`` (its SQL written by hand) finds exactly the mirrored entry names among the
-    candidates' keys, and a prompt whose first ranges the cache box holds is expected from there."""
+def test_a_decision_finds_the_entries_the_mirror_holds_in_memory_and_makes_the_cache_box_the_source(monkeypatch, django_assert_num_queries):
+    """The routing state follows the entry mirror with the history: a prompt whose first ranges the
+    cache box holds is expected from there, and a decision on a followed state asks the database
+    nothing about entries."""
     from cachebox.models import CacheEntry
     from dashboard import actions, routing
     from dashboard.models import Device, Namespace
@@ -348,13 +349,48 @@ def test_the_entries_the_mirror_holds_are_found_in_one_statement_and_make_the_ca
     keys = routing.keys_for(device, layout)
     names = list(routing._entry_names(device, keys))  # one per range: 128, 256, 384, 400
     assert len(names) == 4
-    assert routing.mirrored_names([device], {"fetcher": keys}) == set()
+    prompt = actions.run_request(["x"], max_tokens=4)
+    assert routing.plan([device], prompt).record["source"] != "cachebox"
     for name in names[:3]:
         CacheEntry.objects.create(key=name, model="ab", namespace="default", start=0, end=128, bytes=1)
     CacheEntry.objects.create(key="someone-elses-entry", model="ab", namespace="default", start=0, end=128, bytes=1)
-    assert routing.mirrored_names([device], {"fetcher": keys}) == set(names[:3])
-    record = routing.plan([device], actions.run_request(["x"], max_tokens=4)).record
+    record = routing.plan([device], prompt).record
     assert (record["source"], record["held_tokens"]) == ("cachebox", 384)
+    assert 0 <= record["decided_cpu_ms"] <= record["decided_ms"] + 1.0  # thread time: a clock of its own
+    state = routing.STATE
+    with django_assert_num_queries(0):
+        assert state.mirrored(set(names)) == set(names[:3])
+
+
+@pytest.mark.django_db
+def test_the_routing_state_follows_entries_added_flushed_and_replaced():
+    """New rows are read after the cursor; a flush is seen by the count (compared once a second);
+    a newest row replaced by another under the same id (a database restored) reads them all again."""
+    from cachebox.models import CacheEntry
+    from dashboard.routing import RoutingState
+
+    def entry(name):
+        return CacheEntry.objects.create(key=name, model="ab", namespace="default", start=0, end=128, bytes=1)
+
+    state = RoutingState()
+    state.current()
+    assert state.entry_names == set()
+    first = [entry(f"e{n}") for n in range(3)]
+    state.current()
+    assert state.entry_names == {"e0", "e1", "e2"} and state.entry_cursor == first[-1].pk
+    CacheEntry.objects.filter(key="e1").delete()  # flushed: only the count shows it
+    state._looked_back = float("-inf")
+    state.current()
+    assert state.entry_names == {"e0", "e2"}
+    newest = first[-1].pk
+    CacheEntry.objects.filter(key="e2").delete()
+    CacheEntry.objects.create(pk=newest, key="other", model="ab", namespace="default", start=0, end=128, bytes=1)
+    state.current()
+    assert state.entry_names == {"e0", "other"}
+    entry("e3")
+    entry("e4")
+    state.current()
+    assert state.entry_names == {"e0", "other", "e3", "e4"}
 
 
 @pytest.mark.django_db
