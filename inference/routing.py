@@ -262,7 +262,10 @@ class FleetIndex:
     RATE_LOG = 4096
 
     def _board(self, name: str) -> _BoardHistory:
-        return self.boards.setdefault(name, _BoardHistory())
+        history = self.boards.get(name)
+        if history is None:  # not ``setdefault``: it built a history (its dicts and deques) at every call
+            history = self.boards[name] = _BoardHistory()
+        return history
 
     def measured(self, board: str, *, prefill_ms_per_token: float | None, decode_ms_per_token: float | None) -> None:
         """``board`` measured its own rates when it started (its heartbeat says so): its rates until
