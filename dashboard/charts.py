@@ -254,7 +254,7 @@ def bytes_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[
         mine = _mine(points, device)
         traces.append(
             _trace(
-                    "scatter",
+                "scatter",
                 name=device,
                 x=[_when(point) for point in mine],
                 y=[point.state_bytes / 1e6 for point in mine],
@@ -283,7 +283,7 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
     if link is not None:
         traces.append(
             _trace(
-                    "scatter",
+                "scatter",
                 name=f"link model ({link_label})",
                 x=xs,
                 y=[link.transfer_ms(x * bytes_per_token) for x in xs],
