@@ -78,7 +78,8 @@ class _RememberedTokens:
 
 def prompt_tokens(prompt: RunRequest) -> tuple[list[int], tuple[int, ...]] | None:
     """The tokens a board computes for ``prompt`` and where it cuts them besides the grid (where its
-    last segment begins, where a chat's messages begin); None: a schema run, or no vocabulary here."""
+    last segment and last paragraph begin, ``text_layout``; where a chat's messages begin); None: a
+    schema run, or no vocabulary here."""
     if prompt.is_schema_run or (not prompt.segments and not prompt.messages):
         return None
     try:
@@ -88,12 +89,9 @@ def prompt_tokens(prompt: RunRequest) -> tuple[list[int], tuple[int, ...]] | Non
 
             chat = chat_prompt(vocabulary, [(message.role, message.content) for message in prompt.messages])
             return chat.tokens, chat.cuts
-        tokens: list[int] = []
-        starts: list[int] = []
-        for index, segment in enumerate(prompt.segments):
-            starts.append(len(tokens))
-            tokens += vocabulary.tokenize(segment, add_bos=index == 0)
-        return tokens, tuple(starts[-1:]) if len(starts) > 1 else ()
+        from inference.serving import text_layout
+
+        return text_layout(vocabulary, prompt.segments)
     except Exception as exc:  # routing then weighs queues only; the board reports any real error
         log.warning("prompt not tokenized for routing: %s", exc)
         return None

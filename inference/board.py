@@ -26,11 +26,11 @@ from .config import BoardConfig
 from .engine import Engine, EngineConfig
 from .exchange import Exchange
 from .host_plan import rtt_only
-from .memory_plan import MAX_RAM_TIER_BYTES, MemoryPlan, ModelFacts, check_lab_strategy, plan_memory, unsized_plan
+from .memory_plan import MAX_RAM_TIER_BYTES, MB, MemoryPlan, ModelFacts, check_lab_strategy, plan_memory, unsized_plan
 from .messages import BoardRates
 from .model_file import resolve_model
 from .proc_memory import ProcessMemory
-from .chat import chat_prompt, follow_up
+from .chat import FollowUps, chat_prompt, follow_up
 from .prefix_serving import Extension, PrefixServing
 from .routing import DEFAULT_DECODE_MS_PER_TOKEN
 from .schema_serving import SchemaServing
@@ -105,6 +105,7 @@ class Board:
     ):
         self.engine = engine
         self.rates = rates  # measured at start (``calibrate``): reported in every heartbeat
+        self.follow_ups = FollowUps()  # whether this board's clients take up the chat turns it prepares (inference.edge.serving)
         profile = profile_named(config.compute_profile)  # the board's class, or None: this machine's speed
         if profile is None or engine.pacer is None or engine.pacer.profile != profile:
             engine.pacer = Pacer(profile) if profile is not None else None
@@ -139,6 +140,8 @@ class Board:
             policy=BreakEvenPolicy(prefill_ms_per_token=config.prefill_ms_per_token, link=config.link, mode=config.policy, overlap=config.overlap),
             context_reuse=config.context_reuse,
             ram_tier_bytes=ram_tier_bytes,
+            # a board registered with its memory keeps its whole process under the budget: the RAM tier gives way
+            ram_rss_limit_bytes=int(memory_plan.budget_mb * MB) if memory_plan is not None and memory_plan.memory_mb else None,
             flash_tier_bytes=config.flash_tier_bytes,
             flash_dir=config.flash_folder(),
         )
@@ -224,7 +227,8 @@ class Board:
         if prefix is None:
             return Extension()
         with self._paced():
-            return self.prefix.extend(prefix.tokens, prefix.cuts, namespace=namespace, upload=upload)
+            extension = self.prefix.extend(prefix.tokens, prefix.cuts, namespace=namespace, upload=upload)
+        return replace(extension, prefix=tuple(prefix.tokens)) if extension.tokens else extension
 
     def run_pml(self, schema_source: str, prompt_source: str, **kwargs) -> RunResult:
         """Serve a PML prompt from the schema's cached modules (see inference.schema_serving)."""

@@ -9,12 +9,14 @@ open a turn of its own. A template that refuses a system message (some have no s
 gets it folded into the first user turn.
 
 Pure apart from the tokenizer: ``chat_prompt(vocabulary, messages)``, and ``follow_up`` for the
-prefix a conversation's next turn will share (the board prepares it after each answer).
+prefix a conversation's next turn will share (the board prepares it after each answer, while
+``FollowUps`` sees its clients take such prefixes up).
 """
 
 from __future__ import annotations
 
 import secrets
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -118,3 +120,61 @@ def fold_system(messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
             rest[index] = (role, f"{system}\n\n{content}")
             return rest
     return [("user", system), *rest]
+
+
+class FollowUps:
+    """Whether preparing a conversation's next turn pays on this board (pure).
+
+    Preparing it costs the board one batch (40 to 80 ms here) right after an answer; a run that
+    arrives meanwhile waits for it. That pays when the conversation goes on. A client that sends
+    one question after another under the same system prompt never continues one, and each of its
+    requests would wait behind the last one's preparation (``bench vs-server``, one board warm).
+    So the board remembers the prefixes it prepared and looks at each chat run it serves: one that
+    goes on from a prepared prefix takes it up; a prefix no run took up within ``EXPIRE_RUNS`` chat
+    runs (conversations interleave) was wasted. While the last outcomes are all wasted, the board
+    prepares only every ``PROBE_EVERY``-th time, so clients that turn to real conversations are
+    seen again.
+    """
+
+    EXPIRE_RUNS = 4
+    OUTCOMES = 4  # the last outcomes that decide
+    PROBE_EVERY = 4
+
+    def __init__(self) -> None:
+        self.pending: deque[list] = deque(maxlen=8)  # [length, key, runs seen since]
+        self.outcomes: deque[bool] = deque(maxlen=self.OUTCOMES)
+        self.skipped = 0
+
+    @staticmethod
+    def _key(tokens: Sequence[int]) -> int:
+        return hash(tuple(tokens))
+
+    def prepared(self, tokens: Sequence[int]) -> None:
+        """The board prepared this prefix (a conversation's next turn)."""
+        if tokens:
+            self.pending.append([len(tokens), self._key(tokens), 0])
+
+    def saw(self, tokens: Sequence[int]) -> None:
+        """A chat run of these tokens arrived: it takes up a prepared prefix it goes on from."""
+        for entry in list(self.pending):
+            length, key, seen = entry
+            if len(tokens) >= length and self._key(tokens[:length]) == key:
+                self.outcomes.append(True)
+                self.pending.remove(entry)
+            elif seen + 1 >= self.EXPIRE_RUNS:
+                self.outcomes.append(False)
+                self.pending.remove(entry)
+            else:
+                entry[2] = seen + 1
+
+    def worth_preparing(self) -> bool:
+        """Prepare the next turn now? Yes while any of the last outcomes was taken up (or too few are
+        known); else only every ``PROBE_EVERY``-th time."""
+        if len(self.outcomes) < 2 or any(self.outcomes):
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        if self.skipped >= self.PROBE_EVERY:
+            self.skipped = 0
+            return True
+        return False

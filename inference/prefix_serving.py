@@ -37,7 +37,7 @@ from .engine import MAIN_SEQ, Engine
 from .exchange import Exchange, prefix_refs, run_session
 from .messages import StoredEntry
 from .sampling import TOP_CANDIDATES
-from .serving import FirstToken, RunResult, RunState, ServingStrategy, ms_since, segment_tokens
+from .serving import FirstToken, RunResult, RunState, ServingStrategy, ms_since, segment_tokens, text_layout
 from .tiers import CacheBoxTier, Computed, ContextTier, Held, RamTier, Tier, TierRun, keep_nearest_first, restore_nearest_first
 from .tiers.base import Exports
 from .tiers.flash import FlashTier
@@ -51,6 +51,7 @@ class Extension:
     compute_ms: float = 0.0
     total_ms: float = 0.0  # with sealing and upload
     uploaded: list[StoredEntry] = field(default_factory=list)
+    prefix: tuple[int, ...] = ()  # the whole prefix the context now holds (a conversation's next turn)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
         ram_tier_bytes: int = 0,
         flash_tier_bytes: int = 0,
         flash_dir: Path | None = None,
+        ram_rss_limit_bytes: int | None = None,
     ):
         self.engine = engine
         self.exchange = exchange
@@ -97,7 +99,7 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
         self.top = top_logits
         self.namespace = check_namespace(namespace)
         self.context = ContextTier(context_reuse)  # keeps the last prompt in the engine for the next one
-        self.ram = RamTier(ram_tier_bytes) if ram_tier_bytes > 0 else None
+        self.ram = RamTier(ram_tier_bytes, ram_rss_limit_bytes) if ram_tier_bytes > 0 else None
         if flash_tier_bytes > 0 and flash_dir is None:
             raise ValueError("a flash tier needs its folder (flash_dir)")
         self.flash = FlashTier(flash_dir, flash_tier_bytes) if flash_tier_bytes > 0 else None
@@ -119,6 +121,10 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
     def policy(self, policy: BreakEvenPolicy) -> None:
         self.cachebox.policy = policy
 
+    def layout(self, segments: Sequence[str]) -> tuple[list[int], tuple[int, ...]]:
+        """A text prompt's tokens and where they are cut besides the grid (``serving.text_layout``)."""
+        return text_layout(self.engine, segments)
+
     def tokenize(self, segments: Sequence[str]) -> tuple[list[int], list[int]]:
         """Token ids of the whole prompt and the token index where each segment ends.
 
@@ -129,15 +135,15 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
 
     # -- the skeleton's steps --------------------------------------------------------------------
     def prepare(self, run: RunState) -> _PrefixRun:
-        """The prompt's tokens and cuts. Batches end on the grid, where the last segment begins (a
-        prompt that shares all but its last segment with this one reuses that part whole), and at
-        the prompt's ``cuts`` (a chat's: where its messages begin, ``inference.chat``, so the next
+        """The prompt's tokens and cuts. Batches end on the grid, where the last segment and its
+        last paragraph begin (``layout``: a prompt that shares all but those with this one reuses
+        that part whole), and at the prompt's ``cuts`` (a chat's: where its messages begin, ``inference.chat``, so the next
         turn of a conversation reuses this one whole). Not at every segment end: small batches
         made cold prefill 24-41% slower (``bench exact``)."""
         prompt, options = run.prompt, run.options
         namespace = check_namespace(options.namespace or self.namespace)
-        tokens, ends = self.tokenize(prompt.segments) if prompt.tokens is None else (list(prompt.tokens), [len(prompt.tokens)])
-        extra = tuple(cut for cut in off_grid([*prompt.cuts, *ends[-2:-1]], self.chunk_tokens) if cut < len(tokens))
+        tokens, text_cuts = self.layout(prompt.segments) if prompt.tokens is None else (list(prompt.tokens), ())
+        extra = tuple(cut for cut in off_grid([*prompt.cuts, *text_cuts], self.chunk_tokens) if cut < len(tokens))
         boundaries = range_boundaries(len(tokens), self.chunk_tokens, extra)
         tiers = TierRun(
             self.engine, tokens, self.chunk_tokens, extra, boundaries, run.breakdown,

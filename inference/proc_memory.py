@@ -3,6 +3,7 @@ told to give large buffers back.
 
 - ``ProcessMemory.read(pid)``: RSS and its peak (``/proc/PID/status``), PSS and private dirty
   (``/proc/PID/smaps_rollup``). A few hundred microseconds; no effect on the process read.
+- ``rss_bytes()``: this process's resident set now, cheaply (the RAM tier reads it as it fills).
 - ``mapped_files(pid)``: resident MB per mapped file (``/proc/PID/smaps``), to tell the model's
   mapped weights from shared libraries and anonymous memory. A few milliseconds.
 - ``tune_malloc()``: a board moves megabyte states all day; glibc would otherwise raise its
@@ -65,6 +66,19 @@ class ProcessMemory:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """This process's resident set now, in bytes (``/proc/self/statm``: one small read, a few
+    microseconds); 0 where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def mapped_files(pid: int | str = "self") -> dict[str, float]:

@@ -31,6 +31,43 @@ def test_grid_points_still_serve_when_the_extra_cuts_differ_above_them():
     assert held.reusable(list(range(290)) + [5], GRID, (150,)) == 128
 
 
+def test_a_board_keeps_preparing_next_turns_its_conversations_take_up_even_interleaved():
+    from inference.chat import FollowUps
+
+    ledger = FollowUps()
+    conversations = {c: [c * 1000 + t for t in range(50)] for c in range(ledger.EXPIRE_RUNS)}  # as many conversations as it waits runs for
+    for turn in range(5):
+        for c, prompt in conversations.items():  # interleaved: the others' turns come between
+            ledger.saw(prompt)
+            assert ledger.worth_preparing()
+            prepared = prompt + [7, 8, 9]  # the answer and the next turn's opening
+            ledger.prepared(prepared)
+            conversations[c] = prepared + [c, turn]  # the next turn goes on from it
+    assert list(ledger.outcomes) == [True] * ledger.OUTCOMES
+
+
+def test_a_board_whose_clients_never_go_on_prepares_only_now_and_then():
+    from inference.chat import FollowUps
+
+    ledger = FollowUps()
+    system = list(range(400))
+    decisions = []
+    for question in range(20):  # one question after another under one system prompt, never a second turn
+        prompt = system + [10_000 + question] * 5
+        ledger.saw(prompt)
+        worth = ledger.worth_preparing()
+        decisions.append(worth)
+        if worth:
+            ledger.prepared(prompt + [1, 2, 3])
+    assert all(decisions[:4])  # nothing known yet: it prepares
+    assert decisions[4:].count(True) <= len(decisions[4:]) // ledger.PROBE_EVERY + 1  # then only as a probe
+    while not ledger.worth_preparing():  # the next probe
+        pass
+    ledger.prepared(system + [1, 2, 3])
+    ledger.saw(system + [1, 2, 3, 42])  # and this time the client goes on from it
+    assert all(ledger.worth_preparing() for _ in range(2 * ledger.PROBE_EVERY))  # it prepares every turn again
+
+
 # -- the real model ------------------------------------------------------------------------------
 FIRST = [("system", "You are a terse assistant for ferry passengers."), ("user", "Name three things to bring on a ferry trip.")]
 NEXT = ["Which of them matters most in winter?", "Why?", "Thanks. Anything else for children?"]

@@ -18,7 +18,7 @@ from inference.memory_plan import (
     check_lab_strategy,
     plan_memory,
 )
-from inference.proc_memory import ProcessMemory, mapped_files, tune_malloc
+from inference.proc_memory import ProcessMemory, mapped_files, rss_bytes, tune_malloc
 
 from .conftest import run_manage
 
@@ -86,9 +86,32 @@ def test_process_memory_sees_memory_this_process_touches():
     del block
     assert any("python" in path or "libc" in path for path in mapped_files())
     assert tune_malloc() is True  # glibc here
+    assert abs(rss_bytes() / 2**20 - ProcessMemory.read().rss_mb) < 16  # the cheap reading agrees
 
 
 # -- the bench's runs (pure) ---------------------------------------------------------------------
+def test_the_ram_tier_gives_way_to_the_processs_rss_under_a_registered_budget():
+    from cachebox.entry import EntryHeader
+    from inference.local_tier import RamEntries
+
+    header = EntryHeader.__new__(EntryHeader)  # the tier never reads it
+    rss = {"now": 500}  # what the process holds besides the entries' bytes, which count as they are kept
+    tier = RamEntries(budget_bytes=1000, rss_limit_bytes=750, rss=lambda: rss["now"] + tier.size_bytes)
+    for number in range(3):
+        rss["now"] += 100  # the new blob is resident before the tier keeps it
+        tier.put(f"e{number}", header, b"x" * 100, 0)
+        rss["now"] -= 100  # kept: counted in the tier's bytes from now on
+    assert len(tier) == 2 and tier.get("e0") is None and tier.get("e2") is not None  # the oldest left: 500 + 2 x 100 + 100 > 750
+    assert tier.status()["evicted_for_rss"] == 1
+    rss["now"] = 900  # the process grew beyond its budget by itself: the tier keeps nothing new
+    tier.put("big", header, b"x" * 100, 0)
+    assert len(tier) == 0 and tier.status()["refused"] == 1
+    unbounded = RamEntries(budget_bytes=250)  # no registered memory: the byte budget alone
+    for number in range(3):
+        unbounded.put(f"e{number}", header, b"x" * 100, 0)
+    assert len(unbounded) == 2
+
+
 def test_the_footprint_workload_mixes_every_kind_of_run():
     steps = workload(50)
     assert len(steps) == 50

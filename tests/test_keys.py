@@ -111,3 +111,33 @@ def test_the_grid_enters_every_key():
     assert prefix_keys("ns", "fp", tokens, [128, 256], grid=64)[0] != prefix_keys("ns", "fp", tokens, [128, 256], grid=128)[0]
 
 
+
+
+class _Words:
+    """A vocabulary that tokenizes a word (or a run of newlines) per token, merging "\\n\\n" with a
+    word after it when asked to (as some tokenizers would): enough to lay text prompts out."""
+
+    def __init__(self, merge_break: bool = False):
+        self.merge_break = merge_break
+
+    def tokenize(self, text: str, *, add_bos: bool, special: bool = False) -> list[int]:
+        import re
+
+        pieces = re.findall(r"\n+\w*" if self.merge_break else r"\n+|[^\n ]+", text)
+        return ([1] if add_bos else []) + [hash(piece) % 10_000 + 10 for piece in pieces]
+
+
+def test_a_text_prompt_is_cut_where_its_last_paragraph_and_its_last_segment_begin():
+    from inference.serving import text_layout
+
+    examples = "Q: one? A: 1\n\nQ: two? A: 2\n\n"
+    tokens, cuts = text_layout(_Words(), [examples + "Q: three? A:"])
+    assert cuts == (len(_Words().tokenize(examples, add_bos=True)),)  # all the examples, whatever the grid
+    same, other = text_layout(_Words(), [examples + "Q: four, longer? A:"]), text_layout(_Words(), [examples + "Q: five? A:"])
+    assert same[1] == other[1] == cuts and same[0][: cuts[0]] == tokens[: cuts[0]]  # so the next prompt reuses them whole
+    tokens, cuts = text_layout(_Words(), ["Context: ferries.\n\n", "Notes\n\n\nQ: when? A:"])
+    first = len(_Words().tokenize("Context: ferries.\n\n", add_bos=True))
+    assert cuts == (first, first + len(_Words().tokenize("Notes\n\n\n", add_bos=False)))  # the last segment, and its paragraph after the whole blank run
+    assert text_layout(_Words(), ["one paragraph only"])[1] == ()
+    assert text_layout(_Words(), ["a prompt ending with a break\n\n"])[1] == ()  # nothing after it to cut off
+    assert text_layout(_Words(merge_break=True), [examples + "Q: three? A:"])[1] == ()  # the tokens would change: no cut

@@ -28,9 +28,9 @@ def segment_ends(board, prompt):
 
 
 def entry_names(board, prompt, namespace):
-    tokens, ends = board.prefix.tokenize(prompt.segments)
-    boundaries = range_boundaries(len(tokens), board.config.chunk_tokens, ends[-2:-1])  # the question begins a batch
-    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, boundaries, grid=board.config.chunk_tokens, extra=ends[-2:-1])
+    tokens, cuts = board.prefix.layout(prompt.segments)
+    boundaries = range_boundaries(len(tokens), board.config.chunk_tokens, cuts)  # the question begins a batch
+    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, boundaries, grid=board.config.chunk_tokens, extra=cuts)
     return tokens, {end: entry_key_name(namespace, board.engine.fingerprint, key) for end, key in zip(boundaries, keys)}
 
 
@@ -101,8 +101,8 @@ def test_unstructured_prompts_share_fixed_chunks(valkey_url, namespace, make_boa
 
 def test_catalog_false_positive_costs_a_fetch_but_not_the_answer(valkey_url, namespace, make_board, prompts):
     board = make_board(valkey_url, namespace)
-    tokens, ends = board.prefix.tokenize(prompts[2].segments)
-    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, [len(tokens)], grid=board.config.chunk_tokens, extra=ends[-2:-1])
+    tokens, cuts = board.prefix.layout(prompts[2].segments)
+    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, [len(tokens)], grid=board.config.chunk_tokens, extra=cuts)
     catalog = board.catalogs.get(namespace).catalog
     catalog.add(keys[-1])  # the catalog now says "maybe" for a state nobody stored
     result = board.run(prompts[2].segments, max_tokens=4)

@@ -34,12 +34,12 @@ def _grid_cuts(grid: int, count: int) -> list[int]:
     return list(range(grid, count, grid))
 
 
-def cut_costs(engine, prompts: list[MMLUPrompt], tokenize, *, grids=GRIDS, board_grid: int = 128, repeats: int = 2, progress=None) -> dict:
+def cut_costs(engine, prompts: list[MMLUPrompt], tokenize, *, grids=GRIDS, board_grid: int = 128, repeats: int = 2, progress=None, layout=None) -> dict:
     """Median cold prefill time per grid (and without cuts), and on the board's grid plus every
     segment's end (the instruction and each example end a batch: why segment ends are not cuts),
     measured interleaved in random order."""
     segmented = f"every {board_grid} + segment ends"
-    last = f"every {board_grid} + last segment start"  # what the board does
+    last = f"every {board_grid} + last segment and paragraph starts"  # what the board does (``layout``: PrefixServing.layout)
     variants = {"n_batch only": None, **{f"every {grid}": grid for grid in grids}, last: board_grid, segmented: board_grid}
     times: dict[str, list[float]] = {name: [] for name in variants}
     order_rng = random.Random(0)
@@ -53,7 +53,7 @@ def cut_costs(engine, prompts: list[MMLUPrompt], tokenize, *, grids=GRIDS, board
                 if name == segmented:
                     cuts = sorted({*cuts, *ends[:-1]})
                 elif name == last:
-                    cuts = sorted({*cuts, *ends[-2:-1]})
+                    cuts = sorted({*cuts, *(layout(prompt.segments)[1] if layout is not None else ends[-2:-1])})
                 with engine.lock:
                     engine.clear()
                     started = time.perf_counter()
@@ -67,7 +67,7 @@ def cut_costs(engine, prompts: list[MMLUPrompt], tokenize, *, grids=GRIDS, board
 
 def resumed_logits_identical(engine, tokens: list[int], grid: int, extra=()) -> tuple[bool, float]:
     """Cold prefill vs restore of ``[0, r)`` + prefill of the rest, r the last cut before the end
-    (a grid point, or where the last segment begins), both cut as the board cuts them."""
+    (a grid point, or where the last segment or paragraph begins), both cut as the board cuts them."""
     count = len(tokens)
     cuts = sorted({*_grid_cuts(grid, count), *(cut for cut in extra if 0 < cut < count)})
     resume = cuts[-1] if cuts else 0
@@ -88,7 +88,7 @@ def run_exact(board, topics: list[str], per_topic: int, shots: int, *, max_token
     every = [prompt for prompts in prompts_by_topic.values() for prompt in prompts]
     grid = board.prefix.chunk_tokens
     tokenize = board.prefix.tokenize
-    costs = cut_costs(board.engine, every[: min(len(every), 24)], tokenize, board_grid=grid, progress=None)
+    costs = cut_costs(board.engine, every[: min(len(every), 24)], tokenize, board_grid=grid, progress=None, layout=board.prefix.layout)
     identical, max_diff = 0, 0.0
     rows = []
     for topic, prompts in prompts_by_topic.items():
@@ -99,8 +99,8 @@ def run_exact(board, topics: list[str], per_topic: int, shots: int, *, max_token
                     cold = board.run(prompt.segments, max_tokens=max_tokens, use_cache=False)
                     served = board.run(prompt.segments, max_tokens=max_tokens, namespace=namespace)
                     if phase == "first pass":
-                        tokens, ends = tokenize(prompt.segments)
-                        same, diff = resumed_logits_identical(board.engine, tokens, grid, ends[-2:-1])
+                        tokens, cuts = board.prefix.layout(prompt.segments)
+                        same, diff = resumed_logits_identical(board.engine, tokens, grid, cuts)
                         identical += same
                         max_diff = max(max_diff, diff)
                     b = served.breakdown

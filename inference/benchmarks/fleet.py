@@ -193,8 +193,8 @@ def build_jobs(boards, prompts_by_topic: dict[str, list], *, namespace: str, see
     jobs = []
     for topic, prompts in prompts_by_topic.items():
         for prompt in prompts:
-            tokens, ends = first.prefix.tokenize(prompt.segments)
-            keys = {board.config.device: prompt_keys(namespace, board.engine.fingerprint, tokens, grid=board.prefix.chunk_tokens, extra=ends[-2:-1]) for board in boards}
+            tokens, cuts = first.prefix.layout(prompt.segments)
+            keys = {board.config.device: prompt_keys(namespace, board.engine.fingerprint, tokens, grid=board.prefix.chunk_tokens, extra=cuts) for board in boards}
             jobs.append(_Job(0, topic, prompt.segments, keys))
     random.Random(seed).shuffle(jobs)
     for number, job in enumerate(jobs):

@@ -34,8 +34,9 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
     chosen and a last ``done`` (or ``error``) event, sealed and signed by this board, and stops
     when the control plane's signed cancel flag appears; ``request.stop`` ends the answer at the
     first stop string, streamed or not. After a chat turn's answer, the next turn's prefix is
-    prepared unless ``work_waiting()`` says another run waits for this board: a waiting answer
-    goes before a turn that may never come. Only a board process (an identity) streams.
+    prepared unless ``work_waiting()`` says another run waits for this board (a waiting answer
+    goes before a turn that may never come) or this board's clients lately took up none of the
+    turns it prepared (``FollowUps``). Only a board process (an identity) streams.
     ``behind_ms``: how long the run waited for this board's earlier work (in its breakdown);
     ``cancel_flag``: the run's cancel flag as read already (else it is read here).
     """
@@ -76,6 +77,8 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
         if stream is not None and not request.is_schema_run:
             options["on_stage"] = lambda stage: stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage=stage))
         asked, prompt = _asked(board, request, conversation)
+        if request.is_chat_run and asked.tokens is not None:
+            board.follow_ups.saw(asked.tokens)
         spec = parse_strategy(request.strategy)  # a lab strategy is approximate: it never reads or writes the cache box
         result = board.serve(spec, asked, RunOptions(**options))
     except (PromptError, ValueError, EngineError) as exc:  # PMLError is a ValueError
@@ -97,7 +100,10 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
         done = StreamEvent(type="done", request_id=request.request_id, device=stream.device, text=answer.text, finish_reason=finish, breakdown={**breakdown.as_dict(), **extra})
         stream.close(done)
     uploaded = list(result.uploaded)
-    if request.is_chat_run and spec.exact and request.use_cache and not cancelled and not _waiting(work_waiting, request.request_id):
+    if (
+        request.is_chat_run and spec.exact and request.use_cache and not cancelled
+        and board.follow_ups.worth_preparing() and not _waiting(work_waiting, request.request_id)
+    ):
         uploaded += _prepare_next_turn(board, request.request_id, conversation, answer.text, options["namespace"], breakdown)
     return RunReport(
         **sender(),
@@ -131,6 +137,7 @@ def _prepare_next_turn(board, request_id: str, conversation: list[tuple[str, str
         log.warning("run %s: the next turn's prefix was not prepared: %s", request_id, exc)
         return []
     breakdown.next_turn_tokens, breakdown.next_turn_ms = turn.tokens, turn.total_ms
+    board.follow_ups.prepared(turn.prefix)
     return list(turn.uploaded)
 
 

@@ -13,6 +13,7 @@ from ..breakdown import Tier as TierLabel
 from ..engine import MAIN_SEQ, EngineError
 from ..exchange import EntryRef
 from ..local_tier import LocalEntry, RamEntries
+from ..proc_memory import rss_bytes
 from ..serving import ms_since
 from .base import Computed, Held, TierRun
 
@@ -22,8 +23,10 @@ class RamTier:
 
     label = TierLabel.LOCAL
 
-    def __init__(self, budget_bytes: int):
-        self.entries = RamEntries(budget_bytes)
+    def __init__(self, budget_bytes: int, rss_limit_bytes: int | None = None):
+        """``rss_limit_bytes``: the process's RSS the tier keeps entries under (a board registered
+        with its memory: its budget), read as entries come in; None: the byte budget alone."""
+        self.entries = RamEntries(budget_bytes, rss_limit_bytes, rss_bytes if rss_limit_bytes is not None else None)
 
     def status(self) -> dict:
         return self.entries.status()
