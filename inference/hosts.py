@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import subprocess
 import time
@@ -46,6 +47,16 @@ def unavailable_reason() -> str:
         if not os.access(f"{CGROUP_ROOT}/{controller}", os.W_OK):
             return f"no writable cgroup v1 {controller} controller at {CGROUP_ROOT}/{controller}"
     return ""
+
+
+def free_subnet(first: int = 100, last: int = 249) -> str:
+    """A 10.77.X.0/24 (X from ``first`` to ``last``) that no interface of this machine uses."""
+    used = _run(["ip", "-o", "-4", "addr", "show"], check=False).stdout
+    for _ in range(200):
+        candidate = f"10.77.{random.randint(first, last)}"
+        if f" {candidate}." not in used:
+            return f"{candidate}.0/24"
+    raise HostsUnavailable(f"no free 10.77.X.0/24 subnet (X from {first} to {last}) on this machine")
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import random
 import sqlite3
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import pytest
 
 from cachebox import embedded
 from cachebox.link import LINK_PRESETS
-from inference.hosts import Host, HostNetwork, unavailable_reason
+from inference.hosts import Host, HostNetwork, free_subnet, unavailable_reason
 
 from .conftest import ROOT
 
@@ -32,16 +31,6 @@ def hosts_or_skip() -> None:
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"boards as hosts cannot run here: {reason}")
-
-
-def free_subnet() -> str:
-    """A 10.77.X.0/24 no interface of this machine uses."""
-    used = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
-    for _ in range(200):
-        candidate = f"10.77.{random.randint(100, 249)}"
-        if f" {candidate}." not in used:
-            return f"{candidate}.0/24"
-    raise RuntimeError("no free 10.77.X.0/24 subnet")
 
 
 def until(condition, timeout: float, what: str, every: float = 0.2):

@@ -13,6 +13,8 @@ import pytest
 
 from inference.benchmarks import llama_server
 from inference.benchmarks import side_by_side as sbs
+from inference.benchmarks import vs_server
+from inference.memory_plan import budget_mb
 
 from .conftest import ROOT
 
@@ -119,6 +121,40 @@ def test_targets_compare_warm_ttft_the_best_peer_balancer_agreement_and_memory()
     assert found["one-board-warm"]["value"] == 1.0 and found["one-board-warm"]["met"] is True
     memory = found["peak RSS per board / llama-server's (largest of every workload)"]
     assert memory["value"] == round(500 / 420, 3) and memory["met"] is False
+
+
+def test_with_the_same_memory_the_target_is_each_boards_peak_against_what_both_may_hold():
+    workloads = {"chat": {"systems": {sbs.EDGECACHE: _system(10, rss=590), sbs.PEER: _system(20, rss=430)}}}
+    found = {t["name"]: t for t in sbs.targets(workloads, shared_mb=600.0)}
+    shared = found["peak RSS per board / the memory both may hold (llama-server's idle RSS + --cache-ram)"]
+    assert shared["value"] == round(590 / 600, 3) and shared["met"] is True
+    assert found["peak RSS per board / llama-server's (largest of every workload)"]["met"] is False  # still reported
+    assert not any("may hold" in t["name"] for t in sbs.targets(workloads))  # boards registered by hand: no shared figure
+
+
+def test_a_board_is_registered_so_that_its_budget_is_llama_servers_idle_rss_plus_its_cache():
+    memory = vs_server.SharedMemory.equal_to_peer(361.24, 256)
+    assert memory.shared_mb == 617.2 and memory.board_ram_tier_mb is None  # the board's planner sizes its tier
+    assert memory.shared_mb <= budget_mb(memory.board_registered_mb) < memory.shared_mb + 1
+    by_hand = vs_server.SharedMemory.registered(2048, 256)
+    assert by_hand.shared_mb is None and by_hand.board_ram_tier_mb == 256
+    assert "by hand" in by_hand.as_dict()["rule"]
+
+
+def test_where_boards_cannot_be_hosts_the_fleet_is_paced_in_process_and_the_bench_says_why(monkeypatch):
+    from inference import hosts
+
+    monkeypatch.setattr(hosts, "unavailable_reason", lambda: "boards as hosts need root")
+    said = []
+    assert vs_server.FleetHosts.create("wifi4", 765, said.append) is None
+    assert "boards as hosts need root" in said[0] and "paced in EdgeCache's sockets" in said[0]
+    assert vs_server.link_shaping(None).startswith("in-process")
+
+
+def test_a_boards_ready_line_gives_its_ram_tier_and_estimate():
+    line = "board b0 ready (m.gguf, 2 threads, loopback to the cache box, namespace n, 792 MB registered: context 4096, RAM tier 128 MB, about 603 MB, signing keys"
+    assert vs_server.board_plan("earlier lines\n" + line) == {"ram_tier_mb": 128, "estimate_mb": 603}
+    assert vs_server.board_plan("board b0 ready (memory not registered: default buffers, ") is None
 
 
 def test_a_workload_not_run_has_no_target():
@@ -257,6 +293,10 @@ def test_both_systems_answer_the_same_two_prompts_through_their_apis(tmp_path):
         assert figures["agreement"] is not None
     assert systems[sbs.EDGECACHE]["agreement"] == 1.0  # a cached answer is the cold answer
     assert systems[sbs.EDGECACHE]["cached_tokens"] > 0  # the repeat was served from its cache
+    memory = doc["memory"]  # both given the same memory: the board planned within llama-server's idle RSS + --cache-ram
+    assert memory["shared_mb"] == round(memory["peer_idle_rss_mb"] + memory["peer_cache_ram_mb"], 1)
+    plan = doc["workloads"]["one-board-warm"]["board_plan"]
+    assert plan["ram_tier_mb"] > 0 and plan["estimate_mb"] <= round(budget_mb(memory["board_registered_mb"]))  # its ready line rounds to the MB
     assert out.with_suffix(".html").exists()
 
 

@@ -266,8 +266,9 @@ class Target:
         return self.value >= self.limit if self.higher_is_better else self.value <= self.limit
 
 
-def targets(workloads: dict) -> list[dict]:
-    """The issue's targets, from the workloads measured (a workload not run is absent) (pure)."""
+def targets(workloads: dict, *, shared_mb: float | None = None) -> list[dict]:
+    """The issue's targets, from the workloads measured (a workload not run is absent) (pure).
+    ``shared_mb``: the memory both were given (llama-server's idle RSS + its --cache-ram), when they were."""
     out: list[Target] = []
     warm = workloads.get("one-board-warm", {}).get("systems", {})
     if EDGECACHE in warm and PEER in warm:
@@ -286,6 +287,8 @@ def targets(workloads: dict) -> list[dict]:
     rss_ours, rss_peer = [v for v in rss_ours if v], [v for v in rss_peer if v]
     if rss_ours and rss_peer:
         out.append(Target("peak RSS per board / llama-server's (largest of every workload)", ratio(max(rss_ours), max(rss_peer)), 1.0))
+    if rss_ours and shared_mb:
+        out.append(Target("peak RSS per board / the memory both may hold (llama-server's idle RSS + --cache-ram)", ratio(max(rss_ours), shared_mb), 1.0))
     return [{**asdict(t), "met": t.met} for t in out]
 
 
@@ -358,12 +361,15 @@ README_END = "<!-- end of vs-server table -->"
 def newest_workloads(docs: Iterable[dict]) -> dict[str, dict]:
     """Each workload's newest figures from ``docs`` (newest first): a run of some workloads only
     (``--workloads``) updates those rows and keeps the others (pure). Each workload carries the
-    ``date`` and ``peer`` of its document."""
+    ``date`` and ``peer`` of its document, and the memory both were given in it (``shared_mb``)."""
     found: dict[str, dict] = {}
     for doc in docs:
         for name, workload in (doc.get("workloads") or {}).items():
             if name not in found:
-                found[name] = {**workload, "date": (doc.get("machine") or {}).get("date", "")[:10], "peer": (doc.get("peer") or {}).get("version", "")}
+                found[name] = {
+                    **workload, "date": (doc.get("machine") or {}).get("date", "")[:10], "peer": (doc.get("peer") or {}).get("version", ""),
+                    "shared_mb": ((doc.get("memory") or {}).get("shared_mb")),
+                }
     return {name: found[name] for name in sorted(found, key=_workload_order)}
 
 
@@ -395,7 +401,15 @@ def readme_table(docs: Sequence[dict]) -> str:
             f"| {r['workload']} | {r['system']} | {_fmt(r['TTFT p50 ms'])} | {_fmt(r['TTFT p99 ms'])} | {_fmt(r['warm TTFT p50 ms'])} | "
             f"{_fmt(r['total s'])} | {_fmt(r['peak RSS MB'])} | {_fmt(r['agreement'])} | {workloads[r['workload']]['date']} |"
         )
-    targets_now = targets(workloads)
+    shared = {w.get("shared_mb") for w in workloads.values()}
+    shared_mb = shared.pop() if len(shared) == 1 else None  # one figure for every row, or none
+    targets_now = targets(workloads, shared_mb=shared_mb)
+    if shared_mb:
+        out.append("")
+        out.append(
+            f"Both had the same memory: {shared_mb:.0f} MB per board or server, llama-server's RSS once loaded and warmed plus its "
+            "`--cache-ram`; EdgeCache's boards were registered with it and sized their RAM tier to what it leaves."
+        )
     if targets_now:
         out.append("")
         out.append("Targets: " + "; ".join(f"{t['name']} {t['value']} ({'met' if t['met'] else 'missed' if t['met'] is False else 'n/a'})" for t in targets_now if "agreement" not in t["name"]) + ".")

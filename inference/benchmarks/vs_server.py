@@ -14,10 +14,13 @@ workload starts fresh processes of both (a fresh namespace for EdgeCache):
   prefix-hash balancer, 4 topics interleaved, one arrival every cold TTFT of one board.
 
 EdgeCache runs as ``manage.py run`` runs it (its own stack in a temporary folder: embedded Valkey,
-control worker, the ASGI server) with boards as ``manage.py edge`` processes; the fleet's Wi-Fi 4
-is the boards' link to the cache box, paced in their sockets (``cachebox.shaping``, in-process:
-no kernel shaping here). The peer has no traffic between its servers, so it is not paced at all
-(the comparison on Wi-Fi 4 favours it). llama-server runs with ``--cache-ram`` (the same budget as
+control worker, the ASGI server) with boards as ``manage.py edge`` processes. On Wi-Fi 4, where
+this machine can (root, ``tc``, cgroup v1), every board and every llama-server is a host of its own
+(``inference.hosts``: a network namespace, a veth shaped by ``tc tbf`` both ways, cgroups for its
+CPU and memory): a board's tasks, answers and states cross its link to the hub, a server's requests
+and streams cross its own. The kernel has no ``netem``: the round trip is added in EdgeCache's
+cache-box sockets only. Elsewhere Wi-Fi 4 is paced in the boards' cache-box sockets
+(``cachebox.shaping``) and the peer, which has no traffic between its servers, is not paced. llama-server runs with ``--cache-ram`` (the same budget as
 a board's RAM tier) and ``--cache-reuse 256``, one slot (a board serves one run at a time).
 
 Every request is asked again afterwards with the system's cache off (EdgeCache:
@@ -29,7 +32,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -48,6 +53,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from inference.config import ROOT
+from inference.memory_plan import RSS_SHARE
 from inference.proc_memory import ProcessMemory
 
 from . import llama_server
@@ -61,6 +67,7 @@ WARM_TOPIC = "college_medicine"
 CALIBRATION_TOPIC = "philosophy"  # the fleet's arrival interval is a cold TTFT of a prompt not in the stream
 CACHE_REUSE = 256
 STARTUP_TIMEOUT_S = 240
+DEFAULT_HOST_MB = 2048  # a host's memory cgroup when the boards are not registered with a memory
 
 
 def free_port() -> int:
@@ -300,8 +307,9 @@ def peer_flags(settings: Settings, threads: int) -> list[str]:
 
 
 @contextmanager
-def llama_servers(settings: Settings, count: int, threads: int, folder: Path) -> Iterator[list[tuple[str, subprocess.Popen]]]:
-    """``count`` llama-servers of the model (url, process), stopped on exit."""
+def llama_servers(settings: Settings, count: int, threads: int, folder: Path, hosts: "FleetHosts | None" = None) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+    """``count`` llama-servers of the model (url, process), stopped on exit; with ``hosts``, each
+    one a host of its own behind its shaped link."""
     started: list[tuple[str, subprocess.Popen]] = []
     logs = []
     try:
@@ -310,9 +318,16 @@ def llama_servers(settings: Settings, count: int, threads: int, folder: Path) ->
             log_path = folder / f"llama-server-{port}.log"
             log = open(log_path, "wb")
             logs.append(log)
-            argv = [str(settings.peer), "-m", str(settings.model), *peer_flags(settings, threads), "--host", "127.0.0.1", "--port", str(port)]
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-            url = f"http://127.0.0.1:{port}"
+            address = "127.0.0.1"
+            host = hosts.add(f"peer{number}", threads) if hosts is not None else None
+            if host is not None:
+                address = host.address
+            argv = [str(settings.peer), "-m", str(settings.model), *peer_flags(settings, threads), "--host", address, "--port", str(port)]
+            if host is not None:
+                process = host.spawn(argv, dict(os.environ), stdout=log)
+            else:
+                process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            url = f"http://{address}:{port}"
             started.append((url, process))
             _wait(lambda: _http_ok(url + "/health"), STARTUP_TIMEOUT_S, f"llama-server {number}", process, log_path)
         yield started
@@ -384,6 +399,107 @@ class Balancer:
         self.server.server_close()
 
 
+# -- the fleet on a shaped link: boards and servers as hosts ----------------------------------------
+HOSTS_PREFIX = "ecvs"  # the namespaces, links and cgroups of this bench's hosts (inference.hosts)
+KERNEL_SHAPED = ("fleet-wifi4",)  # the workloads whose boards and servers run as hosts where this machine can
+
+
+@dataclass
+class FleetHosts:
+    """A hub (``inference.hosts``) whose hosts are the fleet's boards and servers: each in a network
+    namespace of its own, its link shaped by the kernel (``tc tbf``, both directions), its CPU and
+    memory capped by cgroups. EdgeCache's cache box and broker listen on the hub's address."""
+
+    network: object  # inference.hosts.HostNetwork
+    link: object  # cachebox.link.LinkProfile
+    memory_mb: int
+
+    @property
+    def hub(self) -> str:
+        return self.network.hub.address
+
+    def add(self, name: str, threads: int):
+        return self.network.add(name, memory_mb=self.memory_mb, threads=threads, link=self.link)
+
+    @classmethod
+    def create(cls, link: str, memory_mb: int, write: Callable[[str], None]) -> "FleetHosts | None":
+        """The hub, or None (saying why) where boards cannot be hosts here: the fleet is then paced in-process."""
+        from cachebox.link import LINK_PRESETS
+        from inference.hosts import HostNetwork, HostsUnavailable, free_subnet, unavailable_reason
+
+        reason = unavailable_reason()
+        if not reason:
+            try:
+                return cls(HostNetwork.create(HOSTS_PREFIX, free_subnet()), LINK_PRESETS[link], memory_mb)
+            except HostsUnavailable as exc:
+                reason = str(exc)
+        write(f"the fleet on {link} runs as processes, paced in EdgeCache's sockets: boards cannot be hosts here ({reason})")
+        return None
+
+    def close(self) -> None:
+        self.network.destroy()
+
+
+def link_shaping(hosts: FleetHosts | None) -> str:
+    if hosts is None:
+        return "in-process (EdgeCache boards' cache-box sockets); the peer unpaced"
+    return (
+        f"kernel: every board and server a host (network namespace, veth shaped by tc tbf both ways, {hosts.link.bandwidth_mbps:g} Mbit/s; "
+        f"cgroups of {hosts.memory_mb} MB and its threads' CPUs); the {hosts.link.rtt_ms:g} ms round trip added in EdgeCache's cache-box sockets only"
+    )
+
+
+# -- the memory both get ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SharedMemory:
+    """The memory each board or server may hold, and how an EdgeCache board is registered for it."""
+
+    board_registered_mb: int  # a board's registered memory (0: not registered, default buffers)
+    board_ram_tier_mb: int | None  # an explicit RAM tier (None: the board's planner sizes it)
+    peer_idle_rss_mb: float | None = None  # one llama-server's RSS once loaded and warmed
+    peer_cache_ram_mb: int | None = None  # its --cache-ram
+    shared_mb: float | None = None  # the two added: what llama-server may hold, and a board's budget
+
+    @classmethod
+    def equal_to_peer(cls, peer_idle_rss_mb: float, cache_ram_mb: int) -> "SharedMemory":
+        """A board registered so that its budget (``RSS_SHARE`` of it) is what llama-server may
+        hold: its idle RSS plus its RAM cache (pure)."""
+        shared = round(peer_idle_rss_mb + cache_ram_mb, 1)
+        return cls(math.ceil(shared / RSS_SHARE), None, round(peer_idle_rss_mb, 1), cache_ram_mb, shared)
+
+    @classmethod
+    def registered(cls, board_memory_mb: int, ram_tier_mb: int) -> "SharedMemory":
+        """Boards registered with ``board_memory_mb`` and a RAM tier of ``ram_tier_mb``, whatever the peer holds."""
+        return cls(board_memory_mb, ram_tier_mb)
+
+    def as_dict(self) -> dict:
+        return {
+            "rule": "the same total: llama-server's idle RSS + --cache-ram, a board's budget" if self.shared_mb else "boards registered by hand (--board-memory-mb)",
+            "shared_mb": self.shared_mb, "peer_idle_rss_mb": self.peer_idle_rss_mb, "peer_cache_ram_mb": self.peer_cache_ram_mb,
+            "board_registered_mb": self.board_registered_mb, "board_ram_tier_mb": self.board_ram_tier_mb,
+        }
+
+
+def peer_idle_rss_mb(settings: Settings, folder: Path) -> float:
+    """One llama-server's peak RSS once it has loaded the model and answered one token: all it
+    holds before its prompt cache holds anything."""
+    with llama_servers(settings, 1, settings.threads, folder) as servers:
+        url, process = servers[0]
+        sample = ask(peer_target(sbs.PEER, url, url, settings.model.name), {"prompt": "Hello", "max_tokens": 1}, cold=True)
+        if sample["error"]:
+            raise BenchError(f"llama-server did not answer its warm-up request: {sample['error']}")
+        return ProcessMemory.read(process.pid).peak_rss_mb
+
+
+READY_PLAN = re.compile(r"RAM tier (\d+) MB, about (\d+) MB")
+
+
+def board_plan(log_text: str) -> dict | None:
+    """The RAM tier and estimate a board's ready line gives (pure)."""
+    found = READY_PLAN.search(log_text)
+    return {"ram_tier_mb": int(found.group(1)), "estimate_mb": int(found.group(2))} if found else None
+
+
 # -- EdgeCache's stack ----------------------------------------------------------------------------
 REGISTER = """
 import json
@@ -402,8 +518,9 @@ print(json.dumps(tokens))
 class EdgeCacheStack:
     """``manage.py run --no-boards`` in a folder of its own, and boards as ``manage.py edge``."""
 
-    def __init__(self, folder: Path, settings: Settings, board_memory_mb: int, write: Callable[[str], None]):
-        self.folder, self.settings, self.board_memory_mb, self.write = folder, settings, board_memory_mb, write
+    def __init__(self, folder: Path, settings: Settings, memory: "SharedMemory", write: Callable[[str], None], hosts: FleetHosts | None = None):
+        self.folder, self.settings, self.board_memory_mb, self.write = folder, settings, memory.board_registered_mb, write
+        self.hosts = hosts
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL", "EDGECACHE_CACHEBOX_URL")}
@@ -413,18 +530,22 @@ class EdgeCacheStack:
                 "EDGECACHE_SECRETS_DIR": str(folder / "secrets"),
                 "EDGECACHE_ADMIN_PASSWORD": f"vs-{secrets.token_urlsafe(16)}",
                 "EDGECACHE_N_CTX": str(settings.n_ctx),
-                "EDGECACHE_RAM_TIER_MB": str(settings.ram_mb),
                 "EDGECACHE_MODEL": str(settings.model),
                 "EDGECACHE_API_TIMEOUT": "300",
                 "EDGECACHE_API_RATE": "0",
                 "EDGECACHE_API_QUEUE_PER_KEY": "0",  # one key sends every request of a fleet
             }
         )
+        if hosts is not None:  # boards as hosts reach the cache box and the broker on the hub's address
+            env["EDGECACHE_EMBEDDED_BIND"] = f"127.0.0.1 {hosts.hub}"
+        if memory.board_ram_tier_mb is not None:  # else the board's planner sizes it (inference.memory_plan)
+            env["EDGECACHE_RAM_TIER_MB"] = str(memory.board_ram_tier_mb)
         self.env = env
         self.server: subprocess.Popen | None = None
         self.boards: dict[str, subprocess.Popen] = {}
         self._logs: list = []
         self._generation = 0
+        self.last_plan: dict | None = None  # the RAM tier and estimate of the last boards' first board
 
     def manage(self, *args: str, timeout: float = 180) -> str:
         done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -440,8 +561,9 @@ class EdgeCacheStack:
         return self
 
     @contextmanager
-    def boards_of(self, count: int, threads: int, link: str = "none") -> Iterator[tuple[Target, dict[str, subprocess.Popen]]]:
-        """``count`` fresh boards in a fresh namespace and a target for its API key; stopped on exit."""
+    def boards_of(self, count: int, threads: int, link: str = "none", hosts: FleetHosts | None = None) -> Iterator[tuple[Target, dict[str, subprocess.Popen]]]:
+        """``count`` fresh boards in a fresh namespace and a target for its API key; stopped on exit.
+        With ``hosts``, each board is a host of its own on the hub (its link shaped by the kernel)."""
         from cachebox.link import LINK_PRESETS
 
         self._generation += 1
@@ -460,13 +582,18 @@ class EdgeCacheStack:
                 log_path = self.folder / f"{name}.log"
                 log = open(log_path, "wb")
                 self._logs.append(log)
-                boards[name] = subprocess.Popen(
-                    [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1"],
-                    cwd=ROOT, env={**self.env, "EDGECACHE_DEVICE_TOKEN": tokens[name]}, stdout=log, stderr=subprocess.STDOUT,
-                )
-            for name, process in boards.items():
-                log_path = self.folder / f"{name}.log"
-                _wait(lambda: f"board {name} ready" in log_path.read_text(errors="replace"), STARTUP_TIMEOUT_S, f"EdgeCache board {name}", process, log_path)
+                argv = [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1"]
+                env = {**self.env, "EDGECACHE_DEVICE_TOKEN": tokens[name]}
+                if hosts is not None:
+                    env.update({"REDIS_URL": self.url_at(hosts.hub), "EDGECACHE_LINK_SHAPED_BY": "kernel"})
+                    boards[name] = hosts.add(name.rpartition("-")[2], threads).spawn(argv, env, stdout=log, cwd=ROOT)
+                else:
+                    boards[name] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                # One at a time, as llama-servers are started: a board measures its prefill rate as
+                # it starts, which the router weighs until its runs report; four measuring at once
+                # on this machine's cores read 4.3 to 8.3 ms per token for the same board.
+                _wait(lambda: f"board {name} ready" in log_path.read_text(errors="replace"), STARTUP_TIMEOUT_S, f"EdgeCache board {name}", boards[name], log_path)
+            self.last_plan = board_plan((self.folder / f"{names[0]}.log").read_text(errors="replace"))
             client = openai_client(self.url, key)
 
             def online():
@@ -481,6 +608,14 @@ class EdgeCacheStack:
             yield Target(sbs.EDGECACHE, client, model, client, {"edgecache": {"cache": False}}), boards
         finally:
             _stop(list(boards.values()))
+
+    def url_at(self, address: str) -> str:
+        """The embedded Valkey's URL at ``address`` (no credentials: a board logs in as itself)."""
+        from cachebox import embedded
+        from inference.config import BoardConfig
+
+        config = BoardConfig.from_env(self.env)
+        return embedded.url_for(config.embedded_dir, config.embedded_port, host=address)
 
     def close(self) -> None:
         _stop([self.server] if self.server is not None else [])
@@ -529,32 +664,48 @@ def requests_of(name: str, options: Options) -> list[sbs.Request]:
     return sbs.fleet(by_topic, name.removeprefix("fleet-"))
 
 
-def run_vs_server(ctx, settings: Settings, options: Options, board_memory_mb: int) -> tuple[dict, dict]:
+def run_vs_server(ctx, settings: Settings, options: Options, board_memory_mb: int | None) -> tuple[dict, dict, SharedMemory, str]:
     write = ctx.write
     workloads: dict[str, dict] = {}
     skipped: dict[str, str] = {}
     cold_cache: dict[tuple, dict] = {}
     with tempfile.TemporaryDirectory(prefix="edgecache-vs-server-") as folder:
         folder = Path(folder)
+        if board_memory_mb is None:
+            memory = SharedMemory.equal_to_peer(peer_idle_rss_mb(settings, folder), settings.ram_mb)
+            write(
+                f"the memory each board or server may hold: {memory.shared_mb:.0f} MB (llama-server's idle RSS {memory.peer_idle_rss_mb:.0f} MB "
+                f"+ --cache-ram {settings.ram_mb}); EdgeCache's boards registered with {memory.board_registered_mb} MB"
+            )
+        else:
+            memory = SharedMemory.registered(board_memory_mb, settings.ram_mb)
+        hosts = None
+        shaped = [name for name in options.workloads if name in KERNEL_SHAPED]
+        if shaped:
+            hosts = FleetHosts.create(FLEET_LINKS[shaped[0]], memory.board_registered_mb or DEFAULT_HOST_MB, write)
         write(f"starting EdgeCache's stack in {folder} ...")
-        stack = EdgeCacheStack(folder, settings, board_memory_mb, write).start()
+        stack = None
         try:
+            stack = EdgeCacheStack(folder, settings, memory, write, hosts).start()
             for name in options.workloads:
                 requests = requests_of(name, options)
                 write(f"{name}: {len(requests)} requests per system ({_describe(name, options)})")
                 try:
                     if name.startswith("fleet-"):
-                        systems = run_fleet(ctx, stack, settings, options, name, requests, folder, cold_cache)
+                        systems = run_fleet(ctx, stack, settings, options, name, requests, folder, cold_cache, hosts if name in KERNEL_SHAPED else None)
                     else:
                         systems = run_one_board(ctx, stack, settings, requests, folder, cold_cache)
                 except Exception as exc:  # noqa: BLE001 - the other workloads' figures are kept, and this one says why it has none
                     write(f"{name} failed: {type(exc).__name__}: {exc}")
                     skipped[name] = f"failed: {str(exc)[:500]}"
                     continue
-                workloads[name] = {"description": _describe(name, options), "requests": len(requests), **systems}
+                workloads[name] = {"description": _describe(name, options), "requests": len(requests), **systems, "board_plan": stack.last_plan}
         finally:
-            stack.close()
-    return workloads, skipped
+            if stack is not None:
+                stack.close()
+            if hosts is not None:
+                hosts.close()
+    return workloads, skipped, memory, link_shaping(hosts)
 
 
 def _progress(ctx, total: int, desc: str):
@@ -602,7 +753,7 @@ def run_in_turn(targets: Sequence[Target], requests: Sequence[sbs.Request], prog
 FLEET_LINKS = {"fleet-loopback": "none", "fleet-wifi4": "wifi4"}  # a fleet workload's boards' link (cachebox.link.LINK_PRESETS)
 
 
-def run_fleet(ctx, stack: EdgeCacheStack, settings: Settings, options: Options, name: str, requests: list[sbs.Request], folder: Path, cold_cache: dict) -> dict:
+def run_fleet(ctx, stack: EdgeCacheStack, settings: Settings, options: Options, name: str, requests: list[sbs.Request], folder: Path, cold_cache: dict, hosts: FleetHosts | None = None) -> dict:
     link = FLEET_LINKS[name]
     threads = max(1, settings.threads // 2) if options.boards > 1 else settings.threads
     systems, samples_out = {}, {}
@@ -613,7 +764,7 @@ def run_fleet(ctx, stack: EdgeCacheStack, settings: Settings, options: Options, 
             interval = calibrate_interval(settings, threads, folder)
             options.interval_s = interval  # the same arrivals for every fleet run of this bench
             ctx.write(f"  arrivals every {interval:.3f} s (a cold TTFT of one {threads}-thread llama-server)")
-        with stack.boards_of(options.boards, threads, link) as (target, boards):
+        with stack.boards_of(options.boards, threads, link, hosts) as (target, boards):
             samples, elapsed = run_arrivals(target, requests, interval, tick)
             rss = peak_rss(boards)
             add_cold_answers(target, samples, cold_cache.setdefault((sbs.EDGECACHE, threads), {}), tick)
@@ -621,7 +772,7 @@ def run_fleet(ctx, stack: EdgeCacheStack, settings: Settings, options: Options, 
         samples_out[sbs.EDGECACHE] = samples
         tokenize = _tokenizer(settings.model)
         for policy in (sbs.RoundRobin(options.boards), sbs.PrefixHash(options.boards, tokenize)):
-            with llama_servers(settings, options.boards, threads, folder) as servers:
+            with llama_servers(settings, options.boards, threads, folder, hosts) as servers:
                 urls = [url for url, _ in servers]
                 with Balancer(urls, policy) as balancer:
                     target = peer_target(policy.name, balancer.url, urls[0], settings.model.name)
@@ -632,7 +783,7 @@ def run_fleet(ctx, stack: EdgeCacheStack, settings: Settings, options: Options, 
                 sample["server"] = f"llama-server {_picked(policy, sample)}"
             systems[policy.name] = sbs.summarize(samples, elapsed_s=elapsed, peak_rss_mb=rss)
             samples_out[policy.name] = samples
-    return {"systems": systems, "interval_s": round(interval, 3), "threads_per_board": threads, "link": link, "samples": _lean(samples_out)}
+    return {"systems": systems, "interval_s": round(interval, 3), "threads_per_board": threads, "link": link, "link_shaping": link_shaping(hosts) if link != "none" else "none", "samples": _lean(samples_out)}
 
 
 def _picked(policy, sample: dict) -> str:
@@ -684,8 +835,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--n-ctx", type=int, default=4096, help="context size of both systems (default 4096)")
     parser.add_argument("--ram-mb", type=int, default=256, help="RAM cache of both: a board's RAM tier and llama-server's --cache-ram (default 256)")
     parser.add_argument(
-        "--board-memory-mb", type=int, default=2048,
-        help="the boards' registered memory, which sizes their buffers (default 2048: the context stays 4096; 0: not registered, default buffers)",
+        "--board-memory-mb", type=int, default=None,
+        help="the boards' registered memory, which sizes their buffers, with a RAM tier of --ram-mb (default: registered so that a board's "
+        "budget is what llama-server may hold, its idle RSS + --cache-ram, and the board's planner sizes its RAM tier; 0: not registered)",
     )
 
 
@@ -703,15 +855,18 @@ def run(ctx, *, workloads, repeats, questions, per_topic, fleet_per_topic, turns
     version = llama_server.version_of(binary)
     settings = Settings(model=resolve_model(None).path, n_ctx=n_ctx, threads=threads or os.cpu_count() or 2, ram_mb=ram_mb, peer=binary)
     options = Options(tuple(dict.fromkeys(workloads)), repeats, questions, per_topic, fleet_per_topic, turns, tuple(topics_named(topics)), boards, interval)
-    measured, skipped = run_vs_server(ctx, settings, options, board_memory_mb)
+    if board_memory_mb is not None and board_memory_mb < 0:
+        raise BenchError("--board-memory-mb must be 0 (not registered) or more")
+    measured, skipped, memory, shaping = run_vs_server(ctx, settings, options, board_memory_mb)
     doc = {
         "machine": {**host_info(), "threads": settings.threads, "model": settings.model.name},
         "peer": {"binary": str(binary), "version": version, "sdist": f"llama-cpp-python {llama_server.VERSION}", "flags": " ".join(peer_flags(settings, settings.threads))},
-        "settings": {**settings.as_dict(), "board_memory_mb": board_memory_mb, "fleet_link_shaping": "in-process (EdgeCache boards' cache-box sockets); the peer unpaced"},
+        "settings": {**settings.as_dict(), "board_memory_mb": memory.board_registered_mb, "fleet_link_shaping": shaping},
+        "memory": memory.as_dict(),
         "workloads": measured,
         "skipped": {**{w: "not asked for (--workloads)" for w in WORKLOADS if w not in options.workloads}, **skipped},
     }
-    doc["targets"] = sbs.targets(measured)
+    doc["targets"] = sbs.targets(measured, shared_mb=memory.shared_mb)
     doc["summary"] = sbs.headline(doc)
     return doc
 
