@@ -642,13 +642,17 @@ class Options:
     interval_s: float
 
 
-def _describe(name: str, options: Options) -> str:
+def _describe(name: str, options: Options, kernel_shaped: bool = False) -> str:
+    wifi4 = (
+        "every board and server a host on Wi-Fi 4 (tc-shaped links)" if kernel_shaped
+        else "EdgeCache boards on Wi-Fi 4 to the cache box (in-process socket pacing); the peer unpaced"
+    )
     return {
         "one-board-warm": f"a 5-shot MMLU prompt x{options.repeats}, then a ~450-token system prompt with {options.questions} questions",
         "one-board-many": f"{options.per_topic * len(options.topics)} MMLU prompts of {len(options.topics)} topics, interleaved",
         "chat": f"{len(sbs.CHATS)} conversations of {options.turns} turns, interleaved",
         "fleet-loopback": f"{options.boards} boards or servers, {options.fleet_per_topic * len(options.topics)} prompts of {len(options.topics)} topics, arrivals every cold TTFT; loopback",
-        "fleet-wifi4": f"{options.boards} boards or servers, {options.fleet_per_topic * len(options.topics)} prompts; EdgeCache boards on Wi-Fi 4 to the cache box (in-process socket pacing); the peer unpaced",
+        "fleet-wifi4": f"{options.boards} boards or servers, {options.fleet_per_topic * len(options.topics)} prompts; {wifi4}",
     }[name]
 
 
@@ -689,7 +693,7 @@ def run_vs_server(ctx, settings: Settings, options: Options, board_memory_mb: in
             stack = EdgeCacheStack(folder, settings, memory, write, hosts).start()
             for name in options.workloads:
                 requests = requests_of(name, options)
-                write(f"{name}: {len(requests)} requests per system ({_describe(name, options)})")
+                write(f"{name}: {len(requests)} requests per system ({_describe(name, options, hosts is not None and name in KERNEL_SHAPED)})")
                 try:
                     if name.startswith("fleet-"):
                         systems = run_fleet(ctx, stack, settings, options, name, requests, folder, cold_cache, hosts if name in KERNEL_SHAPED else None)
@@ -699,7 +703,7 @@ def run_vs_server(ctx, settings: Settings, options: Options, board_memory_mb: in
                     write(f"{name} failed: {type(exc).__name__}: {exc}")
                     skipped[name] = f"failed: {str(exc)[:500]}"
                     continue
-                workloads[name] = {"description": _describe(name, options), "requests": len(requests), **systems, "board_plan": stack.last_plan}
+                workloads[name] = {"description": _describe(name, options, hosts is not None and name in KERNEL_SHAPED), "requests": len(requests), **systems, "board_plan": stack.last_plan}
         finally:
             if stack is not None:
                 stack.close()
