@@ -20,7 +20,8 @@ vocabulary) with ``bench footprint``:
 ``plan_memory`` picks, within the budget, the largest context (up to what was asked), n_ubatch
 on the batch grid (a prefill is cut there anyway, so the bits are the cold run's), repacked
 weights when asked for and they fit, and gives the rest to the RAM tier: on a small board the cache box is
-its memory. When not even the smallest context fits, the board refuses (``MemoryRefused``) with
+its memory. The estimate is only the plan: as entries come in, the RAM tier also keeps the whole
+process under the budget by its RSS as Linux counts it (``local_tier.RamEntries``). When not even the smallest context fits, the board refuses (``MemoryRefused``) with
 the numbers. Pure: no I/O.
 """
 

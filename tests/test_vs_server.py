@@ -40,6 +40,19 @@ def test_the_warm_workload_repeats_the_prompt_then_asks_each_question_under_the_
     assert [r.warm for r in asked] == [False, True, True, True] and {r.kind for r in asked} == {"chat"}
 
 
+def test_the_warm_workloads_questions_each_stand_alone_while_a_chats_turns_carry_over():
+    history: dict[int, list] = {}
+    questions = [r for r in sbs.one_board_warm("Q: 1+1? A:", 1, sbs.QUESTIONS[:3]) if r.kind == "chat"]
+    for request in questions:
+        assert sbs.chat_messages(request, history.get(request.conversation, [])) == [
+            {"role": "system", "content": sbs.SYSTEM_PROMPT}, {"role": "user", "content": request.messages[-1][1]}]
+        sbs.remember(history, request, "an answer")
+    assert history == {}  # the same system prompt, never the earlier questions and answers
+    turn = sbs.chat([["first?", "second?"]])[0]
+    sbs.remember(history, turn, "yes")
+    assert history == {0: [("first?", "yes")]}
+
+
 def test_a_chat_turn_carries_its_conversations_earlier_questions_and_answers():
     requests = sbs.chat()
     assert [r.conversation for r in requests[:6]] == [0, 1, 2, 0, 1, 2]

@@ -140,6 +140,14 @@ def fleet(by_topic: dict[str, Sequence[str]], link: str, max_tokens: int = 4) ->
     return [Request(f"fleet-{link}", r.index, r.group, r.warm, prompt=r.prompt, max_tokens=max_tokens) for r in many_prompts(by_topic, max_tokens)]
 
 
+def remember(history: dict[int, list], request: Request, answer: str) -> None:
+    """Keep a chat turn's question and answer for its conversation's next turns (pure). A chat
+    request of no conversation (the warm workload's questions under one system prompt) is a
+    question of its own: nothing carries over to the next one."""
+    if request.kind == "chat" and request.conversation >= 0:
+        history.setdefault(request.conversation, []).append((request.messages[-1][1], answer))
+
+
 def chat_messages(request: Request, history: Sequence[tuple[str, str]]) -> list[dict]:
     """The OpenAI messages of a chat request after ``history`` (its conversation's earlier
     (question, answer) pairs): system, then each earlier turn, then this question (pure)."""

@@ -747,8 +747,7 @@ def run_in_turn(targets: Sequence[Target], requests: Sequence[sbs.Request], prog
         for target in targets:
             payload = _payload(request, history[target.system])
             sample = ask(target, payload)
-            if request.kind == "chat":
-                history[target.system].setdefault(request.conversation, []).append((request.messages[-1][1], sample["text"]))
+            sbs.remember(history[target.system], request, sample["text"])
             samples[target.system].append({**_identity(target, request), **sample, "payload": payload})
             progress()
     return {name: (rows, sum(r["total_ms"] for r in rows) / 1000.0) for name, rows in samples.items()}
