@@ -119,7 +119,8 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     ),
     "EDGECACHE_MEMORY_MB": (
         "the device's registered memory",
-        "a board's memory: its context, batch buffers and RAM tier are sized to it (`inference/memory_plan.py`); "
+        "a board's memory: its context, batch buffers and RAM tier are sized to it (`inference/memory_plan.py`), "
+        "and the RAM tier keeps the process's RSS under its budget as entries come in; "
         "0 or unset, with no registered memory: every buffer at its default",
     ),
     "EDGECACHE_LINK_SHAPED_BY": (
