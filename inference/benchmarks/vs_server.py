@@ -836,7 +836,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--interval", type=float, default=0.0, help="fleet: seconds between arrivals (default: a cold TTFT of one server, measured)")
     parser.add_argument("--threads", type=int, default=0, help="threads of the one-board workloads (default: every core); the fleet's boards get half")
     parser.add_argument("--n-ctx", type=int, default=4096, help="context size of both systems (default 4096)")
-    parser.add_argument("--ram-mb", type=int, default=256, help="RAM cache of both: a board's RAM tier and llama-server's --cache-ram (default 256)")
+    parser.add_argument(
+        "--ram-mb", type=int, default=256,
+        help="llama-server's --cache-ram (default 256); its idle RSS plus this is the memory a board gets (with --board-memory-mb: the board's RAM tier)",
+    )
     parser.add_argument(
         "--board-memory-mb", type=int, default=None,
         help="the boards' registered memory, which sizes their buffers, with a RAM tier of --ram-mb (default: registered so that a board's "
