@@ -20,8 +20,16 @@ this machine can (root, ``tc``, cgroup v1), every board and every llama-server i
 CPU and memory): a board's tasks, answers and states cross its link to the hub, a server's requests
 and streams cross its own. The kernel has no ``netem``: the round trip is added in EdgeCache's
 cache-box sockets only. Elsewhere Wi-Fi 4 is paced in the boards' cache-box sockets
-(``cachebox.shaping``) and the peer, which has no traffic between its servers, is not paced. llama-server runs with ``--cache-ram`` (the same budget as
-a board's RAM tier) and ``--cache-reuse 256``, one slot (a board serves one run at a time).
+(``cachebox.shaping``) and the peer, which has no traffic between its servers, is not paced.
+llama-server runs with ``--cache-ram`` and ``--cache-reuse 256``, one slot (a board serves one run
+at a time).
+
+Both get the same memory. ``--cache-ram`` bounds llama-server's prompt cache alone, so what it may
+hold in all is its RSS once loaded and warmed (measured first) plus ``--cache-ram``. EdgeCache's
+boards are registered with the memory whose budget (``inference.memory_plan``) is that figure, and
+each board's planner sizes its RAM tier to what its model, context and runtime leave: the speed is
+compared within the same memory (``--board-memory-mb`` registers another figure, with a RAM tier of
+``--ram-mb``, as runs before did).
 
 Every request is asked again afterwards with the system's cache off (EdgeCache:
 ``edgecache.cache: false``; llama-server: ``cache_prompt: false``): agreement is the share of
