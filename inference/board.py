@@ -227,8 +227,7 @@ class Board:
         if prefix is None:
             return Extension()
         with self._paced():
-            extension = self.prefix.extend(prefix.tokens, prefix.cuts, namespace=namespace, upload=upload)
-        return replace(extension, prefix=tuple(prefix.tokens)) if extension.tokens else extension
+            return self.prefix.extend(prefix.tokens, prefix.cuts, namespace=namespace, upload=upload)
 
     def run_pml(self, schema_source: str, prompt_source: str, **kwargs) -> RunResult:
         """Serve a PML prompt from the schema's cached modules (see inference.schema_serving)."""

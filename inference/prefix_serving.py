@@ -225,4 +225,4 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
                 run.refs = prefix_refs(namespace, engine.fingerprint, tokens, run.boundaries, grid=self.chunk_tokens, extra=extra)
             computed = Computed(run, Held(), {}, exports, upload=upload)
             keep_nearest_first(self.tiers, computed)  # the context now holds them; the RAM tier and the cache box too
-            return Extension(len(tokens) - held, round(computed_ms, 3), round(ms_since(started), 3), computed.uploaded)
+            return Extension(len(tokens) - held, round(computed_ms, 3), round(ms_since(started), 3), computed.uploaded, tuple(tokens))
