@@ -3,19 +3,32 @@ import os
 from django.apps import AppConfig
 
 
+def ensure_default_namespace(sender, using="default", **kwargs) -> None:
+    """The namespace a device gets when none is chosen (migration 0002 made it): made again after
+    every migrate, so that a database flushed since (``manage.py flush``, a transactional test) or
+    one where it was deleted still has it."""
+    from django.db import connections
+
+    from .models import Namespace
+
+    if Namespace._meta.db_table in connections[using].introspection.table_names():  # not when migrated back past it
+        Namespace.objects.using(using).get_or_create(name="default")
+
+
 class DashboardConfig(AppConfig):
     name = "dashboard"
     verbose_name = "EdgeCache control plane"
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django.db.models.signals import post_delete, post_save
+        from django.db.models.signals import post_delete, post_migrate, post_save
 
         from .models import Device
         from .routing import CANDIDATES
 
         post_save.connect(CANDIDATES.forget, sender=Device, weak=False, dispatch_uid="routing-candidates-saved")
         post_delete.connect(CANDIDATES.forget, sender=Device, weak=False, dispatch_uid="routing-candidates-deleted")
+        post_migrate.connect(ensure_default_namespace, sender=self, dispatch_uid="default-namespace")
         if os.environ.get("EDGECACHE_COUNT_DB_WRITES") == "1":  # bench fleet-sim: database writes/s of every process
             from .db_writes import count_writes
 

@@ -151,3 +151,13 @@ def test_device_page_tells_its_namespace_and_key_generation(staff_client, contro
     page = staff_client.get(reverse("device-detail", args=["ward-1"])).content.decode()
     assert "clinic.dev-ward-1" in page and "signing key generation 1" in page
     assert "clinic" in staff_client.get(reverse("devices")).content.decode()
+
+
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+def test_a_flushed_database_gets_its_default_namespace_back_where_devices_land_by_default():
+    from django.core.management import call_command
+
+    call_command("flush", interactive=False, verbosity=0)
+    assert Namespace.objects.filter(name="default").exists()
+    device, _ = actions.register_device(None, name="after-flush", cpu_threads=1)
+    assert device.namespace_id == "default"
