@@ -78,11 +78,14 @@ promtool: $(STAMP)
 PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 
 # Every test; a missing optional package (torch, openai, import-linter) fails instead of skipping.
+# The tests run on every core (pytest-xdist; tests/conftest.py keeps a module in one worker).
+TEST_JOBS ?= $(JOBS)
+XDIST := -n $(TEST_JOBS) --no-loadscope-reorder
 test: install browser promtool
-	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest
+	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest $(XDIST)
 	@if $(PY) -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=2).close()" 2>/dev/null; then \
 		echo "Control-plane tests again, on PostgreSQL ($(PG_TEST_URL)):"; \
-		DATABASE_URL=$(PG_TEST_URL) EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -q -m "django_db and not install"; \
+		DATABASE_URL=$(PG_TEST_URL) EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -q $(XDIST) -m "django_db and not install"; \
 	else \
 		echo "No PostgreSQL at $(PG_TEST_URL): the PostgreSQL run of the control-plane tests is skipped."; \
 	fi

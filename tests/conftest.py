@@ -38,8 +38,10 @@ MARKED_FIXTURES = {
 }
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-django's order (database tests first), which it keeps within a group
 def pytest_collection_modifyitems(config, items):
-    """A test that loads the model or needs a server says so by its marker (``make test-fast`` leaves it out)."""
+    """A test that loads the model or needs a server says so by its marker (``make test-fast`` leaves it out).
+    On both cores, the groups go out longest first."""
     unmarked = []
     for item in items:
         for fixture, marker in MARKED_FIXTURES.items():
@@ -47,6 +49,97 @@ def pytest_collection_modifyitems(config, items):
                 unmarked.append(f"{item.nodeid} uses {fixture} without @pytest.mark.{marker}")
     if unmarked:
         raise pytest.UsageError("tests without the marker their fixtures need:\n  " + "\n  ".join(sorted(set(unmarked))))
+    if _worker(config):  # ``--no-loadscope-reorder`` keeps this order, so that no long group starts last
+        order = {group: index for index, group in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: order.get(_group(item), len(order)))
+
+
+# -- both cores (pytest-xdist, ``make test``) ----------------------------------------------------
+# Modules that share an expensive fixture, or a resource of the machine's, run in one worker: the
+# lab's PyTorch reference (loaded once), the hosts' cgroup parent and subnets, Chromium beside a
+# stack. Every other module is a group of its own.
+GROUPS = {
+    "test_lab": "torch", "test_early_exit": "torch", "test_anchors": "torch",
+    "test_hosts": "hosts", "test_host_faults": "hosts",
+    "test_browser": "browser", "test_browser_steer": "browser", "test_browser_truth": "browser", "test_browser_ui": "browser",
+}
+# Groups taking 20 s or more, longest first (seconds in one serial run on 2 cores, `pytest
+# --junitxml`, summed per group); the others follow in collection order.
+LONGEST_FIRST = (
+    "browser",  # 197
+    "hosts",  # 124
+    "test_pipeline",  # 83
+    "torch",  # 66
+    "test_redelivery",  # 64
+    "test_overlap",  # 58
+    "test_board_install",  # 54
+    "test_commands",  # 37
+    "test_web_security",  # 34
+    "test_faults",  # 30
+    "test_api",  # 28
+    "test_board_acl",  # 26
+    "test_tiers",  # 24
+    "test_vs_server",  # 24 (the peer built; its build, where it is not, runs beside the tests)
+    "test_fleet_sim",  # 20
+    "test_tls",  # 19
+)
+
+
+def _worker(config) -> bool:
+    """Whether this process is a worker of a run on both cores (``pytest -n 2``)."""
+    return hasattr(config, "workerinput")
+
+
+def _group(item) -> str:
+    return _group_of(item.nodeid)
+
+
+def _group_of(nodeid: str) -> str:
+    module = Path(nodeid.split("::")[0]).stem
+    return GROUPS.get(module, module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """On both cores, the unit of work is a group: a module's tests go to one worker, with the
+    modules of its group, in their order (the groups in ``pytest_collection_modifyitems``'s)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid)
+
+    return ByGroup(config, log)
+
+
+def pytest_configure(config):
+    """A worker's llama.cpp computes on one thread: two workers, each with every core's threads,
+    would take turns on both cores (OpenMP threads wait spinning). The run's first process names the
+    file where the peer builds it and its workers start are noted (the workers inherit it)."""
+    if _worker(config):
+        os.environ.setdefault("EDGECACHE_THREADS", "1")
+    else:
+        os.environ[PEER_BUILDS] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"edgecache-peer-builds-{os.getpid()}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a transactional test that asked for its migrated rows back (``serialized_rollback``),
+    they are put back at once: its teardown empties every table, and Django would restore them
+    only as the next such test starts. Run alone, pytest-django orders those tests last; on both
+    cores, a worker's next module would find no 'default' namespace, content types or permissions."""
+    result = yield
+    marker = item.get_closest_marker("django_db")
+    if marker is not None and marker.kwargs.get("serialized_rollback"):
+        from django.db import connections
+        from pytest_django.plugin import blocking_manager_key
+
+        with item.config.stash[blocking_manager_key].unblock():
+            for connection in connections.all():
+                contents = getattr(connection, "_test_serialized_contents", None)
+                if contents:
+                    connection.creation.deserialize_db_from_string(contents)
+    return result
 
 
 # llama.cpp's llama-server (the peer of ``bench vs-server``): where a selected test needs it and this
@@ -54,9 +147,6 @@ def pytest_collection_modifyitems(config, items):
 # scheduling class (it takes only CPU time the tests leave), and the test waits for it when it comes
 # (the build's lock, ``inference.benchmarks.llama_server.ensure``). Built in that test's turn, it was
 # about 5 of a fresh machine's 22 minutes of tests, with one of the two cores idle most of the rest.
-_PEER_BUILD: dict = {}
-
-
 def _idle_class():  # in the child, before exec: the build and its compilers run only on idle CPU
     os.setpgrp()
     os.nice(19)
@@ -71,24 +161,44 @@ def pytest_collection_finish(session):
     if llama_server.binary_path().exists() or llama_server.missing_tools():
         return  # built, or the test says why it cannot be
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"edgecache-llama-server-build-{os.getpid()}.log"
-    _PEER_BUILD["log"] = log
     with open(log, "w") as out:
-        _PEER_BUILD["process"] = subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-m", "inference.benchmarks.llama_server"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_idle_class,
         )
+    with open(os.environ[PEER_BUILDS], "a") as builds:  # on both cores, each worker starts one (the build's lock lets one build)
+        builds.write(f"{process.pid}\n")
     session.config.get_terminal_writer().line(f"llama-server is being built in the background for the tests that need it (log: {log})")
 
 
-def pytest_sessionfinish(session):
-    process = _PEER_BUILD.get("process")
-    if process is not None and process.poll() is None:  # the run ended before the build: stop it (its folder goes with it)
-        import signal
+PEER_BUILDS = "EDGECACHE_TEST_PEER_BUILDS"  # the file where a run's processes note the builds they started
 
-        os.killpg(process.pid, signal.SIGTERM)
+
+def pytest_sessionfinish(session):
+    """The run (on both cores: its controller, once every worker is done) stops the builds it
+    started that are still going: the run ended before the build (its folder goes with it)."""
+    if _worker(session.config):
+        return
+    builds = Path(os.environ.get(PEER_BUILDS, "/nonexistent"))
+    if not builds.exists():
+        return
+    import signal
+    import time
+
+    def running(pid: int) -> bool:  # a build still going (its number not taken by another process)
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            return b"inference.benchmarks.llama_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    pids = {int(line) for line in builds.read_text().split()}
+    for pid in filter(running, pids):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in filter(running, pids):
+        os.killpg(pid, signal.SIGKILL)
+    builds.unlink()
 
 
 @pytest.fixture(scope="session")
@@ -132,7 +242,7 @@ def engine():
     from inference.engine import Engine, EngineConfig
     from inference.model_file import resolve_model
 
-    engine = Engine(resolve_model(), EngineConfig(n_ctx=2048))
+    engine = Engine(resolve_model(), EngineConfig(n_ctx=2048, n_threads=int(os.environ.get("EDGECACHE_THREADS", "0"))))
     yield engine
     engine.close()
 
