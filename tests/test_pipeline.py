@@ -305,6 +305,32 @@ def test_cold_and_resumed_logits_are_bitwise_identical_on_the_grid(engine, resum
     assert not np.array_equal(cold, uncut)
 
 
+def test_a_state_is_the_same_bits_on_any_thread_count(engine, prompts):
+    """Boards share states whatever their thread counts (one fingerprint): a grid prefill's state and
+    logits are the same bits on 1 and 2 threads, so a state another board computed continues as this
+    board's own cold prefill would. A decode step is not (its logits differed by up to 0.84 between
+    1, 2 and 3 threads here), so a board's answer is compared with its own cold run."""
+    import numpy as np
+
+    from cachebox.keys import grid_cuts
+    from inference.engine import Engine, EngineConfig
+
+    tokens = engine.tokenize("".join(prompts[0].segments), add_bos=True)
+    last = len(tokens) - 1
+    seen = []
+    for threads in (1, 2):
+        other = Engine(engine.model_file, EngineConfig(n_ctx=1024, n_threads=threads, n_seq_max=2))
+        try:
+            logits = other.prefill(tokens, 0, logits_at={last}, cuts=grid_cuts(len(tokens), 128))[last]
+            state = other.export_range(0, len(tokens))
+            seen.append((other.fingerprint, logits, state))
+        finally:
+            other.close()
+    (fingerprint_1, logits_1, state_1), (fingerprint_2, logits_2, state_2) = seen
+    assert fingerprint_1 == fingerprint_2
+    assert np.array_equal(logits_1, logits_2) and state_1 == state_2
+
+
 def test_questions_sharing_a_context_answer_as_cold_after_partial_and_full_hits(valkey_url, namespace, make_board):
     """The probe of the issue: a shared instruction + examples, six questions split on blank lines,
     each a partial hit after another stored the shared ranges; every answer was different from cold."""
