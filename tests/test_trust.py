@@ -80,7 +80,7 @@ def test_a_redis_dump_or_a_database_dump_alone_opens_no_key_ring(control_plane, 
 
 
 # -- 2. a board answers only for its own work ---------------------------------------------------
-def test_a_board_cannot_answer_for_another_board(control_plane, caplog):
+def test_a_board_cannot_answer_for_another_board(control_plane, sent_tasks, caplog):  # the run is recorded as sent, not sent
     device_a, token_a = register("dev-a")
     device_b, token_b = register("dev-b")
     board_a, board_b = enrolled(device_a, token_a), enrolled(device_b, token_b)
