@@ -113,11 +113,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_configure(config):
-    """A worker's llama.cpp computes on one thread: two workers, each with every core's threads,
-    would take turns on both cores (OpenMP threads wait spinning). The run's first process names the
-    file where the peer builds it and its workers start are noted (the workers inherit it)."""
+    """A worker's llama.cpp computes on its share of the cores (one each, two workers on two cores):
+    workers each using every core's threads would take turns on them (OpenMP threads wait spinning).
+    The run's first process names the file where the peer builds it and its workers start are
+    noted (the workers inherit it)."""
     if _worker(config):
-        os.environ.setdefault("EDGECACHE_THREADS", "1")
+        share = max(1, (os.cpu_count() or 1) // int(config.workerinput.get("workercount", 1)))
+        os.environ.setdefault("EDGECACHE_THREADS", str(share))
     else:
         os.environ[PEER_BUILDS] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"edgecache-peer-builds-{os.getpid()}")
 
