@@ -292,10 +292,17 @@ if EDGECACHE_TOKEN_TTL_HOURS <= 0:
 # Live events travel through Redis: they are encrypted and authenticated with a key derived from
 # SECRET_KEY (Fernet), so a page only ever shows events this server made. A message someone else
 # wrote into the layer's keys fails to decrypt and is dropped.
+# A page's socket waits for its events with a blocking pop of 5 s (channels_redis); a read must
+# outlast it. redis-py 8 reads with a 5 s timeout by default, which under load fired before the
+# server's empty answer: the consumer died, the page reconnected and lost what came meanwhile.
+CHANNEL_LAYER_READ_TIMEOUT_S = 15
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "dashboard.live.AuthenticatedChannelLayer",
-        "CONFIG": {"hosts": [{"address": REDIS_URL, **tls_options(REDIS_URL)} if tls_options(REDIS_URL) else REDIS_URL], "symmetric_encryption_keys": [SECRET_KEY]},
+        "CONFIG": {
+            "hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S, **tls_options(REDIS_URL)}],
+            "symmetric_encryption_keys": [SECRET_KEY],
+        },
     }
 }
 

@@ -184,6 +184,17 @@ def test_json_nested_a_hundred_thousand_deep_is_a_400_in_openais_shape(client):
         assert error["type"] == "invalid_request_error" and "nests too deeply" in error["message"]
 
 
+def test_a_pages_socket_reads_longer_than_its_blocking_pop_waits():
+    """A page's socket waits for events with a blocking pop; a read that gave up first (redis-py 8
+    reads for 5 s by default, as long as the pop) killed the consumer under load, and the page lost
+    the events that came while it reconnected (an encode's last progress, in a busy test run)."""
+    from dashboard import settings as configured
+    from dashboard.live import AuthenticatedChannelLayer
+
+    layer = AuthenticatedChannelLayer(**configured.CHANNEL_LAYERS["default"]["CONFIG"])
+    assert layer.create_pool(0).connection_kwargs.get("socket_timeout", 0) > layer.brpop_timeout
+
+
 @pytest.mark.cachebox
 def test_a_live_event_written_into_redis_by_someone_else_never_reaches_a_page(settings, valkey_url):
     from dashboard import settings as configured
