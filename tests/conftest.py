@@ -168,8 +168,23 @@ def pytest_collection_finish(session):
             [sys.executable, "-m", "inference.benchmarks.llama_server"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_idle_class,
         )
     with open(os.environ[PEER_BUILDS], "a") as builds:  # on both cores, each worker starts one (the build's lock lets one build)
-        builds.write(f"{process.pid}\n")
-    session.config.get_terminal_writer().line(f"llama-server is being built in the background for the tests that need it (log: {log})")
+        builds.write(f"{process.pid} {log}\n")
+    if not _worker(session.config):  # a worker's output is not shown: its controller says it (below)
+        session.config.get_terminal_writer().line(_building(log))
+
+
+def _building(log) -> str:
+    return f"llama-server is being built in the background for the tests that need it (log: {log})"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """On both cores, the controller says once that a worker started the peer's build (the first
+    build's log shows its progress; another worker's waits for it)."""
+    builds = Path(os.environ.get(PEER_BUILDS, "/nonexistent"))
+    if builds.exists() and not getattr(node.config, "_edgecache_build_said", False):
+        node.config._edgecache_build_said = True
+        node.config.get_terminal_writer().line(_building(builds.read_text().split()[1]))
 
 
 PEER_BUILDS = "EDGECACHE_TEST_PEER_BUILDS"  # the file where a run's processes note the builds they started
@@ -192,7 +207,7 @@ def pytest_sessionfinish(session):
         except OSError:
             return False
 
-    pids = {int(line) for line in builds.read_text().split()}
+    pids = {int(line.split()[0]) for line in builds.read_text().splitlines() if line.strip()}
     for pid in filter(running, pids):
         os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + 30
