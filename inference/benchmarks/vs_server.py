@@ -874,7 +874,7 @@ def run(ctx, *, workloads, repeats, questions, per_topic, fleet_per_topic, turns
     measured, skipped, memory, shaping = run_vs_server(ctx, settings, options, board_memory_mb)
     doc = {
         "machine": {**host_info(), "threads": settings.threads, "model": settings.model.name},
-        "peer": {"binary": str(binary), "version": version, "sdist": f"llama-cpp-python {llama_server.VERSION}", "flags": " ".join(peer_flags(settings, settings.threads))},
+        "peer": {"binary": str(binary), "version": version, "sdist": f"llama-cpp-python {llama_server.VERSION}", "libraries": "the wheel's libllama, libggml and libmtmd (the boards' own)", "flags": " ".join(peer_flags(settings, settings.threads))},
         "settings": {**settings.as_dict(), "board_memory_mb": memory.board_registered_mb, "fleet_link_shaping": shaping},
         "memory": memory.as_dict(),
         "workloads": measured,
