@@ -181,13 +181,22 @@ def _building(log) -> str:
 def pytest_xdist_node_collection_finished(node, ids):
     """On both cores, the controller says once that a worker started the peer's build (the first
     build's log shows its progress; another worker's waits for it)."""
-    builds = Path(os.environ.get(PEER_BUILDS, "/nonexistent"))
-    if builds.exists() and not getattr(node.config, "_edgecache_build_said", False):
+    builds = _builds()
+    if builds and not getattr(node.config, "_edgecache_build_said", False):
         node.config._edgecache_build_said = True
-        node.config.get_terminal_writer().line(_building(builds.read_text().split()[1]))
+        node.config.get_terminal_writer().line(_building(builds[0][1]))
 
 
 PEER_BUILDS = "EDGECACHE_TEST_PEER_BUILDS"  # the file where a run's processes note the builds they started
+
+
+def _builds() -> list[tuple[int, str]]:
+    """The builds this run's processes started: (process id, log), one "PID LOG" line each."""
+    builds = Path(os.environ.get(PEER_BUILDS, "/nonexistent"))
+    if not builds.exists():
+        return []
+    noted = (line.split(" ", 1) for line in builds.read_text().splitlines())
+    return [(int(fields[0]), fields[1]) for fields in noted if len(fields) == 2 and fields[0].isdigit()]
 
 
 def pytest_sessionfinish(session):
@@ -195,8 +204,8 @@ def pytest_sessionfinish(session):
     started that are still going: the run ended before the build (its folder goes with it)."""
     if _worker(session.config):
         return
-    builds = Path(os.environ.get(PEER_BUILDS, "/nonexistent"))
-    if not builds.exists():
+    pids = {pid for pid, _ in _builds()}
+    if not pids:
         return
     import signal
     import time
@@ -207,7 +216,6 @@ def pytest_sessionfinish(session):
         except OSError:
             return False
 
-    pids = {int(line.split()[0]) for line in builds.read_text().splitlines() if line.strip()}
     for pid in filter(running, pids):
         os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + 30
@@ -215,7 +223,7 @@ def pytest_sessionfinish(session):
         time.sleep(0.2)
     for pid in filter(running, pids):
         os.killpg(pid, signal.SIGKILL)
-    builds.unlink()
+    Path(os.environ[PEER_BUILDS]).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
