@@ -46,6 +46,9 @@ def hit(scope: str, who: str | int, limit: int, *, window: int = WINDOW_SECONDS,
     current = int(now // window)
     key = f"ratelimit:{scope}:{who}:{current}"
     cache = caches[cache_alias]
+    # Every request is counted in this process too: one that the shared cache could not count (a
+    # busy pool) is refused past the limit all the same, with the ones it did count.
+    local = _local.count(key, current)
     try:
         cache.add(key, 0, timeout=window + 5)
         try:
@@ -54,8 +57,11 @@ def hit(scope: str, who: str | int, limit: int, *, window: int = WINDOW_SECONDS,
             cache.set(key, 1, timeout=window + 5)
             count = 1
     except CACHE_SERVER_ERRORS as exc:
-        why = str(exc)
-        count = _local.count(key, current, lambda: log.warning("rate limit %s counted in this process: the cache is unreachable (%s)", scope, why))
+        if _local.first_fallback(current):
+            log.warning("rate limit %s counted in this process: the cache is unreachable (%s)", scope, exc)
+        count = local
+    else:
+        count = max(count, local)
     retry_after = max(1, math.ceil((current + 1) * window - now))
     return Verdict(count <= limit, count, limit, retry_after)
 
@@ -67,17 +73,20 @@ class _LocalCounts:
         self._lock = threading.Lock()
         self._window = None
         self._counts: dict[str, int] = {}
+        self._warned = None  # the window whose first fallback was logged
 
-    def count(self, key: str, window: int, on_first) -> int:
+    def count(self, key: str, window: int) -> int:
         with self._lock:
             if self._window != window:  # a new window: older counters are over
                 self._window, self._counts = window, {}
-            first = not self._counts
             self._counts[key] = self._counts.get(key, 0) + 1
-            count = self._counts[key]
-        if first:
-            on_first()
-        return count
+            return self._counts[key]
+
+    def first_fallback(self, window: int) -> bool:
+        """True the first time in ``window`` that the shared cache did not answer (logged once)."""
+        with self._lock:
+            first, self._warned = self._warned != window, window
+            return first
 
 
 _local = _LocalCounts()
