@@ -82,7 +82,7 @@ PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 TEST_JOBS ?= $(JOBS)
 XDIST := -n $(TEST_JOBS) --no-loadscope-reorder
 test: install browser promtool
-	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest $(XDIST)
+	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest $(XDIST) --durations=20
 	@if $(PY) -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=2).close()" 2>/dev/null; then \
 		echo "Control-plane tests again, on PostgreSQL ($(PG_TEST_URL)):"; \
 		DATABASE_URL=$(PG_TEST_URL) EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -q $(XDIST) -m "django_db and not install"; \

@@ -341,12 +341,18 @@ def run_manage(*args: str, env: dict | None = None, unset=(), input_bytes: bytes
 
 
 @pytest.fixture(autouse=True)
-def _own_django_cache(settings):
+def _own_django_cache(settings, monkeypatch):
     """Django's cache (rate-limit counters) of each test's own: never the checkout's cache box.
 
+    The rate limit's counts kept in this process start empty too: they outlive a cache's
+    counters on purpose (a restarted cache box does not reopen the limit), so one test's
+    requests would otherwise count against the next test's same user in the same minute.
     Tests that need the shared Redis cache point ``settings.CACHES`` at a server themselves.
     """
+    from dashboard import ratelimit
+
     settings.CACHES = {"default": {"BACKEND": "cachebox.django_cache.JSONLocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}}
+    monkeypatch.setattr(ratelimit, "_local", ratelimit._LocalCounts())
 
 
 @pytest.fixture(autouse=True)
