@@ -117,6 +117,18 @@ def test_the_api_overhead_is_the_first_chunk_minus_the_boards_own_ttft():
     assert sbs.summarize([_sample(60)], elapsed_s=1)["api_overhead_ms"] is None
 
 
+def test_each_systems_own_warm_prefill_is_summarized_and_bounds_the_warm_ratio():
+    ours = sbs.summarize([_sample(90, warm=False, prefill_ms=800.0), _sample(60, prefill_ms=40.0), _sample(70, prefill_ms=50.0), _sample(20, prefill_ms=None)], elapsed_s=1)
+    assert ours["warm_prefill_ms"]["p50"] == 45.0  # warm requests that prefilled; the cold one and a full hit without a figure left out
+    theirs = sbs.summarize([_sample(80, prefill_ms=60.0), _sample(70, prefill_ms=55.0)], elapsed_s=1)
+    floor = sbs.warm_floor({"one-board-warm": {"systems": {sbs.EDGECACHE: ours, sbs.PEER: theirs}}})
+    assert floor == {"edgecache_prefill_p50_ms": 45.0, "peer_prefill_p50_ms": 57.5, "peer_warm_ttft_p50_ms": 75.0, "ratio": 0.6}
+    assert "45.0 ms (p50), 0.6 of llama-server's whole warm TTFT (75.0 ms" in sbs.floor_text(floor)
+    # results saved before the figure existed, or a run without the warm workload: no floor, no text
+    assert sbs.warm_floor({"one-board-warm": {"systems": {sbs.EDGECACHE: _system(50), sbs.PEER: _system(60)}}}) is None
+    assert sbs.warm_floor({}) is None and sbs.floor_text(None) == ""
+
+
 def _system(p50, warm=None, rss=400.0, agree=1.0):
     p50, warm = float(p50), float(warm) if warm is not None else None
     return {"ttft_ms": {"p50": p50, "p99": p50 * 2}, "warm_ttft_ms": {"p50": warm if warm is not None else p50, "p99": None}, "peak_rss_mb_max": rss, "agreement": agree,
@@ -316,6 +328,14 @@ def test_both_systems_answer_the_same_two_prompts_through_their_apis(tmp_path):
         assert figures["agreement"] is not None
     assert systems[sbs.EDGECACHE]["agreement"] == 1.0  # a cached answer is the cold answer
     assert systems[sbs.EDGECACHE]["cached_tokens"] > 0  # the repeat was served from its cache
+    # each system's own prefill, as it reported it: the cold request prefilled; EdgeCache's repeat
+    # (a full hit: the stored logits) none at all, llama-server's its last token again
+    samples = doc["workloads"]["one-board-warm"]["samples"]
+    for name in (sbs.EDGECACHE, sbs.PEER):
+        cold, warm = samples[name]
+        assert not cold["warm"] and cold["prefill_ms"] > 0 and warm["warm"], samples[name]
+    assert samples[sbs.EDGECACHE][1]["prefill_ms"] == 0 and samples[sbs.PEER][1]["prefill_ms"] > 0
+    assert systems[sbs.EDGECACHE]["warm_prefill_ms"]["p50"] == 0
     memory = doc["memory"]  # both given the same memory: the board planned within llama-server's idle RSS + --cache-ram
     assert memory["shared_mb"] == round(memory["peer_idle_rss_mb"] + memory["peer_cache_ram_mb"], 1)
     plan = doc["workloads"]["one-board-warm"]["board_plan"]

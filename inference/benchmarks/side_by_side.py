@@ -219,6 +219,8 @@ def summarize(samples: Sequence[dict], *, elapsed_s: float, peak_rss_mb: dict[st
         "ttft_ms": {"p50": _pct((s["ttft_ms"] for s in ok), 50), "p99": _pct((s["ttft_ms"] for s in ok), 99)},
         "warm_ttft_ms": {"p50": _pct((s["ttft_ms"] for s in warm), 50), "p99": _pct((s["ttft_ms"] for s in warm), 99)},
         "cold_ttft_ms": {"p50": _pct((s["ttft_ms"] for s in ok if not s.get("warm")), 50)},
+        # each system's own prefill of what it had not cached (a board's breakdown; llama-server's timings)
+        "warm_prefill_ms": {"p50": _pct((s.get("prefill_ms") for s in warm), 50)},
         "total_s": round(elapsed_s, 3),
         "tokens": tokens,
         "tokens_per_s": round(tokens / elapsed_s, 2) if elapsed_s > 0 else None,
@@ -258,6 +260,35 @@ def _api_overhead(samples: Sequence[dict]) -> dict | None:
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:
     return round(ours / theirs, 3) if ours is not None and theirs else None
+
+
+def warm_floor(workloads: dict) -> dict | None:
+    """One board, warm: EdgeCache's board prefill alone (what it had not restored: the new
+    question) against llama-server's whole warm TTFT (pure). Both prefill with the same llama.cpp,
+    so no API work brings the warm ratio below this one; None where either figure is missing."""
+    warm = workloads.get("one-board-warm", {}).get("systems", {})
+    if EDGECACHE not in warm or PEER not in warm:
+        return None
+    ours = (warm[EDGECACHE].get("warm_prefill_ms") or {}).get("p50")
+    theirs = warm[PEER]["warm_ttft_ms"]["p50"]
+    if ours is None or not theirs:
+        return None
+    return {
+        "edgecache_prefill_p50_ms": ours,
+        "peer_prefill_p50_ms": (warm[PEER].get("warm_prefill_ms") or {}).get("p50"),
+        "peer_warm_ttft_p50_ms": theirs,
+        "ratio": ratio(ours, theirs),
+    }
+
+
+def floor_text(floor: dict | None) -> str:
+    if floor is None:
+        return ""
+    return (
+        f"One board, warm: EdgeCache's board prefilled what it had not restored in {_fmt(floor['edgecache_prefill_p50_ms'])} ms (p50), "
+        f"{floor['ratio']} of llama-server's whole warm TTFT ({_fmt(floor['peer_warm_ttft_p50_ms'])} ms; its own prefill "
+        f"{_fmt(floor['peer_prefill_p50_ms'])} ms): with the same llama.cpp on both sides, the warm ratio cannot go below that."
+    )
 
 
 @dataclass(frozen=True)
@@ -326,6 +357,7 @@ def table_rows(doc: dict) -> list[dict]:
                     "TTFT p50 ms": s["ttft_ms"]["p50"],
                     "TTFT p99 ms": s["ttft_ms"]["p99"],
                     "warm TTFT p50 ms": s["warm_ttft_ms"]["p50"],
+                    "warm prefill p50 ms": (s.get("warm_prefill_ms") or {}).get("p50"),  # absent from older results
                     "total s": s["total_s"],
                     "tokens/s": s["tokens_per_s"],
                     "HTTP KB": round(s["http_bytes"] / 1024, 1),
@@ -340,15 +372,18 @@ def table_rows(doc: dict) -> list[dict]:
 def lines(doc: dict) -> list[str]:
     peer = doc.get("peer", {})
     out = [f"\nllama-server: {peer.get('version', '?')}; {doc.get('settings', {})}"]
-    head = f"{'workload':<16}{'system':<28}{'TTFT p50':>10}{'p99':>9}{'warm p50':>10}{'total s':>9}{'tok/s':>8}{'RSS MB':>8}{'agree':>7}"
+    head = f"{'workload':<16}{'system':<28}{'TTFT p50':>10}{'p99':>9}{'warm p50':>10}{'prefill':>9}{'total s':>9}{'tok/s':>8}{'RSS MB':>8}{'agree':>7}"
     out.append(head)
     for r in table_rows(doc):
         out.append(
-            f"{r['workload']:<16}{r['system']:<28}{_fmt(r['TTFT p50 ms']):>10}{_fmt(r['TTFT p99 ms']):>9}{_fmt(r['warm TTFT p50 ms']):>10}"
+            f"{r['workload']:<16}{r['system']:<28}{_fmt(r['TTFT p50 ms']):>10}{_fmt(r['TTFT p99 ms']):>9}{_fmt(r['warm TTFT p50 ms']):>10}{_fmt(r['warm prefill p50 ms']):>9}"
             f"{_fmt(r['total s']):>9}{_fmt(r['tokens/s']):>8}{_fmt(r['peak RSS MB']):>8}{_fmt(r['agreement']):>7}"
         )
     for t in doc.get("targets", []):
         out.append(f"  target {t['name']}: {t['value']} (limit {t['limit']}): {'met' if t['met'] else 'MISSED' if t['met'] is False else 'n/a'}")
+    floor = floor_text(warm_floor(doc.get("workloads", {})))
+    if floor:
+        out.append(f"  {floor}")
     for name, reason in doc.get("skipped", {}).items():
         out.append(f"  skipped {name}: {reason}")
     return out
@@ -421,6 +456,10 @@ def readme_table(docs: Sequence[dict]) -> str:
     if targets_now:
         out.append("")
         out.append("Targets: " + "; ".join(f"{t['name']} {t['value']} ({'met' if t['met'] else 'missed' if t['met'] is False else 'n/a'})" for t in targets_now if "agreement" not in t["name"]) + ".")
+    floor = floor_text(warm_floor(workloads))
+    if floor:
+        out.append("")
+        out.append(floor)
     out.append("")
     out.append(README_END)
     return "\n".join(out)
@@ -445,8 +484,9 @@ def report(path: Path, doc: dict) -> Path:
         systems = workload.get("systems", {})
         names = list(systems)
         figure = go.Figure()
-        for label, key, part in (("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"), ("warm TTFT p50", "warm_ttft_ms", "p50")):
-            figure.add_bar(name=label, x=names, y=[systems[n][key][part] for n in names])
+        bars = (("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"), ("warm TTFT p50", "warm_ttft_ms", "p50"), ("warm prefill p50 (its own)", "warm_prefill_ms", "p50"))
+        for label, key, part in bars:
+            figure.add_bar(name=label, x=names, y=[(systems[n].get(key) or {}).get(part) for n in names])
         rss = [systems[n]["peak_rss_mb_max"] for n in names]
         figure.add_scatter(name="peak RSS per board (MB, right axis)", x=names, y=rss, mode="markers", marker={"size": 12, "symbol": "diamond"}, yaxis="y2")
         agree = ", ".join(f"{n}: {systems[n]['agreement']}" for n in names)
@@ -461,5 +501,5 @@ def report(path: Path, doc: dict) -> Path:
     rows = table_rows(doc)
     target_rows = [{"target": t["name"], "value": t["value"], "limit": t["limit"], "met": t["met"]} for t in doc.get("targets", [])]
     peer = doc.get("peer", {})
-    summary = f"{doc.get('summary', '')} Peer: {peer.get('version', '')} ({peer.get('flags', '')})."
+    summary = f"{doc.get('summary', '')} Peer: {peer.get('version', '')} ({peer.get('flags', '')}). {floor_text(warm_floor(doc.get('workloads', {})))}".rstrip()
     return write_report(path, "bench vs-server: EdgeCache and llama.cpp's llama-server, side by side", summary, figures, {"Targets": target_rows, "Figures": rows}, doc)

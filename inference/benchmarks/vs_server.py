@@ -232,11 +232,12 @@ def ask(target: Target, payload: dict, *, cold: bool = False) -> dict:
         sample["cached_tokens"] = getattr(details, "cached_tokens", None) if details is not None else None
     if timings:  # llama-server's own figures
         sample["cached_tokens"] = timings.get("cache_n", sample.get("cached_tokens"))
-        sample["server_prompt_ms"] = timings.get("prompt_ms")
+        sample["prefill_ms"] = timings.get("prompt_ms")  # its own prefill of what it had not cached
     if extension:  # EdgeCache's own figures
         sample.update(
             {
                 "board_ttft_ms": extension.get("ttft_ms"),
+                "prefill_ms": extension.get("prefill_ms"),  # the board's prefill of what it had not restored
                 "api_ms": extension.get("api_ms"),
                 "queue_ms": extension.get("queue_ms"),
                 "case": extension.get("case"),
@@ -827,7 +828,7 @@ def _tokenizer(model: Path) -> Callable[[str], list[int]]:
 
 def _lean(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:
     """Samples as saved: without the payloads and texts (the JSON stays small)."""
-    keep = ("index", "group", "warm", "ttft_ms", "total_ms", "tokens", "http_bytes", "cache_bytes", "cached_tokens", "prompt_tokens", "server", "case", "board_ttft_ms", "api_ms", "queue_ms", "error")
+    keep = ("index", "group", "warm", "ttft_ms", "total_ms", "tokens", "http_bytes", "cache_bytes", "cached_tokens", "prompt_tokens", "server", "case", "board_ttft_ms", "prefill_ms", "api_ms", "queue_ms", "error")
     return {system: [{k: s.get(k) for k in keep if k in s} | {"agrees": s.get("cold_text") is not None and s.get("text") == s.get("cold_text")} for s in rows] for system, rows in samples.items()}
 
 
