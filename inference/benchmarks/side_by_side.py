@@ -287,7 +287,7 @@ def floor_text(floor: dict | None) -> str:
     return (
         f"One board, warm: EdgeCache's board prefilled what it had not restored in {_fmt(floor['edgecache_prefill_p50_ms'])} ms (p50), "
         f"{floor['ratio']} of llama-server's whole warm TTFT ({_fmt(floor['peer_warm_ttft_p50_ms'])} ms; its own prefill "
-        f"{_fmt(floor['peer_prefill_p50_ms'])} ms): with the same llama.cpp on both sides, the warm ratio cannot go below that."
+        f"{_fmt(floor['peer_prefill_p50_ms'])} ms): with the same llama.cpp on both sides, no work outside the model takes the warm ratio below that."
     )
 
 
