@@ -129,21 +129,20 @@ class FollowUps:
     arrives meanwhile waits for it. That pays when the conversation goes on. A client that sends
     one question after another under the same system prompt never continues one, and each of its
     requests would wait behind the last one's preparation (``bench vs-server``, one board warm).
-    So the board remembers the prefixes it prepared and looks at each chat run it serves: one that
-    goes on from a prepared prefix takes it up; a prefix no run took up within ``EXPIRE_RUNS`` chat
+    So the board remembers each answered chat turn's next prefix, prepared (``prepared``) or only
+    watched (``watched``: its tokens, no model work), and looks at each chat run it serves: one that
+    goes on from such a prefix takes it up; a prefix no run took up within ``EXPIRE_RUNS`` chat
     runs (conversations interleave) was wasted. While the last outcomes are all wasted, the board
-    prepares only every ``PROBE_EVERY``-th time, so clients that turn to real conversations are
-    seen again.
+    prepares nothing and watches instead, so a client that turns to real conversations is seen at
+    its first next turn without a preparation spent to find out.
     """
 
     EXPIRE_RUNS = 4
     OUTCOMES = 4  # the last outcomes that decide
-    PROBE_EVERY = 4
 
     def __init__(self) -> None:
         self.pending: deque[list] = deque(maxlen=8)  # [length, key, runs seen since]
         self.outcomes: deque[bool] = deque(maxlen=self.OUTCOMES)
-        self.skipped = 0
 
     @staticmethod
     def _key(tokens: Sequence[int]) -> int:
@@ -154,8 +153,13 @@ class FollowUps:
         if tokens:
             self.pending.append([len(tokens), self._key(tokens), 0])
 
+    def watched(self, tokens: Sequence[int]) -> None:
+        """The board did not prepare this next turn's prefix: whether a run goes on from it counts
+        all the same (the outcome that says whether preparing would have paid)."""
+        self.prepared(tokens)
+
     def saw(self, tokens: Sequence[int]) -> None:
-        """A chat run of these tokens arrived: it takes up a prepared prefix it goes on from."""
+        """A chat run of these tokens arrived: it takes up a prefix it goes on from."""
         for entry in list(self.pending):
             length, key, seen = entry
             if len(tokens) >= length and self._key(tokens[:length]) == key:
@@ -168,13 +172,6 @@ class FollowUps:
                 entry[2] = seen + 1
 
     def worth_preparing(self) -> bool:
-        """Prepare the next turn now? Yes while any of the last outcomes was taken up (or too few are
-        known); else only every ``PROBE_EVERY``-th time."""
-        if len(self.outcomes) < 2 or any(self.outcomes):
-            self.skipped = 0
-            return True
-        self.skipped += 1
-        if self.skipped >= self.PROBE_EVERY:
-            self.skipped = 0
-            return True
-        return False
+        """Prepare the next turn now? Yes while any of the last outcomes was taken up, or too few
+        are known; else it is only watched."""
+        return len(self.outcomes) < 2 or any(self.outcomes)

@@ -46,7 +46,7 @@ def test_a_board_keeps_preparing_next_turns_its_conversations_take_up_even_inter
     assert list(ledger.outcomes) == [True] * ledger.OUTCOMES
 
 
-def test_a_board_whose_clients_never_go_on_prepares_only_now_and_then():
+def test_a_board_whose_clients_never_go_on_stops_preparing_and_sees_them_turn_to_conversations():
     from inference.chat import FollowUps
 
     ledger = FollowUps()
@@ -57,15 +57,27 @@ def test_a_board_whose_clients_never_go_on_prepares_only_now_and_then():
         ledger.saw(prompt)
         worth = ledger.worth_preparing()
         decisions.append(worth)
-        if worth:
-            ledger.prepared(prompt + [1, 2, 3])
-    assert all(decisions[:4])  # nothing known yet: it prepares
-    assert decisions[4:].count(True) <= len(decisions[4:]) // ledger.PROBE_EVERY + 1  # then only as a probe
-    while not ledger.worth_preparing():  # the next probe
-        pass
-    ledger.prepared(system + [1, 2, 3])
-    ledger.saw(system + [1, 2, 3, 42])  # and this time the client goes on from it
-    assert all(ledger.worth_preparing() for _ in range(2 * ledger.PROBE_EVERY))  # it prepares every turn again
+        next_turn = prompt + [1, 2, 3]
+        ledger.prepared(next_turn) if worth else ledger.watched(next_turn)
+    # nothing known for the first ones: it prepares until two have gone untaken for EXPIRE_RUNS runs
+    assert decisions[: ledger.EXPIRE_RUNS + 1] == [True] * (ledger.EXPIRE_RUNS + 1)
+    assert not any(decisions[ledger.EXPIRE_RUNS + 1 :])  # then never again: no preparation spent as a probe
+    # the client turns to a conversation: its first next turn goes on from a watched prefix
+    prompt = system + [20_000] * 5
+    ledger.saw(prompt)
+    assert not ledger.worth_preparing()
+    ledger.watched(prompt + [1, 2, 3])
+    ledger.saw(prompt + [1, 2, 3, 42])
+    assert ledger.worth_preparing()  # it prepares the turns again
+
+
+def test_a_turn_neither_prepared_nor_watched_teaches_nothing():
+    from inference.chat import FollowUps
+
+    ledger = FollowUps()
+    for _ in range(10):
+        ledger.saw(list(range(50)))
+    assert list(ledger.outcomes) == [] and ledger.worth_preparing()
 
 
 # -- the real model ------------------------------------------------------------------------------
@@ -159,8 +171,12 @@ def test_a_waiting_run_goes_before_preparing_the_next_turn(valkey_url, namespace
 
     idle = turn(lambda within=0.0: False)
     assert idle.error == "" and idle.breakdown.next_turn_tokens > 0  # nothing waits: the next turn's prefix is ready
+    prepared = list(board.follow_ups.pending)[-1][:2]  # its length and key
     busy = turn(lambda within=0.0: True)
     assert busy.error == "" and busy.breakdown.next_turn_tokens == 0 and busy.text == idle.text  # another run waits: it goes first
+    # not prepared but watched: the board remembers the very prefix a preparation would have kept,
+    # so a next turn that goes on from it still counts as one its clients take up
+    assert len(board.follow_ups.pending) == 2 and list(board.follow_ups.pending)[-1][:2] == prepared
 
     def broker_down(within=0.0):
         raise ConnectionError("broker unreachable")

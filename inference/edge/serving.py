@@ -13,7 +13,7 @@ from celery import current_app
 
 from cachebox.errors import CacheBoxUnavailable
 
-from ..chat import chat_prompt
+from ..chat import chat_prompt, follow_up
 from ..devices import UNREAD
 from ..engine import EngineError
 from ..messages import CANCELLED, EncodeReport, EncodeRequest, Queue, RunReport, RunRequest, StreamEvent
@@ -36,7 +36,7 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
     first stop string, streamed or not. After a chat turn's answer, the next turn's prefix is
     prepared unless ``work_waiting()`` says another run waits for this board (a waiting answer
     goes before a turn that may never come) or this board's clients lately took up none of the
-    turns it prepared (``FollowUps``). Only a board process (an identity) streams.
+    turns it prepared or watched (``FollowUps``). Only a board process (an identity) streams.
     ``behind_ms``: how long the run waited for this board's earlier work (in its breakdown);
     ``cancel_flag``: the run's cancel flag as read already (else it is read here).
     """
@@ -100,11 +100,11 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
         done = StreamEvent(type="done", request_id=request.request_id, device=stream.device, text=answer.text, finish_reason=finish, breakdown={**breakdown.as_dict(), **extra})
         stream.close(done)
     uploaded = list(result.uploaded)
-    if (
-        request.is_chat_run and spec.exact and request.use_cache and not cancelled
-        and board.follow_ups.worth_preparing() and not _waiting(work_waiting, request.request_id)
-    ):
-        uploaded += _prepare_next_turn(board, request.request_id, conversation, answer.text, options["namespace"], breakdown)
+    if request.is_chat_run and spec.exact and request.use_cache and not cancelled:
+        if board.follow_ups.worth_preparing() and not _waiting(work_waiting, request.request_id):
+            uploaded += _prepare_next_turn(board, request.request_id, conversation, answer.text, options["namespace"], breakdown)
+        else:  # not prepared: still watched (its tokens only, under a millisecond), so the board learns whether it would have paid
+            _watch_next_turn(board, conversation, answer.text)
     return RunReport(
         **sender(),
         request_id=request.request_id,
@@ -126,6 +126,18 @@ def _asked(board, request: RunRequest, conversation: list[tuple[str, str]]) -> t
         chat = chat_prompt(board.engine, conversation)
         return chat.prompt, chat.text
     return Prompt(tuple(request.segments), schema=request.schema_source, pml=request.pml), request.prompt_text
+
+
+def _watch_next_turn(board, conversation: list[tuple[str, str]], answer: str) -> None:
+    """The answer is out and its next turn is not prepared: remember the prefix that turn would
+    share (tokens only, no model work); failing to leaves the report as it is."""
+    try:
+        turn = follow_up(board.engine, conversation, answer)
+    except (PromptError, ValueError, EngineError) as exc:
+        log.warning("a chat turn's next prefix was not watched: %s", exc)
+        return
+    if turn is not None:
+        board.follow_ups.watched(turn.tokens)
 
 
 def _prepare_next_turn(board, request_id: str, conversation: list[tuple[str, str]], answer: str, namespace: str | None, breakdown) -> list:
