@@ -184,6 +184,30 @@ def test_a_waiting_run_goes_before_preparing_the_next_turn(valkey_url, namespace
     assert turn(broker_down).breakdown.next_turn_tokens > 0  # unknown counts as nothing waiting
 
 
+@pytest.mark.model
+@pytest.mark.cachebox
+def test_a_board_whose_clients_send_at_once_and_never_go_on_stops_looking_for_their_next_turn(valkey_url, namespace, make_board):
+    import uuid
+
+    from inference.edge import serve
+    from inference.messages import ChatMessage, RunRequest
+
+    board = make_board(valkey_url, namespace, context_reuse=True)
+    looks = []
+
+    def next_request_already_here(within=0.0):
+        looks.append(within)
+        return True  # a client that sends its next request at once: seen while the board looks
+
+    for question in range(8):  # one question after another under one system prompt, never a second turn
+        messages = [ChatMessage(role="system", content=FIRST[0][1]), ChatMessage(role="user", content=f"Question {question}: how long is the crossing?")]
+        report = serve(board, RunRequest(request_id=str(uuid.uuid4()), messages=messages, max_tokens=2, namespace=namespace), work_waiting=next_request_already_here)
+        assert report.error == "" and report.breakdown.next_turn_tokens == 0  # never prepared: the next request went first
+    # it learned from the turns it watched: after the first EXPIRE_RUNS + 1 it no longer looks, so
+    # such a client's next request no longer waits behind the look (and the report after it)
+    assert len(looks) == board.follow_ups.EXPIRE_RUNS + 1
+
+
 @pytest.mark.cachebox
 def test_the_board_sees_messages_waiting_in_its_queues(valkey_url):
     import uuid
