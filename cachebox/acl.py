@@ -5,8 +5,9 @@ A board reaches the broker and the cache box as ``edgecache-board-NAME``, a user
 - take work from its own queue and its namespace's shared queue (``device.NAME``, ``boards.NS``),
   keeping its unacknowledged messages under keys of its own (``unacked.NAME``, ...; Kombu's
   ``unacked_key`` transport options), and read the bindings of those two queues only;
-- push onto the control plane's queue, and nothing else there (``%W~control``, LPUSH only:
-  it can neither read other boards' reports nor delete or overwrite the queue);
+- push its reports onto its own inbox (``ec:inbox:NAME``, LPUSH only) and overwrite its own latest
+  heartbeat (``ec:hb:NAME``, SET only); it cannot write the control plane's Celery queue
+  (``control``), which only the control plane writes, so a board can never name a task there;
 - read and write its cache namespace's entries and catalog (``ec:e:NS:*``, ``ec:m:NS:*``,
   ``ec:c:{NS}:*``);
 - read its own registry record and its own runs' cancel flags, never write them;
@@ -18,8 +19,8 @@ Each group of commands is an ACL *selector* (``(...)``, Redis 7 / Valkey): a com
 when one selector allows it on all the keys it names, so DEL reaches the board's own queue but
 never ``control``. Passwords are set by their SHA-256 (``#...``): the password itself never
 leaves the board. Before it enrolls, a board has a second user, ``edgecache-enroll-NAME``, that
-may only read its record and push its enrollment onto ``control``; its password comes from the
-token (``inference.identity.enrollment_redis_password``).
+may only read its record and push its enrollment onto its own enrollment inbox (``ec:enroll:NAME``);
+its password comes from the token (``inference.identity.enrollment_redis_password``).
 
 The rules are pure (``board_rules``, ``enroll_rules``); applying them goes through
 ``CacheBox.set_user`` (every node of a cluster).
@@ -30,11 +31,10 @@ from __future__ import annotations
 import re
 from urllib.parse import quote
 
-from .keys import HEARTBEAT_LIST
+from .keys import enroll_inbox_key, heartbeat_key, inbox_key
 
 BOARD_USER_PREFIX = "edgecache-board-"
 ENROLL_USER_PREFIX = "edgecache-enroll-"
-CONTROL_QUEUE = "control"
 
 # What every client sends when it connects (redis-py: HELLO/AUTH, CLIENT SETINFO; a cluster
 # client asks for the slot map and the command table), none of which touches a key.
@@ -81,7 +81,9 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
         f"(~unacked_mutex.{name} +set +get +del +expire {_TRANSACTIONS})",
         # where a message it puts back goes (the control plane declares these)
         f"(%R~_kombu.binding.device.{name} %R~_kombu.binding.boards.{ns} +smembers)",
-        f"(%W~{CONTROL_QUEUE} %W~{HEARTBEAT_LIST} +lpush)",
+        # its inbox and its latest heartbeat: keys that name it, so the key tells who sent a message
+        f"(%W~{inbox_key(name)} +lpush)",
+        f"(%W~{heartbeat_key(name)} +set)",
         # its cache namespace: entries, prompt modules, catalog
         f"(~ec:e:{ns}:* ~ec:m:{ns}:* ~ec:c:{{{ns}}}:* "
         f"+get +set +getrange +strlen +exists +expire +del +xadd +xrange +xlen +xtrim +hgetall +hget +hset {_TRANSACTIONS})",
@@ -91,9 +93,10 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
 
 
 def enroll_rules(device: str, password_sha256: str) -> list[str]:
-    """The ACL rules of a device's enrollment user: read its record, send its enrollment."""
+    """The ACL rules of a device's enrollment user: read its record, send its enrollment (to its own
+    enrollment inbox: it can reach no queue and no other device's inbox)."""
     name = _checked(device)
-    return [*_base(password_sha256), f"(%R~ec:device:{name} +get +exists)", f"(%W~{CONTROL_QUEUE} +lpush)"]
+    return [*_base(password_sha256), f"(%R~ec:device:{name} +get +exists)", f"(%W~{enroll_inbox_key(name)} +lpush)"]
 
 
 def board_transport_options(device: str, cache_namespace: str) -> dict:

@@ -228,9 +228,27 @@ def _device(name: str) -> str:
     return name
 
 
-# Boards' signed heartbeats, pushed onto this list of the broker's server (write-only for them);
-# the control plane's workers take them off in batches (``dashboard.actions.devices.HeartbeatBatch``).
-HEARTBEAT_LIST = f"{KEY_PREFIX}:heartbeats"
+# The control inbox: where boards reach the control plane, each through keys that name the sender,
+# so that who sent a message is told by the key its ACL let it write, never by what it wrote.
+
+
+def inbox_key(device: str) -> str:
+    """A board's own inbox (``ec:inbox:<device>``), a list of the broker's server: its signed reports,
+    progress and encoding results, pushed by it alone (LPUSH only) and drained by the control plane
+    (``dashboard.inbox``), a few at a time per board in turn."""
+    return f"{KEY_PREFIX}:inbox:{_device(device)}"
+
+
+def enroll_inbox_key(device: str) -> str:
+    """Where a device's enrollment user sends its one kind of message, an enrollment (``ec:enroll:<device>``)."""
+    return f"{KEY_PREFIX}:enroll:{_device(device)}"
+
+
+def heartbeat_key(device: str) -> str:
+    """A board's latest heartbeat (``ec:hb:<device>``): one value it overwrites (SET only), so a board
+    that beats a million times a second still holds one key, and the control plane reads every
+    board's latest (``HeartbeatBatch``) whatever one board sends."""
+    return f"{KEY_PREFIX}:hb:{_device(device)}"
 
 
 def stream_channel(device: str, request_id: str) -> str:

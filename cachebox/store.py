@@ -402,6 +402,19 @@ class CacheBox:
         taken off it (one RPOP; several consumers never get the same item)."""
         return self._on_key(name, lambda client: client.rpop(name, count)) or []
 
+    def pop_from_any(self, names: Sequence[str], count: int, wait_s: float) -> tuple[str, list[bytes]] | None:
+        """Up to ``count`` oldest items of the first non-empty list of ``names`` (in the order given),
+        taken off it, waiting up to ``wait_s`` seconds for one (one BLMPOP: several consumers never
+        get the same item); None when every list stayed empty. Lists of one server (not a cluster):
+        a caller that wants fairness rotates ``names`` between calls."""
+        if not names:
+            return None
+        reply = self._run(lambda: self.redis.blmpop(wait_s, len(names), *names, direction="RIGHT", count=count))
+        if not reply:
+            return None
+        name, items = reply
+        return (name.decode() if isinstance(name, bytes) else name), list(items)
+
     def ttls(self, names: Sequence[str]) -> list[int]:
         """Seconds each key has left, in one round trip: -1 no TTL (pinned), -2 missing."""
         replies = self._batch(names, str, lambda pipe, name: pipe.ttl(name))

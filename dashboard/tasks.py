@@ -1,7 +1,10 @@
 """Control-plane Celery tasks (queue ``control``): thin wrappers over dashboard.actions.
 
-Each hands the raw message to its verb, which validates it against the message contract
-(``inference.messages``) and refuses (logs) what does not follow it.
+Only the control plane writes this queue: boards' messages reach it through the control inbox
+(``dashboard.inbox``), which hands on only these messages from the device their inbox names.
+A control worker runs these tasks and nothing else (``inbox.refuse_foreign_tasks``: Celery's
+built-in canvas tasks are unregistered). Each hands the raw message to its verb, which validates
+it against the message contract (``inference.messages``) and refuses (logs) what does not follow it.
 """
 
 from celery import shared_task
@@ -17,11 +20,6 @@ from . import actions
 @shared_task(name=Task.RECORD_RUN.value, acks_late=True, ignore_result=True, autoretry_for=(OperationalError,), retry_backoff=1, retry_backoff_max=30, max_retries=8)
 def record_run(payload: dict) -> None:
     actions.record_run(payload)
-
-
-@shared_task(name=Task.HEARTBEAT.value, ignore_result=True)
-def heartbeat(payload: dict) -> None:
-    actions.take_heartbeat(payload)  # recorded with the others of the next half second (HeartbeatBatch)
 
 
 @shared_task(name=Task.ENCODE_PROGRESS.value, ignore_result=True)

@@ -67,7 +67,7 @@ class Task(StrEnum):
     ENROLL = "edgecache.enroll"
 
 
-CONTROL_TASKS = (Task.RECORD_RUN, Task.HEARTBEAT, Task.ENCODE_PROGRESS, Task.ENCODED, Task.ENROLL)
+CONTROL_TASKS = (Task.RECORD_RUN, Task.ENCODE_PROGRESS, Task.ENCODED, Task.ENROLL)
 
 
 class MessageRefused(ValueError):
@@ -396,4 +396,23 @@ class BoardStatus(Message):
 
 class Heartbeat(BoardMessage):
     status: BoardStatus = BoardStatus()
+
+
+# What each inbox may carry: a board's own (``ec:inbox:NAME``) its reports, progress and encoding
+# results; a device's enrollment inbox (``ec:enroll:NAME``) its enrollment. Heartbeats have a key
+# of their own (``ec:hb:NAME``). Nothing else is ever run for a message from a board.
+BOARD_INBOX_TASKS = frozenset({Task.RECORD_RUN, Task.ENCODE_PROGRESS, Task.ENCODED})
+ENROLL_INBOX_TASKS = frozenset({Task.ENROLL})
+MAX_INBOX_MESSAGE_BYTES = 8 * 1024 * 1024  # a sealed report of the longest prompt and answer fits
+MAX_HEARTBEAT_BYTES = 64 * 1024  # a board's signed status (a few hundred bytes; a thousand catalogs fit)
+
+
+class InboxMessage(Message):
+    """One message on an inbox: which of EdgeCache's own messages it is, and its signed envelope
+    (``body``), checked by the receiver of that message (``dashboard.actions``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task: Task
+    body: dict
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 import os
 
 from celery import Celery
+from celery.signals import task_unknown
 from kombu import Exchange, Queue as KombuQueue
 
 from cachebox.broker import without_scripts
+from cachebox.events import security_event
 from cachebox.tls import kombu_options
 
-from .messages import CONTROL_TASKS, Queue
+from .messages import CONTROL_TASKS, Queue, Task
+
+BOARD_TASKS = frozenset({Task.RUN_PROMPT.value, Task.ENCODE_SCHEMA.value})  # all a board's worker runs
 
 
 def celery_settings(broker_url: str, environ=os.environ) -> dict:
@@ -82,5 +86,24 @@ def board_app(broker_url: str, *, queues: list[str] | None = None, transport_opt
     app.conf.update(settings)
     app.conf.update(include=["inference.tasks"], task_publish_retry_policy=BOARD_PUBLISH_RETRY, broker_connection_max_retries=None)
     app.set_default()
+    app.loader.import_default_modules()  # its tasks, then nothing else: keep_only_tasks
+    keep_only_tasks(app, BOARD_TASKS)
     without_scripts()  # this process is a board: its Redis user may run no script
     return app
+
+
+def keep_only_tasks(app: Celery, names) -> list[str]:
+    """Unregister every task of ``app`` but ``names``: Celery's built-in canvas tasks (``celery.group``,
+    ``chain``, ``chord``, ``map``, ``starmap``, ``chunks``, ...) included, so that a message naming one
+    is refused by the worker before anything runs (Celery's unknown-task path, logged on
+    ``edgecache.security`` by ``_refused_task``). Call it when the worker has imported its tasks
+    (``worker_init``); returns the names removed."""
+    removed = [name for name in list(app.tasks) if name not in names]
+    for name in removed:
+        app.tasks.unregister(name)
+    return removed
+
+
+@task_unknown.connect
+def _refused_task(sender=None, name=None, **_) -> None:
+    security_event("task_refused", task=str(name)[:200], reason="not one of EdgeCache's own tasks: nothing ran")

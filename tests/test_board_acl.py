@@ -94,9 +94,14 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
         "read zero's queue": lambda: mallory.lrange("device.zero", 0, -1),
         "read the control queue": lambda: mallory.lrange("control", 0, -1),
         "take reports off the control queue": lambda: mallory.brpop("control", 1),
-        "read other boards' heartbeats": lambda: mallory.lrange("ec:heartbeats", 0, -1),
-        "take other boards' heartbeats": lambda: mallory.rpop("ec:heartbeats"),
-        "empty the heartbeat list": lambda: mallory.delete("ec:heartbeats"),
+        "name a task on the control queue": lambda: mallory.lpush("control", b"{}"),
+        "read zero's inbox": lambda: mallory.lrange("ec:inbox:zero", 0, -1),
+        "write into zero's inbox": lambda: mallory.lpush("ec:inbox:zero", b"{}"),
+        "enroll as zero": lambda: mallory.lpush("ec:enroll:zero", b"{}"),
+        "read zero's heartbeat": lambda: mallory.get("ec:hb:zero"),
+        "beat as zero": lambda: mallory.set("ec:hb:zero", b"{}"),
+        "read its own inbox back": lambda: mallory.lrange("ec:inbox:mallory", 0, -1),
+        "empty its own inbox": lambda: mallory.delete("ec:inbox:mallory"),
         "listen to zero's stream": lambda: mallory.execute_command("SUBSCRIBE", f"ec:stream:zero:{uuid.uuid4()}"),
         # 6. answers lost: a competing consumer of zero's queue, or of its unacknowledged messages
         "take zero's work": lambda: mallory.brpop("device.zero", 1),
@@ -123,8 +128,8 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
     assert mallory.getrange(own, 0, 3) == b"ECE3" and mallory.strlen(own) > 0 and mallory.expire(own, 120)
     assert mallory.xadd("ec:c:{globex}:log", {"k": b"key"}) and mallory.xrange("ec:c:{globex}:log")
     assert json.loads(mallory.get("ec:device:mallory"))["name"] == "mallory"
-    assert mallory.lpush("control", b"a report") == 1  # write-only: it cannot read it back
-    assert mallory.lpush("ec:heartbeats", b"a heartbeat") >= 1  # the same
+    assert mallory.lpush("ec:inbox:mallory", b"a report") == 1  # its own inbox, write-only
+    assert mallory.set("ec:hb:mallory", b"a heartbeat", ex=60)  # its own latest heartbeat, write-only
     assert mallory.lpush("device.mallory", b"x") and mallory.brpop(["device.mallory", "boards.globex"], 1)
     assert mallory.lpush("device.mallory", b"y") and mallory.blmove("device.mallory", "device.mallory", 0.1, "RIGHT", "RIGHT") == b"y"
     assert mallory.brpop(["device.mallory"], 1) == (b"device.mallory", b"y")  # looked at, left in place

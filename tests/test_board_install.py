@@ -12,7 +12,6 @@ EDGECACHE_MODEL, as a board with its model elsewhere does.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
@@ -168,8 +167,8 @@ def _until(condition, timeout: float, every: float = 0.2) -> None:
 
 
 def _enrollment_request(url: str, name: str, board: subprocess.Popen, log: Path) -> dict:
-    """The board's enrollment request, taken off the control queue (kombu's Redis transport: a list
-    of JSON envelopes with a base64 body of [args, kwargs, embed])."""
+    """The board's enrollment request, taken off its enrollment inbox (``ec:enroll:NAME``: JSON
+    ``{"task": "edgecache.enroll", "body": request}``)."""
     import redis
 
     client = redis.Redis.from_url(url)
@@ -177,11 +176,10 @@ def _enrollment_request(url: str, name: str, board: subprocess.Popen, log: Path)
     while time.monotonic() < deadline:
         if board.poll() is not None:
             raise AssertionError(f"the board exited before enrolling: {log.read_text(errors='replace')[-3000:]}")
-        for raw in client.lrange("control", 0, -1):
-            envelope = json.loads(raw)
-            args = json.loads(base64.b64decode(envelope["body"]))[0]
-            if envelope.get("headers", {}).get("task") == "edgecache.enroll" and args and args[0].get("device") == name:
-                client.lrem("control", 1, raw)
-                return args[0]
+        raw = client.rpop(f"ec:enroll:{name}")
+        if raw is not None:
+            message = json.loads(raw)
+            assert message["task"] == "edgecache.enroll" and message["body"]["device"] == name
+            return message["body"]
         time.sleep(0.2)
     raise AssertionError(f"no enrollment request from {name}: {log.read_text(errors='replace')[-3000:]}")

@@ -540,37 +540,42 @@ def test_a_small_simulated_fleet_loses_no_run_and_every_report_is_signed_and_acc
 
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_heartbeats_pushed_on_the_broker_list_are_taken_in_a_batch_and_stale_ones_say_nothing(control_plane):
+def test_each_boards_latest_heartbeat_is_read_once_stale_and_oversized_ones_say_nothing(control_plane):
     import json
-    import time
 
     import redis
     from django.conf import settings
 
-    from cachebox.keys import HEARTBEAT_LIST
+    from cachebox.keys import heartbeat_key
     from dashboard.actions import devices as device_actions
     from dashboard.models import Device
     from inference.envelope import CONTROL, Kind, seal
+    from inference.messages import MAX_HEARTBEAT_BYTES
 
     from .test_dashboard import enrolled, heartbeat, register
 
-    device, token = register("hb-list")
+    device, token = register("hb-key")
     keys = enrolled(device, token)
     monkey = redis.Redis.from_url(settings.REDIS_URL)
-    monkey.delete(HEARTBEAT_LIST)
     from cachebox.signing import SIGNATURE_FIELD, sign_document
 
-    old = seal({"device": "hb-list", "status": {"model": "old", "heartbeat_s": 5}}, kind=Kind.HEARTBEAT, sender="hb-list", to=CONTROL, signer=keys.signing)
+    old = seal({"device": "hb-key", "status": {"model": "old", "heartbeat_s": 5}}, kind=Kind.HEARTBEAT, sender="hb-key", to=CONTROL, signer=keys.signing)
     old["ts"] -= 600  # a heartbeat sent ten minutes ago (the control plane was down), signed as such
     old = sign_document(keys.signing, {k: v for k, v in old.items() if k != SIGNATURE_FIELD})
-    monkey.lpush(HEARTBEAT_LIST, json.dumps(old))
+    monkey.set(heartbeat_key("hb-key"), json.dumps(old))
     batch = device_actions.HeartbeatBatch()
     assert batch.take() == 1 and batch.flush() == 0  # too old to say the board lives now
-    assert not Device.objects.get(name="hb-list").online
-    monkey.lpush(HEARTBEAT_LIST, json.dumps(heartbeat(keys, {"model": "now", "heartbeat_s": 5}, device="hb-list")), b"not json")
-    assert batch.take() == 2 and batch.flush() == 1
-    device = Device.objects.get(name="hb-list")
-    assert device.online and device.status["model"] == "now" and monkey.llen(HEARTBEAT_LIST) == 0
+    assert batch.take() == 0  # the same beat is not read twice
+    assert not Device.objects.get(name="hb-key").online
+    monkey.set(heartbeat_key("hb-key"), b"x" * (MAX_HEARTBEAT_BYTES + 1))
+    assert batch.take() == 0 and batch.flush() == 0  # larger than a heartbeat may be: refused unread
+    monkey.set(heartbeat_key("hb-key"), b"not json")
+    assert batch.take() == 0
+    monkey.set(heartbeat_key("hb-key"), json.dumps(heartbeat(keys, {"model": "now", "heartbeat_s": 5}, device="hb-key")))
+    assert batch.take() == 1 and batch.flush() == 1
+    device = Device.objects.get(name="hb-key")
+    assert device.online and device.status["model"] == "now"
+    assert batch.take() == 0 and batch.flush() == 0  # latest wins: nothing new until the board beats again
 
 
 @pytest.mark.django_db

@@ -42,6 +42,11 @@ def queued_requests(client: redis.Redis, queue: str) -> set[str]:
     return {_request_id(raw) for raw in client.lrange(queue, 0, -1)}
 
 
+def inbox_requests(client: redis.Redis, board: str = "solo") -> set[str]:
+    """The request ids of the reports waiting in a board's inbox (``ec:inbox:NAME``)."""
+    return {json.loads(raw)["body"].get("id") for raw in client.lrange(f"ec:inbox:{board}", 0, -1)}
+
+
 def unacked_requests(client: redis.Redis, board: str = "solo") -> set[str]:
     """The requests a board holds unacknowledged (under its own keys: ``unacked.NAME``)."""
     return {_request_id(json.dumps(json.loads(raw)[0]).encode()) for raw in client.hvals(f"unacked.{board}")}
@@ -163,7 +168,8 @@ def test_a_board_killed_mid_task_gets_it_again_and_the_run_is_stored_once(plane)
 
     plane.board(plane.token)  # the board comes back (same device, same token)
     until(lambda: plane.runs(request_id) == 1, 120, "the redelivered run to be stored")
-    until(lambda: plane.redis.hlen("unacked.solo") == 0 and plane.redis.llen("device.solo") == 0 and plane.redis.llen("control") == 0, 60, "the queues to drain")
+    until(lambda: plane.redis.hlen("unacked.solo") == 0 and plane.redis.llen("device.solo") == 0 and plane.redis.llen("control") == 0 and plane.redis.llen("ec:inbox:solo") == 0,
+          60, "the queues to drain")
     assert plane.runs(request_id) == 1 and plane.runs() == 1
     assert control.poll() is None
 
@@ -174,8 +180,8 @@ def test_a_control_plane_restart_loses_no_run_and_no_device(plane):
     control.send_signal(signal.SIGKILL)  # the control plane dies without warning
     control.wait(timeout=30)
     request_id = plane.dispatch(max_tokens=4)
-    # The board answers and reports while no control plane listens: the report waits in the broker.
-    until(lambda: request_id in queued_requests(plane.redis, "control"), 120, "the board's report to be queued")
+    # The board answers and reports while no control plane listens: the report waits in its inbox.
+    until(lambda: request_id in inbox_requests(plane.redis), 120, "the board's report to be queued")
     assert plane.runs(request_id) == 0
     plane.control_worker()
     until(lambda: plane.runs(request_id) == 1, 60, "the queued report to be stored")

@@ -45,14 +45,15 @@ def test_broker_messages_carry_no_token_and_are_signed_by_the_board(control_plan
     device, token = register("dev-a")
     me = edge.become("dev-a", BoardKeys.generate(), CacheBox(valkey_url), token=token, send=actions.enroll_device, timeout=5)
     client = redis.Redis.from_url(valkey_url)
-    client.delete("control")
+    client.delete("ec:inbox:dev-a")
     current_app.conf.broker_url = valkey_url
     request_id = str(uuid.uuid4())
     edge.report(RunReport(device="dev-a", request_id=request_id, text="hello"))
-    raw = client.lrange("control", 0, -1)
-    assert len(raw) == 1 and token.encode() not in raw[0]  # what `LRANGE control` shows
-    celery_message = json.loads(raw[0])
-    payload = json.loads(base64.b64decode(celery_message["body"]))[0][0]
+    raw = client.lrange("ec:inbox:dev-a", 0, -1)  # the board's own inbox, the only list it may write
+    assert len(raw) == 1 and token.encode() not in raw[0]  # what `LRANGE ec:inbox:dev-a` shows
+    message = json.loads(raw[0])
+    assert set(message) == {"task", "body"} and message["task"] == Task.RECORD_RUN  # names no Celery task: the inbox does
+    payload = message["body"]
     assert "token" not in payload and "hello" not in json.dumps(payload)  # the answer is sealed
     assert payload["from"] == "dev-a" and payload["kind"] == "report" and payload["sealed"] and payload["id"] == request_id
     device.refresh_from_db()
@@ -61,7 +62,7 @@ def test_broker_messages_carry_no_token_and_are_signed_by_the_board(control_plan
     assert me.keys.signing_public_key == device.signing_public_key
     report = actions.record_run(payload)  # the control plane opens it: no dispatch, so refused, but read
     assert report is None
-    client.delete("control")
+    client.delete("ec:inbox:dev-a")
 
 
 def test_a_redis_dump_or_a_database_dump_alone_opens_no_key_ring(control_plane, valkey_url):
@@ -156,19 +157,26 @@ def test_private_namespaces_of_long_similar_names_differ():
     assert private_namespace("t", "b") == "t.dev-b"  # short ones stay readable
 
 
-def test_the_board_task_sends_its_report_signed_and_sealed(monkeypatch):
-    """The task path: ``report`` signs with the board's key whatever message it is given, and seals it
-    straight into the control queue (no binding declared on the broker)."""
+def test_the_board_task_sends_its_report_signed_and_sealed_onto_its_own_inbox(monkeypatch):
+    """The task path: ``report`` signs with the board's key whatever message it is given, seals it,
+    and pushes it onto the board's own inbox (no Celery task, no queue of the control plane's)."""
+    from inference.edge import outbox
+
     from .test_edge import board_identity
 
     me = board_identity("dev-a")
     monkeypatch.setattr(edge.enrollment, "_identity", me)
-    sent = []
-    monkeypatch.setattr(current_app, "send_task", lambda name, args=None, queue=None, **kw: sent.append((name, args[0], queue, kw)))
+    pushed = []
+
+    class Client:
+        def lpush(self, key, raw):
+            pushed.append((key, json.loads(raw)))
+
+    monkeypatch.setattr(outbox, "write_to_broker", lambda command, **_: command(Client()))
     edge.report(RunReport(device="dev-a", request_id=str(uuid.uuid4()), text="the answer"))
-    name, payload, queue, options = sent[0]
-    assert name == Task.RECORD_RUN and queue == "control" and verify_signature(payload, me.keys.signing_public_key)
-    assert "the answer" not in json.dumps(payload) and options["exchange"] == "" and options["declare"] == []
+    [(key, message)] = pushed
+    assert key == "ec:inbox:dev-a" and message["task"] == Task.RECORD_RUN
+    assert verify_signature(message["body"], me.keys.signing_public_key) and "the answer" not in json.dumps(message)
 
 
 # -- 4. any cache-box error degrades to local work; the answer always reaches the control plane --

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -13,11 +15,12 @@ from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
+from cachebox.keys import heartbeat_key
 from cachebox.signing import pin_proof
 from inference import devices as registry
 from inference.envelope import EnvelopeRefused, Kind, peek
 from inference.identity import check_enrollment_signature, enrollment_public_key, enrollment_redis_password, password_sha256
-from inference.messages import BoardMessage, EnrollRequest, Heartbeat
+from inference.messages import MAX_HEARTBEAT_BYTES, BoardMessage, EnrollRequest, Heartbeat
 
 from ..live import broadcast
 from ..models import Device, Namespace, offline_after
@@ -301,7 +304,7 @@ def record_heartbeat(payload: dict) -> Device | None:
 
 
 class HeartbeatBatch:
-    """Heartbeats as a control worker takes them: kept in memory and written together every
+    """Heartbeats as a control worker reads them, each board's latest from its own key: kept in memory and written together every
     ``FLUSH_S`` (one query for their devices, one transaction of one UPDATE each, one pipelined
     look-up of their registry records), instead of a query, two writes, a commit and a registry
     read per heartbeat. Each is checked as ``record_heartbeat`` checks it (signed by its enrolled,
@@ -322,44 +325,62 @@ class HeartbeatBatch:
         self._pending: list[dict] = []
         self._thread: threading.Thread | None = None
         self._told: dict[str, float] = {}  # device -> when the pages were last told of it
+        self._names: list[str] = []  # the enrolled, unrevoked boards whose heartbeat keys are read
+        self._roster_at = float("-inf")
+        self._seen: dict[str, bytes | int] = {}  # device -> digest (or size, too large) of the beat read last
 
-    TAKE = 1000  # heartbeats taken off the list per round trip
-    TAKE_PER_FLUSH = 20_000  # a flush stays bounded (~3 s of checking) whatever the backlog
+    ROSTER_EVERY_S = 2.0  # how soon a newly enrolled board's heartbeats are read
+    READ_BATCH = 1000  # heartbeat keys read per round trip
 
     def add(self, payload: dict) -> None:
-        """One heartbeat for the next flush (a Celery task from a board older than the list)."""
+        """One heartbeat for the next flush (as ``take`` adds what it reads)."""
         with self._lock:
             self._pending.append(payload)
 
     def start(self) -> None:
-        """Record heartbeats from now on, every ``FLUSH_S``: those of the broker's heartbeat list and
-        those ``add``ed (a control worker starts it; several workers share the list)."""
+        """Record heartbeats from now on, every ``FLUSH_S``: every enrolled board's latest one
+        (several control workers may read them: a board's row only moves forward)."""
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="edgecache-heartbeats", daemon=True)
                 self._thread.start()
 
     def take(self) -> int:
-        """Move what boards pushed onto the broker's heartbeat list into this batch; how many."""
-        import json
-
-        from cachebox.keys import HEARTBEAT_LIST
-
-        broker = _broker()
+        """Read every enrolled board's latest heartbeat (``ec:hb:NAME``: at most
+        ``MAX_HEARTBEAT_BYTES`` of it, in pipelined round trips) and keep for this batch those that
+        changed since the last read; how many. Each board holds one key however often it beats, so
+        one board's flood delays no other board."""
+        if time.monotonic() - self._roster_at > self.ROSTER_EVERY_S:
+            self._names = list(Device.objects.filter(revoked_at=None).exclude(signing_public_key="").values_list("name", flat=True))
+            self._roster_at = time.monotonic()
+            self._seen = {name: seen for name, seen in self._seen.items() if name in set(self._names)}
+        broker = broker_server()
         taken = 0
-        while True:
-            raws = broker.pop_oldest(HEARTBEAT_LIST, self.TAKE)
-            for raw in raws:
+        for start in range(0, len(self._names), self.READ_BATCH):
+            names = self._names[start : start + self.READ_BATCH]
+            heads = broker.read_heads([heartbeat_key(name) for name in names], MAX_HEARTBEAT_BYTES + 1)
+            for name, (raw, size) in zip(names, heads):
+                if not size:
+                    continue
+                seen = hashlib.blake2b(raw, digest_size=16).digest() if size <= MAX_HEARTBEAT_BYTES else size
+                if self._seen.get(name) == seen:
+                    continue  # the beat read last time: nothing new from this board
+                self._seen[name] = seen
+                if size > MAX_HEARTBEAT_BYTES:
+                    security_event("board_message_refused", device=name, message="Heartbeat", reason=f"{size} bytes, more than {MAX_HEARTBEAT_BYTES}")
+                    continue
                 try:
                     payload = json.loads(raw)
                 except ValueError:
-                    security_event("board_message_refused", message="Heartbeat", reason="not JSON")
+                    security_event("board_message_refused", device=name, message="Heartbeat", reason="not JSON")
+                    continue
+                if not isinstance(payload, dict):
+                    security_event("board_message_refused", device=name, message="Heartbeat", reason="not a JSON object")
                     continue
                 with self._lock:
                     self._pending.append(payload)
-            taken += len(raws)
-            if len(raws) < self.TAKE or taken >= self.TAKE_PER_FLUSH:
-                return taken  # a backlog is taken over the next flushes (stale heartbeats are dropped there)
+                taken += 1
+        return taken
 
     def _run(self) -> None:
         from django.db import close_old_connections
@@ -466,17 +487,11 @@ def _write_heartbeats(rows: list[tuple[int, float, dict]], now) -> None:
         cursor.executemany(sql, params)
 
 
-def _broker():
+def broker_server():
     """The broker's server (``REDIS_URL``), where boards push their heartbeats (one client per process)."""
     from .identities import _client
 
     return _client(settings.REDIS_URL, settings.EDGECACHE_CONNECT_TIMEOUT, settings.EDGECACHE_IO_TIMEOUT)
-
-
-def take_heartbeat(payload: dict) -> None:
-    """A heartbeat from the control queue, recorded with the others of the next ``HeartbeatBatch.FLUSH_S``."""
-    HEARTBEATS.add(payload)
-    HEARTBEATS.start()
 
 
 def _republish_missing(devices: list[Device]) -> None:

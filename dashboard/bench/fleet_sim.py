@@ -536,7 +536,7 @@ def drive(options: dict) -> dict:
         while not all((home / f"sim-{index}.out.json").exists() for index in range(processes)) and time.monotonic() < deadline:
             time.sleep(0.5)
         deadline = time.monotonic() + 120
-        while broker.llen("control") and time.monotonic() < deadline:
+        while _reports_waiting(broker) and time.monotonic() < deadline:
             time.sleep(0.5)
         time.sleep(2)  # the worker's last tasks commit
         results = []
@@ -625,3 +625,8 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def _reports_waiting(broker) -> int:
+    """Reports not recorded yet: on the boards' inboxes, or handed on to the control queue."""
+    return broker.llen("control") + sum(broker.llen(key) for key in broker.scan_iter(match="ec:inbox:*", count=1000))

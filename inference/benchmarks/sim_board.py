@@ -39,7 +39,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from cachebox.entry import EntryHeader, encode_entry, open_entry
-from cachebox.keys import HEARTBEAT_LIST, catalog_key_names, entry_key_name, stream_channel
+from cachebox.keys import catalog_key_names, enroll_inbox_key, heartbeat_key, inbox_key, entry_key_name, stream_channel
 from cachebox.store import CacheBox
 
 from ..breakdown import Breakdown, Case, Decision, Tier
@@ -48,7 +48,7 @@ from ..devices import enroll
 from ..edge import EdgeIdentity
 from ..envelope import EnvelopeRefused, Kind, peek
 from ..identity import BoardKeys
-from ..messages import BoardStatus, EnrollRequest, Heartbeat, MessageRefused, Queue, RunReport, RunRequest, StoredEntry, StreamEvent, Task
+from ..messages import BoardStatus, EnrollRequest, Heartbeat, InboxMessage, MessageRefused, Queue, RunReport, RunRequest, StoredEntry, StreamEvent, Task
 
 log = logging.getLogger("inference.benchmarks.sim_board")
 
@@ -144,7 +144,8 @@ class Fleet:
         admin = CacheBox(self.cachebox_url)
 
         def send(fields: dict) -> None:
-            sender.lpush(Queue.CONTROL.value, task_message(Task.ENROLL.value, [EnrollRequest(**fields).dump()], queue=Queue.CONTROL.value, expires_s=120))
+            message = InboxMessage(task=Task.ENROLL, body=EnrollRequest(**fields).dump())  # as inference.edge.send_enrollment
+            sender.lpush(enroll_inbox_key(fields["device"]), json.dumps(message.dump(), separators=(",", ":")))
 
         def one(board: dict) -> None:
             keys = BoardKeys.generate()
@@ -211,7 +212,8 @@ class Fleet:
 
     async def _send(self, task: Task, board: SimBoard, message, kind: Kind, expires_s: float | None = None) -> None:
         sealed = board.me.seal(message, kind)
-        await self.broker.lpush(Queue.CONTROL.value, task_message(task.value, [sealed], queue=Queue.CONTROL.value, expires_s=expires_s))
+        message = InboxMessage(task=task, body=sealed)  # as inference.edge.send_to_control
+        await self.broker.lpush(inbox_key(board.me.name), json.dumps(message.dump(), separators=(",", ":")))
 
     async def _heartbeats(self, board: SimBoard) -> None:
         await asyncio.sleep(random.uniform(0, self.heartbeat_s))  # boards start at different times
@@ -227,7 +229,8 @@ class Fleet:
                     }},
                 )
                 sealed = board.me.seal(Heartbeat(device=board.me.name, status=status), Kind.HEARTBEAT)
-                await self.broker.lpush(HEARTBEAT_LIST, json.dumps(sealed, separators=(",", ":")))  # as inference.edge.push_heartbeat
+                raw = json.dumps(sealed, separators=(",", ":"))
+                await self.broker.set(heartbeat_key(board.me.name), raw, ex=max(60, int(self.heartbeat_s * 12)))  # as inference.edge.push_heartbeat
                 self.counts["heartbeats"] += 1
             except Exception as exc:  # noqa: BLE001 (counted and reported, the board beats on)
                 self._error(f"heartbeat of {board.me.name}: {type(exc).__name__}: {exc}")

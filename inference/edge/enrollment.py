@@ -11,10 +11,9 @@ import json
 import logging
 from dataclasses import dataclass
 
-from celery import current_app
-
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
+from cachebox.keys import enroll_inbox_key
 from cachebox.signing import Keychain, KeyRing
 from cachebox.store import CacheBox
 
@@ -22,8 +21,9 @@ from .. import envelope
 from ..devices import UNREAD, DeviceRecord, DeviceRefused, DeviceUnknown, RecordRefused, authenticate, enroll
 from ..envelope import CONTROL, EnvelopeRefused, Kind
 from ..identity import BoardKeys
-from ..messages import BoardMessage, EnrollRequest, Queue, StreamEvent, Task
+from ..messages import BoardMessage, EnrollRequest, InboxMessage, StreamEvent, Task
 from ..serving import PromptError
+from .wire import write_to_broker
 
 log = logging.getLogger("inference.edge")
 
@@ -128,10 +128,11 @@ _identity: EdgeIdentity | None = None
 
 
 def send_enrollment(fields: dict) -> None:
-    """An enrollment request to the control plane's queue (public keys, signed with the token's key)."""
-    current_app.send_task(
-        Task.ENROLL.value, args=[EnrollRequest(**fields).dump()], queue=Queue.CONTROL.value, exchange="", routing_key=Queue.CONTROL.value, declare=[], expires=120
-    )
+    """An enrollment request (public keys, signed with the token's key) onto this device's own
+    enrollment inbox (``ec:enroll:NAME``), the one key its enrollment user may write."""
+    request = EnrollRequest(**fields)
+    raw = json.dumps(InboxMessage(task=Task.ENROLL, body=request.dump()).dump(), separators=(",", ":"))
+    write_to_broker(lambda client: client.lpush(enroll_inbox_key(request.device), raw), retry=False, what="the enrollment")
 
 
 def become(name: str, keys: BoardKeys, store: CacheBox, *, token: str | None = None, send=send_enrollment, timeout: float = 30.0, save=None, then_as=None) -> EdgeIdentity:

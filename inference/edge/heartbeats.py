@@ -10,24 +10,27 @@ import os
 import threading
 import time
 
-from celery import current_app
-
 from cachebox.errors import CacheBoxUnavailable
-from cachebox.keys import HEARTBEAT_LIST
+from cachebox.keys import heartbeat_key
 
 from ..devices import DeviceRefused
 from ..envelope import Kind
 from ..messages import BoardStatus, Heartbeat
 from .enrollment import identity
+from .wire import write_to_broker
 
 log = logging.getLogger("inference.edge")
 
 
-def push_heartbeat(sealed: dict) -> None:
-    """A signed heartbeat onto the broker's heartbeat list (``cachebox.keys.HEARTBEAT_LIST``, one
-    LPUSH): the control plane's workers take them off in batches, not as a Celery task each."""
-    with current_app.pool.acquire(block=True, timeout=10) as connection:
-        connection.default_channel.client.lpush(HEARTBEAT_LIST, json.dumps(sealed, separators=(",", ":")))
+def push_heartbeat(sealed: dict, interval: float = 5.0) -> None:
+    """A signed heartbeat as this board's latest (``cachebox.keys.heartbeat_key``, one SET that
+    overwrites the last one and expires when the board would count as offline long since): the
+    control plane reads every board's latest in turn, so however often one board beats, it holds
+    one key and delays no other board."""
+    me = identity()
+    raw = json.dumps(sealed, separators=(",", ":"))
+    ttl = max(60, int(interval * 12))
+    write_to_broker(lambda client: client.set(heartbeat_key(me.name), raw, ex=ttl), retry=False, what="a heartbeat")
 
 
 class HeartbeatThread(threading.Thread):
@@ -57,7 +60,7 @@ class HeartbeatThread(threading.Thread):
         except CacheBoxUnavailable:
             pass  # cannot tell now; the control plane checks every message anyway
         status = BoardStatus(pid=os.getpid(), sent=time.time(), heartbeat_s=self.interval, **self.board_status())
-        push_heartbeat(me.seal(Heartbeat(device=me.name, status=status), Kind.HEARTBEAT))
+        push_heartbeat(me.seal(Heartbeat(device=me.name, status=status), Kind.HEARTBEAT), self.interval)
 
     def run(self) -> None:
         while True:

@@ -1,38 +1,44 @@
 """What a board sends the control plane: reports, encoding progress, heartbeats and answers to
-refused requests, each signed (and sealed) by this board and published straight into the control
-queue (a board declares and binds nothing on the broker).
+refused requests, each signed (and sealed) by this board and written where its Redis user may
+write and nothing else may: its own inbox (``ec:inbox:NAME``) and its own heartbeat key
+(``ec:hb:NAME``). A board names no Celery task and reaches no queue of the control plane's; the
+control plane drains every board's inbox in turn (``dashboard.inbox``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
-from celery import current_app
 from pydantic import ValidationError
 
+from cachebox.keys import inbox_key
+
 from ..envelope import Kind
-from ..messages import BoardMessage, EncodeProgress, EncodeReport, Queue, RunReport, Task
+from ..messages import BoardMessage, EncodeProgress, EncodeReport, InboxMessage, RunReport, Task
 from .enrollment import identity, sender
+from .wire import write_to_broker
 
 log = logging.getLogger("inference.edge")
 
-_KINDS = {Task.RECORD_RUN: Kind.REPORT, Task.ENCODED: Kind.ENCODED, Task.ENCODE_PROGRESS: Kind.PROGRESS, Task.HEARTBEAT: Kind.HEARTBEAT}
-
-
-def send_to_control(task: Task, message: BoardMessage, **options) -> None:
-    """One message to the control plane's queue, signed (and sealed) by this board. Published on the
-    default exchange straight into the queue: a board declares and binds nothing on the broker."""
-    sealed = identity().seal(message, _KINDS[task])
-    current_app.send_task(task.value, args=[sealed], queue=Queue.CONTROL.value, exchange="", routing_key=Queue.CONTROL.value, declare=[], **options)
+_KINDS = {Task.RECORD_RUN: Kind.REPORT, Task.ENCODED: Kind.ENCODED, Task.ENCODE_PROGRESS: Kind.PROGRESS}
+def send_to_control(task: Task, message: BoardMessage, *, retry: bool = True) -> None:
+    """One message to the control plane, signed (and sealed) by this board, onto its own inbox."""
+    me = identity()
+    raw = json.dumps(InboxMessage(task=task, body=me.seal(message, _KINDS[task])).dump(), separators=(",", ":"))
+    write_to_broker(lambda client: client.lpush(inbox_key(me.name), raw), retry=retry, what=f"{task.value} of {me.name}")
 
 
 def send_progress(progress: EncodeProgress) -> None:
     """Encoding progress to the control plane (best effort: progress may be lost, the result is not)."""
-    send_to_control(Task.ENCODE_PROGRESS, progress, expires=60)
+    try:
+        send_to_control(Task.ENCODE_PROGRESS, progress, retry=False)
+    except Exception as exc:  # noqa: BLE001 - best effort
+        log.info("encoding progress not sent: %s", exc)
 
 
 def report(message: BoardMessage, task: Task = Task.RECORD_RUN) -> None:
-    """Send a signed, sealed report to the control plane's queue."""
+    """Send a signed, sealed report to the control plane."""
     send_to_control(task, message)
 
 
