@@ -98,7 +98,7 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     ),
     "EDGECACHE_BOARD_ACL": (
         None,
-        "every board reaches Redis as a user of its own (its queue, its namespace's entries, LPUSH only on `control`); "
+        "every board reaches Redis as a user of its own (its queue, its namespace's entries, LPUSH only on its own inbox); "
         "`0` only for a server whose ACLs the control plane may not manage (boards then use `REDIS_URL` as given)",
     ),
     "EDGECACHE_CIPHER": (
