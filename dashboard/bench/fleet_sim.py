@@ -616,6 +616,11 @@ def drive(options: dict) -> dict:
     return doc
 
 
+def _reports_waiting(broker) -> int:
+    """Reports not recorded yet: on the boards' inboxes, or handed on to the control queue."""
+    return broker.llen("control") + sum(broker.llen(key) for key in broker.scan_iter(match="ec:inbox:*", count=1000))
+
+
 def main(argv: list[str]) -> int:
     options = json.loads(Path(argv[0]).read_text())
     doc = drive(options)
@@ -625,8 +630,3 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
-
-
-def _reports_waiting(broker) -> int:
-    """Reports not recorded yet: on the boards' inboxes, or handed on to the control queue."""
-    return broker.llen("control") + sum(broker.llen(key) for key in broker.scan_iter(match="ec:inbox:*", count=1000))
