@@ -121,13 +121,15 @@ class ControlInbox:
         if not self._order:
             time.sleep(self.WAIT_S if wait_s is None else wait_s)
             return 0
-        # Each turn starts one inbox further on: a flooded inbox gets one turn in every round.
-        self._turn = (self._turn + 1) % len(self._order)
-        order = self._order[self._turn :] + self._order[: self._turn]
-        taken = broker_server().pop_from_any(order, self.TAKE, self.WAIT_S if wait_s is None else wait_s)
+        # Round robin: each turn starts at the inbox after the one served last, so every non-empty
+        # inbox is served once a round, a flooded one included, and none twice before another.
+        start = self._turn % len(self._order)
+        taken = broker_server().pop_from_any(self._order[start:] + self._order[:start], self.TAKE, self.WAIT_S if wait_s is None else wait_s)
         if taken is None:
             return 0
         key, items = taken
+        if key in self._keys:
+            self._turn = self._order.index(key) + 1
         kind, device = self._keys.get(key, (BOARD, ""))
         handed = 0
         for raw in items:

@@ -182,6 +182,35 @@ def test_a_board_flooding_its_inbox_delays_no_other_board(plane):
     assert "zero" in seen and len(seen) <= 2 * ControlInbox.TAKE
 
 
+def test_the_inboxes_are_served_round_robin_whatever_their_order(monkeypatch):
+    """Of a thousand inboxes, the one after a flooded one is served at the next turn (a turn starts
+    after the inbox served last), not after the flood had a turn for each inbox before it."""
+    from dashboard import inbox as module
+
+    names = [f"board-{index:04d}" for index in range(1000)]
+    lists = {module.inbox_key(name): [] for name in names}
+    lists[module.inbox_key("board-0500")] = [b"flood"] * 100_000
+    lists[module.inbox_key("board-0501")] = [b"report"]
+
+    class Broker:
+        def pop_from_any(self, order, count, wait_s):
+            for key in order:
+                if lists[key]:
+                    taken, lists[key][:] = lists[key][:count], lists[key][count:]
+                    return key, taken
+            return None
+
+    monkeypatch.setattr(module, "broker_server", lambda: Broker())
+    monkeypatch.setattr(module, "accept", lambda kind, device, raw: Accepted(Task.RECORD_RUN, {"from": device}))
+    served = []
+    drain = ControlInbox(send=lambda name, args=None, queue=None: served.append(args[0]["from"]))
+    drain._keys = module.inbox_keys(names, [])
+    drain._order, drain._roster_at = sorted(drain._keys), float("inf")
+    drain.drain_once(0)
+    drain.drain_once(0)
+    assert served[-1] == "board-0501" and served.count("board-0500") == ControlInbox.TAKE
+
+
 @pytest.mark.django_db
 @pytest.mark.cachebox
 def test_two_hundred_thousand_heartbeats_from_one_board_keep_every_other_board_online(plane):
