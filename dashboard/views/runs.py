@@ -24,6 +24,7 @@ from inference.messages import CANCELLED
 
 from .. import actions, admission, board_start, charts, metrics, ratelimit, run_stream
 from ..explain import explain_run
+from ..model_cards import boards_models
 from ..forms import MAX_PROMPT_CHARS, RunFilterForm, RunForm
 from ..models import Device, InferenceRun
 from ..stats import explain_error, explained, recent_runs, visible_runs
@@ -41,6 +42,7 @@ def _run_page_context(request, form, **extra) -> dict:
         "task_expires": settings.EDGECACHE_TASK_EXPIRES,
         "wait_hint_seconds": WAIT_HINT_SECONDS,
         "start_prefix": board_start.shown_to(request.user)["prefix"],  # the hints' start command (staff: with the address)
+        "models": boards_models(form.fields["devices"].queryset),  # what each board runs, and what to expect of it
         "chart_data": {},
         **extra,
     }
