@@ -6,7 +6,10 @@ checks that the official `openai` client is refused once it is revoked."""
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
+from html import unescape
 
 import pytest
 from django.test import Client
@@ -18,7 +21,7 @@ from dashboard.models import ApiKey, AuditEvent, Membership, Namespace
 
 pytestmark = pytest.mark.django_db
 
-KEY = re.compile(r'<pre id="api-key" class="command">(ec-[A-Za-z0-9_-]+)</pre>')
+KEY = re.compile(r'<pre id="api-key" class="command key">(ec-[A-Za-z0-9_-]+)</pre>')
 
 
 def _client(user) -> Client:
@@ -54,6 +57,9 @@ def test_staff_create_a_key_in_any_namespace_and_see_it_once(tenants):
     key = KEY.search(html).group(1)
     assert html.count("<h1") == 1 and html.count("API key created") == 1  # the heading, once
     assert 'data-copy aria-label="Copy the API key"' in html
+    shown = re.search(r'<pre id="api-key-curl" class="command">(.*?)</pre>', html, re.S).group(1)
+    curl = shlex.split(unescape(re.sub(r"<[^>]+>", "", shown)))
+    assert curl[:2] == ["curl", "-N"] and f"Authorization: Bearer {key}" in curl and json.loads(curl[-1])["stream"] is True
     row = ApiKey.objects.get(name="reports")
     assert row.namespace_id == "tenant-b" and row.key_sha256 == hash_key(key) and row.created_by == tenants["staff"]
     again = client.get(reverse("api-key-created"))  # shown once: a reload shows it no more
@@ -131,7 +137,8 @@ def test_the_admins_add_shows_the_key_once_on_the_dashboards_page(tenants):
     staff.is_superuser = True
     staff.save()
     client = _client(staff)
-    response = client.post(reverse("admin:dashboard_apikey_add"), {"name": "ci", "namespace": "tenant-a", "rate_per_minute": 60}, follow=True)
+    fields = {"name": "ci", "namespace": "tenant-a", "rate_per_minute": 60}
+    response = client.post(reverse("admin:dashboard_apikey_add"), fields, follow=True)
     html = response.content.decode()
     assert response.redirect_chain[-1][0] == reverse("api-key-created")
     assert html.count("API key created") == 1 and KEY.search(html)

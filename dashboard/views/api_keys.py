@@ -3,6 +3,9 @@ copy button), revoke (confirmed). The verbs and who may use them: ``actions/api_
 
 from __future__ import annotations
 
+import json
+import shlex
+
 from django.contrib import messages
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -31,7 +34,10 @@ def _page(request, form: ApiKeyForm, *, status: int = 200, refusal: str = ""):
     managed = set(managed_namespaces(user).values_list("name", flat=True))
     rows = [{"key": key, "may_revoke": key.namespace_id in managed} for key in keys[:KEYS_SHOWN]]
     not_managed = [namespace.name for namespace in namespaces if namespace.name not in managed]
-    context = {"form": form, "rows": rows, "namespaces": namespaces, "chosen": chosen, "may_create": bool(managed), "not_managed": not_managed, "refusal": refusal}
+    context = {
+        "form": form, "rows": rows, "namespaces": namespaces, "chosen": chosen,
+        "may_create": bool(managed), "not_managed": not_managed, "refusal": refusal,
+    }
     return render(request, "dashboard/api_keys.html", context, status=status)
 
 
@@ -66,9 +72,15 @@ def api_key_created(request):
     shown = request.session.pop(KEY_SESSION_KEY, None)
     row = visible_keys(request.user).filter(pk=shown["id"]).first() if shown else None
     if row is None:
-        messages.info(request, "An API key is shown once, when it is made, and not kept (only its SHA-256 is): make a new one and revoke the lost one.")
+        messages.info(request, "An API key is shown once, when it is made (only its SHA-256 is kept): make a new one, revoke the lost one.")
         return redirect("api-keys")
-    context = {"row": row, "key": shown["key"], "base": request.build_absolute_uri("/").rstrip("/"), "model": example_model(row.namespace_id)}
+    base = request.build_absolute_uri("/").rstrip("/")
+    body = json.dumps({"model": example_model(row.namespace_id), "stream": True, "messages": [{"role": "user", "content": "Hello"}]})
+    curl = (
+        f'curl -N {base}/v1/chat/completions -H "Authorization: Bearer {shown["key"]}" -H "Content-Type: application/json" '
+        f"-d {shlex.quote(body)}"
+    )
+    context = {"row": row, "key": shown["key"], "base": base, "curl": curl}
     return render(request, "dashboard/api_key_created.html", context)  # never cached: the key must not stay in a cache
 
 
@@ -86,8 +98,12 @@ def api_key_revoke(request, pk: int):
     form = ConfirmForm(request.POST or None)
     if request.method != "POST" or not form.is_valid():
         question = f"Revoke the API key {row.key_prefix}…{' (' + row.name + ')' if row.name else ''}?"
-        consequence = f"Requests with it to namespace {row.namespace_id}'s boards are refused (401) from now on. This cannot be undone: make a new key instead."
-        return render(request, "dashboard/confirm.html", {"form": form, "question": question, "consequence": consequence, "cancel_url": back})
+        consequence = (
+            f"Requests with it to namespace {row.namespace_id}'s boards are refused (401) from now on. "
+            "This cannot be undone: make a new key instead."
+        )
+        context = {"form": form, "question": question, "consequence": consequence, "cancel_url": back}
+        return render(request, "dashboard/confirm.html", context)
     revoke_key(request.user, row)
     messages.success(request, f"Revoked {row}: its next request is refused (401).")
     return redirect(back)
