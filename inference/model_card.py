@@ -49,10 +49,9 @@ class ModelCard:
                 "so a chat may get echoes and loose continuations."
             )
         return (
-            f"{self.name} is a base model, not instruction-tuned: it continues the conversation's text rather than following it, "
-            "so expect echoes of your message and loose continuations, not a helpful answer. It suits text completion and "
-            "MMLU questions (scored on the answer's letter); for a real chat, start the boards with an instruction-tuned GGUF "
-            "(EDGECACHE_MODEL, e.g. a gemma-3-270m-it file)."
+            f"{self.name} is a base model, not instruction-tuned: it continues your text rather than answering it, so expect "
+            "echoes and loose continuations. Text completion and MMLU questions suit it; for a chat, start the boards with an "
+            "instruction-tuned GGUF (EDGECACHE_MODEL)."
         )
 
 
