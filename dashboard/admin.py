@@ -9,7 +9,6 @@ from cachebox.models import CacheEntry
 from .entry_preview import previews
 from .explain import human_bytes
 from .models import ApiKey, AuditEvent, Device, InferenceRun, Membership, Namespace, SavedPrompt
-from .api.routing import example_model
 
 SHOWN = 50  # items listed on a confirmation page
 
@@ -42,7 +41,7 @@ def confirmation(modeladmin, request, queryset, *, title: str, verb: str, explan
 class NamespaceAdmin(admin.ModelAdmin):
     """Tenants: whether their boards share entries, and their signing keys (rotate: staff, confirmed, logged)."""
 
-    list_display = ("name", "share_across_devices", "key_generation", "key_rotated_at", "device_count", "created")
+    list_display = ("name", "share_across_devices", "members_manage_api_keys", "key_generation", "key_rotated_at", "device_count", "created")
     readonly_fields = ("key_generation", "key_rotated_at", "created")
     actions = ["rotate_key"]
 
@@ -267,18 +266,6 @@ class EdgeCacheUserAdmin(UserAdmin):
 
 
 # -- keys of the OpenAI-compatible API (/v1/): shown once, stored hashed, revocable ------------------
-_KEY_SHOWN_ONCE = """{% extends "admin/base_site.html" %}
-{% block content %}
-<h1>API key created</h1>
-<p>Key for namespace <strong>{{ row.namespace_id }}</strong>{% if row.name %} ({{ row.name }}){% endif %}. Copy it now:
-it is shown this once; only its SHA-256 is kept.</p>
-<p><code id="api-key" style="font-size:1.2em;user-select:all">{{ key }}</code></p>
-<pre>curl -N {{ base }}/v1/chat/completions -H "Authorization: Bearer {{ key }}" -H "Content-Type: application/json" \\
-  -d '{"model": "{{ model }}", "stream": true, "messages": [{"role": "user", "content": "Hello"}]}'</pre>
-<p><a href="{{ back }}">Back to the API keys</a></p>
-{% endblock %}"""
-
-
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
     """API keys: one namespace each; the key is shown once when created, then only its first characters."""
@@ -295,7 +282,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         return self.readonly_fields + (("namespace",) if obj else ())
 
     def save_model(self, request, obj, form, change):
-        from .api.keys import create_key
+        from .actions.api_keys import create_key
 
         if change:
             super().save_model(request, obj, form, change)
@@ -305,30 +292,20 @@ class ApiKeyAdmin(admin.ModelAdmin):
         request._edgecache_api_key = key  # shown once, by response_add
 
     def response_add(self, request, obj, post_url_continue=None):
-        from django.http import HttpResponse
-        from django.template import engines
-        from django.urls import reverse
+        """The key, once, on the dashboard's own page (the one the API keys page shows)."""
+        from django.shortcuts import redirect
+
+        from .views.api_keys import KEY_SESSION_KEY
 
         key = getattr(request, "_edgecache_api_key", None)
         if key is None:
             return super().response_add(request, obj, post_url_continue)
-        page = engines["django"].from_string(_KEY_SHOWN_ONCE)
-        context = {
-            **self.admin_site.each_context(request),
-            "title": "API key created",
-            "row": obj,
-            "key": key,
-            "base": request.build_absolute_uri("/").rstrip("/"),
-            "model": example_model(obj.namespace_id),
-            "back": reverse("admin:dashboard_apikey_changelist"),
-        }
-        response = HttpResponse(page.render(context, request))
-        response["Cache-Control"] = "no-store"  # the key must not stay in a cache
-        return response
+        request.session[KEY_SESSION_KEY] = {"id": obj.pk, "key": key}
+        return redirect("api-key-created")
 
     @admin.action(description="Revoke the selected API keys")
     def revoke(self, request, queryset):
-        from .api.keys import revoke_key
+        from .actions.api_keys import revoke_key
 
         queryset = queryset.filter(revoked_at__isnull=True)
         page = confirmation(

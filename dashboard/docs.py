@@ -117,6 +117,11 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "more addresses the embedded Valkey listens on, besides loopback (boards as hosts reach it on their hub's); it needs the "
         "control plane's password wherever it listens",
     ),
+    "EDGECACHE_PUBLIC_REDIS_URL": (
+        "`REDIS_URL`, or the embedded Valkey's port on its first `EDGECACHE_EMBEDDED_BIND` address beside loopback",
+        "the cache box's address as boards on other machines reach it, in the start command the pages show staff (token page, "
+        "Dashboard, Run page hints); credentials in it are dropped (a board logs in as its own Redis user)",
+    ),
     "EDGECACHE_MEMORY_MB": (
         "the device's registered memory",
         "a board's memory: its context, batch buffers and RAM tier are sized to it (`inference/memory_plan.py`), "

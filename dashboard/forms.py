@@ -384,6 +384,20 @@ class ConfirmForm(forms.Form):
     confirm = forms.BooleanField(required=True, label="Yes, I am sure")
 
 
+class ApiKeyForm(forms.Form):
+    """A new API key: the namespace it reaches (one the user may manage), what it is for, its rate."""
+
+    namespace = forms.ModelChoiceField(queryset=None, empty_label=None, help_text="the tenant whose boards (and cache entries) the key reaches")
+    name = forms.CharField(max_length=100, required=False, help_text="what it is for (shown in this list and in its runs' titles)")
+    rate_per_minute = forms.IntegerField(label="Requests per minute", min_value=0, required=False)
+
+    def __init__(self, *args, namespaces, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["rate_per_minute"].help_text = f"empty: EDGECACHE_API_RATE ({settings.EDGECACHE_API_RATE}); 0: no limit"
+        self.fields["namespace"].queryset = namespaces
+        self.fields["namespace"].to_field_name = "name"
+
+
 def model_names() -> dict[str, str]:
     """{model fingerprint: model file name} as the boards report them in their heartbeats."""
     from django.db.models.fields.json import KeyTextTransform

@@ -43,6 +43,10 @@ class Namespace(models.Model):
         help_text="off for sensitive prompts: each board then caches for itself only, so no board can "
         "learn from a fast answer that another one saw the same prompt (timing side channel)",
     )
+    members_manage_api_keys = models.BooleanField(
+        "members manage API keys", default=False,
+        help_text="members of this namespace (not only staff) may create and revoke its API keys on the API keys page",
+    )
     key_generation = models.PositiveIntegerField(default=1, editable=False)
     key_rotated_at = models.DateTimeField(null=True, blank=True, editable=False)
     created = models.DateTimeField(auto_now_add=True)
@@ -329,7 +333,8 @@ class Membership(models.Model):
 class ApiKey(models.Model):
     """A key of the OpenAI-compatible API (``/v1/``): it reaches only its namespace's boards.
 
-    The key is shown once when created (``python manage.py apikey create`` or Admin > API keys);
+    The key is shown once when created (the API keys page, ``python manage.py apikey create`` or
+    Admin > API keys);
     kept are its SHA-256 and its first characters (to recognize it in a list). Revoking is
     immediate: the next request with it is a 401.
     """

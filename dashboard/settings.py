@@ -261,6 +261,10 @@ if is_cluster_url(REDIS_URL):
 EDGECACHE_CACHEBOX_URL = EDGECACHE_BOARD.cachebox_url
 if is_cluster_url(EDGECACHE_CACHEBOX_URL):
     parse_cluster_url(EDGECACHE_CACHEBOX_URL)  # a malformed one stops here, with the reason
+# The cache box's address as a board on another machine reaches it, for the start command the pages
+# show staff (dashboard/board_start.py); credentials in it are dropped (a board logs in as its own
+# user). Empty: derived from REDIS_URL, or from the embedded Valkey and EDGECACHE_EMBEDDED_BIND.
+EDGECACHE_PUBLIC_REDIS_URL = os.environ.get("EDGECACHE_PUBLIC_REDIS_URL", "").strip()
 
 # Celery: the settings boards use too (inference.worker), as CELERY_* names.
 for _name, _value in celery_settings(REDIS_URL).items():

@@ -172,7 +172,7 @@ def test_two_hundred_parallel_requests_get_no_more_than_the_limit(redis_cache, s
 
 # -- weak: bounded JSON, live events only from the server ----------------------------------------------------
 def test_json_nested_a_hundred_thousand_deep_is_a_400_in_openais_shape(client):
-    from dashboard.api.keys import create_key
+    from dashboard.actions.api_keys import create_key
     from dashboard.models import Namespace
 
     Namespace.objects.get_or_create(name="default")
@@ -277,7 +277,7 @@ def test_a_namespaces_schema_is_neither_seen_nor_run_by_another_tenant(client, d
 
 
 def test_an_api_key_runs_only_its_namespaces_and_shared_schemas(client):
-    from dashboard.api.keys import create_key
+    from dashboard.actions.api_keys import create_key
     from dashboard.models import Namespace
     from inference.models import Schema
 

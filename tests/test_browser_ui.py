@@ -139,13 +139,14 @@ def test_run_page_shows_each_board_status_and_warns_before_sending_to_an_absent_
         warning = page.locator("#run-offline-warning")
         expect(warning).to_be_visible()
         expect(warning).to_contain_text("ghost (never started)")
-        expect(warning).to_contain_text("python manage.py edge --name ghost")
+        expect(warning).to_contain_text(re.compile(r"REDIS_URL=redis://\S+ \.venv-board/bin/edgecache-board --name ghost"))  # staff: with the address
         assert page.locator("#answers .answer-card").count() == 0  # nothing sent yet
         page.click("#run-send-anyway")
     assert sent.value.ok
     card = page.locator('#answers .answer-card[data-device="ghost"]')
     expect(card).to_contain_text("waiting for the board")
-    expect(card.locator(".hint")).to_contain_text("no answer after 1 s: is the board running? python manage.py edge --name ghost")
+    expect(card.locator(".hint")).to_contain_text("no answer after 1 s: is the board running? Start it on the board with")
+    expect(card.locator(".hint code")).to_contain_text(".venv-board/bin/edgecache-board --name ghost")
     expect(card).to_have_class(re.compile(r"\bpending\b"))
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "run-offline.png"), full_page=True)

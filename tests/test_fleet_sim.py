@@ -583,7 +583,7 @@ def test_a_board_another_process_saw_come_online_serves_a_request_this_process_r
     """Each web process reads the devices at most once a second: a board whose first heartbeat a
     control worker recorded since is weighed again before a request is refused for want of it."""
     from dashboard import actions, routing
-    from dashboard.api.keys import create_key
+    from dashboard.actions.api_keys import create_key
     from dashboard.api.requests import parse_request
     from dashboard.api.routing import choose_route
     from dashboard.models import Device, Namespace

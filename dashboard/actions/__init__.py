@@ -1,6 +1,6 @@
 """Every change of state of the control plane goes through one function here, named for what it
 does (Zulip's ``do_...`` style), grouped by domain: ``devices`` (and namespaces), ``cache``,
-``runs``, ``schemas``; ``audit`` holds the audit trail and its actions. Each verb changes the
+``runs``, ``schemas``, ``api_keys``; ``audit`` holds the audit trail and its actions. Each verb changes the
 database inside a transaction and tells the open pages once it commits. Receivers of board
 reports validate them against the message contract (``inference.messages``) first.
 """

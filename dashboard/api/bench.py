@@ -223,7 +223,7 @@ def add_arguments(parser) -> None:
 
 
 def run(ctx, *, url, clients, seconds, max_tokens, namespace, **options) -> dict:
-    from .keys import create_key, revoke_key
+    from ..actions.api_keys import create_key, revoke_key
 
     if clients < 1 or not 0 < seconds <= 3600 or max_tokens < 1:
         raise BenchError("--clients must be at least 1, --seconds between 0 and 3600, --max-tokens at least 1")

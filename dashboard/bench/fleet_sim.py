@@ -266,7 +266,7 @@ def _register(options: dict) -> dict:
     from django.contrib.auth import get_user_model
 
     from dashboard.actions import register_device
-    from dashboard.api.keys import create_key
+    from dashboard.actions.api_keys import create_key
     from dashboard.models import Namespace
 
     started = time.monotonic()

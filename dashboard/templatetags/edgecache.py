@@ -1,6 +1,7 @@
 """Template filters of the dashboard's pages: sizes as people read them (decimal units, as the charts)."""
 
 from django import template
+from django.utils.html import format_html_join
 
 from ..explain import human_bytes as _human_bytes
 
@@ -25,3 +26,11 @@ def seconds(value) -> str:
     if total < 3600:
         return f"{sign}{total // 60} min {total % 60} s"
     return f"{sign}{total // 3600} h {total % 3600 // 60} min"
+
+
+@register.filter
+def unbroken_words(text) -> str:
+    """``text`` (a command) with each word kept whole: a line may wrap at its spaces, never inside
+    a word (a token has "-" in it, where browsers break lines). Its text, and so what a copy
+    button copies, is ``text`` unchanged."""
+    return format_html_join(" ", '<span class="word">{}</span>', ((word,) for word in str(text).split(" ")))

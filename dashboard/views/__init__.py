@@ -6,6 +6,7 @@ staff for credentials and cache actions.
 - ``runs``: the Run page and cancel, the Runs list, exports, one run
 - ``queue``: the runs under way per board and namespace, the unanswered ones, Revoke
 - ``cache``: the Cache page and flush
+- ``api_keys``: API keys per namespace: list with last use, create (shown once), revoke
 - ``schemas``: list, edit, detail with cache status, encode, delete
 - ``benchmarks``: saved benchmark reports and the Lab page
 - ``metrics``: /metrics for Prometheus
@@ -16,6 +17,7 @@ staff for credentials and cache actions.
 ``dashboard/urls.py`` names the views through this package.
 """
 
+from .api_keys import api_key_created, api_key_list, api_key_revoke
 from .auth import login_locked_out
 from .benchmarks import benchmark_list, benchmark_report, lab_page
 from .cache import cache_flush, cache_page
@@ -42,6 +44,7 @@ from .schemas import (
 )
 
 __all__ = [
+    "api_key_created", "api_key_list", "api_key_revoke",
     "benchmark_list", "benchmark_report", "cache_flush", "cache_page", "device_breakeven", "device_detail", "device_list",
     "device_register", "device_revoke", "device_rotate", "device_token", "favicon", "home", "home_charts_json", "lab_page", "login_locked_out",
     "health_view", "metrics_view", "plotly_js", "ready_view", "queue_page", "queue_revoke", "run_cancel", "run_detail", "run_export", "run_list", "run_page", "schema_delete",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlencode
 
+from django.conf import settings
 from django.contrib import messages
 from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -11,7 +12,7 @@ from django.views.decorators.cache import never_cache
 
 from cachebox.link import LinkProfile
 
-from .. import actions, charts
+from .. import actions, board_start, charts
 from ..forms import ConfirmForm, DeviceForm
 from ..models import Device
 from ..stats import STATUSES, device_summaries, device_summary, explained, filter_devices, fleet_counts, recent_runs, visible_devices
@@ -123,7 +124,11 @@ def device_token(request, name):
     if not shown or shown.get("device") != device.name:
         messages.info(request, f"The token of {device.name} was shown once and is not kept (only its hash is): rotate it to get a new one.")
         return redirect(device)
-    return render(request, "dashboard/device_token.html", {"device": device, "token": shown["token"], "created": shown["created"]})  # never cached
+    context = {
+        "device": device, "token": shown["token"], "created": shown["created"],
+        "start": board_start.shown_to(request.user, device.name, shown["token"]), "embedded": settings.REDIS_URL_IS_EMBEDDED,
+    }
+    return render(request, "dashboard/device_token.html", context)  # never cached
 
 
 @staff_member_required

@@ -11,7 +11,7 @@ from django.http import HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.templatetags.static import static
 
-from .. import actions, charts
+from .. import actions, board_start, charts
 from ..chart_series import RANGE_LABELS, chart_series, parse_range
 from ..colors import device_colors
 from ..stats import (
@@ -89,6 +89,7 @@ def home(request):
             "cachebox_up": store.ping(),
             "cachebox_url": store.safe_url if request.user.is_staff else "",  # an internal address: staff only
             "embedded": settings.REDIS_URL_IS_EMBEDDED,
+            "start": board_start.shown_to(request.user, "NAME", "TOKEN") if request.user.is_staff and not devices else None,
         },
     )
 

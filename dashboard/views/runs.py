@@ -22,8 +22,9 @@ from cachebox.events import security_event
 from inference.breakdown import Breakdown
 from inference.messages import CANCELLED
 
-from .. import actions, admission, charts, metrics, ratelimit, run_stream
+from .. import actions, admission, board_start, charts, metrics, ratelimit, run_stream
 from ..explain import explain_run
+from ..model_cards import boards_models
 from ..forms import MAX_PROMPT_CHARS, RunFilterForm, RunForm
 from ..models import Device, InferenceRun
 from ..stats import explain_error, explained, recent_runs, visible_runs
@@ -40,6 +41,8 @@ def _run_page_context(request, form, **extra) -> dict:
         "max_prompt_chars": MAX_PROMPT_CHARS,
         "task_expires": settings.EDGECACHE_TASK_EXPIRES,
         "wait_hint_seconds": WAIT_HINT_SECONDS,
+        "start_prefix": board_start.shown_to(request.user)["prefix"],  # the hints' start command (staff: with the address)
+        "models": boards_models(form.fields["devices"].queryset),  # what each board runs, and what to expect of it
         "chart_data": {},
         **extra,
     }
@@ -99,7 +102,8 @@ def run_page(request):
         if form.cleaned_data.get("any_board"):
             routed = actions.route_run(devices or list(form.fields["devices"].queryset), asked)
             if routed is None:
-                message = "No board is online to take it: start one with `edgecache-board --name NAME`, or tick a device (it gets the run when it starts)."
+                command = board_start.shown_to(request.user)["command"]
+                message = f"No board is online to take it: start one with `{command}`, or tick a device (it gets the run when it starts)."
                 return JsonResponse({"errors": {"any_board": [{"message": message}]}}, status=503) if wants_json else _run_page_refused(request, message, 503)
             devices = [routed.device]
         request_ids = [str(uuid.uuid4()) for _ in devices]

@@ -481,6 +481,18 @@
     const warning = document.getElementById("run-offline-warning");
     const answers = document.getElementById("answers");
     const expires = parseInt(form.dataset.taskExpires || "600", 10);
+    // How a board is started (dashboard/board_start.py): the page gives what comes before --name
+    // (for staff, with the cache box's address as other machines reach it).
+    const startPrefix = (answers && answers.dataset.startPrefix) || ".venv-board/bin/edgecache-board";
+    function startCommand(name) { return startPrefix + (name.charAt(0) === "-" ? " --name=" : " --name ") + name; }
+    function startBox(name) {
+      // Each word kept whole: the line wraps at spaces, never inside a name (as the pages' unbroken_words).
+      const words = [];
+      startCommand(name).split(" ").forEach(function (word, index) { if (index) words.push(" "); words.push(el("span", { class: "word", text: word })); });
+      const box = el("span", { class: "copyable" }, [el("code", { class: "command" }, words)]);
+      if (window.EdgeCache && window.EdgeCache.copyButton) box.appendChild(window.EdgeCache.copyButton("Copy the start command"));
+      return box;
+    }
 
     function chosenDevices() {
       return Array.from(form.querySelectorAll('input[name="devices"]:checked')).map(function (box) {
@@ -516,9 +528,9 @@
       card._hintTimer = setTimeout(function () {
         if (!card.classList.contains("pending") || card.dataset.stage !== "queued") return; // the board has it
         card.appendChild(el("p", { class: "hint" }, [
-          "no answer after " + hintAfter + " s: is the board running? ",
-          el("code", { text: "python manage.py edge --name " + item.device }),
-          " (the run expires after " + expires + " s without a board)",
+          "no answer after " + hintAfter + " s: is the board running? Start it on the board with",
+          startBox(item.device),
+          "(the run expires after " + expires + " s without a board)",
         ]));
       }, hintAfter * 1000);
       return card;
@@ -708,9 +720,8 @@
       clear(warning);
       warning.appendChild(el("p", {}, [
         "Not running: " + away.map((d) => d.name + " (" + d.label + ")").join(", ") + ". A run sent to a board that is not running waits in its queue until the board starts, and expires after " +
-          expires + " s. Start it with ",
-        el("code", { text: "python manage.py edge --name " + away[0].name }),
-        " (a new board: with --token TOKEN).",
+          expires + " s. Start it on the board (a new board: with --token TOKEN, from its registration) with",
+        startBox(away[0].name),
       ]));
       const sendAnyway = el("button", { type: "button", id: "run-send-anyway", text: "Send anyway" });
       const cancel = el("button", { type: "button", class: "secondary", id: "run-cancel", text: "Cancel" });

@@ -130,4 +130,60 @@
     });
     if (!bandwidth || (bandwidth.value === "" && (!rtt || rtt.value === ""))) fill();
   }
+
+  // -- copy buttons: a button[data-copy] in a .copyable box puts the box's command or key on the
+  // clipboard (the Clipboard API; where it is missing or refused, a hidden textarea and "copy";
+  // where that fails too, the text is selected for Ctrl+C). The box's status line says which.
+  function copyByCommand(text) {
+    const area = document.createElement("textarea");
+    area.value = text;
+    area.setAttribute("readonly", "");
+    area.style.position = "fixed"; area.style.top = "0"; area.style.opacity = "0";
+    document.body.appendChild(area);
+    area.select();
+    let copied = false;
+    try { copied = document.execCommand("copy"); } catch (err) { copied = false; }
+    document.body.removeChild(area);
+    return copied;
+  }
+  function copyText(text) {
+    if (navigator.clipboard && window.isSecureContext) {
+      return navigator.clipboard.writeText(text).catch(function () { if (!copyByCommand(text)) throw new Error("refused"); });
+    }
+    return copyByCommand(text) ? Promise.resolve() : Promise.reject(new Error("refused"));
+  }
+  function copyButton(label) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "secondary small copy-button";
+    button.setAttribute("data-copy", "");
+    button.setAttribute("aria-label", label || "Copy");
+    button.textContent = "Copy";
+    const status = document.createElement("span");
+    status.className = "copy-status muted small";
+    status.setAttribute("role", "status");
+    status.setAttribute("aria-live", "polite");
+    const both = document.createDocumentFragment();
+    both.appendChild(button);
+    both.appendChild(status);
+    return both;
+  }
+  window.EdgeCache.copyButton = copyButton;
+  document.addEventListener("click", function (event) {
+    const button = event.target.closest && event.target.closest("button[data-copy]");
+    if (!button) return;
+    const box = button.closest(".copyable");
+    const source = box && box.querySelector("pre, code");
+    if (!source) return;
+    const status = box.querySelector(".copy-status");
+    const say = function (words) { if (status) status.textContent = words; };
+    copyText(source.textContent).then(function () { say("Copied"); }, function () {
+      const range = document.createRange();
+      range.selectNodeContents(source);
+      const selection = window.getSelection();
+      selection.removeAllRanges();
+      selection.addRange(range);
+      say("Selected: press Ctrl+C (⌘C) to copy");
+    });
+  });
 })();

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from dashboard.api.keys import create_key, revoke_key
+from dashboard.actions.api_keys import create_key, revoke_key
 from dashboard.models import ApiKey
 
 
