@@ -33,19 +33,23 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-LIBRARY = "edgecache"
+# Bumped whenever what a function takes or does changes: its functions then have new names, so a
+# server that still holds an older library (loaded by an older control plane) is not called with
+# arguments it reads otherwise; the new library is loaded beside it.
+VERSION = 1
+LIBRARY = f"edgecache_v{VERSION}"
 QUOTA_PREFIX = "ec:quota:"
 QUOTA_ERROR = "EC_QUOTA"
 TOO_LARGE_ERROR = "EC_TOO_LARGE"
 TTL_ERROR = "EC_TTL"
 # The functions and the keys each is given (all of one hash slot).
-PUT = "ec_put"  # KEYS: entry; ARGV: value, ttl seconds
-TOUCH = "ec_touch"  # KEYS: entry; ARGV: ttl seconds
-DELETE = "ec_del"  # KEYS: entry
-CATALOG_EPOCH = "ec_cat_epoch"  # KEYS: epoch; ARGV: the epoch to create when there is none
-CATALOG_APPEND = "ec_cat_append"  # KEYS: log; ARGV: 16-byte keys
-CATALOG_SNAPSHOT = "ec_cat_snapshot"  # KEYS: snapshot, epoch, log; ARGV: bloom, last id, epoch
-CATALOG_DROP = "ec_cat_drop"  # KEYS: snapshot
+PUT = f"ec_put_v{VERSION}"  # KEYS: entry; ARGV: value, ttl seconds (or "max": the longest allowed)
+TOUCH = f"ec_touch_v{VERSION}"  # KEYS: entry; ARGV: ttl seconds (or "max")
+DELETE = f"ec_del_v{VERSION}"  # KEYS: entry
+CATALOG_EPOCH = f"ec_cat_epoch_v{VERSION}"  # KEYS: epoch; ARGV: the epoch to create when there is none
+CATALOG_APPEND = f"ec_cat_append_v{VERSION}"  # KEYS: log; ARGV: 16-byte keys
+CATALOG_SNAPSHOT = f"ec_cat_snapshot_v{VERSION}"  # KEYS: snapshot, epoch, log; ARGV: bloom, last id, epoch
+CATALOG_DROP = f"ec_cat_drop_v{VERSION}"  # KEYS: snapshot
 FUNCTIONS = (PUT, TOUCH, DELETE, CATALOG_EPOCH, CATALOG_APPEND, CATALOG_SNAPSHOT, CATALOG_DROP)
 
 
@@ -75,7 +79,8 @@ def quota_key_pattern(namespace: str) -> str:
 def library_source(limits: Limits) -> str:
     """The Lua source of the ``edgecache`` library with ``limits`` written in (boards cannot read it:
     FUNCTION LIST and DUMP are not theirs)."""
-    return _SOURCE.replace("@MAX_VALUE@", str(limits.max_value)).replace("@MAX_TTL_MS@", str(limits.max_ttl * 1000)).replace(
+    source = _SOURCE.replace("@LIBRARY@", LIBRARY).replace("@V@", str(VERSION))
+    return source.replace("@MAX_VALUE@", str(limits.max_value)).replace("@MAX_TTL_MS@", str(limits.max_ttl * 1000)).replace(
         "@QUOTA@", str(limits.quota)
     ).replace("@OVERHEAD@", str(limits.overhead)).replace("@MAX_SNAPSHOT@", str(limits.max_snapshot)).replace("@LOG_MAXLEN@", str(limits.log_maxlen))
 
@@ -89,7 +94,7 @@ def refusal(message: str) -> tuple[str, str] | None:
     return (found.group(1), found.group(2).strip()) if found else None
 
 
-_SOURCE = r"""#!lua name=edgecache
+_SOURCE = r"""#!lua name=@LIBRARY@
 -- EdgeCache's writes to the cache box (cachebox/quota.py); loaded by the control plane.
 local MAX_VALUE = @MAX_VALUE@
 local MAX_TTL_MS = @MAX_TTL_MS@
@@ -174,6 +179,7 @@ local function charge(book, name, bytes, expires)
 end
 
 local function ttl_ms(raw)
+  if raw == 'max' then return MAX_TTL_MS end  -- the writer asks for the longest TTL allowed
   local ttl = tonumber(raw)
   if not ttl or ttl ~= math.floor(ttl) or ttl < 1 or ttl * 1000 > MAX_TTL_MS then return nil end
   return ttl * 1000
@@ -182,7 +188,7 @@ end
 local function put(keys, args)
   local name, value = keys[1], args[1]
   local ns = entry_namespace(name or '')
-  if not ns or not value then return refuse('EC_KEY', 'ec_put takes one entry key (ec:e:NS:... or ec:m:NS:...) and its value') end
+  if not ns or not value then return refuse('EC_KEY', 'ec_put_v@V@ takes one entry key (ec:e:NS:... or ec:m:NS:...) and its value') end
   if #value > MAX_VALUE then
     return refuse('EC_TOO_LARGE', 'the entry is ' .. #value .. ' bytes, over the cache box cap of ' .. MAX_VALUE .. ' (EDGECACHE_MAX_ENTRY_BYTES)')
   end
@@ -203,7 +209,7 @@ local function touch(keys, args)
   local name = keys[1]
   local ns = entry_namespace(name or '')
   local ms = ttl_ms(args[1])
-  if not ns then return refuse('EC_KEY', 'ec_touch takes one entry key') end
+  if not ns then return refuse('EC_KEY', 'ec_touch_v@V@ takes one entry key') end
   if not ms then return refuse('EC_TTL', 'a TTL of 1 to ' .. (MAX_TTL_MS / 1000) .. ' seconds, got ' .. tostring(args[1])) end
   if redis.call('PTTL', name) < 0 then return 0 end  -- missing, or pinned (no TTL): left as it is
   redis.call('PEXPIRE', name, ms)
@@ -218,7 +224,7 @@ end
 local function delete(keys)
   local name = keys[1]
   local ns = entry_namespace(name or '')
-  if not ns then return refuse('EC_KEY', 'ec_del takes one entry key') end
+  if not ns then return refuse('EC_KEY', 'ec_del_v@V@ takes one entry key') end
   local removed = redis.call('DEL', name)
   local book = ledger(ns)
   if redis.call('HEXISTS', book, name) == 1 then credit(book, name) end
@@ -228,7 +234,7 @@ end
 local function catalog_epoch(keys, args)
   local name, new = keys[1], args[1]
   if not catalog_namespace(name or '') or not new or #new == 0 or #new > 64 then
-    return refuse('EC_KEY', 'ec_cat_epoch takes a catalog epoch key and an epoch of 1-64 bytes')
+    return refuse('EC_KEY', 'ec_cat_epoch_v@V@ takes a catalog epoch key and an epoch of 1-64 bytes')
   end
   local current = redis.call('GET', name)
   if not current then
@@ -241,7 +247,7 @@ end
 
 local function catalog_append(keys, args)
   local name = keys[1]
-  if not catalog_namespace(name or '') then return refuse('EC_KEY', 'ec_cat_append takes a catalog log key') end
+  if not catalog_namespace(name or '') then return refuse('EC_KEY', 'ec_cat_append_v@V@ takes a catalog log key') end
   for _, key in ipairs(args) do
     if #key ~= 16 then return refuse('EC_TOO_LARGE', 'a catalog record is one 16-byte entry key, got ' .. #key .. ' bytes') end
   end
@@ -266,7 +272,7 @@ local function catalog_snapshot(keys, args)
   local bloom, last_id, epoch = args[1], args[2], args[3]
   local ns = catalog_namespace(snap or '')
   if not ns or not bloom or not last_id or not epoch then
-    return refuse('EC_KEY', 'ec_cat_snapshot takes the snapshot, epoch and log keys, and the filter, last id and epoch')
+    return refuse('EC_KEY', 'ec_cat_snapshot_v@V@ takes the snapshot, epoch and log keys, and the filter, last id and epoch')
   end
   if #bloom > MAX_SNAPSHOT then
     return refuse('EC_TOO_LARGE', 'the catalog snapshot is ' .. #bloom .. ' bytes, over the cap of ' .. MAX_SNAPSHOT .. ' (EDGECACHE_CATALOG_CAPACITY)')
@@ -288,7 +294,7 @@ end
 local function catalog_drop(keys)
   local snap = keys[1]
   local ns = catalog_namespace(snap or '')
-  if not ns then return refuse('EC_KEY', 'ec_cat_drop takes a catalog snapshot key') end
+  if not ns then return refuse('EC_KEY', 'ec_cat_drop_v@V@ takes a catalog snapshot key') end
   local removed = redis.call('DEL', snap)
   local book = ledger(ns)
   if redis.call('HEXISTS', book, snap) == 1 then credit(book, snap) end
@@ -296,11 +302,11 @@ local function catalog_drop(keys)
 end
 
 local cross = {'allow-cross-slot-keys'}
-redis.register_function{function_name='ec_put', callback=put, flags=cross}
-redis.register_function{function_name='ec_touch', callback=touch, flags=cross}
-redis.register_function{function_name='ec_del', callback=delete, flags=cross}
-redis.register_function{function_name='ec_cat_epoch', callback=catalog_epoch, flags=cross}
-redis.register_function{function_name='ec_cat_append', callback=catalog_append, flags=cross}
-redis.register_function{function_name='ec_cat_snapshot', callback=catalog_snapshot, flags=cross}
-redis.register_function{function_name='ec_cat_drop', callback=catalog_drop, flags=cross}
+redis.register_function{function_name='ec_put_v@V@', callback=put, flags=cross}
+redis.register_function{function_name='ec_touch_v@V@', callback=touch, flags=cross}
+redis.register_function{function_name='ec_del_v@V@', callback=delete, flags=cross}
+redis.register_function{function_name='ec_cat_epoch_v@V@', callback=catalog_epoch, flags=cross}
+redis.register_function{function_name='ec_cat_append_v@V@', callback=catalog_append, flags=cross}
+redis.register_function{function_name='ec_cat_snapshot_v@V@', callback=catalog_snapshot, flags=cross}
+redis.register_function{function_name='ec_cat_drop_v@V@', callback=catalog_drop, flags=cross}
 """

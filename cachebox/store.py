@@ -344,7 +344,7 @@ class CacheBox:
         the batch are stored; the refused one is not). On a cluster, the entries of a node that
         does not answer are not written (not counted).
         """
-        seconds = str(int(ttl) if ttl else self._max_ttl())
+        seconds = str(int(ttl)) if ttl else "max"
 
         def queue(pipe, item):
             pipe.fcall(quota.PUT, 1, item[0], item[1], seconds)
@@ -401,7 +401,7 @@ class CacheBox:
     def touch(self, names: Iterable[str], ttl: int) -> None:
         """Restart the TTL of entries just used (pinned entries, with no TTL, stay pinned), through
         the ``ec_touch`` function (a TTL within the library's bound; the ledger follows)."""
-        seconds = str(min(int(ttl), self._max_ttl()))
+        seconds = str(int(ttl)) if ttl else "max"
         self._with_functions(lambda: self._batch(list(names), str, lambda pipe, name: pipe.fcall(quota.TOUCH, 1, name, seconds)))
 
     def delete(self, names: Iterable[str]) -> int:
@@ -451,7 +451,7 @@ class CacheBox:
         return self._scan(schema_key_pattern(schema_digest))
 
     def flush(self, namespace: str | None = None, fingerprint: str | None = None) -> int:
-        """Delete the entries of a namespace and/or model; with a namespace, its catalog too."""
+        """Delete the entries of a namespace and/or model; with a namespace, its catalog and its budget's ledger too."""
         removed = 0
         batch: list[str] = []
         for name in self.scan_entries(namespace, fingerprint):
@@ -461,7 +461,7 @@ class CacheBox:
                 batch = []
         removed += self.delete(batch)
         if namespace and fingerprint is None:
-            self.delete(catalog_key_names(namespace).values())
+            self.delete([*catalog_key_names(namespace).values(), *self._scan(quota.quota_key_pattern(namespace))])  # and its budget
         return removed
 
     # -- master catalog ---------------------------------------------------------------
@@ -543,9 +543,6 @@ class CacheBox:
         source = quota.library_source(limits)
         self._on_every_server(lambda client: client.function_load(source, replace=replace))
         self._limits = limits
-
-    def _max_ttl(self) -> int:
-        return (self._limits or quota.Limits()).max_ttl
 
     def _with_functions(self, call: Callable[[], T]) -> T:
         """``call()``; when the server has no ``edgecache`` library (a server just started, a test's),

@@ -15,7 +15,7 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
-from cachebox import acl, embedded
+from cachebox import acl, embedded, quota
 from cachebox.store import CacheBox
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
@@ -119,9 +119,9 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
 
     # What mallory does as a board still works.
     own = f"ec:e:globex:57fa53c378686353:{{{'cd' * 16}}}"
-    assert mallory.fcall("ec_put", 1, own, b"ECE3 sealed state", 60) and mallory.get(own) == b"ECE3 sealed state"
-    assert mallory.getrange(own, 0, 3) == b"ECE3" and mallory.strlen(own) > 0 and mallory.fcall("ec_touch", 1, own, 120)
-    assert mallory.fcall("ec_cat_append", 1, "ec:c:{globex}:log", b"k" * 16) and mallory.xrange("ec:c:{globex}:log")
+    assert mallory.fcall(quota.PUT, 1, own, b"ECE3 sealed state", 60) and mallory.get(own) == b"ECE3 sealed state"
+    assert mallory.getrange(own, 0, 3) == b"ECE3" and mallory.strlen(own) > 0 and mallory.fcall(quota.TOUCH, 1, own, 120)
+    assert mallory.fcall(quota.CATALOG_APPEND, 1, "ec:c:{globex}:log", b"k" * 16) and mallory.xrange("ec:c:{globex}:log")
     assert json.loads(mallory.get("ec:device:mallory"))["name"] == "mallory"
     assert mallory.lpush("control", b"a report") == 1  # write-only: it cannot read it back
     assert mallory.lpush("ec:heartbeats", b"a heartbeat") >= 1  # the same

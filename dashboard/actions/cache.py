@@ -31,6 +31,7 @@ def start_cachebox(bind: tuple[str, ...] | None = None) -> str:
             settings.EDGECACHE_EMBEDDED_DIR,
             port=settings.EDGECACHE_EMBEDDED_PORT,
             maxmemory=settings.EDGECACHE_EMBEDDED_MAXMEMORY,
+            max_value=settings.EDGECACHE_BOARD.max_entry_bytes,
             password=settings.EDGECACHE_EMBEDDED_PASSWORD,
             bind=tuple(bind if bind is not None else settings.EDGECACHE_EMBEDDED_BIND),
         )
