@@ -89,7 +89,8 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
         # its cache namespace: entries, prompt modules, catalog, read at will; written through the
         # cache box's edgecache functions (cachebox.quota: size cap, TTL, the namespace's budget),
         # which run the commands of the next selectors with this user's rights
-        f"(~ec:e:{ns}:* ~ec:m:{ns}:* ~ec:c:{{{ns}}}:* ~{quota_key_pattern(ns)} +fcall +get +getrange +strlen +exists +pttl +xrange +xlen +hgetall +hget)",
+        f"(~ec:e:{ns}:* ~ec:m:{ns}:* ~ec:c:{{{ns}}}:* ~{quota_key_pattern(ns)} "
+        "+fcall +get +getrange +strlen +exists +pttl +xrange +xlen +hgetall +hget)",
         f"(~ec:e:{ns}:* ~ec:m:{ns}:* +psetex +pexpire +del)",  # an entry's write always carries a TTL (no SET, PERSIST, APPEND)
         f"(~ec:c:{{{ns}}}:* +psetex +pexpire +xadd +xtrim +hset +del)",
         f"(~{quota_key_pattern(ns)} +hset +hincrby +hdel +hexists +zadd +zrem +zrangebyscore +pexpire)",

@@ -79,10 +79,12 @@ def quota_key_pattern(namespace: str) -> str:
 def library_source(limits: Limits) -> str:
     """The Lua source of the ``edgecache`` library with ``limits`` written in (boards cannot read it:
     FUNCTION LIST and DUMP are not theirs)."""
-    source = _SOURCE.replace("@LIBRARY@", LIBRARY).replace("@V@", str(VERSION))
-    return source.replace("@MAX_VALUE@", str(limits.max_value)).replace("@MAX_TTL_MS@", str(limits.max_ttl * 1000)).replace(
-        "@QUOTA@", str(limits.quota)
-    ).replace("@OVERHEAD@", str(limits.overhead)).replace("@MAX_SNAPSHOT@", str(limits.max_snapshot)).replace("@LOG_MAXLEN@", str(limits.log_maxlen))
+    values = {
+        "@LIBRARY@": LIBRARY, "@V@": str(VERSION), "@MAX_VALUE@": str(limits.max_value), "@MAX_TTL_MS@": str(limits.max_ttl * 1000),
+        "@QUOTA@": str(limits.quota), "@OVERHEAD@": str(limits.overhead), "@MAX_SNAPSHOT@": str(limits.max_snapshot),
+        "@LOG_MAXLEN@": str(limits.log_maxlen),
+    }
+    return re.sub(r"@[A-Z_]+@", lambda found: values[found.group(0)], _SOURCE)
 
 
 _ERROR = re.compile(r"(EC_[A-Z_]+) (.*)", re.S)
@@ -190,11 +192,13 @@ local function put(keys, args)
   local ns = entry_namespace(name or '')
   if not ns or not value then return refuse('EC_KEY', 'ec_put_v@V@ takes one entry key (ec:e:NS:... or ec:m:NS:...) and its value') end
   if #value > MAX_VALUE then
-    return refuse('EC_TOO_LARGE', 'the entry is ' .. #value .. ' bytes, over the cache box cap of ' .. MAX_VALUE .. ' (EDGECACHE_MAX_ENTRY_BYTES)')
+    return refuse('EC_TOO_LARGE', 'the entry is ' .. #value .. ' bytes, over the cache box cap of ' .. MAX_VALUE ..
+      ' (EDGECACHE_MAX_ENTRY_BYTES)')
   end
   local ms = ttl_ms(args[2])
   if not ms then
-    return refuse('EC_TTL', 'an entry needs a TTL of 1 to ' .. (MAX_TTL_MS / 1000) .. ' seconds (EDGECACHE_MAX_ENTRY_TTL), got ' .. tostring(args[2]))
+    return refuse('EC_TTL', 'an entry needs a TTL of 1 to ' .. (MAX_TTL_MS / 1000) .. ' seconds (EDGECACHE_MAX_ENTRY_TTL), got ' ..
+      tostring(args[2]))
   end
   local book = ledger(ns)
   local now = now_ms()
@@ -275,7 +279,8 @@ local function catalog_snapshot(keys, args)
     return refuse('EC_KEY', 'ec_cat_snapshot_v@V@ takes the snapshot, epoch and log keys, and the filter, last id and epoch')
   end
   if #bloom > MAX_SNAPSHOT then
-    return refuse('EC_TOO_LARGE', 'the catalog snapshot is ' .. #bloom .. ' bytes, over the cap of ' .. MAX_SNAPSHOT .. ' (EDGECACHE_CATALOG_CAPACITY)')
+    return refuse('EC_TOO_LARGE', 'the catalog snapshot is ' .. #bloom .. ' bytes, over the cap of ' .. MAX_SNAPSHOT ..
+      ' (EDGECACHE_CATALOG_CAPACITY)')
   end
   local current = redis.call('HGET', snap, 'last_id') or '0'
   local live = redis.call('GET', epoch_key) or ''

@@ -212,7 +212,13 @@ class CacheBox:
         raise failure or CacheBoxUnavailable(f"cache box {self.safe_url} lists no node")
 
     def _batch(
-        self, items: Sequence[T], name_of: Callable[[T], str], queue: Callable[[object, T], None], width: int = 1, *, raise_on_error: bool = True
+        self,
+        items: Sequence[T],
+        name_of: Callable[[T], str],
+        queue: Callable[[object, T], None],
+        width: int = 1,
+        *,
+        raise_on_error: bool = True,
     ) -> list[list | None]:
         """Pipeline ``queue(pipe, item)`` (``width`` commands each) for every item; each item's replies.
 

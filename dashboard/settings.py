@@ -327,7 +327,10 @@ EDGECACHE_NAMESPACE_QUOTA = _env_int("EDGECACHE_NAMESPACE_QUOTA", 256 * 1024 * 1
 if EDGECACHE_MAX_ENTRY_TTL < 1 or EDGECACHE_NAMESPACE_QUOTA < 1:
     raise ValueError("EDGECACHE_MAX_ENTRY_TTL and EDGECACHE_NAMESPACE_QUOTA must be positive")
 if EDGECACHE_ENTRY_TTL > EDGECACHE_MAX_ENTRY_TTL:
-    raise ValueError(f"EDGECACHE_ENTRY_TTL ({EDGECACHE_ENTRY_TTL} s) is over EDGECACHE_MAX_ENTRY_TTL ({EDGECACHE_MAX_ENTRY_TTL} s): the cache box would refuse every entry")
+    raise ValueError(
+        f"EDGECACHE_ENTRY_TTL ({EDGECACHE_ENTRY_TTL} s) is over EDGECACHE_MAX_ENTRY_TTL ({EDGECACHE_MAX_ENTRY_TTL} s): "
+        "the cache box would refuse every entry; lower the one or raise the other"
+    )
 
 LOGGING = {
     "version": 1,

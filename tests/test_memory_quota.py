@@ -149,7 +149,7 @@ def test_an_oversized_or_ttl_less_write_is_refused(tenants):
         "COPY": lambda: direct.copy(own, entry("globex", 2)),
         "RESTORE": lambda: direct.restore(own, 0, b"\x00"),
         "EVAL": lambda: direct.eval("return redis.call('SET', KEYS[1], 'x')", 1, own),
-        "FUNCTION LOAD": lambda: direct.function_load("#!lua name=evil\nredis.register_function('f', function() return 1 end)", replace=True),
+        "FUNCTION LOAD": lambda: direct.function_load("#!lua name=evil\nredis.register_function('f', function() return 1 end)"),
         "a budget of its own": lambda: direct.set(f"ec:quota:globex:{{0}}", b"0"),
     }
     allowed = []
@@ -219,3 +219,32 @@ def test_unfinished_huge_writes_cannot_take_the_servers_memory(tmp_path):
             conn.close()
         admin.close()
         embedded.stop(tmp_path, port)
+
+
+def test_on_a_cluster_each_node_holds_a_namespace_to_its_quota(tmp_path):
+    """Keys of one slot per call: each node keeps the namespace's ledger under the first ``{k}`` it
+    serves, so the budget is counted where the bytes are, and no node holds more than the quota."""
+    cluster = embedded.ensure_cluster(tmp_path / "cluster")
+    try:
+        store = CacheBox(cluster.url)
+        limits = quota.Limits(quota=64 * 1024, overhead=256)
+        store.load_functions(limits)
+        namespace = f"t-{uuid.uuid4().hex[:12]}"
+        stored = refused = 0
+        for index in range(240):
+            try:
+                store.put_entries([(entry(namespace, index), b"c" * 1000)], ttl=600)
+                stored += 1
+            except CacheBoxOverQuota as exc:
+                assert exc.code == "EC_QUOTA"
+                refused += 1
+        charge = 1000 + len(entry(namespace, 0)) + limits.overhead
+        assert refused > 0 and stored <= 3 * (limits.quota // charge)
+        for port in cluster.ports:
+            node = redis.Redis(port=port, socket_timeout=5)
+            (ledger,) = [name for name in node.scan_iter(match=f"ec:quota:{namespace}:*") if not name.endswith(b":exp")]
+            on_node = sum(1 for _ in node.scan_iter(match=f"ec:e:{namespace}:*"))
+            assert int(node.hget(ledger, "total")) == on_node * charge <= limits.quota
+            assert on_node >= limits.quota // charge - 1  # each node filled up to its quota (entries spread by their own digest)
+    finally:
+        cluster.stop()
