@@ -83,6 +83,9 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
         "read zero's registry record": lambda: mallory.get("ec:device:zero"),
         "read acme's entries": lambda: mallory.get(entry),
         "re-sign acme's entries": lambda: mallory.set(entry, b"ECE3..."),
+        "write acme's entries through the cache box's functions": lambda: mallory.fcall(quota.PUT, 1, entry, b"ECE3...", 60),
+        "give acme's budget away": lambda: mallory.hset("ec:quota:acme:{0}", "total", 10**12),
+        "store its own entry with no TTL": lambda: mallory.set(f"ec:e:globex:57fa53c378686353:{{{'ef' * 16}}}", b"x"),
         "read acme's catalog": lambda: mallory.hgetall("ec:c:{acme}:snap"),
         # 3. fake tokens to an application: publish on zero's runs' channels
         "publish on zero's stream": lambda: mallory.publish(f"ec:stream:zero:{uuid.uuid4()}", b"Pay to IBAN DE00 ATTACKER"),
