@@ -71,6 +71,16 @@ class Limits:
                 raise ValueError(f"cache box limit {field} must be a positive whole number, got {value!r}")
 
 
+DEFAULT_QUOTA = 256 * 1024 * 1024
+
+
+def default_quota(maxmemory: int) -> int:
+    """A namespace's budget when none is configured: a quarter of the server's (or each cluster
+    node's) ``maxmemory``, so that a few namespaces, the clients' buffers (an eighth) and the queues
+    fit; 256 MB on a server with no ``maxmemory``."""
+    return maxmemory // 4 if maxmemory > 0 else DEFAULT_QUOTA
+
+
 def quota_key_pattern(namespace: str) -> str:
     """ACL pattern of a namespace's ledgers (every ``{k}``, and their expiry sets)."""
     return f"{QUOTA_PREFIX}{namespace}:*"

@@ -552,15 +552,15 @@ class CacheBox:
 
     def _with_functions(self, call: Callable[[], T]) -> T:
         """``call()``; when the server has no ``edgecache`` library (a server just started, a test's),
-        load it with the default limits and call again. A user that may not load it (a board's)
-        gets a CacheBoxRefused that says who loads it."""
+        load it with the default limits (a namespace's quota: a quarter of maxmemory) and call
+        again. A user that may not load it (a board's) gets a CacheBoxRefused that says who loads it."""
         try:
             return call()
         except CacheBoxRefused as exc:
             if "function not found" not in str(exc).lower():
                 raise
             try:
-                self.load_functions(self._limits or quota.Limits(), replace=False)
+                self.load_functions(self._limits or quota.Limits(quota=quota.default_quota(self.memory_limit_per_node())), replace=False)
             except CacheBoxRefused as load_exc:
                 if "already exists" in str(load_exc):
                     return call()
@@ -721,6 +721,14 @@ class CacheBox:
         ]
         limits = [int(info.get("maxmemory", 0) or 0) for info in infos]
         return sum(int(info.get("used_memory", 0) or 0) for info in infos), (0 if 0 in limits else sum(limits))
+
+    def memory_limit_per_node(self) -> int:
+        """The smallest ``maxmemory`` of the server or of a cluster's primaries, in bytes (0: some
+        node has none). One round trip per server (INFO memory)."""
+        infos = [self._run(lambda: self.redis.info("memory"))] if self.cluster is None else [
+            self._on_node(node, lambda client: client.info("memory")) for node in self._topology().get_primaries()
+        ]
+        return min(int(info.get("maxmemory", 0) or 0) for info in infos)
 
     def memory_used(self) -> str:
         """The server's used memory, human readable ("1.21M"); one round trip (INFO memory).

@@ -68,7 +68,7 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "budget ledger outlives its last write",
     ),
     "EDGECACHE_NAMESPACE_QUOTA": (
-        None,
+        "a quarter of the cache box's `maxmemory` (256 MB without one)",
         "bytes one namespace's entries and catalog snapshot may hold in the cache box (on each node of a cluster); a write "
         "over it is refused (`EC_QUOTA`) and nothing is evicted for it; see [What one board can do to memory]"
         "(operations.md#what-one-board-can-do-to-memory)",

@@ -248,3 +248,14 @@ def test_on_a_cluster_each_node_holds_a_namespace_to_its_quota(tmp_path):
             assert on_node >= limits.quota // charge - 1  # each node filled up to its quota (entries spread by their own digest)
     finally:
         cluster.stop()
+
+
+def test_a_namespaces_quota_is_a_quarter_of_maxmemory_unless_set(settings, small_box):
+    from dashboard.actions.cache import cachebox_limits
+
+    admin = CacheBox(small_box[0])
+    settings.EDGECACHE_NAMESPACE_QUOTA = 0
+    assert cachebox_limits(admin).quota == 16 * MB  # of the small box's 64 MB
+    settings.EDGECACHE_NAMESPACE_QUOTA = 5 * MB
+    assert cachebox_limits(admin).quota == 5 * MB
+    assert quota.default_quota(0) == 256 * MB  # a server with no maxmemory

@@ -45,14 +45,15 @@ def stop_cachebox() -> bool:
     return embedded.stop(settings.EDGECACHE_EMBEDDED_DIR, settings.EDGECACHE_EMBEDDED_PORT, password=settings.EDGECACHE_EMBEDDED_PASSWORD)
 
 
-def cachebox_limits() -> quota.Limits:
-    """What the cache box's write functions allow (settings): entry size and TTL, a namespace's
-    budget, the catalog snapshot boards of this configuration make (with 10% and 4 KB to spare)."""
+def cachebox_limits(store: CacheBox) -> quota.Limits:
+    """What the cache box's write functions allow on ``store``'s server(s) (settings): entry size and
+    TTL, a namespace's budget (EDGECACHE_NAMESPACE_QUOTA, else a quarter of the server's maxmemory:
+    one INFO), the catalog snapshot boards of this configuration make (with 10% and 4 KB to spare)."""
     board = settings.EDGECACHE_BOARD
     return quota.Limits(
         max_value=board.max_entry_bytes,
         max_ttl=settings.EDGECACHE_MAX_ENTRY_TTL,
-        quota=settings.EDGECACHE_NAMESPACE_QUOTA,
+        quota=settings.EDGECACHE_NAMESPACE_QUOTA or quota.default_quota(store.memory_limit_per_node()),
         max_snapshot=int(expected_filter_bytes(board.catalog_capacity, board.catalog_fp_rate) * 1.1) + 4096,
     )
 
