@@ -6,14 +6,17 @@ A board reaches the broker and the cache box as ``edgecache-board-NAME``, a user
   keeping its unacknowledged messages under keys of its own (``unacked.NAME``, ...; Kombu's
   ``unacked_key`` transport options), and read the bindings of those two queues only;
 - push its reports onto its own inbox (``ec:inbox:NAME``, LPUSH only) and overwrite its own latest
-  heartbeat (``ec:hb:NAME``, SET only); it cannot write the control plane's Celery queue
-  (``control``), which only the control plane writes, so a board can never name a task there;
-- read and write its cache namespace's entries and catalog (``ec:e:NS:*``, ``ec:m:NS:*``,
-  ``ec:c:{NS}:*``);
+  heartbeat (``ec:hb:NAME``, PSETEX only: always with a TTL); it cannot write the control plane's
+  Celery queue (``control``), which only the control plane writes, so a board can never name a task there;
+- read its cache namespace's entries and catalog (``ec:e:NS:*``, ``ec:m:NS:*``, ``ec:c:{NS}:*``)
+  and write them through the cache box's ``edgecache`` functions (``FCALL``, ``cachebox.quota``),
+  which check a value's size, give it a TTL and charge the namespace's budget (``ec:quota:NS:*``);
+  Redis checks the commands a function runs with the caller's rights, so the user holds those
+  commands too, in their TTL-carrying forms (PSETEX, never SET or PERSIST);
 - read its own registry record and its own runs' cancel flags, never write them;
 - publish on its own runs' stream channels (``ec:stream:NAME:*``);
-- run no other command: no admin, no scripting (a Lua script could hold the whole server), no
-  KEYS/SCAN, no FLUSH*, no CONFIG, no ACL.
+- run no other command: no admin, no scripts of its own (EVAL, FUNCTION LOAD: a Lua script could
+  hold the whole server), no KEYS/SCAN, no FLUSH*, no CONFIG, no ACL.
 
 Each group of commands is an ACL *selector* (``(...)``, Redis 7 / Valkey): a command is allowed
 when one selector allows it on all the keys it names, so DEL reaches the board's own queue but
@@ -32,6 +35,7 @@ import re
 from urllib.parse import quote
 
 from .keys import enroll_inbox_key, heartbeat_key, inbox_key
+from .quota import quota_key_pattern
 
 BOARD_USER_PREFIX = "edgecache-board-"
 ENROLL_USER_PREFIX = "edgecache-enroll-"
@@ -83,10 +87,16 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
         f"(%R~_kombu.binding.device.{name} %R~_kombu.binding.boards.{ns} +smembers)",
         # its inbox and its latest heartbeat: keys that name it, so the key tells who sent a message
         f"(%W~{inbox_key(name)} +lpush)",
-        f"(%W~{heartbeat_key(name)} +set)",
-        # its cache namespace: entries, prompt modules, catalog
-        f"(~ec:e:{ns}:* ~ec:m:{ns}:* ~ec:c:{{{ns}}}:* "
-        f"+get +set +getrange +strlen +exists +expire +del +xadd +xrange +xlen +xtrim +hgetall +hget +hset {_TRANSACTIONS})",
+        f"(%W~{heartbeat_key(name)} +psetex)",  # a heartbeat always expires
+        # its cache namespace: entries, prompt modules, catalog, read at will; written through the
+        # cache box's edgecache functions (cachebox.quota: size cap, TTL, the namespace's budget),
+        # which run the commands of the next selectors with this user's rights
+        f"(~ec:e:{ns}:* ~ec:m:{ns}:* ~ec:c:{{{ns}}}:* ~{quota_key_pattern(ns)} "
+        "+fcall +get +getrange +strlen +exists +pttl +xrange +xlen +hgetall +hget)",
+        f"(~ec:e:{ns}:* ~ec:m:{ns}:* +psetex +pexpire +del)",  # an entry's write always carries a TTL (no SET, PERSIST, APPEND)
+        f"(~ec:c:{{{ns}}}:* +psetex +pexpire +xadd +xtrim +hset +del)",
+        f"(~{quota_key_pattern(ns)} +hset +hincrby +hdel +hexists +zadd +zrem +zrangebyscore +pexpire)",
+        "+time",
         f"(%R~ec:device:{name} %R~ec:cancel:{name}:* +get +exists)",
         f"(&ec:stream:{name}:* +publish)",
     ]

@@ -103,6 +103,37 @@ def is_running(data_dir: Path, port: int | None = None, password: str | None = N
 
 
 LOOPBACK = ("127.0.0.1",)
+DEFAULT_MAX_VALUE = 64 * 1024 * 1024  # the largest entry a board stores (EDGECACHE_MAX_ENTRY_BYTES)
+_MB = 1024 * 1024
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1024, "m": 1000**2, "mb": 1024**2, "g": 1000**3, "gb": 1024**3}
+
+
+def size_bytes(size: str) -> int:
+    """A Redis memory size (``1gb``, ``512mb``, ``100000``) in bytes; ValueError naming the size."""
+    text = str(size).strip().lower()
+    number = text.rstrip("kmgb")
+    unit = text[len(number):]
+    if not number.isdigit() or unit not in _UNITS:
+        raise ValueError(f"not a memory size: {size!r} (write it as Redis does: 1gb, 512mb, 100000)")
+    return int(number) * _UNITS[unit]
+
+
+def memory_args(maxmemory: str, max_value: int = DEFAULT_MAX_VALUE) -> list[str]:
+    """What bounds the memory clients can take besides the data (Redis's defaults let one command
+    announce 512 MB and one client buffer 1 GB of a command it never finishes):
+
+    - ``proto-max-bulk-len``: one value at most the largest entry plus 1 MB (a function call's other
+      arguments); a longer one is refused as soon as its length is announced;
+    - ``client-query-buffer-limit``: one client's unfinished command at most that plus 1 MB;
+    - ``maxmemory-clients``: every client's buffers together at most an eighth of ``maxmemory``, but
+      room for one whole largest entry and 8 MB more; beyond it the server closes the connections
+      that hold the most (client eviction), so clients' buffers never push data or queues out.
+    """
+    limit = size_bytes(maxmemory)
+    bulk = max(int(max_value), 0) + _MB
+    query = bulk + _MB
+    clients = max(limit // 8, query + 8 * _MB)
+    return ["--proto-max-bulk-len", str(bulk), "--client-query-buffer-limit", str(query), "--maxmemory-clients", str(clients)]
 
 
 def _listen_args(bind: tuple[str, ...], password: str | None) -> list[str]:
@@ -133,11 +164,19 @@ def _rebind(url: str, bind: tuple[str, ...], password: str | None) -> None:
 
 
 def ensure_running(
-    data_dir: Path, *, port: int | None = None, maxmemory: str = "1gb", timeout: float = 10.0, password: str | None = None, bind: tuple[str, ...] = LOOPBACK
+    data_dir: Path,
+    *,
+    port: int | None = None,
+    maxmemory: str = "1gb",
+    timeout: float = 10.0,
+    password: str | None = None,
+    bind: tuple[str, ...] = LOOPBACK,
+    max_value: int = DEFAULT_MAX_VALUE,
 ) -> str:
     """Start the embedded server unless it runs already; returns its URL (on loopback; with
     ``password``, as the ``default`` user, whom no one reaches without it). ``bind``: addresses to
-    listen on besides loopback (a running server is asked to add them)."""
+    listen on besides loopback (a running server is asked to add them). ``max_value``: the largest
+    value a client may send (``memory_args``)."""
     data_dir = Path(data_dir).resolve()
     port = port or default_port(data_dir)
     url = url_for(data_dir, port, password)
@@ -170,6 +209,7 @@ def ensure_running(
             "--appendonly", "no",
             "--maxmemory", maxmemory,
             "--maxmemory-policy", "volatile-lru",
+            *memory_args(maxmemory, max_value),
         ]
         if password:
             args += ["--aclfile", str(_write_acl_file(data_dir, password))]
@@ -341,6 +381,7 @@ def ensure_cluster(data_dir: Path, *, masters: int = 3, maxmemory: str = "256mb"
                 "--appendonly", "no",
                 "--maxmemory", maxmemory,
                 "--maxmemory-policy", "volatile-lru",
+                *memory_args(maxmemory),
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",
                 "--cluster-port", str(bus_port),

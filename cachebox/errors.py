@@ -14,6 +14,16 @@ class CacheBoxRefused(CacheBoxUnavailable):
     """The server answered with an error such as OOM (at maxmemory) or WRONGTYPE."""
 
 
+class CacheBoxOverQuota(CacheBoxRefused):
+    """The cache box's EdgeCache functions refused a write (``cachebox.quota``): over the
+    namespace's budget (``EC_QUOTA``), over the size cap (``EC_TOO_LARGE``) or without a TTL in
+    bounds (``EC_TTL``). Nothing of that write was stored."""
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
+
+
 class InvalidNamespace(CacheBoxError, ValueError):
     """A namespace name that cannot be used inside keys."""
 

@@ -26,8 +26,9 @@ from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 import redis
 from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 
+from . import quota
 from .cluster import TOPOLOGY_ERRORS, cluster_client, is_cluster_url, parse_cluster_url
-from .errors import CacheBoxRefused, CacheBoxUnavailable
+from .errors import CacheBoxOverQuota, CacheBoxRefused, CacheBoxUnavailable
 from .keys import catalog_key_names, device_key_name, entry_key_pattern, schema_key_pattern
 from .link import LinkProfile
 from .shaping import LinkShaper, ShapedConnection, ShapedSSLConnection
@@ -65,6 +66,7 @@ class CacheBox:
         self.retry_after = retry_after
         self.link = link
         self._down_until = 0.0
+        self._limits: quota.Limits | None = None  # what load_functions loaded, if this client loaded it
         options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry_on_timeout=False, health_check_interval=0, **client_options(url))
         # A cluster URL: the client connects (loads the slot map) at first use, so that a board
         # starts while the cluster is away, like with one server.
@@ -118,6 +120,9 @@ class CacheBox:
     def _refused(self, exc: redis.RedisError) -> CacheBoxRefused:
         # No back-off: the server is up; a full memory or one bad key must not
         # cut every other request off the cache box for `retry_after` seconds.
+        refused = quota.refusal(str(exc))
+        if refused is not None:
+            return CacheBoxOverQuota(f"cache box {self.safe_url} refused the write ({refused[0]}): {refused[1]}", refused[0])
         return CacheBoxRefused(f"cache box {self.safe_url} refused the command: {type(exc).__name__}: {exc}")
 
     @property
@@ -206,7 +211,15 @@ class CacheBox:
                 failure = exc
         raise failure or CacheBoxUnavailable(f"cache box {self.safe_url} lists no node")
 
-    def _batch(self, items: Sequence[T], name_of: Callable[[T], str], queue: Callable[[object, T], None], width: int = 1) -> list[list | None]:
+    def _batch(
+        self,
+        items: Sequence[T],
+        name_of: Callable[[T], str],
+        queue: Callable[[object, T], None],
+        width: int = 1,
+        *,
+        raise_on_error: bool = True,
+    ) -> list[list | None]:
         """Pipeline ``queue(pipe, item)`` (``width`` commands each) for every item; each item's replies.
 
         One round trip with one server. On a cluster no command spans two slots: one pipeline
@@ -219,7 +232,9 @@ class CacheBox:
             pipe = client.pipeline(transaction=False)
             for item in chosen:
                 queue(pipe, item)
-            flat = pipe.execute()
+            flat = pipe.execute(raise_on_error=raise_on_error)
+            if not raise_on_error and any(isinstance(reply, redis.ResponseError) and "Function not found" in str(reply) for reply in flat):
+                raise next(reply for reply in flat if isinstance(reply, redis.ResponseError) and "Function not found" in str(reply))
             return [flat[i * width : (i + 1) * width] for i in range(len(chosen))]
 
         if not items:
@@ -326,13 +341,24 @@ class CacheBox:
 
     # -- entries ----------------------------------------------------------------
     def put_entries(self, items: Sequence[tuple[str, bytes]], ttl: int | None = None) -> int:
-        """Store entries (name, blob) in one round trip; returns bytes written.
+        """Store entries (name, blob) in one round trip through the cache box's ``ec_put`` function
+        (``cachebox.quota``: size cap, TTL, the namespace's budget); returns bytes written.
 
-        With ``ttl`` (seconds) entries expire and, under ``volatile-lru``, are what the
-        server evicts first when full; pinned entries carry no TTL and stay. On a cluster, the
-        entries of a node that does not answer are not written (not counted).
+        Entries expire after ``ttl`` seconds (None: the longest TTL the library allows) and, under
+        ``volatile-lru``, are what the server evicts first when full; only the control plane pins
+        an entry (no TTL). CacheBoxOverQuota when the function refused one of them (the others of
+        the batch are stored; the refused one is not). On a cluster, the entries of a node that
+        does not answer are not written (not counted).
         """
-        replies = self._batch(items, lambda item: item[0], lambda pipe, item: pipe.set(item[0], item[1], ex=ttl))
+        seconds = str(int(ttl)) if ttl else "max"
+
+        def queue(pipe, item):
+            pipe.fcall(quota.PUT, 1, item[0], item[1], seconds)
+
+        replies = self._with_functions(lambda: self._batch(items, lambda item: item[0], queue, raise_on_error=False))
+        refused = [reply[0] for reply in replies if reply is not None and isinstance(reply[0], Exception)]
+        if refused:
+            raise self._refused(refused[0])
         return sum(len(blob) for (_, blob), reply in zip(items, replies) if reply is not None)
 
     def read_prefixes(self, names: Sequence[str], length: int) -> list[bytes]:
@@ -379,18 +405,29 @@ class CacheBox:
         return sum(1 for reply in replies if reply is not None and reply[0])
 
     def touch(self, names: Iterable[str], ttl: int) -> None:
-        """Restart the TTL of entries just used (pinned entries, with no TTL, stay pinned)."""
-        self._batch(list(names), str, lambda pipe, name: pipe.expire(name, ttl, xx=True))
+        """Restart the TTL of entries just used (pinned entries, with no TTL, stay pinned), through
+        the ``ec_touch`` function (a TTL within the library's bound; the ledger follows)."""
+        seconds = str(int(ttl)) if ttl else "max"
+        self._with_functions(lambda: self._batch(list(names), str, lambda pipe, name: pipe.fcall(quota.TOUCH, 1, name, seconds)))
 
     def delete(self, names: Iterable[str]) -> int:
-        """Delete keys; returns how many existed. One command (a cluster: one pipeline per node,
-        since one DEL may not name keys of two slots)."""
+        """Delete keys; returns how many existed. One round trip (a cluster: one pipeline per node,
+        since one DEL may not name keys of two slots). Entries go through the ``ec_del`` function,
+        which gives their bytes back to the namespace's budget."""
         names = list(names)
         if not names:
             return 0
-        if self.cluster is None:
-            return self._run(lambda: self.redis.delete(*names))
-        return sum(int(reply[0]) for reply in self._batch(names, str, lambda pipe, name: pipe.delete(name)) if reply is not None)
+        entries = [name for name in names if _is_entry(name)]
+        others = [name for name in names if not _is_entry(name)]
+        removed = 0
+        if entries:
+            replies = self._with_functions(lambda: self._batch(entries, str, lambda pipe, name: pipe.fcall(quota.DELETE, 1, name)))
+            removed += sum(int(reply[0]) for reply in replies if reply is not None)
+        if others and self.cluster is None:
+            removed += self._run(lambda: self.redis.delete(*others))
+        elif others:
+            removed += sum(int(reply[0]) for reply in self._batch(others, str, lambda pipe, name: pipe.delete(name)) if reply is not None)
+        return removed
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         """Whether each key exists, in one round trip."""
@@ -433,7 +470,7 @@ class CacheBox:
         return self._scan(schema_key_pattern(schema_digest))
 
     def flush(self, namespace: str | None = None, fingerprint: str | None = None) -> int:
-        """Delete the entries of a namespace and/or model; with a namespace, its catalog too."""
+        """Delete the entries of a namespace and/or model; with a namespace, its catalog and its budget's ledger too."""
         removed = 0
         batch: list[str] = []
         for name in self.scan_entries(namespace, fingerprint):
@@ -443,36 +480,28 @@ class CacheBox:
                 batch = []
         removed += self.delete(batch)
         if namespace and fingerprint is None:
-            self.delete(catalog_key_names(namespace).values())
+            self.delete([*catalog_key_names(namespace).values(), *self._scan(quota.quota_key_pattern(namespace))])  # and its budget
         return removed
 
     # -- master catalog ---------------------------------------------------------------
     def catalog_epoch(self, namespace: str, new_epoch: str) -> str:
-        """The namespace's catalog epoch, created as ``new_epoch`` if the cache box has none.
+        """The namespace's catalog epoch, created as ``new_epoch`` if the cache box has none
+        (``ec_cat_epoch``: with a TTL, renewed at each call).
 
         The epoch changes only when the cache box loses its catalog (restarted empty,
-        flushed): boards then drop their local filters instead of trusting stale bits.
+        flushed, or every board of the namespace away for longer than the longest entry TTL):
+        boards then drop their local filters instead of trusting stale bits.
         """
         name = catalog_key_names(namespace)["epoch"]
-
-        def get_or_create(client):
-            client.set(name, new_epoch, nx=True)
-            return (client.get(name) or b"").decode()
-
-        return self._on_key(name, get_or_create)
+        reply = self._with_functions(lambda: self._on_key(name, lambda client: client.fcall(quota.CATALOG_EPOCH, 1, name, new_epoch)))
+        return reply.decode() if isinstance(reply, bytes) else str(reply)
 
     def catalog_append(self, namespace: str, keys: Sequence[bytes]) -> None:
-        """Announce new entry keys to every board (one stream record per key)."""
+        """Announce new entry keys to every board (one stream record per 16-byte key; ``ec_cat_append``
+        keeps the log to its length and gives it a TTL)."""
         name = catalog_key_names(namespace)["log"]
-
-        def append(client):
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.xadd(name, {"k": key}, maxlen=CATALOG_LOG_MAXLEN, approximate=True)
-            pipe.execute()
-
         if keys:
-            self._on_key(name, append)
+            self._with_functions(lambda: self._on_key(name, lambda client: client.fcall(quota.CATALOG_APPEND, 1, name, *keys)))
 
     def catalog_read_log(self, namespace: str, after_id: str, count: int = 10_000) -> list[tuple[str, bytes]]:
         """Keys announced after stream id ``after_id`` ("0" for all), oldest first."""
@@ -492,33 +521,21 @@ class CacheBox:
         return doc.get(b"bloom"), (doc.get(b"last_id") or b"0").decode(), (doc.get(b"epoch") or b"").decode()
 
     def catalog_put_snapshot(self, namespace: str, bloom: bytes, last_id: str, epoch: str) -> bool:
-        """Replace the master copy if it is older than ``last_id``; trims the folded log."""
+        """Replace the master copy if it is older than ``last_id`` and of the live epoch; trims the
+        folded log. One atomic call (``ec_cat_snapshot``: a size cap, a TTL, counted in the
+        namespace's budget)."""
         names = catalog_key_names(namespace)
-
-        def put(client):
-            with client.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(names["snapshot"], names["epoch"])
-                    current = (pipe.hget(names["snapshot"], "last_id") or b"0").decode()
-                    live_epoch = (pipe.get(names["epoch"]) or b"").decode()
-                    if live_epoch != epoch or not _stream_id_after(last_id, current):
-                        pipe.unwatch()
-                        return False
-                    pipe.multi()
-                    pipe.hset(names["snapshot"], mapping={"bloom": bloom, "last_id": last_id, "epoch": epoch})
-                    pipe.xtrim(names["log"], minid=last_id, approximate=False)
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    return False
-
-        # The namespace's catalog keys share one hash tag: one node, so WATCH and MULTI work there.
-        return self._on_key(names["snapshot"], put)
+        keys = (names["snapshot"], names["epoch"], names["log"])
+        # The namespace's catalog keys share one hash tag: one node, one call.
+        reply = self._with_functions(
+            lambda: self._on_key(names["snapshot"], lambda client: client.fcall(quota.CATALOG_SNAPSHOT, 3, *keys, bloom, last_id, epoch))
+        )
+        return bool(int(reply))
 
     def catalog_drop_snapshot(self, namespace: str) -> None:
         """Delete the master snapshot (an unreadable one); the log and the epoch stay. One round trip."""
         name = catalog_key_names(namespace)["snapshot"]
-        self._on_key(name, lambda client: client.delete(name))
+        self._with_functions(lambda: self._on_key(name, lambda client: client.fcall(quota.CATALOG_DROP, 1, name)))
 
     def catalog_replace(self, namespace: str, bloom: bytes, epoch: str) -> None:
         """Install a rebuilt master catalog under a new epoch and drop the old log."""
@@ -536,6 +553,37 @@ class CacheBox:
     def catalog_log_length(self, namespace: str) -> int:
         name = catalog_key_names(namespace)["log"]
         return int(self._on_key(name, lambda client: client.xlen(name)))
+
+    # -- the write functions (cachebox.quota) ----------------------------------------------
+    def load_functions(self, limits: quota.Limits, *, replace: bool = True) -> None:
+        """Load (``FUNCTION LOAD REPLACE``) the ``edgecache`` library with ``limits`` on the server,
+        or on every primary of a cluster (functions are per node). The control plane's credentials:
+        CacheBoxRefused for a board's user."""
+        source = quota.library_source(limits)
+        self._on_every_server(lambda client: client.function_load(source, replace=replace))
+        self._limits = limits
+
+    def _with_functions(self, call: Callable[[], T]) -> T:
+        """``call()``; when the server has no ``edgecache`` library (a server just started, a test's),
+        load it with the default limits (a namespace's quota: a quarter of maxmemory) and call
+        again. A user that may not load it (a board's) gets a CacheBoxRefused that says who loads it."""
+        try:
+            return call()
+        except CacheBoxRefused as exc:
+            if "function not found" not in str(exc).lower():
+                raise
+            try:
+                self.load_functions(self._limits or quota.Limits(quota=quota.default_quota(self.memory_limit_per_node())), replace=False)
+            except CacheBoxRefused as load_exc:
+                if "already exists" in str(load_exc):
+                    return call()
+                if "NOPERM" not in str(load_exc) and "no permissions" not in str(load_exc):
+                    raise
+                raise CacheBoxRefused(
+                    f"cache box {self.safe_url} has no EdgeCache write functions (library {quota.LIBRARY!r}); the control plane "
+                    "loads them when it applies the boards' users: start it (`make run`, `manage.py run`) and try again"
+                ) from exc
+            return call()
 
     # -- device registry ------------------------------------------------------------------
     def get_device_record(self, name: str) -> bytes | None:
@@ -687,6 +735,14 @@ class CacheBox:
         limits = [int(info.get("maxmemory", 0) or 0) for info in infos]
         return sum(int(info.get("used_memory", 0) or 0) for info in infos), (0 if 0 in limits else sum(limits))
 
+    def memory_limit_per_node(self) -> int:
+        """The smallest ``maxmemory`` of the server or of a cluster's primaries, in bytes (0: some
+        node has none). One round trip per server (INFO memory)."""
+        infos = [self._run(lambda: self.redis.info("memory"))] if self.cluster is None else [
+            self._on_node(node, lambda client: client.info("memory")) for node in self._topology().get_primaries()
+        ]
+        return min(int(info.get("maxmemory", 0) or 0) for info in infos)
+
     def memory_used(self) -> str:
         """The server's used memory, human readable ("1.21M"); one round trip (INFO memory).
         A cluster: the sum over the nodes that answer, "(2 of 3 nodes)" when some did not."""
@@ -705,6 +761,10 @@ class CacheBox:
             raise CacheBoxUnavailable(f"no node of cache box {self.safe_url} answers")
         total = f"{sum(used) / 1048576:.2f}M"
         return total if len(used) == len(nodes) else f"{total} ({len(used)} of {len(nodes)} nodes)"
+
+
+def _is_entry(name: str) -> bool:
+    return name.startswith(("ec:e:", "ec:m:"))
 
 
 def _stream_id_after(candidate: str, current: str) -> bool:

@@ -61,7 +61,18 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_IO_TIMEOUT": (None, "seconds a cache-box reply may take before it counts as unavailable"),
     "EDGECACHE_MAX_ENTRY_BYTES": (None, "largest entry stored or read (bytes)"),
     "EDGECACHE_MAX_FETCH_BYTES": (None, "most one request downloads (bytes)"),
-    "EDGECACHE_ENTRY_TTL": (None, "unpinned entries expire after this many seconds unused (0: never)"),
+    "EDGECACHE_ENTRY_TTL": (None, "unpinned entries expire after this many seconds unused (0: after `EDGECACHE_MAX_ENTRY_TTL`)"),
+    "EDGECACHE_MAX_ENTRY_TTL": (
+        None,
+        "the longest TTL the cache box's write functions give an entry or a catalog (seconds); also how long a namespace's "
+        "budget ledger outlives its last write",
+    ),
+    "EDGECACHE_NAMESPACE_QUOTA": (
+        "a quarter of the cache box's `maxmemory` (256 MB without one)",
+        "bytes one namespace's entries and catalog snapshot may hold in the cache box (on each node of a cluster); a write "
+        "over it is refused (`EC_QUOTA`) and nothing is evicted for it; see [What one board can do to memory]"
+        "(operations.md#what-one-board-can-do-to-memory)",
+    ),
     "EDGECACHE_CONTEXT_REUSE": (
         None,
         "a board keeps its last prompt in the engine; a prompt sharing a prefix with it continues from the last shared cut "

@@ -318,9 +318,23 @@ EDGECACHE_N_CTX = EDGECACHE_BOARD.n_ctx
 EDGECACHE_NAMESPACE = EDGECACHE_BOARD.namespace
 EDGECACHE_CONNECT_TIMEOUT = EDGECACHE_BOARD.connect_timeout
 EDGECACHE_IO_TIMEOUT = EDGECACHE_BOARD.io_timeout
-# Unpinned entries expire after this many seconds unused (0: never) and are the ones
-# Redis evicts under `volatile-lru`; pinned entries have no TTL.
+# Unpinned entries expire after this many seconds unused (0: the longest the cache box allows) and
+# are the ones Redis evicts under `volatile-lru`; only entries staff pin have no TTL.
 EDGECACHE_ENTRY_TTL = EDGECACHE_BOARD.entry_ttl or 0
+# What the cache box's write functions allow every writer (cachebox.quota, loaded by the control
+# plane on every server): an entry's TTL is at most EDGECACHE_MAX_ENTRY_TTL seconds, its size at most
+# EDGECACHE_MAX_ENTRY_BYTES, and a namespace holds at most EDGECACHE_NAMESPACE_QUOTA bytes (on each
+# node of a cluster; 0: a quarter of the server's maxmemory). With the broker on the same server,
+# keep the namespaces' quotas together below maxmemory minus what the queues need (docs/operations.md).
+EDGECACHE_MAX_ENTRY_TTL = _env_int("EDGECACHE_MAX_ENTRY_TTL", 7 * 24 * 3600)
+EDGECACHE_NAMESPACE_QUOTA = _env_int("EDGECACHE_NAMESPACE_QUOTA", 0)
+if EDGECACHE_MAX_ENTRY_TTL < 1 or EDGECACHE_NAMESPACE_QUOTA < 0:
+    raise ValueError("EDGECACHE_MAX_ENTRY_TTL must be positive and EDGECACHE_NAMESPACE_QUOTA not negative (0: a quarter of maxmemory)")
+if EDGECACHE_ENTRY_TTL > EDGECACHE_MAX_ENTRY_TTL:
+    raise ValueError(
+        f"EDGECACHE_ENTRY_TTL ({EDGECACHE_ENTRY_TTL} s) is over EDGECACHE_MAX_ENTRY_TTL ({EDGECACHE_MAX_ENTRY_TTL} s): "
+        "the cache box would refuse every entry; lower the one or raise the other"
+    )
 
 LOGGING = {
     "version": 1,

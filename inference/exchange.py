@@ -26,7 +26,7 @@ from cachebox import codec as codecs
 from cachebox.catalog import Catalog
 from cachebox.codec import UnknownCodec
 from cachebox.entry import HEADER_PEEK_BYTES, EntryHeader, decode_header, decoded_state, encode_entry, entry_size, open_entries, verify_header
-from cachebox.errors import CacheBoxUnavailable, EntryError
+from cachebox.errors import CacheBoxOverQuota, CacheBoxUnavailable, EntryError
 from cachebox.events import security_event
 from cachebox.keys import entry_key_name, module_key, module_key_name, prefix_keys
 from cachebox.signing import Keychain, KeyRing, UnknownKey
@@ -429,6 +429,9 @@ class ExchangeSession:
         try:
             self.breakdown.uploaded_bytes += self.store.put_entries([(ref.name, blob) for ref, blob in kept], ttl=self.exchange.entry_ttl)
             self.exchange.catalogs.get(self.namespace).announce([ref.key for ref, _ in kept])
+        except CacheBoxOverQuota as exc:  # the namespace is full (or the entry over the cache box's cap): not an outage
+            log.warning("states not shared: %s", exc)
+            return []
         except CacheBoxUnavailable as exc:
             log.warning("cache box unavailable, states not shared: %s", exc)
             self.breakdown.cachebox_failed()

@@ -15,7 +15,7 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
-from cachebox import acl, embedded
+from cachebox import acl, embedded, quota
 from cachebox.store import CacheBox
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
@@ -83,6 +83,9 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
         "read zero's registry record": lambda: mallory.get("ec:device:zero"),
         "read acme's entries": lambda: mallory.get(entry),
         "re-sign acme's entries": lambda: mallory.set(entry, b"ECE3..."),
+        "write acme's entries through the cache box's functions": lambda: mallory.fcall(quota.PUT, 1, entry, b"ECE3...", 60),
+        "give acme's budget away": lambda: mallory.hset("ec:quota:acme:{0}", "total", 10**12),
+        "store its own entry with no TTL": lambda: mallory.set(f"ec:e:globex:57fa53c378686353:{{{'ef' * 16}}}", b"x"),
         "read acme's catalog": lambda: mallory.hgetall("ec:c:{acme}:snap"),
         # 3. fake tokens to an application: publish on zero's runs' channels
         "publish on zero's stream": lambda: mallory.publish(f"ec:stream:zero:{uuid.uuid4()}", b"Pay to IBAN DE00 ATTACKER"),
@@ -99,7 +102,8 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
         "write into zero's inbox": lambda: mallory.lpush("ec:inbox:zero", b"{}"),
         "enroll as zero": lambda: mallory.lpush("ec:enroll:zero", b"{}"),
         "read zero's heartbeat": lambda: mallory.get("ec:hb:zero"),
-        "beat as zero": lambda: mallory.set("ec:hb:zero", b"{}"),
+        "beat as zero": lambda: mallory.psetex("ec:hb:zero", 60_000, b"{}"),
+        "beat without expiry": lambda: mallory.set("ec:hb:mallory", b"{}"),
         "read its own inbox back": lambda: mallory.lrange("ec:inbox:mallory", 0, -1),
         "empty its own inbox": lambda: mallory.delete("ec:inbox:mallory"),
         "listen to zero's stream": lambda: mallory.execute_command("SUBSCRIBE", f"ec:stream:zero:{uuid.uuid4()}"),
@@ -124,12 +128,12 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
 
     # What mallory does as a board still works.
     own = f"ec:e:globex:57fa53c378686353:{{{'cd' * 16}}}"
-    assert mallory.set(own, b"ECE3 sealed state", ex=60) and mallory.get(own) == b"ECE3 sealed state"
-    assert mallory.getrange(own, 0, 3) == b"ECE3" and mallory.strlen(own) > 0 and mallory.expire(own, 120)
-    assert mallory.xadd("ec:c:{globex}:log", {"k": b"key"}) and mallory.xrange("ec:c:{globex}:log")
+    assert mallory.fcall(quota.PUT, 1, own, b"ECE3 sealed state", 60) and mallory.get(own) == b"ECE3 sealed state"
+    assert mallory.getrange(own, 0, 3) == b"ECE3" and mallory.strlen(own) > 0 and mallory.fcall(quota.TOUCH, 1, own, 120)
+    assert mallory.fcall(quota.CATALOG_APPEND, 1, "ec:c:{globex}:log", b"k" * 16) and mallory.xrange("ec:c:{globex}:log")
     assert json.loads(mallory.get("ec:device:mallory"))["name"] == "mallory"
     assert mallory.lpush("ec:inbox:mallory", b"a report") == 1  # its own inbox, write-only
-    assert mallory.set("ec:hb:mallory", b"a heartbeat", ex=60)  # its own latest heartbeat, write-only
+    assert mallory.psetex("ec:hb:mallory", 60_000, b"a heartbeat")  # its own latest heartbeat, write-only
     assert mallory.lpush("device.mallory", b"x") and mallory.brpop(["device.mallory", "boards.globex"], 1)
     assert mallory.lpush("device.mallory", b"y") and mallory.blmove("device.mallory", "device.mallory", 0.1, "RIGHT", "RIGHT") == b"y"
     assert mallory.brpop(["device.mallory"], 1) == (b"device.mallory", b"y")  # looked at, left in place

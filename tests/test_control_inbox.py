@@ -220,16 +220,16 @@ def test_two_hundred_thousand_heartbeats_from_one_board_keep_every_other_board_o
     from .test_dashboard import heartbeat
 
     mallory, zero = _as_board(plane, "mallory"), _as_board(plane, "zero")
-    zero.set("ec:hb:zero", json.dumps(heartbeat(plane["keys"]["zero"], {"model": "zero's", "heartbeat_s": 5}, device="zero")), ex=60)
+    zero.psetex("ec:hb:zero", 60_000, json.dumps(heartbeat(plane["keys"]["zero"], {"model": "zero's", "heartbeat_s": 5}, device="zero")))
     beat = json.dumps(heartbeat(plane["keys"]["mallory"], {"model": "flood", "heartbeat_s": 5}, device="mallory"))
     for start in range(0, 200_000, 10_000):  # validly signed, as fast as the server takes them
         pipe = mallory.pipeline(transaction=False)
         for _ in range(10_000):
-            pipe.set("ec:hb:mallory", beat, ex=60)
+            pipe.psetex("ec:hb:mallory", 60_000, beat)
         pipe.execute()
     assert plane["admin"].dbsize() < 20  # one key per board, however often it beats
     batch = HeartbeatBatch()
     assert batch.take() == 2 and batch.flush() == 2  # each board's latest, read once
     assert Device.objects.get(name="zero").online and Device.objects.get(name="zero").status["model"] == "zero's"
     with pytest.raises(NoPermissionError):
-        mallory.set("ec:hb:zero", beat)  # nor can it beat for another board
+        mallory.psetex("ec:hb:zero", 60_000, beat)  # nor can it beat for another board

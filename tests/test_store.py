@@ -182,6 +182,7 @@ def test_exists_ttls_and_schema_scan_answer_through_the_store(valkey_url, namesp
     pinned, plain = (module_key_name(namespace, "00ff00ff00ff00ff", digest, os.urandom(16)) for _ in range(2))
     missing = entry_key_name(namespace, "00ff00ff00ff00ff", os.urandom(16))
     store.put_entries([(pinned, b"a")])
+    assert store.pin([pinned]) == 1  # pinned by the control plane: every write carries a TTL
     store.put_entries([(plain, b"b")], ttl=100)
     assert store.exists([pinned, missing, plain]) == [True, False, True]
     assert store.exists([]) == [] and store.ttls([]) == []

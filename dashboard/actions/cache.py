@@ -5,7 +5,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import transaction
 
-from cachebox import embedded
+from cachebox import embedded, quota
+from cachebox.catalog import expected_filter_bytes
 from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
 from cachebox.models import CacheEntry
@@ -30,6 +31,7 @@ def start_cachebox(bind: tuple[str, ...] | None = None) -> str:
             settings.EDGECACHE_EMBEDDED_DIR,
             port=settings.EDGECACHE_EMBEDDED_PORT,
             maxmemory=settings.EDGECACHE_EMBEDDED_MAXMEMORY,
+            max_value=settings.EDGECACHE_BOARD.max_entry_bytes,
             password=settings.EDGECACHE_EMBEDDED_PASSWORD,
             bind=tuple(bind if bind is not None else settings.EDGECACHE_EMBEDDED_BIND),
         )
@@ -41,6 +43,19 @@ def stop_cachebox() -> bool:
     if not settings.REDIS_URL_IS_EMBEDDED:
         return False
     return embedded.stop(settings.EDGECACHE_EMBEDDED_DIR, settings.EDGECACHE_EMBEDDED_PORT, password=settings.EDGECACHE_EMBEDDED_PASSWORD)
+
+
+def cachebox_limits(store: CacheBox) -> quota.Limits:
+    """What the cache box's write functions allow on ``store``'s server(s) (settings): entry size and
+    TTL, a namespace's budget (EDGECACHE_NAMESPACE_QUOTA, else a quarter of the server's maxmemory:
+    one INFO), the catalog snapshot boards of this configuration make (with 10% and 4 KB to spare)."""
+    board = settings.EDGECACHE_BOARD
+    return quota.Limits(
+        max_value=board.max_entry_bytes,
+        max_ttl=settings.EDGECACHE_MAX_ENTRY_TTL,
+        quota=settings.EDGECACHE_NAMESPACE_QUOTA or quota.default_quota(store.memory_limit_per_node()),
+        max_snapshot=int(expected_filter_bytes(board.catalog_capacity, board.catalog_fp_rate) * 1.1) + 4096,
+    )
 
 
 def cachebox() -> CacheBox:

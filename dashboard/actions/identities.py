@@ -20,6 +20,7 @@ from cachebox.store import CacheBox
 from inference.messages import Queue
 
 from ..models import Device
+from .cache import cachebox_limits
 
 log = logging.getLogger("dashboard.actions")
 
@@ -53,6 +54,7 @@ def apply_identity(device: Device, *, stores: list[CacheBox] | None = None, save
     board, enrolling = acl.board_user(device.name), acl.enroll_user(device.name)
     try:
         for store in stores or servers():
+            store.load_functions(cachebox_limits(store))  # what its user may write goes through them
             if _enrolled(device):
                 store.set_user(board, acl.board_rules(device.name, device.cache_namespace, device.redis_password_sha256))
             else:
@@ -123,6 +125,7 @@ def apply_all_identities() -> int:
     known = {acl.board_user(device.name) for device in devices} | {acl.enroll_user(device.name) for device in devices}
     for store in stores:
         try:
+            store.load_functions(cachebox_limits(store))
             for user in store.users():
                 if user.startswith((acl.BOARD_USER_PREFIX, acl.ENROLL_USER_PREFIX)) and user not in known:
                     store.delete_user(user)

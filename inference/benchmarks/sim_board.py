@@ -230,7 +230,7 @@ class Fleet:
                 )
                 sealed = board.me.seal(Heartbeat(device=board.me.name, status=status), Kind.HEARTBEAT)
                 raw = json.dumps(sealed, separators=(",", ":"))
-                await self.broker.set(heartbeat_key(board.me.name), raw, ex=max(60, int(self.heartbeat_s * 12)))  # as inference.edge.push_heartbeat
+                await self.broker.psetex(heartbeat_key(board.me.name), max(60, int(self.heartbeat_s * 12)) * 1000, raw)  # as inference.edge.push_heartbeat
                 self.counts["heartbeats"] += 1
             except Exception as exc:  # noqa: BLE001 (counted and reported, the board beats on)
                 self._error(f"heartbeat of {board.me.name}: {type(exc).__name__}: {exc}")

@@ -23,14 +23,14 @@ log = logging.getLogger("inference.edge")
 
 
 def push_heartbeat(sealed: dict, interval: float = 5.0) -> None:
-    """A signed heartbeat as this board's latest (``cachebox.keys.heartbeat_key``, one SET that
+    """A signed heartbeat as this board's latest (``cachebox.keys.heartbeat_key``, one PSETEX that
     overwrites the last one and expires when the board would count as offline long since): the
     control plane reads every board's latest in turn, so however often one board beats, it holds
     one key and delays no other board."""
     me = identity()
     raw = json.dumps(sealed, separators=(",", ":"))
     ttl = max(60, int(interval * 12))
-    write_to_broker(lambda client: client.set(heartbeat_key(me.name), raw, ex=ttl), retry=False, what="a heartbeat")
+    write_to_broker(lambda client: client.psetex(heartbeat_key(me.name), ttl * 1000, raw), retry=False, what="a heartbeat")
 
 
 class HeartbeatThread(threading.Thread):

@@ -42,6 +42,7 @@ class Command(BaseCommand):
                     settings.EDGECACHE_EMBEDDED_DIR,
                     port=settings.EDGECACHE_EMBEDDED_PORT,
                     maxmemory=settings.EDGECACHE_EMBEDDED_MAXMEMORY,
+                    max_value=settings.EDGECACHE_BOARD.max_entry_bytes,
                     password=settings.EDGECACHE_EMBEDDED_PASSWORD,
                     bind=settings.EDGECACHE_EMBEDDED_BIND,
                 )
