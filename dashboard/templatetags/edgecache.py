@@ -25,3 +25,13 @@ def seconds(value) -> str:
     if total < 3600:
         return f"{sign}{total // 60} min {total % 60} s"
     return f"{sign}{total // 3600} h {total % 3600 // 60} min"
+
+
+@register.simple_tag(takes_context=True)
+def member_namespaces(context) -> list[str]:
+    """The namespaces the page's user is a member of (staff: [] here; they see every one)."""
+    from ..stats import visible_namespaces
+
+    request = context.get("request")
+    namespaces = visible_namespaces(getattr(request, "user", None))
+    return sorted(namespaces) if namespaces else []

@@ -462,8 +462,18 @@
     if (run.expected_answer && !x.verdict) card.appendChild(el("p", { text: "expected answer: " + run.expected_answer }));
   }
 
+  // A field's name as the page shows it (its label: "Max tokens", not max_tokens).
+  function fieldLabel(name) {
+    const label = document.querySelector('label[for="id_' + name + '"]');
+    const text = label ? label.textContent.trim().replace(/:$/, "") : "";
+    if (text) return text;
+    const field = document.getElementById("id_" + name);
+    const legend = field && field.closest("fieldset") && field.closest("fieldset").querySelector("legend");
+    return legend ? legend.textContent.trim() : name.replace(/_/g, " ");
+  }
+
   function errorsText(errors) {
-    return Object.keys(errors || {}).map((k) => (k === "__all__" ? "" : k + ": ") + errors[k].map((e) => e.message).join(" ")).join(" · ");
+    return Object.keys(errors || {}).map((k) => (k === "__all__" ? "" : fieldLabel(k) + ": ") + errors[k].map((e) => e.message).join(" ")).join(" · ");
   }
 
   // The run form: send with fetch, then wait for each device's answer on the socket.
