@@ -69,10 +69,12 @@ QUEUE_WINDOW = 500  # messages of a board's queue looked through for its runs (t
 DEEPER = ""  # ``queue_places``: the runs ahead of one that waits past the window (at least)
 
 
-def queue_places(boards: list[str]) -> dict[str, dict[str, int]] | None:
+def queue_places(boards: list[str], under_way: set[str]) -> dict[str, dict[str, int]] | None:
     """{board: {request id: runs ahead of it}} for the runs waiting in each board's queue on the
     broker (a run its board took is in none); None when the broker does not answer. Reads only the
-    task ids (``cachebox.broker.queued_task_ids``): a run's task id is its request id."""
+    task ids (``cachebox.broker.queued_task_ids``): a run's task id is its request id. Counted
+    ahead are the runs ``under_way`` only: a revoked or lost run's message that still waits is
+    dropped by the board as it takes it."""
     from django.conf import settings
 
     from cachebox.broker import queued_task_ids
@@ -87,9 +89,10 @@ def queue_places(boards: list[str]) -> dict[str, dict[str, int]] | None:
             client = channel.client
             for board in boards:
                 ids, length = queued_task_ids(client, Queue.device(board), QUEUE_WINDOW)
-                places[board] = {request_id: position for position, request_id in enumerate(ids) if request_id}
+                live = [request_id for request_id in ids if request_id in under_way]
+                places[board] = {request_id: position for position, request_id in enumerate(live)}
                 if length > len(ids):  # a run past the window waits behind all of them: not taken
-                    places[board][DEEPER] = len(ids)
+                    places[board][DEEPER] = len(live)
             channel.close()
     except Exception as exc:  # the page still shows what the database knows
         log.warning("the boards' queues were not read from the broker: %s: %s", type(exc).__name__, exc)
@@ -148,7 +151,9 @@ def queue_view(viewer, now: datetime | None = None) -> QueueView:
         return [boards.setdefault(board, Group(board)), namespaces.setdefault(dispatch.namespace, Group(dispatch.namespace))]
 
     under_way = list(dispatches.filter(outcome="").order_by("created")[:LIMIT])
-    places = queue_places(sorted({dispatch.device.name for dispatch in under_way if dispatch.device is not None})) if under_way else {}
+    boards_waited_on = sorted({dispatch.device.name for dispatch in under_way if dispatch.device is not None})
+    live = {str(request_id) for request_id in Dispatch.objects.filter(kind="run", outcome="", device__name__in=boards_waited_on).values_list("request_id", flat=True)}
+    places = queue_places(boards_waited_on, live) if boards_waited_on else {}
     for dispatch in under_way:
         request = dispatch.request if isinstance(dispatch.request, dict) else {}
         waited = max((now - dispatch.created).total_seconds(), 0.0)

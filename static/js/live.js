@@ -467,9 +467,11 @@
     const label = document.querySelector('label[for="id_' + name + '"]');
     const text = label ? label.textContent.trim().replace(/:$/, "") : "";
     if (text) return text;
+    // A group of boxes (devices): the label beside it (a form's paragraph), or its fieldset's legend.
     const field = document.getElementById("id_" + name);
-    const legend = field && field.closest("fieldset") && field.closest("fieldset").querySelector("legend");
-    return legend ? legend.textContent.trim() : name.replace(/_/g, " ");
+    const group = field && (field.closest("p") || field.closest("fieldset"));
+    const caption = group && group.querySelector("label:not([for]), legend");
+    return caption && caption.textContent.trim() ? caption.textContent.trim().replace(/:$/, "") : name.replace(/_/g, " ");
   }
 
   function errorsText(errors) {
