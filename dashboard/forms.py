@@ -279,6 +279,8 @@ class RunForm(_ForUser, forms.Form):
                 return
             namespace = tenants[0]
         data["route_namespace"] = namespace or self.current_namespace
+        if not data["route_namespace"]:
+            self.add_error("any_board", "You are a member of no namespace: there is no board to send it to (a staff member adds you to one).")
 
     def route_candidates(self) -> list[Device]:
         """The boards "any board" chooses among: the ticked ones, or every one the user may send to,

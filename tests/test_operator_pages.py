@@ -75,6 +75,14 @@ def test_greedy_is_said_beside_temperature_and_the_namespace_box_has_help(staff_
     assert "A board serves its own namespace only" in page[namespace_box:namespace_box + 1200]
 
 
+def test_any_board_for_a_user_of_no_namespace_is_a_form_error(client, django_user_model, control_plane, sent_tasks):
+    register("zero")
+    stranger = member_client(client, django_user_model)  # a member of nothing
+    response = stranger.post(reverse("run"), {"any_board": "on", "source": "text", "text": "Hello", "max_tokens": 4}, HTTP_ACCEPT="application/json")
+    assert response.status_code == 400 and "member of no namespace" in response.json()["errors"]["any_board"][0]["message"]
+    assert sent_tasks == []
+
+
 # -- 6. the Cache page's flush form ------------------------------------------------------------------
 def selected_namespace(page: str) -> str:
     form = page[page.index('id="flush-form"'):]
