@@ -193,7 +193,8 @@ class RunForm(_ForUser, forms.Form):
     devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple, required=False)
     any_board = forms.BooleanField(
         required=False, label="any board",
-        help_text="one run, on the board expected to answer first: the one holding the longest prefix of the prompt, weighed with its queue (of the ticked devices, or of all)",
+        help_text="one run, on the board expected to answer first: the one holding the longest prefix of the prompt, weighed with its queue "
+        "(of the ticked devices, or of every board of the namespace named below, else of your current namespace: never another tenant's)",
     )
     source = forms.ChoiceField(choices=SOURCES, initial="chat", widget=forms.RadioSelect)
     # A chat: the system prompt, the turns so far (JSON, kept by the page) and the next message.

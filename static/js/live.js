@@ -467,10 +467,12 @@
     const label = document.querySelector('label[for="id_' + name + '"]');
     const text = label ? label.textContent.trim().replace(/:$/, "") : "";
     if (text) return text;
-    // A group of boxes (devices): the label beside it (a form's paragraph), or its fieldset's legend.
+    // A group of boxes (devices): the label just before it (Django's as_p puts it in a paragraph of
+    // its own: a <div> may not sit in a <p>), or its fieldset's legend.
     const field = document.getElementById("id_" + name);
-    const group = field && (field.closest("p") || field.closest("fieldset"));
-    const caption = group && group.querySelector("label:not([for]), legend");
+    const before = field && field.previousElementSibling;
+    const caption = (before && (before.matches("label") ? before : before.querySelector("label:not([for])"))) ||
+      (field && field.closest("fieldset") && field.closest("fieldset").querySelector("legend"));
     return caption && caption.textContent.trim() ? caption.textContent.trim().replace(/:$/, "") : name.replace(/_/g, " ");
   }
 
