@@ -193,8 +193,9 @@ class RunForm(_ForUser, forms.Form):
     devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple, required=False)
     any_board = forms.BooleanField(
         required=False, label="any board",
-        help_text="one run, on the board expected to answer first: the one holding the longest prefix of the prompt, weighed with its queue "
-        "(of the ticked devices, or of every board of the namespace named below, else of your current namespace: never another tenant's)",
+        help_text="one run, on the board expected to answer first: the one holding the longest prefix of the prompt, "
+        "weighed with its queue (of the ticked devices, or of every board of the namespace named below, else of your current "
+        "namespace: never another tenant's)",
     )
     source = forms.ChoiceField(choices=SOURCES, initial="chat", widget=forms.RadioSelect)
     # A chat: the system prompt, the turns so far (JSON, kept by the page) and the next message.
@@ -255,7 +256,9 @@ class RunForm(_ForUser, forms.Form):
             known = set(Namespace.objects.values_list("name", flat=True)) | {device.cache_namespace for device in devices}
             if namespace not in known:
                 names = ", ".join(sorted(set(namespace_choices(self.user)))) or "none"
-                raise forms.ValidationError(f"There is no namespace {namespace!r} (yours: {names}): leave it empty to use each board's own.", code="unknown")
+                raise forms.ValidationError(
+                    f"There is no namespace {namespace!r} (yours: {names}): leave it empty to use each board's own.", code="unknown"
+                )
         return namespace
 
     def _check_boards_serve(self, data: dict) -> None:
@@ -266,9 +269,10 @@ class RunForm(_ForUser, forms.Form):
         if namespace and "namespace" not in self.errors:
             foreign = [device.name for device in devices if namespace not in (device.namespace_id, device.cache_namespace)]
             if foreign:
+                verb = "serves" if len(foreign) == 1 else "serve"
                 self.add_error(
-                    "namespace", f"{', '.join(foreign)} {'serves' if len(foreign) == 1 else 'serve'} another namespace and would refuse a run of "
-                    f"{namespace!r}: leave Namespace empty, or tick boards of {namespace!r}.",
+                    "namespace", f"{', '.join(foreign)} {verb} another namespace and would refuse a run of {namespace!r}: "
+                    f"leave Namespace empty, or tick boards of {namespace!r}.",
                 )
                 return
         if not data.get("any_board") or "namespace" in self.errors:
@@ -276,12 +280,17 @@ class RunForm(_ForUser, forms.Form):
         if not namespace and devices:
             tenants = sorted({device.namespace_id for device in devices})
             if len(tenants) > 1:
-                self.add_error("any_board", f"'any board' sends the run to one namespace's boards; the ticked devices are of {', '.join(tenants)}: tick boards of one, or name it in Namespace.")
+                self.add_error(
+                    "any_board", f"'any board' sends the run to one namespace's boards; the ticked devices are of {', '.join(tenants)}: "
+                    "tick boards of one, or name it in Namespace.",
+                )
                 return
             namespace = tenants[0]
         data["route_namespace"] = namespace or self.current_namespace
         if not data["route_namespace"]:
-            self.add_error("any_board", "You are a member of no namespace: there is no board to send it to (a staff member adds you to one).")
+            self.add_error(
+                "any_board", "You are a member of no namespace: there is no board to send it to (a staff member adds you to one)."
+            )
 
     def route_candidates(self) -> list[Device]:
         """The boards "any board" chooses among: the ticked ones, or every one the user may send to,
@@ -520,7 +529,11 @@ class FlushForm(forms.Form):
         data = super().clean()
         if data.get("namespace") == self.EVERY:
             if (data.get("confirm_every") or "").strip().lower() != self.EVERY_WORDS:
-                self.add_error("confirm_every", f"Flushing every namespace deletes every tenant's entries: type “{self.EVERY_WORDS}” to confirm, or choose one namespace.")
+                self.add_error(
+                    "confirm_every",
+                    f"Flushing every namespace deletes every tenant's entries: type “{self.EVERY_WORDS}” to confirm, "
+                    "or choose one namespace.",
+                )
             elif not data.get("model"):
                 self.add_error("model", "Flushing every namespace is done per model: choose one (or flush one namespace at a time).")
             data["namespace"] = ""  # every namespace

@@ -57,7 +57,9 @@ def run_state(board: str, ahead: int, namespace: str = "") -> str:
     if ahead == NOT_READ:
         return ("queued or running" if board == "online" else "waiting for its board to come back") + " (the broker did not answer)"
     if ahead == TAKEN:
-        return "running on its board" if board == "online" else "taken by its board, which stopped answering (re-sent or lost at the next sweep)"
+        if board == "online":
+            return "running on its board"
+        return "taken by its board, which stopped answering (re-sent or lost at the next sweep)"
     return f"queued on its board: {_place(ahead)}" if board == "online" else f"waiting for its board to come back: {_place(ahead)}"
 
 
@@ -152,7 +154,8 @@ def queue_view(viewer, now: datetime | None = None) -> QueueView:
 
     under_way = list(dispatches.filter(outcome="").order_by("created")[:LIMIT])
     boards_waited_on = sorted({dispatch.device.name for dispatch in under_way if dispatch.device is not None})
-    live = {str(request_id) for request_id in Dispatch.objects.filter(kind="run", outcome="", device__name__in=boards_waited_on).values_list("request_id", flat=True)}
+    under_way_ids = Dispatch.objects.filter(kind="run", outcome="", device__name__in=boards_waited_on).values_list("request_id", flat=True)
+    live = {str(request_id) for request_id in under_way_ids}
     places = queue_places(boards_waited_on, live) if boards_waited_on else {}
     for dispatch in under_way:
         request = dispatch.request if isinstance(dispatch.request, dict) else {}

@@ -51,6 +51,7 @@ def cache_page(request):
     for row in namespaces:
         row["model_name"] = names.get(row["model"], "")
     board = request.GET.get("board", "").strip()[:40]
+    chosen = request.GET.get("namespace", "").strip()
     devices = [{"device": device, **catalog_summary(device)} for device in Device.objects.only("name", "status", "memory_mb")]
     board_namespaces = {namespace for summary in devices for namespace in summary["catalogs"]}
     masters, epochs = [], {}
@@ -114,7 +115,7 @@ def cache_page(request):
             "board_summary": board_summary,
             "board": board,
             # The flush form opens on ?namespace= (where a flush came back to: a board's own namespace too), else the current one.
-            "flush_form": FlushForm(current=(request.GET.get("namespace", ""), current_namespace(request, request.GET.get("namespace", "")))),
+            "flush_form": FlushForm(current=(chosen, current_namespace(request, chosen))),
             "entries": _newest_entries(),
             "events": AuditEvent.objects.select_related("user")[:15],
         },
@@ -137,7 +138,8 @@ def cache_flush(request):
     except CacheBoxUnavailable as exc:
         messages.error(request, f"Nothing flushed: {exc}")
         return back
-    what = " and ".join(part for part in (f"namespace {namespace}" if namespace else "every namespace", f"model {model}" if model else "") if part)
+    scope = (f"namespace {namespace}" if namespace else "every namespace", f"model {model}" if model else "")
+    what = " and ".join(part for part in scope if part)
     if removed:
         messages.success(request, f"Deleted {removed} entr{'y' if removed == 1 else 'ies'} of {what}.")
     else:

@@ -42,7 +42,8 @@ def _metrics_refusal(request) -> tuple[int, str, str, str] | None:
     if not user.is_authenticated:
         return 401, "login_required", "no credentials", f"Metrics need a token or a staff login: {SEND_TOKEN}." if token else TOKEN_OFF
     if not (user.is_active and user.is_staff):
-        return 403, "staff_required", "not staff", f"Metrics are for staff accounts, or a scraper with the token ({SEND_TOKEN.split(', or')[0]})."
+        answer = "Metrics are for staff accounts, or a scraper that sends Authorization: Bearer <the value of EDGECACHE_METRICS_TOKEN>."
+        return 403, "staff_required", "not staff", answer
     return None
 
 

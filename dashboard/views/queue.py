@@ -8,6 +8,7 @@ import uuid
 from django.contrib import messages
 from django.shortcuts import redirect, render
 from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from ..actions.sweeper import revoke
@@ -42,8 +43,9 @@ def queue_revoke(request):
             request, "dashboard/confirm.html",
             {
                 "form": form, "question": f"Revoke the run on {board}?",
-                "consequence": f"“{title or request_id}”, sent {dispatch.created:%Y-%m-%d %H:%M:%S}, is taken back: its board drops it (or stops it between two tokens), "
-                "and it ends as a failed run that says you revoked it. Nothing is answered.",
+                "consequence": f"“{title or request_id}”, sent {timezone.localtime(dispatch.created):%Y-%m-%d %H:%M:%S}, is taken back: "
+                "its board drops it (or stops it between two tokens), and it ends as a failed run that says you revoked it. "
+                "Nothing is answered.",
                 "cancel_url": reverse("queue"), "hidden": {"request_id": str(request_id), "confirming": "1"}, "confirm_label": "Revoke",
             },
         )

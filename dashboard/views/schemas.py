@@ -41,7 +41,8 @@ def _cache_status(schema: Schema, layout, viewer, namespace: str) -> tuple[list[
     """For each board of ``namespace`` that ``viewer`` may see and that reported its model: which
     pieces the cache box holds for it (in its cache namespace: ``namespace``, or its own where its
     tenant shares nothing)."""
-    devices = [device for device in visible_devices(viewer).filter(namespace_id=namespace).order_by("name") if (device.status or {}).get("fingerprint")]
+    boards = visible_devices(viewer).filter(namespace_id=namespace).order_by("name")
+    devices = [device for device in boards if (device.status or {}).get("fingerprint")]
     status: dict[str, dict[str, bool]] = {}
     try:
         store = actions.cachebox()
@@ -73,8 +74,9 @@ def schema_detail(request, pk):
         request,
         "dashboard/schema_detail.html",
         {
-            "schema": schema, "rows": rows, "devices": devices, "positions": layout.positions, "encode_form": EncodeForm(user=request.user, schema=schema),
-            "has_status": bool(status), "namespace": namespace, "namespace_choices": choices,
+            "schema": schema, "rows": rows, "devices": devices, "positions": layout.positions,
+            "encode_form": EncodeForm(user=request.user, schema=schema), "has_status": bool(status),
+            "namespace": namespace, "namespace_choices": choices,
             "private": Namespace.objects.filter(name=namespace, share_across_devices=False).exists(),
         },
     )

@@ -477,7 +477,9 @@
   }
 
   function errorsText(errors) {
-    return Object.keys(errors || {}).map((k) => (k === "__all__" ? "" : fieldLabel(k) + ": ") + errors[k].map((e) => e.message).join(" ")).join(" · ");
+    return Object.keys(errors || {})
+      .map((k) => (k === "__all__" ? "" : fieldLabel(k) + ": ") + errors[k].map((e) => e.message).join(" "))
+      .join(" · ");
   }
 
   // The run form: send with fetch, then wait for each device's answer on the socket.
