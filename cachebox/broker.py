@@ -50,3 +50,23 @@ def wait_in_queue(client, queue: str, timeout: float) -> bool | None:
         return client.blmove(queue, queue, timeout, "RIGHT", "RIGHT") is not None
     except redis_errors.ResponseError:
         return None
+
+
+# The task ids of a broker list's messages, newest first, read on the server: only the ids travel
+# (each message carries its sealed request, up to tens of kB). Kombu's message is JSON whose body is
+# base64 (no quotes inside), so the first "id" key is its headers' task id.
+_TASK_IDS = """
+local ids = {}
+for _, raw in ipairs(redis.call('LRANGE', KEYS[1], -tonumber(ARGV[1]), -1)) do
+  ids[#ids + 1] = string.match(raw, '"id"%s*:%s*"([^"]+)"') or ''
+end
+return {redis.call('LLEN', KEYS[1]), ids}
+"""
+
+
+def queued_task_ids(client, queue: str, window: int = 500) -> tuple[list[str], int]:
+    """The task ids of the messages waiting in the broker list ``queue`` (at most the ``window``
+    next to be taken), the next to be taken first, and how many wait in all. ``client``: the
+    control plane's client of the broker (a script runs: not for a board's user)."""
+    length, ids = client.eval(_TASK_IDS, 1, queue, max(1, int(window)))
+    return [value.decode() if isinstance(value, bytes) else str(value) for value in reversed(ids)], int(length)

@@ -6,6 +6,7 @@ import json
 import re
 
 from django import forms
+from django.contrib.auth.forms import AuthenticationForm
 from django.conf import settings
 from django.db.models import Q
 from django.utils.html import escape
@@ -22,7 +23,7 @@ from inference.pml import PMLError, parse_prompt, parse_schema
 
 from .actions import run_request as asked_run
 from .models import Device, SavedPrompt
-from .stats import sees_every_namespace, visible_devices, visible_schemas
+from .stats import namespace_choices, sees_every_namespace, visible_devices, visible_schemas
 
 MAX_PROMPT_CHARS = 32_000  # the Run page's limit, in the text boxes (counter) and here (form error)
 MAX_CHAT_TURNS = 64  # turns a Run page chat sends back (the board's context ends it sooner)
@@ -192,7 +193,9 @@ class RunForm(_ForUser, forms.Form):
     devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple, required=False)
     any_board = forms.BooleanField(
         required=False, label="any board",
-        help_text="one run, on the board expected to answer first: the one holding the longest prefix of the prompt, weighed with its queue (of the ticked devices, or of all)",
+        help_text="one run, on the board expected to answer first: the one holding the longest prefix of the prompt, "
+        "weighed with its queue (of the ticked devices, or of every board of the namespace named below, else of your current "
+        "namespace: never another tenant's)",
     )
     source = forms.ChoiceField(choices=SOURCES, initial="chat", widget=forms.RadioSelect)
     # A chat: the system prompt, the turns so far (JSON, kept by the page) and the next message.
@@ -214,7 +217,11 @@ class RunForm(_ForUser, forms.Form):
     temperature = forms.FloatField(min_value=0.0, max_value=2.0, initial=0.0, required=False, help_text="0: greedy (the same answer every time)")
     top_p = forms.FloatField(min_value=0.01, max_value=1.0, initial=0.95, required=False, label="Top-p")
     seed = forms.IntegerField(min_value=0, max_value=2**63 - 1, required=False, help_text="optional: the same seed samples the same answer")
-    namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
+    namespace = forms.CharField(
+        required=False, max_length=64,
+        help_text="optional: the namespace (tenant) whose cache entries the run uses; empty: each board's own. A board serves its own "
+        "namespace only, and 'any board' chooses among the boards of this namespace (empty: your current one)",
+    )
     use_cache = forms.BooleanField(required=False, initial=True)
     STRATEGIES = [("exact", "exact (prefix serving)")] + [(f"kv-prediction:{k}", f"KV prediction, {k} auxiliary layers (lab, approximate)") for k in (3, 6, 9)] + [
         ("anchors", "anchor tokens: earlier parts keep only their last token (lab, approximate)"),
@@ -228,9 +235,10 @@ class RunForm(_ForUser, forms.Form):
         "or leave the network early while decoding (seed 002): approximate answers; they never use the cache box",
     )
 
-    def __init__(self, *args, user, **kwargs):
+    def __init__(self, *args, user, current_namespace: str = "", **kwargs):
         super().__init__(*args, **kwargs)
         self._scope_to(user)
+        self.current_namespace = current_namespace  # where "any board" routes when no namespace is named
         self.fields["schema"].queryset = visible_schemas(user)
         try:
             self.fields["topic"].choices = [(topic, topic) for topic in mmlu.topics()]
@@ -240,7 +248,57 @@ class RunForm(_ForUser, forms.Form):
             _limit_without_cut(self.fields[name], MAX_PROMPT_CHARS)
 
     def clean_namespace(self):
-        return self._check_namespace_is_theirs(_clean_namespace(self.cleaned_data.get("namespace")))
+        namespace = self._check_namespace_is_theirs(_clean_namespace(self.cleaned_data.get("namespace")))
+        if namespace:
+            from .models import Namespace
+
+            devices = list(self.fields["devices"].queryset)
+            known = set(Namespace.objects.values_list("name", flat=True)) | {device.cache_namespace for device in devices}
+            if namespace not in known:
+                names = ", ".join(sorted(set(namespace_choices(self.user)))) or "none"
+                raise forms.ValidationError(
+                    f"There is no namespace {namespace!r} (yours: {names}): leave it empty to use each board's own.", code="unknown"
+                )
+        return namespace
+
+    def _check_boards_serve(self, data: dict) -> None:
+        """A board serves its own namespace only (it refuses a run of any other): a run named to
+        another namespace, or "any board" over boards of several, is refused here, not failed there."""
+        namespace = data.get("namespace") or ""
+        devices = list(data.get("devices") or ())
+        if namespace and "namespace" not in self.errors:
+            foreign = [device.name for device in devices if namespace not in (device.namespace_id, device.cache_namespace)]
+            if foreign:
+                verb = "serves" if len(foreign) == 1 else "serve"
+                self.add_error(
+                    "namespace", f"{', '.join(foreign)} {verb} another namespace and would refuse a run of {namespace!r}: "
+                    f"leave Namespace empty, or tick boards of {namespace!r}.",
+                )
+                return
+        if not data.get("any_board") or "namespace" in self.errors:
+            return
+        if not namespace and devices:
+            tenants = sorted({device.namespace_id for device in devices})
+            if len(tenants) > 1:
+                self.add_error(
+                    "any_board", f"'any board' sends the run to one namespace's boards; the ticked devices are of {', '.join(tenants)}: "
+                    "tick boards of one, or name it in Namespace.",
+                )
+                return
+            namespace = tenants[0]
+        data["route_namespace"] = namespace or self.current_namespace
+        if not data["route_namespace"]:
+            self.add_error(
+                "any_board", "You are a member of no namespace: there is no board to send it to (a staff member adds you to one)."
+            )
+
+    def route_candidates(self) -> list[Device]:
+        """The boards "any board" chooses among: the ticked ones, or every one the user may send to,
+        of the run's namespace only (``route_namespace``): a run never goes to another tenant's board."""
+        data = self.cleaned_data
+        namespace = data.get("route_namespace") or ""
+        devices = list(data.get("devices") or ()) or list(self.fields["devices"].queryset)
+        return [device for device in devices if namespace in (device.namespace_id, device.cache_namespace)]
 
     def clean_text(self):
         text = lf(self.cleaned_data.get("text"))
@@ -344,6 +402,7 @@ class RunForm(_ForUser, forms.Form):
                 foreign = [device.name for device in data.get("devices") or () if schema.namespace and device.namespace_id != schema.namespace]
                 if foreign:
                     self.add_error("schema", f"Schema {schema.name!r} belongs to namespace {schema.namespace!r}: {', '.join(foreign)} may not run it.")
+        self._check_boards_serve(data)
         if data.get("source") == "pml" and (data.get("strategy") or "exact") != "exact":
             self.add_error("strategy", "A schema prompt is served from exact cached modules: choose the exact strategy for it.")
         return data
@@ -378,6 +437,15 @@ class RunForm(_ForUser, forms.Form):
         data = self.cleaned_data
         chosen = {"temperature": data.get("temperature"), "top_p": data.get("top_p"), "seed": data.get("seed")}
         return {name: value for name, value in chosen.items() if value is not None}
+
+
+class LoginForm(AuthenticationForm):
+    """Django's login form, its refusal said once, in one sentence."""
+
+    error_messages = {
+        **AuthenticationForm.error_messages,
+        "invalid_login": "Wrong username or password (both are case-sensitive): try again.",
+    }
 
 
 class ConfirmForm(forms.Form):
@@ -426,13 +494,27 @@ def model_label(fingerprint: str, names: dict[str, str]) -> str:
 
 class FlushForm(forms.Form):
     """Flush by namespace and/or model, chosen from those the cache box holds (or any namespace
-    that exists): a name typed wrong can no longer delete nothing without a word."""
+    that exists): a name typed wrong can no longer delete nothing without a word.
 
-    namespace = forms.ChoiceField(required=False)
+    It opens on the operator's current namespace (``current``); every namespace (every tenant's
+    entries) is a choice of its own at the end of the list, and takes the words ``EVERY_WORDS``
+    typed as well as the tick."""
+
+    EVERY = "*"  # the namespace choice "every namespace" (no namespace name holds a '*')
+    EVERY_WORDS = "every namespace"
+
+    namespace = forms.ChoiceField(
+        required=True, error_messages={"required": "Choose a namespace (or, at the end of the list, every namespace)."},
+        help_text="opens on your current namespace; every namespace is the last choice",
+    )
     model = forms.ChoiceField(required=False)
     confirm = forms.BooleanField(required=True, label="Yes, delete these entries")
+    confirm_every = forms.CharField(
+        required=False, max_length=40, label="To flush every namespace",
+        help_text=f"type “{EVERY_WORDS}”: every tenant's entries are deleted", widget=forms.TextInput(attrs={"autocomplete": "off"}),
+    )
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, current: str | tuple[str, ...] = "", **kwargs):
         super().__init__(*args, **kwargs)
         from cachebox.models import CacheEntry
 
@@ -445,9 +527,11 @@ class FlushForm(forms.Form):
             private_namespace(namespace, name) for namespace, name in Device.objects.filter(namespace__share_across_devices=False).values_list("namespace_id", "name")
         }
         namespaces = sorted(held | private | set(Namespace.objects.values_list("name", flat=True)))
-        self.fields["namespace"].choices = [("", "every namespace")] + [
-            (name, name if name in held else f"{name} (no entries)") for name in namespaces
+        self.fields["namespace"].choices = [(name, name if name in held else f"{name} (no entries)") for name in namespaces] + [
+            (self.EVERY, "every namespace (every tenant's entries)")
         ]
+        preferred = [name for name in ((current,) if isinstance(current, str) else current) if name in namespaces]
+        self.fields["namespace"].initial = preferred[0] if preferred else (namespaces[0] if namespaces else None)
         names = model_names()
         models = sorted(set(CacheEntry.objects.values_list("model", flat=True).distinct()))
         self.fields["model"].choices = [("", "every model")] + [(fingerprint, model_label(fingerprint, names)) for fingerprint in models]
@@ -457,8 +541,16 @@ class FlushForm(forms.Form):
 
     def clean(self):
         data = super().clean()
-        if not data.get("namespace") and not data.get("model") and not self.errors:
-            raise forms.ValidationError("Choose a namespace, a model, or both: flushing everything is done per namespace.")
+        if data.get("namespace") == self.EVERY:
+            if (data.get("confirm_every") or "").strip().lower() != self.EVERY_WORDS:
+                self.add_error(
+                    "confirm_every",
+                    f"Flushing every namespace deletes every tenant's entries: type “{self.EVERY_WORDS}” to confirm, "
+                    "or choose one namespace.",
+                )
+            elif not data.get("model"):
+                self.add_error("model", "Flushing every namespace is done per model: choose one (or flush one namespace at a time).")
+            data["namespace"] = ""  # every namespace
         return data
 
 

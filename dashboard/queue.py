@@ -8,6 +8,7 @@ runs the sweeper recorded (``actions.sweeper``): the viewer's namespaces only.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -16,25 +17,89 @@ from django.utils import timezone
 from .models import Dispatch, InferenceRun
 from .stats import sees_every_namespace, visible_devices
 
+log = logging.getLogger("dashboard.queue")
+
 RECENT = timedelta(hours=24)  # the unanswered runs the page lists
 LIMIT = 200  # rows of each table at most
 
 
+NOT_READ = -2  # ``Waiting.ahead``: the broker did not answer
+TAKEN = -1  # ... not in its board's queue: its board took it
+
+
 @dataclass
 class Waiting:
-    """A run under way: queued on its board, or on it."""
+    """A run under way: queued on its board (``ahead``: how many runs its board takes before it),
+    or taken off the queue by its board (``TAKEN``), as the broker holds it."""
 
     dispatch: Dispatch
     title: str
     waited_s: float
     expires_in_s: float | None
     board_online: bool
+    ahead: int = NOT_READ
 
     @property
     def state(self) -> str:
-        if self.dispatch.device is not None and not self.board_online:
-            return "waiting for its board to start"
-        return "queued or running"
+        """Where the run is, in the page's words."""
+        device = self.dispatch.device
+        board = "" if device is None else "online" if self.board_online else "offline" if device.last_seen is not None else "never"
+        return run_state(board, self.ahead, self.dispatch.namespace)
+
+
+def run_state(board: str, ahead: int, namespace: str = "") -> str:
+    """A waiting run's state from its board's liveness (``online``, ``offline``, ``never`` started;
+    "": sent to any board of ``namespace``) and its place in the board's queue (``ahead``)."""
+    if not board:
+        return f"queued for any board of {namespace}"
+    if board == "never":
+        return "waiting for its board to start" + (f": {_place(ahead)}" if ahead >= 0 else "")
+    if ahead == NOT_READ:
+        return ("queued or running" if board == "online" else "waiting for its board to come back") + " (the broker did not answer)"
+    if ahead == TAKEN:
+        if board == "online":
+            return "running on its board"
+        return "taken by its board, which stopped answering (re-sent or lost at the next sweep)"
+    return f"queued on its board: {_place(ahead)}" if board == "online" else f"waiting for its board to come back: {_place(ahead)}"
+
+
+def _place(ahead: int) -> str:
+    return "next in its queue" if ahead == 0 else f"{ahead:,} run{'s' if ahead != 1 else ''} ahead of it"
+
+
+QUEUE_WINDOW = 500  # messages of a board's queue looked through for its runs (the next to be taken)
+DEEPER = ""  # ``queue_places``: the runs ahead of one that waits past the window (at least)
+
+
+def queue_places(boards: list[str], under_way: set[str]) -> dict[str, dict[str, int]] | None:
+    """{board: {request id: runs ahead of it}} for the runs waiting in each board's queue on the
+    broker (a run its board took is in none); None when the broker does not answer. Reads only the
+    task ids (``cachebox.broker.queued_task_ids``): a run's task id is its request id. Counted
+    ahead are the runs ``under_way`` only: a revoked or lost run's message that still waits is
+    dropped by the board as it takes it."""
+    from django.conf import settings
+
+    from cachebox.broker import queued_task_ids
+    from inference.messages import Queue
+
+    from .celery import app
+
+    places: dict[str, dict[str, int]] = {}
+    try:
+        with app.connection_for_read(settings.REDIS_URL) as connection:  # the broker (REDIS_URL, read at call time)
+            channel = connection.channel()  # no retry loop (``default_channel`` retries a broker that is down)
+            client = channel.client
+            for board in boards:
+                ids, length = queued_task_ids(client, Queue.device(board), QUEUE_WINDOW)
+                live = [request_id for request_id in ids if request_id in under_way]
+                places[board] = {request_id: position for position, request_id in enumerate(live)}
+                if length > len(ids):  # a run past the window waits behind all of them: not taken
+                    places[board][DEEPER] = len(live)
+            channel.close()
+    except Exception as exc:  # the page still shows what the database knows
+        log.warning("the boards' queues were not read from the broker: %s: %s", type(exc).__name__, exc)
+        return None
+    return places
 
 
 @dataclass
@@ -87,12 +152,21 @@ def queue_view(viewer, now: datetime | None = None) -> QueueView:
         board = dispatch.device.name if dispatch.device is not None else "any board"
         return [boards.setdefault(board, Group(board)), namespaces.setdefault(dispatch.namespace, Group(dispatch.namespace))]
 
-    for dispatch in dispatches.filter(outcome="").order_by("created")[:LIMIT]:
+    under_way = list(dispatches.filter(outcome="").order_by("created")[:LIMIT])
+    boards_waited_on = sorted({dispatch.device.name for dispatch in under_way if dispatch.device is not None})
+    under_way_ids = Dispatch.objects.filter(kind="run", outcome="", device__name__in=boards_waited_on).values_list("request_id", flat=True)
+    live = {str(request_id) for request_id in under_way_ids}
+    places = queue_places(boards_waited_on, live) if boards_waited_on else {}
+    for dispatch in under_way:
         request = dispatch.request if isinstance(dispatch.request, dict) else {}
         waited = max((now - dispatch.created).total_seconds(), 0.0)
         expires = (dispatch.expires_at - now).total_seconds() if dispatch.expires_at else None
         online = dispatch.device.online_at(now) if dispatch.device is not None else True
-        view.waiting.append(Waiting(dispatch, str((request.get("meta") or {}).get("title", "")), waited, expires, online))
+        ahead = NOT_READ
+        if places is not None and dispatch.device is not None:
+            queued = places.get(dispatch.device.name, {})
+            ahead = queued.get(str(dispatch.request_id), queued.get(DEEPER, TAKEN))
+        view.waiting.append(Waiting(dispatch, str((request.get("meta") or {}).get("title", "")), waited, expires, online, ahead))
         for group in groups(dispatch):
             group.waiting += 1
             group.oldest_s = max(group.oldest_s, waited)

@@ -646,6 +646,7 @@ class Roster:
         self.by_name = {entry.name: (position, entry) for position, entry in enumerate(self.entries)}
         self.untils = sorted(entry.until for entry in self.entries)
         self.key_kinds = {entry.keys_kind: entry for entry in self.entries}  # one board of each (namespace, model)
+        self.tenants = {entry.device.namespace_id for entry in self.entries}  # one, for a roster a run is routed in (``plan``)
         self._ranking: _Ranking | None = None
         self._serving: dict[str, Roster] = {}
         self._earlier: Roster | None = None  # the read this one carried from (its sub-rosters carry theirs)
@@ -720,10 +721,15 @@ def plan(
     prefill at its rate and its answer at its decode pace, or a fetch that is the same for every
     board of its kind, so no other can come first or second (where a board's two rates rank alike,
     as they do when both come from its CPU). That gives the choice, runner-up and saving of weighing every board, at a
-    cost that grows with the boards that are busy or hold the prompt, not with the fleet."""
+    cost that grows with the boards that are busy or hold the prompt, not with the fleet.
+
+    ``devices`` are boards of one namespace (the run's): boards of several are a ValueError, so no
+    run is sent to, or weighed against, another tenant's board."""
     roster = devices if isinstance(devices, Roster) else Roster(devices)
     if not roster.entries:
         return None
+    if len(roster.tenants) > 1:  # a run goes to, and its record names, boards of its own namespace only
+        raise ValueError(f"one run is routed among the boards of one namespace, not of {', '.join(sorted(roster.tenants))}")
     began, began_cpu = time.perf_counter(), time.thread_time()
     layout = prompt_tokens(prompt)
     tokens = layout[0] if layout else None

@@ -225,6 +225,38 @@ def visible_namespaces(user) -> list[str] | None:
     return list(user.memberships.values_list("namespace_id", flat=True))
 
 
+def namespace_choices(user) -> list[str]:
+    """The namespaces ``user`` may view and act on, by name: staff every one, a member theirs."""
+    from .models import Namespace
+
+    namespaces = visible_namespaces(user)
+    return list(Namespace.objects.values_list("name", flat=True)) if namespaces is None else sorted(namespaces)
+
+
+CURRENT_NAMESPACE = "edgecache.namespace"  # the session's key: the namespace the operator viewed last
+
+
+def current_namespace(request, chosen: str = "") -> str:
+    """The namespace the pages show and act on for this operator: ``chosen`` (e.g. a page's
+    ``?namespace=``) when they may see it, kept in their session; else the one they chose last;
+    else their own (staff: ``EDGECACHE_NAMESPACE``, "default"; a member: their first namespace).
+    "" for a user of no namespace."""
+    from django.conf import settings
+
+    choices = namespace_choices(request.user)
+    session = getattr(request, "session", None)
+    if chosen and chosen in choices:
+        if session is not None:
+            session[CURRENT_NAMESPACE] = chosen
+        return chosen
+    kept = session.get(CURRENT_NAMESPACE, "") if session is not None else ""
+    if kept in choices:
+        return kept
+    if sees_every_namespace(request.user) and settings.EDGECACHE_NAMESPACE in choices:
+        return settings.EDGECACHE_NAMESPACE
+    return choices[0] if choices else ""
+
+
 def visible_schemas(user):
     """The schemas ``user`` may see and run: staff all; others their namespaces' and the shared ones."""
     from django.db.models import Q

@@ -3,6 +3,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from . import views
+from .forms import LoginForm
 from .api import views as api
 
 urlpatterns = [
@@ -42,7 +43,7 @@ urlpatterns = [
     path("metrics", views.metrics_view, name="metrics"),
     path("health", views.health_view, name="health"),
     path("ready", views.ready_view, name="ready"),
-    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/login/", auth_views.LoginView.as_view(authentication_form=LoginForm), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     # The OpenAI-compatible API (API keys, not logins; dashboard.api).

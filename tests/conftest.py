@@ -62,7 +62,7 @@ GROUPS = {
     "test_lab": "torch", "test_early_exit": "torch", "test_anchors": "torch",
     "test_hosts": "hosts", "test_host_faults": "hosts",
     "test_browser": "browser", "test_browser_steer": "browser", "test_browser_truth": "browser", "test_browser_ui": "browser",
-    "test_browser_keys": "browser", "test_board_start": "browser",
+    "test_browser_keys": "browser", "test_board_start": "browser", "test_browser_walk": "browser",
 }
 # Groups taking 20 s or more, longest first (seconds in one serial run on 2 cores, `pytest
 # --junitxml`, summed per group); the others follow in collection order.

@@ -248,7 +248,7 @@ def test_encode_progress_and_a_schema_prompt_without_choosing_the_schema(stack, 
     page.wait_for_load_state("load")  # the page's script sends the form from now on
 
     page.click("#encode-submit")  # no board chosen: an error
-    errors = page.get_by_text(re.compile(r"devices: .*required"))
+    errors = page.get_by_text(re.compile(r"Devices: .*required"))  # the field's label, as the page shows it
     expect(errors).to_be_visible()
     page.check(f"#encode-form label:has-text('{BOARD}') input[name=devices]")
     page.click("#encode-submit")
@@ -515,6 +515,9 @@ def test_the_queue_page_follows_a_run_sent_to_an_absent_board_and_revokes_it(sta
     expect(row).to_contain_text("waiting for its board to start")
     assert page.evaluate("window.__notReloaded") is True
     row.locator("button", has_text="Revoke").click()
+    expect(page.locator("h1")).to_have_text("Revoke the run on ghost?")  # it asks first (issue 42)
+    page.check("#id_confirm")
+    page.click("#confirm-submit")
     expect(page.locator(".messages")).to_contain_text("Revoked the run")
     expect(page.locator(f'#queue-waiting tr[data-request="{request_id}"]')).to_have_count(0)
     expect(page.locator(f'#queue-ended tr[data-request="{request_id}"]')).to_contain_text("revoked: admin took it back from the queue")

@@ -10,7 +10,7 @@ import pytest
 from django.urls import reverse
 
 from dashboard import actions
-from dashboard.models import Dispatch, InferenceRun
+from dashboard.models import Device, Dispatch, InferenceRun
 
 from .test_dashboard import control_plane, enrolled, heartbeat, register, result_payload, sent_tasks, staff_client  # noqa: F401 (fixtures)
 
@@ -135,3 +135,57 @@ def test_a_run_sent_to_a_board_that_never_beat_keeps_its_prompts_keys(staff_clie
     sent = send_to(staff_client, device, LONG_PROMPT)
     record = Dispatch.objects.get(request_id=sent["request_id"]).routing
     assert record["policy"] == "named" and "prompt" in record and record["work_ms"] > 0
+
+
+# -- issue 42, item 4: a run goes to, and is weighed against, boards of its own namespace only --------
+def tenant_board(name, namespace, rates):
+    from dashboard.models import Namespace
+
+    Namespace.objects.get_or_create(name=namespace)
+    device, token = register(name, namespace_id=namespace)
+    keys = enrolled(device, token)
+    status = {"model": "gemma-3-270m.gguf", "fingerprint": FINGERPRINT, "catalogs": {}, "rates": rates}
+    assert actions.record_heartbeat(heartbeat(keys, status, device=name)) is not None
+    device.refresh_from_db()
+    return device
+
+
+SLOW = {"prefill_ms_per_token": 39.56, "decode_ms_per_token": 400.0, "prompt_tokens": 48, "decode_tokens": 3}
+FAST = {"prefill_ms_per_token": 1.5, "decode_ms_per_token": 12.0, "prompt_tokens": 48, "decode_tokens": 3}
+
+
+def test_an_admins_any_board_run_goes_only_to_boards_of_its_namespace(staff_client, control_plane, sent_tasks):
+    """The walk: a `default` run named `walk-t2b`, a (faster) board of tenant walk-t2, as the next best."""
+    zero, also = tenant_board("zero", "default", SLOW), tenant_board("also-zero", "default", SLOW)
+    tenant_board("walk-t2b", "walk-t2", FAST)
+    first = send_to_any_board(staff_client, LONG_PROMPT)  # the staff's current namespace: default
+    assert first["device"] in ("zero", "also-zero") and first["routing"]["runner_up"] in ("zero", "also-zero")
+    assert "walk-t2b" not in str(first["routing"]) and sent_tasks[-1]["queue"] != "device.walk-t2b"
+    assert Dispatch.objects.get(request_id=first["request_id"]).namespace == "default"
+
+    # Named, the tenant's namespace routes among its boards only.
+    response = staff_client.post(
+        reverse("run"), {"any_board": "on", "namespace": "walk-t2", "source": "text", "text": LONG_PROMPT, "max_tokens": 4}, HTTP_ACCEPT="application/json"
+    )
+    (sent,) = response.json()["dispatched"]
+    assert sent["device"] == "walk-t2b" and Dispatch.objects.get(request_id=sent["request_id"]).namespace == "walk-t2"
+
+    # Ticked boards of two tenants: refused by the form, nothing sent.
+    before = len(sent_tasks)
+    ticked = list(Device.objects.filter(name__in=["zero", "walk-t2b"]).values_list("pk", flat=True))
+    response = staff_client.post(
+        reverse("run"), {"any_board": "on", "devices": ticked, "source": "text", "text": "hi", "max_tokens": 4}, HTTP_ACCEPT="application/json"
+    )
+    assert response.status_code == 400 and "the ticked devices are of default, walk-t2" in response.json()["errors"]["any_board"][0]["message"]
+    assert len(sent_tasks) == before
+    assert {zero.name, also.name} == {"zero", "also-zero"}
+
+
+def test_the_router_refuses_to_weigh_boards_of_several_namespaces(control_plane):
+    from dashboard import routing
+
+    devices = [tenant_board("zero", "default", SLOW), tenant_board("walk-t2b", "walk-t2", FAST)]
+    with pytest.raises(ValueError, match="one namespace"):
+        routing.plan(devices, actions.run_request(segments=["hi"], max_tokens=2))
+    chosen = actions.route_run(devices, actions.run_request(segments=["hi"], max_tokens=2), "default")
+    assert chosen.device.name == "zero" and chosen.record.get("runner_up") in (None, "")

@@ -441,3 +441,16 @@ def test_the_events_module_is_a_pure_library():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+# -- issue 42, item 10: a refusal names the setting, and says when metrics by token are off ----------
+def test_a_refused_scraper_is_told_which_setting_holds_the_token(client, metrics_settings):
+    for header in ({}, {"HTTP_AUTHORIZATION": "Bearer nope"}, {"HTTP_AUTHORIZATION": f"Basic {TOKEN}"}):
+        answer = client.get(reverse("metrics"), **header).content.decode()
+        assert "EDGECACHE_METRICS_TOKEN" in answer, header
+    metrics_settings.EDGECACHE_METRICS_TOKEN = ""
+    for header in ({}, {"HTTP_AUTHORIZATION": "Bearer anything"}):
+        response = client.get(reverse("metrics"), **header)
+        answer = response.content.decode()
+        assert response.status_code == 401 and "Wrong metrics token" not in answer, header
+        assert answer.startswith("Metrics by token are off: EDGECACHE_METRICS_TOKEN is not set") and "To turn them on, set it" in answer

@@ -151,7 +151,7 @@ def test_the_queue_page_shows_what_waits_and_what_expired_and_revokes_a_queued_r
     boards = page[page.index('id="queue-boards"'):page.index('id="queue-namespaces"')]
     assert '<tr data-board="zero"><td>zero</td><td>1</td>' in boards  # one waits; one expired
 
-    response = staff_client.post("/queue/revoke/", {"request_id": waits}, follow=True)
+    response = staff_client.post("/queue/revoke/", {"request_id": waits, "confirming": "1", "confirm": "on"}, follow=True)
     assert "Revoked the run" in response.content.decode()
     assert Dispatch.objects.get(request_id=waits).outcome == "revoked"
     run = InferenceRun.objects.get(request_id=waits)

@@ -77,13 +77,21 @@ def send_to_board(device: Device, task: Task, message: dict, expires: float) -> 
     """One request on ``device``'s own queue: sealed under its namespace's key and signed by the
     control plane (``inference.envelope``), valid until it expires."""
     sealed = seal_for(device, _KINDS[task], message, ttl=expires)
-    celery_app.send_task(task.value, args=[sealed], queue=Queue.device(device.name), expires=expires)
+    # The task's id is the request's: the Queue page finds a run in its board's queue by it (``dashboard.queue``).
+    celery_app.send_task(task.value, args=[sealed], queue=Queue.device(device.name), expires=expires, task_id=message.get("request_id"))
 
 
-def route_run(candidates: list[Device], asked: RunRequest) -> routing.Routed | None:
+def route_run(candidates: list[Device], asked: RunRequest, namespace: str) -> routing.Routed | None:
     """The board of ``candidates`` a run sent to "any board" goes to (None: none is online):
-    the one expected to answer first, given what it holds and its queue (``dashboard.routing``)."""
-    return routing.plan(candidates, asked)
+    the one expected to answer first, given what it holds and its queue (``dashboard.routing``).
+
+    Only boards of ``namespace`` (the run's tenant: its namespace or a board's own cache namespace
+    in it) are weighed, whatever else ``candidates`` holds: a run never goes to, and its record
+    never names as the next best, another tenant's board."""
+    if not namespace:
+        raise ValueError("a run sent to any board is routed within one namespace: name it")
+    own = [device for device in candidates if namespace in (device.namespace_id, device.cache_namespace)]
+    return routing.plan(own, asked)
 
 
 def record_run(payload: RunReport | dict) -> InferenceRun | None:

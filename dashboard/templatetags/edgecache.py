@@ -34,3 +34,13 @@ def unbroken_words(text) -> str:
     a word (a token has "-" in it, where browsers break lines). Its text, and so what a copy
     button copies, is ``text`` unchanged."""
     return format_html_join(" ", '<span class="word">{}</span>', ((word,) for word in str(text).split(" ")))
+
+
+@register.simple_tag(takes_context=True)
+def member_namespaces(context) -> list[str]:
+    """The namespaces the page's user is a member of (staff: [] here; they see every one)."""
+    from ..stats import visible_namespaces
+
+    request = context.get("request")
+    namespaces = visible_namespaces(getattr(request, "user", None))
+    return sorted(namespaces) if namespaces else []

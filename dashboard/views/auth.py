@@ -6,10 +6,8 @@ import functools
 from datetime import timedelta
 
 from django.conf import settings
-from django.contrib.admin.views.decorators import (
-    staff_member_required as _staff_member_required,
-)
 from django.contrib.auth.decorators import login_required as _login_required
+from django.contrib.auth.views import redirect_to_login
 from django.http import HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
@@ -44,15 +42,22 @@ def login_required(view):
 
 
 def staff_member_required(view):
-    """Django's staff_member_required, counting the requests it turns away."""
-    protected = _staff_member_required(view)
+    """A page for staff: anyone not logged in goes to the dashboard's login page, a logged-in user
+    who is not staff gets a 403 page that says who may do this and what to do (never Django's
+    admin login, which asked a member for a staff password); each refusal is counted."""
 
     @functools.wraps(view)
     def wrapper(request, *args, **kwargs):
         user = request.user
+        if not user.is_authenticated:
+            metrics.refused("login_required")
+            return redirect_to_login(request.get_full_path())
         if not (user.is_active and user.is_staff):
-            metrics.refused("staff_required" if user.is_authenticated else "login_required")
-        return protected(request, *args, **kwargs)
+            metrics.refused("staff_required")
+            from ..stats import visible_namespaces
+
+            return render(request, "dashboard/staff_only.html", {"namespaces": sorted(visible_namespaces(user) or [])}, status=403)
+        return view(request, *args, **kwargs)
 
     return wrapper
 

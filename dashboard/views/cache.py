@@ -6,6 +6,8 @@ from django.conf import settings
 from django.contrib import messages
 from django.db.models import Count, Sum
 from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.utils.http import urlencode
 from django.views.decorators.http import require_POST
 
 from cachebox.catalog import Catalog
@@ -17,7 +19,7 @@ from .. import actions
 from ..entry_preview import previews
 from ..forms import FlushForm, model_names
 from ..models import AuditEvent, Device
-from ..stats import catalog_summary, fill_label
+from ..stats import catalog_summary, current_namespace, fill_label
 from .auth import staff_member_required
 
 
@@ -49,6 +51,7 @@ def cache_page(request):
     for row in namespaces:
         row["model_name"] = names.get(row["model"], "")
     board = request.GET.get("board", "").strip()[:40]
+    chosen = request.GET.get("namespace", "").strip()
     devices = [{"device": device, **catalog_summary(device)} for device in Device.objects.only("name", "status", "memory_mb")]
     board_namespaces = {namespace for summary in devices for namespace in summary["catalogs"]}
     masters, epochs = [], {}
@@ -111,7 +114,8 @@ def cache_page(request):
             "boards_listed": min(len(reporting), BOARD_CATALOGS),
             "board_summary": board_summary,
             "board": board,
-            "flush_form": FlushForm(),
+            # The flush form opens on ?namespace= (where a flush came back to: a board's own namespace too), else the current one.
+            "flush_form": FlushForm(current=(chosen, current_namespace(request, chosen))),
             "entries": _newest_entries(),
             "events": AuditEvent.objects.select_related("user")[:15],
         },
@@ -121,19 +125,23 @@ def cache_page(request):
 @staff_member_required
 @require_POST
 def cache_flush(request):
-    form = FlushForm(request.POST)
+    form = FlushForm(request.POST, current=current_namespace(request))
     if not form.is_valid():
         messages.error(request, "Nothing flushed: " + "; ".join(" ".join(errors) for errors in form.errors.values()))
         return redirect("cache")
     namespace, model = form.cleaned_data.get("namespace") or None, form.cleaned_data.get("model") or None
+    # Back on the page, the form opens on the namespace flushed, or on the current one after every
+    # namespace was: never on "every namespace".
+    back = redirect(f"{reverse('cache')}?{urlencode({'namespace': namespace})}" if namespace else "cache")
     try:
         removed = actions.flush_entries(request.user, namespace, model)
     except CacheBoxUnavailable as exc:
         messages.error(request, f"Nothing flushed: {exc}")
-        return redirect("cache")
-    what = " and ".join(part for part in (f"namespace {namespace}" if namespace else "", f"model {model}" if model else "") if part)
+        return back
+    scope = (f"namespace {namespace}" if namespace else "every namespace", f"model {model}" if model else "")
+    what = " and ".join(part for part in scope if part)
     if removed:
         messages.success(request, f"Deleted {removed} entr{'y' if removed == 1 else 'ies'} of {what}.")
     else:
         messages.warning(request, f"Nothing to delete: the cache box holds no entry of {what}.")
-    return redirect("cache")
+    return back

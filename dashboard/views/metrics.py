@@ -16,24 +16,34 @@ from .auth import _who
 
 
 # -- metrics -------------------------------------------------------------------------------------
+# What a refused scraper is told: the setting that holds the token, or how to turn metrics by token on.
+SEND_TOKEN = "send Authorization: Bearer <the value of EDGECACHE_METRICS_TOKEN>, or log in as staff"
+TOKEN_OFF = (
+    "Metrics by token are off: EDGECACHE_METRICS_TOKEN is not set on this server. To turn them on, set it in the "
+    "control plane's environment (a long random string), restart, and send Authorization: Bearer <that value>; "
+    "a staff login reads them meanwhile."
+)
+
+
 def _metrics_refusal(request) -> tuple[int, str, str, str] | None:
     """None when the request may read the metrics, else (status, reason, detail for the log, answer)."""
     header = request.headers.get("Authorization", "")
+    token = settings.EDGECACHE_METRICS_TOKEN
     if header:  # a token was presented: it decides, whoever is logged in
         scheme, _, presented = header.strip().partition(" ")
-        token = settings.EDGECACHE_METRICS_TOKEN
-        if scheme.lower() != "bearer":
-            return 401, "bad_metrics_token", f"{scheme[:20]} authorization", "Metrics take Authorization: Bearer <token>."
         if not token:
-            return 401, "bad_metrics_token", "EDGECACHE_METRICS_TOKEN is not set", "Wrong metrics token."
+            return 401, "bad_metrics_token", "EDGECACHE_METRICS_TOKEN is not set", TOKEN_OFF
+        if scheme.lower() != "bearer":
+            return 401, "bad_metrics_token", f"{scheme[:20]} authorization", f"Metrics take a bearer token: {SEND_TOKEN}."
         if not constant_time_compare(presented.strip(), token):
-            return 401, "bad_metrics_token", "wrong token", "Wrong metrics token."
+            return 401, "bad_metrics_token", "wrong token", f"Wrong metrics token: {SEND_TOKEN}."
         return None
     user = request.user
     if not user.is_authenticated:
-        return 401, "login_required", "no credentials", "Metrics need Authorization: Bearer <token> or a staff login."
+        return 401, "login_required", "no credentials", f"Metrics need a token or a staff login: {SEND_TOKEN}." if token else TOKEN_OFF
     if not (user.is_active and user.is_staff):
-        return 403, "staff_required", "not staff", "Metrics are for staff accounts (or the metrics token)."
+        answer = "Metrics are for staff accounts, or a scraper that sends Authorization: Bearer <the value of EDGECACHE_METRICS_TOKEN>."
+        return 403, "staff_required", "not staff", answer
     return None
 
 

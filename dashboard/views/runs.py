@@ -27,7 +27,7 @@ from ..explain import explain_run
 from ..model_cards import boards_models
 from ..forms import MAX_PROMPT_CHARS, RunFilterForm, RunForm
 from ..models import Device, InferenceRun
-from ..stats import explain_error, explained, recent_runs, visible_runs
+from ..stats import current_namespace, explain_error, explained, recent_runs, visible_runs
 from .auth import _who, login_required
 from .broker import _broker_unavailable, _BrokerDown, _each_until_broker_fails
 
@@ -85,7 +85,7 @@ def _again_initial(request) -> tuple[dict, InferenceRun | None]:
 @login_required
 def run_page(request):
     if request.method == "POST":
-        form = RunForm(request.POST, user=request.user)
+        form = RunForm(request.POST, user=request.user, current_namespace=current_namespace(request))
         accept = request.headers.get("Accept", "")
         wants_json = accept.startswith("application/json") or accept.startswith(run_stream.CONTENT_TYPE)  # refusals: JSON for the script
         # Refused submissions (empty, too long, another tenant's device) send nothing and are not
@@ -100,10 +100,11 @@ def run_page(request):
         devices, asked = list(form.cleaned_data["devices"]), form.run_request()
         routed = None
         if form.cleaned_data.get("any_board"):
-            routed = actions.route_run(devices or list(form.fields["devices"].queryset), asked)
+            namespace = form.cleaned_data["route_namespace"]
+            routed = actions.route_run(form.route_candidates(), asked, namespace)
             if routed is None:
                 command = board_start.shown_to(request.user)["command"]
-                message = f"No board is online to take it: start one with `{command}`, or tick a device (it gets the run when it starts)."
+                message = f"No board of namespace {namespace!r} is online to take it: start one with `{command}`, or tick a device (it gets the run when it starts)."
                 return JsonResponse({"errors": {"any_board": [{"message": message}]}}, status=503) if wants_json else _run_page_refused(request, message, 503)
             devices = [routed.device]
         request_ids = [str(uuid.uuid4()) for _ in devices]

@@ -13,9 +13,9 @@ from inference.pml import PMLError
 
 from .. import actions
 from ..forms import ConfirmForm, EncodeForm, SchemaForm
-from ..models import Device
+from ..models import Device, Namespace
 from ..schema_info import describe, key_names, layout_of
-from ..stats import visible_devices, visible_schemas
+from ..stats import current_namespace, namespace_choices, visible_devices, visible_schemas
 from .auth import login_required, staff_member_required
 from .broker import _broker_unavailable, _BrokerDown, _each_until_broker_fails
 
@@ -37,9 +37,12 @@ def schema_edit(request, pk=None):
     return render(request, "dashboard/schema_form.html", {"form": form, "schema": schema if pk else None})
 
 
-def _cache_status(schema: Schema, layout, viewer) -> tuple[list[Device], dict[str, dict[str, bool]]]:
-    """For each device ``viewer`` may see that reported its model: which pieces the cache box holds for it."""
-    devices = [device for device in visible_devices(viewer) if (device.status or {}).get("fingerprint")]
+def _cache_status(schema: Schema, layout, viewer, namespace: str) -> tuple[list[Device], dict[str, dict[str, bool]]]:
+    """For each board of ``namespace`` that ``viewer`` may see and that reported its model: which
+    pieces the cache box holds for it (in its cache namespace: ``namespace``, or its own where its
+    tenant shares nothing)."""
+    boards = visible_devices(viewer).filter(namespace_id=namespace).order_by("name")
+    devices = [device for device in boards if (device.status or {}).get("fingerprint")]
     status: dict[str, dict[str, bool]] = {}
     try:
         store = actions.cachebox()
@@ -60,13 +63,22 @@ def schema_detail(request, pk):
         messages.error(request, f"This schema no longer parses: {exc}")
         return redirect("schema-edit", pk=schema.pk)
     rows = describe(layout)
-    devices, status = _cache_status(schema, layout, request.user)
+    # The namespace whose boards' cache status is shown: a namespace's schema, its own; a shared
+    # one, the namespace the viewer picks (?namespace=), else their current one.
+    choices = [schema.namespace] if schema.namespace else namespace_choices(request.user)
+    namespace = schema.namespace or current_namespace(request, request.GET.get("namespace", ""))
+    devices, status = _cache_status(schema, layout, request.user, namespace)
     for row in rows:
         row["cached"] = [status.get(device.name, {}).get(row["piece"], False) for device in devices]
     return render(
         request,
         "dashboard/schema_detail.html",
-        {"schema": schema, "rows": rows, "devices": devices, "positions": layout.positions, "encode_form": EncodeForm(user=request.user, schema=schema), "has_status": bool(status)},
+        {
+            "schema": schema, "rows": rows, "devices": devices, "positions": layout.positions,
+            "encode_form": EncodeForm(user=request.user, schema=schema), "has_status": bool(status),
+            "namespace": namespace, "namespace_choices": choices,
+            "private": Namespace.objects.filter(name=namespace, share_across_devices=False).exists(),
+        },
     )
 
 

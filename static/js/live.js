@@ -462,8 +462,24 @@
     if (run.expected_answer && !x.verdict) card.appendChild(el("p", { text: "expected answer: " + run.expected_answer }));
   }
 
+  // A field's name as the page shows it (its label: "Max tokens", not max_tokens).
+  function fieldLabel(name) {
+    const label = document.querySelector('label[for="id_' + name + '"]');
+    const text = label ? label.textContent.trim().replace(/:$/, "") : "";
+    if (text) return text;
+    // A group of boxes (devices): the label just before it (Django's as_p puts it in a paragraph of
+    // its own: a <div> may not sit in a <p>), or its fieldset's legend.
+    const field = document.getElementById("id_" + name);
+    const before = field && field.previousElementSibling;
+    const caption = (before && (before.matches("label") ? before : before.querySelector("label:not([for])"))) ||
+      (field && field.closest("fieldset") && field.closest("fieldset").querySelector("legend"));
+    return caption && caption.textContent.trim() ? caption.textContent.trim().replace(/:$/, "") : name.replace(/_/g, " ");
+  }
+
   function errorsText(errors) {
-    return Object.keys(errors || {}).map((k) => (k === "__all__" ? "" : k + ": ") + errors[k].map((e) => e.message).join(" ")).join(" · ");
+    return Object.keys(errors || {})
+      .map((k) => (k === "__all__" ? "" : fieldLabel(k) + ": ") + errors[k].map((e) => e.message).join(" "))
+      .join(" · ");
   }
 
   // The run form: send with fetch, then wait for each device's answer on the socket.

@@ -87,6 +87,12 @@
 
   // -- character counters: the limit the server applies, shown (no silent cut by the browser) ---
   function formatCount(n) { return n.toLocaleString("en-US"); }
+  // Characters as the server counts them (Python's len: code points), not JavaScript's UTF-16
+  // units: an emoji is one character, not two. The box's value has LF line endings already.
+  function countChars(text) {
+    const pairs = text.match(/[\uD800-\uDBFF][\uDC00-\uDFFF]/g);
+    return text.length - (pairs ? pairs.length : 0);
+  }
   document.querySelectorAll("[data-maxlength]").forEach(function (field) {
     const limit = parseInt(field.dataset.maxlength, 10);
     if (!limit) return;
@@ -97,7 +103,7 @@
     field.setAttribute("aria-describedby", ((field.getAttribute("aria-describedby") || "") + " " + counter.id).trim());
     field.insertAdjacentElement("afterend", counter);
     function update() {
-      const n = field.value.length;
+      const n = countChars(field.value);
       const over = n > limit;
       counter.textContent = formatCount(n) + " / " + formatCount(limit) + " characters" + (over ? ": too long, shorten it by " + formatCount(n - limit) : "");
       counter.classList.toggle("error", over);
