@@ -84,7 +84,7 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
         f"(%W~{CONTROL_QUEUE} %W~{HEARTBEAT_LIST} +lpush)",
         # its cache namespace: entries, prompt modules, catalog
         f"(~ec:e:{ns}:* ~ec:m:{ns}:* ~ec:c:{{{ns}}}:* "
-        f"+get +set +getrange +strlen +exists +expire +del +xadd +xrange +xlen +xtrim +hgetall +hget +hset {_TRANSACTIONS})",
+        f"+get +set +getrange +strlen +exists +expire +del +xadd +xrange +xlen +xtrim +hgetall +hget +hstrlen +hset {_TRANSACTIONS})",
         f"(%R~ec:device:{name} %R~ec:cancel:{name}:* +get +exists)",
         f"(&ec:stream:{name}:* +publish)",
     ]

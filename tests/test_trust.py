@@ -6,6 +6,7 @@ failures; catalog bytes that claim absurd sizes; private namespaces that collide
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import uuid
@@ -14,8 +15,8 @@ import pytest
 import redis
 from celery import current_app
 
-from cachebox import embedded
-from cachebox.catalog import Catalog
+from cachebox import acl, embedded
+from cachebox.catalog import DEFAULT_CAPACITY, DEFAULT_FP_RATE, Catalog, expected_filter_bytes, max_snapshot_bytes
 from cachebox.errors import CatalogFormatError
 from cachebox.keys import catalog_key_names
 from cachebox.models import CacheEntry
@@ -31,7 +32,7 @@ from inference.envelope import Kind
 from inference.identity import BoardKeys, verify_signature
 from inference.messages import RunReport, RunRequest, Task
 
-from .test_dashboard import board_message, control_plane, enrolled, register, result_payload, sent_tasks  # noqa: F401  (fixtures)
+from .test_dashboard import board_message, control_plane, enrolled, register, result_payload, sent_tasks, staff_client  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
@@ -145,6 +146,80 @@ def test_a_board_refuses_a_forged_master_snapshot_logs_it_and_drops_it(valkey_ur
     assert security_events(caplog, "catalog_refused")
     assert not store.redis.exists(catalog_key_names(namespace)["snapshot"])
     store.flush(namespace)
+
+
+def _board_store(store: CacheBox, url: str, name: str, namespace: str) -> CacheBox:
+    """The cache box as board ``name`` reaches it: its own ACL user (``cachebox.acl.board_rules``)."""
+    password = uuid.uuid4().hex
+    store.set_user(acl.board_user(name), acl.board_rules(name, namespace, hashlib.sha256(password.encode()).hexdigest()))
+    return CacheBox(acl.with_credentials(url, acl.board_user(name), password))
+
+
+def _planted_snapshot(capacity: int, fp_rate: float = 0.01) -> bytes:
+    """A master snapshot of a valid format (sizes that agree) for a catalog of ``capacity`` keys."""
+    params = json.dumps({"capacity": capacity, "fp_rate": fp_rate}).encode()
+    return b"ECB1" + len(params).to_bytes(4, "little") + params + b"\0" * expected_filter_bytes(capacity, fp_rate)
+
+
+def _bytes_sent(store: CacheBox) -> int:
+    return int(store.redis.info("stats")["total_net_output_bytes"])
+
+
+def test_a_board_refuses_an_oversized_master_snapshot_without_fetching_it(valkey_url, caplog):
+    """The probe's snapshot bomb: a board of the namespace plants a snapshot of a valid format but 30x
+    the namespace's configured size (36 MB; the probe's 102 MB took boards from 480 to 850 MB). A
+    board reading the master copy checks its size first (HSTRLEN) and fetches none of it."""
+    store = CacheBox(valkey_url)
+    namespace, board = f"t-{uuid.uuid4().hex[:10]}", f"b-{uuid.uuid4().hex[:8]}"
+    mallory = _board_store(store, valkey_url, board, namespace)
+    try:
+        CatalogReplica(mallory, namespace).sync()  # the namespace's epoch exists
+        epoch = store.redis.get(catalog_key_names(namespace)["epoch"]).decode()
+        planted = _planted_snapshot(30_000_000)
+        assert len(planted) > 25 * max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE)
+        mallory.redis.hset(catalog_key_names(namespace)["snapshot"], mapping={"bloom": planted, "last_id": "0", "epoch": epoch})  # its ACL allows it
+        before = _bytes_sent(store)
+        with caplog.at_level(logging.INFO, logger="edgecache.security"):
+            fresh = CatalogReplica(_board_store(store, valkey_url, board, namespace), namespace)
+            fresh.sync()  # a board (re)starting meets it
+        sent = _bytes_sent(store) - before
+        assert sent < max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE), f"the board fetched {sent} bytes of a {len(planted)}-byte snapshot"
+        refusal = security_events(caplog, "catalog_refused")
+        assert refusal and "not fetched" in refusal[0]["reason"], refusal
+        assert not store.redis.exists(catalog_key_names(namespace)["snapshot"])  # dropped: no other board or page meets it
+
+        # A snapshot of the namespace's own size is still read, through the board's own ACL user.
+        writer = CatalogReplica(mallory, namespace)
+        writer.sync()
+        writer.announce([b"k" * 16])
+        writer.sync()
+        assert mallory.catalog_put_snapshot(namespace, writer.catalog.to_bytes(), writer.last_id, writer.epoch)
+        newcomer = CatalogReplica(mallory, namespace)
+        newcomer.sync()
+        assert b"k" * 16 in newcomer.catalog and newcomer.last_id == writer.last_id
+    finally:
+        store.delete_user(acl.board_user(board))
+        store.flush(namespace)
+
+
+def test_the_cache_page_never_fetches_an_oversized_master_snapshot(staff_client, control_plane, settings):
+    """Each staff view of /cache/ loaded the planted snapshot (the probe: web process 337 -> 621 MB);
+    now its size is read first and the page says it was refused, unread."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    store = control_plane
+    settings.EDGECACHE_NAMESPACE = namespace  # the page lists this namespace's master catalog
+    epoch = store.catalog_epoch(namespace, uuid.uuid4().hex)
+    planted = _planted_snapshot(30_000_000)
+    store.redis.hset(catalog_key_names(namespace)["snapshot"], mapping={"bloom": planted, "last_id": "0", "epoch": epoch})
+    try:
+        before = _bytes_sent(store)
+        page = staff_client.get("/cache/")
+        sent = _bytes_sent(store) - before
+        assert page.status_code == 200
+        assert sent < 2 * max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE), f"the page fetched {sent} bytes of a {len(planted)}-byte snapshot"
+        assert "snapshot refused (not read)" in page.content.decode()
+    finally:
+        store.flush(namespace)
 
 
 # -- 6. private namespaces cannot collide ----------------------------------------------------------
