@@ -91,9 +91,9 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
 
 
 def enroll_rules(device: str, password_sha256: str) -> list[str]:
-    """The ACL rules of a device's enrollment user: read its record, send its enrollment."""
+    """The ACL rules of a device's enrollment user: read its record and why an enrollment was refused, send its enrollment."""
     name = _checked(device)
-    return [*_base(password_sha256), f"(%R~ec:device:{name} +get +exists)", f"(%W~{CONTROL_QUEUE} +lpush)"]
+    return [*_base(password_sha256), f"(%R~ec:device:{name} %R~ec:enroll-refused:{name}:* +get +exists)", f"(%W~{CONTROL_QUEUE} +lpush)"]
 
 
 def board_transport_options(device: str, cache_namespace: str) -> dict:

@@ -18,7 +18,7 @@ from celery import current_app
 from cachebox import acl, embedded
 from cachebox.catalog import DEFAULT_CAPACITY, DEFAULT_FP_RATE, Catalog, expected_filter_bytes, max_snapshot_bytes
 from cachebox.errors import CatalogFormatError
-from cachebox.keys import catalog_key_names
+from cachebox.keys import catalog_key_names, enrollment_refusal_key_name
 from cachebox.models import CacheEntry
 from cachebox.signing import private_namespace, unseal
 from cachebox.store import CacheBox
@@ -26,6 +26,7 @@ from cachebox.sync import CatalogReplica
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from dashboard import actions
 from dashboard.models import Device, InferenceRun
+from inference import devices as registry
 from inference import edge
 from dashboard.signing import control_plane_public_key
 from inference.envelope import Kind
@@ -220,6 +221,64 @@ def test_the_cache_page_never_fetches_an_oversized_master_snapshot(staff_client,
         assert "snapshot refused (not read)" in page.content.decode()
     finally:
         store.flush(namespace)
+
+
+# -- 5b. forged enrollments ------------------------------------------------------------------------
+def test_a_forged_enrollment_for_an_enrolled_device_changes_no_record(control_plane, valkey_url, caplog):
+    """The probe: a forged enrollment for an enrolled device made the control plane re-sign and
+    publish the device's record with the attacker's signing key in it. Now the record a real board
+    reads stays byte for byte as it was; why it was refused goes to a short-lived note keyed by the
+    request's key, which only that device's enrollment user may read."""
+    device, token = register("dev-a")
+    board = enrolled(device, token)
+    before = control_plane.get_device_record("dev-a")
+    attacker = BoardKeys.generate().pinned(control_plane_public_key())
+    with caplog.at_level(logging.INFO, logger="edgecache.security"):
+        assert actions.enroll_device(attacker.enrollment("dev-a", "guessed-token")) is None
+    assert security_events(caplog, "enrollment_refused")
+    after = control_plane.get_device_record("dev-a")
+    assert after == before, "the device's record was re-published"
+    assert attacker.signing_public_key.encode() not in after
+    assert registry.authenticate(control_plane, "dev-a", board).signing_key == board.signing_public_key  # the real board carries on
+
+    # The note: signed by the control plane, for that key only, expiring; readable by the enrollment user and nobody else's.
+    note_key = enrollment_refusal_key_name("dev-a", attacker.signing_public_key)
+    assert 0 < control_plane.redis.ttl(note_key) <= registry.ENROLLMENT_REFUSAL_TTL_S
+    password = uuid.uuid4().hex
+    control_plane.set_user(acl.enroll_user("dev-a"), acl.enroll_rules("dev-a", hashlib.sha256(password.encode()).hexdigest()))
+    control_plane.set_user(acl.enroll_user("dev-b"), acl.enroll_rules("dev-b", hashlib.sha256(password.encode()).hexdigest()))
+    try:
+        as_enroller = CacheBox(acl.with_credentials(valkey_url, acl.enroll_user("dev-a"), password))
+        assert "already used to enroll" in registry.enrollment_refused(as_enroller, "dev-a", attacker)
+        assert registry.enrollment_refused(as_enroller, "dev-a", board) is None  # nothing said about another key
+        other = redis.Redis.from_url(acl.with_credentials(valkey_url, acl.enroll_user("dev-b"), password))
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            other.get(note_key)
+        # A note not signed by the pinned control plane says nothing.
+        control_plane.set_flag(note_key, 60, json.dumps({"name": "dev-a", "signing_key": attacker.signing_public_key, "reason": "forged"}).encode())
+        assert registry.enrollment_refused(as_enroller, "dev-a", attacker) is None
+    finally:
+        control_plane.delete_user(acl.enroll_user("dev-a"))
+        control_plane.delete_user(acl.enroll_user("dev-b"))
+        control_plane.delete([note_key])
+
+
+def test_enrollment_attempts_are_rate_limited_per_device(control_plane, settings, caplog):
+    settings.EDGECACHE_ENROLL_RATE = 3
+    device, token = register("dev-a")
+    other, other_token = register("dev-b")
+    with caplog.at_level(logging.INFO, logger="edgecache.security"):
+        for _ in range(6):
+            assert actions.enroll_device(BoardKeys.generate().enrollment("dev-a", "guessed-token")) is None
+    reasons = [event["reason"] for event in security_events(caplog, "enrollment_refused")]
+    assert reasons[:3] == ["wrong token"] * 3
+    assert len(reasons) == 6 and all("over 3 enrollment attempts this minute" in reason for reason in reasons[3:])
+    notes = list(control_plane.redis.scan_iter(match="ec:enroll-refused:dev-a:*"))
+    assert len(notes) == 3  # nothing was looked at, or written, past the limit
+    # Another device is not affected; this one's own board waits for the next minute.
+    assert actions.enroll_device(BoardKeys.generate().enrollment("dev-b", other_token)) is not None
+    assert actions.enroll_device(BoardKeys.generate().enrollment("dev-a", token)) is None
+    control_plane.delete(notes)
 
 
 # -- 6. private namespaces cannot collide ----------------------------------------------------------
