@@ -85,6 +85,7 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_RAM_TIER_MB": (None, "range entries a board computed or fetched, kept in its RAM, in MB (least recently used dropped first; 0: off)"),
     "EDGECACHE_FLASH_TIER_MB": (None, "range entries a board computed or fetched, kept on its own disk between its RAM and the cache box, in MB (verified on every read, least recently used removed first, kept across restarts; 0: off)"),
     "EDGECACHE_FLASH_DIR": ("`.edgecache/flash/<device>`", "the flash tier's folder (one per board)"),
+    "EDGECACHE_BOARD_STATE_DIR": ("`.edgecache/boards/<device>`", "what a board keeps across restarts: the requests it answered, until they expire (a replay is refused)"),
     "EDGECACHE_EMBEDDED_PORT": ("derived from the folder", "port of the embedded Valkey"),
     "EDGECACHE_EMBEDDED_MAXMEMORY": (None, "`maxmemory` of the embedded Valkey"),
     "EDGECACHE_BOARD_KEYS_DIR": (
