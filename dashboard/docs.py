@@ -161,6 +161,7 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_METRICS_TOKEN": ("unset", "bearer token for `/metrics` (staff logins get in too)"),
     "EDGECACHE_METRICS_CACHE_SECONDS": (None, "how long one computation of the run metrics is served"),
     "EDGECACHE_RUN_RATE": (None, "run submissions per user and minute (0: no limit)"),
+    "EDGECACHE_BOARD_USER": (None, "the account `make run` starts its demo boards as when it runs as root (empty: as root); they cannot enter the secrets or state folder"),
     "EDGECACHE_ENROLL_RATE": (None, "enrollment attempts per device and minute the control plane looks at (0: no limit); past it they are dropped and logged, and no record changes"),
     "EDGECACHE_CACHE_CONNECTIONS": (None, "connections each web process keeps to Django's cache on the cache box's server (the rate-limit counters); a request waits for a free one"),
     "EDGECACHE_API_RATE": (None, "API requests per key and minute (a key's own rate wins; 0: no limit)"),

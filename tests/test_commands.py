@@ -212,3 +212,18 @@ def test_a_demo_board_started_by_make_run_cannot_open_the_control_planes_secrets
     assert (home / "keys" / "mine.key").read_text() == "x" and home.stat().st_mode & 0o777 == 0o700
     assert not {"DJANGO_SECRET_KEY", "EDGECACHE_SIGNING_SECRET", "DATABASE_URL"} & set(found["env"])
     subprocess.run(["rm", "-rf", str(tmp_path / ".edgecache-boards")], check=True)
+
+
+def test_make_run_says_its_demo_boards_run_as_this_user_when_it_is_not_root(monkeypatch):
+    """Not root, a process cannot change user: the boards run as this one (make run warns), and a
+    URL they are given carries no credentials either way."""
+    from dashboard.management.commands import run
+
+    monkeypatch.setattr(run.os, "geteuid", lambda: 1000)
+    assert run.demo_board_account({"EDGECACHE_BOARD_USER": "nobody"}) is None
+    monkeypatch.setattr(run.os, "geteuid", lambda: 0)
+    assert run.demo_board_account({"EDGECACHE_BOARD_USER": ""}) is None
+    with pytest.raises(run.CommandError, match="names no account"):
+        run.demo_board_account({"EDGECACHE_BOARD_USER": "no-such-user-here"})
+    env = run.board_environment({"REDIS_URL": "redis://default:hunter2@127.0.0.1:6379/0", "EDGECACHE_SIGNING_SECRET": "s", "DJANGO_SECRET_KEY": "k"})
+    assert env == {"REDIS_URL": "redis://127.0.0.1:6379/0"}
