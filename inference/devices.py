@@ -258,17 +258,16 @@ def enroll(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            found = _known(store, name)
+            record = verified(_known(store, name), keys)
+            if record.signing_key == keys.signing_public_key:
+                record.check(keys)
+                return record, keys
+            reason = enrollment_refused(store, name, keys)
         except CacheBoxRefused:
             if then_as is None:
                 raise
             store, then_as = then_as(), None  # enrolled meanwhile: the enrollment user is gone
             continue
-        record = verified(found, keys)
-        if record.signing_key == keys.signing_public_key:
-            record.check(keys)
-            return record, keys
-        reason = enrollment_refused(store, name, keys)
         if reason is not None:
             raise DeviceRefused(f"the control plane refused this board's enrollment: {reason}")
         time.sleep(poll)
