@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from .conftest import ROOT, control_plane_password
+from .conftest import ROOT, control_plane_password, opened_text
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 
@@ -110,7 +110,9 @@ class Plane:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
             quoted = ", ".join(f'"{column}"' for column in columns)  # "case" is an SQL keyword
             query = f"select {quoted} from dashboard_inferencerun where replace(request_id, '-', '') = ?"
-            return db.execute(query, (request_id.replace("-", ""),)).fetchone()
+            row = db.execute(query, (request_id.replace("-", ""),)).fetchone()
+        # prompts and answers are sealed at rest (cachebox.at_rest)
+        return tuple(opened_text(self.home, value) if column in ("prompt", "text") else value for column, value in zip(columns, row))
 
     def devices(self) -> int:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
