@@ -104,6 +104,11 @@ def _write(schema_editor, table: str, column: str, rows: list[tuple], *, is_json
     value = "CAST(%s AS jsonb)" if is_json and schema_editor.connection.vendor == "postgresql" else "%s"
     with schema_editor.connection.cursor() as cursor:
         cursor.executemany(f"UPDATE {quote(table)} SET {quote(column)} = {value} WHERE {quote('id')} = %s", rows)
+        if rows and schema_editor.connection.vendor == "postgresql":
+            # Check the deferred foreign keys now: PostgreSQL refuses an ALTER TABLE of the same
+            # migration (going back) while the updates' trigger events are pending.
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+            cursor.execute("SET CONSTRAINTS ALL DEFERRED")
 
 
 def seal_column(schema_editor, table: str, column: str, *, is_json: bool = False, master: bytes | None = None) -> int:

@@ -104,7 +104,7 @@ class DeviceAdmin(admin.ModelAdmin):
 class InferenceRunAdmin(admin.ModelAdmin):
     list_display = ("created", "device", "title", "case", "matched_tokens", "prompt_tokens", "ttft_ms", "ttlt_ms", "error")
     list_filter = ("device", "case", "source")
-    search_fields = ("title",)  # prompts and answers are sealed at rest: SQL cannot search them (the Runs page can)
+    # no search_fields: titles, prompts and answers are sealed at rest, SQL cannot search them (the Runs page can)
     readonly_fields = [field.name for field in InferenceRun._meta.fields]
 
     def has_add_permission(self, request):

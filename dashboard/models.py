@@ -195,7 +195,7 @@ class InferenceRun(models.Model):
     request_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="runs")
     source = models.CharField(max_length=10, choices=SOURCES, default="text")
-    title = models.CharField(max_length=200, blank=True)
+    title = SealedTextField(blank=True)  # at most 200 characters (RunMeta); it starts with the prompt
     prompt = SealedTextField(blank=True)  # sealed at rest (cachebox.at_rest), as the answer
     expected_answer = models.CharField(max_length=8, blank=True)
     text = SealedTextField(blank=True)

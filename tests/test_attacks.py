@@ -542,7 +542,7 @@ def test_a_copy_of_the_database_shows_no_prompt_answer_or_schema_text(monkeypatc
     monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
     monkeypatch.setattr("dashboard.actions.identities.apply_identity", lambda device, **kw: True)
     device, _ = actions.register_device(None, name="copied", cpu_threads=1)
-    run = InferenceRun.objects.create(device=device, title="board meeting", prompt=SECRET_PROMPT, text=SECRET_ANSWER, error="")
+    run = InferenceRun.objects.create(device=device, title=SECRET_PROMPT[:20], prompt=SECRET_PROMPT, text=SECRET_ANSWER, error="")
     Dispatch.objects.create(request_id=uuid.uuid4(), kind="run", device=device, namespace="default", request={"segments": [SECRET_PROMPT]})
     SavedPrompt.objects.create(name="notes", text=SECRET_SAVED)
     schema = Schema(source=TRAVEL.format(name="finance").replace("Lisbon has trams.", SECRET_MODULE))
@@ -578,7 +578,7 @@ def test_the_migration_seals_what_was_stored_in_clear_and_going_back_opens_it():
     apps = executor.loader.project_state(before).apps
     namespace = apps.get_model("dashboard", "Namespace").objects.get_or_create(name="default")[0]
     device = apps.get_model("dashboard", "Device").objects.create(name="old", namespace=namespace)
-    apps.get_model("dashboard", "InferenceRun").objects.create(device=device, prompt=SECRET_PROMPT, text=SECRET_ANSWER)
+    apps.get_model("dashboard", "InferenceRun").objects.create(device=device, title="the merger", prompt=SECRET_PROMPT, text=SECRET_ANSWER)
     apps.get_model("dashboard", "Dispatch").objects.create(request_id=uuid.uuid4(), kind="run", device=device, namespace="default", request={"segments": [SECRET_PROMPT]})
     apps.get_model("dashboard", "SavedPrompt").objects.create(name="notes", text=SECRET_SAVED)
     apps.get_model("inference", "Schema").objects.create(name="finance", source=SECRET_MODULE, digest="0")
@@ -592,7 +592,7 @@ def test_the_migration_seals_what_was_stored_in_clear_and_going_back_opens_it():
     from inference.models import Schema
 
     run = InferenceRun.objects.get(device__name="old")
-    assert (run.prompt, run.text) == (SECRET_PROMPT, SECRET_ANSWER)
+    assert (run.title, run.prompt, run.text) == ("the merger", SECRET_PROMPT, SECRET_ANSWER)
     assert Dispatch.objects.get(device__name="old").request == {"segments": [SECRET_PROMPT]}
     assert SavedPrompt.objects.get(name="notes").text == SECRET_SAVED and Schema.objects.get(name="finance").source == SECRET_MODULE
 

@@ -112,7 +112,7 @@ class Plane:
             query = f"select {quoted} from dashboard_inferencerun where replace(request_id, '-', '') = ?"
             row = db.execute(query, (request_id.replace("-", ""),)).fetchone()
         # prompts and answers are sealed at rest (cachebox.at_rest)
-        return tuple(opened_text(self.home, value) if column in ("prompt", "text") else value for column, value in zip(columns, row))
+        return tuple(opened_text(self.home, value) if column in ("prompt", "text", "title") else value for column, value in zip(columns, row))
 
     def devices(self) -> int:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:

@@ -1,10 +1,10 @@
-# Prompts, answers and saved prompts sealed at rest (cachebox.at_rest); the rows written before are sealed here.
+# Prompts, titles (which start with them), answers, saved prompts and requests under way sealed at rest (cachebox.at_rest); the rows written before are sealed here.
 
 import cachebox.at_rest
 from django.db import migrations
 
 
-COLUMNS = [("dispatch", "request", True), ("inferencerun", "prompt", False), ("inferencerun", "text", False), ("savedprompt", "text", False)]
+COLUMNS = [("dispatch", "request", True), ("inferencerun", "title", False), ("inferencerun", "prompt", False), ("inferencerun", "text", False), ("savedprompt", "text", False)]
 
 
 def seal(apps, schema_editor):
@@ -28,6 +28,11 @@ class Migration(migrations.Migration):
             model_name='dispatch',
             name='request',
             field=cachebox.at_rest.SealedJSONField(blank=True, default=dict, help_text='the request while it is under way (for a re-send); emptied when it ends; sealed at rest'),
+        ),
+        migrations.AlterField(
+            model_name='inferencerun',
+            name='title',
+            field=cachebox.at_rest.SealedTextField(blank=True),
         ),
         migrations.AlterField(
             model_name='inferencerun',
