@@ -564,7 +564,7 @@ def test_a_copy_of_the_database_shows_no_prompt_answer_or_schema_text(monkeypatc
     assert list(RunFilterForm({"q": "no such words"}, user=staff).apply(InferenceRun.objects.all())) == []
 
 
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)  # as the suite's other transactional tests
 def test_the_migration_seals_what_was_stored_in_clear_and_going_back_opens_it():
     """Rows written before sealing existed stay readable: the migration seals them, and unapplying it
     stores them in clear again."""
