@@ -255,6 +255,7 @@ def enroll(
         raise DeviceRefused(f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)")
     record.check_token(token)
     send(keys.enrollment(name, token))
+    enrolling = True
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -262,11 +263,13 @@ def enroll(
             if record.signing_key == keys.signing_public_key:
                 record.check(keys)
                 return record, keys
-            reason = enrollment_refused(store, name, keys)
+            # Only the enrollment user reads refusals: once it is gone (the control plane enrolled this
+            # board and makes its own user before it publishes the record) there is none to read.
+            reason = enrollment_refused(store, name, keys) if enrolling else None
         except CacheBoxRefused:
             if then_as is None:
                 raise
-            store, then_as = then_as(), None  # enrolled meanwhile: the enrollment user is gone
+            store, then_as, enrolling = then_as(), None, False  # enrolled meanwhile: the enrollment user is gone
             continue
         if reason is not None:
             raise DeviceRefused(f"the control plane refused this board's enrollment: {reason}")
