@@ -17,9 +17,11 @@ def test_the_migration_seals_what_was_stored_in_clear_and_going_back_opens_it():
     from django.db import connection
     from django.db.migrations.executor import MigrationExecutor
 
-    before = [("dashboard", "0012_truth_chat"), ("inference", "0002_schema_namespace")]
-    after = [("dashboard", "0013_sealed_at_rest"), ("inference", "0003_sealed_at_rest")]
     executor = MigrationExecutor(connection)
+    # The sealing migration of each app (whatever its number), and the one it follows in that app.
+    after = [key for key in executor.loader.graph.nodes if key[0] in ("dashboard", "inference") and key[1].endswith("_sealed_at_rest")]
+    before = [next(parent for parent in executor.loader.graph.node_map[key].parents if parent.key[0] == key[0]).key for key in after]
+    assert len(after) == 2, after
     executor.migrate(before)
     apps = executor.loader.project_state(before).apps
     namespace = apps.get_model("dashboard", "Namespace").objects.get_or_create(name="default")[0]
