@@ -92,7 +92,7 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
         # cache box's edgecache functions (cachebox.quota: size cap, TTL, the namespace's budget),
         # which run the commands of the next selectors with this user's rights
         f"(~ec:e:{ns}:* ~ec:m:{ns}:* ~ec:c:{{{ns}}}:* ~{quota_key_pattern(ns)} "
-        "+fcall +get +getrange +strlen +exists +pttl +xrange +xlen +hgetall +hget)",
+        f"+fcall +get +getrange +strlen +exists +pttl +xrange +xlen +hgetall +hget +hstrlen {_TRANSACTIONS})",
         f"(~ec:e:{ns}:* ~ec:m:{ns}:* +psetex +pexpire +del)",  # an entry's write always carries a TTL (no SET, PERSIST, APPEND)
         f"(~ec:c:{{{ns}}}:* +psetex +pexpire +xadd +xtrim +hset +del)",
         f"(~{quota_key_pattern(ns)} +hset +hincrby +hdel +hexists +zadd +zrem +zrangebyscore +pexpire)",
@@ -103,10 +103,10 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
 
 
 def enroll_rules(device: str, password_sha256: str) -> list[str]:
-    """The ACL rules of a device's enrollment user: read its record, send its enrollment (to its own
-    enrollment inbox: it can reach no queue and no other device's inbox)."""
+    """The ACL rules of a device's enrollment user: read its record and why an enrollment was refused,
+    send its enrollment (to its own enrollment inbox: it can reach no queue and no other device's inbox)."""
     name = _checked(device)
-    return [*_base(password_sha256), f"(%R~ec:device:{name} +get +exists)", f"(%W~{enroll_inbox_key(name)} +lpush)"]
+    return [*_base(password_sha256), f"(%R~ec:device:{name} %R~ec:enroll-refused:{name}:* +get +exists)", f"(%W~{enroll_inbox_key(name)} +lpush)"]
 
 
 def board_transport_options(device: str, cache_namespace: str) -> dict:

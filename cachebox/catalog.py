@@ -33,6 +33,13 @@ def expected_filter_bytes(capacity: int, fp_rate: float) -> int:
     return math.ceil(-capacity * math.log(fp_rate) / (math.log(2) ** 2) / 8)
 
 
+def max_snapshot_bytes(capacity: int, fp_rate: float) -> int:
+    """The most bytes a serialized catalog of ``capacity`` keys at ``fp_rate`` takes (what
+    ``from_bytes`` accepts for it): a reader checks a snapshot's size against this before it fetches
+    or loads it, so a planted one of another (larger) size costs it nothing."""
+    return _PREFIX.size + MAX_PARAMS_BYTES + math.ceil(expected_filter_bytes(capacity, fp_rate) * 1.1) + 64
+
+
 def key_hash(key: bytes) -> int:
     """rbloom hash: the key digest itself as a signed 128-bit integer (stable, serializable)."""
     if len(key) != KEY_BYTES:
@@ -138,7 +145,9 @@ class Catalog:
         return _PREFIX.pack(_MAGIC, len(params)) + params + body
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "Catalog":
+    def from_bytes(cls, raw: bytes, *, expect: tuple[int, float] | None = None) -> "Catalog":
+        """The catalog ``raw`` holds; CatalogFormatError before anything is allocated when it is
+        malformed, or (``expect``: ``(capacity, fp_rate)``) made for other parameters."""
         try:
             magic, params_len = _PREFIX.unpack_from(raw)
             if magic != _MAGIC:
@@ -147,6 +156,8 @@ class Catalog:
                 raise ValueError(f"parameters claim {params_len} bytes")
             params = json.loads(raw[_PREFIX.size : _PREFIX.size + params_len])
             capacity, fp_rate = int(params["capacity"]), float(params["fp_rate"])
+            if expect is not None and (capacity, fp_rate) != expect:
+                raise ValueError(f"made for {capacity} keys at rate {fp_rate}, not this catalog's {expect[0]} at {expect[1]}")
             body = raw[_PREFIX.size + params_len :]
             # Sizes are checked against limits and against the bytes really there before
             # anything is allocated: a snapshot claiming 1e11 entries must not abort a process.

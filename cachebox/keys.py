@@ -268,6 +268,19 @@ def cancel_key_name(device: str, request_id: str) -> str:
     return f"{KEY_PREFIX}:cancel:{_device(device)}:{_request_id(request_id)}"
 
 
+def enrollment_refusal_key_name(device: str, signing_public_key: str) -> str:
+    """Key of the control plane's signed word on a refused enrollment of ``device`` by the board whose
+    signing key is ``signing_public_key`` (``ec:enroll-refused:<device>:<its SHA-256, 32 hex>``): short-lived,
+    read only by that device's enrollment user while it enrolls, never part of the device's record."""
+    fingerprint = hashlib.sha256(str(signing_public_key).encode()).hexdigest()[:32]
+    return f"{KEY_PREFIX}:enroll-refused:{_device(device)}:{fingerprint}"
+
+
+def enrollment_refusal_pattern(device: str) -> str:
+    """Every enrollment refusal of ``device`` (its enrollment user's read pattern)."""
+    return f"{KEY_PREFIX}:enroll-refused:{_device(device)}:*"
+
+
 def cancel_pattern(device: str) -> str:
     """Every cancel flag of ``device`` (its ACL's read pattern)."""
     return f"{KEY_PREFIX}:cancel:{_device(device)}:*"

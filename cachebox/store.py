@@ -28,7 +28,7 @@ from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainErr
 
 from . import quota
 from .cluster import TOPOLOGY_ERRORS, cluster_client, is_cluster_url, parse_cluster_url
-from .errors import CacheBoxOverQuota, CacheBoxRefused, CacheBoxUnavailable
+from .errors import CacheBoxOverQuota, CacheBoxRefused, CacheBoxUnavailable, CatalogFormatError
 from .keys import catalog_key_names, device_key_name, entry_key_pattern, schema_key_pattern
 from .link import LinkProfile
 from .shaping import LinkShaper, ShapedConnection, ShapedSSLConnection
@@ -514,11 +514,37 @@ class CacheBox:
         first = self._on_key(name, lambda client: client.xrange(name, count=1))
         return first[0][0].decode() if first else None
 
-    def catalog_snapshot(self, namespace: str) -> tuple[bytes | None, str, str]:
-        """(filter bytes, last log id folded into them, epoch) of the master copy."""
+    def catalog_snapshot(self, namespace: str, max_bytes: int | None = None) -> tuple[bytes | None, str, str]:
+        """(filter bytes, last log id folded into them, epoch) of the master copy.
+
+        ``max_bytes``: its size is read first (HSTRLEN, one round trip) and a larger snapshot is never
+        fetched: CatalogFormatError says so (anyone who may write the namespace's catalog may plant one
+        of hundreds of MB). The size and the read are one transaction (WATCH): a snapshot replaced
+        between them is not read this time (None)."""
         name = catalog_key_names(namespace)["snapshot"]
-        doc = self._on_key(name, lambda client: client.hgetall(name))
-        return doc.get(b"bloom"), (doc.get(b"last_id") or b"0").decode(), (doc.get(b"epoch") or b"").decode()
+        if max_bytes is None:
+            doc = self._on_key(name, lambda client: client.hgetall(name))
+            return doc.get(b"bloom"), (doc.get(b"last_id") or b"0").decode(), (doc.get(b"epoch") or b"").decode()
+
+        def read(client) -> tuple[int, list]:
+            with client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(name)
+                    size = int(pipe.hstrlen(name, "bloom"))
+                    if size > max_bytes:
+                        pipe.unwatch()
+                        return size, [None, None, None]
+                    pipe.multi()
+                    for field in ("bloom", "last_id", "epoch"):
+                        pipe.hget(name, field)
+                    return size, pipe.execute()
+                except redis.WatchError:
+                    return 0, [None, None, None]
+
+        size, (bloom, last_id, epoch) = self._on_key(name, read)
+        if size > max_bytes:
+            raise CatalogFormatError(f"the master snapshot holds {size} bytes, over the {max_bytes} a catalog of this namespace's size takes: not fetched")
+        return bloom, (last_id or b"0").decode(), (epoch or b"").decode()
 
     def catalog_put_snapshot(self, namespace: str, bloom: bytes, last_id: str, epoch: str) -> bool:
         """Replace the master copy if it is older than ``last_id`` and of the live epoch; trims the

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 
-from .catalog import Catalog
+from .catalog import Catalog, max_snapshot_bytes
 from .errors import CacheBoxUnavailable, CatalogFormatError
 from .events import security_event
 from .store import CacheBox, _stream_id_after
@@ -71,11 +71,13 @@ class CatalogReplica:
         self._merge_snapshot()
 
     def _merge_snapshot(self) -> None:
-        bloom, last_id, snapshot_epoch = self.store.catalog_snapshot(self.namespace)
-        if bloom is None or snapshot_epoch != self.epoch:
-            return
+        own = (self.catalog.capacity, self.catalog.fp_rate)
         try:
-            self.catalog.merge(Catalog.from_bytes(bloom))
+            # Never more than a catalog of this size takes is fetched, and nothing of another size is loaded.
+            bloom, last_id, snapshot_epoch = self.store.catalog_snapshot(self.namespace, max_bytes=max_snapshot_bytes(*own))
+            if bloom is None or snapshot_epoch != self.epoch:
+                return
+            self.catalog.merge(Catalog.from_bytes(bloom, expect=own))
         except CatalogFormatError as exc:
             # Refused before anything was allocated; dropped so no board or page reads it again.
             # The catalog is rebuilt from the announcements that follow (and whole by `reconcile`).

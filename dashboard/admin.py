@@ -103,7 +103,7 @@ class DeviceAdmin(admin.ModelAdmin):
 class InferenceRunAdmin(admin.ModelAdmin):
     list_display = ("created", "device", "title", "case", "matched_tokens", "prompt_tokens", "ttft_ms", "ttlt_ms", "error")
     list_filter = ("device", "case", "source")
-    search_fields = ("title", "text", "prompt")
+    # no search_fields: titles, prompts and answers are sealed at rest, SQL cannot search them (the Runs page can)
     readonly_fields = [field.name for field in InferenceRun._meta.fields]
 
     def has_add_permission(self, request):
@@ -116,7 +116,7 @@ class InferenceRunAdmin(admin.ModelAdmin):
 @admin.register(SavedPrompt)
 class SavedPromptAdmin(admin.ModelAdmin):
     list_display = ("name", "split_on", "created_by", "created")
-    search_fields = ("name", "text")
+    search_fields = ("name",)  # the text is sealed at rest
 
     def save_model(self, request, obj, form, change):
         if not obj.created_by_id:

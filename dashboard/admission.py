@@ -10,8 +10,9 @@ up, instead of inside a queue longer than it will wait.
 The counts are sorted sets in the cache box's Redis (``cachebox.store.CacheBox.admit``: one atomic
 script), shared by every web process and control worker. A run stops counting when its answer
 comes (the API's stream ends; the control worker records the report) or, should that be lost
-with its process, at its deadline. Without the cache box nothing is counted (logged): runs could
-not be followed either, and the caller says so.
+with its process, at its deadline. Without the cache box nothing is admitted: the bounds could not
+be kept (every web process would let runs through uncounted), so a run is refused with a 503 that
+says the cache box is unreachable (``CacheBoxUnreachable``), and nothing is sent.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ class FleetBusy(Exception):
         super().__init__(f"{what}. Nothing was sent; try again in {seconds}.")
 
 
+class CacheBoxUnreachable(FleetBusy):
+    """The bounded queues cannot be counted (the cache box does not answer): admission fails closed."""
+
+    def __init__(self, namespace: str, reason: str, retry_after: int = DEFAULT_RETRY_AFTER_S):
+        Exception.__init__(
+            self,
+            f"The cache box is unreachable ({reason}), so runs cannot be counted against the fleet's bounds. Nothing was sent; "
+            f"start the cache box or check REDIS_URL / EDGECACHE_CACHEBOX_URL, then try again in {retry_after} seconds.",
+        )
+        self.scope, self.namespace, self.limit, self.under_way, self.retry_after = "cachebox", namespace, 0, 0, retry_after
+
+
 def namespace_limit(online_boards: int) -> int:
     """How many runs a namespace with ``online_boards`` may have under way (0: no bound)."""
     per_board = settings.EDGECACHE_QUEUE_PER_BOARD
@@ -76,7 +89,8 @@ def namespace_limit(online_boards: int) -> int:
 
 def admit(namespace: str, request_id: str, *, online_boards: int, key_id: int | None = None, hold_s: float, retry_after: int = DEFAULT_RETRY_AFTER_S) -> Ticket:
     """Count run ``request_id`` as under way in ``namespace`` (and for API key ``key_id``) for at most
-    ``hold_s`` seconds; FleetBusy (nothing counted) when a bound is reached."""
+    ``hold_s`` seconds; FleetBusy (nothing counted) when a bound is reached, CacheBoxUnreachable (a
+    FleetBusy) when the counts cannot be read: it fails closed."""
     limits = [namespace_limit(online_boards)]
     who = ""
     if key_id is not None:
@@ -89,8 +103,8 @@ def admit(namespace: str, request_id: str, *, online_boards: int, key_id: int | 
     try:
         full, under_way, _ = _store().admit(names, limits, request_id, now=now, until=now + hold_s)
     except CacheBoxError as exc:
-        log.warning("run %s not counted against the bounded queues: %s", request_id, exc)
-        return Ticket((), request_id)
+        log.warning("run %s refused: the bounded queues cannot be counted: %s", request_id, exc)
+        raise CacheBoxUnreachable(namespace, str(exc)[:200], max(1, int(retry_after))) from None
     if full:
         raise FleetBusy("namespace" if full == 1 else "key", namespace, limits[full - 1], under_way, max(1, int(retry_after)))
     return Ticket(names, request_id)

@@ -96,6 +96,7 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_RAM_TIER_MB": (None, "range entries a board computed or fetched, kept in its RAM, in MB (least recently used dropped first; 0: off)"),
     "EDGECACHE_FLASH_TIER_MB": (None, "range entries a board computed or fetched, kept on its own disk between its RAM and the cache box, in MB (verified on every read, least recently used removed first, kept across restarts; 0: off)"),
     "EDGECACHE_FLASH_DIR": ("`.edgecache/flash/<device>`", "the flash tier's folder (one per board)"),
+    "EDGECACHE_BOARD_STATE_DIR": ("`.edgecache/boards/<device>`", "what a board keeps across restarts: the requests it answered, until they expire (a replay is refused)"),
     "EDGECACHE_EMBEDDED_PORT": ("derived from the folder", "port of the embedded Valkey"),
     "EDGECACHE_EMBEDDED_MAXMEMORY": (None, "`maxmemory` of the embedded Valkey"),
     "EDGECACHE_BOARD_KEYS_DIR": (
@@ -176,6 +177,8 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_METRICS_TOKEN": ("unset", "bearer token for `/metrics` (staff logins get in too)"),
     "EDGECACHE_METRICS_CACHE_SECONDS": (None, "how long one computation of the run metrics is served"),
     "EDGECACHE_RUN_RATE": (None, "run submissions per user and minute (0: no limit)"),
+    "EDGECACHE_BOARD_USER": (None, "the account `make run` starts its demo boards as when it runs as root (empty: as root); they cannot enter the secrets or state folder"),
+    "EDGECACHE_ENROLL_RATE": (None, "enrollment attempts per device and minute the control plane looks at (0: no limit); past it they are dropped and logged, and no record changes"),
     "EDGECACHE_CACHE_CONNECTIONS": (None, "connections each web process keeps to Django's cache on the cache box's server (the rate-limit counters); a request waits for a free one"),
     "EDGECACHE_API_RATE": (None, "API requests per key and minute (a key's own rate wins; 0: no limit)"),
     "EDGECACHE_API_TIMEOUT": (None, "seconds a board may stay silent during an API call (then 504, and the run is cancelled)"),

@@ -8,7 +8,6 @@ import re
 from django import forms
 from django.contrib.auth.forms import AuthenticationForm
 from django.conf import settings
-from django.db.models import Q
 from django.utils.html import escape
 
 from cachebox.errors import InvalidNamespace
@@ -593,5 +592,16 @@ class RunFilterForm(forms.Form):
         if data.get("until"):
             runs = runs.filter(created__lte=data["until"])
         if data.get("q"):
-            runs = runs.filter(Q(prompt__icontains=data["q"]) | Q(title__icontains=data["q"]))
+            runs = runs.filter(pk__in=_runs_containing(runs, data["q"]))
         return runs
+
+
+SEARCHED_RUNS = 5000  # newest runs a "prompt contains" search opens (prompts are sealed at rest: SQL cannot look inside)
+
+
+def _runs_containing(runs, text: str) -> list[int]:
+    """Ids of the newest ``SEARCHED_RUNS`` of ``runs`` whose prompt or title holds ``text`` (any case),
+    read and opened in Python: the prompt column is sealed (cachebox.at_rest)."""
+    wanted = text.casefold()
+    newest = runs.order_by("-created").values_list("pk", "title", "prompt")[:SEARCHED_RUNS]
+    return [pk for pk, title, prompt in newest if wanted in (title or "").casefold() or wanted in (prompt or "").casefold()]

@@ -12,6 +12,7 @@ from django.db import models
 from django.urls import reverse
 from django.utils import timezone
 
+from cachebox.at_rest import SealedJSONField, SealedTextField
 from inference.messages import Queue
 from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
 
@@ -160,7 +161,7 @@ class Dispatch(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True, help_text="no board takes it after this")
     waits_until = models.DateTimeField(null=True, blank=True, help_text="how long its client (the API, the Run page) waits for the answer")
     attempt = models.PositiveSmallIntegerField(default=1, help_text="2 once re-sent to another board")
-    request = models.JSONField(default=dict, blank=True, help_text="the request while it is under way (for a re-send); emptied when it ends")
+    request = SealedJSONField(default=dict, blank=True, help_text="the request while it is under way (for a re-send); emptied when it ends; sealed at rest")
 
     class Meta:
         # The router reads each device's newest dispatches for every request it routes: with this
@@ -178,7 +179,7 @@ class Dispatch(models.Model):
 
 class SavedPrompt(models.Model):
     name = models.CharField(max_length=100, unique=True)
-    text = models.TextField()
+    text = SealedTextField()
     split_on = models.CharField(
         max_length=20, blank=True, default="", help_text=r"cut the prompt after each of these (e.g. \n\n) into cacheable ranges"
     )
@@ -198,10 +199,10 @@ class InferenceRun(models.Model):
     request_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="runs")
     source = models.CharField(max_length=10, choices=SOURCES, default="text")
-    title = models.CharField(max_length=200, blank=True)
-    prompt = models.TextField(blank=True)
+    title = SealedTextField(blank=True)  # at most 200 characters (RunMeta); it starts with the prompt
+    prompt = SealedTextField(blank=True)  # sealed at rest (cachebox.at_rest), as the answer
     expected_answer = models.CharField(max_length=8, blank=True)
-    text = models.TextField(blank=True)
+    text = SealedTextField(blank=True)
     error = models.TextField(blank=True)
     breakdown = models.JSONField(default=dict)
     # Denormalized from ``breakdown`` for filtering and aggregates.

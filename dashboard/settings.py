@@ -353,6 +353,8 @@ EDGECACHE_METRICS_TOKEN = os.environ.get("EDGECACHE_METRICS_TOKEN", "").strip()
 EDGECACHE_METRICS_CACHE_SECONDS = _env_float("EDGECACHE_METRICS_CACHE_SECONDS", 2.0)
 # Run submissions per user and minute (0: no limit); over it the Run page answers 429.
 EDGECACHE_RUN_RATE = _env_int("EDGECACHE_RUN_RATE", 30)
+# Enrollment attempts per device and minute the control plane looks at (0: no limit); past it they are dropped, logged.
+EDGECACHE_ENROLL_RATE = _env_int("EDGECACHE_ENROLL_RATE", 10)
 
 # Django's cache (the rate-limit counters) lives on the cache box's server, so every daphne
 # process shares it. The embedded URL is a redis:// URL like any other: the commands that

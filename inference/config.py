@@ -59,7 +59,10 @@ def secrets_home(environ: Mapping[str, str] = os.environ) -> Path:
 def move_legacy_secret(old: Path, new: Path) -> bool:
     """Move a secret an older version kept in the state folder to ``new`` (once, keeping its mode);
     False when there is nothing to move."""
-    if new.exists() or not old.exists():
+    try:
+        if new.exists() or not old.exists():
+            return False
+    except PermissionError:  # a folder this process may not enter (a demo board run as another user): nothing of its own there
         return False
     new.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
@@ -96,6 +99,7 @@ class BoardConfig:
     ram_tier_bytes: int | None = None  # range entries kept next to the model (0: no RAM tier; None: follows memory_mb, 128 MB when unknown)
     flash_tier_bytes: int = 0  # range entries kept on the board's own disk, between RAM and the cache box (0: no flash tier)
     flash_dir: Path | None = None  # where the flash tier keeps them (None: the state folder's flash/<device>)
+    board_state_dir: Path | None = None  # what the board keeps of its own (answered requests); None: the state folder's boards/<device>
     memory_mb: int = 0  # the board's registered memory: its buffers are sized to it (inference.memory_plan); 0: unknown, defaults
     policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
     overlap: bool = True  # compute the front of a prompt while the back of it loads, when that is faster
@@ -124,6 +128,10 @@ class BoardConfig:
         """Where this board's flash tier keeps its entries (one folder per board: boards sharing a
         disk never evict each other's files)."""
         return self.flash_dir if self.flash_dir is not None else self.embedded_dir.parent / "flash" / self.device
+
+    def state_folder(self) -> Path:
+        """Where this board keeps what it must remember across restarts (the requests it answered)."""
+        return self.board_state_dir if self.board_state_dir is not None else self.embedded_dir.parent / "boards" / self.device
 
     def key_file(self, device: str) -> Path:
         """Where the board ``device`` keeps its private keys (moved there from the state folder,
@@ -164,6 +172,7 @@ class BoardConfig:
             ram_tier_bytes=_int(environ, "EDGECACHE_RAM_TIER_MB", -1) * 1024 * 1024 if environ.get("EDGECACHE_RAM_TIER_MB", "").strip() else None,
             flash_tier_bytes=_int(environ, "EDGECACHE_FLASH_TIER_MB", 0) * 1024 * 1024,
             flash_dir=Path(environ["EDGECACHE_FLASH_DIR"].strip()) if environ.get("EDGECACHE_FLASH_DIR", "").strip() else None,
+            board_state_dir=Path(environ["EDGECACHE_BOARD_STATE_DIR"].strip()) if environ.get("EDGECACHE_BOARD_STATE_DIR", "").strip() else None,
             memory_mb=_int(environ, "EDGECACHE_MEMORY_MB", 0),
             embedded_dir=home / "valkey",
             embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,

@@ -22,13 +22,14 @@ import hmac
 import json
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from cachebox.errors import CacheBoxRefused
 from cachebox.events import security_event
+from cachebox.keys import enrollment_refusal_key_name
 from cachebox.signing import KeyRing, pin_proof, private_namespace, public_hex, sign_document, unseal, verify_document
 
 from .identity import BoardKeys
@@ -70,7 +71,6 @@ class DeviceRecord:
     namespace: str = "default"  # the tenant: the board reads and writes this namespace only
     share: bool = True  # False: the board caches in a namespace of its own (no cross-device timing leaks)
     keyring: str = ""  # the namespace's keys, signed by the control plane and sealed to ``box_key``
-    enrollment: dict = field(default_factory=dict)  # the last refused enrollment: {"signing_key", "reason"}
     control_plane_key: str = ""  # the control plane's Ed25519 public key (hex), which signs this record
     pin: str = ""  # while the token may enroll: the token's proof of ``control_plane_key`` (a board pins it)
     serial: int = 0  # when it was published (ns); a board refuses a record older than the last it accepted
@@ -188,6 +188,36 @@ def pin(store, name: str, keys: BoardKeys, token: str) -> BoardKeys:
     return keys.pinned(record.control_plane_key)
 
 
+ENROLLMENT_REFUSAL_TTL_S = 300  # how long the control plane's word on a refused enrollment is kept for its board
+
+
+def enrollment_refusal(name: str, signing_public_key: str, reason: str, signer: Ed25519PrivateKey) -> bytes:
+    """The control plane's signed word that the enrollment of ``name`` by the board holding
+    ``signing_public_key`` was refused, and why. It is kept apart from the device's record (under
+    ``cachebox.keys.enrollment_refusal_key_name``, for ``ENROLLMENT_REFUSAL_TTL_S``): a forged
+    enrollment changes no record a board reads."""
+    doc = {"name": name, "signing_key": signing_public_key, "reason": reason[:300], "ts": time.time()}
+    return json.dumps(sign_document(signer, doc), separators=(",", ":")).encode()
+
+
+def enrollment_refused(store, name: str, keys: BoardKeys) -> str | None:
+    """Why the control plane refused this board's enrollment as ``name`` (None: it has not said): only
+    its own word, signed by the control plane this board pinned, for this device and these keys."""
+    raw = store.read_flag(enrollment_refusal_key_name(name, keys.signing_public_key))
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not keys.control_plane_key or not verify_document(doc, keys.control_plane_key):
+        security_event("record_refused", device=name, reason="an enrollment refusal not signed by the control plane this board pinned")
+        return None
+    if doc.get("name") != name or doc.get("signing_key") != keys.signing_public_key:
+        return None
+    return str(doc.get("reason") or "no reason given")
+
+
 def enroll(
     store,
     name: str,
@@ -225,22 +255,24 @@ def enroll(
         raise DeviceRefused(f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)")
     record.check_token(token)
     send(keys.enrollment(name, token))
+    enrolling = True
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            found = _known(store, name)
+            record = verified(_known(store, name), keys)
+            if record.signing_key == keys.signing_public_key:
+                record.check(keys)
+                return record, keys
+            # Only the enrollment user reads refusals: once it is gone (the control plane enrolled this
+            # board and makes its own user before it publishes the record) there is none to read.
+            reason = enrollment_refused(store, name, keys) if enrolling else None
         except CacheBoxRefused:
             if then_as is None:
                 raise
-            store, then_as = then_as(), None  # enrolled meanwhile: the enrollment user is gone
+            store, then_as, enrolling = then_as(), None, False  # enrolled meanwhile: the enrollment user is gone
             continue
-        record = verified(found, keys)
-        if record.signing_key == keys.signing_public_key:
-            record.check(keys)
-            return record, keys
-        refused = record.enrollment or {}
-        if refused.get("signing_key") == keys.signing_public_key:
-            raise DeviceRefused(f"the control plane refused this board's enrollment: {refused.get('reason', 'no reason given')}")
+        if reason is not None:
+            raise DeviceRefused(f"the control plane refused this board's enrollment: {reason}")
         time.sleep(poll)
     raise DeviceRefused(
         f"the control plane did not confirm the enrollment of {name!r} within {timeout:g} s: "

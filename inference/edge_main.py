@@ -24,6 +24,7 @@ from cachebox.link import LinkProfile
 from cachebox.store import CacheBox
 
 from . import edge
+from .edge import replay
 from .board import Board, broker_url, cachebox_url, set_board
 from .config import BoardConfig, ConfigError
 from .devices import DeviceRefused
@@ -145,6 +146,10 @@ def main(argv: list[str], prog: str = "manage.py edge") -> int:
     me.store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout)  # as its own user from now on
     queues = [Queue.device(args.name), Queue.shared(me.record.cache_namespace)]
     app = board_app(broker_url(config), queues=queues, transport_options=board_transport_options(args.name, me.record.cache_namespace))
+    try:
+        replay.keep_in(config.state_folder() / "spent-requests")
+    except OSError as exc:
+        return fail(f"cannot keep the requests this board answers in {config.state_folder()}: {exc} (set EDGECACHE_BOARD_STATE_DIR)")
     try:
         board = set_board(Board.start(config, keys=me.keychain()))
     except ModelNotFound as exc:

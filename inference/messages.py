@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 from enum import StrEnum
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from cachebox.events import security_event
 
@@ -357,9 +357,7 @@ class EncodeReport(BoardMessage):
 
 
 class CatalogStatus(Message):
-    """One catalog replica of a board, as its heartbeat reports it."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)  # counters may grow between versions
+    """One catalog replica of a board, as its heartbeat reports it (``Board.status``)."""
 
     approx_items: int = Field(0, ge=0)
     size_bytes: int = Field(0, ge=0)
@@ -368,6 +366,11 @@ class CatalogStatus(Message):
     configured_fp_rate: float = Field(0.0, ge=0.0, le=1.0)
     last_sync: float | None = None
     epoch: str = Field("", max_length=64)
+    # its lookup counters (cachebox.catalog.CatalogStats)
+    lookups: int = Field(0, ge=0)
+    maybe_hits: int = Field(0, ge=0)
+    true_hits: int = Field(0, ge=0)
+    false_positives: int = Field(0, ge=0)
 
 
 class BoardRates(Message):
@@ -381,17 +384,58 @@ class BoardRates(Message):
     compute_profile: str = Field("", max_length=100)  # the class its model work is paced to ("": this machine)
 
 
-class BoardStatus(Message):
-    model_config = ConfigDict(extra="allow", frozen=True)
+class TierStatus(Message):
+    """A board's RAM or flash tier, as its heartbeat reports it (``status()`` of inference.tiers)."""
 
-    pid: int = 0
-    sent: float = 0.0
+    entries: int = Field(0, ge=0)
+    bytes: int = Field(0, ge=0)
+    budget_bytes: int | None = Field(None, ge=0)
+    hits: int = Field(0, ge=0)
+    misses: int = Field(0, ge=0)
+    rss_limit_bytes: int | None = Field(None, ge=0)  # RAM tier: the RSS it keeps entries under
+    evicted_for_rss: int = Field(0, ge=0)
+    refused: int = Field(0, ge=0)
+    directory: str = Field("", max_length=1024)  # flash tier: where its files are
+
+
+class BoardMemory(Message):
+    """A board process's memory now and at its peak, against what the board registered (``Board.memory``)."""
+
+    rss_mb: float | None = Field(None, ge=0)
+    peak_rss_mb: float | None = Field(None, ge=0)
+    pss_mb: float | None = Field(None, ge=0)
+    memory_mb: int | None = Field(None, ge=0)
+    budget_mb: float | None = Field(None, ge=0)
+    n_ctx: int | None = Field(None, ge=0)
+
+
+# A board reports one catalog per namespace it serves (its own, a private one): a few, never thousands.
+MAX_BOARD_CATALOGS = 64
+# The largest heartbeat a receiver reads (its signed envelope as it travels, in bytes). A real one is
+# about 1-2 KB (64 catalogs: about 25 KB); anything larger is refused before it is parsed.
+MAX_HEARTBEAT_BYTES = 64 * 1024
+_NAMESPACE_KEY = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+
+
+class BoardStatus(Message):
+    """What a heartbeat says of its board. Every field is named and bounded (nested ones too), and an
+    unknown one refuses the whole heartbeat: a board can store nothing else in ``Device.status``."""
+
+    pid: int = Field(0, ge=0, le=2**31)
+    sent: float = Field(0.0, ge=0.0)
     model: str = Field("", max_length=200)
     fingerprint: str = Field("", pattern=r"^$|^[0-9a-f]{1,32}$")
-    threads: int = Field(0, ge=0)
+    threads: int = Field(0, ge=0, le=4096)
     heartbeat_s: float = Field(5.0, gt=0, le=3600)  # how often it beats (the control plane counts missed ones)
-    catalogs: dict[str, CatalogStatus] = Field(default_factory=dict, max_length=1000)
+    catalogs: dict[_NAMESPACE_KEY, CatalogStatus] = Field(default_factory=dict, max_length=MAX_BOARD_CATALOGS)
     rates: BoardRates | None = None  # its measured prefill and decode rates (None: a board of an older version)
+    ram_tier: TierStatus | None = None
+    flash_tier: TierStatus | None = None
+    kv_type: str = Field("", max_length=16)
+    codec: str = Field("", max_length=32)
+    compute_profile: str = Field("", max_length=100)  # the class its model work is paced to ("": this machine)
+    memory: BoardMemory | None = None
+    simulated: bool = False  # a board of ``bench fleet-sim``
 
 
 class Heartbeat(BoardMessage):
@@ -404,7 +448,6 @@ class Heartbeat(BoardMessage):
 BOARD_INBOX_TASKS = frozenset({Task.RECORD_RUN, Task.ENCODE_PROGRESS, Task.ENCODED})
 ENROLL_INBOX_TASKS = frozenset({Task.ENROLL})
 MAX_INBOX_MESSAGE_BYTES = 8 * 1024 * 1024  # a sealed report of the longest prompt and answer fits
-MAX_HEARTBEAT_BYTES = 64 * 1024  # a board's signed status (a few hundred bytes; a thousand catalogs fit)
 
 
 class InboxMessage(Message):

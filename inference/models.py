@@ -6,12 +6,14 @@ from django.core.exceptions import ValidationError
 from django.db import models
 from django.urls import reverse
 
+from cachebox.at_rest import SealedTextField
+
 from .pml import PMLError, parse_schema
 
 
 class Schema(models.Model):
     name = models.CharField(max_length=64, unique=True, editable=False, help_text="from <schema name=...>")
-    source = models.TextField(help_text="the PML document")
+    source = SealedTextField(help_text="the PML document (sealed at rest: cachebox.at_rest)")
     digest = models.CharField(max_length=16, editable=False, help_text="changes whenever the source does")
     # The tenant whose keys, pages and boards may use it; "" is shared with every namespace (staff
     # choose to share one). A name (``dashboard.Namespace``), not a foreign key: boards' app

@@ -2,8 +2,8 @@
 plain function, report.
 
 A request must be sealed and signed by the control plane this board pinned, for this board
-(``inference.envelope``); anything else (unsigned, forged, for another board, expired, replayed)
-is refused and logged, and answered with nothing: its request id cannot be trusted. An authentic
+(``inference.envelope``); anything else (unsigned, forged, for another board, expired, replayed:
+also after the board restarted, ``inference.edge.replay``) is refused and logged, and answered with nothing: its request id cannot be trusted. An authentic
 request that does not follow the contract (``inference.messages``) is answered with an error
 report, so nothing a person sent vanishes. An unexpected failure while serving is reported too.
 """
@@ -25,7 +25,7 @@ from cachebox.signing import UnknownKey
 
 from .board import get_board
 from .devices import UNREAD, DeviceRefused
-from .edge import board_work_waiting, encode, identity, refused_request, report, send_progress, serve
+from .edge import board_work_waiting, encode, identity, refused_request, replay, report, send_progress, serve
 from .envelope import EnvelopeRefused, Kind
 from .messages import EncodeProgress, EncodeReport, EncodeRequest, MessageRefused, RunReport, RunRequest, Task
 
@@ -103,10 +103,19 @@ def _receive(cls, message, task: Task):
         security_event("message_refused", message=cls.__name__, receiver=me.name, reason=str(exc)[:500])
         refused_request(body, str(exc), task)
         return None
+    if replay.spent(request.request_id):
+        security_event("request_refused", device=me.name, request_id=request.request_id, reason="replayed: answered already (before this board restarted)")
+        return None
     if not _seen.first_time(request.request_id):
         security_event("request_refused", device=me.name, request_id=request.request_id, reason="delivered again: served once already")
         return None
     return request
+
+
+def _expiry(message) -> float | None:
+    """When the request's envelope (signed, so as the control plane set it) expires."""
+    expires = message.get("exp") if isinstance(message, dict) else None
+    return float(expires) if isinstance(expires, (int, float)) else None
 
 
 class _Work:
@@ -138,6 +147,7 @@ def run_prompt(message: dict) -> None:
             log.exception("run %s failed", request.request_id)
             result = RunReport.for_request(request, device=identity().name, error=f"the board failed: {type(exc).__name__}: {exc}")
         report(result)
+        replay.record(request.request_id, _expiry(message))  # answered: a replay of it is refused, also after a restart
     finally:
         _Work.ended = time.time()
 
@@ -165,6 +175,7 @@ def _encode_schema(message: dict) -> None:
         log.exception("encode %s failed", request.request_id)
         result = EncodeReport(device=me.name, request_id=request.request_id, schema_id=request.schema_id, error=f"the board failed: {type(exc).__name__}: {exc}")
     report(result, Task.ENCODED)
+    replay.record(request.request_id, _expiry(message))
 
 
 EXPIRED = "expired: no board of {device} started it before {expires} (EDGECACHE_TASK_EXPIRES after its dispatch), so it never ran; send it again"

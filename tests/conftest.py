@@ -327,6 +327,17 @@ def control_plane_password(home: Path) -> str:
     return (Path(home).with_name(f"{Path(home).name}-secrets") / "cachebox_password").read_text().strip()
 
 
+def opened_text(home: Path, stored: str | None) -> str | None:
+    """A prompt, answer or schema text as a control plane whose EDGECACHE_HOME is ``home`` reads it from
+    its database (sealed at rest under its master secret, ``cachebox.at_rest``)."""
+    from cachebox.at_rest import open_text
+
+    if not stored:
+        return stored
+    master = (Path(home).with_name(f"{Path(home).name}-secrets") / "signing_secret").read_text().strip().encode()
+    return open_text(stored, master)
+
+
 def run_manage(*args: str, env: dict | None = None, unset=(), input_bytes: bytes | None = None, timeout: float = 180):
     """Run ``python manage.py ...`` in a fresh process, as a user would."""
     full_env = {key: value for key, value in os.environ.items() if key not in unset}

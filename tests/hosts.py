@@ -24,7 +24,7 @@ from cachebox import embedded
 from cachebox.link import LINK_PRESETS
 from inference.hosts import Host, HostNetwork, free_subnet, unavailable_reason
 
-from .conftest import ROOT
+from .conftest import ROOT, opened_text
 
 
 def hosts_or_skip() -> None:
@@ -170,7 +170,7 @@ class HostedPlane:
         if row is None:
             return None
         text, error, case, ttft, breakdown, fetched, uploaded, unavailable = row
-        return {"text": text, "error": error, "case": case, "ttft_ms": ttft, "breakdown": json.loads(breakdown), "fetched_bytes": fetched, "uploaded_bytes": uploaded, "cachebox_unavailable": bool(unavailable)}
+        return {"text": opened_text(self.home, text), "error": error, "case": case, "ttft_ms": ttft, "breakdown": json.loads(breakdown), "fetched_bytes": fetched, "uploaded_bytes": uploaded, "cachebox_unavailable": bool(unavailable)}
 
     def wait_runs(self, request_ids: list[str], timeout: float = 300) -> list[dict]:
         until(lambda: all(self.run(request_id) for request_id in request_ids), timeout, f"runs {request_ids}")

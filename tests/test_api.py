@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, require
+from .conftest import ROOT, opened_text, require
 from .stack import free_port, wait_for_http
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
@@ -87,7 +87,7 @@ class Stack:
             )
             if rows:
                 source, error, breakdown, text, title = rows[0]
-                return {"source": source, "error": error, "breakdown": json.loads(breakdown), "text": text, "title": title}
+                return {"source": source, "error": error, "breakdown": json.loads(breakdown), "text": opened_text(self.home, text), "title": opened_text(self.home, title)}
             time.sleep(0.2)
         raise AssertionError(f"run {request_id} was not recorded within {timeout} s")
 

@@ -511,3 +511,54 @@ def test_a_run_on_a_board_that_died_goes_once_to_another_board_for_a_waiting_cli
     run = actions.record_run(result_payload(second, second_keys, request_id=request_id, dispatched=False))
     assert run is not None and run.device.name == "second" and InferenceRun.objects.filter(request_id=request_id).count() == 1
     assert Dispatch.objects.get(request_id=request_id).outcome == "answered"
+
+
+# -- a copy of the database ------------------------------------------------------------------------
+SECRET_PROMPT, SECRET_ANSWER, SECRET_MODULE, SECRET_SAVED = "the merger closes on Friday", "keep it quiet", "Quarterly numbers: 4.2M", "Alice's diagnosis"
+
+
+def _database_copy() -> str:
+    """Every value of every table, as a copy of the database (a dump, a backup) shows it."""
+    from django.db import connection
+
+    parts = []
+    with connection.cursor() as cursor:
+        for table in connection.introspection.table_names():
+            cursor.execute(f"SELECT * FROM {connection.ops.quote_name(table)}")
+            parts += [str(value) for row in cursor.fetchall() for value in row]
+    return "\n".join(parts)
+
+
+def test_a_copy_of_the_database_shows_no_prompt_answer_or_schema_text(monkeypatch, django_user_model):
+    """The probe: the database held prompts, answers and schema texts in clear, and so did a copy.
+    They are now sealed at rest under a key derived from the master secret (in the secrets folder,
+    never in the database); the control plane reads them as before, and its search still finds them."""
+
+    from dashboard import actions
+    from dashboard.forms import RunFilterForm
+    from dashboard.models import Dispatch, InferenceRun, SavedPrompt
+    from inference.models import Schema
+
+    monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
+    monkeypatch.setattr("dashboard.actions.identities.apply_identity", lambda device, **kw: True)
+    device, _ = actions.register_device(None, name="copied", cpu_threads=1)
+    run = InferenceRun.objects.create(device=device, title=SECRET_PROMPT[:20], prompt=SECRET_PROMPT, text=SECRET_ANSWER, error="")
+    Dispatch.objects.create(request_id=uuid.uuid4(), kind="run", device=device, namespace="default", request={"segments": [SECRET_PROMPT]})
+    SavedPrompt.objects.create(name="notes", text=SECRET_SAVED)
+    schema = Schema(source=TRAVEL.format(name="finance").replace("Lisbon has trams.", SECRET_MODULE))
+    schema.full_clean()
+    schema.save()
+
+    copy = _database_copy()
+    for secret in (SECRET_PROMPT, SECRET_ANSWER, SECRET_MODULE, SECRET_SAVED, "merger", "diagnosis"):
+        assert secret not in copy, f"{secret!r} is in clear in the database"
+    assert "ec1:" in copy
+
+    run.refresh_from_db()
+    assert (run.prompt, run.text) == (SECRET_PROMPT, SECRET_ANSWER)
+    assert Dispatch.objects.get(device=device).request == {"segments": [SECRET_PROMPT]}
+    assert SavedPrompt.objects.get(name="notes").text == SECRET_SAVED and SECRET_MODULE in Schema.objects.get(name="finance").source
+    assert InferenceRun.objects.filter(error="").count() == 1  # "" stays "": filters on empty text keep working
+    staff = django_user_model.objects.create_user("auditor", password="pw-auditor-123", is_staff=True)
+    assert list(RunFilterForm({"q": "MERGER"}, user=staff).apply(InferenceRun.objects.all())) == [run]
+    assert list(RunFilterForm({"q": "no such words"}, user=staff).apply(InferenceRun.objects.all())) == []

@@ -1,6 +1,7 @@
 """The command-line surface, run as a user would: fresh processes, real model, real servers."""
 
 import json
+import os
 
 import pytest
 
@@ -168,3 +169,61 @@ def test_a_demo_board_gets_no_control_plane_variable_and_its_worker_never_sets_d
     monkeypatch.setenv("DJANGO_SETTINGS_MODULE", "dashboard.settings")  # a board started from the control plane's shell
     app = board_app("redis://127.0.0.1:1/0")
     assert not any(isinstance(fixup, DjangoFixup) for fixup in app._fixups)
+
+
+def test_a_demo_board_started_by_make_run_cannot_open_the_control_planes_secrets(tmp_path, monkeypatch, settings):
+    """The probe: `make run`'s boards ran as the control plane's user, beside `cachebox_password` and
+    `signing_secret`, and could read them. As root, `make run` starts each board as
+    EDGECACHE_BOARD_USER (`nobody`) with a folder of its own: every file of the secrets folder and
+    of the state folder is refused to it, while its own keys folder is its to write."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dashboard.management.commands.run import DEMO_BOARDS, Command, demo_board_account
+
+    if os.geteuid() != 0:
+        pytest.skip("only root can start the boards as another user (not root: docs/operations.md says what protects the secrets)")
+    monkeypatch.setenv("EDGECACHE_HOME", str(tmp_path / ".edgecache"))  # the boards' folders go beside it
+    secrets = [path for path in Path(settings.EDGECACHE_SECRETS_DIR).rglob("*") if path.is_file()]
+    state = [path for path in Path(settings.EDGECACHE_HOME).rglob("*") if path.is_file()]
+    assert {path.name for path in secrets} >= {"secret_key", "signing_secret"}, secrets
+    probe = (
+        "import json, os, sys\n"
+        "opened = []\n"
+        "for path in sys.argv[1:]:\n"
+        "    try:\n"
+        "        open(path, 'rb').close(); opened.append(path)\n"
+        "    except PermissionError:\n"
+        "        pass\n"
+        "keys = os.environ['EDGECACHE_BOARD_KEYS_DIR']; os.makedirs(keys, exist_ok=True)\n"
+        "open(os.path.join(keys, 'mine.key'), 'w').write('x')\n"
+        "json.dump({'uid': os.getuid(), 'opened': opened, 'env': sorted(os.environ)}, open(os.path.join(os.environ['HOME'], 'probe.json'), 'w'))\n"
+    )
+    account = demo_board_account()
+    assert account is not None and account[0] != 0
+    command = Command()
+    board = command._start_board(DEMO_BOARDS[1], "a-token", None, account, argv=[sys.executable, "-c", probe, *map(str, secrets + state)])
+    assert board.wait(timeout=60) == 0
+    home = tmp_path / ".edgecache-boards" / DEMO_BOARDS[1]["name"]
+    found = json.loads((home / "probe.json").read_text())
+    assert found["uid"] == account[0]
+    assert found["opened"] == [], f"the board read {found['opened']}"
+    assert (home / "keys" / "mine.key").read_text() == "x" and home.stat().st_mode & 0o777 == 0o700
+    assert not {"DJANGO_SECRET_KEY", "EDGECACHE_SIGNING_SECRET", "DATABASE_URL"} & set(found["env"])
+    subprocess.run(["rm", "-rf", str(tmp_path / ".edgecache-boards")], check=True)
+
+
+def test_make_run_says_its_demo_boards_run_as_this_user_when_it_is_not_root(monkeypatch):
+    """Not root, a process cannot change user: the boards run as this one (make run warns), and a
+    URL they are given carries no credentials either way."""
+    from dashboard.management.commands import run
+
+    monkeypatch.setattr(run.os, "geteuid", lambda: 1000)
+    assert run.demo_board_account({"EDGECACHE_BOARD_USER": "nobody"}) is None
+    monkeypatch.setattr(run.os, "geteuid", lambda: 0)
+    assert run.demo_board_account({"EDGECACHE_BOARD_USER": ""}) is None
+    with pytest.raises(run.CommandError, match="names no account"):
+        run.demo_board_account({"EDGECACHE_BOARD_USER": "no-such-user-here"})
+    env = run.board_environment({"REDIS_URL": "redis://default:hunter2@127.0.0.1:6379/0", "EDGECACHE_SIGNING_SECRET": "s", "DJANGO_SECRET_KEY": "k"})
+    assert env == {"REDIS_URL": "redis://127.0.0.1:6379/0"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import uuid
 
 import pytest
@@ -23,7 +24,7 @@ from cachebox.signing import derive_keyring
 from cachebox.keys import entry_key_name
 from cachebox.models import CacheEntry
 from cachebox.store import CacheBox
-from dashboard import actions, tasks
+from dashboard import actions, admission, tasks
 from dashboard.celery import app as celery_app
 from dashboard.consumers import LiveConsumer
 from dashboard.live import GROUP
@@ -306,6 +307,27 @@ def test_run_page_sends_json_messages_to_each_device_queue(staff_client, control
     assert sent_tasks[0]["name"] == "edgecache.run_prompt"
     assert len(message["segments"]) == 4 and message["segments"][-1].endswith("Answer:")
     assert message["meta"]["expected_answer"] in "ABCD" and message["max_tokens"] == 4 and message["use_cache"] is True
+
+
+def test_run_page_fails_closed_with_a_503_when_the_cache_box_cannot_count_runs(staff_client, control_plane, sent_tasks, settings):
+    """Admission counts runs under way in the cache box; when it does not answer, nothing is admitted
+    uncounted (it used to let every run through): a 503 says so and nothing is sent."""
+    register("zero")
+    with socket.socket() as probe:  # a port nobody listens on: the cache box is down
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    settings.EDGECACHE_CACHEBOX_URL = f"redis://127.0.0.1:{dead}/0"
+    device = Device.objects.get(name="zero")
+    response = staff_client.post(reverse("run"), {"devices": [device.pk], "source": "text", "text": "hi", "max_tokens": 4}, HTTP_ACCEPT="application/json")
+    assert response.status_code == 503, response.content
+    error = response.json()["errors"]["__all__"][0]
+    assert error["code"] == "cachebox_unavailable" and "cache box is unreachable" in error["message"] and "Nothing was sent" in error["message"]
+    assert response["Retry-After"]
+    assert sent_tasks == [] and not Dispatch.objects.exists()
+    with pytest.raises(admission.CacheBoxUnreachable):
+        admission.admit("default", str(uuid.uuid4()), online_boards=1, hold_s=5)
+    settings.EDGECACHE_CACHEBOX_URL = ""  # the cache box answers again: the same run is admitted
+    assert admission.admit("default", str(uuid.uuid4()), online_boards=1, hold_s=5).names
 
 
 @pytest.mark.parametrize(

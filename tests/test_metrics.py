@@ -386,6 +386,7 @@ def test_only_valid_submissions_count(staff_client, settings, shared_cache, sent
 
 def test_a_zero_rate_turns_the_limit_off(staff_client, settings, sent_tasks):
     settings.EDGECACHE_RUN_RATE = 0
+    settings.EDGECACHE_QUEUE_PER_BOARD = 0  # no cache box here: no bounded queue to count in (admission fails closed)
     zero = device("zero")
     for _ in range(5):
         assert staff_client.post(reverse("run"), run_form(zero), HTTP_ACCEPT="application/json").status_code == 200
@@ -395,6 +396,7 @@ def test_a_zero_rate_turns_the_limit_off(staff_client, settings, sent_tasks):
 def test_an_unreachable_cache_still_limits_runs_in_this_process(staff_client, settings, sent_tasks):
     settings.CACHES = {"default": {"BACKEND": "cachebox.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
     settings.EDGECACHE_RUN_RATE = 1
+    settings.EDGECACHE_QUEUE_PER_BOARD = 0  # no cache box here: no bounded queue to count in (admission fails closed)
     zero = device("zero")
     assert staff_client.post(reverse("run"), run_form(zero), HTTP_ACCEPT="application/json").status_code == 200
     assert staff_client.post(reverse("run"), run_form(zero), HTTP_ACCEPT="application/json").status_code == 429

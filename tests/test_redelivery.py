@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from .conftest import ROOT, control_plane_password
+from .conftest import ROOT, control_plane_password, opened_text
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 
@@ -115,7 +115,9 @@ class Plane:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
             quoted = ", ".join(f'"{column}"' for column in columns)  # "case" is an SQL keyword
             query = f"select {quoted} from dashboard_inferencerun where replace(request_id, '-', '') = ?"
-            return db.execute(query, (request_id.replace("-", ""),)).fetchone()
+            row = db.execute(query, (request_id.replace("-", ""),)).fetchone()
+        # prompts and answers are sealed at rest (cachebox.at_rest)
+        return tuple(opened_text(self.home, value) if column in ("prompt", "text", "title") else value for column, value in zip(columns, row))
 
     def devices(self) -> int:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
@@ -214,6 +216,37 @@ def _kill_boards(plane) -> None:
         if "edge" in process.args and process.poll() is None:
             process.send_signal(signal.SIGKILL)
             process.wait(timeout=30)
+
+
+def test_a_run_replayed_after_the_board_restarts_within_its_expiry_is_refused(plane):
+    """The probe: a run request pushed again onto a board's queue after the board restarted, within
+    its expiry, ran again (303 stream events). The board now keeps the requests it answered on its
+    disk until they expire: the same signed envelope is refused, and nothing is streamed."""
+    _kill_boards(plane)
+    if not any("control" in " ".join(map(str, process.args)) and process.poll() is None for process in plane.processes):
+        plane.control_worker()
+    request_id = plane.dispatch(max_tokens=4, stream=True)
+    [captured] = [raw for raw in plane.redis.lrange("device.solo", 0, -1) if _request_id(raw) == request_id]  # as sent
+    board = plane.board(plane.token)
+    until(lambda: plane.runs(request_id) == 1, 120, "the run to be answered")
+    until(lambda: plane.redis.hlen("unacked.solo") == 0 and plane.redis.llen("device.solo") == 0, 60, "the board to acknowledge it")
+    board.send_signal(signal.SIGTERM)  # a restart: the board stops and comes back
+    board.wait(timeout=60)
+    plane.board(plane.token)
+    refusal = "replayed: answered already"
+    before = plane.log("board").count(refusal)
+    streams = plane.redis.pubsub()
+    streams.psubscribe("ec:stream:solo:*")
+    until(lambda: streams.get_message(timeout=1), 10, "the stream subscription")  # its confirmation
+    plane.redis.lpush("device.solo", captured)  # the replay, still within its expiry
+    until(lambda: plane.log("board").count(refusal) > before, 60, "the board to refuse the replay")
+    until(lambda: plane.redis.hlen("unacked.solo") == 0 and plane.redis.llen("device.solo") == 0, 60, "the queue to drain")
+    events = []
+    while (message := streams.get_message(timeout=0.5)) is not None:
+        events.append(message)
+    streams.close()
+    assert events == [], f"the replayed run streamed {len(events)} events"
+    assert plane.runs(request_id) == 1
 
 
 def test_a_board_killed_mid_run_with_its_client_waiting_hands_the_run_to_another_board(plane):

@@ -6,6 +6,7 @@ failures; catalog bytes that claim absurd sizes; private namespaces that collide
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import uuid
@@ -14,10 +15,10 @@ import pytest
 import redis
 from celery import current_app
 
-from cachebox import embedded
-from cachebox.catalog import Catalog
+from cachebox import acl, embedded
+from cachebox.catalog import DEFAULT_CAPACITY, DEFAULT_FP_RATE, Catalog, expected_filter_bytes, max_snapshot_bytes
 from cachebox.errors import CatalogFormatError
-from cachebox.keys import catalog_key_names
+from cachebox.keys import catalog_key_names, enrollment_refusal_key_name
 from cachebox.models import CacheEntry
 from cachebox.signing import private_namespace, unseal
 from cachebox.store import CacheBox
@@ -25,13 +26,14 @@ from cachebox.sync import CatalogReplica
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from dashboard import actions
 from dashboard.models import Device, InferenceRun
+from inference import devices as registry
 from inference import edge
 from dashboard.signing import control_plane_public_key
 from inference.envelope import Kind
 from inference.identity import BoardKeys, verify_signature
 from inference.messages import RunReport, RunRequest, Task
 
-from .test_dashboard import board_message, control_plane, enrolled, register, result_payload, sent_tasks  # noqa: F401  (fixtures)
+from .test_dashboard import board_message, control_plane, enrolled, register, result_payload, sent_tasks, staff_client  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
@@ -146,6 +148,138 @@ def test_a_board_refuses_a_forged_master_snapshot_logs_it_and_drops_it(valkey_ur
     assert security_events(caplog, "catalog_refused")
     assert not store.redis.exists(catalog_key_names(namespace)["snapshot"])
     store.flush(namespace)
+
+
+def _board_store(store: CacheBox, url: str, name: str, namespace: str) -> CacheBox:
+    """The cache box as board ``name`` reaches it: its own ACL user (``cachebox.acl.board_rules``)."""
+    password = uuid.uuid4().hex
+    store.set_user(acl.board_user(name), acl.board_rules(name, namespace, hashlib.sha256(password.encode()).hexdigest()))
+    return CacheBox(acl.with_credentials(url, acl.board_user(name), password))
+
+
+def _planted_snapshot(capacity: int, fp_rate: float = 0.01) -> bytes:
+    """A master snapshot of a valid format (sizes that agree) for a catalog of ``capacity`` keys."""
+    params = json.dumps({"capacity": capacity, "fp_rate": fp_rate}).encode()
+    return b"ECB1" + len(params).to_bytes(4, "little") + params + b"\0" * expected_filter_bytes(capacity, fp_rate)
+
+
+def _bytes_sent(store: CacheBox) -> int:
+    return int(store.redis.info("stats")["total_net_output_bytes"])
+
+
+def test_a_board_refuses_an_oversized_master_snapshot_without_fetching_it(valkey_url, caplog):
+    """The probe's snapshot bomb: a board of the namespace plants a snapshot of a valid format but 30x
+    the namespace's configured size (36 MB; the probe's 102 MB took boards from 480 to 850 MB). A
+    board reading the master copy checks its size first (HSTRLEN) and fetches none of it."""
+    store = CacheBox(valkey_url)
+    namespace, board = f"t-{uuid.uuid4().hex[:10]}", f"b-{uuid.uuid4().hex[:8]}"
+    mallory = _board_store(store, valkey_url, board, namespace)
+    try:
+        CatalogReplica(mallory, namespace).sync()  # the namespace's epoch exists
+        epoch = store.redis.get(catalog_key_names(namespace)["epoch"]).decode()
+        planted = _planted_snapshot(30_000_000)
+        assert len(planted) > 25 * max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE)
+        mallory.redis.hset(catalog_key_names(namespace)["snapshot"], mapping={"bloom": planted, "last_id": "0", "epoch": epoch})  # its ACL allows it
+        before = _bytes_sent(store)
+        with caplog.at_level(logging.INFO, logger="edgecache.security"):
+            fresh = CatalogReplica(_board_store(store, valkey_url, board, namespace), namespace)
+            fresh.sync()  # a board (re)starting meets it
+        sent = _bytes_sent(store) - before
+        assert sent < max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE), f"the board fetched {sent} bytes of a {len(planted)}-byte snapshot"
+        refusal = security_events(caplog, "catalog_refused")
+        assert refusal and "not fetched" in refusal[0]["reason"], refusal
+        assert not store.redis.exists(catalog_key_names(namespace)["snapshot"])  # dropped: no other board or page meets it
+
+        # A snapshot of the namespace's own size is still read, through the board's own ACL user.
+        writer = CatalogReplica(mallory, namespace)
+        writer.sync()
+        writer.announce([b"k" * 16])
+        writer.sync()
+        assert mallory.catalog_put_snapshot(namespace, writer.catalog.to_bytes(), writer.last_id, writer.epoch)
+        newcomer = CatalogReplica(mallory, namespace)
+        newcomer.sync()
+        assert b"k" * 16 in newcomer.catalog and newcomer.last_id == writer.last_id
+    finally:
+        store.delete_user(acl.board_user(board))
+        store.flush(namespace)
+
+
+def test_the_cache_page_never_fetches_an_oversized_master_snapshot(staff_client, control_plane, settings):
+    """Each staff view of /cache/ loaded the planted snapshot (the probe: web process 337 -> 621 MB);
+    now its size is read first and the page says it was refused, unread."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    store = control_plane
+    settings.EDGECACHE_NAMESPACE = namespace  # the page lists this namespace's master catalog
+    epoch = store.catalog_epoch(namespace, uuid.uuid4().hex)
+    planted = _planted_snapshot(30_000_000)
+    store.redis.hset(catalog_key_names(namespace)["snapshot"], mapping={"bloom": planted, "last_id": "0", "epoch": epoch})
+    try:
+        before = _bytes_sent(store)
+        page = staff_client.get("/cache/")
+        sent = _bytes_sent(store) - before
+        assert page.status_code == 200
+        assert sent < 2 * max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE), f"the page fetched {sent} bytes of a {len(planted)}-byte snapshot"
+        assert "snapshot refused (not read)" in page.content.decode()
+    finally:
+        store.flush(namespace)
+
+
+# -- 5b. forged enrollments ------------------------------------------------------------------------
+def test_a_forged_enrollment_for_an_enrolled_device_changes_no_record(control_plane, valkey_url, caplog):
+    """The probe: a forged enrollment for an enrolled device made the control plane re-sign and
+    publish the device's record with the attacker's signing key in it. Now the record a real board
+    reads stays byte for byte as it was; why it was refused goes to a short-lived note keyed by the
+    request's key, which only that device's enrollment user may read."""
+    device, token = register("dev-a")
+    board = enrolled(device, token)
+    before = control_plane.get_device_record("dev-a")
+    attacker = BoardKeys.generate().pinned(control_plane_public_key())
+    with caplog.at_level(logging.INFO, logger="edgecache.security"):
+        assert actions.enroll_device(attacker.enrollment("dev-a", "guessed-token")) is None
+    assert security_events(caplog, "enrollment_refused")
+    after = control_plane.get_device_record("dev-a")
+    assert after == before, "the device's record was re-published"
+    assert attacker.signing_public_key.encode() not in after
+    assert registry.authenticate(control_plane, "dev-a", board).signing_key == board.signing_public_key  # the real board carries on
+
+    # The note: signed by the control plane, for that key only, expiring; readable by the enrollment user and nobody else's.
+    note_key = enrollment_refusal_key_name("dev-a", attacker.signing_public_key)
+    assert 0 < control_plane.redis.ttl(note_key) <= registry.ENROLLMENT_REFUSAL_TTL_S
+    password = uuid.uuid4().hex
+    control_plane.set_user(acl.enroll_user("dev-a"), acl.enroll_rules("dev-a", hashlib.sha256(password.encode()).hexdigest()))
+    control_plane.set_user(acl.enroll_user("dev-b"), acl.enroll_rules("dev-b", hashlib.sha256(password.encode()).hexdigest()))
+    try:
+        as_enroller = CacheBox(acl.with_credentials(valkey_url, acl.enroll_user("dev-a"), password))
+        assert "already used to enroll" in registry.enrollment_refused(as_enroller, "dev-a", attacker)
+        assert registry.enrollment_refused(as_enroller, "dev-a", board) is None  # nothing said about another key
+        other = redis.Redis.from_url(acl.with_credentials(valkey_url, acl.enroll_user("dev-b"), password))
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            other.get(note_key)
+        # A note not signed by the pinned control plane says nothing.
+        control_plane.set_flag(note_key, 60, json.dumps({"name": "dev-a", "signing_key": attacker.signing_public_key, "reason": "forged"}).encode())
+        assert registry.enrollment_refused(as_enroller, "dev-a", attacker) is None
+    finally:
+        control_plane.delete_user(acl.enroll_user("dev-a"))
+        control_plane.delete_user(acl.enroll_user("dev-b"))
+        control_plane.delete([note_key])
+
+
+def test_enrollment_attempts_are_rate_limited_per_device(control_plane, settings, caplog):
+    settings.EDGECACHE_ENROLL_RATE = 3
+    device, token = register("dev-a")
+    other, other_token = register("dev-b")
+    with caplog.at_level(logging.INFO, logger="edgecache.security"):
+        for _ in range(6):
+            assert actions.enroll_device(BoardKeys.generate().enrollment("dev-a", "guessed-token")) is None
+    reasons = [event["reason"] for event in security_events(caplog, "enrollment_refused")]
+    assert reasons[:3] == ["wrong token"] * 3
+    assert len(reasons) == 6 and all("over 3 enrollment attempts this minute" in reason for reason in reasons[3:])
+    notes = list(control_plane.redis.scan_iter(match="ec:enroll-refused:dev-a:*"))
+    assert len(notes) == 3  # nothing was looked at, or written, past the limit
+    # Another device is not affected; this one's own board waits for the next minute.
+    assert actions.enroll_device(BoardKeys.generate().enrollment("dev-b", other_token)) is not None
+    assert actions.enroll_device(BoardKeys.generate().enrollment("dev-a", token)) is None
+    control_plane.delete(notes)
 
 
 # -- 6. private namespaces cannot collide ----------------------------------------------------------

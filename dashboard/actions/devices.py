@@ -15,13 +15,14 @@ from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
-from cachebox.keys import heartbeat_key
+from cachebox.keys import enrollment_refusal_key_name, heartbeat_key
 from cachebox.signing import pin_proof
 from inference import devices as registry
 from inference.envelope import EnvelopeRefused, Kind, peek
 from inference.identity import check_enrollment_signature, enrollment_public_key, enrollment_redis_password, password_sha256
 from inference.messages import MAX_HEARTBEAT_BYTES, BoardMessage, EnrollRequest, Heartbeat
 
+from .. import ratelimit
 from ..live import broadcast
 from ..models import Device, Namespace, offline_after
 from ..signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring
@@ -39,7 +40,7 @@ def token_usable(device: Device) -> bool:
     return bool(device.enroll_key) and (device.token_expires is None or device.token_expires > timezone.now())
 
 
-def _record_for(device: Device, enrollment: dict | None = None) -> registry.DeviceRecord:
+def _record_for(device: Device) -> registry.DeviceRecord:
     usable = token_usable(device)
     return registry.DeviceRecord(
         name=device.name,
@@ -47,7 +48,6 @@ def _record_for(device: Device, enrollment: dict | None = None) -> registry.Devi
         pin=device.pin_proof if usable else "",
         signing_key=device.signing_public_key,
         box_key=device.box_public_key,
-        enrollment=enrollment or {},
         threads=device.cpu_threads,
         memory_mb=device.memory_mb,
         link_bandwidth_mbps=device.link_bandwidth_mbps,
@@ -59,7 +59,7 @@ def _record_for(device: Device, enrollment: dict | None = None) -> registry.Devi
     )
 
 
-def publish_device(device: Device, enrollment: dict | None = None) -> bool:
+def publish_device(device: Device) -> bool:
     """Tell boards (through the cache box) the device's current token hash and settings, signed
     by the control plane.
 
@@ -67,7 +67,7 @@ def publish_device(device: Device, enrollment: dict | None = None) -> bool:
     ``publish_all_devices`` (run at every start) publishes it later.
     """
     try:
-        registry.publish(cachebox(), _record_for(device, enrollment), control_plane_signer())
+        registry.publish(cachebox(), _record_for(device), control_plane_signer())
         return True
     except CacheBoxError as exc:
         log.warning("device %s not published to the cache box: %s", device.name, exc)
@@ -192,10 +192,17 @@ def revoke_device(user, device: Device) -> None:
 def enroll_device(payload: dict) -> Device | None:
     """A board sends its public keys and its Redis password's hash, signed with the key its token
     gives: the device is enrolled to those keys (the token is spent), its own Redis user is made,
-    and its ring is sealed to them. Refusals are logged, and published on the record so that the
-    board that asked can say why."""
+    and its ring is sealed to them.
+
+    At most ``EDGECACHE_ENROLL_RATE`` attempts per device and minute are looked at. A refusal is
+    logged and changes no record: the reason goes, signed, to a short-lived note that only the board
+    holding the request's key reads while it enrolls (``inference.devices.enrollment_refusal``)."""
     request = EnrollRequest.receive(payload, receiver="control")
     if request is None:
+        return None
+    verdict = ratelimit.hit("enroll", request.device, settings.EDGECACHE_ENROLL_RATE)
+    if not verdict.allowed:
+        security_event("enrollment_refused", device=request.device, reason=f"over {verdict.limit} enrollment attempts this minute (EDGECACHE_ENROLL_RATE)")
         return None
     with transaction.atomic():
         device = Device.objects.select_for_update().filter(name=request.device).select_related("namespace").first()
@@ -215,7 +222,7 @@ def enroll_device(payload: dict) -> Device | None:
         if reason:
             security_event("enrollment_refused", device=request.device, reason=reason)
             if device is not None and device.signing_public_key != request.signing_public_key:
-                publish_device(device, {"signing_key": request.signing_public_key, "reason": reason})
+                _note_refusal(device.name, request.signing_public_key, reason)
             return None
         device.signing_public_key = request.signing_public_key
         device.box_public_key = request.box_public_key
@@ -226,6 +233,15 @@ def enroll_device(payload: dict) -> Device | None:
         audit(None, AuditAction.DEVICE_ENROLL, device.name, f"signing key {device.signing_public_key[:16]}…")
     _changed([device])
     return device
+
+
+def _note_refusal(name: str, signing_public_key: str, reason: str) -> None:
+    """Tell the board that asked why its enrollment was refused, apart from the device's record."""
+    note = registry.enrollment_refusal(name, signing_public_key, reason, control_plane_signer())
+    try:
+        cachebox().set_flag(enrollment_refusal_key_name(name, signing_public_key), registry.ENROLLMENT_REFUSAL_TTL_S, note)
+    except CacheBoxError as exc:
+        log.warning("the refusal of %s's enrollment was not noted for its board: %s", name, exc)
 
 
 def authenticate_board(name: str) -> Device | None:

@@ -181,11 +181,12 @@ def _route_and_admit(key: ApiKey, api: ApiRequest, run: RunRequest):
             hold_s=2 * settings.EDGECACHE_API_TIMEOUT, retry_after=admission.retry_after_s(expected_ms),
         )
     except admission.FleetBusy as busy:
-        metrics.refused("queue_full" if busy.scope == "key" else "fleet_busy")
+        code = {"key": "queue_full", "cachebox": "cachebox_unavailable"}.get(busy.scope, "fleet_busy")
+        metrics.refused(code)
         security_event("api.queue_full", key=key.key_prefix, namespace=key.namespace_id, scope=busy.scope, limit=busy.limit, retry_after=busy.retry_after)
         raise ApiError(
             429 if busy.scope == "key" else 503, str(busy), type="requests" if busy.scope == "key" else "server_error",
-            code="queue_full" if busy.scope == "key" else "fleet_busy", headers={"Retry-After": str(busy.retry_after)},
+            code=code, headers={"Retry-After": str(busy.retry_after)},
         ) from None
     return device, routed, ticket
 

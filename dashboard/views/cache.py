@@ -10,7 +10,7 @@ from django.urls import reverse
 from django.utils.http import urlencode
 from django.views.decorators.http import require_POST
 
-from cachebox.catalog import Catalog
+from cachebox.catalog import DEFAULT_CAPACITY, DEFAULT_FP_RATE, Catalog, max_snapshot_bytes
 from cachebox.errors import CacheBoxUnavailable, CatalogFormatError, InvalidNamespace
 from cachebox.keys import catalog_key_names
 from cachebox.models import CacheEntry
@@ -21,6 +21,13 @@ from ..forms import FlushForm, model_names
 from ..models import AuditEvent, Device
 from ..stats import catalog_summary, current_namespace, fill_label
 from .auth import staff_member_required
+
+
+def _snapshot_cap() -> int:
+    """The most bytes this page fetches of a master snapshot: what a catalog of the boards' configured
+    size takes (or the default size, which ``rebuild_master_catalog`` writes), never a planted one's."""
+    board = settings.EDGECACHE_BOARD
+    return max(max_snapshot_bytes(board.catalog_capacity, board.catalog_fp_rate), max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE))
 
 
 def _master_epoch(store, namespace: str) -> str:
@@ -61,19 +68,19 @@ def cache_page(request):
                 catalog_key_names(namespace)
             except InvalidNamespace:
                 continue  # a board's report naming no usable namespace: no master copy to read
-            bloom, last_id, _ = store.catalog_snapshot(namespace)
+            catalog, refused = None, ""
+            try:
+                bloom, last_id, _ = store.catalog_snapshot(namespace, max_bytes=_snapshot_cap())
+                catalog = Catalog.from_bytes(bloom) if bloom else None
+            except CatalogFormatError as exc:  # a planted snapshot: neither fetched (too large) nor shown
+                refused = str(exc)
             pending = store.catalog_log_length(namespace)
             epochs[namespace] = epoch = _master_epoch(store, namespace)
-            catalog = None
-            if bloom:
-                try:
-                    catalog = Catalog.from_bytes(bloom)
-                except CatalogFormatError:
-                    catalog = None
             masters.append(
                 {
                     "namespace": namespace,
                     "has_snapshot": catalog is not None,
+                    "snapshot_refused": refused,
                     "snapshot_items": round(catalog.approx_items) if catalog else 0,
                     "fill_label": fill_label(catalog.fill_ratio()) if catalog else "–",
                     "estimated_fp_rate": catalog.estimated_fp_rate() if catalog else None,

@@ -334,11 +334,13 @@ def _admit(devices, request_ids: list[str], routed) -> list:
 
 
 def _fleet_busy(request, busy: admission.FleetBusy, wants_json: bool) -> HttpResponse:
-    """503: the namespace's bounded queue is full; nothing is sent, the form comes back as it was."""
-    metrics.refused("fleet_busy")
-    security_event("run.fleet_busy", namespace=busy.namespace, limit=busy.limit, retry_after=busy.retry_after, **_who(request))
+    """503: the namespace's bounded queue is full, or cannot be counted (the cache box does not
+    answer); nothing is sent, the form comes back as it was."""
+    code = "cachebox_unavailable" if busy.scope == "cachebox" else "fleet_busy"
+    metrics.refused(code)
+    security_event(f"run.{code}", namespace=busy.namespace, limit=busy.limit, retry_after=busy.retry_after, **_who(request))
     if wants_json:
-        response = JsonResponse({"errors": {"__all__": [{"message": str(busy), "code": "fleet_busy"}]}, "retry_after": busy.retry_after}, status=503)
+        response = JsonResponse({"errors": {"__all__": [{"message": str(busy), "code": code}]}, "retry_after": busy.retry_after}, status=503)
     else:
         response = _run_page_refused(request, str(busy), 503)
     response["Retry-After"] = str(busy.retry_after)

@@ -7,7 +7,8 @@
 - ``streaming``: a streamed run's answer pieces and events, sealed and signed on its channel, and
   the signed cancel flag;
 - ``outbox``: reports, progress and refusals to the control plane, signed and sealed;
-- ``heartbeats``: the board's signed status every few seconds.
+- ``heartbeats``: the board's signed status every few seconds;
+- ``replay``: the requests it answered, kept on its disk until they expire (a replay after a restart is refused).
 
 A board holds no database credentials: it needs the broker/cache-box URL, its token once (to
 enroll) and then its own keys (``inference.identity``). It opens only requests the control plane

@@ -14,14 +14,18 @@ workers, over the same broker and database.
 from __future__ import annotations
 
 import os
+import pwd
 import secrets
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -34,6 +38,7 @@ from cachebox.errors import CacheBoxUnavailable
 from cachebox.link import LINK_PRESETS
 from dashboard import actions
 from dashboard.models import Device
+from inference.config import edgecache_home
 from inference.messages import Queue
 
 ADMIN_USERNAME = "admin"
@@ -68,13 +73,129 @@ DEMO_BOARDS = [
 
 
 # The control plane's own variables, which a board is never given: its Django settings (whose
-# import reads the control plane's secrets), its database, its admin password and metrics token.
-CONTROL_PLANE_ONLY = frozenset({"DJANGO_SETTINGS_MODULE", "DATABASE_URL", "EDGECACHE_ADMIN_PASSWORD", "EDGECACHE_METRICS_TOKEN"})
+# import reads the control plane's secrets), its database, its secrets, its admin password and metrics token.
+CONTROL_PLANE_ONLY = frozenset(
+    {"DJANGO_SETTINGS_MODULE", "DATABASE_URL", "DJANGO_SECRET_KEY", "EDGECACHE_SIGNING_SECRET", "EDGECACHE_ADMIN_PASSWORD", "EDGECACHE_METRICS_TOKEN"}
+)
+# Where a URL may carry the deployment's password: a board is given the address alone (it logs in as itself).
+BOARD_URLS = ("REDIS_URL", "EDGECACHE_CACHEBOX_URL")
 
 
 def board_environment(environ) -> dict:
-    """``environ`` as a board may see it: without ``CONTROL_PLANE_ONLY``."""
-    return {name: value for name, value in environ.items() if name not in CONTROL_PLANE_ONLY}
+    """``environ`` as a board may see it: without ``CONTROL_PLANE_ONLY``, its URLs without credentials."""
+    env = {name: value for name, value in environ.items() if name not in CONTROL_PLANE_ONLY}
+    own_users = env.get("EDGECACHE_BOARD_ACL", "1").strip().lower() not in ("0", "false", "no", "off")
+    for name in BOARD_URLS if own_users else ():  # without board users (EDGECACHE_BOARD_ACL=0) a board needs them as given
+        if env.get(name, "").strip():
+            env[name] = board_url(env[name], "127.0.0.1")
+    return env
+
+
+DEFAULT_BOARD_USER = "nobody"
+
+
+def demo_board_account(environ=os.environ) -> tuple[int, int] | None:
+    """The (uid, gid) the demo boards run as: when this command runs as root, the account
+    ``EDGECACHE_BOARD_USER`` names (``nobody`` by default), which cannot enter the secrets folder
+    (root's, 0700) or the state folder (root's, 0700); None when this process is not root (it cannot
+    change user: the boards then run as this user, see docs/operations.md) or the setting is empty."""
+    if os.geteuid() != 0:
+        return None
+    name = environ.get("EDGECACHE_BOARD_USER", DEFAULT_BOARD_USER).strip()
+    if not name:
+        return None
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise CommandError(f"EDGECACHE_BOARD_USER names no account ({name!r}): create it, or name another (empty: boards run as root)") from None
+    if entry.pw_uid == 0:
+        return None
+    return entry.pw_uid, entry.pw_gid
+
+
+def demo_boards_home(environ=os.environ) -> Path:
+    """Where the demo boards keep their keys and state: beside the state folder (``.edgecache-boards``),
+    apart from the control plane's state and secrets."""
+    home = edgecache_home(environ)
+    return home.with_name(f"{home.name}-boards")
+
+
+def board_home(name: str, account: tuple[int, int] | None, environ=os.environ) -> Path:
+    """The demo board ``name``'s own folder (0700, owned by the account it runs as)."""
+    root = demo_boards_home(environ)
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o755)  # the boards' account may pass through to its own folder, and no further
+    folder = root / name
+    folder.mkdir(exist_ok=True, mode=0o700)
+    folder.chmod(0o700)
+    if account is not None:
+        for path in [folder, *folder.rglob("*")]:
+            os.chown(path, *account, follow_symlinks=False)
+    return folder
+
+
+def board_folders(home: Path) -> dict:
+    """A demo board's environment for its own folder: its keys, what it remembers, its flash tier, its HOME."""
+    return {
+        "HOME": str(home),
+        "EDGECACHE_BOARD_KEYS_DIR": str(home / "keys"),
+        "EDGECACHE_BOARD_STATE_DIR": str(home / "state"),
+        "EDGECACHE_FLASH_DIR": str(home / "flash"),
+    }
+
+
+def traversable(folder: Path, account: tuple[int, int]) -> bool:
+    """Whether ``account`` may pass through ``folder`` (its execute bit for that account)."""
+    info = folder.stat()
+    if info.st_uid == account[0]:
+        return bool(info.st_mode & 0o100)
+    if info.st_gid == account[1]:
+        return bool(info.st_mode & 0o010)
+    return bool(info.st_mode & 0o001)
+
+
+def blocked_at(path: Path, account: tuple[int, int]) -> Path | None:
+    """The outermost folder on the way to ``path`` that ``account`` may not pass through (None: none)."""
+    path = Path(os.path.realpath(path))
+    for folder in reversed(path.parents):  # "/" first
+        if not traversable(folder, account):
+            return folder
+    return None
+
+
+def dropped(argv: list[str], account: tuple[int, int] | None, needed: list[Path] = ()) -> list[str]:
+    """``argv`` run as ``account``: root gives up its user, groups and capabilities (``setpriv``)
+    just before it execs the board. When a folder the board must reach (``needed``: the interpreter,
+    the checkout) lies below one the account may not enter (pyenv under /root, 0700), the board gets a
+    mount namespace of its own in which that folder is an empty tmpfs (0755) holding only what it
+    needs, bound in from the real one: nothing else of it (no secret there) is in the board's view."""
+    if account is None:
+        return list(argv)
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise CommandError("as root the demo boards run as EDGECACHE_BOARD_USER through setpriv (util-linux), which is missing: install it")
+    drop = [setpriv, f"--reuid={account[0]}", f"--regid={account[1]}", "--clear-groups", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
+    exposed = sorted({(blocked, Path(os.path.realpath(path))) for path in needed if (blocked := blocked_at(path, account)) is not None})
+    if not exposed:
+        return [*drop, *argv]
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        raise CommandError(f"{exposed[0][1]} lies below {exposed[0][0]}, which EDGECACHE_BOARD_USER may not enter, and unshare (util-linux) is missing")
+    stash = Path(tempfile.mkdtemp(prefix="edgecache-board-"))
+    hidden = [folder for folder in sorted({blocked for blocked, _ in exposed}) if not any(other in folder.parents for other, _ in exposed)]
+    steps = ["set -e"]
+    for number, (_, path) in enumerate(exposed):
+        steps += [f"mkdir {shlex.quote(str(stash / str(number)))}", f"mount --bind {shlex.quote(str(path))} {shlex.quote(str(stash / str(number)))}"]
+    steps += [f"mount -t tmpfs -o mode=0755,size=1m edgecache-board {shlex.quote(str(folder))}" for folder in hidden]
+    for number, (_, path) in enumerate(exposed):
+        steps += [f"mkdir -p {shlex.quote(str(path))}", f"mount --move {shlex.quote(str(stash / str(number)))} {shlex.quote(str(path))}"]
+    steps += [f"rm -rf {shlex.quote(str(stash))}", 'exec "$@"']
+    return [unshare, "--mount", "--propagation", "private", "--", "sh", "-c", "; ".join(steps), "edgecache-board", *drop, *argv]
+
+
+def board_needs() -> list[Path]:
+    """What a demo board must reach: its interpreter and standard library, the virtualenv, the checkout, its own folder."""
+    return [Path(sys.executable).resolve().parent, Path(sys.base_prefix), Path(sys.prefix), Path(settings.BASE_DIR), demo_boards_home()]
 
 
 BOARD_NICE = 10  # demo boards run as processes yield the CPU to the control plane (see board_command)
@@ -142,14 +263,14 @@ class Command(BaseCommand):
                 name = "control" if workers == 1 else f"control{number}"
                 children.append(self._spawn(f"control worker {name}", [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "--queues", Queue.CONTROL.value, "--pool", "threads", "--concurrency", "2", "--hostname", f"{name}@%h", "--loglevel", "warning", "--without-gossip", "--without-mingle"]))
             if not no_boards:
+                account = demo_board_account()
+                if account is None:
+                    self.stdout.write(self.style.WARNING(
+                        "the demo boards run as this user: they could read the control plane's secrets (start `make run` as root, "
+                        "then they run as EDGECACHE_BOARD_USER)"
+                    ))
                 for spec in DEMO_BOARDS:
-                    token = self._demo_token(spec)
-                    label = f"board {spec['name']}" + (f" (compute paced to {spec['compute_profile']})" if spec["compute_profile"] else "")
-                    argv = [sys.executable, "manage.py", "edge", "--name", spec["name"]]
-                    if network is None:
-                        children.append(self._spawn(label, board_command(argv), self._board_env(spec, token)))
-                    else:
-                        children.append(self._spawn_host(network, spec, label, argv, self._board_env(spec, token, network)))
+                    children.append(self._start_board(spec, self._demo_token(spec), network, account))
             if web > 1:
                 self._serve_many(host, port, web, children)
                 return
@@ -187,6 +308,17 @@ class Command(BaseCommand):
             return None
         self.stdout.write(f"boards as hosts: hub {network.hub.address} (bridge {network.hub.bridge}), one network namespace, link and cgroup per board")
         return network
+
+    def _start_board(self, spec: dict, token: str, network, account: tuple[int, int] | None, argv: list[str] | None = None) -> subprocess.Popen:
+        """The demo board ``spec`` as a process (or a host), as ``account`` with a folder of its own
+        (``argv``: another command in its place, for tests)."""
+        label = f"board {spec['name']}" + (f" (compute paced to {spec['compute_profile']})" if spec["compute_profile"] else "")
+        argv = argv or [sys.executable, "manage.py", "edge", "--name", spec["name"]]
+        env = {**self._board_env(spec, token, network), **board_folders(board_home(spec["name"], account))}
+        argv = dropped(argv, account, board_needs())
+        if network is None:
+            return self._spawn(label + (f" as uid {account[0]}" if account else ""), board_command(argv), env)
+        return self._spawn_host(network, spec, label, argv, env)
 
     def _board_env(self, spec: dict, token: str, network=None) -> dict:
         """A demo board's whole environment: this one's without the control plane's own variables
