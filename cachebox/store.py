@@ -414,7 +414,7 @@ class CacheBox:
         """Delete keys; returns how many existed. One round trip (a cluster: one pipeline per node,
         since one DEL may not name keys of two slots). Entries go through the ``ec_del`` function,
         which gives their bytes back to the namespace's budget."""
-        names = list(names)
+        names = [name.decode() if isinstance(name, bytes) else name for name in names]  # as SCAN gives them, or str
         if not names:
             return 0
         entries = [name for name in names if _is_entry(name)]
