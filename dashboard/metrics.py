@@ -173,10 +173,17 @@ class OperationsCollector(RunMetricsCollector):
         now = timezone.now()
         up = GaugeMetricFamily("edgecache_board_up", "1 while the board beats (within EDGECACHE_MISSED_HEARTBEATS of its heartbeats), else 0; revoked boards are left out.", labels=["device", "namespace"])
         seen = GaugeMetricFamily("edgecache_board_last_seen_timestamp_seconds", "When the board's last heartbeat came (Unix time; 0: never).", labels=["device", "namespace"])
+        info = GaugeMetricFamily(
+            "edgecache_board_kernel_class_info",
+            "1 for each board, labelled with the kernel class of its llama.cpp (its heartbeat's; '' before the first): "
+            "boards share cached states exactly only within one class.",
+            labels=["device", "namespace", "kernel_class"],
+        )
         for device in Device.objects.filter(revoked_at__isnull=True).only("name", "namespace_id", "last_seen", "status", "revoked_at"):
             labels = [device.name, device.namespace_id]
             up.add_metric(labels, float(device.online_at(now)))
             seen.add_metric(labels, device.last_seen.timestamp() if device.last_seen else 0.0)
+            info.add_metric([*labels, device.kernel_class], 1.0)
         waiting = GaugeMetricFamily("edgecache_queue_runs", "Runs sent to the board and not answered, lost or revoked yet (queued or running).", labels=["device", "namespace"])
         oldest = GaugeMetricFamily("edgecache_queue_oldest_wait_seconds", "How long the oldest of those runs has waited, in seconds (0: none waits).", labels=["device", "namespace"])
         rows = Dispatch.objects.filter(kind="run", outcome="").order_by().values("device__name", "namespace").annotate(runs=Count("pk"), since=Min("created"))
@@ -184,7 +191,7 @@ class OperationsCollector(RunMetricsCollector):
             labels = [row["device__name"] or "", row["namespace"]]
             waiting.add_metric(labels, float(row["runs"]))
             oldest.add_metric(labels, max((now - row["since"]).total_seconds(), 0.0))
-        families = [up, seen, waiting, oldest]
+        families = [up, seen, info, waiting, oldest]
         try:
             used, limit = cachebox().memory_bytes()
             memory = GaugeMetricFamily("edgecache_cachebox_memory_used_bytes", "Memory the cache box server uses (INFO used_memory; a cluster: its primaries' sum).")

@@ -12,6 +12,7 @@ from django.db import models
 from django.urls import reverse
 from django.utils import timezone
 
+from inference.kernels import CLASS_RE
 from inference.messages import Queue
 from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
 
@@ -123,6 +124,13 @@ class Device(models.Model):
     def online_at(self, now) -> bool:
         """Whether the board counted as online at ``now`` (it beat within ``offline_after``)."""
         return self.revoked_at is None and self.last_seen is not None and now - self.last_seen < offline_after(self.status)
+
+    @property
+    def kernel_class(self) -> str:
+        """The kernels its llama.cpp computes with, as its heartbeat says (``inference.kernels``;
+        '' before its first heartbeat or from a board of an older version)."""
+        value = (self.status or {}).get("kernel_class")
+        return value if isinstance(value, str) and CLASS_RE.match(value) else ""
 
     @property
     def link_label(self) -> str:

@@ -176,6 +176,7 @@ class Breakdown:
     fetch_late: bool = False  # the fetch ran slower than forecast: compute went past the plan (the deadline)
     codec: str = ""  # how the fetched entries' states were stored ("raw", "zstd-shuffle", ...)
     # Where the time went, beyond the paper's columns.
+    kernel_class: str = ""  # the kernels of the board's llama.cpp (inference.kernels): what computed its bits
     compute_profile: str = ""  # a paced (emulated) board class, e.g. "Raspberry Pi Zero 2 W (emulated)"; "" = this machine
     paced_ms: float = 0.0  # time added by the compute profile's pacing (inside prefill_ms and decode_ms)
     strategy: str = ""  # "" = exact prefix/schema serving; a lab strategy names itself (approximate)

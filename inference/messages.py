@@ -388,6 +388,7 @@ class BoardStatus(Message):
     sent: float = 0.0
     model: str = Field("", max_length=200)
     fingerprint: str = Field("", pattern=r"^$|^[0-9a-f]{1,32}$")
+    kernel_class: str = Field("", pattern=r"^$|^[a-z0-9_][a-z0-9_.+-]{0,63}$")  # its llama.cpp's kernels (inference.kernels)
     threads: int = Field(0, ge=0)
     heartbeat_s: float = Field(5.0, gt=0, le=3600)  # how often it beats (the control plane counts missed ones)
     catalogs: dict[str, CatalogStatus] = Field(default_factory=dict, max_length=1000)

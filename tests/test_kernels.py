@@ -1,0 +1,192 @@
+"""Kernel classes: the code that computes a board's bits is part of its model's identity.
+
+The pure part (llama.cpp's system info -> class name, class -> fingerprint) in milliseconds; then the
+real thing: the project's AVX2 build and a second build of the same llama.cpp with AVX-512 kernels
+(``inference.benchmarks.llama_kernels``) answering one prompt through ``manage.py infer`` against one
+cache box.
+"""
+
+import json
+
+import pytest
+
+from cachebox.keys import STATE_FORMAT_VERSION, ModelIdentity, parse_entry_key_name, prefix_keys
+from cachebox.store import CacheBox
+from inference.kernels import CLASS_RE, KernelClass, class_name, name_of, parse_system_info
+from inference.messages import BoardStatus
+
+from .conftest import run_manage
+
+# What llama.cpp 0.3.36 prints (llama_print_system_info) for the project's build, the AVX-512 build
+# of the same sources, and (from ggml's feature list) a Pi Zero 2W's and a Pi 5's native builds.
+AVX2 = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+AVX512 = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+A53 = "CPU : NEON = 1 | ARM_FMA = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+A76 = "CPU : NEON = 1 | ARM_FMA = 1 | FP16_VA = 1 | DOTPROD = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+BUILD = "llama-cpp-python 0.3.36 ggml 0.25.3 (0c1e570-dirty)"
+
+
+def identity(kernels: str) -> ModelIdentity:
+    return ModelIdentity(gguf_sha256="ab" * 32, kv_type="f16", llama_build="llama-cpp-python 0.3.36", kernels=kernels)
+
+
+def test_system_info_parses_into_backends_and_their_features():
+    assert parse_system_info(AVX2) == {"CPU": {f: "1" for f in ("SSE3", "SSSE3", "AVX", "AVX2", "F16C", "FMA", "BMI2", "LLAMAFILE", "OPENMP", "REPACK")}}
+    two = parse_system_info("CPU : NEON = 1 | SVE = 0 | SVE_CNT = 16 | BLAS : ACCELERATE = 1 | ")
+    assert two == {"CPU": {"NEON": "1", "SVE_CNT": "16"}, "BLAS": {"ACCELERATE": "1"}}  # "0": not there
+    assert parse_system_info("") == {} and parse_system_info("garbage without pairs") == {}
+
+
+@pytest.mark.parametrize(
+    "machine, info, name",
+    [
+        ("x86_64", AVX2, "x86_64-avx2"),
+        ("x86_64", AVX512, "x86_64-avx512"),
+        ("AMD64", AVX512.replace("AVX512 = 1", "AVX512 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1"), "x86_64-avx512-vnni-bf16"),
+        ("x86_64", "CPU : SSE3 = 1 | SSSE3 = 1 | ", "x86_64-ssse3"),
+        ("x86_64", "CPU : OPENMP = 1 | ", "x86_64-generic"),
+        ("aarch64", A53, "aarch64-armv8.0"),
+        ("aarch64", A76, "aarch64-armv8.2-dotprod-fp16"),
+        ("arm64", A76.replace("DOTPROD = 1", "DOTPROD = 1 | MATMUL_INT8 = 1 | SVE = 1"), "aarch64-armv8.6-dotprod-fp16-i8mm-sve"),
+        ("riscv64", "CPU : RISCV_V = 1 | RVV_VLEN = 32 | OPENMP = 1 | ", "riscv64-generic-riscv_v-rvv_vlen"),
+    ],
+)
+def test_the_class_name_says_the_machine_and_the_kernels_it_was_compiled_for(machine, info, name):
+    kernels = KernelClass.from_report(machine, info, BUILD)
+    assert kernels.name == name and CLASS_RE.match(name)
+    assert class_name(machine, parse_system_info(info)["CPU"]) == name
+    assert name_of(kernels.identity) == name and kernels.identity.endswith(":" + kernels.digest())
+
+
+def test_the_digest_covers_every_feature_and_the_build_and_is_stable():
+    avx2 = KernelClass.from_report("x86_64", AVX2, BUILD)
+    assert avx2.digest() == KernelClass.from_report("x86_64", AVX2, "  " + BUILD).digest() and len(avx2.digest()) == 16
+    others = [
+        KernelClass.from_report("x86_64", AVX512, BUILD),
+        KernelClass.from_report("x86_64", AVX2.replace("LLAMAFILE = 1 | ", ""), BUILD),  # same name, another kernel path
+        KernelClass.from_report("x86_64", AVX2, BUILD.replace("0.3.36", "0.3.37")),  # another llama.cpp
+        KernelClass.from_report("i686", AVX2, BUILD),
+    ]
+    assert others[1].name == avx2.name == "x86_64-avx2"
+    assert len({avx2.digest(), *(other.digest() for other in others)}) == 5
+
+
+def test_boards_of_different_kernel_classes_have_different_fingerprints_and_keys():
+    avx2, avx512 = (KernelClass.from_report("x86_64", info, BUILD) for info in (AVX2, AVX512))
+    a53, a76 = (KernelClass.from_report("aarch64", info, BUILD) for info in (A53, A76))
+    fingerprints = {identity(k.identity).fingerprint() for k in (avx2, avx512, a53, a76)}
+    assert len(fingerprints) == 4
+    assert identity(avx2.identity).fingerprint() == identity(KernelClass.from_report("x86_64", AVX2, BUILD).identity).fingerprint()
+    tokens = list(range(1, 300))
+    keys = {fp: prefix_keys("ns", fp, tokens, [128, 256, 299], grid=128) for fp in fingerprints}
+    assert len({key for found in keys.values() for key in found}) == 12  # no key in common: a miss, never an exact hit
+
+
+def test_the_state_format_was_bumped_so_entries_stored_before_kernel_classes_stop_matching():
+    # Entries stored by version 4 came from a board of any class: no fingerprint of today reaches them.
+    assert STATE_FORMAT_VERSION == 5
+    old = ModelIdentity("ab" * 32, "f16", "llama-cpp-python 0.3.36", state_format=4)
+    now = identity(KernelClass.from_report("x86_64", AVX2, BUILD).identity)
+    assert old.fingerprint() != now.fingerprint() != ModelIdentity("ab" * 32, "f16", "llama-cpp-python 0.3.36").fingerprint()
+
+
+def test_a_heartbeat_carries_a_small_validated_kernel_class():
+    assert BoardStatus(kernel_class="aarch64-armv8.2-dotprod-fp16").kernel_class == "aarch64-armv8.2-dotprod-fp16"
+    for bad in ("X86_64 AVX2", "a" * 65, "x86;drop", "-avx"):
+        with pytest.raises(ValueError):
+            BoardStatus(kernel_class=bad)
+
+
+@pytest.mark.model
+def test_the_loaded_llama_cpp_names_its_kernel_class_in_the_engines_identity(engine):
+    from inference.bindings import kernel_class
+
+    kernels = kernel_class()
+    assert engine.kernels == kernels and engine.identity.kernels == kernels.identity
+    assert kernels.machine == "x86_64" and kernels.name.startswith("x86_64-")
+    assert ("CPU", "AVX2", "1") in kernels.features  # the project's build (-DGGML_NATIVE=OFF: AVX2, no AVX-512)
+    assert "ggml 0." in kernels.build and "llama-cpp-python" in kernels.build
+    assert engine.fingerprint == engine.identity.fingerprint()
+
+
+# -- two builds of the same llama.cpp, one cache box ------------------------------------------------
+
+PROMPT = " ".join(
+    f"Note {index}: the lighthouse keeper logged the tide, the wind from the {side} and {index * 3} ships passing the cape."
+    for index, side in enumerate(["north", "east", "south", "west"] * 3)
+) + " Summarize the log in one sentence:"
+
+
+def _infer(prompt_file, store_url: str, namespace: str, libs=None):
+    env = {"REDIS_URL": store_url, "EDGECACHE_N_CTX": "2048"}
+    if libs is not None:
+        env["LLAMA_CPP_LIB_PATH"] = str(libs)
+    done = run_manage("infer", "--prompt-file", str(prompt_file), "--namespace", namespace, "--max-tokens", "4", "--json", env=env, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.processes
+@pytest.mark.model
+@pytest.mark.cachebox
+@pytest.mark.kernels
+@pytest.mark.timeout(1800)  # the first run on a machine waits for the AVX-512 build (minutes on 2 cores)
+def test_a_board_of_another_kernel_class_never_takes_a_state_as_exact(tmp_path, valkey_url, namespace, avx512_libs):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT, encoding="utf-8")
+    store = CacheBox(valkey_url)
+
+    stored = _infer(prompt, valkey_url, namespace)  # the project's build (AVX2) computes and stores it
+    assert stored["case"] == "miss" and stored["kernel_class"] == "x86_64-avx2" and stored["prompt_tokens"] > 256
+    avx2_models = {parse_entry_key_name(name)[1] for name in store.scan_entries(namespace)}
+    assert len(avx2_models) == 1
+
+    other = _infer(prompt, valkey_url, namespace, libs=avx512_libs)  # the same llama.cpp, AVX-512 kernels
+    assert other["kernel_class"] == "x86_64-avx512"
+    assert other["case"] == "miss" and other["matched_tokens"] == 0 and other["fetched_tokens"] == 0, other
+    models = {parse_entry_key_name(name)[1] for name in store.scan_entries(namespace)}
+    assert len(models) == 2 and avx2_models < models  # it stored its own, under a fingerprint of its own
+
+    again = _infer(prompt, valkey_url, namespace)  # the AVX2 build still hits its own entry, exactly
+    assert again["kernel_class"] == "x86_64-avx2"
+    assert again["case"] == "full" and again["matched_tokens"] == again["prompt_tokens"] == stored["prompt_tokens"]
+    assert again["text"] == stored["text"]
+    back = _infer(prompt, valkey_url, namespace, libs=avx512_libs)  # and the AVX-512 build its own
+    assert back["case"] == "full" and back["text"] == other["text"]
+
+
+# -- what the control plane shows of a board's class -------------------------------------------------
+from dashboard import actions  # noqa: E402
+
+from .test_dashboard import control_plane, enrolled, heartbeat, register, staff_client  # noqa: E402,F401  (fixtures)
+
+
+@pytest.mark.django_db
+@pytest.mark.cachebox
+def test_the_device_page_and_metrics_show_each_boards_kernel_class(control_plane, staff_client, settings):
+    from django.urls import reverse
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dashboard import metrics
+    from dashboard.models import Device
+
+    settings.EDGECACHE_METRICS_CACHE_SECONDS = 0
+    settings.EDGECACHE_BOARD_ACL = False
+    zero, token = register("zero")
+    actions.record_heartbeat(heartbeat(enrolled(zero, token), {"fingerprint": "0123456789abcdef", "kernel_class": "aarch64-armv8.0"}))
+    pi5, token = register("pi5")
+    actions.record_heartbeat(heartbeat(enrolled(pi5, token), {"kernel_class": "aarch64-armv8.2-dotprod-fp16"}, device="pi5"))
+    register("ghost")  # never beat
+    assert Device.objects.get(name="zero").kernel_class == "aarch64-armv8.0"
+
+    page = staff_client.get(reverse("device-detail", args=["zero"])).content.decode()
+    assert '<code data-role="kernel-class">aarch64-armv8.0</code>' in page and "0123456789abcdef" in page
+    assert "not reported yet" in staff_client.get(reverse("device-detail", args=["ghost"])).content.decode()
+
+    found = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()):
+        for sample in family.samples:
+            if sample.name == "edgecache_board_kernel_class_info":
+                found[sample.labels["device"]] = (sample.labels["kernel_class"], sample.value)
+    assert found == {"zero": ("aarch64-armv8.0", 1.0), "pi5": ("aarch64-armv8.2-dotprod-fp16", 1.0), "ghost": ("", 1.0)}
