@@ -16,8 +16,11 @@ import time
 
 from django.conf import settings
 from django.db.models import Count, Q, Sum
+from django.db.models.fields.json import KeyTextTransform
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from inference.breakdown import CROSS_CLASS
 
 from .models import Device, Dispatch, InferenceRun
 
@@ -103,7 +106,21 @@ class RunMetricsCollector:
             )
         )
         per_device = {row["device_id"]: row for row in sql}
-        return self._build({names.get(pk, (str(pk), "")): per_device.get(pk, {}) for pk in set(names) | set(per_device)})
+        # Runs that restored a state another kernel class computed (approximate), by the class it came from.
+        approximate = (
+            InferenceRun.objects.filter(breakdown__approximate=CROSS_CLASS).order_by()
+            .values("device_id", source_class=KeyTextTransform("approximate_from", "breakdown")).annotate(runs=Count("pk"))
+        )
+        families = self._build({names.get(pk, (str(pk), "")): per_device.get(pk, {}) for pk in set(names) | set(per_device)})
+        cross = CounterMetricFamily(
+            "edgecache_approximate_runs",
+            "Runs answered from a state another kernel class computed (the namespace shares across kernel classes): approximate, "
+            "not the board's cold answer; labelled approximate=\"cross-class\" and the class the state came from.",
+            labels=["device", "namespace", "approximate", "source_class"],
+        )
+        for row in approximate:
+            cross.add_metric([*names.get(row["device_id"], (str(row["device_id"]), "")), CROSS_CLASS, row["source_class"] or ""], float(row["runs"]))
+        return families + [cross]
 
     @staticmethod
     def _build(sql: dict[tuple[str, str], dict]) -> list:

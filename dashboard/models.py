@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from inference.kernels import CLASS_RE
 from inference.messages import Queue
+from inference.breakdown import approximate_label
 from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
 
 ONLINE_WITHIN = timedelta(seconds=30)  # a board that never said how often it beats
@@ -43,6 +44,13 @@ class Namespace(models.Model):
         default=True,
         help_text="off for sensitive prompts: each board then caches for itself only, so no board can "
         "learn from a fast answer that another one saw the same prompt (timing side channel)",
+    )
+    share_across_kernel_classes = models.BooleanField(
+        "share across kernel classes (approximate)",
+        default=False,
+        help_text="on: a board whose own entries miss may restore a state another kernel class of the same model computed "
+        "(another CPU's llama.cpp build: other bits). Faster, but not the board's cold answer: every such run is labelled "
+        "approximate (cross-class) wherever runs are shown. Off: boards share states only within their class (exact)",
     )
     key_generation = models.PositiveIntegerField(default=1, editable=False)
     key_rotated_at = models.DateTimeField(null=True, blank=True, editable=False)
@@ -244,6 +252,11 @@ class InferenceRun(models.Model):
     def served_from(self) -> str:
         """Where its prompt came from, in the words of every page ("468/468 prompt tokens from the board's own context")."""
         return served_from(self.breakdown) if not self.error else ""
+
+    @property
+    def approximate_label(self) -> str:
+        """"approximate: cross-class from x86_64-avx512" for a run that restored another kernel class's state; ''."""
+        return approximate_label(self.breakdown) if not self.error else ""
 
     @property
     def source_label(self) -> str:

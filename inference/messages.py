@@ -17,6 +17,7 @@ token's key); on a streamed run's pub/sub channel: ``StreamEvent`` (sealed, sign
 from __future__ import annotations
 
 import json
+import re
 from enum import StrEnum
 from typing import Any, Literal, Self
 
@@ -163,8 +164,19 @@ class RunRequest(Message):
     # "" (exact serving) or a lab strategy (approximate; never uses the cache box), as
     # ``inference.strategies.parse_strategy`` reads it: "kv-prediction:K", "anchors", ...
     strategy: str = Field("", max_length=64)
+    # The namespace shares states across kernel classes (off by default, approximate): {fingerprint: kernel class} of
+    # the same model computed by other kernels, whose entries the board may restore where its own miss.
+    approximate_from: dict[str, str] = Field(default_factory=dict, max_length=8)
 
     model_config = ConfigDict(populate_by_name=True)
+
+    @field_validator("approximate_from")
+    @classmethod
+    def _other_classes(cls, value: dict[str, str]) -> dict[str, str]:
+        for fingerprint, kernel_class in value.items():
+            if not re.fullmatch(r"[0-9a-f]{1,32}", fingerprint) or not re.fullmatch(r"[a-z0-9_][a-z0-9_.+-]{0,63}", kernel_class):
+                raise ValueError("approximate_from maps model fingerprints (hex) to kernel classes such as 'x86_64-avx2'")
+        return value
 
     @field_validator("strategy")
     @classmethod

@@ -117,11 +117,11 @@ PROMPT = " ".join(
 ) + " Summarize the log in one sentence:"
 
 
-def _infer(prompt_file, store_url: str, namespace: str, libs=None):
+def _infer(prompt_file, store_url: str, namespace: str, libs=None, *options: str):
     env = {"REDIS_URL": store_url, "EDGECACHE_N_CTX": "2048"}
     if libs is not None:
         env["LLAMA_CPP_LIB_PATH"] = str(libs)
-    done = run_manage("infer", "--prompt-file", str(prompt_file), "--namespace", namespace, "--max-tokens", "4", "--json", env=env, timeout=300)
+    done = run_manage("infer", "--prompt-file", str(prompt_file), "--namespace", namespace, "--max-tokens", "4", "--json", *options, env=env, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     return json.loads(done.stdout)
 
@@ -158,7 +158,7 @@ def test_a_board_of_another_kernel_class_never_takes_a_state_as_exact(tmp_path, 
 # -- what the control plane shows of a board's class -------------------------------------------------
 from dashboard import actions  # noqa: E402
 
-from .test_dashboard import control_plane, enrolled, heartbeat, register, staff_client  # noqa: E402,F401  (fixtures)
+from .test_dashboard import control_plane, enrolled, heartbeat, register, sent_tasks, staff_client  # noqa: E402,F401  (fixtures)
 
 
 @pytest.mark.django_db
@@ -190,3 +190,102 @@ def test_the_device_page_and_metrics_show_each_boards_kernel_class(control_plane
             if sample.name == "edgecache_board_kernel_class_info":
                 found[sample.labels["device"]] = (sample.labels["kernel_class"], sample.value)
     assert found == {"zero": ("aarch64-armv8.0", 1.0), "pi5": ("aarch64-armv8.2-dotprod-fp16", 1.0), "ghost": ("", 1.0)}
+
+
+# -- approximate sharing across kernel classes: a namespace's choice, off by default ----------------
+AVX2_FP, AVX512_FP, OTHER_KV_FP = "1111111111111111", "2222222222222222", "3333333333333333"
+
+
+def _board(name, fingerprint, kernel_class, kv_type="f16"):
+    device, token = register(name)
+    keys = enrolled(device, token)
+    status = {"model": "gemma-3-270m-q4_k_m.gguf", "fingerprint": fingerprint, "kernel_class": kernel_class, "kv_type": kv_type}
+    assert actions.record_heartbeat(heartbeat(keys, status, device=name)) is not None
+    device.refresh_from_db()
+    return device, keys
+
+
+@pytest.mark.django_db
+@pytest.mark.cachebox
+def test_runs_learn_the_other_classes_only_where_the_namespace_shares_across_them(control_plane, sent_tasks):
+    from dashboard.models import Namespace
+
+    avx2, _ = _board("avx2", AVX2_FP, "x86_64-avx2")
+    _board("avx2-twin", AVX2_FP, "x86_64-avx2")  # its own class: exact already
+    _board("avx512", AVX512_FP, "x86_64-avx512")
+    _board("q8", OTHER_KV_FP, "x86_64-avx512", kv_type="q8_0")  # another KV type: its states cannot be loaded at all
+    assert Namespace.objects.get(name="default").share_across_kernel_classes is False  # off by default
+
+    actions.dispatch_run(None, [avx2], actions.run_request(segments=["Exact only?"], max_tokens=2))
+    assert sent_tasks[-1]["args"][0]["approximate_from"] == {}
+    Namespace.objects.filter(name="default").update(share_across_kernel_classes=True)
+    avx2.refresh_from_db()
+    actions.dispatch_run(None, [avx2], actions.run_request(segments=["And now?"], max_tokens=2))
+    assert sent_tasks[-1]["args"][0]["approximate_from"] == {AVX512_FP: "x86_64-avx512"}
+    actions.dispatch_run(None, [avx2], actions.run_request(segments=["A lab run?"], max_tokens=2, strategy="anchors"))
+    assert sent_tasks[-1]["args"][0]["approximate_from"] == {}  # lab strategies never read the cache box
+
+
+@pytest.mark.django_db
+@pytest.mark.cachebox
+def test_a_run_that_used_another_classes_state_says_so_on_its_page_export_and_metrics(control_plane, staff_client, settings):
+    from django.urls import reverse
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dashboard import metrics
+
+    from .test_dashboard import result_payload
+
+    settings.EDGECACHE_METRICS_CACHE_SECONDS = 0
+    device, keys = _board("avx2", AVX2_FP, "x86_64-avx2")
+    approximate = {"case": "full", "ttft_ms": 20.0, "prompt_tokens": 300, "matched_tokens": 300, "fetched_tokens": 300, "tier": "cachebox",
+                   "kernel_class": "x86_64-avx2", "approximate": "cross-class", "approximate_from": "x86_64-avx512"}
+    run = actions.record_run(result_payload(device, keys, breakdown=approximate, uploaded=[]))
+    exact = actions.record_run(result_payload(device, keys, uploaded=[]))
+    assert run is not None and exact is not None
+    assert run.served_from == "300/300 prompt tokens from the cache box (approximate: cross-class from x86_64-avx512)"
+    assert run.source_label == "cache box (approximate)" and exact.approximate_label == "" and "approximate" not in exact.served_from
+
+    page = staff_client.get(reverse("run-detail", args=[run.pk])).content.decode()
+    assert 'id="run-approximate"' in page and "approximate: cross-class from x86_64-avx512" in page
+    assert 'id="run-approximate"' not in staff_client.get(reverse("run-detail", args=[exact.pk])).content.decode()
+    by_id = {row["id"]: row for row in staff_client.get(reverse("runs-export-json")).json()["runs"]}
+    assert (by_id[run.pk]["approximate"], by_id[run.pk]["approximate_from"], by_id[run.pk]["kernel_class"]) == ("cross-class", "x86_64-avx512", "x86_64-avx2")
+    assert by_id[exact.pk]["approximate"] == ""
+    csv_text = b"".join(staff_client.get(reverse("runs-export-csv")).streaming_content).decode()
+    assert "approximate,approximate_from" in csv_text.splitlines()[0] and ",cross-class,x86_64-avx512," in csv_text
+
+    samples = [s for family in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()) for s in family.samples if s.name == "edgecache_approximate_runs_total"]
+    from dashboard.api.views import EXTENSION_FIELDS
+
+    assert {"kernel_class", "approximate", "approximate_from"} <= set(EXTENSION_FIELDS)  # the API's "edgecache" object
+    assert [(s.labels, s.value) for s in samples] == [
+        ({"device": "avx2", "namespace": "default", "approximate": "cross-class", "source_class": "x86_64-avx512"}, 1.0)
+    ]
+
+
+@pytest.mark.processes
+@pytest.mark.model
+@pytest.mark.cachebox
+@pytest.mark.kernels
+@pytest.mark.timeout(1800)
+def test_with_cross_class_sharing_a_board_restores_another_classes_state_and_says_it_is_approximate(tmp_path, valkey_url, namespace, avx512_libs):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT, encoding="utf-8")
+    store = CacheBox(valkey_url)
+    stored = _infer(prompt, valkey_url, namespace, avx512_libs)  # the AVX-512 build computes and stores it
+    assert stored["case"] == "miss" and stored["kernel_class"] == "x86_64-avx512" and stored["approximate"] == ""
+    other = f"{stored['fingerprint']}=x86_64-avx512"
+
+    shared = _infer(prompt, valkey_url, namespace, None, "--approximate-from", other)  # the AVX2 build, sharing across classes
+    assert shared["kernel_class"] == "x86_64-avx2" and shared["fingerprint"] != stored["fingerprint"]
+    assert shared["case"] == "full" and shared["matched_tokens"] == shared["prompt_tokens"] == stored["prompt_tokens"]
+    assert (shared["approximate"], shared["approximate_from"]) == ("cross-class", "x86_64-avx512")
+    assert shared["uploaded_bytes"] == 0  # nothing computed on another class's state is stored as this class's
+    assert {parse_entry_key_name(name)[1] for name in store.scan_entries(namespace)} == {stored["fingerprint"]}
+
+    exact = _infer(prompt, valkey_url, namespace)  # without the option: exact only, a miss
+    assert exact["case"] == "miss" and exact["approximate"] == "" and exact["uploaded_bytes"] > 0
+    again = _infer(prompt, valkey_url, namespace, None, "--approximate-from", other)  # its own entry now: exact, not approximate
+    assert again["case"] == "full" and again["approximate"] == "" and again["text"] == exact["text"]

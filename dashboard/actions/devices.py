@@ -103,7 +103,10 @@ def save_namespace(user, namespace: Namespace) -> None:
     created = namespace.pk is None or not Namespace.objects.filter(pk=namespace.pk).exists()
     with transaction.atomic():
         namespace.save()
-        audit(user, AuditAction.NAMESPACE_CREATE if created else AuditAction.NAMESPACE_UPDATE, namespace.name, f"share_across_devices={namespace.share_across_devices}")
+        audit(
+            user, AuditAction.NAMESPACE_CREATE if created else AuditAction.NAMESPACE_UPDATE, namespace.name,
+            f"share_across_devices={namespace.share_across_devices} share_across_kernel_classes={namespace.share_across_kernel_classes}",
+        )
     _changed(namespace.devices.all())
 
 
