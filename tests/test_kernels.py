@@ -289,3 +289,31 @@ def test_with_cross_class_sharing_a_board_restores_another_classes_state_and_say
     assert exact["case"] == "miss" and exact["approximate"] == "" and exact["uploaded_bytes"] > 0
     again = _infer(prompt, valkey_url, namespace, None, "--approximate-from", other)  # its own entry now: exact, not approximate
     assert again["case"] == "full" and again["approximate"] == "" and again["text"] == exact["text"]
+
+
+# -- bench kernels: the comparisons (pure) ---------------------------------------------------------
+def test_bench_kernels_compares_a_served_run_with_the_classes_own_cold_run():
+    import numpy as np
+
+    from inference.benchmarks.kernels import compare, kl_divergence, lines, summarize
+
+    cold_logits = np.array([2.0, 1.0, 0.0, -1.0], dtype=np.float32)
+    assert kl_divergence(cold_logits, cold_logits) == 0.0 and kl_divergence(cold_logits, cold_logits + 5.0) < 1e-12  # a shift changes nothing
+    near = cold_logits + np.array([0.0, 0.3, 0.0, 0.0], dtype=np.float32)
+    flipped = np.array([1.0, 2.5, 0.0, -1.0], dtype=np.float32)
+    cold = {"tokens": [0, 5, 6], "verdict": "A"}
+    same = compare(cold, {"tokens": [0, 5, 6], "verdict": "A"}, cold_logits, cold_logits)
+    assert same == {"first_token": True, "greedy": True, "verdict": True, "max_abs_logit_diff": 0.0, "kl": 0.0, "bitwise": True}
+    close = compare(cold, {"tokens": [0, 5, 7], "verdict": "A"}, cold_logits, near)
+    assert (close["first_token"], close["greedy"], close["verdict"], close["bitwise"]) == (True, False, True, False)
+    assert close["max_abs_logit_diff"] == pytest.approx(0.3) and close["kl"] > 0
+    other = compare(cold, {}, cold_logits, flipped)  # a full hit: logits only
+    assert other["first_token"] is False and other["greedy"] is None and other["verdict"] is None
+    summary = summarize([same, close, other])
+    assert summary["prompts"] == 3 and summary["first_token_agreement"] == pytest.approx(0.6667)
+    assert summary["greedy_agreement"] == 0.5 and summary["mmlu_verdict_agreement"] == 1.0 and summary["bitwise_logits"] == pytest.approx(0.3333)
+    assert summary["max_abs_logit_diff"] == pytest.approx(1.5)
+    doc = {"prompts": 3, "topics": ["astronomy"], "shots": 5, "grid": 128, "classes": [{"name": "x86_64-avx2"}],
+           "resume": [{"from": "x86_64-avx512", "to": "x86_64-avx2", **summary}], "full_hit": [{"from": "x86_64-avx512", "to": "x86_64-avx2", **summary}]}
+    printed = "\n".join(lines(doc))
+    assert "x86_64-avx512      x86_64-avx2        resume" in printed and "full hit" in printed
