@@ -24,7 +24,10 @@ from .errors import InvalidNamespace
 
 # Bump when the layout of stored state bytes or entry headers changes: old entries
 # then simply stop matching instead of being restored into an incompatible context.
-STATE_FORMAT_VERSION = 4  # 2: signed entries (ECE2); 3: prefills cut on a fixed grid (bit-exact reuse); 4: sealed states (ECE3)
+# 2: signed entries (ECE2); 3: prefills cut on a fixed grid (bit-exact reuse); 4: sealed states (ECE3);
+# 5: the kernels that computed a state are part of its model's identity (``ModelIdentity.kernels``): entries
+# stored before could have come from any build, so they stop matching.
+STATE_FORMAT_VERSION = 5
 
 KEY_BYTES = 16
 DEFAULT_NAMESPACE = "default"
@@ -41,20 +44,28 @@ class ModelIdentity:
     Not the context size: a range's state bytes and the logits after restoring it are the same
     bits at n_ctx 1024, 2048 and 4096 (measured), so a board sized to a small memory shares
     entries with the rest of the fleet; a prompt that does not fit its context is refused
-    before any lookup."""
+    before any lookup.
+
+    The kernels are: two builds of one llama.cpp (AVX2 and AVX-512, a Cortex-A53 and a Cortex-A76)
+    compute other bits, so ``kernels`` names the code that computed them
+    (``inference.kernels.KernelClass.identity``: class name and digest of the loaded library's
+    features and build) and boards of different kernel classes never share a fingerprint."""
 
     gguf_sha256: str
     kv_type: str
     llama_build: str
     state_format: int = STATE_FORMAT_VERSION
     repacked: bool = False  # llama.cpp's repacked weights compute other bits: such boards share among themselves
+    kernels: str = ""  # the kernel class of the loaded llama.cpp ("x86_64-avx2:<digest>"); every board names one
 
     def fingerprint(self) -> str:
-        """16 hex characters naming this model configuration in every key (a configuration without
-        repacked weights keeps the fingerprint it had before the field existed)."""
+        """16 hex characters naming this model configuration in every key (a field left at its
+        default, ``repacked`` False or ``kernels`` empty, is left out of the digest)."""
         fields = asdict(self)
         if not fields["repacked"]:
             del fields["repacked"]
+        if not fields["kernels"]:
+            del fields["kernels"]
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest()
 

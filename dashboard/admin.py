@@ -41,7 +41,9 @@ def confirmation(modeladmin, request, queryset, *, title: str, verb: str, explan
 class NamespaceAdmin(admin.ModelAdmin):
     """Tenants: whether their boards share entries, and their signing keys (rotate: staff, confirmed, logged)."""
 
-    list_display = ("name", "share_across_devices", "members_manage_api_keys", "key_generation", "key_rotated_at", "device_count", "created")
+    list_display = (
+        "name", "share_across_devices", "share_across_kernel_classes", "members_manage_api_keys", "key_generation", "key_rotated_at", "device_count", "created",
+    )
     readonly_fields = ("key_generation", "key_rotated_at", "created")
     actions = ["rotate_key"]
 

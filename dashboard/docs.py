@@ -46,6 +46,11 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_MODEL": ("Gemma-3 270M Q4_K_M from PyPI", "any GGUF file"),
     "EDGECACHE_N_CTX": (None, "context size (tokens)"),
     "EDGECACHE_PEERS_DIR": ("~/.cache/edgecache/peers", "where `bench vs-server` keeps the llama-server it builds (once per machine; never a product dependency)"),
+    "EDGECACHE_KERNELS_DIR": (
+        "~/.cache/edgecache/kernels",
+        "where `bench kernels` and the kernel-class tests keep the second build of llama.cpp (AVX-512 kernels) they load with "
+        "`LLAMA_CPP_LIB_PATH` (once per machine; never a product dependency)",
+    ),
     "EDGECACHE_THREADS": (None, "llama.cpp threads (0: all cores)"),
     "EDGECACHE_KV_TYPE": (
         None,

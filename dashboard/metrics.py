@@ -16,8 +16,11 @@ import time
 
 from django.conf import settings
 from django.db.models import Count, Q, Sum
+from django.db.models.fields.json import KeyTextTransform
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from inference.breakdown import CROSS_CLASS
 
 from .models import Device, Dispatch, InferenceRun
 
@@ -103,7 +106,21 @@ class RunMetricsCollector:
             )
         )
         per_device = {row["device_id"]: row for row in sql}
-        return self._build({names.get(pk, (str(pk), "")): per_device.get(pk, {}) for pk in set(names) | set(per_device)})
+        # Runs that restored a state another kernel class computed (approximate), by the class it came from.
+        approximate = (
+            InferenceRun.objects.filter(breakdown__approximate=CROSS_CLASS).order_by()
+            .values("device_id", source_class=KeyTextTransform("approximate_from", "breakdown")).annotate(runs=Count("pk"))
+        )
+        families = self._build({names.get(pk, (str(pk), "")): per_device.get(pk, {}) for pk in set(names) | set(per_device)})
+        cross = CounterMetricFamily(
+            "edgecache_approximate_runs",
+            "Runs answered from a state another kernel class computed (the namespace shares across kernel classes): approximate, "
+            "not the board's cold answer; labelled approximate=\"cross-class\" and the class the state came from.",
+            labels=["device", "namespace", "approximate", "source_class"],
+        )
+        for row in approximate:
+            cross.add_metric([*names.get(row["device_id"], (str(row["device_id"]), "")), CROSS_CLASS, row["source_class"] or ""], float(row["runs"]))
+        return families + [cross]
 
     @staticmethod
     def _build(sql: dict[tuple[str, str], dict]) -> list:
@@ -173,10 +190,17 @@ class OperationsCollector(RunMetricsCollector):
         now = timezone.now()
         up = GaugeMetricFamily("edgecache_board_up", "1 while the board beats (within EDGECACHE_MISSED_HEARTBEATS of its heartbeats), else 0; revoked boards are left out.", labels=["device", "namespace"])
         seen = GaugeMetricFamily("edgecache_board_last_seen_timestamp_seconds", "When the board's last heartbeat came (Unix time; 0: never).", labels=["device", "namespace"])
+        info = GaugeMetricFamily(
+            "edgecache_board_kernel_class_info",
+            "1 for each board, labelled with the kernel class of its llama.cpp (its heartbeat's; '' before the first): "
+            "boards share cached states exactly only within one class.",
+            labels=["device", "namespace", "kernel_class"],
+        )
         for device in Device.objects.filter(revoked_at__isnull=True).only("name", "namespace_id", "last_seen", "status", "revoked_at"):
             labels = [device.name, device.namespace_id]
             up.add_metric(labels, float(device.online_at(now)))
             seen.add_metric(labels, device.last_seen.timestamp() if device.last_seen else 0.0)
+            info.add_metric([*labels, device.kernel_class], 1.0)
         waiting = GaugeMetricFamily("edgecache_queue_runs", "Runs sent to the board and not answered, lost or revoked yet (queued or running).", labels=["device", "namespace"])
         oldest = GaugeMetricFamily("edgecache_queue_oldest_wait_seconds", "How long the oldest of those runs has waited, in seconds (0: none waits).", labels=["device", "namespace"])
         rows = Dispatch.objects.filter(kind="run", outcome="").order_by().values("device__name", "namespace").annotate(runs=Count("pk"), since=Min("created"))
@@ -184,7 +208,7 @@ class OperationsCollector(RunMetricsCollector):
             labels = [row["device__name"] or "", row["namespace"]]
             waiting.add_metric(labels, float(row["runs"]))
             oldest.add_metric(labels, max((now - row["since"]).total_seconds(), 0.0))
-        families = [up, seen, waiting, oldest]
+        families = [up, seen, info, waiting, oldest]
         try:
             used, limit = cachebox().memory_bytes()
             memory = GaugeMetricFamily("edgecache_cachebox_memory_used_bytes", "Memory the cache box server uses (INFO used_memory; a cluster: its primaries' sum).")

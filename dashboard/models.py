@@ -13,7 +13,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from cachebox.at_rest import SealedJSONField, SealedTextField
+from inference.kernels import CLASS_RE
 from inference.messages import Queue
+from inference.breakdown import approximate_label
 from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
 
 ONLINE_WITHIN = timedelta(seconds=30)  # a board that never said how often it beats
@@ -43,6 +45,13 @@ class Namespace(models.Model):
         default=True,
         help_text="off for sensitive prompts: each board then caches for itself only, so no board can "
         "learn from a fast answer that another one saw the same prompt (timing side channel)",
+    )
+    share_across_kernel_classes = models.BooleanField(
+        "share across kernel classes (approximate)",
+        default=False,
+        help_text="on: a board whose own entries miss may restore a state another kernel class of the same model computed "
+        "(another CPU's llama.cpp build: other bits). Faster, but not the board's cold answer: every such run is labelled "
+        "approximate (cross-class) wherever runs are shown. Off: boards share states only within their class (exact)",
     )
     members_manage_api_keys = models.BooleanField(
         "members manage API keys", default=False,
@@ -128,6 +137,13 @@ class Device(models.Model):
     def online_at(self, now) -> bool:
         """Whether the board counted as online at ``now`` (it beat within ``offline_after``)."""
         return self.revoked_at is None and self.last_seen is not None and now - self.last_seen < offline_after(self.status)
+
+    @property
+    def kernel_class(self) -> str:
+        """The kernels its llama.cpp computes with, as its heartbeat says (``inference.kernels``;
+        '' before its first heartbeat or from a board of an older version)."""
+        value = (self.status or {}).get("kernel_class")
+        return value if isinstance(value, str) and CLASS_RE.match(value) else ""
 
     @property
     def link_label(self) -> str:
@@ -241,6 +257,11 @@ class InferenceRun(models.Model):
     def served_from(self) -> str:
         """Where its prompt came from, in the words of every page ("468/468 prompt tokens from the board's own context")."""
         return served_from(self.breakdown) if not self.error else ""
+
+    @property
+    def approximate_label(self) -> str:
+        """"approximate: cross-class from x86_64-avx512" for a run that restored another kernel class's state; ''."""
+        return approximate_label(self.breakdown) if not self.error else ""
 
     @property
     def source_label(self) -> str:

@@ -79,6 +79,45 @@ def system_info() -> str:
     return info.decode(errors="replace") if isinstance(info, bytes) else str(info)
 
 
+def _ggml_string(name: str) -> str:
+    """A string function of ggml's (``ggml_version``, ``ggml_commit``) from the loaded library ('' if absent)."""
+    import ctypes
+
+    library = getattr(importlib.import_module("llama_cpp.llama_cpp"), "_lib", None)  # libllama; dlsym sees its libggml too
+    try:
+        function = getattr(library, name)
+    except AttributeError:
+        return ""
+    function.argtypes, function.restype = [], ctypes.c_char_p
+    value = function()
+    return value.decode(errors="replace") if value else ""
+
+
+def library_path() -> str:
+    """The file of the libllama this process loaded (``LLAMA_CPP_LIB_PATH`` or the wheel's)."""
+    library = getattr(importlib.import_module("llama_cpp.llama_cpp"), "_lib", None)
+    return str(getattr(library, "_name", "") or "")
+
+
+def kernel_report() -> tuple[str, str, str]:
+    """(machine, llama.cpp's system info, build) of the llama.cpp this process loaded: what
+    ``inference.kernels.KernelClass.from_report`` names. The build is llama-cpp-python's version and
+    ggml's version and commit, not a digest of the library file: two boards that compiled the same
+    sources with the same flags (each Pi its own) compute the same bits and share."""
+    import platform
+
+    module = llama_cpp()
+    build = f"llama-cpp-python {module.__version__} ggml {_ggml_string('ggml_version') or '?'} ({_ggml_string('ggml_commit') or '?'})"
+    return platform.machine(), system_info(), build
+
+
+def kernel_class():
+    """The ``inference.kernels.KernelClass`` of the llama.cpp this process loaded."""
+    from .kernels import KernelClass
+
+    return KernelClass.from_report(*kernel_report())
+
+
 def amx_build(info: str | None = None) -> bool:
     """Whether this llama.cpp holds ggml's AMX kernels (see X86_CMAKE_ARGS)."""
     info = system_info() if info is None else info

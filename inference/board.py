@@ -240,6 +240,7 @@ class Board:
         before = pacer.total_ms if pacer is not None else 0.0
 
         def label(result):
+            result.breakdown.kernel_class = self.engine.kernels.name  # the code that computed its bits
             if pacer is not None:
                 result.breakdown.compute_profile = pacer.profile.emulated_label
                 result.breakdown.paced_ms = round(pacer.total_ms - before, 3)
@@ -289,6 +290,7 @@ class Board:
         return {
             "model": self.engine.model_file.path.name,
             "fingerprint": self.engine.fingerprint,
+            "kernel_class": self.engine.kernels.name,
             "threads": self.engine.config.threads(),
             "catalogs": catalogs,
             "ram_tier": self.prefix.ram.status() if self.prefix.ram is not None else None,

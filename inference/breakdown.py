@@ -8,6 +8,7 @@ other place (models, charts, ``live.js`` through the page, reports) reads them f
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 
@@ -66,6 +67,21 @@ BOARD_TIERS = (Tier.CONTEXT, Tier.LOCAL, Tier.FLASH)  # on the board itself: not
 COMPUTED = "computed"
 
 
+CROSS_CLASS = "cross-class"  # a run restored a state computed by another kernel class (approximate)
+APPROXIMATE_LABELS = ("", CROSS_CLASS)
+_CLASS_RE = re.compile(r"^$|^[a-z0-9_][a-z0-9_.+-]{0,63}$")  # inference.kernels.CLASS_RE, or nothing
+
+
+def approximate_label(breakdown: dict) -> str:
+    """What a run's pages, exports and metrics say of a run that used another class's state: "approximate:
+    cross-class from x86_64-avx512"; '' for an exact run."""
+    b = breakdown if isinstance(breakdown, dict) else {}
+    if b.get("approximate") != CROSS_CLASS:
+        return ""
+    source = b.get("approximate_from")
+    return f"approximate: cross-class from {source}" if isinstance(source, str) and source else "approximate: cross-class"
+
+
 def _int(value) -> int:
     try:
         number = int(value) if not isinstance(value, bool) else 0
@@ -100,14 +116,16 @@ def served_from(breakdown: dict) -> str:
     served = sum(tokens for tokens, _ in parts)
     where = parts[0][1] if len(parts) == 1 else ", ".join(f"{tokens} from {words}" for tokens, words in parts)
     sentence = f"{served}/{total} prompt tokens from {where}" if len(parts) == 1 else f"{served}/{total} prompt tokens reused: {where}"
-    return sentence + (f", {total - served} computed" if total > served else "")
+    approximate = approximate_label(b)
+    return sentence + (f", {total - served} computed" if total > served else "") + (f" ({approximate})" if approximate else "")
 
 
 def source_label(breakdown: dict) -> str:
     """The short word for where a run's prompt came from: a tier's label ("context", "RAM tier",
     "cache box"), several joined by "+", or "computed"."""
     labels = [TIER_WORDS[Tier(tier)][0] for tier, tokens in tokens_by_tier(breakdown).items() if tokens]
-    return " + ".join(labels) or COMPUTED
+    approximate = " (approximate)" if isinstance(breakdown, dict) and breakdown.get("approximate") else ""
+    return (" + ".join(labels) or COMPUTED) + approximate
 
 
 # Runs with these never consulted a cache (for the lookup counters).
@@ -176,6 +194,11 @@ class Breakdown:
     fetch_late: bool = False  # the fetch ran slower than forecast: compute went past the plan (the deadline)
     codec: str = ""  # how the fetched entries' states were stored ("raw", "zstd-shuffle", ...)
     # Where the time went, beyond the paper's columns.
+    kernel_class: str = ""  # the kernels of the board's llama.cpp (inference.kernels): what computed its bits
+    # Approximate sharing across kernel classes (a namespace's choice): "cross-class" when a restored state was
+    # computed by other kernels, whose class ``approximate_from`` names; "" = exact (the cold run's bits).
+    approximate: str = ""
+    approximate_from: str = ""
     compute_profile: str = ""  # a paced (emulated) board class, e.g. "Raspberry Pi Zero 2 W (emulated)"; "" = this machine
     paced_ms: float = 0.0  # time added by the compute profile's pacing (inside prefill_ms and decode_ms)
     strategy: str = ""  # "" = exact prefix/schema serving; a lab strategy names itself (approximate)
@@ -196,6 +219,11 @@ class Breakdown:
         self.cachebox = CacheBoxState(self.cachebox)
         self.decision = Decision(self.decision)
         self.tier = Tier(self.tier)
+        if self.approximate not in APPROXIMATE_LABELS:
+            raise ValueError(f"unknown approximate label {self.approximate!r}: one of {', '.join(map(repr, APPROXIMATE_LABELS))}")
+        for name in ("kernel_class", "approximate_from"):
+            if not isinstance(getattr(self, name), str) or not _CLASS_RE.match(getattr(self, name)):
+                raise ValueError(f"{name} must be a kernel class such as 'x86_64-avx2' (got {getattr(self, name)!r})")
 
     def as_dict(self) -> dict:
         return {

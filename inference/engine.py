@@ -26,7 +26,7 @@ import numpy as np
 
 from cachebox.keys import ModelIdentity
 
-from .bindings import amx_build
+from .bindings import amx_build, kernel_class
 from .bindings import llama_cpp as _bindings
 from .compute_profile import Pacer
 from .memory_plan import ModelFacts
@@ -269,11 +269,13 @@ class Engine(Vocabulary):
         self.n_swa = llama_cpp.llama_model_n_swa(self._model)  # sliding-window size (0: none)
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, config.n_seq_max)
+        self.kernels = kernel_class()  # the code that computes this board's bits: part of its identity
         self.identity = ModelIdentity(
             gguf_sha256=model.sha256,
             kv_type=config.kv_type,
             llama_build=f"llama-cpp-python {llama_cpp.__version__}",
             repacked=config.repack,
+            kernels=self.kernels.identity,
         )
         self.fingerprint = self.identity.fingerprint()
         self.state_bytes_per_token = self._measure_state_bytes()

@@ -17,6 +17,7 @@ token's key); on a streamed run's pub/sub channel: ``StreamEvent`` (sealed, sign
 from __future__ import annotations
 
 import json
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 
@@ -163,8 +164,19 @@ class RunRequest(Message):
     # "" (exact serving) or a lab strategy (approximate; never uses the cache box), as
     # ``inference.strategies.parse_strategy`` reads it: "kv-prediction:K", "anchors", ...
     strategy: str = Field("", max_length=64)
+    # The namespace shares states across kernel classes (off by default, approximate): {fingerprint: kernel class} of
+    # the same model computed by other kernels, whose entries the board may restore where its own miss.
+    approximate_from: dict[str, str] = Field(default_factory=dict, max_length=8)
 
     model_config = ConfigDict(populate_by_name=True)
+
+    @field_validator("approximate_from")
+    @classmethod
+    def _other_classes(cls, value: dict[str, str]) -> dict[str, str]:
+        for fingerprint, kernel_class in value.items():
+            if not re.fullmatch(r"[0-9a-f]{1,32}", fingerprint) or not re.fullmatch(r"[a-z0-9_][a-z0-9_.+-]{0,63}", kernel_class):
+                raise ValueError("approximate_from maps model fingerprints (hex) to kernel classes such as 'x86_64-avx2'")
+        return value
 
     @field_validator("strategy")
     @classmethod
@@ -425,6 +437,7 @@ class BoardStatus(Message):
     sent: float = Field(0.0, ge=0.0)
     model: str = Field("", max_length=200)
     fingerprint: str = Field("", pattern=r"^$|^[0-9a-f]{1,32}$")
+    kernel_class: str = Field("", pattern=r"^$|^[a-z0-9_][a-z0-9_.+-]{0,63}$")  # its llama.cpp's kernels (inference.kernels)
     threads: int = Field(0, ge=0, le=4096)
     heartbeat_s: float = Field(5.0, gt=0, le=3600)  # how often it beats (the control plane counts missed ones)
     catalogs: dict[_NAMESPACE_KEY, CatalogStatus] = Field(default_factory=dict, max_length=MAX_BOARD_CATALOGS)

@@ -31,7 +31,7 @@ import numpy as np
 
 from cachebox.keys import check_namespace, grid_cuts, off_grid, range_boundaries
 
-from .breakdown import Breakdown
+from .breakdown import CROSS_CLASS, Breakdown
 from .breakeven import BreakEvenPolicy
 from .engine import MAIN_SEQ, Engine
 from .exchange import Exchange, prefix_refs, run_session
@@ -63,6 +63,7 @@ class _PrefixRun:
     held: Held = field(default_factory=Held)
     logits: dict[int, np.ndarray] = field(default_factory=dict)  # by position, as computed
     exports: Exports = field(default_factory=dict)
+    cross_class: bool = False  # restored a state another kernel class computed: approximate, nothing it computes is kept
 
     @property
     def prompt_tokens(self) -> int:
@@ -159,6 +160,8 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
         if tiers.session is not None:
             tiers.refs = prefix_refs(prefix.namespace, engine.fingerprint, tiers.tokens, tiers.boundaries, grid=self.chunk_tokens, extra=tiers.extra)
         held = prefix.held = restore_nearest_first(self.tiers, tiers)
+        if held.served == 0 and tiers.session is not None and run.options.approximate_from:
+            held = prefix.held = self._cross_class(run, prefix)
         total = tiers.prompt_tokens
         breakdown.classify(held.served, total)
         # P-decode: only what was not restored, in the batches of the grid. The entry at the
@@ -167,7 +170,7 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
         prefix.logits, prefix.exports = dict(held.logits), dict(held.exports)
         if held.matched < total:
             tiers.on_stage("prefilling")
-            on_batch = tiers.exporter(held.matched, prefix.exports) if tiers.session is not None else None
+            on_batch = tiers.exporter(held.matched, prefix.exports) if tiers.session is not None and not prefix.cross_class else None
             mark = time.perf_counter()
             cuts = grid_cuts(total, self.chunk_tokens, held.matched, tiers.extra)
             prefix.logits.update(engine.prefill(tiers.tokens[held.matched :], held.matched, logits_at={total - 1}, on_batch=on_batch, cuts=cuts))
@@ -178,11 +181,38 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
     def finish(self, run: RunState, prefix: _PrefixRun, first: FirstToken, result: RunResult) -> None:
         """After the answer: every tier keeps what it wants of this run."""
         computed = Computed(prefix.tiers, prefix.held, prefix.logits, prefix.exports, upload=run.options.upload)
-        keep_nearest_first(self.tiers, computed)
+        if prefix.cross_class:  # not this class's bits: no tier keeps them (the context tier forgot them at lookup)
+            computed.held.settle()
+        else:
+            keep_nearest_first(self.tiers, computed)
         breakdown = run.breakdown
         breakdown.redis_ms = breakdown.fetch_ms + breakdown.restore_ms
         breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
         result.fetched, result.uploaded = prefix.held.entries, computed.uploaded
+
+    def _cross_class(self, run: RunState, prefix: _PrefixRun) -> Held:
+        """Where the board's own tiers hold nothing of the prompt and its namespace shares across
+        kernel classes: the longest prefix the cache box holds under another class's fingerprint of
+        the same model (``RunOptions.approximate_from``), restored. Approximate: the run says so
+        (``Breakdown.approximate``, the class it came from) and keeps nothing (``finish``)."""
+        tiers, breakdown = prefix.tiers, run.breakdown
+        own = tiers.session, tiers.refs
+        try:
+            for fingerprint, kernel_class in run.options.approximate_from.items():
+                if fingerprint == self.engine.fingerprint or self.exchange is None:
+                    continue
+                tiers.session = run_session(self.exchange.reading_as(fingerprint), prefix.namespace, breakdown, True)
+                if tiers.session is None:
+                    break
+                tiers.refs = prefix_refs(prefix.namespace, fingerprint, tiers.tokens, tiers.boundaries, grid=self.chunk_tokens, extra=tiers.extra)
+                held = restore_nearest_first([self.cachebox], tiers)
+                if held.served:
+                    prefix.cross_class = True
+                    breakdown.approximate, breakdown.approximate_from = CROSS_CLASS, kernel_class
+                    return held
+        finally:
+            tiers.session, tiers.refs = own
+        return Held()
 
     # -- a conversation's next prefix ------------------------------------------------------------
     def extend(self, tokens: Sequence[int], cuts: Sequence[int] = (), *, namespace: str | None = None, upload: bool = True) -> Extension:

@@ -152,6 +152,10 @@ class RunOptions:
     use_catalog: bool = True  # False: ask the cache box about every candidate range, as a design without a catalog would
     on_token: OnToken | None = None  # sees each answer token as it is chosen (streaming) and may stop the generation
     on_stage: Callable[[str], None] | None = None  # hears "fetching" and "prefilling" as a prefix run starts them
+    # Approximate sharing across kernel classes (a namespace's choice, off by default): {fingerprint: kernel class} of
+    # the same model computed by other kernels. Where the board's own entries miss, a state one of them stored may be
+    # restored; the run then says so (``Breakdown.approximate``) and keeps nothing it computed on top of it.
+    approximate_from: dict[str, str] = field(default_factory=dict)
 
 
 class Strategy(Protocol):

@@ -35,6 +35,7 @@ def require(module: str, why: str = ""):
 MARKED_FIXTURES = {
     "engine": "model", "reference": "model", "make_board": "model",
     "valkey_url": "cachebox", "system_redis_url": "cachebox", "any_store_url": "cachebox",
+    "avx512_libs": "kernels",
 }
 
 
@@ -157,17 +158,28 @@ def _idle_class():  # in the child, before exec: the build and its compilers run
 
 
 def pytest_collection_finish(session):
-    if not any(item.get_closest_marker("peer") for item in session.items):
-        return
-    from inference.benchmarks import llama_server
+    """The builds the selected tests need and this machine lacks start in the background (``peer``:
+    llama-server; ``kernels``: llama.cpp's libraries with AVX-512 kernels, ``inference.benchmarks.llama_kernels``)."""
+    wanted = {marker for item in session.items for marker in ("peer", "kernels") if item.get_closest_marker(marker)}
+    if "peer" in wanted:
+        from inference.benchmarks import llama_server
 
-    if llama_server.binary_path().exists() or llama_server.missing_tools():
-        return  # built, or the test says why it cannot be
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"edgecache-llama-server-build-{os.getpid()}.log"
+        if not (llama_server.binary_path().exists() or llama_server.missing_tools()):  # else built, or the test says why it cannot be
+            _background_build(session, "inference.benchmarks.llama_server", "llama-server")
+    if "kernels" in wanted:
+        from inference.benchmarks import llama_kernels
+
+        if not llama_kernels.built() and not llama_kernels.unavailable():
+            _background_build(session, "inference.benchmarks.llama_kernels", "llama-avx512")
+
+
+BUILD_MODULES = (b"inference.benchmarks.llama_server", b"inference.benchmarks.llama_kernels")
+
+
+def _background_build(session, module: str, what: str) -> None:
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"edgecache-{what}-build-{os.getpid()}.log"
     with open(log, "w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "inference.benchmarks.llama_server"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_idle_class,
-        )
+        process = subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_idle_class)
     with open(os.environ[PEER_BUILDS], "a") as builds:  # on both cores, each worker starts one (the build's lock lets one build)
         builds.write(f"{process.pid} {log}\n")
     if not _worker(session.config):  # a worker's output is not shown: its controller says it (below)
@@ -175,17 +187,21 @@ def pytest_collection_finish(session):
 
 
 def _building(log) -> str:
-    return f"llama-server is being built in the background for the tests that need it (log: {log})"
+    what = "llama.cpp with AVX-512 kernels" if "llama-avx512" in str(log) else "llama-server"
+    return f"{what} is being built in the background for the tests that need it (log: {log})"
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """On both cores, the controller says once that a worker started the peer's build (the first
     build's log shows its progress; another worker's waits for it)."""
-    builds = _builds()
-    if builds and not getattr(node.config, "_edgecache_build_said", False):
-        node.config._edgecache_build_said = True
-        node.config.get_terminal_writer().line(_building(builds[0][1]))
+    said = getattr(node.config, "_edgecache_builds_said", set())
+    node.config._edgecache_builds_said = said
+    for _, log in _builds():
+        what = _building(log).split(" is being built")[0]
+        if what not in said:
+            said.add(what)
+            node.config.get_terminal_writer().line(_building(log))
 
 
 PEER_BUILDS = "EDGECACHE_TEST_PEER_BUILDS"  # the file where a run's processes note the builds they started
@@ -213,9 +229,10 @@ def pytest_sessionfinish(session):
 
     def running(pid: int) -> bool:  # a build still going (its number not taken by another process)
         try:
-            return b"inference.benchmarks.llama_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             return False
+        return any(module in cmdline for module in BUILD_MODULES)
 
     for pid in filter(running, pids):
         os.killpg(pid, signal.SIGTERM)
@@ -271,6 +288,23 @@ def engine():
     engine = Engine(resolve_model(), EngineConfig(n_ctx=2048, n_threads=int(os.environ.get("EDGECACHE_THREADS", "0"))))
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def avx512_libs():
+    """The folder of a second build of the pinned llama.cpp, with AVX-512 kernels (``LLAMA_CPP_LIB_PATH``
+    for a board process): built once per machine (the run started it in the background where it
+    was missing, ``pytest_collection_finish``; this waits for it). Skipped, saying why, on a CPU
+    without AVX-512 or a machine without compiler."""
+    from inference.benchmarks import llama_kernels
+
+    why = llama_kernels.unavailable("avx512")
+    if why:
+        pytest.skip(why)
+    try:
+        return llama_kernels.ensure("avx512", lambda line: None)
+    except llama_kernels.BuildUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -92,7 +92,7 @@ def test_documents_are_known_by_their_bench_and_older_ones_by_their_fields():
     }
     for kind, doc in older.items():
         assert documents.kind_of(doc) == kind
-    assert set(older) | {"lab-exit", "lab-anchors", "footprint", "seal", "fleet-sim", "vs-server"} == set(registry.BENCHMARKS)  # lab studies and newer benches always named themselves
+    assert set(older) | {"lab-exit", "lab-anchors", "footprint", "seal", "fleet-sim", "vs-server", "kernels"} == set(registry.BENCHMARKS)  # lab studies and newer benches always named themselves
     assert documents.kind_of({"something": "else"}) is None and documents.kind_of([1]) is None
 
 

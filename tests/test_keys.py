@@ -27,8 +27,10 @@ def test_fingerprint_is_stable_and_sensitive_to_every_field():
         ModelIdentity("ab" * 32, "f16", "y"),
         ModelIdentity("ab" * 32, "f16", "x", state_format=99),
         ModelIdentity("ab" * 32, "f16", "x", repacked=True),  # repacked weights compute other bits
+        ModelIdentity("ab" * 32, "f16", "x", kernels="x86_64-avx2:0123456789abcdef"),  # so do other kernels
+        ModelIdentity("ab" * 32, "f16", "x", kernels="x86_64-avx512:fedcba9876543210"),
     ]
-    assert len({IDENTITY.fingerprint(), *(o.fingerprint() for o in others)}) == 6
+    assert len({IDENTITY.fingerprint(), *(o.fingerprint() for o in others)}) == 8
 
 
 def test_a_model_without_repacked_weights_keeps_the_fingerprint_it_had_before_the_field():

@@ -232,3 +232,32 @@ def test_a_boards_rate_is_worked_out_again_when_it_changes_and_each_change_is_lo
     index.reported("b", "r1", prompt_tokens=300, prefill_ms=300.0)
     assert index.prefill_rate("b") == 1.0  # its own run outweighs what it measured
     assert index.rate_changes == ["b", "b"]
+
+
+# -- kernel classes (issue 40): a state is reused exactly only by the class that computed it -----------
+def test_a_board_of_another_kernel_class_gets_no_credit_for_the_cached_tokens():
+    from cachebox.keys import ModelIdentity
+    from inference.kernels import KernelClass
+
+    def fingerprint(info):
+        kernels = KernelClass.from_report("x86_64", f"CPU : AVX = 1 | AVX2 = 1 | {info}FMA = 1 | ", "llama-cpp-python 0.3.36 ggml 0.25.3")
+        return ModelIdentity("ab" * 32, "f16", "llama-cpp-python 0.3.36", kernels=kernels.identity).fingerprint()
+
+    avx2, avx512 = fingerprint(""), fingerprint("AVX512 = 1 | ")
+    boards = {"avx2-a": avx2, "avx2-b": avx2, "avx512": avx512}
+    tokens = list(range(1, 479))
+    keys = {name: prompt_keys("default", fp, tokens, grid=GRID) for name, fp in boards.items()}
+    index = FleetIndex()
+    index.measured("avx2-a", prefill_ms_per_token=3.0, decode_ms_per_token=12.0)
+    index.measured("avx2-b", prefill_ms_per_token=3.0, decode_ms_per_token=12.0)
+    index.measured("avx512", prefill_ms_per_token=1.0, decode_ms_per_token=8.0)  # the fastest board
+    # avx2-a computed the prompt and stored its ranges in the cache box, then was given other work.
+    index.dispatched("avx2-a", "r1", keys["avx2-a"], 0.0)
+    index.reported("avx2-a", "r1", prompt_tokens=478, prefill_ms=1434.0, stored_keys=keys["avx2-a"].keys)
+    index.dispatched("avx2-a", "r2", keys_of(list(range(5000, 5300))), 5000.0)
+
+    chosen = route(478, [index.view(name, keys[name]) for name in boards])
+    by_board = {estimate.board: estimate for estimate in chosen.estimates}
+    assert by_board["avx512"].held_tokens == 0 and by_board["avx512"].source == ""  # the other class's entries: no credit
+    assert by_board["avx2-b"].held_tokens == 478 and by_board["avx2-b"].source == "cachebox"  # its class's: all of them
+    assert chosen.board == "avx2-b"  # though the AVX-512 board computes three times as fast

@@ -106,7 +106,10 @@ def save_namespace(user, namespace: Namespace) -> None:
     created = namespace.pk is None or not Namespace.objects.filter(pk=namespace.pk).exists()
     with transaction.atomic():
         namespace.save()
-        detail = f"share_across_devices={namespace.share_across_devices} members_manage_api_keys={namespace.members_manage_api_keys}"
+        detail = (
+            f"share_across_devices={namespace.share_across_devices} share_across_kernel_classes={namespace.share_across_kernel_classes} "
+            f"members_manage_api_keys={namespace.members_manage_api_keys}"
+        )
         audit(user, AuditAction.NAMESPACE_CREATE if created else AuditAction.NAMESPACE_UPDATE, namespace.name, detail)
     _changed(namespace.devices.all())
 

@@ -52,7 +52,10 @@ def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: li
     sent = []
     meta = asked.meta
     for index, device in enumerate(devices):
-        request = asked.model_copy(update={"request_id": request_ids[index] if request_ids else str(uuid.uuid4()), "namespace": asked.namespace or device.namespace_id})
+        request = asked.model_copy(update={
+            "request_id": request_ids[index] if request_ids else str(uuid.uuid4()), "namespace": asked.namespace or device.namespace_id,
+            "approximate_from": approximate_sources(device) if not asked.strategy else {},
+        })
         # ``routed``: the router chose this (one) device for a prompt sent to any board; a run to a
         # named board keeps its prompt's keys too (the routing history: what each board holds).
         record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, request)
@@ -68,6 +71,27 @@ def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: li
         broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": meta.title})
     log.info("dispatched user=%s devices=%s", getattr(user, "username", None), [d.name for d in devices])
     return sent
+
+
+def approximate_sources(device: Device) -> dict[str, str]:
+    """{fingerprint: kernel class} of the same model computed by other kernel classes in ``device``'s
+    namespace, whose entries its board may restore where its own miss: only where the namespace
+    shares states across kernel classes (off by default: approximate) and across its boards. From
+    the boards' heartbeats: the same model file and KV type, another class; revoked boards left out."""
+    namespace = device.namespace
+    status = device.status or {}
+    own = (status.get("fingerprint"), status.get("model"), status.get("kv_type"))
+    if not (namespace.share_across_kernel_classes and namespace.share_across_devices and all(own) and device.kernel_class):
+        return {}
+    found: dict[str, str] = {}
+    for other in Device.objects.filter(namespace=namespace, revoked_at__isnull=True).exclude(pk=device.pk).only("status").order_by("-last_seen"):
+        theirs = other.status or {}
+        fingerprint, kernel_class = theirs.get("fingerprint"), other.kernel_class
+        if (theirs.get("model"), theirs.get("kv_type")) != own[1:] or not kernel_class or kernel_class == device.kernel_class:
+            continue
+        if isinstance(fingerprint, str) and fingerprint != own[0] and fingerprint not in found and len(found) < 8:
+            found[fingerprint] = kernel_class
+    return found
 
 
 _KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE}
@@ -216,6 +240,7 @@ def run_json(run: InferenceRun) -> dict:
         "hit_tier": hit_tier(run.case, (run.breakdown or {}).get("tier")),  # the hit-ratio chart's tier ("" for a miss)
         "served_from": run.served_from,  # where its prompt came from, in every page's words
         "served_from_label": run.source_label,
+        "approximate": run.approximate_label,  # "approximate: cross-class from <class>" when another kernel class's state was used
         "explanation": explain_run(text=run.text, error=run.error, expected_answer=run.expected_answer, breakdown=run.breakdown),
         "url": reverse("run-detail", args=[run.pk]),
         "device_figures": run_figures(run.device),

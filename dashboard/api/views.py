@@ -57,6 +57,7 @@ RETRY_AFTER_S = 30  # what a client is told to wait when the cache box or broker
 EXTENSION_FIELDS = (
     "case", "tier", "decision", "cachebox", "ttft_ms", "ttlt_ms", "prefill_ms", "redis_ms", "local_ms",
     "prompt_tokens", "matched_tokens", "generated_tokens", "fetched_bytes", "uploaded_bytes", "link", "modules_hit", "strategy", "behind_ms",
+    "kernel_class", "approximate", "approximate_from",  # "approximate": "cross-class" when a state of another kernel class was used
 )
 
 

@@ -36,6 +36,7 @@ BENCHMARKS = {
     "seal": "inference.benchmarks.seal",
     "fleet-sim": "dashboard.bench.fleet_sim",
     "vs-server": "inference.benchmarks.vs_server",
+    "kernels": "inference.benchmarks.kernels",
 }
 
 

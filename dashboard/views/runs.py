@@ -162,7 +162,7 @@ RUNS_PER_PAGE = 50
 EXPORT_LIMIT = 10_000  # rows one export holds at most (newest first)
 EXPORT_FIELDS = [
     "id", "created", "device", "namespace", "source", "title", "case", "decision", "cachebox", "prompt_tokens", "matched_tokens", "context_tokens", "local_tokens", "flash_tokens", "fetched_tokens",
-    "generated_tokens", "ttft_ms", "ttlt_ms", "state_bytes", "error", "prompt", "answer",
+    "generated_tokens", "ttft_ms", "ttlt_ms", "state_bytes", "kernel_class", "approximate", "approximate_from", "error", "prompt", "answer",
 ]
 
 
@@ -207,6 +207,9 @@ def _export_row(run: InferenceRun) -> dict:
         "ttft_ms": run.ttft_ms,
         "ttlt_ms": run.ttlt_ms,
         "state_bytes": run.state_bytes,
+        "kernel_class": breakdown.get("kernel_class", ""),
+        "approximate": breakdown.get("approximate", ""),  # "cross-class": a state another kernel class computed
+        "approximate_from": breakdown.get("approximate_from", ""),
         "error": run.error,
         "prompt": run.prompt,
         "answer": run.text,

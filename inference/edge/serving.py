@@ -71,7 +71,10 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
     conversation = [(message.role, message.content) for message in request.messages]
     try:
         sampling = SamplingParams(**request.sampling.model_dump())
-        options = dict(max_tokens=request.max_tokens, sampling=sampling, use_cache=request.use_cache, namespace=_namespace(request.namespace))
+        options = dict(
+            max_tokens=request.max_tokens, sampling=sampling, use_cache=request.use_cache, namespace=_namespace(request.namespace),
+            approximate_from=dict(request.approximate_from),
+        )
         if stream is not None or request.stop:
             options["on_token"] = on_token
         if stream is not None and not request.is_schema_run:

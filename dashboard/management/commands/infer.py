@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -10,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 from cachebox.errors import CacheBoxUnavailable, InvalidNamespace
 from inference.board import Board
 from inference.config import ConfigError
+from inference.kernels import CLASS_RE
 from dashboard.cli import add_sampling_arguments, read_prompt_file, sampling_from_options, split_segments
 from inference.model_file import ModelNotFound
 from inference.serving import PromptError
@@ -38,6 +40,14 @@ class Command(BaseCommand):
         )
         parser.add_argument("--namespace", default=None, help="cache namespace (default: EDGECACHE_NAMESPACE)")
         parser.add_argument(
+            "--approximate-from",
+            action="append",
+            default=[],
+            metavar="FINGERPRINT=CLASS",
+            help="where this board's own entries miss, restore a state stored by another kernel class of the same model "
+            "(its fingerprint and class, as another board's `infer --json` prints them): approximate, and the run says so",
+        )
+        parser.add_argument(
             "--strategy",
             default="exact",
             metavar="S",
@@ -52,6 +62,12 @@ class Command(BaseCommand):
         if not text.strip():
             raise CommandError(f"prompt file {options['prompt_file']} is empty: put the prompt text in it")
         sampling = sampling_from_options(options)
+        approximate_from = {}
+        for given in options["approximate_from"]:
+            fingerprint, _, kernel_class = given.partition("=")
+            if not re.fullmatch(r"[0-9a-f]{16}", fingerprint) or not CLASS_RE.match(kernel_class):
+                raise CommandError(f"--approximate-from {given!r}: write FINGERPRINT=CLASS, e.g. 0123456789abcdef=x86_64-avx512")
+            approximate_from[fingerprint] = kernel_class
         try:
             spec = parse_strategy(options["strategy"].strip())
         except ValueError as exc:
@@ -82,14 +98,17 @@ class Command(BaseCommand):
                 strategy = board.strategy(spec, prompt)
             except (ImportError, ValueError) as exc:  # no lab extra, no predictor or tuned model, adapters refused
                 raise CommandError(str(exc))
-            result = board.serve(spec, prompt, RunOptions(max_tokens=options["max_tokens"], sampling=sampling, use_cache=not options["no_cache"]))
+            result = board.serve(spec, prompt, RunOptions(
+                max_tokens=options["max_tokens"], sampling=sampling, use_cache=not options["no_cache"], approximate_from=approximate_from,
+            ))
             layers = strategy.serving.last_depths if spec.name == "early-exit" else None
         except (PromptError, PMLError) as exc:
             raise CommandError(str(exc))
         finally:
+            fingerprint = board.engine.fingerprint
             board.close()
         if options["json"]:
-            self.stdout.write(json.dumps(result.as_dict()))
+            self.stdout.write(json.dumps({**result.as_dict(), "fingerprint": fingerprint}))
             return
         b = result.breakdown
         self.stdout.write(result.text)
