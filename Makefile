@@ -17,7 +17,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 endif
 export CMAKE_ARGS := $(LLAMA_CMAKE_ARGS)
 
-.PHONY: install install-board run test test-fast stop bench clean browser promtool
+.PHONY: install install-board board-wheels run test test-fast stop bench clean browser promtool
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,16 @@ install-board:
 	@test -x $(BOARD_VENV)/bin/python || $(PYTHON) -m venv $(BOARD_VENV)
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(BOARD_VENV)/bin/python -m pip install --quiet .
 	cd /tmp && $(abspath $(BOARD_VENV))/bin/python -m inference.model_file
+
+# A wheelhouse for boards of another architecture, cross-built here (a Pi compiles nothing):
+#   make board-wheels ARCH=aarch64 [KERNELS=armv8.0|armv8.2-dotprod-fp16] [WHEELHOUSE=DIR]
+# then on the Pi: pip install --no-index --find-links WHEELHOUSE edgecache  (README: "A board on a Raspberry Pi").
+ARCH ?= aarch64
+KERNELS ?= armv8.0
+WHEELHOUSE ?= dist/wheelhouse-$(ARCH)-$(KERNELS)
+board-wheels: install
+	@test "$(ARCH)" = aarch64 || { echo "board-wheels: ARCH=aarch64 is the architecture cross-built here"; exit 1; }
+	$(PY) -m inference.benchmarks.arm64 wheelhouse --kernels $(KERNELS) --out $(WHEELHOUSE)
 
 run: install
 	$(PY) manage.py run
