@@ -17,7 +17,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 endif
 export CMAKE_ARGS := $(LLAMA_CMAKE_ARGS)
 
-.PHONY: install install-board board-wheels run test test-fast stop bench clean browser promtool
+.PHONY: install install-board board-wheels run test test-mixed-fleet test-fast stop bench clean browser promtool
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -92,13 +92,18 @@ PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 TEST_JOBS ?= $(JOBS)
 XDIST := -n $(TEST_JOBS) --no-loadscope-reorder
 test: install browser promtool
-	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest $(XDIST) --durations=20
+	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest $(XDIST) --durations=20 -m "not mixed_fleet"
 	@if $(PY) -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=2).close()" 2>/dev/null; then \
 		echo "Control-plane tests again, on PostgreSQL ($(PG_TEST_URL)):"; \
 		DATABASE_URL=$(PG_TEST_URL) EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -q $(XDIST) -m "django_db and not install"; \
 	else \
 		echo "No PostgreSQL at $(PG_TEST_URL): the PostgreSQL run of the control-plane tests is skipped."; \
 	fi
+
+# Four boards of three kernel classes through one control plane (two of them emulated Pis):
+# minutes under emulation, so apart from `make test`; the arm64 root and wheelhouse are made first.
+test-mixed-fleet: install
+	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -n 0 -m mixed_fleet tests/test_mixed_fleet.py -s
 
 # The pure and unit tests: no model, no Redis/Valkey server, no browser, no processes of their own
 # (the markers in pyproject.toml; tests/conftest.py refuses a test whose fixtures need a marker it lacks).
