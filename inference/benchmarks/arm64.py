@@ -44,6 +44,8 @@ from typing import Callable, Iterator
 VERSION = importlib.metadata.version("llama-cpp-python")
 SUITE = "bookworm"  # the Debian release of the root (Python 3.11, as a Raspberry Pi OS of the day)
 PYTHON_TAG = "311"
+# Its Python, whole: dependencies choose by it (redis-py needs async-timeout before 3.11.3).
+PYTHON_VERSION = "3.11.2"
 
 # Kernel class -> (the CPU qemu emulates for it, ggml's -march for it).
 CLASSES = {
@@ -276,7 +278,7 @@ def ensure_wheelhouse(kernels: str = DEFAULT_CLASS, write: Callable[[str], None]
         target.mkdir(parents=True)
         write(f"Collecting the board's aarch64 wheels into {target}...")
         platforms = [f"--platform={tag}" for tag in ("manylinux_2_36_aarch64", "manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64", "linux_aarch64")]
-        _run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *platforms, f"--python-version={PYTHON_TAG}",
+        _run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *platforms, f"--python-version={PYTHON_VERSION}",
               "--implementation=cp", f"--abi=cp{PYTHON_TAG}", "--abi=abi3", "--abi=none", "-d", str(target), *board_requirements()], "pip download")
         project = Path(__file__).resolve().parents[2]
         _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(target), str(project)], "pip wheel (the project)")
