@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -236,6 +237,38 @@ def board_requirements() -> list[str]:
     return own + base("llama-cpp-python")
 
 
+# The environment markers of the root's Python (pip download judges ``python_full_version`` by the
+# Python that runs it, not by ``--python-version``: a 3.11.7 host leaves out what 3.11.2 needs).
+TARGET_MARKERS = {
+    "python_version": PYTHON_VERSION.rsplit(".", 1)[0], "python_full_version": PYTHON_VERSION, "platform_machine": "aarch64",
+    "platform_system": "Linux", "sys_platform": "linux", "os_name": "posix", "implementation_name": "cpython",
+    "platform_python_implementation": "CPython", "implementation_version": PYTHON_VERSION, "extra": "",
+}
+
+
+def missing_requirements(wheelhouse: Path) -> list[str]:
+    """Requirements of the wheels in ``wheelhouse`` that apply to the root's Python and that no wheel
+    there provides (pure: reads the wheels' metadata)."""
+    from email.parser import Parser
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    present = {canonicalize_name(parse_wheel_filename(path.name)[0]) for path in wheelhouse.glob("*.whl")}
+    missing: dict[str, str] = {}
+    for path in wheelhouse.glob("*.whl"):
+        with zipfile.ZipFile(path) as wheel:
+            name = next((entry for entry in wheel.namelist() if entry.endswith(".dist-info/METADATA")), None)
+            metadata = Parser().parsestr(wheel.read(name).decode()) if name else None
+        for line in (metadata.get_all("Requires-Dist") or []) if metadata else []:
+            requirement = Requirement(line)
+            if requirement.marker is not None and not requirement.marker.evaluate(TARGET_MARKERS):
+                continue
+            if canonicalize_name(requirement.name) not in present:
+                missing[canonicalize_name(requirement.name)] = str(requirement).split(";")[0]
+    return sorted(missing.values())
+
+
 def llama_wheel(libraries: Path, out: Path, kernels: str) -> Path:
     """llama-cpp-python's Python half (from its sdist) with ``libraries`` in ``llama_cpp/lib``, as
     an aarch64 wheel (the ``wheel`` package writes its RECORD)."""
@@ -280,6 +313,12 @@ def ensure_wheelhouse(kernels: str = DEFAULT_CLASS, write: Callable[[str], None]
         platforms = [f"--platform={tag}" for tag in ("manylinux_2_36_aarch64", "manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64", "linux_aarch64")]
         _run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *platforms, f"--python-version={PYTHON_VERSION}",
               "--implementation=cp", f"--abi=cp{PYTHON_TAG}", "--abi=abi3", "--abi=none", "-d", str(target), *board_requirements()], "pip download")
+        for _ in range(5):  # what the target's own Python needs and pip, judging by this one, left out
+            missing = missing_requirements(target)
+            if not missing:
+                break
+            _run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *platforms, f"--python-version={PYTHON_VERSION}",
+                  "--implementation=cp", f"--abi=cp{PYTHON_TAG}", "--abi=abi3", "--abi=none", "-d", str(target), *missing], "pip download (markers of the target)")
         project = Path(__file__).resolve().parents[2]
         _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(target), str(project)], "pip wheel (the project)")
         llama_wheel(libraries, target, kernels)
