@@ -24,7 +24,7 @@ import pytest
 from .conftest import ROOT, require
 from .stack import free_port, wait_for_http
 
-pytestmark = [pytest.mark.arm64, pytest.mark.processes]
+pytestmark = [pytest.mark.arm64, pytest.mark.processes, pytest.mark.timeout(3600)]  # emulation: minutes, not seconds
 
 openai = require("openai", "the test extra installs openai (make install)")
 

@@ -32,7 +32,7 @@ from .conftest import ROOT, require
 from .stack import free_port, wait_for_http
 from .test_arm64 import arm64_parts, board_in_root  # noqa: F401 (fixtures)
 
-pytestmark = [pytest.mark.mixed_fleet, pytest.mark.arm64, pytest.mark.kernels, pytest.mark.processes]
+pytestmark = [pytest.mark.mixed_fleet, pytest.mark.arm64, pytest.mark.kernels, pytest.mark.processes, pytest.mark.timeout(5400)]
 
 openai = require("openai", "the test extra installs openai (make install)")
 
