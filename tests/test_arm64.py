@@ -99,7 +99,7 @@ def test_an_arm64_board_installs_from_the_wheelhouse_without_a_compiler_enrolls_
         cachebox = manage("shell", "-c", "from django.conf import settings; from cachebox.store import CacheBox; print(CacheBox(settings.REDIS_URL).safe_url)").splitlines()[-1]
         key = manage("apikey", "create", "--namespace", "default", "--name", "arm64", "--rate", "0").splitlines()[-1]
         with arm64.mounted(root):
-            board_env = {"REDIS_URL": cachebox, "EDGECACHE_HOME": "/var/lib/edgecache", "EDGECACHE_DEVICE_TOKEN": token, "EDGECACHE_N_CTX": "1024"}
+            board_env = {"REDIS_URL": cachebox, "EDGECACHE_HOME": f"{place}/state", "EDGECACHE_DEVICE_TOKEN": token, "EDGECACHE_N_CTX": "1024"}
             board = subprocess.Popen(arm64.chroot_command(root, [f"{place}/venv/bin/edgecache-board", "--name", "arm-zero", "--heartbeat", "2"],
                                                          cpu="cortex-a53", env=board_env), stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
             deadline = time.monotonic() + 900

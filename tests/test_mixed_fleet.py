@@ -82,7 +82,7 @@ def fleet(board_in_root, avx512_libs, tmp_path_factory):
         (cgroup / "memory.limit_in_bytes").write_text(str(512 * 2**20))
         with arm64.mounted(root):
             for name, cpu in (("arm-a53", "cortex-a53"), ("arm-a76", "cortex-a76")):
-                board_env = {"REDIS_URL": cachebox, "EDGECACHE_HOME": "/var/lib/edgecache", "EDGECACHE_DEVICE_TOKEN": tokens[name], "EDGECACHE_N_CTX": "1024"}
+                board_env = {"REDIS_URL": cachebox, "EDGECACHE_HOME": f"{place}/state-{name}", "EDGECACHE_DEVICE_TOKEN": tokens[name], "EDGECACHE_N_CTX": "1024"}
                 process = subprocess.Popen(arm64.chroot_command(root, [f"{place}/venv/bin/edgecache-board", "--name", name, "--heartbeat", "2"], cpu=cpu, env=board_env),
                                            stdout=open(home / f"{name}.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
                 if name == "arm-a53":
