@@ -17,7 +17,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 endif
 export CMAKE_ARGS := $(LLAMA_CMAKE_ARGS)
 
-.PHONY: install install-board run test test-fast stop bench clean browser promtool
+.PHONY: install install-board board-wheels run test test-mixed-fleet test-fast stop bench clean browser promtool
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,16 @@ install-board:
 	@test -x $(BOARD_VENV)/bin/python || $(PYTHON) -m venv $(BOARD_VENV)
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(BOARD_VENV)/bin/python -m pip install --quiet .
 	cd /tmp && $(abspath $(BOARD_VENV))/bin/python -m inference.model_file
+
+# A wheelhouse for boards of another architecture, cross-built here (a Pi compiles nothing):
+#   make board-wheels ARCH=aarch64 [KERNELS=armv8.0|armv8.2-dotprod-fp16] [WHEELHOUSE=DIR]
+# then on the Pi: pip install --no-index --find-links WHEELHOUSE edgecache  (README: "A board on a Raspberry Pi").
+ARCH ?= aarch64
+KERNELS ?= armv8.0
+WHEELHOUSE ?= dist/wheelhouse-$(ARCH)-$(KERNELS)
+board-wheels: install
+	@test "$(ARCH)" = aarch64 || { echo "board-wheels: ARCH=aarch64 is the architecture cross-built here"; exit 1; }
+	$(PY) -m inference.benchmarks.arm64 wheelhouse --kernels $(KERNELS) --out $(WHEELHOUSE)
 
 run: install
 	$(PY) manage.py run
@@ -82,13 +92,18 @@ PG_TEST_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 TEST_JOBS ?= $(JOBS)
 XDIST := -n $(TEST_JOBS) --no-loadscope-reorder
 test: install browser promtool
-	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest $(XDIST) --durations=20
+	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest $(XDIST) --durations=20 -m "not mixed_fleet"
 	@if $(PY) -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=2).close()" 2>/dev/null; then \
 		echo "Control-plane tests again, on PostgreSQL ($(PG_TEST_URL)):"; \
 		DATABASE_URL=$(PG_TEST_URL) EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -q $(XDIST) -m "django_db and not install"; \
 	else \
 		echo "No PostgreSQL at $(PG_TEST_URL): the PostgreSQL run of the control-plane tests is skipped."; \
 	fi
+
+# Four boards of three kernel classes through one control plane (two of them emulated Pis):
+# minutes under emulation, so apart from `make test`; the arm64 root and wheelhouse are made first.
+test-mixed-fleet: install
+	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -n 0 -m mixed_fleet tests/test_mixed_fleet.py -s
 
 # The pure and unit tests: no model, no Redis/Valkey server, no browser, no processes of their own
 # (the markers in pyproject.toml; tests/conftest.py refuses a test whose fixtures need a marker it lacks).

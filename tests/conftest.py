@@ -52,7 +52,8 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("tests without the marker their fixtures need:\n  " + "\n  ".join(sorted(set(unmarked))))
     if _worker(config):  # ``--no-loadscope-reorder`` keeps this order, so that no long group starts last
         order = {group: index for index, group in enumerate(LONGEST_FIRST)}
-        items.sort(key=lambda item: order.get(_group(item), len(order)))
+        order.update({group: len(order) + 1 + index for index, group in enumerate(WAITS_FOR_BUILDS)})
+        items.sort(key=lambda item: order.get(_group(item), len(LONGEST_FIRST)))
 
 
 # -- both cores (pytest-xdist, ``make test``) ----------------------------------------------------
@@ -85,6 +86,10 @@ LONGEST_FIRST = (
     "test_fleet_sim",  # 20
     "test_tls",  # 19
 )
+
+# Groups whose first test waits for a preparation the run started in the background (an arm64 root
+# and wheelhouse on a fresh machine: minutes): they go last, so no worker idles while it is made.
+WAITS_FOR_BUILDS = ("test_arm64",)
 
 
 def _worker(config) -> bool:
@@ -160,7 +165,7 @@ def _idle_class():  # in the child, before exec: the build and its compilers run
 def pytest_collection_finish(session):
     """The builds the selected tests need and this machine lacks start in the background (``peer``:
     llama-server; ``kernels``: llama.cpp's libraries with AVX-512 kernels, ``inference.benchmarks.llama_kernels``)."""
-    wanted = {marker for item in session.items for marker in ("peer", "kernels") if item.get_closest_marker(marker)}
+    wanted = {marker for item in session.items for marker in ("peer", "kernels", "arm64") if item.get_closest_marker(marker)}
     if "peer" in wanted:
         from inference.benchmarks import llama_server
 
@@ -171,9 +176,14 @@ def pytest_collection_finish(session):
 
         if not llama_kernels.built() and not llama_kernels.unavailable():
             _background_build(session, "inference.benchmarks.llama_kernels", "llama-avx512")
+    if "arm64" in wanted:
+        from inference.benchmarks import arm64
+
+        if not arm64.ready() and not arm64.unavailable():
+            _background_build(session, "inference.benchmarks.arm64", "arm64-root-and-wheelhouse")
 
 
-BUILD_MODULES = (b"inference.benchmarks.llama_server", b"inference.benchmarks.llama_kernels")
+BUILD_MODULES = (b"inference.benchmarks.llama_server", b"inference.benchmarks.llama_kernels", b"inference.benchmarks.arm64")
 
 
 def _background_build(session, module: str, what: str) -> None:
@@ -187,7 +197,8 @@ def _background_build(session, module: str, what: str) -> None:
 
 
 def _building(log) -> str:
-    what = "llama.cpp with AVX-512 kernels" if "llama-avx512" in str(log) else "llama-server"
+    what = {"llama-avx512": "llama.cpp with AVX-512 kernels", "arm64-root": "an arm64 Debian root and an aarch64 board wheelhouse"}
+    what = next((text for key, text in what.items() if key in str(log)), "llama-server")
     return f"{what} is being built in the background for the tests that need it (log: {log})"
 
 
