@@ -138,6 +138,16 @@ class ChatMessage(Message):
         return value
 
 
+class Continuation(Message):
+    """An answer another board began and stopped (killed, paused): its tokens, which this board
+    takes as the answer's forced beginning (decoded one by one as the cold run decoded them, so
+    what follows is the cold run's), and the text its client already has (not streamed again)."""
+
+    tokens: list[int] = Field(default_factory=list, max_length=MAX_TOKENS)
+    text: str = ""
+    device: str = Field("", max_length=64)  # the board that began it
+
+
 class RunRequest(Message):
     """A prompt to answer: its segments (cut where entries may be stored), chat messages (rendered
     and tokenized by the board, ``inference.chat``), or a PML prompt and its schema.
@@ -163,6 +173,8 @@ class RunRequest(Message):
     # "" (exact serving) or a lab strategy (approximate; never uses the cache box), as
     # ``inference.strategies.parse_strategy`` reads it: "kv-prediction:K", "anchors", ...
     strategy: str = Field("", max_length=64)
+    # A run re-sent to this board after its first board stopped mid-answer: go on from there.
+    continues: Continuation | None = None
 
     model_config = ConfigDict(populate_by_name=True)
 
@@ -189,6 +201,8 @@ class RunRequest(Message):
             raise ValueError("a schema run needs its PML prompt ('pml')")
         if self.schema_source and self.strategy not in ("", "exact"):
             raise ValueError("a schema run serves exact modules: it takes no lab strategy")
+        if self.continues is not None and len(self.continues.tokens) >= self.max_tokens:
+            raise ValueError(f"a continued answer forces fewer tokens than max_tokens ({self.max_tokens}), got {len(self.continues.tokens)}")
         if self.messages:
             if sum(len(message.content) for message in self.messages) > MAX_PROMPT_CHARS:
                 raise ValueError(f"the messages are over {MAX_PROMPT_CHARS} characters")
@@ -198,6 +212,12 @@ class RunRequest(Message):
         if sum(len(segment) for segment in self.segments) > MAX_PROMPT_CHARS:
             raise ValueError(f"the prompt is over {MAX_PROMPT_CHARS} characters")
         return self
+
+    def dump(self) -> dict:
+        body = super().dump()
+        if body.get("continues") is None:
+            body.pop("continues", None)  # what a run sent once carries (boards of the version before know no such field)
+        return body
 
     @property
     def is_schema_run(self) -> bool:
@@ -311,10 +331,14 @@ class StreamEvent(Message):
     device: str = Field("", max_length=64)
     index: int = Field(0, ge=0)  # token events: 0, 1, 2, ...
     text: str = ""  # token: the piece; done: the whole answer
+    # token events: the ids of the answer tokens chosen since the last token event (its text, or
+    # text still held back at a stop string's possible start); a re-sent run continues from them
+    tokens: list[int] = Field(default_factory=list, max_length=MAX_TOKENS)
     finish_reason: Literal["", "stop", "length", "cancelled"] = ""
     error: str = Field("", max_length=10_000)
     breakdown: dict[str, Any] = Field(default_factory=dict)
-    stage: Literal["", "started", "fetching", "prefilling"] = ""  # stage events, in this order (a run may skip some)
+    stage: Literal["", "started", "fetching", "prefilling", "waiting"] = ""  # stage events, in this order (a run may skip some)
+    # "waiting": the control plane's word that the run's board went quiet and the run waits for it (``error``: why)
 
     def compact(self) -> dict:
         """The fields that differ from their defaults (what travels)."""

@@ -56,10 +56,10 @@ class AnswerText:
     """The answer as its client sees it: cut before the first stop string, and released piece by
     piece only once a piece can no longer turn out to be the start of one."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], already: int = 0):
         self.stops = [stop for stop in stops if stop]
         self.text = ""
-        self.sent = 0  # characters of ``text`` released
+        self.sent = already  # characters of ``text`` released (``already``: its client has them from another board)
         self.stopped = False
 
     def add(self, piece: str) -> str:
