@@ -10,11 +10,17 @@ Run page) is at the end of this file.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import sqlite3
+import sys
 from datetime import timedelta
 
 import pytest
 
-pytestmark = pytest.mark.django_db(transaction=False)
+from .conftest import ROOT, require
+from .stack import ADMIN_PASSWORD, browser, free_port, log_in, wait_for_http  # noqa: F401  (fixtures)
 
 
 @pytest.fixture
@@ -58,6 +64,7 @@ def _first_went_quiet(seconds: float = 10):
     return later
 
 
+@pytest.mark.django_db
 @pytest.mark.cachebox
 def test_a_board_heard_on_a_runs_stream_is_alive_whatever_its_heartbeats_say(fleet):
     from dashboard.actions import runs, sweeper
@@ -72,6 +79,7 @@ def test_a_board_heard_on_a_runs_stream_is_alive_whatever_its_heartbeats_say(fle
     assert counts["resent"] == 1, request_id
 
 
+@pytest.mark.django_db
 @pytest.mark.cachebox
 def test_a_run_sent_to_a_named_board_is_never_moved_it_waits_then_fails_keeping_the_answer_its_client_had(fleet):
     from dashboard import actions
@@ -100,6 +108,7 @@ def test_a_run_sent_to_a_named_board_is_never_moved_it_waits_then_fails_keeping_
     assert InferenceRun.objects.get(request_id=request_id).text == " a long story"
 
 
+@pytest.mark.django_db
 @pytest.mark.cachebox
 def test_a_routed_run_moves_once_and_its_follower_sends_it_there_going_on_from_what_it_streamed(fleet):
     from dashboard import actions
@@ -129,6 +138,7 @@ def test_a_routed_run_moves_once_and_its_follower_sends_it_there_going_on_from_w
     assert run.breakdown["resent_from"]["from"] == "first" and "stopped answering" in run.breakdown["resent_from"]["why"]
 
 
+@pytest.mark.django_db
 @pytest.mark.cachebox
 def test_a_moved_run_nobody_follows_is_sent_by_the_sweeper_and_one_limited_to_its_board_waits(fleet):
     from dashboard.actions import sweeper
@@ -146,6 +156,7 @@ def test_a_moved_run_nobody_follows_is_sent_by_the_sweeper_and_one_limited_to_it
     assert not Dispatch.objects.get(request_id=unfollowed).moving
 
 
+@pytest.mark.django_db
 @pytest.mark.cachebox
 def test_a_waited_for_run_that_expires_unstarted_fails_at_its_expiry_not_a_minute_later(fleet):
     from dashboard.actions import sweeper
@@ -156,3 +167,297 @@ def test_a_waited_for_run_that_expires_unstarted_fails_at_its_expiry_not_a_minut
     assert sweeper.sweep(expires_at - timedelta(seconds=1))["lost"] == 0
     assert sweeper.sweep(expires_at + timedelta(seconds=1))["lost"] == 1
     assert InferenceRun.objects.get(request_id=request_id).error.startswith("lost: board first did not start it before it expired")
+
+
+# -- real boards, killed and stopped mid-answer --------------------------------------------------------
+# `manage.py run` (embedded Valkey, the control worker and its sweeper every second, daphne) and two
+# real boards beating every second (quiet after 4 s), the real model; an answer long enough to stop
+# its board half-way. Each test waits on conditions (chunks read, a board marked offline, a card's
+# text), never on a sleep.
+STORY = "Write a long story about a lighthouse keeper and the sea."
+ANSWER_TOKENS = 120
+BOARDS = ("left", "right")
+
+
+class Fleet:
+    def __init__(self, stack, tokens: dict):
+        self.stack, self.tokens = stack, tokens
+        self.boards: dict = {}
+        self.cold: dict = {}
+
+    def start(self, name: str):
+        from .test_api import until
+
+        log = f"board-{name}"
+        before = self.stack.log(log).count(f"board {name} ready") if (self.stack.home / f"{log}.log").exists() else 0
+        process = self.stack.spawn(log, [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1"], {"EDGECACHE_DEVICE_TOKEN": self.tokens[name]})
+        until(lambda: self.stack.log(log).count(f"board {name} ready") > before or process.poll() is not None, 240, f"board {name} to load its model")
+        assert process.poll() is None, self.stack.log(log)
+        self.boards[name] = process
+        return process
+
+    def all_up(self) -> None:
+        """Every board running and online again (one killed by an earlier test restarts)."""
+        from .test_api import until
+
+        for name in BOARDS:
+            process = self.boards.get(name)
+            if process is None or process.poll() is not None:
+                self.start(name)
+            elif process.poll() is None:
+                process.send_signal(signal.SIGCONT)  # one left stopped by a failed test
+        until(lambda: self.online() >= set(BOARDS), 60, "both boards to be online")
+
+    def online(self) -> set[str]:
+        return {row[0] for row in self.stack.db("select name from dashboard_device where announced_online = 1")}
+
+    def dispatched_to(self, request_id: str) -> str:
+        from .test_api import until
+
+        rows = until(lambda: self.stack.db('select d.name from dashboard_dispatch x join dashboard_device d on d.id = x.device_id '
+                                           'where replace(x.request_id, "-", "") = ?', request_id.replace("-", "")), 30, "the run's dispatch")
+        return rows[0][0]
+
+    def stop(self, name: str, how: signal.Signals) -> None:
+        self.boards[name].send_signal(how)
+        if how == signal.SIGKILL:
+            self.boards[name].wait(timeout=30)
+
+    def cold_answer(self, prompt: str = STORY) -> str:
+        """The answer of a cold run (no cache tier read or written), greedy."""
+        if prompt not in self.cold:
+            answer = self.stack.client().chat.completions.create(
+                model=self.stack.model, messages=[{"role": "user", "content": prompt}], max_tokens=ANSWER_TOKENS, temperature=0,
+                extra_body={"edgecache": {"device": "left", "cache": False}},
+            )
+            self.cold[prompt] = answer.choices[0].message.content
+            assert answer.usage.completion_tokens == ANSWER_TOKENS, "the story ended early: pick a prompt whose answer is longer"
+        return self.cold[prompt]
+
+
+REGISTER = """
+from dashboard import actions
+tokens = [actions.register_device(None, name=name, kind="test board", cpu_threads=1, memory_mb=2048)[1] for name in ("left", "right", "ghost")]
+print(" ".join(tokens))
+"""
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from .test_api import Stack, until
+
+    require("openai", "the test extra installs openai (make install)")
+    home = tmp_path_factory.mktemp("resend")
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
+    env.update({
+        "EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": ADMIN_PASSWORD, "EDGECACHE_N_CTX": "2048", "EDGECACHE_API_TIMEOUT": "120",
+        "EDGECACHE_SWEEP_SECONDS": "1", "EDGECACHE_TASK_EXPIRES": "90",
+    })
+    stack = Stack(home, port, env)
+    server = stack.spawn("run", [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)])
+    try:
+        wait_for_http(f"{stack.url}/accounts/login/", server)
+        tokens = dict(zip(("left", "right", "ghost"), stack.shell(REGISTER).split()))
+        stack.keys["main"] = stack.manage("apikey", "create", "--namespace", "default", "--name", "main", "--rate", "0").stdout.strip()
+        fleet = Fleet(stack, tokens)
+        for name in BOARDS:
+            fleet.start(name)
+        stack.model = until(lambda: stack.client().models.list().data, 60, "the boards to come online")[0].id
+        fleet.all_up()
+        yield fleet
+    finally:
+        for process in fleet.boards.values() if "fleet" in locals() else ():
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+        stack.stop()
+
+
+class Streamed:
+    """The story streamed through the official `openai` client, read chunk by chunk."""
+
+    def __init__(self, fleet, device: str | None = None):
+        extra = {"edgecache": {"device": device}} if device else {}
+        self.chunks = iter(fleet.stack.client().chat.completions.create(
+            model=fleet.stack.model, messages=[{"role": "user", "content": STORY}], max_tokens=ANSWER_TOKENS, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body=extra,
+        ))
+        self.pieces: list[str] = []
+        self.request_id = ""
+        self.last = None
+
+    def read(self, pieces: int | None = None) -> None:
+        """Read until ``pieces`` pieces of text came (all of it: None)."""
+        for chunk in self.chunks:
+            self.request_id = self.request_id or chunk.id.removeprefix("chatcmpl-")
+            if chunk.choices and chunk.choices[0].delta.content:
+                self.pieces.append(chunk.choices[0].delta.content)
+            self.last = chunk
+            if pieces is not None and len(self.pieces) >= pieces:
+                return
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def _stop_mid_answer(fleet, streamed: Streamed, how: signal.Signals) -> str:
+    """Stop the board answering ``streamed`` with ``how`` after its first pieces; returns its name."""
+    streamed.read(3)
+    board = fleet.dispatched_to(streamed.request_id)
+    recorded = fleet.stack.db('select count(*) from dashboard_inferencerun where replace(request_id, "-", "") = ?', streamed.request_id.replace("-", ""))[0][0]
+    assert recorded == 0, "the board finished before it was stopped: make the answer longer"
+    fleet.stop(board, how)
+    return board
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
+@pytest.mark.processes
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
+def test_an_api_answer_whose_board_dies_or_stops_mid_answer_goes_on_on_another_board_as_one_cold_answer(fleet, how):
+    fleet.all_up()
+    cold = fleet.cold_answer()
+    streamed = Streamed(fleet)
+    stopped = _stop_mid_answer(fleet, streamed, how)
+    try:
+        streamed.read()
+        extension = streamed.last.model_extra["edgecache"]
+        print(f"{how.name}: {stopped} stopped after {len(streamed.pieces)} pieces; {extension['device']} finished")
+        assert streamed.text == cold  # one answer: no repeat, no gap, the cold one
+        assert extension["device"] != stopped and streamed.last.usage.completion_tokens == ANSWER_TOKENS
+        run = fleet.stack.run_row(streamed.request_id)
+        assert run["error"] == "" and run["text"] == cold
+        assert run["breakdown"]["resent_from"]["from"] == stopped and run["breakdown"]["continued_tokens"] >= 3
+    finally:
+        if how == signal.SIGSTOP:
+            fleet.boards[stopped].send_signal(signal.SIGCONT)  # it wakes, finds the run cancelled, and its late report is refused
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
+@pytest.mark.processes
+def test_an_api_answer_from_a_named_board_that_stops_waits_for_it_and_is_never_moved(fleet):
+    import redis
+
+    from cachebox.keys import stream_channel
+
+    from .test_api import until
+
+    fleet.all_up()
+    cold = fleet.cold_answer()
+    streamed = Streamed(fleet, device="right")
+    listener = redis.Redis.from_url(fleet.stack.shell("from dashboard.actions import cachebox_url; print(cachebox_url())")).pubsub(ignore_subscribe_messages=True)
+    try:
+        assert _stop_mid_answer(fleet, streamed, signal.SIGSTOP) == "right"
+        listener.subscribe(stream_channel("right", streamed.request_id))
+        # right is stopped: what comes on its run's channel now is the control plane's word (a "waiting" stage).
+        until(lambda: listener.get_message(timeout=1.0) is not None, 60, "the sweeper to find right quiet and leave the run waiting for it")
+        assert "left" in fleet.online() and "right" not in fleet.online()  # another board was there to take it
+        assert fleet.dispatched_to(streamed.request_id) == "right"  # sent to right only: never moved
+    finally:
+        fleet.boards["right"].send_signal(signal.SIGCONT)
+        listener.close()
+    streamed.read()
+    assert streamed.text == cold and streamed.last.model_extra["edgecache"]["device"] == "right"
+    assert fleet.stack.run_row(streamed.request_id)["error"] == ""
+
+
+# -- the Run page (Playwright, Debian's Chromium) ------------------------------------------------------
+def _send_from_the_run_page(fleet, browser, *, boards=(), any_board=False, timeout_s: float = 120):
+    """Log in, send the story from the Run page's chat to ``boards`` (or any board); returns the page
+    and its answer card once the card shows the first pieces of the answer (``timeout_s``)."""
+    from playwright.sync_api import expect
+
+    context = log_in(browser, fleet.stack.url, "admin", ADMIN_PASSWORD)
+    page = context.new_page()
+    page.goto(fleet.stack.url + "/run/")
+    for name in boards:
+        page.check(f'label[data-device="{name}"] input')
+    if any_board:
+        page.check("#id_any_board")
+    page.fill("#id_max_tokens", str(ANSWER_TOKENS))
+    page.fill("#id_message", STORY)
+    page.click("#run-submit")
+    if any(name not in fleet.online() for name in boards):
+        page.click("#run-send-anyway")  # the page warns that the board is not running
+    card = page.locator("#answers .answer-card").first
+    try:
+        expect(card).to_have_attribute("data-request", re.compile(".+"), timeout=30_000)
+    except AssertionError:
+        raise AssertionError(f"no answer card; the page said: {page.locator('#run-feedback').inner_text()!r}") from None
+    return page, card
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
+@pytest.mark.processes
+@pytest.mark.browser
+def test_the_run_page_shows_one_answer_when_its_board_is_killed_mid_answer_and_says_the_board_changed(fleet, browser):
+    from playwright.sync_api import expect
+
+    from .test_api import until
+
+    fleet.all_up()
+    cold = fleet.cold_answer()
+    page, card = _send_from_the_run_page(fleet, browser, any_board=True)
+    until(lambda: len(card.locator(".answer.streaming").all_inner_texts() and card.locator(".answer.streaming").inner_text()) > 10, 120, "the first pieces on the card")
+    first = card.get_attribute("data-device")
+    fleet.stop(first, signal.SIGKILL)
+    other = next(name for name in BOARDS if name != first)
+    expect(card.locator(".moved-note")).to_contain_text(f"board changed: {first} stopped answering; {other}", timeout=60_000)
+    expect(card.locator("h3")).to_contain_text(other)
+    expect(card).to_have_class(re.compile(r"\bdone\b"), timeout=120_000)  # the run's record came
+    assert card.locator("p.answer").inner_text() == cold.strip() or card.locator("p.answer").text_content() == cold
+    expect(card.locator(".moved-note")).to_contain_text(f"{first} stopped answering; {other} went on from its")
+    expect(page.locator("#chat-log .chat-msg.assistant").last).to_have_text(cold)  # the chat's bubble: one answer, not two run together
+    page.context.close()
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
+@pytest.mark.processes
+@pytest.mark.browser
+def test_the_run_page_waits_for_a_named_board_that_stops_and_shows_its_answer_when_it_resumes(fleet, browser):
+    from playwright.sync_api import expect
+
+    from .test_api import until
+
+    fleet.all_up()
+    cold = fleet.cold_answer()
+    page, card = _send_from_the_run_page(fleet, browser, boards=["right"])
+    try:
+        until(lambda: card.locator(".answer.streaming").count() and len(card.locator(".answer.streaming").inner_text()) > 10, 120, "the first pieces on the card")
+        fleet.stop("right", signal.SIGSTOP)
+        expect(card).to_have_attribute("data-stage", "waiting", timeout=60_000)
+        expect(card.locator('[data-role="stage"]')).to_contain_text("board right stopped answering")
+        expect(card.locator('[data-role="stage"]')).to_contain_text("it waits for it until")
+        assert fleet.dispatched_to(card.get_attribute("data-request")) == "right" and "left" in fleet.online()
+    finally:
+        fleet.boards["right"].send_signal(signal.SIGCONT)
+    expect(card).to_have_class(re.compile(r"\bdone\b"), timeout=120_000)
+    expect(card.locator("h3")).to_contain_text("right")
+    assert card.locator(".moved-note").count() == 0
+    expect(page.locator("#chat-log .chat-msg.assistant").last).to_have_text(cold)
+    page.context.close()
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
+@pytest.mark.processes
+@pytest.mark.browser
+def test_an_open_run_page_shows_a_run_that_expired_unstarted_as_failed_with_the_reason_when_it_happens(fleet, browser):
+    """ghost never starts: at its expiry (EDGECACHE_TASK_EXPIRES, 90 s here) the run fails, and the
+    page, still listening, says so then (not after it stopped listening, a minute later)."""
+    import time
+
+    from playwright.sync_api import expect
+
+    page, card = _send_from_the_run_page(fleet, browser, boards=["ghost"])
+    sent = time.monotonic()
+    expect(card).to_have_class(re.compile(r"\bfailed\b"), timeout=(90 + 20) * 1000)
+    took = time.monotonic() - sent
+    expect(card.locator(".error")).to_contain_text("expired")
+    print(f"the expired run was shown failed {took:.1f} s after it was sent (expiry 90 s)")
+    assert took < 90 + 15
+    page.context.close()
