@@ -169,6 +169,46 @@ def test_a_waited_for_run_that_expires_unstarted_fails_at_its_expiry_not_a_minut
     assert InferenceRun.objects.get(request_id=request_id).error.startswith("lost: board first did not start it before it expired")
 
 
+@pytest.mark.cachebox
+def test_a_board_says_its_stage_again_while_it_prefills_so_its_followers_hear_it_is_alive(valkey_url, monkeypatch):
+    """A long prefill (or a fetch over a slow link) publishes nothing for seconds: the board's stream
+    thread says the run's stage again every ``PULSE_S`` until the first token, never after it."""
+    import time
+    import uuid
+
+    import redis
+
+    from cachebox.keys import stream_channel
+    from cachebox.store import CacheBox
+    from inference.edge.streaming import StreamPublisher
+    from inference.messages import StreamEvent
+
+    from .test_edge import board_identity
+
+    monkeypatch.setattr(StreamPublisher, "PULSE_S", 0.3)
+    me = board_identity("pulse")
+    request_id = str(uuid.uuid4())
+    listener = redis.Redis.from_url(valkey_url).pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(stream_channel("pulse", request_id))
+    stream = StreamPublisher(CacheBox(valkey_url), request_id, me)
+
+    def heard(count: int, within: float = 10.0) -> list:
+        events, deadline = [], time.monotonic() + within
+        while len(events) < count and time.monotonic() < deadline:
+            message = listener.get_message(timeout=0.2)
+            if message is not None:
+                events.append(StreamEvent.open(message["data"], request_id=request_id, signer_public_key=me.keys.signing_public_key, ring_for=me.ring_for))
+        return events
+
+    stream.send(StreamEvent(type="stage", request_id=request_id, device="pulse", stage="prefilling"))
+    assert [(event.type, event.stage) for event in heard(3)] == [("stage", "prefilling")] * 3  # said, then said again while it prefills
+    stream.send(StreamEvent(type="token", request_id=request_id, device="pulse", index=stream.count(), text="Once"))
+    assert [event.type for event in heard(1)] == ["token"]
+    assert heard(1, within=1.5) == []  # tokens flow: no more pulses
+    stream.close()
+    listener.close()
+
+
 # -- real boards, killed and stopped mid-answer --------------------------------------------------------
 # `manage.py run` (embedded Valkey, the control worker and its sweeper every second, daphne) and two
 # real boards beating every second (quiet after 4 s), the real model; an answer long enough to stop
