@@ -24,7 +24,7 @@ from .stack import ADMIN_PASSWORD, browser, free_port, log_in, wait_for_http  # 
 
 
 @pytest.fixture
-def fleet(settings, valkey_url, monkeypatch):
+def two_boards(settings, valkey_url, monkeypatch):
     """Two enrolled boards of one namespace, beating every second, and what is sent to them."""
     from django.utils import timezone
 
@@ -44,13 +44,13 @@ def fleet(settings, valkey_url, monkeypatch):
     return {"first": first, "second": second, "keys": keys, "sent": sent}
 
 
-def _dispatch(fleet, *, routed: bool, allowed=None) -> str:
+def _dispatch(two_boards, *, routed: bool, allowed=None) -> str:
     from dashboard import actions, routing
 
     spec = actions.run_request(segments=["Tell me a story."], max_tokens=40, title="waiting", stream=True)  # its client follows it
     record = {"policy": "cache-aware", **({"allowed": allowed} if allowed else {})}
-    chosen = routing.Routed(fleet["first"], record) if routed else None
-    return actions.dispatch_run(None, [fleet["first"]], spec, routed=chosen)[0]["request_id"]
+    chosen = routing.Routed(two_boards["first"], record) if routed else None
+    return actions.dispatch_run(None, [two_boards["first"]], spec, routed=chosen)[0]["request_id"]
 
 
 def _first_went_quiet(seconds: float = 10):
@@ -66,14 +66,14 @@ def _first_went_quiet(seconds: float = 10):
 
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_a_board_heard_on_a_runs_stream_is_alive_whatever_its_heartbeats_say(fleet):
+def test_a_board_heard_on_a_runs_stream_is_alive_whatever_its_heartbeats_say(two_boards):
     from dashboard.actions import runs, sweeper
 
-    request_id = _dispatch(fleet, routed=True)
+    request_id = _dispatch(two_boards, routed=True)
     later = _first_went_quiet()
     runs.heard("first", "0" * 8 + "-0000-0000-0000-" + "0" * 12, now=later.timestamp() - 2)  # decoding another run, 2 s ago
     assert sweeper.sweep(later) == {"answered": 0, "resent": 0, "lost": 0, "waiting": 0}
-    assert [name for name, _ in fleet["sent"]] == ["first"]
+    assert [name for name, _ in two_boards["sent"]] == ["first"]
     # Silent on every stream as well as in its heartbeats: now it is quiet.
     counts = sweeper.sweep(_first_went_quiet(15))
     assert counts["resent"] == 1, request_id
@@ -81,7 +81,7 @@ def test_a_board_heard_on_a_runs_stream_is_alive_whatever_its_heartbeats_say(fle
 
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_a_run_sent_to_a_named_board_is_never_moved_it_waits_then_fails_keeping_the_answer_its_client_had(fleet):
+def test_a_run_sent_to_a_named_board_is_never_moved_it_waits_then_fails_keeping_the_answer_its_client_had(two_boards):
     from dashboard import actions
     from dashboard.actions import runs, sweeper
     from dashboard.models import Dispatch, InferenceRun
@@ -90,7 +90,7 @@ def test_a_run_sent_to_a_named_board_is_never_moved_it_waits_then_fails_keeping_
 
     from django.utils import timezone
 
-    request_id = _dispatch(fleet, routed=False)
+    request_id = _dispatch(two_boards, routed=False)
     runs.heard("first", request_id, now=timezone.now().timestamp())  # it took the run and streamed some of it
     later = _first_went_quiet()
     assert sweeper.sweep(later) == {"answered": 0, "resent": 0, "lost": 0, "waiting": 1}  # second is online, yet not the board asked for
@@ -101,68 +101,68 @@ def test_a_run_sent_to_a_named_board_is_never_moved_it_waits_then_fails_keeping_
     run = InferenceRun.objects.get(request_id=request_id)
     assert run.device.name == "first" and run.error.startswith("lost: board first stopped answering") and "quiet for" in run.error
     assert run.text == "Once upon a time, a keeper" and "stopped after what is shown" in run.error
-    assert [name for name, _ in fleet["sent"]] == ["first"]
+    assert [name for name, _ in two_boards["sent"]] == ["first"]
     # The board was paused, not gone: nobody else answered, so its late answer is the run.
-    late = actions.record_run(result_payload(fleet["first"], fleet["keys"]["first"], request_id=request_id, dispatched=False, text=" a long story"))
+    late = actions.record_run(result_payload(two_boards["first"], two_boards["keys"]["first"], request_id=request_id, dispatched=False, text=" a long story"))
     assert late is not None and InferenceRun.objects.get(request_id=request_id).error == ""
     assert InferenceRun.objects.get(request_id=request_id).text == " a long story"
 
 
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_a_routed_run_moves_once_and_its_follower_sends_it_there_going_on_from_what_it_streamed(fleet):
+def test_a_routed_run_moves_once_and_its_follower_sends_it_there_going_on_from_what_it_streamed(two_boards):
     from dashboard import actions
     from dashboard.actions import runs, sweeper
     from dashboard.models import Dispatch, InferenceRun
 
     from .test_dashboard import result_payload
 
-    request_id = _dispatch(fleet, routed=True)
+    request_id = _dispatch(two_boards, routed=True)
     later = _first_went_quiet()
     assert sweeper.sweep(later)["resent"] == 1
     dispatch = Dispatch.objects.get(request_id=request_id)
     assert (dispatch.device.name, dispatch.attempt, dispatch.moving) == ("second", 2, True)
-    assert [name for name, _ in fleet["sent"]] == ["first"]  # not sent yet: its follower listens to second first
+    assert [name for name, _ in two_boards["sent"]] == ["first"]  # not sent yet: its follower listens to second first
     assert sweeper.sweep(later)["resent"] == 0  # once
     # The follower, listening to second now, sends it with the answer its client has.
     assert runs.continue_run(request_id, "second", [10, 11, 12], "Once upon")
     assert not runs.continue_run(request_id, "second", [10, 11, 12], "Once upon")  # once
-    name, message = fleet["sent"][-1]
+    name, message = two_boards["sent"][-1]
     assert name == "second" and message["continues"] == {"tokens": [10, 11, 12], "text": "Once upon", "device": "first"}
     assert message["request_id"] == request_id and message["segments"] == ["Tell me a story."]
-    assert sweeper.sweep(_first_went_quiet(10 + 2 * sweeper.HANDOVER.total_seconds()))["resent"] == 0 and len(fleet["sent"]) == 2
+    assert sweeper.sweep(_first_went_quiet(10 + 2 * sweeper.HANDOVER.total_seconds()))["resent"] == 0 and len(two_boards["sent"]) == 2
     # first's late answer is refused; second's is the run, and says where it came from.
-    assert actions.record_run(result_payload(fleet["first"], fleet["keys"]["first"], request_id=request_id, dispatched=False)) is None
-    run = actions.record_run(result_payload(fleet["second"], fleet["keys"]["second"], request_id=request_id, dispatched=False))
+    assert actions.record_run(result_payload(two_boards["first"], two_boards["keys"]["first"], request_id=request_id, dispatched=False)) is None
+    run = actions.record_run(result_payload(two_boards["second"], two_boards["keys"]["second"], request_id=request_id, dispatched=False))
     assert run is not None and run.device.name == "second" and InferenceRun.objects.filter(request_id=request_id).count() == 1
     assert run.breakdown["resent_from"]["from"] == "first" and "stopped answering" in run.breakdown["resent_from"]["why"]
 
 
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_a_moved_run_nobody_follows_is_sent_by_the_sweeper_and_one_limited_to_its_board_waits(fleet):
+def test_a_moved_run_nobody_follows_is_sent_by_the_sweeper_and_one_limited_to_its_board_waits(two_boards):
     from dashboard.actions import sweeper
     from dashboard.models import Dispatch
 
-    unfollowed = _dispatch(fleet, routed=True)
-    limited = _dispatch(fleet, routed=True, allowed=["first"])  # "any board" among the ones ticked: first only
+    unfollowed = _dispatch(two_boards, routed=True)
+    limited = _dispatch(two_boards, routed=True, allowed=["first"])  # "any board" among the ones ticked: first only
     later = _first_went_quiet()
     counts = sweeper.sweep(later)
     assert counts["resent"] == 1 and counts["waiting"] == 1
     assert Dispatch.objects.get(request_id=limited).device.name == "first"
     assert sweeper.sweep(_first_went_quiet(10 + sweeper.HANDOVER.total_seconds() + 1))["resent"] == 1  # its client's follower never sent it
-    name, message = fleet["sent"][-1]
+    name, message = two_boards["sent"][-1]
     assert name == "second" and message["request_id"] == unfollowed and "continues" not in message
     assert not Dispatch.objects.get(request_id=unfollowed).moving
 
 
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_a_waited_for_run_that_expires_unstarted_fails_at_its_expiry_not_a_minute_later(fleet):
+def test_a_waited_for_run_that_expires_unstarted_fails_at_its_expiry_not_a_minute_later(two_boards):
     from dashboard.actions import sweeper
     from dashboard.models import Dispatch, InferenceRun
 
-    request_id = _dispatch(fleet, routed=False)
+    request_id = _dispatch(two_boards, routed=False)
     expires_at = Dispatch.objects.get(request_id=request_id).expires_at
     assert sweeper.sweep(expires_at - timedelta(seconds=1))["lost"] == 0
     assert sweeper.sweep(expires_at + timedelta(seconds=1))["lost"] == 1
@@ -348,6 +348,7 @@ def _stop_mid_answer(fleet, streamed: Streamed, how: signal.Signals) -> str:
     recorded = fleet.stack.db('select count(*) from dashboard_inferencerun where replace(request_id, "-", "") = ?', streamed.request_id.replace("-", ""))[0][0]
     assert recorded == 0, "the board finished before it was stopped: make the answer longer"
     fleet.stop(board, how)
+    print(f"{board} stopped ({how.name}) after {len(streamed.pieces)} pieces of the answer")
     return board
 
 
@@ -363,7 +364,7 @@ def test_an_api_answer_whose_board_dies_or_stops_mid_answer_goes_on_on_another_b
     try:
         streamed.read()
         extension = streamed.last.model_extra["edgecache"]
-        print(f"{how.name}: {stopped} stopped after {len(streamed.pieces)} pieces; {extension['device']} finished")
+        print(f"{how.name}: {extension['device']} finished the answer")
         assert streamed.text == cold  # one answer: no repeat, no gap, the cold one
         assert extension["device"] != stopped and streamed.last.usage.completion_tokens == ANSWER_TOKENS
         run = fleet.stack.run_row(streamed.request_id)
