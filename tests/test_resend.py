@@ -487,6 +487,33 @@ def test_the_run_page_waits_for_a_named_board_that_stops_and_shows_its_answer_wh
 @pytest.mark.cachebox
 @pytest.mark.processes
 @pytest.mark.browser
+def test_the_run_page_shows_a_clear_failure_keeping_the_streamed_text_when_a_named_board_is_killed_for_good(fleet, browser):
+    """left is killed mid-answer and never comes back: the run, sent to left only, waits for it while
+    the page does (its expiry, 90 s here), then fails saying why, keeping the text shown."""
+    from playwright.sync_api import expect
+
+    from .test_api import until
+
+    fleet.all_up()
+    cold = fleet.cold_answer()
+    page, card = _send_from_the_run_page(fleet, browser, boards=["left"])
+    until(lambda: card.locator(".answer.streaming").count() and len(card.locator(".answer.streaming").inner_text()) > 10, 120, "the first pieces on the card")
+    fleet.stop("left", signal.SIGKILL)
+    expect(card).to_have_attribute("data-stage", "waiting", timeout=60_000)
+    expect(card).to_have_class(re.compile(r"\bfailed\b"), timeout=(90 + 30) * 1000)
+    expect(card.locator(".error")).to_contain_text("left stopped answering")
+    expect(card.locator(".answer.partial")).not_to_be_empty(timeout=30_000)  # the record keeps what was shown
+    shown = card.locator(".answer.partial").text_content()
+    assert cold.startswith(shown) and 0 < len(shown) < len(cold)
+    run = fleet.stack.run_row(card.get_attribute("data-request"))
+    assert run["error"].startswith("lost: board left stopped answering") and run["text"] == shown
+    page.context.close()
+
+
+@pytest.mark.model
+@pytest.mark.cachebox
+@pytest.mark.processes
+@pytest.mark.browser
 def test_an_open_run_page_shows_a_run_that_expired_unstarted_as_failed_with_the_reason_when_it_happens(fleet, browser):
     """ghost never starts: at its expiry (EDGECACHE_TASK_EXPIRES, 90 s here) the run fails, and the
     page, still listening, says so then (not after it stopped listening, a minute later)."""
