@@ -32,8 +32,12 @@ def two_boards(settings, valkey_url, monkeypatch):
 
     from .test_dashboard import enrolled, register
 
+    from cachebox.keys import heard_key_name
+    from cachebox.store import CacheBox
+
     settings.REDIS_URL = valkey_url
     settings.EDGECACHE_BOARD_ACL = False
+    CacheBox(valkey_url).delete([heard_key_name("first"), heard_key_name("second")])  # what an earlier test's followers heard
     sent: list[tuple[str, dict]] = []
     monkeypatch.setattr("dashboard.actions.runs.send_to_board", lambda device, task, message, expires: sent.append((device.name, message)))
     first, first_token = register("first")
