@@ -292,6 +292,13 @@ def enrollment_refusal_pattern(device: str) -> str:
     return f"{KEY_PREFIX}:enroll-refused:{_device(device)}:*"
 
 
+def heard_key_name(device: str, request_id: str | None = None) -> str:
+    """Key holding when the control plane last heard a board on a run's stream (a stage, a token):
+    ``ec:heard:<device>`` for the board (busy is alive, whatever its heartbeats' delay),
+    ``ec:heard:<device>:<id>`` for one run (its board took it). The control plane's only."""
+    return f"{KEY_PREFIX}:heard:{_device(device)}" + (f":{_request_id(request_id)}" if request_id is not None else "")
+
+
 def cancel_pattern(device: str) -> str:
     """Every cancel flag of ``device`` (its ACL's read pattern)."""
     return f"{KEY_PREFIX}:cancel:{_device(device)}:*"

@@ -178,6 +178,10 @@ class Dispatch(models.Model):
     waits_until = models.DateTimeField(null=True, blank=True, help_text="how long its client (the API, the Run page) waits for the answer")
     attempt = models.PositiveSmallIntegerField(default=1, help_text="2 once re-sent to another board")
     request = SealedJSONField(default=dict, blank=True, help_text="the request while it is under way (for a re-send); emptied when it ends; sealed at rest")
+    # A re-send: the sweeper moves the run to ``device`` and tells its client's follower, which
+    # listens to the new board's channel first and then sends it with what it streamed so far.
+    moving = models.BooleanField(default=False, help_text="moved to ``device`` and not yet sent there: its client's follower sends it once it listens there")
+    streamed = SealedTextField(blank=True, default="", help_text="the answer its client had when it stopped following it (a run that ends unanswered keeps it); sealed at rest")
 
     class Meta:
         # The router reads each device's newest dispatches for every request it routes: with this

@@ -7,9 +7,14 @@ the rate limit, the response is one JSON object per line:
 - ``{"event": "dispatched", "dispatched": [{"request_id", "device"}, ...]}`` once the runs are sent
   (each channel is subscribed first, so no token is missed);
 - ``{"event": "stage" | "token" | "done" | "error", "request_id", "device", ...}`` as each board
-  reports (``stage``: ``started`` when the board took the run off its queue);
+  reports (``stage``: ``started`` when the board took the run off its queue; ``waiting``, with
+  ``error`` saying why: the control plane's word that its board went quiet and the run waits for it);
+- ``{"event": "resent", "request_id", "device", "from", "reason", "tokens"}`` when its board went
+  quiet and the run moved to ``device``, which goes on from the ``tokens`` already shown (the
+  page listens to the new board before it is sent there);
 - ``{"event": "refused", "errors": ..., "dispatched": [...]}`` if the broker failed while sending;
-- ``{"event": "closed"}`` when every run has ended (or the runs' expiry has passed).
+- ``{"event": "closed"}`` when every run has ended. A run of which nothing final came by the time
+  its client stops waiting (the control plane's verdict included) ends with an ``error`` line first.
 
 The signed report still makes the run's record (``actions.record_run``; the page's ``run`` live
 event). Leaving the page does not cancel a run: the Cancel button does (``cancel_runs``).
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 
 from asgiref.sync import sync_to_async
@@ -30,9 +36,11 @@ from cachebox import streams
 from cachebox.errors import CacheBoxError, CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
+from inference.envelope import EnvelopeRefused, peek
 from inference.messages import MessageRefused, RunRequest, StreamEvent
 
 from . import actions
+from .actions.runs import continue_run, heard, keep_streamed
 from .models import Device, Dispatch
 from .signing import cancel_flag, control_plane_public_key
 from .stats import visible_devices
@@ -40,7 +48,89 @@ from .stats import visible_devices
 log = logging.getLogger("dashboard.run_stream")
 
 CONTENT_TYPE = "application/x-ndjson"
-WAIT_MARGIN_S = 30  # past the runs' expiry a waiting page stops listening
+WAIT_MARGIN_S = 30  # past the runs' expiry a waiting page still listens (``actions.runs.PAGE_WAIT_MARGIN_S``: the sweeper's word comes first)
+HEARD_EVERY_S = 1.0  # how often a follower notes that it heard its board (``actions.runs.heard``)
+
+
+def listen_s() -> float:
+    """How long the Run page follows a run: while its client waits (its expiry and the margin),
+    then two sweeps more, so the sweeper's verdict on a run nobody answered reaches the page."""
+    return settings.EDGECACHE_TASK_EXPIRES + WAIT_MARGIN_S + 2 * settings.EDGECACHE_SWEEP_SECONDS + 5
+
+
+_BESIDE: set[asyncio.Task] = set()  # tasks run beside a followed answer, kept until done (the loop holds them weakly)
+
+
+def beside(work) -> None:
+    """Run the awaitable ``work`` beside the answer (its result and errors are not waited for)."""
+    task = asyncio.ensure_future(work)
+    _BESIDE.add(task)
+    task.add_done_callback(_BESIDE.discard)
+
+
+class Followed:
+    """One run as its follower (the Run page's stream, the API's answer) has seen it: the board it
+    listens to, the answer its client has (its text and token ids: where a re-sent run goes on
+    from), the boards it left. Events are accepted from the board the run is with, or from the
+    control plane; a board left behind (it went quiet, then woke) is dropped without a word.
+
+    ``in_thread``: how the caller runs synchronous work (the database, the broker) off its loop."""
+
+    def __init__(self, request_id: str, device: str, signer: str, ring_for, control_plane_key: str, in_thread=sync_to_async):
+        self.request_id = request_id
+        self.device, self.signer, self.ring_for = device, signer, ring_for
+        self.control_plane_key = control_plane_key
+        self.in_thread = in_thread
+        self.text = ""
+        self.tokens: list[int] = []
+        self.left: set[str] = set()
+        self.moves: list[dict] = []
+        self._noted = 0.0
+
+    def open(self, data: bytes) -> StreamEvent | None:
+        """The event in ``data``, if the run's board (or the control plane) sent it; None otherwise."""
+        try:
+            event = StreamEvent.open(data, request_id=self.request_id, signer_public_key=self.signer, ring_for=self.ring_for, control_plane_key=self.control_plane_key)
+        except MessageRefused as exc:
+            if self._sender(data) in self.left:
+                return None  # the board the run moved away from, woken: told to drop it
+            security_event("stream_event_refused", device=self.device, request_id=self.request_id, reason=str(exc)[:300])
+            return None
+        if event.type == "token":
+            self.text += event.text
+            self.tokens += event.tokens
+        if event.type in ("token", "done") or (event.type == "stage" and event.stage != "waiting"):
+            now = time.monotonic()
+            if now - self._noted >= HEARD_EVERY_S:  # the board is alive and has the run (the sweeper reads it)
+                self._noted = now
+                beside(self.in_thread(heard)(self.device, self.request_id))
+        return event
+
+    @staticmethod
+    def _sender(data: bytes) -> str:
+        try:
+            return str(peek(json.loads(data))["from"])
+        except (ValueError, UnicodeDecodeError, EnvelopeRefused):
+            return ""
+
+    async def move(self, subscription: streams.Subscription, event: StreamEvent) -> dict:
+        """The run moved to board ``event.device`` (its board went quiet): listen there first, then
+        send it there, going on from the answer the client has (``actions.runs.continue_run``)."""
+        moved = await Device.objects.filter(name=event.device).afirst()
+        move = {"from": self.device, "device": event.device, "reason": event.error, "tokens": len(self.tokens)}
+        if moved is None or not moved.signing_public_key:
+            return move
+        await subscription.add(stream_channel(moved.name, self.request_id))
+        self.left.add(self.device)
+        self.device, self.signer = moved.name, moved.signing_public_key
+        await self.in_thread(continue_run)(self.request_id, moved.name, list(self.tokens), self.text)
+        self.moves.append(move)
+        return move
+
+    def gave_up(self) -> None:
+        """Its client stops following without an answer: a run that ends unanswered keeps what it had."""
+        if self.text:
+            beside(self.in_thread(keep_streamed)(self.request_id, self.text))
 
 
 def line(body: dict) -> str:
@@ -96,14 +186,15 @@ def _opener(device: Device):
 
 
 async def _merged(subscriptions: list[streams.Subscription], request_ids: list[str], openers: list):
-    """Every run's events, as they come, until each run ended (done or error) or expired: only
-    events the board each run went to sealed and signed for it."""
+    """Every run's events, as they come, until each run ended (done or error) or its client stopped
+    waiting: only events the board each run is with sealed and signed for it, or the control plane."""
     queue: asyncio.Queue = asyncio.Queue()
-    deadline = settings.EDGECACHE_TASK_EXPIRES + WAIT_MARGIN_S
+    deadline = listen_s()
 
     async def read(subscription: streams.Subscription, request_id: str, opener) -> None:
         device, signer, ring_for = opener
         control_plane_key = await sync_to_async(control_plane_public_key)()
+        followed = Followed(request_id, device, signer, ring_for, control_plane_key)
         loop = asyncio.get_running_loop()
         until = loop.time() + deadline
         try:
@@ -111,22 +202,22 @@ async def _merged(subscriptions: list[streams.Subscription], request_ids: list[s
                 data = await subscription.get(min(remaining, 30.0))
                 if data is None:
                     continue
-                try:
-                    event = StreamEvent.open(data, request_id=request_id, signer_public_key=signer, ring_for=ring_for, control_plane_key=control_plane_key)
-                except MessageRefused as exc:
-                    security_event("stream_event_refused", device=device, request_id=request_id, reason=str(exc)[:300])
+                event = followed.open(data)
+                if event is None:
                     continue
-                if event.type == "resent":  # its board died: follow the board it was sent to
-                    moved = await Device.objects.filter(name=event.device).afirst()
-                    if moved is not None and moved.signing_public_key:
-                        device, signer = moved.name, moved.signing_public_key
-                        await subscription.add(stream_channel(moved.name, request_id))
-                    await queue.put({"event": "resent", "request_id": request_id, "device": event.device, "reason": event.error})
+                if event.type == "resent":  # its board went quiet: listen to the board it moved to, then send it there
+                    move = await followed.move(subscription, event)
+                    await queue.put({"event": "resent", "request_id": request_id, **move})
                     continue
-                await queue.put(_as_line(event))
+                await queue.put(_as_line(event, followed.device))
                 if event.type in ("done", "error"):
+                    if event.type == "error":
+                        followed.gave_up()
                     return
+            followed.gave_up()
+            await queue.put({"event": "error", "request_id": request_id, "device": followed.device, "error": f"no answer within {deadline:g} s; the page stopped waiting"})
         except CacheBoxError as exc:
+            followed.gave_up()
             await queue.put({"event": "lost", "request_id": request_id, "error": f"lost the cache box while following the run: {exc}; its record still arrives"})
         finally:
             await queue.put(None)
@@ -146,12 +237,14 @@ async def _merged(subscriptions: list[streams.Subscription], request_ids: list[s
         await asyncio.gather(*readers, return_exceptions=True)
 
 
-def _as_line(event: StreamEvent) -> dict:
-    body = {"event": event.type, "request_id": event.request_id, "device": event.device}
+def _as_line(event: StreamEvent, device: str) -> dict:
+    body = {"event": event.type, "request_id": event.request_id, "device": device}
     if event.type == "token":
         body.update(index=event.index, text=event.text)
     elif event.type == "stage":
         body["stage"] = event.stage
+        if event.error:
+            body["reason"] = event.error
     elif event.type == "done":
         body.update(finish_reason=event.finish_reason, text=event.text, ttft_ms=event.breakdown.get("ttft_ms"), generated_tokens=event.breakdown.get("generated_tokens"))
     elif event.type == "error":

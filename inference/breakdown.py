@@ -174,6 +174,7 @@ class Breakdown:
     flash_tokens: int = 0  # restored from the board's flash tier
     fetched_tokens: int = 0  # fetched from the cache box (schema runs: their modules)
     generated_tokens: int = 0
+    continued_tokens: int = 0  # of them, given: another board chose them before it stopped (a re-sent run goes on from there)
     state_bytes: int = 0  # prompt state moved: fetched_bytes + uploaded_bytes
     fetched_bytes: int = 0
     uploaded_bytes: int = 0

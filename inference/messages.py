@@ -139,6 +139,16 @@ class ChatMessage(Message):
         return value
 
 
+class Continuation(Message):
+    """An answer another board began and stopped (killed, paused): its tokens, which this board
+    takes as the answer's forced beginning (decoded one by one as the cold run decoded them, so
+    what follows is the cold run's), and the text its client already has (not streamed again)."""
+
+    tokens: list[int] = Field(default_factory=list, max_length=MAX_TOKENS)
+    text: str = ""
+    device: str = Field("", max_length=64)  # the board that began it
+
+
 class RunRequest(Message):
     """A prompt to answer: its segments (cut where entries may be stored), chat messages (rendered
     and tokenized by the board, ``inference.chat``), or a PML prompt and its schema.
@@ -167,6 +177,8 @@ class RunRequest(Message):
     # The namespace shares states across kernel classes (off by default, approximate): {fingerprint: kernel class} of
     # the same model computed by other kernels, whose entries the board may restore where its own miss.
     approximate_from: dict[str, str] = Field(default_factory=dict, max_length=8)
+    # A run re-sent to this board after its first board stopped mid-answer: go on from there.
+    continues: Continuation | None = None
 
     model_config = ConfigDict(populate_by_name=True)
 
@@ -201,6 +213,8 @@ class RunRequest(Message):
             raise ValueError("a schema run needs its PML prompt ('pml')")
         if self.schema_source and self.strategy not in ("", "exact"):
             raise ValueError("a schema run serves exact modules: it takes no lab strategy")
+        if self.continues is not None and len(self.continues.tokens) >= self.max_tokens:
+            raise ValueError(f"a continued answer forces fewer tokens than max_tokens ({self.max_tokens}), got {len(self.continues.tokens)}")
         if self.messages:
             if sum(len(message.content) for message in self.messages) > MAX_PROMPT_CHARS:
                 raise ValueError(f"the messages are over {MAX_PROMPT_CHARS} characters")
@@ -210,6 +224,12 @@ class RunRequest(Message):
         if sum(len(segment) for segment in self.segments) > MAX_PROMPT_CHARS:
             raise ValueError(f"the prompt is over {MAX_PROMPT_CHARS} characters")
         return self
+
+    def dump(self) -> dict:
+        body = super().dump()
+        if body.get("continues") is None:
+            body.pop("continues", None)  # what a run sent once carries (boards of the version before know no such field)
+        return body
 
     @property
     def is_schema_run(self) -> bool:
@@ -323,10 +343,14 @@ class StreamEvent(Message):
     device: str = Field("", max_length=64)
     index: int = Field(0, ge=0)  # token events: 0, 1, 2, ...
     text: str = ""  # token: the piece; done: the whole answer
+    # token events: the ids of the answer tokens chosen since the last token event (its text, or
+    # text still held back at a stop string's possible start); a re-sent run continues from them
+    tokens: list[int] = Field(default_factory=list, max_length=MAX_TOKENS)
     finish_reason: Literal["", "stop", "length", "cancelled"] = ""
     error: str = Field("", max_length=10_000)
     breakdown: dict[str, Any] = Field(default_factory=dict)
-    stage: Literal["", "started", "fetching", "prefilling"] = ""  # stage events, in this order (a run may skip some)
+    stage: Literal["", "started", "fetching", "prefilling", "waiting"] = ""  # stage events, in this order (a run may skip some)
+    # "waiting": the control plane's word that the run's board went quiet and the run waits for it (``error``: why)
 
     def compact(self) -> dict:
         """The fields that differ from their defaults (what travels)."""

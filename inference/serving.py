@@ -156,6 +156,10 @@ class RunOptions:
     # the same model computed by other kernels. Where the board's own entries miss, a state one of them stored may be
     # restored; the run then says so (``Breakdown.approximate``) and keeps nothing it computed on top of it.
     approximate_from: dict[str, str] = field(default_factory=dict)
+    # The answer's first tokens, given (another board chose them before it stopped): each is
+    # decoded as the cold run decoded it, one per step, and the sampler draws as it would have, so
+    # the tokens after them are the cold run's (under greedy decoding, or the same seed).
+    forced: tuple[int, ...] = ()
 
 
 class Strategy(Protocol):
@@ -243,10 +247,14 @@ class ServingStrategy(Generic[Prepared]):
                 rng = np.random.default_rng(options.sampling.seed)
                 mark = time.perf_counter()
                 token = first.choose(options.sampling, rng, self.top)
+                if options.forced:
+                    token = options.forced[0]
                 breakdown.sample_ms = ms_since(mark)
                 breakdown.ttft_ms = ms_since(started)
                 decoder = first.decoder if first.decoder is not None else engine
-                generated, text = decode_answer(decoder, token, first.position, options.max_tokens, options.sampling, rng, breakdown, started, self.top, options.on_token)
+                generated, text = decode_answer(
+                    decoder, token, first.position, options.max_tokens, options.sampling, rng, breakdown, started, self.top, options.on_token, forced=options.forced
+                )
             finally:
                 if self.clears_context:
                     engine.clear()
@@ -320,6 +328,7 @@ def decode_answer(
     started: float,
     top: int = TOP_CANDIDATES,
     on_token: OnToken | None = None,
+    forced: Sequence[int] = (),
 ) -> tuple[list[int], str]:
     """Decode the answer after its first token (R-decode + Sample), stopping at end of generation.
 
@@ -327,7 +336,8 @@ def decode_answer(
     answer tokens (``tbt_p50_ms``, ``tbt_p99_ms``: from one token chosen to the next, the
     ``on_token`` hook included, as a streaming client sees them); returns the answer's tokens
     (without the end-of-generation token) and its text. ``on_token`` sees each token as it is
-    chosen and may stop the generation.
+    chosen and may stop the generation. ``forced``: the answer's first tokens, taken instead of the
+    ones chosen (``RunOptions.forced``; ``token`` is the first of them); ``on_token`` sees them too.
     """
     generated = [token]
     between: list[float] = []  # ms from one answer token chosen to the next
@@ -342,7 +352,9 @@ def decode_answer(
         breakdown.decode_ms += ms_since(mark)
         position += 1
         mark = time.perf_counter()
-        token = choose(logits, sampling, rng, top)
+        token = choose(logits, sampling, rng, top)  # drawn for a forced token too: the sampler's draws stay the cold run's
+        if len(generated) < len(forced):
+            token = forced[len(generated)]
         breakdown.sample_ms += ms_since(mark)
         generated.append(token)
         if engine.is_end_of_generation(token):

@@ -524,6 +524,46 @@ def test_serve_streams_each_piece_then_done_and_honours_stop_and_cancel(valkey_u
     assert serve(board, planted, cancel_flag=b"1").error == "" and serve(board, planted.model_copy(update={"request_id": str(uuid.uuid4())}), cancel_flag=None).error == ""
 
 
+def test_a_board_given_another_boards_first_tokens_streams_only_the_rest_and_answers_the_cold_answer(valkey_url, namespace, make_board, monkeypatch, settings):
+    """A re-sent run (``RunRequest.continues``): the tokens its first board chose are the answer's
+    forced beginning, decoded one by one as the cold run decoded them; what follows is the cold
+    answer's rest, and only that is streamed (its client has the beginning)."""
+    import redis
+
+    from cachebox.keys import stream_channel
+    from cachebox.signing import derive_keyring
+    from inference import edge
+    from inference.edge import serve
+    from inference.messages import Continuation, RunRequest
+
+    from .test_edge import board_identity
+
+    board = make_board(valkey_url, namespace, device="second")
+    me = board_identity("second")
+    me.ring = derive_keyring(settings.EDGECACHE_SIGNING_SECRET, namespace, 1)
+    me.record.namespace = namespace
+    monkeypatch.setattr(edge.enrollment, "_identity", me)
+    asked = dict(segments=["Write a long story about a lighthouse keeper and the sea."], max_tokens=40, namespace=namespace, stream=True)
+    cold = serve(board, RunRequest(request_id=str(uuid.uuid4()), use_cache=False, **asked))
+    assert cold.error == "" and len(cold.tokens) == 40
+    pubsub = redis.Redis.from_url(valkey_url).pubsub(ignore_subscribe_messages=True)
+    for given in (1, 17, 39):
+        head = board.engine.detokenize(cold.tokens[:given])
+        seen = head[: max(0, len(head) - 2)]  # its client may have less text than the tokens hold (a piece held back)
+        request = RunRequest(request_id=str(uuid.uuid4()), continues=Continuation(tokens=cold.tokens[:given], text=seen, device="first"), **asked)
+        pubsub.subscribe(stream_channel("second", request.request_id))
+        report = serve(board, request)
+        events = _events(pubsub, request.request_id, me)
+        streamed = "".join(event["text"] for event in events if event["type"] == "token")
+        assert report.error == "" and report.tokens == cold.tokens and report.text == cold.text, given
+        assert seen + streamed == cold.text and events[-1]["type"] == "done" and events[-1]["text"] == cold.text
+        ids = [token for event in events if event["type"] == "token" for token in event.get("tokens", [])]
+        assert ids == cold.tokens[given:]  # the ids a further re-send would go on from
+        assert report.breakdown.continued_tokens == given and report.breakdown.generated_tokens == 40
+    with pytest.raises(Exception, match="fewer tokens than max_tokens"):
+        RunRequest(request_id=str(uuid.uuid4()), continues=Continuation(tokens=cold.tokens), **asked)
+
+
 # -- the architecture: only cachebox talks to Redis --------------------------------------------------
 def test_no_module_outside_cachebox_imports_redis():
     pattern = re.compile(r"^\s*(import redis\b|from redis\b)", re.MULTILINE)

@@ -472,47 +472,6 @@ def test_a_run_nobody_takes_before_its_expiry_ends_as_a_failed_run_with_the_reas
     assert Dispatch.objects.get(request_id=request_id).outcome == "lost" and sweeper.sweep(later)["lost"] == 0  # once
 
 
-@pytest.mark.cachebox
-def test_a_run_on_a_board_that_died_goes_once_to_another_board_for_a_waiting_client(settings, valkey_url, monkeypatch):
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    from dashboard import actions
-    from dashboard.actions import sweeper
-    from dashboard.models import Device, Dispatch, InferenceRun
-
-    from .test_dashboard import enrolled, register, result_payload
-
-    settings.REDIS_URL = valkey_url
-    settings.EDGECACHE_BOARD_ACL = False
-    sent_to = []
-    monkeypatch.setattr("dashboard.actions.runs.celery_app.send_task", lambda name, args=None, queue=None, **k: sent_to.append(queue))
-    first, first_token = register("first")
-    second, second_token = register("second")
-    first_keys, second_keys = enrolled(first, first_token), enrolled(second, second_token)
-    now = timezone.now()
-    Device.objects.filter(name__in=["first", "second"]).update(last_seen=now, status={"heartbeat_s": 1, "fingerprint": "00ff00ff00ff00ff"})
-    first.refresh_from_db()
-    spec = actions.run_request(segments=["Question?"], max_tokens=4, title="waiting", stream=True)  # the Run page follows it
-    request_id = actions.dispatch_run(None, [first], spec)[0]["request_id"]
-    assert sent_to == ["device.first"]
-    # Ten seconds later: first stopped beating right after it took the run (killed); second beats on.
-    later = timezone.now() + timedelta(seconds=10)
-    Device.objects.filter(name="second").update(last_seen=later)
-    assert sweeper.sweep()["resent"] == 0  # first is still within its heartbeats now
-    counts = sweeper.sweep(later)
-    assert counts["resent"] == 1 and sent_to == ["device.first", "device.second"]
-    dispatch = Dispatch.objects.get(request_id=request_id)
-    assert (dispatch.device.name, dispatch.attempt, dispatch.outcome) == ("second", 2, "")
-    assert sweeper.sweep(later)["resent"] == 0  # once
-    # first's late answer is refused; second's is the run.
-    assert actions.record_run(result_payload(first, first_keys, request_id=request_id, dispatched=False)) is None
-    run = actions.record_run(result_payload(second, second_keys, request_id=request_id, dispatched=False))
-    assert run is not None and run.device.name == "second" and InferenceRun.objects.filter(request_id=request_id).count() == 1
-    assert Dispatch.objects.get(request_id=request_id).outcome == "answered"
-
-
 # -- a copy of the database ------------------------------------------------------------------------
 SECRET_PROMPT, SECRET_ANSWER, SECRET_MODULE, SECRET_SAVED = "the merger closes on Friday", "keep it quiet", "Quarterly numbers: 4.2M", "Alice's diagnosis"
 

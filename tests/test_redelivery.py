@@ -123,12 +123,17 @@ class Plane:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
             return db.execute("select count(*) from dashboard_device").fetchone()[0]
 
-    def dispatch(self, max_tokens: int, expires: int | None = None, stream: bool = False, text: str = "Write a long story about a lighthouse keeper and the sea.") -> str:
-        """Send a run to solo (``stream``: as the Run page does, whose client waits for it)."""
+    def dispatch(
+        self, max_tokens: int, expires: int | None = None, stream: bool = False, text: str = "Write a long story about a lighthouse keeper and the sea.",
+        any_board: bool = False,
+    ) -> str:
+        """Send a run to solo (``stream``: as the Run page does, whose client waits for it;
+        ``any_board``: as the router chose solo for a run sent to any board, so it may move)."""
+        routed = "routing.Routed(solo, {'policy': 'cache-aware'})" if any_board else "None"
         return self.shell(
-            "from dashboard import actions; from dashboard.models import Device; "
-            "print(actions.dispatch_run(None, [Device.objects.get(name='solo')], actions.run_request("
-            f"segments=[{text!r}], max_tokens={max_tokens}, title='fault', stream={stream!r}))[0]['request_id'])",
+            "from dashboard import actions, routing; from dashboard.models import Device; solo = Device.objects.get(name='solo'); "
+            "print(actions.dispatch_run(None, [solo], actions.run_request("
+            f"segments=[{text!r}], max_tokens={max_tokens}, title='fault', stream={stream!r}), routed={routed})[0]['request_id'])",
             env={"EDGECACHE_TASK_EXPIRES": str(expires)} if expires else None,
         )
 
@@ -250,14 +255,15 @@ def test_a_run_replayed_after_the_board_restarts_within_its_expiry_is_refused(pl
 
 
 def test_a_board_killed_mid_run_with_its_client_waiting_hands_the_run_to_another_board(plane):
-    """kill -9 while a run is on the board and its client (the Run page) waits: the sweeper sees the
-    board stop beating and sends the run once to another board of the namespace, which answers."""
+    """kill -9 while a run sent to any board is on the board and its client (the Run page) waits:
+    the sweeper sees the board stop beating and moves the run once to another board of the
+    namespace, which answers (nobody follows it here, so the sweeper sends it after ``HANDOVER``)."""
     _kill_boards(plane)
     if not plane.shell("from dashboard.models import Device; print(Device.objects.filter(name='spare').exists())") == "True":
         plane.spare_token = plane.shell("from dashboard import actions; print(actions.register_device(None, name='spare', cpu_threads=1)[1])")
     plane.board(plane.spare_token, "spare", heartbeat=1)
     solo = plane.board(plane.token, heartbeat=1)
-    request_id = plane.dispatch(max_tokens=160, stream=True)
+    request_id = plane.dispatch(max_tokens=160, stream=True, any_board=True)
     until(lambda: plane.redis.hlen("unacked.solo") > 0, 60, "solo to take the run")
     solo.send_signal(signal.SIGKILL)
     solo.wait(timeout=30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from datetime import timedelta
 
@@ -11,9 +12,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from cachebox import mirror
+from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
+from cachebox.keys import heard_key_name
 from inference.envelope import Kind
-from inference.messages import CANCELLED, ChatMessage, Queue, RunMeta, RunReport, RunRequest, SamplingSpec, Task
+from inference.messages import CANCELLED, ChatMessage, Continuation, Queue, RunMeta, RunReport, RunRequest, SamplingSpec, Task
 
 from ..celery import app as celery_app
 from .. import admission, routing
@@ -21,7 +24,7 @@ from ..live import broadcast
 from ..models import Device, Dispatch, InferenceRun
 from ..signing import seal_for
 from ..entry_preview import stored_entries
-from .cache import acceptable_entries
+from .cache import acceptable_entries, cachebox
 from .devices import receive_board_message
 
 log = logging.getLogger("dashboard.actions")
@@ -133,6 +136,8 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
     # what an entry holds from the prompt of the run that stored it: dashboard.entry_preview).
     entries = {"fetched": list(report.fetched), "stored": stored_entries(accepted)}
     asked = asked_of(report.request_id)
+    moved = Dispatch.objects.filter(request_id=report.request_id).values_list("routing", flat=True).first() or {}
+    moved = moved.get("moved") if isinstance(moved, dict) else None
     with transaction.atomic():
         run, created = InferenceRun.objects.get_or_create(
             request_id=report.request_id,
@@ -149,6 +154,7 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
                     **({"modules_hit": report.modules_hit} if report.modules_hit is not None else {}),
                     **({"entries": entries} if entries["fetched"] or entries["stored"] else {}),
                     **({"asked": asked} if asked else {}),
+                    **({"resent_from": moved} if moved else {}),
                 },
                 "case": breakdown.case.value if not report.error else "",
                 "ttft_ms": breakdown.ttft_ms,
@@ -159,8 +165,9 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
             },
         )
         if not created:
-            if run.error.startswith(LOST_PREFIX) and not report.error:
-                # The board was slow, not gone: its answer replaces the run given up on.
+            if run.error.startswith(LOST_PREFIX) and (not report.error or (report.error == CANCELLED and len(report.text) >= len(run.text))):
+                # The board was slow, not gone (nobody else answered): its answer replaces the run
+                # given up on; one it stopped (its client left) keeps what it answered.
                 _answer_lost_run(run, report)
                 transaction.on_commit(lambda: broadcast("run", run_json(run)))
             return run  # a redelivered message: stored once, broadcast once
@@ -192,8 +199,8 @@ def asked_of(request_id: str) -> dict:
 
 def _answer_lost_run(run: InferenceRun, report: RunReport) -> None:
     breakdown = report.breakdown
-    run.text, run.error, run.breakdown = report.text, "", breakdown.as_dict()
-    run.case, run.ttft_ms, run.ttlt_ms = breakdown.case.value, breakdown.ttft_ms, breakdown.ttlt_ms
+    run.text, run.error, run.breakdown = report.text, report.error, breakdown.as_dict()
+    run.case, run.ttft_ms, run.ttlt_ms = breakdown.case.value if not report.error else "", breakdown.ttft_ms, breakdown.ttlt_ms
     run.prompt_tokens, run.matched_tokens, run.state_bytes = breakdown.prompt_tokens, breakdown.matched_tokens, breakdown.state_bytes
     run.save()
     Dispatch.objects.filter(request_id=report.request_id).update(outcome="answered", request={})
@@ -271,3 +278,67 @@ def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, route
         broadcast("run.dispatched", event)
     log.info("dispatched api run %s to %s", request.request_id, device.name)
     return event
+
+
+# -- a run's client follows it: what it heard, where it moved, what it had ---------------------------
+def heard(device: str, request_id: str, now: float | None = None) -> None:
+    """The follower of run ``request_id`` heard its board ``device`` on the run's stream (a stage, a
+    token): the board is alive and took the run, whatever its heartbeats' delay under load. The
+    sweeper reads it (``actions.sweeper``). Best effort: a cache box that does not answer loses
+    a mark, and the board's heartbeats still count."""
+    now = time.time() if now is None else now
+    ttl = settings.EDGECACHE_TASK_EXPIRES + 60
+    value = repr(now).encode()
+    try:
+        store = cachebox()
+        store.set_flag(heard_key_name(device), ttl, value)
+        store.set_flag(heard_key_name(device, request_id), ttl, value)
+    except CacheBoxError as exc:
+        log.warning("run %s: what its follower heard was not noted (%s)", request_id, exc)
+
+
+def continue_run(request_id: str, device: str, tokens: list[int], text: str) -> bool:
+    """Send run ``request_id``, moved to board ``device`` by the sweeper (``Dispatch.moving``), to
+    that board, going on from the answer its client already has: ``tokens`` (the first board's,
+    forced there) and ``text``. Its follower calls this once it listens to ``device``'s channel, so
+    no event of the new board is missed; the sweeper calls it with nothing streamed when no
+    follower did. False when the run is not (or no longer) waiting to be sent there."""
+    from kombu.exceptions import OperationalError
+
+    dispatch = Dispatch.objects.select_related("device").filter(request_id=request_id, outcome="", moving=True, device__name=device).first()
+    if dispatch is None or not dispatch.request:
+        return False
+    if not Dispatch.objects.filter(pk=dispatch.pk, moving=True).update(moving=False):
+        return False  # sent already (the follower and the sweeper both tried)
+    request = RunRequest.parse(dispatch.request)
+    moved = (dispatch.routing or {}).get("moved") or {}
+    tokens = list(tokens)[: max(0, request.max_tokens - 1)]  # the new board chooses at least the last one itself
+    if tokens:
+        request = request.model_copy(update={"continues": Continuation(tokens=tokens, text=text, device=str(moved.get("from", ""))[:64])})
+    ttl = max(1.0, (dispatch.expires_at - dispatch.created).total_seconds()) if dispatch.expires_at else settings.EDGECACHE_TASK_EXPIRES
+    try:
+        send_to_board(dispatch.device, Task.RUN_PROMPT, request.dump(), ttl)
+    except OperationalError as exc:
+        from .sweeper import lose
+
+        lose(Dispatch.objects.select_related("device", "device__namespace").get(pk=dispatch.pk), f"{moved.get('why', 'its board stopped answering')}; re-sending it failed ({exc})")
+        return False
+    log.warning("run %s sent to %s, going on from %d tokens of %s", request_id, device, len(tokens), moved.get("from", "?"))
+    broadcast("run.dispatched", {"request_id": request_id, "device": device, "title": request.meta.title, "resent_from": moved.get("from", "")})
+    return True
+
+
+def keep_streamed(request_id: str, text: str) -> None:
+    """What run ``request_id``'s client had when its follower stopped following it without an
+    answer (the board fell silent, the run was given up on): a run that ends unanswered keeps
+    it, as a cancelled one keeps what was answered."""
+    if not text:
+        return
+    Dispatch.objects.filter(request_id=request_id, outcome="").update(streamed=text)
+    with transaction.atomic():
+        run = InferenceRun.objects.select_for_update().filter(request_id=request_id, error__startswith=LOST_PREFIX).first()
+        if run is None or len(run.text) >= len(text):
+            return
+        run.text = text
+        run.save(update_fields=["text"])
+        transaction.on_commit(lambda: broadcast("run", run_json(run)))

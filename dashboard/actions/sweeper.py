@@ -1,14 +1,21 @@
 """Verbs that end what nobody will answer, and tell open pages when a board goes quiet.
 
 A run is dispatched to one board's queue. It ends when that board's report arrives; otherwise
-``sweep`` ends it:
+``sweep`` ends it. A board is quiet when neither its heartbeats nor the runs it streams were heard
+within its heartbeats' window: one that streams or decodes is alive, whatever its heartbeat
+thread's delay under load (the runs' followers note what they hear: ``actions.runs.heard``).
 
-- **its board died with it, or never took it before it expired**: when its client (the API, the
-  Run page) still waits and it was not re-sent before, it goes once to another online board of its
-  namespace, under the same request id (the client, told by a control-plane-signed ``resent``
-  event, follows it there; the first board is told to drop it by a signed cancel flag);
-- otherwise it is **lost**: a failed run says why and what to do, and a waiting client gets the
-  same words as an error event at once.
+- **Its board went quiet with it, or never took it before it expired.** When its client (the API,
+  the Run page) still waits and the request let the router choose its board (sent to "any board"),
+  it moves once to another online board the request allows, under the same request id: the
+  sweeper tells the client's follower (a control-plane-signed ``resent`` event), which listens to
+  the new board's channel and then sends it there, going on from the answer it already has
+  (``actions.runs.continue_run``; the first board is told to drop it by a signed cancel flag). A
+  run sent to a named board is never moved: while its client waits, it waits for its board (the
+  client is told, a ``waiting`` stage); then it is lost.
+- **Lost**: a failed run says why and what to do, keeps the answer its client had, and a waiting
+  client gets the same words as an error event at once. Its board is not told to drop it: a late
+  answer replaces the lost run (``actions.runs.record_run``), nobody else having answered.
 
 Several control workers may sweep at once: each change of a dispatch is one conditional update,
 which one of them wins.
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from datetime import timedelta
 
 from django.conf import settings
@@ -25,9 +33,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
-from cachebox.keys import cancel_key_name, stream_channel
+from cachebox.keys import cancel_key_name, heard_key_name, stream_channel
 from inference.envelope import CONTROL, Kind, seal
-from inference.messages import RunMeta, RunRequest, StreamEvent, Task
+from inference.messages import RunMeta, RunRequest, StreamEvent
 
 from ..live import broadcast
 from ..models import Device, Dispatch, InferenceRun, offline_after
@@ -36,44 +44,112 @@ from ..signing import cancel_flag, control_plane_signer, device_ring
 log = logging.getLogger("dashboard.actions")
 
 LOST = "lost: {why}. Nothing was answered; send it again"
+LOST_STREAMED = "lost: {why}. The answer stopped after what is shown; send it again for a whole one"
 EXPIRY_GRACE = timedelta(seconds=60)  # a board that meets an expired run (back after an outage) reports it itself first
+HANDOVER = timedelta(seconds=10)  # a moved run's follower sends it within this, or the sweeper does (nobody follows it)
 BATCH = 500
 
 
 def sweep(now=None) -> dict:
-    """One pass over the runs under way; returns how many were found answered, re-sent and lost."""
+    """One pass over the runs under way; returns how many were found answered, re-sent, lost and
+    left waiting for their quiet board."""
     now = now or timezone.now()
-    counts = {"answered": 0, "resent": 0, "lost": 0}
+    counts = {"answered": 0, "resent": 0, "lost": 0, "waiting": 0}
     pending = list(Dispatch.objects.filter(kind="run", outcome="").select_related("device", "device__namespace").order_by("created")[:BATCH])
     if not pending:
         return counts
     answered = {str(rid) for rid in InferenceRun.objects.filter(request_id__in=[d.request_id for d in pending]).values_list("request_id", flat=True)}
+    heard = Heard(pending)
     for dispatch in pending:
         if str(dispatch.request_id) in answered:
             counts["answered"] += Dispatch.objects.filter(pk=dispatch.pk, outcome="").update(outcome="answered", request={})
             continue
-        why = why_lost(dispatch, now)
+        if dispatch.moving:  # moved: its follower sends it; nobody did in time, so nobody follows it
+            if now - dispatch.created > HANDOVER:
+                from .runs import continue_run
+
+                counts["resent"] += continue_run(str(dispatch.request_id), dispatch.device.name, [], "")
+            continue
+        why = why_lost(dispatch, now, heard)
         if not why:
             continue
-        if dispatch.attempt == 1 and dispatch.waits_until is not None and now < dispatch.waits_until and dispatch.request:
+        waits = dispatch.waits_until is not None and now < dispatch.waits_until and bool(dispatch.request)
+        if waits and dispatch.attempt == 1 and movable(dispatch):
             other = _another_board(dispatch, now)
             if other is not None and resend(dispatch, other, why):
                 counts["resent"] += 1
                 continue
+        if waits and dispatch.device is not None and not _expired(dispatch, now):
+            counts["waiting"] += 1  # sent to this board (or none other may take it): it waits while its client does
+            _tell_waiting(dispatch, why)
+            continue
         counts["lost"] += bool(lose(dispatch, why))
     return counts
 
 
-def why_lost(dispatch: Dispatch, now) -> str:
-    """Why nobody will answer ``dispatch`` ("" while someone still may)."""
+class Heard:
+    """When the runs' followers last heard each board, and each run, on a stream (epoch seconds; 0:
+    never), read for one sweep in one round trip (``actions.runs.heard`` writes them)."""
+
+    def __init__(self, dispatches: list[Dispatch]):
+        from .cache import cachebox
+
+        names = []
+        for dispatch in dispatches:
+            if dispatch.device is not None:
+                names += [heard_key_name(dispatch.device.name), heard_key_name(dispatch.device.name, str(dispatch.request_id))]
+        self.at: dict[str, float] = {}
+        if not names:
+            return
+        try:
+            values = cachebox().read_flags(names)
+        except CacheBoxError as exc:  # the heartbeats alone decide this sweep
+            log.warning("sweep: what the followers heard was not read (%s)", exc)
+            return
+        for name, value in zip(names, values):
+            try:
+                self.at[name] = float(value) if value is not None else 0.0
+            except ValueError:
+                self.at[name] = 0.0
+
+    def board(self, device: Device) -> float:
+        return self.at.get(heard_key_name(device.name), 0.0)
+
+    def run(self, dispatch: Dispatch) -> float:
+        return self.at.get(heard_key_name(dispatch.device.name, str(dispatch.request_id)), 0.0) if dispatch.device is not None else 0.0
+
+
+def movable(dispatch: Dispatch) -> bool:
+    """Whether the request let the router choose its board (sent to "any board"): only such a run
+    may move to another board. One sent to a named board never does."""
+    return (dispatch.routing or {}).get("policy", "named") != "named"
+
+
+def _expired(dispatch: Dispatch, now) -> bool:
+    return dispatch.expires_at is not None and now > dispatch.expires_at
+
+
+def why_lost(dispatch: Dispatch, now, heard: Heard | None = None) -> str:
+    """Why nobody will answer ``dispatch`` ("" while someone still may). A run whose client
+    follows it is known to have started once its board was heard on its stream; one that did not
+    is given up on at its expiry (its board cannot take it later), not a minute after."""
     device = dispatch.device
-    if dispatch.expires_at is not None and now > dispatch.expires_at + EXPIRY_GRACE:
+    started = heard is not None and heard.run(dispatch) > 0
+    grace = timedelta(0) if dispatch.waits_until is not None else EXPIRY_GRACE
+    if not started and dispatch.expires_at is not None and now > dispatch.expires_at + grace:
         where = f"board {device.name}" if device is not None else f"no board of namespace {dispatch.namespace}"
         return f"{where} did not start it before it expired ({dispatch.expires_at:%Y-%m-%d %H:%M:%S} UTC)"
     if device is not None and device.last_seen is not None and not _online(device, now):
         window = offline_after(device.status)
+        last_heard = heard.board(device) if heard is not None else 0.0
+        if last_heard and now.timestamp() - last_heard < window.total_seconds():
+            return ""  # streaming or decoding: alive, whatever its heartbeats say
         if device.last_seen >= dispatch.created - window:  # it was alive when the run went to it, and went quiet since
-            return f"board {device.name} stopped answering (its last heartbeat came at {device.last_seen:%H:%M:%S} UTC) while the run waited on it"
+            last = max(device.last_seen.timestamp(), last_heard)
+            said = f"its last heartbeat came at {device.last_seen:%H:%M:%S} UTC" + (
+                f", its last word on a run at {time.strftime('%H:%M:%S', time.gmtime(last_heard))} UTC" if last_heard else ""
+            )
+            return f"board {device.name} stopped answering ({said}; quiet for {now.timestamp() - last:.0f} s) while the run waited on it"
     return ""
 
 
@@ -86,7 +162,12 @@ def _another_board(dispatch: Dispatch, now) -> Device | None:
     device = dispatch.device
     fingerprint = (device.status or {}).get("fingerprint") if device is not None else None
     candidates = Device.objects.filter(namespace_id=device.namespace_id if device else dispatch.namespace, revoked_at__isnull=True).exclude(pk=getattr(device, "pk", None)).select_related("namespace")
-    online = [other for other in candidates if _online(other, now) and other.signing_public_key and (not fingerprint or (other.status or {}).get("fingerprint") == fingerprint)]
+    allowed = (dispatch.routing or {}).get("allowed")  # the boards the request named to choose among (none: any of its namespace)
+    online = [
+        other for other in candidates
+        if _online(other, now) and other.signing_public_key and (not fingerprint or (other.status or {}).get("fingerprint") == fingerprint)
+        and (not allowed or other.name in allowed)
+    ]
     return min(online, key=lambda other: other.last_seen, default=None) if online else None
 
 
@@ -112,37 +193,42 @@ def _cancel_on(device: Device, request_id: str) -> None:
 
 
 def resend(dispatch: Dispatch, other: Device, why: str) -> bool:
-    """Send the run once more, to ``other``; False when another sweeper did, or the broker failed."""
-    from kombu.exceptions import OperationalError
-
-    from .runs import send_to_board
-
+    """Move the run to ``other`` (once) and tell its client's follower, which listens to ``other``'s
+    channel and then sends it there with what it streamed (``actions.runs.continue_run``; the
+    sweeper sends it after ``HANDOVER`` when no follower did). The first board is told to drop it.
+    False when another sweeper moved it first."""
     request_id = str(dispatch.request_id)
     first = dispatch.device
     ttl = (dispatch.expires_at - dispatch.created).total_seconds() if dispatch.expires_at else settings.EDGECACHE_TASK_EXPIRES
     now = timezone.now()
-    moved = Dispatch.objects.filter(pk=dispatch.pk, outcome="", attempt=1).update(attempt=2, device=other, created=now, expires_at=now + timedelta(seconds=ttl))
+    routing = {**(dispatch.routing or {}), "moved": {"from": getattr(first, "name", ""), "to": other.name, "why": why[:500], "at": now.isoformat()}}
+    moved = Dispatch.objects.filter(pk=dispatch.pk, outcome="", attempt=1).update(
+        attempt=2, device=other, created=now, expires_at=now + timedelta(seconds=ttl), moving=True, routing=routing,
+    )
     if not moved:
         return False
-    try:
-        request = RunRequest.parse(dispatch.request)
-        send_to_board(other, Task.RUN_PROMPT, request.dump(), ttl)
-    except OperationalError as exc:
-        log.warning("run %s was not re-sent (the broker failed: %s)", request_id, exc)
-        Dispatch.objects.filter(pk=dispatch.pk).update(device=first)
-        lose(Dispatch.objects.select_related("device", "device__namespace").get(pk=dispatch.pk), f"{why}; re-sending it failed ({exc})")
-        return False
-    log.warning("run %s re-sent from %s to %s: %s", request_id, getattr(first, "name", "?"), other.name, why)
+    log.warning("run %s moved from %s to %s: %s", request_id, getattr(first, "name", "?"), other.name, why)
     if first is not None:
         _cancel_on(first, request_id)
         _publish(first, request_id, StreamEvent(type="resent", request_id=request_id, device=other.name, error=why[:10_000]))
-    broadcast("run.dispatched", {"request_id": request_id, "device": other.name, "title": request.meta.title, "resent_from": getattr(first, "name", "")})
     return True
 
 
+def _tell_waiting(dispatch: Dispatch, why: str) -> None:
+    """Tell a waiting client that its board went quiet and the run waits for it (once a sweep; a
+    page shows the newest)."""
+    until = f"{dispatch.waits_until:%H:%M:%S} UTC" if dispatch.waits_until else "its expiry"
+    text = f"{why}; it was sent to this board only, so it waits for it until {until}"
+    _publish(dispatch.device, str(dispatch.request_id), StreamEvent(type="stage", stage="waiting", request_id=str(dispatch.request_id), device=dispatch.device.name, error=text[:10_000]))
+
+
 def lose(dispatch: Dispatch, why: str) -> InferenceRun | None:
-    """End the run as failed, with why; None when it ended otherwise meanwhile."""
-    return _end_unanswered(dispatch, "lost", LOST.format(why=why))[1]
+    """End the run as failed, with why, keeping the answer its client had (``Dispatch.streamed``;
+    a follower still listening adds it when it hears the error: ``actions.runs.keep_streamed``).
+    Its board is not told to drop it: its late answer replaces this. None when it ended otherwise meanwhile."""
+    streamed = Dispatch.objects.filter(pk=dispatch.pk).values_list("streamed", flat=True).first() or ""
+    error = (LOST_STREAMED if streamed else LOST).format(why=why)
+    return _end_unanswered(dispatch, "lost", error, text=streamed, cancel=False)[1]
 
 
 REVOKED = "revoked: {who} took it back from the queue before its board answered. Nothing was answered; send it again"
@@ -160,10 +246,10 @@ def revoke(user, dispatch: Dispatch) -> bool:
     return ended
 
 
-def _end_unanswered(dispatch: Dispatch, outcome: str, error: str) -> tuple[bool, InferenceRun | None]:
+def _end_unanswered(dispatch: Dispatch, outcome: str, error: str, *, text: str = "", cancel: bool = True) -> tuple[bool, InferenceRun | None]:
     """End a dispatch nobody answered as ``outcome`` (lost, revoked): a failed run with ``error``
-    (broadcast, so every page that lists runs shows it), its board told to drop it, its waiting
-    client told at once. (False, None) when it ended otherwise meanwhile (one conditional update
+    (broadcast, so every page that lists runs shows it) keeping ``text``, its board told to drop
+    it (``cancel``), its waiting client told at once. (False, None) when it ended otherwise meanwhile (one conditional update
     decides); the run is None for a dispatch to no board in particular."""
     from .runs import run_json
 
@@ -177,11 +263,12 @@ def _end_unanswered(dispatch: Dispatch, outcome: str, error: str) -> tuple[bool,
         with transaction.atomic():
             run, created = InferenceRun.objects.get_or_create(
                 request_id=request_id,
-                defaults={"device": dispatch.device, "source": meta.source, "title": meta.title, "expected_answer": meta.expected_answer, "prompt": prompt, "error": error},
+                defaults={"device": dispatch.device, "source": meta.source, "title": meta.title, "expected_answer": meta.expected_answer, "prompt": prompt, "error": error, "text": text},
             )
             if created:
                 transaction.on_commit(lambda: broadcast("run", run_json(run)))
-        _cancel_on(dispatch.device, request_id)
+        if cancel:
+            _cancel_on(dispatch.device, request_id)
         _publish(dispatch.device, request_id, StreamEvent(type="error", request_id=request_id, device=dispatch.device.name, error=error[:10_000]))
     Dispatch.objects.filter(pk=dispatch.pk).update(request={})
     log.warning("run %s %s", request_id, error)

@@ -10,7 +10,9 @@ answer from the last ``done`` event. The response never waits on the database: t
 signed report reaches ``actions.record_run`` in parallel and becomes the run's record
 (``source="api"``). A client that goes away, or a board silent for ``EDGECACHE_API_TIMEOUT``
 seconds (504), sets the run's cancel flag: the board stops within ~100 ms and records the run
-as cancelled.
+as cancelled. A routed run whose board goes quiet mid-answer moves to another board
+(``actions.sweeper``): the follower listens there first, then sends it with the tokens the client
+already has, which that board continues from; the client receives one answer.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from cachebox import streams
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
-from inference.messages import ChatMessage, MessageRefused, RunMeta, RunRequest, SamplingSpec, StreamEvent
+from inference.messages import ChatMessage, RunMeta, RunRequest, SamplingSpec, StreamEvent
 from inference.models import Schema
 from inference.strategies import parse_strategy
 
@@ -45,6 +47,7 @@ from ..actions.cache import cachebox_url
 from ..actions.runs import dispatch_api_run
 from ..live import abroadcast
 from ..models import ApiKey, Device
+from ..run_stream import Followed, beside
 from ..signing import cancel_flag, control_plane_public_key, stream_ring_for
 from . import keys, routing
 from .errors import ApiError, bad_request, board_error
@@ -313,13 +316,7 @@ async def _answer(admitted: _Admitted, phases: "Phases") -> HttpResponse:
             await subscription.close()
 
 
-_BESIDE: set[asyncio.Task] = set()  # tasks run beside answers, kept until done (the loop holds them weakly)
-
-
-def _beside(work) -> None:
-    task = asyncio.ensure_future(work)
-    _BESIDE.add(task)
-    task.add_done_callback(_BESIDE.discard)
+_beside = beside  # tasks run beside answers, kept until done (the loop holds them weakly)
 
 
 def _dispatch(admitted: _Admitted, timeout: float) -> dict:
@@ -354,20 +351,23 @@ class Phases:
 
 class _Follower:
     """The run's events in order, each within the timeout (ApiError 504 / 503 otherwise): only
-    events the board the run went to sealed and signed for this run; any other is dropped and logged."""
+    events the board the run is with sealed and signed for this run (or the control plane: a run
+    it moved or gave up on); any other is dropped and logged (``run_stream.Followed``)."""
 
     def __init__(self, subscription: streams.Subscription, request_id: str, device: Device, timeout: float, ring_for):
         self.subscription = subscription
         self.request_id = request_id
-        self.device = device.name
-        self.signer = device.signing_public_key
-        self.ring_for = ring_for
-        self.control_plane_key = control_plane_public_key()
+        self.followed = Followed(request_id, device.name, device.signing_public_key, ring_for, control_plane_public_key(), in_thread=_in_thread)
         self.timeout = timeout
         self.phases = Phases()  # the API's own steps, from the request's arrival
         self.dispatched_at: float | None = None
         self.started_at: float | None = None  # when the board's "started" stage arrived: it took the run
         self.ticket = None  # its place in the bounded queues (dashboard.admission), released when it ends
+
+    @property
+    def device(self) -> str:
+        """The board the run is with (a moved run: the board it went on on)."""
+        return self.followed.device
 
     @property
     def queue_ms(self) -> float | None:
@@ -388,8 +388,10 @@ class _Follower:
             try:
                 data = await self.subscription.get(self.timeout)
             except CacheBoxUnavailable as exc:
+                self.followed.gave_up()
                 raise _unavailable(f"Lost the cache box while following board {self.device!r}: {exc}; the run's record will still arrive.") from None
             if data is None:
+                self.followed.gave_up()
                 raise ApiError(
                     504,
                     f"Board {self.device!r} said nothing for {self.timeout:g} s (EDGECACHE_API_TIMEOUT); the run was cancelled. "
@@ -397,28 +399,19 @@ class _Follower:
                     type="server_error",
                     code="board_timeout",
                 )
-            try:
-                event = StreamEvent.open(data, request_id=self.request_id, signer_public_key=self.signer, ring_for=self.ring_for, control_plane_key=self.control_plane_key)
-            except MessageRefused as exc:
-                security_event("stream_event_refused", device=self.device, request_id=self.request_id, reason=str(exc)[:300])
+            event = self.followed.open(data)
+            if event is None:
                 continue
-            if event.type == "resent":  # its board died: the control plane sent it to another one
-                await self.follow(event.device)
+            if event.type == "resent":  # its board went quiet: listen to the board it moved to, then send it there
+                await self.followed.move(self.subscription, event)
                 continue
+            if event.type == "error":
+                self.followed.gave_up()  # a run given up on keeps what its client had
             if event.type != "stage":  # stages are for the Run page; "started" times the queue
                 return event
             if event.stage == "started" and self.started_at is None:
                 self.started_at = time.perf_counter()
                 self.phases.mark("board")  # the broker, the board's queue and the hop back
-
-
-    async def follow(self, device_name: str) -> None:
-        """Listen to the board the run was moved to, and accept its events only."""
-        device = await Device.objects.select_related("namespace").filter(name=device_name).afirst()
-        if device is None or not device.signing_public_key:
-            return
-        self.device, self.signer = device.name, device.signing_public_key
-        await self.subscription.add(stream_channel(device.name, self.request_id))
 
 
 def _sse_response(follower: _Follower, first: StreamEvent, shape: "_Shape") -> StreamingHttpResponse:

@@ -106,6 +106,8 @@ def run_page(request):
                 command = board_start.shown_to(request.user)["command"]
                 message = f"No board of namespace {namespace!r} is online to take it: start one with `{command}`, or tick a device (it gets the run when it starts)."
                 return JsonResponse({"errors": {"any_board": [{"message": message}]}}, status=503) if wants_json else _run_page_refused(request, message, 503)
+            if devices:  # the boards it may go to, then and if its board goes quiet (``actions.sweeper``)
+                routed.record["allowed"] = sorted(device.name for device in devices)
             devices = [routed.device]
         request_ids = [str(uuid.uuid4()) for _ in devices]
         try:

@@ -52,15 +52,23 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
         return RunReport.for_request(request, **sender(), error=CANCELLED)  # revoked while queued, or re-sent elsewhere
     if stream is not None:
         stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage="started"), now=True)
-    answer = AnswerText(request.stop)
+    continues = request.continues
+    forced = tuple(continues.tokens) if continues is not None else ()
+    answer = AnswerText(request.stop, already=len(continues.text) if continues is not None else 0)
     cancelled = False
+    seen = 0  # answer tokens so far, the forced ones included
+    unsent: list[int] = []  # ids chosen since the last token event (a re-sent run goes on from those its client has)
 
     def on_token(token: int, piece: str) -> bool:
-        nonlocal cancelled
+        nonlocal cancelled, seen, unsent
+        seen += 1
+        if seen > len(forced):
+            unsent.append(token)
         released = answer.add(piece)
         if released and stream is not None:
             index = stream.count()
-            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=index, text=released), now=index == 0)
+            ids, unsent = unsent, []
+            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=index, text=released, tokens=ids), now=index == 0)
         if answer.stopped:
             return False
         if stream is not None and stream.cancelled.is_set():
@@ -73,9 +81,9 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
         sampling = SamplingParams(**request.sampling.model_dump())
         options = dict(
             max_tokens=request.max_tokens, sampling=sampling, use_cache=request.use_cache, namespace=_namespace(request.namespace),
-            approximate_from=dict(request.approximate_from),
+            approximate_from=dict(request.approximate_from), forced=forced,
         )
-        if stream is not None or request.stop:
+        if stream is not None or request.stop or forced:
             options["on_token"] = on_token
         if stream is not None and not request.is_schema_run:
             options["on_stage"] = lambda stage: stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage=stage))
@@ -95,10 +103,13 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
     tail = answer.finish(result.text)
     breakdown = result.breakdown
     breakdown.behind_ms = behind_ms
+    breakdown.continued_tokens = min(len(forced), breakdown.generated_tokens)
+    if forced and result.tokens[: len(forced)] != list(forced):
+        log.warning("run %s: its answer ended inside the tokens it was given to continue from", request.request_id)
     finish = "cancelled" if cancelled else ("stop" if answer.stopped or breakdown.generated_tokens < request.max_tokens else "length")
     if stream is not None:
         if tail and not cancelled:
-            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=stream.count(), text=tail))
+            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=stream.count(), text=tail, tokens=unsent))
         extra = {"modules_hit": result.modules_hit} if result.modules_hit is not None else {}
         done = StreamEvent(type="done", request_id=request.request_id, device=stream.device, text=answer.text, finish_reason=finish, breakdown={**breakdown.as_dict(), **extra})
         stream.close(done)

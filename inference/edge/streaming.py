@@ -56,10 +56,10 @@ class AnswerText:
     """The answer as its client sees it: cut before the first stop string, and released piece by
     piece only once a piece can no longer turn out to be the start of one."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], already: int = 0):
         self.stops = [stop for stop in stops if stop]
         self.text = ""
-        self.sent = 0  # characters of ``text`` released
+        self.sent = already  # characters of ``text`` released (``already``: its client has them from another board)
         self.stopped = False
 
     def add(self, piece: str) -> str:
@@ -132,7 +132,8 @@ class _StreamThread(threading.Thread):
             with self._lock:
                 if stream in self._watched:
                     self._watched[stream] = time.monotonic() + self.CHECK_EVERY_S
-            stream.cancel_requested()
+            if not stream.cancel_requested():
+                stream.pulse()
 
 
 _THREAD: _StreamThread | None = None
@@ -161,6 +162,9 @@ class StreamPublisher:
     trip with the registry record, ``inference.tasks``), looked at before anything is published."""
 
     CHECK_EVERY_S = _StreamThread.CHECK_EVERY_S
+    # Before its first token (a long prefill, a fetch over a slow link) a run says its stage again
+    # this often: its followers hear the board is alive and has the run, whatever its heartbeats' delay.
+    PULSE_S = 2.0
 
     def __init__(self, store: CacheBox, request_id: str, me: EdgeIdentity, *, cancel_flag: bytes | None | object = UNREAD):
         self.store = store
@@ -176,6 +180,8 @@ class StreamPublisher:
         self._drained = threading.Condition()
         self._sent = 0
         self._failed = False
+        self._stage: StreamEvent | None = None  # the last stage said, until the first token
+        self._said_at = time.monotonic()
         self._thread = _stream_thread()
         self._thread.watch(self)
 
@@ -187,6 +193,8 @@ class StreamPublisher:
     def send(self, event: StreamEvent, *, now: bool = False) -> None:
         """Publish ``event`` after every event sent before it: from this thread at once when ``now``
         and none waits, else from the stream thread."""
+        self._stage = event if event.type == "stage" and self._sent == 0 else None
+        self._said_at = time.monotonic()
         with self._drained:
             if now and not self._pending:
                 self._publish(self.me.seal_event(event))
@@ -211,6 +219,13 @@ class StreamPublisher:
         with self._drained:
             self._drained.wait_for(lambda: not self._pending, timeout)
         self._thread.forget(self)
+
+    def pulse(self) -> None:
+        """Say the run's stage again when nothing was said for ``PULSE_S`` before its first token
+        (from the stream thread)."""
+        stage = self._stage
+        if stage is not None and time.monotonic() - self._said_at >= self.PULSE_S:
+            self.send(stage)
 
     def cancel_requested(self) -> bool:
         if not self.cancelled.is_set() and signed_cancel_set(self.store, self.me, self.request_id):

@@ -386,6 +386,7 @@
     decoding: "decoding: tokens as they are chosen",
     finishing: "answered: recording the run…",
     cancelling: "cancelling: the board stops at its next token…",
+    waiting: "waiting: its board went quiet…",
     "cancel-failed": "could not cancel",
   };
   function setStage(card, stage, words) {
@@ -431,8 +432,16 @@
     card.appendChild(el("h3", {}, [run.device + " ", run.url ? el("a", { href: run.url, class: "muted small", text: "run #" + run.id }) : null]));
     if (run.title) card.appendChild(el("p", { class: "muted prompt-title", text: "answers: " + run.title }));
     if (typeof onChatRecord === "function") onChatRecord(run);
+    const moved = b.resent_from;
+    if (moved && moved.from) {
+      // Its first board went quiet mid-answer: this board went on from the tokens already shown.
+      card.appendChild(el("p", { class: "moved-note", text: "board changed: " + moved.from + " stopped answering; " + run.device + " went on" +
+        (b.continued_tokens ? " from its " + show(b.continued_tokens) + " token" + (b.continued_tokens === 1 ? "" : "s") : "") }));
+    }
     if (run.error && !run.cancelled) {
       card.appendChild(el("p", { class: "error", title: show(run.error), text: errorText(run) }));
+      // A run given up on keeps what was answered before its board went quiet.
+      if (run.text) card.appendChild(el("p", { class: "answer partial", text: run.text }));
       return;
     }
     if (run.cancelled) {
@@ -584,7 +593,17 @@
         card.dataset.tokens = String((parseInt(card.dataset.tokens || "0", 10) || 0) + 1);
       } else if (event.event === "done") setStage(card, "finishing", event.finish_reason === "cancelled" ? "cancelled: recording the run…" : null);
       else if (event.event === "error" || event.event === "lost") setStage(card, "finishing", event.error);
-      else if (event.event === "resent") setStage(card, "queued", "its board stopped answering: sent to " + event.device + " instead");
+      else if (event.event === "stage" && event.stage === "waiting") setStage(card, "waiting", event.reason);
+      else if (event.event === "resent") {
+        // The board changed: the card says so, and the answer goes on where it stopped.
+        const from = event.from || card.dataset.device;
+        card.dataset.device = event.device;
+        const title = card.querySelector("h3");
+        if (title) title.textContent = event.device;
+        card.insertBefore(el("p", { class: "moved-note", text: "board changed: " + from + " stopped answering; " + event.device + " goes on" +
+          (event.tokens ? " from the " + event.tokens + " token" + (event.tokens === 1 ? "" : "s") + " shown" : "") }), card.querySelector(".stage"));
+        setStage(card, "queued", "sent to " + event.device + ": waiting for it…");
+      }
     }
 
     // -- the chat: the conversation so far is kept in the form (``history``, JSON) and drawn as
