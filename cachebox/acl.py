@@ -9,7 +9,8 @@ A board reaches the broker and the cache box as ``edgecache-board-NAME``, a user
   it can neither read other boards' reports nor delete or overwrite the queue);
 - read and write its cache namespace's entries and catalog (``ec:e:NS:*``, ``ec:m:NS:*``,
   ``ec:c:{NS}:*``);
-- read its own registry record and its own runs' cancel flags, never write them;
+- read its own registry record, its tenant's producer table and its own runs' cancel flags, never
+  write them;
 - publish on its own runs' stream channels (``ec:stream:NAME:*``);
 - run no other command: no admin, no scripting (a Lua script could hold the whole server), no
   KEYS/SCAN, no FLUSH*, no CONFIG, no ACL.
@@ -31,6 +32,7 @@ import re
 from urllib.parse import quote
 
 from .keys import HEARTBEAT_LIST
+from .signing import tenant_of
 
 BOARD_USER_PREFIX = "edgecache-board-"
 ENROLL_USER_PREFIX = "edgecache-enroll-"
@@ -86,6 +88,7 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
         f"(~ec:e:{ns}:* ~ec:m:{ns}:* ~ec:c:{{{ns}}}:* "
         f"+get +set +getrange +strlen +exists +expire +del +xadd +xrange +xlen +xtrim +hgetall +hget +hset {_TRANSACTIONS})",
         f"(%R~ec:device:{name} %R~ec:cancel:{name}:* +get +exists)",
+        f"(%R~ec:producers:{_checked(tenant_of(cache_namespace))} +get)",
         f"(&ec:stream:{name}:* +publish)",
     ]
 

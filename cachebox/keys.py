@@ -24,7 +24,9 @@ from .errors import InvalidNamespace
 
 # Bump when the layout of stored state bytes or entry headers changes: old entries
 # then simply stop matching instead of being restored into an incompatible context.
-STATE_FORMAT_VERSION = 4  # 2: signed entries (ECE2); 3: prefills cut on a fixed grid (bit-exact reuse); 4: sealed states (ECE3)
+# 2: signed entries (ECE2); 3: prefills cut on a fixed grid (bit-exact reuse); 4: sealed states (ECE3);
+# 5: entries signed by their producer (ECE4)
+STATE_FORMAT_VERSION = 5
 
 KEY_BYTES = 16
 DEFAULT_NAMESPACE = "default"
@@ -231,6 +233,12 @@ def _device(name: str) -> str:
 # Boards' signed heartbeats, pushed onto this list of the broker's server (write-only for them);
 # the control plane's workers take them off in batches (``dashboard.actions.devices.HeartbeatBatch``).
 HEARTBEAT_LIST = f"{KEY_PREFIX}:heartbeats"
+
+
+def producers_key_name(tenant: str) -> str:
+    """Redis key of a tenant's producer table (``ec:producers:<tenant>``): who may make its entries,
+    whose are quarantined; signed by the control plane, read-only to the tenant's boards."""
+    return f"{KEY_PREFIX}:producers:{check_namespace(tenant)}"
 
 
 def stream_channel(device: str, request_id: str) -> str:

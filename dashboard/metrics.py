@@ -184,7 +184,7 @@ class OperationsCollector(RunMetricsCollector):
             labels = [row["device__name"] or "", row["namespace"]]
             waiting.add_metric(labels, float(row["runs"]))
             oldest.add_metric(labels, max((now - row["since"]).total_seconds(), 0.0))
-        families = [up, seen, waiting, oldest]
+        families = [up, seen, waiting, oldest, *self._audits()]
         try:
             used, limit = cachebox().memory_bytes()
             memory = GaugeMetricFamily("edgecache_cachebox_memory_used_bytes", "Memory the cache box server uses (INFO used_memory; a cluster: its primaries' sum).")
@@ -202,6 +202,29 @@ class OperationsCollector(RunMetricsCollector):
         for event, count in sorted(security_counts().items()):
             events.add_metric([event], float(count))
         return families + [events]
+
+
+    @staticmethod
+    def _audits() -> list:
+        """Audits by verdict (per producer: who an audit caught), and the boards whose entries are quarantined."""
+        from .models import EntryAudit
+
+        audits = CounterMetricFamily(
+            "edgecache_entry_audits",
+            "Cache hits recomputed cold on another board and compared bit for bit, by verdict (mismatch: the producing board lied or computes other bits).",
+            labels=["producer", "namespace", "verdict"],
+        )
+        rows = EntryAudit.objects.exclude(verdict="").order_by().values("producer", "namespace", "verdict").annotate(count=Count("pk"))
+        for row in rows:
+            audits.add_metric([row["producer"], row["namespace"], row["verdict"]], float(row["count"]))
+        quarantined = GaugeMetricFamily(
+            "edgecache_board_quarantined",
+            "1 while the board's entries are quarantined (an audit found one of them not what it claims; readers refuse them all).",
+            labels=["device", "namespace"],
+        )
+        for name, namespace in Device.objects.filter(quarantined_at__isnull=False).values_list("name", "namespace_id"):
+            quarantined.add_metric([name, namespace], 1.0)
+        return [audits, quarantined]
 
 
 # The registry /metrics serves: the run metrics, this process's refusals and its resources.

@@ -59,15 +59,17 @@ class Task(StrEnum):
     # control plane -> boards
     RUN_PROMPT = "edgecache.run_prompt"
     ENCODE_SCHEMA = "edgecache.encode_schema"
+    AUDIT_ENTRY = "edgecache.audit_entry"  # recompute a hit cold and compare (AuditRequest)
     # boards -> control plane
     RECORD_RUN = "edgecache.record_run"
     HEARTBEAT = "edgecache.heartbeat"
     ENCODE_PROGRESS = "edgecache.encode_progress"
     ENCODED = "edgecache.encoded"
     ENROLL = "edgecache.enroll"
+    RECORD_AUDIT = "edgecache.record_audit"  # an audit's verdict (AuditReport)
 
 
-CONTROL_TASKS = (Task.RECORD_RUN, Task.HEARTBEAT, Task.ENCODE_PROGRESS, Task.ENCODED, Task.ENROLL)
+CONTROL_TASKS = (Task.RECORD_RUN, Task.HEARTBEAT, Task.ENCODE_PROGRESS, Task.ENCODED, Task.ENROLL, Task.RECORD_AUDIT)
 
 
 class MessageRefused(ValueError):
@@ -295,6 +297,31 @@ class RunReport(BoardMessage):
     def for_request(cls, request: RunRequest, *, device: str, error: str = "") -> "RunReport":
         """The report of a request that did not run (refused, expired, failed)."""
         return cls(device=device, request_id=request.request_id, meta=request.meta, prompt=request.prompt_text, error=error)
+
+
+class AuditRequest(Message):
+    """Recompute one cache entry cold and compare it bit for bit: ``run`` is the request whose run
+    hit the entry (its prompt gives the entry's tokens), ``entry`` the entry's name."""
+
+    request_id: str = Field(pattern=_UUID)
+    entry: str = Field(max_length=200)
+    run: RunRequest
+
+
+AuditVerdict = Literal["match", "mismatch", "refused", "gone", "inconclusive"]
+
+
+class AuditReport(BoardMessage):
+    """An audit's verdict: ``producer`` is the board the entry's verified signature names ("" when
+    it was refused before that); the digests are SHA-256 of the entry's state and of the cold one."""
+
+    request_id: str = Field(pattern=_UUID)
+    entry: str = Field(max_length=200)
+    verdict: AuditVerdict
+    producer: str = Field("", max_length=64)
+    detail: str = Field("", max_length=500)
+    entry_state_sha256: str = Field("", pattern=r"^$|^[0-9a-f]{64}$")
+    cold_state_sha256: str = Field("", pattern=r"^$|^[0-9a-f]{64}$")
 
 
 class StreamEvent(Message):

@@ -21,7 +21,7 @@ from inference.messages import BoardMessage, EnrollRequest, Heartbeat
 
 from ..live import broadcast
 from ..models import Device, Namespace, offline_after
-from ..signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring
+from ..signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring, signed_producer_table
 from ..stats import memory_label
 from .audit import AuditAction, audit
 from .cache import cachebox
@@ -82,7 +82,21 @@ def publish_all_devices() -> int:
     for device in Device.objects.select_related("namespace"):
         registry.publish(store, _record_for(device), signer)
         count += 1
+    for tenant in Namespace.objects.values_list("name", flat=True):
+        publish_producers(tenant)
     return count
+
+
+def publish_producers(tenant: str) -> bool:
+    """Publish ``tenant``'s producer table (who may make its entries, whose are quarantined), signed
+    by the control plane; boards take it at their next heartbeat. False when the cache box is down
+    (``publish_all_devices`` publishes it again at every start)."""
+    try:
+        cachebox().put_producer_table(tenant, signed_producer_table(tenant))
+        return True
+    except CacheBoxError as exc:
+        log.warning("producer table of %s not published to the cache box: %s", tenant, exc)
+        return False
 
 
 def _changed(devices) -> None:
@@ -91,10 +105,14 @@ def _changed(devices) -> None:
     the verb's transaction block: a device record must not reach boards before the database holds it."""
     from .identities import apply_identity
 
+    tenants = set()
     for device in devices:
         apply_identity(device)
         publish_device(device)
+        tenants.add(device.namespace_id)
         transaction.on_commit(lambda device=device: broadcast("device", device_json(device)))
+    for tenant in sorted(tenants):  # a board enrolled, revoked or moved: who may make the tenant's entries
+        publish_producers(tenant)
 
 
 # -- namespaces (tenants) and their signing keys ---------------------------------------------------
@@ -177,12 +195,17 @@ def rotate_token(user, device: Device) -> str:
 
 
 def revoke_device(user, device: Device) -> None:
-    """Refuse the device's token from now on (its board stops serving at its next task)."""
+    """Refuse the device's token from now on (its board stops serving at its next task), and
+    quarantine its entries: the producer table lists it as revoked (every reader refuses and evicts
+    what it made) and the entries the mirror knows it stored are deleted now."""
     device.revoked_at = timezone.now()
     with transaction.atomic():
         device.save(update_fields=["revoked_at"])
         audit(user, AuditAction.DEVICE_REVOKE, device.name)
     _changed([device])
+    from .entry_audits import delete_entries_of
+
+    delete_entries_of(device.name)
 
 
 def enroll_device(payload: dict) -> Device | None:
@@ -244,7 +267,7 @@ def _authenticated(device: Device | None, name) -> Device | None:
     return device
 
 
-_KINDS = {"RunReport": Kind.REPORT, "EncodeReport": Kind.ENCODED, "EncodeProgress": Kind.PROGRESS, "Heartbeat": Kind.HEARTBEAT}
+_KINDS = {"RunReport": Kind.REPORT, "EncodeReport": Kind.ENCODED, "EncodeProgress": Kind.PROGRESS, "Heartbeat": Kind.HEARTBEAT, "AuditReport": Kind.AUDITED}
 
 
 def receive_board_message(cls: type[BoardMessage], payload: dict) -> tuple[BoardMessage | None, Device | None, float]:

@@ -22,6 +22,7 @@ from ..models import Device, Dispatch, InferenceRun
 from ..signing import seal_for
 from ..entry_preview import stored_entries
 from .cache import acceptable_entries
+from . import entry_audits
 from .devices import receive_board_message
 
 log = logging.getLogger("dashboard.actions")
@@ -70,7 +71,7 @@ def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: li
     return sent
 
 
-_KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE}
+_KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE, Task.AUDIT_ENTRY: Kind.AUDIT}
 
 
 def send_to_board(device: Device, task: Task, message: dict, expires: float) -> None:
@@ -101,6 +102,7 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
     # what an entry holds from the prompt of the run that stored it: dashboard.entry_preview).
     entries = {"fetched": list(report.fetched), "stored": stored_entries(accepted)}
     asked = asked_of(report.request_id)
+    audited = entry_audits.sample(device, report)  # before the request is emptied: an audit recomputes it
     with transaction.atomic():
         run, created = InferenceRun.objects.get_or_create(
             request_id=report.request_id,
@@ -138,6 +140,8 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
         mirror.record_hits(report.fetched)
         Device.objects.filter(pk=device.pk).update(last_seen=timezone.now())
         transaction.on_commit(lambda: broadcast("run", run_json(run)))
+    if audited is not None:
+        entry_audits.dispatch_audit(*audited)
     return run
 
 

@@ -16,7 +16,10 @@ from .enrollment import identity, sender
 
 log = logging.getLogger("inference.edge")
 
-_KINDS = {Task.RECORD_RUN: Kind.REPORT, Task.ENCODED: Kind.ENCODED, Task.ENCODE_PROGRESS: Kind.PROGRESS, Task.HEARTBEAT: Kind.HEARTBEAT}
+_KINDS = {
+    Task.RECORD_RUN: Kind.REPORT, Task.ENCODED: Kind.ENCODED, Task.ENCODE_PROGRESS: Kind.PROGRESS, Task.HEARTBEAT: Kind.HEARTBEAT,
+    Task.RECORD_AUDIT: Kind.AUDITED,
+}
 
 
 def send_to_control(task: Task, message: BoardMessage, **options) -> None:
@@ -39,6 +42,9 @@ def report(message: BoardMessage, task: Task = Task.RECORD_RUN) -> None:
 def refused_request(raw, reason: str, task: Task) -> None:
     """A malformed request that still names its request id is answered with an error, so it is not lost."""
     request_id = raw.get("request_id") if isinstance(raw, dict) else None
+    if task == Task.AUDIT_ENTRY:  # an audit nobody waits for: said in the log, its row stays under way
+        log.warning("refused audit %s: %s", request_id, reason)
+        return
     try:
         if task == Task.RUN_PROMPT:
             report(RunReport(**sender(), request_id=request_id, error=f"refused by the board: {reason}"))
