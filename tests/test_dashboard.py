@@ -19,7 +19,7 @@ from django.contrib.auth import get_user_model
 from django.urls import reverse
 
 from cachebox.entry import EntryHeader, encode_entry
-from cachebox.signing import derive_keyring
+from cachebox.signing import derive_keyring, shared_producer_ring
 from cachebox.keys import entry_key_name
 from cachebox.models import CacheEntry
 from cachebox.store import CacheBox
@@ -419,7 +419,7 @@ def store_entry(store, namespace, start=0, end=64, device="zero"):
     key = os.urandom(16)
     header = EntryHeader("00ff00ff00ff00ff", namespace, start, end, "d" * 32, 0, device=device)
     name = entry_key_name(namespace, "00ff00ff00ff00ff", key)
-    store.put_entries([(name, encode_entry(header, state, derive_keyring(b"k" * 32, namespace, 1)))], ttl=3600)
+    store.put_entries([(name, encode_entry(header, state, shared_producer_ring(derive_keyring(b"k" * 32, namespace, 1))))], ttl=3600)
     return name, key
 
 
