@@ -173,10 +173,23 @@ class OperationsCollector(RunMetricsCollector):
         now = timezone.now()
         up = GaugeMetricFamily("edgecache_board_up", "1 while the board beats (within EDGECACHE_MISSED_HEARTBEATS of its heartbeats), else 0; revoked boards are left out.", labels=["device", "namespace"])
         seen = GaugeMetricFamily("edgecache_board_last_seen_timestamp_seconds", "When the board's last heartbeat came (Unix time; 0: never).", labels=["device", "namespace"])
-        for device in Device.objects.filter(revoked_at__isnull=True).only("name", "namespace_id", "last_seen", "status", "revoked_at"):
+        mismatches = CounterMetricFamily(
+            "edgecache_audit_mismatches",
+            "Entries of the board that an audit recomputed cold on another board of the same model and found not to be what they claim.",
+            labels=["device", "namespace"],
+        )
+        quarantined = GaugeMetricFamily(
+            "edgecache_board_quarantined",
+            "1 while the board's entries are quarantined (an audit caught one of them; every board refuses them all), else 0.",
+            labels=["device", "namespace"],
+        )
+        fields = ("name", "namespace_id", "last_seen", "status", "revoked_at", "audit_mismatches", "quarantined_at")
+        for device in Device.objects.filter(revoked_at__isnull=True).only(*fields):
             labels = [device.name, device.namespace_id]
             up.add_metric(labels, float(device.online_at(now)))
             seen.add_metric(labels, device.last_seen.timestamp() if device.last_seen else 0.0)
+            mismatches.add_metric(labels, float(device.audit_mismatches))
+            quarantined.add_metric(labels, float(device.quarantined_at is not None))
         waiting = GaugeMetricFamily("edgecache_queue_runs", "Runs sent to the board and not answered, lost or revoked yet (queued or running).", labels=["device", "namespace"])
         oldest = GaugeMetricFamily("edgecache_queue_oldest_wait_seconds", "How long the oldest of those runs has waited, in seconds (0: none waits).", labels=["device", "namespace"])
         rows = Dispatch.objects.filter(kind="run", outcome="").order_by().values("device__name", "namespace").annotate(runs=Count("pk"), since=Min("created"))
@@ -184,7 +197,7 @@ class OperationsCollector(RunMetricsCollector):
             labels = [row["device__name"] or "", row["namespace"]]
             waiting.add_metric(labels, float(row["runs"]))
             oldest.add_metric(labels, max((now - row["since"]).total_seconds(), 0.0))
-        families = [up, seen, waiting, oldest, *self._audits()]
+        families = [up, seen, waiting, oldest, mismatches, quarantined]
         try:
             used, limit = cachebox().memory_bytes()
             memory = GaugeMetricFamily("edgecache_cachebox_memory_used_bytes", "Memory the cache box server uses (INFO used_memory; a cluster: its primaries' sum).")
@@ -202,29 +215,6 @@ class OperationsCollector(RunMetricsCollector):
         for event, count in sorted(security_counts().items()):
             events.add_metric([event], float(count))
         return families + [events]
-
-
-    @staticmethod
-    def _audits() -> list:
-        """Audits by verdict (per producer: who an audit caught), and the boards whose entries are quarantined."""
-        from .models import EntryAudit
-
-        audits = CounterMetricFamily(
-            "edgecache_entry_audits",
-            "Cache hits recomputed cold on another board and compared bit for bit, by verdict (mismatch: the producing board lied or computes other bits).",
-            labels=["producer", "namespace", "verdict"],
-        )
-        rows = EntryAudit.objects.exclude(verdict="").order_by().values("producer", "namespace", "verdict").annotate(count=Count("pk"))
-        for row in rows:
-            audits.add_metric([row["producer"], row["namespace"], row["verdict"]], float(row["count"]))
-        quarantined = GaugeMetricFamily(
-            "edgecache_board_quarantined",
-            "1 while the board's entries are quarantined (an audit found one of them not what it claims; readers refuse them all).",
-            labels=["device", "namespace"],
-        )
-        for name, namespace in Device.objects.filter(quarantined_at__isnull=False).values_list("name", "namespace_id"):
-            quarantined.add_metric([name, namespace], 1.0)
-        return [audits, quarantined]
 
 
 # The registry /metrics serves: the run metrics, this process's refusals and its resources.

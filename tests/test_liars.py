@@ -214,7 +214,7 @@ def test_a_liar_signing_its_forgery_is_named_by_the_audit_and_quarantined(fleet,
     client.force_login(staff)
     settings.EDGECACHE_METRICS_CACHE_SECONDS = 0
     metrics = client.get("/metrics").content.decode()
-    assert 'edgecache_entry_audits_total{namespace="acme",producer="liar",verdict="mismatch"} 1.0' in metrics
+    assert 'edgecache_audit_mismatches_total{device="liar",namespace="acme"} 1.0' in metrics
     assert 'edgecache_board_quarantined{device="liar",namespace="acme"} 1.0' in metrics
     page = client.get(marked.get_absolute_url()).content.decode()
     assert "quarantined" in page and "differs from the cold state" in page

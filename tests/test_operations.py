@@ -395,8 +395,8 @@ def test_promtool_accepts_the_alert_rules():
 
 
 def test_an_audit_mismatch_fires_its_alert_and_a_match_does_not(tmp_path):
-    """promtool runs the rule over series as /metrics exports them: one mismatch naming the liar
-    fires EdgeCacheAuditMismatch for it; audits that matched fire nothing."""
+    """promtool runs the rule over series as /metrics exports them: one mismatch of the liar fires
+    EdgeCacheAuditMismatch for it; a board with none fires nothing."""
     import subprocess
 
     promtool = _promtool()
@@ -409,19 +409,19 @@ def test_an_audit_mismatch_fires_its_alert_and_a_match_does_not(tmp_path):
     rules = yaml.safe_load((OPS / "edgecache-alerts.yml").read_text())["groups"][0]["rules"]
     [rule] = [rule for rule in rules if rule["alert"] == "EdgeCacheAuditMismatch"]
     cases = tmp_path / "audit-alert-test.yml"
-    series = "edgecache_entry_audits_total{{producer={!r},namespace=\"acme\",verdict={!r}}}"
+    series = "edgecache_audit_mismatches_total{{device={!r},namespace=\"acme\"}}"
     cases.write_text(yaml.safe_dump({
         "rule_files": [str(OPS / "edgecache-alerts.yml")],
         "evaluation_interval": "1m",
         "tests": [{
             "interval": "1m",
             "input_series": [
-                {"series": series.format("liar", "mismatch").replace("'", '"'), "values": "0 0 1 1 1"},
-                {"series": series.format("honest", "match").replace("'", '"'), "values": "0 1 2 3 4"},
+                {"series": series.format("liar").replace("'", '"'), "values": "0 0 1 1 1"},
+                {"series": series.format("honest").replace("'", '"'), "values": "0 0 0 0 0"},
             ],
             "alert_rule_test": [
                 {"eval_time": "4m", "alertname": "EdgeCacheAuditMismatch", "exp_alerts": [{
-                    "exp_labels": {"severity": "critical", "producer": "liar", "namespace": "acme"},
+                    "exp_labels": {"severity": "critical", "device": "liar", "namespace": "acme"},
                     "exp_annotations": {"summary": "an audit caught liar (acme): 1 entries not what they claim", "description": rule["annotations"]["description"]},
                 }]},
                 {"eval_time": "1m", "alertname": "EdgeCacheAuditMismatch", "exp_alerts": []},

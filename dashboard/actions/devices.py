@@ -513,10 +513,14 @@ def _republish_missing(devices: list[Device]) -> None:
         present = cachebox().exists([device_key_name(device.name) for device in devices])
     except CacheBoxError:
         return
+    tenants = set()
     for device, there in zip(devices, present):
         if not there:
             log.warning("device %s: its registry record was gone (cache box restarted?); published again", device.name)
             publish_device(device)
+            tenants.add(device.namespace_id)
+    for tenant in sorted(tenants):  # the producer tables went with the records
+        publish_producers(tenant)
 
 
 def heartbeat_records() -> list[tuple[str, float, float]]:
@@ -541,6 +545,7 @@ def _republish_if_missing(device: Device) -> None:
     if missing:
         log.warning("device %s: its registry record was gone (cache box restarted?); published again", device.name)
         publish_device(device)
+        publish_producers(device.namespace_id)  # the producer table went with the record
 
 
 def device_json(device: Device, now=None) -> dict:

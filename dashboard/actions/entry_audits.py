@@ -6,7 +6,7 @@ the same namespace and model (``Task.AUDIT_ENTRY``, signed and sealed like a run
 compares bit for bit (``inference.audit``) and answers with an ``AuditReport``
 (``Task.RECORD_AUDIT``). A mismatch deletes the entry, quarantines its producer (the producer table
 lists it: every reader refuses and evicts what it made), counts it on the device and in
-``/metrics`` (``edgecache_entry_audits_total{verdict="mismatch"}``, ``edgecache_board_quarantined``)
+``/metrics`` (``edgecache_audit_mismatches_total``, ``edgecache_board_quarantined``)
 and shows it on the device page. Revoking a board quarantines its entries the same way.
 """
 
