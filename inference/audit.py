@@ -15,11 +15,13 @@ Exact prefix runs only: a schema module's state or a chat turn a board prepared 
 from __future__ import annotations
 
 import hashlib
+
 import numpy as np
 
 from cachebox.entry import decoded_state, open_entry
 from cachebox.errors import CacheBoxUnavailable, EntryError
 from cachebox.keys import grid_cuts, off_grid, parse_entry_key_name, range_boundaries, tokens_digest
+from cachebox.signing import UnknownKey
 
 from .chat import chat_prompt
 from .engine import EngineError
@@ -81,6 +83,8 @@ def audit_entry(board, audit: AuditRequest) -> dict:
     try:
         header, encoded = open_entry(blob, ring, board.exchange.max_entry_bytes)
         state = bytes(decoded_state(header, encoded))
+    except UnknownKey as exc:  # a key or producer this board has not received yet: not the entry's fault
+        return {**verdict, "verdict": "inconclusive", "detail": str(exc)[:500]}
     except EntryError as exc:
         return {**verdict, "verdict": "refused", "detail": str(exc)[:500]}
     found = {**verdict, "producer": header.producer, "entry_state_sha256": _sha256(state)}
