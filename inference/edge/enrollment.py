@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from celery import current_app
 
-from cachebox.errors import CacheBoxUnavailable
+from cachebox.errors import CacheBoxError, CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.signing import Keychain, KeyRing, Producer, ProducerTable
 from cachebox.store import CacheBox
@@ -68,7 +68,7 @@ class EdgeIdentity:
         tenant = self.record.namespace
         try:
             raw = self.store.get_producer_table(tenant)
-        except CacheBoxUnavailable as exc:
+        except CacheBoxError as exc:  # down, or still the enrollment user (its own user reads it next)
             log.warning("cannot read the producer table of %s now: %s", tenant, exc)
             return
         if raw is None:
