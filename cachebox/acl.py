@@ -13,7 +13,8 @@ A board reaches the broker and the cache box as ``edgecache-board-NAME``, a user
   which check a value's size, give it a TTL and charge the namespace's budget (``ec:quota:NS:*``);
   Redis checks the commands a function runs with the caller's rights, so the user holds those
   commands too, in their TTL-carrying forms (PSETEX, never SET or PERSIST);
-- read its own registry record and its own runs' cancel flags, never write them;
+- read its own registry record, its tenant's producer table and its own runs' cancel flags, never
+  write them;
 - publish on its own runs' stream channels (``ec:stream:NAME:*``);
 - run no other command: no admin, no scripts of its own (EVAL, FUNCTION LOAD: a Lua script could
   hold the whole server), no KEYS/SCAN, no FLUSH*, no CONFIG, no ACL.
@@ -36,6 +37,7 @@ from urllib.parse import quote
 
 from .keys import enroll_inbox_key, heartbeat_key, inbox_key
 from .quota import quota_key_pattern
+from .signing import tenant_of
 
 BOARD_USER_PREFIX = "edgecache-board-"
 ENROLL_USER_PREFIX = "edgecache-enroll-"
@@ -98,6 +100,7 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
         f"(~{quota_key_pattern(ns)} +hset +hincrby +hdel +hexists +zadd +zrem +zrangebyscore +pexpire)",
         "+time",
         f"(%R~ec:device:{name} %R~ec:cancel:{name}:* +get +exists)",
+        f"(%R~ec:producers:{_checked(tenant_of(cache_namespace))} +get)",
         f"(&ec:stream:{name}:* +publish)",
     ]
 

@@ -1,7 +1,8 @@
 """One cache entry: the llama.cpp state of one token range, sealed under its namespace's data key,
 behind a small signed header.
 
-Layout (no pickle): ``b"ECE3" | u32 header length | 32-byte MAC | header JSON | sealed state``.
+Layout (no pickle): ``b"ECE4" | u32 header length | 32-byte MAC | 64-byte producer signature |
+header JSON | sealed state``.
 
 - The **header** names what a board needs before it downloads the state: model fingerprint,
   namespace, range ``[start, end)``, the stored size, codec and cipher, the key generation, and
@@ -9,6 +10,13 @@ Layout (no pickle): ``b"ECE3" | u32 header length | 32-byte MAC | header JSON | 
   the range's last position, so a full hit samples its first token with no decode). The MAC
   (HMAC-SHA256 under the namespace's MAC key, ``signing.KeyRing``) authenticates the header, so a
   board refuses a forged or oversized entry before downloading it.
+- The **producer signature** (Ed25519, the key the producing board enrolled) covers the same
+  header bytes, whose sealed private part names the producer and holds the SHA-256 of the state:
+  the ring lets any member of the namespace seal, but only the producer can sign. A reader checks
+  it against the producer's key in its namespace's producer table (``signing.ProducerTable``,
+  signed by the control plane) and refuses an entry whose producer is unknown, quarantined, or
+  whose signature or state digest fails. A board that re-seals another prompt's state under a
+  header must sign it as itself: the audit then names it (``inference.audit``).
 - The **state** is encrypted and authenticated (AES-256-GCM or ChaCha20-Poly1305, a key of its own
   per entry: ``signing.seal_data``) with the header bytes as associated data: it opens only under
   the namespace's key and only behind the header it was written with. A dump of the cache box
@@ -22,6 +30,8 @@ decompression is bounded by the signed decoded size.
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import os
 import struct
@@ -34,9 +44,10 @@ import numpy as np
 from . import codec as codecs
 from .errors import EntryError
 from .keys import STATE_FORMAT_VERSION
-from .signing import CIPHERS, DEFAULT_CIPHER, MAC_BYTES, SALT_BYTES, TAG_BYTES, KeyRing
+from .signing import CIPHERS, DEFAULT_CIPHER, MAC_BYTES, PRODUCER_SIGNATURE_BYTES, SALT_BYTES, TAG_BYTES, KeyRing, UnknownProducer
 
-MAGIC = b"ECE3"
+MAGIC = b"ECE4"  # 4: producer-signed (STATE_FORMAT_VERSION 5)
+_PRODUCER_CONTEXT = b"edgecache/entry-producer/v1|"
 _PREFIX = struct.Struct("<4sI")
 # Bytes fetched first to read a header without its state; headers are ~1.5 KB.
 HEADER_PEEK_BYTES = 4096
@@ -65,8 +76,11 @@ class EntryHeader:
     codec: str = codecs.RAW  # how the state was encoded before sealing (``cachebox.codec``)
     raw_bytes: int = 0  # the state's size once decoded (what llama.cpp reads); 0 for raw
     cipher: str = DEFAULT_CIPHER
-    # As read: the MAC, the exact header bytes it covers, and the private part still sealed.
+    producer: str = ""  # who made and signed it (a board's name; ``signing.CONTROL_PLANE_PRODUCER``)
+    state_digest: str = ""  # SHA-256 (hex) of the encoded state, signed by the producer
+    # As read: the MAC, the producer's signature, the exact header bytes they cover, and the private part still sealed.
     mac: bytes = b""
+    producer_signature: bytes = b""
     signed_bytes: bytes = b""
     sealed_private: bytes = b""
 
@@ -85,10 +99,10 @@ class EntryHeader:
         return self.raw_bytes if self.codec != codecs.RAW else self.plain_bytes
 
     def private_aad(self) -> bytes:
-        return f"edgecache/entry-private/v3|{self.fingerprint}|{self.namespace}|{self.start}|{self.end}|{self.key_generation}".encode()
+        return f"edgecache/entry-private/v4|{self.fingerprint}|{self.namespace}|{self.start}|{self.end}|{self.key_generation}".encode()
 
     def private_json(self) -> bytes:
-        doc: dict = {"tok": self.tokens_digest, "dev": self.device}
+        doc: dict = {"tok": self.tokens_digest, "dev": self.device, "by": self.producer, "sd": self.state_digest}
         if self.top_ids is not None and self.top_logits is not None:
             doc["top_ids"] = base64.b64encode(np.asarray(self.top_ids, "<i4").tobytes()).decode()
             doc["top_logits"] = base64.b64encode(np.asarray(self.top_logits, "<f4").tobytes()).decode()
@@ -142,12 +156,14 @@ class EntryHeader:
         return header
 
     def open_private(self, keyring: KeyRing) -> None:
-        """Fill the private fields (tokens digest, creator, top logits) from the sealed part."""
+        """Fill the private fields (tokens digest, creator, producer, state digest, top logits) from the sealed part."""
         plain = keyring.open_data(self.key_generation, self.sealed_private, self.private_aad(), cipher=self.cipher)
         try:
             doc = json.loads(plain)
             self.tokens_digest = str(doc["tok"])
             self.device = str(doc.get("dev", ""))
+            self.producer = str(doc["by"])
+            self.state_digest = str(doc["sd"])
             if "top_ids" in doc:
                 top_ids = np.frombuffer(base64.b64decode(doc["top_ids"], validate=True), "<i4")
                 top_logits = np.frombuffer(base64.b64decode(doc["top_logits"], validate=True), "<f4")
@@ -163,14 +179,18 @@ def encode_entry(header: EntryHeader, encoded_state: bytes, keyring: KeyRing) ->
     header's generation, cipher, sealed private part and stored size."""
     if not keyring.covers(header.namespace):
         raise ValueError(f"key ring of {keyring.namespace!r} cannot sign entries of namespace {header.namespace!r}")
+    if keyring.producer is None:
+        raise ValueError("entries are signed by their producer: this ring carries no producer key (KeyRing.with_producers)")
     header.key_generation = keyring.current
     header.cipher = header.cipher or DEFAULT_CIPHER
+    header.producer = keyring.producer.name
+    header.state_digest = hashlib.sha256(encoded_state).hexdigest()
     _, header.sealed_private = keyring.seal_data(header.private_json(), header.private_aad(), cipher=header.cipher)
     header.state_bytes = len(encoded_state) + SEAL_OVERHEAD
     raw = header.to_json()
     prefix = _PREFIX.pack(MAGIC, len(raw))
     _, mac = keyring.sign(prefix + raw)
-    head = prefix + mac + raw
+    head = prefix + mac + keyring.producer.sign(_PRODUCER_CONTEXT + prefix + raw) + raw
     entry = bytearray(len(head) + header.state_bytes)  # one buffer: the state is encrypted straight into it
     entry[: len(head)] = head
     keyring.seal_into(encoded_state, prefix + raw, memoryview(entry)[len(head) :], cipher=header.cipher)
@@ -191,23 +211,31 @@ def decode_header(prefix: bytes) -> tuple[EntryHeader, int] | int:
         raise EntryError("entry does not start with the EdgeCache magic bytes (or is of an older format)")
     if header_len > MAX_HEADER_BYTES:
         raise EntryError(f"entry header claims {header_len} bytes (limit {MAX_HEADER_BYTES})")
-    offset = _PREFIX.size + MAC_BYTES + header_len
+    raw_at = _PREFIX.size + MAC_BYTES + PRODUCER_SIGNATURE_BYTES
+    offset = raw_at + header_len
     if len(prefix) < offset:
         return offset
-    raw = bytes(prefix[_PREFIX.size + MAC_BYTES : offset])
+    raw = bytes(prefix[raw_at:offset])
     header = EntryHeader.from_json(raw)
     header.mac = bytes(prefix[_PREFIX.size : _PREFIX.size + MAC_BYTES])
+    header.producer_signature = bytes(prefix[_PREFIX.size + MAC_BYTES : raw_at])
     header.signed_bytes = bytes(prefix[: _PREFIX.size]) + raw
     return header, offset
 
 
 def verify_header(header: EntryHeader, keyring: KeyRing) -> None:
     """Raise EntryError unless the header was signed by a key of ``keyring`` (UnknownKey: a newer
-    key); then open its private part."""
+    key), then open its private part, and check its producer's signature against the ring's
+    producer table (UnknownProducer: a producer the table does not list yet; QuarantinedProducer)."""
     if not keyring.covers(header.namespace):
         raise EntryError(f"entry of namespace {header.namespace!r} is outside this board's key ring")
     keyring.verify(header.key_generation, header.mac, header.signed_bytes)
     header.open_private(keyring)
+    if keyring.producers is None or not keyring.producers.covers(header.namespace):
+        raise UnknownProducer(f"this holder has no producer table of {header.namespace!r} yet: it cannot tell who made the entry")
+    if len(header.state_digest) != 64:
+        raise EntryError("entry header carries no state digest")
+    keyring.producers.verify(header.producer, header.producer_signature, _PRODUCER_CONTEXT + header.signed_bytes)
 
 
 def entry_size(header: EntryHeader, offset: int) -> int:
@@ -237,7 +265,10 @@ def open_state(header: EntryHeader, sealed: bytes | memoryview, keyring: KeyRing
     length from the header's promise, or fail to authenticate)."""
     if len(sealed) != header.state_bytes:
         raise EntryError(f"entry state is {len(sealed)} bytes, header says {header.state_bytes}")
-    return keyring.open_data(header.key_generation, sealed, header.signed_bytes, cipher=header.cipher)
+    encoded = keyring.open_data(header.key_generation, sealed, header.signed_bytes, cipher=header.cipher)
+    if not hmac.compare_digest(hashlib.sha256(encoded).hexdigest(), header.state_digest):
+        raise EntryError(f"entry state is not the one its producer {header.producer!r} signed: re-sealed by another holder of the ring")
+    return encoded
 
 
 def open_entries(blobs, keyring: KeyRing, max_state_bytes: int) -> list[tuple[EntryHeader, bytes] | EntryError]:

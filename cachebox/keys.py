@@ -27,7 +27,8 @@ from .errors import InvalidNamespace
 # 2: signed entries (ECE2); 3: prefills cut on a fixed grid (bit-exact reuse); 4: sealed states (ECE3);
 # 5: the kernels that computed a state are part of its model's identity (``ModelIdentity.kernels``): entries
 # stored before could have come from any build, so they stop matching.
-STATE_FORMAT_VERSION = 5
+# 6: entries signed by their producer (ECE4)
+STATE_FORMAT_VERSION = 6
 
 KEY_BYTES = 16
 DEFAULT_NAMESPACE = "default"
@@ -260,6 +261,12 @@ def heartbeat_key(device: str) -> str:
     that beats a million times a second still holds one key, and the control plane reads every
     board's latest (``HeartbeatBatch``) whatever one board sends."""
     return f"{KEY_PREFIX}:hb:{_device(device)}"
+
+
+def producers_key_name(tenant: str) -> str:
+    """Redis key of a tenant's producer table (``ec:producers:<tenant>``): who may make its entries,
+    whose are quarantined; signed by the control plane, read-only to the tenant's boards."""
+    return f"{KEY_PREFIX}:producers:{check_namespace(tenant)}"
 
 
 def stream_channel(device: str, request_id: str) -> str:

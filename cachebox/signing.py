@@ -26,8 +26,9 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Mapping
 
 from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -69,6 +70,10 @@ class KeyRing:
     # Namespaces whose entries this ring signs (a tenant's own and its boards' private ones).
     extra_namespaces: tuple[str, ...] = field(default=())
     name_key: bytes = b""
+    # Who this holder signs its entries as, and whose entries it accepts (``ProducerTable``):
+    # attached where the ring is used (``with_producers``), never part of what is sealed to a board.
+    producer: "Producer | None" = field(default=None, compare=False)
+    producers: "ProducerTable | None" = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.current not in self.keys:
@@ -122,6 +127,10 @@ class KeyRing:
         """The plaintext of ``seal_data``'s output; EntryError when it was altered or is not ours."""
         return open_data(self.data_key(generation), sealed, aad, cipher=cipher or DEFAULT_CIPHER)
 
+    def with_producers(self, producer: "Producer | None", producers: "ProducerTable | None") -> "KeyRing":
+        """This ring, signing entries as ``producer`` and accepting those of ``producers``' members."""
+        return replace(self, producer=producer, producers=producers)
+
     def to_dict(self) -> dict:
         return {
             "ns": self.namespace,
@@ -143,6 +152,124 @@ class KeyRing:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed key ring: {exc}") from exc
+
+
+# -- producers: who made an entry ---------------------------------------------------------------
+# Every entry is signed by the board that made it with its own Ed25519 key (the one it enrolled).
+# A reader checks that signature against the producer's public key from its namespace's producer
+# table, which the control plane signs and publishes (``ec:producers:TENANT``, read-only to
+# boards). A board that holds its namespace's ring can still seal anything, but only under its
+# own name: what it stores names it, an audit that catches it names it, and the control plane
+# then quarantines its entries (readers refuse them).
+CONTROL_PLANE_PRODUCER = "@control-plane"  # commands run next to the control plane (``infer``, ``bench``); '@' is in no device name
+PRODUCER_SIGNATURE_BYTES = 64
+
+
+class UnknownProducer(UnknownKey):
+    """Signed by a producer this holder's table does not list (yet): a miss, and a refresh of the table."""
+
+
+class QuarantinedProducer(EntryError):
+    """Made by a producer the control plane quarantined (revoked, or caught by an audit): refused and evicted."""
+
+
+@dataclass(frozen=True)
+class Producer:
+    """Who signs the entries this holder stores: a name and its Ed25519 private key."""
+
+    name: str
+    key: Ed25519PrivateKey = field(repr=False)
+
+    @classmethod
+    def control_plane(cls, master: bytes) -> "Producer":
+        return cls(CONTROL_PLANE_PRODUCER, control_plane_key(master))
+
+    def sign(self, message: bytes) -> bytes:
+        return self.key.sign(message)
+
+
+@dataclass(frozen=True)
+class ProducerTable:
+    """A tenant's entry producers: board name -> Ed25519 public key (hex), and the producers whose
+    entries are quarantined (name -> reason). Signed by the control plane (``sign``/``verified``);
+    its serial only grows, so a reader refuses an older table (a replayed one would lift a quarantine)."""
+
+    namespace: str
+    producers: Mapping[str, str] = field(default_factory=dict)
+    quarantined: Mapping[str, str] = field(default_factory=dict)
+    control_plane_key: str = ""  # also a producer (CONTROL_PLANE_PRODUCER)
+    serial: int = 0
+
+    def covers(self, namespace: str) -> bool:
+        return tenant_of(namespace) == self.namespace
+
+    def public_key(self, name: str) -> str:
+        """The public key entries of ``name`` are checked with; QuarantinedProducer or UnknownProducer."""
+        if name in self.quarantined:
+            raise QuarantinedProducer(f"entry made by {name!r}, whose entries are quarantined: {self.quarantined[name]}")
+        key = self.control_plane_key if name == CONTROL_PLANE_PRODUCER else self.producers.get(name, "")
+        if not key:
+            raise UnknownProducer(f"entry made by {name!r}, a producer this board's table of {self.namespace!r} does not list")
+        return key
+
+    def verify(self, name: str, signature: bytes, message: bytes) -> None:
+        """Raise EntryError unless ``name``'s key signed ``message`` (QuarantinedProducer / UnknownProducer first)."""
+        key = self.public_key(name)
+        try:
+            Ed25519PublicKey.from_public_bytes(bytes.fromhex(key)).verify(signature, message)
+        except (InvalidSignature, ValueError) as exc:
+            raise EntryError(f"entry's producer signature does not match {name!r}'s key: forged, altered, or re-sealed by another board") from exc
+
+    def to_document(self) -> dict:
+        return {
+            "ns": self.namespace,
+            "producers": dict(sorted(self.producers.items())),
+            "quarantined": dict(sorted(self.quarantined.items())),
+            "control_plane_key": self.control_plane_key,
+            "serial": self.serial,
+        }
+
+    def signed(self, signer: Ed25519PrivateKey) -> dict:
+        return sign_document(signer, {**self.to_document(), "control_plane_key": public_hex(signer)})
+
+    @classmethod
+    def verified(cls, doc, control_plane_public_key: str, namespace: str, *, newer_than: int = 0) -> "ProducerTable":
+        """The table in ``doc`` if the pinned control plane signed it for ``namespace`` and it is not
+        older than ``newer_than``; ValueError (saying which) otherwise."""
+        if not isinstance(doc, dict) or not verify_document(doc, control_plane_public_key):
+            raise ValueError(f"the producer table of {namespace!r} is not signed by the control plane this board pinned")
+        try:
+            table = cls(
+                namespace=str(doc["ns"]),
+                producers={str(k): str(v) for k, v in dict(doc["producers"]).items()},
+                quarantined={str(k): str(v) for k, v in dict(doc["quarantined"]).items()},
+                control_plane_key=str(doc["control_plane_key"]),
+                serial=int(doc["serial"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"malformed producer table: {exc}") from exc
+        if table.namespace != namespace:
+            raise ValueError(f"the producer table is of {table.namespace!r}, not {namespace!r}")
+        if table.serial < newer_than:
+            raise ValueError(f"the producer table of {namespace!r} is older than the one accepted before (serial {table.serial} < {newer_than}): a replay")
+        return table
+
+
+def control_plane_ring(ring: KeyRing, master: bytes, producers: Mapping[str, str] | None = None, quarantined: Mapping[str, str] | None = None) -> KeyRing:
+    """``ring`` as a holder of the master secret uses it: signing entries as the control plane,
+    accepting the control plane's and ``producers``' (a table it does not need to read)."""
+    producer = Producer.control_plane(master)
+    table = ProducerTable(tenant_of(ring.namespace), dict(producers or {}), dict(quarantined or {}), public_hex(producer.key), time.time_ns())
+    return ring.with_producers(producer, table)
+
+
+def shared_producer_ring(ring: KeyRing) -> KeyRing:
+    """``ring`` for boards that run without a control plane (benches, their child processes): every
+    holder of this ring signs as, and accepts, one producer key derived from it. Not for serving:
+    it makes the ring's holders indistinguishable, which is what producer signatures are for."""
+    seed = hmac.new(ring.name_key or ring.keys[ring.current], b"edgecache/shared-producer/v1", hashlib.sha256).digest()
+    producer = Producer(CONTROL_PLANE_PRODUCER, Ed25519PrivateKey.from_private_bytes(seed))
+    return ring.with_producers(producer, ProducerTable(tenant_of(ring.namespace), {}, {}, public_hex(producer.key), 0))
 
 
 def derive_key(master: bytes, namespace: str, generation: int) -> bytes:

@@ -29,7 +29,7 @@ from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainErr
 from . import quota
 from .cluster import TOPOLOGY_ERRORS, cluster_client, is_cluster_url, parse_cluster_url
 from .errors import CacheBoxOverQuota, CacheBoxRefused, CacheBoxUnavailable, CatalogFormatError
-from .keys import catalog_key_names, device_key_name, entry_key_pattern, schema_key_pattern
+from .keys import catalog_key_names, device_key_name, entry_key_pattern, producers_key_name, schema_key_pattern
 from .link import LinkProfile
 from .shaping import LinkShaper, ShapedConnection, ShapedSSLConnection
 from .tls import client_options, is_tls_url
@@ -620,6 +620,16 @@ class CacheBox:
     def put_device_record(self, name: str, raw: str | bytes) -> None:
         """Publish (replace) a device's record; one round trip. No TTL: boards read it at any time."""
         key = device_key_name(name)
+        self._on_key(key, lambda client: client.set(key, raw))
+
+    def get_producer_table(self, tenant: str) -> bytes | None:
+        """A tenant's signed producer table (JSON bytes), None when none was published; one round trip."""
+        key = producers_key_name(tenant)
+        return self._on_key(key, lambda client: client.get(key))
+
+    def put_producer_table(self, tenant: str, raw: str | bytes) -> None:
+        """Publish (replace) a tenant's producer table; one round trip, no TTL (the control plane's write)."""
+        key = producers_key_name(tenant)
         self._on_key(key, lambda client: client.set(key, raw))
 
     # -- streams (a run's tokens to the control plane while a board answers) ------------------

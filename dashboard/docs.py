@@ -174,6 +174,11 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_HSTS_PRELOAD": (None, "ask browsers' preload lists, with `EDGECACHE_HTTPS`"),
     "EDGECACHE_TASK_EXPIRES": (None, "seconds a run or encode may wait for its board; later, the board records it as expired instead of running it"),
     "EDGECACHE_TOKEN_TTL_HOURS": (None, "hours a device token may enroll a board (once); then rotate it"),
+    "EDGECACHE_AUDIT_RATE": (
+        None,
+        "share of reported cache hits recomputed cold on another online board of the same model and compared bit for bit; a "
+        "mismatch quarantines the producing board's entries and marks it (`0`: no audits)",
+    ),
     "EDGECACHE_MISSED_HEARTBEATS": (None, "heartbeats a board may miss before it counts as offline (pages are told at once; its runs are re-sent or lost)"),
     "EDGECACHE_SWEEP_SECONDS": (None, "how often each control worker ends the runs nobody will answer (expired, or on a board that went quiet)"),
     "EDGECACHE_ROUTING_FOLLOW_SECONDS": (None, "how often each web process reads the dispatches and reports other processes wrote, from a thread of its own, so that a routing decision reads memory only; `0`: each decision reads them"),

@@ -196,11 +196,24 @@ class OperationsCollector(RunMetricsCollector):
             "boards share cached states exactly only within one class.",
             labels=["device", "namespace", "kernel_class"],
         )
-        for device in Device.objects.filter(revoked_at__isnull=True).only("name", "namespace_id", "last_seen", "status", "revoked_at"):
+        mismatches = CounterMetricFamily(
+            "edgecache_audit_mismatches",
+            "Entries of the board that an audit recomputed cold on another board of the same model and found not to be what they claim.",
+            labels=["device", "namespace"],
+        )
+        quarantined = GaugeMetricFamily(
+            "edgecache_board_quarantined",
+            "1 while the board's entries are quarantined (an audit caught one of them; every board refuses them all), else 0.",
+            labels=["device", "namespace"],
+        )
+        fields = ("name", "namespace_id", "last_seen", "status", "revoked_at", "audit_mismatches", "quarantined_at")
+        for device in Device.objects.filter(revoked_at__isnull=True).only(*fields):
             labels = [device.name, device.namespace_id]
             up.add_metric(labels, float(device.online_at(now)))
             seen.add_metric(labels, device.last_seen.timestamp() if device.last_seen else 0.0)
             info.add_metric([*labels, device.kernel_class], 1.0)
+            mismatches.add_metric(labels, float(device.audit_mismatches))
+            quarantined.add_metric(labels, float(device.quarantined_at is not None))
         waiting = GaugeMetricFamily("edgecache_queue_runs", "Runs sent to the board and not answered, lost or revoked yet (queued or running).", labels=["device", "namespace"])
         oldest = GaugeMetricFamily("edgecache_queue_oldest_wait_seconds", "How long the oldest of those runs has waited, in seconds (0: none waits).", labels=["device", "namespace"])
         rows = Dispatch.objects.filter(kind="run", outcome="").order_by().values("device__name", "namespace").annotate(runs=Count("pk"), since=Min("created"))
@@ -208,7 +221,7 @@ class OperationsCollector(RunMetricsCollector):
             labels = [row["device__name"] or "", row["namespace"]]
             waiting.add_metric(labels, float(row["runs"]))
             oldest.add_metric(labels, max((now - row["since"]).total_seconds(), 0.0))
-        families = [up, seen, info, waiting, oldest]
+        families = [up, seen, info, waiting, oldest, mismatches, quarantined]
         try:
             used, limit = cachebox().memory_bytes()
             memory = GaugeMetricFamily("edgecache_cachebox_memory_used_bytes", "Memory the cache box server uses (INFO used_memory; a cluster: its primaries' sum).")

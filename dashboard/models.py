@@ -106,6 +106,11 @@ class Device(models.Model):
     # tells them once, and a control worker that restarts still tells them.
     announced_online = models.BooleanField(default=False, editable=False)
     status = models.JSONField(default=dict, blank=True, help_text="the board's last heartbeat (catalog size, ...)")
+    # An audit recomputed an entry it made, cold on another board, and got other bits: its entries
+    # are quarantined (the producer table lists it; readers refuse them) until a staff member clears it.
+    audit_mismatches = models.PositiveIntegerField(default=0, editable=False, help_text="entries of this board an audit found not to be what they claim")
+    quarantined_at = models.DateTimeField(null=True, blank=True, editable=False, help_text="when its entries were quarantined (an audit caught it)")
+    quarantine_reason = models.CharField(max_length=300, blank=True, editable=False)
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -195,6 +200,36 @@ class Dispatch(models.Model):
         if self.device_id is not None:
             return self.device_id == device.pk
         return device.namespace_id == self.namespace or device.cache_namespace == self.namespace
+
+
+class EntryAudit(models.Model):
+    """One cache hit recomputed cold on another board of the same model, to compare bit for bit."""
+
+    VERDICTS = [
+        ("", "under way"),
+        ("match", "match: the entry is what it claims"),
+        ("mismatch", "mismatch: the entry is not what its producer signed it to be"),
+        ("refused", "refused: the entry failed its checks on the auditor"),
+        ("gone", "gone: the entry was no longer there"),
+        ("inconclusive", "inconclusive: the run's prompt no longer gives that entry"),
+    ]
+
+    request_id = models.UUIDField(unique=True)
+    entry = models.CharField(max_length=200, db_index=True)
+    namespace = models.CharField(max_length=64)
+    run_device = models.CharField(max_length=64, help_text="the board whose run hit the entry")
+    auditor = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="audits_made")
+    producer = models.CharField(max_length=64, blank=True, help_text="the board the entry's signature names (as the auditor verified it)")
+    verdict = models.CharField(max_length=12, choices=VERDICTS, blank=True, default="", db_index=True)
+    detail = models.CharField(max_length=500, blank=True)
+    created = models.DateTimeField(auto_now_add=True)
+    finished = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"audit of {self.entry} on {self.auditor_id}: {self.verdict or 'under way'}"
 
 
 class SavedPrompt(models.Model):

@@ -351,6 +351,11 @@ LOGGING = {
 # /metrics answers `Authorization: Bearer <EDGECACHE_METRICS_TOKEN>` (when set) or a staff login.
 EDGECACHE_METRICS_TOKEN = os.environ.get("EDGECACHE_METRICS_TOKEN", "").strip()
 EDGECACHE_METRICS_CACHE_SECONDS = _env_float("EDGECACHE_METRICS_CACHE_SECONDS", 2.0)
+# The share of reported cache hits recomputed cold on another board of the same model and compared
+# bit for bit (dashboard.actions.entry_audits): small, never zero by default.
+EDGECACHE_AUDIT_RATE = _env_float("EDGECACHE_AUDIT_RATE", 0.02)
+if not 0.0 <= EDGECACHE_AUDIT_RATE <= 1.0:
+    raise ValueError(f"EDGECACHE_AUDIT_RATE is a share of hits between 0 and 1, got {EDGECACHE_AUDIT_RATE}")
 # Run submissions per user and minute (0: no limit); over it the Run page answers 429.
 EDGECACHE_RUN_RATE = _env_int("EDGECACHE_RUN_RATE", 30)
 # Enrollment attempts per device and minute the control plane looks at (0: no limit); past it they are dropped, logged.

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.conf import settings
 from django.db import DatabaseError
 
 from cachebox import signing
-from cachebox.signing import Keychain, KeyRing
+from cachebox.signing import Keychain, KeyRing, Producer, ProducerTable
 from inference import envelope
 from inference.envelope import CONTROL, Kind
 
@@ -52,7 +53,39 @@ def keyring_for(namespace: str) -> KeyRing:
     except DatabaseError:  # not migrated yet: the first generation
         pass
     extra = (namespace,) if private else ()
-    return _ring(settings.EDGECACHE_SIGNING_SECRET, tenant, generation, extra)
+    ring = _ring(settings.EDGECACHE_SIGNING_SECRET, tenant, generation, extra)
+    return ring.with_producers(control_plane_producer(), producer_table(tenant))
+
+
+def control_plane_producer() -> Producer:
+    """Who commands next to the control plane sign their entries as (``CONTROL_PLANE_PRODUCER``)."""
+    return Producer.control_plane(settings.EDGECACHE_SIGNING_SECRET)
+
+
+def producer_table(tenant: str) -> ProducerTable:
+    """``tenant``'s producers as the database knows them: every enrolled board's public key, except
+    revoked and quarantined boards, whose entries readers refuse (listed with the reason)."""
+    from .models import Device
+
+    producers: dict[str, str] = {}
+    quarantined: dict[str, str] = {}
+    try:
+        rows = list(Device.objects.filter(namespace_id=tenant).values_list("name", "signing_public_key", "revoked_at", "quarantined_at", "quarantine_reason"))
+    except DatabaseError:  # not migrated yet: the control plane alone
+        rows = []
+    for name, key, revoked_at, quarantined_at, reason in rows:
+        if revoked_at is not None:
+            quarantined[name] = "revoked"
+        elif quarantined_at is not None:
+            quarantined[name] = reason or "quarantined"
+        elif key:
+            producers[name] = key
+    return ProducerTable(tenant, producers, quarantined, control_plane_public_key(), time.time_ns())
+
+
+def signed_producer_table(tenant: str) -> str:
+    """``producer_table(tenant)`` signed by the control plane, as boards read it (``ec:producers:TENANT``)."""
+    return json.dumps(producer_table(tenant).signed(control_plane_signer()), separators=(",", ":"))
 
 
 def device_ring(device) -> KeyRing:

@@ -35,3 +35,8 @@ def encoded(payload: dict) -> None:
 @shared_task(name=Task.ENROLL.value, ignore_result=True)
 def enroll(payload: dict) -> None:
     actions.enroll_device(payload)
+
+
+@shared_task(name=Task.RECORD_AUDIT.value, acks_late=True, ignore_result=True, autoretry_for=(OperationalError,), retry_backoff=1, retry_backoff_max=30, max_retries=8)
+def record_audit(payload: dict) -> None:
+    actions.record_audit(payload)  # an audit's verdict: a mismatch quarantines the producing board

@@ -16,6 +16,7 @@ urlpatterns = [
     path("devices/<slug:name>/rotate/", views.device_rotate, name="device-rotate"),
     path("devices/<slug:name>/token/", views.device_token, name="device-token"),
     path("devices/<slug:name>/revoke/", views.device_revoke, name="device-revoke"),
+    path("devices/<slug:name>/trust/", views.device_trust, name="device-trust"),
     path("run/", views.run_page, name="run"),
     path("run/cancel/", views.run_cancel, name="run-cancel"),
     path("runs/", views.run_list, name="runs"),

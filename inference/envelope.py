@@ -48,6 +48,8 @@ class Kind(StrEnum):
     PROGRESS = "progress"
     HEARTBEAT = "heartbeat"
     STREAM = "stream"
+    AUDIT = "audit"  # control plane -> board: recompute an entry (AuditRequest)
+    AUDITED = "audited"  # board -> control plane: the verdict (AuditReport)
 
 
 class EnvelopeRefused(ValueError):

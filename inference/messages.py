@@ -60,15 +60,17 @@ class Task(StrEnum):
     # control plane -> boards
     RUN_PROMPT = "edgecache.run_prompt"
     ENCODE_SCHEMA = "edgecache.encode_schema"
+    AUDIT_ENTRY = "edgecache.audit_entry"  # recompute a hit cold and compare (AuditRequest)
     # boards -> control plane
     RECORD_RUN = "edgecache.record_run"
     HEARTBEAT = "edgecache.heartbeat"
     ENCODE_PROGRESS = "edgecache.encode_progress"
     ENCODED = "edgecache.encoded"
     ENROLL = "edgecache.enroll"
+    RECORD_AUDIT = "edgecache.record_audit"  # an audit's verdict (AuditReport)
 
 
-CONTROL_TASKS = (Task.RECORD_RUN, Task.ENCODE_PROGRESS, Task.ENCODED, Task.ENROLL)
+CONTROL_TASKS = (Task.RECORD_RUN, Task.ENCODE_PROGRESS, Task.ENCODED, Task.ENROLL, Task.RECORD_AUDIT)
 
 
 class MessageRefused(ValueError):
@@ -329,6 +331,31 @@ class RunReport(BoardMessage):
         return cls(device=device, request_id=request.request_id, meta=request.meta, prompt=request.prompt_text, error=error)
 
 
+class AuditRequest(Message):
+    """Recompute one cache entry cold and compare it bit for bit: ``run`` is the request whose run
+    hit the entry (its prompt gives the entry's tokens), ``entry`` the entry's name."""
+
+    request_id: str = Field(pattern=_UUID)
+    entry: str = Field(max_length=200)
+    run: RunRequest
+
+
+AuditVerdict = Literal["match", "mismatch", "refused", "gone", "inconclusive"]
+
+
+class AuditReport(BoardMessage):
+    """An audit's verdict: ``producer`` is the board the entry's verified signature names ("" when
+    it was refused before that); the digests are SHA-256 of the entry's state and of the cold one."""
+
+    request_id: str = Field(pattern=_UUID)
+    entry: str = Field(max_length=200)
+    verdict: AuditVerdict
+    producer: str = Field("", max_length=64)
+    detail: str = Field("", max_length=500)
+    entry_state_sha256: str = Field("", pattern=r"^$|^[0-9a-f]{64}$")
+    cold_state_sha256: str = Field("", pattern=r"^$|^[0-9a-f]{64}$")
+
+
 class StreamEvent(Message):
     """What a board publishes on a streamed run's channel (``cachebox.keys.stream_channel``): each
     answer piece as it is chosen (``token``), then one ``done`` (the answer's text, why it ended,
@@ -482,7 +509,7 @@ class Heartbeat(BoardMessage):
 # What each inbox may carry: a board's own (``ec:inbox:NAME``) its reports, progress and encoding
 # results; a device's enrollment inbox (``ec:enroll:NAME``) its enrollment. Heartbeats have a key
 # of their own (``ec:hb:NAME``). Nothing else is ever run for a message from a board.
-BOARD_INBOX_TASKS = frozenset({Task.RECORD_RUN, Task.ENCODE_PROGRESS, Task.ENCODED})
+BOARD_INBOX_TASKS = frozenset({Task.RECORD_RUN, Task.ENCODE_PROGRESS, Task.ENCODED, Task.RECORD_AUDIT})
 ENROLL_INBOX_TASKS = frozenset({Task.ENROLL})
 MAX_INBOX_MESSAGE_BYTES = 8 * 1024 * 1024  # a sealed report of the longest prompt and answer fits
 

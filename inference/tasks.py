@@ -27,7 +27,8 @@ from .board import get_board
 from .devices import UNREAD, DeviceRefused
 from .edge import board_work_waiting, encode, identity, refused_request, replay, report, send_progress, serve
 from .envelope import EnvelopeRefused, Kind
-from .messages import EncodeProgress, EncodeReport, EncodeRequest, MessageRefused, RunReport, RunRequest, Task
+from .audit import audit_entry as audit_one
+from .messages import AuditReport, AuditRequest, EncodeProgress, EncodeReport, EncodeRequest, MessageRefused, RunReport, RunRequest, Task
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class _Seen:
 
 
 _seen = _Seen()
-_KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE}
+_KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE, Task.AUDIT_ENTRY: Kind.AUDIT}
 
 
 def _receive(cls, message, task: Task):
@@ -176,6 +177,25 @@ def _encode_schema(message: dict) -> None:
         result = EncodeReport(device=me.name, request_id=request.request_id, schema_id=request.schema_id, error=f"the board failed: {type(exc).__name__}: {exc}")
     report(result, Task.ENCODED)
     replay.record(request.request_id, _expiry(message))
+
+
+@shared_task(name=Task.AUDIT_ENTRY.value, acks_late=True, ignore_result=True)
+def audit_entry(message: dict) -> None:
+    """Recompute a cache hit cold and send the verdict (``inference.audit``): a cold prefill of one
+    prompt, taken between runs like any task."""
+    try:
+        request = _receive(AuditRequest, message, Task.AUDIT_ENTRY)
+        if request is None or not _still_enrolled(request.request_id):
+            return
+        me = identity()
+        try:
+            verdict = audit_one(get_board(), request)
+        except Exception as exc:  # a bug or a broken engine: said, not lost
+            log.exception("audit %s failed", request.request_id)
+            verdict = {"request_id": request.request_id, "entry": request.entry, "verdict": "inconclusive", "detail": f"the board failed: {type(exc).__name__}: {exc}"[:500]}
+        report(AuditReport(device=me.name, **verdict), Task.RECORD_AUDIT)
+    finally:
+        _Work.ended = time.time()
 
 
 EXPIRED = "expired: no board of {device} started it before {expires} (EDGECACHE_TASK_EXPIRES after its dispatch), so it never ran; send it again"

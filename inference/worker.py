@@ -19,7 +19,7 @@ from cachebox.tls import kombu_options
 
 from .messages import CONTROL_TASKS, Queue, Task
 
-BOARD_TASKS = frozenset({Task.RUN_PROMPT.value, Task.ENCODE_SCHEMA.value})  # all a board's worker runs
+BOARD_TASKS = frozenset({Task.RUN_PROMPT.value, Task.ENCODE_SCHEMA.value, Task.AUDIT_ENTRY.value})  # all a board's worker runs
 
 
 def celery_settings(broker_url: str, environ=os.environ) -> dict:

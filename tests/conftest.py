@@ -339,9 +339,10 @@ def assert_exact_serving_ignores_lab_runs(board, engine, prompt) -> None:
 @pytest.fixture
 def signing_keys(settings):
     """Signing keys as the commands on the control plane derive them (first generation of any namespace)."""
-    from cachebox.signing import Keychain, derive_keyring
+    from cachebox.signing import Keychain, control_plane_ring, derive_keyring
 
-    return Keychain(lambda namespace: derive_keyring(settings.EDGECACHE_SIGNING_SECRET, namespace, 1))
+    secret = settings.EDGECACHE_SIGNING_SECRET
+    return Keychain(lambda namespace: control_plane_ring(derive_keyring(secret, namespace, 1), secret))
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ from cachebox.codec import CodecChoice, UnknownCodec
 from cachebox.entry import EntryHeader, decoded_state, encode_entry, open_entry
 from cachebox.errors import EntryError
 from cachebox.link import LINK_PRESETS
-from cachebox.signing import derive_keyring
+from cachebox.signing import derive_keyring, shared_producer_ring
 from inference.breakeven import BreakEvenPolicy, LinearFit, Range, overlap_ms
 from inference.compute_profile import PI_5, PI_ZERO_2W, Pacer, pacing_ms, profile_named
 
-RING = derive_keyring(b"m" * 32, "ns", 1)
+RING = shared_producer_ring(derive_keyring(b"m" * 32, "ns", 1))
 
 
 def f16_like_state(count: int = 40_000, seed: int = 0) -> bytes:

@@ -20,7 +20,7 @@ from django.contrib.auth import get_user_model
 from django.urls import reverse
 
 from cachebox.entry import EntryHeader, encode_entry
-from cachebox.signing import derive_keyring
+from cachebox.signing import derive_keyring, shared_producer_ring
 from cachebox.keys import entry_key_name
 from cachebox.models import CacheEntry
 from cachebox.store import CacheBox
@@ -441,7 +441,7 @@ def store_entry(store, namespace, start=0, end=64, device="zero"):
     key = os.urandom(16)
     header = EntryHeader("00ff00ff00ff00ff", namespace, start, end, "d" * 32, 0, device=device)
     name = entry_key_name(namespace, "00ff00ff00ff00ff", key)
-    store.put_entries([(name, encode_entry(header, state, derive_keyring(b"k" * 32, namespace, 1)))], ttl=3600)
+    store.put_entries([(name, encode_entry(header, state, shared_producer_ring(derive_keyring(b"k" * 32, namespace, 1))))], ttl=3600)
     return name, key
 
 
@@ -650,3 +650,39 @@ def test_every_model_change_has_its_migration():
     from django.core.management import call_command
 
     call_command("makemigrations", "--check", "--dry-run", verbosity=0)  # exits 1 when a migration is missing
+
+
+def test_an_audit_verdict_counts_once_from_the_board_it_was_sent_to_and_staff_can_trust_a_board_again(staff_client, control_plane, settings):
+    """A mismatch quarantines the producer (the signed producer table lists it; its page says why);
+    the same verdict from another board, or again, changes nothing; "Trust its entries again" lifts it."""
+    from dashboard.models import EntryAudit
+
+    settings.EDGECACHE_BOARD_ACL = False
+    keys = {}
+    for name in ("zero", "pi5", "liar"):
+        device, token = register(name)
+        keys[name] = enrolled(device, token)
+    table = json.loads(control_plane.get_producer_table("default"))
+    assert set(table["producers"]) == {"zero", "pi5", "liar"} and table["quarantined"] == {}
+    entry = f"ec:e:default:00ff00ff00ff00ff:{{{'ab' * 16}}}"
+    row = EntryAudit.objects.create(request_id=uuid.uuid4(), entry=entry, namespace="default", run_device="pi5", auditor=Device.objects.get(name="zero"))
+    verdict = {"request_id": str(row.request_id), "entry": entry, "verdict": "mismatch", "producer": "liar", "detail": "its state differs from the cold state"}
+
+    def from_board(name):
+        return board_message(keys[name], name, Kind.AUDITED, {"device": name, **verdict})
+
+    assert actions.record_audit(from_board("pi5")) is None  # not sent to pi5
+    assert Device.objects.get(name="liar").quarantined_at is None
+    assert actions.record_audit(from_board("zero")) is not None
+    assert actions.record_audit(from_board("zero")) is None  # delivered again: counted once
+    liar = Device.objects.get(name="liar")
+    assert liar.quarantined_at is not None and liar.audit_mismatches == 1
+    table = json.loads(control_plane.get_producer_table("default"))
+    assert "liar" not in table["producers"] and table["quarantined"]["liar"].endswith("its state differs from the cold state")
+    assert registry.verify_document(table, control_plane_public_key())
+    page = staff_client.get(reverse("device-detail", args=["liar"])).content.decode()
+    assert "Entries quarantined since" in page and "its state differs from the cold state" in page
+    staff_client.post(reverse("device-trust", args=["liar"]), {"confirm": "on"})
+    table = json.loads(control_plane.get_producer_table("default"))
+    assert "liar" in table["producers"] and table["quarantined"] == {}
+    assert Device.objects.get(name="liar").quarantined_at is None

@@ -5,10 +5,10 @@ import pytest
 
 from cachebox.entry import SEAL_OVERHEAD, EntryHeader, decode_header, encode_entry, open_entries, open_entry, open_state, verify_header
 from cachebox.errors import EntryError
-from cachebox.signing import CHACHA20, UnknownKey, derive_keyring
+from cachebox.signing import CHACHA20, UnknownKey, derive_keyring, shared_producer_ring
 
 MASTER = b"m" * 32
-RING = derive_keyring(MASTER, "ns", 1)
+RING = shared_producer_ring(derive_keyring(MASTER, "ns", 1))
 
 
 def make(state=b"\x01\x02" * 1000, **overrides):
@@ -108,7 +108,7 @@ def test_authentication_covers_every_byte_of_a_large_state():
 def test_a_forger_without_the_key_is_refused():
     """Re-signing a changed header with another key, or changing any header byte, fails the MAC."""
     header, state = make()
-    forged = encode_entry(header, state, derive_keyring(b"x" * 32, "ns", 1))
+    forged = encode_entry(header, state, shared_producer_ring(derive_keyring(b"x" * 32, "ns", 1)))
     with pytest.raises(EntryError, match="signature"):
         open_entry(forged, RING, 1 << 20)
     blob = bytearray(encode_entry(make()[0], state, RING))
@@ -138,12 +138,12 @@ def test_another_namespace_with_its_own_key_cannot_open_a_state():
     parsed, offset = decode_header(blob)
     verify_header(parsed, RING)
     with pytest.raises(EntryError):
-        open_state(parsed, blob[offset:], derive_keyring(b"x" * 32, "ns", 1))
+        open_state(parsed, blob[offset:], shared_producer_ring(derive_keyring(b"x" * 32, "ns", 1)))
 
 
 def test_entries_of_another_namespace_are_outside_the_ring():
     header, state = make(namespace="other")
-    blob = encode_entry(header, state, derive_keyring(MASTER, "other", 1))
+    blob = encode_entry(header, state, shared_producer_ring(derive_keyring(MASTER, "other", 1)))
     with pytest.raises(EntryError, match="outside"):
         verify_header(decode_header(blob)[0], RING)
 
@@ -151,7 +151,7 @@ def test_entries_of_another_namespace_are_outside_the_ring():
 def test_rotation_keeps_the_previous_key_and_retires_older_ones():
     header, state = make()
     old = encode_entry(header, state, RING)
-    ring2, ring3 = derive_keyring(MASTER, "ns", 2), derive_keyring(MASTER, "ns", 3)
+    ring2, ring3 = shared_producer_ring(derive_keyring(MASTER, "ns", 2)), shared_producer_ring(derive_keyring(MASTER, "ns", 3))
     open_entry(old, ring2, 1 << 20)  # one rotation later: still valid
     with pytest.raises(EntryError, match="retired"):
         open_entry(old, ring3, 1 << 20)
@@ -172,3 +172,97 @@ def test_entries_of_one_fetch_are_opened_together_each_with_its_verdict():
     results = open_entries([good[0], bad, good[2]], RING, 1 << 20)
     assert results[0][0].start == 0 and results[2][0].start == 128
     assert isinstance(results[1], EntryError)
+
+
+# -- producers: every entry names and is signed by the board that made it -----------------------
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
+
+from cachebox.signing import Producer, ProducerTable, QuarantinedProducer, UnknownProducer, public_hex  # noqa: E402
+
+HONEST, LIAR = Producer("honest", Ed25519PrivateKey.generate()), Producer("liar", Ed25519PrivateKey.generate())
+TABLE = ProducerTable("ns", {"honest": public_hex(HONEST.key), "liar": public_hex(LIAR.key)}, {}, "", 1)
+BASE = derive_keyring(MASTER, "ns", 1)
+
+
+def ring_of(producer, table=TABLE):
+    return BASE.with_producers(producer, table)
+
+
+def test_an_entry_names_its_producer_and_opens_under_its_signature():
+    header, state = make()
+    parsed, opened = open_entry(encode_entry(header, state, ring_of(HONEST)), ring_of(LIAR), 1 << 20)
+    assert (parsed.producer, opened) == ("honest", state)
+
+
+def test_a_ring_holder_resealing_another_state_under_an_honest_header_is_refused():
+    """The probe: a member of the namespace (it holds the ring: MAC and data keys) puts another
+    prompt's state behind an honest entry's header and signature. The state digest the producer
+    signed does not match."""
+    honest_blob = encode_entry(make()[0], b"\x01\x02" * 1000, ring_of(HONEST))
+    parsed, offset = decode_header(honest_blob)
+    other_state = b"\x07\x08" * 1000  # prompt Y's state, same size
+    sealed = bytearray(parsed.state_bytes)
+    ring_of(LIAR).seal_into(other_state, parsed.signed_bytes, memoryview(sealed), cipher=parsed.cipher)
+    forged = honest_blob[:offset] + bytes(sealed)
+    with pytest.raises(EntryError, match="not the one its producer 'honest' signed"):
+        open_entry(forged, ring_of(HONEST), 1 << 20)
+
+
+def test_a_header_resealed_by_another_board_under_the_honest_name_fails_its_signature():
+    """The liar re-seals the whole entry with the ring but keeps the honest producer's name (its
+    own signature under another's name): refused."""
+    header, state = make()
+    header.device = "honest"
+    impostor = Producer("honest", LIAR.key)
+    with pytest.raises(EntryError, match="producer signature does not match 'honest'"):
+        open_entry(encode_entry(header, state, ring_of(impostor)), ring_of(HONEST), 1 << 20)
+
+
+def test_signed_as_itself_a_liar_is_named_by_the_entry():
+    """Re-sealed under its own name the entry opens (nothing refuses it before an audit) and names the liar."""
+    header, state = make()
+    parsed, _ = open_entry(encode_entry(header, b"\x07\x08" * 1000, ring_of(LIAR)), ring_of(HONEST), 1 << 20)
+    assert parsed.producer == "liar"
+
+
+def test_unknown_and_quarantined_producers_are_refused():
+    blob = encode_entry(make()[0], make()[1], ring_of(LIAR))
+    without = ProducerTable("ns", {"honest": public_hex(HONEST.key)}, {}, "", 2)
+    with pytest.raises(UnknownProducer):  # a miss (the table may be older than the producer): refreshed, not evicted
+        open_entry(blob, ring_of(HONEST, without), 1 << 20)
+    quarantined = ProducerTable("ns", {"honest": public_hex(HONEST.key)}, {"liar": "audit: state differs"}, "", 3)
+    with pytest.raises(QuarantinedProducer, match="quarantined: audit: state differs"):
+        open_entry(blob, ring_of(HONEST, quarantined), 1 << 20)
+    with pytest.raises(UnknownProducer, match="no producer table"):
+        open_entry(blob, BASE, 1 << 20)
+    with pytest.raises(ValueError, match="no producer key"):
+        encode_entry(make()[0], make()[1], BASE)
+
+
+def test_an_entry_of_the_previous_format_no_longer_opens():
+    """ECE3 (no producer signature): refused by its magic bytes; its keys no longer match either
+    (STATE_FORMAT_VERSION 5 enters the model fingerprint)."""
+    from cachebox.keys import STATE_FORMAT_VERSION, ModelIdentity
+
+    blob = bytearray(encode_entry(make()[0], make()[1], ring_of(HONEST)))
+    blob[:4] = b"ECE3"
+    with pytest.raises(EntryError, match="older format"):
+        open_entry(bytes(blob), ring_of(HONEST), 1 << 20)
+    assert STATE_FORMAT_VERSION == 5
+    assert ModelIdentity("a", "f16", "b").fingerprint() != ModelIdentity("a", "f16", "b", state_format=4).fingerprint()
+
+
+def test_the_producer_table_is_the_control_planes_word_and_never_goes_back():
+    control = Ed25519PrivateKey.generate()
+    signed = ProducerTable("ns", {"honest": public_hex(HONEST.key)}, {"liar": "revoked"}, "", 10).signed(control)
+    table = ProducerTable.verified(signed, public_hex(control), "ns")
+    assert table.quarantined == {"liar": "revoked"} and table.control_plane_key == public_hex(control)
+    with pytest.raises(ValueError, match="replay"):
+        ProducerTable.verified(signed, public_hex(control), "ns", newer_than=11)
+    lifted = {**signed, "quarantined": {}}
+    with pytest.raises(ValueError, match="not signed"):
+        ProducerTable.verified(lifted, public_hex(control), "ns")
+    with pytest.raises(ValueError, match="not signed"):
+        ProducerTable.verified(ProducerTable("ns").signed(Ed25519PrivateKey.generate()), public_hex(control), "ns")
+    with pytest.raises(ValueError, match="not 'other'"):
+        ProducerTable.verified(signed, public_hex(control), "other")

@@ -139,12 +139,12 @@ def small_board(tmp_path_factory, request, engine):
     """A board started as an edge process starts it, registered with 512 MB, on the session
     engine's threads (a prompt's state is the same bits on any number of threads, but a decode
     step is not: its answer is compared with the session engine's)."""
-    from cachebox.signing import Keychain, derive_keyring
+    from cachebox.signing import Keychain, derive_keyring, shared_producer_ring
     from inference.board import Board
     from inference.config import BoardConfig
 
     url = request.getfixturevalue("valkey_url")
-    ring = derive_keyring(b"k" * 32, "footprint", 1)
+    ring = shared_producer_ring(derive_keyring(b"k" * 32, "footprint", 1))
     board = Board.start(BoardConfig(device="small", namespace="footprint", redis_url=url, threads=engine.config.threads(), memory_mb=512, n_ctx=4096), keys=Keychain(lambda ns: ring), background_sync=False)
     yield board
     board.store.flush("footprint")

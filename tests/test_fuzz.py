@@ -11,7 +11,7 @@ from cachebox.errors import CatalogFormatError, EntryError
 from cachebox.keys import prefix_keys
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from cachebox.signing import control_plane_key, derive_keyring, public_hex, seal, unseal
+from cachebox.signing import control_plane_key, derive_keyring, public_hex, seal, shared_producer_ring, unseal
 from inference.pml import PMLError, PromptDoc, PMLSchema, parse_prompt, parse_schema
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -96,7 +96,7 @@ def test_arbitrary_entry_bytes_never_crash_the_header_reader(raw):
             pass
 
 
-RING = derive_keyring(b"fuzz" * 8, "ns", 2)
+RING = shared_producer_ring(derive_keyring(b"fuzz" * 8, "ns", 2))
 STATE = os.urandom(3000)
 SIGNED = encode_entry(EntryHeader("f" * 16, "ns", 0, 64, "d" * 32, 0), STATE, RING)
 

@@ -364,7 +364,7 @@ def test_the_alert_rules_and_the_grafana_dashboard_read_only_metrics_that_exist(
     exposed = _exposed_names()
     rules = yaml.safe_load((OPS / "edgecache-alerts.yml").read_text())["groups"][0]["rules"]
     alerts = {rule["alert"] for rule in rules}
-    assert {"EdgeCacheBoardDown", "EdgeCacheHitRatioFalling", "EdgeCacheMemoryNearMax", "EdgeCacheQueueWaitHigh", "EdgeCacheSignatureRefusals"} <= alerts
+    assert {"EdgeCacheBoardDown", "EdgeCacheHitRatioFalling", "EdgeCacheMemoryNearMax", "EdgeCacheQueueWaitHigh", "EdgeCacheSignatureRefusals", "EdgeCacheAuditMismatch"} <= alerts
     expressions = [rule["expr"] for rule in rules]
     for rule in rules:
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
@@ -391,7 +391,45 @@ def test_promtool_accepts_the_alert_rules():
         pytest.skip(message)
     done = subprocess.run([promtool, "check", "rules", str(OPS / "edgecache-alerts.yml")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 7 rules found" in done.stdout
+    assert "SUCCESS: 8 rules found" in done.stdout
+
+
+def test_an_audit_mismatch_fires_its_alert_and_a_match_does_not(tmp_path):
+    """promtool runs the rule over series as /metrics exports them: one mismatch of the liar fires
+    EdgeCacheAuditMismatch for it; a board with none fires nothing."""
+    import subprocess
+
+    promtool = _promtool()
+    if promtool is None:
+        message = "promtool is missing: `make promtool` installs Debian's prometheus package (it ships promtool)"
+        if REQUIRE_ALL:
+            pytest.fail(message)
+        pytest.skip(message)
+    yaml = require("yaml", "the alert rules are YAML")
+    rules = yaml.safe_load((OPS / "edgecache-alerts.yml").read_text())["groups"][0]["rules"]
+    [rule] = [rule for rule in rules if rule["alert"] == "EdgeCacheAuditMismatch"]
+    cases = tmp_path / "audit-alert-test.yml"
+    series = "edgecache_audit_mismatches_total{{device={!r},namespace=\"acme\"}}"
+    cases.write_text(yaml.safe_dump({
+        "rule_files": [str(OPS / "edgecache-alerts.yml")],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                {"series": series.format("liar").replace("'", '"'), "values": "0 0 1 1 1"},
+                {"series": series.format("honest").replace("'", '"'), "values": "0 0 0 0 0"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "4m", "alertname": "EdgeCacheAuditMismatch", "exp_alerts": [{
+                    "exp_labels": {"severity": "critical", "device": "liar", "namespace": "acme"},
+                    "exp_annotations": {"summary": "an audit caught liar (acme): 1 entries not what they claim", "description": rule["annotations"]["description"]},
+                }]},
+                {"eval_time": "1m", "alertname": "EdgeCacheAuditMismatch", "exp_alerts": []},
+            ],
+        }],
+    }))
+    done = subprocess.run([promtool, "test", "rules", str(cases)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.django_db

@@ -132,7 +132,7 @@ def test_corrupted_state_is_evicted_and_answered_by_prefill(valkey_url, namespac
 
 def test_forged_truncated_and_swapped_entries_never_reach_llama_cpp(valkey_url, namespace, make_board, prompts, caplog):
     """Whoever can write to the cache box but lacks the namespace's key cannot plant a state."""
-    from cachebox.signing import derive_keyring
+    from cachebox.signing import derive_keyring, shared_producer_ring
 
     board = make_board(valkey_url, namespace)
     cold = board.run(prompts[0].segments, max_tokens=4)
@@ -144,7 +144,7 @@ def test_forged_truncated_and_swapped_entries_never_reach_llama_cpp(valkey_url, 
     header.open_private(board.keys.ring(namespace))
     attacks = {
         # a header and state of the forger's own, signed and sealed with a key it made up
-        "signature": encode_entry(header, bytes(header.plain_bytes), derive_keyring(b"not the key" * 3, namespace, 1)),
+        "signature": encode_entry(header, bytes(header.plain_bytes), shared_producer_ring(derive_keyring(b"not the key" * 3, namespace, 1))),
         # the genuine signed header over a state cut short (an interrupted write)
         "bytes": genuine[:-1000],
         # the genuine signed header over another state of the same size

@@ -21,11 +21,15 @@ from .devices import (
     save_namespace,
     update_device,
 )
+from .entry_audits import clear_quarantine, quarantine_producer, record_audit
 from .runs import dispatch_run, record_run, route_run, run_json, run_request
 from .schemas import delete_schema, dispatch_encode, record_encode_progress, record_encoded, save_schema
 
 __all__ = [
     "AuditAction",
+    "clear_quarantine",
+    "quarantine_producer",
+    "record_audit",
     "audit",
     "authenticate_board",
     "cachebox",

@@ -14,6 +14,8 @@ class AuditAction(StrEnum):
     DEVICE_ROTATE_TOKEN = "device.rotate_token"
     DEVICE_REVOKE = "device.revoke"
     DEVICE_ENROLL = "device.enroll"
+    DEVICE_QUARANTINE = "device.quarantine"  # an audit found an entry of it not what it claims
+    DEVICE_QUARANTINE_CLEAR = "device.quarantine_clear"
     NAMESPACE_CREATE = "namespace.create"
     NAMESPACE_UPDATE = "namespace.update"
     NAMESPACE_ROTATE_KEY = "namespace.rotate_key"

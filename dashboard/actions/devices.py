@@ -25,7 +25,7 @@ from inference.messages import MAX_HEARTBEAT_BYTES, BoardMessage, EnrollRequest,
 from .. import ratelimit
 from ..live import broadcast
 from ..models import Device, Namespace, offline_after
-from ..signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring
+from ..signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring, signed_producer_table
 from ..stats import memory_label
 from .audit import AuditAction, audit
 from .cache import cachebox
@@ -85,7 +85,21 @@ def publish_all_devices() -> int:
     for device in Device.objects.select_related("namespace"):
         registry.publish(store, _record_for(device), signer)
         count += 1
+    for tenant in Namespace.objects.values_list("name", flat=True):
+        publish_producers(tenant)
     return count
+
+
+def publish_producers(tenant: str) -> bool:
+    """Publish ``tenant``'s producer table (who may make its entries, whose are quarantined), signed
+    by the control plane; boards take it at their next heartbeat. False when the cache box is down
+    (``publish_all_devices`` publishes it again at every start)."""
+    try:
+        cachebox().put_producer_table(tenant, signed_producer_table(tenant))
+        return True
+    except CacheBoxError as exc:
+        log.warning("producer table of %s not published to the cache box: %s", tenant, exc)
+        return False
 
 
 def _changed(devices) -> None:
@@ -94,10 +108,14 @@ def _changed(devices) -> None:
     the verb's transaction block: a device record must not reach boards before the database holds it."""
     from .identities import apply_identity
 
+    tenants = set()
     for device in devices:
         apply_identity(device)
         publish_device(device)
+        tenants.add(device.namespace_id)
         transaction.on_commit(lambda device=device: broadcast("device", device_json(device)))
+    for tenant in sorted(tenants):  # a board enrolled, revoked or moved: who may make the tenant's entries
+        publish_producers(tenant)
 
 
 # -- namespaces (tenants) and their signing keys ---------------------------------------------------
@@ -184,12 +202,17 @@ def rotate_token(user, device: Device) -> str:
 
 
 def revoke_device(user, device: Device) -> None:
-    """Refuse the device's token from now on (its board stops serving at its next task)."""
+    """Refuse the device's token from now on (its board stops serving at its next task), and
+    quarantine its entries: the producer table lists it as revoked (every reader refuses and evicts
+    what it made) and the entries the mirror knows it stored are deleted now."""
     device.revoked_at = timezone.now()
     with transaction.atomic():
         device.save(update_fields=["revoked_at"])
         audit(user, AuditAction.DEVICE_REVOKE, device.name)
     _changed([device])
+    from .entry_audits import delete_entries_of
+
+    delete_entries_of(device.name)
 
 
 def enroll_device(payload: dict) -> Device | None:
@@ -267,7 +290,7 @@ def _authenticated(device: Device | None, name) -> Device | None:
     return device
 
 
-_KINDS = {"RunReport": Kind.REPORT, "EncodeReport": Kind.ENCODED, "EncodeProgress": Kind.PROGRESS, "Heartbeat": Kind.HEARTBEAT}
+_KINDS = {"RunReport": Kind.REPORT, "EncodeReport": Kind.ENCODED, "EncodeProgress": Kind.PROGRESS, "Heartbeat": Kind.HEARTBEAT, "AuditReport": Kind.AUDITED}
 
 
 def receive_board_message(cls: type[BoardMessage], payload: dict) -> tuple[BoardMessage | None, Device | None, float]:
@@ -525,10 +548,14 @@ def _republish_missing(devices: list[Device]) -> None:
         present = cachebox().exists([device_key_name(device.name) for device in devices])
     except CacheBoxError:
         return
+    tenants = set()
     for device, there in zip(devices, present):
         if not there:
             log.warning("device %s: its registry record was gone (cache box restarted?); published again", device.name)
             publish_device(device)
+            tenants.add(device.namespace_id)
+    for tenant in sorted(tenants):  # the producer tables went with the records
+        publish_producers(tenant)
 
 
 def heartbeat_records() -> list[tuple[str, float, float]]:
@@ -553,6 +580,7 @@ def _republish_if_missing(device: Device) -> None:
     if missing:
         log.warning("device %s: its registry record was gone (cache box restarted?); published again", device.name)
         publish_device(device)
+        publish_producers(device.namespace_id)  # the producer table went with the record
 
 
 def device_json(device: Device, now=None) -> dict:

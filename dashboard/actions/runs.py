@@ -24,6 +24,7 @@ from ..live import broadcast
 from ..models import Device, Dispatch, InferenceRun
 from ..signing import seal_for
 from ..entry_preview import stored_entries
+from . import entry_audits
 from .cache import acceptable_entries, cachebox
 from .devices import receive_board_message
 
@@ -97,7 +98,7 @@ def approximate_sources(device: Device) -> dict[str, str]:
     return found
 
 
-_KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE}
+_KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE, Task.AUDIT_ENTRY: Kind.AUDIT}
 
 
 def send_to_board(device: Device, task: Task, message: dict, expires: float) -> None:
@@ -136,6 +137,7 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
     # what an entry holds from the prompt of the run that stored it: dashboard.entry_preview).
     entries = {"fetched": list(report.fetched), "stored": stored_entries(accepted)}
     asked = asked_of(report.request_id)
+    audited = entry_audits.sample(device, report)  # before the request is emptied: an audit recomputes it
     moved = Dispatch.objects.filter(request_id=report.request_id).values_list("routing", flat=True).first() or {}
     moved = moved.get("moved") if isinstance(moved, dict) else None
     with transaction.atomic():
@@ -177,6 +179,8 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
         mirror.record_hits(report.fetched)
         Device.objects.filter(pk=device.pk).update(last_seen=timezone.now())
         transaction.on_commit(lambda: broadcast("run", run_json(run)))
+    if audited is not None:
+        entry_audits.dispatch_audit(*audited)
     return run
 
 

@@ -132,6 +132,18 @@ def device_token(request, name):
 
 
 @staff_member_required
+def device_trust(request, name):
+    """Lift an audit's quarantine of a board's entries (after finding why they differed)."""
+    device = get_object_or_404(Device, name=name)
+    page = _confirmation(request, device, f"Trust the entries of {device.name} again?", "Boards accept the cache entries it makes from their next heartbeat on.")
+    if page:
+        return page
+    actions.clear_quarantine(request.user, device)
+    messages.success(request, f"The entries of {device.name} are trusted again.")
+    return redirect(device)
+
+
+@staff_member_required
 def device_revoke(request, name):
     device = get_object_or_404(Device, name=name)
     page = _confirmation(request, device, f"Revoke {device.name}?", "Its board is refused from its next task on; rotate the token to let it back.")

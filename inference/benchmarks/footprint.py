@@ -142,14 +142,14 @@ def board_main(spec: dict) -> int:
 
     import inference.edge_main  # noqa: F401
     import inference.tasks  # noqa: F401
-    from cachebox.signing import Keychain, KeyRing
+    from cachebox.signing import Keychain, KeyRing, shared_producer_ring
     from inference.board import Board
     from inference.config import BoardConfig
 
     from .common import machine_info
 
     _emit({"event": "stage", "stage": "imports", "memory": _memory(), "heavy_modules": sorted(name for name in ("torch", "django", "plotly", "channels", "daphne", "psycopg") if name in sys.modules)})
-    ring = KeyRing.from_dict(spec["ring"])
+    ring = shared_producer_ring(KeyRing.from_dict(spec["ring"]))  # no control plane here: the ring's holders sign alike
     keys = Keychain(lambda namespace: ring if ring.covers(namespace) else None)
     config = BoardConfig.from_env(**spec["config"])
     board = Board.start(config, keys=keys, background_sync=True)

@@ -243,13 +243,13 @@ def board_main(index: int, conn, namespace: str, max_tokens: int, ring: dict) ->
     name = f"load-{index}"
     board = None
     try:
-        from cachebox.signing import Keychain, KeyRing
+        from cachebox.signing import Keychain, KeyRing, shared_producer_ring
         from inference.board import Board
         from inference.config import BoardConfig
 
         from .common import machine_info
 
-        keyring = KeyRing.from_dict(ring)
+        keyring = shared_producer_ring(KeyRing.from_dict(ring))  # no control plane here: the ring's holders sign alike
         started = time.perf_counter()
         config = BoardConfig.from_env(device=name, namespace=namespace, threads=1)
         board = Board.start(config, keys=Keychain(lambda ns: keyring if keyring.covers(ns) else None), background_sync=True)

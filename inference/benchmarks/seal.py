@@ -20,7 +20,7 @@ import time
 
 from cachebox import codec as codecs
 from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry
-from cachebox.signing import AES_GCM, CHACHA20, derive_keyring
+from cachebox.signing import AES_GCM, CHACHA20, derive_keyring, shared_producer_ring
 
 from .base import Benchmark, BenchError
 
@@ -53,7 +53,7 @@ def run(ctx, *, tokens: int, repeats: int, **options) -> dict:
     tuned = tune_malloc()
     state = os.urandom(tokens * BYTES_PER_TOKEN)
     megabytes = len(state) / 1e6
-    ring = derive_keyring(os.urandom(32), "bench-seal", 1)
+    ring = shared_producer_ring(derive_keyring(os.urandom(32), "bench-seal", 1))
     rows = {}
     with ctx.progress(total=3, desc="bench seal", unit="measure") as bar:
         for cipher in (AES_GCM, CHACHA20):

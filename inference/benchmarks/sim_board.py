@@ -39,7 +39,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from cachebox.entry import EntryHeader, encode_entry, open_entry
-from cachebox.keys import catalog_key_names, enroll_inbox_key, heartbeat_key, inbox_key, entry_key_name, stream_channel
+from cachebox.keys import catalog_key_names, enroll_inbox_key, entry_key_name, heartbeat_key, inbox_key, stream_channel
+from cachebox.signing import UnknownProducer
 from cachebox.store import CacheBox
 
 from ..breakdown import Breakdown, Case, Decision, Tier
@@ -152,6 +153,7 @@ class Fleet:
             record, keys = enroll(admin, board["name"], keys, board["token"], send, timeout=float(self.spec.get("enroll_timeout_s", 900)))
             me = EdgeIdentity(board["name"], keys, record, admin)
             me._open_ring()
+            me.read_producers()
             if me.ring is None:
                 raise RuntimeError(f"board {board['name']} enrolled without its namespace's keys")
             self.boards[board["name"]] = SimBoard(me, rate_of(board["name"]))
@@ -332,7 +334,11 @@ class Fleet:
             began = time.perf_counter()
             blob = await self.box.get(name)
             if blob is not None:
-                open_entry(blob, me.ring, len(blob) * 2)
+                try:
+                    open_entry(blob, me.keychain().ring(namespace), len(blob) * 2)
+                except UnknownProducer:  # a board enrolled after this one last read the table
+                    me.read_producers()
+                    open_entry(blob, me.keychain().ring(namespace), len(blob) * 2)
                 matched, fetched, fetched_bytes = shared_tokens, [name], len(blob)
                 self.counts["fetches"] += 1
             else:
@@ -351,7 +357,7 @@ class Fleet:
         if request.use_cache and not matched:
             state = os.urandom(shared_tokens * self.bytes_per_token)
             header = EntryHeader(SIM_FINGERPRINT, namespace, 0, shared_tokens, hashlib.blake2b(shared.encode(), digest_size=16).hexdigest(), 0, device=me.name)
-            blob = encode_entry(header, state, me.ring)
+            blob = encode_entry(header, state, me.keychain().ring(namespace))
             await self.box.set(name, blob, ex=int(self.spec.get("entry_ttl_s", 600)))
             await self.box.xadd(catalog_key_names(namespace)["log"], {"k": key}, maxlen=10_000, approximate=True)
             uploaded.append(StoredEntry(name=name, namespace=namespace, model=SIM_FINGERPRINT, start=0, end=shared_tokens, bytes=len(blob)))

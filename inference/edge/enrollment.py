@@ -11,10 +11,10 @@ import json
 import logging
 from dataclasses import dataclass
 
-from cachebox.errors import CacheBoxUnavailable
+from cachebox.errors import CacheBoxError, CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import enroll_inbox_key
-from cachebox.signing import Keychain, KeyRing
+from cachebox.signing import Keychain, KeyRing, Producer, ProducerTable
 from cachebox.store import CacheBox
 
 from .. import envelope
@@ -35,6 +35,7 @@ class EdgeIdentity:
     record: DeviceRecord
     store: CacheBox
     ring: KeyRing | None = None  # the namespace's keys, as last received
+    producers: ProducerTable | None = None  # whose entries this board accepts, as last received (its serial only grows)
 
     def recheck(self, raw: bytes | None | object = UNREAD) -> None:
         """Raise DeviceRefused if the device was revoked or its token rotated since the board
@@ -58,6 +59,25 @@ class EdgeIdentity:
         if self.record.cache_namespace != previous:
             raise DeviceRefused(f"device {self.name!r} was moved to namespace {self.record.cache_namespace!r}; restart the board to serve it")
         self._open_ring()
+        if raw is UNREAD:  # a heartbeat's or a refresh's check (not the one before every task): the producer table too
+            self.read_producers()
+
+    def read_producers(self) -> None:
+        """Take the tenant's producer table if the pinned control plane signed it and it is not older
+        than the one held (a replay would lift a quarantine); keep the last good one otherwise."""
+        tenant = self.record.namespace
+        try:
+            raw = self.store.get_producer_table(tenant)
+        except CacheBoxError as exc:  # down, or still the enrollment user (its own user reads it next)
+            log.warning("cannot read the producer table of %s now: %s", tenant, exc)
+            return
+        if raw is None:
+            return
+        held = self.producers.serial if self.producers is not None else 0
+        try:
+            self.producers = ProducerTable.verified(json.loads(raw), self.keys.control_plane_key, tenant, newer_than=held)
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            security_event("producers_refused", device=self.name, reason=str(exc)[:500], outcome="the last good table stays")
 
     def _open_ring(self) -> None:
         try:
@@ -74,7 +94,9 @@ class EdgeIdentity:
 
         def source(namespace: str) -> KeyRing | None:
             ring = self.ring
-            return ring if ring is not None and ring.covers(namespace) else None
+            if ring is None or not ring.covers(namespace):
+                return None
+            return ring.with_producers(Producer(self.name, self.keys.signing), self.producers)
 
         def reread() -> None:
             try:
@@ -143,6 +165,7 @@ def become(name: str, keys: BoardKeys, store: CacheBox, *, token: str | None = N
     record, keys = enroll(store, name, keys, token, send, timeout=timeout, save=save, then_as=then_as)
     _identity = EdgeIdentity(name, keys, record, store)
     _identity._open_ring()
+    _identity.read_producers()
     return _identity
 
 

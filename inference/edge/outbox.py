@@ -21,7 +21,9 @@ from .wire import write_to_broker
 
 log = logging.getLogger("inference.edge")
 
-_KINDS = {Task.RECORD_RUN: Kind.REPORT, Task.ENCODED: Kind.ENCODED, Task.ENCODE_PROGRESS: Kind.PROGRESS}
+_KINDS = {Task.RECORD_RUN: Kind.REPORT, Task.ENCODED: Kind.ENCODED, Task.ENCODE_PROGRESS: Kind.PROGRESS, Task.RECORD_AUDIT: Kind.AUDITED}
+
+
 def send_to_control(task: Task, message: BoardMessage, *, retry: bool = True) -> None:
     """One message to the control plane, signed (and sealed) by this board, onto its own inbox."""
     me = identity()
@@ -45,6 +47,9 @@ def report(message: BoardMessage, task: Task = Task.RECORD_RUN) -> None:
 def refused_request(raw, reason: str, task: Task) -> None:
     """A malformed request that still names its request id is answered with an error, so it is not lost."""
     request_id = raw.get("request_id") if isinstance(raw, dict) else None
+    if task == Task.AUDIT_ENTRY:  # an audit nobody waits for: said in the log, its row stays under way
+        log.warning("refused audit %s: %s", request_id, reason)
+        return
     try:
         if task == Task.RUN_PROMPT:
             report(RunReport(**sender(), request_id=request_id, error=f"refused by the board: {reason}"))
