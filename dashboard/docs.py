@@ -51,6 +51,11 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "where `bench kernels` and the kernel-class tests keep the second build of llama.cpp (AVX-512 kernels) they load with "
         "`LLAMA_CPP_LIB_PATH` (once per machine; never a product dependency)",
     ),
+    "EDGECACHE_ARM64_DIR": (
+        "~/.cache/edgecache/arm64",
+        "where `make board-wheels` and the arm64 tests keep llama.cpp cross-built for aarch64, the boards' wheelhouses and an "
+        "arm64 Debian root run under qemu-user (once per machine; never a product dependency)",
+    ),
     "EDGECACHE_THREADS": (None, "llama.cpp threads (0: all cores)"),
     "EDGECACHE_KV_TYPE": (
         None,

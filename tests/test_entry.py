@@ -241,15 +241,15 @@ def test_unknown_and_quarantined_producers_are_refused():
 
 def test_an_entry_of_the_previous_format_no_longer_opens():
     """ECE3 (no producer signature): refused by its magic bytes; its keys no longer match either
-    (STATE_FORMAT_VERSION 5 enters the model fingerprint)."""
+    (STATE_FORMAT_VERSION 6 enters the model fingerprint)."""
     from cachebox.keys import STATE_FORMAT_VERSION, ModelIdentity
 
     blob = bytearray(encode_entry(make()[0], make()[1], ring_of(HONEST)))
     blob[:4] = b"ECE3"
     with pytest.raises(EntryError, match="older format"):
         open_entry(bytes(blob), ring_of(HONEST), 1 << 20)
-    assert STATE_FORMAT_VERSION == 5
-    assert ModelIdentity("a", "f16", "b").fingerprint() != ModelIdentity("a", "f16", "b", state_format=4).fingerprint()
+    assert STATE_FORMAT_VERSION == 6
+    assert ModelIdentity("a", "f16", "b").fingerprint() != ModelIdentity("a", "f16", "b", state_format=5).fingerprint()
 
 
 def test_the_producer_table_is_the_control_planes_word_and_never_goes_back():

@@ -83,8 +83,9 @@ def test_boards_of_different_kernel_classes_have_different_fingerprints_and_keys
 
 
 def test_the_state_format_was_bumped_so_entries_stored_before_kernel_classes_stop_matching():
-    # Entries stored by version 4 came from a board of any class: no fingerprint of today reaches them.
-    assert STATE_FORMAT_VERSION == 5
+    # Entries stored by version 4 came from a board of any class: no fingerprint of today reaches them
+    # (6: entries are also signed by their producer).
+    assert STATE_FORMAT_VERSION == 6
     old = ModelIdentity("ab" * 32, "f16", "llama-cpp-python 0.3.36", state_format=4)
     now = identity(KernelClass.from_report("x86_64", AVX2, BUILD).identity)
     assert old.fingerprint() != now.fingerprint() != ModelIdentity("ab" * 32, "f16", "llama-cpp-python 0.3.36").fingerprint()
