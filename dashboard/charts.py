@@ -16,13 +16,14 @@ from typing import Iterable
 import plotly.io
 
 from cachebox.link import LinkProfile
-from inference.breakdown import STACK, TIER_WORDS
+from inference.breakdown import OTHER, TIME_LABELS, TIER_WORDS, time_sums
 from inference.breakeven import LinearFit, crossover, fit_line, overlap_ms, points_from_breakdowns
 
 from .chart_series import HIT_TIERS, ChartPoint
 
-# The paper's table-3 components, in its order and words (one source for charts and live.js).
-COMPONENTS = STACK
+# The stacked parts of a run's TTLT: the paper's table-3 groups in its order and words, then
+# "other" (one source for the chart and live.js, which finds each run's values in ``time_sums``).
+COMPONENTS = (*TIME_LABELS, OTHER)
 WINDOW = 5000  # points a trace keeps while live points arrive (the range's points come from the database)
 BREAKEVEN_RUNS = 200  # a board's newest runs its break-even chart fits lines to
 
@@ -128,13 +129,18 @@ def run_label(run) -> str:
 
 
 def breakdown_figure(runs: list) -> dict:
-    """Stacked per-run breakdown (Token, Bloom, P-decode, Redis, R-decode, Sample), oldest first."""
+    """Stacked per-run TTLT, oldest first: the paper's table-3 groups (Token, Bloom, P-decode, Redis,
+    R-decode, Sample) and "other" (``inference.breakdown.time_sums``), so each bar is the run's
+    TTLT. An "other" below zero says the named parts exceed it (steps that ran at the same time)."""
     labels = [run_label(run) for run in runs]
+    sums = [time_sums(run.breakdown or {})["ttlt"] for run in runs]
     traces = [
-        _trace("bar", name=name, x=labels, y=[run.breakdown.get(field, 0) for run in runs])
-        for field, name in COMPONENTS
+        _trace("bar", name=name, x=labels, y=[total.parts[index].ms for total in sums])
+        for index, name in enumerate(COMPONENTS)
     ]
-    return _figure(traces, "Time-to-last-token breakdown per run (ms)", barmode="stack", yaxis_title="ms", legend=dict(orientation="h", y=-0.25, traceorder="normal"))
+    return _figure(
+        traces, "Time to last token per run: its parts (ms)", barmode="relative", yaxis_title="ms", legend=dict(orientation="h", y=-0.25, traceorder="normal")
+    )
 
 
 def _mine(points: list[ChartPoint], device: str) -> list[ChartPoint]:

@@ -12,7 +12,7 @@ from django.db import models
 from django.urls import reverse
 from django.utils import timezone
 
-from inference.messages import Queue
+from inference.messages import CANCELLED, Queue
 from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
 
 ONLINE_WITHIN = timedelta(seconds=30)  # a board that never said how often it beats
@@ -233,14 +233,24 @@ class InferenceRun(models.Model):
         return Breakdown.from_dict(self.breakdown)
 
     @property
+    def cancelled(self) -> bool:
+        """Its client cancelled it: answered in part (its text, its TTFT), no failure."""
+        return self.error == CANCELLED
+
+    @property
+    def measured(self) -> bool:
+        """Its board served it (answered, or cancelled on the way): its breakdown holds its times."""
+        return not self.error or self.cancelled
+
+    @property
     def served_from(self) -> str:
         """Where its prompt came from, in the words of every page ("468/468 prompt tokens from the board's own context")."""
-        return served_from(self.breakdown) if not self.error else ""
+        return served_from(self.breakdown) if self.measured else ""
 
     @property
     def source_label(self) -> str:
         """The short word for it: "context", "RAM tier", "cache box", "computed"."""
-        return source_label(self.breakdown) if not self.error else ""
+        return source_label(self.breakdown) if self.measured else ""
 
     @property
     def routing(self) -> dict:

@@ -11,22 +11,60 @@ import re
 import statistics
 from datetime import datetime, timezone as dt_timezone
 
-from django.db.models import QuerySet
+from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
+
+from inference.messages import CANCELLED
 
 from .models import Device, InferenceRun
 
 RECENT = 500  # runs per device the summaries look at
 HITS = ("partial", "full")
 
+# -- how a run ended, counted one way on every page ------------------------------------------
+# Every count of runs counts them all, and says how many of them failed and how many were
+# cancelled (a cancelled run was answered in part: its TTFT was measured; it is no failure).
+ANSWERED, FAILED, CANCELLED_RUNS = "answered", "failed", "cancelled"
+OUTCOMES = (ANSWERED, FAILED, CANCELLED_RUNS)
+
+
+def outcome_q(outcome: str) -> Q:
+    """The runs that ended as ``outcome`` (one of ``OUTCOMES``)."""
+    return {ANSWERED: Q(error=""), CANCELLED_RUNS: Q(error=CANCELLED), FAILED: ~Q(error="") & ~Q(error=CANCELLED)}[outcome]
+
+
+def outcome_of(error: str) -> str:
+    return ANSWERED if not error else (CANCELLED_RUNS if error == CANCELLED else FAILED)
+
+
+def count_aggregates(prefix: str = "") -> dict:
+    """``Count`` aggregates of every run and of each outcome (keys ``runs``, ``answered``, ...)."""
+    return {f"{prefix}runs": Count("pk"), **{f"{prefix}{outcome}": Count("pk", filter=outcome_q(outcome)) for outcome in OUTCOMES}}
+
+
+def run_counts(runs: QuerySet[InferenceRun]) -> dict[str, int]:
+    """``{"runs": all, "answered": ..., "failed": ..., "cancelled": ...}`` of ``runs``, in one query."""
+    return runs.order_by().aggregate(**count_aggregates())
+
+
+def runs_label(counts: dict) -> str:
+    """A count of runs as every page says it: "38 runs (3 failed, 1 cancelled)", "1 run"."""
+    total = int(counts.get("runs") or 0)
+    label = f"{total} run{'' if total == 1 else 's'}"
+    ended = [f"{counts[outcome]} {outcome}" for outcome in (FAILED, CANCELLED_RUNS) if counts.get(outcome)]
+    return label + (f" ({', '.join(ended)})" if ended else "")
+
 
 def run_figures(device: Device) -> dict:
-    """What a device card shows: runs (failed ones too), and over its last ``RECENT`` successful
-    runs the hit ratio and the median TTFT (None without any). Two queries."""
+    """What a device card shows: its runs (all of them, failed and cancelled ones said: ``runs_label``),
+    and over its last ``RECENT`` answered runs the hit ratio and the median TTFT (None without
+    any). Two queries."""
     recent = list(device.runs.filter(error="").order_by("-created").values_list("ttft_ms", "case")[:RECENT])
     hits = sum(1 for _, case in recent if case in HITS)
+    counts = run_counts(device.runs.all())
     return {
-        "runs": device.runs.count(),
+        **counts,
+        "runs_label": runs_label(counts),
         "hit_ratio": hits / len(recent) if recent else None,
         "median_ttft_ms": statistics.median(ttft for ttft, _ in recent) if recent else None,
     }
@@ -34,13 +72,13 @@ def run_figures(device: Device) -> dict:
 
 def run_figures_many(devices) -> dict[str, dict]:
     """``run_figures`` of each of ``devices`` (by name) in two queries, whatever their number."""
-    from django.db.models import Count, F, Window
+    from django.db.models import F, Window
     from django.db.models.functions import RowNumber
 
     pks = {device.pk: device.name for device in devices}
     if not pks:
         return {}
-    counts = dict(InferenceRun.objects.filter(device_id__in=pks).values("device_id").annotate(n=Count("id")).values_list("device_id", "n"))
+    counts = {row.pop("device_id"): row for row in InferenceRun.objects.filter(device_id__in=pks).order_by().values("device_id").annotate(**count_aggregates())}
     recent: dict[int, list] = {pk: [] for pk in pks}
     rows = (
         InferenceRun.objects.filter(device_id__in=pks, error="")
@@ -53,8 +91,10 @@ def run_figures_many(devices) -> dict[str, dict]:
     out = {}
     for pk, name in pks.items():
         mine = recent[pk]
+        mine_counts = counts.get(pk) or {"runs": 0, **{outcome: 0 for outcome in OUTCOMES}}
         out[name] = {
-            "runs": counts.get(pk, 0),
+            **mine_counts,
+            "runs_label": runs_label(mine_counts),
             "hit_ratio": sum(1 for _, case in mine if case in HITS) / len(mine) if mine else None,
             "median_ttft_ms": statistics.median(ttft for ttft, _ in mine) if mine else None,
         }

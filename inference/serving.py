@@ -239,7 +239,7 @@ class ServingStrategy(Generic[Prepared]):
                 rng = np.random.default_rng(options.sampling.seed)
                 mark = time.perf_counter()
                 token = first.choose(options.sampling, rng, self.top)
-                breakdown.sample_ms = ms_since(mark)
+                breakdown.sample_ms = breakdown.first_sample_ms = ms_since(mark)
                 breakdown.ttft_ms = ms_since(started)
                 decoder = first.decoder if first.decoder is not None else engine
                 generated, text = decode_answer(decoder, token, first.position, options.max_tokens, options.sampling, rng, breakdown, started, self.top, options.on_token)
