@@ -159,3 +159,23 @@ def test_a_cancelled_run_shows_its_measured_ttft(staff_client, control_plane):
         assert "266.8" in row and "cancelled" in row and "–" not in row, name
     page = staff_client.get(reverse("run-detail", args=[run.pk])).content.decode()
     assert 'id="run-error"' not in page and "TTFT 266.8 ms" in page and 'id="run-ttft-sum"' in page
+
+
+# -- a slow hit is one slower than computing --------------------------------------------------------
+def test_a_hit_faster_than_computing_is_not_called_slow():
+    from dashboard.explain import why
+
+    # The walk's hit: the link took most of the TTFT, and computing was forecast five times longer.
+    hit = {"case": "full", "tier": "cachebox", "fetch_ms": 3400.0, "redis_ms": 3460.0, "ttft_ms": 3600.0, "fetched_bytes": 8_400_000,
+           "fetched_tokens": 456, "link": "Wi-Fi 4 (20.9 Mbit/s, 4 ms)", "predicted_fetch_ms": 3300.0, "predicted_prefill_ms": 17_300.0}
+    (sentence,) = why(hit)
+    assert "slow" not in sentence.lower()
+    assert sentence == (
+        "The emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s for 8.4 MB (forecast 3.3 s), 94% of the time to first token, "
+        "and still 5.0x faster than computing those 456 tokens here (17.3 s forecast)."
+    )
+    # Slower than computing: slow, and it says against what.
+    assert why({**hit, "predicted_prefill_ms": 2000.0})[0].startswith("A slow hit: the emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s")
+    assert "longer than the 2.0 s computing those 456 tokens here was forecast to take" in why({**hit, "predicted_prefill_ms": 2000.0})[0]
+    # No forecast of computing: what the link took, and no verdict.
+    assert why({**hit, "predicted_prefill_ms": 0})[0] == "The emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s for 8.4 MB (forecast 3.3 s), 94% of the time to first token."
