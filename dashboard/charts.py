@@ -20,6 +20,7 @@ from inference.breakdown import OTHER, TIME_LABELS, TIER_WORDS, time_sums
 from inference.breakeven import LinearFit, crossover, fit_line, overlap_ms, points_from_breakdowns
 
 from .chart_series import HIT_TIERS, ChartPoint
+from .explain import human_ms
 
 # The stacked parts of a run's TTLT: the paper's table-3 groups in its order and words, then
 # "other" (one source for the chart and live.js, which finds each run's values in ``time_sums``).
@@ -271,6 +272,22 @@ def bytes_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[
     return _figure(traces, "Prompt state moved per run (MB, fetched + uploaded)", yaxis_title="MB")
 
 
+def overlap_words(tokens: float, computing_ms: float, fetching_ms: float, together_ms: float) -> str:
+    """The verdict's second half, in plain words: for a prompt of ``tokens``, what computing it all,
+    fetching it all, and computing the front while the back loads each take (the fitted lines)."""
+    if computing_ms <= 0 or fetching_ms <= 0:
+        return ""
+    better, best_ms = ("fetching it all", fetching_ms) if fetching_ms < computing_ms else ("computing it all", computing_ms)
+    sentence = (
+        f". For a {tokens:.0f}-token prompt, computing it all takes about {human_ms(computing_ms)}, fetching it all {human_ms(fetching_ms)}, "
+        f"and computing the front while the back loads {human_ms(together_ms)}"
+    )
+    saved = 1 - together_ms / best_ms
+    if saved >= 0.01:
+        return sentence + f": {saved:.0%} less than {better}"
+    return sentence + f": no faster than {better}"
+
+
 def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_label: str, bytes_per_token: float = 18_500) -> dict:
     """Prefill vs fetch+restore time against tokens, fitted lines and where they cross."""
     points = points_from_breakdowns(breakdowns)
@@ -326,9 +343,7 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
         overlapped = [overlap_ms(x, through_origin, fetch_fit) for x in dense]
         traces.append(_trace("scatter", name="compute the front while the back loads", x=dense, y=overlapped, mode="lines", line=dict(color="#2ca02c", width=3)))
         at = min(longest, 512)
-        alone = min(through_origin.predict(at), fetch_fit.predict(at))
-        if alone > 0:
-            verdict += f"; both together: {overlap_ms(at, through_origin, fetch_fit) / alone:.2f}x the better alone at {at:.0f} tokens"
+        verdict += overlap_words(at, through_origin.predict(at), fetch_fit.predict(at), overlap_ms(at, through_origin, fetch_fit))
         if cross.tokens is not None:
             shapes.append(dict(type="line", x0=cross.tokens, x1=cross.tokens, yref="paper", y0=0, y1=1, line=dict(color="#2ca02c", dash="dot")))
             annotations.append(dict(x=cross.tokens, yref="paper", y=1.0, yanchor="top", text=f"break-even ≈ {cross.tokens:.0f} tokens", showarrow=False, xanchor="left"))

@@ -14,6 +14,7 @@ from datetime import datetime, timezone as dt_timezone
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
+from inference.memory_plan import MB, MIN_N_CTX, MIN_RAM_TIER_BYTES, N_CTX_STEP, RSS_SHARE
 from inference.messages import CANCELLED
 
 from .models import Device, InferenceRun
@@ -180,6 +181,52 @@ def memory_label(status: dict | None, memory_mb: int) -> str:
     return label
 
 
+def memory_advice(status: dict | None, memory_mb: int) -> list[str]:
+    """What to do about a board whose peak RSS went over its memory budget (none when within it,
+    or not reported): how far over, then the knobs ``inference.memory_plan`` sizes it by, the
+    largest first: its RAM tier (``EDGECACHE_RAM_TIER_MB``), its context (``EDGECACHE_N_CTX``),
+    then its registered memory or a smaller model."""
+    status = status or {}
+    memory = status.get("memory") or {}
+    try:
+        peak, budget = float(memory.get("peak_rss_mb") or memory["rss_mb"]), float(memory["budget_mb"])
+    except (KeyError, TypeError, ValueError):
+        return []
+    if not budget or peak <= budget:
+        return []
+    over = peak - budget
+    registered = memory.get("memory_mb") or memory_mb
+    advice = [
+        f"Over its memory budget: a peak of {peak:.0f} MB against {budget:.0f} MB ({RSS_SHARE:.0%} of the {registered} MB it is registered with; "
+        f"the system keeps the rest), {over:.0f} MB over. In the board's environment, then restart it:"
+    ]
+    ram = status.get("ram_tier") or {}
+    ram_mb = (ram.get("budget_bytes") or 0) / MB
+    gives_way = ram.get("rss_limit_bytes") and not ram.get("bytes")  # it already holds nothing to stay under the budget
+    if ram_mb >= 1 and not gives_way:
+        lower = max(0, int(ram_mb - over) // 8 * 8)
+        advice.append(
+            f"lower its RAM tier, now up to {ram_mb:.0f} MB: EDGECACHE_RAM_TIER_MB={lower if lower >= MIN_RAM_TIER_BYTES / MB else 0} "
+            "(the cache box serves those entries; EDGECACHE_FLASH_TIER_MB with EDGECACHE_FLASH_DIR keeps them on its disk instead);"
+        )
+    n_ctx, kv_mb = memory.get("n_ctx"), memory.get("kv_cache_mb")
+    if isinstance(n_ctx, int) and n_ctx > MIN_N_CTX:
+        smaller = max(MIN_N_CTX, n_ctx - N_CTX_STEP)
+        if isinstance(kv_mb, (int, float)) and kv_mb > 0:
+            per_token = kv_mb / n_ctx
+            smaller = max(MIN_N_CTX, int((n_ctx - over / per_token) // N_CTX_STEP * N_CTX_STEP))
+            frees = f", freeing about {(n_ctx - smaller) * per_token:.0f} MB of KV cache"
+        else:
+            frees = ""
+        advice.append(f"give it a smaller context, now {n_ctx} tokens: EDGECACHE_N_CTX={smaller}{frees} (longer prompts are then refused);")
+    advice.append(
+        f"or, if the board has more than {registered} MB, register what it has (Admin > Devices: memory): registered with "
+        f"{peak / RSS_SHARE:.0f} MB, this peak is within its budget; a board with only {registered} MB serves a smaller model. "
+        "A lab strategy (early exit, KV prediction, anchors) loads a second model or PyTorch: run those on a larger board."
+    )
+    return advice
+
+
 def device_state(device: Device) -> tuple[str, str]:
     """(status, words) of a device: online, offline since …, never started, revoked."""
     if device.revoked_at is not None:
@@ -196,6 +243,47 @@ def device_summary(device: Device, figures: dict | None = None) -> dict:
     return {"device": device, **(figures if figures is not None else run_figures(device)), **catalog_summary(device)}
 
 
+# Why a catalog "maybe" was never asked about (cachebox.catalog.NOT_ASKED), in the device page's words.
+NOT_ASKED_WORDS = (
+    ("held_on_board", "not asked (the board's own context, RAM or flash tier held those ranges)"),
+    ("policy_skipped", "not asked (the break-even policy forecast computing them faster)"),
+    ("cachebox_down", "not asked (the cache box did not answer)"),
+)
+
+
+def _counter(catalog: dict, name: str) -> int:
+    try:
+        return max(0, int(catalog.get(name) or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def catalog_reconciliation(catalog: dict) -> list[str]:
+    """A catalog's counters as sums that add up (the board's ``cachebox.catalog.CatalogStats``):
+    lookups = certain "no"s + "maybe"s; the "maybe"s = in the cache box (true hits) + not there
+    (false positives) + never asked about, by why. A board of a version that counts no reasons says
+    what it leaves unexplained."""
+    lookups, maybe = _counter(catalog, "lookups"), _counter(catalog, "maybe_hits")
+    lines = [f'{lookups} lookup{"" if lookups == 1 else "s"} = {lookups - maybe} certain "no" + {maybe} "maybe"']
+    if not maybe:
+        return lines
+    terms = [f"{_counter(catalog, 'true_hits')} in the cache box (true hits)", f"{_counter(catalog, 'false_positives')} not there (false positives)"]
+    settled = _counter(catalog, "true_hits") + _counter(catalog, "false_positives")
+    for name, words in NOT_ASKED_WORDS:
+        if _counter(catalog, name):
+            terms.append(f"{_counter(catalog, name)} {words}")
+            settled += _counter(catalog, name)
+    rest = maybe - settled
+    if rest and all(name not in catalog for name, _ in NOT_ASKED_WORDS):
+        terms.append(f"{rest} not asked or not counted (this board's version does not say why)")
+    elif rest > 0:
+        terms.append(f"{rest} of a run between its lookup and its answer")
+    elif rest < 0:
+        terms.append(f"{rest} (counted twice: report it)")
+    lines.append(f'{maybe} "maybe" = ' + " + ".join(terms))
+    return lines
+
+
 def catalog_summary(device: Device) -> dict:
     """A device's catalogs as its last heartbeat reported them (no query)."""
     catalogs = {}
@@ -206,12 +294,14 @@ def catalog_summary(device: Device) -> dict:
             "last_sync": datetime.fromtimestamp(last_sync, dt_timezone.utc) if last_sync else None,
             "fill_label": fill_label(catalog.get("fill_ratio")),
             "epoch": str(catalog.get("epoch") or ""),
+            "reconciled": catalog_reconciliation(catalog),
         }
     return {
         "catalog_items": sum(c.get("approx_items", 0) for c in catalogs.values()),
         "catalog_fp_rate": max((c.get("estimated_fp_rate", 0.0) for c in catalogs.values()), default=None),
         "catalogs": catalogs,
         "memory": memory_label(device.status, device.memory_mb),
+        "memory_advice": memory_advice(device.status, device.memory_mb),
     }
 
 

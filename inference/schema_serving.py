@@ -333,7 +333,6 @@ class SchemaServing(ServingStrategy[_SchemaRun]):
         headers = session.read_headers(wanted, expect)
         wanted = session.within_budget([ref for ref in wanted if ref.name in headers], headers)
         fetched = session.fetch(wanted, expect, chain=False)
-        session.record_hits(len(fetched))
         return {item.ref.piece: item for item in fetched}
 
     def _move_into_main(self, shift: int) -> None:

@@ -283,7 +283,8 @@ def test_device_pages_show_summaries_and_breakeven(staff_client, control_plane):
     names = [trace["name"] for trace in figure["data"]]
     assert "prefill (measured)" in names and any(name.startswith("link model") for name in names)
     overlapped = next(trace for trace in figure["data"] if trace["name"] == "compute the front while the back loads")
-    assert "both together" in figure["verdict"] and "both together" in detail.content.decode()  # under the chart, not in its title
+    together = "computing the front while the back loads"
+    assert together in figure["verdict"] and together in detail.content.decode()  # under the chart, not in its title
     computing = next(trace for trace in figure["data"] if trace["name"].startswith("prefill fit"))
     assert overlapped["y"][-1] < computing["y"][-1]  # together beats computing alone on this slow link
 

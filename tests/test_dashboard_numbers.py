@@ -22,7 +22,7 @@ from dashboard import actions
 from dashboard.models import InferenceRun
 from inference.messages import CANCELLED
 
-from .test_dashboard import control_plane, register, staff_client  # noqa: F401  (fixtures)
+from .test_dashboard import control_plane, enrolled, heartbeat, register, staff_client  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
@@ -179,3 +179,59 @@ def test_a_hit_faster_than_computing_is_not_called_slow():
     assert "longer than the 2.0 s computing those 456 tokens here was forecast to take" in why({**hit, "predicted_prefill_ms": 2000.0})[0]
     # No forecast of computing: what the link took, and no verdict.
     assert why({**hit, "predicted_prefill_ms": 0})[0] == "The emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s for 8.4 MB (forecast 3.3 s), 94% of the time to first token."
+
+
+# -- the device page: a catalog line that reconciles, a verdict in words, memory advice ---------------------
+def device_page(staff_client, status: dict, name: str = "zero") -> str:
+    device, token = register(name)
+    actions.record_heartbeat(heartbeat(enrolled(device, token), status, device=name))
+    return staff_client.get(reverse("device-detail", args=[name])).content.decode()
+
+
+def sums_line(html: str) -> str:
+    row = re.search(r'<tr class="catalog-sums" data-namespace="default"><td[^>]*>(.*?)</td></tr>', html, re.S).group(1)
+    return " | ".join(part.strip() for part in row.replace("&quot;", '"').replace("&#x27;", "'").split("<br>"))
+
+
+def test_the_catalog_line_adds_up(staff_client, control_plane):
+    counters = {"lookups": 554, "maybe_hits": 513, "true_hits": 4, "false_positives": 0, "held_on_board": 480, "policy_skipped": 29, "cachebox_down": 0}
+    line = sums_line(device_page(staff_client, {"catalogs": {"default": {"approx_items": 40, **counters}}}))
+    assert line == (
+        '554 lookups = 41 certain "no" + 513 "maybe" | 513 "maybe" = 4 in the cache box (true hits) + 0 not there (false positives)'
+        " + 480 not asked (the board's own context, RAM or flash tier held those ranges) + 29 not asked (the break-even policy forecast computing them faster)"
+    )
+    numbers = [int(n) for n in re.findall(r"(?<![\w-])(\d+) ", line.split(" | ")[1])]
+    assert numbers[0] == sum(numbers[1:])  # the "maybe"s are the sum of what became of them
+
+
+def test_a_board_that_counts_no_reasons_is_not_made_to_add_up(staff_client, control_plane):
+    # The walk's board: lookups 554, maybe 513, true hits 4, false positives 0, and nothing else.
+    line = sums_line(device_page(staff_client, {"catalogs": {"default": {"lookups": 554, "maybe_hits": 513, "true_hits": 4, "false_positives": 0}}}))
+    assert line.endswith("+ 509 not asked or not counted (this board's version does not say why)")
+
+
+def test_the_breakeven_verdict_is_said_in_plain_words():
+    from dashboard.charts import breakeven_figure
+
+    runs = [{"prompt_tokens": tokens, "matched_tokens": 0, "prefill_ms": 3.0 * tokens} for tokens in (100, 300, 500)]
+    runs += [{"prompt_tokens": tokens, "matched_tokens": tokens, "fetched_tokens": tokens, "redis_ms": 200.0 + 1.5 * tokens, "tier": "cachebox"} for tokens in (128, 256, 512)]
+    verdict = breakeven_figure(runs, None, "unshaped")["verdict"]
+    assert "x the better alone" not in verdict and "both together" not in verdict
+    assert verdict == (
+        "Fetching wins from 133 tokens. For a 512-token prompt, computing it all takes about 1.5 s, fetching it all 968 ms, "
+        "and computing the front while the back loads 645 ms: 33% less than fetching it all."
+    )
+
+
+def test_a_board_over_its_memory_budget_is_told_what_to_do(staff_client, control_plane):
+    status = {
+        "memory": {"rss_mb": 431.0, "peak_rss_mb": 443.0, "memory_mb": 512, "budget_mb": 399.4, "n_ctx": 4096, "kv_cache_mb": 144.0},
+        "ram_tier": {"entries": 3, "bytes": 20 * 1024 * 1024, "budget_bytes": 64 * 1024 * 1024, "rss_limit_bytes": 418_000_000},
+    }
+    html = device_page(staff_client, status)
+    advice = re.search(r'<div class="warning-box" id="memory-advice"[^>]*>(.*?)</div>', html, re.S).group(1).replace("&#x27;", "'")
+    assert "a peak of 443 MB against 399 MB" in advice and "44 MB over" in advice
+    assert "EDGECACHE_RAM_TIER_MB=16" in advice and "EDGECACHE_N_CTX=2816" in advice and "freeing about 45 MB of KV cache" in advice
+    assert "register what it has (Admin &gt; Devices: memory): registered with 568 MB, this peak is within its budget" in advice
+    within = {**status, "memory": {**status["memory"], "peak_rss_mb": 380.0}}
+    assert 'id="memory-advice"' not in device_page(staff_client, within, name="one")

@@ -128,3 +128,48 @@ def test_the_parts_of_ttft_and_ttlt_add_up_for_runs_from_every_tier(valkey_url, 
     make_board(valkey_url, namespace, device="dev-d", **flash).run(prompt, max_tokens=2, upload=False)
     said["flash"] = assert_parts_add_up(make_board(valkey_url, namespace, device="dev-d", **flash).run(prompt, max_tokens=12), "flash")
     print(json.dumps(said, indent=1))
+
+
+# -- a catalog's counters add up (issue 42, item 5) ------------------------------------------------------
+def catalog_stats(board, namespace: str) -> dict:
+    return board.status()["catalogs"][namespace]
+
+
+def assert_reconciles(stats: dict) -> None:
+    """Every "maybe" settled once: held by the cache box, not there, or never asked about and why."""
+    settled = ("true_hits", "false_positives", "held_on_board", "policy_skipped", "cachebox_down")
+    assert stats["maybe_hits"] == sum(stats[name] for name in settled), stats
+    assert stats["lookups"] >= stats["maybe_hits"], stats
+
+
+def test_a_boards_catalog_counters_add_up(valkey_url, namespace, make_board):
+    from cachebox.store import CacheBox
+
+    longer = ask("when did the ferry leave on log 7?") + ["Then list every return time after log 40 in order, please."]
+    writer = make_board(valkey_url, namespace, device="dev-a")
+    writer.run(longer, max_tokens=2)  # a sure miss: lookups, no "maybe"
+    # The board's context holds the front: its "maybe"s there are never asked about; the rest is fetched.
+    reader = make_board(valkey_url, namespace, device="dev-b", context_reuse=True)
+    reader.catalogs.sync_all()
+    reader.run([CONTEXT], max_tokens=2, upload=False)
+    assert reader.run(longer, max_tokens=2).breakdown.tier == "cachebox"
+    stats = catalog_stats(reader, namespace)
+    assert stats["true_hits"] > 0 and stats["held_on_board"] > 0
+    assert_reconciles(stats)
+    # A policy that never fetches: its "maybe"s are never asked about, and counted as such.
+    skipper = make_board(valkey_url, namespace, device="dev-c", policy="never")
+    skipper.catalogs.sync_all()
+    assert skipper.run(longer, max_tokens=2).breakdown.decision == "policy-skip"
+    stats = catalog_stats(skipper, namespace)
+    assert stats["policy_skipped"] > 0 and stats["true_hits"] == 0
+    assert_reconciles(stats)
+    # Entries gone since the catalog was synced: "maybe"s the cache box did not hold.
+    late = make_board(valkey_url, namespace, device="dev-d")
+    late.catalogs.sync_all()
+    store = CacheBox(valkey_url)
+    store.delete(list(store.scan_entries(namespace)))
+    late.run(longer, max_tokens=2)
+    stats = catalog_stats(late, namespace)
+    assert stats["false_positives"] > 0
+    assert_reconciles(stats)
+    assert_reconciles(catalog_stats(writer, namespace))
