@@ -243,6 +243,11 @@ class InferenceRun(models.Model):
         return not self.error or self.cancelled
 
     @property
+    def shown_case(self) -> str:
+        """Its case as the pages show it: a cancelled run recorded before cancelled runs kept one says its breakdown's."""
+        return self.case or (str((self.breakdown or {}).get("case") or "") if self.measured else "")
+
+    @property
     def served_from(self) -> str:
         """Where its prompt came from, in the words of every page ("468/468 prompt tokens from the board's own context")."""
         return served_from(self.breakdown) if self.measured else ""

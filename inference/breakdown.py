@@ -227,7 +227,8 @@ def _time_sum(breakdown: dict, name: str, whole: str, first_token: bool) -> Time
             continue  # R-decode is no part of TTFT
         total = sum(tenths for _, tenths in pieces)
         named += total
-        shown = tuple((words, tenths / scale) for words, tenths in pieces) if len(pieces) > 1 else ()
+        # A group of several fields names those that took any time (a context hit: no cache box).
+        shown = tuple((words, tenths / scale) for words, tenths in pieces if tenths) if len(pieces) > 1 else ()
         parts.append(TimePart(label, total / scale, shown))
     whole_tenths = _tenths(breakdown.get(whole))
     parts.append(TimePart(OTHER, (whole_tenths - named) / scale))

@@ -408,8 +408,9 @@ def test_dashboard_renders_charts_with_run_points(staff_client, control_plane):
     actions.record_run(result_payload(device, keys))
     response = staff_client.get(reverse("home"))
     charts = response.context["chart_data"]
-    assert [trace["name"] for trace in charts["breakdown"]["data"]] == ["Token", "Bloom", "P-decode", "Redis", "R-decode", "Sample"]
+    assert [trace["name"] for trace in charts["breakdown"]["data"]] == ["Token", "Bloom", "P-decode", "Redis", "R-decode", "Sample", "other"]
     assert charts["breakdown"]["data"][2]["y"] == [90.0]
+    assert charts["breakdown"]["data"][-1]["y"] == [40.0]  # TTLT 150 less P-decode 90 and Redis 20: the bar is the run's TTLT
     assert "chart-data" in response.content.decode()
     assert staff_client.get(reverse("plotly-js"))["Content-Type"] == "application/javascript"
 
