@@ -235,3 +235,12 @@ def test_a_board_over_its_memory_budget_is_told_what_to_do(staff_client, control
     assert "register what it has (Admin &gt; Devices: memory): registered with 568 MB, this peak is within its budget" in advice
     within = {**status, "memory": {**status["memory"], "peak_rss_mb": 380.0}}
     assert 'id="memory-advice"' not in device_page(staff_client, within, name="one")
+
+
+def test_every_breakdown_field_has_one_heading_on_the_run_page():
+    from dataclasses import fields
+
+    from inference.breakdown import FIELD_GROUPS, Breakdown
+
+    listed = [name for _, names in FIELD_GROUPS for name in names]
+    assert sorted(listed) == sorted(field.name for field in fields(Breakdown)) and len(listed) == len(set(listed))
