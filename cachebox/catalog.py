@@ -49,13 +49,24 @@ def key_hash(key: bytes) -> int:
 
 @dataclass
 class CatalogStats:
+    """What the filter was asked and what came of its answers. They add up: ``lookups`` = the
+    certain "no"s + ``maybe_hits``, and every "maybe" is settled once, as one of the five below
+    (``maybe_hits`` = ``true_hits`` + ``false_positives`` + ``held_on_board`` + ``policy_skipped``
+    + ``cachebox_down``; for a moment more while a run is between its lookup and its asking)."""
+
     lookups: int = 0  # keys asked about
-    maybe_hits: int = 0  # keys the filter said "maybe" to
-    true_hits: int = 0  # maybe-hits the cache box then really had
-    false_positives: int = 0  # maybe-hits the cache box did not have
+    maybe_hits: int = 0  # keys the filter said "maybe" to (the others: a certain "no")
+    true_hits: int = 0  # maybes the cache box held when asked
+    false_positives: int = 0  # maybes the cache box did not hold when asked
+    held_on_board: int = 0  # maybes never asked about: the board's own context, RAM or flash tier held those ranges
+    policy_skipped: int = 0  # maybes never asked about: the break-even policy forecast computing them faster
+    cachebox_down: int = 0  # maybes never asked about: the cache box did not answer
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+NOT_ASKED = ("held_on_board", "policy_skipped", "cachebox_down")  # why a "maybe" was never asked about
 
 
 class Catalog:
@@ -96,6 +107,12 @@ class Catalog:
 
     def record_false_positive(self, count: int = 1) -> None:
         self.stats.false_positives += count
+
+    def record_not_asked(self, count: int, why: str) -> None:
+        """``count`` "maybe"s the cache box was never asked about, for ``why`` (one of ``NOT_ASKED``)."""
+        if why not in NOT_ASKED:
+            raise ValueError(f"a maybe is not asked about for one of {NOT_ASKED}, not {why!r}")
+        setattr(self.stats, why, getattr(self.stats, why) + count)
 
     def clear(self) -> None:
         with self._lock:

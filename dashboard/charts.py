@@ -16,13 +16,15 @@ from typing import Iterable
 import plotly.io
 
 from cachebox.link import LinkProfile
-from inference.breakdown import STACK, TIER_WORDS
+from inference.breakdown import OTHER, TIME_LABELS, TIER_WORDS, time_sums
 from inference.breakeven import LinearFit, crossover, fit_line, overlap_ms, points_from_breakdowns
 
 from .chart_series import HIT_TIERS, ChartPoint
+from .explain import human_ms
 
-# The paper's table-3 components, in its order and words (one source for charts and live.js).
-COMPONENTS = STACK
+# The stacked parts of a run's TTLT: the paper's table-3 groups in its order and words, then
+# "other" (one source for the chart and live.js, which finds each run's values in ``time_sums``).
+COMPONENTS = (*TIME_LABELS, OTHER)
 WINDOW = 5000  # points a trace keeps while live points arrive (the range's points come from the database)
 BREAKEVEN_RUNS = 200  # a board's newest runs its break-even chart fits lines to
 
@@ -128,13 +130,18 @@ def run_label(run) -> str:
 
 
 def breakdown_figure(runs: list) -> dict:
-    """Stacked per-run breakdown (Token, Bloom, P-decode, Redis, R-decode, Sample), oldest first."""
+    """Stacked per-run TTLT, oldest first: the paper's table-3 groups (Token, Bloom, P-decode, Redis,
+    R-decode, Sample) and "other" (``inference.breakdown.time_sums``), so each bar is the run's
+    TTLT. An "other" below zero says the named parts exceed it (steps that ran at the same time)."""
     labels = [run_label(run) for run in runs]
+    sums = [time_sums(run.breakdown or {})["ttlt"] for run in runs]
     traces = [
-        _trace("bar", name=name, x=labels, y=[run.breakdown.get(field, 0) for run in runs])
-        for field, name in COMPONENTS
+        _trace("bar", name=name, x=labels, y=[total.parts[index].ms for total in sums])
+        for index, name in enumerate(COMPONENTS)
     ]
-    return _figure(traces, "Time-to-last-token breakdown per run (ms)", barmode="stack", yaxis_title="ms", legend=dict(orientation="h", y=-0.25, traceorder="normal"))
+    return _figure(
+        traces, "Time to last token per run: its parts (ms)", barmode="relative", yaxis_title="ms", legend=dict(orientation="h", y=-0.25, traceorder="normal")
+    )
 
 
 def _mine(points: list[ChartPoint], device: str) -> list[ChartPoint]:
@@ -265,6 +272,22 @@ def bytes_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[
     return _figure(traces, "Prompt state moved per run (MB, fetched + uploaded)", yaxis_title="MB")
 
 
+def overlap_words(tokens: float, computing_ms: float, fetching_ms: float, together_ms: float) -> str:
+    """The verdict's second half, in plain words: for a prompt of ``tokens``, what computing it all,
+    fetching it all, and computing the front while the back loads each take (the fitted lines)."""
+    if computing_ms <= 0 or fetching_ms <= 0:
+        return ""
+    better, best_ms = ("fetching it all", fetching_ms) if fetching_ms < computing_ms else ("computing it all", computing_ms)
+    sentence = (
+        f". For a {tokens:.0f}-token prompt, computing it all takes about {human_ms(computing_ms)}, fetching it all {human_ms(fetching_ms)}, "
+        f"and computing the front while the back loads {human_ms(together_ms)}"
+    )
+    saved = 1 - together_ms / best_ms
+    if saved >= 0.01:
+        return sentence + f": {saved:.0%} less than {better}"
+    return sentence + f": no faster than {better}"
+
+
 def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_label: str, bytes_per_token: float = 18_500) -> dict:
     """Prefill vs fetch+restore time against tokens, fitted lines and where they cross."""
     points = points_from_breakdowns(breakdowns)
@@ -320,9 +343,7 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
         overlapped = [overlap_ms(x, through_origin, fetch_fit) for x in dense]
         traces.append(_trace("scatter", name="compute the front while the back loads", x=dense, y=overlapped, mode="lines", line=dict(color="#2ca02c", width=3)))
         at = min(longest, 512)
-        alone = min(through_origin.predict(at), fetch_fit.predict(at))
-        if alone > 0:
-            verdict += f"; both together: {overlap_ms(at, through_origin, fetch_fit) / alone:.2f}x the better alone at {at:.0f} tokens"
+        verdict += overlap_words(at, through_origin.predict(at), fetch_fit.predict(at), overlap_ms(at, through_origin, fetch_fit))
         if cross.tokens is not None:
             shapes.append(dict(type="line", x0=cross.tokens, x1=cross.tokens, yref="paper", y0=0, y1=1, line=dict(color="#2ca02c", dash="dot")))
             annotations.append(dict(x=cross.tokens, yref="paper", y=1.0, yanchor="top", text=f"break-even ≈ {cross.tokens:.0f} tokens", showarrow=False, xanchor="left"))

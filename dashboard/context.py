@@ -1,8 +1,9 @@
 """Template context every page gets."""
 
-from inference.breakdown import STACK
+from .charts import COMPONENTS
 
 
 def chart_stack(request) -> dict:
-    """The breakdown's stack order and labels, for ``live.js`` (one source: inference.breakdown.STACK)."""
-    return {"chart_stack": [list(pair) for pair in STACK]}
+    """The labels of a run's stacked parts (table 3's groups, then "other"), in order, for ``live.js``
+    (one source: ``dashboard.charts.COMPONENTS``, from ``inference.breakdown.TIME_GROUPS``)."""
+    return {"chart_stack": list(COMPONENTS)}

@@ -1,5 +1,5 @@
 """What an answer card says about its run, in a person's words: right or wrong (an MMLU
-question), why a hit was slow, what the policy forecast when it skipped a fetch.
+question), where a hit's time went (slow only when computing would have been faster), what the policy forecast when it skipped a fetch.
 
 Pure functions of a run's stored fields (its breakdown as the board reported it): no I/O.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 from inference import mmlu
 from inference.breakdown import Case, Decision, Tier
 
-SLOW_SHARE = 0.5  # a hit is "slow" when the fetch took at least this share of its TTFT
-SLOW_MS = 200.0  # ... and at least this long (a 3 ms fetch is never worth a sentence)
+SLOW_SHARE = 0.5  # a hit's fetch is worth a sentence when it took at least this share of its TTFT
+SLOW_MS = 200.0  # ... and at least this long (a 3 ms fetch is never worth a sentence); "slow" only if computing would have been faster
 
 
 def human_bytes(count) -> str:
@@ -53,8 +53,9 @@ def _link_words(link: str) -> str:
 
 
 def why(breakdown: dict) -> list[str]:
-    """Sentences on where a run's time went when a person would ask: a slow hit, a skipped fetch,
-    a fetch that came late."""
+    """Sentences on where a run's time went when a person would ask: a hit whose fetch took most of
+    its TTFT (slow only when it took longer than computing those tokens was forecast to take), a
+    skipped fetch, a fetch that came late."""
     b = breakdown or {}
     sentences = []
     decision, case, tier = b.get("decision", ""), b.get("case", ""), b.get("tier", "")
@@ -62,12 +63,7 @@ def why(breakdown: dict) -> list[str]:
     ttft = float(b.get("ttft_ms") or 0.0)
     fetched = b.get("fetched_bytes") or 0
     if case in (Case.PARTIAL, Case.FULL) and tier == Tier.CACHEBOX and fetch_ms >= SLOW_MS and ttft > 0 and fetch_ms >= SLOW_SHARE * ttft:
-        sentence = f"A slow hit: {_link_words(b.get('link', ''))} took {human_ms(fetch_ms)} for {human_bytes(fetched)}"
-        forecast = float(b.get("predicted_fetch_ms") or 0.0)
-        if forecast > 0:
-            sentence += f" (forecast {human_ms(forecast)})"
-        sentence += f", {fetch_ms / ttft:.0%} of the time to first token."
-        sentences.append(sentence)
+        sentences.append(_long_fetch(b, fetch_ms, ttft, fetched))
     if decision == Decision.POLICY_SKIP:
         tokens = b.get("candidate_tokens") or 0
         sentences.append(
@@ -77,6 +73,26 @@ def why(breakdown: dict) -> list[str]:
     if b.get("fetch_late"):
         sentences.append("The fetch ran slower than forecast: this board computed past the planned split while it waited.")
     return sentences
+
+
+def _long_fetch(b: dict, fetch_ms: float, ttft: float, fetched: int) -> str:
+    """A fetch that took most of the TTFT, against what computing its tokens was forecast to take
+    (``predicted_prefill_ms``): "slow" only when it took longer."""
+    link = _link_words(b.get("link", ""))
+    took = f"{link} took {human_ms(fetch_ms)} for {human_bytes(fetched)}"
+    forecast = float(b.get("predicted_fetch_ms") or 0.0)
+    if forecast > 0:
+        took += f" (forecast {human_ms(forecast)})"
+    share = f"{fetch_ms / ttft:.0%} of the time to first token"
+    cost = float(b.get("redis_ms") or fetch_ms)  # fetch and restore: what replaced computing
+    computing = float(b.get("predicted_prefill_ms") or 0.0)
+    tokens = int(b.get("fetched_tokens") or b.get("matched_tokens") or 0)
+    those = f"those {tokens} tokens" if tokens else "them"
+    if computing <= 0:
+        return f"{took[:1].upper()}{took[1:]}, {share}."
+    if cost > computing:
+        return f"A slow hit: {took}, longer than the {human_ms(computing)} computing {those} here was forecast to take ({share})."
+    return f"{took[:1].upper()}{took[1:]}, {share}, and still {computing / cost:.1f}x faster than computing {those} here ({human_ms(computing)} forecast)."
 
 
 def explain_run(*, text: str, error: str, expected_answer: str, breakdown: dict) -> dict:

@@ -22,7 +22,7 @@ from inference.pml import PMLError, parse_prompt, parse_schema
 
 from .actions import run_request as asked_run
 from .models import Device, SavedPrompt
-from .stats import namespace_choices, sees_every_namespace, visible_devices, visible_schemas
+from .stats import ANSWERED, CANCELLED_RUNS, FAILED, namespace_choices, outcome_q, sees_every_namespace, visible_devices, visible_schemas
 
 MAX_PROMPT_CHARS = 32_000  # the Run page's limit, in the text boxes (counter) and here (form error)
 MAX_CHAT_TURNS = 64  # turns a Run page chat sends back (the board's context ends it sooner)
@@ -560,7 +560,8 @@ class RunFilterForm(forms.Form):
     namespace = forms.ChoiceField(required=False)
     case = forms.ChoiceField(required=False, choices=[("", "any")] + [(case.value, case.value) for case in Case])
     decision = forms.ChoiceField(required=False, choices=[("", "any")] + [(d.value, d.value) for d in Decision if d.value])
-    error = forms.ChoiceField(required=False, choices=[("", "any"), ("yes", "failed"), ("no", "answered")], label="Failed")
+    # How the run ended ("error" in the address, as before): a cancelled run is no failed one.
+    error = forms.ChoiceField(required=False, choices=[("", "any"), ("no", "answered"), ("yes", "failed"), ("cancelled", "cancelled")], label="Outcome")
     since = forms.DateTimeField(required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"), label=f"From ({settings.TIME_ZONE})")
     until = forms.DateTimeField(required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"), label=f"To ({settings.TIME_ZONE})")
     q = forms.CharField(required=False, max_length=200, label="Prompt contains")
@@ -583,10 +584,9 @@ class RunFilterForm(forms.Form):
             runs = runs.filter(case=data["case"], error="")
         if data.get("decision"):
             runs = runs.filter(breakdown__decision=data["decision"])
-        if data.get("error") == "yes":
-            runs = runs.exclude(error="")
-        elif data.get("error") == "no":
-            runs = runs.filter(error="")
+        outcome = {"yes": FAILED, "no": ANSWERED, "cancelled": CANCELLED_RUNS}.get(data.get("error") or "")
+        if outcome:
+            runs = runs.filter(outcome_q(outcome))
         if data.get("since"):
             runs = runs.filter(created__gte=data["since"])
         if data.get("until"):

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from inference.breakdown import CROSS_CLASS
 
 from .models import Device, Dispatch, InferenceRun
+from .stats import CANCELLED_RUNS, FAILED, outcome_q
 
 # Upper bounds of the TTFT histogram, in seconds: a full hit on a fast board (~5 ms) up to a
 # cold 2k-token prefill on a Pi Zero (~30 s).
@@ -35,7 +36,8 @@ TIERS = (("context", "context_tokens"), ("local", "local_tokens"), ("flash", "fl
 # name (without _total), help, the aggregate it reads
 COUNTERS = (
     ("edgecache_runs", "Runs the boards reported (including failed ones).", "runs"),
-    ("edgecache_run_errors", "Runs that ended in an error (no answer).", "errors"),
+    ("edgecache_run_errors", "Runs that ended in an error (no answer; cancelled runs are not errors).", "errors"),
+    ("edgecache_runs_cancelled", "Runs their client cancelled (answered in part).", "cancelled"),
     ("edgecache_cache_lookups", "Runs that consulted the cache (breakdown.decision other than no-cache).", "lookups"),
     ("edgecache_prompt_tokens", "Prompt tokens of all runs.", "prompt_tokens"),
     ("edgecache_fetched_bytes", "Prompt-state bytes downloaded from the cache box.", "fetched_bytes"),
@@ -89,7 +91,8 @@ class RunMetricsCollector:
             .values("device_id")
             .annotate(
                 runs=Count("pk"),
-                errors=Count("pk", filter=~ok),
+                errors=Count("pk", filter=outcome_q(FAILED)),
+                cancelled=Count("pk", filter=outcome_q(CANCELLED_RUNS)),
                 prompt_tokens=Sum("prompt_tokens"),
                 hit_tokens=Sum("matched_tokens"),
                 ttft_count=Count("pk", filter=ok),

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from cachebox.at_rest import SealedJSONField, SealedTextField
 from inference.kernels import CLASS_RE
-from inference.messages import Queue
+from inference.messages import CANCELLED, Queue
 from inference.breakdown import approximate_label
 from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
 
@@ -293,9 +293,24 @@ class InferenceRun(models.Model):
         return Breakdown.from_dict(self.breakdown)
 
     @property
+    def cancelled(self) -> bool:
+        """Its client cancelled it: answered in part (its text, its TTFT), no failure."""
+        return self.error == CANCELLED
+
+    @property
+    def measured(self) -> bool:
+        """Its board served it (answered, or cancelled on the way): its breakdown holds its times."""
+        return not self.error or self.cancelled
+
+    @property
+    def shown_case(self) -> str:
+        """Its case as the pages show it: a cancelled run recorded before cancelled runs kept one says its breakdown's."""
+        return self.case or (str((self.breakdown or {}).get("case") or "") if self.measured else "")
+
+    @property
     def served_from(self) -> str:
         """Where its prompt came from, in the words of every page ("468/468 prompt tokens from the board's own context")."""
-        return served_from(self.breakdown) if not self.error else ""
+        return served_from(self.breakdown) if self.measured else ""
 
     @property
     def approximate_label(self) -> str:
@@ -305,7 +320,7 @@ class InferenceRun(models.Model):
     @property
     def source_label(self) -> str:
         """The short word for it: "context", "RAM tier", "cache box", "computed"."""
-        return source_label(self.breakdown) if not self.error else ""
+        return source_label(self.breakdown) if self.measured else ""
 
     @property
     def routing(self) -> dict:

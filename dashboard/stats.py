@@ -11,22 +11,61 @@ import re
 import statistics
 from datetime import datetime, timezone as dt_timezone
 
-from django.db.models import QuerySet
+from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
+
+from inference.memory_plan import MB, MIN_N_CTX, MIN_RAM_TIER_BYTES, N_CTX_STEP, RSS_SHARE
+from inference.messages import CANCELLED
 
 from .models import Device, InferenceRun
 
 RECENT = 500  # runs per device the summaries look at
 HITS = ("partial", "full")
 
+# -- how a run ended, counted one way on every page ------------------------------------------
+# Every count of runs counts them all, and says how many of them failed and how many were
+# cancelled (a cancelled run was answered in part: its TTFT was measured; it is no failure).
+ANSWERED, FAILED, CANCELLED_RUNS = "answered", "failed", "cancelled"
+OUTCOMES = (ANSWERED, FAILED, CANCELLED_RUNS)
+
+
+def outcome_q(outcome: str) -> Q:
+    """The runs that ended as ``outcome`` (one of ``OUTCOMES``)."""
+    return {ANSWERED: Q(error=""), CANCELLED_RUNS: Q(error=CANCELLED), FAILED: ~Q(error="") & ~Q(error=CANCELLED)}[outcome]
+
+
+def outcome_of(error: str) -> str:
+    return ANSWERED if not error else (CANCELLED_RUNS if error == CANCELLED else FAILED)
+
+
+def count_aggregates(prefix: str = "") -> dict:
+    """``Count`` aggregates of every run and of each outcome (keys ``runs``, ``answered``, ...)."""
+    return {f"{prefix}runs": Count("pk"), **{f"{prefix}{outcome}": Count("pk", filter=outcome_q(outcome)) for outcome in OUTCOMES}}
+
+
+def run_counts(runs: QuerySet[InferenceRun]) -> dict[str, int]:
+    """``{"runs": all, "answered": ..., "failed": ..., "cancelled": ...}`` of ``runs``, in one query."""
+    return runs.order_by().aggregate(**count_aggregates())
+
+
+def runs_label(counts: dict) -> str:
+    """A count of runs as every page says it: "38 runs (3 failed, 1 cancelled)", "1 run"."""
+    total = int(counts.get("runs") or 0)
+    label = f"{total} run{'' if total == 1 else 's'}"
+    ended = [f"{counts[outcome]} {outcome}" for outcome in (FAILED, CANCELLED_RUNS) if counts.get(outcome)]
+    return label + (f" ({', '.join(ended)})" if ended else "")
+
 
 def run_figures(device: Device) -> dict:
-    """What a device card shows: runs (failed ones too), and over its last ``RECENT`` successful
-    runs the hit ratio and the median TTFT (None without any). Two queries."""
+    """What a device card shows: its runs (all of them, failed and cancelled ones said: ``runs_label``),
+    and over its last ``RECENT`` answered runs the hit ratio and the median TTFT (None without
+    any). Two queries."""
     recent = list(device.runs.filter(error="").order_by("-created").values_list("ttft_ms", "case")[:RECENT])
     hits = sum(1 for _, case in recent if case in HITS)
+    counts = run_counts(device.runs.all())
     return {
-        "runs": device.runs.count(),
+        **counts,
+        "runs_label": runs_label(counts),
         "hit_ratio": hits / len(recent) if recent else None,
         "median_ttft_ms": statistics.median(ttft for ttft, _ in recent) if recent else None,
     }
@@ -34,13 +73,13 @@ def run_figures(device: Device) -> dict:
 
 def run_figures_many(devices) -> dict[str, dict]:
     """``run_figures`` of each of ``devices`` (by name) in two queries, whatever their number."""
-    from django.db.models import Count, F, Window
+    from django.db.models import F, Window
     from django.db.models.functions import RowNumber
 
     pks = {device.pk: device.name for device in devices}
     if not pks:
         return {}
-    counts = dict(InferenceRun.objects.filter(device_id__in=pks).values("device_id").annotate(n=Count("id")).values_list("device_id", "n"))
+    counts = {row.pop("device_id"): row for row in InferenceRun.objects.filter(device_id__in=pks).order_by().values("device_id").annotate(**count_aggregates())}
     recent: dict[int, list] = {pk: [] for pk in pks}
     rows = (
         InferenceRun.objects.filter(device_id__in=pks, error="")
@@ -53,8 +92,10 @@ def run_figures_many(devices) -> dict[str, dict]:
     out = {}
     for pk, name in pks.items():
         mine = recent[pk]
+        mine_counts = counts.get(pk) or {"runs": 0, **{outcome: 0 for outcome in OUTCOMES}}
         out[name] = {
-            "runs": counts.get(pk, 0),
+            **mine_counts,
+            "runs_label": runs_label(mine_counts),
             "hit_ratio": sum(1 for _, case in mine if case in HITS) / len(mine) if mine else None,
             "median_ttft_ms": statistics.median(ttft for ttft, _ in mine) if mine else None,
         }
@@ -140,6 +181,52 @@ def memory_label(status: dict | None, memory_mb: int) -> str:
     return label
 
 
+def memory_advice(status: dict | None, memory_mb: int) -> list[str]:
+    """What to do about a board whose peak RSS went over its memory budget (none when within it,
+    or not reported): how far over, then the knobs ``inference.memory_plan`` sizes it by, the
+    largest first: its RAM tier (``EDGECACHE_RAM_TIER_MB``), its context (``EDGECACHE_N_CTX``),
+    then its registered memory or a smaller model."""
+    status = status or {}
+    memory = status.get("memory") or {}
+    try:
+        peak, budget = float(memory.get("peak_rss_mb") or memory["rss_mb"]), float(memory["budget_mb"])
+    except (KeyError, TypeError, ValueError):
+        return []
+    if not budget or peak <= budget:
+        return []
+    over = peak - budget
+    registered = memory.get("memory_mb") or memory_mb
+    advice = [
+        f"Over its memory budget: a peak of {peak:.0f} MB against {budget:.0f} MB ({RSS_SHARE:.0%} of the {registered} MB it is registered with; "
+        f"the system keeps the rest), {over:.0f} MB over. In the board's environment, then restart it:"
+    ]
+    ram = status.get("ram_tier") or {}
+    ram_mb = (ram.get("budget_bytes") or 0) / MB
+    gives_way = ram.get("rss_limit_bytes") and not ram.get("bytes")  # it already holds nothing to stay under the budget
+    if ram_mb >= 1 and not gives_way:
+        lower = max(0, int(ram_mb - over) // 8 * 8)
+        advice.append(
+            f"lower its RAM tier, now up to {ram_mb:.0f} MB: EDGECACHE_RAM_TIER_MB={lower if lower >= MIN_RAM_TIER_BYTES / MB else 0} "
+            "(the cache box serves those entries; EDGECACHE_FLASH_TIER_MB with EDGECACHE_FLASH_DIR keeps them on its disk instead);"
+        )
+    n_ctx, kv_mb = memory.get("n_ctx"), memory.get("kv_cache_mb")
+    if isinstance(n_ctx, int) and n_ctx > MIN_N_CTX:
+        smaller = max(MIN_N_CTX, n_ctx - N_CTX_STEP)
+        if isinstance(kv_mb, (int, float)) and kv_mb > 0:
+            per_token = kv_mb / n_ctx
+            smaller = max(MIN_N_CTX, int((n_ctx - over / per_token) // N_CTX_STEP * N_CTX_STEP))
+            frees = f", freeing about {(n_ctx - smaller) * per_token:.0f} MB of KV cache"
+        else:
+            frees = ""
+        advice.append(f"give it a smaller context, now {n_ctx} tokens: EDGECACHE_N_CTX={smaller}{frees} (longer prompts are then refused);")
+    advice.append(
+        f"or, if the board has more than {registered} MB, register what it has (Admin > Devices: memory): registered with "
+        f"{peak / RSS_SHARE:.0f} MB, this peak is within its budget; a board with only {registered} MB serves a smaller model. "
+        "A lab strategy (early exit, KV prediction, anchors) loads a second model or PyTorch: run those on a larger board."
+    )
+    return advice
+
+
 def device_state(device: Device) -> tuple[str, str]:
     """(status, words) of a device: online, offline since …, never started, revoked."""
     if device.revoked_at is not None:
@@ -156,6 +243,47 @@ def device_summary(device: Device, figures: dict | None = None) -> dict:
     return {"device": device, **(figures if figures is not None else run_figures(device)), **catalog_summary(device)}
 
 
+# Why a catalog "maybe" was never asked about (cachebox.catalog.NOT_ASKED), in the device page's words.
+NOT_ASKED_WORDS = (
+    ("held_on_board", "not asked (the board's own context, RAM or flash tier held those ranges)"),
+    ("policy_skipped", "not asked (the break-even policy forecast computing them faster)"),
+    ("cachebox_down", "not asked (the cache box did not answer)"),
+)
+
+
+def _counter(catalog: dict, name: str) -> int:
+    try:
+        return max(0, int(catalog.get(name) or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def catalog_reconciliation(catalog: dict) -> list[str]:
+    """A catalog's counters as sums that add up (the board's ``cachebox.catalog.CatalogStats``):
+    lookups = certain "no"s + "maybe"s; the "maybe"s = in the cache box (true hits) + not there
+    (false positives) + never asked about, by why. A board of a version that counts no reasons says
+    what it leaves unexplained."""
+    lookups, maybe = _counter(catalog, "lookups"), _counter(catalog, "maybe_hits")
+    lines = [f'{lookups} lookup{"" if lookups == 1 else "s"} = {lookups - maybe} certain "no" + {maybe} "maybe"']
+    if not maybe:
+        return lines
+    terms = [f"{_counter(catalog, 'true_hits')} in the cache box (true hits)", f"{_counter(catalog, 'false_positives')} not there (false positives)"]
+    settled = _counter(catalog, "true_hits") + _counter(catalog, "false_positives")
+    for name, words in NOT_ASKED_WORDS:
+        if _counter(catalog, name):
+            terms.append(f"{_counter(catalog, name)} {words}")
+            settled += _counter(catalog, name)
+    rest = maybe - settled
+    if rest and all(name not in catalog for name, _ in NOT_ASKED_WORDS):
+        terms.append(f"{rest} not asked or not counted (this board's version does not say why)")
+    elif rest > 0:
+        terms.append(f"{rest} of a run between its lookup and its answer")
+    elif rest < 0:
+        terms.append(f"{rest} (counted twice: report it)")
+    lines.append(f'{maybe} "maybe" = ' + " + ".join(terms))
+    return lines
+
+
 def catalog_summary(device: Device) -> dict:
     """A device's catalogs as its last heartbeat reported them (no query)."""
     catalogs = {}
@@ -166,12 +294,14 @@ def catalog_summary(device: Device) -> dict:
             "last_sync": datetime.fromtimestamp(last_sync, dt_timezone.utc) if last_sync else None,
             "fill_label": fill_label(catalog.get("fill_ratio")),
             "epoch": str(catalog.get("epoch") or ""),
+            "reconciled": catalog_reconciliation(catalog),
         }
     return {
         "catalog_items": sum(c.get("approx_items", 0) for c in catalogs.values()),
         "catalog_fp_rate": max((c.get("estimated_fp_rate", 0.0) for c in catalogs.values()), default=None),
         "catalogs": catalogs,
         "memory": memory_label(device.status, device.memory_mb),
+        "memory_advice": memory_advice(device.status, device.memory_mb),
     }
 
 

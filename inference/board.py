@@ -270,6 +270,7 @@ class Board:
             "memory_mb": self.config.memory_mb,
             "budget_mb": plan.budget_mb if plan is not None and plan.memory_mb else None,
             "n_ctx": self.engine.n_ctx,
+            "kv_cache_mb": plan.parts_mb.get("KV cache") if plan is not None else None,  # of the plan: what a smaller context frees
         }
 
     def status(self) -> dict:

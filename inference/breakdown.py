@@ -4,11 +4,15 @@ the InferenceRun model and the charts (the paper's table 3 columns and more).
 The words a run is described with (its case, what the cache box said, the decision
 taken) are enums here, and the chart stack order with its labels is ``STACK``: every
 other place (models, charts, ``live.js`` through the page, reports) reads them from here.
+TTFT and TTLT as the sums of their parts (table 3's groups and "other") are ``time_sums``; the
+run page's headings for every field are ``FIELD_GROUPS``.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import ROUND_HALF_UP, Decimal
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 
@@ -144,6 +148,133 @@ STACK = (
 STACK_FIELDS = tuple(field for field, _ in STACK)
 
 
+# -- TTFT and TTLT as the sums they are -----------------------------------------------------------
+# The parts of TTFT and TTLT, grouped as the paper's table 3 groups them, each with the fields it
+# adds up (a group of two says what each is), then "other": the whole less its named parts (the
+# run's setup, handing each token to its stream, Python between the steps). Every page, chart and
+# answer card shows these (``time_sums``); the fields themselves stay as the board measured them.
+TIME_GROUPS = (
+    ("Token", (("token_ms", "tokenize the prompt"),)),
+    ("Bloom", (("bloom_ms", "look the ranges up in the board's catalog"),)),
+    ("P-decode", (("prefill_ms", "prefill the tokens not restored"),)),
+    ("Redis", (("redis_ms", "from the cache box: fetch, verify, restore"), ("local_ms", "from the board's own context, RAM or flash tier"))),
+    ("R-decode", (("decode_ms", "decode the answer's tokens after the first"),)),
+    ("Sample", (("sample_ms", "choose each answer token"),)),
+)
+TIME_LABELS = tuple(label for label, _ in TIME_GROUPS)
+OTHER = "other"
+# In TTFT: no R-decode, and of Sample only the first token's (``first_sample_ms``).
+_TTFT_FIELDS = {"decode_ms": None, "sample_ms": "first_sample_ms"}
+TIME_DIGITS = 1  # the rounding every page shows (0.1 ms): the shown parts add up to the shown whole
+
+
+@dataclass(frozen=True)
+class TimePart:
+    label: str  # a table-3 group ("Token" ... "Sample") or ``OTHER``
+    ms: float  # rounded to TIME_DIGITS
+    pieces: tuple[tuple[str, float], ...] = ()  # a group of several fields: (what, ms) of each
+
+
+@dataclass(frozen=True)
+class TimeSum:
+    """TTFT or TTLT as the sum of its parts, each rounded as shown; ``other`` is the whole less the
+    named parts, so the shown numbers add up exactly. A negative ``other`` says the named parts
+    exceed the whole (steps that ran at the same time: a fetch while the front was prefilled)."""
+
+    name: str  # "TTFT" or "TTLT"
+    total_ms: float
+    parts: tuple[TimePart, ...]  # the named groups, then ``OTHER``
+
+    @property
+    def other_ms(self) -> float:
+        return self.parts[-1].ms
+
+    @property
+    def named_ms(self) -> float:
+        return round(self.total_ms - self.other_ms, TIME_DIGITS)
+
+    @property
+    def exceeded(self) -> bool:
+        return self.other_ms < 0
+
+    def sentence(self) -> str:
+        """"TTFT 266.8 ms = Token 1.2 + Bloom 0.1 + P-decode 250.3 + Redis 0.0 + Sample 0.4 + other 14.8"."""
+        terms = " + ".join(f"{part.label} {part.ms:.{TIME_DIGITS}f}" for part in self.parts[:-1])
+        other = self.other_ms
+        sentence = f"{self.name} {self.total_ms:.{TIME_DIGITS}f} ms = {terms} + {OTHER} {other:.{TIME_DIGITS}f}"
+        return sentence + (f" (the named parts exceed {self.name} by {-other:.{TIME_DIGITS}f} ms: some ran at the same time)" if other < 0 else "")
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "total_ms": self.total_ms,
+            "named_ms": self.named_ms,
+            "other_ms": self.other_ms,
+            "exceeded": self.exceeded,
+            "parts": [{"label": part.label, "ms": part.ms, "pieces": [list(piece) for piece in part.pieces]} for part in self.parts],
+            "sentence": self.sentence(),
+        }
+
+
+def _tenths(value) -> int:
+    """``value`` (ms) in units of the shown rounding; anything not a finite number is 0."""
+    try:
+        number = float(value) if not isinstance(value, bool) else 0.0
+    except (TypeError, ValueError):
+        return 0
+    if not math.isfinite(number):
+        return 0
+    # Half up on the decimal digits, as Django's floatformat shows a number (not Python's half-even).
+    return int(Decimal(repr(number)).scaleb(TIME_DIGITS).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+
+
+def _time_sum(breakdown: dict, name: str, whole: str, first_token: bool) -> TimeSum:
+    scale = 10**TIME_DIGITS
+    parts, named = [], 0
+    for label, members in TIME_GROUPS:
+        pieces = []
+        for field, words in members:
+            source = _TTFT_FIELDS.get(field, field) if first_token else field
+            if source is None:
+                break
+            value = breakdown.get(source)
+            if field == "redis_ms" and value is None:  # a breakdown without the sum: its parts
+                value = (breakdown.get("fetch_ms") or 0) + (breakdown.get("restore_ms") or 0)
+            pieces.append((words, _tenths(value)))
+        if not pieces:
+            continue  # R-decode is no part of TTFT
+        total = sum(tenths for _, tenths in pieces)
+        named += total
+        # A group of several fields names those that took any time (a context hit: no cache box).
+        shown = tuple((words, tenths / scale) for words, tenths in pieces if tenths) if len(pieces) > 1 else ()
+        parts.append(TimePart(label, total / scale, shown))
+    whole_tenths = _tenths(breakdown.get(whole))
+    parts.append(TimePart(OTHER, (whole_tenths - named) / scale))
+    return TimeSum(name, whole_tenths / scale, tuple(parts))
+
+
+def time_sums(breakdown: dict) -> dict[str, TimeSum]:
+    """TTFT and TTLT of a run (its breakdown as stored) as the sums they are: ``{"ttft": ...,
+    "ttlt": ...}``. TTFT: Token, Bloom, P-decode, Redis, the first token's Sample, other. TTLT: the
+    six groups of table 3, other."""
+    b = breakdown if isinstance(breakdown, dict) else {}
+    return {"ttft": _time_sum(b, "TTFT", "ttft_ms", True), "ttlt": _time_sum(b, "TTLT", "ttlt_ms", False)}
+
+
+# What a run's page lists under each heading: every field of ``Breakdown``, each once.
+FIELD_GROUPS = (
+    ("Time to first token (ms)", ("ttft_ms", "token_ms", "bloom_ms", "prefill_ms", "redis_ms", "fetch_ms", "verify_ms", "decompress_ms", "restore_ms", "local_ms", "first_sample_ms")),
+    ("The answer", ("ttlt_ms", "decode_ms", "sample_ms", "generated_tokens", "tbt_p50_ms", "tbt_p99_ms")),
+    ("Where the prompt came from (tokens)", ("case", "tier", "prompt_tokens", "matched_tokens", "context_tokens", "local_tokens", "flash_tokens", "fetched_tokens")),
+    ("The cache box", ("cachebox", "decision", "candidate_tokens", "false_positives", "rejected_entries", "codec", "link")),
+    ("The break-even forecast", ("predicted_fetch_ms", "predicted_prefill_ms", "planned_split", "met_at", "fetch_late")),
+    ("Bytes moved", ("state_bytes", "fetched_bytes", "uploaded_bytes")),
+    ("After the answer", ("upload_ms", "next_turn_tokens", "next_turn_ms")),
+    ("The board", ("behind_ms", "compute_profile", "paced_ms", "strategy")),
+    ("Lab: KV prediction", ("aux_prefill_ms", "predict_ms", "kv_import_ms")),
+)
+
+
 @dataclass
 class Breakdown:
     # Paper's columns, in milliseconds.
@@ -154,6 +285,7 @@ class Breakdown:
     local_ms: float = 0.0  # restore from the board's own tiers (context, RAM, flash): no network
     decode_ms: float = 0.0  # R-decode: decode the response tokens after the first
     sample_ms: float = 0.0  # Sample: choose every response token
+    first_sample_ms: float = 0.0  # of it, choosing the first one (Sample's part of TTFT)
     ttft_ms: float = 0.0  # time to first token
     ttlt_ms: float = 0.0  # time to last token
     # Finer parts and the off-path upload.

@@ -192,6 +192,9 @@ class ExchangeSession:
     ring: KeyRing
     breakdown: Breakdown
     missing: set[str] = field(default_factory=set)  # names found absent or rejected in this run
+    # The catalog's "maybe"s of this run not settled yet: each is counted once, as the cache box's
+    # answer (true hit, false positive) or why it was never asked (``not_asked``).
+    unsettled: set[str] = field(default_factory=set)
 
     @property
     def store(self) -> CacheBox:
@@ -207,7 +210,24 @@ class ExchangeSession:
         mark = time.perf_counter()
         hits = self.catalog.lookup([ref.key for ref in refs]) if use_catalog else [True] * len(refs)
         self.breakdown.bloom_ms += ms_since(mark)
-        return [ref for ref, hit in zip(refs, hits) if hit]
+        found = [ref for ref, hit in zip(refs, hits) if hit]
+        if use_catalog:
+            self.unsettled.update(ref.name for ref in found)
+        return found
+
+    def _settle(self, ref: EntryRef) -> bool:
+        """True the first time ``ref``, a catalog "maybe" of this run, is settled."""
+        if ref.name in self.unsettled:
+            self.unsettled.discard(ref.name)
+            return True
+        return False
+
+    def not_asked(self, refs: Sequence[EntryRef], why: str) -> None:
+        """Catalog "maybe"s of this run the cache box is not asked about, and why (``cachebox.catalog.NOT_ASKED``):
+        counted, so that the catalog's counters add up."""
+        count = sum(1 for ref in refs if self._settle(ref))
+        if count:
+            self.catalog.record_not_asked(count, why)
 
     def read_headers(self, refs: Sequence[EntryRef], expect: Expect) -> dict[str, EntryHeader]:
         """Verified headers of the entries that exist and are the ones asked for (one round trip).
@@ -223,10 +243,13 @@ class ExchangeSession:
             heads = self.store.read_heads([ref.name for ref in refs], HEADER_PEEK_BYTES)
             for ref, (raw, size) in zip(refs, heads):
                 if not raw:
-                    self.catalog.record_false_positive()
+                    if self._settle(ref):
+                        self.catalog.record_false_positive()
                     self.breakdown.false_positives += 1
                     self.missing.add(ref.name)
                     continue
+                if self._settle(ref):
+                    self.catalog.record_true_hit()  # held, whatever its checks say below
                 try:
                     parsed = decode_header(raw)
                     if isinstance(parsed, int):  # a header longer than the peek: read it whole
@@ -250,6 +273,7 @@ class ExchangeSession:
                 found[ref.name] = header
         except CacheBoxUnavailable as exc:
             self._unavailable(exc)
+            self.not_asked(refs, "cachebox_down")  # those not answered yet
         finally:
             self.breakdown.fetch_ms += ms_since(mark)
         return found
@@ -351,9 +375,6 @@ class ExchangeSession:
             return True
         finally:
             self.breakdown.restore_ms += ms_since(mark)
-
-    def record_hits(self, count: int) -> None:
-        self.catalog.record_true_hit(count)
 
     def exists(self, refs: Sequence[EntryRef]) -> list[bool]:
         """Whether the cache box holds each entry (one round trip); raises CacheBoxUnavailable."""

@@ -249,7 +249,7 @@ class ServingStrategy(Generic[Prepared]):
                 token = first.choose(options.sampling, rng, self.top)
                 if options.forced:
                     token = options.forced[0]
-                breakdown.sample_ms = ms_since(mark)
+                breakdown.sample_ms = breakdown.first_sample_ms = ms_since(mark)
                 breakdown.ttft_ms = ms_since(started)
                 decoder = first.decoder if first.decoder is not None else engine
                 generated, text = decode_answer(

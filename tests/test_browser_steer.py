@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import re
+from decimal import Decimal
 
 import pytest
 
@@ -184,7 +185,7 @@ def test_charts_have_a_time_range_pause_one_colour_per_device_and_their_data(sta
     # A time range from the server: the address keeps it, the status says how many runs it holds.
     home.click('[data-range="15m"]')
     expect(home.locator('[data-range="15m"]')).to_have_attribute("aria-pressed", "true")
-    expect(home.locator("#chart-status")).to_have_text(re.compile(r"^\d+ runs?$"))
+    expect(home.locator("#chart-status")).to_have_text(re.compile(r"^\d+ runs?( \(.*\))? in the last 15 min"))
     assert home.url.endswith("range=15m")
     count = lambda: home.evaluate(f"document.getElementById('chart-timeline').data.find((t) => t.name === '{BOARD} TTFT').x.length")  # noqa: E731
     before = count()
@@ -200,7 +201,7 @@ def test_charts_have_a_time_range_pause_one_colour_per_device_and_their_data(sta
     expect(home.locator("#chart-status")).to_have_text("paused: 1 new run not drawn yet")
     assert count() == before
     home.click("#chart-pause")
-    expect(home.locator("#chart-status")).to_have_text(re.compile(r"^\d+ runs?$"))
+    expect(home.locator("#chart-status")).to_have_text(re.compile(r"^\d+ runs?( \(.*\))? in the last 15 min"))
     assert count() == before + 1
     other.close()
 
@@ -218,6 +219,61 @@ def test_charts_have_a_time_range_pause_one_colour_per_device_and_their_data(sta
     assert {point["series"] for point in document["points"]} >= {f"{BOARD} TBT p50", f"{BOARD} TBT p99"}
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     home.screenshot(path=str(SCREENSHOTS / "dashboard-steer.png"), full_page=True)
+    home.close()
+
+
+# -- numbers that add up, live (issue 42, item 5) ------------------------------------------------------------------
+def test_live_runs_are_summed_and_counted_as_the_server_says(stack, admin, board):
+    """An answer card shows TTFT and TTLT as the sums of their parts, as the server words them; the
+    dashboard's counts move live as runs arrive (a cancelled one too, its TTFT shown) and say what a
+    reload says."""
+    from playwright.sync_api import expect
+
+    home = admin.new_page()
+    home.goto(stack["url"] + "/?range=24h")
+    home.wait_for_function("document.getElementById('chart-breakdown').classList.contains('js-plotly-plot')")
+    expect(home.locator("#live-status")).to_have_text("live")
+    bars = home.evaluate("document.getElementById('chart-breakdown').data.map((t) => t.name)")
+    assert bars == ["Token", "Bloom", "P-decode", "Redis", "R-decode", "Sample", "other"]
+    before = home.evaluate("document.getElementById('chart-breakdown').data[0].x.length")
+
+    page = admin.new_page()
+    open_run_page(page, stack["url"], "Sums test: the seasons of the year are spring, summer,", 6)
+    page.click("#run-submit")
+    card = page.locator("#answers .answer-card").first
+    expect(card).to_have_class(re.compile(r"\bdone\b"), timeout=LONG_WAIT)
+    run_id = re.search(r"run #(\d+)", card.inner_text()).group(1)
+    served = json.loads(shell(stack, f"import json; from dashboard.models import InferenceRun; from dashboard.actions import run_json; print(json.dumps(run_json(InferenceRun.objects.get(pk={run_id}))['time_sums']))").strip().splitlines()[-1])
+    for which in ("ttft", "ttlt"):
+        line = card.locator(f'.time-sum[data-sum="{which}"]')
+        expect(line).to_have_text(served[which]["sentence"] + " (ms)")
+        whole, parts = re.match(r"^TT[FL]T ([\d.]+) ms = (.*) \(ms\)$", line.inner_text()).groups()
+        assert sum(Decimal(n) for n in re.findall(r"-?\d+\.\d", parts)) == Decimal(whole)
+    # The dashboard stacked it live: the bar is the run's TTLT, part by part.
+    home.wait_for_function(f"document.getElementById('chart-breakdown').data[0].x.length === {before + 1}")
+    stacked = home.evaluate("document.getElementById('chart-breakdown').data.map((t) => t.y[t.y.length - 1])")
+    assert stacked == [part["ms"] for part in served["ttlt"]["parts"]]
+
+    # A cancelled run: counted as cancelled, live, and its TTFT shown in the runs table.
+    open_run_page(page, stack["url"], "Count from one to three hundred in words: one, two, three,", 200)
+    page.click("#run-submit")
+    card = page.locator("#answers .answer-card").first
+    expect(card).to_have_attribute("data-stage", "decoding", timeout=LONG_WAIT)
+    card.locator(".cancel-run").click()
+    expect(card).to_have_class(re.compile(r"\bcancelled\b"), timeout=30_000)
+    expect(card.locator(".cancelled-note")).to_contain_text(re.compile(r"TTFT \d+\.\d ms"))
+    request = card.get_attribute("data-request")
+    row = home.locator(f'#runs-body tr[data-request="{request}"]')
+    expect(row).to_have_class("cancelled")
+    expect(row.locator("td").nth(6)).to_have_text(re.compile(r"^\d+\.\d$"))  # TTFT, measured
+    expect(home.locator("#chart-status")).to_contain_text("cancelled")
+    live_status = home.locator("#chart-status").inner_text()
+    live_card = home.locator(f'#device-cards [data-device="{BOARD}"] [data-role="runs"]').inner_text()
+    page.close()
+    home.reload()
+    expect(home.locator("#chart-status")).to_have_text(live_status)  # the live words are the server's
+    expect(home.locator(f'#device-cards [data-device="{BOARD}"] [data-role="runs"]')).to_have_text(live_card)
+    assert re.search(r"\(.*\d+ cancelled\)", live_card), live_card
     home.close()
 
 

@@ -64,7 +64,13 @@ def test_counters_for_true_hits_and_false_positives():
     catalog = Catalog(100)
     catalog.record_true_hit(2)
     catalog.record_false_positive()
-    assert catalog.stats.as_dict() == {"lookups": 0, "maybe_hits": 0, "true_hits": 2, "false_positives": 1}
+    catalog.record_not_asked(3, "held_on_board")
+    catalog.record_not_asked(1, "policy_skipped")
+    assert catalog.stats.as_dict() == {
+        "lookups": 0, "maybe_hits": 0, "true_hits": 2, "false_positives": 1, "held_on_board": 3, "policy_skipped": 1, "cachebox_down": 0,
+    }
+    with pytest.raises(ValueError):
+        catalog.record_not_asked(1, "bored")
 
 
 def test_keys_must_be_digests():

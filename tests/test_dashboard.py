@@ -284,7 +284,8 @@ def test_device_pages_show_summaries_and_breakeven(staff_client, control_plane):
     names = [trace["name"] for trace in figure["data"]]
     assert "prefill (measured)" in names and any(name.startswith("link model") for name in names)
     overlapped = next(trace for trace in figure["data"] if trace["name"] == "compute the front while the back loads")
-    assert "both together" in figure["verdict"] and "both together" in detail.content.decode()  # under the chart, not in its title
+    together = "computing the front while the back loads"
+    assert together in figure["verdict"] and together in detail.content.decode()  # under the chart, not in its title
     computing = next(trace for trace in figure["data"] if trace["name"].startswith("prefill fit"))
     assert overlapped["y"][-1] < computing["y"][-1]  # together beats computing alone on this slow link
 
@@ -429,8 +430,9 @@ def test_dashboard_renders_charts_with_run_points(staff_client, control_plane):
     actions.record_run(result_payload(device, keys))
     response = staff_client.get(reverse("home"))
     charts = response.context["chart_data"]
-    assert [trace["name"] for trace in charts["breakdown"]["data"]] == ["Token", "Bloom", "P-decode", "Redis", "R-decode", "Sample"]
+    assert [trace["name"] for trace in charts["breakdown"]["data"]] == ["Token", "Bloom", "P-decode", "Redis", "R-decode", "Sample", "other"]
     assert charts["breakdown"]["data"][2]["y"] == [90.0]
+    assert charts["breakdown"]["data"][-1]["y"] == [40.0]  # TTLT 150 less P-decode 90 and Redis 20: the bar is the run's TTLT
     assert "chart-data" in response.content.decode()
     assert staff_client.get(reverse("plotly-js"))["Content-Type"] == "application/javascript"
 

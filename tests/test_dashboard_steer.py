@@ -215,8 +215,12 @@ def test_an_mmlu_answer_says_right_or_wrong():
 
 
 def test_a_slow_hit_says_why_and_a_skipped_fetch_says_what_was_forecast():
-    slow = {"case": "full", "tier": "cachebox", "fetch_ms": 3400.0, "ttft_ms": 3600.0, "fetched_bytes": 8_400_000, "link": "Wi-Fi 4 (20.9 Mbit/s, 4 ms)", "predicted_fetch_ms": 3300.0}
-    assert explain.why(slow) == ["A slow hit: the emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s for 8.4 MB (forecast 3.3 s), 94% of the time to first token."]
+    slow = {"case": "full", "tier": "cachebox", "fetch_ms": 3400.0, "ttft_ms": 3600.0, "fetched_bytes": 8_400_000, "link": "Wi-Fi 4 (20.9 Mbit/s, 4 ms)", "predicted_fetch_ms": 3300.0,
+            "predicted_prefill_ms": 2500.0, "fetched_tokens": 456}
+    assert explain.why(slow) == [
+        "A slow hit: the emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s for 8.4 MB (forecast 3.3 s), longer than the 2.5 s computing those 456 tokens here was forecast to take"
+        " (94% of the time to first token)."
+    ]
     assert explain.why({**slow, "fetch_ms": 30.0, "ttft_ms": 60.0}) == []  # fast: nothing to explain
     skipped = {"case": "miss", "decision": "policy-skip", "candidate_tokens": 256, "predicted_fetch_ms": 2100.0, "predicted_prefill_ms": 640.0}
     assert explain.why(skipped) == [

@@ -145,6 +145,19 @@ def test_counters_per_device_from_the_runs(client, two_devices):
         assert found[("edgecache_hit_tokens_total", (("device", dev), ("namespace", "default"), ("tier", "context")))] == 0
 
 
+def test_a_cancelled_run_is_counted_as_cancelled_not_as_an_error(client):
+    from inference.messages import CANCELLED
+
+    zero = device("zero")
+    run(zero, 30.0, 100, 0)
+    run(zero, 0.0, 0, 0, error="the board failed: RuntimeError: boom")
+    run(zero, 0.0, 0, 0, error=CANCELLED)
+    found = scrape(client)
+    labels = (("device", "zero"), ("namespace", "default"))
+    assert found[("edgecache_runs_total", labels)] == 3
+    assert found[("edgecache_run_errors_total", labels)] == 1 and found[("edgecache_runs_cancelled_total", labels)] == 1
+
+
 def test_ttft_histogram_buckets_in_seconds(client, two_devices):
     found = scrape(client)
 

@@ -241,7 +241,7 @@ def test_a_slow_hit_names_its_link_once():
     from dashboard.explain import why
 
     b = {"case": "full", "tier": "cachebox", "fetch_ms": 2600.0, "redis_ms": 2650.0, "ttft_ms": 2700.0, "fetched_bytes": 6_500_000,
-         "link": "emulated link 20.9 Mbit/s, 4 ms RTT"}
+         "link": "emulated link 20.9 Mbit/s, 4 ms RTT", "predicted_prefill_ms": 1200.0}
     assert why(b)[0].startswith("A slow hit: the emulated 20.9 Mbit/s, 4 ms RTT link took 2.6 s for 6.5 MB")
     assert "the emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took" in why({**b, "link": "Wi-Fi 4 (20.9 Mbit/s, 4 ms)"})[0]
 

@@ -1,7 +1,12 @@
 """The board-local tiers: a board keeps what it holds (its last prompt in the engine, its own
 entries in RAM) and serves from there first, with no network, giving the cold answer."""
 
+import json
+from decimal import ROUND_HALF_UP, Decimal
+
 import pytest
+
+from inference.breakdown import TIME_LABELS, time_sums
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 
@@ -77,3 +82,94 @@ def test_context_and_cache_box_chain_together(valkey_url, namespace, make_board)
     # Each tier's share is counted (issue 28, B6): the context's part is not the cache box's.
     assert b.context_tokens > 0 and b.fetched_tokens > 0 and b.context_tokens + b.local_tokens + b.fetched_tokens == b.matched_tokens
     assert result.tokens == reader.run(longer, max_tokens=8, use_cache=False).tokens
+
+
+# -- TTFT and TTLT as the sums they are (issue 42, item 5) ---------------------------------------------
+def shown(ms: float) -> Decimal:
+    """A number of milliseconds as the pages show it (0.1 ms, half up: Django's floatformat:1)."""
+    return Decimal(repr(ms)).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP)
+
+
+def assert_parts_add_up(result, tier: str) -> dict:
+    """The run's TTFT and TTLT, as shown, are exactly their shown parts plus "other"; the named
+    parts never exceed the whole (on these paths nothing runs at the same time)."""
+    b = result.breakdown
+    assert b.tier == tier, (b.tier, tier)
+    sums = time_sums(b.as_dict())  # as the control plane stores it
+    for key, whole in (("ttft", b.ttft_ms), ("ttlt", b.ttlt_ms)):
+        total = sums[key]
+        assert [part.label for part in total.parts] == (["Token", "Bloom", "P-decode", "Redis", "Sample", "other"] if key == "ttft" else [*TIME_LABELS, "other"])
+        assert Decimal(f"{total.total_ms:.1f}") == shown(whole)
+        assert sum(Decimal(f"{part.ms:.1f}") for part in total.parts) == shown(whole), total.sentence()
+        assert total.other_ms >= 0, total.sentence()
+    # Where the prompt came from is a named part, not "other".
+    redis = next(part for part in sums["ttft"].parts if part.label == "Redis")
+    if tier in ("context", "local", "flash"):
+        assert b.local_ms > 0 and b.redis_ms == 0 and redis.ms == shown(b.local_ms).__float__()
+    if tier == "cachebox":
+        assert b.redis_ms > 0 and redis.ms >= float(shown(b.redis_ms)) - 0.1
+    return {key: total.sentence() for key, total in sums.items()}
+
+
+def test_the_parts_of_ttft_and_ttlt_add_up_for_runs_from_every_tier(valkey_url, namespace, make_board, tmp_path):
+    prompt = ask("when did the ferry leave on log 7?")
+    said = {}
+    writer = make_board(valkey_url, namespace, device="dev-a")
+    said["cold"] = assert_parts_add_up(writer.run(prompt, max_tokens=12), "")
+    reader = make_board(valkey_url, namespace, device="dev-b")
+    reader.catalogs.sync_all()
+    said["cache box"] = assert_parts_add_up(reader.run(prompt, max_tokens=12), "cachebox")
+    keeper = make_board(valkey_url, namespace, device="dev-c", context_reuse=True, ram_tier_bytes=64 * 1024 * 1024)
+    keeper.run(prompt, max_tokens=4, upload=False)
+    said["context"] = assert_parts_add_up(keeper.run(prompt, max_tokens=12), "context")
+    keeper.run(["An unrelated prompt about lighthouses and their keepers."], max_tokens=2)  # the context moves on
+    said["RAM"] = assert_parts_add_up(keeper.run(prompt, max_tokens=12), "local")
+    flash = {"flash_tier_bytes": 64 * 1024 * 1024, "flash_dir": tmp_path / "flash"}
+    make_board(valkey_url, namespace, device="dev-d", **flash).run(prompt, max_tokens=2, upload=False)
+    said["flash"] = assert_parts_add_up(make_board(valkey_url, namespace, device="dev-d", **flash).run(prompt, max_tokens=12), "flash")
+    print(json.dumps(said, indent=1))
+
+
+# -- a catalog's counters add up (issue 42, item 5) ------------------------------------------------------
+def catalog_stats(board, namespace: str) -> dict:
+    return board.status()["catalogs"][namespace]
+
+
+def assert_reconciles(stats: dict) -> None:
+    """Every "maybe" settled once: held by the cache box, not there, or never asked about and why."""
+    settled = ("true_hits", "false_positives", "held_on_board", "policy_skipped", "cachebox_down")
+    assert stats["maybe_hits"] == sum(stats[name] for name in settled), stats
+    assert stats["lookups"] >= stats["maybe_hits"], stats
+
+
+def test_a_boards_catalog_counters_add_up(valkey_url, namespace, make_board):
+    from cachebox.store import CacheBox
+
+    longer = ask("when did the ferry leave on log 7?") + ["Then list every return time after log 40 in order, please."]
+    writer = make_board(valkey_url, namespace, device="dev-a")
+    writer.run(longer, max_tokens=2)  # a sure miss: lookups, no "maybe"
+    # The board's context holds the front: its "maybe"s there are never asked about; the rest is fetched.
+    reader = make_board(valkey_url, namespace, device="dev-b", context_reuse=True)
+    reader.catalogs.sync_all()
+    reader.run([CONTEXT], max_tokens=2, upload=False)
+    assert reader.run(longer, max_tokens=2).breakdown.tier == "cachebox"
+    stats = catalog_stats(reader, namespace)
+    assert stats["true_hits"] > 0 and stats["held_on_board"] > 0
+    assert_reconciles(stats)
+    # A policy that never fetches: its "maybe"s are never asked about, and counted as such.
+    skipper = make_board(valkey_url, namespace, device="dev-c", policy="never")
+    skipper.catalogs.sync_all()
+    assert skipper.run(longer, max_tokens=2).breakdown.decision == "policy-skip"
+    stats = catalog_stats(skipper, namespace)
+    assert stats["policy_skipped"] > 0 and stats["true_hits"] == 0
+    assert_reconciles(stats)
+    # Entries gone since the catalog was synced: "maybe"s the cache box did not hold.
+    late = make_board(valkey_url, namespace, device="dev-d")
+    late.catalogs.sync_all()
+    store = CacheBox(valkey_url)
+    store.delete(list(store.scan_entries(namespace)))
+    late.run(longer, max_tokens=2)
+    stats = catalog_stats(late, namespace)
+    assert stats["false_positives"] > 0
+    assert_reconciles(stats)
+    assert_reconciles(catalog_stats(writer, namespace))

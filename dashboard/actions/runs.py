@@ -15,6 +15,7 @@ from cachebox import mirror
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import heard_key_name
+from inference.breakdown import time_sums
 from inference.envelope import Kind
 from inference.messages import CANCELLED, ChatMessage, Continuation, Queue, RunMeta, RunReport, RunRequest, SamplingSpec, Task
 
@@ -158,7 +159,7 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
                     **({"asked": asked} if asked else {}),
                     **({"resent_from": moved} if moved else {}),
                 },
-                "case": breakdown.case.value if not report.error else "",
+                "case": breakdown.case.value if not report.error or report.error == CANCELLED else "",  # a cancelled run was served: its case holds
                 "ttft_ms": breakdown.ttft_ms,
                 "ttlt_ms": breakdown.ttlt_ms,
                 "prompt_tokens": breakdown.prompt_tokens,
@@ -248,6 +249,8 @@ def run_json(run: InferenceRun) -> dict:
         "cancelled": run.error == CANCELLED,  # its text: what was answered until then
         "expected_answer": run.expected_answer,
         "breakdown": run.breakdown,
+        # TTFT and TTLT as the sums of their parts, as shown (the answer card, the stacked chart).
+        "time_sums": {key: total.as_dict() for key, total in time_sums(run.breakdown or {}).items()} if run.breakdown else None,
         "hit_tier": hit_tier(run.case, (run.breakdown or {}).get("tier")),  # the hit-ratio chart's tier ("" for a miss)
         "served_from": run.served_from,  # where its prompt came from, in every page's words
         "served_from_label": run.source_label,

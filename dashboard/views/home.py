@@ -16,6 +16,8 @@ from ..chart_series import RANGE_LABELS, chart_series, parse_range
 from ..colors import device_colors
 from ..stats import (
     device_summaries,
+    run_counts,
+    runs_label,
     fleet_counts,
     explained,
     recent_runs,
@@ -44,10 +46,9 @@ def home_charts(viewer, range_name: str) -> dict:
     devices = list(visible if visible.count() <= HOME_CARDS else visible.filter(name__in=ran))
     names = sorted(ran | {device.name for device in devices})
     colors = device_colors(devices)
-    newest = runs.filter(error="")
-    if series.since is not None:
-        newest = newest.filter(created__gte=series.since)
-    bars = list(reversed(newest[:BREAKDOWN_BARS]))
+    in_range = runs if series.since is None else runs.filter(created__gte=series.since)
+    counts = run_counts(in_range)  # every run in the range, failed and cancelled ones too, as the cards count them
+    bars = list(reversed(in_range.filter(error="")[:BREAKDOWN_BARS]))
     return {
         "breakdown": charts.breakdown_figure(bars),
         "timeline": charts.timeline_figure(series.points, names, colors),
@@ -60,11 +61,32 @@ def home_charts(viewer, range_name: str) -> dict:
         "colors": colors,
         "range": series.range,
         "granularity": series.granularity,
-        "runs": series.runs,
+        "runs": series.runs,  # answered runs: what the charts draw
+        "counts": counts,
+        "rangeWords": RANGE_WORDS[series.range],
         "devices_ran": shown_devices,
         "devices_drawn": len(ran),
+        "status": chart_status(counts, RANGE_WORDS[series.range], series.granularity, len(ran), shown_devices),
         "window": charts.WINDOW,
     }
+
+
+# How the status line beside Pause names a range ("" for every run: the cards' count).
+RANGE_WORDS = {"15m": "in the last 15 min", "1h": "in the last hour", "24h": "in the last 24 h", "all": ""}
+
+
+def chart_status(counts: dict, range_words: str, granularity: str, drawn: int, ran: int) -> str:
+    """The line beside Pause: every run in the range, counted as the cards count them, and what the
+    charts draw of them ("38 runs in the last 24 h (3 failed, 1 cancelled); the charts draw the 34
+    answered"). ``live.js`` (``describe``) says it the same way as runs arrive."""
+    text = runs_label(counts) + (f" {range_words}" if range_words else "")
+    if counts.get("failed") or counts.get("cancelled"):
+        text += f"; the charts draw the {counts.get('answered', 0)} answered"
+    if granularity != "run":
+        text += f", averaged per {granularity}"
+    if drawn < ran:
+        text += f"; the {drawn} busiest of {ran} boards drawn"
+    return text
 
 
 @login_required

@@ -6,7 +6,6 @@ import csv
 import json
 import re
 import uuid
-from dataclasses import fields as dataclass_fields
 
 from django.conf import settings
 from django.contrib import messages
@@ -19,7 +18,7 @@ from django.views.decorators.http import require_POST
 
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
-from inference.breakdown import Breakdown
+from inference.breakdown import FIELD_GROUPS, time_sums
 from inference.messages import CANCELLED
 
 from .. import actions, admission, board_start, charts, metrics, ratelimit, run_stream
@@ -27,7 +26,7 @@ from ..explain import explain_run
 from ..model_cards import boards_models
 from ..forms import MAX_PROMPT_CHARS, RunFilterForm, RunForm
 from ..models import Device, InferenceRun
-from ..stats import current_namespace, explain_error, explained, recent_runs, visible_runs
+from ..stats import current_namespace, explain_error, explained, recent_runs, run_counts, runs_label, visible_runs
 from .auth import _who, login_required
 from .broker import _broker_unavailable, _BrokerDown, _each_until_broker_fails
 
@@ -183,7 +182,10 @@ def run_list(request):
     return render(
         request,
         "dashboard/runs.html",
-        {"filter_form": form, "page": page, "runs": explained(list(page.object_list)), "query": query.urlencode(), "total": paginator.count},
+        {
+            "filter_form": form, "page": page, "runs": explained(list(page.object_list)), "query": query.urlencode(), "total": paginator.count,
+            "total_label": runs_label(run_counts(runs)),  # failed and cancelled ones said, as every page counts them
+        },
     )
 
 
@@ -261,12 +263,19 @@ def run_export(request, fmt):
     return response
 
 
-def _breakdown_rows(breakdown: dict) -> list[tuple[str, object]]:
-    """Every field of a run's breakdown: the known ones in their order, then any others."""
-    known = [f.name for f in dataclass_fields(Breakdown)]
-    rows = [(name, breakdown[name]) for name in known if name in breakdown]
-    rows += sorted((name, value) for name, value in breakdown.items() if name not in known and name not in ("entries", "asked"))  # their own sections
-    return rows
+def _breakdown_groups(breakdown: dict) -> list[tuple[str, list[tuple[str, object]]]]:
+    """Every field of a run's breakdown under its heading (``FIELD_GROUPS``), in their order; a
+    field no heading names (a newer board's) under "Other fields"."""
+    groups = []
+    for heading, names in FIELD_GROUPS:
+        rows = [(name, breakdown[name]) for name in names if name in breakdown]
+        if rows:
+            groups.append((heading, rows))
+    known = {name for _, names in FIELD_GROUPS for name in names} | {"entries", "asked"}  # those two: their own sections
+    rest = sorted((name, value) for name, value in breakdown.items() if name not in known)
+    if rest:
+        groups.append(("Other fields", rest))
+    return groups
 
 
 @login_required
@@ -280,7 +289,8 @@ def run_detail(request, pk):
         "dashboard/run_detail.html",
         {
             "run": run,
-            "breakdown_rows": _breakdown_rows(breakdown),
+            "breakdown_groups": _breakdown_groups(breakdown),
+            "time_sums": time_sums(breakdown) if breakdown else None,
             "modules_hit": breakdown.get("modules_hit"),
             "entries_known": "entries" in breakdown,
             "fetched_entries": entries.get("fetched", []),

@@ -75,6 +75,7 @@ class CacheBoxTier:
             return None
         candidates = session.maybe(run.refs, use_catalog=run.use_catalog)
         run.known.update(ref.key for ref in candidates)
+        session.not_asked([ref for ref in candidates if ref.end <= floor], "held_on_board")
         candidates = [ref for ref in candidates if ref.end > floor]
         if not candidates:
             breakdown.decision = Decision.LOCAL if floor else Decision.CATALOG_MISS  # no network at all
@@ -84,6 +85,7 @@ class CacheBoxTier:
         # Before any round trip: would even the best plan beat computing, at the sizes seen so far?
         guess = [Range(ref.start, ref.end, int((ref.end - ref.start) * self.bytes_per_token)) for ref in run.refs if floor < ref.end <= longest]
         if not self._planned(self.policy.plan(floor, guess), breakdown):
+            session.not_asked(candidates, "policy_skipped")
             return None
 
         def expect(ref: EntryRef, header: EntryHeader) -> None:
@@ -140,7 +142,6 @@ class CacheBoxTier:
                 breakdown.decision = Decision.DEADLINE if breakdown.fetch_late else Decision.NO_USABLE_ENTRY
             restored.top_ids, restored.top_logits = (held.top_ids, held.top_logits) if restored.matched == held.matched else (None, None)
             return restored
-        run.session.record_hits(len(restored.entries))
         breakdown.decision = Decision.FETCH
         breakdown.tier = self.label
         return restored

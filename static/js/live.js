@@ -6,9 +6,14 @@
   const dataNode = document.getElementById("chart-data");
   const charts = dataNode ? JSON.parse(dataNode.textContent || "{}") || {} : {};
   const WINDOW = charts.window || 200;
-  // [field, label] pairs in stack order, from the page (inference.breakdown.STACK).
+  // The labels of a run's stacked parts in order (table 3's groups, then "other"), from the page
+  // (dashboard.charts.COMPONENTS); each run brings its values (run.time_sums, rounded as shown).
   const stackNode = document.getElementById("chart-stack");
-  const STACK = (stackNode ? JSON.parse(stackNode.textContent || "[]") : []).map((pair) => pair[0]);
+  const STACK = stackNode ? JSON.parse(stackNode.textContent || "[]") : [];
+  function partsOf(run, which) {
+    const sum = (run.time_sums || {})[which] || { parts: [] };
+    return STACK.map((label) => { const part = sum.parts.find((p) => p.label === label); return part ? part.ms : 0; });
+  }
   // Per device: its runs and hits by tier in the range; the hit-ratio chart's tiers (the server's words).
   const tierCounts = charts.tierCounts || {};
   const HIT_TIERS = charts.hitTiers || [];
@@ -195,8 +200,20 @@
   const controls = document.getElementById("chart-controls");
   let paused = false, missed = 0;
   function chartStatus(text) { const node = document.getElementById("chart-status"); if (node) node.textContent = text; }
+  // A count of runs as the server says it (dashboard.stats.runs_label): "38 runs (3 failed, 1 cancelled)".
+  function runsLabel(c) {
+    const total = Number(c.runs) || 0;
+    const ended = ["failed", "cancelled"].filter((k) => c[k]).map((k) => c[k] + " " + k);
+    return total + (total === 1 ? " run" : " runs") + (ended.length ? " (" + ended.join(", ") + ")" : "");
+  }
+  // The line beside Pause, as the server writes it (dashboard.views.home.chart_status).
   function describe(data) {
-    return data.runs + (data.runs === 1 ? " run" : " runs") + (data.granularity && data.granularity !== "run" ? ", averaged per " + data.granularity : "");
+    const c = data.counts || { runs: data.runs, answered: data.runs };
+    let text = runsLabel(c) + (data.rangeWords ? " " + data.rangeWords : "");
+    if (c.failed || c.cancelled) text += "; the charts draw the " + (c.answered || 0) + " answered";
+    if (data.granularity && data.granularity !== "run") text += ", averaged per " + data.granularity;
+    if (data.devices_drawn < data.devices_ran) text += "; the " + data.devices_drawn + " busiest of " + data.devices_ran + " boards drawn";
+    return text;
   }
   function redraw(node, fig) { if (node && fig) plot(node, fig, false); }
   function loadRange(range) {
@@ -205,9 +222,7 @@
     return fetch(controls.dataset.url + "?range=" + encodeURIComponent(range), { credentials: "same-origin", headers: { Accept: "application/json" } })
       .then((r) => r.json())
       .then(function (data) {
-        charts.range = data.range;
-        charts.runs = data.runs;
-        charts.granularity = data.granularity;
+        ["range", "runs", "counts", "rangeWords", "granularity", "devices_drawn", "devices_ran"].forEach((key) => { charts[key] = data[key]; });
         Object.keys(tierCounts).forEach((k) => delete tierCounts[k]);
         Object.assign(tierCounts, data.tierCounts || {});
         Object.assign(colors, data.colors || {});
@@ -245,20 +260,24 @@
     const b = run.breakdown || {};
     // As the server writes it (H:i:s, its time zone), not the browser's locale ("8:15:56 PM").
     const when = window.EdgeCache && window.EdgeCache.clock ? window.EdgeCache.clock(run.created) : show(run.created).slice(11, 19);
-    const answer = run.error
-      ? el("span", { class: "error", title: show(run.error), text: truncate(errorText(run), 200) })
-      : document.createTextNode(truncate(run.text || "", 40));
+    // A cancelled run was served in part: its times were measured, and shown (no failure).
+    const failed = run.error && !run.cancelled;
+    const answer = run.cancelled
+      ? el("span", {}, [el("span", { class: "badge cancelled", text: "cancelled" }), " " + truncate(run.text || "", 40)])
+      : failed
+        ? el("span", { class: "error", title: show(run.error), text: truncate(errorText(run), 200) })
+        : document.createTextNode(truncate(run.text || "", 40));
     const whenCell = run.url ? el("a", { href: run.url, text: when }) : document.createTextNode(when);
-    return el("tr", { "data-request": show(run.request_id), class: run.error ? "failed" : "" }, [
+    return el("tr", { "data-request": show(run.request_id), class: run.cancelled ? "cancelled" : failed ? "failed" : "" }, [
       el("td", {}, [whenCell]),
       el("td", { text: run.device }),
       el("td", { text: truncate(run.title, 50) }),
       el("td", {}, [answer]),
-      el("td", { text: run.error ? "" : b.case }),
-      el("td", { text: run.error ? "–" : show(b.matched_tokens) + "/" + show(b.prompt_tokens) }),
-      el("td", { text: run.error ? "–" : fmt(b.ttft_ms) }),
-      el("td", { text: run.error ? "–" : fmt(b.ttlt_ms) }),
-      el("td", { text: run.error ? "" : run.served_from_label }),
+      el("td", { text: failed ? "" : b.case }),
+      el("td", { text: failed ? "–" : show(b.matched_tokens) + "/" + show(b.prompt_tokens) }),
+      el("td", { text: failed ? "–" : fmt(b.ttft_ms) }),
+      el("td", { text: failed ? "–" : fmt(b.ttlt_ms) }),
+      el("td", { text: failed ? "" : run.served_from_label }),
     ]);
   }
 
@@ -268,7 +287,7 @@
     document.querySelectorAll("[data-device]").forEach(function (holder) {
       if (holder.dataset.device !== name) return;
       const runs = holder.querySelector('[data-role="runs"]');
-      if (runs) runs.textContent = runs.dataset.bare !== undefined ? String(figures.runs) : figures.runs + (figures.runs === 1 ? " run" : " runs");
+      if (runs) runs.textContent = figures.runs_label || runsLabel(figures); // the server's words (dashboard.stats.runs_label)
       const hits = holder.querySelector('[data-role="hit-ratio"]');
       if (hits) hits.textContent = figures.hit_ratio == null ? "–" : Number(figures.hit_ratio).toFixed(2);
       const ttft = holder.querySelector('[data-role="median-ttft"]');
@@ -279,18 +298,23 @@
   function onRun(run) {
     const b = run.breakdown || {};
     const label = run.device + " #" + run.id;
-    if (!run.error && paused) {
+    if (paused) {
       missed += 1;
       chartStatus("paused: " + missed + (missed === 1 ? " new run" : " new runs") + " not drawn yet");
     }
-    if (!run.error && !paused && controls && typeof charts.runs === "number") {
-      // The count beside Pause follows the runs as they arrive (a bucketed range counts runs too).
-      charts.runs += 1;
+    if (!paused && controls && charts.counts) {
+      // The count beside Pause follows the runs as they arrive, failed and cancelled ones counted
+      // as the cards count them (a bucketed range counts runs too).
+      const outcome = !run.error ? "answered" : run.cancelled ? "cancelled" : "failed";
+      charts.counts.runs += 1;
+      charts.counts[outcome] = (charts.counts[outcome] || 0) + 1;
+      if (!run.error) charts.runs += 1;
       chartStatus(describe(charts));
     }
     if (!run.error && !paused) {
       if (elBreakdown && elBreakdown.data) {
-        Plotly.extendTraces(elBreakdown, { x: STACK.map(() => [label]), y: STACK.map((f) => [b[f] || 0]) }, STACK.map((_, i) => i), 50);
+        const parts = partsOf(run, "ttlt");
+        Plotly.extendTraces(elBreakdown, { x: STACK.map(() => [label]), y: parts.map((ms) => [ms]) }, STACK.map((_, i) => i), 50);
         notEmpty(elBreakdown);
       }
       const color = colorOf(run.device, run.device_color);
@@ -448,7 +472,8 @@
       // Cancel keeps what was answered: the partial answer, marked.
       card.classList.add("cancelled");
       card.appendChild(el("p", { class: "cancelled-note" }, [el("span", { class: "badge cancelled", text: "cancelled" }),
-        " " + show(b.generated_tokens) + " token" + (b.generated_tokens === 1 ? "" : "s") + " answered before the board stopped"]));
+        " " + show(b.generated_tokens) + " token" + (b.generated_tokens === 1 ? "" : "s") + " answered before the board stopped" +
+          (b.ttft_ms > 0 ? " · TTFT " + fmt(b.ttft_ms) + " ms" : "")]));
       card.appendChild(el("p", { class: "answer", text: run.text }));
       return;
     }
@@ -467,7 +492,11 @@
       const modules = b.modules_hit.length ? " (modules " + b.modules_hit.join(", ") + " from the cache box)" : " (no module from the cache box)";
       card.appendChild(el("p", { class: "matched", text: "matched " + show(b.matched_tokens) + " of " + show(b.prompt_tokens) + " prompt tokens" + modules }));
     }
-    card.appendChild(el("p", { class: "muted", text: STACK.map((f) => f.replace("_ms", "") + " " + fmt(b[f])).join(" · ") + " (ms)" }));
+    // TTFT and TTLT as the sums they are, in the server's words (inference.breakdown.time_sums).
+    ["ttft", "ttlt"].forEach(function (which) {
+      const sum = (run.time_sums || {})[which];
+      if (sum) card.appendChild(el("p", { class: "muted time-sum", "data-sum": which, text: sum.sentence + " (ms)" }));
+    });
     if (run.expected_answer && !x.verdict) card.appendChild(el("p", { text: "expected answer: " + run.expected_answer }));
   }
 
