@@ -299,33 +299,40 @@ def llama_wheel(libraries: Path, out: Path, kernels: str) -> Path:
 
 
 def ensure_wheelhouse(kernels: str = DEFAULT_CLASS, write: Callable[[str], None] = print, out: Path | None = None) -> Path:
-    """Every wheel an aarch64 board of ``kernels``' class installs, in one folder (cached)."""
+    """Every wheel an aarch64 board of ``kernels``' class installs, in one folder: the dependencies
+    and llama.cpp cached (once per machine), the project's own wheel made again from this checkout
+    each time (a few seconds: a wheelhouse never ships an older EdgeCache than the code beside it)."""
     target = out or wheelhouse_path(kernels)
-    if out is None and _done(target).exists():
-        return target
     with _locked(target, write):
-        if out is None and _done(target).exists():
-            return target
-        libraries = ensure_libs(kernels, write)
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir(parents=True)
-        write(f"Collecting the board's aarch64 wheels into {target}...")
-        platforms = [f"--platform={tag}" for tag in ("manylinux_2_36_aarch64", "manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64", "linux_aarch64")]
-        _run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *platforms, f"--python-version={PYTHON_VERSION}",
-              "--implementation=cp", f"--abi=cp{PYTHON_TAG}", "--abi=abi3", "--abi=none", "-d", str(target), *board_requirements()], "pip download")
-        for _ in range(5):  # what the target's own Python needs and pip, judging by this one, left out
-            missing = missing_requirements(target)
-            if not missing:
-                break
-            _run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *platforms, f"--python-version={PYTHON_VERSION}",
-                  "--implementation=cp", f"--abi=cp{PYTHON_TAG}", "--abi=abi3", "--abi=none", "-d", str(target), *missing], "pip download (markers of the target)")
+        if out is not None or not _done(target).exists():
+            _collect_dependencies(kernels, target, write)
+            if out is None:
+                _done(target).touch()
+        for old in target.glob("edgecache-*.whl"):
+            old.unlink()
         project = Path(__file__).resolve().parents[2]
         _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(target), str(project)], "pip wheel (the project)")
-        llama_wheel(libraries, target, kernels)
-        if out is None:
-            _done(target).touch()
-        write(f"wheelhouse for aarch64 ({kernels}): {target} ({len(list(target.glob('*.whl')))} wheels)")
+    write(f"wheelhouse for aarch64 ({kernels}): {target} ({len(list(target.glob('*.whl')))} wheels)")
     return target
+
+
+def _collect_dependencies(kernels: str, target: Path, write: Callable[[str], None]) -> None:
+    """The registry's aarch64 wheels of the board's dependencies and llama-cpp-python packed with
+    ``kernels``' libraries, into ``target`` (emptied first)."""
+    libraries = ensure_libs(kernels, write)
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    write(f"Collecting the board's aarch64 wheels into {target}...")
+    platforms = [f"--platform={tag}" for tag in ("manylinux_2_36_aarch64", "manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64", "linux_aarch64")]
+    download = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *platforms, f"--python-version={PYTHON_VERSION}",
+                "--implementation=cp", f"--abi=cp{PYTHON_TAG}", "--abi=abi3", "--abi=none", "-d", str(target)]
+    _run([*download, *board_requirements()], "pip download")
+    for _ in range(5):  # what the target's own Python needs and pip, judging by this one, left out
+        missing = missing_requirements(target)
+        if not missing:
+            break
+        _run([*download, *missing], "pip download (markers of the target)")
+    llama_wheel(libraries, target, kernels)
 
 
 def ensure_all(kernels: str = DEFAULT_CLASS, write: Callable[[str], None] = print) -> tuple[Path, Path]:
