@@ -434,6 +434,9 @@ class CatalogStatus(Message):
     maybe_hits: int = Field(0, ge=0)
     true_hits: int = Field(0, ge=0)
     false_positives: int = Field(0, ge=0)
+    held_on_board: int = Field(0, ge=0)  # maybes never asked about: the board's own tiers held them
+    policy_skipped: int = Field(0, ge=0)  # maybes never asked about: the break-even policy chose computing
+    cachebox_down: int = Field(0, ge=0)  # maybes never asked about: the cache box did not answer
 
 
 class BoardRates(Message):
@@ -470,6 +473,7 @@ class BoardMemory(Message):
     memory_mb: int | None = Field(None, ge=0)
     budget_mb: float | None = Field(None, ge=0)
     n_ctx: int | None = Field(None, ge=0)
+    kv_cache_mb: float | None = Field(None, ge=0)  # the memory plan's KV cache: what a smaller context frees
 
 
 # A board reports one catalog per namespace it serves (its own, a private one): a few, never thousands.

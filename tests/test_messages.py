@@ -14,12 +14,13 @@ REAL_STATUS = {
     "threads": 2, "kv_type": "f16", "codec": "zstd", "compute_profile": "pi-zero-2w",
     "catalogs": {"default": {
         "approx_items": 12, "size_bytes": 1_198_160, "fill_ratio": 0.0001, "estimated_fp_rate": 0.0, "configured_fp_rate": 0.01,
-        "last_sync": 1_764_000_000.0, "epoch": "a" * 32, "lookups": 40, "maybe_hits": 9, "true_hits": 8, "false_positives": 1,
+        "last_sync": 1_764_000_000.0, "epoch": "a" * 32, "lookups": 40, "maybe_hits": 9, "true_hits": 5, "false_positives": 1,
+        "held_on_board": 2, "policy_skipped": 1, "cachebox_down": 0,
     }},
     "ram_tier": {"entries": 3, "bytes": 9_000_000, "budget_bytes": 134_217_728, "hits": 2, "misses": 5, "rss_limit_bytes": None,
                  "evicted_for_rss": 0, "refused": 0},
     "flash_tier": {"entries": 1, "bytes": 3_000_000, "budget_bytes": 67_108_864, "hits": 0, "misses": 1, "directory": "/var/lib/edgecache/flash/zero"},
-    "memory": {"rss_mb": 480.5, "peak_rss_mb": 512.0, "pss_mb": 300.1, "memory_mb": 512, "budget_mb": 430.0, "n_ctx": 4096},
+    "memory": {"rss_mb": 480.5, "peak_rss_mb": 512.0, "pss_mb": 300.1, "memory_mb": 512, "budget_mb": 430.0, "n_ctx": 4096, "kv_cache_mb": 36.0},
     "rates": {"prefill_ms_per_token": 3.1, "decode_ms_per_token": 20.0, "prompt_tokens": 128, "decode_tokens": 16, "compute_profile": ""},
 }
 
@@ -77,3 +78,14 @@ def test_the_largest_status_the_contract_allows_fits_the_heartbeat_cap():
     beat = Heartbeat(device="z" * 64, status=BoardStatus.parse(largest))
     # signed envelope: about 300 bytes of head and signature around the message
     assert len(json.dumps(beat.dump(), separators=(",", ":"))) + 1024 < MAX_HEARTBEAT_BYTES
+
+
+@pytest.mark.model
+def test_the_status_a_real_board_sends_is_the_status_the_contract_accepts(make_board):
+    """What ``HeartbeatThread`` sends (``Board.status`` and the beat's own fields) parses whole: a
+    field added to a board's status and not to the contract would make every heartbeat refused, and
+    every board look offline."""
+    board = make_board(None, "default")
+    status = {"pid": 1, "sent": 1_764_000_000.0, "heartbeat_s": 5.0, **board.status()}
+    parsed = BoardStatus.parse(status).dump()
+    assert parsed["catalogs"].keys() == status["catalogs"].keys() and parsed["memory"]["n_ctx"] == status["memory"]["n_ctx"]
