@@ -129,6 +129,15 @@ def test_a_member_of_a_namespace_without_boards_is_told_who_registers_them(clien
         assert "adds you to a namespace" not in page, name
 
 
+def test_a_member_is_not_told_to_start_a_board_with_a_token_they_do_not_hold(client, django_user_model, control_plane):
+    tenant("walk-t2")
+    register("walk-t2b", namespace_id="walk-t2")  # registered by staff, never started
+    member = member_client(client, django_user_model, "walk-t2")
+    page = member.get(reverse("device-detail", args=["walk-t2b"])).content.decode()
+    assert "a staff member starts its board (they hold its token)" in page
+    assert "token shown at registration" not in page, [line for line in page.splitlines() if "token shown at registration" in line]
+
+
 def test_staff_pages_give_a_member_a_clear_403_and_a_stranger_the_login(client, django_user_model, control_plane):
     tenant("walk-t2")
     assert client.get(reverse("schema-new"))["Location"].startswith(reverse("login") + "?next=/schemas/new/")
