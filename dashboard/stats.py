@@ -274,7 +274,7 @@ def catalog_reconciliation(catalog: dict) -> list[str]:
             terms.append(f"{_counter(catalog, name)} {words}")
             settled += _counter(catalog, name)
     rest = maybe - settled
-    if rest and all(name not in catalog for name, _ in NOT_ASKED_WORDS):
+    if rest and all(catalog.get(name) is None for name, _ in NOT_ASKED_WORDS):
         terms.append(f"{rest} not asked or not counted (this board's version does not say why)")
     elif rest > 0:
         terms.append(f"{rest} of a run between its lookup and its answer")

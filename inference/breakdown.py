@@ -270,7 +270,7 @@ FIELD_GROUPS = (
     ("The break-even forecast", ("predicted_fetch_ms", "predicted_prefill_ms", "planned_split", "met_at", "fetch_late")),
     ("Bytes moved", ("state_bytes", "fetched_bytes", "uploaded_bytes")),
     ("After the answer", ("upload_ms", "next_turn_tokens", "next_turn_ms")),
-    ("The board", ("behind_ms", "compute_profile", "paced_ms", "strategy")),
+    ("The board", ("behind_ms", "compute_profile", "paced_ms", "strategy", "kernel_class", "approximate", "approximate_from", "continued_tokens")),
     ("Lab: KV prediction", ("aux_prefill_ms", "predict_ms", "kv_import_ms")),
 )
 

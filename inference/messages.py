@@ -434,9 +434,10 @@ class CatalogStatus(Message):
     maybe_hits: int = Field(0, ge=0)
     true_hits: int = Field(0, ge=0)
     false_positives: int = Field(0, ge=0)
-    held_on_board: int = Field(0, ge=0)  # maybes never asked about: the board's own tiers held them
-    policy_skipped: int = Field(0, ge=0)  # maybes never asked about: the break-even policy chose computing
-    cachebox_down: int = Field(0, ge=0)  # maybes never asked about: the cache box did not answer
+    # maybes never asked about, by why (None: a board of a version that does not count them)
+    held_on_board: int | None = Field(None, ge=0)  # the board's own tiers held them
+    policy_skipped: int | None = Field(None, ge=0)  # the break-even policy chose computing
+    cachebox_down: int | None = Field(None, ge=0)  # the cache box did not answer
 
 
 class BoardRates(Message):

@@ -419,3 +419,16 @@ def _no_board_identity(monkeypatch):
     from inference import edge
 
     monkeypatch.setattr(edge.enrollment, "_identity", None)
+
+
+@pytest.fixture(autouse=True)
+def _celery_app_kept():
+    """A test that makes a board's Celery app (``inference.worker.board_app`` sets it current, with only
+    the board's own tasks) leaves the process's app as it found it: the control plane's task proxies
+    (``dashboard.tasks.record_run``) resolve against the current app."""
+    from celery import current_app
+
+    before = current_app._get_current_object()
+    yield
+    before.set_current()
+    before.set_default()

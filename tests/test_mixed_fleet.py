@@ -123,6 +123,12 @@ def _online(manage) -> int:
     return int(manage("shell", "-c", code).splitlines()[-1])
 
 
+def _catalog_items(fleet, device: str) -> int:
+    """How many keys ``device``'s catalog of ``default`` holds, as its latest heartbeat says."""
+    code = f"from dashboard.models import Device; print(Device.objects.get(name={device!r}).status.get('catalogs', {{}}).get('default', {{}}).get('approx_items', 0))"
+    return int(fleet["manage"]("shell", "-c", code).splitlines()[-1])
+
+
 def _ask(fleet, device: str, *, cache: bool = True) -> tuple[str, dict]:
     model = fleet["client"].models.list().data[0].id
     answer = fleet["client"].completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"edgecache": {"device": device, "cache": cache}})
@@ -148,8 +154,14 @@ def test_four_boards_of_three_kernel_classes_share_exactly_within_a_class_and_ne
     text, served = _ask(fleet, "x86-avx512")
     assert text == cold["x86-avx512"] and served["matched_tokens"] == 0, served
     # The A53 takes neither x86 class's state; the A76, pinned to the A53's class, answers from its entries.
+    known = _catalog_items(fleet, "arm-a76")
     text, served = _ask(fleet, "arm-a53")
     assert text == cold["arm-a53"] and served["matched_tokens"] == 0, served
+    # The A53 uploads its ranges after the answer; the A76's catalog learns them at its next sync.
+    deadline = time.monotonic() + 300
+    while _catalog_items(fleet, "arm-a76") <= known:
+        assert time.monotonic() < deadline, "the A76's catalog never learned the A53's entries"
+        time.sleep(2)
     text, served = _ask(fleet, "arm-a76")
     assert text == cold["arm-a76"] and served["matched_tokens"] > 0 and served["tier"] == "cachebox", served
     # Each x86 board again: exact from its own class's entries (its context or the cache box).
