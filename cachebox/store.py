@@ -353,7 +353,10 @@ class CacheBox:
         seconds = str(int(ttl)) if ttl else "max"
 
         def queue(pipe, item):
-            pipe.fcall(quota.PUT, 1, item[0], item[1], seconds)
+            if _is_entry(item[0]):
+                pipe.fcall(quota.PUT, 1, item[0], item[1], seconds)
+            else:  # a key outside every namespace (the lab's own key space): the caller's own write, with a TTL
+                pipe.psetex(item[0], int(ttl or 3600) * 1000, item[1])
 
         replies = self._with_functions(lambda: self._batch(items, lambda item: item[0], queue, raise_on_error=False))
         refused = [reply[0] for reply in replies if reply is not None and isinstance(reply[0], Exception)]
