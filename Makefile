@@ -95,7 +95,7 @@ test: install browser promtool
 	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest $(XDIST) --durations=20 -m "not mixed_fleet"
 	@if $(PY) -c "import psycopg; psycopg.connect('$(PG_TEST_URL)', connect_timeout=2).close()" 2>/dev/null; then \
 		echo "Control-plane tests again, on PostgreSQL ($(PG_TEST_URL)):"; \
-		DATABASE_URL=$(PG_TEST_URL) EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -q $(XDIST) -m "django_db and not install"; \
+		DATABASE_URL=$(PG_TEST_URL) EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -q $(XDIST) -m "django_db and not install and not migrations"; \
 	else \
 		echo "No PostgreSQL at $(PG_TEST_URL): the PostgreSQL run of the control-plane tests is skipped."; \
 	fi

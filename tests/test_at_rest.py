@@ -10,6 +10,7 @@ import pytest
 from .test_attacks import SECRET_ANSWER, SECRET_MODULE, SECRET_PROMPT, SECRET_SAVED, _database_copy
 
 
+@pytest.mark.migrations
 @pytest.mark.django_db(transaction=True, serialized_rollback=True)  # as the suite's other transactional tests
 def test_the_migration_seals_what_was_stored_in_clear_and_going_back_opens_it():
     """Rows written before sealing existed stay readable: the migration seals them, and unapplying it

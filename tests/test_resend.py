@@ -398,7 +398,9 @@ def test_an_api_answer_from_a_named_board_that_stops_waits_for_it_and_is_never_m
         listener.subscribe(stream_channel("right", streamed.request_id))
         # right is stopped: what comes on its run's channel now is the control plane's word (a "waiting" stage).
         until(lambda: listener.get_message(timeout=1.0) is not None, 60, "the sweeper to find right quiet and leave the run waiting for it")
-        assert "left" in fleet.online() and "right" not in fleet.online()  # another board was there to take it
+        # The sweeper tells the pages right went quiet after it leaves the run waiting (the same sweep).
+        until(lambda: "right" not in fleet.online(), 30, "right to be announced offline")
+        assert "left" in fleet.online()  # another board was there to take it
         assert fleet.dispatched_to(streamed.request_id) == "right"  # sent to right only: never moved
     finally:
         fleet.boards["right"].send_signal(signal.SIGCONT)
