@@ -42,6 +42,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .llama_kernels import COMMON_FLAGS, _download_sdist
+
 VERSION = importlib.metadata.version("llama-cpp-python")
 SUITE = "bookworm"  # the Debian release of the root (Python 3.11, as a Raspberry Pi OS of the day)
 PYTHON_TAG = "311"
@@ -57,24 +59,16 @@ DEFAULT_CLASS = "armv8.0"  # runs on every 64-bit Pi: the class a mixed fleet of
 
 APT_PACKAGES = ("qemu-user-static", "binfmt-support", "debootstrap", "gcc-aarch64-linux-gnu", "g++-aarch64-linux-gnu", "cmake")
 
+# Debian's aarch64 cross toolchain, portable kernels of the class asked for (GGML_CPU_ARM_ARCH), no
+# OpenMP; then the flags of every other build of ours (shared libraries that find each other beside themselves).
 CROSS_FLAGS = (
     "-DCMAKE_SYSTEM_NAME=Linux",
     "-DCMAKE_SYSTEM_PROCESSOR=aarch64",
     "-DCMAKE_C_COMPILER=aarch64-linux-gnu-gcc",
     "-DCMAKE_CXX_COMPILER=aarch64-linux-gnu-g++",
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DBUILD_SHARED_LIBS=ON",
     "-DGGML_NATIVE=OFF",
     "-DGGML_OPENMP=OFF",
-    "-DLLAMA_CURL=OFF",
-    "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
-    "-DLLAMA_BUILD_TOOLS=OFF",
-    "-DLLAMA_BUILD_COMMON=OFF",
-    "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
-    "-DCMAKE_BUILD_RPATH=$ORIGIN",
+    *COMMON_FLAGS,
 )
 
 
@@ -202,8 +196,6 @@ def ensure_libs(kernels: str = DEFAULT_CLASS, write: Callable[[str], None] = pri
         if _done(target).exists():
             return target
         install_tools(write)
-        from .llama_kernels import _download_sdist
-
         with tempfile.TemporaryDirectory(prefix="llama-aarch64-", dir=target.parent) as work:
             work = Path(work)
             write(f"Cross-building llama.cpp {VERSION} for aarch64 ({kernels}) from the llama-cpp-python sdist (once per machine, minutes)...")
@@ -276,8 +268,6 @@ def llama_wheel(libraries: Path, out: Path, kernels: str) -> Path:
 
     with tempfile.TemporaryDirectory(prefix="llama-wheel-") as work:
         work = Path(work)
-        from .llama_kernels import _download_sdist
-
         with tarfile.open(_download_sdist(VERSION, work)) as archive:
             archive.extractall(work, filter="data")
         package = work / f"llama_cpp_python-{VERSION}" / "llama_cpp"
