@@ -36,7 +36,7 @@ from .proc_memory import tune_malloc
 from .worker import board_app
 
 log = logging.getLogger("inference.edge")
-ENROLL_TIMEOUT = float(os.environ.get("EDGECACHE_ENROLL_TIMEOUT", "30"))  # seconds a board waits for its enrollment to be confirmed
+ENROLL_TIMEOUT = float(os.environ.get("EDGECACHE_ENROLL_TIMEOUT", "120"))  # seconds a board waits for its enrollment to be confirmed
 
 
 def _logging(level: str) -> None:

@@ -94,6 +94,28 @@ def start_board(stack: dict, name: str, token: str, *args: str) -> subprocess.Po
     return process
 
 
+BOARD_START_S = 300  # a board's start (model load, its prefill measure, enrollment) on a loaded 2-core CI machine
+
+
+def expect_board_online(page, stack: dict, name: str, process: subprocess.Popen, timeout_s: float = BOARD_START_S) -> None:
+    """Wait until the board ``name``'s page (open in ``page``) says online; fails at once, with the
+    board's log, if its process exits, and with the log when it does not come online in time."""
+    from playwright.sync_api import expect
+
+    log = Path(stack["home"]) / f"board-{name}.log"
+    badge = page.locator('h1 [data-role="online"]')
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"board {name} exited with {process.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        try:
+            expect(badge).to_have_text("online", timeout=5_000)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"board {name} not online within {timeout_s:g} s; its log:\n{log.read_text(errors='replace')[-3000:]}") from None
+
+
 def manage(stack: dict, *args: str, timeout: float = 120) -> str:
     """Run ``manage.py ARGS`` against the stack's database and cache box; returns its output."""
     done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=stack["env"], capture_output=True, text=True, timeout=timeout)

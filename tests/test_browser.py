@@ -20,6 +20,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.cachebox]
 def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
     from playwright.sync_api import expect
 
+    from .stack import expect_board_online, start_board
+
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(60_000)
     base = stack["url"]
@@ -44,15 +46,9 @@ def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
     assert len(token) > 30
 
     # Start the board with that token; its heartbeat turns the device online, live.
-    log = open(stack["home"] / "board.log", "wb")
-    stack["boards"].append(
-        subprocess.Popen(
-            [sys.executable, "manage.py", "edge", "--name", "bench-board", "--heartbeat", "1"],
-            cwd=ROOT, env={**stack["env"], "EDGECACHE_DEVICE_TOKEN": token}, stdout=log, stderr=subprocess.STDOUT,
-        )
-    )
+    board = start_board(stack, "bench-board", token)
     page.goto(base + "/devices/bench-board/")
-    expect(page.locator('h1 [data-role="online"]')).to_have_text("online", timeout=90_000)
+    expect_board_online(page, stack, "bench-board", board)
 
     # Run a prompt twice: the answers and the breakdown chart update without a reload.
     page.goto(base + "/run/")
@@ -135,7 +131,7 @@ def test_a_board_registered_in_a_second_tenant_caches_there_only(stack, browser)
     in default, a default key got a full hit on them, and flushing tenant-b left them behind."""
     from playwright.sync_api import expect
 
-    from .stack import manage, start_board
+    from .stack import expect_board_online, manage, start_board
 
     manage(stack, "shell", "-c", "from dashboard.models import Namespace; Namespace.objects.get_or_create(name='tenant-b')")
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -152,9 +148,9 @@ def test_a_board_registered_in_a_second_tenant_caches_there_only(stack, browser)
     page.select_option("#id_link_preset", "none")
     page.click("#register-submit")
     token = page.locator("#device-token").inner_text().strip()
-    start_board(stack, "b-board", token)
+    board = start_board(stack, "b-board", token)
     page.goto(base + "/devices/b-board/")
-    expect(page.locator('h1 [data-role="online"]')).to_have_text("online", timeout=120_000)
+    expect_board_online(page, stack, "b-board", board)
     expect(page.locator("body")).to_contain_text("tenant-b")
 
     counts = "from cachebox.models import CacheEntry; print(CacheEntry.objects.filter(namespace='default').count(), CacheEntry.objects.filter(namespace='tenant-b').count())"
