@@ -53,7 +53,7 @@ KERNELS ?= armv8.0
 WHEELHOUSE ?= dist/wheelhouse-$(ARCH)-$(KERNELS)
 board-wheels: install
 	@test "$(ARCH)" = aarch64 || { echo "board-wheels: ARCH=aarch64 is the architecture cross-built here"; exit 1; }
-	$(PY) -m inference.benchmarks.arm64 wheelhouse --kernels $(KERNELS) --out $(WHEELHOUSE)
+	$(PY) -m dashboard.bench.arm64 wheelhouse --kernels $(KERNELS) --out $(WHEELHOUSE)
 
 run: install
 	$(PY) manage.py run

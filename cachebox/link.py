@@ -30,3 +30,10 @@ LINK_PRESETS: dict[str, LinkProfile | None] = {
     "fast-ethernet": LinkProfile(94.0, 0.5, "Fast Ethernet"),
     "gigabit": LinkProfile(940.0, 0.2, "Gigabit Ethernet"),
 }
+
+
+def rtt_only(link: LinkProfile | None) -> LinkProfile | None:
+    """What a board's sockets still emulate when the kernel shapes its link: the round trip alone."""
+    if link is None or link.rtt_ms <= 0:
+        return None
+    return LinkProfile(float("inf"), link.rtt_ms, f"kernel-shaped {link.bandwidth_mbps:g} Mbit/s; {link.rtt_ms:g} ms RTT added per round trip")

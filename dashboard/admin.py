@@ -4,7 +4,7 @@ from django.contrib.auth.admin import UserAdmin
 from django.contrib.admin import helpers
 from django.template.response import TemplateResponse
 
-from cachebox.models import CacheEntry
+from dashboard.models import CacheEntry
 
 from .entry_preview import previews
 from .explain import human_bytes
@@ -142,8 +142,8 @@ class AuditEventAdmin(admin.ModelAdmin):
         return False
 
 
-# The cache-box mirror lives in the cachebox app (URLs stay admin:cachebox_cacheentry_*),
-# its pages here: cachebox is a plain library and knows no control plane.
+# The control plane's mirror of the cache box's entries (CacheEntry) and its admin pages:
+# cachebox is a plain library and knows no Django.
 _ENTRY_CONSEQUENCES = {
     "evict": "Evicting deletes them from the cache box: this cannot be undone from here. Boards that meet these prompts "
     "again prefill them and upload new entries.",

@@ -389,7 +389,7 @@ def render_benchmarks(text: str, folder: Path | None = None) -> str:
 
 def render_readme(text: str, folder: Path | None = None) -> str:
     """``text`` (README.md) with its vs-server table regenerated from the newest ``bench vs-server`` document."""
-    from inference.benchmarks import side_by_side
+    from dashboard.bench import side_by_side
 
     saved = [doc for _, doc in documents.saved_documents(folder) if documents.kind_of(doc) == "vs-server"]
     return side_by_side.replace_readme_table(text, side_by_side.readme_table(saved))

@@ -16,7 +16,7 @@ from typing import Iterable
 
 from django.conf import settings
 
-from cachebox.models import CacheEntry
+from dashboard.models import CacheEntry
 from inference.model_file import ModelNotFound
 
 from .models import InferenceRun

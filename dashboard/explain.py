@@ -6,7 +6,7 @@ Pure functions of a run's stored fields (its breakdown as the board reported it)
 
 from __future__ import annotations
 
-from inference import mmlu
+from dashboard import mmlu
 from inference.breakdown import Case, Decision, Tier
 
 SLOW_SHARE = 0.5  # a hit's fetch is worth a sentence when it took at least this share of its TTFT

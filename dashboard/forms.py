@@ -13,11 +13,11 @@ from django.utils.html import escape
 from cachebox.errors import InvalidNamespace
 from cachebox.keys import check_namespace
 from cachebox.link import LINK_PRESETS
-from inference import mmlu
+from dashboard import mmlu
 from inference.breakdown import Case, Decision
 from inference.messages import RunRequest
 from .cli import split_segments
-from inference.models import Schema
+from dashboard.models import Schema
 from inference.pml import PMLError, parse_prompt, parse_schema
 
 from .actions import run_request as asked_run
@@ -515,7 +515,7 @@ class FlushForm(forms.Form):
 
     def __init__(self, *args, current: str | tuple[str, ...] = "", **kwargs):
         super().__init__(*args, **kwargs)
-        from cachebox.models import CacheEntry
+        from dashboard.models import CacheEntry
 
         from .models import Namespace
 
@@ -601,7 +601,7 @@ SEARCHED_RUNS = 5000  # newest runs a "prompt contains" search opens (prompts ar
 
 def _runs_containing(runs, text: str) -> list[int]:
     """Ids of the newest ``SEARCHED_RUNS`` of ``runs`` whose prompt or title holds ``text`` (any case),
-    read and opened in Python: the prompt column is sealed (cachebox.at_rest)."""
+    read and opened in Python: the prompt column is sealed (dashboard.at_rest)."""
     wanted = text.casefold()
     newest = runs.order_by("-created").values_list("pk", "title", "prompt")[:SEARCHED_RUNS]
     return [pk for pk, title, prompt in newest if wanted in (title or "").casefold() or wanted in (prompt or "").casefold()]

@@ -1,4 +1,5 @@
-"""Devices, runs and saved prompts: what the control plane keeps."""
+"""What the control plane keeps: devices, runs, saved prompts, prompt schemas and its mirror of
+the cache box's entries. Boards never read these rows (a board installs no Django)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import uuid
 from datetime import timedelta
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import RegexValidator
 from django.db import models
 from django.urls import reverse
 from django.utils import timezone
 
-from cachebox.at_rest import SealedJSONField, SealedTextField
+from dashboard.at_rest import SealedJSONField, SealedTextField
 from inference.kernels import CLASS_RE
 from inference.messages import CANCELLED, Queue
+from inference.pml import PMLError, parse_schema
 from inference.breakdown import approximate_label
 from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
 
@@ -255,7 +258,7 @@ class InferenceRun(models.Model):
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="runs")
     source = models.CharField(max_length=10, choices=SOURCES, default="text")
     title = SealedTextField(blank=True)  # at most 200 characters (RunMeta); it starts with the prompt
-    prompt = SealedTextField(blank=True)  # sealed at rest (cachebox.at_rest), as the answer
+    prompt = SealedTextField(blank=True)  # sealed at rest (dashboard.at_rest), as the answer
     expected_answer = models.CharField(max_length=8, blank=True)
     text = SealedTextField(blank=True)
     error = models.TextField(blank=True)
@@ -446,3 +449,69 @@ class ApiKey(models.Model):
     def rate(self) -> int:
         """Requests per minute this key may send (0: no limit)."""
         return settings.EDGECACHE_API_RATE if self.rate_per_minute is None else self.rate_per_minute
+
+
+# A prompt schema travels to a board inside its task message.
+class Schema(models.Model):
+    name = models.CharField(max_length=64, unique=True, editable=False, help_text="from <schema name=...>")
+    source = SealedTextField(help_text="the PML document (sealed at rest: dashboard.at_rest)")
+    digest = models.CharField(max_length=16, editable=False, help_text="changes whenever the source does")
+    # The tenant whose keys, pages and boards may use it; "" is shared with every namespace (staff
+    # choose to share one). A name (``dashboard.Namespace``), not a foreign key: boards' app
+    # (inference) knows nothing of the control plane's models.
+    namespace = models.CharField(max_length=40, blank=True, default="", help_text="the namespace that owns it; empty: shared with every namespace")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created = models.DateTimeField(auto_now_add=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def get_absolute_url(self) -> str:
+        return reverse("schema-detail", args=[self.pk])
+
+    def clean(self):
+        try:
+            parsed = parse_schema(self.source)
+        except PMLError as exc:
+            raise ValidationError({"source": str(exc)})
+        try:
+            from inference.schema_serving import layout_for  # the vocabulary loads on first use only
+
+            layout_for(self.source, settings.EDGECACHE_MODEL, settings.EDGECACHE_N_CTX)
+        except PMLError as exc:
+            raise ValidationError({"source": str(exc)})
+        duplicate = Schema.objects.filter(name=parsed.name).exclude(pk=self.pk)
+        if duplicate.exists():
+            raise ValidationError({"source": f"a schema named {parsed.name!r} exists already; rename this one or edit that one"})
+        self.name, self.digest = parsed.name, parsed.digest
+
+
+# The store (Redis/Valkey) is the truth; rows are written when boards report uploads and hits, and
+# ``python manage.py reconcile`` rebuilds them from the store.
+class CacheEntry(models.Model):
+    key = models.CharField(max_length=200, unique=True, help_text="Redis key of the entry")
+    model = models.CharField(max_length=32, db_index=True, help_text="model fingerprint")
+    namespace = models.CharField(max_length=64, db_index=True)
+    start = models.PositiveIntegerField(help_text="first token position of the range")
+    end = models.PositiveIntegerField(help_text="one past the last token position")
+    bytes = models.PositiveBigIntegerField()
+    hits = models.PositiveIntegerField(default=0)
+    last_hit = models.DateTimeField(null=True, blank=True)
+    creator_device = models.CharField(max_length=64, blank=True)
+    pinned = models.BooleanField(default=False)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created"]
+        verbose_name_plural = "cache entries"
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.model} [{self.start}, {self.end})"
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from django.core.cache import caches
 
-from cachebox.django_cache import CACHE_SERVER_ERRORS
+from dashboard.django_cache import CACHE_SERVER_ERRORS
 
 log = logging.getLogger("dashboard.ratelimit")
 

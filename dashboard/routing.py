@@ -37,7 +37,7 @@ from django.utils import timezone
 
 from cachebox.keys import entry_key_name
 from cachebox.link import LinkProfile
-from cachebox.models import CacheEntry
+from dashboard.models import CacheEntry
 from inference.messages import RunRequest
 from inference.routing import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, prompt_keys, route
 

@@ -1,5 +1,5 @@
 """The Run page follows its runs as boards answer them: stages and tokens, over the same Redis
-pub/sub channels the API streams from (``cachebox.streams``; the board's ``StreamEvent``s).
+pub/sub channels the API streams from (``dashboard.streams``; the board's ``StreamEvent``s).
 
 The page posts its form with ``Accept: application/x-ndjson``; once the form is valid and within
 the rate limit, the response is one JSON object per line:
@@ -32,7 +32,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from kombu.exceptions import OperationalError as BrokerUnavailable
 
-from cachebox import streams
+from dashboard import streams
 from cachebox.errors import CacheBoxError, CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel

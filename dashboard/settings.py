@@ -120,8 +120,6 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "axes",
-    "cachebox",
-    "inference",
     "dashboard",
 ]
 
@@ -368,10 +366,10 @@ EDGECACHE_ENROLL_RATE = _env_int("EDGECACHE_ENROLL_RATE", 10)
 if REDIS_URL.split("://", 1)[0] in ("redis", "rediss", "unix"):
     CACHES = {
         "default": {
-            "BACKEND": "cachebox.django_cache.CacheBoxRedisCache",
+            "BACKEND": "dashboard.django_cache.CacheBoxRedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": "edgecache:django",
-            # JSON values (never pickle: cachebox.django_cache). A bounded pool: a burst of requests
+            # JSON values (never pickle: dashboard.django_cache). A bounded pool: a burst of requests
             # waits up to the I/O timeout for a connection instead of opening one each.
             "OPTIONS": {
                 "socket_connect_timeout": EDGECACHE_CONNECT_TIMEOUT,
@@ -384,7 +382,7 @@ if REDIS_URL.split("://", 1)[0] in ("redis", "rediss", "unix"):
         }
     }
 else:  # not a Redis URL: counters per process only
-    CACHES = {"default": {"BACKEND": "cachebox.django_cache.JSONLocMemCache", "LOCATION": "edgecache"}}
+    CACHES = {"default": {"BACKEND": "dashboard.django_cache.JSONLocMemCache", "LOCATION": "edgecache"}}
 
 # `edgecache.security`: one JSON object per line (cachebox.events.security_event).
 LOGGING["formatters"]["json_lines"] = {"()": "cachebox.events.JsonLineFormatter"}

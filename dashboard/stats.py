@@ -391,7 +391,7 @@ def visible_schemas(user):
     """The schemas ``user`` may see and run: staff all; others their namespaces' and the shared ones."""
     from django.db.models import Q
 
-    from inference.models import Schema
+    from dashboard.models import Schema
 
     namespaces = visible_namespaces(user)
     schemas = Schema.objects.all()

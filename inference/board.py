@@ -25,7 +25,7 @@ from .compute_profile import Pacer, profile_named
 from .config import BoardConfig
 from .engine import Engine, EngineConfig
 from .exchange import Exchange
-from .host_plan import rtt_only
+from cachebox.link import rtt_only
 from .memory_plan import MAX_RAM_TIER_BYTES, MB, MemoryPlan, ModelFacts, check_lab_strategy, plan_memory, unsized_plan
 from .messages import BoardRates
 from .model_file import resolve_model
@@ -57,7 +57,7 @@ def cachebox_url(config: BoardConfig) -> str:
 
 def store_link(config: BoardConfig):
     """The link the board's cache-box client paces: all of it, or only the round trip where the
-    kernel already shapes the board's interface (boards as hosts, ``inference.host_plan``)."""
+    kernel already shapes the board's interface (boards as hosts, ``dashboard.host_plan``)."""
     return rtt_only(config.link) if config.link_shaped_by == "kernel" else config.link
 
 

@@ -154,7 +154,7 @@ def pytest_runtest_teardown(item, nextitem):
 # llama.cpp's llama-server (the peer of ``bench vs-server``): where a selected test needs it and this
 # machine has not built it yet, its build starts in the background as the run begins, at the idle
 # scheduling class (it takes only CPU time the tests leave), and the test waits for it when it comes
-# (the build's lock, ``inference.benchmarks.llama_server.ensure``). Built in that test's turn, it was
+# (the build's lock, ``dashboard.bench.llama_server.ensure``). Built in that test's turn, it was
 # about 5 of a fresh machine's 22 minutes of tests, with one of the two cores idle most of the rest.
 def _idle_class():  # in the child, before exec: the build and its compilers run only on idle CPU
     os.setpgrp()
@@ -164,26 +164,26 @@ def _idle_class():  # in the child, before exec: the build and its compilers run
 
 def pytest_collection_finish(session):
     """The builds the selected tests need and this machine lacks start in the background (``peer``:
-    llama-server; ``kernels``: llama.cpp's libraries with AVX-512 kernels, ``inference.benchmarks.llama_kernels``)."""
+    llama-server; ``kernels``: llama.cpp's libraries with AVX-512 kernels, ``dashboard.bench.llama_kernels``)."""
     wanted = {marker for item in session.items for marker in ("peer", "kernels", "arm64") if item.get_closest_marker(marker)}
     if "peer" in wanted:
-        from inference.benchmarks import llama_server
+        from dashboard.bench import llama_server
 
         if not (llama_server.binary_path().exists() or llama_server.missing_tools()):  # else built, or the test says why it cannot be
-            _background_build(session, "inference.benchmarks.llama_server", "llama-server")
+            _background_build(session, "dashboard.bench.llama_server", "llama-server")
     if "kernels" in wanted:
-        from inference.benchmarks import llama_kernels
+        from dashboard.bench import llama_kernels
 
         if not llama_kernels.built() and not llama_kernels.unavailable():
-            _background_build(session, "inference.benchmarks.llama_kernels", "llama-avx512")
+            _background_build(session, "dashboard.bench.llama_kernels", "llama-avx512")
     if "arm64" in wanted:
-        from inference.benchmarks import arm64
+        from dashboard.bench import arm64
 
         if not arm64.ready() and not arm64.unavailable():
-            _background_build(session, "inference.benchmarks.arm64", "arm64-root-and-wheelhouse")
+            _background_build(session, "dashboard.bench.arm64", "arm64-root-and-wheelhouse")
 
 
-BUILD_MODULES = (b"inference.benchmarks.llama_server", b"inference.benchmarks.llama_kernels", b"inference.benchmarks.arm64")
+BUILD_MODULES = (b"dashboard.bench.llama_server", b"dashboard.bench.llama_kernels", b"dashboard.bench.arm64")
 
 
 def _background_build(session, module: str, what: str) -> None:
@@ -307,7 +307,7 @@ def avx512_libs():
     for a board process): built once per machine (the run started it in the background where it
     was missing, ``pytest_collection_finish``; this waits for it). Skipped, saying why, on a CPU
     without AVX-512 or a machine without compiler."""
-    from inference.benchmarks import llama_kernels
+    from dashboard.bench import llama_kernels
 
     why = llama_kernels.unavailable("avx512")
     if why:
@@ -375,8 +375,8 @@ def control_plane_password(home: Path) -> str:
 
 def opened_text(home: Path, stored: str | None) -> str | None:
     """A prompt, answer or schema text as a control plane whose EDGECACHE_HOME is ``home`` reads it from
-    its database (sealed at rest under its master secret, ``cachebox.at_rest``)."""
-    from cachebox.at_rest import open_text
+    its database (sealed at rest under its master secret, ``dashboard.at_rest``)."""
+    from dashboard.at_rest import open_text
 
     if not stored:
         return stored
@@ -409,7 +409,7 @@ def _own_django_cache(settings, monkeypatch):
     """
     from dashboard import ratelimit
 
-    settings.CACHES = {"default": {"BACKEND": "cachebox.django_cache.JSONLocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}}
+    settings.CACHES = {"default": {"BACKEND": "dashboard.django_cache.JSONLocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}}
     monkeypatch.setattr(ratelimit, "_local", ratelimit._LocalCounts())
 
 

@@ -27,7 +27,7 @@ from inference.lab.anchors import (
     split_sequences,
     strategy_label,
 )
-from inference.lab.texts import evaluation_prompts
+from dashboard.lab.texts import evaluation_prompts
 from inference.strategies import parse_strategy
 
 from .conftest import assert_exact_serving_ignores_lab_runs, require
@@ -81,7 +81,7 @@ def test_the_request_accepts_exactly_the_anchor_strategies_the_board_parses():
 
 
 def test_the_bench_writes_anchor_entries_outside_the_exact_entry_key_space():
-    from inference.benchmarks.anchors import lab_entry_names
+    from dashboard.bench.anchors import lab_entry_names
 
     for name in lab_entry_names(3):
         with pytest.raises(ValueError):
@@ -215,7 +215,7 @@ def test_the_tuned_strategy_without_a_tuned_model_says_how_to_make_one(engine, t
 def test_the_bench_measures_every_variant_and_leaves_no_entry_behind(engine, valkey_url):
     from cachebox.link import LINK_PRESETS
     from cachebox.store import CacheBox
-    from inference.benchmarks.anchors import LAB_KEY_SPACE, run_anchors
+    from dashboard.bench.anchors import LAB_KEY_SPACE, run_anchors
 
     store = CacheBox(valkey_url)
     shaped = CacheBox(valkey_url, link=LINK_PRESETS["fast-ethernet"])
@@ -275,7 +275,7 @@ def _tiny_gguf(source, target, seed: int = 0):
 def test_a_few_anchor_tuning_steps_export_to_a_gguf_llama_cpp_serves(tmp_path):
     torch = require("torch", "the lab extra installs torch")
     from inference.engine import Engine, EngineConfig
-    from inference.lab.anchor_tune import LoRA, distillation_loss, export_tuned, loss_positions
+    from dashboard.lab.anchor_tune import LoRA, distillation_loss, export_tuned, loss_positions
     from inference.lab.reference import ReferenceModel
     from inference.model_file import ModelFile, _cached_sha256
 

@@ -317,7 +317,7 @@ def test_second_turn_of_a_chat_reuses_the_first_turn_and_its_answer(stack):
 
 def test_schema_prompt_through_the_api(stack):
     travel = (ROOT / "examples" / "travel.pml").read_text()
-    stack.shell(f"from inference.models import Schema; s = Schema(source={travel!r}); s.full_clean(); s.save(); print(s.name)")
+    stack.shell(f"from dashboard.models import Schema; s = Schema(source={travel!r}); s.full_clean(); s.save(); print(s.name)")
     pml = '<prompt schema="travel"><trip-plan duration="3 days"/><miami/><user>Where to surf?</user></prompt>'
     response = stack.client().chat.completions.create(model=stack.model, messages=[], max_tokens=4, temperature=0, extra_body={"edgecache": {"schema": "travel", "pml": pml}})
     assert response.choices[0].message.content.strip() and response.usage.prompt_tokens > 10
@@ -573,4 +573,4 @@ def test_no_module_outside_cachebox_imports_redis():
         for path in (ROOT / package).rglob("*.py")
         if {"benchmarks", "bench"}.isdisjoint(path.parts) and pattern.search(path.read_text(encoding="utf-8"))
     ]  # benchmarks' drivers (the fleet simulation's boards) speak raw Redis on purpose
-    assert offenders == [], "only cachebox may import redis (cachebox.store, cachebox.streams, cachebox.broker)"
+    assert offenders == [], "only cachebox may import redis (cachebox.store, dashboard.streams, cachebox.broker)"

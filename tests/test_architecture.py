@@ -64,7 +64,7 @@ def tree_copy(tmp_path_factory) -> Path:
         ("cachebox", "import dashboard", "cachebox imports neither dashboard nor inference"),
         ("cachebox", "from inference import devices", "cachebox imports neither dashboard nor inference"),
         ("inference", "import dashboard.models", "inference does not import dashboard"),
-        ("inference", "from inference.benchmarks import common", "only the control plane (its bench command) imports inference.benchmarks"),
+        ("dashboard", "from dashboard.bench import common", "only the operator's tools import benchmarks, lab fitting and host harnesses"),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(tree_copy, package, line, contract):

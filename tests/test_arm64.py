@@ -2,7 +2,7 @@
 root that has no compiler, run under qemu-user as a Cortex-A53 (a Pi Zero 2W's CPU), enrolled with
 the control plane on this host, answering a run through the official ``openai`` client.
 
-The root and the wheelhouse are made once per machine (``inference.benchmarks.arm64``), in the
+The root and the wheelhouse are made once per machine (``dashboard.bench.arm64``), in the
 background at idle priority from the start of the test run (``tests/conftest.py``); this test waits
 for them. Timings under emulation say nothing about a real Pi; what is checked is that it installs
 without compiling, enrolls, answers, and reports its kernel class.
@@ -31,7 +31,7 @@ openai = require("openai", "the test extra installs openai (make install)")
 
 @pytest.fixture(scope="module")
 def arm64_parts():
-    from inference.benchmarks import arm64
+    from dashboard.bench import arm64
 
     why = arm64.unavailable()
     if why:
@@ -42,7 +42,7 @@ def arm64_parts():
 @pytest.fixture(scope="module")
 def board_in_root(arm64_parts):
     """The board installed from the wheelhouse into a fresh venv inside the root (removed after)."""
-    from inference.benchmarks import arm64
+    from dashboard.bench import arm64
 
     root, wheelhouse = arm64_parts
     place = f"/opt/edgecache-test-{uuid.uuid4().hex[:8]}"
@@ -76,7 +76,7 @@ print(token)
 
 
 def test_an_arm64_board_installs_from_the_wheelhouse_without_a_compiler_enrolls_and_answers(board_in_root, tmp_path_factory):
-    from inference.benchmarks import arm64
+    from dashboard.bench import arm64
 
     home = tmp_path_factory.mktemp("arm64-stack")
     port = free_port()

@@ -136,7 +136,7 @@ def test_no_module_of_ours_imports_pickle():
 def test_an_unreachable_cache_still_limits_in_this_process(settings, caplog):
     from dashboard import ratelimit
 
-    settings.CACHES = {"default": {"BACKEND": "cachebox.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
+    settings.CACHES = {"default": {"BACKEND": "dashboard.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
     caches._settings = None  # noqa: SLF001
     who = uuid.uuid4().hex
     verdicts = [ratelimit.hit("api", who, 5) for _ in range(8)]
@@ -255,7 +255,7 @@ def test_a_namespaces_schema_is_neither_seen_nor_run_by_another_tenant(client, d
 
     from dashboard.forms import RunForm
     from dashboard.models import Device, Membership, Namespace
-    from inference.models import Schema
+    from dashboard.models import Schema
 
     for name in ("acme", "globex"):
         Namespace.objects.create(name=name)
@@ -279,7 +279,7 @@ def test_a_namespaces_schema_is_neither_seen_nor_run_by_another_tenant(client, d
 def test_an_api_key_runs_only_its_namespaces_and_shared_schemas(client):
     from dashboard.actions.api_keys import create_key
     from dashboard.models import Namespace
-    from inference.models import Schema
+    from dashboard.models import Schema
 
     for name in ("acme", "globex"):
         Namespace.objects.create(name=name)
@@ -409,7 +409,7 @@ def test_a_forged_ring_or_revocation_in_the_registry_changes_nothing_on_the_boar
 def test_the_api_follows_only_events_the_dispatched_board_signed(settings, valkey_url):
     """A run's channel carries an attacker's unsigned event and one signed by another board; the API's
     reader takes only the dispatched board's (and the control plane's)."""
-    from cachebox import streams
+    from dashboard import streams
     from cachebox.keys import stream_channel
     from cachebox.signing import derive_keyring
     from dashboard.api.views import _Follower
@@ -496,7 +496,7 @@ def test_a_copy_of_the_database_shows_no_prompt_answer_or_schema_text(monkeypatc
     from dashboard import actions
     from dashboard.forms import RunFilterForm
     from dashboard.models import Dispatch, InferenceRun, SavedPrompt
-    from inference.models import Schema
+    from dashboard.models import Schema
 
     monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
     monkeypatch.setattr("dashboard.actions.identities.apply_identity", lambda device, **kw: True)

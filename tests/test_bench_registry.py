@@ -10,9 +10,9 @@ import pytest
 
 from dashboard import bench as registry
 from dashboard.bench import documents, runner
-from inference.benchmarks.base import Benchmark, BenchError
-from inference.benchmarks.common import percentile
-from inference.benchmarks.html_report import write_report
+from dashboard.bench.base import Benchmark, BenchError
+from dashboard.bench.common import percentile
+from dashboard.bench.html_report import write_report
 
 
 def test_every_registered_module_declares_the_benchmark_it_is_registered_as():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from inference import bindings
-from inference.benchmarks import llama_server
+from dashboard.bench import llama_server
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -106,7 +106,7 @@ def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
     expect(answer).to_contain_text(re.compile(r"partial: \d+/\d+ prompt tokens"))
 
     # Evict an entry in the admin, with confirmation.
-    page.goto(base + "/admin/cachebox/cacheentry/")
+    page.goto(base + "/admin/dashboard/cacheentry/")
     rows = page.locator("#result_list tbody tr")
     before = rows.count()
     assert before >= 1
@@ -153,7 +153,7 @@ def test_a_board_registered_in_a_second_tenant_caches_there_only(stack, browser)
     expect_board_online(page, stack, "b-board", board)
     expect(page.locator("body")).to_contain_text("tenant-b")
 
-    counts = "from cachebox.models import CacheEntry; print(CacheEntry.objects.filter(namespace='default').count(), CacheEntry.objects.filter(namespace='tenant-b').count())"
+    counts = "from dashboard.models import CacheEntry; print(CacheEntry.objects.filter(namespace='default').count(), CacheEntry.objects.filter(namespace='tenant-b').count())"
     default_before, _ = map(int, manage(stack, "shell", "-c", counts).split()[-2:])
     pk = manage(stack, "shell", "-c", "from dashboard.models import Device; print(Device.objects.get(name='b-board').pk)").split()[-1]
     page.goto(base + "/run/")

@@ -313,7 +313,7 @@ def test_cache_entries_say_what_they_hold(stack, admin, board):
     expect(holds.first).to_be_visible()
     expect(page.locator("#cache-entries td.size").first).to_have_text(re.compile(r"^\d+\.\d (kB|MB|GB)$"))
 
-    page.goto(stack["url"] + "/admin/cachebox/cacheentry/")
+    page.goto(stack["url"] + "/admin/dashboard/cacheentry/")
     expect(page.locator("#result_list")).to_contain_text("Lighthouse keepers")
     page.locator("#result_list tbody tr", has_text="Lighthouse keepers").first.locator("input.action-select").check()
     page.select_option("select[name=action]", "unpin")

@@ -399,7 +399,7 @@ def test_pages_fit_a_phone_screen(stack, browser, admin, devices):
     from playwright.sync_api import expect
 
     base = stack["url"]
-    schema_id = shell(stack, "from inference.models import Schema; print(Schema.objects.get(name='travel').pk)").strip()
+    schema_id = shell(stack, "from dashboard.models import Schema; print(Schema.objects.get(name='travel').pk)").strip()
     run_id = shell(stack, "from dashboard.models import InferenceRun; print(getattr(InferenceRun.objects.order_by('-pk').first(), 'pk', ''))").strip()
     phone = browser.new_context(storage_state=admin.storage_state(), viewport={"width": 390, "height": 844})
     page = phone.new_page()

@@ -11,7 +11,8 @@ import uuid
 import pytest
 import redis
 
-from cachebox import embedded, streams, sync
+from cachebox import embedded, sync
+from dashboard import streams
 from cachebox.cluster import ClusterAddress, parse_cluster_url
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.keys import cancel_key_name, catalog_key_names, entry_key_name, prefix_keys, range_boundaries, stream_channel

@@ -19,7 +19,7 @@ import redis
 from redis.exceptions import NoPermissionError
 
 from dashboard.inbox import BOARD, ENROLLING, Accepted, ControlInbox, accept
-from inference.benchmarks.sim_board import task_message
+from dashboard.bench.sim_board import task_message
 from inference.envelope import Kind
 from inference.messages import MAX_INBOX_MESSAGE_BYTES, Task
 

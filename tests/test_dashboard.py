@@ -22,7 +22,7 @@ from django.urls import reverse
 from cachebox.entry import EntryHeader, encode_entry
 from cachebox.signing import derive_keyring, shared_producer_ring
 from cachebox.keys import entry_key_name
-from cachebox.models import CacheEntry
+from dashboard.models import CacheEntry
 from cachebox.store import CacheBox
 from dashboard import actions, admission, tasks
 from dashboard.celery import app as celery_app
@@ -449,7 +449,7 @@ def store_entry(store, namespace, start=0, end=64, device="zero"):
 
 def test_reconcile_rebuilds_the_mirror_and_the_master_catalog(control_plane, namespace):
     from cachebox.catalog import Catalog
-    from cachebox.mirror import reconcile
+    from dashboard.mirror import reconcile
 
     names = [store_entry(control_plane, namespace, 64 * i, 64 * (i + 1)) for i in range(3)]
     CacheEntry.objects.create(key=entry_key_name(namespace, "00ff00ff00ff00ff", b"\0" * 16), model="00ff00ff00ff00ff", namespace=namespace, start=0, end=1, bytes=1)
@@ -464,14 +464,14 @@ def test_reconcile_rebuilds_the_mirror_and_the_master_catalog(control_plane, nam
 
 
 def test_admin_evict_asks_then_removes_from_store_and_mirror(staff_client, control_plane, namespace):
-    from cachebox.mirror import reconcile
+    from dashboard.mirror import reconcile
 
     names = [store_entry(control_plane, namespace, 0, 64)[0], store_entry(control_plane, namespace, 64, 128)[0]]
     reconcile(control_plane)
     staff_client.user.is_superuser = True
     staff_client.user.save()
     target = CacheEntry.objects.get(key=names[0])
-    url = reverse("admin:cachebox_cacheentry_changelist")
+    url = reverse("admin:dashboard_cacheentry_changelist")
     page = staff_client.post(url, {"action": "evict", "_selected_action": [target.pk]})
     assert page.status_code == 200 and "Evict 1 cache entries?" in page.content.decode()
     assert control_plane.redis.exists(names[0])
@@ -483,14 +483,14 @@ def test_admin_evict_asks_then_removes_from_store_and_mirror(staff_client, contr
 
 
 def test_admin_pin_and_unpin_change_the_entrys_ttl(staff_client, control_plane, namespace):
-    from cachebox.mirror import reconcile
+    from dashboard.mirror import reconcile
 
     name = store_entry(control_plane, namespace)[0]
     reconcile(control_plane)
     staff_client.user.is_superuser = True
     staff_client.user.save()
     entry = CacheEntry.objects.get(key=name)
-    url = reverse("admin:cachebox_cacheentry_changelist")
+    url = reverse("admin:dashboard_cacheentry_changelist")
     staff_client.post(url, {"action": "pin", "_selected_action": [entry.pk]})
     assert control_plane.redis.ttl(name) == -1 and CacheEntry.objects.get(key=name).pinned
     staff_client.post(url, {"action": "unpin", "_selected_action": [entry.pk], "confirmed": "yes"})
@@ -498,7 +498,7 @@ def test_admin_pin_and_unpin_change_the_entrys_ttl(staff_client, control_plane, 
 
 
 def test_flush_needs_confirmation_and_a_scope(staff_client, control_plane, namespace):
-    from cachebox.mirror import reconcile
+    from dashboard.mirror import reconcile
 
     name = store_entry(control_plane, namespace)[0]
     reconcile(control_plane)
@@ -522,7 +522,7 @@ def test_schema_errors_are_shown_inline_with_their_line(staff_client, control_pl
     assert response.status_code == 200
     errors = " ".join(response.context["form"].errors["source"])
     assert "line 3" in errors and "len=" in errors
-    from inference.models import Schema
+    from dashboard.models import Schema
 
     assert not Schema.objects.exists()
 
@@ -530,7 +530,7 @@ def test_schema_errors_are_shown_inline_with_their_line(staff_client, control_pl
 @pytest.mark.model
 def test_schema_page_lists_modules_with_tokens_and_positions(staff_client, control_plane):
     response = staff_client.post(reverse("schema-new"), {"source": TRAVEL})
-    from inference.models import Schema
+    from dashboard.models import Schema
 
     schema = Schema.objects.get()
     assert response.status_code == 302 and response["Location"] == schema.get_absolute_url()
@@ -545,7 +545,7 @@ def test_schema_page_lists_modules_with_tokens_and_positions(staff_client, contr
 
 
 def test_encoding_is_sent_to_boards_and_its_result_mirrored(staff_client, control_plane, sent_tasks, django_capture_on_commit_callbacks):
-    from inference.models import Schema
+    from dashboard.models import Schema
     from inference.pml import parse_schema
 
     device, token = register()
@@ -569,7 +569,7 @@ def test_encoding_is_sent_to_boards_and_its_result_mirrored(staff_client, contro
 
 
 def test_deleting_a_schema_deletes_its_cache_entries(staff_client, control_plane):
-    from inference.models import Schema
+    from dashboard.models import Schema
     from inference.pml import parse_schema
 
     schema = Schema.objects.create(name="travel", source=TRAVEL, digest=parse_schema(TRAVEL).digest)
@@ -587,7 +587,7 @@ def test_deleting_a_schema_deletes_its_cache_entries(staff_client, control_plane
 
 
 def test_run_page_sends_pml_prompts_with_their_schema(staff_client, control_plane, sent_tasks):
-    from inference.models import Schema
+    from dashboard.models import Schema
     from inference.pml import parse_schema
 
     device, _ = register()

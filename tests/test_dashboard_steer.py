@@ -16,7 +16,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from cachebox.keys import cancel_key_name, stream_channel
-from cachebox.models import CacheEntry
+from dashboard.models import CacheEntry
 from dashboard import actions, chart_series, explain
 from dashboard.models import Device, InferenceRun
 from dashboard.signing import control_plane_public_key, device_ring
@@ -278,7 +278,7 @@ def test_the_cache_page_and_admin_show_what_an_entry_holds(admin_client, control
     page = admin_client.get(reverse("cache")).content.decode()
     assert "The quick brown fox" in page
     assert "800.0 kB" in page  # human-readable sizes
-    admin = admin_client.get(reverse("admin:cachebox_cacheentry_changelist")).content.decode()
+    admin = admin_client.get(reverse("admin:dashboard_cacheentry_changelist")).content.decode()
     assert "The quick brown fox" in admin and "800.0 kB" in admin
 
 
@@ -287,7 +287,7 @@ def test_the_cache_page_and_admin_show_what_an_entry_holds(admin_client, control
 def test_unpin_asks_without_calling_itself_destructive(admin_client, control_plane):
     CacheEntry.objects.create(key="ec:e:default:00ff00ff00ff00ff:{" + "cd" * 16 + "}", model="00ff00ff00ff00ff", namespace="default", start=0, end=128, bytes=2_400_000, pinned=True)
     entry = CacheEntry.objects.get()
-    changelist = reverse("admin:cachebox_cacheentry_changelist")
+    changelist = reverse("admin:dashboard_cacheentry_changelist")
     unpin = admin_client.post(changelist, {"action": "unpin", "_selected_action": [entry.pk]}).content.decode()
     assert "Unpinning deletes nothing" in unpin and "cannot be undone" not in unpin and "confirm-destructive" not in unpin
     assert "2.4 MB" in unpin

@@ -20,7 +20,8 @@ from .conftest import assert_exact_serving_ignores_lab_runs, require
 
 torch = require("torch", "the lab extra installs torch")
 
-from inference.lab.early_exit import EarlyExitDecoder, SequenceCache, fit_lens  # noqa: E402  (needs torch)
+from dashboard.lab.fitting import fit_lens  # noqa: E402  (needs torch)
+from inference.lab.early_exit import EarlyExitDecoder, SequenceCache  # noqa: E402
 from inference.lab.reference import Gemma3Config, ReferenceModel  # noqa: E402
 
 N_LAYER = 4
@@ -250,7 +251,7 @@ def test_exit_adapters_fit_save_load_and_refuse_other_models(tiny, tmp_path):
 # -- the real model -----------------------------------------------------------------------------------
 @pytest.mark.model
 def test_on_the_served_model_full_depth_decoding_is_the_reference_engines_and_a_never_exit_policy_changes_nothing(engine, reference):
-    from inference.lab.texts import evaluation_prompts
+    from dashboard.lab.texts import evaluation_prompts
 
     prompt = engine.tokenize(evaluation_prompts(1, shots=0, topics=["astronomy"])[0].text, add_bos=True)
     decoder = EarlyExitDecoder(reference)
@@ -266,7 +267,7 @@ def test_on_the_served_model_full_depth_decoding_is_the_reference_engines_and_a_
 @pytest.mark.cachebox
 def test_the_board_strategy_is_labelled_and_never_reads_or_writes_the_cache_box(engine, reference, make_board, valkey_url, namespace):
     from inference.lab.early_exit import EarlyExitServing
-    from inference.lab.texts import evaluation_prompts
+    from dashboard.lab.texts import evaluation_prompts
 
     board = make_board(valkey_url, namespace)
     store = board.store
@@ -317,8 +318,8 @@ class _Vocabulary:
 
 
 def test_the_exit_study_document_has_the_curve_the_lab_page_reads(tiny, tmp_path):
-    from inference.benchmarks.early_exit import _configs, exit_report, run_exit_study, summary
-    from inference.lab.texts import evaluation_prompts
+    from dashboard.bench.early_exit import _configs, exit_report, run_exit_study, summary
+    from dashboard.lab.texts import evaluation_prompts
 
     prompts = evaluation_prompts(3, shots=0, topics=["astronomy"])
     configs = _configs({"top-prob": [0.0], "similarity": [1.0]}, (1, 2), lens=False)

@@ -21,7 +21,7 @@ from cachebox.shaping import LinkShaper
 from cachebox.store import CacheBox
 from inference.board import Board
 from inference.config import BoardConfig
-from inference.mmlu import build_prompts
+from dashboard.mmlu import build_prompts
 
 from .test_pipeline import entry_names
 

@@ -338,7 +338,7 @@ def test_a_decision_finds_the_entries_the_mirror_holds_in_memory_and_makes_the_c
     """The routing state follows the entry mirror with the history: a prompt whose first ranges the
     cache box holds is expected from there, and a decision on a followed state asks the database
     nothing about entries."""
-    from cachebox.models import CacheEntry
+    from dashboard.models import CacheEntry
     from dashboard import actions, routing
     from dashboard.models import Device, Namespace
 
@@ -366,7 +366,7 @@ def test_a_decision_finds_the_entries_the_mirror_holds_in_memory_and_makes_the_c
 def test_the_routing_state_follows_entries_added_flushed_and_replaced():
     """New rows are read after the cursor; a flush is seen by the count (compared once a second);
     a newest row replaced by another under the same id (a database restored) reads them all again."""
-    from cachebox.models import CacheEntry
+    from dashboard.models import CacheEntry
     from dashboard.routing import RoutingState
 
     def entry(name):

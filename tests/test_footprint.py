@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from inference.benchmarks.footprint import Step, run_label, summarize_ttft, workload
+from dashboard.bench.footprint import Step, run_label, summarize_ttft, workload
 from inference.memory_plan import (
     MAX_RAM_TIER_BYTES,
     MIN_N_CTX,
@@ -154,7 +154,7 @@ def small_board(tmp_path_factory, request, engine):
 @pytest.mark.model
 @pytest.mark.cachebox
 def test_a_board_registered_with_512_mb_sizes_its_engine_and_answers_as_an_unsized_one(small_board, engine):
-    from inference.mmlu import build_prompts
+    from dashboard.mmlu import build_prompts
 
     board = small_board
     assert board.engine.n_ctx == 1024 and board.engine.config.n_ubatch == 128 and not board.engine.config.repack
@@ -178,7 +178,7 @@ def test_a_small_board_restores_what_a_board_with_a_larger_context_stored_and_an
     """Contexts of 1024 and 2048 tokens give the same state bits: one fingerprint, shared entries."""
     from inference.board import Board
     from inference.config import BoardConfig
-    from inference.mmlu import build_prompts
+    from dashboard.mmlu import build_prompts
 
     assert small_board.engine.fingerprint == engine.fingerprint and small_board.engine.n_ctx != engine.n_ctx
     prompt = build_prompts("astronomy", 5, 3)[2].segments

@@ -18,7 +18,7 @@ import redis
 
 from cachebox import embedded
 from cachebox.keys import device_key_name
-from inference import mmlu
+from dashboard import mmlu
 
 from .hosts import hosted_plane, until
 

@@ -3,7 +3,8 @@
 import pytest
 
 from cachebox.link import LINK_PRESETS, LinkProfile
-from inference.host_plan import BoardHost, Hub, rtt_only, tbf_burst, tbf_rate
+from cachebox.link import rtt_only
+from dashboard.host_plan import BoardHost, Hub, tbf_burst, tbf_rate
 
 HUB = Hub("ect", "10.77.200.0/24")
 

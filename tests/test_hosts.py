@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from inference import mmlu
+from dashboard import mmlu
 
 from .conftest import opened_text
 from .hosts import hosted_plane, until

@@ -2,7 +2,7 @@
 
 The pure part (llama.cpp's system info -> class name, class -> fingerprint) in milliseconds; then the
 real thing: the project's AVX2 build and a second build of the same llama.cpp with AVX-512 kernels
-(``inference.benchmarks.llama_kernels``) answering one prompt through ``manage.py infer`` against one
+(``dashboard.bench.llama_kernels``) answering one prompt through ``manage.py infer`` against one
 cache box.
 """
 
@@ -296,7 +296,7 @@ def test_with_cross_class_sharing_a_board_restores_another_classes_state_and_say
 def test_bench_kernels_compares_a_served_run_with_the_classes_own_cold_run():
     import numpy as np
 
-    from inference.benchmarks.kernels import compare, kl_divergence, lines, summarize
+    from dashboard.bench.kernels import compare, kl_divergence, lines, summarize
 
     cold_logits = np.array([2.0, 1.0, 0.0, -1.0], dtype=np.float32)
     assert kl_divergence(cold_logits, cold_logits) == 0.0 and kl_divergence(cold_logits, cold_logits + 5.0) < 1e-12  # a shift changes nothing

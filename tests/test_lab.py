@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inference import mmlu
+from dashboard import mmlu
 from inference.lab import state_blob
 from inference.lab.kv_prediction import (
     FORMAT,
@@ -19,7 +19,7 @@ from inference.lab.kv_prediction import (
     predictor_path,
     rope_np,
 )
-from inference.lab.texts import CALIBRATION_PER_TOPIC, calibration_questions, evaluation_limit, evaluation_prompts, heldout_questions
+from dashboard.lab.texts import CALIBRATION_PER_TOPIC, calibration_questions, evaluation_limit, evaluation_prompts, heldout_questions
 from inference.strategies import StrategySpec, parse_strategy
 
 K = 6
@@ -181,8 +181,8 @@ def test_reference_cache_and_masks_behave(reference, engine):
 @pytest.fixture(scope="module")
 def kv_strategy(engine, reference, tmp_path_factory):
     """A k=6 predictor fitted on a few calibration documents (quality is bench lab's business)."""
-    from inference.lab.kv_prediction import fit_predictors
-    from inference.lab.texts import calibration_documents
+    from dashboard.lab.fitting import fit_predictors
+    from dashboard.lab.texts import calibration_documents
 
     directory = tmp_path_factory.mktemp("lab")
     documents = calibration_documents(lambda text: engine.tokenize(text, add_bos=True), max_tokens=160, topics=mmlu.topics()[:2])
@@ -255,7 +255,7 @@ def test_the_benchmarks_page_shows_a_lab_report_with_its_trade_off_chart(client,
 
     from django.urls import reverse
 
-    from inference.benchmarks.lab import lab_report
+    from dashboard.bench.lab import lab_report
 
     settings.BASE_DIR = tmp_path
     folder = tmp_path / "bench-results"

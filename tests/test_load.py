@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from inference.benchmarks import reports
-from inference.benchmarks.load import p99_stability, percentile, summarize, time_windows, warmup_seconds
+from dashboard.bench import reports
+from dashboard.bench.load import p99_stability, percentile, summarize, time_windows, warmup_seconds
 
 from .conftest import run_manage
 

@@ -302,7 +302,7 @@ def test_pages_count_the_logins_they_ask_for(client):
 def shared_cache(settings, valkey_url):
     """Django's cache on the session's Valkey, under a prefix of this test's own (removed after)."""
     prefix = f"edgecache-test-{uuid.uuid4().hex[:12]}"
-    settings.CACHES = {"default": {"BACKEND": "cachebox.django_cache.CacheBoxRedisCache", "LOCATION": valkey_url, "KEY_PREFIX": prefix}}
+    settings.CACHES = {"default": {"BACKEND": "dashboard.django_cache.CacheBoxRedisCache", "LOCATION": valkey_url, "KEY_PREFIX": prefix}}
     settings.REDIS_URL = valkey_url
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [valkey_url]}}}
     channel_layers.backends.clear()
@@ -407,7 +407,7 @@ def test_a_zero_rate_turns_the_limit_off(staff_client, settings, sent_tasks):
 
 
 def test_an_unreachable_cache_still_limits_runs_in_this_process(staff_client, settings, sent_tasks):
-    settings.CACHES = {"default": {"BACKEND": "cachebox.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
+    settings.CACHES = {"default": {"BACKEND": "dashboard.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
     settings.EDGECACHE_RUN_RATE = 1
     settings.EDGECACHE_QUEUE_PER_BOARD = 0  # no cache box here: no bounded queue to count in (admission fails closed)
     zero = device("zero")

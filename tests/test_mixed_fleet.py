@@ -1,7 +1,7 @@
 """A mixed fleet through one control plane and one cache box: four boards of three kernel classes.
 
 - ``x86-avx2``: the project's build; ``x86-avx512``: a second build of the same llama.cpp with AVX-512
-  kernels (``inference.benchmarks.llama_kernels``);
+  kernels (``dashboard.bench.llama_kernels``);
 - ``arm-a53``: an emulated Cortex-A53 (a Pi Zero 2W's CPU) in a 512 MB memory cgroup, and ``arm-a76``:
   an emulated Cortex-A76 (a Pi 5's), both installed from one aarch64 wheelhouse with the portable
   ``armv8.0`` kernels: two generations pinned to one kernel class.
@@ -49,7 +49,7 @@ CGROUP = Path("/sys/fs/cgroup/memory")
 
 @pytest.fixture(scope="module")
 def fleet(board_in_root, avx512_libs, tmp_path_factory):
-    from inference.benchmarks import arm64
+    from dashboard.bench import arm64
 
     home = tmp_path_factory.mktemp("mixed-fleet")
     port = free_port()

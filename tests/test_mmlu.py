@@ -2,7 +2,7 @@
 
 import pytest
 
-from inference import mmlu
+from dashboard import mmlu
 
 
 def test_all_57_topics_are_available():

@@ -13,7 +13,7 @@ import pytest
 from celery import Celery
 from django.urls import reverse
 
-from cachebox.mirror import reconcile
+from dashboard.mirror import reconcile
 from dashboard import actions
 from dashboard.models import Device, Dispatch, Membership, Namespace
 
@@ -155,7 +155,7 @@ def test_staff_pages_give_a_member_a_clear_403_and_a_stranger_the_login(client, 
 def test_the_schema_page_shows_the_boards_of_one_namespace_and_says_which(staff_client, control_plane):
     tenant("walk-t2")
     staff_client.post(reverse("schema-new"), {"source": TRAVEL})
-    from inference.models import Schema
+    from dashboard.models import Schema
 
     schema = Schema.objects.get()
     for name, namespace in (("zero", "default"), ("walk-t2b", "walk-t2")):

@@ -10,7 +10,7 @@ from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry
 from cachebox.events import JsonLineFormatter
 from cachebox.keys import entry_key_name, prefix_keys, range_boundaries, tokens_digest
 from cachebox.store import CacheBox
-from inference.mmlu import build_prompts
+from dashboard.mmlu import build_prompts
 from inference.serving import PromptError
 
 from .conftest import run_manage

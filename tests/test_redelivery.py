@@ -116,7 +116,7 @@ class Plane:
             quoted = ", ".join(f'"{column}"' for column in columns)  # "case" is an SQL keyword
             query = f"select {quoted} from dashboard_inferencerun where replace(request_id, '-', '') = ?"
             row = db.execute(query, (request_id.replace("-", ""),)).fetchone()
-        # prompts and answers are sealed at rest (cachebox.at_rest)
+        # prompts and answers are sealed at rest (dashboard.at_rest)
         return tuple(opened_text(self.home, value) if column in ("prompt", "text", "title") else value for column, value in zip(columns, row))
 
     def devices(self) -> int:

@@ -2,9 +2,9 @@
 
 import json
 
-from inference.benchmarks import reports
-from inference.benchmarks.catalog import false_positive_rates
-from inference.benchmarks.modules import choices_for, plain_text, prompt_for, schema_for, wilson
+from dashboard.bench import reports
+from dashboard.bench.catalog import false_positive_rates
+from dashboard.bench.modules import choices_for, plain_text, prompt_for, schema_for, wilson
 from inference.pml import parse_prompt, parse_schema
 
 MACHINE = {"cpu": "test cpu", "link": "unshaped"}
@@ -54,7 +54,7 @@ def test_mmlu_schemas_and_prompts_of_bench_modules_parse():
     source = schema_for("astronomy", 3, scaffold=True)
     schema = parse_schema(source)
     assert [s.name for s in schema.scaffolds] == ["examples-a"] and len(schema.modules) == 6
-    from inference import mmlu
+    from dashboard import mmlu
 
     target = mmlu.load_questions()["astronomy"][10]
     for index in range(4):

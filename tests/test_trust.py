@@ -19,7 +19,7 @@ from cachebox import acl, embedded
 from cachebox.catalog import DEFAULT_CAPACITY, DEFAULT_FP_RATE, Catalog, expected_filter_bytes, max_snapshot_bytes
 from cachebox.errors import CatalogFormatError
 from cachebox.keys import catalog_key_names, enrollment_refusal_key_name
-from cachebox.models import CacheEntry
+from dashboard.models import CacheEntry
 from cachebox.signing import private_namespace, unseal
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogReplica
@@ -370,7 +370,7 @@ def test_an_entry_over_one_boards_limit_is_skipped_there_not_evicted_for_everyon
 def test_a_schema_whose_layout_cannot_fit_the_context_is_refused_with_the_numbers(settings):
     from django.core.exceptions import ValidationError
 
-    from inference.models import Schema
+    from dashboard.models import Schema
 
     settings.EDGECACHE_N_CTX = 2048
     modules = "".join(f'<module name="m{i}">{"Tide and wind and salt. " * 60}</module>' for i in range(12))

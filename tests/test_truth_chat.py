@@ -14,11 +14,11 @@ import uuid
 import pytest
 from django.urls import reverse
 
-from cachebox.models import CacheEntry
+from dashboard.models import CacheEntry
 from dashboard import actions
 from dashboard.api.requests import parse_request
 from dashboard.models import Device, Dispatch, InferenceRun, Namespace
-from inference import mmlu
+from dashboard import mmlu
 from inference.messages import CANCELLED
 
 from .test_dashboard import control_plane, enrolled, plain_client, register, result_payload, sent_tasks, staff_client  # noqa: F401  (fixtures)

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from inference.benchmarks import llama_server
-from inference.benchmarks import side_by_side as sbs
-from inference.benchmarks import vs_server
+from dashboard.bench import llama_server
+from dashboard.bench import side_by_side as sbs
+from dashboard.bench import vs_server
 from inference.memory_plan import budget_mb
 
 from .conftest import ROOT
@@ -167,7 +167,7 @@ def test_a_board_is_registered_so_that_its_budget_is_llama_servers_idle_rss_plus
 
 
 def test_where_boards_cannot_be_hosts_the_fleet_is_paced_in_process_and_the_bench_says_why(monkeypatch):
-    from inference import hosts
+    from dashboard import hosts
 
     monkeypatch.setattr(hosts, "unavailable_reason", lambda: "boards as hosts need root")
     said = []
@@ -348,7 +348,7 @@ def test_the_balancer_streams_each_request_from_the_server_its_policy_picks():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from inference.benchmarks.vs_server import Balancer
+    from dashboard.bench.vs_server import Balancer
 
     def upstream(number):
         class Handler(BaseHTTPRequestHandler):
@@ -396,7 +396,7 @@ def test_the_balancer_streams_each_request_from_the_server_its_policy_picks():
 def test_every_fleet_workload_names_a_link_the_boards_know():
     """fleet-loopback asked LINK_PRESETS for 'loopback', which it has not: the whole bench stopped."""
     from cachebox.link import LINK_PRESETS
-    from inference.benchmarks import vs_server
+    from dashboard.bench import vs_server
 
     fleets = [name for name in vs_server.WORKLOADS if name.startswith("fleet-")]
     assert sorted(vs_server.FLEET_LINKS) == sorted(fleets)

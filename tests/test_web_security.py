@@ -402,7 +402,7 @@ def test_a_broker_failing_midway_says_which_devices_got_the_run(control_plane, s
 @pytest.mark.cachebox
 @pytest.mark.django_db
 def test_encoding_while_the_broker_is_down_answers_503(control_plane, staff_client, dead_broker):
-    from inference.models import Schema
+    from dashboard.models import Schema
     from inference.pml import parse_schema
 
     zero = device("zero")

@@ -9,7 +9,7 @@ from cachebox import embedded, quota
 from cachebox.catalog import expected_filter_bytes
 from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
-from cachebox.models import CacheEntry
+from dashboard.models import CacheEntry
 from cachebox.store import CacheBox
 from inference.messages import StoredEntry
 

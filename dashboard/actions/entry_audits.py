@@ -24,7 +24,7 @@ from django.utils import timezone
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
-from cachebox.models import CacheEntry
+from dashboard.models import CacheEntry
 from inference.messages import AuditReport, AuditRequest, RunReport, RunRequest, Task
 
 from ..live import broadcast

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from cachebox import mirror
+from dashboard import mirror
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import heard_key_name

@@ -7,10 +7,10 @@ import uuid
 from django.conf import settings
 from django.db import transaction
 
-from cachebox import mirror
-from cachebox.models import CacheEntry
+from dashboard import mirror
+from dashboard.models import CacheEntry
 from inference.messages import EncodeProgress, EncodeReport, EncodeRequest, Task
-from inference.models import Schema
+from dashboard.models import Schema
 
 from ..live import broadcast
 from ..models import Device, Dispatch

@@ -18,7 +18,7 @@ import time
 
 from django.core.cache import cache
 
-from cachebox.django_cache import CACHE_SERVER_ERRORS
+from dashboard.django_cache import CACHE_SERVER_ERRORS
 
 from ..models import ApiKey, Device
 from inference.messages import RunRequest

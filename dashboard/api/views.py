@@ -34,12 +34,12 @@ from django.views.decorators.csrf import csrf_exempt
 from kombu.exceptions import OperationalError as BrokerUnavailable
 from pydantic import ValidationError
 
-from cachebox import streams
+from dashboard import streams
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
 from inference.messages import ChatMessage, RunMeta, RunRequest, SamplingSpec, StreamEvent
-from inference.models import Schema
+from dashboard.models import Schema
 from inference.strategies import parse_strategy
 
 from .. import admission, metrics, ratelimit

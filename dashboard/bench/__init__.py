@@ -2,7 +2,7 @@
 
 Adding a benchmark is one module and one line here. The module ends with
 ``BENCH = Benchmark(...)`` (its name, document format, help, arguments, run, printed lines and
-HTML report: ``inference/benchmarks/base.py`` shows the shape); the line below maps the
+HTML report: ``dashboard/bench/base.py`` shows the shape); the line below maps the
 subcommand to the module. Everything else is shared: ``runner`` parses, runs, stamps, prints
 and saves every benchmark the same way; ``documents`` reads saved results back for the pages.
 
@@ -13,30 +13,30 @@ from __future__ import annotations
 
 import importlib
 
-from inference.benchmarks.base import Benchmark
+from dashboard.bench.base import Benchmark
 
 # subcommand -> the module whose BENCH it runs (the order of `bench --help`)
 BENCHMARKS = {
-    "cases": "inference.benchmarks.cases",
-    "modules": "inference.benchmarks.modules",
-    "breakeven": "inference.benchmarks.breakeven",
-    "kv": "inference.benchmarks.kv",
-    "peers": "inference.benchmarks.peers",
-    "catalog": "inference.benchmarks.catalog",
-    "scale": "inference.benchmarks.scale",
-    "load": "inference.benchmarks.load",
-    "exact": "inference.benchmarks.exact",
-    "tiers": "inference.benchmarks.tiers",
-    "api": "dashboard.api.bench",
-    "fleet": "inference.benchmarks.fleet",
-    "lab": "inference.benchmarks.lab",
-    "lab-exit": "inference.benchmarks.early_exit",
-    "lab-anchors": "inference.benchmarks.anchors",
-    "footprint": "inference.benchmarks.footprint",
-    "seal": "inference.benchmarks.seal",
+    "cases": "dashboard.bench.cases",
+    "modules": "dashboard.bench.modules",
+    "breakeven": "dashboard.bench.breakeven",
+    "kv": "dashboard.bench.kv",
+    "peers": "dashboard.bench.peers",
+    "catalog": "dashboard.bench.catalog",
+    "scale": "dashboard.bench.scale",
+    "load": "dashboard.bench.load",
+    "exact": "dashboard.bench.exact",
+    "tiers": "dashboard.bench.tiers",
+    "api": "dashboard.bench.api",
+    "fleet": "dashboard.bench.fleet",
+    "lab": "dashboard.bench.lab",
+    "lab-exit": "dashboard.bench.early_exit",
+    "lab-anchors": "dashboard.bench.anchors",
+    "footprint": "dashboard.bench.footprint",
+    "seal": "dashboard.bench.seal",
     "fleet-sim": "dashboard.bench.fleet_sim",
-    "vs-server": "inference.benchmarks.vs_server",
-    "kernels": "inference.benchmarks.kernels",
+    "vs-server": "dashboard.bench.vs_server",
+    "kernels": "dashboard.bench.kernels",
 }
 
 

@@ -3,7 +3,7 @@
 The command starts a whole stack of its own in a temporary home (``manage.py run --no-boards``:
 the embedded Valkey as broker and cache box, the control-plane worker, the ASGI server; with
 ``--cluster`` a 3-node Valkey Cluster holds the entries), then a driver process with that stack's
-settings which registers N devices, starts the simulated boards (``inference.benchmarks.sim_board``: a few
+settings which registers N devices, starts the simulated boards (``dashboard.bench.sim_board``: a few
 processes of asyncio boards, each enrolling its own keys and speaking the signed contract),
 sends API requests at a set rate to "any board" and measures, as medians and p99:
 
@@ -35,8 +35,8 @@ import threading
 import time
 from pathlib import Path
 
-from inference.benchmarks.base import Benchmark, BenchError
-from inference.benchmarks.common import percentile
+from dashboard.bench.base import Benchmark, BenchError
+from dashboard.bench.common import percentile
 
 FORMAT = 1
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ SYSTEM_PROMPTS = 40  # distinct shared system prompts the load generator draws f
 
 # -- the summary maths (pure) ---------------------------------------------------------------------
 def p50_p99(values) -> dict:
-    """Median and 99th percentile (``inference.benchmarks.common.percentile``), and the count."""
+    """Median and 99th percentile (``dashboard.bench.common.percentile``), and the count."""
     values = [value for value in values if value is not None]
     return {"p50": _round(percentile(values, 50)), "p99": _round(percentile(values, 99)), "n": len(values)}
 
@@ -227,7 +227,7 @@ def lines(doc: dict) -> list[str]:
 def report(path, doc: dict):
     import plotly.graph_objects as go
 
-    from inference.benchmarks.html_report import write_report
+    from dashboard.bench.html_report import write_report
 
     lag = go.Figure()
     points = doc.get("heartbeat_lag_series") or []
@@ -347,7 +347,7 @@ def _valkey_counters(urls: list[str]) -> dict:
 
 
 def _chat(url: str, key: str, model: str, system: str, question: str) -> dict:
-    from dashboard.api.bench import stream_chat
+    from dashboard.bench.api import stream_chat
 
     body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], "max_tokens": 4, "stream": True}
     answer = stream_chat(url, key, body, timeout=120)
@@ -417,7 +417,7 @@ def drive(options: dict) -> dict:
 
     from dashboard import db_writes
     from dashboard.models import Device, Dispatch, InferenceRun
-    from inference.benchmarks.sim_board import SIM_MODEL
+    from dashboard.bench.sim_board import SIM_MODEL
 
     home = Path(options["home"])
     print(f"fleet-sim: registering {options['boards']} devices", flush=True)
@@ -444,7 +444,7 @@ def drive(options: dict) -> dict:
         # control plane's latency (CPU seconds are counted per process either way).
         from ..management.commands.run import board_command
 
-        argv = board_command([sys.executable, "-m", "inference.benchmarks.sim_board", str(path)])
+        argv = board_command([sys.executable, "-m", "dashboard.bench.sim_board", str(path)])
         sims.append(subprocess.Popen(argv, cwd=ROOT, stdout=open(home / f"sim-{index}.log", "wb"), stderr=subprocess.STDOUT))
     try:
         deadline = time.monotonic() + 1800

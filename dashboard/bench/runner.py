@@ -9,8 +9,8 @@ from typing import Callable
 
 from django.conf import settings
 
-from inference.benchmarks.base import CACHEBOX_DOWN, Benchmark, BenchError
-from inference.benchmarks.common import host_info, save_json
+from dashboard.bench.base import CACHEBOX_DOWN, Benchmark, BenchError
+from dashboard.bench.common import host_info, save_json
 
 RESULTS_DIR = "bench-results"  # under BASE_DIR: the Benchmarks and Lab pages read it
 
@@ -22,7 +22,7 @@ def add_arguments(bench: Benchmark, parser) -> None:
 
 
 class CommandContext:
-    """What a benchmark's ``run`` may use (``inference.benchmarks.base.BenchContext``), from this checkout's settings."""
+    """What a benchmark's ``run`` may use (``dashboard.bench.base.BenchContext``), from this checkout's settings."""
 
     def __init__(self, write: Callable[[str], None]):
         self.write = write

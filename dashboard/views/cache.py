@@ -13,7 +13,7 @@ from django.views.decorators.http import require_POST
 from cachebox.catalog import DEFAULT_CAPACITY, DEFAULT_FP_RATE, Catalog, max_snapshot_bytes
 from cachebox.errors import CacheBoxUnavailable, CatalogFormatError, InvalidNamespace
 from cachebox.keys import catalog_key_names
-from cachebox.models import CacheEntry
+from dashboard.models import CacheEntry
 
 from .. import actions
 from ..entry_preview import previews

@@ -8,7 +8,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from cachebox.errors import CacheBoxError
-from inference.models import Schema
+from dashboard.models import Schema
 from inference.pml import PMLError
 
 from .. import actions

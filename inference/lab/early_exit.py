@@ -169,39 +169,6 @@ def lens_path(directory: str | Path, fingerprint: str) -> Path:
     return Path(directory) / f"exit-lens-{fingerprint[:16]}.npz"
 
 
-def fit_lens(reference, documents: Sequence[Sequence[int]], depths: Sequence[int], fingerprint: str, *, ridge: float = 1e-2, source: str = "", progress=None) -> ExitLens:
-    """Closed-form ridge regression, per depth, of (last residual - residual at depth) on
-    [residual at depth, 1], over every position of ``documents`` (each run from position 0).
-    ``ridge`` is relative to the mean feature energy; the bias is not shrunk."""
-    _need_torch()
-    c = reference.config
-    if not depths or any(not 1 <= d < c.n_layer for d in depths):
-        raise ValueError(f"exit depths must be between 1 and {c.n_layer - 1}, got {list(depths)}")
-    size = c.n_embd + 1
-    xtx = {d: torch.zeros(size, size, dtype=torch.float64) for d in depths}
-    xty = {d: torch.zeros(size, c.n_embd, dtype=torch.float64) for d in depths}
-    total = 0
-    for tokens in documents:
-        hidden = reference.forward(list(tokens), logits_at=[], trace=True).trace.hidden
-        last = hidden[c.n_layer].double()
-        ones = torch.ones(len(tokens), 1, dtype=torch.float64)
-        for d in depths:
-            x = torch.cat([hidden[d].double(), ones], dim=1)
-            xtx[d] += x.T @ x
-            xty[d] += x.T @ (last - hidden[d].double())
-        total += len(tokens)
-        if progress is not None:
-            progress(1)
-    if total == 0:
-        raise ValueError("no calibration tokens")
-    weights = {}
-    for d in depths:
-        regularizer = ridge * torch.trace(xtx[d]) / size * torch.eye(size, dtype=torch.float64)
-        regularizer[-1, -1] = 0.0
-        weights[d] = torch.linalg.solve(xtx[d] + regularizer, xty[d]).float().numpy()
-    return ExitLens(fingerprint, weights, {"source": source, "documents": len(documents), "tokens": total, "ridge": ridge, "method": "ridge regression (closed form) to the last layer's residual stream"})
-
-
 class SequenceCache:
     """One sequence's keys (norm and RoPE applied, float16-rounded) and values per layer, each
     layer with the positions it holds and which of them a KV fill wrote (approximate cells).
@@ -476,7 +443,7 @@ class EarlyExitServing:
         from .kv_prediction import lab_dir
 
         try:
-            from .reference import ReferenceModel
+            from inference.lab.reference import ReferenceModel
         except ImportError as exc:  # a board without the lab extra: the run says so, the board goes on
             raise StrategyUnavailable(str(exc)) from None
         model = engine.model_file

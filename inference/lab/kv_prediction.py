@@ -26,7 +26,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -181,82 +181,6 @@ def lab_dir() -> Path:
 
 def predictor_path(directory: str | Path, fingerprint: str, k: int) -> Path:
     return Path(directory) / f"kvp-{fingerprint[:16]}-k{k}.npz"
-
-
-# -- fitting (needs the reference engine) --------------------------------------------------------
-def fit_predictors(
-    reference,
-    documents: Sequence[Sequence[int]],
-    ks: Sequence[int],
-    fingerprint: str,
-    *,
-    ridge: float = 1e-3,
-    source: str = "",
-    progress: Callable[[int], None] | None = None,
-) -> dict[int, Predictor]:
-    """Closed-form ridge regression, for each k in ``ks``, of every layer >= k's K (before its
-    norm) and V on the auxiliary's last-layer features, over every position of ``documents``
-    (token lists, each run from position 0 by the reference engine; one pass serves every k).
-    ``ridge`` is relative to the mean feature energy (the diagonal of X'X / n)."""
-    import torch
-
-    c = reference.config
-    for k in ks:
-        if not 1 <= k < c.n_layer:
-            raise ValueError(f"k must be between 1 and {c.n_layer - 1}, got {k}")
-    e = c.n_head_kv * c.head_dim
-    n_features = 2 * e + 1
-    xtx = {k: np.zeros((n_features, n_features), np.float64) for k in ks}
-    xty = {k: np.zeros((c.n_layer - k, n_features, 2 * e), np.float64) for k in ks}
-    total = 0
-    for tokens in documents:
-        t = reference.forward(list(tokens), logits_at=[], trace=True).trace
-        n = len(tokens)
-        targets = [torch.cat([t.k_raw[layer].reshape(n, e), t.v[layer].reshape(n, e)], dim=1).numpy().astype(np.float64) for layer in range(c.n_layer)]
-        for k in ks:
-            x = np.concatenate([t.k_normed[k - 1].reshape(n, e).numpy(), t.v[k - 1].reshape(n, e).numpy(), np.ones((n, 1), np.float32)], axis=1).astype(np.float64)
-            xtx[k] += x.T @ x
-            for index, layer in enumerate(range(k, c.n_layer)):
-                xty[k][index] += x.T @ targets[layer]
-        total += n
-        if progress is not None:
-            progress(1)
-    if total == 0:
-        raise ValueError("no calibration tokens")
-    rope_base = np.array([c.rope_base_of(layer) for layer in range(c.n_layer)], np.float64)
-    predictors = {}
-    for k in ks:
-        regularizer = ridge * np.trace(xtx[k]) / n_features * np.eye(n_features)
-        regularizer[-1, -1] = 0.0  # the bias is not shrunk
-        system = xtx[k] + regularizer
-        weights = np.stack([np.linalg.solve(system, xty[k][index]) for index in range(c.n_layer - k)]).astype(np.float32)
-        k_norm = np.stack([reference.w(layer, "attn_k_norm").numpy() for layer in range(k, c.n_layer)]).astype(np.float32)
-        predictors[k] = Predictor(
-            fingerprint, k, c.n_layer, c.n_head_kv, c.head_dim, c.rms_eps, rope_base, weights, k_norm,
-            {"source": source, "documents": len(documents), "tokens": int(total), "ridge": ridge, "method": "ridge regression (closed form)"},
-        )
-    return predictors
-
-
-def ensure_predictors(
-    model: ModelFile, ks: Sequence[int], directory: str | Path, tokenize: Callable[[str], list[int]], *, threads: int = 0, max_documents: int | None = None, progress=None, reference=None
-) -> dict[int, Path]:
-    """The predictor file for each k, fitted (with the reference engine, on the lab's calibration
-    text) for those that do not exist yet. Needs the lab extra when any is missing."""
-    paths = {k: predictor_path(directory, model.sha256, k) for k in ks}
-    missing = [k for k, path in paths.items() if not path.exists()]
-    if missing:
-        from .reference import ReferenceModel
-        from .texts import calibration_documents
-
-        reference = reference or ReferenceModel.load(model.path, threads=threads)
-        documents = calibration_documents(tokenize)
-        if max_documents is not None:
-            documents = documents[:max_documents]
-        fitted = fit_predictors(reference, documents, missing, model.sha256, source="MMLU calibration questions (inference.lab.texts)", progress=progress)
-        for k, predictor in fitted.items():
-            predictor.save(paths[k])
-    return paths
 
 
 # -- serving ------------------------------------------------------------------------------------

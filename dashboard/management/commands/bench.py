@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from inference import mmlu
-from inference.benchmarks.base import BenchError
+from dashboard import mmlu
+from dashboard.bench.base import BenchError
 
 from dashboard import bench as registry
 from dashboard.bench import runner

@@ -1,0 +1,193 @@
+"""Other builds of the llama.cpp we pin, with other CPU kernels: a second kernel class on one machine.
+
+A bench and test helper, never a product dependency. Two builds of the same llama.cpp compute other
+bits (wider SIMD sums in another order; ggml picks other kernels per instruction set), so a machine
+that can run two builds can stand for a fleet of two kernel classes: ``bench kernels`` and the tests
+of ``inference.kernels`` load one with llama-cpp-python's ``LLAMA_CPP_LIB_PATH``.
+
+The libraries are compiled from the vendored llama.cpp of the pinned llama-cpp-python sdist (the
+very sources of the wheel ``make install`` builds), shared, target ``llama`` only (libllama and
+libggml*; a few minutes on 2 cores), and kept in ``~/.cache/edgecache/kernels/llama-<version>-<variant>/``
+(``EDGECACHE_KERNELS_DIR`` moves it): built once per machine, outside the repository. One build at a
+time per variant: a second caller waits for the first's (a lock beside the folder), so a test run
+can start it in the background at idle priority (``tests/conftest.py``) and the test that needs it
+waits for it. ``python -m dashboard.bench.llama_kernels [VARIANT]`` builds one (or prints where it is).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+VERSION = importlib.metadata.version("llama-cpp-python")
+
+# Variant -> (CMake flags, the CPU flag of /proc/cpuinfo the machine needs to run it).
+VARIANTS = {
+    "avx512": (("-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON"), "avx512f"),
+}
+COMMON_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_COMMON=OFF",
+    # The libraries find each other beside themselves ($ORIGIN), not in the build folder (removed).
+    "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
+    "-DCMAKE_BUILD_RPATH=$ORIGIN",
+)
+
+
+class BuildUnavailable(Exception):
+    """This build cannot be made or run here (no compiler, no CMake, a CPU without its instructions)."""
+
+
+def kernels_dir() -> Path:
+    return Path(os.environ.get("EDGECACHE_KERNELS_DIR") or Path.home() / ".cache" / "edgecache" / "kernels")
+
+
+def library_dir(variant: str = "avx512", version: str = VERSION) -> Path:
+    """The folder to give llama-cpp-python as ``LLAMA_CPP_LIB_PATH`` (libllama.so and libggml* in it)."""
+    return kernels_dir() / f"llama-{version}-{variant}"
+
+
+def built(variant: str = "avx512", version: str = VERSION) -> bool:
+    return (library_dir(variant, version) / "libllama.so").exists()
+
+
+def cpu_runs(variant: str, cpuinfo: str | None = None) -> bool:
+    """Whether this machine's CPU has the instructions ``variant`` is compiled for."""
+    flag = VARIANTS[variant][1]
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    return any(line.startswith("flags") and flag in line.split() for line in cpuinfo.splitlines())
+
+
+def missing_tools() -> list[str]:
+    missing = [tool for tool in ("cmake",) if shutil.which(tool) is None]
+    if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+        missing.append("a C++ compiler (g++ or clang++)")
+    return missing
+
+
+def unavailable(variant: str = "avx512") -> str:
+    """Why ``variant`` cannot be built and run here ('' when it can)."""
+    if variant not in VARIANTS:
+        return f"unknown llama.cpp build variant {variant!r}: choose one of {', '.join(VARIANTS)}"
+    if not cpu_runs(variant):
+        return f"this CPU lacks {VARIANTS[variant][1]}: the {variant} build of llama.cpp cannot run here"
+    if built(variant):
+        return ""
+    missing = missing_tools()
+    return f"cannot build llama.cpp here: this machine has no {', '.join(missing)} (apt-get install cmake g++)" if missing else ""
+
+
+def ensure(variant: str = "avx512", write: Callable[[str], None] = print, *, version: str = VERSION, jobs: int | None = None) -> Path:
+    """The folder of a built ``variant``: cached, else built now, or waited for where another process builds it."""
+    why = unavailable(variant)
+    if why:
+        raise BuildUnavailable(why)
+    target = library_dir(variant, version)
+    if built(variant, version):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            write(f"Waiting for the llama.cpp {version} {variant} build another process started (its lock: {lock.name})...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if built(variant, version):
+            return target
+        return _build(variant, target, version, write, jobs)
+
+
+def _build(variant: str, target: Path, version: str, write: Callable[[str], None], jobs: int | None) -> Path:
+    jobs = jobs or os.cpu_count() or 2
+    with tempfile.TemporaryDirectory(prefix=f"llama-{variant}-build-", dir=target.parent) as work:
+        work = Path(work)
+        write(f"Building llama.cpp {version} ({variant} kernels) from the llama-cpp-python sdist (once per machine, minutes)...")
+        sdist = _download_sdist(version, work)
+        with tarfile.open(sdist) as archive:
+            archive.extractall(work, filter="data")
+        source = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+        if not (source / "CMakeLists.txt").exists():
+            raise BuildUnavailable(f"the llama-cpp-python {version} sdist has no vendor/llama.cpp")
+        build = work / "build"
+        _run(["cmake", "-S", str(source), "-B", str(build), *COMMON_FLAGS, *VARIANTS[variant][0]], "configure", work)
+        _compile(build, jobs, write, work, variant)
+        libraries = sorted((build / "bin").glob("lib*.so*"))
+        if not any(path.name == "libllama.so" for path in libraries):
+            raise BuildUnavailable(f"the build finished without {build / 'bin' / 'libllama.so'}")
+        staging = target.with_name(target.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        for library in libraries:
+            shutil.copy2(library, staging / library.name, follow_symlinks=False)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)  # atomic: a cached build is always a whole one
+    write(f"llama.cpp {version} ({variant}) built: {target}")
+    return target
+
+
+def _download_sdist(version: str, work: Path) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:", "--no-deps", f"llama-cpp-python=={version}", "-d", str(work)]
+    _run(command, "pip download", work)
+    found = sorted(work.glob("llama_cpp_python-*.tar.gz"))
+    if not found:
+        raise BuildUnavailable(f"pip downloaded no llama-cpp-python {version} sdist")
+    return found[0]
+
+
+def _compile(build: Path, jobs: int, write: Callable[[str], None], work: Path, variant: str) -> None:
+    command = ["cmake", "--build", str(build), "--target", "llama", "-j", str(jobs)]
+    log = work / "build.log"
+    shown = -10
+    with open(log, "w") as out, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        for line in process.stdout:
+            out.write(line)
+            if line.startswith("[") and "%]" in line[:7]:
+                percent = int(line[1:4].strip() or 0)
+                if percent >= shown + 10:
+                    shown = percent
+                    write(f"  llama.cpp {variant} build {percent}%")
+        code = process.wait()
+    if code:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise BuildUnavailable(f"building llama.cpp ({variant}) failed (exit {code}):\n{tail}")
+
+
+def _run(command: list[str], what: str, work: Path) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, cwd=work)
+    if done.returncode:
+        raise BuildUnavailable(f"{what} failed (exit {done.returncode}): {(done.stderr or done.stdout)[-1500:]}")
+
+
+if __name__ == "__main__":
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(description="Build llama.cpp's libraries with other CPU kernels (or print where they are).")
+    parser.add_argument("variant", nargs="?", default="avx512", choices=sorted(VARIANTS))
+    parser.add_argument("--jobs", type=int, default=None, help="compile jobs (default: one per CPU)")
+    options = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("llama.cpp build stopped"))  # the build folder is removed on the way out
+    try:
+        path = ensure(options.variant, lambda line: print(line, flush=True), jobs=options.jobs)
+    except BuildUnavailable as exc:
+        sys.exit(str(exc))
+    print(path)
