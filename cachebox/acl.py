@@ -24,7 +24,7 @@ when one selector allows it on all the keys it names, so DEL reaches the board's
 never ``control``. Passwords are set by their SHA-256 (``#...``): the password itself never
 leaves the board. Before it enrolls, a board has a second user, ``edgecache-enroll-NAME``, that
 may only read its record and push its enrollment onto its own enrollment inbox (``ec:enroll:NAME``);
-its password comes from the token (``inference.identity.enrollment_redis_password``).
+its password comes from the token (``inference.board.identity.enrollment_redis_password``).
 
 The rules are pure (``board_rules``, ``enroll_rules``); applying them goes through
 ``CacheBox.set_user`` (every node of a cluster).
@@ -80,7 +80,7 @@ def board_rules(device: str, cache_namespace: str, password_sha256: str) -> list
         *_base(password_sha256),
         # its own queue and its namespace's shared one (one BRPOP names both): take work and put
         # it back, never delete or overwrite a queue; BLMOVE from a queue to itself waits for work
-        # and leaves it in place (inference.edge.serving.work_arrives)
+        # and leaves it in place (inference.board.serve.work_arrives)
         f"(~device.{name} ~boards.{ns} +brpop +blmove +lpush +rpush +llen +exists)",
         # the bookkeeping of the messages it holds, and the lock it restores them under
         f"(~unacked.{name} ~unacked_index.{name} +zadd +zrem +zrange +zrevrangebyscore +zrangebyscore +hset +hget +hdel {_TRANSACTIONS})",

@@ -16,7 +16,7 @@ header JSON | sealed state``.
   it against the producer's key in its namespace's producer table (``signing.ProducerTable``,
   signed by the control plane) and refuses an entry whose producer is unknown, quarantined, or
   whose signature or state digest fails. A board that re-seals another prompt's state under a
-  header must sign it as itself: the audit then names it (``inference.audit``).
+  header must sign it as itself: the audit then names it (``inference.serving.audit``).
 - The **state** is encrypted and authenticated (AES-256-GCM or ChaCha20-Poly1305, a key of its own
   per entry: ``signing.seal_data``) with the header bytes as associated data: it opens only under
   the namespace's key and only behind the header it was written with. A dump of the cache box

@@ -49,7 +49,7 @@ class ModelIdentity:
 
     The kernels are: two builds of one llama.cpp (AVX2 and AVX-512, a Cortex-A53 and a Cortex-A76)
     compute other bits, so ``kernels`` names the code that computed them
-    (``inference.kernels.KernelClass.identity``: class name and digest of the loaded library's
+    (``inference.engine.kernels.KernelClass.identity``: class name and digest of the loaded library's
     features and build) and boards of different kernel classes never share a fingerprint."""
 
     gguf_sha256: str

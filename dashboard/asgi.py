@@ -84,14 +84,14 @@ def _warm_router() -> None:
 
     from .actions import run_request
     from .celery import app as celery_app
-    from inference.messages import Queue
+    from inference.contract.messages import Queue
 
     from .models import Namespace
     from .routing import CANDIDATES, STATE, prompt_tokens
 
     try:
         prompt_tokens(run_request(["warm"]))
-        prompt_tokens(run_request(messages=[("user", "warm")]))  # a chat's template pieces (and inference.chat, imported then)
+        prompt_tokens(run_request(messages=[("user", "warm")]))  # a chat's template pieces (and inference.engine.chat, imported then)
         STATE.current()
         STATE.follow_in_background(settings.EDGECACHE_ROUTING_FOLLOW_SECONDS)
         devices = [device for namespace in Namespace.objects.values_list("name", flat=True) for device in CANDIDATES.roster(namespace).devices]

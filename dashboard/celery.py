@@ -1,5 +1,5 @@
 """The control plane's Celery app (configured by Django settings, which take the settings boards
-use from ``inference.worker``). JSON messages only. Boards run their own app, without Django.
+use from ``inference.board.app``). JSON messages only. Boards run their own app, without Django.
 Each control worker runs EdgeCache's control tasks and nothing else, and three threads: the
 sweeper (``dashboard.sweeper``), the heartbeat reader (``actions.devices.HeartbeatBatch``) and the
 control inbox (``dashboard.inbox``), the only way a board's message reaches a task."""
@@ -9,8 +9,8 @@ import os
 from celery import Celery
 from celery.signals import worker_init, worker_ready
 
-from inference.messages import CONTROL_TASKS
-from inference.worker import keep_only_tasks
+from inference.contract.messages import CONTROL_TASKS
+from inference.board.app import keep_only_tasks
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 

@@ -16,7 +16,7 @@ from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Cast, Trunc
 from django.utils import timezone
 
-from inference.breakdown import Case, Tier
+from inference.serving.breakdown import Case, Tier
 
 from .models import InferenceRun
 

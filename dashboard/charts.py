@@ -16,8 +16,8 @@ from typing import Iterable
 import plotly.io
 
 from cachebox.link import LinkProfile
-from inference.breakdown import OTHER, TIME_LABELS, TIER_WORDS, time_sums
-from inference.breakeven import LinearFit, crossover, fit_line, overlap_ms, points_from_breakdowns
+from inference.serving.breakdown import OTHER, TIME_LABELS, TIER_WORDS, time_sums
+from inference.serving.breakeven import LinearFit, crossover, fit_line, overlap_ms, points_from_breakdowns
 
 from .chart_series import HIT_TIERS, ChartPoint
 from .explain import human_ms
@@ -131,7 +131,7 @@ def run_label(run) -> str:
 
 def breakdown_figure(runs: list) -> dict:
     """Stacked per-run TTLT, oldest first: the paper's table-3 groups (Token, Bloom, P-decode, Redis,
-    R-decode, Sample) and "other" (``inference.breakdown.time_sums``), so each bar is the run's
+    R-decode, Sample) and "other" (``inference.serving.breakdown.time_sums``), so each bar is the run's
     TTLT. An "other" below zero says the named parts exceed it (steps that ran at the same time)."""
     labels = [run_label(run) for run in runs]
     sums = [time_sums(run.breakdown or {})["ttlt"] for run in runs]

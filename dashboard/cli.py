@@ -7,7 +7,7 @@ from pathlib import Path
 
 from django.core.management.base import CommandError
 
-from inference.sampling import SamplingParams
+from inference.engine.sampling import SamplingParams
 
 
 def read_prompt_file(path: str) -> str:

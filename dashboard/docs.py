@@ -146,7 +146,7 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     ),
     "EDGECACHE_MEMORY_MB": (
         "the device's registered memory",
-        "a board's memory: its context, batch buffers and RAM tier are sized to it (`inference/memory_plan.py`), "
+        "a board's memory: its context, batch buffers and RAM tier are sized to it (`inference/engine/memory_plan.py`), "
         "and the RAM tier keeps the process's RSS under its budget as entries come in; "
         "0 or unset, with no registered memory: every buffer at its default",
     ),
@@ -257,7 +257,7 @@ def _code_default(module_name: str, expression: ast.expr | None, reader: str):
         return FUNCTION_DEFAULTS.get(reader)
     module = importlib.import_module(module_name)
     scope = dict(vars(module))
-    config = getattr(importlib.import_module("inference.config"), "BoardConfig")
+    config = getattr(importlib.import_module("inference.board.config"), "BoardConfig")
     scope.setdefault("d", config.__dataclass_fields__)  # BoardConfig.from_env reads defaults as d[field].default
     try:
         return eval(compile(ast.Expression(expression), "<default>", "eval"), scope)  # our own source, not input

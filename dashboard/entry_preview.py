@@ -4,7 +4,7 @@ schema and module (a schema entry).
 An entry's key is a hash; what it covers is known from the run that stored it: ``record_run``
 keeps each run's stored entries (name, range, module) in the run's ``breakdown["entries"]``,
 and the run keeps its prompt. The control plane re-tokenizes that prompt with the model's
-vocabulary (``inference.engine.Vocabulary``: no weights) and reads the range's first tokens.
+vocabulary (``inference.engine.llama.Vocabulary``: no weights) and reads the range's first tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Iterable
 from django.conf import settings
 
 from dashboard.models import CacheEntry
-from inference.model_file import ModelNotFound
+from inference.engine.model_file import ModelNotFound
 
 from .models import InferenceRun
 
@@ -37,8 +37,8 @@ def stored_entries(uploaded) -> list[dict]:
 
 @functools.lru_cache(maxsize=2)
 def _vocabulary(model_path: str):
-    from inference.engine import Vocabulary
-    from inference.model_file import resolve_model
+    from inference.engine.llama import Vocabulary
+    from inference.engine.model_file import resolve_model
 
     return Vocabulary.load(resolve_model(model_path or None))
 

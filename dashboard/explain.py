@@ -7,7 +7,7 @@ Pure functions of a run's stored fields (its breakdown as the board reported it)
 from __future__ import annotations
 
 from dashboard import mmlu
-from inference.breakdown import Case, Decision, Tier
+from inference.serving.breakdown import Case, Decision, Tier
 
 SLOW_SHARE = 0.5  # a hit's fetch is worth a sentence when it took at least this share of its TTFT
 SLOW_MS = 200.0  # ... and at least this long (a 3 ms fetch is never worth a sentence); "slow" only if computing would have been faster

@@ -14,11 +14,11 @@ from cachebox.errors import InvalidNamespace
 from cachebox.keys import check_namespace
 from cachebox.link import LINK_PRESETS
 from dashboard import mmlu
-from inference.breakdown import Case, Decision
-from inference.messages import RunRequest
+from inference.serving.breakdown import Case, Decision
+from inference.contract.messages import RunRequest
 from .cli import split_segments
 from dashboard.models import Schema
-from inference.pml import PMLError, parse_prompt, parse_schema
+from inference.serving.pml import PMLError, parse_prompt, parse_schema
 
 from .actions import run_request as asked_run
 from .models import Device, SavedPrompt

@@ -26,8 +26,8 @@ from django.db import close_old_connections
 
 from cachebox.events import security_event
 from cachebox.keys import enroll_inbox_key, inbox_key
-from inference.envelope import EnvelopeRefused, peek
-from inference.messages import BOARD_INBOX_TASKS, ENROLL_INBOX_TASKS, MAX_INBOX_MESSAGE_BYTES, InboxMessage, MessageRefused, Queue, Task
+from inference.contract.envelope import EnvelopeRefused, peek
+from inference.contract.messages import BOARD_INBOX_TASKS, ENROLL_INBOX_TASKS, MAX_INBOX_MESSAGE_BYTES, InboxMessage, MessageRefused, Queue, Task
 
 from .actions.devices import broker_server, token_usable
 from .models import Device

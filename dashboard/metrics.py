@@ -20,7 +20,7 @@ from django.db.models.fields.json import KeyTextTransform
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from inference.breakdown import CROSS_CLASS
+from inference.serving.breakdown import CROSS_CLASS
 
 from .models import Device, Dispatch, InferenceRun
 from .stats import CANCELLED_RUNS, FAILED, outcome_q
@@ -30,7 +30,7 @@ from .stats import CANCELLED_RUNS, FAILED, outcome_q
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0)
 # Time per output token after the first: ~10 ms on a desktop core up to ~1 s on a paced Pi Zero.
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-# The tiers a matched token may come from (the ``tier`` label): inference.breakdown's words.
+# The tiers a matched token may come from (the ``tier`` label): inference.serving.breakdown's words.
 TIERS = (("context", "context_tokens"), ("local", "local_tokens"), ("flash", "flash_tokens"), ("cachebox", "fetched_tokens"))
 
 # name (without _total), help, the aggregate it reads

@@ -15,11 +15,11 @@ from django.urls import reverse
 from django.utils import timezone
 
 from dashboard.at_rest import SealedJSONField, SealedTextField
-from inference.kernels import CLASS_RE
-from inference.messages import CANCELLED, Queue
-from inference.pml import PMLError, parse_schema
-from inference.breakdown import approximate_label
-from inference.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
+from inference.engine.kernels import CLASS_RE
+from inference.contract.messages import CANCELLED, Queue
+from inference.serving.pml import PMLError, parse_schema
+from inference.serving.breakdown import approximate_label
+from inference.serving.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
 
 ONLINE_WITHIN = timedelta(seconds=30)  # a board that never said how often it beats
 
@@ -148,7 +148,7 @@ class Device(models.Model):
 
     @property
     def kernel_class(self) -> str:
-        """The kernels its llama.cpp computes with, as its heartbeat says (``inference.kernels``;
+        """The kernels its llama.cpp computes with, as its heartbeat says (``inference.engine.kernels``;
         '' before its first heartbeat or from a board of an older version)."""
         value = (self.status or {}).get("kernel_class")
         return value if isinstance(value, str) and CLASS_RE.match(value) else ""
@@ -277,7 +277,7 @@ class InferenceRun(models.Model):
     rejected_entries = models.PositiveIntegerField(default=0)
     cache_lookup = models.BooleanField(default=False)
     cachebox_unavailable = models.BooleanField(default=False)
-    # Where the matched tokens came from (``inference.breakdown.tokens_by_tier``): the tier label of /metrics.
+    # Where the matched tokens came from (``inference.serving.breakdown.tokens_by_tier``): the tier label of /metrics.
     context_tokens = models.PositiveIntegerField(default=0)
     local_tokens = models.PositiveIntegerField(default=0)
     flash_tokens = models.PositiveIntegerField(default=0)
@@ -479,7 +479,7 @@ class Schema(models.Model):
         except PMLError as exc:
             raise ValidationError({"source": str(exc)})
         try:
-            from inference.schema_serving import layout_for  # the vocabulary loads on first use only
+            from inference.serving.schema import layout_for  # the vocabulary loads on first use only
 
             layout_for(self.source, settings.EDGECACHE_MODEL, settings.EDGECACHE_N_CTX)
         except PMLError as exc:

@@ -80,7 +80,7 @@ def queue_places(boards: list[str], under_way: set[str]) -> dict[str, dict[str, 
     from django.conf import settings
 
     from cachebox.broker import queued_task_ids
-    from inference.messages import Queue
+    from inference.contract.messages import Queue
 
     from .celery import app
 

@@ -1,6 +1,6 @@
 """Cache-aware routing on the control plane: which board answers a prompt sent to "any board".
 
-The choice is ``inference.routing.route`` (the same function ``bench fleet`` measures), fed
+The choice is ``inference.placement.route`` (the same function ``bench fleet`` measures), fed
 from what the control plane already keeps:
 
 - **what each board holds**: its routing history. Every dispatched run keeps its prompt's
@@ -38,8 +38,8 @@ from django.utils import timezone
 from cachebox.keys import entry_key_name
 from cachebox.link import LinkProfile
 from dashboard.models import CacheEntry
-from inference.messages import RunRequest
-from inference.routing import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, prompt_keys, route
+from inference.contract.messages import RunRequest
+from inference.placement import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, prompt_keys, route
 
 from .models import Device, Dispatch, InferenceRun, offline_after
 
@@ -54,8 +54,8 @@ class Routed:
 
 @functools.lru_cache(maxsize=2)
 def _vocabulary(model: str):
-    from inference.engine import Vocabulary
-    from inference.model_file import resolve_model
+    from inference.engine.llama import Vocabulary
+    from inference.engine.model_file import resolve_model
 
     return _RememberedTokens(Vocabulary.load(resolve_model(model or None)))
 
@@ -85,11 +85,11 @@ def prompt_tokens(prompt: RunRequest) -> tuple[list[int], tuple[int, ...]] | Non
     try:
         vocabulary = _vocabulary(settings.EDGECACHE_MODEL)
         if prompt.messages:
-            from inference.chat import chat_prompt
+            from inference.engine.chat import chat_prompt
 
             chat = chat_prompt(vocabulary, [(message.role, message.content) for message in prompt.messages])
             return chat.tokens, chat.cuts
-        from inference.serving import text_layout
+        from inference.serving.run import text_layout
 
         return text_layout(vocabulary, prompt.segments)
     except Exception as exc:  # routing then weighs queues only; the board reports any real error

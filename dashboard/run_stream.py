@@ -36,8 +36,8 @@ from dashboard import streams
 from cachebox.errors import CacheBoxError, CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
-from inference.envelope import EnvelopeRefused, peek
-from inference.messages import MessageRefused, RunRequest, StreamEvent
+from inference.contract.envelope import EnvelopeRefused, peek
+from inference.contract.messages import MessageRefused, RunRequest, StreamEvent
 
 from . import actions
 from .actions.runs import continue_run, heard, keep_streamed

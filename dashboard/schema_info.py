@@ -7,8 +7,8 @@ from django.conf import settings
 
 from cachebox.keys import module_key, module_key_name
 
-from inference.pml_layout import SchemaLayout, all_pieces
-from inference.schema_serving import layout_for
+from inference.serving.pml_layout import SchemaLayout, all_pieces
+from inference.serving.schema import layout_for
 
 
 def layout_of(source: str) -> SchemaLayout:

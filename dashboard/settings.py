@@ -17,8 +17,8 @@ import dj_database_url
 from cachebox.cluster import is_cluster_url, parse_cluster_url
 from cachebox.embedded import url_for
 from cachebox.tls import client_options as tls_options
-from inference.config import BoardConfig, edgecache_home, move_legacy_secret, secrets_home
-from inference.worker import celery_settings
+from inference.board.config import BoardConfig, edgecache_home, move_legacy_secret, secrets_home
+from inference.board.app import celery_settings
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 EDGECACHE_HOME = edgecache_home()
@@ -264,7 +264,7 @@ if is_cluster_url(EDGECACHE_CACHEBOX_URL):
 # user). Empty: derived from REDIS_URL, or from the embedded Valkey and EDGECACHE_EMBEDDED_BIND.
 EDGECACHE_PUBLIC_REDIS_URL = os.environ.get("EDGECACHE_PUBLIC_REDIS_URL", "").strip()
 
-# Celery: the settings boards use too (inference.worker), as CELERY_* names.
+# Celery: the settings boards use too (inference.board.app), as CELERY_* names.
 for _name, _value in celery_settings(REDIS_URL).items():
     globals()[f"CELERY_{_name.upper()}"] = _value
 # A run or encode no board of its device has started this many seconds after dispatch is not
@@ -309,7 +309,7 @@ CHANNEL_LAYERS = {
 }
 
 # --- The engine and the cache options, for commands that run a board next to the control plane
-# (infer, bench). One set of defaults: inference.config.BoardConfig, read from the same
+# (infer, bench). One set of defaults: inference.board.config.BoardConfig, read from the same
 # environment variables an edge process reads.
 EDGECACHE_MODEL = EDGECACHE_BOARD.model  # empty: the Gemma-3 270M package
 EDGECACHE_N_CTX = EDGECACHE_BOARD.n_ctx

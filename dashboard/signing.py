@@ -13,8 +13,8 @@ from django.db import DatabaseError
 
 from cachebox import signing
 from cachebox.signing import Keychain, KeyRing, Producer, ProducerTable
-from inference import envelope
-from inference.envelope import CONTROL, Kind
+from inference.contract import envelope
+from inference.contract.envelope import CONTROL, Kind
 
 
 def control_plane_signer() -> Ed25519PrivateKey:

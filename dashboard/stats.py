@@ -14,8 +14,8 @@ from datetime import datetime, timezone as dt_timezone
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
-from inference.memory_plan import MB, MIN_N_CTX, MIN_RAM_TIER_BYTES, N_CTX_STEP, RSS_SHARE
-from inference.messages import CANCELLED
+from inference.engine.memory_plan import MB, MIN_N_CTX, MIN_RAM_TIER_BYTES, N_CTX_STEP, RSS_SHARE
+from inference.contract.messages import CANCELLED
 
 from .models import Device, InferenceRun
 
@@ -183,7 +183,7 @@ def memory_label(status: dict | None, memory_mb: int) -> str:
 
 def memory_advice(status: dict | None, memory_mb: int) -> list[str]:
     """What to do about a board whose peak RSS went over its memory budget (none when within it,
-    or not reported): how far over, then the knobs ``inference.memory_plan`` sizes it by, the
+    or not reported): how far over, then the knobs ``inference.engine.memory_plan`` sizes it by, the
     largest first: its RAM tier (``EDGECACHE_RAM_TIER_MB``), its context (``EDGECACHE_N_CTX``),
     then its registered memory or a smaller model."""
     status = status or {}
@@ -307,7 +307,7 @@ def catalog_summary(device: Device) -> dict:
 
 # -- what a board's error means to the person who sent the prompt ---------------------------
 _CONTEXT_ERRORS = [
-    # inference.serving.context_error
+    # inference.serving.run.context_error
     re.compile(r"the prompt has (?P<tokens>\d+) tokens and (?P<asked>\d+) more were asked for, but the context holds (?P<ctx>\d+)"),
     # llama-cpp-python's own check
     re.compile(r"Requested tokens \((?P<tokens>\d+)\) exceed context window of (?P<ctx>\d+)"),

@@ -4,13 +4,13 @@ Only the control plane writes this queue: boards' messages reach it through the 
 (``dashboard.inbox``), which hands on only these messages from the device their inbox names.
 A control worker runs these tasks and nothing else (``inbox.refuse_foreign_tasks``: Celery's
 built-in canvas tasks are unregistered). Each hands the raw message to its verb, which validates
-it against the message contract (``inference.messages``) and refuses (logs) what does not follow it.
+it against the message contract (``inference.contract.messages``) and refuses (logs) what does not follow it.
 """
 
 from celery import shared_task
 from django.db import OperationalError
 
-from inference.messages import Task
+from inference.contract.messages import Task
 
 from . import actions
 

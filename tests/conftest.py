@@ -293,8 +293,8 @@ def namespace(request):
 
 @pytest.fixture(scope="session")
 def engine():
-    from inference.engine import Engine, EngineConfig
-    from inference.model_file import resolve_model
+    from inference.engine.llama import Engine, EngineConfig
+    from inference.engine.model_file import resolve_model
 
     engine = Engine(resolve_model(), EngineConfig(n_ctx=2048, n_threads=int(os.environ.get("EDGECACHE_THREADS", "0"))))
     yield engine
@@ -348,8 +348,8 @@ def signing_keys(settings):
 @pytest.fixture
 def make_board(engine, signing_keys):
     """Boards sharing the session's engine, each with its own catalogs (as separate devices)."""
-    from inference.board import Board
-    from inference.config import BoardConfig
+    from inference.board.runtime import Board
+    from inference.board.config import BoardConfig
 
     boards = []
 
@@ -416,14 +416,14 @@ def _own_django_cache(settings, monkeypatch):
 @pytest.fixture(autouse=True)
 def _no_board_identity(monkeypatch):
     """Each test starts in a process that is no board; one that becomes a board does not leak it."""
-    from inference import edge
+    from inference import board as edge
 
     monkeypatch.setattr(edge.enrollment, "_identity", None)
 
 
 @pytest.fixture(autouse=True)
 def _celery_app_kept():
-    """A test that makes a board's Celery app (``inference.worker.board_app`` sets it current, with only
+    """A test that makes a board's Celery app (``inference.board.app.board_app`` sets it current, with only
     the board's own tasks) leaves the process's app as it found it: the control plane's task proxies
     (``dashboard.tasks.record_run``) resolve against the current app."""
     from celery import current_app

@@ -28,7 +28,7 @@ from inference.lab.anchors import (
     strategy_label,
 )
 from dashboard.lab.texts import evaluation_prompts
-from inference.strategies import parse_strategy
+from inference.serving.strategies import parse_strategy
 
 from .conftest import assert_exact_serving_ignores_lab_runs, require
 
@@ -67,7 +67,7 @@ def test_the_anchor_mask_shows_a_token_its_sequence_earlier_anchors_and_bos():
 
 
 def test_the_request_accepts_exactly_the_anchor_strategies_the_board_parses():
-    from inference.messages import RunRequest
+    from inference.contract.messages import RunRequest
 
     for text in STRATEGIES:
         assert parse_strategy(text).name == text
@@ -192,8 +192,8 @@ def test_an_anchor_run_is_labelled_and_never_stored_or_reused_as_an_exact_entry(
     assert engine.positions() == (-1, -1), "the pruned state must not stay in the context"
     assert list(CacheBox(valkey_url).scan_entries(namespace)) == []
     # A dispatched run names the strategy (inference/edge.py serve).
-    from inference.edge import serve
-    from inference.messages import RunRequest
+    from inference.board import serve
+    from inference.contract.messages import RunRequest
 
     report = serve(board, RunRequest(request_id=str(uuid.uuid4()), segments=prompt, max_tokens=3, namespace=namespace, strategy="anchors"))
     assert report.error == "" and report.breakdown.strategy == "anchors(base)" and report.uploaded == []
@@ -274,12 +274,12 @@ def _tiny_gguf(source, target, seed: int = 0):
 @pytest.mark.model
 def test_a_few_anchor_tuning_steps_export_to_a_gguf_llama_cpp_serves(tmp_path):
     torch = require("torch", "the lab extra installs torch")
-    from inference.engine import Engine, EngineConfig
+    from inference.engine.llama import Engine, EngineConfig
     from dashboard.lab.anchor_tune import LoRA, distillation_loss, export_tuned, loss_positions
     from inference.lab.reference import ReferenceModel
-    from inference.model_file import ModelFile, _cached_sha256
+    from inference.engine.model_file import ModelFile, _cached_sha256
 
-    from inference.model_file import resolve_model
+    from inference.engine.model_file import resolve_model
 
     base_path = _tiny_gguf(resolve_model().path, tmp_path / "tiny.gguf")
     reference = ReferenceModel.load(base_path, threads=1)

@@ -433,7 +433,7 @@ def test_a_key_reaches_only_its_namespace_boards(stack):
 
 # -- the board's side, in this process: chat template, stop strings, stream and cancel -------------
 def test_stop_strings_are_cut_even_when_they_span_pieces():
-    from inference.edge import AnswerText as _Answer
+    from inference.board import AnswerText as _Answer
 
     answer = _Answer(["END", "\n\n"])
     released = [answer.add(piece) for piece in ("Hello", " E", "N", "x wor", "ld\n", "\nmore")]
@@ -444,7 +444,7 @@ def test_stop_strings_are_cut_even_when_they_span_pieces():
 
 
 def test_chat_prompt_keeps_what_people_wrote_as_text(engine):
-    from inference.chat import chat_prompt
+    from inference.engine.chat import chat_prompt
 
     plain = chat_prompt(engine, [("system", "Be brief."), ("user", "What is 2+2?")])
     assert plain.text == "<start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
@@ -457,7 +457,7 @@ def test_chat_prompt_keeps_what_people_wrote_as_text(engine):
 def _events(pubsub, request_id: str, me) -> list[dict]:
     """What was published on the subscribed channel, up to its last event, opened as the API opens
     it (sealed and signed by the board ``me``)."""
-    from inference.messages import StreamEvent
+    from inference.contract.messages import StreamEvent
 
     events, deadline = [], time.monotonic() + 5
     while time.monotonic() < deadline and not (events and events[-1]["type"] in ("done", "error")):
@@ -475,10 +475,11 @@ def test_serve_streams_each_piece_then_done_and_honours_stop_and_cancel(valkey_u
     from cachebox.keys import cancel_key_name, stream_channel
     from cachebox.signing import derive_keyring, public_hex
     from cachebox.store import CacheBox
-    from inference import edge, envelope
-    from inference.edge import serve
-    from inference.envelope import CONTROL, Kind
-    from inference.messages import RunRequest
+    from inference import board as edge
+    from inference.contract import envelope
+    from inference.board import serve
+    from inference.contract.envelope import CONTROL, Kind
+    from inference.contract.messages import RunRequest
 
     from .test_edge import CONTROL_PLANE, board_identity
 
@@ -532,9 +533,9 @@ def test_a_board_given_another_boards_first_tokens_streams_only_the_rest_and_ans
 
     from cachebox.keys import stream_channel
     from cachebox.signing import derive_keyring
-    from inference import edge
-    from inference.edge import serve
-    from inference.messages import Continuation, RunRequest
+    from inference import board as edge
+    from inference.board import serve
+    from inference.contract.messages import Continuation, RunRequest
 
     from .test_edge import board_identity
 

@@ -62,7 +62,7 @@ def tree_copy(tmp_path_factory) -> Path:
     "package, line, contract",
     [
         ("cachebox", "import dashboard", "cachebox imports neither dashboard nor inference"),
-        ("cachebox", "from inference import devices", "cachebox imports neither dashboard nor inference"),
+        ("cachebox", "from inference.board import devices", "cachebox imports neither dashboard nor inference"),
         ("inference", "import dashboard.models", "inference does not import dashboard"),
         ("dashboard", "from dashboard.bench import common", "only the operator's tools import benchmarks, lab fitting and host harnesses"),
     ],

@@ -61,7 +61,7 @@ def board_in_root(arm64_parts):
         print(f"wheelhouse install inside the emulated arm64 root (Cortex-A53): {install_s:.0f} s", flush=True)
         machine = subprocess.run(arm64.chroot_command(root, [f"{place}/venv/bin/python", "-c", "import platform; print(platform.machine())"]), capture_output=True, text=True)
         assert machine.stdout.strip() == "aarch64"
-        done = subprocess.run(arm64.chroot_command(root, [f"{place}/venv/bin/python", "-m", "inference.model_file"], env={"HOME": "/root"}),
+        done = subprocess.run(arm64.chroot_command(root, [f"{place}/venv/bin/python", "-m", "inference.engine.model_file"], env={"HOME": "/root"}),
                               capture_output=True, text=True, timeout=1800)
         assert done.returncode == 0, done.stdout + done.stderr
         yield {"root": root, "place": place, "install_s": install_s}

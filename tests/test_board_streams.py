@@ -1,4 +1,4 @@
-"""A board's stream thread serves every streamed run of its process (``inference.edge.streaming``):
+"""A board's stream thread serves every streamed run of its process (``inference.board.streaming``):
 an error while one run's event is published must not stop the events of the runs after it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 import uuid
 
-from inference.edge import streaming
-from inference.messages import StreamEvent
+from inference.board import streaming
+from inference.contract.messages import StreamEvent
 
 
 class _Store:

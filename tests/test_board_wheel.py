@@ -18,7 +18,7 @@ from .conftest import ROOT
 
 pytestmark = pytest.mark.processes  # builds the wheel with pip, imports it in a process of its own
 
-BOARD_ENTRY = "inference.edge_main"  # `edgecache-board`, what `manage.py edge` runs too
+BOARD_ENTRY = "inference.board.main"  # `edgecache-board`, what `manage.py edge` runs too
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +91,9 @@ class NoControlPlane(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in ("django", "dashboard"):
             raise ImportError(f"a board has no {{name}}")
 sys.meta_path.insert(0, NoControlPlane())
-import inference.strategies, inference.worker
-app = inference.worker.board_app("memory://")  # the board's Celery app: the task modules it loads by name
-roots = [{BOARD_ENTRY!r}, *app.conf.include] + [line.opens.partition(":")[0] for line in inference.strategies.REGISTRY.values() if line.opens]
+import inference.serving.strategies, inference.board.app
+app = inference.board.app.board_app("memory://")  # the board's Celery app: the task modules it loads by name
+roots = [{BOARD_ENTRY!r}, *app.conf.include] + [line.opens.partition(":")[0] for line in inference.serving.strategies.REGISTRY.values() if line.opens]
 for name in {sorted(shipped)!r}:
     module = importlib.import_module(name)
     assert module.__file__.startswith({str(unpacked)!r}), (name, module.__file__)
@@ -102,7 +102,7 @@ print(json.dumps(roots))
     done = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, timeout=300, cwd=unpacked)
     assert done.returncode == 0, done.stderr[-3000:]
     roots = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "inference.tasks" in roots and len(roots) >= 5  # the entry point, the tasks, the lab's strategies
+    assert "inference.board.tasks" in roots and len(roots) >= 5  # the entry point, the tasks, the lab's strategies
 
     sys.path.insert(0, str(unpacked))
     try:

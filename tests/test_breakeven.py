@@ -3,7 +3,7 @@
 import pytest
 
 from cachebox.link import LINK_PRESETS, LinkProfile
-from inference.breakeven import LinearFit, crossover, fit_line, points_from_breakdowns
+from inference.serving.breakeven import LinearFit, crossover, fit_line, points_from_breakdowns
 
 
 def test_fit_line_recovers_a_known_line():
@@ -52,7 +52,7 @@ def test_link_profile_transfer_time_matches_the_papers_wifi():
 
 
 # -- the per-request policy -------------------------------------------------------------------
-from inference.breakeven import BreakEvenPolicy, OnlineFit  # noqa: E402
+from inference.serving.breakeven import BreakEvenPolicy, OnlineFit  # noqa: E402
 
 
 def test_online_fit_keeps_a_bounded_window_and_learns_a_rate():

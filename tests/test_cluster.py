@@ -305,7 +305,7 @@ def test_a_cluster_url_is_refused_for_the_broker():
 
 
 def test_a_board_reads_its_record_from_a_cluster_cache_box_and_its_queue_from_redis_url(cluster, valkey_url, tmp_path):
-    from inference import devices as registry
+    from inference.board import devices as registry
 
     from .conftest import run_manage
 

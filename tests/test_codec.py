@@ -11,8 +11,8 @@ from cachebox.entry import EntryHeader, decoded_state, encode_entry, open_entry
 from cachebox.errors import EntryError
 from cachebox.link import LINK_PRESETS
 from cachebox.signing import derive_keyring, shared_producer_ring
-from inference.breakeven import BreakEvenPolicy, LinearFit, Range, overlap_ms
-from inference.compute_profile import PI_5, PI_ZERO_2W, Pacer, pacing_ms, profile_named
+from inference.serving.breakeven import BreakEvenPolicy, LinearFit, Range, overlap_ms
+from inference.engine.compute_profile import PI_5, PI_ZERO_2W, Pacer, pacing_ms, profile_named
 
 RING = shared_producer_ring(derive_keyring(b"m" * 32, "ns", 1))
 
@@ -156,7 +156,7 @@ def test_pacing_makes_a_batch_take_the_profiles_time():
 
 def test_pacer_slows_decoding_by_the_prefill_factor(monkeypatch):
     slept = []
-    monkeypatch.setattr("inference.compute_profile.time.sleep", slept.append)
+    monkeypatch.setattr("inference.engine.compute_profile.time.sleep", slept.append)
     pacer = Pacer(PI_5)
     pacer.after_prefill(128, 128.0)  # 1 ms a token here, 4.99 on the profile
     pacer.after_decode(10.0)
@@ -167,7 +167,7 @@ def test_pacer_slows_decoding_by_the_prefill_factor(monkeypatch):
 
 @pytest.mark.model
 def test_a_board_measures_its_prefill_and_decode_rates_at_start_at_its_profiles_pace(engine):
-    from inference.board import calibrate
+    from inference.board.runtime import calibrate
 
     own = calibrate(engine, prompt_tokens=24, decode_tokens=2)
     assert own.prefill_ms_per_token > 0 and own.decode_ms_per_token > 0  # this machine's speed (whatever its load)

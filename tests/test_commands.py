@@ -161,7 +161,7 @@ def test_a_demo_board_gets_no_control_plane_variable_and_its_worker_never_sets_d
     from celery.fixups.django import DjangoFixup
 
     from dashboard.management.commands.run import CONTROL_PLANE_ONLY, board_environment
-    from inference.worker import board_app
+    from inference.board.app import board_app
 
     environ = {"PATH": "/usr/bin", "REDIS_URL": "redis://127.0.0.1:6379/0", "EDGECACHE_N_CTX": "2048", **{name: "secret" for name in CONTROL_PLANE_ONLY}}
     assert board_environment(environ) == {"PATH": "/usr/bin", "REDIS_URL": "redis://127.0.0.1:6379/0", "EDGECACHE_N_CTX": "2048"}

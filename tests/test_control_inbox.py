@@ -20,8 +20,8 @@ from redis.exceptions import NoPermissionError
 
 from dashboard.inbox import BOARD, ENROLLING, Accepted, ControlInbox, accept
 from dashboard.bench.sim_board import task_message
-from inference.envelope import Kind
-from inference.messages import MAX_INBOX_MESSAGE_BYTES, Task
+from inference.contract.envelope import Kind
+from inference.contract.messages import MAX_INBOX_MESSAGE_BYTES, Task
 
 CANVAS = ("celery.group", "celery.chain", "celery.chord", "celery.map", "celery.starmap", "celery.chunks", "celery.accumulate", "celery.chord_unlock")
 
@@ -63,8 +63,8 @@ def test_a_control_worker_and_a_board_run_only_edgecaches_own_tasks():
     from celery.signals import worker_init
 
     from dashboard.celery import app
-    from inference.messages import CONTROL_TASKS
-    from inference.worker import BOARD_TASKS, board_app
+    from inference.contract.messages import CONTROL_TASKS
+    from inference.board.app import BOARD_TASKS, board_app
 
     assert "celery.group" in app.tasks  # what Celery registers for every app
     worker_init.send(sender=type("Worker", (), {"app": app})())
@@ -117,7 +117,7 @@ def _as_board(plane, name):
 
 def _as_enrolling(plane, name):
     from cachebox import acl
-    from inference.identity import enrollment_redis_password
+    from inference.board.identity import enrollment_redis_password
 
     return redis.Redis(port=plane["port"], username=acl.enroll_user(name), password=enrollment_redis_password(plane["newbie_token"]), socket_timeout=5)
 

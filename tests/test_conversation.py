@@ -8,7 +8,7 @@ prefix of the next turn (``Board.follow_up``) on that turn's cuts and shares it.
 
 import pytest
 
-from inference.local_tier import Context
+from inference.tiers.local import Context
 
 GRID = 128
 
@@ -32,7 +32,7 @@ def test_grid_points_still_serve_when_the_extra_cuts_differ_above_them():
 
 
 def test_a_board_keeps_preparing_next_turns_its_conversations_take_up_even_interleaved():
-    from inference.chat import FollowUps
+    from inference.engine.chat import FollowUps
 
     ledger = FollowUps()
     conversations = {c: [c * 1000 + t for t in range(50)] for c in range(ledger.EXPIRE_RUNS)}  # as many conversations as it waits runs for
@@ -47,7 +47,7 @@ def test_a_board_keeps_preparing_next_turns_its_conversations_take_up_even_inter
 
 
 def test_a_board_whose_clients_never_go_on_stops_preparing_and_sees_them_turn_to_conversations():
-    from inference.chat import FollowUps
+    from inference.engine.chat import FollowUps
 
     ledger = FollowUps()
     system = list(range(400))
@@ -72,7 +72,7 @@ def test_a_board_whose_clients_never_go_on_stops_preparing_and_sees_them_turn_to
 
 
 def test_a_turn_neither_prepared_nor_watched_teaches_nothing():
-    from inference.chat import FollowUps
+    from inference.engine.chat import FollowUps
 
     ledger = FollowUps()
     for _ in range(10):
@@ -99,7 +99,7 @@ def turns(board, count: int, max_tokens: int = 24, **options):
 
 @pytest.mark.model
 def test_a_turn_prompt_is_a_cut_prefix_of_the_next_turn(engine):
-    from inference.chat import chat_prompt, follow_up
+    from inference.engine.chat import chat_prompt, follow_up
 
     first = chat_prompt(engine, FIRST)
     prefix = follow_up(engine, FIRST, "Water, a jacket and snacks.")
@@ -160,8 +160,8 @@ def test_a_follow_up_needs_the_turn_it_follows(valkey_url, namespace, make_board
 def test_a_waiting_run_goes_before_preparing_the_next_turn(valkey_url, namespace, make_board):
     import uuid
 
-    from inference.edge import serve
-    from inference.messages import ChatMessage, RunRequest
+    from inference.board import serve
+    from inference.contract.messages import ChatMessage, RunRequest
 
     board = make_board(valkey_url, namespace, context_reuse=True)
 
@@ -189,8 +189,8 @@ def test_a_waiting_run_goes_before_preparing_the_next_turn(valkey_url, namespace
 def test_a_board_whose_clients_send_at_once_and_never_go_on_stops_looking_for_their_next_turn(valkey_url, namespace, make_board):
     import uuid
 
-    from inference.edge import serve
-    from inference.messages import ChatMessage, RunRequest
+    from inference.board import serve
+    from inference.contract.messages import ChatMessage, RunRequest
 
     board = make_board(valkey_url, namespace, context_reuse=True)
     looks = []
@@ -214,8 +214,8 @@ def test_the_board_sees_messages_waiting_in_its_queues(valkey_url):
 
     from celery import Celery
 
-    from inference.edge import messages_waiting
-    from inference.worker import celery_settings
+    from inference.board import messages_waiting
+    from inference.board.app import celery_settings
 
     app = Celery("waiting-test", set_as_current=False)  # not the process's current app
     app.conf.update(celery_settings(valkey_url))
@@ -239,9 +239,9 @@ def test_a_board_waiting_for_its_next_run_wakes_when_it_lands_and_leaves_it_queu
 
     from celery import Celery
 
-    from inference.edge import messages_waiting
-    from inference.edge.serving import work_arrives
-    from inference.worker import celery_settings
+    from inference.board import messages_waiting
+    from inference.board.serve import work_arrives
+    from inference.board.app import celery_settings
 
     app = Celery("arrives-test", set_as_current=False)
     app.conf.update(celery_settings(valkey_url))
@@ -260,7 +260,7 @@ def test_a_board_waiting_for_its_next_run_wakes_when_it_lands_and_leaves_it_queu
 
 
 def test_a_run_sent_just_after_the_answer_goes_before_the_next_turns_preparation():
-    from inference.edge.serving import _waiting
+    from inference.board.serve import _waiting
 
     arrivals = iter([False, False, True])  # the next request lands in the queue on the third look
     assert _waiting(lambda within: next(arrivals), "run", grace_s=30) is True

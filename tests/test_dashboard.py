@@ -30,10 +30,10 @@ from dashboard.consumers import LiveConsumer
 from dashboard.live import GROUP
 from dashboard.models import AuditEvent, Device, Dispatch, InferenceRun
 from dashboard.signing import control_plane_public_key, device_ring
-from inference import devices as registry
-from inference import envelope
-from inference.envelope import CONTROL, Kind
-from inference.identity import BoardKeys
+from inference.board import devices as registry
+from inference.contract import envelope
+from inference.contract.envelope import CONTROL, Kind
+from inference.board.identity import BoardKeys
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
@@ -546,7 +546,7 @@ def test_schema_page_lists_modules_with_tokens_and_positions(staff_client, contr
 
 def test_encoding_is_sent_to_boards_and_its_result_mirrored(staff_client, control_plane, sent_tasks, django_capture_on_commit_callbacks):
     from dashboard.models import Schema
-    from inference.pml import parse_schema
+    from inference.serving.pml import parse_schema
 
     device, token = register()
     board = enrolled(device, token)
@@ -570,7 +570,7 @@ def test_encoding_is_sent_to_boards_and_its_result_mirrored(staff_client, contro
 
 def test_deleting_a_schema_deletes_its_cache_entries(staff_client, control_plane):
     from dashboard.models import Schema
-    from inference.pml import parse_schema
+    from inference.serving.pml import parse_schema
 
     schema = Schema.objects.create(name="travel", source=TRAVEL, digest=parse_schema(TRAVEL).digest)
     mine = f"ec:m:default:00ff00ff00ff00ff:{schema.digest}:{{{'ab' * 16}}}"
@@ -588,7 +588,7 @@ def test_deleting_a_schema_deletes_its_cache_entries(staff_client, control_plane
 
 def test_run_page_sends_pml_prompts_with_their_schema(staff_client, control_plane, sent_tasks):
     from dashboard.models import Schema
-    from inference.pml import parse_schema
+    from inference.serving.pml import parse_schema
 
     device, _ = register()
     schema = Schema.objects.create(name="travel", source=TRAVEL, digest=parse_schema(TRAVEL).digest)

@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from dashboard import actions
 from dashboard.models import InferenceRun
-from inference.messages import CANCELLED
+from inference.contract.messages import CANCELLED
 
 from .test_dashboard import control_plane, enrolled, heartbeat, register, staff_client  # noqa: F401  (fixtures)
 
@@ -240,7 +240,7 @@ def test_a_board_over_its_memory_budget_is_told_what_to_do(staff_client, control
 def test_every_breakdown_field_has_one_heading_on_the_run_page():
     from dataclasses import fields
 
-    from inference.breakdown import FIELD_GROUPS, Breakdown
+    from inference.serving.breakdown import FIELD_GROUPS, Breakdown
 
     listed = [name for _, names in FIELD_GROUPS for name in names]
     assert sorted(listed) == sorted(field.name for field in fields(Breakdown)) and len(listed) == len(set(listed))

@@ -20,9 +20,9 @@ from dashboard.models import CacheEntry
 from dashboard import actions, chart_series, explain
 from dashboard.models import Device, InferenceRun
 from dashboard.signing import control_plane_public_key, device_ring
-from inference import envelope
-from inference.envelope import Kind
-from inference.messages import StreamEvent
+from inference.contract import envelope
+from inference.contract.envelope import Kind
+from inference.contract.messages import StreamEvent
 
 from .test_dashboard import control_plane, enrolled, register, result_payload, sent_tasks, staff_client  # noqa: F401  (fixtures)
 
@@ -334,7 +334,7 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
         store.publish(channel, json.dumps(forged.compact()).encode())
         store.publish(channel, published(forged, intruder_keys, "mallory"))
         store.publish(channel, published(forged, intruder_keys, "zero"))
-        # The board's events, as inference.edge publishes them.
+        # The board's events, as inference.board publishes them.
         for event in (
             StreamEvent(type="stage", request_id=request_id, device="zero", stage="started"),
             StreamEvent(type="token", request_id=request_id, device="zero", index=0, text=" three"),

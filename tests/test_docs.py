@@ -70,7 +70,7 @@ def test_every_variable_the_code_reads_is_in_the_table():
 def test_a_variable_without_a_meaning_or_a_meaning_without_a_variable_fails():
     variables = docs.read_variables()
     with pytest.raises(ValueError, match="no meaning for \\['EDGECACHE_NEW_KNOB'\\]"):
-        docs.render_configuration([*variables, docs.Variable("EDGECACHE_NEW_KNOB", "inference/config.py", 3)])
+        docs.render_configuration([*variables, docs.Variable("EDGECACHE_NEW_KNOB", "inference/board/config.py", 3)])
     with pytest.raises(ValueError, match="no code reads \\['EDGECACHE_RUN_RATE'\\]"):
         docs.render_configuration([v for v in variables if v.name != "EDGECACHE_RUN_RATE"])
 
@@ -80,7 +80,7 @@ def test_defaults_come_from_the_code_and_words_only_where_it_has_none():
     assert docs._default_text(by_name["EDGECACHE_N_CTX"]) == "4096"  # BoardConfig's field default
     assert docs._default_text(by_name["EDGECACHE_RUN_RATE"]) == "30"  # the settings' literal
     assert docs._default_text(by_name["EDGECACHE_DEVICE"]) == "host name"  # computed on each machine
-    changed = docs.Variable("EDGECACHE_DEVICE", "inference/config.py", "a-fixed-name")
+    changed = docs.Variable("EDGECACHE_DEVICE", "inference/board/config.py", "a-fixed-name")
     with pytest.raises(ValueError, match="drop the one written in MEANINGS"):
         docs._default_text(changed)
 

@@ -14,7 +14,7 @@ from inference.lab.early_exit import (
     LensFileError,
     strategy_name,
 )
-from inference.strategies import StrategySpec, parse_strategy
+from inference.serving.strategies import StrategySpec, parse_strategy
 
 from .conftest import assert_exact_serving_ignores_lab_runs, require
 
@@ -48,7 +48,7 @@ def test_every_run_of_the_strategy_names_how_it_exited():
 def test_the_request_accepts_exactly_the_strategies_the_board_parses():
     import uuid
 
-    from inference.messages import RunRequest
+    from inference.contract.messages import RunRequest
 
     for text in ("early-exit:top-prob:0.9", "early-exit:similarity:1", "early-exit:similarity:0.975:lens", "kv-prediction:6", "exact"):
         assert RunRequest(request_id=str(uuid.uuid4()), segments=["Hi"], strategy=text).strategy == text
@@ -291,9 +291,9 @@ def test_the_board_strategy_is_labelled_and_never_reads_or_writes_the_cache_box(
 def test_a_dispatched_early_exit_run_is_labelled_and_stores_nothing(engine, reference, make_board, valkey_url, namespace):
     import uuid
 
-    from inference.edge import serve
+    from inference.board import serve
     from inference.lab.early_exit import EarlyExitServing
-    from inference.messages import RunRequest
+    from inference.contract.messages import RunRequest
 
     board = make_board(valkey_url, namespace)
     board._opened[StrategySpec("early-exit")] = EarlyExitServing(board.engine, reference)  # the session's reference engine, not a second copy

@@ -9,12 +9,12 @@ import pytest
 from cachebox.events import LOGGER_NAME, JsonLineFormatter
 from cachebox.signing import control_plane_key, derive_keyring, pin_proof, public_hex
 from cachebox.store import CacheBox
-from inference import devices as registry
-from inference import envelope
-from inference.edge import EdgeIdentity, serve
-from inference.envelope import CONTROL, Kind
-from inference.identity import BoardKeys
-from inference.messages import MessageRefused, RunReport, RunRequest, Task
+from inference.board import devices as registry
+from inference.contract import envelope
+from inference.board import EdgeIdentity, serve
+from inference.contract.envelope import CONTROL, Kind
+from inference.board.identity import BoardKeys
+from inference.contract.messages import MessageRefused, RunReport, RunRequest, Task
 
 from .conftest import run_manage
 
@@ -121,7 +121,8 @@ def test_the_board_task_answers_a_malformed_request_with_an_error_report_and_kee
     """A worker never crashes on a bad message; an authentic one that names its request is answered,
     so it is not lost. What the control plane did not sign for this board is refused and answered
     with nothing (its request id cannot be trusted)."""
-    from inference import edge, tasks
+    from inference import board as edge
+    from inference.board import tasks
 
     me = board_identity()
     sent = []
@@ -150,7 +151,7 @@ def test_the_board_task_answers_a_malformed_request_with_an_error_report_and_kee
 
 
 def test_a_run_sealed_before_the_boards_last_work_ended_waited_behind_it():
-    from inference.tasks import _Work
+    from inference.board.tasks import _Work
 
     try:
         _Work.ended = 1000.5

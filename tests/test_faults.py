@@ -19,8 +19,8 @@ from cachebox.entry import decode_header
 from cachebox.link import LinkProfile
 from cachebox.shaping import LinkShaper
 from cachebox.store import CacheBox
-from inference.board import Board
-from inference.config import BoardConfig
+from inference.board.runtime import Board
+from inference.board.config import BoardConfig
 from dashboard.mmlu import build_prompts
 
 from .test_pipeline import entry_names

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dashboard.bench.footprint import Step, run_label, summarize_ttft, workload
-from inference.memory_plan import (
+from inference.engine.memory_plan import (
     MAX_RAM_TIER_BYTES,
     MIN_N_CTX,
     MemoryRefused,
@@ -18,7 +18,7 @@ from inference.memory_plan import (
     check_lab_strategy,
     plan_memory,
 )
-from inference.proc_memory import ProcessMemory, mapped_files, rss_bytes, tune_malloc
+from inference.engine.proc_memory import ProcessMemory, mapped_files, rss_bytes, tune_malloc
 
 from .conftest import run_manage
 
@@ -92,7 +92,7 @@ def test_process_memory_sees_memory_this_process_touches():
 # -- the bench's runs (pure) ---------------------------------------------------------------------
 def test_the_ram_tier_gives_way_to_the_processs_rss_under_a_registered_budget():
     from cachebox.entry import EntryHeader
-    from inference.local_tier import RamEntries
+    from inference.tiers.local import RamEntries
 
     header = EntryHeader.__new__(EntryHeader)  # the tier never reads it
     rss = {"now": 500}  # what the process holds besides the entries' bytes, which count as they are kept
@@ -140,8 +140,8 @@ def small_board(tmp_path_factory, request, engine):
     engine's threads (a prompt's state is the same bits on any number of threads, but a decode
     step is not: its answer is compared with the session engine's)."""
     from cachebox.signing import Keychain, derive_keyring, shared_producer_ring
-    from inference.board import Board
-    from inference.config import BoardConfig
+    from inference.board.runtime import Board
+    from inference.board.config import BoardConfig
 
     url = request.getfixturevalue("valkey_url")
     ring = shared_producer_ring(derive_keyring(b"k" * 32, "footprint", 1))
@@ -163,7 +163,7 @@ def test_a_board_registered_with_512_mb_sizes_its_engine_and_answers_as_an_unsiz
     first = board.run(prompt, max_tokens=4, namespace="footprint")
     again = board.run(prompt, max_tokens=4, namespace="footprint")
     engine.clear()
-    from inference.prefix_serving import PrefixServing
+    from inference.serving.prefix import PrefixServing
 
     unsized = PrefixServing(engine, None).run(prompt, max_tokens=4, use_cache=False)  # n_ctx 2048, n_ubatch 512: the session's engine
     assert first.tokens == again.tokens == unsized.tokens
@@ -176,8 +176,8 @@ def test_a_board_registered_with_512_mb_sizes_its_engine_and_answers_as_an_unsiz
 @pytest.mark.cachebox
 def test_a_small_board_restores_what_a_board_with_a_larger_context_stored_and_answers_as_cold(small_board, engine):
     """Contexts of 1024 and 2048 tokens give the same state bits: one fingerprint, shared entries."""
-    from inference.board import Board
-    from inference.config import BoardConfig
+    from inference.board.runtime import Board
+    from inference.board.config import BoardConfig
     from dashboard.mmlu import build_prompts
 
     assert small_board.engine.fingerprint == engine.fingerprint and small_board.engine.n_ctx != engine.n_ctx
@@ -197,8 +197,8 @@ def test_a_small_board_restores_what_a_board_with_a_larger_context_stored_and_an
 def test_a_strategy_the_memory_cannot_hold_is_a_clear_error_in_the_runs_report(small_board):
     import uuid
 
-    from inference import edge
-    from inference.messages import RunRequest
+    from inference import board as edge
+    from inference.contract.messages import RunRequest
 
     request = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": ["Q: 2+2?\nA:"], "max_tokens": 2, "strategy": "early-exit:top-prob:0.9"})
     report = edge.serve(small_board, request)
@@ -208,8 +208,8 @@ def test_a_strategy_the_memory_cannot_hold_is_a_clear_error_in_the_runs_report(s
 
 @pytest.mark.model
 def test_a_board_whose_memory_cannot_hold_the_model_refuses_before_making_its_context():
-    from inference.board import Board
-    from inference.config import BoardConfig
+    from inference.board.runtime import Board
+    from inference.board.config import BoardConfig
 
     with pytest.raises(MemoryRefused, match="registered with 256 MB"):
         Board.start(BoardConfig(device="tiny", redis_url="redis://127.0.0.1:9/0", memory_mb=256, connect_timeout=0.1), keys=None, background_sync=False)
@@ -220,7 +220,7 @@ def test_a_board_whose_memory_cannot_hold_the_model_refuses_before_making_its_co
 @pytest.mark.cachebox
 def test_the_device_page_shows_the_boards_rss_against_its_registered_memory(settings, valkey_url, client, django_user_model):
     from dashboard import actions
-    from inference import devices as registry
+    from inference.board import devices as registry
 
     settings.REDIS_URL = valkey_url
     device, token = actions.register_device(None, name="zero", kind="Pi Zero 2W", cpu_threads=1, memory_mb=512)

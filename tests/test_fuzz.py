@@ -12,7 +12,7 @@ from cachebox.keys import prefix_keys
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from cachebox.signing import control_plane_key, derive_keyring, public_hex, seal, shared_producer_ring, unseal
-from inference.pml import PMLError, PromptDoc, PMLSchema, parse_prompt, parse_schema
+from inference.serving.pml import PMLError, PromptDoc, PMLSchema, parse_prompt, parse_schema
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -12,8 +12,8 @@ import pytest
 
 from cachebox.keys import STATE_FORMAT_VERSION, ModelIdentity, parse_entry_key_name, prefix_keys
 from cachebox.store import CacheBox
-from inference.kernels import CLASS_RE, KernelClass, class_name, name_of, parse_system_info
-from inference.messages import BoardStatus
+from inference.engine.kernels import CLASS_RE, KernelClass, class_name, name_of, parse_system_info
+from inference.contract.messages import BoardStatus
 
 from .conftest import run_manage
 
@@ -100,7 +100,7 @@ def test_a_heartbeat_carries_a_small_validated_kernel_class():
 
 @pytest.mark.model
 def test_the_loaded_llama_cpp_names_its_kernel_class_in_the_engines_identity(engine):
-    from inference.bindings import kernel_class
+    from inference.engine.bindings import kernel_class
 
     kernels = kernel_class()
     assert engine.kernels == kernels and engine.identity.kernels == kernels.identity

@@ -130,7 +130,7 @@ class _Words:
 
 
 def test_a_text_prompt_is_cut_where_its_last_paragraph_and_its_last_segment_begin():
-    from inference.serving import text_layout
+    from inference.serving.run import text_layout
 
     examples = "Q: one? A: 1\n\nQ: two? A: 2\n\n"
     tokens, cuts = text_layout(_Words(), [examples + "Q: three? A:"])

@@ -20,7 +20,7 @@ from inference.lab.kv_prediction import (
     rope_np,
 )
 from dashboard.lab.texts import CALIBRATION_PER_TOPIC, calibration_questions, evaluation_limit, evaluation_prompts, heldout_questions
-from inference.strategies import StrategySpec, parse_strategy
+from inference.serving.strategies import StrategySpec, parse_strategy
 
 K = 6
 
@@ -226,8 +226,8 @@ def test_a_predicted_state_imports_and_the_base_model_decodes_from_it(engine, kv
 def test_a_kv_prediction_run_never_stores_or_leaves_state_an_exact_run_could_reuse(engine, kv_strategy, make_board, valkey_url, namespace):
     import uuid
 
-    from inference.edge import serve
-    from inference.messages import RunRequest
+    from inference.board import serve
+    from inference.contract.messages import RunRequest
 
     board = make_board(valkey_url, namespace)
     spec = parse_strategy(f"kv-prediction:{K}")

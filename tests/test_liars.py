@@ -25,11 +25,11 @@ from cachebox import acl, embedded
 from cachebox.entry import SEAL_OVERHEAD, EntryHeader, decode_header, encode_entry, open_entry
 from cachebox.keys import range_boundaries
 from cachebox.store import CacheBox
-from inference import devices as registry
-from inference.edge.enrollment import EdgeIdentity
-from inference.envelope import Kind
-from inference.exchange import prefix_refs
-from inference.messages import RunReport, RunRequest
+from inference.board import devices as registry
+from inference.board.enrollment import EdgeIdentity
+from inference.contract.envelope import Kind
+from inference.serving.exchange import prefix_refs
+from inference.contract.messages import RunReport, RunRequest
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox, pytest.mark.model]
 
@@ -162,8 +162,8 @@ def test_a_liar_signing_its_forgery_is_named_by_the_audit_and_quarantined(fleet,
 
     from dashboard import actions
     from dashboard.models import Device, Dispatch, EntryAudit
-    from inference.audit import audit_entry
-    from inference.messages import AuditReport, AuditRequest
+    from inference.serving.audit import audit_entry
+    from inference.contract.messages import AuditReport, AuditRequest
 
     settings.EDGECACHE_AUDIT_RATE = 1.0
     cold_x, y_text, x_name, y_name = computed_by_honest(fleet)

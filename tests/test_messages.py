@@ -1,4 +1,4 @@
-"""The message contract (inference.messages): what a receiver refuses before it stores anything."""
+"""The message contract (inference.contract.messages): what a receiver refuses before it stores anything."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from inference.messages import MAX_BOARD_CATALOGS, MAX_HEARTBEAT_BYTES, BoardStatus, Heartbeat, MessageRefused
+from inference.contract.messages import MAX_BOARD_CATALOGS, MAX_HEARTBEAT_BYTES, BoardStatus, Heartbeat, MessageRefused
 
-# What a real board's heartbeat says (inference.board.Board.status, plus the beat's own fields).
+# What a real board's heartbeat says (inference.board.runtime.Board.status, plus the beat's own fields).
 REAL_STATUS = {
     "pid": 4242, "sent": 1_764_000_000.5, "heartbeat_s": 5.0, "model": "gemma-3-270m-it-Q4_K_M.gguf", "fingerprint": "0123456789abcdef",
     "threads": 2, "kv_type": "f16", "codec": "zstd", "compute_profile": "pi-zero-2w",

@@ -146,7 +146,7 @@ def test_counters_per_device_from_the_runs(client, two_devices):
 
 
 def test_a_cancelled_run_is_counted_as_cancelled_not_as_an_error(client):
-    from inference.messages import CANCELLED
+    from inference.contract.messages import CANCELLED
 
     zero = device("zero")
     run(zero, 30.0, 100, 0)

@@ -47,7 +47,7 @@ def test_another_gguf_gets_what_its_file_name_says_and_no_more(file, parameters,
 def test_the_packaged_card_says_what_the_gguf_file_itself_says():
     """general.name, size label, no fine-tune (base), trained context and size, from the file."""
     gguf = require("gguf", "the lab extra installs gguf (make install)")
-    from inference.model_file import resolve_model
+    from inference.engine.model_file import resolve_model
 
     path = resolve_model().path
     reader = gguf.GGUFReader(str(path))

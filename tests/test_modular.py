@@ -6,8 +6,8 @@ import pytest
 
 from cachebox.entry import decode_header
 from cachebox.store import CacheBox
-from inference.pml import PMLError
-from inference.pml_layout import ModulePiece
+from inference.serving.pml import PMLError
+from inference.serving.pml_layout import ModulePiece
 
 from .conftest import ROOT, run_manage
 
@@ -208,7 +208,7 @@ def test_malformed_reference_schemas_are_refused_with_line_and_column(valkey_url
 
 
 def test_the_control_plane_accepts_the_reference_schema_with_the_models_tokenizer():
-    from inference.schema_serving import layout_for  # what Schema.clean runs before a schema is saved
+    from inference.serving.schema import layout_for  # what Schema.clean runs before a schema is saved
 
     layout = layout_for(PERSONA, n_ctx=2048)
     assert layout.name == "persona" and layout.modules["age"].runs == [] and not layout.modules["today"].cache

@@ -185,7 +185,7 @@ def test_a_member_of_another_tenant_sees_nothing_of_a_queue_and_revokes_nothing(
 
 # -- B5, B6, B7: where an answer came from, said one way everywhere -------------------------------
 def test_a_context_hit_says_the_boards_context_not_the_cache_box():
-    from inference.breakdown import served_from, source_label, tokens_by_tier
+    from inference.serving.breakdown import served_from, source_label, tokens_by_tier
 
     context = {"prompt_tokens": 468, "matched_tokens": 468, "tier": "context", "context_tokens": 468, "decision": "local", "redis_ms": 0.0}
     assert served_from(context) == "468/468 prompt tokens from the board's own context" and source_label(context) == "context"
@@ -203,7 +203,7 @@ def test_a_context_hit_says_the_boards_context_not_the_cache_box():
 
 
 def test_the_walk_over_the_tiers_counts_each_tiers_tokens():
-    from inference.breakdown import Breakdown, Tier
+    from inference.serving.breakdown import Breakdown, Tier
     from inference.tiers.base import Held, TierRun, restore_nearest_first
 
     class Serves:
@@ -225,7 +225,7 @@ def test_the_walk_over_the_tiers_counts_each_tiers_tokens():
 
 
 def test_the_breakeven_chart_plots_only_fetches_from_the_cache_box():
-    from inference.breakeven import points_from_breakdowns
+    from inference.serving.breakeven import points_from_breakdowns
 
     points = points_from_breakdowns([
         {"prompt_tokens": 468, "matched_tokens": 468, "context_tokens": 468, "fetched_tokens": 0, "redis_ms": 0.0, "local_ms": 3.0, "tier": "context"},
@@ -309,7 +309,7 @@ def test_metrics_an_operator_alerts_on(control_plane, sent_tasks, settings):
 
     from dashboard import metrics
     from dashboard.security_counts import KEY
-    from inference.identity import BoardKeys
+    from inference.board.identity import BoardKeys
 
     settings.EDGECACHE_METRICS_CACHE_SECONDS = 0
     settings.EDGECACHE_BOARD_ACL = False

@@ -11,11 +11,11 @@ from cachebox.entry import decode_header
 from cachebox.keys import entry_key_name, grid_cuts, prefix_keys, range_boundaries
 from cachebox.link import LINK_PRESETS, LinkProfile
 from cachebox.store import CacheBox
-from inference.board import Board
-from inference.breakeven import BreakEvenPolicy, FetchPlan
-from inference.compute_profile import ComputeProfile, Pacer
-from inference.config import BoardConfig
-from inference.engine import MAIN_SEQ
+from inference.board.runtime import Board
+from inference.serving.breakeven import BreakEvenPolicy, FetchPlan
+from inference.engine.compute_profile import ComputeProfile, Pacer
+from inference.board.config import BoardConfig
+from inference.engine.llama import MAIN_SEQ
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 
@@ -117,7 +117,7 @@ def test_when_the_loads_are_due_before_a_batch_would_end_the_board_waits_for_the
 @pytest.mark.parametrize("cores", [None, 64], ids=["checked-at-the-meeting", "checked-by-the-loader"])
 def test_a_range_that_fails_verification_mid_way_is_computed_instead(board_for, engine, namespace, monkeypatch, cores):
     if cores:  # an engine on fewer threads than cores: the loader checks each range as it arrives
-        monkeypatch.setattr("inference.prefix_serving.os.cpu_count", lambda: cores)
+        monkeypatch.setattr("inference.serving.prefix.os.cpu_count", lambda: cores)
     prompt = CONTEXT + QUESTION
     seeder = board_for(device="seeder")
     cold = seeder.run(prompt, max_tokens=16, use_cache=False)

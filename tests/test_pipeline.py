@@ -11,7 +11,7 @@ from cachebox.events import JsonLineFormatter
 from cachebox.keys import entry_key_name, prefix_keys, range_boundaries, tokens_digest
 from cachebox.store import CacheBox
 from dashboard.mmlu import build_prompts
-from inference.serving import PromptError
+from inference.serving.run import PromptError
 
 from .conftest import run_manage
 
@@ -284,7 +284,7 @@ def test_cold_and_resumed_logits_are_bitwise_identical_on_the_grid(engine, resum
     import numpy as np
 
     from cachebox.keys import grid_cuts
-    from inference.engine import MAIN_SEQ
+    from inference.engine.llama import MAIN_SEQ
 
     tokens = engine.tokenize(LONG_CONTEXT + "Question: what did the keeper log last?", add_bos=True)
     assert len(tokens) > 700  # past one 512 batch and Gemma-3's 512-position window
@@ -313,7 +313,7 @@ def test_a_state_is_the_same_bits_on_any_thread_count(engine, prompts):
     import numpy as np
 
     from cachebox.keys import grid_cuts
-    from inference.engine import Engine, EngineConfig
+    from inference.engine.llama import Engine, EngineConfig
 
     tokens = engine.tokenize("".join(prompts[0].segments), add_bos=True)
     last = len(tokens) - 1

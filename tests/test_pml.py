@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachebox.keys import module_key
-from inference.pml_layout import ModulePiece, TextPiece, all_pieces, lay_out, plan_prompt
-from inference.pml import MAX_DEPTH, PMLError, parse_prompt, parse_schema
+from inference.serving.pml_layout import ModulePiece, TextPiece, all_pieces, lay_out, plan_prompt
+from inference.serving.pml import MAX_DEPTH, PMLError, parse_prompt, parse_schema
 
 TRAVEL = """<schema name="travel">
   <system>You are a travel agent.</system>
@@ -212,7 +212,7 @@ def test_text_pieces_keep_their_tokens(schema):
 
 # -- placement of pieces when serving ----------------------------------------------------------
 def test_placement_closes_gaps_left_by_unions_and_skipped_modules():
-    from inference.pml_layout import Placement
+    from inference.serving.pml_layout import Placement
 
     place = Placement()
     assert place.module([(0, 10)]) == 0
@@ -223,7 +223,7 @@ def test_placement_closes_gaps_left_by_unions_and_skipped_modules():
 
 
 def test_placement_moves_a_module_right_when_text_ran_into_it():
-    from inference.pml_layout import Placement
+    from inference.serving.pml_layout import Placement
 
     place = Placement()
     place.module([(0, 10)])
@@ -233,7 +233,7 @@ def test_placement_moves_a_module_right_when_text_ran_into_it():
 
 
 def test_placement_puts_a_nested_module_in_its_parents_gap():
-    from inference.pml_layout import Placement
+    from inference.serving.pml_layout import Placement
 
     place = Placement()
     parent_shift = place.module([(5, 10), (14, 20)])  # the parent's own runs, with its child's slot between
@@ -243,7 +243,7 @@ def test_placement_puts_a_nested_module_in_its_parents_gap():
 
 
 def test_placement_without_compaction_keeps_schema_positions():
-    from inference.pml_layout import Placement
+    from inference.serving.pml_layout import Placement
 
     place = Placement(compact=False)
     place.module([(0, 10)])

@@ -1,11 +1,11 @@
-"""A board's answered requests on its disk (inference.edge.replay): kept until they expire, across restarts, bounded."""
+"""A board's answered requests on its disk (inference.board.replay): kept until they expire, across restarts, bounded."""
 
 from __future__ import annotations
 
 import uuid
 
-from inference.edge import replay
-from inference.edge.replay import SpentRequests
+from inference.board import replay
+from inference.board.replay import SpentRequests
 
 
 def test_an_answered_request_is_spent_until_its_expiry_also_for_the_next_process(tmp_path):

@@ -5,7 +5,7 @@ import json
 from dashboard.bench import reports
 from dashboard.bench.catalog import false_positive_rates
 from dashboard.bench.modules import choices_for, plain_text, prompt_for, schema_for, wilson
-from inference.pml import parse_prompt, parse_schema
+from inference.serving.pml import parse_prompt, parse_schema
 
 MACHINE = {"cpu": "test cpu", "link": "unshaped"}
 

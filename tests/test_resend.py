@@ -184,8 +184,8 @@ def test_a_board_says_its_stage_again_while_it_prefills_so_its_followers_hear_it
 
     from cachebox.keys import stream_channel
     from cachebox.store import CacheBox
-    from inference.edge.streaming import StreamPublisher
-    from inference.messages import StreamEvent
+    from inference.board.streaming import StreamPublisher
+    from inference.contract.messages import StreamEvent
 
     from .test_edge import board_identity
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cachebox.link import LINK_PRESETS
-from inference.routing import BoardView, FleetIndex, PromptKeys, estimate, prompt_keys, route
+from inference.placement import BoardView, FleetIndex, PromptKeys, estimate, prompt_keys, route
 
 GRID = 128
 
@@ -103,7 +103,7 @@ def test_prompt_keys_travel_as_json():
 
 
 # -- measured rates: right from the first request (issue 24, item 3) --------------------------------
-ZERO_MS_PER_TOKEN = 39.56  # inference.compute_profile.PI_ZERO_2W, as `make run`'s zero board measures itself
+ZERO_MS_PER_TOKEN = 39.56  # inference.engine.compute_profile.PI_ZERO_2W, as `make run`'s zero board measures itself
 PI5_MS_PER_TOKEN = 1.5  # this machine's own speed, as the unpaced pi5 board measures itself
 
 
@@ -199,7 +199,7 @@ def test_the_index_keeps_which_boards_hold_each_key_and_which_owe_work_as_their_
     window that forgets its oldest prompt, failed runs and answers."""
     import random
 
-    from inference.routing import HISTORY
+    from inference.placement import HISTORY
 
     rnd = random.Random(7)
     prompts = [keys_of(list(range(start, start + 300))) for start in range(0, 6000, 1000)]
@@ -237,7 +237,7 @@ def test_a_boards_rate_is_worked_out_again_when_it_changes_and_each_change_is_lo
 # -- kernel classes (issue 40): a state is reused exactly only by the class that computed it -----------
 def test_a_board_of_another_kernel_class_gets_no_credit_for_the_cached_tokens():
     from cachebox.keys import ModelIdentity
-    from inference.kernels import KernelClass
+    from inference.engine.kernels import KernelClass
 
     def fingerprint(info):
         kernels = KernelClass.from_report("x86_64", f"CPU : AVX = 1 | AVX2 = 1 | {info}FMA = 1 | ", "llama-cpp-python 0.3.36 ggml 0.25.3")

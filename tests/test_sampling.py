@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from inference.sampling import SamplingParams, sample, top_candidates
+from inference.engine.sampling import SamplingParams, sample, top_candidates
 
 
 def test_top_candidates_are_sorted_best_first_with_low_id_tie_break():

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from inference.breakdown import Tier as TierLabel
-from inference.serving import FirstToken, Prompt, PromptError, RunOptions, ServingStrategy, Tokens, prompt_tokens
-from inference.strategies import EXACT, REGISTRY, StrategySpec, parse_strategy
+from inference.serving.breakdown import Tier as TierLabel
+from inference.serving.run import FirstToken, Prompt, PromptError, RunOptions, ServingStrategy, Tokens, prompt_tokens
+from inference.serving.strategies import EXACT, REGISTRY, StrategySpec, parse_strategy
 from inference.tiers import Computed, Held, TierRun, keep_nearest_first, restore_nearest_first
 
 
@@ -71,8 +71,8 @@ def test_every_registered_strategy_names_a_module_that_opens_it():
 
 
 def test_a_new_strategy_is_one_module_and_one_registry_line(monkeypatch):
-    from inference.board import Board
-    from inference.strategies import Registered
+    from inference.board.runtime import Board
+    from inference.serving.strategies import Registered
 
     class OneBoard:  # what the registry needs of a board: its engine, its memory, and what it opened
         strategy, opened, _check_memory = Board.strategy, Board.opened, Board._check_memory
@@ -183,7 +183,7 @@ class _Tier:
 
 
 def test_tiers_are_walked_nearest_first_each_extending_what_the_nearer_ones_hold():
-    from inference.breakdown import Breakdown
+    from inference.serving.breakdown import Breakdown
 
     log = []
     tiers = [_Tier(TierLabel.CONTEXT, 128, log), _Tier(TierLabel.LOCAL, 0, log), _Tier(TierLabel.CACHEBOX, 384, log)]

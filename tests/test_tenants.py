@@ -15,11 +15,11 @@ from cachebox.signing import derive_key
 from cachebox.store import CacheBox
 from dashboard import actions
 from dashboard.models import AuditEvent, Namespace
-from inference import devices as registry
-from inference import edge
-from inference.identity import BoardKeys
-from inference.messages import RunRequest
-from inference.devices import DeviceRefused
+from inference.board import devices as registry
+from inference import board as edge
+from inference.board.identity import BoardKeys
+from inference.contract.messages import RunRequest
+from inference.board.devices import DeviceRefused
 
 from .test_dashboard import control_plane, register, sent_tasks, staff_client  # noqa: F401  (fixtures)
 
@@ -115,8 +115,8 @@ def test_rotate_in_the_admin_asks_first(staff_client, control_plane):
 @pytest.mark.model
 def test_boards_see_only_their_namespace_and_private_namespaces_share_nothing(control_plane, valkey_url, engine):
     """Tenants cannot read each other's entries; in a namespace that does not share, not even boards of one tenant."""
-    from inference.board import Board
-    from inference.config import BoardConfig
+    from inference.board.runtime import Board
+    from inference.board.config import BoardConfig
 
     clinic, acme = tenant("clinic", share=False), tenant("acme")
     boards = {}

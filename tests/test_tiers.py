@@ -6,7 +6,7 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 
-from inference.breakdown import TIME_LABELS, time_sums
+from inference.serving.breakdown import TIME_LABELS, time_sums
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 

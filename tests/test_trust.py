@@ -26,12 +26,12 @@ from cachebox.sync import CatalogReplica
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from dashboard import actions
 from dashboard.models import Device, InferenceRun
-from inference import devices as registry
-from inference import edge
+from inference.board import devices as registry
+from inference import board as edge
 from dashboard.signing import control_plane_public_key
-from inference.envelope import Kind
-from inference.identity import BoardKeys, verify_signature
-from inference.messages import RunReport, RunRequest, Task
+from inference.contract.envelope import Kind
+from inference.board.identity import BoardKeys, verify_signature
+from inference.contract.messages import RunReport, RunRequest, Task
 
 from .test_dashboard import board_message, control_plane, enrolled, register, result_payload, sent_tasks, staff_client  # noqa: F401  (fixtures)
 
@@ -294,7 +294,7 @@ def test_private_namespaces_of_long_similar_names_differ():
 def test_the_board_task_sends_its_report_signed_and_sealed_onto_its_own_inbox(monkeypatch):
     """The task path: ``report`` signs with the board's key whatever message it is given, seals it,
     and pushes it onto the board's own inbox (no Celery task, no queue of the control plane's)."""
-    from inference.edge import outbox
+    from inference.board import outbox
 
     from .test_edge import board_identity
 

@@ -19,7 +19,7 @@ from dashboard import actions
 from dashboard.api.requests import parse_request
 from dashboard.models import Device, Dispatch, InferenceRun, Namespace
 from dashboard import mmlu
-from inference.messages import CANCELLED
+from inference.contract.messages import CANCELLED
 
 from .test_dashboard import control_plane, enrolled, plain_client, register, result_payload, sent_tasks, staff_client  # noqa: F401  (fixtures)
 

@@ -14,7 +14,7 @@ import pytest
 from dashboard.bench import llama_server
 from dashboard.bench import side_by_side as sbs
 from dashboard.bench import vs_server
-from inference.memory_plan import budget_mb
+from inference.engine.memory_plan import budget_mb
 
 from .conftest import ROOT
 

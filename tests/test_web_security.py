@@ -32,7 +32,7 @@ from dashboard.consumers import LiveConsumer
 from dashboard.live import broadcast
 from dashboard.management.commands import run as run_command
 from dashboard.models import Device, InferenceRun, Membership, Namespace
-from inference.worker import celery_settings
+from inference.board.app import celery_settings
 
 from .conftest import ROOT, run_manage
 from .test_dashboard import TRAVEL, control_plane, sent_tasks, staff_client  # noqa: F401  (fixtures)
@@ -270,7 +270,7 @@ def test_behind_a_proxy_the_forwarded_scheme_is_trusted(tmp_path):
 SECRET_PROBE = """
 import hashlib, importlib, os, sys, time
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
-import dj_database_url, cachebox.embedded, inference.config, inference.worker, dashboard  # the slow imports, before the start line
+import dj_database_url, cachebox.embedded, inference.board.config, inference.board.app, dashboard  # the slow imports, before the start line
 start, homes, rounds = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 settings = None
 for round in range(rounds):  # each round: every process loads the settings at the same moment, on a new folder
@@ -403,7 +403,7 @@ def test_a_broker_failing_midway_says_which_devices_got_the_run(control_plane, s
 @pytest.mark.django_db
 def test_encoding_while_the_broker_is_down_answers_503(control_plane, staff_client, dead_broker):
     from dashboard.models import Schema
-    from inference.pml import parse_schema
+    from inference.serving.pml import parse_schema
 
     zero = device("zero")
     schema = Schema.objects.create(name="travel", source=TRAVEL, digest=parse_schema(TRAVEL).digest)

@@ -2,7 +2,7 @@
 does (Zulip's ``do_...`` style), grouped by domain: ``devices`` (and namespaces), ``cache``,
 ``runs``, ``schemas``, ``api_keys``; ``audit`` holds the audit trail and its actions. Each verb changes the
 database inside a transaction and tells the open pages once it commits. Receivers of board
-reports validate them against the message contract (``inference.messages``) first.
+reports validate them against the message contract (``inference.contract.messages``) first.
 """
 
 from .audit import AuditAction, audit

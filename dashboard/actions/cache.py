@@ -11,7 +11,7 @@ from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
 from dashboard.models import CacheEntry
 from cachebox.store import CacheBox
-from inference.messages import StoredEntry
+from inference.contract.messages import StoredEntry
 
 from .audit import AuditAction, audit
 

@@ -17,10 +17,10 @@ from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import enrollment_refusal_key_name, heartbeat_key
 from cachebox.signing import pin_proof
-from inference import devices as registry
-from inference.envelope import EnvelopeRefused, Kind, peek
-from inference.identity import check_enrollment_signature, enrollment_public_key, enrollment_redis_password, password_sha256
-from inference.messages import MAX_HEARTBEAT_BYTES, BoardMessage, EnrollRequest, Heartbeat
+from inference.board import devices as registry
+from inference.contract.envelope import EnvelopeRefused, Kind, peek
+from inference.board.identity import check_enrollment_signature, enrollment_public_key, enrollment_redis_password, password_sha256
+from inference.contract.messages import MAX_HEARTBEAT_BYTES, BoardMessage, EnrollRequest, Heartbeat
 
 from .. import ratelimit
 from ..live import broadcast
@@ -222,7 +222,7 @@ def enroll_device(payload: dict) -> Device | None:
 
     At most ``EDGECACHE_ENROLL_RATE`` attempts per device and minute are looked at. A refusal is
     logged and changes no record: the reason goes, signed, to a short-lived note that only the board
-    holding the request's key reads while it enrolls (``inference.devices.enrollment_refusal``)."""
+    holding the request's key reads while it enrolls (``inference.board.devices.enrollment_refusal``)."""
     request = EnrollRequest.receive(payload, receiver="control")
     if request is None:
         return None

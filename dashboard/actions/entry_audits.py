@@ -3,7 +3,7 @@
 Reuse is exact within a model configuration, so any entry can be checked by recomputing it cold.
 A share of the hits boards report (``EDGECACHE_AUDIT_RATE``) is sent to another online board of
 the same namespace and model (``Task.AUDIT_ENTRY``, signed and sealed like a run); the auditor
-compares bit for bit (``inference.audit``) and answers with an ``AuditReport``
+compares bit for bit (``inference.serving.audit``) and answers with an ``AuditReport``
 (``Task.RECORD_AUDIT``). A mismatch deletes the entry, quarantines its producer (the producer table
 lists it: every reader refuses and evicts what it made), counts it on the device and in
 ``/metrics`` (``edgecache_audit_mismatches_total``, ``edgecache_board_quarantined``)
@@ -25,7 +25,7 @@ from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
 from dashboard.models import CacheEntry
-from inference.messages import AuditReport, AuditRequest, RunReport, RunRequest, Task
+from inference.contract.messages import AuditReport, AuditRequest, RunReport, RunRequest, Task
 
 from ..live import broadcast
 from ..models import Device, Dispatch, EntryAudit

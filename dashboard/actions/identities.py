@@ -17,7 +17,7 @@ from kombu import Exchange, Queue as KombuQueue
 from cachebox import acl
 from cachebox.errors import CacheBoxError
 from cachebox.store import CacheBox
-from inference.messages import Queue
+from inference.contract.messages import Queue
 
 from ..models import Device
 from .cache import cachebox_limits

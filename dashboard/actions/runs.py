@@ -15,9 +15,9 @@ from dashboard import mirror
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import heard_key_name
-from inference.breakdown import time_sums
-from inference.envelope import Kind
-from inference.messages import CANCELLED, ChatMessage, Continuation, Queue, RunMeta, RunReport, RunRequest, SamplingSpec, Task
+from inference.serving.breakdown import time_sums
+from inference.contract.envelope import Kind
+from inference.contract.messages import CANCELLED, ChatMessage, Continuation, Queue, RunMeta, RunReport, RunRequest, SamplingSpec, Task
 
 from ..celery import app as celery_app
 from .. import admission, routing
@@ -104,7 +104,7 @@ _KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE, Task.AUDIT
 
 def send_to_board(device: Device, task: Task, message: dict, expires: float) -> None:
     """One request on ``device``'s own queue: sealed under its namespace's key and signed by the
-    control plane (``inference.envelope``), valid until it expires."""
+    control plane (``inference.contract.envelope``), valid until it expires."""
     sealed = seal_for(device, _KINDS[task], message, ttl=expires)
     # The task's id is the request's: the Queue page finds a run in its board's queue by it (``dashboard.queue``).
     celery_app.send_task(task.value, args=[sealed], queue=Queue.device(device.name), expires=expires, task_id=message.get("request_id"))

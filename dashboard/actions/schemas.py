@@ -9,7 +9,7 @@ from django.db import transaction
 
 from dashboard import mirror
 from dashboard.models import CacheEntry
-from inference.messages import EncodeProgress, EncodeReport, EncodeRequest, Task
+from inference.contract.messages import EncodeProgress, EncodeReport, EncodeRequest, Task
 from dashboard.models import Schema
 
 from ..live import broadcast

@@ -34,8 +34,8 @@ from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
 from cachebox.keys import cancel_key_name, heard_key_name, stream_channel
-from inference.envelope import CONTROL, Kind, seal
-from inference.messages import RunMeta, RunRequest, StreamEvent
+from inference.contract.envelope import CONTROL, Kind, seal
+from inference.contract.messages import RunMeta, RunRequest, StreamEvent
 
 from ..live import broadcast
 from ..models import Device, Dispatch, InferenceRun, offline_after

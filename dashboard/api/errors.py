@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from django.http import JsonResponse
 
-# Board errors that start like this are the context check of inference.serving.context_error.
+# Board errors that start like this are the context check of inference.serving.run.context_error.
 CONTEXT_ERROR_START = "the prompt has "
 CONTEXT_ERROR_MARK = "but the context holds"
 

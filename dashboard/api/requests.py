@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
-from inference.messages import MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOKENS
+from inference.contract.messages import MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOKENS
 
 from .errors import ApiError, bad_request
 

@@ -21,7 +21,7 @@ from django.core.cache import cache
 from dashboard.django_cache import CACHE_SERVER_ERRORS
 
 from ..models import ApiKey, Device
-from inference.messages import RunRequest
+from inference.contract.messages import RunRequest
 
 from ..routing import CANDIDATES, Routed, plan
 from .errors import ApiError, bad_request
@@ -69,7 +69,7 @@ def example_model(namespace: str) -> str:
             return model
     from django.conf import settings
 
-    from inference.model_file import ModelNotFound, resolve_model
+    from inference.engine.model_file import ModelNotFound, resolve_model
 
     try:
         return resolve_model(settings.EDGECACHE_MODEL or None).path.name

@@ -38,9 +38,9 @@ from dashboard import streams
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
-from inference.messages import ChatMessage, RunMeta, RunRequest, SamplingSpec, StreamEvent
+from inference.contract.messages import ChatMessage, RunMeta, RunRequest, SamplingSpec, StreamEvent
 from dashboard.models import Schema
-from inference.strategies import parse_strategy
+from inference.serving.strategies import parse_strategy
 
 from .. import admission, metrics, ratelimit
 from ..actions.cache import cachebox_url

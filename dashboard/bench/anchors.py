@@ -29,7 +29,7 @@ import numpy as np
 
 from cachebox.keys import KEY_PREFIX
 from dashboard import mmlu
-from inference.engine import Engine
+from inference.engine.llama import Engine
 from inference.lab.anchors import anchor_prefill, prefix_entry, prompt_sequences
 
 from dashboard.bench.base import Benchmark, BenchError
@@ -234,12 +234,12 @@ def run(ctx, *, prompts, shots, decode_tokens, link_prompts, link, threads, **op
 
     from cachebox.link import LINK_PRESETS
     from cachebox.store import CacheBox
-    from inference.engine import EngineConfig
-    from inference.lab import texts
+    from inference.engine.llama import EngineConfig
+    from dashboard.lab import texts
     from dashboard.lab.anchor_tune import record_path
     from inference.lab.anchors import tuned_path
     from inference.lab.kv_prediction import lab_dir
-    from inference.model_file import ModelFile, _cached_sha256, resolve_model
+    from inference.engine.model_file import ModelFile, _cached_sha256, resolve_model
 
     if prompts < 1 or threads < 1 or decode_tokens < 0 or link_prompts < 0:
         raise BenchError("--prompts and --threads must be at least 1, --decode-tokens and --link-prompts at least 0")

@@ -21,7 +21,7 @@ from cachebox.codec import CodecChoice
 from cachebox.link import LINK_PRESETS
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
-from inference.breakeven import BreakEvenPolicy
+from inference.serving.breakeven import BreakEvenPolicy
 from dashboard.mmlu import MMLUPrompt
 
 from dashboard.bench.base import Benchmark, BenchError, prompts_of
@@ -150,7 +150,7 @@ def add_arguments(parser) -> None:
 
 
 def run(ctx, *, topic, prompts, shots, threads, links, cases, modes, profile, **options) -> dict:
-    from inference.compute_profile import profile_named
+    from inference.engine.compute_profile import profile_named
 
     links, cases, modes = links or list(PRESETS), cases or list(CASE_NAMES), modes or list(MODES)
     for name, given, known in (("link", links, LINK_PRESETS), ("case", cases, CASE_NAMES), ("mode", modes, MODES)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Callable
 
-from inference.breakdown import STACK_FIELDS, Breakdown
+from inference.serving.breakdown import STACK_FIELDS, Breakdown
 from dashboard.mmlu import MMLUPrompt, parse_answer
 
 from dashboard.bench.base import Benchmark, prompts_of

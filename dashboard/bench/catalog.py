@@ -17,7 +17,7 @@ from cachebox.catalog import Catalog
 from cachebox.link import LINK_PRESETS
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
-from inference.breakeven import BreakEvenPolicy
+from inference.serving.breakeven import BreakEvenPolicy
 from dashboard.mmlu import MMLUPrompt
 
 from dashboard.bench.base import Benchmark, BenchError

@@ -17,8 +17,8 @@ import llama_cpp
 def prefix_serving(engine, store, catalogs, keys, policy=None, codec: str = "raw"):
     """Prefix serving on ``engine`` over its own exchange with ``store`` (None: no cache at all),
     storing states with ``codec``."""
-    from inference.exchange import Exchange
-    from inference.prefix_serving import PrefixServing
+    from inference.serving.exchange import Exchange
+    from inference.serving.prefix import PrefixServing
 
     exchange = Exchange(store, catalogs, fingerprint=engine.fingerprint, keys=keys, codec=codec) if store is not None else None
     return PrefixServing(engine, exchange, policy=policy)

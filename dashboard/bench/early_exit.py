@@ -188,9 +188,9 @@ def add_arguments(parser) -> None:
 def run(ctx, *, prompts, mmlu_prompts, shots, tokens, batch, exits, top_prob, similarity, lens, calibration_docs, threads, **options) -> dict:
     from types import SimpleNamespace
 
-    from inference.engine import EngineConfig, Vocabulary
-    from inference.lab import texts
-    from inference.model_file import resolve_model
+    from inference.engine.llama import EngineConfig, Vocabulary
+    from dashboard.lab import texts
+    from inference.engine.model_file import resolve_model
 
     if prompts < 1 or mmlu_prompts < 0 or tokens < 1 or any(b < 1 for b in batch) or threads < 1:
         raise BenchError("--prompts, --tokens, --batch and --threads must be at least 1, --mmlu-prompts at least 0")

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from inference.engine import MAIN_SEQ
+from inference.engine.llama import MAIN_SEQ
 from dashboard.mmlu import MMLUPrompt, build_prompts
 
 from dashboard.bench.base import Benchmark, BenchError, topics_named

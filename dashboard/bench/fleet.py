@@ -5,7 +5,7 @@ tier, all sharing one model file) on one emulated link to one cache box. Prompts
 MMLU topics arrive interleaved (a seeded shuffle), one every ``interval`` seconds, and are
 dispatched on arrival to one board's own queue, as the control plane does; each board serves
 its queue in order in its own thread. Each policy runs the same stream, in a fresh namespace,
-after every board's context was moved on. Cache-aware routing calls ``inference.routing.route``
+after every board's context was moved on. Cache-aware routing calls ``inference.placement.route``
 over a ``FleetIndex`` fed exactly as the control plane feeds it (what was dispatched where,
 what came back), so the bench measures the control plane's function.
 
@@ -26,7 +26,7 @@ from typing import Callable
 
 from cachebox.keys import parse_entry_key_name
 
-from inference.routing import FleetIndex, prompt_keys, route
+from inference.placement import FleetIndex, prompt_keys, route
 
 from dashboard.bench.base import Benchmark, BenchError, topics_named
 from dashboard.bench.common import machine_info, median, percentile

@@ -201,7 +201,7 @@ def run(ctx, *, boards, seconds, cluster, rate, processes, heartbeat, namespaces
             import shutil
 
             shutil.rmtree(home, ignore_errors=True)
-            shutil.rmtree(home.with_name(f"{home.name}-secrets"), ignore_errors=True)  # inference.config.secrets_home
+            shutil.rmtree(home.with_name(f"{home.name}-secrets"), ignore_errors=True)  # inference.board.config.secrets_home
     return doc
 
 

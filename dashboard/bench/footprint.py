@@ -29,7 +29,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from inference.proc_memory import ProcessMemory, mapped_files
+from inference.engine.proc_memory import ProcessMemory, mapped_files
 
 NAME = "footprint"
 FORMAT = 1
@@ -131,20 +131,20 @@ def _memory() -> dict:
 def board_main(spec: dict) -> int:
     """Run ``spec``'s steps as a board would (the child's entry point); JSON lines on stdout."""
     _emit({"event": "stage", "stage": "interpreter", "memory": _memory()})
-    from inference.proc_memory import tune_malloc
+    from inference.engine.proc_memory import tune_malloc
 
     if spec.get("tune_malloc", True):
         tune_malloc()
-    # What an edge process imports before it serves (inference.edge_main and its Celery worker).
+    # What an edge process imports before it serves (inference.board.main and its Celery worker).
     import celery.apps.worker  # noqa: F401
     import celery.worker.consumer  # noqa: F401
     import kombu.transport.redis  # noqa: F401
 
-    import inference.edge_main  # noqa: F401
-    import inference.tasks  # noqa: F401
+    import inference.board.main  # noqa: F401
+    import inference.board.tasks  # noqa: F401
     from cachebox.signing import Keychain, KeyRing, shared_producer_ring
-    from inference.board import Board
-    from inference.config import BoardConfig
+    from inference.board.runtime import Board
+    from inference.board.config import BoardConfig
 
     from dashboard.bench.common import machine_info
 

@@ -1,6 +1,6 @@
 """``bench kernels``: how far a state computed by one kernel class is from another class's own cold run.
 
-Boards of different kernel classes (``inference.kernels``) never share states as exact. A namespace
+Boards of different kernel classes (``inference.engine.kernels``) never share states as exact. A namespace
 may share them anyway (approximate, opt-in); this measures what that costs in agreement, for every
 ordered pair of classes this machine can run: the project's llama.cpp build (AVX2 on x86-64) and a
 second build of the same sources with AVX-512 kernels where the CPU has them
@@ -88,11 +88,11 @@ def summarize(rows: list[dict]) -> dict:
 # -- the worker: one class, one process ---------------------------------------------------------
 def _worker(args) -> None:
     from cachebox.keys import grid_cuts
-    from inference.bindings import kernel_class, library_path
-    from inference.engine import Engine, EngineConfig
+    from inference.engine.bindings import kernel_class, library_path
+    from inference.engine.llama import Engine, EngineConfig
     from dashboard.mmlu import parse_answer
-    from inference.model_file import resolve_model
-    from inference.serving import text_layout
+    from inference.engine.model_file import resolve_model
+    from inference.serving.run import text_layout
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

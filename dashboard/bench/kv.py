@@ -22,7 +22,7 @@ import numpy as np
 from cachebox import codec
 from cachebox.keys import grid_cuts
 from cachebox.link import LINK_PRESETS
-from inference.engine import MAIN_SEQ, Engine, EngineConfig
+from inference.engine.llama import MAIN_SEQ, Engine, EngineConfig
 from dashboard.mmlu import MMLUPrompt, parse_answer
 
 from dashboard.bench.base import Benchmark, BenchError, prompts_of, topics_named

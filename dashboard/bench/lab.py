@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from dashboard import mmlu
-from inference.engine import Engine
+from inference.engine.llama import Engine
 from inference.lab.kv_prediction import KVPredictionServing
 
 from dashboard.bench.base import Benchmark, BenchError
@@ -231,11 +231,11 @@ def add_arguments(parser) -> None:
 def run(ctx, *, ks, prompts, shots, heldout, reference_prompts, calibration_docs, threads, **options) -> dict:
     from types import SimpleNamespace
 
-    from inference.board import engine_config
-    from inference.lab import texts
+    from inference.board.runtime import engine_config
+    from dashboard.lab import texts
     from dashboard.lab.fitting import ensure_predictors
     from inference.lab.kv_prediction import PredictorFileError, lab_dir
-    from inference.model_file import resolve_model
+    from inference.engine.model_file import resolve_model
 
     if prompts < 1 or heldout < 0 or reference_prompts < 0 or not ks or any(not 1 <= k < 18 for k in ks):
         raise BenchError("--prompts must be at least 1, --heldout and --reference-prompts >= 0, every k between 1 and 17")

@@ -3,7 +3,7 @@
 A bench and test helper, never a product dependency. Two builds of the same llama.cpp compute other
 bits (wider SIMD sums in another order; ggml picks other kernels per instruction set), so a machine
 that can run two builds can stand for a fleet of two kernel classes: ``bench kernels`` and the tests
-of ``inference.kernels`` load one with llama-cpp-python's ``LLAMA_CPP_LIB_PATH``.
+of ``inference.engine.kernels`` load one with llama-cpp-python's ``LLAMA_CPP_LIB_PATH``.
 
 The libraries are compiled from the vendored llama.cpp of the pinned llama-cpp-python sdist (the
 very sources of the wheel ``make install`` builds), shared, target ``llama`` only (libllama and

@@ -244,8 +244,8 @@ def board_main(index: int, conn, namespace: str, max_tokens: int, ring: dict) ->
     board = None
     try:
         from cachebox.signing import Keychain, KeyRing, shared_producer_ring
-        from inference.board import Board
-        from inference.config import BoardConfig
+        from inference.board.runtime import Board
+        from inference.board.config import BoardConfig
 
         from dashboard.bench.common import machine_info
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from inference.breakdown import STACK
+from inference.serving.breakdown import STACK
 
 from dashboard.bench.common import median
 from dashboard.bench.html_report import write_report

@@ -52,7 +52,7 @@ class CommandContext:
 
     @contextmanager
     def board(self, config=None, *, cachebox_only: bool = True, background_sync: bool = False, **changes):
-        from inference.board import Board
+        from inference.board.runtime import Board
 
         self._start_cachebox()
         config = (config or self.config).with_(**changes) if changes else (config or self.config)
@@ -69,7 +69,7 @@ class CommandContext:
     def cachebox_url(self, hint: str = "") -> str:
         from cachebox.errors import CacheBoxUnavailable
         from cachebox.store import CacheBox
-        from inference.board import cachebox_url
+        from inference.board.runtime import cachebox_url
 
         self._start_cachebox()
         try:

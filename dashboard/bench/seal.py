@@ -48,7 +48,7 @@ def run(ctx, *, tokens: int, repeats: int, **options) -> dict:
     from blake3 import blake3
 
     from cachebox.signing import CIPHERS, SALT_BYTES, _item_key
-    from inference.proc_memory import tune_malloc
+    from inference.engine.proc_memory import tune_malloc
 
     tuned = tune_malloc()
     state = os.urandom(tokens * BYTES_PER_TOKEN)

@@ -1,12 +1,12 @@
 """Simulated boards for ``bench fleet-sim``: many boards without a model in one process.
 
-Each simulated board speaks the real contract with the control plane (``inference.messages``,
-``inference.envelope``): it enrolls its own key pair with its device's token (``inference.devices.enroll``),
+Each simulated board speaks the real contract with the control plane (``inference.contract.messages``,
+``inference.contract.envelope``): it enrolls its own key pair with its device's token (``inference.board.devices.enroll``),
 pushes signed heartbeats every few seconds onto the broker's heartbeat list, syncs its namespace's catalog log every second as a
 real board's ``CatalogSyncThread`` does, takes sealed run requests off its own queue
 (``device.NAME``), opens and checks them, publishes signed stream events and sends a signed,
 sealed report. The answer takes a synthetic time drawn from measured board rates
-(``inference.compute_profile``: a Pi 5 or a Pi Zero 2W prefilling at its paper rate), and a run
+(``inference.engine.compute_profile``: a Pi 5 or a Pi Zero 2W prefilling at its paper rate), and a run
 that misses uploads a sealed entry of ``bytes_per_token`` per prompt token (fetched and opened by
 the next board whose catalog says it is there).
 
@@ -43,13 +43,13 @@ from cachebox.keys import catalog_key_names, enroll_inbox_key, entry_key_name, h
 from cachebox.signing import UnknownProducer
 from cachebox.store import CacheBox
 
-from inference.breakdown import Breakdown, Case, Decision, Tier
-from inference.compute_profile import PI_5, PI_ZERO_2W
-from inference.devices import enroll
-from inference.edge import EdgeIdentity
-from inference.envelope import EnvelopeRefused, Kind, peek
-from inference.identity import BoardKeys
-from inference.messages import BoardStatus, EnrollRequest, Heartbeat, InboxMessage, MessageRefused, Queue, RunReport, RunRequest, StoredEntry, StreamEvent, Task
+from inference.serving.breakdown import Breakdown, Case, Decision, Tier
+from inference.engine.compute_profile import PI_5, PI_ZERO_2W
+from inference.board.devices import enroll
+from inference.board import EdgeIdentity
+from inference.contract.envelope import EnvelopeRefused, Kind, peek
+from inference.board.identity import BoardKeys
+from inference.contract.messages import BoardStatus, EnrollRequest, Heartbeat, InboxMessage, MessageRefused, Queue, RunReport, RunRequest, StoredEntry, StreamEvent, Task
 
 log = logging.getLogger("dashboard.bench.sim_board")
 
@@ -145,7 +145,7 @@ class Fleet:
         admin = CacheBox(self.cachebox_url)
 
         def send(fields: dict) -> None:
-            message = InboxMessage(task=Task.ENROLL, body=EnrollRequest(**fields).dump())  # as inference.edge.send_enrollment
+            message = InboxMessage(task=Task.ENROLL, body=EnrollRequest(**fields).dump())  # as inference.board.send_enrollment
             sender.lpush(enroll_inbox_key(fields["device"]), json.dumps(message.dump(), separators=(",", ":")))
 
         def one(board: dict) -> None:
@@ -214,7 +214,7 @@ class Fleet:
 
     async def _send(self, task: Task, board: SimBoard, message, kind: Kind, expires_s: float | None = None) -> None:
         sealed = board.me.seal(message, kind)
-        message = InboxMessage(task=task, body=sealed)  # as inference.edge.send_to_control
+        message = InboxMessage(task=task, body=sealed)  # as inference.board.send_to_control
         await self.broker.lpush(inbox_key(board.me.name), json.dumps(message.dump(), separators=(",", ":")))
 
     async def _heartbeats(self, board: SimBoard) -> None:
@@ -232,7 +232,7 @@ class Fleet:
                 )
                 sealed = board.me.seal(Heartbeat(device=board.me.name, status=status), Kind.HEARTBEAT)
                 raw = json.dumps(sealed, separators=(",", ":"))
-                await self.broker.psetex(heartbeat_key(board.me.name), max(60, int(self.heartbeat_s * 12)) * 1000, raw)  # as inference.edge.push_heartbeat
+                await self.broker.psetex(heartbeat_key(board.me.name), max(60, int(self.heartbeat_s * 12)) * 1000, raw)  # as inference.board.push_heartbeat
                 self.counts["heartbeats"] += 1
             except Exception as exc:  # noqa: BLE001 (counted and reported, the board beats on)
                 self._error(f"heartbeat of {board.me.name}: {type(exc).__name__}: {exc}")

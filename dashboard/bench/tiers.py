@@ -25,10 +25,10 @@ from typing import Callable, Iterator
 
 from cachebox.link import LINK_PRESETS
 
-from inference.chat import chat_prompt, follow_up
-from inference.exchange import Exchange
+from inference.engine.chat import chat_prompt, follow_up
+from inference.serving.exchange import Exchange
 from dashboard.mmlu import MMLUPrompt
-from inference.prefix_serving import PrefixServing
+from inference.serving.prefix import PrefixServing
 
 from dashboard.host_plan import CGROUP_ROOT
 

@@ -26,7 +26,7 @@ at a time).
 
 Both get the same memory. ``--cache-ram`` bounds llama-server's prompt cache alone, so what it may
 hold in all is its RSS once loaded and warmed (measured first) plus ``--cache-ram``. EdgeCache's
-boards are registered with the memory whose budget (``inference.memory_plan``) is that figure, and
+boards are registered with the memory whose budget (``inference.engine.memory_plan``) is that figure, and
 each board's planner sizes its RAM tier to what its model, context and runtime leave: the speed is
 compared within the same memory (``--board-memory-mb`` registers another figure, with a RAM tier of
 ``--ram-mb``, as runs before did).
@@ -60,9 +60,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from inference.config import ROOT
-from inference.memory_plan import RSS_SHARE
-from inference.proc_memory import ProcessMemory
+from inference.board.config import ROOT
+from inference.engine.memory_plan import RSS_SHARE
+from inference.engine.proc_memory import ProcessMemory
 
 from dashboard.bench import llama_server
 from dashboard.bench import side_by_side as sbs
@@ -547,7 +547,7 @@ class EdgeCacheStack:
         )
         if hosts is not None:  # boards as hosts reach the cache box and the broker on the hub's address
             env["EDGECACHE_EMBEDDED_BIND"] = f"127.0.0.1 {hosts.hub}"
-        if memory.board_ram_tier_mb is not None:  # else the board's planner sizes it (inference.memory_plan)
+        if memory.board_ram_tier_mb is not None:  # else the board's planner sizes it (inference.engine.memory_plan)
             env["EDGECACHE_RAM_TIER_MB"] = str(memory.board_ram_tier_mb)
         self.env = env
         self.server: subprocess.Popen | None = None
@@ -621,7 +621,7 @@ class EdgeCacheStack:
     def url_at(self, address: str) -> str:
         """The embedded Valkey's URL at ``address`` (no credentials: a board logs in as itself)."""
         from cachebox import embedded
-        from inference.config import BoardConfig
+        from inference.board.config import BoardConfig
 
         config = BoardConfig.from_env(self.env)
         return embedded.url_for(config.embedded_dir, config.embedded_port, host=address)
@@ -857,7 +857,7 @@ def add_arguments(parser) -> None:
 
 
 def run(ctx, *, workloads, repeats, questions, per_topic, fleet_per_topic, turns, topics, boards, interval, threads, n_ctx, ram_mb, board_memory_mb, **_) -> dict:
-    from inference.model_file import resolve_model
+    from inference.engine.model_file import resolve_model
 
     if repeats < 1 or not 0 <= questions <= len(sbs.QUESTIONS) or per_topic < 1 or fleet_per_topic < 1 or boards < 1 or not 1 <= turns <= len(sbs.CHATS[0]):
         raise BenchError(

@@ -265,7 +265,7 @@ def quantize_like(source: str | os.PathLike, float_gguf: str | os.PathLike, targ
     type differs from ``source``'s (empty: the same mix)."""
     import llama_cpp
 
-    from inference.engine import _quiet_llama
+    from inference.engine.llama import _quiet_llama
 
     _quiet_llama()
     reader = gguf.GGUFReader(str(source))
@@ -337,8 +337,8 @@ def tune(model_path: str | os.PathLike, target: str | os.PathLike, config: TuneC
     """Fine-tune LoRA adapters with the anchor mask for ``config.minutes``, export the tuned GGUF
     to ``target``; returns (and writes beside ``target``) the record of what it reached.
     ``resume``: start from the adapters saved at ``checkpoint`` (``max_steps=0``: export them)."""
-    from inference.engine import Vocabulary
-    from inference.model_file import ModelFile, _cached_sha256
+    from inference.engine.llama import Vocabulary
+    from inference.engine.model_file import ModelFile, _cached_sha256
     from inference.lab.reference import ReferenceModel
 
     torch.manual_seed(config.seed)
@@ -461,7 +461,7 @@ def record_path(target: str | os.PathLike) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from inference.model_file import resolve_model
+    from inference.engine.model_file import resolve_model
     from inference.lab.kv_prediction import lab_dir
 
     parser = argparse.ArgumentParser(prog="python -m dashboard.lab.anchor_tune", description="Anchor fine-tuning (seed 004): LoRA with the anchor mask, exported to GGUF")

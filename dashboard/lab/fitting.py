@@ -12,7 +12,7 @@ import numpy as np
 
 from inference.lab.early_exit import ExitLens, _need_torch, torch
 from inference.lab.kv_prediction import Predictor, predictor_path
-from inference.model_file import ModelFile
+from inference.engine.model_file import ModelFile
 
 
 def fit_predictors(
@@ -77,7 +77,7 @@ def ensure_predictors(
     paths = {k: predictor_path(directory, model.sha256, k) for k in ks}
     missing = [k for k, path in paths.items() if not path.exists()]
     if missing:
-        from dashboard.lab.reference import ReferenceModel
+        from inference.lab.reference import ReferenceModel
         from dashboard.lab.texts import calibration_documents
 
         reference = reference or ReferenceModel.load(model.path, threads=threads)

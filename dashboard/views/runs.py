@@ -18,8 +18,8 @@ from django.views.decorators.http import require_POST
 
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
-from inference.breakdown import FIELD_GROUPS, time_sums
-from inference.messages import CANCELLED
+from inference.serving.breakdown import FIELD_GROUPS, time_sums
+from inference.contract.messages import CANCELLED
 
 from .. import actions, admission, board_start, charts, metrics, ratelimit, run_stream
 from ..explain import explain_run

@@ -9,7 +9,7 @@ from django.views.decorators.http import require_POST
 
 from cachebox.errors import CacheBoxError
 from dashboard.models import Schema
-from inference.pml import PMLError
+from inference.serving.pml import PMLError
 
 from .. import actions
 from ..forms import ConfirmForm, EncodeForm, SchemaForm

@@ -39,10 +39,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..engine import MAIN_SEQ, Engine, EngineConfig
-from ..model_file import ModelFile, _cached_sha256
-from ..serving import FirstToken, RunState, ServingStrategy, ms_since
-from ..strategies import StrategySpec
+from inference.engine.llama import MAIN_SEQ, Engine, EngineConfig
+from inference.engine.model_file import ModelFile, _cached_sha256
+from inference.serving.run import FirstToken, RunState, ServingStrategy, ms_since
+from inference.serving.strategies import StrategySpec
 
 BASE = "anchors"  # the served model, pruned without training (expected to lose accuracy)
 TUNED = "anchors-tuned"  # the anchor-tuned GGUF (``anchor_tune``), pruned

@@ -44,8 +44,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..serving import FirstToken, RunResult, RunState, ServingStrategy, Tokens, ms_since, prompt_tokens
-from ..strategies import StrategySpec
+from inference.serving.run import FirstToken, RunResult, RunState, ServingStrategy, Tokens, ms_since, prompt_tokens
+from inference.serving.strategies import StrategySpec
 from .array_file import load_arrays, save_arrays
 
 try:  # the lab extra; without it this module still imports (a run then says what to install)
@@ -89,7 +89,7 @@ class ExitPolicy:
 
     @classmethod
     def of(cls, spec: StrategySpec) -> "ExitPolicy":
-        """The policy an ``early-exit:MEASURE:THRESHOLD[:lens]`` strategy names (``inference.strategies``)."""
+        """The policy an ``early-exit:MEASURE:THRESHOLD[:lens]`` strategy names (``inference.serving.strategies``)."""
         return cls(spec.measure, spec.threshold, head=spec.head)
 
 

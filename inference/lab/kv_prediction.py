@@ -30,12 +30,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ..config import edgecache_home
-from ..breakdown import Breakdown
-from ..engine import MAIN_SEQ, Engine, EngineConfig
-from ..model_file import ModelFile, _cached_sha256
-from ..serving import FirstToken, RunState, ServingStrategy, Tokens, ms_since, prompt_tokens
-from ..strategies import StrategySpec
+from inference.board.config import edgecache_home
+from inference.serving.breakdown import Breakdown
+from inference.engine.llama import MAIN_SEQ, Engine, EngineConfig
+from inference.engine.model_file import ModelFile, _cached_sha256
+from inference.serving.run import FirstToken, RunState, ServingStrategy, Tokens, ms_since, prompt_tokens
+from inference.serving.strategies import StrategySpec
 from . import state_blob
 from .array_file import load_arrays, save_arrays
 from .truncate import ensure_truncated

@@ -33,15 +33,15 @@ import numpy as np
 
 from cachebox.keys import tokens_digest
 
-from ..breakdown import Breakdown
-from ..breakdown import Tier as TierLabel
-from ..engine import Engine
-from ..exchange import EntryRef, ExchangeSession, Fetched
-from ..messages import StoredEntry
-from ..serving import ms_since
+from inference.serving.breakdown import Breakdown
+from inference.serving.breakdown import Tier as TierLabel
+from inference.engine.llama import Engine
+from inference.serving.exchange import EntryRef, ExchangeSession, Fetched
+from inference.contract.messages import StoredEntry
+from inference.serving.run import ms_since
 
 if TYPE_CHECKING:
-    from ..overlap import Arrival, RangeLoader
+    from inference.serving.overlap import Arrival, RangeLoader
 
 Exports = dict[int, tuple[int, bytes]]  # range end -> (range start, state), taken as soon as computed
 

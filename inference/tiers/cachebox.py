@@ -1,9 +1,9 @@
-"""The farthest tier: the cache box, over the link, through the exchange (``inference.exchange``).
+"""The farthest tier: the cache box, over the link, through the exchange (``inference.serving.exchange``).
 
 Lookup: the catalog's "maybe"s (no network), the headers of the candidate ranges (one round
 trip), the longest chain that really connects to what the board holds, and the break-even
 policy's plan (fetch it, compute it, or compute the front while the back loads: Cake's idea,
-``inference.overlap``). Restore: load the chain by the plan. Keep: upload the ranges the cache
+``inference.serving.overlap``). Restore: load the chain by the plan. Keep: upload the ranges the cache
 box lacks (after the answer) and learn the link's and the board's rates for the next plan.
 
 A cache box that is down, a catalog false positive, or a corrupted entry never changes the
@@ -21,14 +21,14 @@ from cachebox.entry import EntryHeader
 from cachebox.errors import EntryError
 from cachebox.keys import grid_cuts, tokens_digest
 
-from ..breakdown import Breakdown, CacheBoxState, Decision
-from ..breakdown import Tier as TierLabel
-from ..breakeven import BreakEvenPolicy, FetchPlan, Range
-from ..engine import MAIN_SEQ
-from ..exchange import EntryRef, Expect, Fetched, plan_chain, prefix_refs
-from ..messages import StoredEntry
-from ..overlap import DONE, Arrival, RangeLoader
-from ..serving import ms_since
+from inference.serving.breakdown import Breakdown, CacheBoxState, Decision
+from inference.serving.breakdown import Tier as TierLabel
+from inference.serving.breakeven import BreakEvenPolicy, FetchPlan, Range
+from inference.engine.llama import MAIN_SEQ
+from inference.serving.exchange import EntryRef, Expect, Fetched, plan_chain, prefix_refs
+from inference.contract.messages import StoredEntry
+from inference.serving.overlap import DONE, Arrival, RangeLoader
+from inference.serving.run import ms_since
 from .base import Computed, Exports, Held, TierRun
 
 # A chain forecast to arrive within this many ms comes in one request (one round trip): per-range

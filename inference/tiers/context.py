@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..breakdown import Tier as TierLabel
-from ..engine import MAIN_SEQ
-from ..local_tier import Context
-from ..serving import ms_since
+from inference.serving.breakdown import Tier as TierLabel
+from inference.engine.llama import MAIN_SEQ
+from inference.tiers.local import Context
+from inference.serving.run import ms_since
 from .base import Computed, Held, TierRun
 
 

@@ -25,10 +25,10 @@ from cachebox.errors import EntryError
 from cachebox.events import security_event
 from cachebox.keys import tokens_digest
 
-from ..breakdown import Tier as TierLabel
-from ..engine import MAIN_SEQ, EngineError
-from ..exchange import EntryRef, Fetched
-from ..serving import ms_since
+from inference.serving.breakdown import Tier as TierLabel
+from inference.engine.llama import MAIN_SEQ, EngineError
+from inference.serving.exchange import EntryRef, Fetched
+from inference.serving.run import ms_since
 from .base import Computed, Held, TierRun
 
 log = logging.getLogger(__name__)

@@ -9,12 +9,12 @@ import time
 
 from cachebox.entry import decode_header
 
-from ..breakdown import Tier as TierLabel
-from ..engine import MAIN_SEQ, EngineError
-from ..exchange import EntryRef
-from ..local_tier import LocalEntry, RamEntries
-from ..proc_memory import rss_bytes
-from ..serving import ms_since
+from inference.serving.breakdown import Tier as TierLabel
+from inference.engine.llama import MAIN_SEQ, EngineError
+from inference.serving.exchange import EntryRef
+from inference.tiers.local import LocalEntry, RamEntries
+from inference.engine.proc_memory import rss_bytes
+from inference.serving.run import ms_since
 from .base import Computed, Held, TierRun
 
 

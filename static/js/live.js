@@ -492,7 +492,7 @@
       const modules = b.modules_hit.length ? " (modules " + b.modules_hit.join(", ") + " from the cache box)" : " (no module from the cache box)";
       card.appendChild(el("p", { class: "matched", text: "matched " + show(b.matched_tokens) + " of " + show(b.prompt_tokens) + " prompt tokens" + modules }));
     }
-    // TTFT and TTLT as the sums they are, in the server's words (inference.breakdown.time_sums).
+    // TTFT and TTLT as the sums they are, in the server's words (inference.serving.breakdown.time_sums).
     ["ttft", "ttlt"].forEach(function (which) {
       const sum = (run.time_sums || {})[which];
       if (sum) card.appendChild(el("p", { class: "muted time-sum", "data-sum": which, text: sum.sentence + " (ms)" }));

@@ -9,15 +9,15 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from cachebox.errors import CacheBoxUnavailable, InvalidNamespace
-from inference.board import Board
-from inference.config import ConfigError
-from inference.kernels import CLASS_RE
+from inference.board.runtime import Board
+from inference.board.config import ConfigError
+from inference.engine.kernels import CLASS_RE
 from dashboard.cli import add_sampling_arguments, read_prompt_file, sampling_from_options, split_segments
-from inference.model_file import ModelNotFound
-from inference.serving import PromptError
-from inference.pml import PMLError, parse_schema
-from inference.serving import Prompt, RunOptions
-from inference.strategies import REGISTRY, parse_strategy
+from inference.engine.model_file import ModelNotFound
+from inference.serving.run import PromptError
+from inference.serving.pml import PMLError, parse_schema
+from inference.serving.run import Prompt, RunOptions
+from inference.serving.strategies import REGISTRY, parse_strategy
 
 from dashboard.actions import start_cachebox
 from dashboard.signing import control_plane_keys

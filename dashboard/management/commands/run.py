@@ -38,8 +38,8 @@ from cachebox.errors import CacheBoxUnavailable
 from cachebox.link import LINK_PRESETS
 from dashboard import actions
 from dashboard.models import Device
-from inference.config import edgecache_home
-from inference.messages import Queue
+from inference.board.config import edgecache_home
+from inference.contract.messages import Queue
 
 ADMIN_USERNAME = "admin"
 # EDGECACHE_BOARD_HOSTS=1: the demo boards as hosts (dashboard.hosts) on this hub.
@@ -65,7 +65,7 @@ def checked_admin_password(password: str | None) -> str | None:
 
 
 DEMO_BOARDS = [
-    # "zero" computes at the paper's Pi Zero 2W rate (inference.compute_profile) over the paper's
+    # "zero" computes at the paper's Pi Zero 2W rate (inference.engine.compute_profile) over the paper's
     # Wi-Fi 4: the regime the paper measured, labelled emulated on every run. "pi5" runs unpaced.
     {"name": "zero", "kind": "Raspberry Pi Zero 2W (emulated)", "cpu_threads": 1, "memory_mb": 512, "link": "wifi4", "compute_profile": "pi-zero-2w"},
     {"name": "pi5", "kind": "Raspberry Pi 5 (emulated)", "cpu_threads": 2, "memory_mb": 4096, "link": "none", "compute_profile": ""},
