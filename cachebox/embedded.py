@@ -138,7 +138,7 @@ def memory_args(maxmemory: str, max_value: int = DEFAULT_MAX_VALUE) -> list[str]
 
 def _listen_args(bind: tuple[str, ...], password: str | None) -> list[str]:
     """Where the server listens: loopback always, plus ``bind``'s other addresses (boards on a
-    host network of their own, ``dashboard.hosts``). Valkey's protected mode refuses every client
+    host network of their own, ``dashboard.hosts.network``). Valkey's protected mode refuses every client
     not on loopback while the default user has no password: with the control plane's password it
     stays on; without one it is off exactly when other addresses are asked for (the machine's own
     private links)."""

@@ -247,7 +247,7 @@ def _device(name: str) -> str:
 def inbox_key(device: str) -> str:
     """A board's own inbox (``ec:inbox:<device>``), a list of the broker's server: its signed reports,
     progress and encoding results, pushed by it alone (LPUSH only) and drained by the control plane
-    (``dashboard.inbox``), a few at a time per board in turn."""
+    (``dashboard.worker.inbox``), a few at a time per board in turn."""
     return f"{KEY_PREFIX}:inbox:{_device(device)}"
 
 

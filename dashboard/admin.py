@@ -6,8 +6,8 @@ from django.template.response import TemplateResponse
 
 from dashboard.models import CacheEntry
 
-from .entry_preview import previews
-from .explain import human_bytes
+from dashboard.pages.entry_preview import previews
+from dashboard.pages.explain import human_bytes
 from .models import ApiKey, AuditEvent, Device, InferenceRun, Membership, Namespace, SavedPrompt
 
 SHOWN = 50  # items listed on a confirmation page

@@ -24,12 +24,12 @@ class DashboardConfig(AppConfig):
         from django.db.models.signals import post_delete, post_migrate, post_save
 
         from .models import Device
-        from .routing import CANDIDATES
+        from dashboard.router import CANDIDATES
 
         post_save.connect(CANDIDATES.forget, sender=Device, weak=False, dispatch_uid="routing-candidates-saved")
         post_delete.connect(CANDIDATES.forget, sender=Device, weak=False, dispatch_uid="routing-candidates-deleted")
         post_migrate.connect(ensure_default_namespace, sender=self, dispatch_uid="default-namespace")
         if os.environ.get("EDGECACHE_COUNT_DB_WRITES") == "1":  # bench fleet-sim: database writes/s of every process
-            from .db_writes import count_writes
+            from dashboard.ops.db_writes import count_writes
 
             count_writes()

@@ -58,7 +58,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.urls import path  # noqa: E402
 
-from .consumers import LiveConsumer  # noqa: E402
+from dashboard.live.consumers import LiveConsumer  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _warm_router() -> None:
     from inference.contract.messages import Queue
 
     from .models import Namespace
-    from .routing import CANDIDATES, STATE, prompt_tokens
+    from dashboard.router import CANDIDATES, STATE, prompt_tokens
 
     try:
         prompt_tokens(run_request(["warm"]))

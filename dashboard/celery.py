@@ -1,8 +1,8 @@
 """The control plane's Celery app (configured by Django settings, which take the settings boards
 use from ``inference.board.app``). JSON messages only. Boards run their own app, without Django.
 Each control worker runs EdgeCache's control tasks and nothing else, and three threads: the
-sweeper (``dashboard.sweeper``), the heartbeat reader (``actions.devices.HeartbeatBatch``) and the
-control inbox (``dashboard.inbox``), the only way a board's message reaches a task."""
+sweeper (``dashboard.worker.sweeper``), the heartbeat reader (``actions.devices.HeartbeatBatch``) and the
+control inbox (``dashboard.worker.inbox``), the only way a board's message reaches a task."""
 
 import os
 
@@ -36,8 +36,8 @@ def _start_sweeper(sender=None, **_) -> None:
         return
     # Django's apps are ready only now (Celery's Django fixup): these read the models.
     from .actions.devices import HEARTBEATS
-    from .inbox import INBOX
-    from .sweeper import start
+    from dashboard.worker.inbox import INBOX
+    from dashboard.worker.sweeper import start
 
     start()
     HEARTBEATS.start()  # every board's latest heartbeat, read in batches

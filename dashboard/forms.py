@@ -16,13 +16,13 @@ from cachebox.link import LINK_PRESETS
 from dashboard import mmlu
 from inference.serving.breakdown import Case, Decision
 from inference.contract.messages import RunRequest
-from .cli import split_segments
+from dashboard.management.boards import split_segments
 from dashboard.models import Schema
 from inference.serving.pml import PMLError, parse_prompt, parse_schema
 
 from .actions import run_request as asked_run
 from .models import Device, SavedPrompt
-from .stats import ANSWERED, CANCELLED_RUNS, FAILED, namespace_choices, outcome_q, sees_every_namespace, visible_devices, visible_schemas
+from dashboard.pages.stats import ANSWERED, CANCELLED_RUNS, FAILED, namespace_choices, outcome_q, sees_every_namespace, visible_devices, visible_schemas
 
 MAX_PROMPT_CHARS = 32_000  # the Run page's limit, in the text boxes (counter) and here (form error)
 MAX_CHAT_TURNS = 64  # turns a Run page chat sends back (the board's context ends it sooner)
@@ -601,7 +601,7 @@ SEARCHED_RUNS = 5000  # newest runs a "prompt contains" search opens (prompts ar
 
 def _runs_containing(runs, text: str) -> list[int]:
     """Ids of the newest ``SEARCHED_RUNS`` of ``runs`` whose prompt or title holds ``text`` (any case),
-    read and opened in Python: the prompt column is sealed (dashboard.at_rest)."""
+    read and opened in Python: the prompt column is sealed (dashboard.security.at_rest)."""
     wanted = text.casefold()
     newest = runs.order_by("-created").values_list("pk", "title", "prompt")[:SEARCHED_RUNS]
     return [pk for pk, title, prompt in newest if wanted in (title or "").casefold() or wanted in (prompt or "").casefold()]

@@ -14,7 +14,7 @@ from django.db import models
 from django.urls import reverse
 from django.utils import timezone
 
-from dashboard.at_rest import SealedJSONField, SealedTextField
+from dashboard.security.at_rest import SealedJSONField, SealedTextField
 from inference.engine.kernels import CLASS_RE
 from inference.contract.messages import CANCELLED, Queue
 from inference.serving.pml import PMLError, parse_schema
@@ -258,7 +258,7 @@ class InferenceRun(models.Model):
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="runs")
     source = models.CharField(max_length=10, choices=SOURCES, default="text")
     title = SealedTextField(blank=True)  # at most 200 characters (RunMeta); it starts with the prompt
-    prompt = SealedTextField(blank=True)  # sealed at rest (dashboard.at_rest), as the answer
+    prompt = SealedTextField(blank=True)  # sealed at rest (dashboard.security.at_rest), as the answer
     expected_answer = models.CharField(max_length=8, blank=True)
     text = SealedTextField(blank=True)
     error = models.TextField(blank=True)
@@ -328,7 +328,7 @@ class InferenceRun(models.Model):
     @property
     def routing(self) -> dict:
         """How the router chose this run's board, for a run sent to any board (else {}): expected
-        time, what the board held, the expected saving (``dashboard.routing``)."""
+        time, what the board held, the expected saving (``dashboard.router``)."""
         record = Dispatch.objects.filter(request_id=self.request_id).values_list("routing", flat=True).first() or {}
         return {key: value for key, value in record.items() if key not in ("prompt", "work_ms")} if record.get("policy") == "cache-aware" else {}
 
@@ -454,7 +454,7 @@ class ApiKey(models.Model):
 # A prompt schema travels to a board inside its task message.
 class Schema(models.Model):
     name = models.CharField(max_length=64, unique=True, editable=False, help_text="from <schema name=...>")
-    source = SealedTextField(help_text="the PML document (sealed at rest: dashboard.at_rest)")
+    source = SealedTextField(help_text="the PML document (sealed at rest: dashboard.security.at_rest)")
     digest = models.CharField(max_length=16, editable=False, help_text="changes whenever the source does")
     # The tenant whose keys, pages and boards may use it; "" is shared with every namespace (staff
     # choose to share one). A name (``dashboard.Namespace``), not a foreign key: boards' app

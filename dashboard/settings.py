@@ -146,7 +146,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
-                "dashboard.context.chart_stack",
+                "dashboard.pages.context.chart_stack",
             ],
         },
     },
@@ -200,8 +200,8 @@ LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
 SESSION_COOKIE_HTTPONLY = True
 # Sessions are stored under a keyed digest of their cookie, never the cookie itself: a copy of the
-# database replays no login (dashboard.sessions).
-SESSION_ENGINE = "dashboard.sessions"
+# database replays no login (dashboard.security.sessions).
+SESSION_ENGINE = "dashboard.security.sessions"
 CSRF_COOKIE_SAMESITE = "Lax"
 X_FRAME_OPTIONS = "DENY"
 
@@ -260,7 +260,7 @@ EDGECACHE_CACHEBOX_URL = EDGECACHE_BOARD.cachebox_url
 if is_cluster_url(EDGECACHE_CACHEBOX_URL):
     parse_cluster_url(EDGECACHE_CACHEBOX_URL)  # a malformed one stops here, with the reason
 # The cache box's address as a board on another machine reaches it, for the start command the pages
-# show staff (dashboard/board_start.py); credentials in it are dropped (a board logs in as its own
+# show staff (dashboard/pages/board_start.py); credentials in it are dropped (a board logs in as its own
 # user). Empty: derived from REDIS_URL, or from the embedded Valkey and EDGECACHE_EMBEDDED_BIND.
 EDGECACHE_PUBLIC_REDIS_URL = os.environ.get("EDGECACHE_PUBLIC_REDIS_URL", "").strip()
 
@@ -300,7 +300,7 @@ if EDGECACHE_TOKEN_TTL_HOURS <= 0:
 CHANNEL_LAYER_READ_TIMEOUT_S = 15
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "dashboard.live.AuthenticatedChannelLayer",
+        "BACKEND": "dashboard.live.broadcast.AuthenticatedChannelLayer",
         "CONFIG": {
             "hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S, **tls_options(REDIS_URL)}],
             "symmetric_encryption_keys": [SECRET_KEY],
@@ -366,10 +366,10 @@ EDGECACHE_ENROLL_RATE = _env_int("EDGECACHE_ENROLL_RATE", 10)
 if REDIS_URL.split("://", 1)[0] in ("redis", "rediss", "unix"):
     CACHES = {
         "default": {
-            "BACKEND": "dashboard.django_cache.CacheBoxRedisCache",
+            "BACKEND": "dashboard.store.django_cache.CacheBoxRedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": "edgecache:django",
-            # JSON values (never pickle: dashboard.django_cache). A bounded pool: a burst of requests
+            # JSON values (never pickle: dashboard.store.django_cache). A bounded pool: a burst of requests
             # waits up to the I/O timeout for a connection instead of opening one each.
             "OPTIONS": {
                 "socket_connect_timeout": EDGECACHE_CONNECT_TIMEOUT,
@@ -382,13 +382,13 @@ if REDIS_URL.split("://", 1)[0] in ("redis", "rediss", "unix"):
         }
     }
 else:  # not a Redis URL: counters per process only
-    CACHES = {"default": {"BACKEND": "dashboard.django_cache.JSONLocMemCache", "LOCATION": "edgecache"}}
+    CACHES = {"default": {"BACKEND": "dashboard.store.django_cache.JSONLocMemCache", "LOCATION": "edgecache"}}
 
 # `edgecache.security`: one JSON object per line (cachebox.events.security_event).
 LOGGING["formatters"]["json_lines"] = {"()": "cachebox.events.JsonLineFormatter"}
 LOGGING["handlers"]["security"] = {"class": "logging.StreamHandler", "formatter": "json_lines"}
 # ... and counted in the cache box for /metrics (edgecache_security_events_total{event}).
-LOGGING["handlers"]["security_count"] = {"class": "dashboard.security_counts.SecurityEventCounter"}
+LOGGING["handlers"]["security_count"] = {"class": "dashboard.ops.security_counts.SecurityEventCounter"}
 LOGGING["loggers"]["edgecache.security"] = {"handlers": ["security", "security_count"], "level": "INFO", "propagate": False}
 
 # --- The OpenAI-compatible API (/v1/, dashboard.api) ---------------------------------------------

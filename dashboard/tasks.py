@@ -1,7 +1,7 @@
 """Control-plane Celery tasks (queue ``control``): thin wrappers over dashboard.actions.
 
 Only the control plane writes this queue: boards' messages reach it through the control inbox
-(``dashboard.inbox``), which hands on only these messages from the device their inbox names.
+(``dashboard.worker.inbox``), which hands on only these messages from the device their inbox names.
 A control worker runs these tasks and nothing else (``inbox.refuse_foreign_tasks``: Celery's
 built-in canvas tasks are unregistered). Each hands the raw message to its verb, which validates
 it against the message contract (``inference.contract.messages``) and refuses (logs) what does not follow it.

@@ -21,7 +21,7 @@ compared by their prefix keys on the 128-token grid (``cachebox.keys``): the lon
 prefix is the last boundary whose key a board holds, because each key pins every token
 before it.
 
-Pure: no I/O, no Django. The control plane (``dashboard.routing``) and ``bench fleet`` feed
+Pure: no I/O, no Django. The control plane (``dashboard.router``) and ``bench fleet`` feed
 the same ``FleetIndex`` and call the same ``route``.
 """
 
@@ -253,7 +253,7 @@ class FleetIndex:
         self.boards: dict[str, _BoardHistory] = {}
         self.cachebox: set[str] = set()  # keys (hex) the cache box is known to hold
         # Kept as the histories change, so that a decision reads the boards that matter to a prompt
-        # without walking every board (``dashboard.routing.plan`` at 1,000 boards):
+        # without walking every board (``dashboard.router.plan`` at 1,000 boards):
         self.busy: set[str] = set()  # boards with runs dispatched and not yet reported
         self.holders: dict[str, dict[str, int]] = {}  # range key -> {board: how many of its remembered prompts have it}
         self.rate_changes: list[str] = []  # boards whose prefill rate changed, in order (``RATE_LOG`` at most)

@@ -375,8 +375,8 @@ def control_plane_password(home: Path) -> str:
 
 def opened_text(home: Path, stored: str | None) -> str | None:
     """A prompt, answer or schema text as a control plane whose EDGECACHE_HOME is ``home`` reads it from
-    its database (sealed at rest under its master secret, ``dashboard.at_rest``)."""
-    from dashboard.at_rest import open_text
+    its database (sealed at rest under its master secret, ``dashboard.security.at_rest``)."""
+    from dashboard.security.at_rest import open_text
 
     if not stored:
         return stored
@@ -407,9 +407,9 @@ def _own_django_cache(settings, monkeypatch):
     requests would otherwise count against the next test's same user in the same minute.
     Tests that need the shared Redis cache point ``settings.CACHES`` at a server themselves.
     """
-    from dashboard import ratelimit
+    from dashboard.security import ratelimit
 
-    settings.CACHES = {"default": {"BACKEND": "dashboard.django_cache.JSONLocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}}
+    settings.CACHES = {"default": {"BACKEND": "dashboard.store.django_cache.JSONLocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}}
     monkeypatch.setattr(ratelimit, "_local", ratelimit._LocalCounts())
 
 

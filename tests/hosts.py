@@ -1,5 +1,5 @@
 """Boards as hosts for the tests: a private control plane whose broker and cache box listen on a
-hub address, and boards started in network namespaces of their own (``dashboard.hosts``), each
+hub address, and boards started in network namespaces of their own (``dashboard.hosts.network``), each
 behind a veth link shaped by the kernel and in a cgroup capped at its registered memory.
 
 The connection settings a board receives are made in one place, ``HostedPlane.board_env``:
@@ -22,7 +22,7 @@ import pytest
 
 from cachebox import embedded
 from cachebox.link import LINK_PRESETS
-from dashboard.hosts import Host, HostNetwork, free_subnet, unavailable_reason
+from dashboard.hosts.network import Host, HostNetwork, free_subnet, unavailable_reason
 
 from .conftest import ROOT, opened_text
 

@@ -574,4 +574,4 @@ def test_no_module_outside_cachebox_imports_redis():
         for path in (ROOT / package).rglob("*.py")
         if {"benchmarks", "bench"}.isdisjoint(path.parts) and pattern.search(path.read_text(encoding="utf-8"))
     ]  # benchmarks' drivers (the fleet simulation's boards) speak raw Redis on purpose
-    assert offenders == [], "only cachebox may import redis (cachebox.store, dashboard.streams, cachebox.broker)"
+    assert offenders == [], "only cachebox may import redis (cachebox.store, dashboard.live.streams, cachebox.broker)"

@@ -1,4 +1,4 @@
-"""Text sealed at rest in the control plane's database (dashboard.at_rest): what the migration does to
+"""Text sealed at rest in the control plane's database (dashboard.security.at_rest): what the migration does to
 rows stored before it."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_schemas_and_cache_entries_of_a_database_made_before_they_moved_into_das
     from django.db import connection
     from django.db.migrations.executor import MigrationExecutor
 
-    from dashboard.at_rest import is_sealed
+    from dashboard.security.at_rest import is_sealed
 
     move = ("dashboard", "0018_schema_and_cache_entries_move_here")
     executor = MigrationExecutor(connection)

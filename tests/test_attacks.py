@@ -53,24 +53,24 @@ def redis_cache(settings, valkey_url):
 
 @pytest.mark.cachebox
 def test_a_pickle_planted_in_a_routing_hint_runs_nothing_and_is_ignored(redis_cache, tmp_path):
-    from dashboard.api import routing
+    from dashboard.api import board_choice
 
     server, prefix = redis_cache
     marker = tmp_path / "pwned"
     # The attacker, holding a board's Redis access, overwrites the hint of a prompt_cache_key.
-    name = caches["default"].make_key(routing._cache_name("default", "victim-key"))
+    name = caches["default"].make_key(board_choice._cache_name("default", "victim-key"))
     server.set(name, pickle.dumps(_Marker(marker)))
-    assert routing._remembered("default", "victim-key") is None
+    assert board_choice._remembered("default", "victim-key") is None
     assert not marker.exists()
     # Hints written by the control plane itself still work (JSON).
-    routing.remember("default", "victim-key", type("D", (), {"name": "pi5"})())
-    assert routing._remembered("default", "victim-key") == "pi5"
+    board_choice.remember("default", "victim-key", type("D", (), {"name": "pi5"})())
+    assert board_choice._remembered("default", "victim-key") == "pi5"
     assert json.loads(server.get(name)) == "pi5"
 
 
 @pytest.mark.cachebox
 def test_rate_limit_counters_stay_numbers_the_server_can_count(redis_cache):
-    from dashboard import ratelimit
+    from dashboard.security import ratelimit
 
     server, prefix = redis_cache
     for expected in (1, 2, 3):
@@ -134,9 +134,9 @@ def test_no_module_of_ours_imports_pickle():
 
 # -- probe 7: the rate limit fails closed ----------------------------------------------------------------
 def test_an_unreachable_cache_still_limits_in_this_process(settings, caplog):
-    from dashboard import ratelimit
+    from dashboard.security import ratelimit
 
-    settings.CACHES = {"default": {"BACKEND": "dashboard.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
+    settings.CACHES = {"default": {"BACKEND": "dashboard.store.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
     caches._settings = None  # noqa: SLF001
     who = uuid.uuid4().hex
     verdicts = [ratelimit.hit("api", who, 5) for _ in range(8)]
@@ -149,7 +149,7 @@ def test_an_unreachable_cache_still_limits_in_this_process(settings, caplog):
 def test_two_hundred_parallel_requests_get_no_more_than_the_limit(redis_cache, settings):
     """The probe: 200 requests at once on a key limited to 60 per minute. A bounded pool makes some
     wait for a connection; none is let through uncounted."""
-    from dashboard import ratelimit
+    from dashboard.security import ratelimit
 
     settings.CACHES["default"]["OPTIONS"] = {**settings.CACHES["default"]["OPTIONS"], "max_connections": 4, "timeout": 0.05}
     caches._settings = None  # noqa: SLF001
@@ -189,7 +189,7 @@ def test_a_pages_socket_reads_longer_than_its_blocking_pop_waits():
     reads for 5 s by default, as long as the pop) killed the consumer under load, and the page lost
     the events that came while it reconnected (an encode's last progress, in a busy test run)."""
     from dashboard import settings as configured
-    from dashboard.live import AuthenticatedChannelLayer
+    from dashboard.live.broadcast import AuthenticatedChannelLayer
 
     layer = AuthenticatedChannelLayer(**configured.CHANNEL_LAYERS["default"]["CONFIG"])
     assert layer.create_pool(0).connection_kwargs.get("socket_timeout", 0) > layer.brpop_timeout
@@ -198,7 +198,7 @@ def test_a_pages_socket_reads_longer_than_its_blocking_pop_waits():
 @pytest.mark.cachebox
 def test_a_live_event_written_into_redis_by_someone_else_never_reaches_a_page(settings, valkey_url):
     from dashboard import settings as configured
-    from dashboard.live import GROUP
+    from dashboard.live.broadcast import GROUP
 
     settings.CHANNEL_LAYERS = {"default": {**configured.CHANNEL_LAYERS["default"], "CONFIG": {**configured.CHANNEL_LAYERS["default"]["CONFIG"], "hosts": [valkey_url], "prefix": f"t{uuid.uuid4().hex[:8]}"}}}
     channel_layers.backends.clear()
@@ -409,7 +409,7 @@ def test_a_forged_ring_or_revocation_in_the_registry_changes_nothing_on_the_boar
 def test_the_api_follows_only_events_the_dispatched_board_signed(settings, valkey_url):
     """A run's channel carries an attacker's unsigned event and one signed by another board; the API's
     reader takes only the dispatched board's (and the control plane's)."""
-    from dashboard import streams
+    from dashboard.live import streams
     from cachebox.keys import stream_channel
     from cachebox.signing import derive_keyring
     from dashboard.api.views import _Follower

@@ -24,8 +24,8 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from dashboard import board_start
-from dashboard.board_start import BoardAddress, board_address, start_command, without_credentials
+from dashboard.pages import board_start
+from dashboard.pages.board_start import BoardAddress, board_address, start_command, without_credentials
 
 from .stack import ADMIN_PASSWORD, SCREENSHOTS, browser, log_in, shell, stack, stack_env  # noqa: F401  (fixtures)
 from .test_board_install import board_env  # noqa: F401  (fixture: the board-only virtualenv)

@@ -28,7 +28,7 @@ def test_model_names_are_the_pairs_boards_report_read_by_the_database():
 @pytest.mark.django_db
 def test_entry_previews_find_each_entrys_newest_storing_run_within_its_window_in_one_query_per_span(django_assert_num_queries):
     from dashboard.models import CacheEntry
-    from dashboard.entry_preview import NEAR, previews
+    from dashboard.pages.entry_preview import NEAR, previews
     from dashboard.models import Device, InferenceRun, Namespace
 
     Namespace.objects.get_or_create(name="default")

@@ -1,5 +1,5 @@
 """The dashboard's figures are built as plain dicts, without plotly's validation on the request path
-(``dashboard.charts``): here plotly's own classes validate each one, and what they make of it is what
+(``dashboard.pages.charts``): here plotly's own classes validate each one, and what they make of it is what
 the page gets."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import plotly.graph_objects as go
 import pytest
 
 from cachebox.link import LINK_PRESETS
-from dashboard import charts
-from dashboard.chart_series import ChartPoint
+from dashboard.pages import charts
+from dashboard.pages.chart_series import ChartPoint
 
 T0 = datetime(2026, 11, 27, tzinfo=timezone.utc)
 POINTS = [

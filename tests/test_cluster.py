@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from cachebox import embedded, sync
-from dashboard import streams
+from dashboard.live import streams
 from cachebox.cluster import ClusterAddress, parse_cluster_url
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.keys import cancel_key_name, catalog_key_names, entry_key_name, prefix_keys, range_boundaries, stream_channel

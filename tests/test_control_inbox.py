@@ -18,7 +18,7 @@ import pytest
 import redis
 from redis.exceptions import NoPermissionError
 
-from dashboard.inbox import BOARD, ENROLLING, Accepted, ControlInbox, accept
+from dashboard.worker.inbox import BOARD, ENROLLING, Accepted, ControlInbox, accept
 from dashboard.bench.sim_board import task_message
 from inference.contract.envelope import Kind
 from inference.contract.messages import MAX_INBOX_MESSAGE_BYTES, Task
@@ -185,7 +185,7 @@ def test_a_board_flooding_its_inbox_delays_no_other_board(plane):
 def test_the_inboxes_are_served_round_robin_whatever_their_order(monkeypatch):
     """Of a thousand inboxes, the one after a flooded one is served at the next turn (a turn starts
     after the inbox served last), not after the flood had a turn for each inbox before it."""
-    from dashboard import inbox as module
+    from dashboard.worker import inbox as module
 
     names = [f"board-{index:04d}" for index in range(1000)]
     lists = {module.inbox_key(name): [] for name in names}

@@ -26,10 +26,10 @@ from dashboard.models import CacheEntry
 from cachebox.store import CacheBox
 from dashboard import actions, admission, tasks
 from dashboard.celery import app as celery_app
-from dashboard.consumers import LiveConsumer
-from dashboard.live import GROUP
+from dashboard.live.consumers import LiveConsumer
+from dashboard.live.broadcast import GROUP
 from dashboard.models import AuditEvent, Device, Dispatch, InferenceRun
-from dashboard.signing import control_plane_public_key, device_ring
+from dashboard.security.signing import control_plane_public_key, device_ring
 from inference.board import devices as registry
 from inference.contract import envelope
 from inference.contract.envelope import CONTROL, Kind
@@ -449,7 +449,7 @@ def store_entry(store, namespace, start=0, end=64, device="zero"):
 
 def test_reconcile_rebuilds_the_mirror_and_the_master_catalog(control_plane, namespace):
     from cachebox.catalog import Catalog
-    from dashboard.mirror import reconcile
+    from dashboard.store.mirror import reconcile
 
     names = [store_entry(control_plane, namespace, 64 * i, 64 * (i + 1)) for i in range(3)]
     CacheEntry.objects.create(key=entry_key_name(namespace, "00ff00ff00ff00ff", b"\0" * 16), model="00ff00ff00ff00ff", namespace=namespace, start=0, end=1, bytes=1)
@@ -464,7 +464,7 @@ def test_reconcile_rebuilds_the_mirror_and_the_master_catalog(control_plane, nam
 
 
 def test_admin_evict_asks_then_removes_from_store_and_mirror(staff_client, control_plane, namespace):
-    from dashboard.mirror import reconcile
+    from dashboard.store.mirror import reconcile
 
     names = [store_entry(control_plane, namespace, 0, 64)[0], store_entry(control_plane, namespace, 64, 128)[0]]
     reconcile(control_plane)
@@ -483,7 +483,7 @@ def test_admin_evict_asks_then_removes_from_store_and_mirror(staff_client, contr
 
 
 def test_admin_pin_and_unpin_change_the_entrys_ttl(staff_client, control_plane, namespace):
-    from dashboard.mirror import reconcile
+    from dashboard.store.mirror import reconcile
 
     name = store_entry(control_plane, namespace)[0]
     reconcile(control_plane)
@@ -498,7 +498,7 @@ def test_admin_pin_and_unpin_change_the_entrys_ttl(staff_client, control_plane, 
 
 
 def test_flush_needs_confirmation_and_a_scope(staff_client, control_plane, namespace):
-    from dashboard.mirror import reconcile
+    from dashboard.store.mirror import reconcile
 
     name = store_entry(control_plane, namespace)[0]
     reconcile(control_plane)

@@ -163,7 +163,7 @@ def test_a_cancelled_run_shows_its_measured_ttft(staff_client, control_plane):
 
 # -- a slow hit is one slower than computing --------------------------------------------------------
 def test_a_hit_faster_than_computing_is_not_called_slow():
-    from dashboard.explain import why
+    from dashboard.pages.explain import why
 
     # The walk's hit: the link took most of the TTFT, and computing was forecast five times longer.
     hit = {"case": "full", "tier": "cachebox", "fetch_ms": 3400.0, "redis_ms": 3460.0, "ttft_ms": 3600.0, "fetched_bytes": 8_400_000,
@@ -211,7 +211,7 @@ def test_a_board_that_counts_no_reasons_is_not_made_to_add_up(staff_client, cont
 
 
 def test_the_breakeven_verdict_is_said_in_plain_words():
-    from dashboard.charts import breakeven_figure
+    from dashboard.pages.charts import breakeven_figure
 
     runs = [{"prompt_tokens": tokens, "matched_tokens": 0, "prefill_ms": 3.0 * tokens} for tokens in (100, 300, 500)]
     runs += [{"prompt_tokens": tokens, "matched_tokens": tokens, "fetched_tokens": tokens, "redis_ms": 200.0 + 1.5 * tokens, "tier": "cachebox"} for tokens in (128, 256, 512)]

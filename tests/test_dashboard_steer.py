@@ -17,9 +17,10 @@ from django.utils import timezone
 
 from cachebox.keys import cancel_key_name, stream_channel
 from dashboard.models import CacheEntry
-from dashboard import actions, chart_series, explain
+from dashboard import actions
+from dashboard.pages import chart_series, explain
 from dashboard.models import Device, InferenceRun
-from dashboard.signing import control_plane_public_key, device_ring
+from dashboard.security.signing import control_plane_public_key, device_ring
 from inference.contract import envelope
 from inference.contract.envelope import Kind
 from inference.contract.messages import StreamEvent
@@ -159,7 +160,7 @@ def test_a_hit_is_attributed_to_the_tier_that_served_it():
 
 
 def test_the_hit_ratio_chart_draws_one_line_per_tier_whose_shares_add_up_to_the_hit_ratio():
-    from dashboard.charts import hit_ratio_figure, tier_counts
+    from dashboard.pages.charts import hit_ratio_figure, tier_counts
 
     points = [_point("zero", 0, ""), _point("zero", 1, "cachebox"), _point("zero", 2, "context"), _point("zero", 3, "local"), _point("one", 4, "local", runs=4)]
     figure = hit_ratio_figure(points, ["zero", "one"], {"zero": "#111111", "one": "#222222"})
@@ -256,7 +257,7 @@ class _Words:
 
 
 def test_an_entry_is_described_by_the_first_words_of_its_range_or_its_module():
-    from dashboard.entry_preview import describe
+    from dashboard.pages.entry_preview import describe
 
     prompt = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
     words = _Words(prompt)

@@ -182,10 +182,10 @@ def test_an_admins_any_board_run_goes_only_to_boards_of_its_namespace(staff_clie
 
 
 def test_the_router_refuses_to_weigh_boards_of_several_namespaces(control_plane):
-    from dashboard import routing
+    from dashboard import router
 
     devices = [tenant_board("zero", "default", SLOW), tenant_board("walk-t2b", "walk-t2", FAST)]
     with pytest.raises(ValueError, match="one namespace"):
-        routing.plan(devices, actions.run_request(segments=["hi"], max_tokens=2))
+        router.plan(devices, actions.run_request(segments=["hi"], max_tokens=2))
     chosen = actions.route_run(devices, actions.run_request(segments=["hi"], max_tokens=2), "default")
     assert chosen.device.name == "zero" and chosen.record.get("runner_up") in (None, "")

@@ -61,7 +61,7 @@ def _keys(*names: str) -> PromptKeys:
 
 
 def _views(index, devices, keys, now):
-    from dashboard.routing import ram_budget
+    from dashboard.router import ram_budget
 
     return [index.view(device.name, keys, online=True, ram_budget_bytes=ram_budget(device), now=now) for device in devices]
 
@@ -90,7 +90,7 @@ def test_the_routing_state_kept_in_memory_decides_as_the_history_rebuilt_for_eac
     row: every board's view of a prompt, and so the router's choice, is the same as ``fleet_index``
     rebuilt from the database."""
     from dashboard.models import Device, Namespace
-    from dashboard.routing import RoutingState, fleet_index
+    from dashboard.router import RoutingState, fleet_index
 
     settings.EDGECACHE_TASK_EXPIRES = 600
     Namespace.objects.get_or_create(name="default")
@@ -127,7 +127,7 @@ def test_the_routing_state_kept_in_memory_decides_as_the_history_rebuilt_for_eac
 @pytest.mark.django_db(transaction=True, serialized_rollback=True)  # the rebuild reads from a thread of its own; migrated rows left as found
 def test_the_periodic_rebuild_happens_beside_decisions_and_sees_a_run_moved_to_another_board():
     from dashboard.models import Device, Dispatch, Namespace
-    from dashboard.routing import RoutingState, fleet_index
+    from dashboard.router import RoutingState, fleet_index
 
     Namespace.objects.get_or_create(name="default")
     first, second = (Device.objects.create(name=f"board-{n}", status={"fingerprint": "ab"}) for n in range(2))
@@ -152,7 +152,7 @@ def test_a_dispatch_committed_after_a_higher_id_is_followed_within_a_second():
     """PostgreSQL may commit a lower id after a higher one: decisions read only the cursor's row and
     newer ones, and once a second the ids behind it too."""
     from dashboard.models import Device, Dispatch, Namespace
-    from dashboard.routing import RoutingState
+    from dashboard.router import RoutingState
 
     Namespace.objects.get_or_create(name="default")
     board = Device.objects.create(name="board-late", status={"fingerprint": "ab"})
@@ -176,7 +176,7 @@ def test_a_run_this_process_dispatched_is_in_the_routing_state_at_once_and_count
     decision's follow reads no row back (its two id queries and the mirror's newest row), owes the run's work once, and a
     row another process wrote meanwhile is still read."""
     from dashboard.models import Device, Dispatch, Namespace
-    from dashboard.routing import RoutingState
+    from dashboard.router import RoutingState
 
     Namespace.objects.get_or_create(name="default")
     board = Device.objects.create(name="board-fed", status={"fingerprint": "ab"})
@@ -202,7 +202,7 @@ def test_with_a_fresh_follower_a_decision_reads_memory_only_and_without_one_it_f
     import threading
 
     from dashboard.models import Device, Namespace
-    from dashboard.routing import RoutingState
+    from dashboard.router import RoutingState
 
     Namespace.objects.get_or_create(name="default")
     board = Device.objects.create(name="board-followed", status={"fingerprint": "ab"})
@@ -233,7 +233,7 @@ def test_with_a_fresh_follower_a_decision_reads_memory_only_and_without_one_it_f
 @pytest.mark.django_db
 def test_the_routing_state_starts_over_when_the_rows_it_read_are_gone():
     from dashboard.models import Device, Dispatch, Namespace
-    from dashboard.routing import RoutingState
+    from dashboard.router import RoutingState
 
     Namespace.objects.get_or_create(name="default")
     board = Device.objects.create(name="board-x", status={"fingerprint": "ab"})
@@ -249,7 +249,7 @@ def test_weighing_two_boards_of_each_unused_kind_chooses_as_weighing_every_board
     """Of the boards routing knows nothing of, two per kind (namespace, model, link) are weighed: the
     choice, runner-up, expected time and saving are those of weighing all of them, the preferred
     board still wins a tie, and the record counts every online candidate."""
-    from dashboard import actions, routing
+    from dashboard import actions, router
     from dashboard.models import Device, Namespace
 
     Namespace.objects.get_or_create(name="default")
@@ -259,26 +259,26 @@ def test_weighing_two_boards_of_each_unused_kind_chooses_as_weighing_every_board
         for n in range(30)
     ]
     layouts = {"held": (list(range(300)), ()), "new": (list(range(1000, 1400)), ())}
-    monkeypatch.setattr(routing, "prompt_tokens", lambda prompt: layouts[prompt.segments[0]])
+    monkeypatch.setattr(router, "prompt_tokens", lambda prompt: layouts[prompt.segments[0]])
     held, new = actions.run_request(["held"], max_tokens=4), actions.run_request(["new"], max_tokens=4)
-    _dispatch(devices[3], routing.keys_for(devices[3], layouts["held"]), ago_s=30, work_ms=500.0)
+    _dispatch(devices[3], router.keys_for(devices[3], layouts["held"]), ago_s=30, work_ms=500.0)
     _report(devices[3], str(devices[3].dispatches.get().request_id), ago_s=29)
-    _dispatch(devices[5], routing.keys_for(devices[5], layouts["new"]), ago_s=1, work_ms=4000.0)  # busy
+    _dispatch(devices[5], router.keys_for(devices[5], layouts["new"]), ago_s=1, work_ms=4000.0)  # busy
     # Idle boards that learned their rates on other prompts: a fast one and a slow one.
     other = PromptKeys((128,), ("other-prompt",))
     for board, prefill_ms in ((devices[12], 300.0), (devices[13], 5000.0)):
         _report(board, _dispatch(board, other, ago_s=20), ago_s=19, prefill_ms=prefill_ms)
 
     def weighing_all(prompt, preferred=""):
-        index = routing.fleet_index(devices)
+        index = router.fleet_index(devices)
         now = timezone.now().timestamp()
-        keys = {d.name: routing.keys_for(d, layouts[prompt.segments[0]]) for d in devices}
-        views = [index.view(d.name, keys[d.name], link=routing.link_of(d), ram_budget_bytes=routing.ram_budget(d), cachebox_tokens=0, now=now) for d in devices]
+        keys = {d.name: router.keys_for(d, layouts[prompt.segments[0]]) for d in devices}
+        views = [index.view(d.name, keys[d.name], link=router.link_of(d), ram_budget_bytes=router.ram_budget(d), cachebox_tokens=0, now=now) for d in devices]
         return route(len(layouts[prompt.segments[0]][0]), views, preferred=preferred)
 
     for prompt, preferred in ((held, ""), (new, ""), (new, "board-26"), (held, "board-26"), (new, "board-13")):
         full = weighing_all(prompt, preferred)
-        chosen = routing.plan(devices, prompt, preferred=preferred)
+        chosen = router.plan(devices, prompt, preferred=preferred)
         record = full.record()
         assert chosen.device.name == full.board
         for field in ("board", "runner_up", "held_tokens", "source"):
@@ -286,14 +286,14 @@ def test_weighing_two_boards_of_each_unused_kind_chooses_as_weighing_every_board
         for field in ("expected_ms", "runner_up_ms", "saving_ms"):
             assert chosen.record[field] == pytest.approx(record[field], abs=50.0), field  # the busy board's queue drains between the two
         assert chosen.record["candidates"] == 30
-    assert routing.plan(devices, held).device.name == "board-03"  # it holds the prompt
-    assert routing.plan(devices, new).device.name == "board-12"  # nobody holds it: the fastest idle board
-    assert routing.plan(devices, new, preferred="board-26").device.name == "board-12"  # a hint wins ties only
+    assert router.plan(devices, held).device.name == "board-03"  # it holds the prompt
+    assert router.plan(devices, new).device.name == "board-12"  # nobody holds it: the fastest idle board
+    assert router.plan(devices, new, preferred="board-26").device.name == "board-12"  # a hint wins ties only
     # The API's way: a roster read once (Candidates) and reused by many decisions chooses the same.
-    roster = routing.Roster(devices)
+    roster = router.Roster(devices)
     for _ in range(2):
-        assert routing.plan(roster, held).device.name == "board-03"
-        via_roster, via_list = routing.plan(roster, new, preferred="board-26").record, routing.plan(devices, new, preferred="board-26").record
+        assert router.plan(roster, held).device.name == "board-03"
+        via_roster, via_list = router.plan(roster, new, preferred="board-26").record, router.plan(devices, new, preferred="board-26").record
         for field in ("board", "runner_up", "held_tokens", "source", "candidates", "prompt"):
             assert via_roster[field] == via_list[field], field
 
@@ -304,7 +304,7 @@ def test_a_roster_reused_by_many_decisions_follows_the_rates_and_queues_its_boar
     idle boards it keeps ranked follow every report (a board that proves faster wins the next
     decision), a board that becomes busy is weighed with its queue, and one that went silent is not
     chosen, all on the same roster."""
-    from dashboard import actions, routing
+    from dashboard import actions, router
     from dashboard.models import Device, Namespace
 
     Namespace.objects.get_or_create(name="default")
@@ -316,20 +316,20 @@ def test_a_roster_reused_by_many_decisions_follows_the_rates_and_queues_its_boar
         for n in range(10)
     ]
     layouts = {"new": (list(range(1000, 1400)), ())}
-    monkeypatch.setattr(routing, "prompt_tokens", lambda prompt: layouts[prompt.segments[0]])
+    monkeypatch.setattr(router, "prompt_tokens", lambda prompt: layouts[prompt.segments[0]])
     new = actions.run_request(["new"], max_tokens=4)
-    roster = routing.Roster(devices)
-    assert routing.plan(roster, new).device.name == "board-00"  # the fastest it measured
+    roster = router.Roster(devices)
+    assert router.plan(roster, new).device.name == "board-00"  # the fastest it measured
     other = PromptKeys((128,), ("other-prompt",))
     _report(devices[7], _dispatch(devices[7], other, ago_s=2), ago_s=1, prompt_tokens=384, prefill_ms=192.0)  # 0.5 ms a token
-    chosen = routing.plan(roster, new)
+    chosen = router.plan(roster, new)
     assert chosen.device.name == "board-07" and chosen.record["runner_up"] == "board-00"
     _dispatch(devices[7], other, ago_s=0, work_ms=60_000.0)  # now it owes a minute of work
-    chosen = routing.plan(roster, new)
+    chosen = router.plan(roster, new)
     assert chosen.device.name == "board-00" and chosen.record["candidates"] == 10
     # Silent since the roster was read (its heartbeats missed as of a later instant): not chosen, not counted.
     later = roster.entries[0].until + 1
-    chosen = routing.plan(roster, new, online_at=later)
+    chosen = router.plan(roster, new, online_at=later)
     assert chosen.device.name == "board-01" and chosen.record["candidates"] == 9
 
 
@@ -339,25 +339,25 @@ def test_a_decision_finds_the_entries_the_mirror_holds_in_memory_and_makes_the_c
     cache box holds is expected from there, and a decision on a followed state asks the database
     nothing about entries."""
     from dashboard.models import CacheEntry
-    from dashboard import actions, routing
+    from dashboard import actions, router
     from dashboard.models import Device, Namespace
 
     Namespace.objects.get_or_create(name="default")
     device = Device.objects.create(name="fetcher", last_seen=timezone.now(), status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 5})
     layout = (list(range(2000, 2400)), ())
-    monkeypatch.setattr(routing, "prompt_tokens", lambda prompt: layout)
-    keys = routing.keys_for(device, layout)
-    names = list(routing._entry_names(device, keys))  # one per range: 128, 256, 384, 400
+    monkeypatch.setattr(router, "prompt_tokens", lambda prompt: layout)
+    keys = router.keys_for(device, layout)
+    names = list(router._entry_names(device, keys))  # one per range: 128, 256, 384, 400
     assert len(names) == 4
     prompt = actions.run_request(["x"], max_tokens=4)
-    assert routing.plan([device], prompt).record["source"] != "cachebox"
+    assert router.plan([device], prompt).record["source"] != "cachebox"
     for name in names[:3]:
         CacheEntry.objects.create(key=name, model="ab", namespace="default", start=0, end=128, bytes=1)
     CacheEntry.objects.create(key="someone-elses-entry", model="ab", namespace="default", start=0, end=128, bytes=1)
-    record = routing.plan([device], prompt).record
+    record = router.plan([device], prompt).record
     assert (record["source"], record["held_tokens"]) == ("cachebox", 384)
     assert 0 <= record["decided_cpu_ms"] <= record["decided_ms"] + 1.0  # thread time: a clock of its own
-    state = routing.STATE
+    state = router.STATE
     with django_assert_num_queries(0):
         assert state.mirrored(set(names)) == set(names[:3])
 
@@ -367,7 +367,7 @@ def test_the_routing_state_follows_entries_added_flushed_and_replaced():
     """New rows are read after the cursor; a flush is seen by the count (compared once a second);
     a newest row replaced by another under the same id (a database restored) reads them all again."""
     from dashboard.models import CacheEntry
-    from dashboard.routing import RoutingState
+    from dashboard.router import RoutingState
 
     def entry(name):
         return CacheEntry.objects.create(key=name, model="ab", namespace="default", start=0, end=128, bytes=1)
@@ -397,8 +397,8 @@ def test_the_routing_state_follows_entries_added_flushed_and_replaced():
 def test_a_roster_counts_online_and_serving_boards_as_the_devices_do():
     from datetime import timedelta
 
-    from dashboard import routing
-    from dashboard.api.routing import serves
+    from dashboard import router
+    from dashboard.api.board_choice import serves
     from dashboard.models import Device, Namespace
 
     Namespace.objects.get_or_create(name="default")
@@ -411,7 +411,7 @@ def test_a_roster_counts_online_and_serving_boards_as_the_devices_do():
         Device.objects.create(name="never", status={"model": "m.gguf"}),
         Device.objects.create(name="revoked", status={"model": "m.gguf"}, last_seen=now, revoked_at=now),
     ]
-    roster = routing.Roster(devices)
+    roster = router.Roster(devices)
     assert [device.name for device in roster.online(now.timestamp()).devices] == [device.name for device in devices if device.online_at(now)] == ["fresh", "slow-beats", "no-status"]
     for model in ("m.gguf", "ab", "other.gguf", ""):
         assert [device.name for device in roster.serving(model).devices] == [device.name for device in devices if serves(device, model)]
@@ -582,28 +582,28 @@ def test_each_boards_latest_heartbeat_is_read_once_stale_and_oversized_ones_say_
 def test_a_board_another_process_saw_come_online_serves_a_request_this_process_read_it_offline(monkeypatch):
     """Each web process reads the devices at most once a second: a board whose first heartbeat a
     control worker recorded since is weighed again before a request is refused for want of it."""
-    from dashboard import actions, routing
+    from dashboard import actions, router
     from dashboard.actions.api_keys import create_key
     from dashboard.api.requests import parse_request
-    from dashboard.api.routing import choose_route
+    from dashboard.api.board_choice import choose_route
     from dashboard.models import Device, Namespace
 
-    monkeypatch.setattr(routing, "prompt_tokens", lambda prompt: None)
-    monkeypatch.setattr(routing.Candidates, "TTL_S", 3600.0)
-    routing.CANDIDATES.forget()
+    monkeypatch.setattr(router, "prompt_tokens", lambda prompt: None)
+    monkeypatch.setattr(router.Candidates, "TTL_S", 3600.0)
+    router.CANDIDATES.forget()
     Namespace.objects.get_or_create(name="default")
     Device.objects.create(name="late-board", status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 1})
     key, _ = create_key(None, "default")
     request = parse_request({"model": "m.gguf", "messages": [{"role": "user", "content": "hi"}]}, "chat")
     run = actions.run_request(["hi"], max_tokens=4)
-    assert not routing.CANDIDATES.roster("default").online()  # read while the board was silent
+    assert not router.CANDIDATES.roster("default").online()  # read while the board was silent
     Device.objects.filter(name="late-board").update(last_seen=timezone.now())  # a worker records its heartbeat
     device, routed, online = choose_route(key, request, run)
     assert device.name == "late-board" and routed.device.name == "late-board" and online == 1
 
 
 def test_the_router_tokenizes_a_repeated_text_once_and_hands_out_copies():
-    from dashboard.routing import _RememberedTokens
+    from dashboard.router import _RememberedTokens
 
     class Words:
         calls = 0
@@ -624,7 +624,7 @@ def test_the_router_tokenizes_a_repeated_text_once_and_hands_out_copies():
 
 def test_a_roster_read_again_keeps_what_the_router_was_told_of_unchanged_rates():
     from dashboard.models import Device, Namespace
-    from dashboard.routing import Roster
+    from dashboard.router import Roster
 
     namespace = Namespace(name="default")
 

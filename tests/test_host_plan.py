@@ -4,7 +4,7 @@ import pytest
 
 from cachebox.link import LINK_PRESETS, LinkProfile
 from cachebox.link import rtt_only
-from dashboard.host_plan import BoardHost, Hub, tbf_burst, tbf_rate
+from dashboard.hosts.plan import BoardHost, Hub, tbf_burst, tbf_rate
 
 HUB = Hub("ect", "10.77.200.0/24")
 

@@ -169,7 +169,7 @@ def test_the_device_page_and_metrics_show_each_boards_kernel_class(control_plane
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from dashboard import metrics
+    from dashboard.ops import metrics
     from dashboard.models import Device
 
     settings.EDGECACHE_METRICS_CACHE_SECONDS = 0
@@ -234,7 +234,7 @@ def test_a_run_that_used_another_classes_state_says_so_on_its_page_export_and_me
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from dashboard import metrics
+    from dashboard.ops import metrics
 
     from .test_dashboard import result_payload
 

@@ -11,7 +11,7 @@ import time
 import pytest
 from django.urls import reverse
 
-from dashboard import lab_charts
+from dashboard.pages import lab_charts
 
 from .test_dashboard import staff_client  # noqa: F401  (fixture)
 

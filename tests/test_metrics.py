@@ -22,7 +22,8 @@ from django.urls import reverse
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachebox.events import LOGGER_NAME, JsonLineFormatter, security_event
-from dashboard import metrics, ratelimit
+from dashboard.ops import metrics
+from dashboard.security import ratelimit
 from dashboard.celery import app as celery_app
 from dashboard.models import Device, InferenceRun
 
@@ -302,7 +303,7 @@ def test_pages_count_the_logins_they_ask_for(client):
 def shared_cache(settings, valkey_url):
     """Django's cache on the session's Valkey, under a prefix of this test's own (removed after)."""
     prefix = f"edgecache-test-{uuid.uuid4().hex[:12]}"
-    settings.CACHES = {"default": {"BACKEND": "dashboard.django_cache.CacheBoxRedisCache", "LOCATION": valkey_url, "KEY_PREFIX": prefix}}
+    settings.CACHES = {"default": {"BACKEND": "dashboard.store.django_cache.CacheBoxRedisCache", "LOCATION": valkey_url, "KEY_PREFIX": prefix}}
     settings.REDIS_URL = valkey_url
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [valkey_url]}}}
     channel_layers.backends.clear()
@@ -407,7 +408,7 @@ def test_a_zero_rate_turns_the_limit_off(staff_client, settings, sent_tasks):
 
 
 def test_an_unreachable_cache_still_limits_runs_in_this_process(staff_client, settings, sent_tasks):
-    settings.CACHES = {"default": {"BACKEND": "dashboard.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
+    settings.CACHES = {"default": {"BACKEND": "dashboard.store.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
     settings.EDGECACHE_RUN_RATE = 1
     settings.EDGECACHE_QUEUE_PER_BOARD = 0  # no cache box here: no bounded queue to count in (admission fails closed)
     zero = device("zero")

@@ -1,6 +1,6 @@
 """Say what the model is (issue 42): each board's model card (name, size, base or
 instruction-tuned, context) on the Run page, and, where a base model is chatted with, what to
-expect. The cards are pure (``dashboard.model_card``); the packaged model's is checked against the
+expect. The cards are pure (``dashboard.pages.model_card``); the packaged model's is checked against the
 GGUF file's own metadata; the Run page is rendered by Django's test client."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from django.urls import reverse
 
 from dashboard import actions
 from dashboard.models import Device
-from dashboard.model_card import PACKAGED, card_for
+from dashboard.pages.model_card import PACKAGED, card_for
 
 from .conftest import require
 

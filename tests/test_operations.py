@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from dashboard import actions
 from dashboard.actions import sweeper
-from dashboard.consumers import LiveConsumer
+from dashboard.live.consumers import LiveConsumer
 from dashboard.models import Device, Membership, Namespace
 
 from .conftest import REQUIRE_ALL, ROOT, require
@@ -238,7 +238,7 @@ def test_the_breakeven_chart_plots_only_fetches_from_the_cache_box():
 
 
 def test_a_slow_hit_names_its_link_once():
-    from dashboard.explain import why
+    from dashboard.pages.explain import why
 
     b = {"case": "full", "tier": "cachebox", "fetch_ms": 2600.0, "redis_ms": 2650.0, "ttft_ms": 2700.0, "fetched_bytes": 6_500_000,
          "link": "emulated link 20.9 Mbit/s, 4 ms RTT", "predicted_prefill_ms": 1200.0}
@@ -270,7 +270,7 @@ def test_pages_say_where_a_context_hit_came_from(control_plane, staff_client):
 @pytest.mark.cachebox
 def test_health_is_503_while_the_cache_box_or_a_migration_is_missing_and_200_when_ready(control_plane, client, monkeypatch):
     from cachebox.store import CacheBox
-    from dashboard import health
+    from dashboard.ops import health
 
     assert client.get("/health").json() == {"status": "ok"}
     monkeypatch.setattr(health, "_migrated", False)
@@ -307,8 +307,8 @@ def test_metrics_an_operator_alerts_on(control_plane, sent_tasks, settings):
     from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client.exposition import generate_latest
 
-    from dashboard import metrics
-    from dashboard.security_counts import KEY
+    from dashboard.ops import metrics
+    from dashboard.ops.security_counts import KEY
     from inference.board.identity import BoardKeys
 
     settings.EDGECACHE_METRICS_CACHE_SECONDS = 0
@@ -345,7 +345,7 @@ EXPOSED_NAME = re.compile(r"\b((?:edgecache|gen_ai)_[a-z0-9_]+)")
 
 def _exposed_names() -> set[str]:
     """Every sample name /metrics serves (counters with _total, histograms with _bucket, _sum, _count)."""
-    from dashboard import metrics
+    from dashboard.ops import metrics
 
     names = set()
     for family in metrics.REGISTRY.collect():
@@ -437,7 +437,7 @@ def test_an_audit_mismatch_fires_its_alert_and_a_match_does_not(tmp_path):
 def test_the_operations_metrics_cost_two_queries_however_many_boards_and_runs_wait(control_plane, settings, django_assert_max_num_queries):
     import uuid
 
-    from dashboard import metrics
+    from dashboard.ops import metrics
     from dashboard.models import Dispatch
 
     for index in range(12):

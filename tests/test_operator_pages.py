@@ -13,7 +13,7 @@ import pytest
 from celery import Celery
 from django.urls import reverse
 
-from dashboard.mirror import reconcile
+from dashboard.store.mirror import reconcile
 from dashboard import actions
 from dashboard.models import Device, Dispatch, Membership, Namespace
 

@@ -116,7 +116,7 @@ class Plane:
             quoted = ", ".join(f'"{column}"' for column in columns)  # "case" is an SQL keyword
             query = f"select {quoted} from dashboard_inferencerun where replace(request_id, '-', '') = ?"
             row = db.execute(query, (request_id.replace("-", ""),)).fetchone()
-        # prompts and answers are sealed at rest (dashboard.at_rest)
+        # prompts and answers are sealed at rest (dashboard.security.at_rest)
         return tuple(opened_text(self.home, value) if column in ("prompt", "text", "title") else value for column, value in zip(columns, row))
 
     def devices(self) -> int:
@@ -129,9 +129,9 @@ class Plane:
     ) -> str:
         """Send a run to solo (``stream``: as the Run page does, whose client waits for it;
         ``any_board``: as the router chose solo for a run sent to any board, so it may move)."""
-        routed = "routing.Routed(solo, {'policy': 'cache-aware'})" if any_board else "None"
+        routed = "router.Routed(solo, {'policy': 'cache-aware'})" if any_board else "None"
         return self.shell(
-            "from dashboard import actions, routing; from dashboard.models import Device; solo = Device.objects.get(name='solo'); "
+            "from dashboard import actions, router; from dashboard.models import Device; solo = Device.objects.get(name='solo'); "
             "print(actions.dispatch_run(None, [solo], actions.run_request("
             f"segments=[{text!r}], max_tokens={max_tokens}, title='fault', stream={stream!r}), routed={routed})[0]['request_id'])",
             env={"EDGECACHE_TASK_EXPIRES": str(expires)} if expires else None,

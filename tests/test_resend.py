@@ -49,11 +49,11 @@ def two_boards(settings, valkey_url, monkeypatch):
 
 
 def _dispatch(two_boards, *, routed: bool, allowed=None) -> str:
-    from dashboard import actions, routing
+    from dashboard import actions, router
 
     spec = actions.run_request(segments=["Tell me a story."], max_tokens=40, title="waiting", stream=True)  # its client follows it
     record = {"policy": "cache-aware", **({"allowed": allowed} if allowed else {})}
-    chosen = routing.Routed(two_boards["first"], record) if routed else None
+    chosen = router.Routed(two_boards["first"], record) if routed else None
     return actions.dispatch_run(None, [two_boards["first"]], spec, routed=chosen)[0]["request_id"]
 
 

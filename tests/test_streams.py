@@ -1,4 +1,4 @@
-"""Following runs' channels (``dashboard.streams``) against a real Valkey: the runs a web process
+"""Following runs' channels (``dashboard.live.streams``) against a real Valkey: the runs a web process
 follows at once share one pub/sub connection, each hears only its own channel, and a lost
 connection is heard by every follower (nothing is silently missed) and replaced by the next one."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from dashboard import streams
+from dashboard.live import streams
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.store import CacheBox
 

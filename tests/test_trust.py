@@ -28,7 +28,7 @@ from dashboard import actions
 from dashboard.models import Device, InferenceRun
 from inference.board import devices as registry
 from inference import board as edge
-from dashboard.signing import control_plane_public_key
+from dashboard.security.signing import control_plane_public_key
 from inference.contract.envelope import Kind
 from inference.board.identity import BoardKeys, verify_signature
 from inference.contract.messages import RunReport, RunRequest, Task

@@ -89,12 +89,12 @@ def test_a_prompt_typed_with_crlf_is_sent_as_the_api_and_infer_send_it(staff_cli
     assert from_page == [from_api] == [typed]  # same text: same tokens, same cache keys
     # The routing keys (what the router and the cache look up) are the same too.
     dispatch = Dispatch.objects.get(request_id=sent_tasks[0]["args"][0]["request_id"])
-    from dashboard import routing
+    from dashboard import router
 
     from dashboard import actions
 
     api_like = actions.run_request([from_api], max_tokens=4)  # as the API builds its run
-    assert dispatch.routing["prompt"] and dispatch.routing["prompt"] == routing.history(device, api_like)["prompt"]
+    assert dispatch.routing["prompt"] and dispatch.routing["prompt"] == router.history(device, api_like)["prompt"]
 
 
 def test_the_counter_and_the_server_agree_on_a_prompt_with_line_breaks(staff_client, control_plane, sent_tasks):
@@ -222,7 +222,7 @@ def test_the_cache_page_chooses_namespace_and_model_by_name_and_says_when_nothin
 
 def test_an_entry_a_chat_turn_stored_after_its_answer_says_what_it_holds(control_plane, monkeypatch):
     """A chat's next-turn prefix covers the prompt and the answer: its words come from both."""
-    from dashboard import entry_preview
+    from dashboard.pages import entry_preview
 
     class Words:  # a vocabulary of one token per word (the real one needs the model file)
         def tokenize(self, text, add_bos=True, special=False):

@@ -167,7 +167,7 @@ def test_a_board_is_registered_so_that_its_budget_is_llama_servers_idle_rss_plus
 
 
 def test_where_boards_cannot_be_hosts_the_fleet_is_paced_in_process_and_the_bench_says_why(monkeypatch):
-    from dashboard import hosts
+    from dashboard.hosts import network as hosts
 
     monkeypatch.setattr(hosts, "unavailable_reason", lambda: "boards as hosts need root")
     said = []

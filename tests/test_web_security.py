@@ -28,8 +28,8 @@ from django.utils import timezone
 from kombu.exceptions import OperationalError
 
 from dashboard.celery import app as celery_app
-from dashboard.consumers import LiveConsumer
-from dashboard.live import broadcast
+from dashboard.live.consumers import LiveConsumer
+from dashboard.live.broadcast import broadcast
 from dashboard.management.commands import run as run_command
 from dashboard.models import Device, InferenceRun, Membership, Namespace
 from inference.board.app import celery_settings

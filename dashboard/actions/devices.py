@@ -22,11 +22,11 @@ from inference.contract.envelope import EnvelopeRefused, Kind, peek
 from inference.board.identity import check_enrollment_signature, enrollment_public_key, enrollment_redis_password, password_sha256
 from inference.contract.messages import MAX_HEARTBEAT_BYTES, BoardMessage, EnrollRequest, Heartbeat
 
-from .. import ratelimit
-from ..live import broadcast
+from dashboard.security import ratelimit
+from dashboard.live.broadcast import broadcast
 from ..models import Device, Namespace, offline_after
-from ..signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring, signed_producer_table
-from ..stats import memory_label
+from dashboard.security.signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring, signed_producer_table
+from dashboard.pages.stats import memory_label
 from .audit import AuditAction, audit
 from .cache import cachebox
 
@@ -491,7 +491,7 @@ class HeartbeatBatch:
             device.last_message_ts, device.last_seen, device.status, device.announced_online = sent, now, status, True
         accepted = [device for device, _, _ in accepted]
         if accepted:
-            from ..routing import CANDIDATES
+            from dashboard.router import CANDIDATES
 
             CANDIDATES.forget()
         clock = time.monotonic()

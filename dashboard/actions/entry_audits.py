@@ -27,7 +27,7 @@ from cachebox.keys import parse_entry_key_name
 from dashboard.models import CacheEntry
 from inference.contract.messages import AuditReport, AuditRequest, RunReport, RunRequest, Task
 
-from ..live import broadcast
+from dashboard.live.broadcast import broadcast
 from ..models import Device, Dispatch, EntryAudit
 from .audit import AuditAction, audit
 from .cache import cachebox

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from dashboard import mirror
+from dashboard.store import mirror
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import heard_key_name
@@ -20,18 +20,18 @@ from inference.contract.envelope import Kind
 from inference.contract.messages import CANCELLED, ChatMessage, Continuation, Queue, RunMeta, RunReport, RunRequest, SamplingSpec, Task
 
 from ..celery import app as celery_app
-from .. import admission, routing
-from ..live import broadcast
+from dashboard import admission, router
+from dashboard.live.broadcast import broadcast
 from ..models import Device, Dispatch, InferenceRun
-from ..signing import seal_for
-from ..entry_preview import stored_entries
+from dashboard.security.signing import seal_for
+from dashboard.pages.entry_preview import stored_entries
 from . import entry_audits
 from .cache import acceptable_entries, cachebox
 from .devices import receive_board_message
 
 log = logging.getLogger("dashboard.actions")
 
-PAGE_WAIT_MARGIN_S = 30  # the Run page follows its runs this long past their expiry (dashboard.run_stream)
+PAGE_WAIT_MARGIN_S = 30  # the Run page follows its runs this long past their expiry (dashboard.live.run_stream)
 
 
 def run_request(segments=(), *, source: str = "text", title: str = "", expected_answer: str = "", messages=(), sampling: dict | None = None, **fields) -> RunRequest:
@@ -49,7 +49,7 @@ def run_request(segments=(), *, source: str = "text", title: str = "", expected_
     )
 
 
-def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: list[str] | None = None, routed: routing.Routed | None = None) -> list[dict]:
+def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: list[str] | None = None, routed: router.Routed | None = None) -> list[dict]:
     """Send the run ``asked`` to each device's own queue, each with its own request id (and its
     namespace unless one was asked); returns one {request_id, device} per device.
 
@@ -63,16 +63,16 @@ def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: li
         })
         # ``routed``: the router chose this (one) device for a prompt sent to any board; a run to a
         # named board keeps its prompt's keys too (the routing history: what each board holds).
-        record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, request)
+        record = routed.record if routed is not None and routed.device.pk == device.pk else router.history(device, request)
         now = timezone.now()
         expires = timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES)
         row = Dispatch.objects.create(
             request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),
             expires_at=now + expires, waits_until=now + expires + timedelta(seconds=PAGE_WAIT_MARGIN_S) if request.stream else None,
         )
-        routing.STATE.feed(str(row.request_id), device.name, record, row.created)
+        router.STATE.feed(str(row.request_id), device.name, record, row.created)
         send_to_board(device, Task.RUN_PROMPT, request.dump(), settings.EDGECACHE_TASK_EXPIRES)
-        sent.append({"request_id": request.request_id, "device": device.name, **({"routing": routing.shown(record)} if routed is not None else {})})
+        sent.append({"request_id": request.request_id, "device": device.name, **({"routing": router.shown(record)} if routed is not None else {})})
         broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": meta.title})
     log.info("dispatched user=%s devices=%s", getattr(user, "username", None), [d.name for d in devices])
     return sent
@@ -106,13 +106,13 @@ def send_to_board(device: Device, task: Task, message: dict, expires: float) -> 
     """One request on ``device``'s own queue: sealed under its namespace's key and signed by the
     control plane (``inference.contract.envelope``), valid until it expires."""
     sealed = seal_for(device, _KINDS[task], message, ttl=expires)
-    # The task's id is the request's: the Queue page finds a run in its board's queue by it (``dashboard.queue``).
+    # The task's id is the request's: the Queue page finds a run in its board's queue by it (``dashboard.pages.queue``).
     celery_app.send_task(task.value, args=[sealed], queue=Queue.device(device.name), expires=expires, task_id=message.get("request_id"))
 
 
-def route_run(candidates: list[Device], asked: RunRequest, namespace: str) -> routing.Routed | None:
+def route_run(candidates: list[Device], asked: RunRequest, namespace: str) -> router.Routed | None:
     """The board of ``candidates`` a run sent to "any board" goes to (None: none is online):
-    the one expected to answer first, given what it holds and its queue (``dashboard.routing``).
+    the one expected to answer first, given what it holds and its queue (``dashboard.router``).
 
     Only boards of ``namespace`` (the run's tenant: its namespace or a board's own cache namespace
     in it) are weighed, whatever else ``candidates`` holds: a run never goes to, and its record
@@ -120,7 +120,7 @@ def route_run(candidates: list[Device], asked: RunRequest, namespace: str) -> ro
     if not namespace:
         raise ValueError("a run sent to any board is routed within one namespace: name it")
     own = [device for device in candidates if namespace in (device.namespace_id, device.cache_namespace)]
-    return routing.plan(own, asked)
+    return router.plan(own, asked)
 
 
 def record_run(payload: RunReport | dict) -> InferenceRun | None:
@@ -135,7 +135,7 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
     breakdown = report.breakdown
     accepted = acceptable_entries(device, report.uploaded)
     # The entries the run used and stored, by name (the run page lists them; the Cache page reads
-    # what an entry holds from the prompt of the run that stored it: dashboard.entry_preview).
+    # what an entry holds from the prompt of the run that stored it: dashboard.pages.entry_preview).
     entries = {"fetched": list(report.fetched), "stored": stored_entries(accepted)}
     asked = asked_of(report.request_id)
     audited = entry_audits.sample(device, report)  # before the request is emptied: an audit recomputes it
@@ -230,10 +230,10 @@ def run_json(run: InferenceRun) -> dict:
     updated figures (the device cards show them without a reload)."""
     from django.urls import reverse
 
-    from ..chart_series import hit_tier
-    from ..colors import device_color
-    from ..explain import explain_run
-    from ..stats import explain_error, run_figures
+    from dashboard.pages.chart_series import hit_tier
+    from dashboard.pages.colors import device_color
+    from dashboard.pages.explain import explain_run
+    from dashboard.pages.stats import explain_error, run_figures
 
     return {
         "id": run.pk,
@@ -261,7 +261,7 @@ def run_json(run: InferenceRun) -> dict:
     }
 
 
-def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, routed: routing.Routed | None = None, announce: bool = True) -> dict:
+def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, routed: router.Routed | None = None, announce: bool = True) -> dict:
     """Send a run of the OpenAI-compatible API (``dashboard.api``) to ``device``'s queue; returns
     the ``run.dispatched`` live event, broadcast here unless ``announce`` is False (the caller
     then sends it, off its answer's path).
@@ -272,13 +272,13 @@ def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, route
     """
     if not request.stream:
         raise ValueError("an API run streams its answer back: build its RunRequest with stream=True")
-    record = routed.record if routed is not None and routed.device.pk == device.pk else routing.history(device, request)
+    record = routed.record if routed is not None and routed.device.pk == device.pk else router.history(device, request)
     now = timezone.now()
     row = Dispatch.objects.create(
         request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),
         expires_at=now + timedelta(seconds=expires), waits_until=now + timedelta(seconds=expires),
     )
-    routing.STATE.feed(str(row.request_id), device.name, record, row.created)
+    router.STATE.feed(str(row.request_id), device.name, record, row.created)
     send_to_board(device, Task.RUN_PROMPT, request.dump(), expires)
     event = {"request_id": request.request_id, "device": device.name, "title": request.meta.title}
     if announce:

@@ -7,12 +7,12 @@ import uuid
 from django.conf import settings
 from django.db import transaction
 
-from dashboard import mirror
+from dashboard.store import mirror
 from dashboard.models import CacheEntry
 from inference.contract.messages import EncodeProgress, EncodeReport, EncodeRequest, Task
 from dashboard.models import Schema
 
-from ..live import broadcast
+from dashboard.live.broadcast import broadcast
 from ..models import Device, Dispatch
 from .audit import AuditAction, audit
 from .cache import acceptable_entries, cachebox

@@ -37,9 +37,9 @@ from cachebox.keys import cancel_key_name, heard_key_name, stream_channel
 from inference.contract.envelope import CONTROL, Kind, seal
 from inference.contract.messages import RunMeta, RunRequest, StreamEvent
 
-from ..live import broadcast
+from dashboard.live.broadcast import broadcast
 from ..models import Device, Dispatch, InferenceRun, offline_after
-from ..signing import cancel_flag, control_plane_signer, device_ring
+from dashboard.security.signing import cancel_flag, control_plane_signer, device_ring
 
 log = logging.getLogger("dashboard.actions")
 

@@ -34,7 +34,7 @@ from django.views.decorators.csrf import csrf_exempt
 from kombu.exceptions import OperationalError as BrokerUnavailable
 from pydantic import ValidationError
 
-from dashboard import streams
+from dashboard.live import streams
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
@@ -42,14 +42,16 @@ from inference.contract.messages import ChatMessage, RunMeta, RunRequest, Sampli
 from dashboard.models import Schema
 from inference.serving.strategies import parse_strategy
 
-from .. import admission, metrics, ratelimit
+from dashboard import admission
+from dashboard.ops import metrics
+from dashboard.security import ratelimit
 from ..actions.cache import cachebox_url
 from ..actions.runs import dispatch_api_run
-from ..live import abroadcast
+from dashboard.live.broadcast import abroadcast
 from ..models import ApiKey, Device
-from ..run_stream import Followed, beside
-from ..signing import cancel_flag, control_plane_public_key, stream_ring_for
-from . import keys, routing
+from dashboard.live.run_stream import Followed, beside
+from dashboard.security.signing import cancel_flag, control_plane_public_key, stream_ring_for
+from dashboard.api import board_choice, keys
 from .errors import ApiError, bad_request, board_error
 from .requests import ApiRequest, parse_body, parse_request
 
@@ -74,7 +76,7 @@ async def models(request):
         key = await sync_to_async(_authorized)(request)
     except ApiError as exc:
         return exc.response()
-    entries = await sync_to_async(routing.online_models)(key.namespace_id)
+    entries = await sync_to_async(board_choice.online_models)(key.namespace_id)
     return JsonResponse({"object": "list", "data": [_model_json(entry) for entry in entries]})
 
 
@@ -86,7 +88,7 @@ async def model_detail(request, model: str):
         key = await sync_to_async(_authorized)(request)
     except ApiError as exc:
         return exc.response()
-    for entry in await sync_to_async(routing.online_models)(key.namespace_id):
+    for entry in await sync_to_async(board_choice.online_models)(key.namespace_id):
         if model in (entry["id"], entry["fingerprint"]):
             return JsonResponse(_model_json(entry))
     return ApiError(404, f"No online board of this key's namespace serves {model!r}; GET /v1/models lists the models.", param="model", code="model_not_found").response()
@@ -177,7 +179,7 @@ def _route_and_admit(key: ApiKey, api: ApiRequest, run: RunRequest):
     """The board that answers (``routing``), and the run counted against the key's and its
     namespace's bounded queues (ApiError 429 / 503 with Retry-After when one is full)."""
     request_id = run.request_id
-    device, routed, online_boards = routing.choose_route(key, api, run)
+    device, routed, online_boards = board_choice.choose_route(key, api, run)
     expected_ms = routed.record.get("expected_ms") if routed is not None else None
     try:
         ticket = admission.admit(
@@ -323,7 +325,7 @@ def _dispatch(admitted: _Admitted, timeout: float) -> dict:
     """Send the run to its board, then remember which board has its prompt cache key (one hop);
     returns the live event that tells open pages (sent by the caller, beside the answer)."""
     event = dispatch_api_run(admitted.device, admitted.run, expires=timeout, routed=admitted.routed, announce=False)
-    routing.remember(admitted.key.namespace_id, admitted.api.prompt_cache_key, admitted.device)
+    board_choice.remember(admitted.key.namespace_id, admitted.api.prompt_cache_key, admitted.device)
     return event
 
 

@@ -9,7 +9,7 @@ sends API requests at a set rate to "any board" and measures, as medians and p99
 
 - heartbeat ingest lag: a heartbeat's send time (signed, in its status) to the control plane's
   record of it; sampled every second, with its trend over the run (ms per minute);
-- routing decision time: ``dashboard.routing.plan`` as the API runs it (``decided_ms`` on each routed run);
+- routing decision time: ``dashboard.router.plan`` as the API runs it (``decided_ms`` on each routed run);
 - API first-chunk overhead: the client's first chunk minus the board's TTFT (what the API adds);
 - dispatch-to-board latency: the control plane's signature time on a request to the board opening it;
 - catalog sync lag: an entry's announcement (its stream id) to each board's replica holding it;
@@ -395,15 +395,15 @@ def _quiet_decisions(namespace: str, system: str, repeats: int = 50) -> list[flo
     """Routing decisions over every device of ``namespace`` taken by this process once the load has
     stopped: the decision's own cost, without a busy web process around it. The devices come as the
     API reads them (``Candidates``: at most once a second per process, each read timed apart)."""
-    from dashboard import actions, routing
+    from dashboard import actions, router
 
-    devices = routing.CANDIDATES.roster(namespace, fresh=True)
+    devices = router.CANDIDATES.roster(namespace, fresh=True)
     prompt = actions.run_request(messages=(("system", system), ("user", "Which board is quietest?")), max_tokens=4)
-    routing.plan(devices, prompt)  # the vocabulary, loaded once
+    router.plan(devices, prompt)  # the vocabulary, loaded once
     times = []
     for _ in range(repeats):
         began = time.perf_counter()
-        routing.plan(devices, prompt)
+        router.plan(devices, prompt)
         times.append((time.perf_counter() - began) * 1000.0)
     return times
 
@@ -415,7 +415,7 @@ def drive(options: dict) -> dict:
     import redis
     from django.conf import settings
 
-    from dashboard import db_writes
+    from dashboard.ops import db_writes
     from dashboard.models import Device, Dispatch, InferenceRun
     from dashboard.bench.sim_board import SIM_MODEL
 

@@ -31,12 +31,12 @@ class CommandContext:
 
     @property
     def keys(self):
-        from dashboard.signing import control_plane_keys
+        from dashboard.security.signing import control_plane_keys
 
         return control_plane_keys()
 
     def keyring(self, namespace: str) -> dict:
-        from dashboard.signing import keyring_for
+        from dashboard.security.signing import keyring_for
 
         return keyring_for(namespace).to_dict()
 

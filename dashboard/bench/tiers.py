@@ -30,7 +30,7 @@ from inference.serving.exchange import Exchange
 from dashboard.mmlu import MMLUPrompt
 from inference.serving.prefix import PrefixServing
 
-from dashboard.host_plan import CGROUP_ROOT
+from dashboard.hosts.plan import CGROUP_ROOT
 
 from dashboard.bench.base import Benchmark, BenchError, prompts_of
 from dashboard.bench.common import machine_info, median

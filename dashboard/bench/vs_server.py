@@ -16,7 +16,7 @@ workload starts fresh processes of both (a fresh namespace for EdgeCache):
 EdgeCache runs as ``manage.py run`` runs it (its own stack in a temporary folder: embedded Valkey,
 control worker, the ASGI server) with boards as ``manage.py edge`` processes. On Wi-Fi 4, where
 this machine can (root, ``tc``, cgroup v1), every board and every llama-server is a host of its own
-(``dashboard.hosts``: a network namespace, a veth shaped by ``tc tbf`` both ways, cgroups for its
+(``dashboard.hosts.network``: a network namespace, a veth shaped by ``tc tbf`` both ways, cgroups for its
 CPU and memory): a board's tasks, answers and states cross its link to the hub, a server's requests
 and streams cross its own. The kernel has no ``netem``: the round trip is added in EdgeCache's
 cache-box sockets only. Elsewhere Wi-Fi 4 is paced in the boards' cache-box sockets
@@ -409,17 +409,17 @@ class Balancer:
 
 
 # -- the fleet on a shaped link: boards and servers as hosts ----------------------------------------
-HOSTS_PREFIX = "ecvs"  # the namespaces, links and cgroups of this bench's hosts (dashboard.hosts)
+HOSTS_PREFIX = "ecvs"  # the namespaces, links and cgroups of this bench's hosts (dashboard.hosts.network)
 KERNEL_SHAPED = ("fleet-wifi4",)  # the workloads whose boards and servers run as hosts where this machine can
 
 
 @dataclass
 class FleetHosts:
-    """A hub (``dashboard.hosts``) whose hosts are the fleet's boards and servers: each in a network
+    """A hub (``dashboard.hosts.network``) whose hosts are the fleet's boards and servers: each in a network
     namespace of its own, its link shaped by the kernel (``tc tbf``, both directions), its CPU and
     memory capped by cgroups. EdgeCache's cache box and broker listen on the hub's address."""
 
-    network: object  # dashboard.hosts.HostNetwork
+    network: object  # dashboard.hosts.network.HostNetwork
     link: object  # cachebox.link.LinkProfile
     memory_mb: int
 
@@ -434,7 +434,7 @@ class FleetHosts:
     def create(cls, link: str, memory_mb: int, write: Callable[[str], None]) -> "FleetHosts | None":
         """The hub, or None (saying why) where boards cannot be hosts here: the fleet is then paced in-process."""
         from cachebox.link import LINK_PRESETS
-        from dashboard.hosts import HostNetwork, HostsUnavailable, free_subnet, unavailable_reason
+        from dashboard.hosts.network import HostNetwork, HostsUnavailable, free_subnet, unavailable_reason
 
         reason = unavailable_reason()
         if not reason:

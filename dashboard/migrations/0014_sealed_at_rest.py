@@ -1,6 +1,6 @@
-# Prompts, titles (which start with them), answers, saved prompts and requests under way sealed at rest (dashboard.at_rest); the rows written before are sealed here.
+# Prompts, titles (which start with them), answers, saved prompts and requests under way sealed at rest (dashboard.security.at_rest); the rows written before are sealed here.
 
-import dashboard.at_rest
+import dashboard.security.at_rest
 from django.db import migrations
 
 
@@ -9,12 +9,12 @@ COLUMNS = [("dispatch", "request", True), ("inferencerun", "title", False), ("in
 
 def seal(apps, schema_editor):
     for model, column, is_json in COLUMNS:
-        dashboard.at_rest.seal_column(schema_editor, apps.get_model("dashboard", model)._meta.db_table, column, is_json=is_json)
+        dashboard.security.at_rest.seal_column(schema_editor, apps.get_model("dashboard", model)._meta.db_table, column, is_json=is_json)
 
 
 def unseal(apps, schema_editor):
     for model, column, is_json in COLUMNS:
-        dashboard.at_rest.open_column(schema_editor, apps.get_model("dashboard", model)._meta.db_table, column, is_json=is_json)
+        dashboard.security.at_rest.open_column(schema_editor, apps.get_model("dashboard", model)._meta.db_table, column, is_json=is_json)
 
 
 class Migration(migrations.Migration):
@@ -27,27 +27,27 @@ class Migration(migrations.Migration):
         migrations.AlterField(
             model_name='dispatch',
             name='request',
-            field=dashboard.at_rest.SealedJSONField(blank=True, default=dict, help_text='the request while it is under way (for a re-send); emptied when it ends; sealed at rest'),
+            field=dashboard.security.at_rest.SealedJSONField(blank=True, default=dict, help_text='the request while it is under way (for a re-send); emptied when it ends; sealed at rest'),
         ),
         migrations.AlterField(
             model_name='inferencerun',
             name='title',
-            field=dashboard.at_rest.SealedTextField(blank=True),
+            field=dashboard.security.at_rest.SealedTextField(blank=True),
         ),
         migrations.AlterField(
             model_name='inferencerun',
             name='prompt',
-            field=dashboard.at_rest.SealedTextField(blank=True),
+            field=dashboard.security.at_rest.SealedTextField(blank=True),
         ),
         migrations.AlterField(
             model_name='inferencerun',
             name='text',
-            field=dashboard.at_rest.SealedTextField(blank=True),
+            field=dashboard.security.at_rest.SealedTextField(blank=True),
         ),
         migrations.AlterField(
             model_name='savedprompt',
             name='text',
-            field=dashboard.at_rest.SealedTextField(),
+            field=dashboard.security.at_rest.SealedTextField(),
         ),
         migrations.RunPython(seal, unseal),
     ]

@@ -2,9 +2,9 @@
 # installs (inference, cachebox) carry no Django model any more. A database made before keeps its
 # rows: the tables of the apps that held them (inference_schema, cachebox_cacheentry) are renamed,
 # a column an older release lacked is added, and schema sources still stored in clear are sealed
-# (dashboard.at_rest). A new database gets the tables made here.
+# (dashboard.security.at_rest). A new database gets the tables made here.
 
-import dashboard.at_rest
+import dashboard.security.at_rest
 import django.db.models.deletion
 from django.conf import settings
 from django.db import migrations, models
@@ -30,7 +30,7 @@ def adopt_or_create(apps, schema_editor):
         ContentType = apps.get_model("contenttypes", "ContentType")
         if not ContentType.objects.filter(app_label="dashboard", model=name.lower()).exists():
             ContentType.objects.filter(app_label=former_app, model=name.lower()).update(app_label="dashboard")
-    dashboard.at_rest.seal_column(schema_editor, apps.get_model("dashboard", "Schema")._meta.db_table, "source")
+    dashboard.security.at_rest.seal_column(schema_editor, apps.get_model("dashboard", "Schema")._meta.db_table, "source")
 
 
 def give_back(apps, schema_editor):
@@ -75,7 +75,7 @@ class Migration(migrations.Migration):
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
                 ('name', models.CharField(editable=False, help_text='from <schema name=...>', max_length=64, unique=True)),
-                ('source', dashboard.at_rest.SealedTextField(help_text='the PML document (sealed at rest: dashboard.at_rest)')),
+                ('source', dashboard.security.at_rest.SealedTextField(help_text='the PML document (sealed at rest: dashboard.security.at_rest)')),
                 ('digest', models.CharField(editable=False, help_text='changes whenever the source does', max_length=16)),
                 ('namespace', models.CharField(blank=True, default='', help_text='the namespace that owns it; empty: shared with every namespace', max_length=40)),
                 ('created', models.DateTimeField(auto_now_add=True)),

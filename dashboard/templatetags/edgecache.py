@@ -3,7 +3,7 @@
 from django import template
 from django.utils.html import format_html_join
 
-from ..explain import human_bytes as _human_bytes
+from dashboard.pages.explain import human_bytes as _human_bytes
 
 register = template.Library()
 
@@ -39,7 +39,7 @@ def unbroken_words(text) -> str:
 @register.simple_tag(takes_context=True)
 def member_namespaces(context) -> list[str]:
     """The namespaces the page's user is a member of (staff: [] here; they see every one)."""
-    from ..stats import visible_namespaces
+    from dashboard.pages.stats import visible_namespaces
 
     request = context.get("request")
     namespaces = visible_namespaces(getattr(request, "user", None))

@@ -12,7 +12,7 @@ from django.urls import reverse
 from django.views.decorators.cache import never_cache
 
 from ..actions.api_keys import KeyRefused, create_key, key_namespaces, managed_namespaces, may_manage, revoke_key, visible_keys
-from ..api.routing import example_model
+from dashboard.api.board_choice import example_model
 from ..forms import ApiKeyForm, ConfirmForm
 from .auth import login_required
 

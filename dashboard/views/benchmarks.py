@@ -8,7 +8,7 @@ from django.http import Http404, HttpResponse
 from django.shortcuts import render
 from django.utils.text import slugify
 
-from .. import lab_charts
+from dashboard.pages import lab_charts
 from ..bench import documents as bench_documents
 from .auth import login_required
 

@@ -16,10 +16,10 @@ from cachebox.keys import catalog_key_names
 from dashboard.models import CacheEntry
 
 from .. import actions
-from ..entry_preview import previews
+from dashboard.pages.entry_preview import previews
 from ..forms import FlushForm, model_names
 from ..models import AuditEvent, Device
-from ..stats import catalog_summary, current_namespace, fill_label
+from dashboard.pages.stats import catalog_summary, current_namespace, fill_label
 from .auth import staff_member_required
 
 

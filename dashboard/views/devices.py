@@ -12,10 +12,11 @@ from django.views.decorators.cache import never_cache
 
 from cachebox.link import LinkProfile
 
-from .. import actions, board_start, charts
+from dashboard import actions
+from dashboard.pages import board_start, charts
 from ..forms import ConfirmForm, DeviceForm
 from ..models import Device
-from ..stats import STATUSES, device_summaries, device_summary, explained, filter_devices, fleet_counts, recent_runs, visible_devices
+from dashboard.pages.stats import STATUSES, device_summaries, device_summary, explained, filter_devices, fleet_counts, recent_runs, visible_devices
 from .auth import login_required, staff_member_required
 
 DEVICES_PER_PAGE = 50

@@ -6,7 +6,7 @@ from django.http import JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_safe
 
-from ..health import health, readiness
+from dashboard.ops.health import health, readiness
 
 
 @require_safe

@@ -11,10 +11,11 @@ from django.http import HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.templatetags.static import static
 
-from .. import actions, board_start, charts
-from ..chart_series import RANGE_LABELS, chart_series, parse_range
-from ..colors import device_colors
-from ..stats import (
+from dashboard import actions
+from dashboard.pages import board_start, charts
+from dashboard.pages.chart_series import RANGE_LABELS, chart_series, parse_range
+from dashboard.pages.colors import device_colors
+from dashboard.pages.stats import (
     device_summaries,
     run_counts,
     runs_label,

@@ -11,7 +11,7 @@ from prometheus_client.exposition import choose_encoder
 
 from cachebox.events import security_event
 
-from .. import metrics
+from dashboard.ops import metrics
 from .auth import _who
 
 

@@ -1,5 +1,5 @@
 """The Queue page: what the boards' queues hold, per board and per namespace, what ended
-unanswered, and Revoke for a run under way (``dashboard.queue``, ``actions.sweeper.revoke``)."""
+unanswered, and Revoke for a run under way (``dashboard.pages.queue``, ``actions.sweeper.revoke``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from django.views.decorators.http import require_POST
 
 from ..actions.sweeper import revoke
 from ..forms import ConfirmForm
-from ..queue import queue_view, revocable
+from dashboard.pages.queue import queue_view, revocable
 from .auth import login_required
 
 

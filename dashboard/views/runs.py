@@ -21,12 +21,16 @@ from cachebox.events import security_event
 from inference.serving.breakdown import FIELD_GROUPS, time_sums
 from inference.contract.messages import CANCELLED
 
-from .. import actions, admission, board_start, charts, metrics, ratelimit, run_stream
-from ..explain import explain_run
-from ..model_cards import boards_models
+from dashboard import actions, admission
+from dashboard.live import run_stream
+from dashboard.ops import metrics
+from dashboard.pages import board_start, charts
+from dashboard.security import ratelimit
+from dashboard.pages.explain import explain_run
+from dashboard.pages.model_cards import boards_models
 from ..forms import MAX_PROMPT_CHARS, RunFilterForm, RunForm
 from ..models import Device, InferenceRun
-from ..stats import current_namespace, explain_error, explained, recent_runs, run_counts, runs_label, visible_runs
+from dashboard.pages.stats import current_namespace, explain_error, explained, recent_runs, run_counts, runs_label, visible_runs
 from .auth import _who, login_required
 from .broker import _broker_unavailable, _BrokerDown, _each_until_broker_fails
 

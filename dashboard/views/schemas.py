@@ -14,8 +14,8 @@ from inference.serving.pml import PMLError
 from .. import actions
 from ..forms import ConfirmForm, EncodeForm, SchemaForm
 from ..models import Device, Namespace
-from ..schema_info import describe, key_names, layout_of
-from ..stats import current_namespace, namespace_choices, visible_devices, visible_schemas
+from dashboard.pages.schema_info import describe, key_names, layout_of
+from dashboard.pages.stats import current_namespace, namespace_choices, visible_devices, visible_schemas
 from .auth import login_required, staff_member_required
 from .broker import _broker_unavailable, _BrokerDown, _each_until_broker_fails
 

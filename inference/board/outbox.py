@@ -2,7 +2,7 @@
 refused requests, each signed (and sealed) by this board and written where its Redis user may
 write and nothing else may: its own inbox (``ec:inbox:NAME``) and its own heartbeat key
 (``ec:hb:NAME``). A board names no Celery task and reaches no queue of the control plane's; the
-control plane drains every board's inbox in turn (``dashboard.inbox``).
+control plane drains every board's inbox in turn (``dashboard.worker.inbox``).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def cachebox_url(config: BoardConfig) -> str:
 
 def store_link(config: BoardConfig):
     """The link the board's cache-box client paces: all of it, or only the round trip where the
-    kernel already shapes the board's interface (boards as hosts, ``dashboard.host_plan``)."""
+    kernel already shapes the board's interface (boards as hosts, ``dashboard.hosts.plan``)."""
     return rtt_only(config.link) if config.link_shaped_by == "kernel" else config.link
 
 

@@ -7,7 +7,7 @@
   const charts = dataNode ? JSON.parse(dataNode.textContent || "{}") || {} : {};
   const WINDOW = charts.window || 200;
   // The labels of a run's stacked parts in order (table 3's groups, then "other"), from the page
-  // (dashboard.charts.COMPONENTS); each run brings its values (run.time_sums, rounded as shown).
+  // (dashboard.pages.charts.COMPONENTS); each run brings its values (run.time_sums, rounded as shown).
   const stackNode = document.getElementById("chart-stack");
   const STACK = stackNode ? JSON.parse(stackNode.textContent || "[]") : [];
   function partsOf(run, which) {
@@ -200,7 +200,7 @@
   const controls = document.getElementById("chart-controls");
   let paused = false, missed = 0;
   function chartStatus(text) { const node = document.getElementById("chart-status"); if (node) node.textContent = text; }
-  // A count of runs as the server says it (dashboard.stats.runs_label): "38 runs (3 failed, 1 cancelled)".
+  // A count of runs as the server says it (dashboard.pages.stats.runs_label): "38 runs (3 failed, 1 cancelled)".
   function runsLabel(c) {
     const total = Number(c.runs) || 0;
     const ended = ["failed", "cancelled"].filter((k) => c[k]).map((k) => c[k] + " " + k);
@@ -287,7 +287,7 @@
     document.querySelectorAll("[data-device]").forEach(function (holder) {
       if (holder.dataset.device !== name) return;
       const runs = holder.querySelector('[data-role="runs"]');
-      if (runs) runs.textContent = figures.runs_label || runsLabel(figures); // the server's words (dashboard.stats.runs_label)
+      if (runs) runs.textContent = figures.runs_label || runsLabel(figures); // the server's words (dashboard.pages.stats.runs_label)
       const hits = holder.querySelector('[data-role="hit-ratio"]');
       if (hits) hits.textContent = figures.hit_ratio == null ? "–" : Number(figures.hit_ratio).toFixed(2);
       const ttft = holder.querySelector('[data-role="median-ttft"]');
@@ -535,7 +535,7 @@
     const warning = document.getElementById("run-offline-warning");
     const answers = document.getElementById("answers");
     const expires = parseInt(form.dataset.taskExpires || "600", 10);
-    // How a board is started (dashboard/board_start.py): the page gives what comes before --name
+    // How a board is started (dashboard/pages/board_start.py): the page gives what comes before --name
     // (for staff, with the cache box's address as other machines reach it).
     const startPrefix = (answers && answers.dataset.startPrefix) || ".venv-board/bin/edgecache-board";
     function startCommand(name) { return startPrefix + (name.charAt(0) === "-" ? " --name=" : " --name ") + name; }

@@ -12,7 +12,7 @@ from cachebox.errors import CacheBoxUnavailable, InvalidNamespace
 from inference.board.runtime import Board
 from inference.board.config import ConfigError
 from inference.engine.kernels import CLASS_RE
-from dashboard.cli import add_sampling_arguments, read_prompt_file, sampling_from_options, split_segments
+from dashboard.management.boards import add_sampling_arguments, read_prompt_file, sampling_from_options, split_segments
 from inference.engine.model_file import ModelNotFound
 from inference.serving.run import PromptError
 from inference.serving.pml import PMLError, parse_schema
@@ -20,7 +20,7 @@ from inference.serving.run import Prompt, RunOptions
 from inference.serving.strategies import REGISTRY, parse_strategy
 
 from dashboard.actions import start_cachebox
-from dashboard.signing import control_plane_keys
+from dashboard.security.signing import control_plane_keys
 
 
 class Command(BaseCommand):

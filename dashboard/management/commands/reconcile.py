@@ -5,7 +5,7 @@ from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
 from cachebox.errors import CacheBoxUnavailable
-from dashboard.mirror import reconcile
+from dashboard.store.mirror import reconcile
 from cachebox.store import CacheBox
 
 

@@ -3,7 +3,7 @@
 Starts the embedded cache box, migrates, creates a first admin, starts the control-plane
 worker and two demo boards ("zero": 1 thread paced to the paper's Raspberry Pi Zero 2W on
 its Wi-Fi 4 link, both emulated; "pi5": 2 threads, unshaped) and serves the dashboard. Ctrl-C stops all of it.
-With EDGECACHE_BOARD_HOSTS=1, as root, the demo boards run as hosts (``dashboard.hosts``): each in a
+With EDGECACHE_BOARD_HOSTS=1, as root, the demo boards run as hosts (``dashboard.hosts.network``): each in a
 network namespace of its own behind a kernel-shaped link, in a cgroup capped at its registered
 memory and threads; otherwise (or where the machine cannot) as plain processes.
 ``--web N --workers M``: N web processes sharing the one port (each a daphne on the listening
@@ -42,7 +42,7 @@ from inference.board.config import edgecache_home
 from inference.contract.messages import Queue
 
 ADMIN_USERNAME = "admin"
-# EDGECACHE_BOARD_HOSTS=1: the demo boards as hosts (dashboard.hosts) on this hub.
+# EDGECACHE_BOARD_HOSTS=1: the demo boards as hosts (dashboard.hosts.network) on this hub.
 HOSTS_PREFIX = "ecrun"
 HOSTS_SUBNET = "10.78.0.0/24"
 LISTEN_BACKLOG = 1024  # connections the web port holds before they are accepted
@@ -293,7 +293,7 @@ class Command(BaseCommand):
         """With EDGECACHE_BOARD_HOSTS=1, as root: a hub for the demo boards to run as hosts."""
         if os.environ.get("EDGECACHE_BOARD_HOSTS", "").strip() not in ("1", "true", "yes", "on"):
             return None
-        from dashboard.hosts import HostNetwork, HostsUnavailable, unavailable_reason
+        from dashboard.hosts.network import HostNetwork, HostsUnavailable, unavailable_reason
 
         reason = unavailable_reason()
         if not reason and not settings.REDIS_URL_IS_EMBEDDED and "127.0.0.1" in settings.REDIS_URL + settings.EDGECACHE_CACHEBOX_URL:

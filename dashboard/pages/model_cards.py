@@ -1,5 +1,5 @@
 """The model cards of a set of boards, as the Run page shows them: one card per model the boards
-reported in their heartbeats (``dashboard.model_card``), with the boards that run it and the
+reported in their heartbeats (``dashboard.pages.model_card``), with the boards that run it and the
 context each one uses."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from django.db.models import QuerySet
 from django.db.models.fields.json import KT
 
-from dashboard.model_card import ModelCard, card_for
+from dashboard.pages.model_card import ModelCard, card_for
 
 
 @dataclass

@@ -10,7 +10,7 @@ import threading
 from django.conf import settings
 from django.db import close_old_connections
 
-log = logging.getLogger("dashboard.sweeper")
+log = logging.getLogger("dashboard.worker.sweeper")
 
 
 class Sweeper(threading.Thread):
@@ -20,8 +20,8 @@ class Sweeper(threading.Thread):
         self._stopped = threading.Event()
 
     def run(self) -> None:
-        from .actions.identities import ensure_identities
-        from .actions.sweeper import announce_liveness, sweep
+        from dashboard.actions.identities import ensure_identities
+        from dashboard.actions.sweeper import announce_liveness, sweep
 
         while not self._stopped.wait(self.interval):
             try:

@@ -1,5 +1,5 @@
 """The Run page follows its runs as boards answer them: stages and tokens, over the same Redis
-pub/sub channels the API streams from (``dashboard.streams``; the board's ``StreamEvent``s).
+pub/sub channels the API streams from (``dashboard.live.streams``; the board's ``StreamEvent``s).
 
 The page posts its form with ``Accept: application/x-ndjson``; once the form is valid and within
 the rate limit, the response is one JSON object per line:
@@ -32,20 +32,20 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from kombu.exceptions import OperationalError as BrokerUnavailable
 
-from dashboard import streams
+from dashboard.live import streams
 from cachebox.errors import CacheBoxError, CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
 from inference.contract.envelope import EnvelopeRefused, peek
 from inference.contract.messages import MessageRefused, RunRequest, StreamEvent
 
-from . import actions
-from .actions.runs import continue_run, heard, keep_streamed
-from .models import Device, Dispatch
-from .signing import cancel_flag, control_plane_public_key
-from .stats import visible_devices
+from dashboard import actions
+from dashboard.actions.runs import continue_run, heard, keep_streamed
+from dashboard.models import Device, Dispatch
+from dashboard.security.signing import cancel_flag, control_plane_public_key
+from dashboard.pages.stats import visible_devices
 
-log = logging.getLogger("dashboard.run_stream")
+log = logging.getLogger("dashboard.live.run_stream")
 
 CONTENT_TYPE = "application/x-ndjson"
 WAIT_MARGIN_S = 30  # past the runs' expiry a waiting page still listens (``actions.runs.PAGE_WAIT_MARGIN_S``: the sweeper's word comes first)
@@ -180,7 +180,7 @@ async def follow(user, devices: list[Device], asked: RunRequest, routed=None, re
 
 def _opener(device: Device):
     """What reads ``device``'s events: its board's public key and its namespace's ring."""
-    from .signing import stream_ring_for
+    from dashboard.security.signing import stream_ring_for
 
     return device.name, device.signing_public_key, stream_ring_for(device)
 

@@ -9,7 +9,7 @@ trip time is added where its cache-box connections read a reply (``cachebox.shap
 and the bandwidth is the kernel's. Each board's processes sit in a cgroup (v1) capping memory at
 the board's registered size and CPU at a quota of its threads.
 
-Pure: this module only computes names and the commands to run (``dashboard.hosts`` runs them).
+Pure: this module only computes names and the commands to run (``dashboard.hosts.network`` runs them).
 """
 
 from __future__ import annotations

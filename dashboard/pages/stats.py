@@ -17,7 +17,7 @@ from django.utils import timezone
 from inference.engine.memory_plan import MB, MIN_N_CTX, MIN_RAM_TIER_BYTES, N_CTX_STEP, RSS_SHARE
 from inference.contract.messages import CANCELLED
 
-from .models import Device, InferenceRun
+from dashboard.models import Device, InferenceRun
 
 RECENT = 500  # runs per device the summaries look at
 HITS = ("partial", "full")
@@ -114,7 +114,7 @@ STATUSES = ("online", "offline", "never", "revoked")  # what the Devices page fi
 
 def status_of(revoked_at, last_seen, heartbeat_s, now=None) -> str:
     """One of ``STATUSES``, as ``Device.online`` decides it, from a device's plain fields."""
-    from .models import offline_after
+    from dashboard.models import offline_after
 
     if revoked_at is not None:
         return "revoked"
@@ -357,7 +357,7 @@ def visible_namespaces(user) -> list[str] | None:
 
 def namespace_choices(user) -> list[str]:
     """The namespaces ``user`` may view and act on, by name: staff every one, a member theirs."""
-    from .models import Namespace
+    from dashboard.models import Namespace
 
     namespaces = visible_namespaces(user)
     return list(Namespace.objects.values_list("name", flat=True)) if namespaces is None else sorted(namespaces)

@@ -56,7 +56,7 @@ class CacheBoxRedisCache(RedisCache):
 
     def __init__(self, server, params):
         options = dict(params.get("OPTIONS") or {})
-        if options.get("serializer") not in (None, JSONSerializer, "dashboard.django_cache.JSONSerializer"):
+        if options.get("serializer") not in (None, JSONSerializer, "dashboard.store.django_cache.JSONSerializer"):
             raise ImproperlyConfigured("CacheBoxRedisCache stores JSON only: leave OPTIONS['serializer'] out")
         options["serializer"] = JSONSerializer
         super().__init__(server, {**params, "OPTIONS": options})

@@ -1,5 +1,5 @@
 """Boards as hosts on this machine (Linux, root): network namespaces, veth links shaped by ``tc``,
-cgroup memory and CPU limits. The names and commands come from ``dashboard.host_plan``; this
+cgroup memory and CPU limits. The names and commands come from ``dashboard.hosts.plan``; this
 module runs them, starts processes inside a host, reads its cgroup's counters, and cleans up,
 also after a failure and after an earlier run that died before it could.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cachebox.link import LinkProfile
 
-from dashboard.host_plan import CGROUP_PARENT, CGROUP_ROOT, BoardHost, Hub
+from dashboard.hosts.plan import CGROUP_PARENT, CGROUP_ROOT, BoardHost, Hub
 
 log = logging.getLogger(__name__)
 CONTROLLERS = ("memory", "cpu")

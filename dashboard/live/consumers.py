@@ -6,8 +6,8 @@ from __future__ import annotations
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from . import metrics
-from .live import DEVICE_EVENT, GROUP, event_device
+from dashboard.ops import metrics
+from dashboard.live.broadcast import DEVICE_EVENT, GROUP, event_device
 
 
 @database_sync_to_async
@@ -16,7 +16,7 @@ def _allowed_devices(user_pk: int) -> frozenset[str] | None | bool:
     inactive. Two small queries: the user's flags, then the names of their namespaces' devices."""
     from django.contrib.auth import get_user_model
 
-    from .stats import visible_device_names
+    from dashboard.pages.stats import visible_device_names
 
     user = get_user_model().objects.filter(pk=user_pk, is_active=True).first()
     if user is None:
@@ -30,8 +30,8 @@ SYNC_LIMIT = 500  # device names a page may ask the state of at once (a page sho
 @database_sync_to_async
 def _device_states(names: list[str]) -> list[dict]:
     """The current state of the named devices, as a ``device`` event carries it. One query."""
-    from .actions.devices import device_json
-    from .models import Device
+    from dashboard.actions.devices import device_json
+    from dashboard.models import Device
 
     return [device_json(device) for device in Device.objects.filter(name__in=names).select_related("namespace")]
 

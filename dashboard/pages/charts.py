@@ -19,8 +19,8 @@ from cachebox.link import LinkProfile
 from inference.serving.breakdown import OTHER, TIME_LABELS, TIER_WORDS, time_sums
 from inference.serving.breakeven import LinearFit, crossover, fit_line, overlap_ms, points_from_breakdowns
 
-from .chart_series import HIT_TIERS, ChartPoint
-from .explain import human_ms
+from dashboard.pages.chart_series import HIT_TIERS, ChartPoint
+from dashboard.pages.explain import human_ms
 
 # The stacked parts of a run's TTLT: the paper's table-3 groups in its order and words, then
 # "other" (one source for the chart and live.js, which finds each run's values in ``time_sums``).

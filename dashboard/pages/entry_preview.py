@@ -19,7 +19,7 @@ from django.conf import settings
 from dashboard.models import CacheEntry
 from inference.engine.model_file import ModelNotFound
 
-from .models import InferenceRun
+from dashboard.models import InferenceRun
 
 PREVIEW_TOKENS = 12  # tokens of a range shown
 NEAR = timedelta(seconds=10)  # a run and the entries it stored are recorded in one transaction

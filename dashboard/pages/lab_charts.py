@@ -17,7 +17,7 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
-from .charts import _figure
+from dashboard.pages.charts import _figure
 
 APPROXIMATE = "lab, approximate"
 NOTE = (
@@ -44,7 +44,7 @@ class Study:
 
 def document_kind(doc) -> str | None:
     """Which lab study a saved benchmark document holds (its ``bench``), or None (another benchmark)."""
-    from .bench.documents import kind_of
+    from dashboard.bench.documents import kind_of
 
     kind = kind_of(doc)
     return kind if kind in {study.kind for study in STUDIES} else None

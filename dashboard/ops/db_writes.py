@@ -45,7 +45,7 @@ def _flush_forever() -> None:
 
     from django.core.cache import cache
 
-    from dashboard.django_cache import CACHE_SERVER_ERRORS
+    from dashboard.store.django_cache import CACHE_SERVER_ERRORS
 
     global _count
     while True:

@@ -12,9 +12,9 @@ from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
 
-from .models import Device
+from dashboard.models import Device
 
-log = logging.getLogger("dashboard.health")
+log = logging.getLogger("dashboard.ops.health")
 
 _migrated = False  # once every migration is applied it stays so for this process
 
@@ -30,7 +30,7 @@ def health() -> list[str]:
     """What this process still waits for before it can serve ([] when ready): the database, its
     migrations, the cache box (which is also the broker and the live pages' channel layer)."""
     global _migrated
-    from .actions.cache import cachebox
+    from dashboard.actions.cache import cachebox
 
     waiting = []
     try:

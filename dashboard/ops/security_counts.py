@@ -22,7 +22,7 @@ def _store():
     from cachebox.store import CacheBox
     from django.conf import settings
 
-    from .actions.cache import cachebox_url
+    from dashboard.actions.cache import cachebox_url
 
     url = cachebox_url()
     client = _clients.get(url)

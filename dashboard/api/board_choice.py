@@ -3,7 +3,7 @@
 - ``edgecache.device`` names one: it must be a device of the key's namespace (any other name
   is a 404, whether or not another tenant has it), serve the model and be online.
 - Otherwise the online board of the namespace serving the model that is expected to answer
-  first (``dashboard.routing``: what each board holds of the prompt, its queue, its rates);
+  first (``dashboard.router``: what each board holds of the prompt, its queue, its rates);
   ``prompt_cache_key`` is a hint: the board that last served it wins a tie.
 
 A model is named by what boards report in their heartbeat: the model file's name
@@ -18,14 +18,14 @@ import time
 
 from django.core.cache import cache
 
-from dashboard.django_cache import CACHE_SERVER_ERRORS
+from dashboard.store.django_cache import CACHE_SERVER_ERRORS
 
-from ..models import ApiKey, Device
+from dashboard.models import ApiKey, Device
 from inference.contract.messages import RunRequest
 
-from ..routing import CANDIDATES, Routed, plan
-from .errors import ApiError, bad_request
-from .requests import ApiRequest
+from dashboard.router import CANDIDATES, Routed, plan
+from dashboard.api.errors import ApiError, bad_request
+from dashboard.api.requests import ApiRequest
 
 log = logging.getLogger("dashboard.api")
 
@@ -39,7 +39,7 @@ def serves(device: Device, model: str) -> bool:
 
 
 def namespace_devices(namespace: str) -> list[Device]:
-    """The key's namespace's devices that are not revoked (``dashboard.routing.Candidates``: read at most once a second)."""
+    """The key's namespace's devices that are not revoked (``dashboard.router.Candidates``: read at most once a second)."""
     return CANDIDATES.of(namespace)
 
 

@@ -41,9 +41,9 @@ from dashboard.models import CacheEntry
 from inference.contract.messages import RunRequest
 from inference.placement import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, prompt_keys, route
 
-from .models import Device, Dispatch, InferenceRun, offline_after
+from dashboard.models import Device, Dispatch, InferenceRun, offline_after
 
-log = logging.getLogger("dashboard.routing")
+log = logging.getLogger("dashboard.router")
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
-from .models import Dispatch, InferenceRun
-from .stats import sees_every_namespace, visible_devices
+from dashboard.models import Dispatch, InferenceRun
+from dashboard.pages.stats import sees_every_namespace, visible_devices
 
-log = logging.getLogger("dashboard.queue")
+log = logging.getLogger("dashboard.pages.queue")
 
 RECENT = timedelta(hours=24)  # the unanswered runs the page lists
 LIMIT = 200  # rows of each table at most
@@ -82,7 +82,7 @@ def queue_places(boards: list[str], under_way: set[str]) -> dict[str, dict[str, 
     from cachebox.broker import queued_task_ids
     from inference.contract.messages import Queue
 
-    from .celery import app
+    from dashboard.celery import app
 
     places: dict[str, dict[str, int]] = {}
     try:

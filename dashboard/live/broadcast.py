@@ -1,7 +1,7 @@
 """Broadcasting to every open dashboard page (Channels group ``live``).
 
 Every event names the device it is about (``device``; a ``device`` event's own ``name``): each
-page's consumer forwards only events of devices its user may see (dashboard.consumers).
+page's consumer forwards only events of devices its user may see (dashboard.live.consumers).
 """
 
 from __future__ import annotations

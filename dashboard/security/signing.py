@@ -42,7 +42,7 @@ def keyring_for(namespace: str) -> KeyRing:
     Used by commands running next to the control plane (``infer``, ``bench``), which hold
     the signing secret themselves; boards receive sealed rings instead (``sealed_ring``).
     """
-    from .models import Namespace
+    from dashboard.models import Namespace
 
     tenant = signing.tenant_of(namespace)
     private = tenant != namespace
@@ -65,7 +65,7 @@ def control_plane_producer() -> Producer:
 def producer_table(tenant: str) -> ProducerTable:
     """``tenant``'s producers as the database knows them: every enrolled board's public key, except
     revoked and quarantined boards, whose entries readers refuse (listed with the reason)."""
-    from .models import Device
+    from dashboard.models import Device
 
     producers: dict[str, str] = {}
     quarantined: dict[str, str] = {}

@@ -22,8 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from inference.serving.breakdown import CROSS_CLASS
 
-from .models import Device, Dispatch, InferenceRun
-from .stats import CANCELLED_RUNS, FAILED, outcome_q
+from dashboard.models import Device, Dispatch, InferenceRun
+from dashboard.pages.stats import CANCELLED_RUNS, FAILED, outcome_q
 
 # Upper bounds of the TTFT histogram, in seconds: a full hit on a fast board (~5 ms) up to a
 # cold 2k-token prefill on a Pi Zero (~30 s).
@@ -187,8 +187,8 @@ class OperationsCollector(RunMetricsCollector):
 
         from cachebox.errors import CacheBoxError
 
-        from .actions.cache import cachebox
-        from .security_counts import security_counts
+        from dashboard.actions.cache import cachebox
+        from dashboard.ops.security_counts import security_counts
 
         now = timezone.now()
         up = GaugeMetricFamily("edgecache_board_up", "1 while the board beats (within EDGECACHE_MISSED_HEARTBEATS of its heartbeats), else 0; revoked boards are left out.", labels=["device", "namespace"])

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from django.core.cache import caches
 
-from dashboard.django_cache import CACHE_SERVER_ERRORS
+from dashboard.store.django_cache import CACHE_SERVER_ERRORS
 
-log = logging.getLogger("dashboard.ratelimit")
+log = logging.getLogger("dashboard.security.ratelimit")
 
 WINDOW_SECONDS = 60
 clock = time.time  # replaced in tests to move to the next window

@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from inference.serving.breakdown import Case, Tier
 
-from .models import InferenceRun
+from dashboard.models import InferenceRun
 
 # The time ranges a page offers (Grafana's basics), and the one it opens with.
 RANGES: dict[str, timedelta | None] = {
