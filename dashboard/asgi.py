@@ -94,6 +94,7 @@ def _warm_router() -> None:
         prompt_tokens(run_request(messages=[("user", "warm")]))  # a chat's template pieces (and inference.chat, imported then)
         STATE.current()
         STATE.follow_in_background(settings.EDGECACHE_ROUTING_FOLLOW_SECONDS)
+        CANDIDATES.refresh_in_background()
         devices = [device for namespace in Namespace.objects.values_list("name", flat=True) for device in CANDIDATES.roster(namespace).devices]
         amqp = celery_app.amqp
         amqp.router, amqp.producer_pool, amqp.send_task_message, celery_app.backend  # built by the first send_task otherwise (24 ms)
