@@ -2,6 +2,7 @@
 through Channels (session-authenticated)."""
 
 import gc
+import itertools
 import logging
 import os
 import threading
@@ -22,16 +23,22 @@ class ApiHandler(ASGIHandler):
     (run on the event loop) instead of the pages' stack, whose session, CSRF, authentication,
     messages and lockout middlewares do nothing for a request that carries an API key, but cost
     a thread hop each, twice, on the way to its first chunk. Django's thread-sensitive work (its
-    request signals' receivers) runs on one thread kept for every API request, where Django's
-    handler starts and joins a thread per request (3.5 ms of the web process per request in a
-    burst of eight, with the new database connection that thread opened)."""
+    request signals' receivers, on the way in and out of every request) runs on a few threads kept
+    from request to request, each request on one of them in turn, where Django's handler starts
+    and joins a thread per request (3.5 ms of the web process per request in a burst of eight,
+    with the new database connection that thread opened); not on one thread for every request,
+    where each request's way in waited behind every other's. The API's own work (key, routing,
+    bounded queues, dispatch) runs on threads of its own (``dashboard.api.views``)."""
 
-    _sync_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgecache-api-sync")
+    _sync_threads = tuple(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"edgecache-api-django-{number}") for number in range(4))
+    _turn = itertools.count()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
-        async with ThreadSensitiveContext(executor=self._sync_thread):
+        # One thread per request (thread-sensitive work runs one call at a time, on one thread), in turn.
+        executor = self._sync_threads[next(self._turn) % len(self._sync_threads)]
+        async with ThreadSensitiveContext(executor=executor):
             await self.handle(scope, receive, send)
 
     def load_middleware(self, is_async=False):
@@ -94,6 +101,7 @@ def _warm_router() -> None:
         prompt_tokens(run_request(messages=[("user", "warm")]))  # a chat's template pieces (and inference.engine.chat, imported then)
         STATE.current()
         STATE.follow_in_background(settings.EDGECACHE_ROUTING_FOLLOW_SECONDS)
+        CANDIDATES.refresh_in_background()
         devices = [device for namespace in Namespace.objects.values_list("name", flat=True) for device in CANDIDATES.roster(namespace).devices]
         amqp = celery_app.amqp
         amqp.router, amqp.producer_pool, amqp.send_task_message, celery_app.backend  # built by the first send_task otherwise (24 ms)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -539,33 +540,90 @@ class Candidates:
     process (1,000 devices take ~50 ms to read and decode; a decision takes a few), with what the
     router reads of each worked out once per read (``Roster``). A device saved in this process
     (registered, edited, revoked, a heartbeat recorded here) is seen at once; heartbeats recorded
-    by a control worker within ``TTL_S``, well inside a board's heartbeat interval."""
+    by a control worker within ``TTL_S``, well inside a board's heartbeat interval.
+
+    In a web process (``refresh_in_background``, from its start-up) the read is a thread's of its
+    own: a request finding the devices read more than ``TTL_S`` ago routes on them (up to
+    ``STALE_S`` old) while that thread reads them again, instead of reading them itself (at 1,000
+    boards, one API request a second waited 50-100 ms for it, ``bench fleet-sim``)."""
 
     TTL_S = 1.0
+    STALE_S = 5.0  # older than this, a roster is read again before it is used (the refresher stopped or far behind)
 
     def __init__(self):
         self._lock = threading.Lock()
         self._read: dict[str, tuple[float, Roster]] = {}
+        self._generation = 0  # moved on by ``forget``: a read begun before it is not kept
+        self._background = False
+        self._wanted: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._refreshing: set[str] = set()  # namespaces asked of the refresher and not read yet
+        self._refresher: threading.Thread | None = None
 
     def of(self, namespace: str) -> list[Device]:
         return self.roster(namespace).devices
 
     def roster(self, namespace: str, *, fresh: bool = False) -> "Roster":
-        """The namespace's devices as read less than ``TTL_S`` ago (``fresh``: read now)."""
+        """The namespace's devices as read less than ``TTL_S`` ago, or less than ``STALE_S`` ago
+        while the refresher reads them again (``fresh``: read now)."""
         with self._lock:
             read = self._read.get(namespace)
-            if not fresh and read is not None and time.monotonic() - read[0] < self.TTL_S:
-                return read[1]
+            if not fresh and read is not None:
+                age = time.monotonic() - read[0]
+                if age < self.TTL_S:
+                    return read[1]
+                if self._background and age < self.STALE_S:
+                    self._refresh_later(namespace)
+                    return read[1]
+        return self._load(namespace)
+
+    def _load(self, namespace: str) -> Roster:
+        with self._lock:
+            generation, read = self._generation, self._read.get(namespace)
+        began = time.monotonic()
         roster = Roster(list(Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace")))
         if read is not None:
             roster.carry(read[1])
         with self._lock:
-            self._read[namespace] = (time.monotonic(), roster)
+            if generation == self._generation:
+                self._read[namespace] = (began, roster)
         return roster
 
     def forget(self, **kwargs) -> None:
         with self._lock:
             self._read.clear()
+            self._generation += 1
+
+    # -- the web process's refresher ----------------------------------------------------------------
+    def refresh_in_background(self) -> None:
+        """Read the devices again from a thread of this process when a request finds them older
+        than ``TTL_S``. A web process's start-up calls this (``dashboard.asgi``); nothing else does."""
+        with self._lock:
+            self._background = True
+
+    def _refresh_later(self, namespace: str) -> None:
+        """Ask the refresher to read ``namespace`` again (the lock held), once however often asked."""
+        if self._refresher is None or not self._refresher.is_alive():
+            self._refreshing.clear()
+            self._refresher = threading.Thread(target=self._refresh_loop, name="edgecache-roster", daemon=True)
+            self._refresher.start()
+        if namespace not in self._refreshing:
+            self._refreshing.add(namespace)
+            self._wanted.put(namespace)
+
+    def _refresh_loop(self) -> None:
+        from django.db import close_old_connections, connections
+
+        while True:
+            namespace = self._wanted.get()
+            try:
+                close_old_connections()  # its connection is kept between reads, closed when it failed or aged out
+                self._load(namespace)
+            except Exception as exc:  # requests read them themselves once they are STALE_S old
+                log.warning("devices of namespace %s not read in the background: %s: %s", namespace, type(exc).__name__, exc)
+                connections.close_all()  # this thread's connection, which may be the broken part
+            finally:
+                with self._lock:
+                    self._refreshing.discard(namespace)
 
 
 class _Entry:

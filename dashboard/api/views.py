@@ -22,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from asgiref.sync import SyncToAsync, sync_to_async
 from django.conf import settings
@@ -73,10 +73,9 @@ async def models(request):
     if request.method != "GET":
         return _method_not_allowed("GET")
     try:
-        key = await sync_to_async(_authorized)(request)
+        entries = await _in_thread(_online_models)(request)
     except ApiError as exc:
         return exc.response()
-    entries = await sync_to_async(board_choice.online_models)(key.namespace_id)
     return JsonResponse({"object": "list", "data": [_model_json(entry) for entry in entries]})
 
 
@@ -85,13 +84,18 @@ async def model_detail(request, model: str):
     if request.method != "GET":
         return _method_not_allowed("GET")
     try:
-        key = await sync_to_async(_authorized)(request)
+        entries = await _in_thread(_online_models)(request)
     except ApiError as exc:
         return exc.response()
-    for entry in await sync_to_async(board_choice.online_models)(key.namespace_id):
+    for entry in entries:
         if model in (entry["id"], entry["fingerprint"]):
             return JsonResponse(_model_json(entry))
     return ApiError(404, f"No online board of this key's namespace serves {model!r}; GET /v1/models lists the models.", param="model", code="model_not_found").response()
+
+
+def _online_models(request) -> list[dict]:
+    """The models the online boards of the request's key's namespace serve (401/429 as any request)."""
+    return board_choice.online_models(_authorized(request).namespace_id)
 
 
 @csrf_exempt
@@ -108,14 +112,23 @@ async def completions(request):
 async def _complete(request, kind: str) -> HttpResponse:
     if request.method != "POST":
         return _method_not_allowed("POST")
-    phases = Phases()
+    admitted = _Admitted(Phases())
+    # The request's synchronous work (database, cache, routing, the bounded queues, the dispatch) in
+    # one hop to the API's threads, not one per step: each hop is a thread switch, and under
+    # concurrent requests a wait for the interpreter's lock each way. Its stream is subscribed
+    # from there on this loop, beside the work, before the run is sent.
+    work = asyncio.ensure_future(_in_thread(_admit_and_dispatch)(request, kind, admitted, asyncio.get_running_loop()))
     try:
-        # The request's synchronous work (database, cache, routing) in one hop to a thread, not one
-        # per step: each hop costs a thread switch, and more under concurrent requests.
-        admitted = await _in_thread(_admit)(request, kind, phases)
-    except ApiError as exc:
-        return exc.response()
-    return await _answer(admitted, phases)
+        await asyncio.shield(work)
+    except BaseException as exc:
+        if isinstance(exc, asyncio.CancelledError):  # the client left: the work ends on its thread, then is undone
+            await asyncio.wait({work})
+        await _undo(admitted)
+        if isinstance(exc, ApiError):
+            return exc.response()
+        raise
+    _beside(abroadcast("run.dispatched", admitted.dispatched))  # open pages hear of it beside the answer, not before it
+    return await _answer(admitted)
 
 
 class _SyncWork(ThreadPoolExecutor):
@@ -138,7 +151,8 @@ _SYNC_WORK = _SyncWork(max_workers=4, thread_name_prefix="edgecache-api")
 
 def _in_thread(work):
     """``work`` as an awaitable: on the API's own threads under the ASGI server (where each request
-    would otherwise get a new thread), else where Django runs sync code (a sync caller's own
+    would otherwise get a new thread, or wait its turn on the thread where Django runs the
+    request's thread-sensitive work, shared with other requests), else where Django runs sync code (a sync caller's own
     thread: the WSGI test client's, whose transaction the work must see)."""
     if SyncToAsync.thread_sensitive_context.get(None) is not None:
         return sync_to_async(work, thread_sensitive=False, executor=_SYNC_WORK)
@@ -146,44 +160,95 @@ def _in_thread(work):
 
 
 class _Admitted:
-    """A request past its key, rate, body, routing and bounded queues: what ``_answer`` needs."""
+    """One request as its synchronous work (``_admit_and_dispatch``, on the API's threads) left it,
+    step by step: what ``_answer`` follows, or what ``_undo`` takes back when the work stopped
+    short (a refusal, a failure, a client that left meanwhile)."""
 
-    def __init__(self, key: ApiKey, api: ApiRequest, run: RunRequest, device: Device, routed, ticket, ring_for):
-        self.key, self.api, self.run, self.device, self.routed, self.ticket, self.ring_for = key, api, run, device, routed, ticket, ring_for
+    def __init__(self, phases: Phases):
+        self.phases = phases
+        self.key: ApiKey | None = None
+        self.api: ApiRequest | None = None
+        self.run: RunRequest | None = None
+        self.device: Device | None = None
+        self.routed = None  # the router's record, for a run sent to any board
+        self.ticket: admission.Ticket | None = None  # its place in the bounded queues, released when the answer ends
+        self.subscription: streams.Subscription | None = None
+        self.subscribed: Future | None = None  # the subscription's opening, on the event loop
+        self.ring_for = None
+        self.dispatched_at: float | None = None  # perf_counter() when the run was handed to the broker
+        self.sent = False  # the run is on its board's queue (to be cancelled if nobody follows it)
+        self.dispatched: dict | None = None  # the live event that tells open pages
 
 
-def _admit(request, kind: str, phases: "Phases") -> _Admitted:
-    """Key and rate (401/429), body (413/400), the board (routing: 400/404/503) and a place in the
-    bounded queues (429/503), then what opens the board's stream events; each step marked in ``phases``."""
-    key = _authorized(request)
+def _admit_and_dispatch(request, kind: str, admitted: _Admitted, loop: asyncio.AbstractEventLoop) -> None:
+    """Key and rate (401/429), body (413/400), the board (routing: 400/404/503), the run's stream
+    subscribed (on ``loop``, beside what follows), a place in the bounded queues (429/503), what
+    opens the board's stream events, then the run sent to the board (503 when the cache box or the
+    broker is down: nothing was sent); each step marked in ``admitted.phases``, each result kept
+    in ``admitted`` as it comes (``_undo`` takes back what a step that failed left)."""
+    phases = admitted.phases
+    key = admitted.key = _authorized(request)
     phases.mark("auth")
     try:
         raw = request.body
     except RequestDataTooBig:
         raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
-    api = parse_request(parse_body(raw), kind)
-    run = _run_request(key, api, _schema_source(api, key.namespace_id), phases.received_at)  # the one prompt type, from here to the board
+    api = admitted.api = parse_request(parse_body(raw), kind)
+    run = admitted.run = _run_request(key, api, _schema_source(api, key.namespace_id), phases.received_at)  # the one prompt type, from here to the board
     phases.mark("parse")
-    device, routed, ticket = _route_and_admit(key, api, run)
-    phases.mark("route")
-    try:
-        ring_for = stream_ring_for(device)
-    except BaseException:
-        admission.release(ticket)
-        raise
-    phases.mark("ring")
-    return _Admitted(key, api, run, device, routed, ticket, ring_for)
-
-
-def _route_and_admit(key: ApiKey, api: ApiRequest, run: RunRequest):
-    """The board that answers (``routing``), and the run counted against the key's and its
-    namespace's bounded queues (ApiError 429 / 503 with Retry-After when one is full)."""
-    request_id = run.request_id
     device, routed, online_boards = board_choice.choose_route(key, api, run)
+    admitted.device, admitted.routed = device, routed
+    # Subscribed first (a message published while nobody listens is gone), on the loop's shared
+    # connection, while this thread counts the run and reads the ring: one round trip beside another.
+    admitted.subscription = streams.subscribe(
+        cachebox_url(), stream_channel(device.name, run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
+    )
+    admitted.subscribed = asyncio.run_coroutine_threadsafe(admitted.subscription.open(), loop)
+    admitted.ticket = _admit(key, device, run, routed, online_boards)
+    phases.mark("route")
+    admitted.ring_for = stream_ring_for(device)
+    phases.mark("ring")
+    try:
+        admitted.subscribed.result(settings.EDGECACHE_CONNECT_TIMEOUT + settings.EDGECACHE_IO_TIMEOUT + 1)
+    except (CacheBoxUnavailable, TimeoutError) as exc:
+        raise _unavailable(f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent.") from None
+    phases.mark("subscribe")
+    admitted.dispatched_at = time.perf_counter()
+    try:
+        admitted.dispatched = dispatch_api_run(device, run, expires=settings.EDGECACHE_API_TIMEOUT, routed=routed, announce=False)
+    except BrokerUnavailable as exc:
+        raise _unavailable(f"The message broker (the cache box's Redis) is not reachable: {exc}. Nothing was sent.") from None
+    admitted.sent = True
+    board_choice.remember(key.namespace_id, api.prompt_cache_key, device)  # the board that has its prompt cache key
+    phases.mark("dispatch")
+
+
+async def _undo(admitted: _Admitted) -> None:
+    """Take back what a request's synchronous work did before it stopped short: the run's cancel
+    flag when it was sent, its place in the bounded queues, its stream's subscription."""
+    if admitted.sent:
+        await _cancel(admitted.device.name, admitted.run.request_id)
+    if admitted.ticket is not None:
+        await _release(admitted.ticket)
+    if admitted.subscribed is not None:
+        await asyncio.wait({asyncio.wrap_future(admitted.subscribed)})  # settled (opened or failed) before it is closed
+        await admitted.subscription.close()
+
+
+async def _release(ticket: admission.Ticket | None) -> None:
+    """The run no longer counts in the bounded queues: one round trip, on the API's threads (not on
+    the event loop, where every other answer's chunks wait behind it)."""
+    if ticket is not None and ticket.names:
+        await _in_thread(admission.release)(ticket)
+
+
+def _admit(key: ApiKey, device: Device, run: RunRequest, routed, online_boards: int) -> admission.Ticket:
+    """The run counted against the key's and its namespace's bounded queues (ApiError 429 / 503
+    with Retry-After when one is full)."""
     expected_ms = routed.record.get("expected_ms") if routed is not None else None
     try:
-        ticket = admission.admit(
-            device.namespace_id, request_id, online_boards=online_boards, key_id=key.pk,
+        return admission.admit(
+            device.namespace_id, run.request_id, online_boards=online_boards, key_id=key.pk,
             hold_s=2 * settings.EDGECACHE_API_TIMEOUT, retry_after=admission.retry_after_s(expected_ms),
         )
     except admission.FleetBusy as busy:
@@ -194,7 +259,6 @@ def _route_and_admit(key: ApiKey, api: ApiRequest, run: RunRequest):
             429 if busy.scope == "key" else 503, str(busy), type="requests" if busy.scope == "key" else "server_error",
             code=code, headers={"Retry-After": str(busy.retry_after)},
         ) from None
-    return device, routed, ticket
 
 
 def _authorized(request) -> ApiKey:
@@ -268,33 +332,16 @@ def _run_request(key: ApiKey, api: ApiRequest, schema_source: str, received_at: 
         raise bad_request(f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}", param=api.prompt_param) from None
 
 
-async def _answer(admitted: _Admitted, phases: "Phases") -> HttpResponse:
-    """Dispatch the run and answer from its stream (subscribed first: nothing published is missed);
-    its place in the bounded queues (``admitted.ticket``) is released when the answer ends."""
-    key, api, run, device, ticket = admitted.key, admitted.api, admitted.run, admitted.device, admitted.ticket
-    timeout = settings.EDGECACHE_API_TIMEOUT
-    subscription = streams.subscribe(
-        cachebox_url(), stream_channel(device.name, run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
-    )
-    follower = _Follower(subscription, run.request_id, device, timeout, admitted.ring_for)
+async def _answer(admitted: _Admitted) -> HttpResponse:
+    """Answer from the run's stream (subscribed before the run was sent: nothing published is
+    missed); its place in the bounded queues (``admitted.ticket``) is released when the answer ends."""
+    api, run, device, phases, subscription = admitted.api, admitted.run, admitted.device, admitted.phases, admitted.subscription
+    follower = _Follower(subscription, run.request_id, device, settings.EDGECACHE_API_TIMEOUT, admitted.ring_for)
     follower.phases = phases
-    follower.ticket = ticket
-    try:
-        await subscription.open()
-    except CacheBoxUnavailable as exc:
-        admission.release(ticket)
-        return _unavailable(f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent.").response()
-    phases.mark("subscribe")
+    follower.ticket = admitted.ticket
+    follower.dispatched_at = admitted.dispatched_at
     handed_over = finished = False
     try:
-        try:
-            follower.dispatched_at = time.perf_counter()
-            dispatched = await _in_thread(_dispatch)(admitted, timeout)
-            phases.mark("dispatch")
-            _beside(abroadcast("run.dispatched", dispatched))  # open pages hear of it beside the answer, not before it
-        except BrokerUnavailable as exc:
-            finished = True  # never sent: nothing to cancel
-            raise _unavailable(f"The message broker (the cache box's Redis) is not reachable: {exc}. Nothing was sent.") from None
         event = await follower.next()
         if event.type == "error":
             finished = True
@@ -314,25 +361,19 @@ async def _answer(admitted: _Admitted, phases: "Phases") -> HttpResponse:
         if not handed_over:  # the stream's generator owns them otherwise
             if not finished:  # a timeout, or the client went away (this task cancelled)
                 await _cancel(follower.device, run.request_id)
-            admission.release(ticket)  # one round trip
+            await _release(admitted.ticket)
             await subscription.close()
 
 
 _beside = beside  # tasks run beside answers, kept until done (the loop holds them weakly)
 
 
-def _dispatch(admitted: _Admitted, timeout: float) -> dict:
-    """Send the run to its board, then remember which board has its prompt cache key (one hop);
-    returns the live event that tells open pages (sent by the caller, beside the answer)."""
-    event = dispatch_api_run(admitted.device, admitted.run, expires=timeout, routed=admitted.routed, announce=False)
-    board_choice.remember(admitted.key.namespace_id, admitted.api.prompt_cache_key, admitted.device)
-    return event
-
-
 class Phases:
     """How long each of the API's steps took before the first token, in order (milliseconds):
     ``auth`` (key and rate limit), ``parse``, ``route`` (routing and the bounded queues), ``ring``,
-    ``subscribe``, ``dispatch`` (record, seal, send), ``board`` (until the board says it started). In the answer's ``edgecache.api_phases_ms`` and its ``Server-Timing`` header."""
+    ``subscribe`` (what was left to wait of the subscription, made beside the two before), ``dispatch``
+    (record, seal, send), ``board`` (until the board says it started). In the answer's
+    ``edgecache.api_phases_ms`` and its ``Server-Timing`` header."""
 
     def __init__(self):
         self.started = self._last = time.perf_counter()
@@ -448,7 +489,7 @@ async def _sse(follower: _Follower, event: StreamEvent, shape: "_Shape"):
     finally:
         if not finished:  # the client went away (this generator cancelled) or the board fell silent
             await _cancel(follower.device, follower.request_id)
-        admission.release(follower.ticket)  # one round trip
+        await _release(follower.ticket)
         await follower.subscription.close()
 
 
