@@ -90,7 +90,7 @@ def _warm_router() -> None:
     from django.db import connection
 
     from .actions import run_request
-    from .celery import app as celery_app
+    from .outbox import app as celery_app
     from inference.contract.messages import Queue
 
     from .models import Namespace

@@ -4,19 +4,11 @@ Each control worker runs EdgeCache's control tasks and nothing else, and three t
 sweeper (``dashboard.worker.sweeper``), the heartbeat reader (``actions.devices.HeartbeatBatch``) and the
 control inbox (``dashboard.worker.inbox``), the only way a board's message reaches a task."""
 
-import os
-
-from celery import Celery
 from celery.signals import worker_init, worker_ready
 
-from inference.contract.messages import CONTROL_TASKS
+from dashboard.outbox import app
 from inference.board.app import keep_only_tasks
-
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
-
-app = Celery("edgecache")
-app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks()
+from inference.contract.messages import CONTROL_TASKS
 
 
 def _ours(sender) -> bool:
@@ -34,8 +26,9 @@ def _own_tasks_only(sender=None, **_) -> None:
 def _start_sweeper(sender=None, **_) -> None:
     if not _ours(sender):
         return
-    # Django's apps are ready only now (Celery's Django fixup): these read the models.
-    from .actions.devices import HEARTBEATS
+    # Imported here, not above: Django's apps are ready only now (Celery's Django fixup loads them
+    # after this module), and these read the models at import.
+    from dashboard.actions.devices import HEARTBEATS
     from dashboard.worker.inbox import INBOX
     from dashboard.worker.sweeper import start
 

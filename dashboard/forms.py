@@ -16,7 +16,7 @@ from cachebox.link import LINK_PRESETS
 from dashboard import mmlu
 from inference.serving.breakdown import Case, Decision
 from inference.contract.messages import RunRequest
-from dashboard.management.boards import split_segments
+from dashboard.actions.runs import split_segments
 from dashboard.models import Schema
 from inference.serving.pml import PMLError, parse_prompt, parse_schema
 

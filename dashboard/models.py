@@ -515,3 +515,8 @@ class CacheEntry(models.Model):
     @property
     def tokens(self) -> int:
         return self.end - self.start
+
+
+def token_usable(device: Device) -> bool:
+    """Whether the device's token may still enroll a board: not spent, not expired."""
+    return bool(device.enroll_key) and (device.token_expires is None or device.token_expires > timezone.now())

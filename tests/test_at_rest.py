@@ -53,39 +53,46 @@ def test_the_migration_seals_what_was_stored_in_clear_and_going_back_opens_it():
     executor.migrate(executor.loader.graph.leaf_nodes())
 
 
-@pytest.mark.migrations
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
-def test_schemas_and_cache_entries_of_a_database_made_before_they_moved_into_dashboard_are_kept():
+@pytest.mark.processes
+def test_schemas_and_cache_entries_of_a_database_made_before_they_moved_into_dashboard_are_kept(tmp_path):
     """A database whose schemas and cache-box mirror were made when boards' packages held those
     models (tables inference_schema, cachebox_cacheentry) keeps its rows, and a schema source an older
-    release stored in clear is sealed."""
-    from django.db import connection
-    from django.db.migrations.executor import MigrationExecutor
+    release stored in clear is sealed. On a database file of its own, migrated by `manage.py migrate`
+    as an operator upgrading would."""
+    from .conftest import run_manage
 
-    from dashboard.security.at_rest import is_sealed
+    env = {"DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}", "EDGECACHE_HOME": str(tmp_path / "home")}
 
-    move = ("dashboard", "0018_schema_and_cache_entries_move_here")
-    executor = MigrationExecutor(connection)
-    executor.migrate([move])
-    apps = executor.loader.project_state([move]).apps
-    apps.get_model("dashboard", "Schema").objects.create(name="finance", source=SECRET_MODULE, digest="0")
-    apps.get_model("dashboard", "CacheEntry").objects.create(key="ec:e:1", model="m", namespace="default", start=0, end=8, bytes=64)
+    def manage(*args: str) -> str:
+        done = run_manage(*args, env=env, unset=("DATABASE_URL",))
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        return done.stdout.decode()
+
+    def sql(statement: str, *params) -> list:
+        import sqlite3
+
+        with sqlite3.connect(tmp_path / "db.sqlite3") as connection:
+            return connection.execute(statement, params).fetchall()
+
+    manage("migrate", "-v", "0")
+    manage("shell", "-c", (
+        "from dashboard.models import Schema, CacheEntry; "
+        f"Schema.objects.create(name='finance', source={SECRET_MODULE!r}, digest='0'); "
+        "CacheEntry.objects.create(key='ec:e:1', model='m', namespace='default', start=0, end=8, bytes=64)"
+    ))
     # Back to before the move: the tables get their former names (where the release before reads them).
-    before = next(parent.key for parent in executor.loader.graph.node_map[move].parents if parent.key[0] == "dashboard")
-    MigrationExecutor(connection).migrate([before])
-    tables = set(connection.introspection.table_names())
+    manage("migrate", "dashboard", "0017", "-v", "0")
+    tables = {row[0] for row in sql("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"inference_schema", "cachebox_cacheentry"} <= tables and not {"dashboard_schema", "dashboard_cacheentry"} & tables
-    with connection.cursor() as cursor:  # as a release before sealing stored it
-        cursor.execute("UPDATE inference_schema SET source = %s", [SECRET_MODULE])
+    sql("UPDATE inference_schema SET source = ?", SECRET_MODULE)  # as a release before sealing stored it
 
-    executor = MigrationExecutor(connection)
-    executor.migrate([move])
-    moved = executor.loader.project_state([move]).apps
-    assert moved.get_model("dashboard", "Schema").objects.get(name="finance").source == SECRET_MODULE
-    assert moved.get_model("dashboard", "CacheEntry").objects.get(key="ec:e:1").end == 8
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT source FROM dashboard_schema")
-        assert is_sealed(cursor.fetchone()[0])
-    assert not {"inference_schema", "cachebox_cacheentry"} & set(connection.introspection.table_names())
-    executor = MigrationExecutor(connection)
-    executor.migrate(executor.loader.graph.leaf_nodes())
+    manage("migrate", "-v", "0")
+    shown = manage("shell", "-c", (
+        "from dashboard.models import Schema, CacheEntry; "
+        "print(repr(Schema.objects.get(name='finance').source)); print(CacheEntry.objects.get(key='ec:e:1').end)"
+    )).splitlines()
+    assert shown[-2:] == [repr(SECRET_MODULE), "8"]
+    ((stored,),) = sql("SELECT source FROM dashboard_schema")
+    assert stored.startswith("ec1:") and SECRET_MODULE not in stored  # sealed (dashboard.security.at_rest)
+    tables = {row[0] for row in sql("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"dashboard_schema", "dashboard_cacheentry"} <= tables and not {"inference_schema", "cachebox_cacheentry"} & tables

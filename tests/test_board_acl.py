@@ -181,7 +181,7 @@ def test_a_rotated_token_leaves_the_old_board_no_login(plane):
 
 def test_the_users_come_back_after_the_server_lost_them(plane):
     """A cache box restarted without its ACL file: the sweeper's check applies every user again."""
-    from dashboard.actions.identities import APPLIED_FLAG, ensure_identities
+    from dashboard.actions.devices import APPLIED_FLAG, ensure_identities
 
     admin = redis.Redis(port=plane["port"], username="default", password=PASSWORD)
     ensure_identities()  # as at the control plane's start: every user applied, the server flagged

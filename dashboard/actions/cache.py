@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 from django.conf import settings
 from django.db import transaction
 
 from cachebox import embedded, quota
 from cachebox.catalog import expected_filter_bytes
+from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
 from dashboard.models import CacheEntry
@@ -14,6 +17,8 @@ from cachebox.store import CacheBox
 from inference.contract.messages import StoredEntry
 
 from .audit import AuditAction, audit
+
+log = logging.getLogger("dashboard.actions")
 
 
 def cachebox_url() -> str:
@@ -132,4 +137,23 @@ def flush_entries(user, namespace: str | None, model: str | None) -> int:
     with transaction.atomic():
         rows.delete()
         audit(user, AuditAction.CACHE_FLUSH, f"namespace={namespace or '*'} model={model or '*'}", f"{removed} entries")
+    return removed
+
+
+def delete_entries_of(device_name: str) -> int:
+    """Delete from the cache box the entries the mirror says ``device_name`` stored (best effort:
+    readers refuse them anyway once the producer table lists the board)."""
+    names = list(CacheEntry.objects.filter(creator_device=device_name).values_list("key", flat=True))
+    return delete_entries(names)
+
+
+def delete_entries(names: list[str]) -> int:
+    if not names:
+        return 0
+    try:
+        removed = cachebox().delete(names)
+    except CacheBoxError as exc:
+        log.warning("quarantined entries not deleted now (readers refuse them): %s", exc)
+        return 0
+    CacheEntry.objects.filter(key__in=names).delete()
     return removed

@@ -24,20 +24,17 @@ from inference.contract.messages import MAX_HEARTBEAT_BYTES, BoardMessage, Enrol
 
 from dashboard.security import ratelimit
 from dashboard.live.broadcast import broadcast
-from ..models import Device, Namespace, offline_after
+from ..models import Device, Namespace, offline_after, token_usable
 from dashboard.security.signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring, signed_producer_table
 from dashboard.pages.stats import memory_label
 from .audit import AuditAction, audit
-from .cache import cachebox
+from .cache import cachebox, delete_entries_of
+from .identities import APPLIED_FLAG, apply_all_identities, apply_identity, client, servers
 
 log = logging.getLogger("dashboard.actions")
 
 ENROLL_WINDOW_S = 600  # an enrollment request older than this (or from a clock this far off) is refused
 
-
-def token_usable(device: Device) -> bool:
-    """Whether the device's token may still enroll a board: not spent, not expired."""
-    return bool(device.enroll_key) and (device.token_expires is None or device.token_expires > timezone.now())
 
 
 def _record_for(device: Device) -> registry.DeviceRecord:
@@ -76,8 +73,6 @@ def publish_device(device: Device) -> bool:
 
 def publish_all_devices() -> int:
     """Re-publish every device and its Redis users (after the cache box restarted empty)."""
-    from .identities import apply_all_identities
-
     apply_all_identities()
     store = cachebox()
     signer = control_plane_signer()
@@ -106,8 +101,6 @@ def _changed(devices) -> None:
     """Publish changed devices to their boards (the registry in the cache box), make their Redis
     users match (``identities``) and, once the change commits, tell the open pages. Call it after
     the verb's transaction block: a device record must not reach boards before the database holds it."""
-    from .identities import apply_identity
-
     tenants = set()
     for device in devices:
         apply_identity(device)
@@ -210,8 +203,6 @@ def revoke_device(user, device: Device) -> None:
         device.save(update_fields=["revoked_at"])
         audit(user, AuditAction.DEVICE_REVOKE, device.name)
     _changed([device])
-    from .entry_audits import delete_entries_of
-
     delete_entries_of(device.name)
 
 
@@ -532,9 +523,7 @@ def _write_heartbeats(rows: list[tuple[int, float, dict]], now) -> None:
 
 def broker_server():
     """The broker's server (``REDIS_URL``), where boards push their heartbeats (one client per process)."""
-    from .identities import _client
-
-    return _client(settings.REDIS_URL, settings.EDGECACHE_CONNECT_TIMEOUT, settings.EDGECACHE_IO_TIMEOUT)
+    return client(settings.REDIS_URL, settings.EDGECACHE_CONNECT_TIMEOUT, settings.EDGECACHE_IO_TIMEOUT)
 
 
 def _republish_missing(devices: list[Device]) -> None:
@@ -592,3 +581,23 @@ def device_json(device: Device, now=None) -> dict:
         "link": device.link_label,
         "memory": memory_label(device.status, device.memory_mb),
     }
+
+
+
+def ensure_identities() -> bool:
+    """Apply every device's Redis users (and publish every record) again when a server lost them:
+    it restarted empty, without an ACL file to reload them from. One GET per server when nothing
+    is missing. True when they had to be applied."""
+    if not settings.EDGECACHE_BOARD_ACL:
+        return False
+    stores = servers()
+    try:
+        missing = [store for store in stores if store.read_flag(APPLIED_FLAG) is None]
+    except CacheBoxError as exc:
+        log.warning("cannot tell whether boards' Redis users are in place: %s", exc)
+        return False
+    if not missing:
+        return False
+    log.warning("boards' Redis users missing on %s (restarted empty?): applying them again", ", ".join(store.safe_url for store in missing))
+    publish_all_devices()  # applies every identity, then publishes every record
+    return True

@@ -21,7 +21,6 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
 from dashboard.models import CacheEntry
@@ -30,7 +29,7 @@ from inference.contract.messages import AuditReport, AuditRequest, RunReport, Ru
 from dashboard.live.broadcast import broadcast
 from ..models import Device, Dispatch, EntryAudit
 from .audit import AuditAction, audit
-from .cache import cachebox
+from .cache import delete_entries, delete_entries_of
 
 log = logging.getLogger("dashboard.actions")
 
@@ -69,7 +68,7 @@ def choose_auditor(namespace: str, fingerprint: str, exclude: set[str]) -> Devic
 
 def dispatch_audit(entry: str, namespace: str, request: dict, run_device: str) -> EntryAudit | None:
     """Send one entry to an auditor (None, logged, when no other board of its model is online)."""
-    from .runs import send_to_board
+    from dashboard.outbox import send_to_board
 
     try:
         _, fingerprint, _ = parse_entry_key_name(entry)
@@ -106,7 +105,7 @@ def record_audit(payload: dict) -> EntryAudit | None:
         row.verdict, row.producer, row.detail, row.finished = report.verdict, report.producer, report.detail, timezone.now()
         row.save(update_fields=["verdict", "producer", "detail", "finished"])
     if report.verdict in ("mismatch", "refused"):
-        _delete([row.entry])
+        delete_entries([row.entry])
     if report.verdict == "mismatch":
         security_event("audit_mismatch", entry=row.entry, producer=report.producer, auditor=device.name, detail=report.detail)
         if report.producer:
@@ -147,20 +146,4 @@ def clear_quarantine(user, device: Device) -> None:
     transaction.on_commit(lambda: broadcast("device", device_json(device)))
 
 
-def delete_entries_of(device_name: str) -> int:
-    """Delete from the cache box the entries the mirror says ``device_name`` stored (best effort:
-    readers refuse them anyway once the producer table lists the board)."""
-    names = list(CacheEntry.objects.filter(creator_device=device_name).values_list("key", flat=True))
-    return _delete(names)
 
-
-def _delete(names: list[str]) -> int:
-    if not names:
-        return 0
-    try:
-        removed = cachebox().delete(names)
-    except CacheBoxError as exc:
-        log.warning("quarantined entries not deleted now (readers refuse them): %s", exc)
-        return 0
-    CacheEntry.objects.filter(key__in=names).delete()
-    return removed

@@ -19,10 +19,13 @@ from cachebox.errors import CacheBoxError
 from cachebox.store import CacheBox
 from inference.contract.messages import Queue
 
-from ..models import Device
+from ..models import Device, token_usable
+from ..outbox import app as celery_app
 from .cache import cachebox_limits
 
 log = logging.getLogger("dashboard.actions")
+
+APPLIED_FLAG = "ec:control:identities-applied"  # set on every server once every user was applied
 
 
 def servers() -> list[CacheBox]:
@@ -31,11 +34,11 @@ def servers() -> list[CacheBox]:
     urls = [settings.REDIS_URL]
     if settings.EDGECACHE_CACHEBOX_URL and settings.EDGECACHE_CACHEBOX_URL != settings.REDIS_URL:
         urls.append(settings.EDGECACHE_CACHEBOX_URL)
-    return [_client(url, settings.EDGECACHE_CONNECT_TIMEOUT, settings.EDGECACHE_IO_TIMEOUT) for url in urls]
+    return [client(url, settings.EDGECACHE_CONNECT_TIMEOUT, settings.EDGECACHE_IO_TIMEOUT) for url in urls]
 
 
 @functools.lru_cache(maxsize=8)
-def _client(url: str, connect_timeout: float, timeout: float) -> CacheBox:
+def client(url: str, connect_timeout: float, timeout: float) -> CacheBox:
     return CacheBox(url, connect_timeout=connect_timeout, timeout=timeout)
 
 
@@ -49,8 +52,6 @@ def apply_identity(device: Device, *, stores: list[CacheBox] | None = None, save
     server could not be told (``apply_all_identities`` at the next start tells it)."""
     if not settings.EDGECACHE_BOARD_ACL:
         return True
-    from .devices import token_usable
-
     board, enrolling = acl.board_user(device.name), acl.enroll_user(device.name)
     try:
         for store in stores or servers():
@@ -76,7 +77,6 @@ def apply_identity(device: Device, *, stores: list[CacheBox] | None = None, save
 def declare_queue(device: Device) -> None:
     """Declare the board's queue and its binding on the broker (a board may only read bindings:
     it puts a message it held back where the control plane bound it)."""
-    from ..celery import app as celery_app
 
     name = Queue.device(device.name)
     try:
@@ -88,29 +88,6 @@ def declare_queue(device: Device) -> None:
     except Exception as exc:  # the broker away: the first dispatch declares it too
         log.warning("queue %s not declared: %s", name, exc)
 
-
-APPLIED_FLAG = "ec:control:identities-applied"  # set on every server once every user was applied
-
-
-def ensure_identities() -> bool:
-    """Apply every device's Redis users (and publish every record) again when a server lost them:
-    it restarted empty, without an ACL file to reload them from. One GET per server when nothing
-    is missing. True when they had to be applied."""
-    from .devices import publish_all_devices
-
-    if not settings.EDGECACHE_BOARD_ACL:
-        return False
-    stores = servers()
-    try:
-        missing = [store for store in stores if store.read_flag(APPLIED_FLAG) is None]
-    except CacheBoxError as exc:
-        log.warning("cannot tell whether boards' Redis users are in place: %s", exc)
-        return False
-    if not missing:
-        return False
-    log.warning("boards' Redis users missing on %s (restarted empty?): applying them again", ", ".join(store.safe_url for store in missing))
-    publish_all_devices()  # applies every identity, then publishes every record
-    return True
 
 
 def apply_all_identities() -> int:
@@ -134,3 +111,4 @@ def apply_all_identities() -> int:
         except CacheBoxError as exc:
             log.warning("Redis users not reconciled on %s: %s", store.safe_url, exc)
     return len(devices)
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -14,17 +15,17 @@ from django.utils import timezone
 from dashboard.store import mirror
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
-from cachebox.keys import heard_key_name
+from cachebox.keys import cancel_key_name, heard_key_name, stream_channel
 from inference.serving.breakdown import time_sums
-from inference.contract.envelope import Kind
-from inference.contract.messages import CANCELLED, ChatMessage, Continuation, Queue, RunMeta, RunReport, RunRequest, SamplingSpec, Task
+from inference.contract.envelope import CONTROL, Kind, seal
+from inference.contract.messages import CANCELLED, ChatMessage, Continuation, RunMeta, RunReport, RunRequest, SamplingSpec, StreamEvent, Task
 
-from ..celery import app as celery_app
 from dashboard import admission, router
 from dashboard.live.broadcast import broadcast
 from ..models import Device, Dispatch, InferenceRun
-from dashboard.security.signing import seal_for
+from dashboard.outbox import send_to_board
 from dashboard.pages.entry_preview import stored_entries
+from dashboard.security.signing import cancel_flag, control_plane_signer, device_ring
 from . import entry_audits
 from .cache import acceptable_entries, cachebox
 from .devices import receive_board_message
@@ -97,21 +98,6 @@ def approximate_sources(device: Device) -> dict[str, str]:
         if isinstance(fingerprint, str) and fingerprint != own[0] and fingerprint not in found and len(found) < 8:
             found[fingerprint] = kernel_class
     return found
-
-
-_KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE, Task.AUDIT_ENTRY: Kind.AUDIT}
-
-
-def send_to_board(device: Device, task: Task, message: dict, expires: float) -> None:
-    """One request on ``device``'s own queue: sealed under its namespace's key and signed by the
-    control plane (``inference.contract.envelope``), valid until it expires."""
-    sealed = seal_for(device, _KINDS[task], message, ttl=expires)
-    # The task's id is the request's: the Queue page finds a run in its board's queue by it (``dashboard.pages.queue``).
-    # No repr of the sealed blob in the message's headers: it says nothing a reader could use, and
-    # Celery's saferepr of it was 7% of an API dispatch's time in the web process (profiled).
-    celery_app.send_task(
-        task.value, args=[sealed], queue=Queue.device(device.name), expires=expires, task_id=message.get("request_id"), argsrepr="(sealed)", kwargsrepr="{}",
-    )
 
 
 def route_run(candidates: list[Device], asked: RunRequest, namespace: str) -> router.Routed | None:
@@ -330,7 +316,7 @@ def continue_run(request_id: str, device: str, tokens: list[int], text: str) -> 
     try:
         send_to_board(dispatch.device, Task.RUN_PROMPT, request.dump(), ttl)
     except OperationalError as exc:
-        from .sweeper import lose
+
 
         lose(Dispatch.objects.select_related("device", "device__namespace").get(pk=dispatch.pk), f"{moved.get('why', 'its board stopped answering')}; re-sending it failed ({exc})")
         return False
@@ -353,3 +339,93 @@ def keep_streamed(request_id: str, text: str) -> None:
         run.text = text
         run.save(update_fields=["text"])
         transaction.on_commit(lambda: broadcast("run", run_json(run)))
+
+
+LOST = "lost: {why}. Nothing was answered; send it again"
+
+
+LOST_STREAMED = "lost: {why}. The answer stopped after what is shown; send it again for a whole one"
+
+
+def lose(dispatch: Dispatch, why: str) -> InferenceRun | None:
+    """End the run as failed, with why, keeping the answer its client had (``Dispatch.streamed``;
+    a follower still listening adds it when it hears the error: ``actions.runs.keep_streamed``).
+    Its board is not told to drop it: its late answer replaces this. None when it ended otherwise meanwhile."""
+    streamed = Dispatch.objects.filter(pk=dispatch.pk).values_list("streamed", flat=True).first() or ""
+    error = (LOST_STREAMED if streamed else LOST).format(why=why)
+    return _end_unanswered(dispatch, "lost", error, text=streamed, cancel=False)[1]
+
+
+REVOKED = "revoked: {who} took it back from the queue before its board answered. Nothing was answered; send it again"
+
+
+def revoke(user, dispatch: Dispatch) -> bool:
+    """Take a run under way back from its queue (the Queue page's Revoke): its board drops it if it
+    ever takes it (a signed cancel flag; one already decoding stops at its next token), and it ends
+    as a failed run saying who revoked it. False when it ended otherwise meanwhile."""
+    from .audit import AuditAction, audit
+
+    ended, _ = _end_unanswered(dispatch, "revoked", REVOKED.format(who=getattr(user, "username", "") or "someone"))
+    if ended:
+        audit(user, AuditAction.RUN_REVOKE, str(dispatch.request_id), f"on {dispatch.device.name if dispatch.device else 'namespace ' + dispatch.namespace}")
+    return ended
+
+
+def _end_unanswered(dispatch: Dispatch, outcome: str, error: str, *, text: str = "", cancel: bool = True) -> tuple[bool, InferenceRun | None]:
+    """End a dispatch nobody answered as ``outcome`` (lost, revoked): a failed run with ``error``
+    (broadcast, so every page that lists runs shows it) keeping ``text``, its board told to drop
+    it (``cancel``), its waiting client told at once. (False, None) when it ended otherwise meanwhile (one conditional update
+    decides); the run is None for a dispatch to no board in particular."""
+    from .runs import run_json
+
+    if not Dispatch.objects.filter(pk=dispatch.pk, outcome="").update(outcome=outcome):
+        return False, None
+    request_id = str(dispatch.request_id)
+    meta = RunMeta.parse(dispatch.request.get("meta", {})) if isinstance(dispatch.request, dict) and dispatch.request.get("meta") else RunMeta()
+    prompt = RunRequest.parse(dispatch.request).prompt_text if dispatch.request else ""
+    run = None
+    if dispatch.device is not None:
+        with transaction.atomic():
+            run, created = InferenceRun.objects.get_or_create(
+                request_id=request_id,
+                defaults={"device": dispatch.device, "source": meta.source, "title": meta.title, "expected_answer": meta.expected_answer, "prompt": prompt, "error": error, "text": text},
+            )
+            if created:
+                transaction.on_commit(lambda: broadcast("run", run_json(run)))
+        if cancel:
+            cancel_on(dispatch.device, request_id)
+        publish_event(dispatch.device, request_id, StreamEvent(type="error", request_id=request_id, device=dispatch.device.name, error=error[:10_000]))
+    Dispatch.objects.filter(pk=dispatch.pk).update(request={})
+    log.warning("run %s %s", request_id, error)
+    return True, run
+
+
+def publish_event(device: Device, request_id: str, event: StreamEvent) -> None:
+    """A control-plane event on the run's channel of ``device`` (best effort: the record is the truth)."""
+    from .cache import cachebox
+
+    sealed = seal(event.compact(), kind=Kind.STREAM, sender=CONTROL, to=request_id, signer=control_plane_signer(), ring=device_ring(device))
+    try:
+        cachebox().publish(stream_channel(device.name, request_id), json.dumps(sealed, separators=(",", ":")).encode())
+    except CacheBoxError as exc:
+        log.warning("run %s: its client was not told (%s)", request_id, exc)
+
+
+def cancel_on(device: Device, request_id: str) -> None:
+    """Tell ``device``'s board to drop the run if it ever takes it (it came back, say)."""
+    from .cache import cachebox
+
+    try:
+        cachebox().set_flag(cancel_key_name(device.name, request_id), settings.EDGECACHE_TASK_EXPIRES + 60, cancel_flag(device.name, request_id))
+    except CacheBoxError as exc:
+        log.warning("run %s: its first board was not told to drop it (%s)", request_id, exc)
+
+
+def split_segments(text: str, separator: str | None) -> list[str]:
+    """Cut ``text`` after every ``separator`` (kept), giving explicit range boundaries."""
+    if not separator:
+        return [text]
+    separator = separator.encode().decode("unicode_escape")  # let "\n\n" be typed on a shell
+    pieces = text.split(separator)
+    segments = [piece + separator for piece in pieces[:-1]] + [pieces[-1]]
+    return [segment for segment in segments if segment]

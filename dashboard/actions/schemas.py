@@ -17,7 +17,9 @@ from ..models import Device, Dispatch
 from .audit import AuditAction, audit
 from .cache import acceptable_entries, cachebox
 from .devices import receive_board_message
-from .runs import answers_dispatch, send_to_board
+from dashboard.outbox import send_to_board
+
+from .runs import answers_dispatch
 
 
 def save_schema(user, form) -> Schema:

@@ -23,28 +23,23 @@ which one of them wins.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
-from cachebox.keys import cancel_key_name, heard_key_name, stream_channel
-from inference.contract.envelope import CONTROL, Kind, seal
-from inference.contract.messages import RunMeta, RunRequest, StreamEvent
+from cachebox.keys import heard_key_name
+from inference.contract.messages import StreamEvent
 
 from dashboard.live.broadcast import broadcast
 from ..models import Device, Dispatch, InferenceRun, offline_after
-from dashboard.security.signing import cancel_flag, control_plane_signer, device_ring
+from .runs import cancel_on, continue_run, lose, publish_event
 
 log = logging.getLogger("dashboard.actions")
 
-LOST = "lost: {why}. Nothing was answered; send it again"
-LOST_STREAMED = "lost: {why}. The answer stopped after what is shown; send it again for a whole one"
 EXPIRY_GRACE = timedelta(seconds=60)  # a board that meets an expired run (back after an outage) reports it itself first
 HANDOVER = timedelta(seconds=10)  # a moved run's follower sends it within this, or the sweeper does (nobody follows it)
 BATCH = 500
@@ -66,7 +61,6 @@ def sweep(now=None) -> dict:
             continue
         if dispatch.moving:  # moved: its follower sends it; nobody did in time, so nobody follows it
             if now - dispatch.created > HANDOVER:
-                from .runs import continue_run
 
                 counts["resent"] += continue_run(str(dispatch.request_id), dispatch.device.name, [], "")
             continue
@@ -171,26 +165,6 @@ def _another_board(dispatch: Dispatch, now) -> Device | None:
     return min(online, key=lambda other: other.last_seen, default=None) if online else None
 
 
-def _publish(device: Device, request_id: str, event: StreamEvent) -> None:
-    """A control-plane event on the run's channel of ``device`` (best effort: the record is the truth)."""
-    from .cache import cachebox
-
-    sealed = seal(event.compact(), kind=Kind.STREAM, sender=CONTROL, to=request_id, signer=control_plane_signer(), ring=device_ring(device))
-    try:
-        cachebox().publish(stream_channel(device.name, request_id), json.dumps(sealed, separators=(",", ":")).encode())
-    except CacheBoxError as exc:
-        log.warning("run %s: its client was not told (%s)", request_id, exc)
-
-
-def _cancel_on(device: Device, request_id: str) -> None:
-    """Tell ``device``'s board to drop the run if it ever takes it (it came back, say)."""
-    from .cache import cachebox
-
-    try:
-        cachebox().set_flag(cancel_key_name(device.name, request_id), settings.EDGECACHE_TASK_EXPIRES + 60, cancel_flag(device.name, request_id))
-    except CacheBoxError as exc:
-        log.warning("run %s: its first board was not told to drop it (%s)", request_id, exc)
-
 
 def resend(dispatch: Dispatch, other: Device, why: str) -> bool:
     """Move the run to ``other`` (once) and tell its client's follower, which listens to ``other``'s
@@ -209,8 +183,8 @@ def resend(dispatch: Dispatch, other: Device, why: str) -> bool:
         return False
     log.warning("run %s moved from %s to %s: %s", request_id, getattr(first, "name", "?"), other.name, why)
     if first is not None:
-        _cancel_on(first, request_id)
-        _publish(first, request_id, StreamEvent(type="resent", request_id=request_id, device=other.name, error=why[:10_000]))
+        cancel_on(first, request_id)
+        publish_event(first, request_id, StreamEvent(type="resent", request_id=request_id, device=other.name, error=why[:10_000]))
     return True
 
 
@@ -219,60 +193,8 @@ def _tell_waiting(dispatch: Dispatch, why: str) -> None:
     page shows the newest)."""
     until = f"{dispatch.waits_until:%H:%M:%S} UTC" if dispatch.waits_until else "its expiry"
     text = f"{why}; it was sent to this board only, so it waits for it until {until}"
-    _publish(dispatch.device, str(dispatch.request_id), StreamEvent(type="stage", stage="waiting", request_id=str(dispatch.request_id), device=dispatch.device.name, error=text[:10_000]))
+    publish_event(dispatch.device, str(dispatch.request_id), StreamEvent(type="stage", stage="waiting", request_id=str(dispatch.request_id), device=dispatch.device.name, error=text[:10_000]))
 
-
-def lose(dispatch: Dispatch, why: str) -> InferenceRun | None:
-    """End the run as failed, with why, keeping the answer its client had (``Dispatch.streamed``;
-    a follower still listening adds it when it hears the error: ``actions.runs.keep_streamed``).
-    Its board is not told to drop it: its late answer replaces this. None when it ended otherwise meanwhile."""
-    streamed = Dispatch.objects.filter(pk=dispatch.pk).values_list("streamed", flat=True).first() or ""
-    error = (LOST_STREAMED if streamed else LOST).format(why=why)
-    return _end_unanswered(dispatch, "lost", error, text=streamed, cancel=False)[1]
-
-
-REVOKED = "revoked: {who} took it back from the queue before its board answered. Nothing was answered; send it again"
-
-
-def revoke(user, dispatch: Dispatch) -> bool:
-    """Take a run under way back from its queue (the Queue page's Revoke): its board drops it if it
-    ever takes it (a signed cancel flag; one already decoding stops at its next token), and it ends
-    as a failed run saying who revoked it. False when it ended otherwise meanwhile."""
-    from .audit import AuditAction, audit
-
-    ended, _ = _end_unanswered(dispatch, "revoked", REVOKED.format(who=getattr(user, "username", "") or "someone"))
-    if ended:
-        audit(user, AuditAction.RUN_REVOKE, str(dispatch.request_id), f"on {dispatch.device.name if dispatch.device else 'namespace ' + dispatch.namespace}")
-    return ended
-
-
-def _end_unanswered(dispatch: Dispatch, outcome: str, error: str, *, text: str = "", cancel: bool = True) -> tuple[bool, InferenceRun | None]:
-    """End a dispatch nobody answered as ``outcome`` (lost, revoked): a failed run with ``error``
-    (broadcast, so every page that lists runs shows it) keeping ``text``, its board told to drop
-    it (``cancel``), its waiting client told at once. (False, None) when it ended otherwise meanwhile (one conditional update
-    decides); the run is None for a dispatch to no board in particular."""
-    from .runs import run_json
-
-    if not Dispatch.objects.filter(pk=dispatch.pk, outcome="").update(outcome=outcome):
-        return False, None
-    request_id = str(dispatch.request_id)
-    meta = RunMeta.parse(dispatch.request.get("meta", {})) if isinstance(dispatch.request, dict) and dispatch.request.get("meta") else RunMeta()
-    prompt = RunRequest.parse(dispatch.request).prompt_text if dispatch.request else ""
-    run = None
-    if dispatch.device is not None:
-        with transaction.atomic():
-            run, created = InferenceRun.objects.get_or_create(
-                request_id=request_id,
-                defaults={"device": dispatch.device, "source": meta.source, "title": meta.title, "expected_answer": meta.expected_answer, "prompt": prompt, "error": error, "text": text},
-            )
-            if created:
-                transaction.on_commit(lambda: broadcast("run", run_json(run)))
-        if cancel:
-            _cancel_on(dispatch.device, request_id)
-        _publish(dispatch.device, request_id, StreamEvent(type="error", request_id=request_id, device=dispatch.device.name, error=error[:10_000]))
-    Dispatch.objects.filter(pk=dispatch.pk).update(request={})
-    log.warning("run %s %s", request_id, error)
-    return True, run
 
 
 # -- liveness: boards that stop beating go offline on every open page --------------------------------

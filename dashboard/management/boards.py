@@ -28,15 +28,6 @@ def read_prompt_file(path: str) -> str:
         )
 
 
-def split_segments(text: str, separator: str | None) -> list[str]:
-    """Cut ``text`` after every ``separator`` (kept), giving explicit range boundaries."""
-    if not separator:
-        return [text]
-    separator = separator.encode().decode("unicode_escape")  # let "\n\n" be typed on a shell
-    pieces = text.split(separator)
-    segments = [piece + separator for piece in pieces[:-1]] + [pieces[-1]]
-    return [segment for segment in segments if segment]
-
 
 def add_sampling_arguments(parser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy decoding")

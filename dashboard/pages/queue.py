@@ -82,7 +82,7 @@ def queue_places(boards: list[str], under_way: set[str]) -> dict[str, dict[str, 
     from cachebox.broker import queued_task_ids
     from inference.contract.messages import Queue
 
-    from dashboard.celery import app
+    from dashboard.outbox import app
 
     places: dict[str, dict[str, int]] = {}
     try:

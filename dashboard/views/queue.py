@@ -1,5 +1,5 @@
 """The Queue page: what the boards' queues hold, per board and per namespace, what ended
-unanswered, and Revoke for a run under way (``dashboard.pages.queue``, ``actions.sweeper.revoke``)."""
+unanswered, and Revoke for a run under way (``dashboard.pages.queue``, ``actions.runs.revoke``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from ..actions.sweeper import revoke
+from ..actions.runs import revoke
 from ..forms import ConfirmForm
 from dashboard.pages.queue import queue_view, revocable
 from .auth import login_required

@@ -29,8 +29,8 @@ from cachebox.keys import enroll_inbox_key, inbox_key
 from inference.contract.envelope import EnvelopeRefused, peek
 from inference.contract.messages import BOARD_INBOX_TASKS, ENROLL_INBOX_TASKS, MAX_INBOX_MESSAGE_BYTES, InboxMessage, MessageRefused, Queue, Task
 
-from dashboard.actions.devices import broker_server, token_usable
-from dashboard.models import Device
+from dashboard.actions.devices import broker_server
+from dashboard.models import Device, token_usable
 
 log = logging.getLogger("dashboard.worker.inbox")
 

@@ -20,7 +20,7 @@ class Sweeper(threading.Thread):
         self._stopped = threading.Event()
 
     def run(self) -> None:
-        from dashboard.actions.identities import ensure_identities
+        from dashboard.actions.devices import ensure_identities
         from dashboard.actions.sweeper import announce_liveness, sweep
 
         while not self._stopped.wait(self.interval):

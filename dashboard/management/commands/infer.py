@@ -12,7 +12,8 @@ from cachebox.errors import CacheBoxUnavailable, InvalidNamespace
 from inference.board.runtime import Board
 from inference.board.config import ConfigError
 from inference.engine.kernels import CLASS_RE
-from dashboard.management.boards import add_sampling_arguments, read_prompt_file, sampling_from_options, split_segments
+from dashboard.actions.runs import split_segments
+from dashboard.management.boards import add_sampling_arguments, read_prompt_file, sampling_from_options
 from inference.engine.model_file import ModelNotFound
 from inference.serving.run import PromptError
 from inference.serving.pml import PMLError, parse_schema
