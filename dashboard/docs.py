@@ -360,7 +360,7 @@ SECTION = re.compile(r"(<!-- bench:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!--
 def bench_section(name: str, saved: tuple[Path, dict] | None) -> str:
     """The generated body of one benchmark's section in docs/benchmarks.md."""
     if saved is None:
-        return f"No saved result in `bench-results/` yet: `python manage.py bench {name}` makes one,\nthen `python manage.py docs` puts its figures here.\n"
+        return f"No cited result yet: `python manage.py bench {name}` makes one in `bench-results/`,\nthen `python manage.py docs --cite bench-results/NAME.json` puts its figures here.\n"
     path, doc = saved
     machine = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
     labels = (("cpu", ""), ("cpu_count", "cores:"), ("threads", "threads:"), ("model", "model"), ("git_commit", "commit"), ("date", ""))
@@ -371,12 +371,14 @@ def bench_section(name: str, saved: tuple[Path, dict] | None) -> str:
         printed = [f"(this document could not be printed: {type(exc).__name__}: {exc})"]
     while printed and not printed[0].strip():
         printed.pop(0)
-    return "\n".join([f"From `{path.parent.name}/{path.name}` ({where}):", "", "```text", *printed, "```", ""])
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else Path(path.parent.name, path.name)
+    return "\n".join([f"From `{shown}` ({where}):", "", "```text", *printed, "```", ""])
 
 
 def render_benchmarks(text: str, folder: Path | None = None) -> str:
-    """``text`` (docs/benchmarks.md) with every marked section regenerated from ``folder``'s newest documents."""
-    newest = documents.newest(BENCHMARKS, folder)
+    """``text`` (docs/benchmarks.md) with every marked section regenerated from the newest documents
+    of ``folder`` (default: the cited ones, ``docs/figures/``)."""
+    newest = documents.newest(BENCHMARKS, documents.figures_dir() if folder is None else folder)
 
     def replace(match: re.Match) -> str:
         name = match["name"]
@@ -391,7 +393,7 @@ def render_readme(text: str, folder: Path | None = None) -> str:
     """``text`` (README.md) with its vs-server table regenerated from the newest ``bench vs-server`` document."""
     from dashboard.bench import side_by_side
 
-    saved = [doc for _, doc in documents.saved_documents(folder) if documents.kind_of(doc) == "vs-server"]
+    saved = [doc for _, doc in documents.saved_documents(documents.figures_dir() if folder is None else folder) if documents.kind_of(doc) == "vs-server"]
     return side_by_side.replace_readme_table(text, side_by_side.readme_table(saved))
 
 

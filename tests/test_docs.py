@@ -119,3 +119,23 @@ def test_the_newest_saved_result_is_the_one_measured_last_not_the_file_written_l
         os.utime(tmp_path / f"{name}.json", (mtime, mtime))
     assert [path.stem for path, _ in documents.saved_documents(tmp_path)] == ["scale-new", "scale-old", "scale-undated"]
     assert documents.newest(["scale"], tmp_path)["scale"][0].stem == "scale-new"
+
+
+def test_citing_copies_a_result_into_the_cited_folder_and_refuses_what_is_no_benchmark(tmp_path, settings):
+    """`manage.py docs --cite FILE`: a benchmark's saved document goes into docs/figures/ (the one
+    folder of results the repository keeps); a file that is none is refused, saying why."""
+    from django.core.management import CommandError, call_command
+
+    from dashboard.bench import documents
+
+    settings.BASE_DIR = tmp_path  # docs/figures/ of a copy, not of the checkout
+    stray = tmp_path / "notes.json"
+    stray.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(CommandError, match="no benchmark's document"):
+        call_command("docs", "--check", "--cite", str(stray))
+    assert not documents.figures_dir().exists()
+    saved = tmp_path / "scale-20261128-000000.json"
+    saved.write_text(json.dumps({"bench": "scale", "machine": {"date": "2026-11-28T00:00:00Z"}}))
+    with pytest.raises(CommandError, match="out of date"):  # the checkout's docs do not show it yet: --check says so
+        call_command("docs", "--check", "--cite", str(saved))
+    assert (documents.figures_dir() / saved.name).read_text() == saved.read_text()

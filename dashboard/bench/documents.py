@@ -37,11 +37,20 @@ _LEGACY_KINDS = (
 
 
 def results_dir() -> Path:
+    """Where benchmarks save what they measure on this machine (not committed; the pages list it)."""
     return Path(settings.BASE_DIR) / RESULTS_DIR
 
 
+FIGURES_DIR = "docs/figures"  # the documents the docs cite, committed (``manage.py docs --cite``)
+
+
+def figures_dir() -> Path:
+    """The few saved documents the docs cite and ``manage.py docs`` reads (committed)."""
+    return Path(settings.BASE_DIR) / FIGURES_DIR
+
+
 def saved_documents(folder: Path | None = None) -> Iterator[tuple[Path, object]]:
-    """(path, document) of every readable JSON file in ``bench-results/``, newest first: by the time
+    """(path, document) of every readable JSON file in ``folder`` (``bench-results/``), newest first: by the time
     the document says it was measured (``machine.date``), else its file's time. A clone's files all
     carry the time of the checkout, so the file's time alone put an older run first."""
     folder = results_dir() if folder is None else folder
