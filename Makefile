@@ -11,7 +11,7 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 CHROMIUM := /usr/bin/chromium
 
 # llama.cpp's CPU flags on x86-64: AVX2/FMA/F16C, not -march=native, whose AMX kernels crashed it on
-# CPUs that report AMX (inference/engine/bindings.py says why; tests/test_bindings.py keeps the two equal).
+# CPUs that report AMX (inference/engine/bindings.py says why; tests/inference/test_bindings.py keeps the two equal).
 ifeq ($(shell uname -m),x86_64)
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 endif
@@ -103,7 +103,7 @@ test: install browser promtool
 # Four boards of three kernel classes through one control plane (two of them emulated Pis):
 # minutes under emulation, so apart from `make test`; the arm64 root and wheelhouse are made first.
 test-mixed-fleet: install
-	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -n 0 -m mixed_fleet tests/test_mixed_fleet.py -s
+	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -n 0 -m mixed_fleet tests/inference/test_mixed_fleet.py -s
 
 # The pure and unit tests: no model, no Redis/Valkey server, no browser, no processes of their own
 # (the markers in pyproject.toml; tests/conftest.py refuses a test whose fixtures need a marker it lacks).

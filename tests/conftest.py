@@ -39,6 +39,19 @@ MARKED_FIXTURES = {
 }
 
 
+# Folders whose every test carries a marker: the folder gives it (tests/browser/ runs Chromium,
+# tests/hosts/ makes network namespaces and cgroups).
+FOLDER_MARKERS = {"browser": "browser", "hosts": "hosts"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item):
+    """A test under tests/<folder>/ carries that folder's marker (``FOLDER_MARKERS``)."""
+    parts = Path(str(item.path)).relative_to(ROOT / "tests").parts
+    if len(parts) > 1 and parts[0] in FOLDER_MARKERS:
+        item.add_marker(FOLDER_MARKERS[parts[0]])
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-django's order (database tests first), which it keeps within a group
 def pytest_collection_modifyitems(config, items):
     """A test that loads the model or needs a server says so by its marker (``make test-fast`` leaves it out).

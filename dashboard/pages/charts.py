@@ -4,7 +4,7 @@ Every figure is a plain dict handed to Plotly.js; trace names are what the page'
 find the trace a new run extends. The dashboard's own figures are built as dicts (``_trace``,
 ``_figure``): plotly's graph objects validate every property and copy every point on the way
 (~45 ms for a chart of 24 traces of 200 points; the Dashboard draws five). The tests validate each
-figure with plotly's classes instead (``tests/test_charts_plain.py``).
+figure with plotly's classes instead (``tests/dashboard/test_charts_plain.py``).
 """
 
 from __future__ import annotations

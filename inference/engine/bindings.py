@@ -61,7 +61,7 @@ def llama_cpp() -> ModuleType:
 # Sapphire Rapids and later, and the VMs they host) ``native`` compiles ggml's AMX kernels, and its
 # AMX weight buffers crashed llama.cpp (SIGSEGV in ggml_backend_amx_mul_mat) on the first batch of
 # every model loaded with its extra buffer types, on this project's test machines. The Makefile's
-# LLAMA_CMAKE_ARGS must say the same (tests/test_bindings.py checks it).
+# LLAMA_CMAKE_ARGS must say the same (tests/inference/test_bindings.py checks it).
 X86_CMAKE_ARGS = ("-DGGML_NATIVE=OFF",)
 
 

@@ -1,0 +1,1 @@
+"""What an attacker, a lying board or another tenant tries, and what holds (the threat model: docs/operations.md)."""
