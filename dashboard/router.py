@@ -17,8 +17,9 @@ where none follows. A decision in a web process reads memory only, whatever the 
 used to cost two queries per candidate board: 0.9 s at 100 boards, ``bench fleet-sim``).
 
 The prompt is tokenized with the control plane's vocabulary of the model (the tokens a board
-computes for the same segments or chat messages). Runs to a named board keep the same
-record, so the history is whole whichever way a run was sent.
+computes for the same segments or chat messages), and those tokens travel in the run's request
+(``RunRequest.tokenized``, ``Routed.request``): a board of that vocabulary does not tokenize it
+again. Runs to a named board keep the same record, so the history is whole whichever way a run was sent.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from django.utils import timezone
 from cachebox.keys import entry_key_name
 from cachebox.link import LinkProfile
 from dashboard.models import CacheEntry
-from inference.contract.messages import RunRequest
+from inference.contract.messages import MAX_PROMPT_TOKENS, PromptTokens, RunRequest
 from inference.placement import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, prompt_keys, route
 
 from dashboard.models import Device, Dispatch, InferenceRun, offline_after
@@ -51,6 +52,11 @@ log = logging.getLogger("dashboard.router")
 class Routed:
     device: Device
     record: dict  # kept on the Dispatch (``routing``) and shown with the run
+    tokenized: PromptTokens | None = None  # the prompt's tokens and cuts as routing made them (None: not tokenized here)
+
+    def request(self, prompt: RunRequest) -> RunRequest:
+        """``prompt`` as its board receives it: carrying the tokens routing made of it."""
+        return prompt.model_copy(update={"tokenized": self.tokenized}) if self.tokenized is not None else prompt
 
 
 @functools.lru_cache(maxsize=2)
@@ -95,6 +101,18 @@ def prompt_tokens(prompt: RunRequest) -> tuple[list[int], tuple[int, ...]] | Non
         return text_layout(vocabulary, prompt.segments)
     except Exception as exc:  # routing then weighs queues only; the board reports any real error
         log.warning("prompt not tokenized for routing: %s", exc)
+        return None
+
+
+def carried(layout: tuple[list[int], tuple[int, ...]] | None) -> PromptTokens | None:
+    """``prompt_tokens``'s tokens and cuts as a run carries them to its board, named by the vocabulary
+    that made them (None: none made, or more than a request carries)."""
+    if not layout or not layout[0] or len(layout[0]) > MAX_PROMPT_TOKENS:
+        return None
+    try:
+        return PromptTokens(tokens=layout[0], cuts=list(layout[1]), vocabulary=_vocabulary(settings.EDGECACHE_MODEL).digest)
+    except Exception as exc:  # the board tokenizes the prompt itself
+        log.warning("prompt tokens not carried to the board: %s", exc)
         return None
 
 
@@ -857,13 +875,19 @@ def plan(
         # ... of which this thread ran: the rest it waited (for the interpreter's lock, a CPU, the tokenizer)
         "decided_cpu_ms": round((time.thread_time() - began_cpu) * 1000.0, 3),
     }
-    return Routed(device, record)
+    return Routed(device, record, carried(layout))
+
+
+def named(device: Device, prompt: RunRequest) -> Routed:
+    """A run sent to a named board: the record of its prompt's keys and expected work (no choice
+    made), and its tokens."""
+    routed = plan([device], prompt, policy="named", all_online=True)  # it waits in the board's queue if it is away
+    return routed if routed is not None else Routed(device, {})
 
 
 def history(device: Device, prompt: RunRequest) -> dict:
-    """The record of a run sent to a named board: its prompt's keys and expected work (no choice made)."""
-    routed = plan([device], prompt, policy="named", all_online=True)  # it waits in the board's queue if it is away
-    return routed.record if routed is not None else {}
+    """The record of a run sent to a named board (``named``)."""
+    return named(device, prompt).record
 
 
 def shown(record: dict) -> dict:

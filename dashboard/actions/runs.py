@@ -64,7 +64,9 @@ def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: li
         })
         # ``routed``: the router chose this (one) device for a prompt sent to any board; a run to a
         # named board keeps its prompt's keys too (the routing history: what each board holds).
-        record = routed.record if routed is not None and routed.device.pk == device.pk else router.history(device, request)
+        # Either way the request carries the tokens routing made of its prompt.
+        here = routed if routed is not None and routed.device.pk == device.pk else router.named(device, request)
+        record, request = here.record, here.request(request)
         now = timezone.now()
         expires = timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES)
         row = Dispatch.objects.create(
@@ -262,7 +264,8 @@ def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, route
     """
     if not request.stream:
         raise ValueError("an API run streams its answer back: build its RunRequest with stream=True")
-    record = routed.record if routed is not None and routed.device.pk == device.pk else router.history(device, request)
+    here = routed if routed is not None and routed.device.pk == device.pk else router.named(device, request)
+    record, request = here.record, here.request(request)  # it carries the tokens routing made of its prompt
     now = timezone.now()
     row = Dispatch.objects.create(
         request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),

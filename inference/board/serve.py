@@ -13,7 +13,7 @@ from celery import current_app
 
 from cachebox.errors import CacheBoxUnavailable
 
-from inference.engine.chat import chat_prompt, follow_up
+from inference.engine.chat import chat_prompt, chat_text, follow_up
 from inference.board.devices import UNREAD
 from inference.engine.llama import EngineError
 from inference.contract.messages import CANCELLED, EncodeReport, EncodeRequest, Queue, RunReport, RunRequest, StreamEvent
@@ -135,10 +135,22 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
 
 
 def _asked(board, request: RunRequest, conversation: list[tuple[str, str]]) -> tuple[Prompt, str]:
-    """What the strategy answers, and the prompt's text as the run records it (a chat's, templated)."""
+    """What the strategy answers, and the prompt's text as the run records it (a chat's, templated).
+
+    The prompt's tokens are the ones the control plane made to route it where its vocabulary is
+    this board's (the same model file and llama.cpp: the very tokens this board would make);
+    else, or where it sent none, the board tokenizes the prompt itself."""
+    given = request.tokenized
+    if given is not None and given.vocabulary != board.engine.digest:
+        given = None  # made by another model's vocabulary: its tokens are not this board's
     if request.is_chat_run:
+        if given is not None:
+            text = chat_text(board.engine, conversation)
+            return Prompt((text,), tuple(given.tokens), tuple(given.cuts)), text
         chat = chat_prompt(board.engine, conversation)
         return chat.prompt, chat.text
+    if given is not None:
+        return Prompt(tuple(request.segments), tuple(given.tokens), tuple(given.cuts)), request.prompt_text
     return Prompt(tuple(request.segments), schema=request.schema_source, pml=request.pml), request.prompt_text
 
 

@@ -32,6 +32,7 @@ from inference.serving.strategies import parse_strategy
 MAX_PROMPT_CHARS = 1_000_000
 MAX_SEGMENTS = 10_000
 MAX_TOKENS = 32_768
+MAX_PROMPT_TOKENS = 131_072  # a prompt's tokens a request carries (a longer one fits no board's context: its board tokenizes it)
 MAX_LIST = 100_000
 MAX_STOPS = 4  # stop strings per run (OpenAI's limit)
 MAX_STOP_CHARS = 200
@@ -151,6 +152,24 @@ class Continuation(Message):
     device: str = Field("", max_length=64)  # the board that began it
 
 
+class PromptTokens(Message):
+    """A prompt's tokens and where its batches end besides the grid, as the control plane made them
+    to route it (``dashboard.router.prompt_tokens``: a text's ``text_layout``, a chat's
+    ``chat_prompt``), named by the vocabulary that made them (``Vocabulary.digest``: the model file
+    and the llama.cpp that reads it). A board whose own vocabulary is that one takes them instead of
+    tokenizing again; any other board tokenizes the prompt itself."""
+
+    tokens: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    cuts: list[int] = Field(default_factory=list, max_length=MAX_SEGMENTS)
+    vocabulary: str = Field(pattern=r"^[0-9a-f]{16}$")
+
+    @model_validator(mode="after")
+    def _cuts_inside(self) -> Self:
+        if any(not 0 < cut < len(self.tokens) for cut in self.cuts) or any(a >= b for a, b in zip(self.cuts, self.cuts[1:])):
+            raise ValueError(f"cuts rise strictly, inside the prompt's {len(self.tokens)} tokens")
+        return self
+
+
 class RunRequest(Message):
     """A prompt to answer: its segments (cut where entries may be stored), chat messages (rendered
     and tokenized by the board, ``inference.engine.chat``), or a PML prompt and its schema.
@@ -181,6 +200,8 @@ class RunRequest(Message):
     approximate_from: dict[str, str] = Field(default_factory=dict, max_length=8)
     # A run re-sent to this board after its first board stopped mid-answer: go on from there.
     continues: Continuation | None = None
+    # The prompt's tokens as the control plane made them to route it (a text or chat prompt).
+    tokenized: PromptTokens | None = None
 
     model_config = ConfigDict(populate_by_name=True)
 
@@ -215,6 +236,8 @@ class RunRequest(Message):
             raise ValueError("a schema run needs its PML prompt ('pml')")
         if self.schema_source and self.strategy not in ("", "exact"):
             raise ValueError("a schema run serves exact modules: it takes no lab strategy")
+        if self.tokenized is not None and self.schema_source:
+            raise ValueError("a schema run's prompt is laid out by its board: it carries no tokens")
         if self.continues is not None and len(self.continues.tokens) >= self.max_tokens:
             raise ValueError(f"a continued answer forces fewer tokens than max_tokens ({self.max_tokens}), got {len(self.continues.tokens)}")
         if self.messages:
@@ -229,8 +252,9 @@ class RunRequest(Message):
 
     def dump(self) -> dict:
         body = super().dump()
-        if body.get("continues") is None:
-            body.pop("continues", None)  # what a run sent once carries (boards of the version before know no such field)
+        for optional in ("continues", "tokenized"):  # what some runs carry (boards of the version before know no such field)
+            if body.get(optional) is None:
+                body.pop(optional, None)
         return body
 
     @property

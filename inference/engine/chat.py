@@ -48,6 +48,25 @@ class ChatPrompt:
 def chat_prompt(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> ChatPrompt:
     """The tokens of ``messages`` (role, content) through the model's chat template, ready for
     ``Board.run(text, tokens=...)``. Raises PromptError saying what to change."""
+    pieces = _pieces(vocabulary, messages, add_generation_prompt)
+    tokens = [vocabulary.bos] if vocabulary.bos is not None else []
+    starts: list[int] = []
+    for markup, text in pieces:
+        if not markup:
+            starts.append(len(tokens))
+        if text:
+            tokens += vocabulary.tokenize(text, add_bos=False, special=markup)
+    return ChatPrompt(text="".join(text for _, text in pieces), tokens=tokens, starts=tuple(starts))
+
+
+def chat_text(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]]) -> str:
+    """The text ``chat_prompt`` records for ``messages``, without tokenizing them (a board given
+    their tokens, ``RunRequest.tokenized``)."""
+    return "".join(text for _, text in _pieces(vocabulary, messages, True))
+
+
+def _pieces(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> list[tuple[bool, str]]:
+    """The template's markup and the messages' text, in the order the template placed them."""
     if not messages:
         raise PromptError("the conversation is empty: send at least one message")
     for role, content in messages:
@@ -72,15 +91,7 @@ def chat_prompt(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add
     pieces.append((True, rest))
     if marker in rest or any(marker in text for markup, text in pieces if markup):
         raise PromptError("the model's chat template repeated a message; send each message once")
-
-    tokens = [vocabulary.bos] if vocabulary.bos is not None else []
-    starts: list[int] = []
-    for markup, text in pieces:
-        if not markup:
-            starts.append(len(tokens))
-        if text:
-            tokens += vocabulary.tokenize(text, add_bos=False, special=markup)
-    return ChatPrompt(text="".join(text for _, text in pieces), tokens=tokens, starts=tuple(starts))
+    return pieces
 
 
 def follow_up(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], answer: str) -> ChatPrompt | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import os
 import threading
@@ -33,6 +34,7 @@ from inference.engine.memory_plan import ModelFacts
 from inference.engine.model_file import ModelFile
 
 llama_cpp = _bindings()  # the ctypes functions alone (the high-level half of the package loads only if something asks)
+LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
 
 KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0, "f32": llama_cpp.GGML_TYPE_F32}
 KV_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "f32": 4.0}  # ggml's block sizes
@@ -127,6 +129,15 @@ class Vocabulary:
         vocabulary._vocab = llama_cpp.llama_model_get_vocab(vocabulary._model)
         vocabulary.model_file = model
         return vocabulary
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """16 hex characters naming what tokenizes here: the model file (its vocabulary and chat
+        template) and the llama.cpp that reads it. Two vocabularies of one digest give the same
+        tokens for every text (``RunRequest.tokenized`` travels under it); the kernels and KV
+        type, which change the model's bits and not its tokens, are not part of it."""
+        canonical = f"{self.model_file.sha256}\n{LLAMA_BUILD}".encode()
+        return hashlib.blake2b(canonical, digest_size=8).hexdigest()
 
     def tokenize(self, text: str, *, add_bos: bool, special: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_bos`` for the first segment of a prompt only.
@@ -273,7 +284,7 @@ class Engine(Vocabulary):
         self.identity = ModelIdentity(
             gguf_sha256=model.sha256,
             kv_type=config.kv_type,
-            llama_build=f"llama-cpp-python {llama_cpp.__version__}",
+            llama_build=LLAMA_BUILD,
             repacked=config.repack,
             kernels=self.kernels.identity,
         )
