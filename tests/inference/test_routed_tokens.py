@@ -14,7 +14,7 @@ from dashboard.models import Dispatch
 from inference.board import serve
 from inference.contract.messages import MAX_PROMPT_TOKENS, MessageRefused, PromptTokens, RunRequest
 
-from .test_dashboard import control_plane, register, sent_tasks  # noqa: F401  (fixtures)
+from tests.dashboard.test_dashboard import control_plane, register, sent_tasks  # noqa: F401  (fixtures)
 
 SEGMENTS = ["Instruction: answer in one word.\n\n", "Notes.\n\nQuestion: what colour is the sky on a clear day?\nAnswer:"]
 CHAT = [("system", "Be terse."), ("user", "Name a colour of the rainbow.")]
