@@ -105,9 +105,11 @@ test: install browser promtool
 test-mixed-fleet: install
 	EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest -n 0 -m mixed_fleet tests/inference/test_mixed_fleet.py -s
 
-# The pure and unit tests: no model, no Redis/Valkey server, no browser, no processes of their own
+# Lint and format (ruff, pyproject.toml), then the pure and unit tests: no model, no Redis/Valkey server, no browser, no processes of their own
 # (the markers in pyproject.toml; tests/conftest.py refuses a test whose fixtures need a marker it lacks).
 test-fast: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -m "not model and not cachebox and not browser and not processes"
 
 stop:

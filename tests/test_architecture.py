@@ -23,7 +23,8 @@ PACKAGES = ("cachebox", "inference", "dashboard")
 
 # Skipped without import-linter, except under `make test` (EDGECACHE_REQUIRE_ALL=1), where it fails.
 needs_lint_imports = pytest.mark.skipif(
-    not LINT_IMPORTS.exists() and not REQUIRE_ALL, reason=f"import-linter is not installed in this venv ({LINT_IMPORTS} missing): run `make install`"
+    not LINT_IMPORTS.exists() and not REQUIRE_ALL,
+    reason=f"import-linter is not installed in this venv ({LINT_IMPORTS} missing): run `make install`",
 )
 
 
@@ -64,9 +65,21 @@ def tree_copy(tmp_path_factory) -> Path:
         ("cachebox", "import dashboard", "cachebox imports neither dashboard nor inference"),
         ("cachebox", "from inference.board import devices", "cachebox imports neither dashboard nor inference"),
         ("inference", "import dashboard.models", "inference does not import dashboard"),
-        ("dashboard", "from dashboard.bench import common", "only the operator's tools import benchmarks, lab fitting and host harnesses"),
-        ("dashboard.actions", "from dashboard.views import runs", "dashboard in layers: entry points, actions, the board outbox, models"),
-        ("dashboard.outbox_probe", "import dashboard.actions.runs", "dashboard in layers: entry points, actions, the board outbox, models"),
+        (
+            "dashboard",
+            "from dashboard.bench import common",
+            "only the operator's tools import benchmarks, lab fitting and host harnesses",
+        ),
+        (
+            "dashboard.actions",
+            "from dashboard.views import runs",
+            "dashboard in layers: entry points, actions, the board outbox, models",
+        ),
+        (
+            "dashboard.outbox_probe",
+            "import dashboard.actions.runs",
+            "dashboard in layers: entry points, actions, the board outbox, models",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(tree_copy, package, line, contract):
@@ -109,5 +122,16 @@ def test_a_missing_optional_package_skips_here_and_fails_under_make_test(monkeyp
 def test_make_test_requires_every_package_and_test_fast_leaves_out_the_slow_markers():
     makefile = (ROOT / "Makefile").read_text()
     assert "EDGECACHE_REQUIRE_ALL=1 $(PY) -m pytest" in makefile
-    fast = next(line for line in makefile.splitlines() if line.strip().startswith("$(PY) -m pytest") and "not model" in line)
+    fast = next(
+        line for line in makefile.splitlines() if line.strip().startswith("$(PY) -m pytest") and "not model" in line
+    )
     assert all(f"not {marker}" in fast for marker in ("model", "cachebox", "browser", "processes"))
+
+
+@pytest.mark.parametrize("command", [["check", "."], ["format", "--check", "."]], ids=["lint", "format"])
+def test_the_code_is_linted_and_formatted(command):
+    """ruff's lint and format (pyproject.toml's settings) hold over the whole tree, as make test-fast checks."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
