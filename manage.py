@@ -4,6 +4,7 @@
 ``manage.py edge`` runs an edge board without the control plane's settings (no database,
 no signing secret): it reads its configuration from the environment alone.
 """
+
 import os
 import sys
 

@@ -45,9 +45,26 @@ ENROLL_USER_PREFIX = "edgecache-enroll-"
 # What every client sends when it connects (redis-py: HELLO/AUTH, CLIENT SETINFO; a cluster
 # client asks for the slot map and the command table), none of which touches a key.
 CONNECTION = [
-    "+ping", "+echo", "+hello", "+auth", "+select", "+quit", "+reset", "+readonly",
-    "+client|setinfo", "+client|setname", "+client|getname", "+client|id",
-    "+cluster|slots", "+cluster|shards", "+cluster|nodes", "+cluster|myid", "+command", "+command|info", "+command|docs", "+command|count",
+    "+ping",
+    "+echo",
+    "+hello",
+    "+auth",
+    "+select",
+    "+quit",
+    "+reset",
+    "+readonly",
+    "+client|setinfo",
+    "+client|setname",
+    "+client|getname",
+    "+client|id",
+    "+cluster|slots",
+    "+cluster|shards",
+    "+cluster|nodes",
+    "+cluster|myid",
+    "+command",
+    "+command|info",
+    "+command|docs",
+    "+command|count",
 ]
 _TRANSACTIONS = "+watch +unwatch +multi +exec +discard"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")  # device and namespace names: no glob characters
@@ -109,14 +126,23 @@ def enroll_rules(device: str, password_sha256: str) -> list[str]:
     """The ACL rules of a device's enrollment user: read its record and why an enrollment was refused,
     send its enrollment (to its own enrollment inbox: it can reach no queue and no other device's inbox)."""
     name = _checked(device)
-    return [*_base(password_sha256), f"(%R~ec:device:{name} %R~ec:enroll-refused:{name}:* +get +exists)", f"(%W~{enroll_inbox_key(name)} +lpush)"]
+    return [
+        *_base(password_sha256),
+        f"(%R~ec:device:{name} %R~ec:enroll-refused:{name}:* +get +exists)",
+        f"(%W~{enroll_inbox_key(name)} +lpush)",
+    ]
 
 
 def board_transport_options(device: str, cache_namespace: str) -> dict:
     """Kombu transport options for a board: its unacknowledged messages under keys of its own, and
     one queue name per queue (no priority lists), which its ACL names exactly."""
     name = _checked(device)
-    return {"unacked_key": f"unacked.{name}", "unacked_index_key": f"unacked_index.{name}", "unacked_mutex_key": f"unacked_mutex.{name}", "priority_steps": [0]}
+    return {
+        "unacked_key": f"unacked.{name}",
+        "unacked_index_key": f"unacked_index.{name}",
+        "unacked_mutex_key": f"unacked_mutex.{name}",
+        "priority_steps": [0],
+    }
 
 
 def with_credentials(url: str, username: str, password: str) -> str:

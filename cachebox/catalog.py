@@ -92,7 +92,7 @@ class Catalog:
                 self._bloom.add(key)
 
     def lookup(self, keys: list[bytes]) -> list[bool]:
-        """"Maybe" for each key (counted); a "no" is certain."""
+        """ "Maybe" for each key (counted); a "no" is certain."""
         with self._lock:
             answers = [key in self._bloom for key in keys]
         self.stats.lookups += len(keys)
@@ -174,12 +174,16 @@ class Catalog:
             params = json.loads(raw[_PREFIX.size : _PREFIX.size + params_len])
             capacity, fp_rate = int(params["capacity"]), float(params["fp_rate"])
             if expect is not None and (capacity, fp_rate) != expect:
-                raise ValueError(f"made for {capacity} keys at rate {fp_rate}, not this catalog's {expect[0]} at {expect[1]}")
+                raise ValueError(
+                    f"made for {capacity} keys at rate {fp_rate}, not this catalog's {expect[0]} at {expect[1]}"
+                )
             body = raw[_PREFIX.size + params_len :]
             # Sizes are checked against limits and against the bytes really there before
             # anything is allocated: a snapshot claiming 1e11 entries must not abort a process.
             if not 1 <= capacity <= MAX_CAPACITY or not MIN_FP_RATE <= fp_rate < 1.0:
-                raise ValueError(f"capacity {capacity} or false-positive rate {fp_rate} out of bounds (at most {MAX_CAPACITY} entries, rate >= {MIN_FP_RATE})")
+                raise ValueError(
+                    f"capacity {capacity} or false-positive rate {fp_rate} out of bounds (at most {MAX_CAPACITY} entries, rate >= {MIN_FP_RATE})"
+                )
             expected = expected_filter_bytes(capacity, fp_rate)
             if not expected * 0.9 - 64 <= len(body) <= expected * 1.1 + 64:
                 raise ValueError(f"{len(body)} filter bytes for a filter of about {expected}")

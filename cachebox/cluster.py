@@ -35,7 +35,9 @@ class ClusterAddress:
     def safe_url(self) -> str:
         """The URL without credentials, for messages and pages."""
         scheme = "rediss+cluster" if self.tls else "redis+cluster"
-        return f"{scheme}://" + ",".join(f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in self.nodes)
+        return f"{scheme}://" + ",".join(
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in self.nodes
+        )
 
 
 def is_cluster_url(url: str) -> bool:
@@ -47,7 +49,9 @@ def parse_cluster_url(url: str) -> ClusterAddress:
     """The nodes, credentials and TLS flag of a cluster URL; ValueError naming what is wrong."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in CLUSTER_SCHEMES:
-        raise ValueError(f"not a cluster URL (expected one of {', '.join(s + '://' for s in CLUSTER_SCHEMES)}): {url.split('@')[-1]!r}")
+        raise ValueError(
+            f"not a cluster URL (expected one of {', '.join(s + '://' for s in CLUSTER_SCHEMES)}): {url.split('@')[-1]!r}"
+        )
     rest = rest.split("?", 1)[0].split("#", 1)[0]
     userinfo, at, hostlist = rest.rpartition("@")
     hostlist, _, path = hostlist.partition("/")

@@ -81,7 +81,9 @@ def decode(stored: bytes | memoryview, codec: str, raw_bytes: int) -> bytes:
         if codec == ZSTD_SHUFFLE and len(state) == raw_bytes:
             state = unshuffle(state)
     else:
-        raise UnknownCodec(f"entry state is stored as {codec!r}, which this board cannot read (it knows {', '.join(CODECS)})")
+        raise UnknownCodec(
+            f"entry state is stored as {codec!r}, which this board cannot read (it knows {', '.join(CODECS)})"
+        )
     if len(state) != raw_bytes:
         raise EntryError(f"entry state decodes to {len(state)} bytes, its header says {raw_bytes}")
     return state

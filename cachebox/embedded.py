@@ -25,10 +25,10 @@ import socket
 import subprocess
 import tempfile
 import time
-from urllib.parse import quote
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 from redis.backoff import NoBackoff
@@ -59,7 +59,11 @@ def _write_acl_file(data_dir: Path, password: str) -> Path:
     user it holds (boards' users saved before). Written whole, 0600."""
     path = Path(data_dir) / ACL_FILE
     digest = hashlib.sha256(password.encode()).hexdigest()
-    others = [line for line in (path.read_text().splitlines() if path.exists() else []) if line.strip() and not line.startswith("user default ")]
+    others = [
+        line
+        for line in (path.read_text().splitlines() if path.exists() else [])
+        if line.strip() and not line.startswith("user default ")
+    ]
     fd, temporary = tempfile.mkstemp(dir=data_dir, prefix=".users.acl.")
     with os.fdopen(fd, "w") as out:
         out.write("\n".join([f"user default on #{digest} ~* &* +@all", *others]) + "\n")
@@ -95,7 +99,9 @@ def _owner_dir(client: redis.Redis) -> str | None:
 
 def is_running(data_dir: Path, port: int | None = None, password: str | None = None) -> bool:
     """True when this checkout's embedded server answers on its port."""
-    client = redis.Redis.from_url(url_for(data_dir, port, password), socket_connect_timeout=0.3, socket_timeout=1, decode_responses=True)
+    client = redis.Redis.from_url(
+        url_for(data_dir, port, password), socket_connect_timeout=0.3, socket_timeout=1, decode_responses=True
+    )
     try:
         return _owner_dir(client) == str(Path(data_dir).resolve())
     finally:
@@ -112,7 +118,7 @@ def size_bytes(size: str) -> int:
     """A Redis memory size (``1gb``, ``512mb``, ``100000``) in bytes; ValueError naming the size."""
     text = str(size).strip().lower()
     number = text.rstrip("kmgb")
-    unit = text[len(number):]
+    unit = text[len(number) :]
     if not number.isdigit() or unit not in _UNITS:
         raise ValueError(f"not a memory size: {size!r} (write it as Redis does: 1gb, 512mb, 100000)")
     return int(number) * _UNITS[unit]
@@ -133,7 +139,14 @@ def memory_args(maxmemory: str, max_value: int = DEFAULT_MAX_VALUE) -> list[str]
     bulk = max(int(max_value), 0) + _MB
     query = bulk + _MB
     clients = max(limit // 8, query + 8 * _MB)
-    return ["--proto-max-bulk-len", str(bulk), "--client-query-buffer-limit", str(query), "--maxmemory-clients", str(clients)]
+    return [
+        "--proto-max-bulk-len",
+        str(bulk),
+        "--client-query-buffer-limit",
+        str(query),
+        "--maxmemory-clients",
+        str(clients),
+    ]
 
 
 def _listen_args(bind: tuple[str, ...], password: str | None) -> list[str]:
@@ -196,32 +209,45 @@ def ensure_running(
             probe.close()
         args = [
             _binary(),
-            "--port", str(port),
+            "--port",
+            str(port),
             *_listen_args(tuple(bind), password),
-            "--dir", str(data_dir),
-            "--daemonize", "yes",
-            "--pidfile", str(data_dir / "valkey.pid"),
-            "--logfile", str(data_dir / "valkey.log"),
+            "--dir",
+            str(data_dir),
+            "--daemonize",
+            "yes",
+            "--pidfile",
+            str(data_dir / "valkey.pid"),
+            "--logfile",
+            str(data_dir / "valkey.log"),
             # A cache, not a database: no snapshots, bounded memory. Entries carry a TTL and
             # are evicted least-recently-used first; keys without one (broker queues,
             # catalogs, pinned entries) are never evicted.
-            "--save", "",
-            "--appendonly", "no",
-            "--maxmemory", maxmemory,
-            "--maxmemory-policy", "volatile-lru",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            maxmemory,
+            "--maxmemory-policy",
+            "volatile-lru",
             *memory_args(maxmemory, max_value),
         ]
         if password:
             args += ["--aclfile", str(_write_acl_file(data_dir, password))]
         result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:
-            raise CacheBoxUnavailable(f"the embedded cache box failed to start: {result.stderr.strip() or result.stdout.strip()}")
+            raise CacheBoxUnavailable(
+                f"the embedded cache box failed to start: {result.stderr.strip() or result.stdout.strip()}"
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if is_running(data_dir, port, password):
                 return url
             time.sleep(0.05)
-        raise CacheBoxUnavailable(f"the embedded cache box did not answer within {timeout:.0f} s; see {data_dir / 'valkey.log'}")
+        raise CacheBoxUnavailable(
+            f"the embedded cache box did not answer within {timeout:.0f} s; see {data_dir / 'valkey.log'}"
+        )
 
 
 def stop(data_dir: Path, port: int | None = None, timeout: float = 10.0, password: str | None = None) -> bool:
@@ -301,7 +327,12 @@ def _node_client(port: int, *, timeout: float = 1.0, decode_responses: bool = Fa
     # No retries: redis-py's default (ten, with back-off) makes every probe of a stopped node
     # take seconds, and a SHUTDOWN (whose connection the server closes) look like a failure.
     return redis.Redis(
-        host="127.0.0.1", port=port, socket_connect_timeout=0.3, socket_timeout=timeout, decode_responses=decode_responses, retry=Retry(NoBackoff(), 0)
+        host="127.0.0.1",
+        port=port,
+        socket_connect_timeout=0.3,
+        socket_timeout=timeout,
+        decode_responses=decode_responses,
+        retry=Retry(NoBackoff(), 0),
     )
 
 
@@ -337,7 +368,9 @@ def _cluster_ready(cluster: EmbeddedCluster) -> bool:
     )
 
 
-def ensure_cluster(data_dir: Path, *, masters: int = 3, maxmemory: str = "256mb", node_timeout_ms: int = 2000, timeout: float = 20.0) -> EmbeddedCluster:
+def ensure_cluster(
+    data_dir: Path, *, masters: int = 3, maxmemory: str = "256mb", node_timeout_ms: int = 2000, timeout: float = 20.0
+) -> EmbeddedCluster:
     """Start a Valkey Cluster of ``masters`` masters on loopback (or find the one running under
     ``data_dir``); returns it once every node serves every slot.
 
@@ -370,33 +403,53 @@ def ensure_cluster(data_dir: Path, *, masters: int = 3, maxmemory: str = "256mb"
             (node_dir / "nodes.conf").unlink(missing_ok=True)  # a fresh cluster: no memory of another one
             args = [
                 _binary(),
-                "--port", str(port),
-                "--bind", "127.0.0.1",
-                "--protected-mode", "yes",
-                "--dir", str(node_dir),
-                "--daemonize", "yes",
-                "--pidfile", str(node_dir / "valkey.pid"),
-                "--logfile", str(node_dir / "valkey.log"),
-                "--save", "",
-                "--appendonly", "no",
-                "--maxmemory", maxmemory,
-                "--maxmemory-policy", "volatile-lru",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--protected-mode",
+                "yes",
+                "--dir",
+                str(node_dir),
+                "--daemonize",
+                "yes",
+                "--pidfile",
+                str(node_dir / "valkey.pid"),
+                "--logfile",
+                str(node_dir / "valkey.log"),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--maxmemory",
+                maxmemory,
+                "--maxmemory-policy",
+                "volatile-lru",
                 *memory_args(maxmemory),
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", "nodes.conf",
-                "--cluster-port", str(bus_port),
-                "--cluster-node-timeout", str(node_timeout_ms),
-                "--cluster-require-full-coverage", "no",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-port",
+                str(bus_port),
+                "--cluster-node-timeout",
+                str(node_timeout_ms),
+                "--cluster-require-full-coverage",
+                "no",
             ]
             result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
             if result.returncode != 0:
                 cluster.stop()
-                raise CacheBoxUnavailable(f"cluster node {index} failed to start: {result.stderr.strip() or result.stdout.strip()}")
+                raise CacheBoxUnavailable(
+                    f"cluster node {index} failed to start: {result.stderr.strip() or result.stdout.strip()}"
+                )
         deadline = time.monotonic() + timeout
         while not all(_node_answers(port, cluster.node_dir(index)) for index, port in enumerate(cluster.ports)):
             if time.monotonic() > deadline:
                 cluster.stop()
-                raise CacheBoxUnavailable(f"the cluster nodes did not answer within {timeout:.0f} s; see {data_dir}/node-*/valkey.log")
+                raise CacheBoxUnavailable(
+                    f"the cluster nodes did not answer within {timeout:.0f} s; see {data_dir}/node-*/valkey.log"
+                )
             time.sleep(0.05)
         clients = [_node_client(port, timeout=5) for port in cluster.ports]
         try:
@@ -417,7 +470,9 @@ def ensure_cluster(data_dir: Path, *, masters: int = 3, maxmemory: str = "256mb"
         while not _cluster_ready(cluster):
             if time.monotonic() > deadline:
                 cluster.stop()
-                raise CacheBoxUnavailable(f"the cluster did not agree on its slots within {timeout:.0f} s; see {data_dir}/node-*/valkey.log")
+                raise CacheBoxUnavailable(
+                    f"the cluster did not agree on its slots within {timeout:.0f} s; see {data_dir}/node-*/valkey.log"
+                )
             time.sleep(0.05)
         return cluster
 

@@ -44,7 +44,16 @@ import numpy as np
 from . import codec as codecs
 from .errors import EntryError
 from .keys import STATE_FORMAT_VERSION
-from .signing import CIPHERS, DEFAULT_CIPHER, MAC_BYTES, PRODUCER_SIGNATURE_BYTES, SALT_BYTES, TAG_BYTES, KeyRing, UnknownProducer
+from .signing import (
+    CIPHERS,
+    DEFAULT_CIPHER,
+    MAC_BYTES,
+    PRODUCER_SIGNATURE_BYTES,
+    SALT_BYTES,
+    TAG_BYTES,
+    KeyRing,
+    UnknownProducer,
+)
 
 MAGIC = b"ECE4"  # 4: producer-signed (STATE_FORMAT_VERSION 5)
 _PRODUCER_CONTEXT = b"edgecache/entry-producer/v1|"
@@ -148,7 +157,9 @@ class EntryHeader:
         except (ValueError, KeyError, TypeError) as exc:
             raise EntryError(f"entry header is malformed: {exc}") from exc
         if not 0 <= header.start < header.end or header.state_bytes < SEAL_OVERHEAD:
-            raise EntryError(f"entry header has an impossible range [{header.start}, {header.end}) or size {header.state_bytes}")
+            raise EntryError(
+                f"entry header has an impossible range [{header.start}, {header.end}) or size {header.state_bytes}"
+            )
         if header.codec != codecs.RAW and header.raw_bytes <= 0:
             raise EntryError(f"entry header stores its state as {header.codec!r} without its decoded size")
         if header.cipher not in CIPHERS:
@@ -180,7 +191,9 @@ def encode_entry(header: EntryHeader, encoded_state: bytes, keyring: KeyRing) ->
     if not keyring.covers(header.namespace):
         raise ValueError(f"key ring of {keyring.namespace!r} cannot sign entries of namespace {header.namespace!r}")
     if keyring.producer is None:
-        raise ValueError("entries are signed by their producer: this ring carries no producer key (KeyRing.with_producers)")
+        raise ValueError(
+            "entries are signed by their producer: this ring carries no producer key (KeyRing.with_producers)"
+        )
     header.key_generation = keyring.current
     header.cipher = header.cipher or DEFAULT_CIPHER
     header.producer = keyring.producer.name
@@ -232,7 +245,9 @@ def verify_header(header: EntryHeader, keyring: KeyRing) -> None:
     keyring.verify(header.key_generation, header.mac, header.signed_bytes)
     header.open_private(keyring)
     if keyring.producers is None or not keyring.producers.covers(header.namespace):
-        raise UnknownProducer(f"this holder has no producer table of {header.namespace!r} yet: it cannot tell who made the entry")
+        raise UnknownProducer(
+            f"this holder has no producer table of {header.namespace!r} yet: it cannot tell who made the entry"
+        )
     if len(header.state_digest) != 64:
         raise EntryError("entry header carries no state digest")
     keyring.producers.verify(header.producer, header.producer_signature, _PRODUCER_CONTEXT + header.signed_bytes)
@@ -267,7 +282,9 @@ def open_state(header: EntryHeader, sealed: bytes | memoryview, keyring: KeyRing
         raise EntryError(f"entry state is {len(sealed)} bytes, header says {header.state_bytes}")
     encoded = keyring.open_data(header.key_generation, sealed, header.signed_bytes, cipher=header.cipher)
     if not hmac.compare_digest(hashlib.sha256(encoded).hexdigest(), header.state_digest):
-        raise EntryError(f"entry state is not the one its producer {header.producer!r} signed: re-sealed by another holder of the ring")
+        raise EntryError(
+            f"entry state is not the one its producer {header.producer!r} signed: re-sealed by another holder of the ring"
+        )
     return encoded
 
 

@@ -89,7 +89,13 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def prefix_keys(
-    namespace: str, fingerprint: str, tokens: Sequence[int], boundaries: Iterable[int], *, grid: int, extra: Iterable[int] = ()
+    namespace: str,
+    fingerprint: str,
+    tokens: Sequence[int],
+    boundaries: Iterable[int],
+    *,
+    grid: int,
+    extra: Iterable[int] = (),
 ) -> list[bytes]:
     """Keys of the prefixes ``tokens[:b]`` for each boundary ``b`` (ascending, 1..len).
 

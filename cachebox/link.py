@@ -36,4 +36,8 @@ def rtt_only(link: LinkProfile | None) -> LinkProfile | None:
     """What a board's sockets still emulate when the kernel shapes its link: the round trip alone."""
     if link is None or link.rtt_ms <= 0:
         return None
-    return LinkProfile(float("inf"), link.rtt_ms, f"kernel-shaped {link.bandwidth_mbps:g} Mbit/s; {link.rtt_ms:g} ms RTT added per round trip")
+    return LinkProfile(
+        float("inf"),
+        link.rtt_ms,
+        f"kernel-shaped {link.bandwidth_mbps:g} Mbit/s; {link.rtt_ms:g} ms RTT added per round trip",
+    )

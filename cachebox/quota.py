@@ -90,8 +90,13 @@ def library_source(limits: Limits) -> str:
     """The Lua source of the ``edgecache`` library with ``limits`` written in (boards cannot read it:
     FUNCTION LIST and DUMP are not theirs)."""
     values = {
-        "@LIBRARY@": LIBRARY, "@V@": str(VERSION), "@MAX_VALUE@": str(limits.max_value), "@MAX_TTL_MS@": str(limits.max_ttl * 1000),
-        "@QUOTA@": str(limits.quota), "@OVERHEAD@": str(limits.overhead), "@MAX_SNAPSHOT@": str(limits.max_snapshot),
+        "@LIBRARY@": LIBRARY,
+        "@V@": str(VERSION),
+        "@MAX_VALUE@": str(limits.max_value),
+        "@MAX_TTL_MS@": str(limits.max_ttl * 1000),
+        "@QUOTA@": str(limits.quota),
+        "@OVERHEAD@": str(limits.overhead),
+        "@MAX_SNAPSHOT@": str(limits.max_snapshot),
         "@LOG_MAXLEN@": str(limits.log_maxlen),
     }
     return re.sub(r"@[A-Z_]+@", lambda found: values[found.group(0)], _SOURCE)

@@ -161,7 +161,9 @@ class KeyRing:
 # boards). A board that holds its namespace's ring can still seal anything, but only under its
 # own name: what it stores names it, an audit that catches it names it, and the control plane
 # then quarantines its entries (readers refuse them).
-CONTROL_PLANE_PRODUCER = "@control-plane"  # commands run next to the control plane (``infer``, ``bench``); '@' is in no device name
+CONTROL_PLANE_PRODUCER = (
+    "@control-plane"  # commands run next to the control plane (``infer``, ``bench``); '@' is in no device name
+)
 PRODUCER_SIGNATURE_BYTES = 64
 
 
@@ -206,10 +208,14 @@ class ProducerTable:
     def public_key(self, name: str) -> str:
         """The public key entries of ``name`` are checked with; QuarantinedProducer or UnknownProducer."""
         if name in self.quarantined:
-            raise QuarantinedProducer(f"entry made by {name!r}, whose entries are quarantined: {self.quarantined[name]}")
+            raise QuarantinedProducer(
+                f"entry made by {name!r}, whose entries are quarantined: {self.quarantined[name]}"
+            )
         key = self.control_plane_key if name == CONTROL_PLANE_PRODUCER else self.producers.get(name, "")
         if not key:
-            raise UnknownProducer(f"entry made by {name!r}, a producer this board's table of {self.namespace!r} does not list")
+            raise UnknownProducer(
+                f"entry made by {name!r}, a producer this board's table of {self.namespace!r} does not list"
+            )
         return key
 
     def verify(self, name: str, signature: bytes, message: bytes) -> None:
@@ -218,7 +224,9 @@ class ProducerTable:
         try:
             Ed25519PublicKey.from_public_bytes(bytes.fromhex(key)).verify(signature, message)
         except (InvalidSignature, ValueError) as exc:
-            raise EntryError(f"entry's producer signature does not match {name!r}'s key: forged, altered, or re-sealed by another board") from exc
+            raise EntryError(
+                f"entry's producer signature does not match {name!r}'s key: forged, altered, or re-sealed by another board"
+            ) from exc
 
     def to_document(self) -> dict:
         return {
@@ -237,7 +245,9 @@ class ProducerTable:
         """The table in ``doc`` if the pinned control plane signed it for ``namespace`` and it is not
         older than ``newer_than``; ValueError (saying which) otherwise."""
         if not isinstance(doc, dict) or not verify_document(doc, control_plane_public_key):
-            raise ValueError(f"the producer table of {namespace!r} is not signed by the control plane this board pinned")
+            raise ValueError(
+                f"the producer table of {namespace!r} is not signed by the control plane this board pinned"
+            )
         try:
             table = cls(
                 namespace=str(doc["ns"]),
@@ -251,15 +261,28 @@ class ProducerTable:
         if table.namespace != namespace:
             raise ValueError(f"the producer table is of {table.namespace!r}, not {namespace!r}")
         if table.serial < newer_than:
-            raise ValueError(f"the producer table of {namespace!r} is older than the one accepted before (serial {table.serial} < {newer_than}): a replay")
+            raise ValueError(
+                f"the producer table of {namespace!r} is older than the one accepted before (serial {table.serial} < {newer_than}): a replay"
+            )
         return table
 
 
-def control_plane_ring(ring: KeyRing, master: bytes, producers: Mapping[str, str] | None = None, quarantined: Mapping[str, str] | None = None) -> KeyRing:
+def control_plane_ring(
+    ring: KeyRing,
+    master: bytes,
+    producers: Mapping[str, str] | None = None,
+    quarantined: Mapping[str, str] | None = None,
+) -> KeyRing:
     """``ring`` as a holder of the master secret uses it: signing entries as the control plane,
     accepting the control plane's and ``producers``' (a table it does not need to read)."""
     producer = Producer.control_plane(master)
-    table = ProducerTable(tenant_of(ring.namespace), dict(producers or {}), dict(quarantined or {}), public_hex(producer.key), time.time_ns())
+    table = ProducerTable(
+        tenant_of(ring.namespace),
+        dict(producers or {}),
+        dict(quarantined or {}),
+        public_hex(producer.key),
+        time.time_ns(),
+    )
     return ring.with_producers(producer, table)
 
 
@@ -318,7 +341,9 @@ def seal_data(data_key: bytes, plaintext: bytes | memoryview, aad: bytes, *, cip
     return bytes(out)
 
 
-def seal_into(data_key: bytes, plaintext: bytes | memoryview, aad: bytes, out: memoryview, *, cipher: str = AES_GCM) -> None:
+def seal_into(
+    data_key: bytes, plaintext: bytes | memoryview, aad: bytes, out: memoryview, *, cipher: str = AES_GCM
+) -> None:
     """``seal_data`` written into ``out`` (exactly ``SALT_BYTES + len(plaintext) + TAG_BYTES`` long):
     no copy of the megabytes besides the ciphertext itself."""
     if cipher not in CIPHERS:
@@ -337,9 +362,13 @@ def open_data(data_key: bytes, sealed: bytes | memoryview, aad: bytes, *, cipher
         raise EntryError("sealed data is truncated")
     view = memoryview(sealed)
     try:
-        return CIPHERS[cipher](_item_key(data_key, bytes(view[:SALT_BYTES]))).decrypt(_ZERO_NONCE, view[SALT_BYTES:], aad)
+        return CIPHERS[cipher](_item_key(data_key, bytes(view[:SALT_BYTES]))).decrypt(
+            _ZERO_NONCE, view[SALT_BYTES:], aad
+        )
     except InvalidTag:
-        raise EntryError("sealed data does not authenticate: altered, or not sealed with this namespace's key") from None
+        raise EntryError(
+            "sealed data does not authenticate: altered, or not sealed with this namespace's key"
+        ) from None
 
 
 # -- signed documents (the control plane's and the boards' Ed25519 keys) -----------------------------
@@ -378,7 +407,9 @@ def control_plane_key(master: bytes) -> Ed25519PrivateKey:
     derives the same one; no file of its own to lose or copy)."""
     if len(master) < 16:
         raise ValueError("the signing master secret must be at least 16 bytes")
-    return Ed25519PrivateKey.from_private_bytes(hmac.new(master, b"edgecache/control-plane-signing/v1", hashlib.sha256).digest())
+    return Ed25519PrivateKey.from_private_bytes(
+        hmac.new(master, b"edgecache/control-plane-signing/v1", hashlib.sha256).digest()
+    )
 
 
 def pin_proof(token: str, control_plane_public_key: str) -> str:
@@ -419,7 +450,9 @@ _SEAL_INFO = b"edgecache/keyring-seal/v3"
 
 
 def _seal_key(shared: bytes, device: str) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_SEAL_INFO + b"/" + device.encode()).derive(shared)
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_SEAL_INFO + b"/" + device.encode()).derive(
+        shared
+    )
 
 
 def seal(ring: KeyRing, box_public_key: bytes, device: str, signer: Ed25519PrivateKey) -> str:
@@ -443,9 +476,13 @@ def unseal(sealed: str, box_private_key: X25519PrivateKey, device: str, control_
         shared = box_private_key.exchange(X25519PublicKey.from_public_bytes(raw[:32]))
         doc = json.loads(AESGCM(_seal_key(shared, device)).decrypt(raw[32:44], raw[44:], device.encode()))
     except (InvalidTag, ValueError, TypeError) as exc:
-        raise ValueError(f"cannot open the key ring for device {device!r}: {exc or 'not sealed for this board'}") from exc
+        raise ValueError(
+            f"cannot open the key ring for device {device!r}: {exc or 'not sealed for this board'}"
+        ) from exc
     if not isinstance(doc, dict) or doc.get("device") != device or not verify_document(doc, control_plane_public_key):
-        raise ValueError(f"the key ring for device {device!r} is not signed by the control plane this board pinned: refused")
+        raise ValueError(
+            f"the key ring for device {device!r} is not signed by the control plane this board pinned: refused"
+        )
     return KeyRing.from_dict(doc.get("ring"))
 
 

@@ -67,7 +67,13 @@ class CacheBox:
         self.link = link
         self._down_until = 0.0
         self._limits: quota.Limits | None = None  # what load_functions loaded, if this client loaded it
-        options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry_on_timeout=False, health_check_interval=0, **client_options(url))
+        options = dict(
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=timeout,
+            retry_on_timeout=False,
+            health_check_interval=0,
+            **client_options(url),
+        )
         # A cluster URL: the client connects (loads the slot map) at first use, so that a board
         # starts while the cluster is away, like with one server.
         self.cluster = parse_cluster_url(url) if is_cluster_url(url) else None
@@ -76,13 +82,19 @@ class CacheBox:
         self._redis: redis.Redis | redis.RedisCluster | None = None
         if self.cluster is not None:
             # The same timeouts reach every node's connections (and one paced link is shared by all).
-            self._cluster_options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, **client_options(url))
+            self._cluster_options = dict(
+                socket_connect_timeout=connect_timeout, socket_timeout=timeout, **client_options(url)
+            )
             if link is not None:
-                self._cluster_options["connection_class"] = _shaped_connection_class(LinkShaper(link), tls=self.cluster.tls)
+                self._cluster_options["connection_class"] = _shaped_connection_class(
+                    LinkShaper(link), tls=self.cluster.tls
+                )
         elif link is not None and not url.startswith("unix"):
             # Emulated link: every connection of this client shares one paced link.
             connection_class = ShapedSSLConnection if is_tls_url(url) else ShapedConnection
-            pool = redis.ConnectionPool.from_url(url, connection_class=connection_class, shaper=LinkShaper(link), **options)
+            pool = redis.ConnectionPool.from_url(
+                url, connection_class=connection_class, shaper=LinkShaper(link), **options
+            )
             self._redis = redis.Redis(connection_pool=pool)
         else:
             self._redis = redis.Redis.from_url(url, **options)
@@ -122,7 +134,9 @@ class CacheBox:
         # cut every other request off the cache box for `retry_after` seconds.
         refused = quota.refusal(str(exc))
         if refused is not None:
-            return CacheBoxOverQuota(f"cache box {self.safe_url} refused the write ({refused[0]}): {refused[1]}", refused[0])
+            return CacheBoxOverQuota(
+                f"cache box {self.safe_url} refused the write ({refused[0]}): {refused[1]}", refused[0]
+            )
         return CacheBoxRefused(f"cache box {self.safe_url} refused the command: {type(exc).__name__}: {exc}")
 
     @property
@@ -142,7 +156,11 @@ class CacheBox:
             if self.cluster is not None:
                 return any(self._ping_node(node) for node in self.redis.get_primaries())
             return bool(self.redis.ping())
-        except (redis.RedisError, OSError, *TOPOLOGY_ERRORS):  # unreachable, or answering with an error (LOADING, NOAUTH)
+        except (
+            redis.RedisError,
+            OSError,
+            *TOPOLOGY_ERRORS,
+        ):  # unreachable, or answering with an error (LOADING, NOAUTH)
             return False
 
     def _ping_node(self, node) -> bool:
@@ -233,8 +251,14 @@ class CacheBox:
             for item in chosen:
                 queue(pipe, item)
             flat = pipe.execute(raise_on_error=raise_on_error)
-            if not raise_on_error and any(isinstance(reply, redis.ResponseError) and "Function not found" in str(reply) for reply in flat):
-                raise next(reply for reply in flat if isinstance(reply, redis.ResponseError) and "Function not found" in str(reply))
+            if not raise_on_error and any(
+                isinstance(reply, redis.ResponseError) and "Function not found" in str(reply) for reply in flat
+            ):
+                raise next(
+                    reply
+                    for reply in flat
+                    if isinstance(reply, redis.ResponseError) and "Function not found" in str(reply)
+                )
             return [flat[i * width : (i + 1) * width] for i in range(len(chosen))]
 
         if not items:
@@ -318,7 +342,13 @@ class CacheBox:
             raise self._refused(exc) from exc
         except _UNREACHABLE as exc:
             self._node_down_until[node.name] = time.monotonic() + self.retry_after
-            log.warning("cache box node %s of %s is unreachable, its entries are misses for %g s: %s", node.name, self.safe_url, self.retry_after, exc)
+            log.warning(
+                "cache box node %s of %s is unreachable, its entries are misses for %g s: %s",
+                node.name,
+                self.safe_url,
+                self.retry_after,
+                exc,
+            )
             raise CacheBoxUnavailable(f"cache box node {node.name} of {self.safe_url} is unreachable: {exc}") from exc
         except MovedError:
             raise
@@ -411,7 +441,9 @@ class CacheBox:
         """Restart the TTL of entries just used (pinned entries, with no TTL, stay pinned), through
         the ``ec_touch`` function (a TTL within the library's bound; the ledger follows)."""
         seconds = str(int(ttl)) if ttl else "max"
-        self._with_functions(lambda: self._batch(list(names), str, lambda pipe, name: pipe.fcall(quota.TOUCH, 1, name, seconds)))
+        self._with_functions(
+            lambda: self._batch(list(names), str, lambda pipe, name: pipe.fcall(quota.TOUCH, 1, name, seconds))
+        )
 
     def delete(self, names: Iterable[str]) -> int:
         """Delete keys; returns how many existed. One round trip (a cluster: one pipeline per node,
@@ -424,12 +456,18 @@ class CacheBox:
         others = [name for name in names if not _is_entry(name)]
         removed = 0
         if entries:
-            replies = self._with_functions(lambda: self._batch(entries, str, lambda pipe, name: pipe.fcall(quota.DELETE, 1, name)))
+            replies = self._with_functions(
+                lambda: self._batch(entries, str, lambda pipe, name: pipe.fcall(quota.DELETE, 1, name))
+            )
             removed += sum(int(reply[0]) for reply in replies if reply is not None)
         if others and self.cluster is None:
             removed += self._run(lambda: self.redis.delete(*others))
         elif others:
-            removed += sum(int(reply[0]) for reply in self._batch(others, str, lambda pipe, name: pipe.delete(name)) if reply is not None)
+            removed += sum(
+                int(reply[0])
+                for reply in self._batch(others, str, lambda pipe, name: pipe.delete(name))
+                if reply is not None
+            )
         return removed
 
     def exists(self, names: Sequence[str]) -> list[bool]:
@@ -483,7 +521,9 @@ class CacheBox:
                 batch = []
         removed += self.delete(batch)
         if namespace and fingerprint is None:
-            self.delete([*catalog_key_names(namespace).values(), *self._scan(quota.quota_key_pattern(namespace))])  # and its budget
+            self.delete(
+                [*catalog_key_names(namespace).values(), *self._scan(quota.quota_key_pattern(namespace))]
+            )  # and its budget
         return removed
 
     # -- master catalog ---------------------------------------------------------------
@@ -496,7 +536,9 @@ class CacheBox:
         boards then drop their local filters instead of trusting stale bits.
         """
         name = catalog_key_names(namespace)["epoch"]
-        reply = self._with_functions(lambda: self._on_key(name, lambda client: client.fcall(quota.CATALOG_EPOCH, 1, name, new_epoch)))
+        reply = self._with_functions(
+            lambda: self._on_key(name, lambda client: client.fcall(quota.CATALOG_EPOCH, 1, name, new_epoch))
+        )
         return reply.decode() if isinstance(reply, bytes) else str(reply)
 
     def catalog_append(self, namespace: str, keys: Sequence[bytes]) -> None:
@@ -504,12 +546,16 @@ class CacheBox:
         keeps the log to its length and gives it a TTL)."""
         name = catalog_key_names(namespace)["log"]
         if keys:
-            self._with_functions(lambda: self._on_key(name, lambda client: client.fcall(quota.CATALOG_APPEND, 1, name, *keys)))
+            self._with_functions(
+                lambda: self._on_key(name, lambda client: client.fcall(quota.CATALOG_APPEND, 1, name, *keys))
+            )
 
     def catalog_read_log(self, namespace: str, after_id: str, count: int = 10_000) -> list[tuple[str, bytes]]:
         """Keys announced after stream id ``after_id`` ("0" for all), oldest first."""
         name = catalog_key_names(namespace)["log"]
-        records = self._on_key(name, lambda client: client.xrange(name, min=f"({after_id}" if after_id != "0" else "-", count=count))
+        records = self._on_key(
+            name, lambda client: client.xrange(name, min=f"({after_id}" if after_id != "0" else "-", count=count)
+        )
         return [(rid.decode(), fields.get(b"k", b"")) for rid, fields in records]
 
     def catalog_log_first_id(self, namespace: str) -> str | None:
@@ -546,7 +592,9 @@ class CacheBox:
 
         size, (bloom, last_id, epoch) = self._on_key(name, read)
         if size > max_bytes:
-            raise CatalogFormatError(f"the master snapshot holds {size} bytes, over the {max_bytes} a catalog of this namespace's size takes: not fetched")
+            raise CatalogFormatError(
+                f"the master snapshot holds {size} bytes, over the {max_bytes} a catalog of this namespace's size takes: not fetched"
+            )
         return bloom, (last_id or b"0").decode(), (epoch or b"").decode()
 
     def catalog_put_snapshot(self, namespace: str, bloom: bytes, last_id: str, epoch: str) -> bool:
@@ -557,7 +605,9 @@ class CacheBox:
         keys = (names["snapshot"], names["epoch"], names["log"])
         # The namespace's catalog keys share one hash tag: one node, one call.
         reply = self._with_functions(
-            lambda: self._on_key(names["snapshot"], lambda client: client.fcall(quota.CATALOG_SNAPSHOT, 3, *keys, bloom, last_id, epoch))
+            lambda: self._on_key(
+                names["snapshot"], lambda client: client.fcall(quota.CATALOG_SNAPSHOT, 3, *keys, bloom, last_id, epoch)
+            )
         )
         return bool(int(reply))
 
@@ -602,7 +652,9 @@ class CacheBox:
             if "function not found" not in str(exc).lower():
                 raise
             try:
-                self.load_functions(self._limits or quota.Limits(quota=quota.default_quota(self.memory_limit_per_node())), replace=False)
+                self.load_functions(
+                    self._limits or quota.Limits(quota=quota.default_quota(self.memory_limit_per_node())), replace=False
+                )
             except CacheBoxRefused as load_exc:
                 if "already exists" in str(load_exc):
                     return call()
@@ -679,13 +731,20 @@ class CacheBox:
     return {0, 0, 0}
     """
 
-    def admit(self, names: Sequence[str], limits: Sequence[int], member: str, *, now: float, until: float) -> tuple[int, int, float]:
+    def admit(
+        self, names: Sequence[str], limits: Sequence[int], member: str, *, now: float, until: float
+    ) -> tuple[int, int, float]:
         """Count ``member`` as under way in every set of ``names`` (one hash tag) until ``until``, if
         each holds fewer than its limit (0 or less: no limit) of members still counting at ``now``.
         Returns (0, 0, 0) when admitted, else (which set is full, 1-based; how many it holds; when
         its oldest stops counting). One atomic round trip."""
         caps = [int(limit) if limit > 0 else 2**31 for limit in limits]
-        reply = self._on_key(names[0], lambda client: client.eval(self._ADMIT, len(names), *names, repr(float(now)), repr(float(until)), member, *caps))
+        reply = self._on_key(
+            names[0],
+            lambda client: client.eval(
+                self._ADMIT, len(names), *names, repr(float(now)), repr(float(until)), member, *caps
+            ),
+        )
         return int(reply[0]), int(reply[1]), float(reply[2])
 
     def release(self, names: Sequence[str], member: str) -> None:
@@ -743,7 +802,10 @@ class CacheBox:
 
     def users(self) -> list[str]:
         """The ACL users of the server (of its first primary, on a cluster)."""
-        return [name.decode() if isinstance(name, bytes) else str(name) for name in self._on_every_server(lambda client: client.execute_command("ACL", "USERS"))[0]]
+        return [
+            name.decode() if isinstance(name, bytes) else str(name)
+            for name in self._on_every_server(lambda client: client.execute_command("ACL", "USERS"))[0]
+        ]
 
     def save_users(self) -> bool:
         """Write the ACL users to the server's ACL file (``ACL SAVE``), so they outlive a restart;
@@ -768,18 +830,26 @@ class CacheBox:
     def memory_bytes(self) -> tuple[int, int]:
         """(used, maxmemory) in bytes, summed over a cluster's primaries; maxmemory 0: no limit
         (on a cluster: 0 when a node has none). One round trip per server (INFO memory)."""
-        infos = [self._run(lambda: self.redis.info("memory"))] if self.cluster is None else [
-            self._on_node(node, lambda client: client.info("memory")) for node in self._topology().get_primaries()
-        ]
+        infos = (
+            [self._run(lambda: self.redis.info("memory"))]
+            if self.cluster is None
+            else [
+                self._on_node(node, lambda client: client.info("memory")) for node in self._topology().get_primaries()
+            ]
+        )
         limits = [int(info.get("maxmemory", 0) or 0) for info in infos]
         return sum(int(info.get("used_memory", 0) or 0) for info in infos), (0 if 0 in limits else sum(limits))
 
     def memory_limit_per_node(self) -> int:
         """The smallest ``maxmemory`` of the server or of a cluster's primaries, in bytes (0: some
         node has none). One round trip per server (INFO memory)."""
-        infos = [self._run(lambda: self.redis.info("memory"))] if self.cluster is None else [
-            self._on_node(node, lambda client: client.info("memory")) for node in self._topology().get_primaries()
-        ]
+        infos = (
+            [self._run(lambda: self.redis.info("memory"))]
+            if self.cluster is None
+            else [
+                self._on_node(node, lambda client: client.info("memory")) for node in self._topology().get_primaries()
+            ]
+        )
         return min(int(info.get("maxmemory", 0) or 0) for info in infos)
 
     def memory_used(self) -> str:

@@ -74,14 +74,18 @@ class CatalogReplica:
         own = (self.catalog.capacity, self.catalog.fp_rate)
         try:
             # Never more than a catalog of this size takes is fetched, and nothing of another size is loaded.
-            bloom, last_id, snapshot_epoch = self.store.catalog_snapshot(self.namespace, max_bytes=max_snapshot_bytes(*own))
+            bloom, last_id, snapshot_epoch = self.store.catalog_snapshot(
+                self.namespace, max_bytes=max_snapshot_bytes(*own)
+            )
             if bloom is None or snapshot_epoch != self.epoch:
                 return
             self.catalog.merge(Catalog.from_bytes(bloom, expect=own))
         except CatalogFormatError as exc:
             # Refused before anything was allocated; dropped so no board or page reads it again.
             # The catalog is rebuilt from the announcements that follow (and whole by `reconcile`).
-            security_event("catalog_refused", namespace=self.namespace, reason=str(exc)[:300], action="snapshot dropped")
+            security_event(
+                "catalog_refused", namespace=self.namespace, reason=str(exc)[:300], action="snapshot dropped"
+            )
             self.store.catalog_drop_snapshot(self.namespace)
             return
         if _stream_id_after(last_id, self.last_id):
@@ -157,7 +161,9 @@ class CatalogSyncThread(threading.Thread):
         self._stop_event.set()
 
 
-def rebuild_master_catalog(store: CacheBox, namespace: str, keys: list[bytes], capacity: int = 1_000_000, fp_rate: float = 0.01) -> str:
+def rebuild_master_catalog(
+    store: CacheBox, namespace: str, keys: list[bytes], capacity: int = 1_000_000, fp_rate: float = 0.01
+) -> str:
     """Replace a namespace's master catalog with exactly ``keys`` (drops evicted entries' bits).
 
     Starts a new epoch, so every board reloads the rebuilt filter at its next sync.

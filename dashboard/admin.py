@@ -1,19 +1,21 @@
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.contrib.auth import get_user_model
 from django.contrib.auth.admin import UserAdmin
-from django.contrib.admin import helpers
 from django.template.response import TemplateResponse
 
 from dashboard.models import CacheEntry
-
 from dashboard.pages.entry_preview import previews
 from dashboard.pages.explain import human_bytes
+
 from .models import ApiKey, AuditEvent, Device, InferenceRun, Membership, Namespace, SavedPrompt
 
 SHOWN = 50  # items listed on a confirmation page
 
 
-def confirmation(modeladmin, request, queryset, *, title: str, verb: str, explanation: str, describe, destructive: bool = True):
+def confirmation(
+    modeladmin, request, queryset, *, title: str, verb: str, explanation: str, describe, destructive: bool = True
+):
     """None once the staff member has confirmed this action; otherwise the page that asks (``describe`` lists each object)."""
     if request.POST.get("confirmed") == "yes":
         return None
@@ -42,7 +44,14 @@ class NamespaceAdmin(admin.ModelAdmin):
     """Tenants: whether their boards share entries, and their signing keys (rotate: staff, confirmed, logged)."""
 
     list_display = (
-        "name", "share_across_devices", "share_across_kernel_classes", "members_manage_api_keys", "key_generation", "key_rotated_at", "device_count", "created",
+        "name",
+        "share_across_devices",
+        "share_across_kernel_classes",
+        "members_manage_api_keys",
+        "key_generation",
+        "key_rotated_at",
+        "device_count",
+        "created",
     )
     readonly_fields = ("key_generation", "key_rotated_at", "created")
     actions = ["rotate_key"]
@@ -77,7 +86,9 @@ class NamespaceAdmin(admin.ModelAdmin):
             verb="rotate",
             explanation="Boards of these namespaces receive the new key at their next heartbeat and sign with it from then on. "
             "Entries signed with the key before it stay valid; entries signed with older keys are refused and evicted when met.",
-            describe=lambda ns: f"{ns.name}: generation {ns.key_generation} → {ns.key_generation + 1}, {ns.devices.count()} device(s)",
+            describe=lambda ns: (
+                f"{ns.name}: generation {ns.key_generation} → {ns.key_generation + 1}, {ns.devices.count()} device(s)"
+            ),
         )
         if page:
             return page
@@ -87,9 +98,27 @@ class NamespaceAdmin(admin.ModelAdmin):
 
 @admin.register(Device)
 class DeviceAdmin(admin.ModelAdmin):
-    list_display = ("name", "namespace", "kind", "cpu_threads", "link_bandwidth_mbps", "link_rtt_ms", "last_seen", "revoked_at")
+    list_display = (
+        "name",
+        "namespace",
+        "kind",
+        "cpu_threads",
+        "link_bandwidth_mbps",
+        "link_rtt_ms",
+        "last_seen",
+        "revoked_at",
+    )
     list_filter = ("namespace",)
-    readonly_fields = ("token_created", "enrolled_at", "signing_public_key", "box_public_key", "revoked_at", "last_seen", "status", "created")
+    readonly_fields = (
+        "token_created",
+        "enrolled_at",
+        "signing_public_key",
+        "box_public_key",
+        "revoked_at",
+        "last_seen",
+        "status",
+        "created",
+    )
     search_fields = ("name", "kind")
 
     def has_add_permission(self, request):
@@ -103,7 +132,17 @@ class DeviceAdmin(admin.ModelAdmin):
 
 @admin.register(InferenceRun)
 class InferenceRunAdmin(admin.ModelAdmin):
-    list_display = ("created", "device", "title", "case", "matched_tokens", "prompt_tokens", "ttft_ms", "ttlt_ms", "error")
+    list_display = (
+        "created",
+        "device",
+        "title",
+        "case",
+        "matched_tokens",
+        "prompt_tokens",
+        "ttft_ms",
+        "ttlt_ms",
+        "error",
+    )
     list_filter = ("device", "case", "source")
     # no search_fields: titles, prompts and answers are sealed at rest, SQL cannot search them (the Runs page can)
     readonly_fields = [field.name for field in InferenceRun._meta.fields]
@@ -178,7 +217,21 @@ def _confirm_entries(modeladmin, request, queryset, verb: str):
 class CacheEntryAdmin(admin.ModelAdmin):
     """Filter, sort, evict, pin and unpin cache entries (staff only, confirmed, logged)."""
 
-    list_display = ("holds", "namespace", "start", "end", "tokens", "size", "hits", "last_hit", "creator_device", "pinned", "created", "key", "model")
+    list_display = (
+        "holds",
+        "namespace",
+        "start",
+        "end",
+        "tokens",
+        "size",
+        "hits",
+        "last_hit",
+        "creator_device",
+        "pinned",
+        "created",
+        "key",
+        "model",
+    )
     list_filter = ("namespace", "model", "pinned", "creator_device")
     search_fields = ("key", "namespace", "model", "creator_device")
     ordering = ("-created",)
@@ -272,7 +325,16 @@ class EdgeCacheUserAdmin(UserAdmin):
 class ApiKeyAdmin(admin.ModelAdmin):
     """API keys: one namespace each; the key is shown once when created, then only its first characters."""
 
-    list_display = ("key_prefix", "name", "namespace", "rate_per_minute", "created_by", "created", "last_used", "revoked_at")
+    list_display = (
+        "key_prefix",
+        "name",
+        "namespace",
+        "rate_per_minute",
+        "created_by",
+        "created",
+        "last_used",
+        "revoked_at",
+    )
     list_filter = ("namespace", "revoked_at")
     search_fields = ("name", "key_prefix")
     fields = ("name", "namespace", "rate_per_minute", "key_prefix", "created_by", "created", "last_used", "revoked_at")
@@ -311,7 +373,11 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
         queryset = queryset.filter(revoked_at__isnull=True)
         page = confirmation(
-            self, request, queryset, title="Revoke API keys", verb="Revoke",
+            self,
+            request,
+            queryset,
+            title="Revoke API keys",
+            verb="Revoke",
             explanation="Requests with these keys are refused (401) from now on. This cannot be undone: make a new key instead.",
             describe=str,
         )

@@ -26,7 +26,6 @@ from django.conf import settings
 
 from cachebox.errors import CacheBoxError
 from cachebox.keys import queue_key_names
-
 from cachebox.store import CacheBox
 
 from .actions.cache import cachebox_url
@@ -44,7 +43,12 @@ def _store() -> CacheBox:
     if store is None:
         # No skipping after a failure (retry_after 0): one slow connect under load must not make
         # every release of the next seconds fail (each would hold its place until its deadline).
-        store = _stores[url] = CacheBox(url, connect_timeout=max(2.0, settings.EDGECACHE_CONNECT_TIMEOUT), timeout=settings.EDGECACHE_IO_TIMEOUT, retry_after=0.0)
+        store = _stores[url] = CacheBox(
+            url,
+            connect_timeout=max(2.0, settings.EDGECACHE_CONNECT_TIMEOUT),
+            timeout=settings.EDGECACHE_IO_TIMEOUT,
+            retry_after=0.0,
+        )
     return store
 
 
@@ -60,7 +64,13 @@ class FleetBusy(Exception):
     """A bound is reached: ``scope`` "key" (this API key's own runs) or "namespace" (the fleet's)."""
 
     def __init__(self, scope: str, namespace: str, limit: int, under_way: int, retry_after: int):
-        self.scope, self.namespace, self.limit, self.under_way, self.retry_after = scope, namespace, limit, under_way, retry_after
+        self.scope, self.namespace, self.limit, self.under_way, self.retry_after = (
+            scope,
+            namespace,
+            limit,
+            under_way,
+            retry_after,
+        )
         if scope == "key":
             what = f"This API key has {under_way} requests under way, its bound (EDGECACHE_API_QUEUE_PER_KEY {limit})"
         else:
@@ -78,7 +88,13 @@ class CacheBoxUnreachable(FleetBusy):
             f"The cache box is unreachable ({reason}), so runs cannot be counted against the fleet's bounds. Nothing was sent; "
             f"start the cache box or check REDIS_URL / EDGECACHE_CACHEBOX_URL, then try again in {retry_after} seconds.",
         )
-        self.scope, self.namespace, self.limit, self.under_way, self.retry_after = "cachebox", namespace, 0, 0, retry_after
+        self.scope, self.namespace, self.limit, self.under_way, self.retry_after = (
+            "cachebox",
+            namespace,
+            0,
+            0,
+            retry_after,
+        )
 
 
 def namespace_limit(online_boards: int) -> int:
@@ -87,7 +103,15 @@ def namespace_limit(online_boards: int) -> int:
     return per_board * max(1, online_boards) if per_board > 0 else 0
 
 
-def admit(namespace: str, request_id: str, *, online_boards: int, key_id: int | None = None, hold_s: float, retry_after: int = DEFAULT_RETRY_AFTER_S) -> Ticket:
+def admit(
+    namespace: str,
+    request_id: str,
+    *,
+    online_boards: int,
+    key_id: int | None = None,
+    hold_s: float,
+    retry_after: int = DEFAULT_RETRY_AFTER_S,
+) -> Ticket:
     """Count run ``request_id`` as under way in ``namespace`` (and for API key ``key_id``) for at most
     ``hold_s`` seconds; FleetBusy (nothing counted) when a bound is reached, CacheBoxUnreachable (a
     FleetBusy) when the counts cannot be read: it fails closed."""
@@ -106,7 +130,9 @@ def admit(namespace: str, request_id: str, *, online_boards: int, key_id: int | 
         log.warning("run %s refused: the bounded queues cannot be counted: %s", request_id, exc)
         raise CacheBoxUnreachable(namespace, str(exc)[:200], max(1, int(retry_after))) from None
     if full:
-        raise FleetBusy("namespace" if full == 1 else "key", namespace, limits[full - 1], under_way, max(1, int(retry_after)))
+        raise FleetBusy(
+            "namespace" if full == 1 else "key", namespace, limits[full - 1], under_way, max(1, int(retry_after))
+        )
     return Ticket(names, request_id)
 
 

@@ -30,7 +30,9 @@ class ApiHandler(ASGIHandler):
     where each request's way in waited behind every other's. The API's own work (key, routing,
     bounded queues, dispatch) runs on threads of its own (``dashboard.api.views``)."""
 
-    _sync_threads = tuple(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"edgecache-api-django-{number}") for number in range(4))
+    _sync_threads = tuple(
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"edgecache-api-django-{number}") for number in range(4)
+    )
     _turn = itertools.count()
 
     async def __call__(self, scope, receive, send):
@@ -59,6 +61,7 @@ async def http_app(scope, receive, send):
     """HTTP: the API through its own handler, everything else through Django's."""
     app = api_asgi_app if scope["path"].startswith(API_PREFIX) else django_asgi_app
     await app(scope, receive, send)
+
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs the apps loaded)
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
@@ -89,22 +92,33 @@ def _warm_router() -> None:
     from django.conf import settings
     from django.db import connection
 
-    from .actions import run_request
-    from .outbox import app as celery_app
+    from dashboard.router import CANDIDATES, STATE, prompt_tokens
     from inference.contract.messages import Queue
 
+    from .actions import run_request
     from .models import Namespace
-    from dashboard.router import CANDIDATES, STATE, prompt_tokens
+    from .outbox import app as celery_app
 
     try:
         prompt_tokens(run_request(["warm"]))
-        prompt_tokens(run_request(messages=[("user", "warm")]))  # a chat's template pieces (and inference.engine.chat, imported then)
+        prompt_tokens(
+            run_request(messages=[("user", "warm")])
+        )  # a chat's template pieces (and inference.engine.chat, imported then)
         STATE.current()
         STATE.follow_in_background(settings.EDGECACHE_ROUTING_FOLLOW_SECONDS)
         CANDIDATES.refresh_in_background()
-        devices = [device for namespace in Namespace.objects.values_list("name", flat=True) for device in CANDIDATES.roster(namespace).devices]
+        devices = [
+            device
+            for namespace in Namespace.objects.values_list("name", flat=True)
+            for device in CANDIDATES.roster(namespace).devices
+        ]
         amqp = celery_app.amqp
-        amqp.router, amqp.producer_pool, amqp.send_task_message, celery_app.backend  # built by the first send_task otherwise (24 ms)
+        (
+            amqp.router,
+            amqp.producer_pool,
+            amqp.send_task_message,
+            celery_app.backend,
+        )  # built by the first send_task otherwise (24 ms)
         with celery_app.producer_or_acquire() as producer:
             producer.connection.ensure_connection(max_retries=1)
             for device in devices:  # each board's queue as Celery sends to it, declared once per connection (7 ms)

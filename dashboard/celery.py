@@ -12,7 +12,9 @@ from inference.contract.messages import CONTROL_TASKS
 
 
 def _ours(sender) -> bool:
-    return getattr(getattr(sender, "app", None), "main", None) == app.main  # not another app's worker in this process (a board's)
+    return (
+        getattr(getattr(sender, "app", None), "main", None) == app.main
+    )  # not another app's worker in this process (a board's)
 
 
 @worker_init.connect

@@ -34,7 +34,10 @@ IMPLICIT = {"DATABASE_URL": ("dashboard/settings.py", None)}
 # What each variable means, and (only where the code's own default is empty, None or a path of
 # this machine) the default in words. A variable the code reads without a line here fails the test.
 MEANINGS: dict[str, tuple[str | None, str]] = {
-    "EDGECACHE_HOME": ("`.edgecache/`", "where the embedded Valkey, SQLite and the secret key live (created mode 0700)"),
+    "EDGECACHE_HOME": (
+        "`.edgecache/`",
+        "where the embedded Valkey, SQLite and the secret key live (created mode 0700)",
+    ),
     "EDGECACHE_DEVICE": ("host name", "this board's name, recorded in entries"),
     "EDGECACHE_NAMESPACE": (None, "cache namespace (tenant)"),
     "REDIS_URL": ("embedded Valkey", "cache box, Celery broker and channel layer"),
@@ -45,7 +48,10 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     ),
     "EDGECACHE_MODEL": ("Gemma-3 270M Q4_K_M from PyPI", "any GGUF file"),
     "EDGECACHE_N_CTX": (None, "context size (tokens)"),
-    "EDGECACHE_PEERS_DIR": ("~/.cache/edgecache/peers", "where `bench vs-server` keeps the llama-server it builds (once per machine; never a product dependency)"),
+    "EDGECACHE_PEERS_DIR": (
+        "~/.cache/edgecache/peers",
+        "where `bench vs-server` keeps the llama-server it builds (once per machine; never a product dependency)",
+    ),
     "EDGECACHE_KERNELS_DIR": (
         "~/.cache/edgecache/kernels",
         "where `bench kernels` and the kernel-class tests keep the second build of llama.cpp (AVX-512 kernels) they load with "
@@ -62,7 +68,10 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "KV cache type (`f16`, `q8_0`, `q4_0`, `f32`; part of every key, so boards share entries only with boards of the same "
         "type; quantized types turn on flash attention, which llama.cpp needs for a quantized V cache); see `bench kv`",
     ),
-    "EDGECACHE_CHUNK_TOKENS": (None, "the batch grid: every prefill cuts its batches, and ranges are stored, every this many tokens (must divide 512; part of every key)"),
+    "EDGECACHE_CHUNK_TOKENS": (
+        None,
+        "the batch grid: every prefill cuts its batches, and ranges are stored, every this many tokens (must divide 512; part of every key)",
+    ),
     "EDGECACHE_TOP_LOGITS": (None, "logits kept with an entry that ends a segment"),
     "EDGECACHE_CATALOG_CAPACITY": (None, "Bloom catalog size in entries (about 1.2 MB at the default)"),
     "EDGECACHE_CATALOG_FP_RATE": (None, "the catalog's configured false-positive rate"),
@@ -71,7 +80,10 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     "EDGECACHE_IO_TIMEOUT": (None, "seconds a cache-box reply may take before it counts as unavailable"),
     "EDGECACHE_MAX_ENTRY_BYTES": (None, "largest entry stored or read (bytes)"),
     "EDGECACHE_MAX_FETCH_BYTES": (None, "most one request downloads (bytes)"),
-    "EDGECACHE_ENTRY_TTL": (None, "unpinned entries expire after this many seconds unused (0: after `EDGECACHE_MAX_ENTRY_TTL`)"),
+    "EDGECACHE_ENTRY_TTL": (
+        None,
+        "unpinned entries expire after this many seconds unused (0: after `EDGECACHE_MAX_ENTRY_TTL`)",
+    ),
     "EDGECACHE_MAX_ENTRY_TTL": (
         None,
         "the longest TTL the cache box's write functions give an entry or a catalog (seconds); also how long a namespace's "
@@ -103,10 +115,19 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "pace this board's model work to a board class from the paper: `pi-zero-2w` or `pi5` (emulated, and labelled so on "
         "every run, chart and report)",
     ),
-    "EDGECACHE_RAM_TIER_MB": (None, "range entries a board computed or fetched, kept in its RAM, in MB (least recently used dropped first; 0: off)"),
-    "EDGECACHE_FLASH_TIER_MB": (None, "range entries a board computed or fetched, kept on its own disk between its RAM and the cache box, in MB (verified on every read, least recently used removed first, kept across restarts; 0: off)"),
+    "EDGECACHE_RAM_TIER_MB": (
+        None,
+        "range entries a board computed or fetched, kept in its RAM, in MB (least recently used dropped first; 0: off)",
+    ),
+    "EDGECACHE_FLASH_TIER_MB": (
+        None,
+        "range entries a board computed or fetched, kept on its own disk between its RAM and the cache box, in MB (verified on every read, least recently used removed first, kept across restarts; 0: off)",
+    ),
     "EDGECACHE_FLASH_DIR": ("`.edgecache/flash/<device>`", "the flash tier's folder (one per board)"),
-    "EDGECACHE_BOARD_STATE_DIR": ("`.edgecache/boards/<device>`", "what a board keeps across restarts: the requests it answered, until they expire (a replay is refused)"),
+    "EDGECACHE_BOARD_STATE_DIR": (
+        "`.edgecache/boards/<device>`",
+        "what a board keeps across restarts: the requests it answered, until they expire (a replay is refused)",
+    ),
     "EDGECACHE_EMBEDDED_PORT": ("derived from the folder", "port of the embedded Valkey"),
     "EDGECACHE_EMBEDDED_MAXMEMORY": (None, "`maxmemory` of the embedded Valkey"),
     "EDGECACHE_BOARD_KEYS_DIR": (
@@ -133,7 +154,10 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "the CA bundle that signed the Redis/Valkey server's certificate, for `rediss://` URLs (the certificate is always "
         "verified and its name checked against the URL's host); every process reads it: boards, web, workers",
     ),
-    "EDGECACHE_EMBEDDED_PASSWORD": ("generated into the secrets folder", "the control plane's password of the embedded Valkey's `default` user"),
+    "EDGECACHE_EMBEDDED_PASSWORD": (
+        "generated into the secrets folder",
+        "the control plane's password of the embedded Valkey's `default` user",
+    ),
     "EDGECACHE_EMBEDDED_BIND": (
         "`127.0.0.1`",
         "more addresses the embedded Valkey listens on, besides loopback (boards as hosts reach it on their hub's); it needs the "
@@ -155,10 +179,16 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "who paces a board's registered link: its sockets (`socket`: bandwidth and RTT), or `kernel` (a `tc`-shaped interface: "
         "the sockets add the RTT only)",
     ),
-    "EDGECACHE_BOARD_HOSTS": ("off", "`1`: `make run` (as root) starts its demo boards as hosts: a network namespace, a kernel-shaped veth link and a cgroup each"),
+    "EDGECACHE_BOARD_HOSTS": (
+        "off",
+        "`1`: `make run` (as root) starts its demo boards as hosts: a network namespace, a kernel-shaped veth link and a cgroup each",
+    ),
     "EDGECACHE_ENROLL_TIMEOUT": (None, "seconds a board waits for the control plane to confirm its enrollment"),
     "DJANGO_SECRET_KEY": ("generated into the secrets folder", "Django's secret key"),
-    "EDGECACHE_SIGNING_SECRET": ("generated into the secrets folder", "master secret of the namespaces' keys and of the control plane's signing key"),
+    "EDGECACHE_SIGNING_SECRET": (
+        "generated into the secrets folder",
+        "master secret of the namespaces' keys and of the control plane's signing key",
+    ),
     "DJANGO_DEBUG": ("off", "Django's debug mode (`1`: on; never in production)"),
     "DJANGO_ALLOWED_HOSTS": (None, "host names the dashboard answers to, comma-separated"),
     "DATABASE_URL": (
@@ -173,37 +203,70 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
         "the dashboard is served over TLS: HTTP redirected to HTTPS, cookies HTTPS-only, HSTS (leave off for `make run` on "
         "localhost)",
     ),
-    "EDGECACHE_BEHIND_PROXY": (None, "trust the TLS proxy's `X-Forwarded-Proto` (only behind a proxy that overwrites it)"),
+    "EDGECACHE_BEHIND_PROXY": (
+        None,
+        "trust the TLS proxy's `X-Forwarded-Proto` (only behind a proxy that overwrites it)",
+    ),
     "EDGECACHE_HSTS_SECONDS": (None, "HSTS lifetime, with `EDGECACHE_HTTPS`"),
     "EDGECACHE_HSTS_INCLUDE_SUBDOMAINS": (None, "HSTS covers subdomains, with `EDGECACHE_HTTPS`"),
     "EDGECACHE_HSTS_PRELOAD": (None, "ask browsers' preload lists, with `EDGECACHE_HTTPS`"),
-    "EDGECACHE_TASK_EXPIRES": (None, "seconds a run or encode may wait for its board; later, the board records it as expired instead of running it"),
+    "EDGECACHE_TASK_EXPIRES": (
+        None,
+        "seconds a run or encode may wait for its board; later, the board records it as expired instead of running it",
+    ),
     "EDGECACHE_TOKEN_TTL_HOURS": (None, "hours a device token may enroll a board (once); then rotate it"),
     "EDGECACHE_AUDIT_RATE": (
         None,
         "share of reported cache hits recomputed cold on another online board of the same model and compared bit for bit; a "
         "mismatch quarantines the producing board's entries and marks it (`0`: no audits)",
     ),
-    "EDGECACHE_MISSED_HEARTBEATS": (None, "heartbeats a board may miss before it counts as offline (pages are told at once; its runs are re-sent or lost)"),
-    "EDGECACHE_SWEEP_SECONDS": (None, "how often each control worker ends the runs nobody will answer (expired, or on a board that went quiet)"),
-    "EDGECACHE_ROUTING_FOLLOW_SECONDS": (None, "how often each web process reads the dispatches and reports other processes wrote, from a thread of its own, so that a routing decision reads memory only; `0`: each decision reads them"),
-    "EDGECACHE_COUNT_DB_WRITES": ("unset", "`1`: every process of the control plane counts its database writes in Redis (`bench fleet-sim` sets it)"),
+    "EDGECACHE_MISSED_HEARTBEATS": (
+        None,
+        "heartbeats a board may miss before it counts as offline (pages are told at once; its runs are re-sent or lost)",
+    ),
+    "EDGECACHE_SWEEP_SECONDS": (
+        None,
+        "how often each control worker ends the runs nobody will answer (expired, or on a board that went quiet)",
+    ),
+    "EDGECACHE_ROUTING_FOLLOW_SECONDS": (
+        None,
+        "how often each web process reads the dispatches and reports other processes wrote, from a thread of its own, so that a routing decision reads memory only; `0`: each decision reads them",
+    ),
+    "EDGECACHE_COUNT_DB_WRITES": (
+        "unset",
+        "`1`: every process of the control plane counts its database writes in Redis (`bench fleet-sim` sets it)",
+    ),
     "EDGECACHE_LOG_LEVEL": (None, "level of the `cachebox` and `inference` loggers"),
     "EDGECACHE_METRICS_TOKEN": ("unset", "bearer token for `/metrics` (staff logins get in too)"),
     "EDGECACHE_METRICS_CACHE_SECONDS": (None, "how long one computation of the run metrics is served"),
     "EDGECACHE_RUN_RATE": (None, "run submissions per user and minute (0: no limit)"),
-    "EDGECACHE_BOARD_USER": (None, "the account `make run` starts its demo boards as when it runs as root (empty: as root); they cannot enter the secrets or state folder"),
-    "EDGECACHE_ENROLL_RATE": (None, "enrollment attempts per device and minute the control plane looks at (0: no limit); past it they are dropped and logged, and no record changes"),
-    "EDGECACHE_CACHE_CONNECTIONS": (None, "connections each web process keeps to Django's cache on the cache box's server (the rate-limit counters); a request waits for a free one"),
+    "EDGECACHE_BOARD_USER": (
+        None,
+        "the account `make run` starts its demo boards as when it runs as root (empty: as root); they cannot enter the secrets or state folder",
+    ),
+    "EDGECACHE_ENROLL_RATE": (
+        None,
+        "enrollment attempts per device and minute the control plane looks at (0: no limit); past it they are dropped and logged, and no record changes",
+    ),
+    "EDGECACHE_CACHE_CONNECTIONS": (
+        None,
+        "connections each web process keeps to Django's cache on the cache box's server (the rate-limit counters); a request waits for a free one",
+    ),
     "EDGECACHE_API_RATE": (None, "API requests per key and minute (a key's own rate wins; 0: no limit)"),
-    "EDGECACHE_API_TIMEOUT": (None, "seconds a board may stay silent during an API call (then 504, and the run is cancelled)"),
+    "EDGECACHE_API_TIMEOUT": (
+        None,
+        "seconds a board may stay silent during an API call (then 504, and the run is cancelled)",
+    ),
     "EDGECACHE_API_MAX_TOKENS": (None, "answer length of an API request that names none"),
     "EDGECACHE_QUEUE_PER_BOARD": (
         None,
         "runs under way (queued or running) per online board of a namespace, API and Run page together; past it a run is "
         "refused at once (API: 503 with `Retry-After`; Run page: the fleet is busy); 0: no bound",
     ),
-    "EDGECACHE_API_QUEUE_PER_KEY": (None, "API requests under way per API key; past it 429 with `Retry-After`; 0: no bound"),
+    "EDGECACHE_API_QUEUE_PER_KEY": (
+        None,
+        "API requests under way per API key; past it 429 with `Retry-After`; 0: no bound",
+    ),
     "EDGECACHE_ADMIN_PASSWORD": (
         "generated, printed once",
         "password of the first admin `make run` creates; must pass Django's password validators, else `make run` stops before "
@@ -211,13 +274,19 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     ),
     "EDGECACHE_DEVICE_TOKEN": ("unset", "the device token a board enrolls with once (or `edge --token`)"),
     "EDGECACHE_LLAMA_LOG": ("off", "`1`: let llama.cpp's own log reach stderr"),
-    "EDGECACHE_VISIBILITY_TIMEOUT": (None, "seconds before a dead worker's task is handed out again (keep it longer than any task)"),
+    "EDGECACHE_VISIBILITY_TIMEOUT": (
+        None,
+        "seconds before a dead worker's task is handed out again (keep it longer than any task)",
+    ),
     "EDGECACHE_RESTORE_INTERVAL": (None, "how often workers look for such tasks (seconds)"),
 }
 
 # The groups of the table, by the file that reads the variable (first match wins).
 GROUPS = (
-    ("Boards, and the commands that run one (read in inference/: `BoardConfig.from_env()`)", ("inference/", "cachebox/")),
+    (
+        "Boards, and the commands that run one (read in inference/: `BoardConfig.from_env()`)",
+        ("inference/", "cachebox/"),
+    ),
     ("The control plane (read in dashboard/: its settings and commands)", ("dashboard/",)),
 )
 
@@ -240,7 +309,9 @@ def _default_expression(call: ast.Call, position: int, parents: dict) -> ast.exp
     """The expression that gives the default of a reading call: its next argument, or the right
     side of ``environ.get(NAME, "").strip() or DEFAULT``."""
     node = call
-    while isinstance(parents.get(node), (ast.Attribute, ast.Call)) and not (isinstance(parents[node], ast.Call) and node in parents[node].args):
+    while isinstance(parents.get(node), (ast.Attribute, ast.Call)) and not (
+        isinstance(parents[node], ast.Call) and node in parents[node].args
+    ):
         node = parents[node]
     parent = parents.get(node)
     if isinstance(parent, ast.BoolOp) and isinstance(parent.op, ast.Or) and parent.values[0] is node:
@@ -281,11 +352,15 @@ def read_variables(root: Path = ROOT) -> list[Variable]:
                 if _reader_name(call) not in READERS:
                     continue
                 for position, argument in enumerate(call.args[:2]):
-                    name = argument.value if isinstance(argument, ast.Constant) and isinstance(argument.value, str) else ""
+                    name = (
+                        argument.value if isinstance(argument, ast.Constant) and isinstance(argument.value, str) else ""
+                    )
                     if VARIABLE.match(name) and name not in NOT_SETTINGS:
                         expression = _default_expression(call, position, parents)
                         default = _code_default(module_name, expression, _reader_name(call))
-                        computed = expression is not None and any(isinstance(node, ast.Call) for node in ast.walk(expression))
+                        computed = expression is not None and any(
+                            isinstance(node, ast.Call) for node in ast.walk(expression)
+                        )
                         known = found.get(name)
                         if known is None or (known.default in (None, "") and default not in (None, "")):
                             found[name] = Variable(name, known.path if known else relative, default, computed)
@@ -307,7 +382,11 @@ def _shown(value) -> str:
 def _default_text(variable: Variable) -> str:
     words, _ = MEANINGS[variable.name]
     code = variable.default
-    plain = not variable.computed and (isinstance(code, bool) or (isinstance(code, (int, float)) and code != 0) or (isinstance(code, str) and code != ""))
+    plain = not variable.computed and (
+        isinstance(code, bool)
+        or (isinstance(code, (int, float)) and code != 0)
+        or (isinstance(code, str) and code != "")
+    )
     if words is not None and plain:
         raise ValueError(f"{variable.name}: the code's default is {code!r}; drop the one written in MEANINGS")
     if words is None:
@@ -341,7 +420,9 @@ def render_configuration(variables: list[Variable] | None = None) -> str:
             continue
         out += [f"## {title}", "", "| variable | default | meaning | read in |", "|---|---|---|---|"]
         for variable in rows:
-            out.append(f"| `{variable.name}` | {_default_text(variable)} | {MEANINGS[variable.name][1]} | {variable.path} |")
+            out.append(
+                f"| `{variable.name}` | {_default_text(variable)} | {MEANINGS[variable.name][1]} | {variable.path} |"
+            )
             placed.add(variable.name)
         out.append("")
     out += [
@@ -363,7 +444,14 @@ def bench_section(name: str, saved: tuple[Path, dict] | None) -> str:
         return f"No cited result yet: `python manage.py bench {name}` makes one in `bench-results/`,\nthen `python manage.py docs --cite bench-results/NAME.json` puts its figures here.\n"
     path, doc = saved
     machine = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
-    labels = (("cpu", ""), ("cpu_count", "cores:"), ("threads", "threads:"), ("model", "model"), ("git_commit", "commit"), ("date", ""))
+    labels = (
+        ("cpu", ""),
+        ("cpu_count", "cores:"),
+        ("threads", "threads:"),
+        ("model", "model"),
+        ("git_commit", "commit"),
+        ("date", ""),
+    )
     where = ", ".join(f"{label} {machine[key]}".strip() for key, label in labels if machine.get(key))
     try:
         printed = [line for chunk in get_bench(name).lines(doc) for line in str(chunk).split("\n")]
@@ -393,7 +481,11 @@ def render_readme(text: str, folder: Path | None = None) -> str:
     """``text`` (README.md) with its vs-server table regenerated from the newest ``bench vs-server`` document."""
     from dashboard.bench import side_by_side
 
-    saved = [doc for _, doc in documents.saved_documents(documents.figures_dir() if folder is None else folder) if documents.kind_of(doc) == "vs-server"]
+    saved = [
+        doc
+        for _, doc in documents.saved_documents(documents.figures_dir() if folder is None else folder)
+        if documents.kind_of(doc) == "vs-server"
+    ]
     return side_by_side.replace_readme_table(text, side_by_side.readme_table(saved))
 
 

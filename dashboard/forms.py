@@ -6,23 +6,32 @@ import json
 import re
 
 from django import forms
-from django.contrib.auth.forms import AuthenticationForm
 from django.conf import settings
+from django.contrib.auth.forms import AuthenticationForm
 from django.utils.html import escape
 
 from cachebox.errors import InvalidNamespace
 from cachebox.keys import check_namespace
 from cachebox.link import LINK_PRESETS
 from dashboard import mmlu
-from inference.serving.breakdown import Case, Decision
-from inference.contract.messages import RunRequest
 from dashboard.actions.runs import split_segments
 from dashboard.models import Schema
+from dashboard.pages.stats import (
+    ANSWERED,
+    CANCELLED_RUNS,
+    FAILED,
+    namespace_choices,
+    outcome_q,
+    sees_every_namespace,
+    visible_devices,
+    visible_schemas,
+)
+from inference.contract.messages import RunRequest
+from inference.serving.breakdown import Case, Decision
 from inference.serving.pml import PMLError, parse_prompt, parse_schema
 
 from .actions import run_request as asked_run
 from .models import Device, SavedPrompt
-from dashboard.pages.stats import ANSWERED, CANCELLED_RUNS, FAILED, namespace_choices, outcome_q, sees_every_namespace, visible_devices, visible_schemas
 
 MAX_PROMPT_CHARS = 32_000  # the Run page's limit, in the text boxes (counter) and here (form error)
 MAX_CHAT_TURNS = 64  # turns a Run page chat sends back (the board's context ends it sooner)
@@ -64,14 +73,24 @@ def _clean_namespace(value: str) -> str:
 
 class DeviceForm(forms.ModelForm):
     link_preset = forms.ChoiceField(
-        choices=[("custom", "custom (fields below)")] + [(key, profile.label if profile else "none (unshaped)") for key, profile in LINK_PRESETS.items()],
+        choices=[("custom", "custom (fields below)")]
+        + [(key, profile.label if profile else "none (unshaped)") for key, profile in LINK_PRESETS.items()],
         initial="none",
         help_text="fills bandwidth and round-trip time",
     )
 
     class Meta:
         model = Device
-        fields = ["name", "namespace", "kind", "cpu_threads", "memory_mb", "link_preset", "link_bandwidth_mbps", "link_rtt_ms"]
+        fields = [
+            "name",
+            "namespace",
+            "kind",
+            "cpu_threads",
+            "memory_mb",
+            "link_preset",
+            "link_bandwidth_mbps",
+            "link_rtt_ms",
+        ]
 
     NAME_LIMIT = 40  # Device.name's max_length
 
@@ -81,7 +100,9 @@ class DeviceForm(forms.ModelForm):
         self.fields["namespace"].empty_label = None
         name = self.fields["name"]
         # Help texts are rendered as HTML: "<name>" would be swallowed as a tag.
-        name.help_text = escape(f"at most {self.NAME_LIMIT} characters: letters, digits, '-' and '_'; the board's queue is device.<name>")
+        name.help_text = escape(
+            f"at most {self.NAME_LIMIT} characters: letters, digits, '-' and '_'; the board's queue is device.<name>"
+        )
         _limit_without_cut(name, self.NAME_LIMIT)
         _limit_without_cut(self.fields["kind"], self.fields["kind"].max_length)
         name.error_messages["max_length"] = (
@@ -100,7 +121,8 @@ class DeviceForm(forms.ModelForm):
         name = self.cleaned_data.get("name")
         if name and Device.objects.filter(name=name).exclude(pk=self.instance.pk).exists():
             raise forms.ValidationError(
-                f"A device named {name!r} is registered already: choose another name (or rotate that device's token on its page).", code="unique"
+                f"A device named {name!r} is registered already: choose another name (or rotate that device's token on its page).",
+                code="unique",
             )
         return name
 
@@ -139,7 +161,9 @@ class DeviceForm(forms.ModelForm):
 
 
 class SchemaForm(forms.ModelForm):
-    namespace = forms.ChoiceField(required=False, help_text="the namespace whose keys, users and boards may use it; shared: every namespace")
+    namespace = forms.ChoiceField(
+        required=False, help_text="the namespace whose keys, users and boards may use it; shared: every namespace"
+    )
 
     class Meta:
         model = Schema
@@ -150,7 +174,9 @@ class SchemaForm(forms.ModelForm):
         super().__init__(*args, **kwargs)
         from .models import Namespace
 
-        self.fields["namespace"].choices = [("", "shared with every namespace")] + [(name, name) for name in Namespace.objects.values_list("name", flat=True)]
+        self.fields["namespace"].choices = [("", "shared with every namespace")] + [
+            (name, name) for name in Namespace.objects.values_list("name", flat=True)
+        ]
 
 
 class _ForUser:
@@ -168,13 +194,17 @@ class _ForUser:
         theirs = {device.namespace_id for device in devices} | {device.cache_namespace for device in devices}
         if namespace not in theirs:
             mine = ", ".join(sorted({device.namespace_id for device in devices})) or "none"
-            raise forms.ValidationError(f"Namespace {namespace!r} is not one of yours ({mine}): leave it empty to use each device's own.")
+            raise forms.ValidationError(
+                f"Namespace {namespace!r} is not one of yours ({mine}): leave it empty to use each device's own."
+            )
         return namespace
 
 
 class EncodeForm(_ForUser, forms.Form):
     devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple)
-    namespace = forms.CharField(required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)")
+    namespace = forms.CharField(
+        required=False, max_length=64, help_text="cache namespace (empty: each device's own; a board refuses any other)"
+    )
 
     def __init__(self, *args, user, schema: Schema | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -187,49 +217,86 @@ class EncodeForm(_ForUser, forms.Form):
 
 
 class RunForm(_ForUser, forms.Form):
-    SOURCES = [("chat", "Chat"), ("text", "Free text (no chat template)"), ("mmlu", "MMLU question"), ("saved", "Saved prompt"), ("pml", "Schema prompt (PML)")]
+    SOURCES = [
+        ("chat", "Chat"),
+        ("text", "Free text (no chat template)"),
+        ("mmlu", "MMLU question"),
+        ("saved", "Saved prompt"),
+        ("pml", "Schema prompt (PML)"),
+    ]
 
-    devices = forms.ModelMultipleChoiceField(queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple, required=False)
+    devices = forms.ModelMultipleChoiceField(
+        queryset=Device.objects.none(), widget=forms.CheckboxSelectMultiple, required=False
+    )
     any_board = forms.BooleanField(
-        required=False, label="any board",
+        required=False,
+        label="any board",
         help_text="one run, on the board expected to answer first: the one holding the longest prefix of the prompt, "
         "weighed with its queue (of the ticked devices, or of every board of the namespace named below, else of your current "
         "namespace: never another tenant's)",
     )
     source = forms.ChoiceField(choices=SOURCES, initial="chat", widget=forms.RadioSelect)
     # A chat: the system prompt, the turns so far (JSON, kept by the page) and the next message.
-    system = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False, label="System prompt", help_text="optional: how the model should answer")
+    system = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 2}),
+        required=False,
+        label="System prompt",
+        help_text="optional: how the model should answer",
+    )
     history = forms.CharField(widget=forms.HiddenInput, required=False)
     message = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), required=False, label="Message")
     # Not stripped: a prompt's last space or line break changes its tokens (and its cache keys).
     text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6}), required=False, strip=False)
-    split_on = forms.CharField(required=False, max_length=20, help_text=r"optional: cut the text after each of these (e.g. \n\n)")
+    split_on = forms.CharField(
+        required=False, max_length=20, help_text=r"optional: cut the text after each of these (e.g. \n\n)"
+    )
     topic = forms.ChoiceField(required=False, initial="astronomy")
     shots = forms.IntegerField(min_value=0, max_value=5, initial=5, required=False)
-    question = forms.IntegerField(min_value=1, initial=1, required=False, help_text="which target question of the topic")
+    question = forms.IntegerField(
+        min_value=1, initial=1, required=False, help_text="which target question of the topic"
+    )
     saved_prompt = forms.ModelChoiceField(queryset=SavedPrompt.objects.all(), required=False)
     schema = forms.ModelChoiceField(
-        queryset=Schema.objects.all(), required=False, empty_label="the one the prompt names", help_text='optional when the prompt names a known schema (<prompt schema="...">)'
+        queryset=Schema.objects.all(),
+        required=False,
+        empty_label="the one the prompt names",
+        help_text='optional when the prompt names a known schema (<prompt schema="...">)',
     )
-    pml = forms.CharField(widget=forms.Textarea(attrs={"rows": 5, "spellcheck": "false"}), required=False, label="PML prompt")
+    pml = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 5, "spellcheck": "false"}), required=False, label="PML prompt"
+    )
     max_tokens = forms.IntegerField(min_value=1, max_value=256, initial=64)
-    temperature = forms.FloatField(min_value=0.0, max_value=2.0, initial=0.0, required=False, help_text="0: greedy (the same answer every time)")
+    temperature = forms.FloatField(
+        min_value=0.0, max_value=2.0, initial=0.0, required=False, help_text="0: greedy (the same answer every time)"
+    )
     top_p = forms.FloatField(min_value=0.01, max_value=1.0, initial=0.95, required=False, label="Top-p")
-    seed = forms.IntegerField(min_value=0, max_value=2**63 - 1, required=False, help_text="optional: the same seed samples the same answer")
+    seed = forms.IntegerField(
+        min_value=0, max_value=2**63 - 1, required=False, help_text="optional: the same seed samples the same answer"
+    )
     namespace = forms.CharField(
-        required=False, max_length=64,
+        required=False,
+        max_length=64,
         help_text="optional: the namespace (tenant) whose cache entries the run uses; empty: each board's own. A board serves its own "
         "namespace only, and 'any board' chooses among the boards of this namespace (empty: your current one)",
     )
     use_cache = forms.BooleanField(required=False, initial=True)
-    STRATEGIES = [("exact", "exact (prefix serving)")] + [(f"kv-prediction:{k}", f"KV prediction, {k} auxiliary layers (lab, approximate)") for k in (3, 6, 9)] + [
-        ("anchors", "anchor tokens: earlier parts keep only their last token (lab, approximate)"),
-        ("anchors-tuned", "anchor tokens on the anchor-tuned model (lab, approximate)"),
-        ("early-exit:top-prob:0.8", "early exit while decoding, top probability >= 0.8 (lab, approximate)"),
-        ("early-exit:similarity:0.98", "early exit while decoding, hidden-state similarity >= 0.98 (lab, approximate)"),
-    ]
+    STRATEGIES = (
+        [("exact", "exact (prefix serving)")]
+        + [(f"kv-prediction:{k}", f"KV prediction, {k} auxiliary layers (lab, approximate)") for k in (3, 6, 9)]
+        + [
+            ("anchors", "anchor tokens: earlier parts keep only their last token (lab, approximate)"),
+            ("anchors-tuned", "anchor tokens on the anchor-tuned model (lab, approximate)"),
+            ("early-exit:top-prob:0.8", "early exit while decoding, top probability >= 0.8 (lab, approximate)"),
+            (
+                "early-exit:similarity:0.98",
+                "early exit while decoding, hidden-state similarity >= 0.98 (lab, approximate)",
+            ),
+        ]
+    )
     strategy = forms.ChoiceField(
-        choices=STRATEGIES, initial="exact", required=False,
+        choices=STRATEGIES,
+        initial="exact",
+        required=False,
         help_text="lab strategies answer from an approximate KV cache (predicted, seed 001; pruned to anchor tokens, seed 004) "
         "or leave the network early while decoding (seed 002): approximate answers; they never use the cache box",
     )
@@ -252,11 +319,14 @@ class RunForm(_ForUser, forms.Form):
             from .models import Namespace
 
             devices = list(self.fields["devices"].queryset)
-            known = set(Namespace.objects.values_list("name", flat=True)) | {device.cache_namespace for device in devices}
+            known = set(Namespace.objects.values_list("name", flat=True)) | {
+                device.cache_namespace for device in devices
+            }
             if namespace not in known:
                 names = ", ".join(sorted(set(namespace_choices(self.user)))) or "none"
                 raise forms.ValidationError(
-                    f"There is no namespace {namespace!r} (yours: {names}): leave it empty to use each board's own.", code="unknown"
+                    f"There is no namespace {namespace!r} (yours: {names}): leave it empty to use each board's own.",
+                    code="unknown",
                 )
         return namespace
 
@@ -266,11 +336,14 @@ class RunForm(_ForUser, forms.Form):
         namespace = data.get("namespace") or ""
         devices = list(data.get("devices") or ())
         if namespace and "namespace" not in self.errors:
-            foreign = [device.name for device in devices if namespace not in (device.namespace_id, device.cache_namespace)]
+            foreign = [
+                device.name for device in devices if namespace not in (device.namespace_id, device.cache_namespace)
+            ]
             if foreign:
                 verb = "serves" if len(foreign) == 1 else "serve"
                 self.add_error(
-                    "namespace", f"{', '.join(foreign)} {verb} another namespace and would refuse a run of {namespace!r}: "
+                    "namespace",
+                    f"{', '.join(foreign)} {verb} another namespace and would refuse a run of {namespace!r}: "
                     f"leave Namespace empty, or tick boards of {namespace!r}.",
                 )
                 return
@@ -280,7 +353,8 @@ class RunForm(_ForUser, forms.Form):
             tenants = sorted({device.namespace_id for device in devices})
             if len(tenants) > 1:
                 self.add_error(
-                    "any_board", f"'any board' sends the run to one namespace's boards; the ticked devices are of {', '.join(tenants)}: "
+                    "any_board",
+                    f"'any board' sends the run to one namespace's boards; the ticked devices are of {', '.join(tenants)}: "
                     "tick boards of one, or name it in Namespace.",
                 )
                 return
@@ -288,7 +362,8 @@ class RunForm(_ForUser, forms.Form):
         data["route_namespace"] = namespace or self.current_namespace
         if not data["route_namespace"]:
             self.add_error(
-                "any_board", "You are a member of no namespace: there is no board to send it to (a staff member adds you to one)."
+                "any_board",
+                "You are a member of no namespace: there is no board to send it to (a staff member adds you to one).",
             )
 
     def route_candidates(self) -> list[Device]:
@@ -302,7 +377,12 @@ class RunForm(_ForUser, forms.Form):
     def clean_text(self):
         text = lf(self.cleaned_data.get("text"))
         if len(text) > MAX_PROMPT_CHARS:
-            raise _too_long("The prompt", text, MAX_PROMPT_CHARS, "Nothing was sent: shorten it (a board's context holds a few thousand tokens).")
+            raise _too_long(
+                "The prompt",
+                text,
+                MAX_PROMPT_CHARS,
+                "Nothing was sent: shorten it (a board's context holds a few thousand tokens).",
+            )
         return text
 
     def clean_pml(self):
@@ -334,7 +414,11 @@ class RunForm(_ForUser, forms.Form):
             raise forms.ValidationError(f"A conversation holds at most {MAX_CHAT_TURNS} turns: press New chat.")
         history = []
         for turn in turns:
-            if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant") or not isinstance(turn.get("content"), str):
+            if (
+                not isinstance(turn, dict)
+                or turn.get("role") not in ("user", "assistant")
+                or not isinstance(turn.get("content"), str)
+            ):
                 raise forms.ValidationError("The conversation could not be read: press New chat and start again.")
             if turn["content"].strip():
                 history.append((turn["role"], lf(turn["content"])))
@@ -355,9 +439,16 @@ class RunForm(_ForUser, forms.Form):
                 self.add_error("message", "Write a message.")
             if len(data.get("devices") or ()) > 1:
                 self.add_error("devices", "A chat talks to one board: tick one device (or 'any board').")
-            turns = [("system", data.get("system") or "")] + list(data.get("history") or []) + [("user", data.get("message") or "")]
+            turns = (
+                [("system", data.get("system") or "")]
+                + list(data.get("history") or [])
+                + [("user", data.get("message") or "")]
+            )
             if sum(len(content) for _, content in turns) > MAX_PROMPT_CHARS:
-                self.add_error("message", f"The conversation is over {MAX_PROMPT_CHARS:,} characters: press New chat to start another.")
+                self.add_error(
+                    "message",
+                    f"The conversation is over {MAX_PROMPT_CHARS:,} characters: press New chat to start another.",
+                )
         elif source == "text":
             if "text" not in self.errors and not (data.get("text") or "").strip():
                 self.add_error("text", "Write a prompt, or pick an MMLU question or a saved prompt.")
@@ -370,7 +461,10 @@ class RunForm(_ForUser, forms.Form):
                     available = None
                     self.add_error("topic", str(exc))
                 if available is not None and number > available:
-                    self.add_error("question", f"{topic} has {available:,} questions at {shots} shots: choose a question from 1 to {available:,}.")
+                    self.add_error(
+                        "question",
+                        f"{topic} has {available:,} questions at {shots} shots: choose a question from 1 to {available:,}.",
+                    )
                     return data
                 try:
                     data["mmlu_prompt"] = mmlu.build_prompts(topic, shots, 1, start=number - 1)[0]
@@ -390,20 +484,34 @@ class RunForm(_ForUser, forms.Form):
                 found = SCHEMA_IN_PROMPT.search(data.get("pml") or "")
                 known = ", ".join(visible_schemas(self.user).values_list("name", flat=True)) or "none yet"
                 if found:
-                    self.add_error("schema", f"The prompt names schema {found.group(1)!r}, which is not known (known: {known}): choose one.")
+                    self.add_error(
+                        "schema",
+                        f"The prompt names schema {found.group(1)!r}, which is not known (known: {known}): choose one.",
+                    )
                 else:
-                    self.add_error("schema", f'Choose a schema, or name one in the prompt (<prompt schema="...">; known: {known}).')
+                    self.add_error(
+                        "schema", f'Choose a schema, or name one in the prompt (<prompt schema="...">; known: {known}).'
+                    )
             else:
                 try:
                     parse_prompt(data.get("pml") or "", parse_schema(schema.source))
                 except PMLError as exc:
                     self.add_error("pml", str(exc))
-                foreign = [device.name for device in data.get("devices") or () if schema.namespace and device.namespace_id != schema.namespace]
+                foreign = [
+                    device.name
+                    for device in data.get("devices") or ()
+                    if schema.namespace and device.namespace_id != schema.namespace
+                ]
                 if foreign:
-                    self.add_error("schema", f"Schema {schema.name!r} belongs to namespace {schema.namespace!r}: {', '.join(foreign)} may not run it.")
+                    self.add_error(
+                        "schema",
+                        f"Schema {schema.name!r} belongs to namespace {schema.namespace!r}: {', '.join(foreign)} may not run it.",
+                    )
         self._check_boards_serve(data)
         if data.get("source") == "pml" and (data.get("strategy") or "exact") != "exact":
-            self.add_error("strategy", "A schema prompt is served from exact cached modules: choose the exact strategy for it.")
+            self.add_error(
+                "strategy", "A schema prompt is served from exact cached modules: choose the exact strategy for it."
+            )
         return data
 
     def run_request(self) -> RunRequest:
@@ -411,17 +519,26 @@ class RunForm(_ForUser, forms.Form):
         data = self.cleaned_data
         strategy = data.get("strategy") or "exact"
         common = dict(
-            max_tokens=data["max_tokens"], namespace=data.get("namespace", ""), use_cache=data.get("use_cache", False), strategy="" if strategy == "exact" else strategy,
+            max_tokens=data["max_tokens"],
+            namespace=data.get("namespace", ""),
+            use_cache=data.get("use_cache", False),
+            strategy="" if strategy == "exact" else strategy,
             sampling=self.sampling(),
         )
         if data["source"] == "chat":
             system = (data.get("system") or "").strip()
-            messages = ([("system", system)] if system else []) + list(data.get("history") or []) + [("user", data["message"])]
-            return asked_run(source="chat", title="Chat: " + " ".join(data["message"].split())[:74], messages=messages, **common)
+            messages = (
+                ([("system", system)] if system else []) + list(data.get("history") or []) + [("user", data["message"])]
+            )
+            return asked_run(
+                source="chat", title="Chat: " + " ".join(data["message"].split())[:74], messages=messages, **common
+            )
         if data["source"] == "mmlu":
             prompt = data["mmlu_prompt"]
             title = f"MMLU {prompt.target.topic}, {len(prompt.examples)}-shot, question {data['question']}"
-            return asked_run(prompt.segments, source="mmlu", title=title, expected_answer=prompt.target.answer, **common)
+            return asked_run(
+                prompt.segments, source="mmlu", title=title, expected_answer=prompt.target.answer, **common
+            )
         if data["source"] == "pml":
             title = f"PML {data['schema'].name}: " + " ".join((data["pml"] or "").split())[:60]
             return asked_run(source="pml", title=title, schema=data["schema"].source, pml=data["pml"], **common)
@@ -429,7 +546,9 @@ class RunForm(_ForUser, forms.Form):
             saved = data["saved_prompt"]
             return asked_run(split_segments(lf(saved.text), saved.split_on), source="saved", title=saved.name, **common)
         text = data["text"]
-        return asked_run(split_segments(text, data.get("split_on")), source="text", title=" ".join(text.split())[:80], **common)
+        return asked_run(
+            split_segments(text, data.get("split_on")), source="text", title=" ".join(text.split())[:80], **common
+        )
 
     def sampling(self) -> dict:
         """The sampling controls as the run request's ``SamplingSpec`` takes them (empty fields: its defaults)."""
@@ -454,13 +573,19 @@ class ConfirmForm(forms.Form):
 class ApiKeyForm(forms.Form):
     """A new API key: the namespace it reaches (one the user may manage), what it is for, its rate."""
 
-    namespace = forms.ModelChoiceField(queryset=None, empty_label=None, help_text="the tenant whose boards (and cache entries) the key reaches")
-    name = forms.CharField(max_length=100, required=False, help_text="what it is for (shown in this list and in its runs' titles)")
+    namespace = forms.ModelChoiceField(
+        queryset=None, empty_label=None, help_text="the tenant whose boards (and cache entries) the key reaches"
+    )
+    name = forms.CharField(
+        max_length=100, required=False, help_text="what it is for (shown in this list and in its runs' titles)"
+    )
     rate_per_minute = forms.IntegerField(label="Requests per minute", min_value=0, required=False)
 
     def __init__(self, *args, namespaces, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fields["rate_per_minute"].help_text = f"empty: EDGECACHE_API_RATE ({settings.EDGECACHE_API_RATE}); 0: no limit"
+        self.fields[
+            "rate_per_minute"
+        ].help_text = f"empty: EDGECACHE_API_RATE ({settings.EDGECACHE_API_RATE}); 0: no limit"
         self.fields["namespace"].queryset = namespaces
         self.fields["namespace"].to_field_name = "name"
 
@@ -503,14 +628,18 @@ class FlushForm(forms.Form):
     EVERY_WORDS = "every namespace"
 
     namespace = forms.ChoiceField(
-        required=True, error_messages={"required": "Choose a namespace (or, at the end of the list, every namespace)."},
+        required=True,
+        error_messages={"required": "Choose a namespace (or, at the end of the list, every namespace)."},
         help_text="opens on your current namespace; every namespace is the last choice",
     )
     model = forms.ChoiceField(required=False)
     confirm = forms.BooleanField(required=True, label="Yes, delete these entries")
     confirm_every = forms.CharField(
-        required=False, max_length=40, label="To flush every namespace",
-        help_text=f"type “{EVERY_WORDS}”: every tenant's entries are deleted", widget=forms.TextInput(attrs={"autocomplete": "off"}),
+        required=False,
+        max_length=40,
+        label="To flush every namespace",
+        help_text=f"type “{EVERY_WORDS}”: every tenant's entries are deleted",
+        widget=forms.TextInput(attrs={"autocomplete": "off"}),
     )
 
     def __init__(self, *args, current: str | tuple[str, ...] = "", **kwargs):
@@ -523,20 +652,29 @@ class FlushForm(forms.Form):
         from cachebox.signing import private_namespace
 
         private = {  # boards that share nothing (Device.cache_namespace), read without their status
-            private_namespace(namespace, name) for namespace, name in Device.objects.filter(namespace__share_across_devices=False).values_list("namespace_id", "name")
+            private_namespace(namespace, name)
+            for namespace, name in Device.objects.filter(namespace__share_across_devices=False).values_list(
+                "namespace_id", "name"
+            )
         }
         namespaces = sorted(held | private | set(Namespace.objects.values_list("name", flat=True)))
-        self.fields["namespace"].choices = [(name, name if name in held else f"{name} (no entries)") for name in namespaces] + [
-            (self.EVERY, "every namespace (every tenant's entries)")
-        ]
+        self.fields["namespace"].choices = [
+            (name, name if name in held else f"{name} (no entries)") for name in namespaces
+        ] + [(self.EVERY, "every namespace (every tenant's entries)")]
         preferred = [name for name in ((current,) if isinstance(current, str) else current) if name in namespaces]
         self.fields["namespace"].initial = preferred[0] if preferred else (namespaces[0] if namespaces else None)
         names = model_names()
         models = sorted(set(CacheEntry.objects.values_list("model", flat=True).distinct()))
-        self.fields["model"].choices = [("", "every model")] + [(fingerprint, model_label(fingerprint, names)) for fingerprint in models]
+        self.fields["model"].choices = [("", "every model")] + [
+            (fingerprint, model_label(fingerprint, names)) for fingerprint in models
+        ]
         known = ", ".join(namespaces) or "none yet"
-        self.fields["namespace"].error_messages["invalid_choice"] = f"There is no namespace %(value)r here (known: {known}): choose one from the list."
-        self.fields["model"].error_messages["invalid_choice"] = "The cache box holds no entry of model %(value)r: choose one from the list."
+        self.fields["namespace"].error_messages["invalid_choice"] = (
+            f"There is no namespace %(value)r here (known: {known}): choose one from the list."
+        )
+        self.fields["model"].error_messages["invalid_choice"] = (
+            "The cache box holds no entry of model %(value)r: choose one from the list."
+        )
 
     def clean(self):
         data = super().clean()
@@ -548,7 +686,10 @@ class FlushForm(forms.Form):
                     "or choose one namespace.",
                 )
             elif not data.get("model"):
-                self.add_error("model", "Flushing every namespace is done per model: choose one (or flush one namespace at a time).")
+                self.add_error(
+                    "model",
+                    "Flushing every namespace is done per model: choose one (or flush one namespace at a time).",
+                )
             data["namespace"] = ""  # every namespace
         return data
 
@@ -559,11 +700,25 @@ class RunFilterForm(forms.Form):
     device = forms.ChoiceField(required=False)
     namespace = forms.ChoiceField(required=False)
     case = forms.ChoiceField(required=False, choices=[("", "any")] + [(case.value, case.value) for case in Case])
-    decision = forms.ChoiceField(required=False, choices=[("", "any")] + [(d.value, d.value) for d in Decision if d.value])
+    decision = forms.ChoiceField(
+        required=False, choices=[("", "any")] + [(d.value, d.value) for d in Decision if d.value]
+    )
     # How the run ended ("error" in the address, as before): a cancelled run is no failed one.
-    error = forms.ChoiceField(required=False, choices=[("", "any"), ("no", "answered"), ("yes", "failed"), ("cancelled", "cancelled")], label="Outcome")
-    since = forms.DateTimeField(required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"), label=f"From ({settings.TIME_ZONE})")
-    until = forms.DateTimeField(required=False, widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"), label=f"To ({settings.TIME_ZONE})")
+    error = forms.ChoiceField(
+        required=False,
+        choices=[("", "any"), ("no", "answered"), ("yes", "failed"), ("cancelled", "cancelled")],
+        label="Outcome",
+    )
+    since = forms.DateTimeField(
+        required=False,
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+        label=f"From ({settings.TIME_ZONE})",
+    )
+    until = forms.DateTimeField(
+        required=False,
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+        label=f"To ({settings.TIME_ZONE})",
+    )
     q = forms.CharField(required=False, max_length=200, label="Prompt contains")
 
     def __init__(self, *args, user, **kwargs):
@@ -596,7 +751,9 @@ class RunFilterForm(forms.Form):
         return runs
 
 
-SEARCHED_RUNS = 5000  # newest runs a "prompt contains" search opens (prompts are sealed at rest: SQL cannot look inside)
+SEARCHED_RUNS = (
+    5000  # newest runs a "prompt contains" search opens (prompts are sealed at rest: SQL cannot look inside)
+)
 
 
 def _runs_containing(runs, text: str) -> list[int]:
@@ -604,4 +761,6 @@ def _runs_containing(runs, text: str) -> list[int]:
     read and opened in Python: the prompt column is sealed (dashboard.security.at_rest)."""
     wanted = text.casefold()
     newest = runs.order_by("-created").values_list("pk", "title", "prompt")[:SEARCHED_RUNS]
-    return [pk for pk, title, prompt in newest if wanted in (title or "").casefold() or wanted in (prompt or "").casefold()]
+    return [
+        pk for pk, title, prompt in newest if wanted in (title or "").casefold() or wanted in (prompt or "").casefold()
+    ]

@@ -36,7 +36,11 @@ class AsyncWhiteNoiseMiddleware(WhiteNoiseMiddleware):
         return super().__call__(request)
 
     async def __acall__(self, request):
-        static_file = await sync_to_async(self.find_file)(request.path_info) if self.autorefresh else self.files.get(request.path_info)
+        static_file = (
+            await sync_to_async(self.find_file)(request.path_info)
+            if self.autorefresh
+            else self.files.get(request.path_info)
+        )
         if static_file is not None:
             return await sync_to_async(self.serve)(static_file, request)
         return await self.get_response(request)
@@ -72,8 +76,12 @@ class ApiAllowedHostsMiddleware(OnTheLoop, MiddlewareMixin):
         try:
             request.get_host()
         except DisallowedHost as exc:
-            logging.getLogger("django.security.DisallowedHost").warning("API request refused: %s", exc)  # where Django logs it for the pages
-            return ApiError(400, f"{exc} Call the API by a name in DJANGO_ALLOWED_HOSTS.", code="disallowed_host").response()
+            logging.getLogger("django.security.DisallowedHost").warning(
+                "API request refused: %s", exc
+            )  # where Django logs it for the pages
+            return ApiError(
+                400, f"{exc} Call the API by a name in DJANGO_ALLOWED_HOSTS.", code="disallowed_host"
+            ).response()
         return None
 
 

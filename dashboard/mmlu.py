@@ -109,7 +109,9 @@ def build_prompts(topic: str, shots: int, count: int, start: int = 0) -> list[MM
         raise ValueError("shots must be >= 0")
     targets = questions[shots:]
     if count > len(targets) - start:
-        raise ValueError(f"topic {topic!r} has {len(targets)} target questions at {shots} shots; asked for {count} from question {start + 1}")
+        raise ValueError(
+            f"topic {topic!r} has {len(targets)} target questions at {shots} shots; asked for {count} from question {start + 1}"
+        )
     examples = tuple(q.render(with_answer=True) for q in questions[:shots])
     return [MMLUPrompt(instruction_for(topic), examples, target) for target in targets[start : start + count]]
 

@@ -15,11 +15,21 @@ from django.urls import reverse
 from django.utils import timezone
 
 from dashboard.security.at_rest import SealedJSONField, SealedTextField
-from inference.engine.kernels import CLASS_RE
 from inference.contract.messages import CANCELLED, Queue
+from inference.engine.kernels import CLASS_RE
+from inference.serving.breakdown import (
+    NO_LOOKUP_CACHEBOX,
+    NO_LOOKUP_DECISIONS,
+    Breakdown,
+    CacheBoxState,
+    Decision,
+    Tier,
+    approximate_label,
+    served_from,
+    source_label,
+    tokens_by_tier,
+)
 from inference.serving.pml import PMLError, parse_schema
-from inference.serving.breakdown import approximate_label
-from inference.serving.breakdown import NO_LOOKUP_CACHEBOX, NO_LOOKUP_DECISIONS, Breakdown, CacheBoxState, Decision, Tier, served_from, source_label, tokens_by_tier
 
 ONLINE_WITHIN = timedelta(seconds=30)  # a board that never said how often it beats
 
@@ -31,6 +41,7 @@ def offline_after(status: dict | None) -> timedelta:
     if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not 0 < interval <= 3600:
         return ONLINE_WITHIN
     return timedelta(seconds=interval * (settings.EDGECACHE_MISSED_HEARTBEATS + 1))
+
 
 namespace_name = RegexValidator(r"^[A-Za-z0-9_-]{1,40}$", "Use 1-40 letters, digits, '-' or '_'.")
 
@@ -57,7 +68,8 @@ class Namespace(models.Model):
         "approximate (cross-class) wherever runs are shown. Off: boards share states only within their class (exact)",
     )
     members_manage_api_keys = models.BooleanField(
-        "members manage API keys", default=False,
+        "members manage API keys",
+        default=False,
         help_text="members of this namespace (not only staff) may create and revoke its API keys on the API keys page",
     )
     key_generation = models.PositiveIntegerField(default=1, editable=False)
@@ -72,7 +84,9 @@ class Namespace(models.Model):
 
 
 class Device(models.Model):
-    name = models.SlugField(max_length=40, unique=True, help_text="letters, digits, '-' and '_'; the board's queue is device.<name>")
+    name = models.SlugField(
+        max_length=40, unique=True, help_text="letters, digits, '-' and '_'; the board's queue is device.<name>"
+    )
     kind = models.CharField(max_length=100, blank=True, help_text='e.g. "Raspberry Pi Zero 2W"')
     cpu_threads = models.PositiveSmallIntegerField("CPU threads", default=1)
     memory_mb = models.PositiveIntegerField("Memory (MB)", default=512)
@@ -81,7 +95,12 @@ class Device(models.Model):
     )
     link_rtt_ms = models.FloatField(null=True, blank=True, help_text="round-trip time to the cache box in ms")
     namespace = models.ForeignKey(
-        Namespace, to_field="name", db_column="namespace", default="default", on_delete=models.PROTECT, related_name="devices",
+        Namespace,
+        to_field="name",
+        db_column="namespace",
+        default="default",
+        on_delete=models.PROTECT,
+        related_name="devices",
         help_text="the tenant whose cache entries this board may read and write",
     )
     # The enrollment token is shown once; kept are its hash (the board checks a token locally
@@ -89,10 +108,25 @@ class Device(models.Model):
     # checks the enrollment's signature (a copy of the database enrolls nobody with it) and the
     # token's proof of the control plane's key (which the board pins).
     token_sha256 = models.CharField(max_length=64, editable=False)
-    enroll_key = models.CharField(max_length=64, editable=False, blank=True, help_text="the token's Ed25519 public key (hex) until the board enrolls")
+    enroll_key = models.CharField(
+        max_length=64,
+        editable=False,
+        blank=True,
+        help_text="the token's Ed25519 public key (hex) until the board enrolls",
+    )
     pin_proof = models.CharField(max_length=64, editable=False, blank=True)
-    enroll_redis_sha256 = models.CharField(max_length=64, editable=False, blank=True, help_text="the SHA-256 of the enrollment Redis user's password (the token gives it)")
-    token_expires = models.DateTimeField(null=True, blank=True, editable=False, help_text="after this the token enrolls nothing (EDGECACHE_TOKEN_TTL_HOURS)")
+    enroll_redis_sha256 = models.CharField(
+        max_length=64,
+        editable=False,
+        blank=True,
+        help_text="the SHA-256 of the enrollment Redis user's password (the token gives it)",
+    )
+    token_expires = models.DateTimeField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="after this the token enrolls nothing (EDGECACHE_TOKEN_TTL_HOURS)",
+    )
     # The board's own public keys, sent once at enrollment: Ed25519 checks every message it
     # sends, X25519 is what its namespace's key ring is sealed to. Its private keys never leave it.
     signing_public_key = models.CharField(max_length=64, editable=False, blank=True)
@@ -100,7 +134,9 @@ class Device(models.Model):
     # The SHA-256 of the board's own Redis password (its ACL user's, ``#<hash>``): the password never travels.
     redis_password_sha256 = models.CharField(max_length=64, editable=False, blank=True)
     enrolled_at = models.DateTimeField(null=True, blank=True, editable=False)
-    last_message_ts = models.FloatField(default=0.0, editable=False, help_text="send time of the newest heartbeat accepted (replays are older)")
+    last_message_ts = models.FloatField(
+        default=0.0, editable=False, help_text="send time of the newest heartbeat accepted (replays are older)"
+    )
     token_created = models.DateTimeField(default=timezone.now)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True)
@@ -111,8 +147,12 @@ class Device(models.Model):
     status = models.JSONField(default=dict, blank=True, help_text="the board's last heartbeat (catalog size, ...)")
     # An audit recomputed an entry it made, cold on another board, and got other bits: its entries
     # are quarantined (the producer table lists it; readers refuse them) until a staff member clears it.
-    audit_mismatches = models.PositiveIntegerField(default=0, editable=False, help_text="entries of this board an audit found not to be what they claim")
-    quarantined_at = models.DateTimeField(null=True, blank=True, editable=False, help_text="when its entries were quarantined (an audit caught it)")
+    audit_mismatches = models.PositiveIntegerField(
+        default=0, editable=False, help_text="entries of this board an audit found not to be what they claim"
+    )
+    quarantined_at = models.DateTimeField(
+        null=True, blank=True, editable=False, help_text="when its entries were quarantined (an audit caught it)"
+    )
     quarantine_reason = models.CharField(max_length=300, blank=True, editable=False)
     created = models.DateTimeField(auto_now_add=True)
 
@@ -144,7 +184,9 @@ class Device(models.Model):
 
     def online_at(self, now) -> bool:
         """Whether the board counted as online at ``now`` (it beat within ``offline_after``)."""
-        return self.revoked_at is None and self.last_seen is not None and now - self.last_seen < offline_after(self.status)
+        return (
+            self.revoked_at is None and self.last_seen is not None and now - self.last_seen < offline_after(self.status)
+        )
 
     @property
     def kernel_class(self) -> str:
@@ -169,10 +211,18 @@ class Dispatch(models.Model):
 
     request_id = models.UUIDField(unique=True)
     kind = models.CharField(max_length=8, choices=KINDS)
-    device = models.ForeignKey(Device, null=True, blank=True, on_delete=models.CASCADE, related_name="dispatches", help_text="empty: any board of the namespace")
+    device = models.ForeignKey(
+        Device,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="dispatches",
+        help_text="empty: any board of the namespace",
+    )
     namespace = models.CharField(max_length=64)
     routing = models.JSONField(
-        default=dict, blank=True,
+        default=dict,
+        blank=True,
         help_text="the prompt's prefix keys and expected work; for a run sent to any board, the router's choice and its expected saving",
     )
     created = models.DateTimeField(auto_now_add=True, db_index=True)
@@ -183,13 +233,26 @@ class Dispatch(models.Model):
     OUTCOMES = [("", "under way"), ("answered", "answered"), ("lost", "lost"), ("revoked", "revoked")]
     outcome = models.CharField(max_length=10, choices=OUTCOMES, blank=True, default="", db_index=True)
     expires_at = models.DateTimeField(null=True, blank=True, help_text="no board takes it after this")
-    waits_until = models.DateTimeField(null=True, blank=True, help_text="how long its client (the API, the Run page) waits for the answer")
+    waits_until = models.DateTimeField(
+        null=True, blank=True, help_text="how long its client (the API, the Run page) waits for the answer"
+    )
     attempt = models.PositiveSmallIntegerField(default=1, help_text="2 once re-sent to another board")
-    request = SealedJSONField(default=dict, blank=True, help_text="the request while it is under way (for a re-send); emptied when it ends; sealed at rest")
+    request = SealedJSONField(
+        default=dict,
+        blank=True,
+        help_text="the request while it is under way (for a re-send); emptied when it ends; sealed at rest",
+    )
     # A re-send: the sweeper moves the run to ``device`` and tells its client's follower, which
     # listens to the new board's channel first and then sends it with what it streamed so far.
-    moving = models.BooleanField(default=False, help_text="moved to ``device`` and not yet sent there: its client's follower sends it once it listens there")
-    streamed = SealedTextField(blank=True, default="", help_text="the answer its client had when it stopped following it (a run that ends unanswered keeps it); sealed at rest")
+    moving = models.BooleanField(
+        default=False,
+        help_text="moved to ``device`` and not yet sent there: its client's follower sends it once it listens there",
+    )
+    streamed = SealedTextField(
+        blank=True,
+        default="",
+        help_text="the answer its client had when it stopped following it (a run that ends unanswered keeps it); sealed at rest",
+    )
 
     class Meta:
         # The router reads each device's newest dispatches for every request it routes: with this
@@ -222,7 +285,9 @@ class EntryAudit(models.Model):
     namespace = models.CharField(max_length=64)
     run_device = models.CharField(max_length=64, help_text="the board whose run hit the entry")
     auditor = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="audits_made")
-    producer = models.CharField(max_length=64, blank=True, help_text="the board the entry's signature names (as the auditor verified it)")
+    producer = models.CharField(
+        max_length=64, blank=True, help_text="the board the entry's signature names (as the auditor verified it)"
+    )
     verdict = models.CharField(max_length=12, choices=VERDICTS, blank=True, default="", db_index=True)
     detail = models.CharField(max_length=500, blank=True)
     created = models.DateTimeField(auto_now_add=True)
@@ -239,7 +304,10 @@ class SavedPrompt(models.Model):
     name = models.CharField(max_length=100, unique=True)
     text = SealedTextField()
     split_on = models.CharField(
-        max_length=20, blank=True, default="", help_text=r"cut the prompt after each of these (e.g. \n\n) into cacheable ranges"
+        max_length=20,
+        blank=True,
+        default="",
+        help_text=r"cut the prompt after each of these (e.g. \n\n) into cacheable ranges",
     )
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created = models.DateTimeField(auto_now_add=True)
@@ -252,7 +320,13 @@ class SavedPrompt(models.Model):
 
 
 class InferenceRun(models.Model):
-    SOURCES = [("chat", "chat"), ("text", "free text"), ("mmlu", "MMLU question"), ("saved", "saved prompt"), ("api", "API")]
+    SOURCES = [
+        ("chat", "chat"),
+        ("text", "free text"),
+        ("mmlu", "MMLU question"),
+        ("saved", "saved prompt"),
+        ("api", "API"),
+    ]
 
     request_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="runs")
@@ -287,7 +361,9 @@ class InferenceRun(models.Model):
 
     class Meta:
         ordering = ["-created"]
-        indexes = [models.Index(fields=["device", "-created"], name="run_device_recent")]  # the router's rates, the device page
+        indexes = [
+            models.Index(fields=["device", "-created"], name="run_device_recent")
+        ]  # the router's rates, the device page
 
     def __str__(self) -> str:
         return f"{self.device} {self.case} {self.ttft_ms:.0f} ms"
@@ -317,7 +393,7 @@ class InferenceRun(models.Model):
 
     @property
     def approximate_label(self) -> str:
-        """"approximate: cross-class from x86_64-avx512" for a run that restored another kernel class's state; ''."""
+        """ "approximate: cross-class from x86_64-avx512" for a run that restored another kernel class's state; ''."""
         return approximate_label(self.breakdown) if not self.error else ""
 
     @property
@@ -330,7 +406,11 @@ class InferenceRun(models.Model):
         """How the router chose this run's board, for a run sent to any board (else {}): expected
         time, what the board held, the expected saving (``dashboard.router``)."""
         record = Dispatch.objects.filter(request_id=self.request_id).values_list("routing", flat=True).first() or {}
-        return {key: value for key, value in record.items() if key not in ("prompt", "work_ms")} if record.get("policy") == "cache-aware" else {}
+        return (
+            {key: value for key, value in record.items() if key not in ("prompt", "work_ms")}
+            if record.get("policy") == "cache-aware"
+            else {}
+        )
 
     def save(self, *args, **kwargs):
         for name, value in breakdown_counts(self.breakdown, self.error).items():
@@ -422,15 +502,23 @@ class ApiKey(models.Model):
 
     name = models.CharField(max_length=100, blank=True, help_text="what it is for (shown in lists and run titles)")
     namespace = models.ForeignKey(
-        Namespace, to_field="name", db_column="namespace", on_delete=models.CASCADE, related_name="api_keys",
+        Namespace,
+        to_field="name",
+        db_column="namespace",
+        on_delete=models.CASCADE,
+        related_name="api_keys",
         help_text="the tenant whose boards (and so cache entries) the key reaches",
     )
     key_sha256 = models.CharField(max_length=64, unique=True, editable=False)
-    key_prefix = models.CharField(max_length=16, editable=False, help_text="the key's first characters, to recognize it")
+    key_prefix = models.CharField(
+        max_length=16, editable=False, help_text="the key's first characters, to recognize it"
+    )
     rate_per_minute = models.PositiveIntegerField(
         null=True, blank=True, help_text="requests per minute; empty: EDGECACHE_API_RATE (60); 0: no limit"
     )
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     created = models.DateTimeField(auto_now_add=True)
     last_used = models.DateTimeField(null=True, blank=True, editable=False)
     revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
@@ -459,7 +547,12 @@ class Schema(models.Model):
     # The tenant whose keys, pages and boards may use it; "" is shared with every namespace (staff
     # choose to share one). A name (``dashboard.Namespace``), not a foreign key: boards' app
     # (inference) knows nothing of the control plane's models.
-    namespace = models.CharField(max_length=40, blank=True, default="", help_text="the namespace that owns it; empty: shared with every namespace")
+    namespace = models.CharField(
+        max_length=40,
+        blank=True,
+        default="",
+        help_text="the namespace that owns it; empty: shared with every namespace",
+    )
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created = models.DateTimeField(auto_now_add=True)
     updated = models.DateTimeField(auto_now=True)
@@ -486,7 +579,9 @@ class Schema(models.Model):
             raise ValidationError({"source": str(exc)})
         duplicate = Schema.objects.filter(name=parsed.name).exclude(pk=self.pk)
         if duplicate.exists():
-            raise ValidationError({"source": f"a schema named {parsed.name!r} exists already; rename this one or edit that one"})
+            raise ValidationError(
+                {"source": f"a schema named {parsed.name!r} exists already; rename this one or edit that one"}
+            )
         self.name, self.digest = parsed.name, parsed.digest
 
 

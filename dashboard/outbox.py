@@ -32,5 +32,11 @@ def send_to_board(device, task: Task, message: dict, expires: float) -> None:
     # No repr of the sealed blob in the message's headers: it says nothing a reader could use, and
     # Celery's saferepr of it was 7% of an API dispatch's time in the web process (profiled).
     app.send_task(
-        task.value, args=[sealed], queue=Queue.device(device.name), expires=expires, task_id=message.get("request_id"), argsrepr="(sealed)", kwargsrepr="{}",
+        task.value,
+        args=[sealed],
+        queue=Queue.device(device.name),
+        expires=expires,
+        task_id=message.get("request_id"),
+        argsrepr="(sealed)",
+        kwargsrepr="{}",
     )

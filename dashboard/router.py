@@ -39,11 +39,9 @@ from django.utils import timezone
 
 from cachebox.keys import entry_key_name
 from cachebox.link import LinkProfile
-from dashboard.models import CacheEntry
+from dashboard.models import CacheEntry, Device, Dispatch, InferenceRun, offline_after
 from inference.contract.messages import MAX_PROMPT_TOKENS, PromptTokens, RunRequest
 from inference.placement import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, prompt_keys, route
-
-from dashboard.models import Device, Dispatch, InferenceRun, offline_after
 
 log = logging.getLogger("dashboard.router")
 
@@ -52,7 +50,9 @@ log = logging.getLogger("dashboard.router")
 class Routed:
     device: Device
     record: dict  # kept on the Dispatch (``routing``) and shown with the run
-    tokenized: PromptTokens | None = None  # the prompt's tokens and cuts as routing made them (None: not tokenized here)
+    tokenized: PromptTokens | None = (
+        None  # the prompt's tokens and cuts as routing made them (None: not tokenized here)
+    )
 
     def request(self, prompt: RunRequest) -> RunRequest:
         """``prompt`` as its board receives it: carrying the tokens routing made of it."""
@@ -74,7 +74,9 @@ class _RememberedTokens:
 
     def __init__(self, vocabulary):
         self._vocabulary = vocabulary
-        self._tokenize = functools.lru_cache(maxsize=1024)(lambda text, add_bos, special: tuple(vocabulary.tokenize(text, add_bos=add_bos, special=special)))
+        self._tokenize = functools.lru_cache(maxsize=1024)(
+            lambda text, add_bos, special: tuple(vocabulary.tokenize(text, add_bos=add_bos, special=special))
+        )
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         return list(self._tokenize(text, add_bos, special))  # a copy: callers extend what they get
@@ -110,7 +112,9 @@ def carried(layout: tuple[list[int], tuple[int, ...]] | None) -> PromptTokens | 
     if not layout or not layout[0] or len(layout[0]) > MAX_PROMPT_TOKENS:
         return None
     try:
-        return PromptTokens(tokens=layout[0], cuts=list(layout[1]), vocabulary=_vocabulary(settings.EDGECACHE_MODEL).digest)
+        return PromptTokens(
+            tokens=layout[0], cuts=list(layout[1]), vocabulary=_vocabulary(settings.EDGECACHE_MODEL).digest
+        )
     except Exception as exc:  # the board tokenizes the prompt itself
         log.warning("prompt tokens not carried to the board: %s", exc)
         return None
@@ -124,7 +128,9 @@ def keys_for(device: Device, layout: tuple[list[int], tuple[int, ...]] | None) -
         return PromptKeys()
     tokens, cuts = layout
     try:
-        return prompt_keys(device.cache_namespace, fingerprint, tokens, grid=settings.EDGECACHE_BOARD.chunk_tokens, extra=cuts)
+        return prompt_keys(
+            device.cache_namespace, fingerprint, tokens, grid=settings.EDGECACHE_BOARD.chunk_tokens, extra=cuts
+        )
     except ValueError:
         return PromptKeys()
 
@@ -172,7 +178,11 @@ def measured_rates(index: FleetIndex, device: Device) -> None:
     """The rates ``device`` measured when it started (its heartbeat's ``rates``), for the router."""
     rates = (device.status or {}).get("rates")
     if isinstance(rates, dict):
-        index.measured(device.name, prefill_ms_per_token=_number(rates.get("prefill_ms_per_token")), decode_ms_per_token=_number(rates.get("decode_ms_per_token")))
+        index.measured(
+            device.name,
+            prefill_ms_per_token=_number(rates.get("prefill_ms_per_token")),
+            decode_ms_per_token=_number(rates.get("decode_ms_per_token")),
+        )
 
 
 def fleet_index(devices: list[Device]) -> FleetIndex:
@@ -184,21 +194,37 @@ def fleet_index(devices: list[Device]) -> FleetIndex:
     expired_before = now - timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES)
     for device in devices:
         measured_rates(index, device)
-        dispatches = list(Dispatch.objects.filter(device=device, kind="run").order_by("-created").values_list("request_id", "created", "routing")[:HISTORY])[::-1]
+        dispatches = list(
+            Dispatch.objects.filter(device=device, kind="run")
+            .order_by("-created")
+            .values_list("request_id", "created", "routing")[:HISTORY]
+        )[::-1]
         reported = {
             str(run_id): (error, created)
-            for run_id, error, created in InferenceRun.objects.filter(request_id__in=[row[0] for row in dispatches]).values_list("request_id", "error", "created")
+            for run_id, error, created in InferenceRun.objects.filter(
+                request_id__in=[row[0] for row in dispatches]
+            ).values_list("request_id", "error", "created")
         }
         for dispatch_id, created, record in dispatches:
             request_id = str(dispatch_id)
             record = record or {}
-            index.dispatched(device.name, request_id, PromptKeys.from_dict(record.get("prompt")), _number(record.get("work_ms")), at=created.timestamp())
+            index.dispatched(
+                device.name,
+                request_id,
+                PromptKeys.from_dict(record.get("prompt")),
+                _number(record.get("work_ms")),
+                at=created.timestamp(),
+            )
             run = reported.get(request_id)
             if run is not None:
                 index.reported(device.name, request_id, failed=bool(run[0]), at=run[1].timestamp())
             elif created < expired_before:
                 index.reported(device.name, request_id, failed=True)  # it expired: it holds nothing of it, owes nothing
-        for run in InferenceRun.objects.filter(device=device, error="").order_by("-created").values("request_id", "breakdown")[:RATE_SAMPLES][::-1]:
+        for run in (
+            InferenceRun.objects.filter(device=device, error="")
+            .order_by("-created")
+            .values("request_id", "breakdown")[:RATE_SAMPLES][::-1]
+        ):
             _learn(index, device.name, str(run["request_id"]), run["breakdown"])
     return index
 
@@ -206,8 +232,14 @@ def fleet_index(devices: list[Device]) -> FleetIndex:
 def _learn(index: FleetIndex, board: str, request_id: str, breakdown, *, at: float | None = None) -> None:
     b = breakdown if isinstance(breakdown, dict) else {}
     index.reported(
-        board, request_id, prompt_tokens=int(_number(b.get("prompt_tokens"))), matched_tokens=int(_number(b.get("matched_tokens"))),
-        prefill_ms=_number(b.get("prefill_ms")), decode_ms=_number(b.get("decode_ms")), generated_tokens=int(_number(b.get("generated_tokens"))), at=at,
+        board,
+        request_id,
+        prompt_tokens=int(_number(b.get("prompt_tokens"))),
+        matched_tokens=int(_number(b.get("matched_tokens"))),
+        prefill_ms=_number(b.get("prefill_ms")),
+        decode_ms=_number(b.get("decode_ms")),
+        generated_tokens=int(_number(b.get("generated_tokens"))),
+        at=at,
     )
 
 
@@ -270,7 +302,18 @@ class RoutingState:
             if not fresh._follow():
                 return  # the database changed under the build: the next decision finds out
             with self.lock:
-                for name in ("index", "built_at", "dispatch_cursor", "run_cursor", "marks", "seen_dispatches", "seen_runs", "entry_names", "entry_cursor", "entry_mark"):
+                for name in (
+                    "index",
+                    "built_at",
+                    "dispatch_cursor",
+                    "run_cursor",
+                    "marks",
+                    "seen_dispatches",
+                    "seen_runs",
+                    "entry_names",
+                    "entry_cursor",
+                    "entry_mark",
+                ):
                     setattr(self, name, getattr(fresh, name))
         except Exception as exc:  # the next period tries again; decisions keep following meanwhile
             log.warning("routing history not rebuilt: %s: %s", type(exc).__name__, exc)
@@ -287,8 +330,13 @@ class RoutingState:
         from django.db.models.functions import RowNumber
 
         index = FleetIndex(prefill_prior=settings.EDGECACHE_BOARD.prefill_ms_per_token)
-        self.dispatch_cursor, dispatch_mark = Dispatch.objects.order_by("-pk").values_list("pk", "request_id").first() or (0, None)
-        self.run_cursor, run_mark = InferenceRun.objects.order_by("-pk").values_list("pk", "request_id").first() or (0, None)
+        self.dispatch_cursor, dispatch_mark = Dispatch.objects.order_by("-pk").values_list(
+            "pk", "request_id"
+        ).first() or (0, None)
+        self.run_cursor, run_mark = InferenceRun.objects.order_by("-pk").values_list("pk", "request_id").first() or (
+            0,
+            None,
+        )
         self.marks = (dispatch_mark, run_mark)
         self.seen_dispatches: dict[str, None] = {}
         self.seen_runs: dict[str, None] = {}
@@ -301,12 +349,20 @@ class RoutingState:
         rows = sorted(recent, key=lambda row: (row[3], row[0]))
         reports = {
             str(run_id): (error, created)
-            for run_id, error, created in InferenceRun.objects.filter(request_id__in=[row[1] for row in rows], pk__lte=self.run_cursor).values_list("request_id", "error", "created")
+            for run_id, error, created in InferenceRun.objects.filter(
+                request_id__in=[row[1] for row in rows], pk__lte=self.run_cursor
+            ).values_list("request_id", "error", "created")
         }
         for _, dispatch_id, board, created, record in rows:
             request_id = str(dispatch_id)
             record = record or {}
-            index.dispatched(board, request_id, PromptKeys.from_dict(record.get("prompt")), _number(record.get("work_ms")), at=created.timestamp())
+            index.dispatched(
+                board,
+                request_id,
+                PromptKeys.from_dict(record.get("prompt")),
+                _number(record.get("work_ms")),
+                at=created.timestamp(),
+            )
             self._remember(self.seen_dispatches, request_id)
             run = reports.get(request_id)
             if run is not None:
@@ -319,9 +375,13 @@ class RoutingState:
         )
         for _, run_id, board, _, breakdown in sorted(rates, key=lambda row: (row[3], row[0])):
             _learn(index, board, str(run_id), breakdown)
-        for run_id in InferenceRun.objects.filter(pk__gt=self.run_cursor - self.LOOKBACK, pk__lte=self.run_cursor).values_list("request_id", flat=True):
+        for run_id in InferenceRun.objects.filter(
+            pk__gt=self.run_cursor - self.LOOKBACK, pk__lte=self.run_cursor
+        ).values_list("request_id", flat=True):
             self._remember(self.seen_runs, str(run_id))  # read above, as history or rates
-        for dispatch_id in Dispatch.objects.filter(pk__gt=self.dispatch_cursor - self.LOOKBACK, pk__lte=self.dispatch_cursor).values_list("request_id", flat=True):
+        for dispatch_id in Dispatch.objects.filter(
+            pk__gt=self.dispatch_cursor - self.LOOKBACK, pk__lte=self.dispatch_cursor
+        ).values_list("request_id", flat=True):
             self._remember(self.seen_dispatches, str(dispatch_id))
         self._take_entries(True, _entry_rows(0))
         self.index = index
@@ -340,7 +400,14 @@ class RoutingState:
         return 0
 
     def _cursors(self) -> tuple:
-        return self.dispatch_cursor, self.run_cursor, self.marks, self.entry_cursor, self.entry_mark, len(self.entry_names)
+        return (
+            self.dispatch_cursor,
+            self.run_cursor,
+            self.marks,
+            self.entry_cursor,
+            self.entry_mark,
+            len(self.entry_names),
+        )
 
     def _read(self, lookback: int) -> tuple:
         """What was written since the cursors: queries only, no index touched (the follower runs it
@@ -354,13 +421,25 @@ class RoutingState:
         if ids.get(cursors[0]) != cursors[2][0] or runs.get(cursors[1]) != cursors[2][1]:
             return cursors, None
         new_dispatches = [pk for pk, request_id in ids.items() if str(request_id) not in self.seen_dispatches]
-        dispatch_rows = list(
-            Dispatch.objects.filter(pk__in=new_dispatches, kind="run", device__isnull=False).order_by("pk").values_list("pk", "request_id", "device__name", "created", "routing")
-        ) if new_dispatches else []
+        dispatch_rows = (
+            list(
+                Dispatch.objects.filter(pk__in=new_dispatches, kind="run", device__isnull=False)
+                .order_by("pk")
+                .values_list("pk", "request_id", "device__name", "created", "routing")
+            )
+            if new_dispatches
+            else []
+        )
         new_runs = [pk for pk, request_id in runs.items() if str(request_id) not in self.seen_runs]
-        run_rows = list(
-            InferenceRun.objects.filter(pk__in=new_runs).order_by("pk").values_list("pk", "request_id", "device__name", "created", "error", "breakdown")
-        ) if new_runs else []
+        run_rows = (
+            list(
+                InferenceRun.objects.filter(pk__in=new_runs)
+                .order_by("pk")
+                .values_list("pk", "request_id", "device__name", "created", "error", "breakdown")
+            )
+            if new_runs
+            else []
+        )
         return cursors, (ids, runs, new_dispatches, dispatch_rows, new_runs, run_rows, entries)
 
     def _read_entries(self, *, whole_count: bool) -> tuple[bool, dict[int, str]] | None:
@@ -416,7 +495,13 @@ class RoutingState:
             if request_id in self.seen_dispatches:
                 continue  # fed meanwhile (this process dispatched it)
             record = record or {}
-            index.dispatched(board, request_id, PromptKeys.from_dict(record.get("prompt")), _number(record.get("work_ms")), at=created.timestamp())
+            index.dispatched(
+                board,
+                request_id,
+                PromptKeys.from_dict(record.get("prompt")),
+                _number(record.get("work_ms")),
+                at=created.timestamp(),
+            )
         for pk in new_dispatches:  # encode dispatches and runs for a whole namespace included: nothing to feed
             self._remember(self.seen_dispatches, str(ids[pk]))
         if ids:  # rows fed already (``feed``) move the cursor too
@@ -454,7 +539,11 @@ class RoutingState:
 
     def _fresh(self) -> bool:
         """Whether the follower followed lately enough for a decision to trust it."""
-        return self._follower is not None and time.monotonic() - self._followed_at < max(self.FRESH_S, 4 * self._follow_every) and self._follower.is_alive()
+        return (
+            self._follower is not None
+            and time.monotonic() - self._followed_at < max(self.FRESH_S, 4 * self._follow_every)
+            and self._follower.is_alive()
+        )
 
     def _follow_loop(self) -> None:
         from django.db import connections
@@ -493,7 +582,13 @@ class RoutingState:
             if self.index is None or request_id in self.seen_dispatches:
                 return
             record = record or {}
-            self.index.dispatched(board, request_id, PromptKeys.from_dict(record.get("prompt")), _number(record.get("work_ms")), at=created.timestamp())
+            self.index.dispatched(
+                board,
+                request_id,
+                PromptKeys.from_dict(record.get("prompt")),
+                _number(record.get("work_ms")),
+                at=created.timestamp(),
+            )
             self._remember(self.seen_dispatches, request_id)
 
     def _expire(self, now: float) -> None:
@@ -501,7 +596,9 @@ class RoutingState:
         expired_before = now - settings.EDGECACHE_TASK_EXPIRES
         for board in list(self.index.busy):  # only boards that owe runs
             history = self.index.boards[board]
-            for request_id in [rid for rid, item in history.outstanding.items() if item.at is not None and item.at < expired_before]:
+            for request_id in [
+                rid for rid, item in history.outstanding.items() if item.at is not None and item.at < expired_before
+            ]:
                 self.index.reported(board, request_id, failed=True)
 
     def _remember(self, seen: dict, request_id: str) -> None:
@@ -531,7 +628,11 @@ def _ids_from(model, first_pk: int) -> dict:
 
 def _entry_table(connection) -> tuple[str, str, str]:
     quote = connection.ops.quote_name
-    return quote(CacheEntry._meta.db_table), quote(CacheEntry._meta.pk.column), quote(CacheEntry._meta.get_field("key").column)
+    return (
+        quote(CacheEntry._meta.db_table),
+        quote(CacheEntry._meta.pk.column),
+        quote(CacheEntry._meta.get_field("key").column),
+    )
 
 
 def _entry_top_sql(connection) -> str:
@@ -598,7 +699,9 @@ class Candidates:
         with self._lock:
             generation, read = self._generation, self._read.get(namespace)
         began = time.monotonic()
-        roster = Roster(list(Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace")))
+        roster = Roster(
+            list(Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace"))
+        )
         if read is not None:
             roster.carry(read[1])
         with self._lock:
@@ -637,7 +740,9 @@ class Candidates:
                 close_old_connections()  # its connection is kept between reads, closed when it failed or aged out
                 self._load(namespace)
             except Exception as exc:  # requests read them themselves once they are STALE_S old
-                log.warning("devices of namespace %s not read in the background: %s: %s", namespace, type(exc).__name__, exc)
+                log.warning(
+                    "devices of namespace %s not read in the background: %s: %s", namespace, type(exc).__name__, exc
+                )
                 connections.close_all()  # this thread's connection, which may be the broken part
             finally:
                 with self._lock:
@@ -654,14 +759,30 @@ class _Entry:
         self.device = device
         self.name = device.name
         # Online while its last heartbeat is younger than ``offline_after`` (``Device.online_at``).
-        self.until = float("-inf") if device.revoked_at is not None or device.last_seen is None else device.last_seen.timestamp() + offline_after(status).total_seconds()
+        self.until = (
+            float("-inf")
+            if device.revoked_at is not None or device.last_seen is None
+            else device.last_seen.timestamp() + offline_after(status).total_seconds()
+        )
         fingerprint = status.get("fingerprint")
         self.models = {value for value in (status.get("model"), fingerprint) if isinstance(value, str) and value}
-        self.keys_kind = (device.cache_namespace, fingerprint)  # boards of one namespace and model share a prompt's keys
-        self.idle_kind = (device.namespace_id, device.namespace.share_across_devices, fingerprint, device.link_bandwidth_mbps, device.link_rtt_ms)
+        self.keys_kind = (
+            device.cache_namespace,
+            fingerprint,
+        )  # boards of one namespace and model share a prompt's keys
+        self.idle_kind = (
+            device.namespace_id,
+            device.namespace.share_across_devices,
+            fingerprint,
+            device.link_bandwidth_mbps,
+            device.link_rtt_ms,
+        )
         rates = status.get("rates")
         rates = rates if isinstance(rates, dict) else {}
-        self.prefill, self.decode = _number(rates.get("prefill_ms_per_token")), _number(rates.get("decode_ms_per_token"))
+        self.prefill, self.decode = (
+            _number(rates.get("prefill_ms_per_token")),
+            _number(rates.get("decode_ms_per_token")),
+        )
         self.applied = None  # the index its measured rates were given to
 
 
@@ -692,7 +813,7 @@ class _Ranking:
         started over: build again)."""
         if index is not self.index or index.rate_epoch != self.epoch:
             return False
-        changed = index.rate_changes[self.seen:]
+        changed = index.rate_changes[self.seen :]
         self.seen = len(index.rate_changes)
         for name in set(changed):
             rated = self.rated.get(name)
@@ -722,7 +843,9 @@ class Roster:
         self.by_name = {entry.name: (position, entry) for position, entry in enumerate(self.entries)}
         self.untils = sorted(entry.until for entry in self.entries)
         self.key_kinds = {entry.keys_kind: entry for entry in self.entries}  # one board of each (namespace, model)
-        self.tenants = {entry.device.namespace_id for entry in self.entries}  # one, for a roster a run is routed in (``plan``)
+        self.tenants = {
+            entry.device.namespace_id for entry in self.entries
+        }  # one, for a roster a run is routed in (``plan``)
         self._ranking: _Ranking | None = None
         self._serving: dict[str, Roster] = {}
         self._earlier: Roster | None = None  # the read this one carried from (its sub-rosters carry theirs)
@@ -747,8 +870,13 @@ class Roster:
             old = before.get(entry.name)
             if old is not None and (old.prefill, old.decode) == (entry.prefill, entry.decode):
                 entry.applied = old.applied
-        if earlier._ranking is not None and len(earlier.entries) == len(self.entries) and all(
-            old.name == new.name and old.idle_kind == new.idle_kind and old.applied is new.applied for old, new in zip(earlier.entries, self.entries)
+        if (
+            earlier._ranking is not None
+            and len(earlier.entries) == len(self.entries)
+            and all(
+                old.name == new.name and old.idle_kind == new.idle_kind and old.applied is new.applied
+                for old, new in zip(earlier.entries, self.entries)
+            )
         ):
             self._ranking = earlier._ranking
 
@@ -778,11 +906,20 @@ CANDIDATES = Candidates()
 
 
 def _number(value) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value >= 0 else 0.0
+    return (
+        float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value >= 0
+        else 0.0
+    )
 
 
 def plan(
-    devices: "list[Device] | Roster", prompt: RunRequest, *, preferred: str = "", policy: str = "cache-aware", all_online: bool = False,
+    devices: "list[Device] | Roster",
+    prompt: RunRequest,
+    *,
+    preferred: str = "",
+    policy: str = "cache-aware",
+    all_online: bool = False,
     online_at: float | None = None,
 ) -> Routed | None:
     """The board of ``devices`` that should answer ``prompt`` (None when none is online), with the
@@ -805,7 +942,9 @@ def plan(
     if not roster.entries:
         return None
     if len(roster.tenants) > 1:  # a run goes to, and its record names, boards of its own namespace only
-        raise ValueError(f"one run is routed among the boards of one namespace, not of {', '.join(sorted(roster.tenants))}")
+        raise ValueError(
+            f"one run is routed among the boards of one namespace, not of {', '.join(sorted(roster.tenants))}"
+        )
     began, began_cpu = time.perf_counter(), time.thread_time()
     layout = prompt_tokens(prompt)
     tokens = layout[0] if layout else None
@@ -814,6 +953,7 @@ def plan(
 
     def alive(entry: _Entry) -> bool:  # ``all_online``: a named board, even one that never beat yet
         return all_online or entry.until > alive_after
+
     kinds: dict[tuple, PromptKeys] = {}  # (namespace, model) -> the prompt's keys there: boards of one kind share them
 
     def keys_of(entry: _Entry) -> PromptKeys:
@@ -828,7 +968,11 @@ def plan(
         weigh: dict[int, _Entry] = {}  # position -> device: weighed as they are
         active = set(index.busy)
         for kind, entry in roster.key_kinds.items():
-            active.update(name for name in index.holding(keys_of(entry)) if name in roster.by_name and roster.by_name[name][1].keys_kind == kind)
+            active.update(
+                name
+                for name in index.holding(keys_of(entry))
+                if name in roster.by_name and roster.by_name[name][1].keys_kind == kind
+            )
         for name in active:
             found = roster.by_name.get(name)
             if found is not None and alive(found[1]):
@@ -855,8 +999,13 @@ def plan(
         mirrored = STATE.mirrored(_wanted_names(weighed, keys))  # followed with the history: no query here
         views = [
             index.view(
-                device.name, keys[device.name], online=True, link=link_of(device), ram_budget_bytes=ram_budget(device),
-                cachebox_tokens=cachebox_tokens(device, keys[device.name], mirrored), now=now,
+                device.name,
+                keys[device.name],
+                online=True,
+                link=link_of(device),
+                ram_budget_bytes=ram_budget(device),
+                cachebox_tokens=cachebox_tokens(device, keys[device.name], mirrored),
+                now=now,
             )
             for device in weighed
         ]
@@ -864,7 +1013,9 @@ def plan(
         if chosen is None:
             return None
         device = next(device for device in weighed if device.name == chosen.board)
-        work_ms = index.work_ms(device.name, keys[device.name], prompt.max_tokens, link_of(device), estimate=chosen.chosen)
+        work_ms = index.work_ms(
+            device.name, keys[device.name], prompt.max_tokens, link_of(device), estimate=chosen.chosen
+        )
     record = {
         **chosen.record(),
         "candidates": online,
@@ -893,4 +1044,3 @@ def history(device: Device, prompt: RunRequest) -> dict:
 def shown(record: dict) -> dict:
     """The part of a routing record a run keeps and shows (without the prompt's keys)."""
     return {key: value for key, value in (record or {}).items() if key not in ("prompt", "work_ms")}
-

@@ -17,8 +17,8 @@ import dj_database_url
 from cachebox.cluster import is_cluster_url, parse_cluster_url
 from cachebox.embedded import url_for
 from cachebox.tls import client_options as tls_options
-from inference.board.config import BoardConfig, edgecache_home, move_legacy_secret, secrets_home
 from inference.board.app import celery_settings
+from inference.board.config import BoardConfig, edgecache_home, move_legacy_secret, secrets_home
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 EDGECACHE_HOME = edgecache_home()
@@ -171,7 +171,11 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # advises with WAL: a commit no longer waits for an fsync (0.2 ms here, on every API dispatch);
     # the database stays consistent on a crash, and a power cut may lose the last commits only.
     DATABASES["default"].setdefault("OPTIONS", {}).update(
-        {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"}
+        {
+            "timeout": 20,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        }
     )
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -188,7 +192,9 @@ if AXES_FAILURE_LIMIT < 1:
     raise ValueError(f"EDGECACHE_LOGIN_FAILURES must be at least 1, got {AXES_FAILURE_LIMIT}")
 AXES_COOLOFF_TIME = timedelta(minutes=_env_float("EDGECACHE_LOGIN_COOLOFF_MINUTES", 15))
 if AXES_COOLOFF_TIME <= timedelta(0):
-    raise ValueError("EDGECACHE_LOGIN_COOLOFF_MINUTES must be positive (a lockout that never ends needs an admin for every typo)")
+    raise ValueError(
+        "EDGECACHE_LOGIN_COOLOFF_MINUTES must be positive (a lockout that never ends needs an admin for every typo)"
+    )
 # The combination: a guesser at one address cannot lock a user out everywhere, nor one user
 # lock out everyone behind the same address.
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
@@ -242,10 +248,14 @@ EDGECACHE_EMBEDDED_MAXMEMORY = EDGECACHE_BOARD.embedded_maxmemory
 REDIS_URL_IS_EMBEDDED = EDGECACHE_BOARD.uses_embedded_cachebox
 # The embedded Valkey's password for its ``default`` user: the control plane's alone (boards get
 # users of their own, see cachebox.acl). Kept with the other secrets.
-EDGECACHE_EMBEDDED_PASSWORD = _secret("EDGECACHE_EMBEDDED_PASSWORD", "cachebox_password") if REDIS_URL_IS_EMBEDDED else ""
+EDGECACHE_EMBEDDED_PASSWORD = (
+    _secret("EDGECACHE_EMBEDDED_PASSWORD", "cachebox_password") if REDIS_URL_IS_EMBEDDED else ""
+)
 # Addresses the embedded Valkey listens on besides loopback (boards on other hosts reach it at one of them).
 EDGECACHE_EMBEDDED_BIND = EDGECACHE_BOARD.embedded_bind
-REDIS_URL = EDGECACHE_BOARD.redis_url or url_for(EDGECACHE_EMBEDDED_DIR, EDGECACHE_EMBEDDED_PORT, EDGECACHE_EMBEDDED_PASSWORD)
+REDIS_URL = EDGECACHE_BOARD.redis_url or url_for(
+    EDGECACHE_EMBEDDED_DIR, EDGECACHE_EMBEDDED_PORT, EDGECACHE_EMBEDDED_PASSWORD
+)
 if REDIS_URL_IS_EMBEDDED:  # commands that run a board next to the control plane reach it as the control plane
     EDGECACHE_BOARD = EDGECACHE_BOARD.with_(redis_url=REDIS_URL)
 if is_cluster_url(REDIS_URL):
@@ -327,7 +337,9 @@ EDGECACHE_ENTRY_TTL = EDGECACHE_BOARD.entry_ttl or 0
 EDGECACHE_MAX_ENTRY_TTL = _env_int("EDGECACHE_MAX_ENTRY_TTL", 7 * 24 * 3600)
 EDGECACHE_NAMESPACE_QUOTA = _env_int("EDGECACHE_NAMESPACE_QUOTA", 0)
 if EDGECACHE_MAX_ENTRY_TTL < 1 or EDGECACHE_NAMESPACE_QUOTA < 0:
-    raise ValueError("EDGECACHE_MAX_ENTRY_TTL must be positive and EDGECACHE_NAMESPACE_QUOTA not negative (0: a quarter of maxmemory)")
+    raise ValueError(
+        "EDGECACHE_MAX_ENTRY_TTL must be positive and EDGECACHE_NAMESPACE_QUOTA not negative (0: a quarter of maxmemory)"
+    )
 if EDGECACHE_ENTRY_TTL > EDGECACHE_MAX_ENTRY_TTL:
     raise ValueError(
         f"EDGECACHE_ENTRY_TTL ({EDGECACHE_ENTRY_TTL} s) is over EDGECACHE_MAX_ENTRY_TTL ({EDGECACHE_MAX_ENTRY_TTL} s): "
@@ -389,7 +401,11 @@ LOGGING["formatters"]["json_lines"] = {"()": "cachebox.events.JsonLineFormatter"
 LOGGING["handlers"]["security"] = {"class": "logging.StreamHandler", "formatter": "json_lines"}
 # ... and counted in the cache box for /metrics (edgecache_security_events_total{event}).
 LOGGING["handlers"]["security_count"] = {"class": "dashboard.ops.security_counts.SecurityEventCounter"}
-LOGGING["loggers"]["edgecache.security"] = {"handlers": ["security", "security_count"], "level": "INFO", "propagate": False}
+LOGGING["loggers"]["edgecache.security"] = {
+    "handlers": ["security", "security_count"],
+    "level": "INFO",
+    "propagate": False,
+}
 
 # --- The OpenAI-compatible API (/v1/, dashboard.api) ---------------------------------------------
 # Requests per API key and minute (a key's own rate, set by staff, wins; 0: no limit); over it, 429.

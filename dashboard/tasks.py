@@ -17,7 +17,15 @@ from . import actions
 
 # A computed answer must reach the database: a busy database (SQLite locked, PostgreSQL
 # restarting) is retried with back-off; recording is idempotent (a run is stored once).
-@shared_task(name=Task.RECORD_RUN.value, acks_late=True, ignore_result=True, autoretry_for=(OperationalError,), retry_backoff=1, retry_backoff_max=30, max_retries=8)
+@shared_task(
+    name=Task.RECORD_RUN.value,
+    acks_late=True,
+    ignore_result=True,
+    autoretry_for=(OperationalError,),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=8,
+)
 def record_run(payload: dict) -> None:
     actions.record_run(payload)
 
@@ -37,6 +45,14 @@ def enroll(payload: dict) -> None:
     actions.enroll_device(payload)
 
 
-@shared_task(name=Task.RECORD_AUDIT.value, acks_late=True, ignore_result=True, autoretry_for=(OperationalError,), retry_backoff=1, retry_backoff_max=30, max_retries=8)
+@shared_task(
+    name=Task.RECORD_AUDIT.value,
+    acks_late=True,
+    ignore_result=True,
+    autoretry_for=(OperationalError,),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=8,
+)
 def record_audit(payload: dict) -> None:
     actions.record_audit(payload)  # an audit's verdict: a mismatch quarantines the producing board

@@ -3,8 +3,8 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from . import views
-from .forms import LoginForm
 from .api import views as api
+from .forms import LoginForm
 
 urlpatterns = [
     path("", views.home, name="home"),

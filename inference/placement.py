@@ -34,7 +34,6 @@ from typing import Iterable, Sequence
 
 from cachebox.keys import off_grid, prefix_keys, range_boundaries
 from cachebox.link import LinkProfile
-
 from inference.serving.breakdown import Tier
 
 DEFAULT_PREFILL_MS_PER_TOKEN = 3.0  # a board that reported neither runs nor measured rates (BoardConfig's prior too)
@@ -85,7 +84,9 @@ class PromptKeys:
         return cls(tuple(boundaries), tuple(str(key) for key in keys))
 
 
-def prompt_keys(namespace: str, fingerprint: str, tokens: Sequence[int], *, grid: int, extra: Sequence[int] = ()) -> PromptKeys:
+def prompt_keys(
+    namespace: str, fingerprint: str, tokens: Sequence[int], *, grid: int, extra: Sequence[int] = ()
+) -> PromptKeys:
     """The keys a board of model ``fingerprint`` stores and looks up for ``tokens`` (cut at
     ``extra`` besides the grid) in ``namespace``."""
     extra = [cut for cut in extra if cut < len(tokens)]
@@ -137,7 +138,13 @@ def estimate(prompt_tokens: int, board: BoardView, answer_tokens: int = 0) -> Es
     local = max(board.context_tokens, board.ram_tokens)
     local = min(local, prompt_tokens)
     restore = 0.0 if board.context_tokens >= local else local * RAM_RESTORE_MS_PER_TOKEN
-    options = [((prompt_tokens - local) * rate + restore, local, (Tier.CONTEXT if board.context_tokens >= local else Tier.LOCAL) if local else Tier.NONE)]
+    options = [
+        (
+            (prompt_tokens - local) * rate + restore,
+            local,
+            (Tier.CONTEXT if board.context_tokens >= local else Tier.LOCAL) if local else Tier.NONE,
+        )
+    ]
     remote = min(board.cachebox_tokens, prompt_tokens)
     if remote > local:
         link = board.link or LOOPBACK
@@ -147,7 +154,16 @@ def estimate(prompt_tokens: int, board: BoardView, answer_tokens: int = 0) -> Es
     prefill, held, source = min(options, key=lambda option: option[0])
     queued = max(0.0, board.queued_ms)
     answer = max(0, answer_tokens - 1) * max(0.0, board.decode_ms_per_token)
-    return Estimate(board.name, round(queued + prefill, 3), round(queued, 3), round(prefill, 3), held, str(source), round(queued + prompt_tokens * rate, 3), round(answer, 3))
+    return Estimate(
+        board.name,
+        round(queued + prefill, 3),
+        round(queued, 3),
+        round(prefill, 3),
+        held,
+        str(source),
+        round(queued + prompt_tokens * rate, 3),
+        round(answer, 3),
+    )
 
 
 @dataclass(frozen=True)
@@ -183,7 +199,9 @@ class Route:
         }
 
 
-def route(prompt_tokens: int, boards: Sequence[BoardView], *, preferred: str = "", answer_tokens: int = 0) -> Route | None:
+def route(
+    prompt_tokens: int, boards: Sequence[BoardView], *, preferred: str = "", answer_tokens: int = 0
+) -> Route | None:
     """The online board expected to finish the answer first (None when no board is online): its
     queue, its prefill of what it does not hold, and ``answer_tokens`` at its decode pace. A board
     that gives the first token sooner but decodes ten times slower loses a long answer (a paced
@@ -246,7 +264,13 @@ class FleetIndex:
     control plane rebuilds one from its Dispatch and InferenceRun rows for each decision.
     """
 
-    def __init__(self, *, prefill_prior: float = DEFAULT_PREFILL_MS_PER_TOKEN, decode_prior: float = DEFAULT_DECODE_MS_PER_TOKEN, bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN):
+    def __init__(
+        self,
+        *,
+        prefill_prior: float = DEFAULT_PREFILL_MS_PER_TOKEN,
+        decode_prior: float = DEFAULT_DECODE_MS_PER_TOKEN,
+        bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN,
+    ):
         self.prefill_prior = prefill_prior
         self.decode_prior = decode_prior
         self.bytes_per_token = bytes_per_token
@@ -314,7 +338,9 @@ class FleetIndex:
         history = self._board(board)
         return learned_rate(history.decode_rates, history.measured_decode or self.decode_prior)
 
-    def dispatched(self, board: str, request_id: str, keys: PromptKeys, work_ms: float, *, at: float | None = None) -> None:
+    def dispatched(
+        self, board: str, request_id: str, keys: PromptKeys, work_ms: float, *, at: float | None = None
+    ) -> None:
         """A prompt was sent to ``board`` (at time ``at``, seconds): it will hold it next, and owes
         ``work_ms`` until it reports."""
         history = self._board(board)
@@ -340,8 +366,18 @@ class FleetIndex:
         return round(total - spent, 3)
 
     def reported(
-        self, board: str, request_id: str, *, prompt_tokens: int = 0, matched_tokens: int = 0, prefill_ms: float = 0.0,
-        decode_ms: float = 0.0, generated_tokens: int = 0, stored_keys: Iterable[str] = (), failed: bool = False, at: float | None = None,
+        self,
+        board: str,
+        request_id: str,
+        *,
+        prompt_tokens: int = 0,
+        matched_tokens: int = 0,
+        prefill_ms: float = 0.0,
+        decode_ms: float = 0.0,
+        generated_tokens: int = 0,
+        stored_keys: Iterable[str] = (),
+        failed: bool = False,
+        at: float | None = None,
     ) -> None:
         """``board`` answered ``request_id`` (at time ``at``): its work is done; learn its rates; note the keys it stored."""
         history = self._board(board)
@@ -364,7 +400,15 @@ class FleetIndex:
             history.decode_rates.append(decode_ms / (generated_tokens - 1))
         self.cachebox.update(stored_keys)
 
-    def work_ms(self, board: str, keys: PromptKeys, max_tokens: int, link: LinkProfile | None = None, *, estimate: Estimate | None = None) -> float:
+    def work_ms(
+        self,
+        board: str,
+        keys: PromptKeys,
+        max_tokens: int,
+        link: LinkProfile | None = None,
+        *,
+        estimate: Estimate | None = None,
+    ) -> float:
         """What a prompt occupies ``board`` for: its prefill, its answer and the upload of the ranges
         it computes that the cache box lacks. With ``estimate`` (the router's for this board), the
         prefill of what the board will not hold; without, of the whole prompt."""
@@ -396,8 +440,15 @@ class FleetIndex:
         return context, keys.held(kept)
 
     def view(
-        self, board: str, keys: PromptKeys, *, online: bool = True, link: LinkProfile | None = None, ram_budget_bytes: int = 0,
-        cachebox_tokens: int | None = None, now: float | None = None,
+        self,
+        board: str,
+        keys: PromptKeys,
+        *,
+        online: bool = True,
+        link: LinkProfile | None = None,
+        ram_budget_bytes: int = 0,
+        cachebox_tokens: int | None = None,
+        now: float | None = None,
     ) -> BoardView:
         """The router's view of ``board`` for a prompt of ``keys`` at time ``now`` (``cachebox_tokens``: what
         the cache box holds for this board, when the caller knows better than the index)."""

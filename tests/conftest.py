@@ -28,13 +28,20 @@ def require(module: str, why: str = ""):
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        pytest.fail(f"{module} is missing and EDGECACHE_REQUIRE_ALL=1 (make test) runs every test: {why or exc} (run `make install`)", pytrace=False)
+        pytest.fail(
+            f"{module} is missing and EDGECACHE_REQUIRE_ALL=1 (make test) runs every test: {why or exc} (run `make install`)",
+            pytrace=False,
+        )
 
 
 # Fixtures that load the model or talk to a Redis/Valkey server, and the marker a test using them carries.
 MARKED_FIXTURES = {
-    "engine": "model", "reference": "model", "make_board": "model",
-    "valkey_url": "cachebox", "system_redis_url": "cachebox", "any_store_url": "cachebox",
+    "engine": "model",
+    "reference": "model",
+    "make_board": "model",
+    "valkey_url": "cachebox",
+    "system_redis_url": "cachebox",
+    "any_store_url": "cachebox",
     "avx512_libs": "kernels",
 }
 
@@ -62,7 +69,9 @@ def pytest_collection_modifyitems(config, items):
             if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None:
                 unmarked.append(f"{item.nodeid} uses {fixture} without @pytest.mark.{marker}")
     if unmarked:
-        raise pytest.UsageError("tests without the marker their fixtures need:\n  " + "\n  ".join(sorted(set(unmarked))))
+        raise pytest.UsageError(
+            "tests without the marker their fixtures need:\n  " + "\n  ".join(sorted(set(unmarked)))
+        )
     if _worker(config):  # ``--no-loadscope-reorder`` keeps this order, so that no long group starts last
         order = {group: index for index, group in enumerate(LONGEST_FIRST)}
         order.update({group: len(order) + 1 + index for index, group in enumerate(WAITS_FOR_BUILDS)})
@@ -74,10 +83,18 @@ def pytest_collection_modifyitems(config, items):
 # lab's PyTorch reference (loaded once), the hosts' cgroup parent and subnets, Chromium beside a
 # stack. Every other module is a group of its own.
 GROUPS = {
-    "test_lab": "torch", "test_early_exit": "torch", "test_anchors": "torch",
-    "test_hosts": "hosts", "test_host_faults": "hosts",
-    "test_browser": "browser", "test_browser_steer": "browser", "test_browser_truth": "browser", "test_browser_ui": "browser",
-    "test_browser_keys": "browser", "test_board_start": "browser", "test_browser_walk": "browser",
+    "test_lab": "torch",
+    "test_early_exit": "torch",
+    "test_anchors": "torch",
+    "test_hosts": "hosts",
+    "test_host_faults": "hosts",
+    "test_browser": "browser",
+    "test_browser_steer": "browser",
+    "test_browser_truth": "browser",
+    "test_browser_ui": "browser",
+    "test_browser_keys": "browser",
+    "test_board_start": "browser",
+    "test_browser_walk": "browser",
 }
 # Groups taking 20 s or more, longest first (seconds in one serial run on 2 cores, `pytest
 # --junitxml`, summed per group); the others follow in collection order.
@@ -178,11 +195,15 @@ def _idle_class():  # in the child, before exec: the build and its compilers run
 def pytest_collection_finish(session):
     """The builds the selected tests need and this machine lacks start in the background (``peer``:
     llama-server; ``kernels``: llama.cpp's libraries with AVX-512 kernels, ``dashboard.bench.llama_kernels``)."""
-    wanted = {marker for item in session.items for marker in ("peer", "kernels", "arm64") if item.get_closest_marker(marker)}
+    wanted = {
+        marker for item in session.items for marker in ("peer", "kernels", "arm64") if item.get_closest_marker(marker)
+    }
     if "peer" in wanted:
         from dashboard.bench import llama_server
 
-        if not (llama_server.binary_path().exists() or llama_server.missing_tools()):  # else built, or the test says why it cannot be
+        if not (
+            llama_server.binary_path().exists() or llama_server.missing_tools()
+        ):  # else built, or the test says why it cannot be
             _background_build(session, "dashboard.bench.llama_server", "llama-server")
     if "kernels" in wanted:
         from dashboard.bench import llama_kernels
@@ -202,15 +223,22 @@ BUILD_MODULES = (b"dashboard.bench.llama_server", b"dashboard.bench.llama_kernel
 def _background_build(session, module: str, what: str) -> None:
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"edgecache-{what}-build-{os.getpid()}.log"
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_idle_class)
-    with open(os.environ[PEER_BUILDS], "a") as builds:  # on both cores, each worker starts one (the build's lock lets one build)
+        process = subprocess.Popen(
+            [sys.executable, "-m", module], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_idle_class
+        )
+    with open(
+        os.environ[PEER_BUILDS], "a"
+    ) as builds:  # on both cores, each worker starts one (the build's lock lets one build)
         builds.write(f"{process.pid} {log}\n")
     if not _worker(session.config):  # a worker's output is not shown: its controller says it (below)
         session.config.get_terminal_writer().line(_building(log))
 
 
 def _building(log) -> str:
-    what = {"llama-avx512": "llama.cpp with AVX-512 kernels", "arm64-root": "an arm64 Debian root and an aarch64 board wheelhouse"}
+    what = {
+        "llama-avx512": "llama.cpp with AVX-512 kernels",
+        "arm64-root": "an arm64 Debian root and an aarch64 board wheelhouse",
+    }
     what = next((text for key, text in what.items() if key in str(log)), "llama-server")
     return f"{what} is being built in the background for the tests that need it (log: {log})"
 
@@ -361,8 +389,8 @@ def signing_keys(settings):
 @pytest.fixture
 def make_board(engine, signing_keys):
     """Boards sharing the session's engine, each with its own catalogs (as separate devices)."""
-    from inference.board.runtime import Board
     from inference.board.config import BoardConfig
+    from inference.board.runtime import Board
 
     boards = []
 
@@ -370,7 +398,9 @@ def make_board(engine, signing_keys):
         store = CacheBox(url, connect_timeout=0.3, timeout=2.0) if url else None
         # The board-local tiers are off unless a test asks: most tests measure the cache box.
         options = {"context_reuse": False, "ram_tier_bytes": 0, **options}
-        board = Board(engine, store, BoardConfig(device=device, namespace=namespace, **options), background_sync=False, keys=keys)
+        board = Board(
+            engine, store, BoardConfig(device=device, namespace=namespace, **options), background_sync=False, keys=keys
+        )
         boards.append(board)
         return board
 
@@ -422,7 +452,9 @@ def _own_django_cache(settings, monkeypatch):
     """
     from dashboard.security import ratelimit
 
-    settings.CACHES = {"default": {"BACKEND": "dashboard.store.django_cache.JSONLocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}}
+    settings.CACHES = {
+        "default": {"BACKEND": "dashboard.store.django_cache.JSONLocMemCache", "LOCATION": f"test-{uuid.uuid4().hex}"}
+    }
     monkeypatch.setattr(ratelimit, "_local", ratelimit._LocalCounts())
 
 

@@ -61,10 +61,21 @@ def stack(tmp_path_factory, stack_env):
     home = tmp_path_factory.mktemp("stack")
     port = free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
-    env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": ADMIN_PASSWORD, "EDGECACHE_N_CTX": "2048", **stack_env})
+    env.update(
+        {
+            "EDGECACHE_HOME": str(home),
+            "EDGECACHE_ADMIN_PASSWORD": ADMIN_PASSWORD,
+            "EDGECACHE_N_CTX": "2048",
+            **stack_env,
+        }
+    )
     log = open(home / "run.log", "wb")
     server = subprocess.Popen(
-        [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     boards: list[subprocess.Popen] = []
     try:
@@ -79,7 +90,9 @@ def stack(tmp_path_factory, stack_env):
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
-        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30)
+        subprocess.run(
+            [sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30
+        )
         log.close()
 
 
@@ -88,7 +101,10 @@ def start_board(stack: dict, name: str, token: str, *args: str) -> subprocess.Po
     log = open(Path(stack["home"]) / f"board-{name}.log", "wb")
     process = subprocess.Popen(
         [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1", *args],
-        cwd=ROOT, env={**stack["env"], "EDGECACHE_DEVICE_TOKEN": token}, stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**stack["env"], "EDGECACHE_DEVICE_TOKEN": token},
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     stack["boards"].append(process)
     return process
@@ -97,7 +113,9 @@ def start_board(stack: dict, name: str, token: str, *args: str) -> subprocess.Po
 BOARD_START_S = 300  # a board's start (model load, its prefill measure, enrollment) on a loaded 2-core CI machine
 
 
-def expect_board_online(page, stack: dict, name: str, process: subprocess.Popen, timeout_s: float = BOARD_START_S) -> None:
+def expect_board_online(
+    page, stack: dict, name: str, process: subprocess.Popen, timeout_s: float = BOARD_START_S
+) -> None:
     """Wait until the board ``name``'s page (open in ``page``) says online; fails at once, with the
     board's log, if its process exits, and with the log when it does not come online in time."""
     from playwright.sync_api import expect
@@ -107,18 +125,29 @@ def expect_board_online(page, stack: dict, name: str, process: subprocess.Popen,
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
-            raise AssertionError(f"board {name} exited with {process.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+            raise AssertionError(
+                f"board {name} exited with {process.returncode}:\n{log.read_text(errors='replace')[-3000:]}"
+            )
         try:
             expect(badge).to_have_text("online", timeout=5_000)
             return
         except AssertionError:
             if time.monotonic() > deadline:
-                raise AssertionError(f"board {name} not online within {timeout_s:g} s; its log:\n{log.read_text(errors='replace')[-3000:]}") from None
+                raise AssertionError(
+                    f"board {name} not online within {timeout_s:g} s; its log:\n{log.read_text(errors='replace')[-3000:]}"
+                ) from None
 
 
 def manage(stack: dict, *args: str, timeout: float = 120) -> str:
     """Run ``manage.py ARGS`` against the stack's database and cache box; returns its output."""
-    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=stack["env"], capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=stack["env"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"manage.py {' '.join(args[:2])} failed: {done.stderr[-2000:]}")
     return done.stdout
@@ -156,7 +185,14 @@ def browser():
         browser = playwright.chromium.launch(
             executable_path=CHROMIUM,
             headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"],
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
         )
         yield browser
         browser.close()

@@ -76,7 +76,9 @@ def _checked(user, namespace: Namespace) -> None:
 
 
 # -- the verbs ------------------------------------------------------------------------------------
-def create_key(user, namespace: Namespace | str, *, name: str = "", rate_per_minute: int | None = None) -> tuple[ApiKey, str]:
+def create_key(
+    user, namespace: Namespace | str, *, name: str = "", rate_per_minute: int | None = None
+) -> tuple[ApiKey, str]:
     """A new key of ``namespace``; returns (its row, the key). The key is not kept: show it once."""
     if isinstance(namespace, str):
         found = Namespace.objects.filter(name=namespace).first()

@@ -36,5 +36,7 @@ def audit(user, action: AuditAction, target: str, detail: str = "") -> None:
     from ..models import AuditEvent
 
     action = AuditAction(action)  # a free string that is not an action fails here, not in a report
-    AuditEvent.objects.create(user=user if user and user.is_authenticated else None, action=action.value, target=target[:200], detail=detail)
+    AuditEvent.objects.create(
+        user=user if user and user.is_authenticated else None, action=action.value, target=target[:200], detail=detail
+    )
     log.info("audit user=%s action=%s target=%s %s", getattr(user, "username", None), action.value, target, detail)

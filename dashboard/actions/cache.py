@@ -12,8 +12,8 @@ from cachebox.catalog import expected_filter_bytes
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
-from dashboard.models import CacheEntry
 from cachebox.store import CacheBox
+from dashboard.models import CacheEntry
 from inference.contract.messages import StoredEntry
 
 from .audit import AuditAction, audit
@@ -47,7 +47,9 @@ def stop_cachebox() -> bool:
     """Stop this checkout's embedded cache box; False when none ran (or REDIS_URL names a server)."""
     if not settings.REDIS_URL_IS_EMBEDDED:
         return False
-    return embedded.stop(settings.EDGECACHE_EMBEDDED_DIR, settings.EDGECACHE_EMBEDDED_PORT, password=settings.EDGECACHE_EMBEDDED_PASSWORD)
+    return embedded.stop(
+        settings.EDGECACHE_EMBEDDED_DIR, settings.EDGECACHE_EMBEDDED_PORT, password=settings.EDGECACHE_EMBEDDED_PASSWORD
+    )
 
 
 def cachebox_limits(store: CacheBox) -> quota.Limits:
@@ -65,7 +67,9 @@ def cachebox_limits(store: CacheBox) -> quota.Limits:
 
 def cachebox() -> CacheBox:
     """The control plane's client of the cache box."""
-    return CacheBox(cachebox_url(), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
+    return CacheBox(
+        cachebox_url(), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
+    )
 
 
 def entry_names(names) -> list[str]:
@@ -93,13 +97,23 @@ def acceptable_entries(device, entries: list[StoredEntry]) -> list[StoredEntry]:
     for entry in entries:
         try:
             namespace, fingerprint, _ = parse_entry_key_name(entry.name)
-            ok = namespace == entry.namespace and fingerprint == entry.model and namespace in namespaces and (not model or fingerprint == model)
+            ok = (
+                namespace == entry.namespace
+                and fingerprint == entry.model
+                and namespace in namespaces
+                and (not model or fingerprint == model)
+            )
         except ValueError:
             ok = False
         if ok:
             kept.append(entry)
         else:
-            security_event("mirror_refused", device=device.name, entry=entry.name[:200], reason="not an entry of this board's namespace and model")
+            security_event(
+                "mirror_refused",
+                device=device.name,
+                entry=entry.name[:200],
+                reason="not an entry of this board's namespace and model",
+            )
     return kept
 
 
@@ -122,7 +136,12 @@ def pin_entries(user, entries, pinned: bool) -> int:
         store.unpin(names, settings.EDGECACHE_ENTRY_TTL or 7 * 24 * 3600)
     with transaction.atomic():
         CacheEntry.objects.filter(key__in=names).update(pinned=pinned)
-        audit(user, AuditAction.CACHE_PIN if pinned else AuditAction.CACHE_UNPIN, f"{len(names)} entries", ", ".join(names[:20]))
+        audit(
+            user,
+            AuditAction.CACHE_PIN if pinned else AuditAction.CACHE_UNPIN,
+            f"{len(names)} entries",
+            ", ".join(names[:20]),
+        )
     return len(names)
 
 

@@ -17,16 +17,27 @@ from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import enrollment_refusal_key_name, heartbeat_key
 from cachebox.signing import pin_proof
+from dashboard.live.broadcast import broadcast
+from dashboard.pages.stats import memory_label
+from dashboard.security import ratelimit
+from dashboard.security.signing import (
+    control_plane_public_key,
+    control_plane_signer,
+    open_from,
+    sealed_ring,
+    signed_producer_table,
+)
 from inference.board import devices as registry
+from inference.board.identity import (
+    check_enrollment_signature,
+    enrollment_public_key,
+    enrollment_redis_password,
+    password_sha256,
+)
 from inference.contract.envelope import EnvelopeRefused, Kind, peek
-from inference.board.identity import check_enrollment_signature, enrollment_public_key, enrollment_redis_password, password_sha256
 from inference.contract.messages import MAX_HEARTBEAT_BYTES, BoardMessage, EnrollRequest, Heartbeat
 
-from dashboard.security import ratelimit
-from dashboard.live.broadcast import broadcast
 from ..models import Device, Namespace, offline_after, token_usable
-from dashboard.security.signing import control_plane_public_key, control_plane_signer, open_from, sealed_ring, signed_producer_table
-from dashboard.pages.stats import memory_label
 from .audit import AuditAction, audit
 from .cache import cachebox, delete_entries_of
 from .identities import APPLIED_FLAG, apply_all_identities, apply_identity, client, servers
@@ -34,7 +45,6 @@ from .identities import APPLIED_FLAG, apply_all_identities, apply_identity, clie
 log = logging.getLogger("dashboard.actions")
 
 ENROLL_WINDOW_S = 600  # an enrollment request older than this (or from a clock this far off) is refused
-
 
 
 def _record_for(device: Device) -> registry.DeviceRecord:
@@ -219,7 +229,11 @@ def enroll_device(payload: dict) -> Device | None:
         return None
     verdict = ratelimit.hit("enroll", request.device, settings.EDGECACHE_ENROLL_RATE)
     if not verdict.allowed:
-        security_event("enrollment_refused", device=request.device, reason=f"over {verdict.limit} enrollment attempts this minute (EDGECACHE_ENROLL_RATE)")
+        security_event(
+            "enrollment_refused",
+            device=request.device,
+            reason=f"over {verdict.limit} enrollment attempts this minute (EDGECACHE_ENROLL_RATE)",
+        )
         return None
     with transaction.atomic():
         device = Device.objects.select_for_update().filter(name=request.device).select_related("namespace").first()
@@ -246,7 +260,17 @@ def enroll_device(payload: dict) -> Device | None:
         device.redis_password_sha256 = request.redis_password_sha256
         device.enroll_key = device.pin_proof = device.enroll_redis_sha256 = ""  # spent: a token enrolls one board once
         device.enrolled_at = timezone.now()
-        device.save(update_fields=["signing_public_key", "box_public_key", "redis_password_sha256", "enroll_key", "pin_proof", "enroll_redis_sha256", "enrolled_at"])
+        device.save(
+            update_fields=[
+                "signing_public_key",
+                "box_public_key",
+                "redis_password_sha256",
+                "enroll_key",
+                "pin_proof",
+                "enroll_redis_sha256",
+                "enrolled_at",
+            ]
+        )
         audit(None, AuditAction.DEVICE_ENROLL, device.name, f"signing key {device.signing_public_key[:16]}…")
     _changed([device])
     return device
@@ -256,7 +280,9 @@ def _note_refusal(name: str, signing_public_key: str, reason: str) -> None:
     """Tell the board that asked why its enrollment was refused, apart from the device's record."""
     note = registry.enrollment_refusal(name, signing_public_key, reason, control_plane_signer())
     try:
-        cachebox().set_flag(enrollment_refusal_key_name(name, signing_public_key), registry.ENROLLMENT_REFUSAL_TTL_S, note)
+        cachebox().set_flag(
+            enrollment_refusal_key_name(name, signing_public_key), registry.ENROLLMENT_REFUSAL_TTL_S, note
+        )
     except CacheBoxError as exc:
         log.warning("the refusal of %s's enrollment was not noted for its board: %s", name, exc)
 
@@ -281,7 +307,13 @@ def _authenticated(device: Device | None, name) -> Device | None:
     return device
 
 
-_KINDS = {"RunReport": Kind.REPORT, "EncodeReport": Kind.ENCODED, "EncodeProgress": Kind.PROGRESS, "Heartbeat": Kind.HEARTBEAT, "AuditReport": Kind.AUDITED}
+_KINDS = {
+    "RunReport": Kind.REPORT,
+    "EncodeReport": Kind.ENCODED,
+    "EncodeProgress": Kind.PROGRESS,
+    "Heartbeat": Kind.HEARTBEAT,
+    "AuditReport": Kind.AUDITED,
+}
 
 
 def receive_board_message(cls: type[BoardMessage], payload: dict) -> tuple[BoardMessage | None, Device | None, float]:
@@ -296,7 +328,9 @@ def receive_board_message(cls: type[BoardMessage], payload: dict) -> tuple[Board
     return _checked(cls, payload, None, sender, loaded=False)
 
 
-def _checked(cls: type[BoardMessage], payload: dict, device: Device | None, sender: str, *, loaded: bool = True) -> tuple[BoardMessage | None, Device | None, float]:
+def _checked(
+    cls: type[BoardMessage], payload: dict, device: Device | None, sender: str, *, loaded: bool = True
+) -> tuple[BoardMessage | None, Device | None, float]:
     """``receive_board_message`` for a sender whose device was read already (``loaded``: ``device``
     is what the database holds for ``sender``, None for none)."""
     device = _authenticated(device, sender) if loaded else authenticate_board(sender)
@@ -311,7 +345,12 @@ def _checked(cls: type[BoardMessage], payload: dict, device: Device | None, send
     if message is None:
         return None, None, 0.0
     if message.device != device.name:
-        security_event("board_message_refused", device=device.name, message=cls.__name__, reason=f"names device {message.device!r}, not its signer")
+        security_event(
+            "board_message_refused",
+            device=device.name,
+            message=cls.__name__,
+            reason=f"names device {message.device!r}, not its signer",
+        )
         return None, None, 0.0
     return message, device, float(head["ts"])
 
@@ -385,7 +424,9 @@ class HeartbeatBatch:
         changed since the last read; how many. Each board holds one key however often it beats, so
         one board's flood delays no other board."""
         if time.monotonic() - self._roster_at > self.ROSTER_EVERY_S:
-            self._names = list(Device.objects.filter(revoked_at=None).exclude(signing_public_key="").values_list("name", flat=True))
+            self._names = list(
+                Device.objects.filter(revoked_at=None).exclude(signing_public_key="").values_list("name", flat=True)
+            )
             self._roster_at = time.monotonic()
             self._seen = {name: seen for name, seen in self._seen.items() if name in set(self._names)}
         broker = broker_server()
@@ -401,7 +442,12 @@ class HeartbeatBatch:
                     continue  # the beat read last time: nothing new from this board
                 self._seen[name] = seen
                 if size > MAX_HEARTBEAT_BYTES:
-                    security_event("board_message_refused", device=name, message="Heartbeat", reason=f"{size} bytes, more than {MAX_HEARTBEAT_BYTES}")
+                    security_event(
+                        "board_message_refused",
+                        device=name,
+                        message="Heartbeat",
+                        reason=f"{size} bytes, more than {MAX_HEARTBEAT_BYTES}",
+                    )
                     continue
                 try:
                     payload = json.loads(raw)
@@ -409,7 +455,9 @@ class HeartbeatBatch:
                     security_event("board_message_refused", device=name, message="Heartbeat", reason="not JSON")
                     continue
                 if not isinstance(payload, dict):
-                    security_event("board_message_refused", device=name, message="Heartbeat", reason="not a JSON object")
+                    security_event(
+                        "board_message_refused", device=name, message="Heartbeat", reason="not a JSON object"
+                    )
                     continue
                 with self._lock:
                     self._pending.append(payload)
@@ -437,7 +485,9 @@ class HeartbeatBatch:
             except Exception as exc:  # the broker or database away for a moment: the next heartbeats land
                 if time.monotonic() - warned > 30:
                     warned = time.monotonic()
-                    log.warning("heartbeats not recorded (again in %.1f s): %s: %s", self.FLUSH_S, type(exc).__name__, exc)
+                    log.warning(
+                        "heartbeats not recorded (again in %.1f s): %s: %s", self.FLUSH_S, type(exc).__name__, exc
+                    )
             finally:
                 close_old_connections()
 
@@ -453,7 +503,10 @@ class HeartbeatBatch:
                 senders[id(payload)] = peek(payload)["from"]
             except EnvelopeRefused as exc:
                 security_event("board_message_refused", message="Heartbeat", reason=str(exc)[:300])
-        devices = {device.name: device for device in Device.objects.filter(name__in=set(senders.values())).select_related("namespace")}
+        devices = {
+            device.name: device
+            for device in Device.objects.filter(name__in=set(senders.values())).select_related("namespace")
+        }
         newest: dict[str, tuple[float, dict]] = {}
         for payload in payloads:
             name = senders.get(id(payload))
@@ -489,7 +542,9 @@ class HeartbeatBatch:
         told = 0
         for device in accepted:
             told_at = self._told.get(device.name)
-            if told < self.BROADCASTS_PER_FLUSH and (device.name in returning or told_at is None or clock - told_at > self.BROADCAST_EVERY_S):
+            if told < self.BROADCASTS_PER_FLUSH and (
+                device.name in returning or told_at is None or clock - told_at > self.BROADCAST_EVERY_S
+            ):
                 self._told[device.name] = clock
                 told += 1
                 broadcast("device", device_json(device))
@@ -507,7 +562,9 @@ def _write_heartbeats(rows: list[tuple[int, float, dict]], now) -> None:
 
     if not rows:
         return
-    fields = {name: Device._meta.get_field(name) for name in ("last_message_ts", "last_seen", "status", "announced_online")}
+    fields = {
+        name: Device._meta.get_field(name) for name in ("last_message_ts", "last_seen", "status", "announced_online")
+    }
     seen = fields["last_seen"].get_db_prep_save(now, connection)
     online = fields["announced_online"].get_db_prep_save(True, connection)
     quote = connection.ops.quote_name
@@ -516,7 +573,10 @@ def _write_heartbeats(rows: list[tuple[int, float, dict]], now) -> None:
         f"{quote(fields['status'].column)} = %s, {quote(fields['announced_online'].column)} = %s "
         f"WHERE {quote(Device._meta.pk.column)} = %s AND {quote(fields['last_message_ts'].column)} < %s"
     )
-    params = [(sent, seen, fields["status"].get_db_prep_save(status, connection), online, pk, sent) for pk, sent, status in rows]
+    params = [
+        (sent, seen, fields["status"].get_db_prep_save(status, connection), online, pk, sent)
+        for pk, sent, status in rows
+    ]
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.executemany(sql, params)
 
@@ -583,7 +643,6 @@ def device_json(device: Device, now=None) -> dict:
     }
 
 
-
 def ensure_identities() -> bool:
     """Apply every device's Redis users (and publish every record) again when a server lost them:
     it restarted empty, without an ACL file to reload them from. One GET per server when nothing
@@ -598,6 +657,9 @@ def ensure_identities() -> bool:
         return False
     if not missing:
         return False
-    log.warning("boards' Redis users missing on %s (restarted empty?): applying them again", ", ".join(store.safe_url for store in missing))
+    log.warning(
+        "boards' Redis users missing on %s (restarted empty?): applying them again",
+        ", ".join(store.safe_url for store in missing),
+    )
     publish_all_devices()  # applies every identity, then publishes every record
     return True

@@ -23,10 +23,10 @@ from django.utils import timezone
 
 from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
+from dashboard.live.broadcast import broadcast
 from dashboard.models import CacheEntry
 from inference.contract.messages import AuditReport, AuditRequest, RunReport, RunRequest, Task
 
-from dashboard.live.broadcast import broadcast
 from ..models import Device, Dispatch, EntryAudit
 from .audit import AuditAction, audit
 from .cache import delete_entries, delete_entries_of
@@ -58,10 +58,17 @@ def choose_auditor(namespace: str, fingerprint: str, exclude: set[str]) -> Devic
     now = timezone.now()
     candidates = [
         device
-        for device in Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True, quarantined_at__isnull=True, namespace__share_across_devices=True)
+        for device in Device.objects.filter(
+            namespace_id=namespace,
+            revoked_at__isnull=True,
+            quarantined_at__isnull=True,
+            namespace__share_across_devices=True,
+        )
         .exclude(signing_public_key="")
         .select_related("namespace")
-        if device.name not in exclude and device.online_at(now) and (device.status or {}).get("fingerprint") == fingerprint
+        if device.name not in exclude
+        and device.online_at(now)
+        and (device.status or {}).get("fingerprint") == fingerprint
     ]
     return random.choice(candidates) if candidates else None
 
@@ -82,7 +89,9 @@ def dispatch_audit(entry: str, namespace: str, request: dict, run_device: str) -
         log.info("audit of %s not sent: no other online board of model %s in %s", entry, fingerprint, namespace)
         return None
     message = AuditRequest(request_id=str(uuid.uuid4()), entry=entry, run=run)
-    row = EntryAudit.objects.create(request_id=message.request_id, entry=entry, namespace=namespace, run_device=run_device, auditor=auditor)
+    row = EntryAudit.objects.create(
+        request_id=message.request_id, entry=entry, namespace=namespace, run_device=run_device, auditor=auditor
+    )
     send_to_board(auditor, Task.AUDIT_ENTRY, message.dump(), settings.EDGECACHE_TASK_EXPIRES)
     return row
 
@@ -98,16 +107,32 @@ def record_audit(payload: dict) -> EntryAudit | None:
     if report is None:
         return None
     with transaction.atomic():
-        row = EntryAudit.objects.select_for_update().filter(request_id=report.request_id, auditor=device, verdict="").first()
+        row = (
+            EntryAudit.objects.select_for_update()
+            .filter(request_id=report.request_id, auditor=device, verdict="")
+            .first()
+        )
         if row is None or row.entry != report.entry:
-            security_event("board_message_refused", device=device.name, message="AuditReport", reason="answers no audit sent to this board")
+            security_event(
+                "board_message_refused",
+                device=device.name,
+                message="AuditReport",
+                reason="answers no audit sent to this board",
+            )
             return None
-        row.verdict, row.producer, row.detail, row.finished = report.verdict, report.producer, report.detail, timezone.now()
+        row.verdict, row.producer, row.detail, row.finished = (
+            report.verdict,
+            report.producer,
+            report.detail,
+            timezone.now(),
+        )
         row.save(update_fields=["verdict", "producer", "detail", "finished"])
     if report.verdict in ("mismatch", "refused"):
         delete_entries([row.entry])
     if report.verdict == "mismatch":
-        security_event("audit_mismatch", entry=row.entry, producer=report.producer, auditor=device.name, detail=report.detail)
+        security_event(
+            "audit_mismatch", entry=row.entry, producer=report.producer, auditor=device.name, detail=report.detail
+        )
         if report.producer:
             quarantine_producer(row.namespace, report.producer, f"audit {row.request_id}: {report.detail}"[:300])
     return row
@@ -144,6 +169,3 @@ def clear_quarantine(user, device: Device) -> None:
     device.refresh_from_db()
     publish_producers(device.namespace_id)
     transaction.on_commit(lambda: broadcast("device", device_json(device)))
-
-
-

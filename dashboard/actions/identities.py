@@ -12,7 +12,8 @@ import functools
 import logging
 
 from django.conf import settings
-from kombu import Exchange, Queue as KombuQueue
+from kombu import Exchange
+from kombu import Queue as KombuQueue
 
 from cachebox import acl
 from cachebox.errors import CacheBoxError
@@ -57,7 +58,9 @@ def apply_identity(device: Device, *, stores: list[CacheBox] | None = None, save
         for store in stores or servers():
             store.load_functions(cachebox_limits(store))  # what its user may write goes through them
             if _enrolled(device):
-                store.set_user(board, acl.board_rules(device.name, device.cache_namespace, device.redis_password_sha256))
+                store.set_user(
+                    board, acl.board_rules(device.name, device.cache_namespace, device.redis_password_sha256)
+                )
             else:
                 store.delete_user(board)  # its connections close now
             if token_usable(device) and device.enroll_redis_sha256:
@@ -89,7 +92,6 @@ def declare_queue(device: Device) -> None:
         log.warning("queue %s not declared: %s", name, exc)
 
 
-
 def apply_all_identities() -> int:
     """Every device's Redis users, and no board user the database does not know (a deleted
     device's is removed). Returns how many devices were applied."""
@@ -111,4 +113,3 @@ def apply_all_identities() -> int:
         except CacheBoxError as exc:
             log.warning("Redis users not reconciled on %s: %s", store.safe_url, exc)
     return len(devices)
-

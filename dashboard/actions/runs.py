@@ -12,20 +12,30 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from dashboard.store import mirror
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, heard_key_name, stream_channel
-from inference.serving.breakdown import time_sums
-from inference.contract.envelope import CONTROL, Kind, seal
-from inference.contract.messages import CANCELLED, ChatMessage, Continuation, RunMeta, RunReport, RunRequest, SamplingSpec, StreamEvent, Task
-
 from dashboard import admission, router
 from dashboard.live.broadcast import broadcast
-from ..models import Device, Dispatch, InferenceRun
 from dashboard.outbox import send_to_board
 from dashboard.pages.entry_preview import stored_entries
 from dashboard.security.signing import cancel_flag, control_plane_signer, device_ring
+from dashboard.store import mirror
+from inference.contract.envelope import CONTROL, Kind, seal
+from inference.contract.messages import (
+    CANCELLED,
+    ChatMessage,
+    Continuation,
+    RunMeta,
+    RunReport,
+    RunRequest,
+    SamplingSpec,
+    StreamEvent,
+    Task,
+)
+from inference.serving.breakdown import time_sums
+
+from ..models import Device, Dispatch, InferenceRun
 from . import entry_audits
 from .cache import acceptable_entries, cachebox
 from .devices import receive_board_message
@@ -35,7 +45,16 @@ log = logging.getLogger("dashboard.actions")
 PAGE_WAIT_MARGIN_S = 30  # the Run page follows its runs this long past their expiry (dashboard.live.run_stream)
 
 
-def run_request(segments=(), *, source: str = "text", title: str = "", expected_answer: str = "", messages=(), sampling: dict | None = None, **fields) -> RunRequest:
+def run_request(
+    segments=(),
+    *,
+    source: str = "text",
+    title: str = "",
+    expected_answer: str = "",
+    messages=(),
+    sampling: dict | None = None,
+    **fields,
+) -> RunRequest:
     """A run as the Run page, the API or a script asks for it: the board's own ``RunRequest`` (the
     one prompt type from the form to the board); ``dispatch_run`` gives each device its own id and
     namespace. ``messages``: a chat's (role, content) turns; ``fields``: RunRequest's others
@@ -50,7 +69,13 @@ def run_request(segments=(), *, source: str = "text", title: str = "", expected_
     )
 
 
-def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: list[str] | None = None, routed: router.Routed | None = None) -> list[dict]:
+def dispatch_run(
+    user,
+    devices: list[Device],
+    asked: RunRequest,
+    request_ids: list[str] | None = None,
+    routed: router.Routed | None = None,
+) -> list[dict]:
     """Send the run ``asked`` to each device's own queue, each with its own request id (and its
     namespace unless one was asked); returns one {request_id, device} per device.
 
@@ -58,10 +83,13 @@ def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: li
     sent = []
     meta = asked.meta
     for index, device in enumerate(devices):
-        request = asked.model_copy(update={
-            "request_id": request_ids[index] if request_ids else str(uuid.uuid4()), "namespace": asked.namespace or device.namespace_id,
-            "approximate_from": approximate_sources(device) if not asked.strategy else {},
-        })
+        request = asked.model_copy(
+            update={
+                "request_id": request_ids[index] if request_ids else str(uuid.uuid4()),
+                "namespace": asked.namespace or device.namespace_id,
+                "approximate_from": approximate_sources(device) if not asked.strategy else {},
+            }
+        )
         # ``routed``: the router chose this (one) device for a prompt sent to any board; a run to a
         # named board keeps its prompt's keys too (the routing history: what each board holds).
         # Either way the request carries the tokens routing made of its prompt.
@@ -70,12 +98,24 @@ def dispatch_run(user, devices: list[Device], asked: RunRequest, request_ids: li
         now = timezone.now()
         expires = timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES)
         row = Dispatch.objects.create(
-            request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),
-            expires_at=now + expires, waits_until=now + expires + timedelta(seconds=PAGE_WAIT_MARGIN_S) if request.stream else None,
+            request_id=request.request_id,
+            kind="run",
+            device=device,
+            namespace=request.namespace,
+            routing=record,
+            request=request.dump(),
+            expires_at=now + expires,
+            waits_until=now + expires + timedelta(seconds=PAGE_WAIT_MARGIN_S) if request.stream else None,
         )
         router.STATE.feed(str(row.request_id), device.name, record, row.created)
         send_to_board(device, Task.RUN_PROMPT, request.dump(), settings.EDGECACHE_TASK_EXPIRES)
-        sent.append({"request_id": request.request_id, "device": device.name, **({"routing": router.shown(record)} if routed is not None else {})})
+        sent.append(
+            {
+                "request_id": request.request_id,
+                "device": device.name,
+                **({"routing": router.shown(record)} if routed is not None else {}),
+            }
+        )
         broadcast("run.dispatched", {"request_id": request.request_id, "device": device.name, "title": meta.title})
     log.info("dispatched user=%s devices=%s", getattr(user, "username", None), [d.name for d in devices])
     return sent
@@ -89,13 +129,24 @@ def approximate_sources(device: Device) -> dict[str, str]:
     namespace = device.namespace
     status = device.status or {}
     own = (status.get("fingerprint"), status.get("model"), status.get("kv_type"))
-    if not (namespace.share_across_kernel_classes and namespace.share_across_devices and all(own) and device.kernel_class):
+    if not (
+        namespace.share_across_kernel_classes and namespace.share_across_devices and all(own) and device.kernel_class
+    ):
         return {}
     found: dict[str, str] = {}
-    for other in Device.objects.filter(namespace=namespace, revoked_at__isnull=True).exclude(pk=device.pk).only("status").order_by("-last_seen"):
+    for other in (
+        Device.objects.filter(namespace=namespace, revoked_at__isnull=True)
+        .exclude(pk=device.pk)
+        .only("status")
+        .order_by("-last_seen")
+    ):
         theirs = other.status or {}
         fingerprint, kernel_class = theirs.get("fingerprint"), other.kernel_class
-        if (theirs.get("model"), theirs.get("kv_type")) != own[1:] or not kernel_class or kernel_class == device.kernel_class:
+        if (
+            (theirs.get("model"), theirs.get("kv_type")) != own[1:]
+            or not kernel_class
+            or kernel_class == device.kernel_class
+        ):
             continue
         if isinstance(fingerprint, str) and fingerprint != own[0] and fingerprint not in found and len(found) < 8:
             found[fingerprint] = kernel_class
@@ -151,7 +202,9 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
                     **({"asked": asked} if asked else {}),
                     **({"resent_from": moved} if moved else {}),
                 },
-                "case": breakdown.case.value if not report.error or report.error == CANCELLED else "",  # a cancelled run was served: its case holds
+                "case": breakdown.case.value
+                if not report.error or report.error == CANCELLED
+                else "",  # a cancelled run was served: its case holds
                 "ttft_ms": breakdown.ttft_ms,
                 "ttlt_ms": breakdown.ttlt_ms,
                 "prompt_tokens": breakdown.prompt_tokens,
@@ -160,7 +213,9 @@ def record_run(payload: RunReport | dict) -> InferenceRun | None:
             },
         )
         if not created:
-            if run.error.startswith(LOST_PREFIX) and (not report.error or (report.error == CANCELLED and len(report.text) >= len(run.text))):
+            if run.error.startswith(LOST_PREFIX) and (
+                not report.error or (report.error == CANCELLED and len(report.text) >= len(run.text))
+            ):
                 # The board was slow, not gone (nobody else answered): its answer replaces the run
                 # given up on; one it stopped (its client left) keeps what it answered.
                 _answer_lost_run(run, report)
@@ -197,8 +252,16 @@ def asked_of(request_id: str) -> dict:
 def _answer_lost_run(run: InferenceRun, report: RunReport) -> None:
     breakdown = report.breakdown
     run.text, run.error, run.breakdown = report.text, report.error, breakdown.as_dict()
-    run.case, run.ttft_ms, run.ttlt_ms = breakdown.case.value if not report.error else "", breakdown.ttft_ms, breakdown.ttlt_ms
-    run.prompt_tokens, run.matched_tokens, run.state_bytes = breakdown.prompt_tokens, breakdown.matched_tokens, breakdown.state_bytes
+    run.case, run.ttft_ms, run.ttlt_ms = (
+        breakdown.case.value if not report.error else "",
+        breakdown.ttft_ms,
+        breakdown.ttlt_ms,
+    )
+    run.prompt_tokens, run.matched_tokens, run.state_bytes = (
+        breakdown.prompt_tokens,
+        breakdown.matched_tokens,
+        breakdown.state_bytes,
+    )
     run.save()
     Dispatch.objects.filter(request_id=report.request_id).update(outcome="answered", request={})
 
@@ -212,7 +275,9 @@ def answers_dispatch(device: Device, request_id: str, kind: str) -> bool:
         "report_refused",
         device=device.name,
         request_id=request_id,
-        reason="no such request was dispatched" if dispatch is None else f"dispatched to {dispatch.device.name if dispatch.device else 'namespace ' + dispatch.namespace}",
+        reason="no such request was dispatched"
+        if dispatch is None
+        else f"dispatched to {dispatch.device.name if dispatch.device else 'namespace ' + dispatch.namespace}",
     )
     return False
 
@@ -242,18 +307,24 @@ def run_json(run: InferenceRun) -> dict:
         "expected_answer": run.expected_answer,
         "breakdown": run.breakdown,
         # TTFT and TTLT as the sums of their parts, as shown (the answer card, the stacked chart).
-        "time_sums": {key: total.as_dict() for key, total in time_sums(run.breakdown or {}).items()} if run.breakdown else None,
+        "time_sums": {key: total.as_dict() for key, total in time_sums(run.breakdown or {}).items()}
+        if run.breakdown
+        else None,
         "hit_tier": hit_tier(run.case, (run.breakdown or {}).get("tier")),  # the hit-ratio chart's tier ("" for a miss)
         "served_from": run.served_from,  # where its prompt came from, in every page's words
         "served_from_label": run.source_label,
         "approximate": run.approximate_label,  # "approximate: cross-class from <class>" when another kernel class's state was used
-        "explanation": explain_run(text=run.text, error=run.error, expected_answer=run.expected_answer, breakdown=run.breakdown),
+        "explanation": explain_run(
+            text=run.text, error=run.error, expected_answer=run.expected_answer, breakdown=run.breakdown
+        ),
         "url": reverse("run-detail", args=[run.pk]),
         "device_figures": run_figures(run.device),
     }
 
 
-def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, routed: router.Routed | None = None, announce: bool = True) -> dict:
+def dispatch_api_run(
+    device: Device, request: RunRequest, *, expires: int, routed: router.Routed | None = None, announce: bool = True
+) -> dict:
     """Send a run of the OpenAI-compatible API (``dashboard.api``) to ``device``'s queue; returns
     the ``run.dispatched`` live event, broadcast here unless ``announce`` is False (the caller
     then sends it, off its answer's path).
@@ -268,8 +339,14 @@ def dispatch_api_run(device: Device, request: RunRequest, *, expires: int, route
     record, request = here.record, here.request(request)  # it carries the tokens routing made of its prompt
     now = timezone.now()
     row = Dispatch.objects.create(
-        request_id=request.request_id, kind="run", device=device, namespace=request.namespace, routing=record, request=request.dump(),
-        expires_at=now + timedelta(seconds=expires), waits_until=now + timedelta(seconds=expires),
+        request_id=request.request_id,
+        kind="run",
+        device=device,
+        namespace=request.namespace,
+        routing=record,
+        request=request.dump(),
+        expires_at=now + timedelta(seconds=expires),
+        waits_until=now + timedelta(seconds=expires),
     )
     router.STATE.feed(str(row.request_id), device.name, record, row.created)
     send_to_board(device, Task.RUN_PROMPT, request.dump(), expires)
@@ -305,7 +382,11 @@ def continue_run(request_id: str, device: str, tokens: list[int], text: str) -> 
     follower did. False when the run is not (or no longer) waiting to be sent there."""
     from kombu.exceptions import OperationalError
 
-    dispatch = Dispatch.objects.select_related("device").filter(request_id=request_id, outcome="", moving=True, device__name=device).first()
+    dispatch = (
+        Dispatch.objects.select_related("device")
+        .filter(request_id=request_id, outcome="", moving=True, device__name=device)
+        .first()
+    )
     if dispatch is None or not dispatch.request:
         return False
     if not Dispatch.objects.filter(pk=dispatch.pk, moving=True).update(moving=False):
@@ -314,17 +395,29 @@ def continue_run(request_id: str, device: str, tokens: list[int], text: str) -> 
     moved = (dispatch.routing or {}).get("moved") or {}
     tokens = list(tokens)[: max(0, request.max_tokens - 1)]  # the new board chooses at least the last one itself
     if tokens:
-        request = request.model_copy(update={"continues": Continuation(tokens=tokens, text=text, device=str(moved.get("from", ""))[:64])})
-    ttl = max(1.0, (dispatch.expires_at - dispatch.created).total_seconds()) if dispatch.expires_at else settings.EDGECACHE_TASK_EXPIRES
+        request = request.model_copy(
+            update={"continues": Continuation(tokens=tokens, text=text, device=str(moved.get("from", ""))[:64])}
+        )
+    ttl = (
+        max(1.0, (dispatch.expires_at - dispatch.created).total_seconds())
+        if dispatch.expires_at
+        else settings.EDGECACHE_TASK_EXPIRES
+    )
     try:
         send_to_board(dispatch.device, Task.RUN_PROMPT, request.dump(), ttl)
     except OperationalError as exc:
-
-
-        lose(Dispatch.objects.select_related("device", "device__namespace").get(pk=dispatch.pk), f"{moved.get('why', 'its board stopped answering')}; re-sending it failed ({exc})")
+        lose(
+            Dispatch.objects.select_related("device", "device__namespace").get(pk=dispatch.pk),
+            f"{moved.get('why', 'its board stopped answering')}; re-sending it failed ({exc})",
+        )
         return False
-    log.warning("run %s sent to %s, going on from %d tokens of %s", request_id, device, len(tokens), moved.get("from", "?"))
-    broadcast("run.dispatched", {"request_id": request_id, "device": device, "title": request.meta.title, "resent_from": moved.get("from", "")})
+    log.warning(
+        "run %s sent to %s, going on from %d tokens of %s", request_id, device, len(tokens), moved.get("from", "?")
+    )
+    broadcast(
+        "run.dispatched",
+        {"request_id": request_id, "device": device, "title": request.meta.title, "resent_from": moved.get("from", "")},
+    )
     return True
 
 
@@ -336,7 +429,11 @@ def keep_streamed(request_id: str, text: str) -> None:
         return
     Dispatch.objects.filter(request_id=request_id, outcome="").update(streamed=text)
     with transaction.atomic():
-        run = InferenceRun.objects.select_for_update().filter(request_id=request_id, error__startswith=LOST_PREFIX).first()
+        run = (
+            InferenceRun.objects.select_for_update()
+            .filter(request_id=request_id, error__startswith=LOST_PREFIX)
+            .first()
+        )
         if run is None or len(run.text) >= len(text):
             return
         run.text = text
@@ -370,11 +467,18 @@ def revoke(user, dispatch: Dispatch) -> bool:
 
     ended, _ = _end_unanswered(dispatch, "revoked", REVOKED.format(who=getattr(user, "username", "") or "someone"))
     if ended:
-        audit(user, AuditAction.RUN_REVOKE, str(dispatch.request_id), f"on {dispatch.device.name if dispatch.device else 'namespace ' + dispatch.namespace}")
+        audit(
+            user,
+            AuditAction.RUN_REVOKE,
+            str(dispatch.request_id),
+            f"on {dispatch.device.name if dispatch.device else 'namespace ' + dispatch.namespace}",
+        )
     return ended
 
 
-def _end_unanswered(dispatch: Dispatch, outcome: str, error: str, *, text: str = "", cancel: bool = True) -> tuple[bool, InferenceRun | None]:
+def _end_unanswered(
+    dispatch: Dispatch, outcome: str, error: str, *, text: str = "", cancel: bool = True
+) -> tuple[bool, InferenceRun | None]:
     """End a dispatch nobody answered as ``outcome`` (lost, revoked): a failed run with ``error``
     (broadcast, so every page that lists runs shows it) keeping ``text``, its board told to drop
     it (``cancel``), its waiting client told at once. (False, None) when it ended otherwise meanwhile (one conditional update
@@ -384,20 +488,36 @@ def _end_unanswered(dispatch: Dispatch, outcome: str, error: str, *, text: str =
     if not Dispatch.objects.filter(pk=dispatch.pk, outcome="").update(outcome=outcome):
         return False, None
     request_id = str(dispatch.request_id)
-    meta = RunMeta.parse(dispatch.request.get("meta", {})) if isinstance(dispatch.request, dict) and dispatch.request.get("meta") else RunMeta()
+    meta = (
+        RunMeta.parse(dispatch.request.get("meta", {}))
+        if isinstance(dispatch.request, dict) and dispatch.request.get("meta")
+        else RunMeta()
+    )
     prompt = RunRequest.parse(dispatch.request).prompt_text if dispatch.request else ""
     run = None
     if dispatch.device is not None:
         with transaction.atomic():
             run, created = InferenceRun.objects.get_or_create(
                 request_id=request_id,
-                defaults={"device": dispatch.device, "source": meta.source, "title": meta.title, "expected_answer": meta.expected_answer, "prompt": prompt, "error": error, "text": text},
+                defaults={
+                    "device": dispatch.device,
+                    "source": meta.source,
+                    "title": meta.title,
+                    "expected_answer": meta.expected_answer,
+                    "prompt": prompt,
+                    "error": error,
+                    "text": text,
+                },
             )
             if created:
                 transaction.on_commit(lambda: broadcast("run", run_json(run)))
         if cancel:
             cancel_on(dispatch.device, request_id)
-        publish_event(dispatch.device, request_id, StreamEvent(type="error", request_id=request_id, device=dispatch.device.name, error=error[:10_000]))
+        publish_event(
+            dispatch.device,
+            request_id,
+            StreamEvent(type="error", request_id=request_id, device=dispatch.device.name, error=error[:10_000]),
+        )
     Dispatch.objects.filter(pk=dispatch.pk).update(request={})
     log.warning("run %s %s", request_id, error)
     return True, run
@@ -407,7 +527,14 @@ def publish_event(device: Device, request_id: str, event: StreamEvent) -> None:
     """A control-plane event on the run's channel of ``device`` (best effort: the record is the truth)."""
     from .cache import cachebox
 
-    sealed = seal(event.compact(), kind=Kind.STREAM, sender=CONTROL, to=request_id, signer=control_plane_signer(), ring=device_ring(device))
+    sealed = seal(
+        event.compact(),
+        kind=Kind.STREAM,
+        sender=CONTROL,
+        to=request_id,
+        signer=control_plane_signer(),
+        ring=device_ring(device),
+    )
     try:
         cachebox().publish(stream_channel(device.name, request_id), json.dumps(sealed, separators=(",", ":")).encode())
     except CacheBoxError as exc:
@@ -419,7 +546,11 @@ def cancel_on(device: Device, request_id: str) -> None:
     from .cache import cachebox
 
     try:
-        cachebox().set_flag(cancel_key_name(device.name, request_id), settings.EDGECACHE_TASK_EXPIRES + 60, cancel_flag(device.name, request_id))
+        cachebox().set_flag(
+            cancel_key_name(device.name, request_id),
+            settings.EDGECACHE_TASK_EXPIRES + 60,
+            cancel_flag(device.name, request_id),
+        )
     except CacheBoxError as exc:
         log.warning("run %s: its first board was not told to drop it (%s)", request_id, exc)
 

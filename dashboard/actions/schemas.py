@@ -7,18 +7,16 @@ import uuid
 from django.conf import settings
 from django.db import transaction
 
-from dashboard.store import mirror
-from dashboard.models import CacheEntry
-from inference.contract.messages import EncodeProgress, EncodeReport, EncodeRequest, Task
-from dashboard.models import Schema
-
 from dashboard.live.broadcast import broadcast
+from dashboard.models import CacheEntry, Schema
+from dashboard.outbox import send_to_board
+from dashboard.store import mirror
+from inference.contract.messages import EncodeProgress, EncodeReport, EncodeRequest, Task
+
 from ..models import Device, Dispatch
 from .audit import AuditAction, audit
 from .cache import acceptable_entries, cachebox
 from .devices import receive_board_message
-from dashboard.outbox import send_to_board
-
 from .runs import answers_dispatch
 
 
@@ -34,8 +32,15 @@ def dispatch_encode(user, schema: Schema, devices: list[Device], namespace: str 
     """Ask boards to encode a schema's modules into the cache box; progress comes back live."""
     sent = []
     for device in devices:
-        request = EncodeRequest(request_id=str(uuid.uuid4()), schema_id=schema.pk, schema=schema.source, namespace=namespace or device.namespace_id)
-        Dispatch.objects.create(request_id=request.request_id, kind="encode", device=device, namespace=request.namespace)
+        request = EncodeRequest(
+            request_id=str(uuid.uuid4()),
+            schema_id=schema.pk,
+            schema=schema.source,
+            namespace=namespace or device.namespace_id,
+        )
+        Dispatch.objects.create(
+            request_id=request.request_id, kind="encode", device=device, namespace=request.namespace
+        )
         send_to_board(device, Task.ENCODE_SCHEMA, request.dump(), settings.EDGECACHE_TASK_EXPIRES)
         sent.append({"request_id": request.request_id, "device": device.name})
     audit(user, AuditAction.SCHEMA_ENCODE, schema.name, ", ".join(d.name for d in devices))
@@ -47,7 +52,13 @@ def record_encode_progress(payload: EncodeProgress | dict) -> None:
     if device is None or not answers_dispatch(device, progress.request_id, "encode"):
         return
     fields = progress.dump()
-    broadcast("encode.progress", {"device": progress.device, **{key: fields[key] for key in ("request_id", "schema_id", "done", "total", "piece")}})
+    broadcast(
+        "encode.progress",
+        {
+            "device": progress.device,
+            **{key: fields[key] for key in ("request_id", "schema_id", "done", "total", "piece")},
+        },
+    )
 
 
 def record_encoded(payload: EncodeReport | dict) -> None:

@@ -32,9 +32,9 @@ from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
 from cachebox.keys import heard_key_name
+from dashboard.live.broadcast import broadcast
 from inference.contract.messages import StreamEvent
 
-from dashboard.live.broadcast import broadcast
 from ..models import Device, Dispatch, InferenceRun, offline_after
 from .runs import cancel_on, continue_run, lose, publish_event
 
@@ -50,18 +50,28 @@ def sweep(now=None) -> dict:
     left waiting for their quiet board."""
     now = now or timezone.now()
     counts = {"answered": 0, "resent": 0, "lost": 0, "waiting": 0}
-    pending = list(Dispatch.objects.filter(kind="run", outcome="").select_related("device", "device__namespace").order_by("created")[:BATCH])
+    pending = list(
+        Dispatch.objects.filter(kind="run", outcome="")
+        .select_related("device", "device__namespace")
+        .order_by("created")[:BATCH]
+    )
     if not pending:
         return counts
-    answered = {str(rid) for rid in InferenceRun.objects.filter(request_id__in=[d.request_id for d in pending]).values_list("request_id", flat=True)}
+    answered = {
+        str(rid)
+        for rid in InferenceRun.objects.filter(request_id__in=[d.request_id for d in pending]).values_list(
+            "request_id", flat=True
+        )
+    }
     heard = Heard(pending)
     for dispatch in pending:
         if str(dispatch.request_id) in answered:
-            counts["answered"] += Dispatch.objects.filter(pk=dispatch.pk, outcome="").update(outcome="answered", request={})
+            counts["answered"] += Dispatch.objects.filter(pk=dispatch.pk, outcome="").update(
+                outcome="answered", request={}
+            )
             continue
         if dispatch.moving:  # moved: its follower sends it; nobody did in time, so nobody follows it
             if now - dispatch.created > HANDOVER:
-
                 counts["resent"] += continue_run(str(dispatch.request_id), dispatch.device.name, [], "")
             continue
         why = why_lost(dispatch, now, heard)
@@ -91,7 +101,10 @@ class Heard:
         names = []
         for dispatch in dispatches:
             if dispatch.device is not None:
-                names += [heard_key_name(dispatch.device.name), heard_key_name(dispatch.device.name, str(dispatch.request_id))]
+                names += [
+                    heard_key_name(dispatch.device.name),
+                    heard_key_name(dispatch.device.name, str(dispatch.request_id)),
+                ]
         self.at: dict[str, float] = {}
         if not names:
             return
@@ -110,7 +123,11 @@ class Heard:
         return self.at.get(heard_key_name(device.name), 0.0)
 
     def run(self, dispatch: Dispatch) -> float:
-        return self.at.get(heard_key_name(dispatch.device.name, str(dispatch.request_id)), 0.0) if dispatch.device is not None else 0.0
+        return (
+            self.at.get(heard_key_name(dispatch.device.name, str(dispatch.request_id)), 0.0)
+            if dispatch.device is not None
+            else 0.0
+        )
 
 
 def movable(dispatch: Dispatch) -> bool:
@@ -141,7 +158,9 @@ def why_lost(dispatch: Dispatch, now, heard: Heard | None = None) -> str:
         if device.last_seen >= dispatch.created - window:  # it was alive when the run went to it, and went quiet since
             last = max(device.last_seen.timestamp(), last_heard)
             said = f"its last heartbeat came at {device.last_seen:%H:%M:%S} UTC" + (
-                f", its last word on a run at {time.strftime('%H:%M:%S', time.gmtime(last_heard))} UTC" if last_heard else ""
+                f", its last word on a run at {time.strftime('%H:%M:%S', time.gmtime(last_heard))} UTC"
+                if last_heard
+                else ""
             )
             return f"board {device.name} stopped answering ({said}; quiet for {now.timestamp() - last:.0f} s) while the run waited on it"
     return ""
@@ -155,15 +174,25 @@ def _another_board(dispatch: Dispatch, now) -> Device | None:
     """An online board of the dispatch's namespace, other than its own, serving the same model."""
     device = dispatch.device
     fingerprint = (device.status or {}).get("fingerprint") if device is not None else None
-    candidates = Device.objects.filter(namespace_id=device.namespace_id if device else dispatch.namespace, revoked_at__isnull=True).exclude(pk=getattr(device, "pk", None)).select_related("namespace")
-    allowed = (dispatch.routing or {}).get("allowed")  # the boards the request named to choose among (none: any of its namespace)
+    candidates = (
+        Device.objects.filter(
+            namespace_id=device.namespace_id if device else dispatch.namespace, revoked_at__isnull=True
+        )
+        .exclude(pk=getattr(device, "pk", None))
+        .select_related("namespace")
+    )
+    allowed = (dispatch.routing or {}).get(
+        "allowed"
+    )  # the boards the request named to choose among (none: any of its namespace)
     online = [
-        other for other in candidates
-        if _online(other, now) and other.signing_public_key and (not fingerprint or (other.status or {}).get("fingerprint") == fingerprint)
+        other
+        for other in candidates
+        if _online(other, now)
+        and other.signing_public_key
+        and (not fingerprint or (other.status or {}).get("fingerprint") == fingerprint)
         and (not allowed or other.name in allowed)
     ]
     return min(online, key=lambda other: other.last_seen, default=None) if online else None
-
 
 
 def resend(dispatch: Dispatch, other: Device, why: str) -> bool:
@@ -173,18 +202,32 @@ def resend(dispatch: Dispatch, other: Device, why: str) -> bool:
     False when another sweeper moved it first."""
     request_id = str(dispatch.request_id)
     first = dispatch.device
-    ttl = (dispatch.expires_at - dispatch.created).total_seconds() if dispatch.expires_at else settings.EDGECACHE_TASK_EXPIRES
+    ttl = (
+        (dispatch.expires_at - dispatch.created).total_seconds()
+        if dispatch.expires_at
+        else settings.EDGECACHE_TASK_EXPIRES
+    )
     now = timezone.now()
-    routing = {**(dispatch.routing or {}), "moved": {"from": getattr(first, "name", ""), "to": other.name, "why": why[:500], "at": now.isoformat()}}
+    routing = {
+        **(dispatch.routing or {}),
+        "moved": {"from": getattr(first, "name", ""), "to": other.name, "why": why[:500], "at": now.isoformat()},
+    }
     moved = Dispatch.objects.filter(pk=dispatch.pk, outcome="", attempt=1).update(
-        attempt=2, device=other, created=now, expires_at=now + timedelta(seconds=ttl), moving=True, routing=routing,
+        attempt=2,
+        device=other,
+        created=now,
+        expires_at=now + timedelta(seconds=ttl),
+        moving=True,
+        routing=routing,
     )
     if not moved:
         return False
     log.warning("run %s moved from %s to %s: %s", request_id, getattr(first, "name", "?"), other.name, why)
     if first is not None:
         cancel_on(first, request_id)
-        publish_event(first, request_id, StreamEvent(type="resent", request_id=request_id, device=other.name, error=why[:10_000]))
+        publish_event(
+            first, request_id, StreamEvent(type="resent", request_id=request_id, device=other.name, error=why[:10_000])
+        )
     return True
 
 
@@ -193,8 +236,17 @@ def _tell_waiting(dispatch: Dispatch, why: str) -> None:
     page shows the newest)."""
     until = f"{dispatch.waits_until:%H:%M:%S} UTC" if dispatch.waits_until else "its expiry"
     text = f"{why}; it was sent to this board only, so it waits for it until {until}"
-    publish_event(dispatch.device, str(dispatch.request_id), StreamEvent(type="stage", stage="waiting", request_id=str(dispatch.request_id), device=dispatch.device.name, error=text[:10_000]))
-
+    publish_event(
+        dispatch.device,
+        str(dispatch.request_id),
+        StreamEvent(
+            type="stage",
+            stage="waiting",
+            request_id=str(dispatch.request_id),
+            device=dispatch.device.name,
+            error=text[:10_000],
+        ),
+    )
 
 
 # -- liveness: boards that stop beating go offline on every open page --------------------------------
@@ -210,7 +262,9 @@ def announce_liveness(now=None) -> list[str]:
     for device in Device.objects.filter(announced_online=True).select_related("namespace"):
         if _online(device, now):
             continue
-        if Device.objects.filter(pk=device.pk, announced_online=True, last_seen=device.last_seen).update(announced_online=False):
+        if Device.objects.filter(pk=device.pk, announced_online=True, last_seen=device.last_seen).update(
+            announced_online=False
+        ):
             device.announced_online = False
             broadcast("device", device_json(device, now))
             marked.append(device.name)

@@ -18,14 +18,12 @@ import time
 
 from django.core.cache import cache
 
-from dashboard.store.django_cache import CACHE_SERVER_ERRORS
-
-from dashboard.models import ApiKey, Device
-from inference.contract.messages import RunRequest
-
-from dashboard.router import CANDIDATES, Routed, plan
 from dashboard.api.errors import ApiError, bad_request
 from dashboard.api.requests import ApiRequest
+from dashboard.models import ApiKey, Device
+from dashboard.router import CANDIDATES, Routed, plan
+from dashboard.store.django_cache import CACHE_SERVER_ERRORS
+from inference.contract.messages import RunRequest
 
 log = logging.getLogger("dashboard.api")
 
@@ -51,7 +49,9 @@ def online_models(namespace: str) -> list[dict]:
         model = status.get("model")
         if not device.online or not isinstance(model, str) or not model:
             continue
-        entry = models.setdefault(model, {"id": model, "fingerprint": status.get("fingerprint", ""), "devices": [], "created": device.created})
+        entry = models.setdefault(
+            model, {"id": model, "fingerprint": status.get("fingerprint", ""), "devices": [], "created": device.created}
+        )
         entry["devices"].append(device.name)
         entry["created"] = min(entry["created"], device.created)
     return sorted(models.values(), key=lambda entry: entry["id"])
@@ -98,12 +98,31 @@ def _choose(roster, key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[
         return _named(devices, request.device, request.model, key.namespace_id), None, online_boards
     known = roster.serving(request.model)
     if not known:
-        served = sorted({(device.status or {}).get("model") for device in devices if device.online and (device.status or {}).get("model")})
-        listed = f"online boards of namespace {key.namespace_id!r} serve {', '.join(served)}" if served else f"no board of namespace {key.namespace_id!r} is online"
-        raise bad_request(f"The model {request.model!r} does not exist here ({listed}); GET /v1/models lists them.", param="model", code="model_not_found")
+        served = sorted(
+            {
+                (device.status or {}).get("model")
+                for device in devices
+                if device.online and (device.status or {}).get("model")
+            }
+        )
+        listed = (
+            f"online boards of namespace {key.namespace_id!r} serve {', '.join(served)}"
+            if served
+            else f"no board of namespace {key.namespace_id!r} is online"
+        )
+        raise bad_request(
+            f"The model {request.model!r} does not exist here ({listed}); GET /v1/models lists them.",
+            param="model",
+            code="model_not_found",
+        )
     if not known.online_count(now):
         names = ", ".join(device.name for device in known.devices)
-        raise ApiError(503, f"No board serving {request.model!r} is online (its devices: {names}); {START_A_BOARD}.", type="server_error", code="no_board_online")
+        raise ApiError(
+            503,
+            f"No board serving {request.model!r} is online (its devices: {names}); {START_A_BOARD}.",
+            type="server_error",
+            code="no_board_online",
+        )
     remembered = _remembered(key.namespace_id, request.prompt_cache_key) if request.prompt_cache_key else None
     # Online a moment ago is online for this choice (a heartbeat late by a few ms must not leave none).
     routed = plan(known, run, preferred=remembered or "", online_at=now)
@@ -114,9 +133,19 @@ def _named(devices: list[Device], name: str, model: str, namespace: str) -> Devi
     device = next((device for device in devices if device.name == name), None)
     if device is None:
         # The same answer whether another namespace has such a device or none does: a key learns nothing outside its own.
-        raise ApiError(404, f"No device named {name!r} in this key's namespace {namespace!r}; GET /v1/models lists the boards it reaches.", param="edgecache.device", code="device_not_found")
+        raise ApiError(
+            404,
+            f"No device named {name!r} in this key's namespace {namespace!r}; GET /v1/models lists the boards it reaches.",
+            param="edgecache.device",
+            code="device_not_found",
+        )
     if not device.online:
-        raise ApiError(503, f"Device {name!r} is not online; {START_A_BOARD.replace('NAME', name)}, or leave 'edgecache.device' out to use any online board.", type="server_error", code="no_board_online")
+        raise ApiError(
+            503,
+            f"Device {name!r} is not online; {START_A_BOARD.replace('NAME', name)}, or leave 'edgecache.device' out to use any online board.",
+            type="server_error",
+            code="no_board_online",
+        )
     if not serves(device, model):
         actual = (device.status or {}).get("model") or "no model yet"
         raise bad_request(f"Device {name!r} serves {actual!r}, not {model!r}.", param="model", code="model_not_found")

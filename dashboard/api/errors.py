@@ -14,7 +14,16 @@ CONTEXT_ERROR_MARK = "but the context holds"
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -40,11 +49,26 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def board_error(message: str, *, param: str | None, device: str) -> ApiError:
     """The error a board reported for a run, with the status that fits it."""
     if message.startswith(CONTEXT_ERROR_START) and CONTEXT_ERROR_MARK in message:
-        return ApiError(400, f"This model's context is too small for the request: {message}", param=param, code="context_length_exceeded")
+        return ApiError(
+            400,
+            f"This model's context is too small for the request: {message}",
+            param=param,
+            code="context_length_exceeded",
+        )
     if message.startswith("the board failed"):
-        return ApiError(500, f"Board {device!r} failed while answering: {message}. Try again; if it persists, look at the board's log.", type="server_error", code="board_failed")
+        return ApiError(
+            500,
+            f"Board {device!r} failed while answering: {message}. Try again; if it persists, look at the board's log.",
+            type="server_error",
+            code="board_failed",
+        )
     if message.startswith("refused by the board"):
-        return ApiError(502, f"Board {device!r} refused the request ({message}); is it running an older version? Restart it from this version.", type="server_error", code="board_refused")
+        return ApiError(
+            502,
+            f"Board {device!r} refused the request ({message}); is it running an older version? Restart it from this version.",
+            type="server_error",
+            code="board_refused",
+        )
     if message.startswith("expired"):
         return ApiError(504, f"No board started the run in time: {message}", type="server_error", code="board_timeout")
     return ApiError(400, f"Board {device!r} could not run this prompt: {message}", param=param)

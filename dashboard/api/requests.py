@@ -61,7 +61,9 @@ class ApiRequest:
     schema: str = ""  # edgecache.schema (a stored schema's name)
     pml: str = ""  # edgecache.pml
     strategy: str = ""  # edgecache.strategy: a lab strategy (approximate), e.g. "kv-prediction:6"
-    use_cache: bool = True  # edgecache.cache: false runs it cold (no cache tier read or written), to check answers against
+    use_cache: bool = (
+        True  # edgecache.cache: false runs it cold (no cache tier read or written), to check answers against
+    )
 
     @property
     def prompt_param(self) -> str:
@@ -89,13 +91,19 @@ def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw or b"")
     except RecursionError:
-        raise bad_request(f"The request body nests too deeply (more than {MAX_JSON_DEPTH} levels); send OpenAI's request shape.") from None
+        raise bad_request(
+            f"The request body nests too deeply (more than {MAX_JSON_DEPTH} levels); send OpenAI's request shape."
+        ) from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON ({exc}); send a JSON object with Content-Type: application/json.") from None
+        raise bad_request(
+            f"The request body is not valid JSON ({exc}); send a JSON object with Content-Type: application/json."
+        ) from None
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}.")
     if json_depth(body) > MAX_JSON_DEPTH:
-        raise bad_request(f"The request body nests too deeply (more than {MAX_JSON_DEPTH} levels); send OpenAI's request shape.")
+        raise bad_request(
+            f"The request body nests too deeply (more than {MAX_JSON_DEPTH} levels); send OpenAI's request shape."
+        )
     return body
 
 
@@ -122,16 +130,29 @@ def parse_request(body: dict, kind: str) -> ApiRequest:
     for name, what in _UNSUPPORTED.items():
         value = body.get(name)
         if value not in _OFF:
-            raise bad_request(f"EdgeCache does not support {what} ('{name}'); leave it out.", param=name, code="unsupported_parameter")
+            raise bad_request(
+                f"EdgeCache does not support {what} ('{name}'); leave it out.", param=name, code="unsupported_parameter"
+            )
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
-        raise bad_request("EdgeCache answers plain text only: leave 'response_format' out or set it to {\"type\": \"text\"}.", param="response_format", code="unsupported_parameter")
+        raise bad_request(
+            'EdgeCache answers plain text only: leave \'response_format\' out or set it to {"type": "text"}.',
+            param="response_format",
+            code="unsupported_parameter",
+        )
     modalities = body.get("modalities")
     if modalities not in (None, ["text"]):
-        raise bad_request("EdgeCache answers text only: leave 'modalities' out or set it to [\"text\"].", param="modalities", code="unsupported_parameter")
+        raise bad_request(
+            "EdgeCache answers text only: leave 'modalities' out or set it to [\"text\"].",
+            param="modalities",
+            code="unsupported_parameter",
+        )
     n = _int(body, "n", 1, None, default=1)
     if n != 1:
-        raise bad_request(f"'n' must be 1: EdgeCache returns one choice per request (got {n}); send {n} requests for {n} answers.", param="n")
+        raise bad_request(
+            f"'n' must be 1: EdgeCache returns one choice per request (got {n}); send {n} requests for {n} answers.",
+            param="n",
+        )
     best_of = _int(body, "best_of", 1, None, default=1)
     if best_of != 1:
         raise bad_request("'best_of' must be 1: EdgeCache returns one choice per request.", param="best_of")
@@ -144,17 +165,26 @@ def parse_request(body: dict, kind: str) -> ApiRequest:
     extension = body.get("edgecache")
     if extension is not None:
         if not isinstance(extension, dict):
-            raise bad_request("'edgecache' must be an object such as {\"device\": \"NAME\"} or {\"schema\": \"NAME\", \"pml\": \"<prompt ...>\"}.", param="edgecache")
+            raise bad_request(
+                '\'edgecache\' must be an object such as {"device": "NAME"} or {"schema": "NAME", "pml": "<prompt ...>"}.',
+                param="edgecache",
+            )
         unknown = sorted(set(extension) - {"device", "schema", "pml", "strategy", "cache"})
         if unknown:
-            raise bad_request(f"Unknown field 'edgecache.{unknown[0]}': the extension takes device, schema, pml, strategy and cache.", param=f"edgecache.{unknown[0]}")
+            raise bad_request(
+                f"Unknown field 'edgecache.{unknown[0]}': the extension takes device, schema, pml, strategy and cache.",
+                param=f"edgecache.{unknown[0]}",
+            )
         request.use_cache = extension.get("cache") is None or _bool(extension, "cache", "edgecache.cache")
         request.strategy = _str(extension, "strategy", "edgecache.strategy", 64)
         request.device = _str(extension, "device", "edgecache.device", 64)
         request.schema = _str(extension, "schema", "edgecache.schema", 64)
         request.pml = _str(extension, "pml", "edgecache.pml", MAX_PROMPT_CHARS)
         if bool(request.schema) != bool(request.pml):
-            raise bad_request("A PML run needs both 'edgecache.schema' (a stored schema's name) and 'edgecache.pml' (the <prompt>).", param="edgecache.schema" if not request.schema else "edgecache.pml")
+            raise bad_request(
+                "A PML run needs both 'edgecache.schema' (a stored schema's name) and 'edgecache.pml' (the <prompt>).",
+                param="edgecache.schema" if not request.schema else "edgecache.pml",
+            )
 
     if kind == "chat":
         request.messages = _messages(body.get("messages"), allow_empty=bool(request.pml))
@@ -173,7 +203,9 @@ def parse_request(body: dict, kind: str) -> ApiRequest:
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
-            raise bad_request("'stream_options' must be an object such as {\"include_usage\": true}.", param="stream_options")
+            raise bad_request(
+                "'stream_options' must be an object such as {\"include_usage\": true}.", param="stream_options"
+            )
         request.include_usage = _bool(options, "include_usage", "stream_options.include_usage")
     request.user = _str(body, "user", "user", 256)
     request.prompt_cache_key = _str(body, "prompt_cache_key", "prompt_cache_key", 256)
@@ -184,13 +216,18 @@ def _messages(value, *, allow_empty: bool) -> list[dict]:
     if value is None and allow_empty:
         return []
     if not isinstance(value, list):
-        raise bad_request("'messages' must be a list of {\"role\", \"content\"} objects.", param="messages")
+        raise bad_request('\'messages\' must be a list of {"role", "content"} objects.', param="messages")
     if not value:
         if allow_empty:
             return []
-        raise bad_request("'messages' is empty: send at least one message, e.g. [{\"role\": \"user\", \"content\": \"Hello\"}].", param="messages")
+        raise bad_request(
+            '\'messages\' is empty: send at least one message, e.g. [{"role": "user", "content": "Hello"}].',
+            param="messages",
+        )
     if allow_empty:
-        raise bad_request("A PML run takes its prompt from 'edgecache.pml': send 'messages' as [] or leave it out.", param="messages")
+        raise bad_request(
+            "A PML run takes its prompt from 'edgecache.pml': send 'messages' as [] or leave it out.", param="messages"
+        )
     messages = []
     for index, message in enumerate(value):
         where = f"messages[{index}]"
@@ -198,7 +235,10 @@ def _messages(value, *, allow_empty: bool) -> list[dict]:
             raise bad_request(f"'{where}' must be an object with 'role' and 'content'.", param=where)
         role = _ROLE_ALIASES.get(message.get("role"), message.get("role"))
         if role not in ROLES:
-            raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)} (got {message.get('role')!r}); EdgeCache has no tools.", param=f"{where}.role")
+            raise bad_request(
+                f"'{where}.role' must be one of {', '.join(ROLES)} (got {message.get('role')!r}); EdgeCache has no tools.",
+                param=f"{where}.role",
+            )
         content = _content(message.get("content"), f"{where}.content")
         if not content.strip():
             raise bad_request(f"'{where}.content' is empty: every message needs some text.", param=f"{where}.content")
@@ -216,7 +256,10 @@ def _content(value, where: str) -> str:
         texts = []
         for index, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"'{where}[{index}]' must be a text part {{\"type\": \"text\", \"text\": ...}}: EdgeCache's models read text only.", param=f"{where}[{index}]")
+                raise bad_request(
+                    f'\'{where}[{index}]\' must be a text part {{"type": "text", "text": ...}}: EdgeCache\'s models read text only.',
+                    param=f"{where}[{index}]",
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise bad_request(f"'{where}' must be a string (or a list of text parts).", param=where)
@@ -232,7 +275,10 @@ def _prompt(value, *, allow_empty: bool) -> str:
     if allow_empty:
         raise bad_request("A PML run takes its prompt from 'edgecache.pml': leave 'prompt' out.", param="prompt")
     if not isinstance(value, str):
-        raise bad_request("'prompt' must be one string (EdgeCache completes one prompt per request, and takes no token ids).", param="prompt")
+        raise bad_request(
+            "'prompt' must be one string (EdgeCache completes one prompt per request, and takes no token ids).",
+            param="prompt",
+        )
     if not value.strip():
         raise bad_request("'prompt' is empty: send the text to complete.", param="prompt")
     if len(value) > MAX_PROMPT_CHARS:
@@ -273,7 +319,10 @@ def _number(body: dict, name: str, low: float, high: float, *, default: float, o
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise bad_request(f"'{name}' must be a number.", param=name)
     if value > high or value < low or (open_low and value == low):
-        raise bad_request(f"'{name}' must be {'above' if open_low else 'at least'} {low:g} and at most {high:g} (got {value:g}).", param=name)
+        raise bad_request(
+            f"'{name}' must be {'above' if open_low else 'at least'} {low:g} and at most {high:g} (got {value:g}).",
+            param=name,
+        )
     return float(value)
 
 

@@ -34,24 +34,24 @@ from django.views.decorators.csrf import csrf_exempt
 from kombu.exceptions import OperationalError as BrokerUnavailable
 from pydantic import ValidationError
 
-from dashboard.live import streams
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
-from inference.contract.messages import ChatMessage, RunMeta, RunRequest, SamplingSpec, StreamEvent
-from dashboard.models import Schema
-from inference.serving.strategies import parse_strategy
-
 from dashboard import admission
+from dashboard.api import board_choice, keys
+from dashboard.live import streams
+from dashboard.live.broadcast import abroadcast
+from dashboard.live.run_stream import Followed, beside
+from dashboard.models import Schema
 from dashboard.ops import metrics
 from dashboard.security import ratelimit
+from dashboard.security.signing import cancel_flag, control_plane_public_key, stream_ring_for
+from inference.contract.messages import ChatMessage, RunMeta, RunRequest, SamplingSpec, StreamEvent
+from inference.serving.strategies import parse_strategy
+
 from ..actions.cache import cachebox_url
 from ..actions.runs import dispatch_api_run
-from dashboard.live.broadcast import abroadcast
 from ..models import ApiKey, Device
-from dashboard.live.run_stream import Followed, beside
-from dashboard.security.signing import cancel_flag, control_plane_public_key, stream_ring_for
-from dashboard.api import board_choice, keys
 from .errors import ApiError, bad_request, board_error
 from .requests import ApiRequest, parse_body, parse_request
 
@@ -60,9 +60,27 @@ log = logging.getLogger("dashboard.api")
 RETRY_AFTER_S = 30  # what a client is told to wait when the cache box or broker is down
 # Breakdown fields every answer carries in its "edgecache" object (like llama.cpp's "timings").
 EXTENSION_FIELDS = (
-    "case", "tier", "decision", "cachebox", "ttft_ms", "ttlt_ms", "prefill_ms", "redis_ms", "local_ms",
-    "prompt_tokens", "matched_tokens", "generated_tokens", "fetched_bytes", "uploaded_bytes", "link", "modules_hit", "strategy", "behind_ms",
-    "kernel_class", "approximate", "approximate_from",  # "approximate": "cross-class" when a state of another kernel class was used
+    "case",
+    "tier",
+    "decision",
+    "cachebox",
+    "ttft_ms",
+    "ttlt_ms",
+    "prefill_ms",
+    "redis_ms",
+    "local_ms",
+    "prompt_tokens",
+    "matched_tokens",
+    "generated_tokens",
+    "fetched_bytes",
+    "uploaded_bytes",
+    "link",
+    "modules_hit",
+    "strategy",
+    "behind_ms",
+    "kernel_class",
+    "approximate",
+    "approximate_from",  # "approximate": "cross-class" when a state of another kernel class was used
 )
 
 
@@ -90,7 +108,12 @@ async def model_detail(request, model: str):
     for entry in entries:
         if model in (entry["id"], entry["fingerprint"]):
             return JsonResponse(_model_json(entry))
-    return ApiError(404, f"No online board of this key's namespace serves {model!r}; GET /v1/models lists the models.", param="model", code="model_not_found").response()
+    return ApiError(
+        404,
+        f"No online board of this key's namespace serves {model!r}; GET /v1/models lists the models.",
+        param="model",
+        code="model_not_found",
+    ).response()
 
 
 def _online_models(request) -> list[dict]:
@@ -194,14 +217,19 @@ def _admit_and_dispatch(request, kind: str, admitted: _Admitted, loop: asyncio.A
     except RequestDataTooBig:
         raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
     api = admitted.api = parse_request(parse_body(raw), kind)
-    run = admitted.run = _run_request(key, api, _schema_source(api, key.namespace_id), phases.received_at)  # the one prompt type, from here to the board
+    run = admitted.run = _run_request(
+        key, api, _schema_source(api, key.namespace_id), phases.received_at
+    )  # the one prompt type, from here to the board
     phases.mark("parse")
     device, routed, online_boards = board_choice.choose_route(key, api, run)
     admitted.device, admitted.routed = device, routed
     # Subscribed first (a message published while nobody listens is gone), on the loop's shared
     # connection, while this thread counts the run and reads the ring: one round trip beside another.
     admitted.subscription = streams.subscribe(
-        cachebox_url(), stream_channel(device.name, run.request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
+        cachebox_url(),
+        stream_channel(device.name, run.request_id),
+        connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT,
+        timeout=settings.EDGECACHE_IO_TIMEOUT,
     )
     admitted.subscribed = asyncio.run_coroutine_threadsafe(admitted.subscription.open(), loop)
     admitted.ticket = _admit(key, device, run, routed, online_boards)
@@ -211,13 +239,19 @@ def _admit_and_dispatch(request, kind: str, admitted: _Admitted, loop: asyncio.A
     try:
         admitted.subscribed.result(settings.EDGECACHE_CONNECT_TIMEOUT + settings.EDGECACHE_IO_TIMEOUT + 1)
     except (CacheBoxUnavailable, TimeoutError) as exc:
-        raise _unavailable(f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent.") from None
+        raise _unavailable(
+            f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent."
+        ) from None
     phases.mark("subscribe")
     admitted.dispatched_at = time.perf_counter()
     try:
-        admitted.dispatched = dispatch_api_run(device, run, expires=settings.EDGECACHE_API_TIMEOUT, routed=routed, announce=False)
+        admitted.dispatched = dispatch_api_run(
+            device, run, expires=settings.EDGECACHE_API_TIMEOUT, routed=routed, announce=False
+        )
     except BrokerUnavailable as exc:
-        raise _unavailable(f"The message broker (the cache box's Redis) is not reachable: {exc}. Nothing was sent.") from None
+        raise _unavailable(
+            f"The message broker (the cache box's Redis) is not reachable: {exc}. Nothing was sent."
+        ) from None
     admitted.sent = True
     board_choice.remember(key.namespace_id, api.prompt_cache_key, device)  # the board that has its prompt cache key
     phases.mark("dispatch")
@@ -248,16 +282,30 @@ def _admit(key: ApiKey, device: Device, run: RunRequest, routed, online_boards: 
     expected_ms = routed.record.get("expected_ms") if routed is not None else None
     try:
         return admission.admit(
-            device.namespace_id, run.request_id, online_boards=online_boards, key_id=key.pk,
-            hold_s=2 * settings.EDGECACHE_API_TIMEOUT, retry_after=admission.retry_after_s(expected_ms),
+            device.namespace_id,
+            run.request_id,
+            online_boards=online_boards,
+            key_id=key.pk,
+            hold_s=2 * settings.EDGECACHE_API_TIMEOUT,
+            retry_after=admission.retry_after_s(expected_ms),
         )
     except admission.FleetBusy as busy:
         code = {"key": "queue_full", "cachebox": "cachebox_unavailable"}.get(busy.scope, "fleet_busy")
         metrics.refused(code)
-        security_event("api.queue_full", key=key.key_prefix, namespace=key.namespace_id, scope=busy.scope, limit=busy.limit, retry_after=busy.retry_after)
+        security_event(
+            "api.queue_full",
+            key=key.key_prefix,
+            namespace=key.namespace_id,
+            scope=busy.scope,
+            limit=busy.limit,
+            retry_after=busy.retry_after,
+        )
         raise ApiError(
-            429 if busy.scope == "key" else 503, str(busy), type="requests" if busy.scope == "key" else "server_error",
-            code=code, headers={"Retry-After": str(busy.retry_after)},
+            429 if busy.scope == "key" else 503,
+            str(busy),
+            type="requests" if busy.scope == "key" else "server_error",
+            code=code,
+            headers={"Retry-After": str(busy.retry_after)},
         ) from None
 
 
@@ -266,7 +314,12 @@ def _authorized(request) -> ApiKey:
     key = keys.authenticate(request.headers.get("Authorization", ""))
     if key is None:
         metrics.refused("bad_api_key")
-        security_event("api.refused", reason="missing or unknown API key", remote_addr=request.META.get("REMOTE_ADDR", ""), path=request.path)
+        security_event(
+            "api.refused",
+            reason="missing or unknown API key",
+            remote_addr=request.META.get("REMOTE_ADDR", ""),
+            path=request.path,
+        )
         raise ApiError(
             401,
             "Missing or invalid API key: send `Authorization: Bearer ec-...` with a key staff created "
@@ -276,7 +329,13 @@ def _authorized(request) -> ApiKey:
     verdict = ratelimit.hit("api", key.pk, key.rate())
     if not verdict.allowed:
         metrics.refused("rate_limited")
-        security_event("api.rate_limited", key=key.key_prefix, namespace=key.namespace_id, limit_per_minute=verdict.limit, retry_after=verdict.retry_after)
+        security_event(
+            "api.rate_limited",
+            key=key.key_prefix,
+            namespace=key.namespace_id,
+            limit_per_minute=verdict.limit,
+            retry_after=verdict.retry_after,
+        )
         seconds = "1 second" if verdict.retry_after == 1 else f"{verdict.retry_after} seconds"
         raise ApiError(
             429,
@@ -295,7 +354,10 @@ def _schema_source(api: ApiRequest, namespace: str) -> str:
     usable = Schema.objects.filter(name=api.schema).filter(Q(namespace="") | Q(namespace=namespace))
     source = usable.values_list("source", flat=True).first()
     if source is None:
-        raise bad_request(f"No schema named {api.schema!r}; the Schemas page lists them (staff create them there).", param="edgecache.schema")
+        raise bad_request(
+            f"No schema named {api.schema!r}; the Schemas page lists them (staff create them there).",
+            param="edgecache.schema",
+        )
     return source
 
 
@@ -328,14 +390,24 @@ def _run_request(key: ApiKey, api: ApiRequest, schema_source: str, received_at: 
                 reason = str(unknown)
             else:
                 reason = f"strategy {api.strategy!r} is a lab strategy: a schema (PML) prompt takes none"
-            raise bad_request(f"Unusable 'edgecache.strategy': {reason}; or leave it out (exact serving).", param="edgecache.strategy") from None
-        raise bad_request(f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}", param=api.prompt_param) from None
+            raise bad_request(
+                f"Unusable 'edgecache.strategy': {reason}; or leave it out (exact serving).", param="edgecache.strategy"
+            ) from None
+        raise bad_request(
+            f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}", param=api.prompt_param
+        ) from None
 
 
 async def _answer(admitted: _Admitted) -> HttpResponse:
     """Answer from the run's stream (subscribed before the run was sent: nothing published is
     missed); its place in the bounded queues (``admitted.ticket``) is released when the answer ends."""
-    api, run, device, phases, subscription = admitted.api, admitted.run, admitted.device, admitted.phases, admitted.subscription
+    api, run, device, phases, subscription = (
+        admitted.api,
+        admitted.run,
+        admitted.device,
+        admitted.phases,
+        admitted.subscription,
+    )
     follower = _Follower(subscription, run.request_id, device, settings.EDGECACHE_API_TIMEOUT, admitted.ring_for)
     follower.phases = phases
     follower.ticket = admitted.ticket
@@ -354,7 +426,10 @@ async def _answer(admitted: _Admitted) -> HttpResponse:
         finished = True
         if event.type == "error":
             raise board_error(event.error, param=api.prompt_param, device=device.name)
-        return JsonResponse(_Shape(api, run, device, follower).whole(event), headers={"X-Request-Id": run.request_id, "Server-Timing": phases.server_timing()})
+        return JsonResponse(
+            _Shape(api, run, device, follower).whole(event),
+            headers={"X-Request-Id": run.request_id, "Server-Timing": phases.server_timing()},
+        )
     except ApiError as exc:
         return exc.response()
     finally:
@@ -400,7 +475,14 @@ class _Follower:
     def __init__(self, subscription: streams.Subscription, request_id: str, device: Device, timeout: float, ring_for):
         self.subscription = subscription
         self.request_id = request_id
-        self.followed = Followed(request_id, device.name, device.signing_public_key, ring_for, control_plane_public_key(), in_thread=_in_thread)
+        self.followed = Followed(
+            request_id,
+            device.name,
+            device.signing_public_key,
+            ring_for,
+            control_plane_public_key(),
+            in_thread=_in_thread,
+        )
         self.timeout = timeout
         self.phases = Phases()  # the API's own steps, from the request's arrival
         self.dispatched_at: float | None = None
@@ -432,7 +514,9 @@ class _Follower:
                 data = await self.subscription.get(self.timeout)
             except CacheBoxUnavailable as exc:
                 self.followed.gave_up()
-                raise _unavailable(f"Lost the cache box while following board {self.device!r}: {exc}; the run's record will still arrive.") from None
+                raise _unavailable(
+                    f"Lost the cache box while following board {self.device!r}: {exc}; the run's record will still arrive."
+                ) from None
             if data is None:
                 self.followed.gave_up()
                 raise ApiError(
@@ -499,7 +583,10 @@ async def _cancel(device: str, request_id: str) -> None:
     try:
         await asyncio.shield(
             streams.set_flag(
-                cachebox_url(), cancel_key_name(device, request_id), settings.EDGECACHE_API_TIMEOUT + 60, cancel_flag(device, request_id),
+                cachebox_url(),
+                cancel_key_name(device, request_id),
+                settings.EDGECACHE_API_TIMEOUT + 60,
+                cancel_flag(device, request_id),
                 connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT,
             )
         )
@@ -525,19 +612,42 @@ class _Shape:
         self.fingerprint = (device.status or {}).get("fingerprint") or None
 
     def _head(self, object_name: str) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.api.model, "system_fingerprint": self.fingerprint}
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.api.model,
+            "system_fingerprint": self.fingerprint,
+        }
 
     def whole(self, done: StreamEvent) -> dict:
         finish = _finish(done)
         if self.api.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": done.text, "refusal": None}, "logprobs": None, "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
         else:
             choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": finish}
         return {**self._head(self.object), "choices": [choice], "usage": usage(done), "edgecache": self.extension(done)}
 
-    def chunk(self, *, text: str | None = None, delta: dict | None = None, finish: str | None = None, extension: dict | None = None) -> dict:
+    def chunk(
+        self,
+        *,
+        text: str | None = None,
+        delta: dict | None = None,
+        finish: str | None = None,
+        extension: dict | None = None,
+    ) -> dict:
         if self.api.kind == "chat":
-            choice = {"index": 0, "delta": delta if delta is not None else ({"content": text} if text is not None else {}), "logprobs": None, "finish_reason": None}
+            choice = {
+                "index": 0,
+                "delta": delta if delta is not None else ({"content": text} if text is not None else {}),
+                "logprobs": None,
+                "finish_reason": None,
+            }
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": None}
         if finish is not None:
@@ -555,11 +665,26 @@ class _Shape:
     def extension(self, done: StreamEvent) -> dict:
         breakdown = done.breakdown
         follower = self.follower
-        queued = {name: value for name, value in (("api_ms", follower.api_ms), ("queue_ms", follower.queue_ms)) if value is not None} if follower is not None else {}
+        queued = (
+            {
+                name: value
+                for name, value in (("api_ms", follower.api_ms), ("queue_ms", follower.queue_ms))
+                if value is not None
+            }
+            if follower is not None
+            else {}
+        )
         if follower is not None:
             queued["api_phases_ms"] = follower.phases.as_dict()
-        device = follower.device if follower is not None else self.device.name  # where it ran (a re-sent run: the second board)
-        return {"request_id": self.run.request_id, "device": device, **queued, **{name: breakdown[name] for name in EXTENSION_FIELDS if name in breakdown}}
+        device = (
+            follower.device if follower is not None else self.device.name
+        )  # where it ran (a re-sent run: the second board)
+        return {
+            "request_id": self.run.request_id,
+            "device": device,
+            **queued,
+            **{name: breakdown[name] for name in EXTENSION_FIELDS if name in breakdown},
+        }
 
     @staticmethod
     def sse(body: dict) -> str:
@@ -595,7 +720,13 @@ def _model_json(entry: dict) -> dict:
 
 def _unavailable(message: str) -> ApiError:
     where = "start it (`make run` starts the embedded one) or check REDIS_URL"
-    return ApiError(503, f"{message} {where[0].upper()}{where[1:]}; try again in {RETRY_AFTER_S} seconds.", type="server_error", code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return ApiError(
+        503,
+        f"{message} {where[0].upper()}{where[1:]}; try again in {RETRY_AFTER_S} seconds.",
+        type="server_error",
+        code="service_unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 def _method_not_allowed(allowed: str) -> HttpResponse:

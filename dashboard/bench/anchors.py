@@ -29,11 +29,10 @@ import numpy as np
 
 from cachebox.keys import KEY_PREFIX
 from dashboard import mmlu
+from dashboard.bench.base import BenchError, Benchmark
+from dashboard.bench.common import machine_info, median
 from inference.engine.llama import Engine
 from inference.lab.anchors import anchor_prefill, prefix_entry, prompt_sequences
-
-from dashboard.bench.base import Benchmark, BenchError
-from dashboard.bench.common import machine_info, median
 
 LAB_KEY_SPACE = f"{KEY_PREFIX}:lab:anchors"
 VARIANTS = ("base-full", "base-pruned", "tuned-full", "tuned-pruned")
@@ -108,7 +107,9 @@ def lab_entry_names(count: int) -> list[str]:
     return [f"{LAB_KEY_SPACE}:{run}:{index}" for index in range(count)]
 
 
-def linked_ttft(engine: Engine, store, shaped_store, entry: Sequence[bytes], question: Sequence[int], start: int) -> tuple[float, float, int]:
+def linked_ttft(
+    engine: Engine, store, shaped_store, entry: Sequence[bytes], question: Sequence[int], start: int
+) -> tuple[float, float, int]:
     """TTFT with the prefix entry fetched over ``shaped_store``'s link: (ttft ms, fetch ms, first token).
     The entry is written beforehand through the unshaped ``store`` and deleted afterwards."""
     names = lab_entry_names(len(entry))
@@ -145,7 +146,22 @@ def run_anchors(
     records: dict[str, dict[str, list]] = {}
     variants = [v for v in VARIANTS if v.split("-")[0] in engines] + ["base-no-demos"]
     for variant in variants:
-        records[variant] = {key: [] for key in ("ttft_ms", "token", "correct", "kv_bytes", "entry_bytes", "decode_tokens_per_s", "kept", "wifi4_ttft_ms", "wifi4_fetch_ms", "wifi4_token", "letter")}
+        records[variant] = {
+            key: []
+            for key in (
+                "ttft_ms",
+                "token",
+                "correct",
+                "kv_bytes",
+                "entry_bytes",
+                "decode_tokens_per_s",
+                "kept",
+                "wifi4_ttft_ms",
+                "wifi4_fetch_ms",
+                "wifi4_token",
+                "letter",
+            )
+        }
     base = engines["base"]
     prompt_tokens = []
     for index, prompt in enumerate(prompts):
@@ -163,7 +179,9 @@ def run_anchors(
                 row["correct"].append(letter == prompt.target.answer)
                 row["letter"].append(letter is not None)
                 if index < link_prompts and store is not None and shaped_store is not None and result["entry"]:
-                    ttft, fetch, token = linked_ttft(engine, store, shaped_store, result["entry"], sequences[-1], prefix_end)
+                    ttft, fetch, token = linked_ttft(
+                        engine, store, shaped_store, result["entry"], sequences[-1], prefix_end
+                    )
                     row["wifi4_ttft_ms"].append(ttft)
                     row["wifi4_fetch_ms"].append(fetch)
                     row["wifi4_token"].append(token == result["token"])
@@ -203,30 +221,53 @@ def run_anchors(
             "mmlu_accuracy": round(float(np.mean(row["correct"])), 4),
             "agreement": round(float(np.mean(agree)), 4),
             # A pruned variant against the same model with its full KV: what pruning alone changes.
-            "agreement_with_own_full": round(float(np.mean(np.array(row["token"]) == np.array(records[variant.split("-")[0] + "-full"]["token"]))), 4) if variant in VARIANTS else None,
+            "agreement_with_own_full": round(
+                float(np.mean(np.array(row["token"]) == np.array(records[variant.split("-")[0] + "-full"]["token"]))), 4
+            )
+            if variant in VARIANTS
+            else None,
             "letter_rate": round(float(np.mean(row["letter"])), 4),  # first tokens that are an answer letter (A-D)
             "paired_with_base_full": {"both_correct": both, "only_base_full": only_base, "only_this": only_this},
             "wifi4_ttft_ms": median(row["wifi4_ttft_ms"]) if row["wifi4_ttft_ms"] else None,
             "wifi4_fetch_ms": median(row["wifi4_fetch_ms"]) if row["wifi4_fetch_ms"] else None,
             # The same runs without the link: the entry already on the board (restore + the question's prefill).
-            "cached_ttft_ms": median(t - f for t, f in zip(row["wifi4_ttft_ms"], row["wifi4_fetch_ms"])) if row["wifi4_ttft_ms"] else None,
+            "cached_ttft_ms": median(t - f for t, f in zip(row["wifi4_ttft_ms"], row["wifi4_fetch_ms"]))
+            if row["wifi4_ttft_ms"]
+            else None,
             "wifi4_prompts": len(row["wifi4_ttft_ms"]),
             "wifi4_same_first_token": round(float(np.mean(row["wifi4_token"])), 4) if row["wifi4_token"] else None,
         }
         rows.append(out)
     main = [row for row in rows if row["variant"] in VARIANTS]
     baselines = [row for row in rows if row["variant"] not in VARIANTS]
-    return {"prompts": len(prompts), "median_prompt_tokens": median(prompt_tokens), "rows": main, "baselines": baselines}
+    return {
+        "prompts": len(prompts),
+        "median_prompt_tokens": median(prompt_tokens),
+        "rows": main,
+        "baselines": baselines,
+    }
 
 
 # -- command --------------------------------------------------------------------------------------
 def add_arguments(parser) -> None:
     parser.add_argument("--prompts", type=int, default=100, help="5-shot MMLU prompts over all topics (default 100)")
     parser.add_argument("--shots", type=int, default=5)
-    parser.add_argument("--decode-tokens", type=int, default=8, help="greedy tokens decoded after the first, for the decode speed (default 8)")
-    parser.add_argument("--link-prompts", type=int, default=10, help="prompts whose prefix entry is also fetched over the emulated link (default 10; 0: none, no cache box needed)")
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=8,
+        help="greedy tokens decoded after the first, for the decode speed (default 8)",
+    )
+    parser.add_argument(
+        "--link-prompts",
+        type=int,
+        default=10,
+        help="prompts whose prefix entry is also fetched over the emulated link (default 10; 0: none, no cache box needed)",
+    )
     parser.add_argument("--link", default="wifi4", help="link preset for those fetches (default wifi4, the paper's)")
-    parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: steady timings on a shared machine)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="llama.cpp threads (default 1: steady timings on a shared machine)"
+    )
 
 
 def run(ctx, *, prompts, shots, decode_tokens, link_prompts, link, threads, **options) -> dict:
@@ -234,17 +275,19 @@ def run(ctx, *, prompts, shots, decode_tokens, link_prompts, link, threads, **op
 
     from cachebox.link import LINK_PRESETS
     from cachebox.store import CacheBox
-    from inference.engine.llama import EngineConfig
     from dashboard.lab import texts
     from dashboard.lab.anchor_tune import record_path
+    from inference.engine.llama import EngineConfig
+    from inference.engine.model_file import ModelFile, _cached_sha256, resolve_model
     from inference.lab.anchors import tuned_path
     from inference.lab.kv_prediction import lab_dir
-    from inference.engine.model_file import ModelFile, _cached_sha256, resolve_model
 
     if prompts < 1 or threads < 1 or decode_tokens < 0 or link_prompts < 0:
         raise BenchError("--prompts and --threads must be at least 1, --decode-tokens and --link-prompts at least 0")
     if LINK_PRESETS.get(link) is None:
-        raise BenchError(f"--link must be one of {', '.join(name for name, profile in LINK_PRESETS.items() if profile)}")
+        raise BenchError(
+            f"--link must be one of {', '.join(name for name, profile in LINK_PRESETS.items() if profile)}"
+        )
     try:
         chosen = texts.evaluation_prompts(prompts, shots)
     except (ValueError, FileNotFoundError) as exc:
@@ -263,11 +306,23 @@ def run(ctx, *, prompts, shots, decode_tokens, link_prompts, link, threads, **op
         record = record_path(path)
         fine_tune = json.loads(record.read_text()) if record.exists() else {"path": str(path), "record": "missing"}
     else:
-        fine_tune = {"status": f"no anchor-tuned model at {path}: run `python -m dashboard.lab.anchor_tune` (lab extra); tuned rows left out"}
+        fine_tune = {
+            "status": f"no anchor-tuned model at {path}: run `python -m dashboard.lab.anchor_tune` (lab extra); tuned rows left out"
+        }
         ctx.write(fine_tune["status"])
     try:
-        with ctx.progress(total=len(chosen), desc=f"bench lab-anchors ({', '.join(engines)}; {threads} thread(s))", unit="prompt") as bar:
-            document = run_anchors(engines, chosen, decode_tokens=decode_tokens, store=store, shaped_store=shaped, link_prompts=link_prompts, progress=bar.update)
+        with ctx.progress(
+            total=len(chosen), desc=f"bench lab-anchors ({', '.join(engines)}; {threads} thread(s))", unit="prompt"
+        ) as bar:
+            document = run_anchors(
+                engines,
+                chosen,
+                decode_tokens=decode_tokens,
+                store=store,
+                shaped_store=shaped,
+                link_prompts=link_prompts,
+                progress=bar.update,
+            )
         machine = machine_info(SimpleNamespace(engine=engines["base"], store=shaped))
     finally:
         for engine in engines.values():
@@ -285,8 +340,12 @@ def run(ctx, *, prompts, shots, decode_tokens, link_prompts, link, threads, **op
 
 
 def lines(document: dict) -> list[str]:
-    out = [f"\n{document['prompts']} five-shot MMLU prompts (median {document['median_prompt_tokens']:.0f} tokens), {document['machine']['threads']} llama.cpp thread(s)"]
-    out.append(f"{'variant':<15}{'KV bytes':>11}{'entry':>11}{'KV cut':>8}{'TTFT ms':>9}{'tok/s':>7}{'MMLU':>7}{'agree':>7}{'own':>6}{'A-D':>6}{'cached TTFT':>13}{'Wi-Fi 4 TTFT':>14}")
+    out = [
+        f"\n{document['prompts']} five-shot MMLU prompts (median {document['median_prompt_tokens']:.0f} tokens), {document['machine']['threads']} llama.cpp thread(s)"
+    ]
+    out.append(
+        f"{'variant':<15}{'KV bytes':>11}{'entry':>11}{'KV cut':>8}{'TTFT ms':>9}{'tok/s':>7}{'MMLU':>7}{'agree':>7}{'own':>6}{'A-D':>6}{'cached TTFT':>13}{'Wi-Fi 4 TTFT':>14}"
+    )
     for row in document["rows"] + document["baselines"]:
         wifi = f"{row['wifi4_ttft_ms']:.0f}" if row["wifi4_ttft_ms"] is not None else "-"
         cached = f"{row['cached_ttft_ms']:.0f}" if row["cached_ttft_ms"] is not None else "-"
@@ -305,32 +364,67 @@ def anchors_report(path, doc: dict):
 
     rows = doc["rows"] + doc.get("baselines", [])
     names = [row["variant"] for row in rows]
-    quality = go.Figure([
-        go.Bar(name="MMLU accuracy", x=names, y=[row["mmlu_accuracy"] for row in rows]),
-        go.Bar(name="first-token agreement with base-full", x=names, y=[row["agreement"] for row in rows]),
-    ])
-    quality.update_layout(title="Anchors (seed 004): answer quality per variant (all but base-full are approximate)", barmode="group", yaxis_title="fraction of prompts")
-    sizes = go.Figure([
-        go.Bar(name="KV bytes per prompt", x=names, y=[row["kv_bytes"] for row in rows]),
-        go.Bar(name="prefix entry bytes (on the link)", x=names, y=[row["entry_bytes"] for row in rows]),
-    ])
-    sizes.update_layout(title="Anchors (seed 004): KV kept and entry size (log scale)", barmode="group", yaxis_type="log", yaxis_title="bytes")
+    quality = go.Figure(
+        [
+            go.Bar(name="MMLU accuracy", x=names, y=[row["mmlu_accuracy"] for row in rows]),
+            go.Bar(name="first-token agreement with base-full", x=names, y=[row["agreement"] for row in rows]),
+        ]
+    )
+    quality.update_layout(
+        title="Anchors (seed 004): answer quality per variant (all but base-full are approximate)",
+        barmode="group",
+        yaxis_title="fraction of prompts",
+    )
+    sizes = go.Figure(
+        [
+            go.Bar(name="KV bytes per prompt", x=names, y=[row["kv_bytes"] for row in rows]),
+            go.Bar(name="prefix entry bytes (on the link)", x=names, y=[row["entry_bytes"] for row in rows]),
+        ]
+    )
+    sizes.update_layout(
+        title="Anchors (seed 004): KV kept and entry size (log scale)",
+        barmode="group",
+        yaxis_type="log",
+        yaxis_title="bytes",
+    )
     linked = [row for row in rows if row.get("wifi4_ttft_ms") is not None]
-    speed = go.Figure([
-        go.Bar(name="TTFT, prefill on the board", x=names, y=[row["ttft_ms"] for row in rows]),
-        go.Bar(name="TTFT, prefix entry already on the board (restore + question)", x=[row["variant"] for row in linked], y=[row["cached_ttft_ms"] for row in linked]),
-        go.Bar(name=f"TTFT, prefix entry over {doc.get('link_label', 'the emulated link')} (emulated)", x=[row["variant"] for row in linked], y=[row["wifi4_ttft_ms"] for row in linked]),
-    ])
-    speed.update_layout(title="Anchors (seed 004): time to first token, computed here or fetched over the emulated link", barmode="group", yaxis_title="ms")
+    speed = go.Figure(
+        [
+            go.Bar(name="TTFT, prefill on the board", x=names, y=[row["ttft_ms"] for row in rows]),
+            go.Bar(
+                name="TTFT, prefix entry already on the board (restore + question)",
+                x=[row["variant"] for row in linked],
+                y=[row["cached_ttft_ms"] for row in linked],
+            ),
+            go.Bar(
+                name=f"TTFT, prefix entry over {doc.get('link_label', 'the emulated link')} (emulated)",
+                x=[row["variant"] for row in linked],
+                y=[row["wifi4_ttft_ms"] for row in linked],
+            ),
+        ]
+    )
+    speed.update_layout(
+        title="Anchors (seed 004): time to first token, computed here or fetched over the emulated link",
+        barmode="group",
+        yaxis_title="ms",
+    )
     summary = (
         f"{doc['prompts']} five-shot MMLU prompts, median {doc.get('median_prompt_tokens', 0):.0f} tokens; {doc['machine'].get('threads')} llama.cpp thread(s). "
         "Pruned variants keep only BOS, each demonstration's anchor and the question; their states never enter the exact cache. "
         "Differs from the paper: " + " ".join(doc.get("differs_from_paper", []))
     )
-    table = [{k: v for k, v in row.items() if k != "paired_with_base_full"} | row["paired_with_base_full"] for row in rows]
+    table = [
+        {k: v for k, v in row.items() if k != "paired_with_base_full"} | row["paired_with_base_full"] for row in rows
+    ]
     fine_tune = {k: v for k, v in doc.get("fine_tune", {}).items() if k not in ("exports",)}
-    tables = {"Variants": table, "Fine-tune": [fine_tune] if fine_tune else [], f"Paper (quoted as data): {PAPER_SOURCE}": PAPER_TABLE}
-    return write_report(path, "bench lab-anchors: anchor tokens (seed 004)", summary, [quality, sizes, speed], tables, doc)
+    tables = {
+        "Variants": table,
+        "Fine-tune": [fine_tune] if fine_tune else [],
+        f"Paper (quoted as data): {PAPER_SOURCE}": PAPER_TABLE,
+    }
+    return write_report(
+        path, "bench lab-anchors: anchor tokens (seed 004)", summary, [quality, sizes, speed], tables, doc
+    )
 
 
 def headline(doc: dict) -> str:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import plotly.graph_objects as go
 
-from dashboard.bench.base import Benchmark, BenchError
+from dashboard.bench.base import BenchError, Benchmark
 from dashboard.bench.common import percentile
 from dashboard.bench.html_report import write_report
 
@@ -39,7 +39,16 @@ QUESTIONS = (
     "Say hello in French.",
 )
 MAX_REQUESTS_PER_CLIENT = 10_000  # a bound on the loop, whatever the clock says
-FIGURES = ("first_chunk_ms", "api_ms", "queue_ms", "behind_ms", "board_ttft_ms", "first_minus_board_ttft_ms", "overhead_ms", "total_ms")
+FIGURES = (
+    "first_chunk_ms",
+    "api_ms",
+    "queue_ms",
+    "behind_ms",
+    "board_ttft_ms",
+    "first_minus_board_ttft_ms",
+    "overhead_ms",
+    "total_ms",
+)
 
 
 def models(url: str, key: str) -> list[str]:
@@ -49,7 +58,9 @@ def models(url: str, key: str) -> list[str]:
     return [entry["id"] for entry in json.loads(body)["data"]]
 
 
-def run_api_bench(url: str, key: str, model: str, *, clients: int = 8, seconds: float = 30, max_tokens: int = 32, progress=None) -> dict:
+def run_api_bench(
+    url: str, key: str, model: str, *, clients: int = 8, seconds: float = 30, max_tokens: int = 32, progress=None
+) -> dict:
     """Run the clients for ``seconds``, each a process of its own (as clients are programs of their
     own: threads of one interpreter would wait on each other's turn to read their chunks); the
     figures and every sample."""
@@ -57,7 +68,12 @@ def run_api_bench(url: str, key: str, model: str, *, clients: int = 8, seconds: 
     done = context.Value("i", 0)
     results = context.Queue()
     started = time.monotonic()
-    processes = [context.Process(target=_client, args=(url, key, model, number, started, seconds, max_tokens, done, results), daemon=True) for number in range(clients)]
+    processes = [
+        context.Process(
+            target=_client, args=(url, key, model, number, started, seconds, max_tokens, done, results), daemon=True
+        )
+        for number in range(clients)
+    ]
     for process in processes:
         process.start()
     samples: list[dict] = []
@@ -80,7 +96,9 @@ def run_api_bench(url: str, key: str, model: str, *, clients: int = 8, seconds: 
     return summarize(samples, clients=clients, seconds=seconds, elapsed=elapsed, model=model, max_tokens=max_tokens)
 
 
-def _client(url: str, key: str, model: str, number: int, started: float, seconds: float, max_tokens: int, done, results) -> None:
+def _client(
+    url: str, key: str, model: str, number: int, started: float, seconds: float, max_tokens: int, done, results
+) -> None:
     """One client: requests one after another until the clock runs out; its samples, at the end."""
     samples = []
     for index in range(MAX_REQUESTS_PER_CLIENT):
@@ -104,7 +122,12 @@ def stream_chat(url: str, key: str, body: dict, timeout: float) -> dict:
     sent = time.perf_counter()
     first_ms, chunks, figures, error = None, 0, {}, ""
     try:
-        connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        connection.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(body),
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
         response = connection.getresponse()
         if response.status != 200:
             error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
@@ -126,22 +149,50 @@ def stream_chat(url: str, key: str, body: dict, timeout: float) -> dict:
         error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         connection.close()
-    return {"first_ms": first_ms, "chunks": chunks, "figures": figures, "total_ms": (time.perf_counter() - sent) * 1000.0, "error": error}
+    return {
+        "first_ms": first_ms,
+        "chunks": chunks,
+        "figures": figures,
+        "total_ms": (time.perf_counter() - sent) * 1000.0,
+        "error": error,
+    }
 
 
 def _one(url: str, key: str, model: str, question: str, max_tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     answer = stream_chat(url, key, body, timeout=300)
-    first_ms, tokens, figures, error, total_ms = answer["first_ms"], answer["chunks"], answer["figures"], answer["error"], answer["total_ms"]
-    board_ttft, queue_ms, api_ms, behind_ms = figures.get("ttft_ms"), figures.get("queue_ms"), figures.get("api_ms"), figures.get("behind_ms")
+    first_ms, tokens, figures, error, total_ms = (
+        answer["first_ms"],
+        answer["chunks"],
+        answer["figures"],
+        answer["error"],
+        answer["total_ms"],
+    )
+    board_ttft, queue_ms, api_ms, behind_ms = (
+        figures.get("ttft_ms"),
+        figures.get("queue_ms"),
+        figures.get("api_ms"),
+        figures.get("behind_ms"),
+    )
     return {
         "first_chunk_ms": round(first_ms, 3) if first_ms is not None else None,
         "board_ttft_ms": board_ttft,
         "queue_ms": queue_ms,
         "behind_ms": behind_ms,
         "api_ms": api_ms,
-        "first_minus_board_ttft_ms": round(first_ms - board_ttft, 3) if first_ms is not None and board_ttft is not None else None,
-        "overhead_ms": round(first_ms - board_ttft - behind_ms, 3) if first_ms is not None and board_ttft is not None and behind_ms is not None else None,
+        "first_minus_board_ttft_ms": round(first_ms - board_ttft, 3)
+        if first_ms is not None and board_ttft is not None
+        else None,
+        "overhead_ms": round(first_ms - board_ttft - behind_ms, 3)
+        if first_ms is not None and board_ttft is not None and behind_ms is not None
+        else None,
         "total_ms": round(total_ms, 3),
         "chunks": tokens,
         "device": figures.get("device", ""),
@@ -150,7 +201,9 @@ def _one(url: str, key: str, model: str, question: str, max_tokens: int) -> dict
     }
 
 
-def summarize(samples: list[dict], *, clients: int, seconds: float, elapsed: float, model: str, max_tokens: int) -> dict:
+def summarize(
+    samples: list[dict], *, clients: int, seconds: float, elapsed: float, model: str, max_tokens: int
+) -> dict:
     ok = [s for s in samples if not s["error"]]
 
     def stats(field: str) -> dict:
@@ -189,9 +242,19 @@ def _round(value: float | None) -> float | None:
 def api_report(path: Path, doc: dict) -> Path:
     ok = [s for s in doc["samples"] if not s["error"]]
     latency = go.Figure()
-    latency.add_scatter(x=[s["t_s"] for s in ok], y=[s["first_chunk_ms"] for s in ok], mode="markers", name="first chunk (client)")
-    latency.add_scatter(x=[s["t_s"] for s in ok], y=[s["board_ttft_ms"] for s in ok], mode="markers", name="TTFT (board)")
-    latency.update_layout(title="First content chunk at the client and the board's own TTFT", xaxis_title="s since the start", yaxis_title="ms", yaxis_type="log", template="plotly_white")
+    latency.add_scatter(
+        x=[s["t_s"] for s in ok], y=[s["first_chunk_ms"] for s in ok], mode="markers", name="first chunk (client)"
+    )
+    latency.add_scatter(
+        x=[s["t_s"] for s in ok], y=[s["board_ttft_ms"] for s in ok], mode="markers", name="TTFT (board)"
+    )
+    latency.update_layout(
+        title="First content chunk at the client and the board's own TTFT",
+        xaxis_title="s since the start",
+        yaxis_title="ms",
+        yaxis_type="log",
+        template="plotly_white",
+    )
     rows = [{"figure": name, "p50 ms": doc[name]["p50"], "p99 ms": doc[name]["p99"]} for name in FIGURES if name in doc]
     summary = (
         f"{doc['clients']} streaming clients for {doc['seconds']:g} s against {doc['model']}: {doc['requests']} requests, "
@@ -199,14 +262,26 @@ def api_report(path: Path, doc: dict) -> Path:
         f"what the API adds (first chunk minus the board's TTFT and the wait for its earlier runs): p50 {doc['overhead_ms']['p50']} ms, p99 {doc['overhead_ms']['p99']} ms; "
         f"queue (dispatch to the board taking the run): p50 {doc['queue_ms']['p50']} ms, of it behind earlier runs: p50 {doc.get('behind_ms', {}).get('p50')} ms."
     )
-    return write_report(path, f"bench api: {doc['clients']} clients, {doc['seconds']:g} s", summary, [latency], {"Latency": rows, "Boards": doc["per_device"]}, doc)
+    return write_report(
+        path,
+        f"bench api: {doc['clients']} clients, {doc['seconds']:g} s",
+        summary,
+        [latency],
+        {"Latency": rows, "Boards": doc["per_device"]},
+        doc,
+    )
 
 
 def _request(url: str, method: str, path: str, key: str, body: dict | None) -> tuple[int, bytes]:
     parts = urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=30)
     try:
-        connection.request(method, path, body=json.dumps(body) if body is not None else None, headers={"Authorization": f"Bearer {key}"})
+        connection.request(
+            method,
+            path,
+            body=json.dumps(body) if body is not None else None,
+            headers={"Authorization": f"Bearer {key}"},
+        )
         response = connection.getresponse()
         return response.status, response.read()
     finally:
@@ -215,11 +290,19 @@ def _request(url: str, method: str, path: str, key: str, body: dict | None) -> t
 
 # -- the command (python manage.py bench api) ----------------------------------------------------
 def add_arguments(parser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the running dashboard (default http://127.0.0.1:8000; `make run`)")
+    parser.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="the running dashboard (default http://127.0.0.1:8000; `make run`)",
+    )
     parser.add_argument("--clients", type=int, default=8, help="concurrent streaming clients (default 8)")
     parser.add_argument("--seconds", type=float, default=30, help="how long requests are sent (default 30)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default 32)")
-    parser.add_argument("--namespace", default="default", help="the namespace whose boards answer (a temporary API key of it is made, then revoked)")
+    parser.add_argument(
+        "--namespace",
+        default="default",
+        help="the namespace whose boards answer (a temporary API key of it is made, then revoked)",
+    )
 
 
 def run(ctx, *, url, clients, seconds, max_tokens, namespace, **options) -> dict:
@@ -235,17 +318,25 @@ def run(ctx, *, url, clients, seconds, max_tokens, namespace, **options) -> dict
         try:
             served = models(url, key)
         except (OSError, RuntimeError) as exc:
-            raise BenchError(f"the API at {url} does not answer ({exc}); start the dashboard (`make run`) or pass --url")
+            raise BenchError(
+                f"the API at {url} does not answer ({exc}); start the dashboard (`make run`) or pass --url"
+            )
         if not served:
-            raise BenchError(f"no board of namespace {namespace!r} is online; start one with `edgecache-board --name NAME`")
+            raise BenchError(
+                f"no board of namespace {namespace!r} is online; start one with `edgecache-board --name NAME`"
+            )
         with ctx.progress(desc=f"bench api ({clients} clients, {seconds:g} s)", unit="request") as bar:
-            return run_api_bench(url, key, served[0], clients=clients, seconds=seconds, max_tokens=max_tokens, progress=bar.update)
+            return run_api_bench(
+                url, key, served[0], clients=clients, seconds=seconds, max_tokens=max_tokens, progress=bar.update
+            )
     finally:
         revoke_key(None, row)
 
 
 def lines(doc: dict) -> list[str]:
-    out = [f"\n{doc['requests']} requests, {doc['errors']} errors, {doc['requests_per_s']} requests/s, {doc['chunks_per_s']} chunks/s"]
+    out = [
+        f"\n{doc['requests']} requests, {doc['errors']} errors, {doc['requests_per_s']} requests/s, {doc['chunks_per_s']} chunks/s"
+    ]
     for name in (name for name in FIGURES if name in doc):
         out.append(f"  {name:<26} p50 {doc[name]['p50']}  p99 {doc[name]['p99']}")
     out += [f"  error: {example}" for example in doc["error_examples"]]

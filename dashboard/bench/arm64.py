@@ -57,7 +57,14 @@ CLASSES = {
 }
 DEFAULT_CLASS = "armv8.0"  # runs on every 64-bit Pi: the class a mixed fleet of Pis can pin to
 
-APT_PACKAGES = ("qemu-user-static", "binfmt-support", "debootstrap", "gcc-aarch64-linux-gnu", "g++-aarch64-linux-gnu", "cmake")
+APT_PACKAGES = (
+    "qemu-user-static",
+    "binfmt-support",
+    "debootstrap",
+    "gcc-aarch64-linux-gnu",
+    "g++-aarch64-linux-gnu",
+    "cmake",
+)
 
 # Debian's aarch64 cross toolchain, portable kernels of the class asked for (GGML_CPU_ARM_ARCH), no
 # OpenMP; then the flags of every other build of ours (shared libraries that find each other beside themselves).
@@ -113,7 +120,12 @@ def unavailable() -> str:
 
 
 def missing_tools() -> list[str]:
-    tools = {"qemu-aarch64-static": "qemu-user-static", "debootstrap": "debootstrap", "aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu", "cmake": "cmake"}
+    tools = {
+        "qemu-aarch64-static": "qemu-user-static",
+        "debootstrap": "debootstrap",
+        "aarch64-linux-gnu-g++": "g++-aarch64-linux-gnu",
+        "cmake": "cmake",
+    }
     return [package for tool, package in tools.items() if shutil.which(tool) is None]
 
 
@@ -178,7 +190,18 @@ def ensure_root(write: Callable[[str], None] = print) -> Path:
         partial = root.with_name(root.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         write(f"Making an arm64 Debian {SUITE} root with debootstrap (once per machine, about 12 minutes): {root}")
-        _run(["debootstrap", "--arch=arm64", "--variant=minbase", "--include=python3,python3-venv", SUITE, str(partial), _mirror()], "debootstrap")
+        _run(
+            [
+                "debootstrap",
+                "--arch=arm64",
+                "--variant=minbase",
+                "--include=python3,python3-venv",
+                SUITE,
+                str(partial),
+                _mirror(),
+            ],
+            "debootstrap",
+        )
         shutil.rmtree(root, ignore_errors=True)
         partial.rename(root)
         _done(root).touch()
@@ -198,15 +221,23 @@ def ensure_libs(kernels: str = DEFAULT_CLASS, write: Callable[[str], None] = pri
         install_tools(write)
         with tempfile.TemporaryDirectory(prefix="llama-aarch64-", dir=target.parent) as work:
             work = Path(work)
-            write(f"Cross-building llama.cpp {VERSION} for aarch64 ({kernels}) from the llama-cpp-python sdist (once per machine, minutes)...")
+            write(
+                f"Cross-building llama.cpp {VERSION} for aarch64 ({kernels}) from the llama-cpp-python sdist (once per machine, minutes)..."
+            )
             sdist = _download_sdist(VERSION, work)
             with tarfile.open(sdist) as archive:
                 archive.extractall(work, filter="data")
             source = work / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
             build = work / "build"
             march = CLASSES[kernels][1]
-            _run(["cmake", "-S", str(source), "-B", str(build), *CROSS_FLAGS, f"-DGGML_CPU_ARM_ARCH={march}"], "cmake configure")
-            _run(["cmake", "--build", str(build), "--target", "llama", "-j", str(jobs or os.cpu_count() or 2)], "cmake build")
+            _run(
+                ["cmake", "-S", str(source), "-B", str(build), *CROSS_FLAGS, f"-DGGML_CPU_ARM_ARCH={march}"],
+                "cmake configure",
+            )
+            _run(
+                ["cmake", "--build", str(build), "--target", "llama", "-j", str(jobs or os.cpu_count() or 2)],
+                "cmake build",
+            )
             libraries = sorted((build / "bin").glob("lib*.so*"))
             if not any(path.name == "libllama.so" for path in libraries):
                 raise Arm64Unavailable(f"the aarch64 build finished without {build / 'bin' / 'libllama.so'}")
@@ -222,6 +253,7 @@ def ensure_libs(kernels: str = DEFAULT_CLASS, write: Callable[[str], None] = pri
 def board_requirements() -> list[str]:
     """What a board installs besides the project and llama-cpp-python: the project's base
     dependencies and llama-cpp-python's own (no extra: no control plane, no lab)."""
+
     def base(dist: str) -> list[str]:
         return [req for req in importlib.metadata.requires(dist) or [] if "extra ==" not in req]
 
@@ -232,9 +264,16 @@ def board_requirements() -> list[str]:
 # The environment markers of the root's Python (pip download judges ``python_full_version`` by the
 # Python that runs it, not by ``--python-version``: a 3.11.7 host leaves out what 3.11.2 needs).
 TARGET_MARKERS = {
-    "python_version": PYTHON_VERSION.rsplit(".", 1)[0], "python_full_version": PYTHON_VERSION, "platform_machine": "aarch64",
-    "platform_system": "Linux", "sys_platform": "linux", "os_name": "posix", "implementation_name": "cpython",
-    "platform_python_implementation": "CPython", "implementation_version": PYTHON_VERSION, "extra": "",
+    "python_version": PYTHON_VERSION.rsplit(".", 1)[0],
+    "python_full_version": PYTHON_VERSION,
+    "platform_machine": "aarch64",
+    "platform_system": "Linux",
+    "sys_platform": "linux",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "implementation_version": PYTHON_VERSION,
+    "extra": "",
 }
 
 
@@ -284,11 +323,16 @@ def llama_wheel(libraries: Path, out: Path, kernels: str) -> Path:
                 if file.is_file() and "__pycache__" not in file.parts:
                     wheel.write(file, f"llama_cpp/{file.relative_to(package)}")
             wheel.writestr(f"{info}/METADATA", metadata)
-            wheel.writestr(f"{info}/WHEEL", f"Wheel-Version: 1.0\nGenerator: edgecache-board-wheels\nRoot-Is-Purelib: false\nTag: py3-none-manylinux_2_36_aarch64\nBuild-Kernels: {kernels}\n")
+            wheel.writestr(
+                f"{info}/WHEEL",
+                f"Wheel-Version: 1.0\nGenerator: edgecache-board-wheels\nRoot-Is-Purelib: false\nTag: py3-none-manylinux_2_36_aarch64\nBuild-Kernels: {kernels}\n",
+            )
         return path
 
 
-def ensure_wheelhouse(kernels: str = DEFAULT_CLASS, write: Callable[[str], None] = print, out: Path | None = None) -> Path:
+def ensure_wheelhouse(
+    kernels: str = DEFAULT_CLASS, write: Callable[[str], None] = print, out: Path | None = None
+) -> Path:
     """Every wheel an aarch64 board of ``kernels``' class installs, in one folder: the dependencies
     and llama.cpp cached (once per machine), the project's own wheel made again from this checkout
     each time (a few seconds: a wheelhouse never ships an older EdgeCache than the code beside it)."""
@@ -301,7 +345,21 @@ def ensure_wheelhouse(kernels: str = DEFAULT_CLASS, write: Callable[[str], None]
         for old in target.glob("edgecache-*.whl"):
             old.unlink()
         project = Path(__file__).resolve().parents[2]
-        _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(target), str(project)], "pip wheel (the project)")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                "-w",
+                str(target),
+                str(project),
+            ],
+            "pip wheel (the project)",
+        )
     write(f"wheelhouse for aarch64 ({kernels}): {target} ({len(list(target.glob('*.whl')))} wheels)")
     return target
 
@@ -313,9 +371,32 @@ def _collect_dependencies(kernels: str, target: Path, write: Callable[[str], Non
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     write(f"Collecting the board's aarch64 wheels into {target}...")
-    platforms = [f"--platform={tag}" for tag in ("manylinux_2_36_aarch64", "manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64", "linux_aarch64")]
-    download = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", *platforms, f"--python-version={PYTHON_VERSION}",
-                "--implementation=cp", f"--abi=cp{PYTHON_TAG}", "--abi=abi3", "--abi=none", "-d", str(target)]
+    platforms = [
+        f"--platform={tag}"
+        for tag in (
+            "manylinux_2_36_aarch64",
+            "manylinux_2_28_aarch64",
+            "manylinux_2_17_aarch64",
+            "manylinux2014_aarch64",
+            "linux_aarch64",
+        )
+    ]
+    download = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--only-binary=:all:",
+        *platforms,
+        f"--python-version={PYTHON_VERSION}",
+        "--implementation=cp",
+        f"--abi=cp{PYTHON_TAG}",
+        "--abi=abi3",
+        "--abi=none",
+        "-d",
+        str(target),
+    ]
     _run([*download, *board_requirements()], "pip download")
     for _ in range(5):  # what the target's own Python needs and pip, judging by this one, left out
         missing = missing_requirements(target)
@@ -369,8 +450,15 @@ def _run(command: list[str], what: str, env: dict | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dashboard.bench.arm64", description=__doc__.split("\n\n")[0])
     parser.add_argument("what", nargs="?", default="all", choices=("root", "libs", "wheelhouse", "all"))
-    parser.add_argument("--kernels", default=DEFAULT_CLASS, choices=sorted(CLASSES), help=f"the aarch64 kernel class (default {DEFAULT_CLASS})")
-    parser.add_argument("--out", type=Path, default=None, help="write the wheelhouse here instead of the machine's cache")
+    parser.add_argument(
+        "--kernels",
+        default=DEFAULT_CLASS,
+        choices=sorted(CLASSES),
+        help=f"the aarch64 kernel class (default {DEFAULT_CLASS})",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="write the wheelhouse here instead of the machine's cache"
+    )
     args = parser.parse_args(argv)
     try:
         if args.what == "root":

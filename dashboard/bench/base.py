@@ -44,7 +44,9 @@ class BenchContext(Protocol):
     keys: Any  # signing keys of the control plane (a Keychain)
     embedded_cachebox: bool  # the cache box is the checkout's embedded Valkey (no REDIS_URL)
 
-    def board(self, config=None, *, cachebox_only: bool = True, background_sync: bool = False, **changes) -> AbstractContextManager:
+    def board(
+        self, config=None, *, cachebox_only: bool = True, background_sync: bool = False, **changes
+    ) -> AbstractContextManager:
         """A started board (``config`` or this checkout's, with ``changes``) whose cache box answers; closed on exit.
 
         ``cachebox_only`` turns the board-local tiers off: most benchmarks measure the cache box.

@@ -21,13 +21,12 @@ from cachebox.codec import CodecChoice
 from cachebox.link import LINK_PRESETS
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
-from inference.serving.breakeven import BreakEvenPolicy
-from dashboard.mmlu import MMLUPrompt
-
-from dashboard.bench.base import Benchmark, BenchError, prompts_of
+from dashboard.bench.base import BenchError, Benchmark, prompts_of
 from dashboard.bench.cases import CASE_NAMES, seed_segments
 from dashboard.bench.common import machine_info, median, prefix_serving
 from dashboard.bench.reports import breakeven_report
+from dashboard.mmlu import MMLUPrompt
+from inference.serving.breakeven import BreakEvenPolicy
 
 PRESETS = ("wifi4", "fast-ethernet", "none")
 MODES = ("always", "never", "fetch-or-compute", "adaptive")
@@ -60,14 +59,19 @@ def run_breakeven(
 ) -> dict:
     plain = CacheBox(url, timeout=60)
     catalogs = CatalogRegistry(plain, 100_000, 0.01)
-    codecs = {preset: CodecChoice().choose(LINK_PRESETS[preset].bytes_per_second if LINK_PRESETS[preset] else None) for preset in presets}
+    codecs = {
+        preset: CodecChoice().choose(LINK_PRESETS[preset].bytes_per_second if LINK_PRESETS[preset] else None)
+        for preset in presets
+    }
     seeders = {codec: prefix_serving(engine, plain, catalogs, keys, codec=codec) for codec in set(codecs.values())}
     pipelines = {}
     for preset in presets:
         link = LINK_PRESETS[preset]
         store = CacheBox(url, link=link, timeout=60)
         for mode in modes:
-            pipelines[preset, mode] = prefix_serving(engine, store, catalogs, keys, policy=_policy(mode, link, prefill_ms_per_token))
+            pipelines[preset, mode] = prefix_serving(
+                engine, store, catalogs, keys, policy=_policy(mode, link, prefill_ms_per_token)
+            )
     ttft: dict = {(preset, case, mode): [] for preset in presets for case in cases for mode in modes}
     decisions: dict = {}
     late: dict = {}
@@ -82,12 +86,16 @@ def run_breakeven(
                         seeder.run(seed, max_tokens=1, namespace=spaces[codec])
                 for preset in presets:
                     for mode in order:
-                        result = pipelines[preset, mode].run(prompt.segments, max_tokens=1, namespace=spaces[codecs[preset]], upload=False)
+                        result = pipelines[preset, mode].run(
+                            prompt.segments, max_tokens=1, namespace=spaces[codecs[preset]], upload=False
+                        )
                         ttft[preset, case, mode].append(result.breakdown.ttft_ms)
                         if mode == "adaptive":
                             counts = decisions.setdefault((preset, case), {})
                             b = result.breakdown
-                            word = f"{b.decision}" + (f" (met at {b.met_at})" if b.decision == "fetch" and b.planned_split else "")
+                            word = f"{b.decision}" + (
+                                f" (met at {b.met_at})" if b.decision == "fetch" and b.planned_split else ""
+                            )
                             counts[word] = counts.get(word, 0) + 1
                             late[preset, case] = late.get((preset, case), 0) + int(b.fetch_late)
             finally:
@@ -122,7 +130,12 @@ def run_breakeven(
             row["adaptive_decisions"] = decisions.get((preset, case), {})
             row["adaptive_fetch_late"] = late.get((preset, case), 0)
             rows[case] = row
-        document_presets[preset] = {"link": link.label if link else "loopback, unshaped", "emulated": link is not None, "codec": codecs[preset], "cases": rows}
+        document_presets[preset] = {
+            "link": link.label if link else "loopback, unshaped",
+            "emulated": link is not None,
+            "codec": codecs[preset],
+            "cases": rows,
+        }
     return {
         "presets": document_presets,
         "target_met": all_within,
@@ -142,11 +155,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--topic", default="astronomy")
     parser.add_argument("--prompts", type=int, default=30)
     parser.add_argument("--shots", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads of the measured engine (1: board-like; default: every core)")
-    parser.add_argument("--links", nargs="+", default=None, metavar="PRESET", help="link presets (default: wifi4 fast-ethernet none)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="llama.cpp threads of the measured engine (1: board-like; default: every core)",
+    )
+    parser.add_argument(
+        "--links", nargs="+", default=None, metavar="PRESET", help="link presets (default: wifi4 fast-ethernet none)"
+    )
     parser.add_argument("--cases", nargs="+", default=None, metavar="CASE", help="the paper's cases 1-5 (default: all)")
-    parser.add_argument("--modes", nargs="+", default=None, metavar="MODE", help="always never fetch-or-compute adaptive (default: all)")
-    parser.add_argument("--profile", default="", help="pace the engine to a board class: pi-zero-2w or pi5 (emulated; default: this machine)")
+    parser.add_argument(
+        "--modes", nargs="+", default=None, metavar="MODE", help="always never fetch-or-compute adaptive (default: all)"
+    )
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="pace the engine to a board class: pi-zero-2w or pi5 (emulated; default: this machine)",
+    )
 
 
 def run(ctx, *, topic, prompts, shots, threads, links, cases, modes, profile, **options) -> dict:
@@ -186,7 +212,9 @@ def lines(doc: dict) -> list[str]:
     if doc["compute_profile"]:
         out.append(f"compute paced to {doc['compute_profile']}: every figure below is emulated")
     for preset, data in doc["presets"].items():
-        out.append(f"\n{preset} ({data['link']}{', emulated link' if data['emulated'] else ''}; entries stored {data['codec']}): median TTFT ms")
+        out.append(
+            f"\n{preset} ({data['link']}{', emulated link' if data['emulated'] else ''}; entries stored {data['codec']}): median TTFT ms"
+        )
         out.append(f"{'case':<32}" + "".join(f"{mode:>18}" for mode in modes) + f"{'adaptive/best':>15}")
         for case, row in data["cases"].items():
             name = doc["case_names"][case]
@@ -195,12 +223,16 @@ def lines(doc: dict) -> list[str]:
             if "overlap_target_met" in row:
                 note += f"  (target {row['overlap_target']}: {'met' if row['overlap_target_met'] else 'not met'})"
             out.append(
-                f"{case + ' ' + name:<32}" + "".join(f"{row[mode + '_ttft_ms']:>18.1f}" for mode in modes)
-                + (f"{ratio:>15.3f}" if ratio is not None else f"{'-':>15}") + note
+                f"{case + ' ' + name:<32}"
+                + "".join(f"{row[mode + '_ttft_ms']:>18.1f}" for mode in modes)
+                + (f"{ratio:>15.3f}" if ratio is not None else f"{'-':>15}")
+                + note
             )
     out.append(f"\npolicy within 5% of the better fixed choice everywhere: {doc['target_met']}")
     if doc["overlap_target_met"] is not None:
-        out.append(f"Wi-Fi 4, cases 4 and 5, adaptive at most {doc['overlap_target']}x the better fixed choice: {doc['overlap_target_met']}")
+        out.append(
+            f"Wi-Fi 4, cases 4 and 5, adaptive at most {doc['overlap_target']}x the better fixed choice: {doc['overlap_target_met']}"
+        )
     return out
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import uuid
 from typing import Callable
 
-from inference.serving.breakdown import STACK_FIELDS, Breakdown
-from dashboard.mmlu import MMLUPrompt, parse_answer
-
 from dashboard.bench.base import Benchmark, prompts_of
 from dashboard.bench.common import machine_info, median
 from dashboard.bench.reports import cases_report
+from dashboard.mmlu import MMLUPrompt, parse_answer
+from inference.serving.breakdown import STACK_FIELDS, Breakdown
 
 CASE_NAMES = {
     "1": "miss",
@@ -39,7 +38,9 @@ def seed_segments(prompt: MMLUPrompt, case: str) -> list[str] | None:
     }[case]
 
 
-def run_cases(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, progress: Callable[[], None] | None = None) -> dict:
+def run_cases(
+    board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, progress: Callable[[], None] | None = None
+) -> dict:
     """Measure every case on every prompt; returns the JSON document (medians over prompts)."""
     runs: dict[str, list[Breakdown]] = {case: [] for case in CASE_NAMES}
     tokens: dict[str, list[list[int]]] = {case: [] for case in CASE_NAMES}
@@ -68,7 +69,9 @@ def run_cases(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, progress
     return {
         "cases": cases,
         "greedy_agreement": round(agreement, 4),
-        "accuracy": {case: round(sum(a == t for a, t in zip(answers[case], truth)) / len(truth), 4) for case in ("1", "5")},
+        "accuracy": {
+            case: round(sum(a == t for a, t in zip(answers[case], truth)) / len(truth), 4) for case in ("1", "5")
+        },
         "ttft_ratio_full_to_cold": round(full / cold, 4) if cold else None,
         "bytes_per_cached_token": round(cases["5"]["state_bytes"] / max(1, cases["5"]["matched_tokens"]), 1),
         "catalog_lookup_ms": median(run.bloom_ms for case_runs in runs.values() for run in case_runs),
@@ -80,7 +83,10 @@ def summarize(runs: list[Breakdown]) -> dict:
     return {
         "ttft_ms": median(r.ttft_ms for r in runs),
         "ttlt_ms": median(r.ttlt_ms for r in runs),
-        "breakdown_ms": {field: median(getattr(r, field) for r in runs) for field in (*STACK_FIELDS, "fetch_ms", "verify_ms", "restore_ms", "upload_ms")},
+        "breakdown_ms": {
+            field: median(getattr(r, field) for r in runs)
+            for field in (*STACK_FIELDS, "fetch_ms", "verify_ms", "restore_ms", "upload_ms")
+        },
         "matched_tokens": median(r.matched_tokens for r in runs),
         "prompt_tokens": median(r.prompt_tokens for r in runs),
         "state_bytes": median(r.state_bytes for r in runs),
@@ -99,9 +105,18 @@ def add_arguments(parser) -> None:
 def run(ctx, *, topic, prompts, shots, max_tokens, **options) -> dict:
     selected = prompts_of(topic, shots, prompts)
     with ctx.board() as board:
-        with ctx.progress(total=len(selected), desc=f"bench cases ({selected[0].target.topic}, {shots}-shot)", unit="prompt") as bar:
+        with ctx.progress(
+            total=len(selected), desc=f"bench cases ({selected[0].target.topic}, {shots}-shot)", unit="prompt"
+        ) as bar:
             document = run_cases(board, selected, max_tokens=max_tokens, progress=bar.update)
-        document.update({"topic": selected[0].target.topic, "shots": shots, "max_tokens": max_tokens, "machine": machine_info(board)})
+        document.update(
+            {
+                "topic": selected[0].target.topic,
+                "shots": shots,
+                "max_tokens": max_tokens,
+                "machine": machine_info(board),
+            }
+        )
     return document
 
 
@@ -124,7 +139,9 @@ def lines(doc: dict) -> list[str]:
     )
     full = doc["cases"].get("5", {}).get("breakdown_ms", {})
     if "verify_ms" in full:
-        out.append(f"full hit: signature and digest checks {full['verify_ms']:.2f} ms of {full['redis_ms']:.1f} ms fetch + restore")
+        out.append(
+            f"full hit: signature and digest checks {full['verify_ms']:.2f} ms of {full['redis_ms']:.1f} ms fetch + restore"
+        )
     return out
 
 

@@ -17,22 +17,25 @@ from cachebox.catalog import Catalog
 from cachebox.link import LINK_PRESETS
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
-from inference.serving.breakeven import BreakEvenPolicy
-from dashboard.mmlu import MMLUPrompt
-
-from dashboard.bench.base import Benchmark, BenchError
+from dashboard.bench.base import BenchError, Benchmark
 from dashboard.bench.common import machine_info, prefix_serving
 from dashboard.bench.reports import catalog_report
+from dashboard.mmlu import MMLUPrompt
+from inference.serving.breakeven import BreakEvenPolicy
 
 HIT_RATIOS = (0.0, 0.1, 0.5, 0.9)
 
 
-def run_catalog(engine, url: str, prompts: list[MMLUPrompt], *, keys, link_preset: str, progress: Callable[[], None] | None = None) -> dict:
+def run_catalog(
+    engine, url: str, prompts: list[MMLUPrompt], *, keys, link_preset: str, progress: Callable[[], None] | None = None
+) -> dict:
     link = LINK_PRESETS[link_preset]
     plain = CacheBox(url, timeout=60)
     catalogs = CatalogRegistry(plain, 100_000, 0.01)
     seeder = prefix_serving(engine, plain, catalogs, keys)
-    measured = prefix_serving(engine, CacheBox(url, link=link, timeout=60), catalogs, keys, policy=BreakEvenPolicy(mode="always"))
+    measured = prefix_serving(
+        engine, CacheBox(url, link=link, timeout=60), catalogs, keys, policy=BreakEvenPolicy(mode="always")
+    )
     sweep = []
     for ratio in HIT_RATIOS:
         namespace = f"bench-cat-{uuid.uuid4().hex[:10]}"
@@ -42,7 +45,10 @@ def run_catalog(engine, url: str, prompts: list[MMLUPrompt], *, keys, link_prese
                 seeder.run(prompts[index].segments, max_tokens=1, namespace=namespace)
             row = {"hit_ratio": ratio}
             for mode, use_catalog in (("with_catalog", True), ("without_catalog", False)):
-                runs = [measured.run(p.segments, max_tokens=1, namespace=namespace, upload=False, use_catalog=use_catalog) for p in prompts]
+                runs = [
+                    measured.run(p.segments, max_tokens=1, namespace=namespace, upload=False, use_catalog=use_catalog)
+                    for p in prompts
+                ]
                 misses = [r.breakdown for i, r in enumerate(runs) if i not in cached]
                 row[mode] = {
                     "mean_ttft_ms": round(statistics.fmean(r.breakdown.ttft_ms for r in runs), 2),
@@ -55,7 +61,12 @@ def run_catalog(engine, url: str, prompts: list[MMLUPrompt], *, keys, link_prese
         finally:
             plain.flush(namespace)
             catalogs.forget(namespace)
-    return {"sweep": sweep, "link": f"emulated link {link.label}", "false_positives": false_positive_rates(), "n": len(prompts)}
+    return {
+        "sweep": sweep,
+        "link": f"emulated link {link.label}",
+        "false_positives": false_positive_rates(),
+        "n": len(prompts),
+    }
 
 
 def false_positive_rates(capacities=(10_000, 1_000_000), probes: int = 200_000) -> list[dict]:
@@ -95,21 +106,28 @@ def run(ctx, *, prompts, shots, link, **options) -> dict:
     selected = [mmlu.build_prompts(name, shots, 1)[0] for name in mmlu.topics()[:prompts]]
     with ctx.board() as board:
         with ctx.progress(total=2 * len(HIT_RATIOS), desc="bench catalog", unit="pass") as bar:
-            document = run_catalog(board.engine, board.store.url, selected, keys=board.keys, link_preset=link, progress=bar.update)
+            document = run_catalog(
+                board.engine, board.store.url, selected, keys=board.keys, link_preset=link, progress=bar.update
+            )
         document.update({"topics": [p.target.topic for p in selected], "shots": shots, "machine": machine_info(board)})
     document["summary"] = "Catalog: a sure miss costs no network; without it every miss asks the cache box."
     return document
 
 
 def lines(doc: dict) -> list[str]:
-    out = [f"\n{doc['link']}; mean TTFT ms over {doc['n']} prompts", f"{'hit ratio':>10}{'catalog':>12}{'no catalog':>12}{'miss cost without':>20}"]
+    out = [
+        f"\n{doc['link']}; mean TTFT ms over {doc['n']} prompts",
+        f"{'hit ratio':>10}{'catalog':>12}{'no catalog':>12}{'miss cost without':>20}",
+    ]
     for row in doc["sweep"]:
         out.append(
             f"{row['hit_ratio']:>10.1f}{row['with_catalog']['mean_ttft_ms']:>12.1f}{row['without_catalog']['mean_ttft_ms']:>12.1f}"
             f"{row['without_catalog']['miss_network_ms']:>17.1f} ms"
         )
     for row in doc["false_positives"]:
-        out.append(f"false positives at capacity {row['capacity']}: observed {row['observed']}, configured {row['configured']} ({row['size_bytes'] / 1e6:.2f} MB)")
+        out.append(
+            f"false positives at capacity {row['capacity']}: observed {row['observed']}, configured {row['configured']} ({row['size_bytes'] / 1e6:.2f} MB)"
+        )
     return out
 
 

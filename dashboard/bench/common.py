@@ -20,7 +20,9 @@ def prefix_serving(engine, store, catalogs, keys, policy=None, codec: str = "raw
     from inference.serving.exchange import Exchange
     from inference.serving.prefix import PrefixServing
 
-    exchange = Exchange(store, catalogs, fingerprint=engine.fingerprint, keys=keys, codec=codec) if store is not None else None
+    exchange = (
+        Exchange(store, catalogs, fingerprint=engine.fingerprint, keys=keys, codec=codec) if store is not None else None
+    )
     return PrefixServing(engine, exchange, policy=policy)
 
 
@@ -52,7 +54,9 @@ def percentile(values, p: float, digits: int = 3) -> float | None:
 def host_info() -> dict:
     """The machine a benchmark ran on, without a model (benchmarks that load none)."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     cpu_model = ""
@@ -86,7 +90,9 @@ def machine_info(board) -> dict:
         "model_sha256": engine.model_file.sha256[:16],
         "n_ctx": engine.n_ctx,
         "kv_type": engine.config.kv_type,
-        "compute_profile": engine.pacer.profile.emulated_label if engine.pacer is not None else "this machine (not paced)",
+        "compute_profile": engine.pacer.profile.emulated_label
+        if engine.pacer is not None
+        else "this machine (not paced)",
         "cachebox": board.store.safe_url if board.store else None,
         "link": board.store.link_label if board.store else "no cache box",
         "git_commit": host["git_commit"],

@@ -70,7 +70,11 @@ def measured_at(doc) -> float | None:
     """When ``doc`` says it was measured (its ``machine.date``, ISO 8601), as a POSIX time; None when it does not say."""
     from datetime import datetime, timezone
 
-    date = (doc.get("machine") or {}).get("date") if isinstance(doc, dict) and isinstance(doc.get("machine"), dict) else None
+    date = (
+        (doc.get("machine") or {}).get("date")
+        if isinstance(doc, dict) and isinstance(doc.get("machine"), dict)
+        else None
+    )
     if not isinstance(date, str) or not date:
         return None
     try:

@@ -20,24 +20,67 @@ import time
 from typing import Callable, Sequence
 
 from dashboard import mmlu
-
-from dashboard.bench.base import Benchmark, BenchError
+from dashboard.bench.base import BenchError, Benchmark
 from dashboard.bench.common import machine_info
 
 # Paper figures quoted as data (Miao et al., "An Efficient Inference Framework for Early-exit Large
 # Language Models", section 5.1 and table 1): tokens/s on one RTX 4090, techniques in the order the
 # paper lists them (softmax response, hidden-state similarity, classifier).
-PAPER_SOURCE = "Miao et al., An Efficient Inference Framework for Early-exit LLMs (Peking University), section 5.1 and table 1"
+PAPER_SOURCE = (
+    "Miao et al., An Efficient Inference Framework for Early-exit LLMs (Peking University), section 5.1 and table 1"
+)
 PAPER_THROUGHPUT = [
-    {"model": "T5-v1.1-small (CALM)", "full_vllm_tokens_per_s": 1046.47, "softmax": 1081.04, "similarity": 1165.73, "classifier": 1065.13},
-    {"model": "T5-v1.1-base (CALM)", "full_vllm_tokens_per_s": 1117.96, "softmax": 1777.96, "similarity": 1402.78, "classifier": 1191.98},
+    {
+        "model": "T5-v1.1-small (CALM)",
+        "full_vllm_tokens_per_s": 1046.47,
+        "softmax": 1081.04,
+        "similarity": 1165.73,
+        "classifier": 1065.13,
+    },
+    {
+        "model": "T5-v1.1-base (CALM)",
+        "full_vllm_tokens_per_s": 1117.96,
+        "softmax": 1777.96,
+        "similarity": 1402.78,
+        "classifier": 1191.98,
+    },
 ]
 PAPER_TABLE1 = [
-    {"model": "T5-v1.1-small", "technique": "softmax", "threshold": 0.85, "rouge_l_to_full": 0.7670, "exit_rate_percent": 53.82},
-    {"model": "T5-v1.1-small", "technique": "classifier", "threshold": 0.9, "rouge_l_to_full": 0.6731, "exit_rate_percent": 66.50},
-    {"model": "T5-v1.1-base", "technique": "softmax", "threshold": 0.85, "rouge_l_to_full": 0.7493, "exit_rate_percent": 53.09},
-    {"model": "T5-v1.1-base", "technique": "classifier", "threshold": 0.92, "rouge_l_to_full": 0.6868, "exit_rate_percent": 59.06},
-    {"model": "T5-v1.1-base", "technique": "state (similarity)", "threshold": 0.95, "rouge_l_to_full": 0.6284, "exit_rate_percent": 56.53},
+    {
+        "model": "T5-v1.1-small",
+        "technique": "softmax",
+        "threshold": 0.85,
+        "rouge_l_to_full": 0.7670,
+        "exit_rate_percent": 53.82,
+    },
+    {
+        "model": "T5-v1.1-small",
+        "technique": "classifier",
+        "threshold": 0.9,
+        "rouge_l_to_full": 0.6731,
+        "exit_rate_percent": 66.50,
+    },
+    {
+        "model": "T5-v1.1-base",
+        "technique": "softmax",
+        "threshold": 0.85,
+        "rouge_l_to_full": 0.7493,
+        "exit_rate_percent": 53.09,
+    },
+    {
+        "model": "T5-v1.1-base",
+        "technique": "classifier",
+        "threshold": 0.92,
+        "rouge_l_to_full": 0.6868,
+        "exit_rate_percent": 59.06,
+    },
+    {
+        "model": "T5-v1.1-base",
+        "technique": "state (similarity)",
+        "threshold": 0.95,
+        "rouge_l_to_full": 0.6284,
+        "exit_rate_percent": 56.53,
+    },
 ]
 DIFFERS_FROM_PAPER = [
     "Model: Gemma-3 270M, decoder-only, 18 layers, a 262k-word tied output embedding; the paper uses CALM "
@@ -102,7 +145,10 @@ def run_exit_study(
     n_layer = decoder.config.n_layer
     policies = [None, *configs]
     shuffle = random.Random(seed)
-    record = {_key(p): {"tokens": [], "decode_s": 0.0, "wall_s": 0.0, "generated": 0, "depths": [], "ready": [], "first": []} for p in policies}
+    record = {
+        _key(p): {"tokens": [], "decode_s": 0.0, "wall_s": 0.0, "generated": 0, "depths": [], "ready": [], "first": []}
+        for p in policies
+    }
     for kind, chosen, steps in (("decode", prompts, tokens), ("first", mmlu_prompts, 1)):
         for group in _batches(chosen, batch):
             token_lists = [vocabulary.tokenize(p.text, add_bos=True) for p in group]
@@ -126,7 +172,11 @@ def run_exit_study(
     targets = [p.target.answer for p in [*prompts, *mmlu_prompts]]
 
     def accuracy(first: list[int]) -> float:
-        return round(sum(mmlu.parse_answer(vocabulary.detokenize([t])) == answer for t, answer in zip(first, targets)) / len(targets), 4)
+        return round(
+            sum(mmlu.parse_answer(vocabulary.detokenize([t])) == answer for t, answer in zip(first, targets))
+            / len(targets),
+            4,
+        )
 
     full = record["full"]
     full_speed = full["generated"] / full["decode_s"] if full["decode_s"] else 0.0
@@ -138,31 +188,41 @@ def run_exit_study(
         same = [[a == b for a, b in zip(mine, theirs)] for mine, theirs in zip(row["tokens"], full["tokens"])]
         prefixes = [next((i for i, equal in enumerate(s) if not equal), len(s)) for s in same]
         depths = list(policy.exits) + [n_layer]
-        curve.append({
-            "measure": policy.measure,
-            "threshold": policy.threshold,
-            "kv_fill": policy.kv_fill,
-            "head": policy.head,
-            "batch": batch,
-            "label": policy.label,
-            "tokens_per_s": round(speed, 3),
-            "speedup": round(speed / full_speed, 4) if full_speed else None,
-            "tokens_per_wall_s": round(row["generated"] / row["wall_s"], 3) if row["wall_s"] else None,
-            "speedup_wall": round(row["generated"] / row["wall_s"] / full_wall, 4) if row["wall_s"] and full_wall else None,
-            "exit_rate_by_layer": {str(d): round(row["depths"].count(d) / len(row["depths"]), 4) for d in depths},
-            "exit_rate_alone_by_layer": {str(d): round(row["ready"].count(d) / len(row["ready"]), 4) for d in depths},
-            "mean_layers": round(sum(row["depths"]) / len(row["depths"]), 3),
-            "mean_layers_alone": round(sum(row["ready"]) / len(row["ready"]), 3),
-            "agreement_token": round(sum(map(sum, same)) / sum(map(len, same)), 4),
-            "exact_match_32": round(sum(all(s) for s in same) / len(same), 4),
-            "mean_agreeing_prefix": round(sum(prefixes) / len(prefixes), 2),
-            "mmlu_accuracy": accuracy(row["first"]),
-        })
+        curve.append(
+            {
+                "measure": policy.measure,
+                "threshold": policy.threshold,
+                "kv_fill": policy.kv_fill,
+                "head": policy.head,
+                "batch": batch,
+                "label": policy.label,
+                "tokens_per_s": round(speed, 3),
+                "speedup": round(speed / full_speed, 4) if full_speed else None,
+                "tokens_per_wall_s": round(row["generated"] / row["wall_s"], 3) if row["wall_s"] else None,
+                "speedup_wall": round(row["generated"] / row["wall_s"] / full_wall, 4)
+                if row["wall_s"] and full_wall
+                else None,
+                "exit_rate_by_layer": {str(d): round(row["depths"].count(d) / len(row["depths"]), 4) for d in depths},
+                "exit_rate_alone_by_layer": {
+                    str(d): round(row["ready"].count(d) / len(row["ready"]), 4) for d in depths
+                },
+                "mean_layers": round(sum(row["depths"]) / len(row["depths"]), 3),
+                "mean_layers_alone": round(sum(row["ready"]) / len(row["ready"]), 3),
+                "agreement_token": round(sum(map(sum, same)) / sum(map(len, same)), 4),
+                "exact_match_32": round(sum(all(s) for s in same) / len(same), 4),
+                "mean_agreeing_prefix": round(sum(prefixes) / len(prefixes), 2),
+                "mmlu_accuracy": accuracy(row["first"]),
+            }
+        )
     return {
         "batch": batch,
         "full_depth": {
-            "tokens_per_s": round(full_speed, 3), "tokens_per_wall_s": round(full_wall, 3), "mmlu_accuracy": accuracy(full["first"]),
-            "decode_cpu_s": round(full["decode_s"], 3), "decode_wall_s": round(full["wall_s"], 3), "tokens": full["generated"],
+            "tokens_per_s": round(full_speed, 3),
+            "tokens_per_wall_s": round(full_wall, 3),
+            "mmlu_accuracy": accuracy(full["first"]),
+            "decode_cpu_s": round(full["decode_s"], 3),
+            "decode_wall_s": round(full["wall_s"], 3),
+            "tokens": full["generated"],
         },
         "curve": curve,
     }
@@ -172,24 +232,89 @@ def run_exit_study(
 def add_arguments(parser) -> None:
     from inference.lab.early_exit import DEFAULT_EXITS
 
-    parser.add_argument("--prompts", type=int, default=12, help="5-shot MMLU prompts decoded for --tokens greedy tokens by every configuration (default 12)")
-    parser.add_argument("--mmlu-prompts", type=int, default=36, help="further prompts decoded for their first answer token only: MMLU accuracy (default 36)")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=12,
+        help="5-shot MMLU prompts decoded for --tokens greedy tokens by every configuration (default 12)",
+    )
+    parser.add_argument(
+        "--mmlu-prompts",
+        type=int,
+        default=36,
+        help="further prompts decoded for their first answer token only: MMLU accuracy (default 36)",
+    )
     parser.add_argument("--shots", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens compared with full depth (default 32)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[4], metavar="B", help="sequences decoded together (default 4; e.g. 1 4)")
-    parser.add_argument("--exits", type=int, nargs="+", default=list(DEFAULT_EXITS), metavar="DEPTH", help="exit after this many layers (default 12 14 16)")
-    parser.add_argument("--top-prob", type=float, nargs="*", default=[0.5, 0.8, 0.95], metavar="T", help="top-probability thresholds (default 0.5 0.8 0.95)")
-    parser.add_argument("--similarity", type=float, nargs="*", default=[0.97, 0.98, 0.99], metavar="T", help="cosine thresholds (default 0.97 0.98 0.99)")
-    parser.add_argument("--lens", action=argparse.BooleanOptionalAction, default=True, help="also exit through ridge-fitted adapters (fitted on first use; default on)")
-    parser.add_argument("--calibration-docs", type=int, default=24, help="calibration documents when the adapters must be fitted (default 24)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady timings on a shared machine)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[4],
+        metavar="B",
+        help="sequences decoded together (default 4; e.g. 1 4)",
+    )
+    parser.add_argument(
+        "--exits",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_EXITS),
+        metavar="DEPTH",
+        help="exit after this many layers (default 12 14 16)",
+    )
+    parser.add_argument(
+        "--top-prob",
+        type=float,
+        nargs="*",
+        default=[0.5, 0.8, 0.95],
+        metavar="T",
+        help="top-probability thresholds (default 0.5 0.8 0.95)",
+    )
+    parser.add_argument(
+        "--similarity",
+        type=float,
+        nargs="*",
+        default=[0.97, 0.98, 0.99],
+        metavar="T",
+        help="cosine thresholds (default 0.97 0.98 0.99)",
+    )
+    parser.add_argument(
+        "--lens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also exit through ridge-fitted adapters (fitted on first use; default on)",
+    )
+    parser.add_argument(
+        "--calibration-docs",
+        type=int,
+        default=24,
+        help="calibration documents when the adapters must be fitted (default 24)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: steady timings on a shared machine)"
+    )
 
 
-def run(ctx, *, prompts, mmlu_prompts, shots, tokens, batch, exits, top_prob, similarity, lens, calibration_docs, threads, **options) -> dict:
+def run(
+    ctx,
+    *,
+    prompts,
+    mmlu_prompts,
+    shots,
+    tokens,
+    batch,
+    exits,
+    top_prob,
+    similarity,
+    lens,
+    calibration_docs,
+    threads,
+    **options,
+) -> dict:
     from types import SimpleNamespace
 
-    from inference.engine.llama import EngineConfig, Vocabulary
     from dashboard.lab import texts
+    from inference.engine.llama import EngineConfig, Vocabulary
     from inference.engine.model_file import resolve_model
 
     if prompts < 1 or mmlu_prompts < 0 or tokens < 1 or any(b < 1 for b in batch) or threads < 1:
@@ -219,20 +344,46 @@ def run(ctx, *, prompts, mmlu_prompts, shots, tokens, batch, exits, top_prob, si
         path = lens_path(lab_dir(), model.sha256)
         exit_lens = ExitLens.load(path, fingerprint=model.sha256) if path.exists() else None
         if exit_lens is None or not set(exits) <= set(exit_lens.depths):
-            documents = texts.calibration_documents(lambda text: vocabulary.tokenize(text, add_bos=True), max_tokens=384)[:calibration_docs]
+            documents = texts.calibration_documents(
+                lambda text: vocabulary.tokenize(text, add_bos=True), max_tokens=384
+            )[:calibration_docs]
             with ctx.progress(total=len(documents), desc="fitting exit adapters", unit="doc") as bar:
-                exit_lens = fit_lens(reference, documents, exits, model.sha256, source="MMLU calibration questions (dashboard.lab.texts)", progress=bar.update)
+                exit_lens = fit_lens(
+                    reference,
+                    documents,
+                    exits,
+                    model.sha256,
+                    source="MMLU calibration questions (dashboard.lab.texts)",
+                    progress=bar.update,
+                )
             exit_lens.save(path)
     decoder = EarlyExitDecoder(reference, exit_lens)
     started = time.perf_counter()
     runs = []
     for size in batch:
-        with ctx.progress(total=len(chosen), desc=f"bench lab-exit (batch {size}, {len(configs) + 1} configurations)", unit="prompt") as bar:
-            runs.append(run_exit_study(decoder, vocabulary, decoded, first_only, configs, batch=size, tokens=tokens, progress=bar.update))
-    machine = machine_info(SimpleNamespace(engine=SimpleNamespace(config=EngineConfig(n_threads=threads), model_file=model, n_ctx=0, pacer=None), store=None))
+        with ctx.progress(
+            total=len(chosen), desc=f"bench lab-exit (batch {size}, {len(configs) + 1} configurations)", unit="prompt"
+        ) as bar:
+            runs.append(
+                run_exit_study(
+                    decoder, vocabulary, decoded, first_only, configs, batch=size, tokens=tokens, progress=bar.update
+                )
+            )
+    machine = machine_info(
+        SimpleNamespace(
+            engine=SimpleNamespace(config=EngineConfig(n_threads=threads), model_file=model, n_ctx=0, pacer=None),
+            store=None,
+        )
+    )
     import torch
 
-    machine.update({"engine": "lab reference engine (PyTorch float32, CPU)", "torch": torch.__version__, "kv_type": "float16-rounded float32"})
+    machine.update(
+        {
+            "engine": "lab reference engine (PyTorch float32, CPU)",
+            "torch": torch.__version__,
+            "kv_type": "float16-rounded float32",
+        }
+    )
     document = {
         "machine": machine,
         "shots": shots,
@@ -269,7 +420,15 @@ def summary(doc: dict) -> str:
     )
     if best is not None:
         text += f" Fastest with KV fill: {best['label']} at x{best['speedup']} (token agreement {best['agreement_token']}, MMLU {best['mmlu_accuracy']})."
-    faithful = max((row for row in _all_rows(doc) if row["agreement_token"] >= 0.9 and row["exit_rate_by_layer"][str(doc["n_layer"])] < 1.0), key=lambda row: row["speedup"] or 0, default=None)
+    faithful = max(
+        (
+            row
+            for row in _all_rows(doc)
+            if row["agreement_token"] >= 0.9 and row["exit_rate_by_layer"][str(doc["n_layer"])] < 1.0
+        ),
+        key=lambda row: row["speedup"] or 0,
+        default=None,
+    )
     if faithful is not None:
         text += f" Fastest that exits and keeps token agreement >= 0.9: {faithful['label']} at x{faithful['speedup']} (agreement {faithful['agreement_token']})."
     else:
@@ -283,7 +442,10 @@ def lines(doc: dict) -> list[str]:
         out.append(f"\nbatch {size}: full depth {full['tokens_per_s']} tokens/s, MMLU {full['mmlu_accuracy']}")
     exits = [str(d) for d in doc["exits"]] + [str(doc["n_layer"])]
     out.append(f"({doc['seconds']} s)")
-    out.append(f"{'B':>2} {'configuration':<46}{'tok/s':>7}{'x':>7}{'agree':>7}{'exact':>7}{'MMLU':>7}  exit rate " + "/".join(exits))
+    out.append(
+        f"{'B':>2} {'configuration':<46}{'tok/s':>7}{'x':>7}{'agree':>7}{'exact':>7}{'MMLU':>7}  exit rate "
+        + "/".join(exits)
+    )
     for row in _all_rows(doc):
         rates = "/".join(f"{row['exit_rate_by_layer'][d]:.2f}" for d in exits)
         out.append(
@@ -304,7 +466,9 @@ def exit_report(path, doc: dict):
         for row in rows:
             groups.setdefault((row["batch"], row["measure"], row["head"], row["kv_fill"]), []).append(row)
         for (batch, measure, head, fill), members in sorted(groups.items(), key=lambda item: str(item[0])):
-            name = f"{measure}, {head} head, {'KV fill' if fill else 'no KV fill'}" + (f", B={batch}" if len(doc["full_depth_by_batch"]) > 1 else "")
+            name = f"{measure}, {head} head, {'KV fill' if fill else 'no KV fill'}" + (
+                f", B={batch}" if len(doc["full_depth_by_batch"]) > 1 else ""
+            )
             yield name, sorted(members, key=lambda row: row["threshold"]), ("circle" if fill else "x")
 
     figures = []
@@ -315,38 +479,85 @@ def exit_report(path, doc: dict):
     ):
         figure = go.Figure()
         for name, rows, symbol in series(_all_rows(doc)):
-            figure.add_trace(go.Scatter(
-                x=[row["speedup"] for row in rows], y=[row[metric] for row in rows], mode="lines+markers+text", name=name,
-                marker={"symbol": symbol, "size": 9}, text=[f"{row['threshold']:g}" for row in rows], textposition="top center",
-            ))
-        figure.add_trace(go.Scatter(x=[1.0], y=[full_value], mode="markers", name="full depth (reference engine)", marker={"size": 13, "symbol": "star"}))
-        figure.update_layout(title=f"Speed-quality curve, early exit (lab, approximate): {title}", xaxis_title="decode tokens/s relative to full depth (x)", yaxis_title=metric.replace("_", " "))
+            figure.add_trace(
+                go.Scatter(
+                    x=[row["speedup"] for row in rows],
+                    y=[row[metric] for row in rows],
+                    mode="lines+markers+text",
+                    name=name,
+                    marker={"symbol": symbol, "size": 9},
+                    text=[f"{row['threshold']:g}" for row in rows],
+                    textposition="top center",
+                )
+            )
+        figure.add_trace(
+            go.Scatter(
+                x=[1.0],
+                y=[full_value],
+                mode="markers",
+                name="full depth (reference engine)",
+                marker={"size": 13, "symbol": "star"},
+            )
+        )
+        figure.update_layout(
+            title=f"Speed-quality curve, early exit (lab, approximate): {title}",
+            xaxis_title="decode tokens/s relative to full depth (x)",
+            yaxis_title=metric.replace("_", " "),
+        )
         figures.append(figure)
     rates = go.Figure()
     exits = [str(d) for d in doc["exits"]] + [str(doc["n_layer"])]
     labels = [f"{row['label']} B={row['batch']}" for row in _all_rows(doc)]
     for depth in exits:
-        rates.add_trace(go.Bar(x=labels, y=[row["exit_rate_by_layer"][depth] for row in _all_rows(doc)], name=f"after {depth} layers" + (" (no exit)" if depth == exits[-1] else "")))
-    rates.update_layout(barmode="stack", title="Where tokens left the network (early exit, lab): share per exit depth", yaxis_title="share of decoded tokens")
+        rates.add_trace(
+            go.Bar(
+                x=labels,
+                y=[row["exit_rate_by_layer"][depth] for row in _all_rows(doc)],
+                name=f"after {depth} layers" + (" (no exit)" if depth == exits[-1] else ""),
+            )
+        )
+    rates.update_layout(
+        barmode="stack",
+        title="Where tokens left the network (early exit, lab): share per exit depth",
+        yaxis_title="share of decoded tokens",
+    )
     figures.append(rates)
     table = [
-        {"label": row["label"], "B": row["batch"], "tokens/s": row["tokens_per_s"], "speedup": row["speedup"], "speedup (wall clock)": row.get("speedup_wall"), "mean layers": row["mean_layers"],
-         "mean layers alone": row["mean_layers_alone"], "agreement": row["agreement_token"], "exact match": row["exact_match_32"],
-         "MMLU": row["mmlu_accuracy"], **{f"exit@{d}": row["exit_rate_by_layer"][d] for d in exits}}
+        {
+            "label": row["label"],
+            "B": row["batch"],
+            "tokens/s": row["tokens_per_s"],
+            "speedup": row["speedup"],
+            "speedup (wall clock)": row.get("speedup_wall"),
+            "mean layers": row["mean_layers"],
+            "mean layers alone": row["mean_layers_alone"],
+            "agreement": row["agreement_token"],
+            "exact match": row["exact_match_32"],
+            "MMLU": row["mmlu_accuracy"],
+            **{f"exit@{d}": row["exit_rate_by_layer"][d] for d in exits},
+        }
         for row in _all_rows(doc)
     ]
     tables = {
-        "Full depth (the same engine, no exits)": [{"batch": b, **full} for b, full in doc["full_depth_by_batch"].items()],
+        "Full depth (the same engine, no exits)": [
+            {"batch": b, **full} for b, full in doc["full_depth_by_batch"].items()
+        ],
         "Every configuration (approximate; labelled as a board run would be)": table,
         "Differs from the paper": [{"difference": text} for text in doc["differs_from_paper"]],
         f"Paper (quoted as data): {PAPER_SOURCE}, throughput": PAPER_THROUGHPUT,
         "Paper (quoted as data): table 1": PAPER_TABLE1,
     }
-    return write_report(path, "bench lab-exit: early exit with KV fill (seed 002)", doc.get("summary", ""), figures, tables, doc)
+    return write_report(
+        path, "bench lab-exit: early exit with KV fill (seed 002)", doc.get("summary", ""), figures, tables, doc
+    )
 
 
 def headline(doc: dict) -> str:
-    speedups = [point.get("speedup") for point in doc.get("curve") or [] if isinstance(point, dict) and isinstance(point.get("speedup"), (int, float))]
+    speedups = [
+        point.get("speedup")
+        for point in doc.get("curve") or []
+        if isinstance(point, dict) and isinstance(point.get("speedup"), (int, float))
+    ]
     return f"early exit with KV fill (lab): {len(doc.get('curve') or [])} settings, speed-up up to {max(speedups, default=0):.2f}x (see the Lab page)"
 
 

@@ -20,12 +20,11 @@ from typing import Callable
 
 import numpy as np
 
-from inference.engine.llama import MAIN_SEQ
-from dashboard.mmlu import MMLUPrompt, build_prompts
-
-from dashboard.bench.base import Benchmark, BenchError, topics_named
+from dashboard.bench.base import BenchError, Benchmark, topics_named
 from dashboard.bench.common import machine_info, median
 from dashboard.bench.reports import exact_report
+from dashboard.mmlu import MMLUPrompt, build_prompts
+from inference.engine.llama import MAIN_SEQ
 
 GRIDS = (64, 128, 256)
 
@@ -34,13 +33,28 @@ def _grid_cuts(grid: int, count: int) -> list[int]:
     return list(range(grid, count, grid))
 
 
-def cut_costs(engine, prompts: list[MMLUPrompt], tokenize, *, grids=GRIDS, board_grid: int = 128, repeats: int = 2, progress=None, layout=None) -> dict:
+def cut_costs(
+    engine,
+    prompts: list[MMLUPrompt],
+    tokenize,
+    *,
+    grids=GRIDS,
+    board_grid: int = 128,
+    repeats: int = 2,
+    progress=None,
+    layout=None,
+) -> dict:
     """Median cold prefill time per grid (and without cuts), and on the board's grid plus every
     segment's end (the instruction and each example end a batch: why segment ends are not cuts),
     measured interleaved in random order."""
     segmented = f"every {board_grid} + segment ends"
     last = f"every {board_grid} + last segment and paragraph starts"  # what the board does (``layout``: PrefixServing.layout)
-    variants = {"n_batch only": None, **{f"every {grid}": grid for grid in grids}, last: board_grid, segmented: board_grid}
+    variants = {
+        "n_batch only": None,
+        **{f"every {grid}": grid for grid in grids},
+        last: board_grid,
+        segmented: board_grid,
+    }
     times: dict[str, list[float]] = {name: [] for name in variants}
     order_rng = random.Random(0)
     for _ in range(repeats):
@@ -62,7 +76,10 @@ def cut_costs(engine, prompts: list[MMLUPrompt], tokenize, *, grids=GRIDS, board
             if progress:
                 progress()
     base = median(times["n_batch only"])
-    return {name: {"prefill_ms": median(values), "ratio_to_uncut": round(median(values) / base, 4) if base else None} for name, values in times.items()}
+    return {
+        name: {"prefill_ms": median(values), "ratio_to_uncut": round(median(values) / base, 4) if base else None}
+        for name, values in times.items()
+    }
 
 
 def resumed_logits_identical(engine, tokens: list[int], grid: int, extra=()) -> tuple[bool, float]:
@@ -83,12 +100,22 @@ def resumed_logits_identical(engine, tokens: list[int], grid: int, extra=()) -> 
     return bool(np.array_equal(cold, warm)), float(np.max(np.abs(cold - warm)))
 
 
-def run_exact(board, topics: list[str], per_topic: int, shots: int, *, max_tokens: int = 8, progress: Callable[[], None] | None = None) -> dict:
+def run_exact(
+    board,
+    topics: list[str],
+    per_topic: int,
+    shots: int,
+    *,
+    max_tokens: int = 8,
+    progress: Callable[[], None] | None = None,
+) -> dict:
     prompts_by_topic = {topic: build_prompts(topic, shots, per_topic) for topic in topics}
     every = [prompt for prompts in prompts_by_topic.values() for prompt in prompts]
     grid = board.prefix.chunk_tokens
     tokenize = board.prefix.tokenize
-    costs = cut_costs(board.engine, every[: min(len(every), 24)], tokenize, board_grid=grid, progress=None, layout=board.prefix.layout)
+    costs = cut_costs(
+        board.engine, every[: min(len(every), 24)], tokenize, board_grid=grid, progress=None, layout=board.prefix.layout
+    )
     identical, max_diff = 0, 0.0
     rows = []
     for topic, prompts in prompts_by_topic.items():
@@ -149,7 +176,9 @@ def run_exact(board, topics: list[str], per_topic: int, shots: int, *, max_token
 
 # -- the command (python manage.py bench exact) --------------------------------------------------
 def add_arguments(parser) -> None:
-    parser.add_argument("--topics", nargs="+", default=["astronomy", "high_school_biology", "world_religions"], metavar="TOPIC")
+    parser.add_argument(
+        "--topics", nargs="+", default=["astronomy", "high_school_biology", "world_religions"], metavar="TOPIC"
+    )
     parser.add_argument("--prompts", type=int, default=34, help="questions per topic (default 34: 102 over 3 topics)")
     parser.add_argument("--shots", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=8, help="greedy tokens compared per run")
@@ -160,7 +189,9 @@ def run(ctx, *, topics, prompts, shots, max_tokens, **options) -> dict:
     if prompts < 2:
         raise BenchError("--prompts must be at least 2 (the first prompt of a topic stores, the others hit)")
     with ctx.board() as board:
-        with ctx.progress(total=2 * prompts * len(chosen), desc=f"bench exact ({len(chosen)} topics, {shots}-shot)", unit="run") as bar:
+        with ctx.progress(
+            total=2 * prompts * len(chosen), desc=f"bench exact ({len(chosen)} topics, {shots}-shot)", unit="run"
+        ) as bar:
             document = run_exact(board, chosen, prompts, shots, max_tokens=max_tokens, progress=bar.update)
         document.update({"shots": shots, "machine": machine_info(board)})
     return document
@@ -170,9 +201,13 @@ def lines(doc: dict) -> list[str]:
     out = [f"\ngrid {doc['grid']} tokens; cold prefill, median ms (ratio to n_batch batches):"]
     for name, row in doc["cut_costs"].items():
         out.append(f"  {name:<14} {row['prefill_ms']:9.1f}  x{row['ratio_to_uncut']}")
-    out.append(f"resumed logits bitwise identical to cold: {doc['resumed_logits_bitwise_identical']} (max |diff| {doc['resumed_logits_max_abs_diff']})")
+    out.append(
+        f"resumed logits bitwise identical to cold: {doc['resumed_logits_bitwise_identical']} (max |diff| {doc['resumed_logits_max_abs_diff']})"
+    )
     for case, row in doc["by_case"].items():
-        out.append(f"  {case:<8} {row['runs']:4d} runs  greedy agreement {row['greedy_agreement']}  TTFT {row['median_ttft_ms']} ms (cold {row['median_cold_ttft_ms']} ms)")
+        out.append(
+            f"  {case:<8} {row['runs']:4d} runs  greedy agreement {row['greedy_agreement']}  TTFT {row['median_ttft_ms']} ms (cold {row['median_cold_ttft_ms']} ms)"
+        )
     return out
 
 

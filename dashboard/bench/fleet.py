@@ -25,11 +25,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cachebox.keys import parse_entry_key_name
-
-from inference.placement import FleetIndex, prompt_keys, route
-
-from dashboard.bench.base import Benchmark, BenchError, topics_named
+from dashboard.bench.base import BenchError, Benchmark, topics_named
 from dashboard.bench.common import machine_info, median, percentile
+from inference.placement import FleetIndex, prompt_keys, route
 
 POLICIES = ("random", "round-robin", "cache-aware")
 DEFAULT_TOPICS = ("astronomy", "high_school_biology", "world_religions", "marketing")
@@ -51,7 +49,11 @@ def idle_while_waiting(records: list[dict], boards: list[str]) -> float:
     """Seconds during which some board was idle while a run waited in another board's queue."""
     events = []
     for r in records:
-        events += [(r["arrived_s"], "arrive", r["board"]), (r["started_s"], "start", r["board"]), (r["finished_s"], "finish", r["board"])]
+        events += [
+            (r["arrived_s"], "arrive", r["board"]),
+            (r["started_s"], "start", r["board"]),
+            (r["finished_s"], "finish", r["board"]),
+        ]
     order = {"finish": 0, "arrive": 1, "start": 2}
     events.sort(key=lambda e: (e[0], order[e[1]]))
     waiting = {board: 0 for board in boards}
@@ -71,13 +73,29 @@ def idle_while_waiting(records: list[dict], boards: list[str]) -> float:
     return round(total, 3)
 
 
-def run_policy(boards, jobs: list[_Job], policy: str, *, interval_s: float, namespace: str, link, max_tokens: int, ram_budget_bytes: int, seed: int, progress: Callable[[], None] | None = None) -> dict:
+def run_policy(
+    boards,
+    jobs: list[_Job],
+    policy: str,
+    *,
+    interval_s: float,
+    namespace: str,
+    link,
+    max_tokens: int,
+    ram_budget_bytes: int,
+    seed: int,
+    progress: Callable[[], None] | None = None,
+) -> dict:
     names = [board.config.device for board in boards]
     by_name = dict(zip(names, boards))
     index = FleetIndex(prefill_prior=sum(b.config.prefill_ms_per_token for b in boards) / len(boards))
     for board in boards:  # what each measured of itself at start, as its heartbeats tell the control plane
         if board.rates is not None:
-            index.measured(board.config.device, prefill_ms_per_token=board.rates.prefill_ms_per_token, decode_ms_per_token=board.rates.decode_ms_per_token)
+            index.measured(
+                board.config.device,
+                prefill_ms_per_token=board.rates.prefill_ms_per_token,
+                decode_ms_per_token=board.rates.decode_ms_per_token,
+            )
     lock = threading.Lock()
     queues = {name: queue.Queue() for name in names}
     records: list[dict] = []
@@ -105,20 +123,40 @@ def run_policy(boards, jobs: list[_Job], policy: str, *, interval_s: float, name
             with lock:
                 if b is not None:
                     stored = [parse_entry_key_name(entry.name)[2].hex() for entry in result.uploaded]
-                    index.reported(name, job.request_id, prompt_tokens=b.prompt_tokens, matched_tokens=b.matched_tokens, prefill_ms=b.prefill_ms,
-                                   decode_ms=b.decode_ms, generated_tokens=b.generated_tokens, stored_keys=stored, at=finished)
+                    index.reported(
+                        name,
+                        job.request_id,
+                        prompt_tokens=b.prompt_tokens,
+                        matched_tokens=b.matched_tokens,
+                        prefill_ms=b.prefill_ms,
+                        decode_ms=b.decode_ms,
+                        generated_tokens=b.generated_tokens,
+                        stored_keys=stored,
+                        at=finished,
+                    )
                 else:
                     index.reported(name, job.request_id, failed=True, at=finished)
-                records.append({
-                    "index": job.index, "topic": job.topic, "board": name, "error": error,
-                    "arrived_s": job.arrived, "started_s": started, "finished_s": finished,
-                    "wait_ms": round((started - job.arrived) * 1000.0, 3),
-                    "service_ttft_ms": b.ttft_ms if b else 0.0,
-                    "ttft_ms": round((started - job.arrived) * 1000.0 + (b.ttft_ms if b else 0.0), 3),
-                    "tier": str(b.tier) if b else "", "case": str(b.case) if b else "", "decision": str(b.decision) if b else "",
-                    "matched_tokens": b.matched_tokens if b else 0, "prompt_tokens": b.prompt_tokens if b else 0,
-                    "fetched_bytes": b.fetched_bytes if b else 0, "uploaded_bytes": b.uploaded_bytes if b else 0,
-                })
+                records.append(
+                    {
+                        "index": job.index,
+                        "topic": job.topic,
+                        "board": name,
+                        "error": error,
+                        "arrived_s": job.arrived,
+                        "started_s": started,
+                        "finished_s": finished,
+                        "wait_ms": round((started - job.arrived) * 1000.0, 3),
+                        "service_ttft_ms": b.ttft_ms if b else 0.0,
+                        "ttft_ms": round((started - job.arrived) * 1000.0 + (b.ttft_ms if b else 0.0), 3),
+                        "tier": str(b.tier) if b else "",
+                        "case": str(b.case) if b else "",
+                        "decision": str(b.decision) if b else "",
+                        "matched_tokens": b.matched_tokens if b else 0,
+                        "prompt_tokens": b.prompt_tokens if b else 0,
+                        "fetched_bytes": b.fetched_bytes if b else 0,
+                        "uploaded_bytes": b.uploaded_bytes if b else 0,
+                    }
+                )
             if progress:
                 progress()
 
@@ -140,11 +178,26 @@ def run_policy(boards, jobs: list[_Job], policy: str, *, interval_s: float, name
                 elif policy == "round-robin":
                     chosen = names[job.index % len(names)]
                 else:
-                    views = [index.view(name, job.keys[name], link=link, ram_budget_bytes=ram_budget_bytes, now=job.arrived) for name in names]
+                    views = [
+                        index.view(name, job.keys[name], link=link, ram_budget_bytes=ram_budget_bytes, now=job.arrived)
+                        for name in names
+                    ]
                     decision = route(job.keys[names[0]].tokens, views)
                     chosen, chosen_estimate = decision.board, decision.chosen
-                    decisions.append({k: v for k, v in decision.record().items() if k in ("board", "expected_ms", "queued_ms", "held_tokens", "source", "saving_ms")})
-                index.dispatched(chosen, job.request_id, job.keys[chosen], index.work_ms(chosen, job.keys[chosen], max_tokens, link, estimate=chosen_estimate), at=job.arrived)
+                    decisions.append(
+                        {
+                            k: v
+                            for k, v in decision.record().items()
+                            if k in ("board", "expected_ms", "queued_ms", "held_tokens", "source", "saving_ms")
+                        }
+                    )
+                index.dispatched(
+                    chosen,
+                    job.request_id,
+                    job.keys[chosen],
+                    index.work_ms(chosen, job.keys[chosen], max_tokens, link, estimate=chosen_estimate),
+                    at=job.arrived,
+                )
             job.board = chosen
             queues[chosen].put(job)
     finally:
@@ -173,7 +226,9 @@ def run_policy(boards, jobs: list[_Job], policy: str, *, interval_s: float, name
         "ttft_ms_p90": percentile(ttfts, 90),
         "service_ttft_ms_p50": median(service),
         "wait_ms_p50": median(r["wait_ms"] for r in served),
-        "hit_ratio_by_tier": {tier: round(count / len(served), 4) for tier, count in sorted(tiers.items())} if served else {},
+        "hit_ratio_by_tier": {tier: round(count / len(served), 4) for tier, count in sorted(tiers.items())}
+        if served
+        else {},
         "matched_tokens_total": sum(r["matched_tokens"] for r in served),
         "prompt_tokens_total": sum(r["prompt_tokens"] for r in served),
         "fetched_mb": round(sum(r["fetched_bytes"] for r in served) / 1e6, 2),
@@ -194,7 +249,12 @@ def build_jobs(boards, prompts_by_topic: dict[str, list], *, namespace: str, see
     for topic, prompts in prompts_by_topic.items():
         for prompt in prompts:
             tokens, cuts = first.prefix.layout(prompt.segments)
-            keys = {board.config.device: prompt_keys(namespace, board.engine.fingerprint, tokens, grid=board.prefix.chunk_tokens, extra=cuts) for board in boards}
+            keys = {
+                board.config.device: prompt_keys(
+                    namespace, board.engine.fingerprint, tokens, grid=board.prefix.chunk_tokens, extra=cuts
+                )
+                for board in boards
+            }
             jobs.append(_Job(0, topic, prompt.segments, keys))
     random.Random(seed).shuffle(jobs)
     for number, job in enumerate(jobs):
@@ -202,8 +262,20 @@ def build_jobs(boards, prompts_by_topic: dict[str, list], *, namespace: str, see
     return jobs
 
 
-def run_fleet(boards, prompts_by_topic: dict[str, list], *, link, link_name: str, max_tokens: int = 4, interval_s: float | None = None, spacing: float = 1.0,
-              ram_budget_bytes: int = 0, seed: int = 7, namespace_prefix: str = "bench-fleet", progress: Callable[[], None] | None = None) -> dict:
+def run_fleet(
+    boards,
+    prompts_by_topic: dict[str, list],
+    *,
+    link,
+    link_name: str,
+    max_tokens: int = 4,
+    interval_s: float | None = None,
+    spacing: float = 1.0,
+    ram_budget_bytes: int = 0,
+    seed: int = 7,
+    namespace_prefix: str = "bench-fleet",
+    progress: Callable[[], None] | None = None,
+) -> dict:
     """Each policy over the same arrival stream; ``interval_s`` defaults to ``spacing`` x one cold TTFT (one board alone)."""
     sample = next(iter(prompts_by_topic.values()))[0]
     cold = [boards[0].run(sample.segments, max_tokens=1, use_cache=False).breakdown.ttft_ms for _ in range(2)][-1]
@@ -215,7 +287,18 @@ def run_fleet(boards, prompts_by_topic: dict[str, list], *, link, link_name: str
             namespace = f"{namespace_prefix}-{uuid.uuid4().hex[:8]}"
             namespaces.append(namespace)
             jobs = build_jobs(boards, prompts_by_topic, namespace=namespace, seed=seed)
-            results[policy] = run_policy(boards, jobs, policy, interval_s=interval, namespace=namespace, link=link, max_tokens=max_tokens, ram_budget_bytes=ram_budget_bytes, seed=seed + number, progress=progress)
+            results[policy] = run_policy(
+                boards,
+                jobs,
+                policy,
+                interval_s=interval,
+                namespace=namespace,
+                link=link,
+                max_tokens=max_tokens,
+                ram_budget_bytes=ram_budget_bytes,
+                seed=seed + number,
+                progress=progress,
+            )
     finally:
         for namespace in namespaces:
             try:
@@ -254,33 +337,94 @@ def fleet_report(path, doc: dict):
     ttft = go.Figure()
     ttft.add_bar(x=names, y=[policies[p]["ttft_ms_p50"] for p in names], name="median TTFT")
     ttft.add_bar(x=names, y=[policies[p]["ttft_ms_p90"] for p in names], name="p90 TTFT")
-    ttft.update_layout(title=f"TTFT from arrival, {doc['boards']} boards, {doc['link_label']} (ms)", barmode="group", yaxis_title="ms", template="plotly_white")
+    ttft.update_layout(
+        title=f"TTFT from arrival, {doc['boards']} boards, {doc['link_label']} (ms)",
+        barmode="group",
+        yaxis_title="ms",
+        template="plotly_white",
+    )
     tiers = sorted({tier for p in names for tier in policies[p]["hit_ratio_by_tier"]})
-    by_tier = go.Figure([go.Bar(name=tier, x=names, y=[policies[p]["hit_ratio_by_tier"].get(tier, 0.0) for p in names]) for tier in tiers])
-    by_tier.update_layout(title="Where each run's prompt state came from (share of runs)", barmode="stack", template="plotly_white")
+    by_tier = go.Figure(
+        [
+            go.Bar(name=tier, x=names, y=[policies[p]["hit_ratio_by_tier"].get(tier, 0.0) for p in names])
+            for tier in tiers
+        ]
+    )
+    by_tier.update_layout(
+        title="Where each run's prompt state came from (share of runs)", barmode="stack", template="plotly_white"
+    )
     over_time = go.Figure()
     for p in names:
         records = policies[p]["records"]
-        over_time.add_scatter(x=[r["arrived_s"] for r in records], y=[r["ttft_ms"] for r in records], mode="markers", name=p, text=[f"{r['board']} {r['tier'] or 'computed'}" for r in records])
-    over_time.update_layout(title="TTFT of every run by arrival time", xaxis_title="s", yaxis_title="ms", yaxis_type="log", template="plotly_white")
+        over_time.add_scatter(
+            x=[r["arrived_s"] for r in records],
+            y=[r["ttft_ms"] for r in records],
+            mode="markers",
+            name=p,
+            text=[f"{r['board']} {r['tier'] or 'computed'}" for r in records],
+        )
+    over_time.update_layout(
+        title="TTFT of every run by arrival time",
+        xaxis_title="s",
+        yaxis_title="ms",
+        yaxis_type="log",
+        template="plotly_white",
+    )
     rows = [
-        {"policy": p, **{k: policies[p][k] for k in ("ttft_ms_p50", "ttft_ms_p90", "service_ttft_ms_p50", "wait_ms_p50", "idle_while_waiting_s", "fetched_mb", "uploaded_mb", "errors")},
-         "tiers": ", ".join(f"{t or 'computed'} {v}" for t, v in policies[p]["hit_ratio_by_tier"].items()), "runs per board": ", ".join(f"{b} {n}" for b, n in policies[p]["runs_per_board"].items())}
+        {
+            "policy": p,
+            **{
+                k: policies[p][k]
+                for k in (
+                    "ttft_ms_p50",
+                    "ttft_ms_p90",
+                    "service_ttft_ms_p50",
+                    "wait_ms_p50",
+                    "idle_while_waiting_s",
+                    "fetched_mb",
+                    "uploaded_mb",
+                    "errors",
+                )
+            },
+            "tiers": ", ".join(f"{t or 'computed'} {v}" for t, v in policies[p]["hit_ratio_by_tier"].items()),
+            "runs per board": ", ".join(f"{b} {n}" for b, n in policies[p]["runs_per_board"].items()),
+        }
         for p in names
     ]
-    return write_report(path, f"bench fleet: {doc['boards']} boards, {doc['link']}", doc.get("summary", ""), [ttft, by_tier, over_time], {"Policies": rows}, doc)
+    return write_report(
+        path,
+        f"bench fleet: {doc['boards']} boards, {doc['link']}",
+        doc.get("summary", ""),
+        [ttft, by_tier, over_time],
+        {"Policies": rows},
+        doc,
+    )
 
 
 # -- the command (python manage.py bench fleet) --------------------------------------------------
 def add_arguments(parser) -> None:
     parser.add_argument("--boards", type=int, default=4, help="in-process boards, 1 llama.cpp thread each (default 4)")
-    parser.add_argument("--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics, interleaved (default: 4)")
+    parser.add_argument(
+        "--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics, interleaved (default: 4)"
+    )
     parser.add_argument("--prompts", type=int, default=40, help="prompts in the stream, over all topics (default 40)")
     parser.add_argument("--shots", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--link", default="wifi4", help="link preset between boards and cache box (default wifi4; none: loopback)")
-    parser.add_argument("--ram-mb", type=int, default=None, help="each board's RAM tier in MB (default: the board default, EDGECACHE_RAM_TIER_MB)")
-    parser.add_argument("--spacing", type=float, default=1.0, help="arrivals every this many cold TTFTs of one board alone (default 1.0)")
+    parser.add_argument(
+        "--link", default="wifi4", help="link preset between boards and cache box (default wifi4; none: loopback)"
+    )
+    parser.add_argument(
+        "--ram-mb",
+        type=int,
+        default=None,
+        help="each board's RAM tier in MB (default: the board default, EDGECACHE_RAM_TIER_MB)",
+    )
+    parser.add_argument(
+        "--spacing",
+        type=float,
+        default=1.0,
+        help="arrivals every this many cold TTFTs of one board alone (default 1.0)",
+    )
     parser.add_argument("--seed", type=int, default=7)
 
 
@@ -291,24 +435,44 @@ def run(ctx, *, boards, topics, prompts, shots, max_tokens, link, ram_mb, spacin
     from dashboard import mmlu
 
     if boards < 2 or prompts < boards or max_tokens < 1 or spacing <= 0 or not 0 <= shots <= 8:
-        raise BenchError("--boards must be at least 2, --prompts at least --boards, --max-tokens at least 1, --spacing positive, --shots 0 to 8")
+        raise BenchError(
+            "--boards must be at least 2, --prompts at least --boards, --max-tokens at least 1, --spacing positive, --shots 0 to 8"
+        )
     if link not in LINK_PRESETS:
         raise BenchError(f"--link must be one of {', '.join(LINK_PRESETS)}")
     chosen = topics_named(topics or DEFAULT_TOPICS)
     try:
-        per_topic = [prompts // len(chosen) + (1 if index < prompts % len(chosen) else 0) for index in range(len(chosen))]
+        per_topic = [
+            prompts // len(chosen) + (1 if index < prompts % len(chosen) else 0) for index in range(len(chosen))
+        ]
         by_topic = {topic: mmlu.build_prompts(topic, shots, count) for topic, count in zip(chosen, per_topic) if count}
     except (mmlu.UnknownTopic, ValueError, FileNotFoundError) as exc:
         raise BenchError(str(exc))
     profile = LINK_PRESETS[link]
-    base = ctx.config.with_(threads=1, link=profile, ram_tier_bytes=ram_mb * 1024 * 1024 if ram_mb is not None else None, context_reuse=True)
+    base = ctx.config.with_(
+        threads=1, link=profile, ram_tier_bytes=ram_mb * 1024 * 1024 if ram_mb is not None else None, context_reuse=True
+    )
     with ExitStack() as stack:
         started = [
-            stack.enter_context(ctx.board(base.with_(device=f"fleet-{number}"), cachebox_only=False, background_sync=True))
-            for number in ctx.progress(iterable=range(boards), desc=f"bench fleet: loading {boards} boards", unit="board")
+            stack.enter_context(
+                ctx.board(base.with_(device=f"fleet-{number}"), cachebox_only=False, background_sync=True)
+            )
+            for number in ctx.progress(
+                iterable=range(boards), desc=f"bench fleet: loading {boards} boards", unit="board"
+            )
         ]
         with ctx.progress(total=len(POLICIES) * prompts, desc=f"bench fleet ({link})", unit="run") as bar:
-            document = run_fleet(started, by_topic, link=profile, link_name=link, max_tokens=max_tokens, spacing=spacing, ram_budget_bytes=base.ram_tier_bytes, seed=seed, progress=bar.update)
+            document = run_fleet(
+                started,
+                by_topic,
+                link=profile,
+                link_name=link,
+                max_tokens=max_tokens,
+                spacing=spacing,
+                ram_budget_bytes=base.ram_tier_bytes,
+                seed=seed,
+                progress=bar.update,
+            )
         document.update({"shots": shots, "seed": seed, "machine": machine_info(started[0])})
     document["summary"] = (
         f"Median TTFT round-robin / cache-aware = {document['median_ttft_round_robin_over_cache_aware']} (target 2x: {document['target_met']}); "

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from dashboard.bench.base import Benchmark, BenchError
+from dashboard.bench.base import BenchError, Benchmark
 from dashboard.bench.common import percentile
 
 FORMAT = 1
@@ -103,8 +103,12 @@ def verdicts(doc: dict) -> dict:
         "heartbeat_lag_p99_le_1s": at_most(lag["p99"], 1000.0),
         "heartbeat_lag_not_growing": None if growing is None else not growing,
         "catalog_sync_lag_p99_le_2s": at_most(doc["catalog_sync_lag_ms"]["p99"], 2000.0),
-        "pages_le_300ms": None if not doc["render_ms"] else all(row["p50"] is not None and row["p50"] <= 300.0 for row in doc["render_ms"].values()),
-        "pages_le_300ms_quiet": None if not doc.get("render_quiet_ms") else all(row["p50"] is not None and row["p50"] <= 300.0 for row in doc["render_quiet_ms"].values()),
+        "pages_le_300ms": None
+        if not doc["render_ms"]
+        else all(row["p50"] is not None and row["p50"] <= 300.0 for row in doc["render_ms"].values()),
+        "pages_le_300ms_quiet": None
+        if not doc.get("render_quiet_ms")
+        else all(row["p50"] is not None and row["p50"] <= 300.0 for row in doc["render_quiet_ms"].values()),
         "no_lost_runs": doc["lost_runs"] == 0,
         "no_errors": doc["errors"]["total"] == 0,
     }
@@ -117,15 +121,45 @@ def _round(value):
 # -- the command (outside the stack) --------------------------------------------------------------
 def add_arguments(parser) -> None:
     parser.add_argument("--boards", type=int, default=100, help="simulated boards (default 100)")
-    parser.add_argument("--seconds", type=float, default=60, help="how long the load runs once every board is online (default 60)")
-    parser.add_argument("--cluster", action="store_true", help="entries and catalogs on a 3-node Valkey Cluster (the broker stays one server)")
+    parser.add_argument(
+        "--seconds", type=float, default=60, help="how long the load runs once every board is online (default 60)"
+    )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="entries and catalogs on a 3-node Valkey Cluster (the broker stays one server)",
+    )
     parser.add_argument("--rate", type=float, default=5.0, help="API requests per second to 'any board' (default 5)")
-    parser.add_argument("--processes", type=int, default=0, help="processes the simulated boards run in (default: one per 500 boards, at least 2)")
-    parser.add_argument("--heartbeat", type=float, default=5.0, help="seconds between a board's heartbeats (default 5, as a board)")
-    parser.add_argument("--namespaces", type=int, default=1, help="namespaces the boards are spread over (default 1: every board a candidate of every request)")
-    parser.add_argument("--bytes-per-token", type=int, default=18_500, help="bytes of state per prompt token in an entry (default 18,500: Gemma-3 270M, f16)")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="boards compute this many times as long as their measured rates say (default 1; tests use less)")
-    parser.add_argument("--keep", action="store_true", help="keep the stack's temporary home (logs, database) after the run")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="processes the simulated boards run in (default: one per 500 boards, at least 2)",
+    )
+    parser.add_argument(
+        "--heartbeat", type=float, default=5.0, help="seconds between a board's heartbeats (default 5, as a board)"
+    )
+    parser.add_argument(
+        "--namespaces",
+        type=int,
+        default=1,
+        help="namespaces the boards are spread over (default 1: every board a candidate of every request)",
+    )
+    parser.add_argument(
+        "--bytes-per-token",
+        type=int,
+        default=18_500,
+        help="bytes of state per prompt token in an entry (default 18,500: Gemma-3 270M, f16)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="boards compute this many times as long as their measured rates say (default 1; tests use less)",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the stack's temporary home (logs, database) after the run"
+    )
 
 
 def free_port() -> int:
@@ -152,17 +186,51 @@ def _wait_http(url: str, process: subprocess.Popen, timeout: float = 120) -> Non
     raise BenchError(f"{url} did not answer within {timeout:g} s")
 
 
-def run(ctx, *, boards, seconds, cluster, rate, processes, heartbeat, namespaces, bytes_per_token, keep, time_scale=1.0, **options) -> dict:
-    if boards < 1 or not 0 < seconds <= 3600 or rate < 0 or heartbeat <= 0 or namespaces < 1 or bytes_per_token < 1 or time_scale <= 0:
-        raise BenchError("--boards and --namespaces must be at least 1, --seconds between 0 and 3600, --rate at least 0, --heartbeat and --bytes-per-token positive")
+def run(
+    ctx,
+    *,
+    boards,
+    seconds,
+    cluster,
+    rate,
+    processes,
+    heartbeat,
+    namespaces,
+    bytes_per_token,
+    keep,
+    time_scale=1.0,
+    **options,
+) -> dict:
+    if (
+        boards < 1
+        or not 0 < seconds <= 3600
+        or rate < 0
+        or heartbeat <= 0
+        or namespaces < 1
+        or bytes_per_token < 1
+        or time_scale <= 0
+    ):
+        raise BenchError(
+            "--boards and --namespaces must be at least 1, --seconds between 0 and 3600, --rate at least 0, --heartbeat and --bytes-per-token positive"
+        )
     processes = processes or max(2, -(-boards // 500))
     home = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
     port = free_port()
-    env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL", "EDGECACHE_CACHEBOX_URL")}
-    env.update({
-        "EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": "fleet-" + secrets.token_hex(12), "EDGECACHE_EMBEDDED_PORT": str(free_port()),
-        "EDGECACHE_COUNT_DB_WRITES": "1", "DJANGO_SETTINGS_MODULE": "dashboard.settings", "EDGECACHE_EMBEDDED_MAXMEMORY": os.environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "4gb"),
-    })
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("REDIS_URL", "DATABASE_URL", "EDGECACHE_CACHEBOX_URL")
+    }
+    env.update(
+        {
+            "EDGECACHE_HOME": str(home),
+            "EDGECACHE_ADMIN_PASSWORD": "fleet-" + secrets.token_hex(12),
+            "EDGECACHE_EMBEDDED_PORT": str(free_port()),
+            "EDGECACHE_COUNT_DB_WRITES": "1",
+            "DJANGO_SETTINGS_MODULE": "dashboard.settings",
+            "EDGECACHE_EMBEDDED_MAXMEMORY": os.environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "4gb"),
+        }
+    )
     started_cluster = None
     if cluster:
         from cachebox import embedded
@@ -170,21 +238,50 @@ def run(ctx, *, boards, seconds, cluster, rate, processes, heartbeat, namespaces
         started_cluster = embedded.ensure_cluster(home / "cluster")
         env["EDGECACHE_CACHEBOX_URL"] = started_cluster.url
     log = open(home / "stack.log", "wb")
-    server = subprocess.Popen([sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         _wait_http(f"http://127.0.0.1:{port}/accounts/login/", server)
         ctx.write(f"stack up at http://127.0.0.1:{port}/ (home {home}); registering {boards} devices")
         options_file = home / "driver.json"
         result_file = home / "result.json"
-        options_file.write_text(json.dumps({
-            "boards": boards, "seconds": seconds, "rate": rate, "processes": processes, "heartbeat": heartbeat, "namespaces": namespaces,
-            "bytes_per_token": bytes_per_token, "url": f"http://127.0.0.1:{port}", "server_pid": server.pid, "home": str(home),
-            "result": str(result_file), "cluster": bool(cluster), "time_scale": time_scale,
-            "cluster_nodes": [started_cluster.node_url(index) for index in range(len(started_cluster.ports))] if started_cluster else [],
-        }))
-        driver = subprocess.run([sys.executable, "-m", "dashboard.bench.fleet_sim", str(options_file)], cwd=ROOT, env=env, timeout=seconds + 3600)
+        options_file.write_text(
+            json.dumps(
+                {
+                    "boards": boards,
+                    "seconds": seconds,
+                    "rate": rate,
+                    "processes": processes,
+                    "heartbeat": heartbeat,
+                    "namespaces": namespaces,
+                    "bytes_per_token": bytes_per_token,
+                    "url": f"http://127.0.0.1:{port}",
+                    "server_pid": server.pid,
+                    "home": str(home),
+                    "result": str(result_file),
+                    "cluster": bool(cluster),
+                    "time_scale": time_scale,
+                    "cluster_nodes": [started_cluster.node_url(index) for index in range(len(started_cluster.ports))]
+                    if started_cluster
+                    else [],
+                }
+            )
+        )
+        driver = subprocess.run(
+            [sys.executable, "-m", "dashboard.bench.fleet_sim", str(options_file)],
+            cwd=ROOT,
+            env=env,
+            timeout=seconds + 3600,
+        )
         if driver.returncode != 0 or not result_file.exists():
-            raise BenchError(f"the fleet-sim driver failed ({driver.returncode}); see its output above and {home}/stack.log (rerun with --keep)")
+            raise BenchError(
+                f"the fleet-sim driver failed ({driver.returncode}); see its output above and {home}/stack.log (rerun with --keep)"
+            )
         doc = json.loads(result_file.read_text())
     finally:
         if server.poll() is None:
@@ -193,7 +290,9 @@ def run(ctx, *, boards, seconds, cluster, rate, processes, heartbeat, namespaces
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=60
+        )
         if started_cluster is not None:
             started_cluster.stop()
         log.close()
@@ -201,13 +300,24 @@ def run(ctx, *, boards, seconds, cluster, rate, processes, heartbeat, namespaces
             import shutil
 
             shutil.rmtree(home, ignore_errors=True)
-            shutil.rmtree(home.with_name(f"{home.name}-secrets"), ignore_errors=True)  # inference.board.config.secrets_home
+            shutil.rmtree(
+                home.with_name(f"{home.name}-secrets"), ignore_errors=True
+            )  # inference.board.config.secrets_home
     return doc
 
 
 def lines(doc: dict) -> list[str]:
     out = [f"\n{doc['summary']}", f"{'figure':<34}{'p50':>12}{'p99':>12}{'n':>9}"]
-    for name in ("heartbeat_ingest_lag_ms", "routing_decision_ms", "routing_decision_cpu_ms", "routing_decision_quiet_ms", "api_first_chunk_overhead_ms", "dispatch_to_board_ms", "catalog_sync_lag_ms", "api_first_chunk_ms"):
+    for name in (
+        "heartbeat_ingest_lag_ms",
+        "routing_decision_ms",
+        "routing_decision_cpu_ms",
+        "routing_decision_quiet_ms",
+        "api_first_chunk_overhead_ms",
+        "dispatch_to_board_ms",
+        "catalog_sync_lag_ms",
+        "api_first_chunk_ms",
+    ):
         row = doc.get(name)  # a result saved before the figure existed has none
         if not row:
             continue
@@ -216,10 +326,14 @@ def lines(doc: dict) -> list[str]:
         out.append(f"{'render ' + page:<34}{row['p50']!s:>12}{row['p99']!s:>12}{row['n']:>9}")
     for page, row in (doc.get("render_quiet_ms") or {}).items():
         out.append(f"{'render ' + page + ' (quiet)':<34}{row['p50']!s:>12}{row['p99']!s:>12}{row['n']:>9}")
-    out.append(f"cache box: {doc['cachebox']['ops_per_s']} ops/s, {doc['cachebox']['mb_per_s']} MB/s; database writes: {doc['db_writes_per_s']}/s")
+    out.append(
+        f"cache box: {doc['cachebox']['ops_per_s']} ops/s, {doc['cachebox']['mb_per_s']} MB/s; database writes: {doc['db_writes_per_s']}/s"
+    )
     out.append(f"CPU s per board per minute: {json.dumps(doc['cpu_s_per_board_minute'])}")
     out.append(f"errors: {json.dumps(doc['errors'])}; lost runs: {doc['lost_runs']}")
-    out.append(f"load average (1, 5, 15 min) at the window's start and end: {doc['load_average']['window_start']}, {doc['load_average']['window_end']} on {os.cpu_count()} CPUs")
+    out.append(
+        f"load average (1, 5, 15 min) at the window's start and end: {doc['load_average']['window_start']}, {doc['load_average']['window_end']} on {os.cpu_count()} CPUs"
+    )
     out.append(f"targets: {json.dumps(doc['targets'])}")
     return out
 
@@ -232,16 +346,45 @@ def report(path, doc: dict):
     lag = go.Figure()
     points = doc.get("heartbeat_lag_series") or []
     lag.add_scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="markers", name="heartbeat ingest lag")
-    lag.update_layout(title="Heartbeat ingest lag over the run", xaxis_title="s since the load began", yaxis_title="ms", template="plotly_white")
-    rows = [{"figure": name, **{k: doc[name][k] for k in ("p50", "p99", "n")}} for name in (
-        "heartbeat_ingest_lag_ms", "routing_decision_ms", "routing_decision_cpu_ms", "routing_decision_quiet_ms", "api_first_chunk_overhead_ms", "api_first_chunk_ms", "dispatch_to_board_ms", "catalog_sync_lag_ms")
-        if doc.get(name)]
+    lag.update_layout(
+        title="Heartbeat ingest lag over the run",
+        xaxis_title="s since the load began",
+        yaxis_title="ms",
+        template="plotly_white",
+    )
+    rows = [
+        {"figure": name, **{k: doc[name][k] for k in ("p50", "p99", "n")}}
+        for name in (
+            "heartbeat_ingest_lag_ms",
+            "routing_decision_ms",
+            "routing_decision_cpu_ms",
+            "routing_decision_quiet_ms",
+            "api_first_chunk_overhead_ms",
+            "api_first_chunk_ms",
+            "dispatch_to_board_ms",
+            "catalog_sync_lag_ms",
+        )
+        if doc.get(name)
+    ]
     rows += [{"figure": f"render {page}", **row} for page, row in doc["render_ms"].items()]
-    rows += [{"figure": f"render {page} (load stopped)", **row} for page, row in (doc.get("render_quiet_ms") or {}).items()]
+    rows += [
+        {"figure": f"render {page} (load stopped)", **row} for page, row in (doc.get("render_quiet_ms") or {}).items()
+    ]
     costs = [{"what": key, "value": value} for key, value in doc["cpu_s_per_board_minute"].items()]
-    costs += [{"what": "cache box ops/s", "value": doc["cachebox"]["ops_per_s"]}, {"what": "cache box MB/s", "value": doc["cachebox"]["mb_per_s"]}, {"what": "database writes/s", "value": doc["db_writes_per_s"]}]
+    costs += [
+        {"what": "cache box ops/s", "value": doc["cachebox"]["ops_per_s"]},
+        {"what": "cache box MB/s", "value": doc["cachebox"]["mb_per_s"]},
+        {"what": "database writes/s", "value": doc["db_writes_per_s"]},
+    ]
     targets = [{"target": key, "met": value} for key, value in doc["targets"].items()]
-    return write_report(path, f"bench fleet-sim: {doc['boards']} boards", doc["summary"], [lag], {"Latency": rows, "Costs": costs, "Targets": targets}, doc)
+    return write_report(
+        path,
+        f"bench fleet-sim: {doc['boards']} boards",
+        doc["summary"],
+        [lag],
+        {"Latency": rows, "Costs": costs, "Targets": targets},
+        doc,
+    )
 
 
 def headline(doc: dict) -> str:
@@ -276,11 +419,18 @@ def _register(options: dict) -> dict:
     boards = []
     for index in range(options["boards"]):
         namespace = Namespace.objects.get(name=names[index % len(names)])
-        device, token = register_device(None, name=f"sim-{index:05d}", kind="simulated board", namespace=namespace, memory_mb=4096, cpu_threads=4)
+        device, token = register_device(
+            None, name=f"sim-{index:05d}", kind="simulated board", namespace=namespace, memory_mb=4096, cpu_threads=4
+        )
         boards.append({"name": device.name, "token": token, "namespace": namespace.name})
     keys = {name: create_key(None, name, name="fleet-sim", rate_per_minute=0)[1] for name in names}
     admin = get_user_model().objects.filter(is_superuser=True).first()
-    return {"boards": boards, "keys": keys, "register_s": round(time.monotonic() - started, 3), "admin_id": admin.pk if admin else None}
+    return {
+        "boards": boards,
+        "keys": keys,
+        "register_s": round(time.monotonic() - started, 3),
+        "admin_id": admin.pk if admin else None,
+    }
 
 
 def _children(pid: int) -> list[int]:
@@ -316,7 +466,12 @@ def _cmdline(pid: int) -> str:
 
 
 def _cpu_by_role(server_pid: int, sim_pids: list[int], home: Path) -> dict:
-    roles = {"web": 0.0, "control_worker": 0.0, "cachebox": 0.0, "simulated_boards": sum(_cpu_seconds(pid) for pid in sim_pids)}
+    roles = {
+        "web": 0.0,
+        "control_worker": 0.0,
+        "cachebox": 0.0,
+        "simulated_boards": sum(_cpu_seconds(pid) for pid in sim_pids),
+    }
     for pidfile in home.glob("**/valkey.pid"):  # the embedded servers run detached: found by their pid files
         try:
             roles["cachebox"] += _cpu_seconds(int(pidfile.read_text().strip()))
@@ -349,15 +504,25 @@ def _valkey_counters(urls: list[str]) -> dict:
 def _chat(url: str, key: str, model: str, system: str, question: str) -> dict:
     from dashboard.bench.api import stream_chat
 
-    body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}], "max_tokens": 4, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": 4,
+        "stream": True,
+    }
     answer = stream_chat(url, key, body, timeout=120)
     first_ms, figures, error = answer["first_ms"], answer["figures"], answer["error"]
     board_ttft = figures.get("ttft_ms")
     if not error and first_ms is None:
         error = "no content chunk"
     return {
-        "first_chunk_ms": first_ms, "board_ttft_ms": board_ttft, "device": figures.get("device", ""), "queue_ms": figures.get("queue_ms"), "api_ms": figures.get("api_ms"),
-        "overhead_ms": first_ms - board_ttft if first_ms is not None and isinstance(board_ttft, (int, float)) else None, "error": error,
+        "first_chunk_ms": first_ms,
+        "board_ttft_ms": board_ttft,
+        "device": figures.get("device", ""),
+        "queue_ms": figures.get("queue_ms"),
+        "api_ms": figures.get("api_ms"),
+        "overhead_ms": first_ms - board_ttft if first_ms is not None and isinstance(board_ttft, (int, float)) else None,
+        "error": error,
     }
 
 
@@ -415,9 +580,9 @@ def drive(options: dict) -> dict:
     import redis
     from django.conf import settings
 
-    from dashboard.ops import db_writes
-    from dashboard.models import Device, Dispatch, InferenceRun
     from dashboard.bench.sim_board import SIM_MODEL
+    from dashboard.models import Device, Dispatch, InferenceRun
+    from dashboard.ops import db_writes
 
     home = Path(options["home"])
     print(f"fleet-sim: registering {options['boards']} devices", flush=True)
@@ -429,13 +594,22 @@ def drive(options: dict) -> dict:
     processes, sims = options["processes"], []
     groups = [fleet["boards"][index::processes] for index in range(processes)]
     stop_file = home / "stop"
-    print(f"fleet-sim: {options['boards']} devices registered in {fleet['register_s']} s; enrolling in {processes} processes", flush=True)
+    print(
+        f"fleet-sim: {options['boards']} devices registered in {fleet['register_s']} s; enrolling in {processes} processes",
+        flush=True,
+    )
     enroll_started = time.monotonic()
     for index, group in enumerate(groups):
         spec = {
-            "redis_url": settings.REDIS_URL, "cachebox_url": settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL, "boards": group,
-            "heartbeat_s": options["heartbeat"], "bytes_per_token": options["bytes_per_token"], "stop_file": str(stop_file), "time_scale": options.get("time_scale", 1.0),
-            "ready_file": str(home / f"sim-{index}.ready"), "out": str(home / f"sim-{index}.out.json"),
+            "redis_url": settings.REDIS_URL,
+            "cachebox_url": settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL,
+            "boards": group,
+            "heartbeat_s": options["heartbeat"],
+            "bytes_per_token": options["bytes_per_token"],
+            "stop_file": str(stop_file),
+            "time_scale": options.get("time_scale", 1.0),
+            "ready_file": str(home / f"sim-{index}.ready"),
+            "out": str(home / f"sim-{index}.out.json"),
         }
         path = home / f"sim-{index}.json"
         path.write_text(json.dumps(spec))
@@ -445,7 +619,9 @@ def drive(options: dict) -> dict:
         from ..management.commands.run import board_command
 
         argv = board_command([sys.executable, "-m", "dashboard.bench.sim_board", str(path)])
-        sims.append(subprocess.Popen(argv, cwd=ROOT, stdout=open(home / f"sim-{index}.log", "wb"), stderr=subprocess.STDOUT))
+        sims.append(
+            subprocess.Popen(argv, cwd=ROOT, stdout=open(home / f"sim-{index}.log", "wb"), stderr=subprocess.STDOUT)
+        )
     try:
         deadline = time.monotonic() + 1800
         while not all((home / f"sim-{index}.ready").exists() for index in range(processes)):
@@ -463,7 +639,10 @@ def drive(options: dict) -> dict:
                 break
             time.sleep(1)
         online_at_start = sum(1 for device in Device.objects.all() if device.online)
-        print(f"fleet-sim: {online_at_start} online; load for {options['seconds']:g} s at {options['rate']:g} requests/s", flush=True)
+        print(
+            f"fleet-sim: {online_at_start} online; load for {options['seconds']:g} s at {options['rate']:g} requests/s",
+            flush=True,
+        )
 
         # Warm-up (not measured): the web process loads the vocabulary the router tokenizes with.
         names = sorted(fleet["keys"])
@@ -490,7 +669,11 @@ def drive(options: dict) -> dict:
         sampler.start()
         from concurrent.futures import ThreadPoolExecutor
 
-        systems = [f"You are assistant number {index} of site operations. " + ("Answer briefly and precisely about the fleet, its boards and their caches. " * 12) for index in range(SYSTEM_PROMPTS)]
+        systems = [
+            f"You are assistant number {index} of site operations. "
+            + ("Answer briefly and precisely about the fleet, its boards and their caches. " * 12)
+            for index in range(SYSTEM_PROMPTS)
+        ]
         futures = []
         render: dict = {}
         pages = ["/", "/devices/", "/cache/"]
@@ -512,7 +695,19 @@ def drive(options: dict) -> dict:
             for index in range(total):
                 time.sleep(max(0.0, window_start + index / options["rate"] - time.monotonic()))
                 namespace = names[index % len(names)]
-                futures.append((time.monotonic() - window_start, pool.submit(_chat, options["url"], fleet["keys"][namespace], SIM_MODEL, systems[index % SYSTEM_PROMPTS], f"Question {index}: how is board {index % 97} doing?")))
+                futures.append(
+                    (
+                        time.monotonic() - window_start,
+                        pool.submit(
+                            _chat,
+                            options["url"],
+                            fleet["keys"][namespace],
+                            SIM_MODEL,
+                            systems[index % SYSTEM_PROMPTS],
+                            f"Question {index}: how is board {index % 97} doing?",
+                        ),
+                    )
+                )
                 if renderer.ident is None and time.monotonic() - window_start > options["seconds"] / 2:
                     renderer.start()
             time.sleep(max(0.0, window_start + options["seconds"] - time.monotonic()))
@@ -533,7 +728,10 @@ def drive(options: dict) -> dict:
         print(f"fleet-sim: load done ({len(samples)} requests); draining", flush=True)
         stop_file.write_text("stop")
         deadline = time.monotonic() + 180  # each writes its results once its boards answered what they took
-        while not all((home / f"sim-{index}.out.json").exists() for index in range(processes)) and time.monotonic() < deadline:
+        while (
+            not all((home / f"sim-{index}.out.json").exists() for index in range(processes))
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.5)
         deadline = time.monotonic() + 120
         while _reports_waiting(broker) and time.monotonic() < deadline:
@@ -543,7 +741,9 @@ def drive(options: dict) -> dict:
         for index in range(processes):
             path = home / f"sim-{index}.out.json"
             if not path.exists():
-                raise RuntimeError(f"simulated-board process {index} wrote no results within 3 minutes of the stop; see {home}/sim-{index}.log")
+                raise RuntimeError(
+                    f"simulated-board process {index} wrote no results within 3 minutes of the stop; see {home}/sim-{index}.log"
+                )
             results.append(json.loads(path.read_text()))
     finally:
         stop_file.write_text("stop")
@@ -552,28 +752,49 @@ def drive(options: dict) -> dict:
                 process.kill()
 
     # -- after the window: what the database says --
-    from datetime import datetime, timezone as tz
+    from datetime import datetime
+    from datetime import timezone as tz
 
     dispatched = list(Dispatch.objects.filter(kind="run").values_list("request_id", "routing", "created"))
     stored = {str(run_id): error for run_id, error in InferenceRun.objects.values_list("request_id", "error")}
     lost = [str(run_id) for run_id, _, _ in dispatched if str(run_id) not in stored]
     failed_runs = [error for error in stored.values() if error]
     window_began = datetime.fromtimestamp(t0, tz.utc)
-    routed = [record for _, record, created in dispatched if created >= window_began and isinstance(record, dict) and record.get("decided_ms") is not None]
+    routed = [
+        record
+        for _, record, created in dispatched
+        if created >= window_began and isinstance(record, dict) and record.get("decided_ms") is not None
+    ]
     decided = [record["decided_ms"] for record in routed]
     decided_cpu = [record["decided_cpu_ms"] for record in routed if record.get("decided_cpu_ms") is not None]
     counts = {key: sum(result["counts"][key] for result in results) for key in results[0]["counts"]}
-    sim_samples = {key: [value for result in results for value in result["samples"][key]] for key in results[0]["samples"]}
+    sim_samples = {
+        key: [value for result in results for value in result["samples"][key]] for key in results[0]["samples"]
+    }
     http_errors = [sample["error"] for sample in samples if sample["error"]]
     ok = [sample for sample in samples if not sample["error"]]
     cpu = {role: round(cpu_after[role] - cpu_before[role], 3) for role in cpu_after}
     control_cpu = cpu["web"] + cpu["control_worker"]
     box_delta = {key: box_after[key] - box_before[key] for key in box_after}
     doc = {
-        "boards": options["boards"], "seconds": options["seconds"], "window_s": round(window, 3), "rate_per_s": options["rate"], "namespaces": options["namespaces"],
-        "processes": options["processes"], "heartbeat_s": options["heartbeat"], "time_scale": options.get("time_scale", 1.0), "bytes_per_token": options["bytes_per_token"], "cluster": options["cluster"],
-        "register_s": fleet["register_s"], "enroll_s": round(enroll_s, 3), "online_at_start": online_at_start,
-        "heartbeat_ingest_lag_ms": {**p50_p99(lag for _, lag in lag_points), "p99_by_third": thirds_p99(lag_points), "trend_ms_per_min": trend_per_minute(lag_points)},
+        "boards": options["boards"],
+        "seconds": options["seconds"],
+        "window_s": round(window, 3),
+        "rate_per_s": options["rate"],
+        "namespaces": options["namespaces"],
+        "processes": options["processes"],
+        "heartbeat_s": options["heartbeat"],
+        "time_scale": options.get("time_scale", 1.0),
+        "bytes_per_token": options["bytes_per_token"],
+        "cluster": options["cluster"],
+        "register_s": fleet["register_s"],
+        "enroll_s": round(enroll_s, 3),
+        "online_at_start": online_at_start,
+        "heartbeat_ingest_lag_ms": {
+            **p50_p99(lag for _, lag in lag_points),
+            "p99_by_third": thirds_p99(lag_points),
+            "trend_ms_per_min": trend_per_minute(lag_points),
+        },
         "routing_decision_ms": p50_p99(decided),
         # ... of which the deciding thread ran (its CPU time); the rest it waited, for the interpreter or a CPU
         "routing_decision_cpu_ms": p50_p99(decided_cpu),
@@ -581,28 +802,54 @@ def drive(options: dict) -> dict:
         "load_average": {"window_start": load_start, "window_end": load_end},
         "api_first_chunk_ms": p50_p99(sample["first_chunk_ms"] for sample in ok),
         "api_first_chunk_overhead_ms": p50_p99(sample["overhead_ms"] for sample in ok),
-        "api_overhead_without_queue_ms": p50_p99(sample["overhead_ms"] - sample["queue_ms"] for sample in ok if sample["overhead_ms"] is not None and isinstance(sample["queue_ms"], (int, float))),
+        "api_overhead_without_queue_ms": p50_p99(
+            sample["overhead_ms"] - sample["queue_ms"]
+            for sample in ok
+            if sample["overhead_ms"] is not None and isinstance(sample["queue_ms"], (int, float))
+        ),
         "api_queue_ms": p50_p99(sample["queue_ms"] for sample in ok),
         "api_ms": p50_p99(sample["api_ms"] for sample in ok),
         "dispatch_to_board_ms": p50_p99(sim_samples["dispatch_ms"]),
         "catalog_sync_lag_ms": p50_p99(sim_samples["catalog_lag_ms"]),
         "board_ttft_ms": p50_p99(sim_samples["board_ttft_ms"]),
-        "cachebox": {"ops_per_s": rate(box_delta["ops"], window), "mb_per_s": rate(box_delta["bytes"] / 1e6, window), "servers": len(cachebox_urls)},
-        "broker": {"ops_per_s": rate(broker_after["ops"] - broker_before["ops"], window), "mb_per_s": rate((broker_after["bytes"] - broker_before["bytes"]) / 1e6, window)} if broker_before else None,
+        "cachebox": {
+            "ops_per_s": rate(box_delta["ops"], window),
+            "mb_per_s": rate(box_delta["bytes"] / 1e6, window),
+            "servers": len(cachebox_urls),
+        },
+        "broker": {
+            "ops_per_s": rate(broker_after["ops"] - broker_before["ops"], window),
+            "mb_per_s": rate((broker_after["bytes"] - broker_before["bytes"]) / 1e6, window),
+        }
+        if broker_before
+        else None,
         "db_writes_per_s": rate(writes_after - writes_before, window),
         "cpu_s": cpu,
         "cpu_s_per_board_minute": {
-            "control_plane": per_board_minute(control_cpu, options["boards"], window), "web": per_board_minute(cpu["web"], options["boards"], window),
-            "control_worker": per_board_minute(cpu["control_worker"], options["boards"], window), "cachebox": per_board_minute(cpu["cachebox"], options["boards"], window),
+            "control_plane": per_board_minute(control_cpu, options["boards"], window),
+            "web": per_board_minute(cpu["web"], options["boards"], window),
+            "control_worker": per_board_minute(cpu["control_worker"], options["boards"], window),
+            "cachebox": per_board_minute(cpu["cachebox"], options["boards"], window),
             "simulated_boards": per_board_minute(cpu["simulated_boards"], options["boards"], window),
         },
         "render_ms": render,
         "render_quiet_ms": render_quiet,
-        "requests": len(samples), "answered": len(ok), "runs_dispatched": len(dispatched), "runs_stored": len(stored),
+        "requests": len(samples),
+        "answered": len(ok),
+        "runs_dispatched": len(dispatched),
+        "runs_stored": len(stored),
         "board_counts": counts,
-        "errors": {"total": len(http_errors) + counts["errors"] + len(failed_runs), "api": len(http_errors), "boards": counts["errors"], "failed_runs": len(failed_runs),
-                   "examples": sorted(set(http_errors))[:5] + [e for result in results for e in result["errors"]][:5] + sorted(set(failed_runs))[:5]},
-        "lost_runs": len(lost), "lost_examples": lost[:5],
+        "errors": {
+            "total": len(http_errors) + counts["errors"] + len(failed_runs),
+            "api": len(http_errors),
+            "boards": counts["errors"],
+            "failed_runs": len(failed_runs),
+            "examples": sorted(set(http_errors))[:5]
+            + [e for result in results for e in result["errors"]][:5]
+            + sorted(set(failed_runs))[:5],
+        },
+        "lost_runs": len(lost),
+        "lost_examples": lost[:5],
         "heartbeat_lag_series": [[t, round(lag, 1)] for t, lag in lag_points[:: max(1, len(lag_points) // 2000)]],
         "api_samples": samples[:: max(1, len(samples) // 1000)],
     }

@@ -36,7 +36,10 @@ FORMAT = 1
 DEFAULT_TOPICS = ("astronomy", "high_school_biology")
 # The travel schema and a prompt of it (examples/), as the schema tests use them.
 SCHEMA_PROMPT = '<prompt schema="travel"><trip-plan duration="3 days"/><tokyo><kyoto/></tokyo><user>Which places first?</user></prompt>'
-CHAT_OPENING = [("system", "You are a terse assistant for ferry passengers."), ("user", "Name three things to bring on a ferry trip.")]
+CHAT_OPENING = [
+    ("system", "You are a terse assistant for ferry passengers."),
+    ("user", "Name three things to bring on a ferry trip."),
+]
 CHAT_NEXT = ["Which of them matters most in winter?", "Why?", "Thanks. Anything else for children?"]
 CHAT_TURNS = 4
 
@@ -143,19 +146,38 @@ def board_main(spec: dict) -> int:
     import inference.board.main  # noqa: F401
     import inference.board.tasks  # noqa: F401
     from cachebox.signing import Keychain, KeyRing, shared_producer_ring
-    from inference.board.runtime import Board
-    from inference.board.config import BoardConfig
-
     from dashboard.bench.common import machine_info
+    from inference.board.config import BoardConfig
+    from inference.board.runtime import Board
 
-    _emit({"event": "stage", "stage": "imports", "memory": _memory(), "heavy_modules": sorted(name for name in ("torch", "django", "plotly", "channels", "daphne", "psycopg") if name in sys.modules)})
+    _emit(
+        {
+            "event": "stage",
+            "stage": "imports",
+            "memory": _memory(),
+            "heavy_modules": sorted(
+                name for name in ("torch", "django", "plotly", "channels", "daphne", "psycopg") if name in sys.modules
+            ),
+        }
+    )
     ring = shared_producer_ring(KeyRing.from_dict(spec["ring"]))  # no control plane here: the ring's holders sign alike
     keys = Keychain(lambda namespace: ring if ring.covers(namespace) else None)
     config = BoardConfig.from_env(**spec["config"])
     board = Board.start(config, keys=keys, background_sync=True)
     namespace = config.namespace
     plan = getattr(board, "memory_plan", None)
-    _emit({"event": "stage", "stage": "board", "memory": _memory(), "machine": machine_info(board), "plan": plan.as_dict() if plan is not None else None, "n_ctx": board.engine.n_ctx, "n_ubatch": getattr(board.engine.config, "n_ubatch", 0) or board.engine.config.n_batch, "ram_tier_bytes": board.prefix.ram.budget_bytes if board.prefix.ram else 0})
+    _emit(
+        {
+            "event": "stage",
+            "stage": "board",
+            "memory": _memory(),
+            "machine": machine_info(board),
+            "plan": plan.as_dict() if plan is not None else None,
+            "n_ctx": board.engine.n_ctx,
+            "n_ubatch": getattr(board.engine.config, "n_ubatch", 0) or board.engine.config.n_batch,
+            "ram_tier_bytes": board.prefix.ram.budget_bytes if board.prefix.ram else 0,
+        }
+    )
     try:
         steps = [Step(**step) for step in spec["steps"]]
         prompts = spec["prompts"]  # segments, as a request brings them (the MMLU file stays in the parent)
@@ -184,8 +206,16 @@ def board_main(spec: dict) -> int:
                 result = board.run_pml(schema_source, SCHEMA_PROMPT, max_tokens=max_tokens, namespace=namespace)
             b = result.breakdown
             run = {
-                "event": "run", "index": number, **asdict(step), "ttft_ms": round(b.ttft_ms, 2), "case": str(b.case), "tier": str(b.tier),
-                "matched_tokens": b.matched_tokens, "prompt_tokens": b.prompt_tokens, "wall_ms": round((time.perf_counter() - started) * 1000, 1), "memory": _memory(),
+                "event": "run",
+                "index": number,
+                **asdict(step),
+                "ttft_ms": round(b.ttft_ms, 2),
+                "case": str(b.case),
+                "tier": str(b.tier),
+                "matched_tokens": b.matched_tokens,
+                "prompt_tokens": b.prompt_tokens,
+                "wall_ms": round((time.perf_counter() - started) * 1000, 1),
+                "memory": _memory(),
             }
             if step.kind == "prompt" and step.prompt in cold_tokens:
                 run["agrees_with_cold"] = result.tokens == cold_tokens[step.prompt]
@@ -193,15 +223,17 @@ def board_main(spec: dict) -> int:
         status = board.status()
         files = mapped_files()
         model_path = str(board.engine.model_file.path)
-        _emit({
-            "event": "done",
-            "memory": _memory(),
-            "model_file_mb": files.get(model_path, 0.0),
-            "libraries_mb": round(sum(mb for path, mb in files.items() if path != model_path), 1),
-            "kv_mb": round(board.engine.n_ctx * board.engine.state_bytes_per_token / 2**20, 1),
-            "ram_tier": status.get("ram_tier"),
-            "memory_status": status.get("memory"),
-        })
+        _emit(
+            {
+                "event": "done",
+                "memory": _memory(),
+                "model_file_mb": files.get(model_path, 0.0),
+                "libraries_mb": round(sum(mb for path, mb in files.items() if path != model_path), 1),
+                "kv_mb": round(board.engine.n_ctx * board.engine.state_bytes_per_token / 2**20, 1),
+                "ram_tier": status.get("ram_tier"),
+                "memory_status": status.get("memory"),
+            }
+        )
     finally:
         try:
             if board.store is not None:
@@ -238,13 +270,36 @@ class FootprintError(RuntimeError):
     """The board process failed; the message carries its last output."""
 
 
-def measure_board(config: dict, *, ring: dict, steps: list[Step], prompts: list[list[str]], max_tokens: int, tune_malloc: bool = True, timeout: float = 3600.0, env: dict | None = None) -> dict:
+def measure_board(
+    config: dict,
+    *,
+    ring: dict,
+    steps: list[Step],
+    prompts: list[list[str]],
+    max_tokens: int,
+    tune_malloc: bool = True,
+    timeout: float = 3600.0,
+    env: dict | None = None,
+) -> dict:
     """Serve ``steps`` in a board process of its own; its stages, runs, samples and final memory."""
     root = Path(__file__).resolve().parent.parent.parent
-    spec = {"config": config, "ring": ring, "steps": [asdict(step) for step in steps], "prompts": prompts, "max_tokens": max_tokens, "root": str(root), "tune_malloc": tune_malloc}
+    spec = {
+        "config": config,
+        "ring": ring,
+        "steps": [asdict(step) for step in steps],
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "root": str(root),
+        "tune_malloc": tune_malloc,
+    }
     process = subprocess.Popen(
-        [sys.executable, "-m", "dashboard.bench.footprint"], cwd=root, env={**os.environ, **(env or {})},
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "dashboard.bench.footprint"],
+        cwd=root,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     sampler = _Sampler(process.pid)
     sampler.start()
@@ -322,7 +377,11 @@ def run(options: dict) -> dict:
     memory_mb = int(options.get("memory_mb") or 512)
     steps = workload(int(options.get("runs") or 50))
     topics = tuple(options.get("topics") or DEFAULT_TOPICS)
-    shots, max_tokens, threads = int(options.get("shots", 5)), int(options.get("max_tokens", 4)), int(options.get("threads") or 1)
+    shots, max_tokens, threads = (
+        int(options.get("shots", 5)),
+        int(options.get("max_tokens", 4)),
+        int(options.get("threads") or 1),
+    )
     ring_for = options["ring"]
     prefix = options.get("namespace") or f"bench-footprint-{uuid.uuid4().hex[:8]}"
     boards = {"sized": memory_mb}
@@ -335,7 +394,14 @@ def run(options: dict) -> dict:
         config = {"device": f"footprint-{label}", "namespace": namespace, "threads": threads, "memory_mb": memory}
         if options.get("n_ctx"):
             config["n_ctx"] = int(options["n_ctx"])
-        measured[label] = measure_board(config, ring=ring_for(namespace), steps=steps, prompts=prompts, max_tokens=max_tokens, env=options.get("board_env"))
+        measured[label] = measure_board(
+            config,
+            ring=ring_for(namespace),
+            steps=steps,
+            prompts=prompts,
+            max_tokens=max_tokens,
+            env=options.get("board_env"),
+        )
         if options.get("progress"):
             options["progress"](label)
     sized = measured["sized"]
@@ -377,26 +443,57 @@ def report(path: Path, doc: dict) -> Path:
 
     over_time = go.Figure()
     for label, board in doc["boards"].items():
-        over_time.add_scatter(x=[s[0] for s in board["samples"]], y=[s[1] for s in board["samples"]], mode="lines", name=f"{label} RSS")
+        over_time.add_scatter(
+            x=[s[0] for s in board["samples"]], y=[s[1] for s in board["samples"]], mode="lines", name=f"{label} RSS"
+        )
     if doc.get("budget_mb"):
-        over_time.add_hline(y=doc["budget_mb"], line_dash="dot", annotation_text=f"budget {doc['budget_mb']} MB of {doc['memory_mb']} MB")
-    over_time.update_layout(title="Board RSS while serving the runs", xaxis_title="s since the board process started", yaxis_title="MB", template="plotly_white")
-    parts_figure = go.Figure(go.Bar(x=[row["mb"] for row in doc["parts"]], y=[row["part"] for row in doc["parts"]], orientation="h"))
-    parts_figure.update_layout(title=f"Where the memory of a {doc['memory_mb']} MB board goes (MB)", template="plotly_white", margin={"l": 380})
+        over_time.add_hline(
+            y=doc["budget_mb"],
+            line_dash="dot",
+            annotation_text=f"budget {doc['budget_mb']} MB of {doc['memory_mb']} MB",
+        )
+    over_time.update_layout(
+        title="Board RSS while serving the runs",
+        xaxis_title="s since the board process started",
+        yaxis_title="MB",
+        template="plotly_white",
+    )
+    parts_figure = go.Figure(
+        go.Bar(x=[row["mb"] for row in doc["parts"]], y=[row["part"] for row in doc["parts"]], orientation="h")
+    )
+    parts_figure.update_layout(
+        title=f"Where the memory of a {doc['memory_mb']} MB board goes (MB)", template="plotly_white", margin={"l": 380}
+    )
     ttft = [{"served as": label, **row} for label, row in (doc.get("ttft") or {}).items()]
     summary = (
         f"A board registered with {doc['memory_mb']} MB peaked at {doc['peak_rss_mb']} MB RSS (PSS {doc['pss_mb']} MB) over {doc['runs']} runs; "
         f"budget {doc['budget_mb']} MB; answers agree with cold: {doc['agreement_with_cold']}."
     )
-    return write_report(path, f"bench footprint: {doc['memory_mb']} MB board", summary, [over_time, parts_figure], {"Parts": doc["parts"], "TTFT (median ms)": ttft}, doc)
+    return write_report(
+        path,
+        f"bench footprint: {doc['memory_mb']} MB board",
+        summary,
+        [over_time, parts_figure],
+        {"Parts": doc["parts"], "TTFT (median ms)": ttft},
+        doc,
+    )
 
 
 # -- the `bench footprint` subcommand (the registry's shape: dashboard/bench/base.py) -----------
 def add_arguments(parser) -> None:
-    parser.add_argument("--memory-mb", type=int, default=512, help="the board's registered memory (default 512: a Pi Zero 2W)")
-    parser.add_argument("--runs", type=int, default=50, help="runs: cold, misses, partial and full hits, a 4-turn conversation, schema runs (default 50)")
+    parser.add_argument(
+        "--memory-mb", type=int, default=512, help="the board's registered memory (default 512: a Pi Zero 2W)"
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=50,
+        help="runs: cold, misses, partial and full hits, a 4-turn conversation, schema runs (default 50)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads of the board (default 1)")
-    parser.add_argument("--no-compare", dest="compare", action="store_false", help="skip the unsized board (no TTFT ratios)")
+    parser.add_argument(
+        "--no-compare", dest="compare", action="store_false", help="skip the unsized board (no TTFT ratios)"
+    )
 
 
 def measure(ctx, *, memory_mb: int, runs: int, threads: int, compare: bool, **options) -> dict:
@@ -405,14 +502,27 @@ def measure(ctx, *, memory_mb: int, runs: int, threads: int, compare: bool, **op
     if memory_mb < 64 or runs < 1 or threads < 1:
         raise BenchError("--memory-mb must be at least 64, --runs and --threads at least 1")
     config = ctx.config
-    env = {"EDGECACHE_HOME": str(config.embedded_dir.parent), "REDIS_URL": ctx.cachebox_url() if not config.cachebox_url else config.redis_url}
+    env = {
+        "EDGECACHE_HOME": str(config.embedded_dir.parent),
+        "REDIS_URL": ctx.cachebox_url() if not config.cachebox_url else config.redis_url,
+    }
     if config.cachebox_url:
         env["EDGECACHE_CACHEBOX_URL"] = config.cachebox_url
-    ctx.write(f"bench footprint: a {memory_mb} MB board serves {runs} runs" + (", then an unsized one the same runs" if compare else ""))
+    ctx.write(
+        f"bench footprint: a {memory_mb} MB board serves {runs} runs"
+        + (", then an unsized one the same runs" if compare else "")
+    )
     try:
         return run(
-            {"memory_mb": memory_mb, "runs": runs, "threads": threads, "compare": compare, "ring": ctx.keyring, "board_env": env,
-             "progress": lambda label: ctx.write(f"  {label} board done")}
+            {
+                "memory_mb": memory_mb,
+                "runs": runs,
+                "threads": threads,
+                "compare": compare,
+                "ring": ctx.keyring,
+                "board_env": env,
+                "progress": lambda label: ctx.write(f"  {label} board done"),
+            }
         )
     except FootprintError as exc:
         raise BenchError(str(exc)) from None

@@ -17,7 +17,9 @@ def _table(rows: list[dict]) -> str:
         return ""
     columns = list(rows[0])
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(row.get(c)))}</td>" for c in columns) + "</tr>" for row in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_cell(row.get(c)))}</td>" for c in columns) + "</tr>" for row in rows
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -27,14 +29,19 @@ def _cell(value) -> str:
     return "" if value is None else str(value)
 
 
-def write_report(path: str | Path, title: str, summary: str, figures: list[go.Figure], tables: dict[str, list[dict]], document: dict) -> Path:
+def write_report(
+    path: str | Path, title: str, summary: str, figures: list[go.Figure], tables: dict[str, list[dict]], document: dict
+) -> Path:
     """Write ``path`` (.html): charts, tables, then the machine and the full JSON."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     charts = "".join(
-        f'<section class="chart">{plotly.io.to_html(figure, full_html=False, include_plotlyjs=False)}</section>' for figure in figures
+        f'<section class="chart">{plotly.io.to_html(figure, full_html=False, include_plotlyjs=False)}</section>'
+        for figure in figures
     )
-    tables_html = "".join(f"<section><h2>{html.escape(name)}</h2>{_table(rows)}</section>" for name, rows in tables.items())
+    tables_html = "".join(
+        f"<section><h2>{html.escape(name)}</h2>{_table(rows)}</section>" for name, rows in tables.items()
+    )
     machine = _table([{"field": k, "value": v} for k, v in (document.get("machine") or {}).items()])
     page = f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2rem;color:#1d2330}}table{{border-collapse:collapse;margin:.5rem 0}}

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from dashboard.bench import llama_kernels
-from dashboard.bench.base import Benchmark, BenchError, topics_named
+from dashboard.bench.base import BenchError, Benchmark, topics_named
 
 GRID = 128
 MIN_QUESTIONS = 50
@@ -88,9 +88,9 @@ def summarize(rows: list[dict]) -> dict:
 # -- the worker: one class, one process ---------------------------------------------------------
 def _worker(args) -> None:
     from cachebox.keys import grid_cuts
+    from dashboard.mmlu import parse_answer
     from inference.engine.bindings import kernel_class, library_path
     from inference.engine.llama import Engine, EngineConfig
-    from dashboard.mmlu import parse_answer
     from inference.engine.model_file import resolve_model
     from inference.serving.run import text_layout
 
@@ -99,7 +99,9 @@ def _worker(args) -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     engine = Engine(resolve_model(), EngineConfig(n_ctx=2048, n_threads=args.threads))
     kernels = kernel_class()
-    (out / "class.json").write_text(json.dumps({**kernels.as_dict(), "library": library_path(), "fingerprint": engine.fingerprint}))
+    (out / "class.json").write_text(
+        json.dumps({**kernels.as_dict(), "library": library_path(), "fingerprint": engine.fingerprint})
+    )
 
     def greedy(first: int, position: int) -> list[int]:
         tokens = [first]
@@ -125,7 +127,11 @@ def _worker(args) -> None:
                 answer = greedy(int(np.argmax(logits)), len(tokens))
                 engine.clear()
             text = engine.detokenize(answer)
-            (out / f"cold-{index}.json").write_text(json.dumps({"tokens": answer, "text": text, "verdict": parse_answer(text), "resume": resume, "n": len(tokens)}))
+            (out / f"cold-{index}.json").write_text(
+                json.dumps(
+                    {"tokens": answer, "text": text, "verdict": parse_answer(text), "resume": resume, "n": len(tokens)}
+                )
+            )
         return
 
     for source in args.sources:  # phase "served": restore every class's states, compare with this class's cold runs
@@ -141,13 +147,24 @@ def _worker(args) -> None:
                 state = (source / f"state-{index}.bin").read_bytes()
                 if state:
                     engine.import_range(state)
-                logits = engine.prefill(tokens[resume:], resume, logits_at={len(tokens) - 1}, cuts=cuts)[len(tokens) - 1]
+                logits = engine.prefill(tokens[resume:], resume, logits_at={len(tokens) - 1}, cuts=cuts)[
+                    len(tokens) - 1
+                ]
                 answer = greedy(int(np.argmax(logits)), len(tokens))
                 engine.clear()
             text = engine.detokenize(answer)
             served = {"tokens": answer, "verdict": parse_answer(text)}
-            rows["resume"].append({"prompt": index, **compare(cold, served, cold_logits, logits), "verdict_cold": cold["verdict"], "verdict_served": served["verdict"]})
-            rows["full"].append({"prompt": index, **compare(cold, {}, cold_logits, np.load(source / f"logits-{index}.npy"))})
+            rows["resume"].append(
+                {
+                    "prompt": index,
+                    **compare(cold, served, cold_logits, logits),
+                    "verdict_cold": cold["verdict"],
+                    "verdict_served": served["verdict"],
+                }
+            )
+            rows["full"].append(
+                {"prompt": index, **compare(cold, {}, cold_logits, np.load(source / f"logits-{index}.npy"))}
+            )
         (out / f"served-from-{name}.json").write_text(json.dumps(rows))
 
 
@@ -163,11 +180,18 @@ def classes_here() -> list[tuple[str, str | None]]:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--topics", nargs="+", default=["astronomy", "high_school_biology"], metavar="TOPIC")
-    parser.add_argument("--questions", type=int, default=MIN_QUESTIONS, help=f"MMLU questions in all, spread over the topics (at least {MIN_QUESTIONS})")
+    parser.add_argument(
+        "--questions",
+        type=int,
+        default=MIN_QUESTIONS,
+        help=f"MMLU questions in all, spread over the topics (at least {MIN_QUESTIONS})",
+    )
     parser.add_argument("--shots", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens compared per run")
     parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads of each worker (0: every core)")
-    parser.add_argument("--allow-few", action="store_true", help="allow fewer questions than the bench's floor (a smoke run)")
+    parser.add_argument(
+        "--allow-few", action="store_true", help="allow fewer questions than the bench's floor (a smoke run)"
+    )
 
 
 def run(ctx, *, topics, questions, shots, max_tokens, threads, allow_few=False, **options) -> dict:
@@ -176,13 +200,19 @@ def run(ctx, *, topics, questions, shots, max_tokens, threads, allow_few=False, 
     if questions < MIN_QUESTIONS and not allow_few:
         raise BenchError(f"--questions must be at least {MIN_QUESTIONS} (MMLU verdicts over fewer say little)")
     chosen = topics_named(topics)
-    per_topic = [questions // len(chosen) + (1 if index < questions % len(chosen) else 0) for index in range(len(chosen))]
-    prompts = [prompt for topic, count in zip(chosen, per_topic) if count for prompt in build_prompts(topic, shots, count)]
+    per_topic = [
+        questions // len(chosen) + (1 if index < questions % len(chosen) else 0) for index in range(len(chosen))
+    ]
+    prompts = [
+        prompt for topic, count in zip(chosen, per_topic) if count for prompt in build_prompts(topic, shots, count)
+    ]
     builds = []
     for label, variant in classes_here():
         folder = None
         if variant is not None:
-            ctx.write(f"llama.cpp with {variant} kernels: {'cached' if llama_kernels.built(variant) else 'building it once (minutes)'}...")
+            ctx.write(
+                f"llama.cpp with {variant} kernels: {'cached' if llama_kernels.built(variant) else 'building it once (minutes)'}..."
+            )
             try:
                 folder = str(llama_kernels.ensure(variant, ctx.write))
             except llama_kernels.BuildUnavailable as exc:
@@ -194,9 +224,13 @@ def run(ctx, *, topics, questions, shots, max_tokens, threads, allow_few=False, 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-kernels-") as work:
         work = Path(work)
-        (work / "prompts.json").write_text(json.dumps([{"segments": p.segments, "expected": p.target.answer} for p in prompts]))
+        (work / "prompts.json").write_text(
+            json.dumps([{"segments": p.segments, "expected": p.target.answer} for p in prompts])
+        )
         outs = [work / f"class-{index}" for index in range(len(builds))]
-        with ctx.progress(total=2 * len(builds), desc=f"bench kernels ({len(builds)} classes, {len(prompts)} prompts)", unit="pass") as bar:
+        with ctx.progress(
+            total=2 * len(builds), desc=f"bench kernels ({len(builds)} classes, {len(prompts)} prompts)", unit="pass"
+        ) as bar:
             for phase in ("cold", "served"):
                 for (label, folder), out in zip(builds, outs):
                     _run_worker(phase, folder, out, work / "prompts.json", outs, max_tokens, threads)
@@ -228,24 +262,50 @@ def _machine(threads: int) -> dict:
     from dashboard.bench.common import host_info
 
     host = host_info()
-    return {**{key: host[key] for key in ("hostname", "platform", "cpu", "cpu_count", "python", "git_commit", "date")}, "threads": threads or os.cpu_count()}
+    return {
+        **{key: host[key] for key in ("hostname", "platform", "cpu", "cpu_count", "python", "git_commit", "date")},
+        "threads": threads or os.cpu_count(),
+    }
 
 
-def _run_worker(phase: str, folder: str | None, out: Path, prompts: Path, sources: list[Path], max_tokens: int, threads: int) -> None:
+def _run_worker(
+    phase: str, folder: str | None, out: Path, prompts: Path, sources: list[Path], max_tokens: int, threads: int
+) -> None:
     env = {key: value for key, value in os.environ.items() if key != "LLAMA_CPP_LIB_PATH"}
     if folder is not None:
         env["LLAMA_CPP_LIB_PATH"] = folder
-    command = [sys.executable, "-m", "dashboard.bench.kernels", "worker", phase, "--out", str(out), "--prompts", str(prompts),
-               "--max-tokens", str(max_tokens), "--threads", str(threads), "--sources", *map(str, sources)]
+    command = [
+        sys.executable,
+        "-m",
+        "dashboard.bench.kernels",
+        "worker",
+        phase,
+        "--out",
+        str(out),
+        "--prompts",
+        str(prompts),
+        "--max-tokens",
+        str(max_tokens),
+        "--threads",
+        str(threads),
+        "--sources",
+        *map(str, sources),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2])
     if done.returncode:
-        raise BenchError(f"the {phase} worker of {folder or 'the project build'} failed (exit {done.returncode}): {done.stderr[-1500:]}")
+        raise BenchError(
+            f"the {phase} worker of {folder or 'the project build'} failed (exit {done.returncode}): {done.stderr[-1500:]}"
+        )
 
 
 def lines(doc: dict) -> list[str]:
-    out = [f"\n{doc['prompts']} MMLU prompts ({', '.join(doc['topics'])}, {doc['shots']}-shot), grid {doc['grid']}; "
-           f"against the restoring class's own cold run:"]
-    out.append(f"  {'state from':<18} {'restored by':<18} {'mode':<9} {'1st token':>9} {'greedy32':>9} {'MMLU':>6} {'bitwise':>8} {'max|dlogit|':>11} {'mean KL':>9}")
+    out = [
+        f"\n{doc['prompts']} MMLU prompts ({', '.join(doc['topics'])}, {doc['shots']}-shot), grid {doc['grid']}; "
+        f"against the restoring class's own cold run:"
+    ]
+    out.append(
+        f"  {'state from':<18} {'restored by':<18} {'mode':<9} {'1st token':>9} {'greedy32':>9} {'MMLU':>6} {'bitwise':>8} {'max|dlogit|':>11} {'mean KL':>9}"
+    )
     for mode, rows in (("resume", doc["resume"]), ("full hit", doc["full_hit"])):
         for row in rows:
             greedy = "-" if row["greedy_agreement"] is None else f"{row['greedy_agreement']:.3f}"
@@ -262,8 +322,10 @@ def headline(doc: dict) -> str:
     if not cross:
         return f"one kernel class here ({doc['classes'][0]['name']}): control only"
     worst = min(cross, key=lambda row: row["greedy_agreement"] or 0)
-    return (f"cross-class resume ({worst['from']} -> {worst['to']}): first token {worst['first_token_agreement']}, greedy-32 {worst['greedy_agreement']}, "
-            f"MMLU verdicts {worst['mmlu_verdict_agreement']}, max |dlogit| {worst['max_abs_logit_diff']}")
+    return (
+        f"cross-class resume ({worst['from']} -> {worst['to']}): first token {worst['first_token_agreement']}, greedy-32 {worst['greedy_agreement']}, "
+        f"MMLU verdicts {worst['mmlu_verdict_agreement']}, max |dlogit| {worst['max_abs_logit_diff']}"
+    )
 
 
 def report(path, doc: dict):
@@ -272,17 +334,41 @@ def report(path, doc: dict):
     from dashboard.bench.html_report import write_report
 
     labels = [f"{row['from']} -> {row['to']}" for row in doc["resume"]]
-    agreement = go.Figure([
-        go.Bar(name=name, x=labels, y=[row[key] or 0 for row in doc["resume"]])
-        for name, key in (("first token", "first_token_agreement"), ("greedy 32", "greedy_agreement"), ("MMLU verdict", "mmlu_verdict_agreement"))
-    ])
-    agreement.update_layout(title="Agreement with the restoring class's own cold run (resume from the state of another class)", barmode="group",
-                            yaxis_range=[0, 1.05], template="plotly_white")
-    distance = go.Figure([go.Bar(x=labels, y=[row["max_abs_logit_diff"] for row in doc["resume"]], text=[f"KL {row['mean_kl']:.2e}" for row in doc["resume"]])])
-    distance.update_layout(title="Largest |difference| of the last position's logits (resume)", yaxis_title="|dlogit|", template="plotly_white")
+    agreement = go.Figure(
+        [
+            go.Bar(name=name, x=labels, y=[row[key] or 0 for row in doc["resume"]])
+            for name, key in (
+                ("first token", "first_token_agreement"),
+                ("greedy 32", "greedy_agreement"),
+                ("MMLU verdict", "mmlu_verdict_agreement"),
+            )
+        ]
+    )
+    agreement.update_layout(
+        title="Agreement with the restoring class's own cold run (resume from the state of another class)",
+        barmode="group",
+        yaxis_range=[0, 1.05],
+        template="plotly_white",
+    )
+    distance = go.Figure(
+        [
+            go.Bar(
+                x=labels,
+                y=[row["max_abs_logit_diff"] for row in doc["resume"]],
+                text=[f"KL {row['mean_kl']:.2e}" for row in doc["resume"]],
+            )
+        ]
+    )
+    distance.update_layout(
+        title="Largest |difference| of the last position's logits (resume)",
+        yaxis_title="|dlogit|",
+        template="plotly_white",
+    )
     summary = headline(doc) + f". Classes: {', '.join(c['name'] + ' (' + c['digest'] + ')' for c in doc['classes'])}."
     tables = {
-        "Resume (restore up to the last cut, compute the rest)": [{k: v for k, v in row.items() if k != "verdicts"} for row in doc["resume"]],
+        "Resume (restore up to the last cut, compute the rest)": [
+            {k: v for k, v in row.items() if k != "verdicts"} for row in doc["resume"]
+        ],
         "Full hit (first token from the source's logits)": doc["full_hit"],
         "Classes": [{k: v for k, v in c.items() if k != "features"} for c in doc["classes"]],
     }

@@ -22,12 +22,11 @@ import numpy as np
 from cachebox import codec
 from cachebox.keys import grid_cuts
 from cachebox.link import LINK_PRESETS
-from inference.engine.llama import MAIN_SEQ, Engine, EngineConfig
-from dashboard.mmlu import MMLUPrompt, parse_answer
-
-from dashboard.bench.base import Benchmark, BenchError, prompts_of, topics_named
+from dashboard.bench.base import BenchError, Benchmark, prompts_of, topics_named
 from dashboard.bench.common import machine_info, median, percentile
 from dashboard.bench.reports import kv_report
+from dashboard.mmlu import MMLUPrompt, parse_answer
+from inference.engine.llama import MAIN_SEQ, Engine, EngineConfig
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
 GRID = 128
@@ -118,7 +117,9 @@ def run_kv(
                     logits[kv] = engine.prefill(tokens, 0, logits_at=wanted, cuts=grid_cuts(len(tokens), GRID))
                     engine.remove(MAIN_SEQ)
             for kv in kv_types[1:]:
-                kl[kv] += [kl_divergence(logits[reference][position], logits[kv][position]) for position in sorted(wanted)]
+                kl[kv] += [
+                    kl_divergence(logits[reference][position], logits[kv][position]) for position in sorted(wanted)
+                ]
     finally:
         for engine in engines.values():
             engine.close()
@@ -150,7 +151,9 @@ def run_kv(
             "bytes_per_token": per_codec[codec.RAW]["bytes_per_token"],
             "codecs": per_codec,
             "accuracy": round(sum(a == t for a, t in zip(answers[kv], truth)) / paired, 4),
-            "first_token_agreement": round(sum(a == b for a, b in zip(first_tokens[kv], first_tokens[reference])) / paired, 4),
+            "first_token_agreement": round(
+                sum(a == b for a, b in zip(first_tokens[kv], first_tokens[reference])) / paired, 4
+            ),
             "answer_agreement": round(sum(a == b for a, b in zip(answers[kv], answers[reference])) / paired, 4),
         }
         if kv in kl:
@@ -171,10 +174,20 @@ def run_kv(
 
 # -- the command (python manage.py bench kv) -----------------------------------------------------
 def add_arguments(parser) -> None:
-    parser.add_argument("--topics", nargs="+", default=["astronomy", "high_school_biology", "world_religions"], metavar="TOPIC")
-    parser.add_argument("--prompts", type=int, default=100, help="questions per topic (default 100: 300 paired prompts)")
+    parser.add_argument(
+        "--topics", nargs="+", default=["astronomy", "high_school_biology", "world_religions"], metavar="TOPIC"
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=100, help="questions per topic (default 100: 300 paired prompts)"
+    )
     parser.add_argument("--shots", type=int, default=3)
-    parser.add_argument("--held-out", nargs="+", default=["philosophy", "prehistory"], metavar="TOPIC", help="topics whose questions are the KL text")
+    parser.add_argument(
+        "--held-out",
+        nargs="+",
+        default=["philosophy", "prehistory"],
+        metavar="TOPIC",
+        help="topics whose questions are the KL text",
+    )
     parser.add_argument("--texts", type=int, default=16, help="held-out texts per topic for the KL (64 positions each)")
     parser.add_argument("--threads", type=int, default=0)
 
@@ -190,7 +203,9 @@ def run(ctx, *, topics, prompts, shots, held_out, texts, threads, **options) -> 
     held_out_texts = [question.render(with_answer=True) for topic in spare for question in questions[topic][:texts]]
     with ctx.board(threads=threads or None) as board:
         machine, model_file = machine_info(board), board.engine.model_file
-    with ctx.progress(total=len(selected), desc=f"bench kv ({len(selected)} prompts x f16, q8_0, q4_0)", unit="prompt") as bar:
+    with ctx.progress(
+        total=len(selected), desc=f"bench kv ({len(selected)} prompts x f16, q8_0, q4_0)", unit="prompt"
+    ) as bar:
         document = run_kv(model_file, selected, held_out_texts, threads=threads, progress=bar.update)
     document.update({"topics": chosen, "held_out_topics": spare, "shots": shots, "machine": machine})
     return document
@@ -211,7 +226,9 @@ def lines(doc: dict) -> list[str]:
 
 
 def headline(doc: dict) -> str:
-    return "; ".join(f"{kv} {row['bytes_per_token']:.0f} B/token, accuracy {row['accuracy']}" for kv, row in doc["kv_types"].items())
+    return "; ".join(
+        f"{kv} {row['bytes_per_token']:.0f} B/token, accuracy {row['accuracy']}" for kv, row in doc["kv_types"].items()
+    )
 
 
 BENCH = Benchmark(

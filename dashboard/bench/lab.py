@@ -15,11 +15,10 @@ from typing import Callable
 import numpy as np
 
 from dashboard import mmlu
+from dashboard.bench.base import BenchError, Benchmark
+from dashboard.bench.common import machine_info, median
 from inference.engine.llama import Engine
 from inference.lab.kv_prediction import KVPredictionServing
-
-from dashboard.bench.base import Benchmark, BenchError
-from dashboard.bench.common import machine_info, median
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -59,7 +58,9 @@ def answer_letter(engine: Engine, logits: np.ndarray) -> str | None:
     return mmlu.parse_answer(engine.detokenize([int(np.argmax(logits))]))
 
 
-def reference_agreement(engine: Engine, reference, prompts: list[str], progress: Callable[[int], None] | None = None) -> dict:
+def reference_agreement(
+    engine: Engine, reference, prompts: list[str], progress: Callable[[int], None] | None = None
+) -> dict:
     """Greedy next-token agreement and logit differences, reference engine vs llama.cpp."""
     agree = near = 0
     diffs = []
@@ -136,7 +137,9 @@ def run_lab(
         for k, strategy in strategies.items():
             kls[f"kvp{k}"].append(kl_divergence(reference_logits, strategy.prefill_logits(tokens)[0]))
             kls[f"aux{k}"].append(kl_divergence(reference_logits, base_logits(strategy.aux, tokens)[0]))
-            kls[f"trunc{k}"].append(kl_divergence(reference_logits, base_logits(engine, truncated_tokens(tokens, k / n_layer, bos))[0]))
+            kls[f"trunc{k}"].append(
+                kl_divergence(reference_logits, base_logits(engine, truncated_tokens(tokens, k / n_layer, bos))[0])
+            )
         if progress:
             progress(1)
 
@@ -147,26 +150,34 @@ def run_lab(
     document["base"] = {"median_ttft_ms": base_ttft, "accuracy": round(base_accuracy, 4)}
     table = []
     for k in sorted(strategies):
-        for kind, label in (("kvp", f"KV prediction (k={k})"), ("aux", f"auxiliary alone (k={k})"), ("trunc", f"truncated prompt ({k}/{n_layer})")):
+        for kind, label in (
+            ("kvp", f"KV prediction (k={k})"),
+            ("aux", f"auxiliary alone (k={k})"),
+            ("trunc", f"truncated prompt ({k}/{n_layer})"),
+        ):
             row = rows[f"{kind}{k}"]
             agree = np.mean(np.array(row["token"]) == np.array(base["token"]))
             both = sum(a and b for a, b in zip(row["correct"], base["correct"]))
             only_base = sum(b and not a for a, b in zip(row["correct"], base["correct"]))
             only_this = sum(a and not b for a, b in zip(row["correct"], base["correct"]))
             ttft = median(row["ttft_ms"])
-            table.append({
-                "method": label,
-                "kind": kind,
-                "k": k,
-                "median_ttft_ms": ttft,
-                "ttft_ratio": round(ttft / base_ttft, 4) if base_ttft else None,
-                "first_token_agreement": round(float(agree), 4),
-                "accuracy": round(float(np.mean(row["correct"])), 4),
-                "accuracy_retention": round(float(np.mean(row["correct"])) / base_accuracy, 4) if base_accuracy else None,
-                "paired": {"both_correct": both, "only_base": only_base, "only_this": only_this},
-                "heldout_kl_mean": round(float(np.mean(kls[f"{kind}{k}"])), 4) if heldout else None,
-                "heldout_kl_median": round(float(np.median(kls[f"{kind}{k}"])), 4) if heldout else None,
-            })
+            table.append(
+                {
+                    "method": label,
+                    "kind": kind,
+                    "k": k,
+                    "median_ttft_ms": ttft,
+                    "ttft_ratio": round(ttft / base_ttft, 4) if base_ttft else None,
+                    "first_token_agreement": round(float(agree), 4),
+                    "accuracy": round(float(np.mean(row["correct"])), 4),
+                    "accuracy_retention": round(float(np.mean(row["correct"])) / base_accuracy, 4)
+                    if base_accuracy
+                    else None,
+                    "paired": {"both_correct": both, "only_base": only_base, "only_this": only_this},
+                    "heldout_kl_mean": round(float(np.mean(kls[f"{kind}{k}"])), 4) if heldout else None,
+                    "heldout_kl_median": round(float(np.median(kls[f"{kind}{k}"])), 4) if heldout else None,
+                }
+            )
     document["table"] = table
     return document
 
@@ -197,20 +208,50 @@ def lab_report(path, doc: dict):
     from dashboard.bench.html_report import write_report
 
     figures = []
-    styles = {"kvp": ("KV prediction", "circle"), "aux": ("auxiliary alone", "x"), "trunc": ("base, truncated prompt", "square")}
-    for metric, title in (("first_token_agreement", "greedy first-token agreement with the base"), ("heldout_kl_mean", "next-token KL(base || method), held-out text")):
+    styles = {
+        "kvp": ("KV prediction", "circle"),
+        "aux": ("auxiliary alone", "x"),
+        "trunc": ("base, truncated prompt", "square"),
+    }
+    for metric, title in (
+        ("first_token_agreement", "greedy first-token agreement with the base"),
+        ("heldout_kl_mean", "next-token KL(base || method), held-out text"),
+    ):
         figure = go.Figure()
         for kind, (name, symbol) in styles.items():
             rows = [row for row in doc["table"] if row["kind"] == kind]
-            figure.add_trace(go.Scatter(
-                x=[1 / row["ttft_ratio"] if row["ttft_ratio"] else None for row in rows], y=[row[metric] for row in rows],
-                mode="lines+markers+text", name=name, marker={"symbol": symbol, "size": 10}, text=[f"k={row['k']}" for row in rows], textposition="top center",
-            ))
-        figure.add_trace(go.Scatter(x=[1.0], y=[1.0 if metric == "first_token_agreement" else 0.0], mode="markers", name="base (full prefill)", marker={"size": 12, "symbol": "star"}))
-        figure.update_layout(title=f"Efficiency-accuracy trade-off: {title}", xaxis_title="TTFT speed-up over full prefill (x)", yaxis_title=metric.replace("_", " "))
+            figure.add_trace(
+                go.Scatter(
+                    x=[1 / row["ttft_ratio"] if row["ttft_ratio"] else None for row in rows],
+                    y=[row[metric] for row in rows],
+                    mode="lines+markers+text",
+                    name=name,
+                    marker={"symbol": symbol, "size": 10},
+                    text=[f"k={row['k']}" for row in rows],
+                    textposition="top center",
+                )
+            )
+        figure.add_trace(
+            go.Scatter(
+                x=[1.0],
+                y=[1.0 if metric == "first_token_agreement" else 0.0],
+                mode="markers",
+                name="base (full prefill)",
+                marker={"size": 12, "symbol": "star"},
+            )
+        )
+        figure.update_layout(
+            title=f"Efficiency-accuracy trade-off: {title}",
+            xaxis_title="TTFT speed-up over full prefill (x)",
+            yaxis_title=metric.replace("_", " "),
+        )
         figures.append(figure)
     summary = f"{doc['prompts']} five-shot MMLU prompts, {doc['heldout_texts']} held-out texts. " + DIFFERENCES
-    tables = {"Each k and its baselines": [{k: v for k, v in row.items() if k != "paired"} | row["paired"] for row in doc["table"]]}
+    tables = {
+        "Each k and its baselines": [
+            {k: v for k, v in row.items() if k != "paired"} | row["paired"] for row in doc["table"]
+        ]
+    }
     if "reference" in doc:
         tables["Reference engine against llama.cpp"] = [doc["reference"]]
     tables[f"Paper (quoted as data): {PAPER_SOURCE}"] = PAPER_TABLE3
@@ -219,26 +260,45 @@ def lab_report(path, doc: dict):
 
 # -- the command (python manage.py bench lab) ----------------------------------------------------
 def add_arguments(parser) -> None:
-    parser.add_argument("--ks", nargs="+", type=int, default=[3, 6, 9], metavar="K", help="auxiliary layers to try (default 3 6 9)")
+    parser.add_argument(
+        "--ks", nargs="+", type=int, default=[3, 6, 9], metavar="K", help="auxiliary layers to try (default 3 6 9)"
+    )
     parser.add_argument("--prompts", type=int, default=300, help="5-shot MMLU prompts over all topics (default 300)")
     parser.add_argument("--shots", type=int, default=5)
     parser.add_argument("--heldout", type=int, default=57, help="held-out texts for the next-token KL (default 57)")
-    parser.add_argument("--reference-prompts", type=int, default=200, help="0-shot MMLU prompts the reference engine is checked on (0: skip)")
-    parser.add_argument("--calibration-docs", type=int, default=57, help="calibration documents when a predictor must be fitted (default 57, one per topic)")
-    parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: the board's; 1 keeps timings steady on a shared machine)")
+    parser.add_argument(
+        "--reference-prompts",
+        type=int,
+        default=200,
+        help="0-shot MMLU prompts the reference engine is checked on (0: skip)",
+    )
+    parser.add_argument(
+        "--calibration-docs",
+        type=int,
+        default=57,
+        help="calibration documents when a predictor must be fitted (default 57, one per topic)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="llama.cpp threads (default: the board's; 1 keeps timings steady on a shared machine)",
+    )
 
 
 def run(ctx, *, ks, prompts, shots, heldout, reference_prompts, calibration_docs, threads, **options) -> dict:
     from types import SimpleNamespace
 
-    from inference.board.runtime import engine_config
     from dashboard.lab import texts
     from dashboard.lab.fitting import ensure_predictors
-    from inference.lab.kv_prediction import PredictorFileError, lab_dir
+    from inference.board.runtime import engine_config
     from inference.engine.model_file import resolve_model
+    from inference.lab.kv_prediction import PredictorFileError, lab_dir
 
     if prompts < 1 or heldout < 0 or reference_prompts < 0 or not ks or any(not 1 <= k < 18 for k in ks):
-        raise BenchError("--prompts must be at least 1, --heldout and --reference-prompts >= 0, every k between 1 and 17")
+        raise BenchError(
+            "--prompts must be at least 1, --heldout and --reference-prompts >= 0, every k between 1 and 17"
+        )
     try:
         selected = texts.evaluation_prompts(prompts, shots)
         heldout_texts = texts.heldout_prompts(heldout)
@@ -246,11 +306,15 @@ def run(ctx, *, ks, prompts, shots, heldout, reference_prompts, calibration_docs
     except (ValueError, FileNotFoundError) as exc:
         raise BenchError(str(exc))
     config = ctx.config
-    engine = Engine(resolve_model(config.model or None), engine_config(config.with_(threads=threads) if threads > 0 else config))
+    engine = Engine(
+        resolve_model(config.model or None), engine_config(config.with_(threads=threads) if threads > 0 else config)
+    )
     strategies = {}
     try:
         reference = None
-        if reference_texts or any(not (lab_dir() / f"kvp-{engine.model_file.sha256[:16]}-k{k}.npz").exists() for k in ks):
+        if reference_texts or any(
+            not (lab_dir() / f"kvp-{engine.model_file.sha256[:16]}-k{k}.npz").exists() for k in ks
+        ):
             try:
                 from inference.lab.reference import ReferenceModel
             except ImportError as exc:
@@ -259,16 +323,39 @@ def run(ctx, *, ks, prompts, shots, heldout, reference_prompts, calibration_docs
             reference = ReferenceModel.load(engine.model_file.path, threads=engine.config.threads())
         with ctx.progress(total=calibration_docs, desc="fitting KV predictors (if missing)", unit="doc") as bar:
             ensure_predictors(
-                engine.model_file, ks, lab_dir(), lambda text: engine.tokenize(text, add_bos=True),
-                max_documents=calibration_docs, progress=bar.update, reference=reference,
+                engine.model_file,
+                ks,
+                lab_dir(),
+                lambda text: engine.tokenize(text, add_bos=True),
+                max_documents=calibration_docs,
+                progress=bar.update,
+                reference=reference,
             )
         try:
             strategies = {k: KVPredictionServing.open(engine, k, lab_dir()) for k in ks}
         except PredictorFileError as exc:
             raise BenchError(str(exc))
-        with ctx.progress(total=len(reference_texts) + len(selected) + len(heldout_texts), desc=f"bench lab (k = {' '.join(map(str, ks))})", unit="prompt") as bar:
-            document = run_lab(engine, strategies, selected, heldout_texts, reference=reference, reference_prompts=reference_texts, progress=bar.update)
-        document.update({"shots": shots, "calibration": {k: s.predictor.calibration for k, s in strategies.items()}, "machine": machine_info(SimpleNamespace(engine=engine, store=None))})
+        with ctx.progress(
+            total=len(reference_texts) + len(selected) + len(heldout_texts),
+            desc=f"bench lab (k = {' '.join(map(str, ks))})",
+            unit="prompt",
+        ) as bar:
+            document = run_lab(
+                engine,
+                strategies,
+                selected,
+                heldout_texts,
+                reference=reference,
+                reference_prompts=reference_texts,
+                progress=bar.update,
+            )
+        document.update(
+            {
+                "shots": shots,
+                "calibration": {k: s.predictor.calibration for k, s in strategies.items()},
+                "machine": machine_info(SimpleNamespace(engine=engine, store=None)),
+            }
+        )
     finally:
         for strategy in strategies.values():
             strategy.close()
@@ -285,7 +372,9 @@ def lines(doc: dict) -> list[str]:
             f"\nreference engine vs llama.cpp on {r['prompts']} prompts: greedy agreement {r['greedy_agreement']}, "
             f"up to near-ties {r['agreement_up_to_near_ties']}; max |logit diff| {r['max_abs_logit_diff']} (median {r['median_max_abs_logit_diff']})"
         )
-    out.append(f"\nbase: median TTFT {doc['base']['median_ttft_ms']} ms over {doc['prompts']} prompts, accuracy {doc['base']['accuracy']}")
+    out.append(
+        f"\nbase: median TTFT {doc['base']['median_ttft_ms']} ms over {doc['prompts']} prompts, accuracy {doc['base']['accuracy']}"
+    )
     out.append(f"{'method':<30}{'TTFT ms':>9}{'ratio':>7}{'agree':>7}{'acc':>7}{'KL':>8}")
     for row in doc["table"]:
         out.append(
@@ -298,7 +387,8 @@ def lines(doc: dict) -> list[str]:
 def headline(doc: dict) -> str:
     rows = [row for row in doc["table"] if row.get("kind") == "kvp"]
     return "KV prediction (lab): " + "; ".join(
-        f"k={row['k']} TTFT x{row['ttft_ratio']}, agreement {row['first_token_agreement']}, KL {row['heldout_kl_mean']}" for row in rows
+        f"k={row['k']} TTFT x{row['ttft_ratio']}, agreement {row['first_token_agreement']}, KL {row['heldout_kl_mean']}"
+        for row in rows
     )
 
 

@@ -93,10 +93,16 @@ def unavailable(variant: str = "avx512") -> str:
     if built(variant):
         return ""
     missing = missing_tools()
-    return f"cannot build llama.cpp here: this machine has no {', '.join(missing)} (apt-get install cmake g++)" if missing else ""
+    return (
+        f"cannot build llama.cpp here: this machine has no {', '.join(missing)} (apt-get install cmake g++)"
+        if missing
+        else ""
+    )
 
 
-def ensure(variant: str = "avx512", write: Callable[[str], None] = print, *, version: str = VERSION, jobs: int | None = None) -> Path:
+def ensure(
+    variant: str = "avx512", write: Callable[[str], None] = print, *, version: str = VERSION, jobs: int | None = None
+) -> Path:
     """The folder of a built ``variant``: cached, else built now, or waited for where another process builds it."""
     why = unavailable(variant)
     if why:
@@ -109,7 +115,9 @@ def ensure(variant: str = "avx512", write: Callable[[str], None] = print, *, ver
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            write(f"Waiting for the llama.cpp {version} {variant} build another process started (its lock: {lock.name})...")
+            write(
+                f"Waiting for the llama.cpp {version} {variant} build another process started (its lock: {lock.name})..."
+            )
             fcntl.flock(lock, fcntl.LOCK_EX)
         if built(variant, version):
             return target
@@ -120,7 +128,9 @@ def _build(variant: str, target: Path, version: str, write: Callable[[str], None
     jobs = jobs or os.cpu_count() or 2
     with tempfile.TemporaryDirectory(prefix=f"llama-{variant}-build-", dir=target.parent) as work:
         work = Path(work)
-        write(f"Building llama.cpp {version} ({variant} kernels) from the llama-cpp-python sdist (once per machine, minutes)...")
+        write(
+            f"Building llama.cpp {version} ({variant} kernels) from the llama-cpp-python sdist (once per machine, minutes)..."
+        )
         sdist = _download_sdist(version, work)
         with tarfile.open(sdist) as archive:
             archive.extractall(work, filter="data")
@@ -145,7 +155,19 @@ def _build(variant: str, target: Path, version: str, write: Callable[[str], None
 
 
 def _download_sdist(version: str, work: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:", "--no-deps", f"llama-cpp-python=={version}", "-d", str(work)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-binary",
+        ":all:",
+        "--no-deps",
+        f"llama-cpp-python=={version}",
+        "-d",
+        str(work),
+    ]
     _run(command, "pip download", work)
     found = sorted(work.glob("llama_cpp_python-*.tar.gz"))
     if not found:
@@ -157,7 +179,10 @@ def _compile(build: Path, jobs: int, write: Callable[[str], None], work: Path, v
     command = ["cmake", "--build", str(build), "--target", "llama", "-j", str(jobs)]
     log = work / "build.log"
     shown = -10
-    with open(log, "w") as out, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+    with (
+        open(log, "w") as out,
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process,
+    ):
         for line in process.stdout:
             out.write(line)
             if line.startswith("[") and "%]" in line[:7]:
@@ -181,11 +206,15 @@ if __name__ == "__main__":
     import argparse
     import signal
 
-    parser = argparse.ArgumentParser(description="Build llama.cpp's libraries with other CPU kernels (or print where they are).")
+    parser = argparse.ArgumentParser(
+        description="Build llama.cpp's libraries with other CPU kernels (or print where they are)."
+    )
     parser.add_argument("variant", nargs="?", default="avx512", choices=sorted(VARIANTS))
     parser.add_argument("--jobs", type=int, default=None, help="compile jobs (default: one per CPU)")
     options = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("llama.cpp build stopped"))  # the build folder is removed on the way out
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit("llama.cpp build stopped")
+    )  # the build folder is removed on the way out
     try:
         path = ensure(options.variant, lambda line: print(line, flush=True), jobs=options.jobs)
     except BuildUnavailable as exc:

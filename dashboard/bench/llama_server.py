@@ -130,7 +130,9 @@ def ensure(write: Callable[[str], None] = print, *, version: str = VERSION, jobs
         return binary
     missing = missing_tools()
     if missing:
-        raise PeerUnavailable(f"cannot build llama-server: this machine has no {', '.join(missing)} (apt-get install cmake g++)")
+        raise PeerUnavailable(
+            f"cannot build llama-server: this machine has no {', '.join(missing)} (apt-get install cmake g++)"
+        )
     binary.parent.parent.mkdir(parents=True, exist_ok=True)
     with open(binary.parent.with_name(binary.parent.name + ".lock"), "w") as lock:
         try:
@@ -148,7 +150,9 @@ def _build_peer(binary: Path, version: str, write: Callable[[str], None], jobs: 
     jobs = jobs or os.cpu_count() or 2
     with tempfile.TemporaryDirectory(prefix="llama-server-build-", dir=target.parent) as work:
         work = Path(work)
-        write(f"Building llama.cpp's llama-server {version} from the llama-cpp-python sdist against its wheel's libraries (once per machine, about 5 minutes on 2 cores)...")
+        write(
+            f"Building llama.cpp's llama-server {version} from the llama-cpp-python sdist against its wheel's libraries (once per machine, about 5 minutes on 2 cores)..."
+        )
         sdist = _download_sdist(version, work)
         with tarfile.open(sdist) as archive:
             archive.extractall(work, filter="data")
@@ -157,12 +161,27 @@ def _build_peer(binary: Path, version: str, write: Callable[[str], None], jobs: 
             raise PeerUnavailable(f"the llama-cpp-python {version} sdist has no vendor/llama.cpp/tools/server")
         libraries = wheel_libraries()
         if not any(path.name.startswith("libllama.so.") for path in libraries):
-            raise PeerUnavailable(f"llama-cpp-python's wheel has no libllama in {WHEEL_LIBS}: reinstall it with `make install`")
+            raise PeerUnavailable(
+                f"llama-cpp-python's wheel has no libllama in {WHEEL_LIBS}: reinstall it with `make install`"
+            )
         project = work / "peer"
         project.mkdir()
         (project / "CMakeLists.txt").write_text(WRAPPER_CMAKE)
         build = work / "build"
-        _run(["cmake", "-S", str(project), "-B", str(build), *CMAKE_FLAGS, f"-DLLAMA_SOURCE={source}", f"-DWHEEL_LIBS={WHEEL_LIBS}"], "configure", work)
+        _run(
+            [
+                "cmake",
+                "-S",
+                str(project),
+                "-B",
+                str(build),
+                *CMAKE_FLAGS,
+                f"-DLLAMA_SOURCE={source}",
+                f"-DWHEEL_LIBS={WHEEL_LIBS}",
+            ],
+            "configure",
+            work,
+        )
         _build(build, jobs, write, work)
         built = build / "bin" / "llama-server"
         if not built.exists():
@@ -183,11 +202,25 @@ def version_of(binary: Path) -> str:
     """``llama-server --version`` (llama.cpp prints it on stderr), one line."""
     done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
     text = (done.stdout + done.stderr).strip().splitlines()
-    return " ".join(line.strip() for line in text if line.strip().startswith(("version", "built"))) or " ".join(text)[:200]
+    return (
+        " ".join(line.strip() for line in text if line.strip().startswith(("version", "built"))) or " ".join(text)[:200]
+    )
 
 
 def _download_sdist(version: str, work: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:", "--no-deps", f"llama-cpp-python=={version}", "-d", str(work)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-binary",
+        ":all:",
+        "--no-deps",
+        f"llama-cpp-python=={version}",
+        "-d",
+        str(work),
+    ]
     _run(command, "pip download", work)
     found = sorted(work.glob("llama_cpp_python-*.tar.gz"))
     if not found:
@@ -200,7 +233,10 @@ def _build(build: Path, jobs: int, write: Callable[[str], None], work: Path) -> 
     command = ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]
     log = work / "build.log"
     shown = -10
-    with open(log, "w") as out, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+    with (
+        open(log, "w") as out,
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process,
+    ):
         for line in process.stdout:
             out.write(line)
             if line.startswith("[") and "%]" in line[:7]:
@@ -224,10 +260,14 @@ if __name__ == "__main__":
     import argparse
     import signal
 
-    parser = argparse.ArgumentParser(description="Build llama.cpp's llama-server from the pinned sdist (or print where it is).")
+    parser = argparse.ArgumentParser(
+        description="Build llama.cpp's llama-server from the pinned sdist (or print where it is)."
+    )
     parser.add_argument("--jobs", type=int, default=None, help="compile jobs (default: one per CPU)")
     options = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("llama-server build stopped"))  # the build folder is removed on the way out
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit("llama-server build stopped")
+    )  # the build folder is removed on the way out
     try:
         path = ensure(lambda line: print(line, flush=True), jobs=options.jobs)
     except PeerUnavailable as exc:

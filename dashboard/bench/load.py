@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Callable, Sequence
 
-from dashboard.bench.base import Benchmark, BenchError, topics_named
+from dashboard.bench.base import BenchError, Benchmark, topics_named
 from dashboard.bench.common import percentile
 
 WINDOW_SECONDS = 10.0
@@ -113,7 +113,11 @@ def warmup_seconds(runs: Sequence[dict], boards: Sequence[str]) -> float | None:
 
 
 def p99_stability(
-    windows: Sequence[dict], warmup_s: float | None, *, min_runs: int = MIN_WINDOW_RUNS, threshold: float = STABLE_P99_RATIO
+    windows: Sequence[dict],
+    warmup_s: float | None,
+    *,
+    min_runs: int = MIN_WINDOW_RUNS,
+    threshold: float = STABLE_P99_RATIO,
 ) -> dict:
     """Does p99 rise over time? Compares the windows that start after the warm-up and have ``min_runs`` runs."""
     after = [w for w in windows if warmup_s is not None and w["start_s"] >= warmup_s]
@@ -168,7 +172,8 @@ def summarize(
             {
                 "board": name,
                 "runs": len(mine),
-                "errors": sum(1 for f in failures if f["board"] == name) + sum(1 for run in mine if run.get("cachebox") == "unavailable"),
+                "errors": sum(1 for f in failures if f["board"] == name)
+                + sum(1 for run in mine if run.get("cachebox") == "unavailable"),
                 "ttft_ms_p50": percentile([run["ttft_ms"] for run in mine], 50),
                 "ttft_ms_p99": percentile([run["ttft_ms"] for run in mine], 99),
             }
@@ -186,7 +191,11 @@ def summarize(
         "ttft_ms_p99": percentile(ttfts, 99),
         "ttft_ms_max": round(max(ttfts), 3) if ttfts else None,
         # Runs dispatched after the warm-up: what a board sees once the cache box is in use.
-        "after_warmup": {"runs": len(steady), "ttft_ms_p50": percentile(steady, 50), "ttft_ms_p99": percentile(steady, 99)},
+        "after_warmup": {
+            "runs": len(steady),
+            "ttft_ms_p50": percentile(steady, 50),
+            "ttft_ms_p99": percentile(steady, 99),
+        },
         "latency_ms_p50": percentile(latencies, 50),
         "latency_ms_p99": percentile(latencies, 99),
         "hit_ratio": _ratio(matched_tokens, prompt_tokens),
@@ -244,15 +253,16 @@ def board_main(index: int, conn, namespace: str, max_tokens: int, ring: dict) ->
     board = None
     try:
         from cachebox.signing import Keychain, KeyRing, shared_producer_ring
-        from inference.board.runtime import Board
-        from inference.board.config import BoardConfig
-
         from dashboard.bench.common import machine_info
+        from inference.board.config import BoardConfig
+        from inference.board.runtime import Board
 
         keyring = shared_producer_ring(KeyRing.from_dict(ring))  # no control plane here: the ring's holders sign alike
         started = time.perf_counter()
         config = BoardConfig.from_env(device=name, namespace=namespace, threads=1)
-        board = Board.start(config, keys=Keychain(lambda ns: keyring if keyring.covers(ns) else None), background_sync=True)
+        board = Board.start(
+            config, keys=Keychain(lambda ns: keyring if keyring.covers(ns) else None), background_sync=True
+        )
         ready = {"type": "ready", "board": name, "pid": os.getpid(), "load_s": round(time.perf_counter() - started, 2)}
         if index == 0:
             ready["machine"] = machine_info(board)
@@ -276,7 +286,11 @@ def board_main(index: int, conn, namespace: str, max_tokens: int, ring: dict) ->
             try:
                 result = board.run(message["segments"], max_tokens=max_tokens)
                 breakdown = result.breakdown.as_dict()
-                reply = {"type": "result", "id": message["id"], "breakdown": {key: breakdown.get(key) for key in RUN_FIELDS}}
+                reply = {
+                    "type": "result",
+                    "id": message["id"],
+                    "breakdown": {key: breakdown.get(key) for key in RUN_FIELDS},
+                }
             except Exception as exc:
                 reply = {"type": "error", "id": message["id"], "error": _describe(exc)}
             try:
@@ -394,7 +408,13 @@ class LoadRun:
                 "board_deaths": self.deaths,
                 "board_load_s": {slot.name: slot.info.get("load_s") for slot in self.slots},
                 "samples": [
-                    {"t_s": run["t_s"], "board": run["board"], "ttft_ms": run["ttft_ms"], "case": run["case"], "cachebox": run["cachebox"]}
+                    {
+                        "t_s": run["t_s"],
+                        "board": run["board"],
+                        "ttft_ms": run["ttft_ms"],
+                        "case": run["case"],
+                        "cachebox": run["cachebox"],
+                    }
                     for run in self.runs
                 ],
                 "machine": machine,
@@ -409,7 +429,10 @@ class LoadRun:
             for index in range(self.devices):
                 parent_end, child_end = context.Pipe(duplex=True)
                 process = context.Process(
-                    target=board_main, args=(index, child_end, self.namespace, self.max_tokens, self.ring), name=f"load-{index}", daemon=True
+                    target=board_main,
+                    args=(index, child_end, self.namespace, self.max_tokens, self.ring),
+                    name=f"load-{index}",
+                    daemon=True,
                 )
                 process.start()
                 child_end.close()
@@ -518,10 +541,18 @@ class LoadRun:
         now = time.monotonic()
         if message.get("type") == "result":
             self.runs.append(
-                {"board": slot.name, "t_s": request.t_s, "latency_ms": round((now - request.sent) * 1000.0, 3), "prompt": request.prompt, **message["breakdown"]}
+                {
+                    "board": slot.name,
+                    "t_s": request.t_s,
+                    "latency_ms": round((now - request.sent) * 1000.0, 3),
+                    "prompt": request.prompt,
+                    **message["breakdown"],
+                }
             )
         else:
-            self.failures.append({"board": slot.name, "t_s": request.t_s, "error": str(message.get("error", "unknown error"))})
+            self.failures.append(
+                {"board": slot.name, "t_s": request.t_s, "error": str(message.get("error", "unknown error"))}
+            )
 
     def _bury(self, slot: _Slot, now: float) -> None:
         """A board that died: its request, if any, is lost."""
@@ -595,10 +626,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--devices", type=int, default=8, help="board processes (1 llama.cpp thread each; default 8)")
     parser.add_argument("--seconds", type=float, default=60, help="how long prompts are dispatched (default 60)")
     parser.add_argument("--shots", type=int, default=5)
-    parser.add_argument("--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics the prompts come from (default: 3)")
-    parser.add_argument("--prompts", type=int, default=8, help="questions per topic in the pool prompts are drawn from (default 8)")
+    parser.add_argument(
+        "--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics the prompts come from (default: 3)"
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=8, help="questions per topic in the pool prompts are drawn from (default 8)"
+    )
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per run")
-    parser.add_argument("--drain", type=float, default=60, help="seconds to wait for outstanding answers after the clock")
+    parser.add_argument(
+        "--drain", type=float, default=60, help="seconds to wait for outstanding answers after the clock"
+    )
 
 
 def run(ctx, *, devices, seconds, shots, topics, prompts, max_tokens, drain, **options) -> dict:
@@ -607,7 +644,9 @@ def run(ctx, *, devices, seconds, shots, topics, prompts, max_tokens, drain, **o
     from dashboard import mmlu
 
     if devices < 1 or seconds <= 0 or prompts < 1 or max_tokens < 1 or drain < 0 or not 0 <= shots <= 8:
-        raise BenchError("--devices, --prompts and --max-tokens must be at least 1, --seconds positive, --drain >= 0, --shots 0 to 8")
+        raise BenchError(
+            "--devices, --prompts and --max-tokens must be at least 1, --seconds positive, --drain >= 0, --shots 0 to 8"
+        )
     chosen = topics_named(topics or DEFAULT_TOPICS)
     try:
         pool = prompt_pool(chosen, shots, prompts)
@@ -625,7 +664,9 @@ def run(ctx, *, devices, seconds, shots, topics, prompts, max_tokens, drain, **o
         if "clock" not in bars:
             bars["loading"].close()
             bars["clock"] = ctx.progress(
-                total=int(math.ceil(seconds)), desc=f"bench load ({devices} boards)", bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s{postfix}"
+                total=int(math.ceil(seconds)),
+                desc=f"bench load ({devices} boards)",
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s{postfix}",
             )
         bar = bars["clock"]
         if state["draining"]:
@@ -635,7 +676,17 @@ def run(ctx, *, devices, seconds, shots, topics, prompts, max_tokens, drain, **o
         if state["final"]:
             bar.refresh()
 
-    runner = LoadRun(devices, seconds, pool, namespace=namespace, ring=ctx.keyring(namespace), max_tokens=max_tokens, drain_seconds=drain, on_ready=ready, on_tick=tick)
+    runner = LoadRun(
+        devices,
+        seconds,
+        pool,
+        namespace=namespace,
+        ring=ctx.keyring(namespace),
+        max_tokens=max_tokens,
+        drain_seconds=drain,
+        on_ready=ready,
+        on_tick=tick,
+    )
     # Ctrl-C must stop the boards even when started from a shell that ignores SIGINT.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -656,7 +707,10 @@ def run(ctx, *, devices, seconds, shots, topics, prompts, max_tokens, drain, **o
             "topics": chosen,
             "shots": shots,
             "prompts_per_topic": prompts,
-            "cachebox": {"kind": "embedded valkey" if ctx.embedded_cachebox else f"REDIS_URL ({url.split(':', 1)[0]})", "url": store.safe_url},
+            "cachebox": {
+                "kind": "embedded valkey" if ctx.embedded_cachebox else f"REDIS_URL ({url.split(':', 1)[0]})",
+                "url": store.safe_url,
+            },
         }
     )
     document["summary"] = (
@@ -691,7 +745,10 @@ def lines(doc: dict) -> list[str]:
         f"target (0 errors, 0 lost, stable p99) met: {doc['target_met']}"
     )
     out += [f"error: {message}" for message in doc["error_messages"]]
-    out += [f"board {death['board']} died at {death['t_s']} s (exit code {death['exitcode']})" for death in doc["board_deaths"]]
+    out += [
+        f"board {death['board']} died at {death['t_s']} s (exit code {death['exitcode']})"
+        for death in doc["board_deaths"]
+    ]
     return out
 
 

@@ -11,8 +11,7 @@ from typing import Callable
 from xml.sax.saxutils import escape, quoteattr
 
 from dashboard import mmlu
-
-from dashboard.bench.base import Benchmark, BenchError, topics_named
+from dashboard.bench.base import BenchError, Benchmark, topics_named
 from dashboard.bench.common import machine_info, median
 from dashboard.bench.reports import modules_report
 
@@ -29,7 +28,7 @@ def schema_for(topic: str, shots: int, scaffold: bool) -> str:
     """PML schema: the instruction as schema text, then one union of two examples per slot."""
     questions = mmlu.load_questions()[topic]
     name = f"mmlu-{_slug(topic)}-{shots}{'-scaffold' if scaffold else ''}"
-    parts = [f"<schema name={quoteattr(name)} xml:space=\"preserve\">", escape(mmlu.instruction_for(topic))]
+    parts = [f'<schema name={quoteattr(name)} xml:space="preserve">', escape(mmlu.instruction_for(topic))]
     for slot in range(shots):
         first, second = questions[slot], questions[shots + slot]
         parts.append(
@@ -54,7 +53,7 @@ def choices_for(index: int, shots: int) -> list[str]:
 def prompt_for(schema_source: str, target: mmlu.Question, choices: list[str]) -> str:
     name = re.search(r'name="([^"]+)"', schema_source).group(1)
     imports = "".join(f"<s{slot}{choice}/>" for slot, choice in enumerate(choices))
-    return f"<prompt schema={quoteattr(name)} xml:space=\"preserve\">{imports}{escape(target.render(False))}</prompt>"
+    return f'<prompt schema={quoteattr(name)} xml:space="preserve">{imports}{escape(target.render(False))}</prompt>'
 
 
 def plain_text(topic: str, shots: int, target: mmlu.Question, choices: list[str]) -> str:
@@ -78,10 +77,23 @@ def wilson(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
 def _accuracy(answers: list[str | None], truth: list[str]) -> dict:
     correct = sum(a == t for a, t in zip(answers, truth))
     low, high = wilson(correct, len(truth))
-    return {"accuracy": round(correct / len(truth), 4) if truth else 0.0, "ci95": [low, high], "correct": correct, "n": len(truth)}
+    return {
+        "accuracy": round(correct / len(truth), 4) if truth else 0.0,
+        "ci95": [low, high],
+        "correct": correct,
+        "n": len(truth),
+    }
 
 
-def run_modules(board, topics: list[str], prompts_per_topic: int, shots: int, *, namespace: str, progress: Callable[[], None] | None = None) -> dict:
+def run_modules(
+    board,
+    topics: list[str],
+    prompts_per_topic: int,
+    shots: int,
+    *,
+    namespace: str,
+    progress: Callable[[], None] | None = None,
+) -> dict:
     arms = {"baseline": [], "modules": [], "scaffold": []}  # (ttft_ms, answer, truth, topic)
     per_topic = {}
     for topic in topics:
@@ -118,10 +130,17 @@ def run_modules(board, topics: list[str], prompts_per_topic: int, shots: int, *,
             if progress:
                 progress()
         base, cached = median(r[0] for r in rows["baseline"]), median(r[0] for r in rows["modules"])
-        per_topic[topic] = {"baseline_ttft_ms": base, "cached_ttft_ms": cached, "ratio": round(cached / base, 4) if base else None}
+        per_topic[topic] = {
+            "baseline_ttft_ms": base,
+            "cached_ttft_ms": cached,
+            "ratio": round(cached / base, 4) if base else None,
+        }
 
     def summary(rows):
-        return {"ttft_ms": median(row[0] for row in rows), **_accuracy([row[1] for row in rows], [row[2] for row in rows])}
+        return {
+            "ttft_ms": median(row[0] for row in rows),
+            **_accuracy([row[1] for row in rows], [row[2] for row in rows]),
+        }
 
     baseline, cached = summary(arms["baseline"]), summary(arms["modules"])
     agree = sum(b[1] == m[1] for b, m in zip(arms["baseline"], arms["modules"])) / len(arms["baseline"])
@@ -150,7 +169,12 @@ def run_modules(board, topics: list[str], prompts_per_topic: int, shots: int, *,
 # -- the command (python manage.py bench modules) ------------------------------------------------
 def add_arguments(parser) -> None:
     parser.add_argument("--topics", nargs="+", default=None, metavar="TOPIC", help="MMLU topics (default: all 57)")
-    parser.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS_PER_TOPIC, help="questions per topic (default 6: 342 over all topics)")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=DEFAULT_PROMPTS_PER_TOPIC,
+        help="questions per topic (default 6: 342 over all topics)",
+    )
     parser.add_argument("--shots", type=int, default=5)
 
 

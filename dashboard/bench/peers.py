@@ -26,11 +26,10 @@ import numpy as np
 from cachebox.keys import token_bytes
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
-from dashboard.mmlu import MMLUPrompt, parse_answer
-
-from dashboard.bench.base import Benchmark, BenchError, prompts_of
+from dashboard.bench.base import BenchError, Benchmark, prompts_of
 from dashboard.bench.common import machine_info, median, prefix_serving
 from dashboard.bench.reports import peers_report
+from dashboard.mmlu import MMLUPrompt, parse_answer
 
 
 class PaperDesign:
@@ -85,7 +84,11 @@ class LlamaCppPromptCache:
         from llama_cpp import Llama, LlamaDiskCache, LlamaRAMCache
 
         self.llm = Llama(model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
-        cache = LlamaRAMCache(capacity_bytes=8 << 30) if kind == "ram" else LlamaDiskCache(cache_dir=cache_dir, capacity_bytes=8 << 30)
+        cache = (
+            LlamaRAMCache(capacity_bytes=8 << 30)
+            if kind == "ram"
+            else LlamaDiskCache(cache_dir=cache_dir, capacity_bytes=8 << 30)
+        )
         self.llm.set_cache(cache)
         self.cache = cache
 
@@ -110,7 +113,9 @@ class LlamaCppPromptCache:
         self.llm.close()
 
 
-def run_peers(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, progress: Callable[[], None] | None = None) -> dict:
+def run_peers(
+    board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, progress: Callable[[], None] | None = None
+) -> dict:
     engine, url = board.engine, board.store.url
     namespace = f"bench-peers-{uuid.uuid4().hex[:10]}"
     results: dict[str, list[dict]] = {}
@@ -132,7 +137,9 @@ def run_peers(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, progress
             _tick(progress)
         for kind, label in (("ram", "llama-cpp-python LlamaRAMCache"), ("disk", "llama-cpp-python LlamaDiskCache")):
             with tempfile.TemporaryDirectory(prefix="edgecache-diskcache-") as cache_dir:
-                peer = LlamaCppPromptCache(str(engine.model_file.path), engine.n_ctx, engine.config.threads(), kind, cache_dir)
+                peer = LlamaCppPromptCache(
+                    str(engine.model_file.path), engine.n_ctx, engine.config.threads(), kind, cache_dir
+                )
                 try:
                     results[label] = _passes(lambda p: peer.run(p.text, max_tokens), prompts)
                 finally:
@@ -151,7 +158,13 @@ def _tick(progress) -> None:
 def _ours(pipeline, prompt: MMLUPrompt, max_tokens: int, namespace: str, use_catalog: bool = True) -> dict:
     result = pipeline.run(prompt.segments, max_tokens=max_tokens, namespace=namespace, use_catalog=use_catalog)
     b = result.breakdown
-    return {"ttft_ms": b.ttft_ms, "ttlt_ms": b.ttlt_ms, "text": result.text, "state_bytes": b.state_bytes, "case": b.case}
+    return {
+        "ttft_ms": b.ttft_ms,
+        "ttlt_ms": b.ttlt_ms,
+        "text": result.text,
+        "state_bytes": b.state_bytes,
+        "case": b.case,
+    }
 
 
 def _passes(run: Callable, prompts: list[MMLUPrompt]) -> list[dict]:
@@ -171,8 +184,15 @@ def summarize(results: dict[str, list[dict]], prompts: list[MMLUPrompt]) -> dict
             "hit_ttft_ms": median(p["hit"]["ttft_ms"] for p in pairs),
             "hit_ttlt_ms": median(p["hit"]["ttlt_ms"] for p in pairs),
             "state_bytes": median(max(p["cold"]["state_bytes"], p["hit"]["state_bytes"]) for p in pairs),
-            "agreement_with_cold": round(statistics.fmean(parse_answer(p["hit"]["text"]) == parse_answer(ref) for p, ref in zip(pairs, reference)), 4),
-            "same_text_as_cold": round(statistics.fmean(p["hit"]["text"] == ref for p, ref in zip(pairs, reference)), 4),
+            "agreement_with_cold": round(
+                statistics.fmean(
+                    parse_answer(p["hit"]["text"]) == parse_answer(ref) for p, ref in zip(pairs, reference)
+                ),
+                4,
+            ),
+            "same_text_as_cold": round(
+                statistics.fmean(p["hit"]["text"] == ref for p, ref in zip(pairs, reference)), 4
+            ),
         }
     ours = peers["EdgeCache"]["hit_ttft_ms"]
     ram = peers["llama-cpp-python LlamaRAMCache"]["hit_ttft_ms"]
@@ -180,7 +200,9 @@ def summarize(results: dict[str, list[dict]], prompts: list[MMLUPrompt]) -> dict
         "peers": peers,
         "edgecache_hit_vs_ram_cache_hit": round(ram / ours, 2) if ours else None,
         "n": len(prompts),
-        "not_run": {"llama.cpp server slot save/restore": "no registry package ships the llama.cpp server binary; building it needs the llama.cpp sources, which only come from GitHub here"},
+        "not_run": {
+            "llama.cpp server slot save/restore": "no registry package ships the llama.cpp server binary; building it needs the llama.cpp sources, which only come from GitHub here"
+        },
     }
 
 
@@ -199,8 +221,17 @@ def run(ctx, *, topic, prompts, shots, max_tokens, **options) -> dict:
     with ctx.board() as board:
         with ctx.progress(total=6, desc="bench peers", unit="peer") as bar:
             document = run_peers(board, selected, max_tokens=max_tokens, progress=bar.update)
-        document.update({"topic": selected[0].target.topic, "shots": shots, "max_tokens": max_tokens, "machine": machine_info(board)})
-    document["summary"] = f"EdgeCache full-hit TTFT is {document['edgecache_hit_vs_ram_cache_hit']}x faster than a LlamaRAMCache hit."
+        document.update(
+            {
+                "topic": selected[0].target.topic,
+                "shots": shots,
+                "max_tokens": max_tokens,
+                "machine": machine_info(board),
+            }
+        )
+    document["summary"] = (
+        f"EdgeCache full-hit TTFT is {document['edgecache_hit_vs_ram_cache_hit']}x faster than a LlamaRAMCache hit."
+    )
     return document
 
 

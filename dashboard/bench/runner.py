@@ -9,7 +9,7 @@ from typing import Callable
 
 from django.conf import settings
 
-from dashboard.bench.base import CACHEBOX_DOWN, Benchmark, BenchError
+from dashboard.bench.base import CACHEBOX_DOWN, BenchError, Benchmark
 from dashboard.bench.common import host_info, save_json
 
 RESULTS_DIR = "bench-results"  # under BASE_DIR: the Benchmarks and Lab pages read it
@@ -18,7 +18,13 @@ RESULTS_DIR = "bench-results"  # under BASE_DIR: the Benchmarks and Lab pages re
 def add_arguments(bench: Benchmark, parser) -> None:
     """The benchmark's own options, and ``--json`` (where to save), which every benchmark has."""
     bench.add_arguments(parser)
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help=f"where to save the JSON (default {RESULTS_DIR}/...)")
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        metavar="PATH",
+        help=f"where to save the JSON (default {RESULTS_DIR}/...)",
+    )
 
 
 class CommandContext:

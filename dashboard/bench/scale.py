@@ -76,7 +76,9 @@ def run(ctx, *, repeats, **options) -> dict:
 def lines(doc: dict) -> list[str]:
     out = [f"\n{'tokens':>8}{'cold TTFT':>12}{'hit TTFT':>12}{'ratio':>8}{'state MB':>10}"]
     for row in doc["lengths"]:
-        out.append(f"{row['prompt_tokens']:>8}{row['cold_ttft_ms']:>12.1f}{row['hit_ttft_ms']:>12.1f}{row['ratio']:>8.3f}{row['state_bytes'] / 1e6:>10.2f}")
+        out.append(
+            f"{row['prompt_tokens']:>8}{row['cold_ttft_ms']:>12.1f}{row['hit_ttft_ms']:>12.1f}{row['ratio']:>8.3f}{row['state_bytes'] / 1e6:>10.2f}"
+        )
     return out
 
 

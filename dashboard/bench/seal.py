@@ -21,15 +21,16 @@ import time
 from cachebox import codec as codecs
 from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry
 from cachebox.signing import AES_GCM, CHACHA20, derive_keyring, shared_producer_ring
-
-from dashboard.bench.base import Benchmark, BenchError
+from dashboard.bench.base import BenchError, Benchmark
 
 FORMAT = 1
 BYTES_PER_TOKEN = 18_457  # Gemma-3 270M, f16 KV (docs: llama-cpp-findings)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--tokens", type=int, default=467, help="tokens of state per entry (default 467: a 5-shot MMLU prompt, ~8.6 MB)")
+    parser.add_argument(
+        "--tokens", type=int, default=467, help="tokens of state per entry (default 467: a 5-shot MMLU prompt, ~8.6 MB)"
+    )
     parser.add_argument("--repeats", type=int, default=20, help="rounds per measure (default 20)")
 
 
@@ -59,22 +60,39 @@ def run(ctx, *, tokens: int, repeats: int, **options) -> dict:
         for cipher in (AES_GCM, CHACHA20):
             header = EntryHeader("f" * 16, "bench-seal", 0, tokens, "d" * 32, 0, codec=codecs.RAW, cipher=cipher)
             blob = encode_entry(header, state, ring)
-            seal_ms = _median_ms(lambda: encode_entry(EntryHeader("f" * 16, "bench-seal", 0, tokens, "d" * 32, 0, cipher=cipher), state, ring), repeats)
+            seal_ms = _median_ms(
+                lambda: encode_entry(
+                    EntryHeader("f" * 16, "bench-seal", 0, tokens, "d" * 32, 0, cipher=cipher), state, ring
+                ),
+                repeats,
+            )
             open_ms = _median_ms(lambda: open_entry(blob, ring, len(state) * 2), repeats)
             sealed = memoryview(blob)[len(blob) - len(state) - SALT_BYTES - 16 :]
             aead = CIPHERS[cipher](_item_key(ring.data_key(1), bytes(sealed[:SALT_BYTES])))
             target = bytearray(len(state))
             parsed, _ = decode_header(blob)  # its signed bytes are the state's associated data
-            decrypt_ms = _median_ms(lambda: aead.decrypt_into(bytes(12), sealed[SALT_BYTES:], parsed.signed_bytes, target), repeats)
+            decrypt_ms = _median_ms(
+                lambda: aead.decrypt_into(bytes(12), sealed[SALT_BYTES:], parsed.signed_bytes, target), repeats
+            )
             rows[cipher] = {
-                "seal_ms": round(seal_ms, 3), "open_ms": round(open_ms, 3), "decrypt_only_ms": round(decrypt_ms, 3),
-                "seal_ms_per_mb": round(seal_ms / megabytes, 4), "open_ms_per_mb": round(open_ms / megabytes, 4), "decrypt_only_ms_per_mb": round(decrypt_ms / megabytes, 4),
+                "seal_ms": round(seal_ms, 3),
+                "open_ms": round(open_ms, 3),
+                "decrypt_only_ms": round(decrypt_ms, 3),
+                "seal_ms_per_mb": round(seal_ms / megabytes, 4),
+                "open_ms_per_mb": round(open_ms / megabytes, 4),
+                "decrypt_only_ms_per_mb": round(decrypt_ms / megabytes, 4),
             }
             bar.update()
         digest_ms = _median_ms(lambda: blake3(state).hexdigest(), repeats)
-        rows["blake3-digest (ECE2)"] = {"open_ms": round(digest_ms, 3), "open_ms_per_mb": round(digest_ms / megabytes, 4)}
+        rows["blake3-digest (ECE2)"] = {
+            "open_ms": round(digest_ms, 3),
+            "open_ms_per_mb": round(digest_ms / megabytes, 4),
+        }
         allocate_ms = _median_ms(lambda: bytes(bytearray(len(state))), repeats)
-        rows["a state-sized buffer"] = {"open_ms": round(allocate_ms, 3), "open_ms_per_mb": round(allocate_ms / megabytes, 4)}
+        rows["a state-sized buffer"] = {
+            "open_ms": round(allocate_ms, 3),
+            "open_ms_per_mb": round(allocate_ms / megabytes, 4),
+        }
         bar.update()
     return {
         "tokens": tokens,
@@ -109,7 +127,9 @@ def report(path, doc: dict):
     figure = go.Figure()
     figure.add_bar(name="open (ms per MB)", x=names, y=[doc["ciphers"][name]["open_ms_per_mb"] for name in names])
     figure.add_bar(name="seal (ms per MB)", x=names, y=[doc["ciphers"][name].get("seal_ms_per_mb") for name in names])
-    figure.update_layout(title="Sealing entries: cost per MB of state", yaxis_title="ms per MB", template="plotly_white", barmode="group")
+    figure.update_layout(
+        title="Sealing entries: cost per MB of state", yaxis_title="ms per MB", template="plotly_white", barmode="group"
+    )
     table = [{"cipher": name, **row} for name, row in doc["ciphers"].items()]
     return write_report(path, "bench seal", doc["summary"], [figure], {"Per cipher": table}, doc)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -71,9 +71,24 @@ QUESTIONS = (
 )
 # Three conversations of four user turns each (the assistant's turns are the system's own answers).
 CHATS = (
-    ("Name three things to pack for a day on a small island.", "Which of them matters most in the rain?", "Why?", "Anything else for children?"),
-    ("Suggest a name for a grey cat.", "Something shorter?", "And one for a second cat, to match?", "Which would a child like best?"),
-    ("Give me a simple soup recipe with leeks.", "How long does it cook?", "Can I freeze it?", "What bread goes with it?"),
+    (
+        "Name three things to pack for a day on a small island.",
+        "Which of them matters most in the rain?",
+        "Why?",
+        "Anything else for children?",
+    ),
+    (
+        "Suggest a name for a grey cat.",
+        "Something shorter?",
+        "And one for a second cat, to match?",
+        "Which would a child like best?",
+    ),
+    (
+        "Give me a simple soup recipe with leeks.",
+        "How long does it cook?",
+        "Can I freeze it?",
+        "What bread goes with it?",
+    ),
 )
 CHAT_SYSTEM = "You are a concise, friendly assistant. Answer in at most two sentences."
 
@@ -109,20 +124,38 @@ def interleave(groups: Sequence[Sequence]) -> list:
     return out
 
 
-def one_board_warm(mmlu_prompt: str, repeats: int = 6, questions: Sequence[str] = QUESTIONS, max_tokens: int = 8) -> list[Request]:
+def one_board_warm(
+    mmlu_prompt: str, repeats: int = 6, questions: Sequence[str] = QUESTIONS, max_tokens: int = 8
+) -> list[Request]:
     """A 5-shot MMLU prompt ``repeats`` times, then the system prompt with each question (pure)."""
     name = "one-board-warm"
-    out = [Request(name, i, "mmlu repeat", warm=i > 0, prompt=mmlu_prompt, max_tokens=max_tokens) for i in range(repeats)]
+    out = [
+        Request(name, i, "mmlu repeat", warm=i > 0, prompt=mmlu_prompt, max_tokens=max_tokens) for i in range(repeats)
+    ]
     for j, question in enumerate(questions):
-        out.append(Request(name, repeats + j, "system prompt", warm=j > 0, messages=(("system", SYSTEM_PROMPT), ("user", question)), max_tokens=max_tokens))
+        out.append(
+            Request(
+                name,
+                repeats + j,
+                "system prompt",
+                warm=j > 0,
+                messages=(("system", SYSTEM_PROMPT), ("user", question)),
+                max_tokens=max_tokens,
+            )
+        )
     return out
 
 
 def many_prompts(by_topic: dict[str, Sequence[str]], max_tokens: int = 4) -> list[Request]:
     """The prompts of each topic, topics interleaved (pure): the first of a topic is cold."""
     name = "one-board-many"
-    tagged = [[(topic, position, prompt) for position, prompt in enumerate(prompts)] for topic, prompts in by_topic.items()]
-    return [Request(name, i, topic, warm=position > 0, prompt=prompt, max_tokens=max_tokens) for i, (topic, position, prompt) in enumerate(interleave(tagged))]
+    tagged = [
+        [(topic, position, prompt) for position, prompt in enumerate(prompts)] for topic, prompts in by_topic.items()
+    ]
+    return [
+        Request(name, i, topic, warm=position > 0, prompt=prompt, max_tokens=max_tokens)
+        for i, (topic, position, prompt) in enumerate(interleave(tagged))
+    ]
 
 
 def chat(conversations: Sequence[Sequence[str]] = CHATS, max_tokens: int = 24) -> list[Request]:
@@ -130,14 +163,25 @@ def chat(conversations: Sequence[Sequence[str]] = CHATS, max_tokens: int = 24) -
     name = "chat"
     tagged = [[(c, turn, text) for turn, text in enumerate(turns)] for c, turns in enumerate(conversations)]
     return [
-        Request(name, i, f"conversation {c}", warm=turn > 0, messages=(("system", CHAT_SYSTEM), ("user", text)), conversation=c, max_tokens=max_tokens)
+        Request(
+            name,
+            i,
+            f"conversation {c}",
+            warm=turn > 0,
+            messages=(("system", CHAT_SYSTEM), ("user", text)),
+            conversation=c,
+            max_tokens=max_tokens,
+        )
         for i, (c, turn, text) in enumerate(interleave(tagged))
     ]
 
 
 def fleet(by_topic: dict[str, Sequence[str]], link: str, max_tokens: int = 4) -> list[Request]:
     """The many-prompts stream under the fleet's name for ``link`` (pure)."""
-    return [Request(f"fleet-{link}", r.index, r.group, r.warm, prompt=r.prompt, max_tokens=max_tokens) for r in many_prompts(by_topic, max_tokens)]
+    return [
+        Request(f"fleet-{link}", r.index, r.group, r.warm, prompt=r.prompt, max_tokens=max_tokens)
+        for r in many_prompts(by_topic, max_tokens)
+    ]
 
 
 def remember(history: dict[int, list], request: Request, answer: str) -> None:
@@ -311,23 +355,55 @@ def targets(workloads: dict, *, shared_mb: float | None = None) -> list[dict]:
     out: list[Target] = []
     warm = workloads.get("one-board-warm", {}).get("systems", {})
     if EDGECACHE in warm and PEER in warm:
-        out.append(Target("one board, warm: EdgeCache TTFT p50 / llama-server's", ratio(warm[EDGECACHE]["warm_ttft_ms"]["p50"], warm[PEER]["warm_ttft_ms"]["p50"]), 0.6))
+        out.append(
+            Target(
+                "one board, warm: EdgeCache TTFT p50 / llama-server's",
+                ratio(warm[EDGECACHE]["warm_ttft_ms"]["p50"], warm[PEER]["warm_ttft_ms"]["p50"]),
+                0.6,
+            )
+        )
     wifi = workloads.get("fleet-wifi4", {}).get("systems", {})
-    peers = [wifi[name]["ttft_ms"]["p50"] for name in (ROUND_ROBIN, PREFIX_HASH) if name in wifi and wifi[name]["ttft_ms"]["p50"]]
+    peers = [
+        wifi[name]["ttft_ms"]["p50"]
+        for name in (ROUND_ROBIN, PREFIX_HASH)
+        if name in wifi and wifi[name]["ttft_ms"]["p50"]
+    ]
     if EDGECACHE in wifi and peers:
-        out.append(Target("fleet on Wi-Fi 4: EdgeCache TTFT p50 / the best peer balancer's", ratio(wifi[EDGECACHE]["ttft_ms"]["p50"], min(peers)), 0.5))
+        out.append(
+            Target(
+                "fleet on Wi-Fi 4: EdgeCache TTFT p50 / the best peer balancer's",
+                ratio(wifi[EDGECACHE]["ttft_ms"]["p50"], min(peers)),
+                0.5,
+            )
+        )
     for name, workload in workloads.items():
         ours = workload.get("systems", {}).get(EDGECACHE)
         if ours is None:
             continue
         out.append(Target(f"{name}: EdgeCache agreement with cold", ours["agreement"], 1.0, higher_is_better=True))
-    rss_ours = [w["systems"][EDGECACHE]["peak_rss_mb_max"] for w in workloads.values() if EDGECACHE in w.get("systems", {})]
-    rss_peer = [s["peak_rss_mb_max"] for w in workloads.values() for n, s in w.get("systems", {}).items() if n != EDGECACHE]
+    rss_ours = [
+        w["systems"][EDGECACHE]["peak_rss_mb_max"] for w in workloads.values() if EDGECACHE in w.get("systems", {})
+    ]
+    rss_peer = [
+        s["peak_rss_mb_max"] for w in workloads.values() for n, s in w.get("systems", {}).items() if n != EDGECACHE
+    ]
     rss_ours, rss_peer = [v for v in rss_ours if v], [v for v in rss_peer if v]
     if rss_ours and rss_peer:
-        out.append(Target("peak RSS per board / llama-server's (largest of every workload)", ratio(max(rss_ours), max(rss_peer)), 1.0))
+        out.append(
+            Target(
+                "peak RSS per board / llama-server's (largest of every workload)",
+                ratio(max(rss_ours), max(rss_peer)),
+                1.0,
+            )
+        )
     if rss_ours and shared_mb:
-        out.append(Target("peak RSS per board / the memory both may hold (llama-server's idle RSS + --cache-ram)", ratio(max(rss_ours), shared_mb), 1.0))
+        out.append(
+            Target(
+                "peak RSS per board / the memory both may hold (llama-server's idle RSS + --cache-ram)",
+                ratio(max(rss_ours), shared_mb),
+                1.0,
+            )
+        )
     return [{**asdict(t), "met": t.met} for t in out]
 
 
@@ -337,10 +413,14 @@ def headline(doc: dict) -> str:
         mark = "met" if t["met"] else ("missed" if t["met"] is False else "n/a")
         if "agreement" in t["name"]:
             continue
-        parts.append(f"{t['name'].split(':')[0]} {t['value']}x ({mark}, target {'≥' if t['higher_is_better'] else '≤'} {t['limit']})")
+        parts.append(
+            f"{t['name'].split(':')[0]} {t['value']}x ({mark}, target {'≥' if t['higher_is_better'] else '≤'} {t['limit']})"
+        )
     agree = [t["value"] for t in doc.get("targets", []) if "agreement" in t["name"]]
     if agree:
-        parts.append(f"EdgeCache agreement min {min(v for v in agree if v is not None) if any(v is not None for v in agree) else None}")
+        parts.append(
+            f"EdgeCache agreement min {min(v for v in agree if v is not None) if any(v is not None for v in agree) else None}"
+        )
     return "; ".join(parts) or doc.get("summary", "")
 
 
@@ -380,7 +460,9 @@ def lines(doc: dict) -> list[str]:
             f"{_fmt(r['total s']):>9}{_fmt(r['tokens/s']):>8}{_fmt(r['peak RSS MB']):>8}{_fmt(r['agreement']):>7}"
         )
     for t in doc.get("targets", []):
-        out.append(f"  target {t['name']}: {t['value']} (limit {t['limit']}): {'met' if t['met'] else 'MISSED' if t['met'] is False else 'n/a'}")
+        out.append(
+            f"  target {t['name']}: {t['value']} (limit {t['limit']}): {'met' if t['met'] else 'MISSED' if t['met'] is False else 'n/a'}"
+        )
     floor = floor_text(warm_floor(doc.get("workloads", {})))
     if floor:
         out.append(f"  {floor}")
@@ -410,7 +492,9 @@ def newest_workloads(docs: Iterable[dict]) -> dict[str, dict]:
         for name, workload in (doc.get("workloads") or {}).items():
             if name not in found:
                 found[name] = {
-                    **workload, "date": (doc.get("machine") or {}).get("date", "")[:10], "peer": (doc.get("peer") or {}).get("version", ""),
+                    **workload,
+                    "date": (doc.get("machine") or {}).get("date", "")[:10],
+                    "peer": (doc.get("peer") or {}).get("version", ""),
                     "shared_mb": ((doc.get("memory") or {}).get("shared_mb")),
                 }
     return {name: found[name] for name in sorted(found, key=_workload_order)}
@@ -425,7 +509,13 @@ def readme_table(docs: Sequence[dict]) -> str:
     """The README's table of the newest figures of each workload, in Markdown, between its
     markers (pure); without a saved document, the line saying how to make one."""
     if not docs:
-        return "\n".join([README_BEGIN, "No saved result in `bench-results/` yet: `python manage.py bench vs-server` makes one.", README_END])
+        return "\n".join(
+            [
+                README_BEGIN,
+                "No saved result in `bench-results/` yet: `python manage.py bench vs-server` makes one.",
+                README_END,
+            ]
+        )
     newest = docs[0]
     machine = newest.get("machine", {})
     settings = newest.get("settings", {})
@@ -455,7 +545,15 @@ def readme_table(docs: Sequence[dict]) -> str:
         )
     if targets_now:
         out.append("")
-        out.append("Targets: " + "; ".join(f"{t['name']} {t['value']} ({'met' if t['met'] else 'missed' if t['met'] is False else 'n/a'})" for t in targets_now if "agreement" not in t["name"]) + ".")
+        out.append(
+            "Targets: "
+            + "; ".join(
+                f"{t['name']} {t['value']} ({'met' if t['met'] else 'missed' if t['met'] is False else 'n/a'})"
+                for t in targets_now
+                if "agreement" not in t["name"]
+            )
+            + "."
+        )
     floor = floor_text(warm_floor(workloads))
     if floor:
         out.append("")
@@ -469,7 +567,9 @@ def replace_readme_table(readme: str, table: str) -> str:
     """``readme`` with the text between the markers replaced by ``table`` (ValueError without markers)."""
     start, end = readme.find(README_BEGIN), readme.find(README_END)
     if start < 0 or end < start:
-        raise ValueError(f"the README has no vs-server markers; add the two lines {README_BEGIN!r} and {README_END!r} where the table goes")
+        raise ValueError(
+            f"the README has no vs-server markers; add the two lines {README_BEGIN!r} and {README_END!r} where the table goes"
+        )
     return readme[:start] + table + readme[end + len(README_END) :]
 
 
@@ -484,11 +584,23 @@ def report(path: Path, doc: dict) -> Path:
         systems = workload.get("systems", {})
         names = list(systems)
         figure = go.Figure()
-        bars = (("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"), ("warm TTFT p50", "warm_ttft_ms", "p50"), ("warm prefill p50 (its own)", "warm_prefill_ms", "p50"))
+        bars = (
+            ("TTFT p50", "ttft_ms", "p50"),
+            ("TTFT p99", "ttft_ms", "p99"),
+            ("warm TTFT p50", "warm_ttft_ms", "p50"),
+            ("warm prefill p50 (its own)", "warm_prefill_ms", "p50"),
+        )
         for label, key, part in bars:
             figure.add_bar(name=label, x=names, y=[(systems[n].get(key) or {}).get(part) for n in names])
         rss = [systems[n]["peak_rss_mb_max"] for n in names]
-        figure.add_scatter(name="peak RSS per board (MB, right axis)", x=names, y=rss, mode="markers", marker={"size": 12, "symbol": "diamond"}, yaxis="y2")
+        figure.add_scatter(
+            name="peak RSS per board (MB, right axis)",
+            x=names,
+            y=rss,
+            mode="markers",
+            marker={"size": 12, "symbol": "diamond"},
+            yaxis="y2",
+        )
         agree = ", ".join(f"{n}: {systems[n]['agreement']}" for n in names)
         figure.update_layout(
             title=f"{name}: {workload.get('description', '')}<br><sup>agreement with cold: {agree}</sup>",
@@ -499,7 +611,16 @@ def report(path: Path, doc: dict) -> Path:
         )
         figures.append(figure)
     rows = table_rows(doc)
-    target_rows = [{"target": t["name"], "value": t["value"], "limit": t["limit"], "met": t["met"]} for t in doc.get("targets", [])]
+    target_rows = [
+        {"target": t["name"], "value": t["value"], "limit": t["limit"], "met": t["met"]} for t in doc.get("targets", [])
+    ]
     peer = doc.get("peer", {})
     summary = f"{doc.get('summary', '')} Peer: {peer.get('version', '')} ({peer.get('flags', '')}). {floor_text(warm_floor(doc.get('workloads', {})))}".rstrip()
-    return write_report(path, "bench vs-server: EdgeCache and llama.cpp's llama-server, side by side", summary, figures, {"Targets": target_rows, "Figures": rows}, doc)
+    return write_report(
+        path,
+        "bench vs-server: EdgeCache and llama.cpp's llama-server, side by side",
+        summary,
+        figures,
+        {"Targets": target_rows, "Figures": rows},
+        doc,
+    )

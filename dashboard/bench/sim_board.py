@@ -42,14 +42,25 @@ from cachebox.entry import EntryHeader, encode_entry, open_entry
 from cachebox.keys import catalog_key_names, enroll_inbox_key, entry_key_name, heartbeat_key, inbox_key, stream_channel
 from cachebox.signing import UnknownProducer
 from cachebox.store import CacheBox
-
-from inference.serving.breakdown import Breakdown, Case, Decision, Tier
-from inference.engine.compute_profile import PI_5, PI_ZERO_2W
-from inference.board.devices import enroll
 from inference.board import EdgeIdentity
-from inference.contract.envelope import EnvelopeRefused, Kind, peek
+from inference.board.devices import enroll
 from inference.board.identity import BoardKeys
-from inference.contract.messages import BoardStatus, EnrollRequest, Heartbeat, InboxMessage, MessageRefused, Queue, RunReport, RunRequest, StoredEntry, StreamEvent, Task
+from inference.contract.envelope import EnvelopeRefused, Kind, peek
+from inference.contract.messages import (
+    BoardStatus,
+    EnrollRequest,
+    Heartbeat,
+    InboxMessage,
+    MessageRefused,
+    Queue,
+    RunReport,
+    RunRequest,
+    StoredEntry,
+    StreamEvent,
+    Task,
+)
+from inference.engine.compute_profile import PI_5, PI_ZERO_2W
+from inference.serving.breakdown import Breakdown, Case, Decision, Tier
 
 log = logging.getLogger("dashboard.bench.sim_board")
 
@@ -82,19 +93,42 @@ def task_message(task: str, args: list, *, queue: str, expires_s: float | None =
     task_id = str(uuid.uuid4())
     expires = (datetime.now(timezone.utc) + timedelta(seconds=expires_s)).isoformat() if expires_s else None
     headers = {
-        "lang": "py", "task": task, "id": task_id, "shadow": None, "eta": None, "expires": expires, "group": None, "group_index": None,
-        "retries": 0, "timelimit": [None, None], "root_id": task_id, "parent_id": None, "argsrepr": "", "kwargsrepr": "{}",
-        "origin": "fleet-sim", "ignore_result": True, "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
+        "lang": "py",
+        "task": task,
+        "id": task_id,
+        "shadow": None,
+        "eta": None,
+        "expires": expires,
+        "group": None,
+        "group_index": None,
+        "retries": 0,
+        "timelimit": [None, None],
+        "root_id": task_id,
+        "parent_id": None,
+        "argsrepr": "",
+        "kwargsrepr": "{}",
+        "origin": "fleet-sim",
+        "ignore_result": True,
+        "replaced_task_nesting": 0,
+        "stamped_headers": None,
+        "stamps": {},
     }
-    body = json.dumps([args, {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}], separators=(",", ":")).encode()
+    body = json.dumps(
+        [args, {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}], separators=(",", ":")
+    ).encode()
     message = {
         "body": base64.b64encode(body).decode(),
         "content-encoding": "utf-8",
         "content-type": "application/json",
         "headers": headers,
         "properties": {
-            "correlation_id": task_id, "reply_to": "", "delivery_mode": 2, "delivery_info": {"exchange": "", "routing_key": queue},
-            "priority": 0, "body_encoding": "base64", "delivery_tag": str(uuid.uuid4()),
+            "correlation_id": task_id,
+            "reply_to": "",
+            "delivery_mode": 2,
+            "delivery_info": {"exchange": "", "routing_key": queue},
+            "priority": 0,
+            "body_encoding": "base64",
+            "delivery_tag": str(uuid.uuid4()),
         },
     }
     return json.dumps(message, separators=(",", ":")).encode()
@@ -132,7 +166,16 @@ class Fleet:
         self.time_scale = float(spec.get("time_scale", 1.0))  # synthetic compute times scaled (tests: faster boards)
         self.boards: dict[str, SimBoard] = {}
         self.samples: dict[str, list] = {"dispatch_ms": [], "catalog_lag_ms": [], "board_ttft_ms": []}
-        self.counts = {"heartbeats": 0, "runs": 0, "reports": 0, "uploads": 0, "fetches": 0, "fetch_misses": 0, "refused": 0, "errors": 0}
+        self.counts = {
+            "heartbeats": 0,
+            "runs": 0,
+            "reports": 0,
+            "uploads": 0,
+            "fetches": 0,
+            "fetch_misses": 0,
+            "refused": 0,
+            "errors": 0,
+        }
         self.errors: list[str] = []
         self.stopping = False
 
@@ -145,12 +188,16 @@ class Fleet:
         admin = CacheBox(self.cachebox_url)
 
         def send(fields: dict) -> None:
-            message = InboxMessage(task=Task.ENROLL, body=EnrollRequest(**fields).dump())  # as inference.board.send_enrollment
+            message = InboxMessage(
+                task=Task.ENROLL, body=EnrollRequest(**fields).dump()
+            )  # as inference.board.send_enrollment
             sender.lpush(enroll_inbox_key(fields["device"]), json.dumps(message.dump(), separators=(",", ":")))
 
         def one(board: dict) -> None:
             keys = BoardKeys.generate()
-            record, keys = enroll(admin, board["name"], keys, board["token"], send, timeout=float(self.spec.get("enroll_timeout_s", 900)))
+            record, keys = enroll(
+                admin, board["name"], keys, board["token"], send, timeout=float(self.spec.get("enroll_timeout_s", 900))
+            )
             me = EdgeIdentity(board["name"], keys, record, admin)
             me._open_ring()
             me.read_producers()
@@ -170,14 +217,24 @@ class Fleet:
         from cachebox.cluster import is_cluster_url, parse_cluster_url
 
         # A bounded pool that waits for a free connection (boards of one process share it).
-        self.broker = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(self.redis_url, max_connections=64, timeout=30))
+        self.broker = aredis.Redis(
+            connection_pool=aredis.BlockingConnectionPool.from_url(self.redis_url, max_connections=64, timeout=30)
+        )
         if is_cluster_url(self.cachebox_url):  # entries, catalogs and stream events on a Valkey Cluster
             from redis.asyncio.cluster import ClusterNode, RedisCluster
 
             address = parse_cluster_url(self.cachebox_url)
-            self.box = RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in address.nodes], username=address.username, password=address.password)
+            self.box = RedisCluster(
+                startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
+                username=address.username,
+                password=address.password,
+            )
         elif self.cachebox_url != self.redis_url:
-            self.box = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(self.cachebox_url, max_connections=64, timeout=30))
+            self.box = aredis.Redis(
+                connection_pool=aredis.BlockingConnectionPool.from_url(
+                    self.cachebox_url, max_connections=64, timeout=30
+                )
+            )
         else:
             self.box = self.broker
         tasks = [asyncio.create_task(self._heartbeats(board)) for board in self.boards.values()]
@@ -223,16 +280,30 @@ class Fleet:
             started = time.monotonic()
             try:
                 status = BoardStatus(
-                    pid=os.getpid(), sent=time.time(), model=SIM_MODEL, fingerprint=SIM_FINGERPRINT, threads=4, heartbeat_s=self.heartbeat_s,
-                    ram_tier={"budget_bytes": 64 * 2**20, "entries": 0}, simulated=True,
-                    catalogs={board.me.record.cache_namespace: {
-                        "approx_items": len(board.catalog), "size_bytes": 1_198_160, "fill_ratio": min(1.0, len(board.catalog) * 7 / 9_585_058),
-                        "estimated_fp_rate": 0.0, "configured_fp_rate": 0.01, "last_sync": board.last_sync,
-                    }},
+                    pid=os.getpid(),
+                    sent=time.time(),
+                    model=SIM_MODEL,
+                    fingerprint=SIM_FINGERPRINT,
+                    threads=4,
+                    heartbeat_s=self.heartbeat_s,
+                    ram_tier={"budget_bytes": 64 * 2**20, "entries": 0},
+                    simulated=True,
+                    catalogs={
+                        board.me.record.cache_namespace: {
+                            "approx_items": len(board.catalog),
+                            "size_bytes": 1_198_160,
+                            "fill_ratio": min(1.0, len(board.catalog) * 7 / 9_585_058),
+                            "estimated_fp_rate": 0.0,
+                            "configured_fp_rate": 0.01,
+                            "last_sync": board.last_sync,
+                        }
+                    },
                 )
                 sealed = board.me.seal(Heartbeat(device=board.me.name, status=status), Kind.HEARTBEAT)
                 raw = json.dumps(sealed, separators=(",", ":"))
-                await self.broker.psetex(heartbeat_key(board.me.name), max(60, int(self.heartbeat_s * 12)) * 1000, raw)  # as inference.board.push_heartbeat
+                await self.broker.psetex(
+                    heartbeat_key(board.me.name), max(60, int(self.heartbeat_s * 12)) * 1000, raw
+                )  # as inference.board.push_heartbeat
                 self.counts["heartbeats"] += 1
             except Exception as exc:  # noqa: BLE001 (counted and reported, the board beats on)
                 self._error(f"heartbeat of {board.me.name}: {type(exc).__name__}: {exc}")
@@ -321,11 +392,18 @@ class Fleet:
         channel = stream_channel(me.name, request.request_id)
         start = time.monotonic()
         if request.stream:
-            await self.box.publish(channel, me.seal_event(StreamEvent(type="stage", request_id=request.request_id, device=me.name, stage="started")))
+            await self.box.publish(
+                channel,
+                me.seal_event(
+                    StreamEvent(type="stage", request_id=request.request_id, device=me.name, stage="started")
+                ),
+            )
         text = request.prompt_text
         tokens = max(1, round(len(text) / CHARS_PER_TOKEN))
         namespace = me.record.cache_namespace
-        shared = text[: text.rfind("\n")] if "\n" in text else text  # the system prompt: the range shared by many requests
+        shared = (
+            text[: text.rfind("\n")] if "\n" in text else text
+        )  # the system prompt: the range shared by many requests
         shared_tokens = max(1, round(len(shared) / CHARS_PER_TOKEN))
         key = prompt_key(namespace, shared)
         name = entry_key_name(namespace, SIM_FINGERPRINT, key)
@@ -351,33 +429,73 @@ class Fleet:
         await asyncio.sleep(max(0.0, start + ttft_ms / 1000.0 - time.monotonic()))
         answer = " ok" * request.max_tokens
         if request.stream:
-            await self.box.publish(channel, me.seal_event(StreamEvent(type="token", request_id=request.request_id, device=me.name, index=0, text=" ok")))
+            await self.box.publish(
+                channel,
+                me.seal_event(
+                    StreamEvent(type="token", request_id=request.request_id, device=me.name, index=0, text=" ok")
+                ),
+            )
         await asyncio.sleep(max(0.0, busy_until - time.monotonic()))
         uploaded, uploaded_bytes = [], 0
         if request.use_cache and not matched:
             state = os.urandom(shared_tokens * self.bytes_per_token)
-            header = EntryHeader(SIM_FINGERPRINT, namespace, 0, shared_tokens, hashlib.blake2b(shared.encode(), digest_size=16).hexdigest(), 0, device=me.name)
+            header = EntryHeader(
+                SIM_FINGERPRINT,
+                namespace,
+                0,
+                shared_tokens,
+                hashlib.blake2b(shared.encode(), digest_size=16).hexdigest(),
+                0,
+                device=me.name,
+            )
             blob = encode_entry(header, state, me.keychain().ring(namespace))
             await self.box.set(name, blob, ex=int(self.spec.get("entry_ttl_s", 600)))
             await self.box.xadd(catalog_key_names(namespace)["log"], {"k": key}, maxlen=10_000, approximate=True)
-            uploaded.append(StoredEntry(name=name, namespace=namespace, model=SIM_FINGERPRINT, start=0, end=shared_tokens, bytes=len(blob)))
+            uploaded.append(
+                StoredEntry(
+                    name=name, namespace=namespace, model=SIM_FINGERPRINT, start=0, end=shared_tokens, bytes=len(blob)
+                )
+            )
             uploaded_bytes = len(blob)
             self.counts["uploads"] += 1
         breakdown = Breakdown(
-            prefill_ms=round(prefill_ms, 3), redis_ms=round(fetch_ms, 3), fetch_ms=round(fetch_ms, 3), decode_ms=round(decode_ms, 3),
-            ttft_ms=round(ttft_ms, 3), ttlt_ms=round(ttft_ms + decode_ms, 3), prompt_tokens=tokens, matched_tokens=matched,
-            generated_tokens=request.max_tokens, state_bytes=fetched_bytes + uploaded_bytes, fetched_bytes=fetched_bytes, uploaded_bytes=uploaded_bytes,
+            prefill_ms=round(prefill_ms, 3),
+            redis_ms=round(fetch_ms, 3),
+            fetch_ms=round(fetch_ms, 3),
+            decode_ms=round(decode_ms, 3),
+            ttft_ms=round(ttft_ms, 3),
+            ttlt_ms=round(ttft_ms + decode_ms, 3),
+            prompt_tokens=tokens,
+            matched_tokens=matched,
+            generated_tokens=request.max_tokens,
+            state_bytes=fetched_bytes + uploaded_bytes,
+            fetched_bytes=fetched_bytes,
+            uploaded_bytes=uploaded_bytes,
             case=Case.FULL if matched >= tokens else (Case.PARTIAL if matched else Case.MISS),
-            decision=Decision.FETCH if matched else Decision.CATALOG_MISS, tier=Tier.CACHEBOX if matched else Tier.NONE,
+            decision=Decision.FETCH if matched else Decision.CATALOG_MISS,
+            tier=Tier.CACHEBOX if matched else Tier.NONE,
             compute_profile="simulated",
         )
         self.samples["board_ttft_ms"].append(ttft_ms)
         if request.stream:
-            done = StreamEvent(type="done", request_id=request.request_id, device=me.name, text=answer, finish_reason="length", breakdown=breakdown.as_dict())
+            done = StreamEvent(
+                type="done",
+                request_id=request.request_id,
+                device=me.name,
+                text=answer,
+                finish_reason="length",
+                breakdown=breakdown.as_dict(),
+            )
             await self.box.publish(channel, me.seal_event(done))
         report = RunReport(
-            device=me.name, request_id=request.request_id, meta=request.meta, prompt=text[:2000], text=answer, breakdown=breakdown,
-            fetched=fetched, uploaded=uploaded,
+            device=me.name,
+            request_id=request.request_id,
+            meta=request.meta,
+            prompt=text[:2000],
+            text=answer,
+            breakdown=breakdown,
+            fetched=fetched,
+            uploaded=uploaded,
         )
         await self._send(Task.RECORD_RUN, board, report, Kind.REPORT)
         self.counts["reports"] += 1
@@ -391,7 +509,14 @@ class Fleet:
     enroll_s = 0.0
 
     def results(self) -> dict:
-        return {"pid": os.getpid(), "boards": len(self.boards), "enroll_s": round(self.enroll_s, 3), "counts": self.counts, "errors": self.errors, "samples": self.samples}
+        return {
+            "pid": os.getpid(),
+            "boards": len(self.boards),
+            "enroll_s": round(self.enroll_s, 3),
+            "counts": self.counts,
+            "errors": self.errors,
+            "samples": self.samples,
+        }
 
 
 def main(argv: list[str]) -> int:

@@ -24,18 +24,15 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from cachebox.link import LINK_PRESETS
-
-from inference.engine.chat import chat_prompt, follow_up
-from inference.serving.exchange import Exchange
-from dashboard.mmlu import MMLUPrompt
-from inference.serving.prefix import PrefixServing
-
-from dashboard.hosts.plan import CGROUP_ROOT
-
-from dashboard.bench.base import Benchmark, BenchError, prompts_of
+from dashboard.bench.base import BenchError, Benchmark, prompts_of
 from dashboard.bench.common import machine_info, median
 from dashboard.bench.peers import LlamaCppPromptCache
 from dashboard.bench.reports import tiers_report
+from dashboard.hosts.plan import CGROUP_ROOT
+from dashboard.mmlu import MMLUPrompt
+from inference.engine.chat import chat_prompt, follow_up
+from inference.serving.exchange import Exchange
+from inference.serving.prefix import PrefixServing
 
 FILLER = ["A prompt about something else entirely, to move the board's context on."]
 
@@ -65,9 +62,18 @@ def disk_read_limit(folder: Path, read_mbps: float) -> Iterator[str]:
     device = os.stat(folder).st_dev
     group = blkio / "edgecache" / f"bench-tiers-{os.getpid()}"
     group.mkdir(parents=True, exist_ok=True)
-    home = next((line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.split(":")[1] == "blkio"), "/")
+    home = next(
+        (
+            line.split(":", 2)[2]
+            for line in Path("/proc/self/cgroup").read_text().splitlines()
+            if line.split(":")[1] == "blkio"
+        ),
+        "/",
+    )
     try:
-        (group / "blkio.throttle.read_bps_device").write_text(f"{os.major(device)}:{os.minor(device)} {int(read_mbps * 1e6)}")
+        (group / "blkio.throttle.read_bps_device").write_text(
+            f"{os.major(device)}:{os.minor(device)} {int(read_mbps * 1e6)}"
+        )
         (group / "cgroup.procs").write_text(str(os.getpid()))
         yield f"reads at {read_mbps:g} MB/s (cgroup v1 blkio.throttle.read_bps_device on {os.major(device)}:{os.minor(device)})"
     finally:
@@ -79,14 +85,31 @@ def disk_read_limit(folder: Path, read_mbps: float) -> Iterator[str]:
             pass
 
 
-def run_tiers(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, flash_read_mbps: float = 0.0, progress: Callable[[], None] | None = None) -> dict:
+def run_tiers(
+    board,
+    prompts: list[MMLUPrompt],
+    *,
+    max_tokens: int = 4,
+    flash_read_mbps: float = 0.0,
+    progress: Callable[[], None] | None = None,
+) -> dict:
     engine = board.engine
     namespace = f"bench-tiers-{uuid.uuid4().hex[:10]}"
-    exchange = Exchange(board.store, board.catalogs, fingerprint=engine.fingerprint, device=board.config.device, keys=board.keys)
+    exchange = Exchange(
+        board.store, board.catalogs, fingerprint=engine.fingerprint, device=board.config.device, keys=board.keys
+    )
     cachebox_only = PrefixServing(engine, exchange, chunk_tokens=board.prefix.chunk_tokens)
-    local = PrefixServing(engine, exchange, chunk_tokens=board.prefix.chunk_tokens, context_reuse=True, ram_tier_bytes=512 * 1024 * 1024)
+    local = PrefixServing(
+        engine, exchange, chunk_tokens=board.prefix.chunk_tokens, context_reuse=True, ram_tier_bytes=512 * 1024 * 1024
+    )
     card = tempfile.TemporaryDirectory(prefix="edgecache-flash-", dir=Path.cwd())  # on the disk (a /tmp may be memory)
-    flash = PrefixServing(engine, exchange, chunk_tokens=board.prefix.chunk_tokens, flash_tier_bytes=2 * 1024**3, flash_dir=Path(card.name))
+    flash = PrefixServing(
+        engine,
+        exchange,
+        chunk_tokens=board.prefix.chunk_tokens,
+        flash_tier_bytes=2 * 1024**3,
+        flash_dir=Path(card.name),
+    )
     rows = []
     disk = ""
     try:
@@ -103,9 +126,21 @@ def run_tiers(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, flash_re
             out_of_page_cache(Path(card.name))
             with disk_read_limit(Path(card.name), flash_read_mbps) as disk:
                 from_flash = flash.run(prompt.segments, max_tokens=max_tokens, namespace=namespace, upload=False)
-            for name, result in (("cold", cold), ("cachebox", remote), ("context", context), ("ram", ram), ("flash", from_flash)):
+            for name, result in (
+                ("cold", cold),
+                ("cachebox", remote),
+                ("context", context),
+                ("ram", ram),
+                ("flash", from_flash),
+            ):
                 b = result.breakdown
-                row[name] = {"ttft_ms": b.ttft_ms, "tier": str(b.tier), "case": str(b.case), "fetched_bytes": b.fetched_bytes, "agree": result.tokens == cold.tokens}
+                row[name] = {
+                    "ttft_ms": b.ttft_ms,
+                    "tier": str(b.tier),
+                    "case": str(b.case),
+                    "fetched_bytes": b.fetched_bytes,
+                    "agree": result.tokens == cold.tokens,
+                }
             rows.append(row)
             if progress:
                 progress()
@@ -140,29 +175,43 @@ def run_tiers(board, prompts: list[MMLUPrompt], *, max_tokens: int = 4, flash_re
         "tiers_seen": {name: sorted({row[name]["tier"] for row in rows}) for name in tiers},
         "agreement_with_cold": {name: round(sum(row[name]["agree"] for row in rows) / len(rows), 4) for name in tiers},
         "ratios": {
-            "context_over_cachebox": round(summary["context"] / summary["cachebox"], 4) if summary["cachebox"] else None,
+            "context_over_cachebox": round(summary["context"] / summary["cachebox"], 4)
+            if summary["cachebox"]
+            else None,
             "ram_over_cachebox": round(summary["ram"] / summary["cachebox"], 4) if summary["cachebox"] else None,
             "flash_over_cachebox": round(summary["flash"] / summary["cachebox"], 4) if summary["cachebox"] else None,
             "flash_over_cold": round(summary["flash"] / summary["cold"], 5) if summary["cold"] else None,
             "context_over_cold": round(summary["context"] / summary["cold"], 5) if summary["cold"] else None,
             "ram_over_cold": round(summary["ram"] / summary["cold"], 5) if summary["cold"] else None,
-            "llama_ram_cache_over_ram_tier": round(summary["llama_ram_cache"] / summary["ram"], 1) if summary["ram"] else None,
-            "llama_ram_cache_over_context": round(summary["llama_ram_cache"] / summary["context"], 1) if summary["context"] else None,
+            "llama_ram_cache_over_ram_tier": round(summary["llama_ram_cache"] / summary["ram"], 1)
+            if summary["ram"]
+            else None,
+            "llama_ram_cache_over_context": round(summary["llama_ram_cache"] / summary["context"], 1)
+            if summary["context"]
+            else None,
         },
         "rows": rows,
     }
 
 
-FOLLOW_UPS = ("Explain your answer in one sentence.", "Which option is the most tempting wrong one?", "Summarise the question in five words.")
+FOLLOW_UPS = (
+    "Explain your answer in one sentence.",
+    "Which option is the most tempting wrong one?",
+    "Summarise the question in five words.",
+)
 
 
-def run_conversations(board, prompts: list[MMLUPrompt], *, max_tokens: int = 16, progress: Callable[[], None] | None = None) -> dict:
+def run_conversations(
+    board, prompts: list[MMLUPrompt], *, max_tokens: int = 16, progress: Callable[[], None] | None = None
+) -> dict:
     """Four-turn conversations (an MMLU question, then three follow-ups), played on one board from
     its context (each answer's continuation prepared and shared after it); then every turn again,
     cold and from the cache box on a board with no context, with the same history."""
     engine = board.engine
     namespace = f"bench-chat-{uuid.uuid4().hex[:10]}"
-    exchange = Exchange(board.store, board.catalogs, fingerprint=engine.fingerprint, device=board.config.device, keys=board.keys)
+    exchange = Exchange(
+        board.store, board.catalogs, fingerprint=engine.fingerprint, device=board.config.device, keys=board.keys
+    )
     local = PrefixServing(engine, exchange, chunk_tokens=board.prefix.chunk_tokens, context_reuse=True)
     remote = PrefixServing(engine, exchange, chunk_tokens=board.prefix.chunk_tokens)
     turns: list[dict] = []
@@ -174,9 +223,13 @@ def run_conversations(board, prompts: list[MMLUPrompt], *, max_tokens: int = 16,
                 if number:
                     messages.append(("user", FOLLOW_UPS[number - 1]))
                 chat = chat_prompt(engine, messages)
-                result = local.run(chat.text, tokens=chat.tokens, cuts=chat.cuts, max_tokens=max_tokens, namespace=namespace)
+                result = local.run(
+                    chat.text, tokens=chat.tokens, cuts=chat.cuts, max_tokens=max_tokens, namespace=namespace
+                )
                 prefix = follow_up(engine, messages, result.text)
-                extension = local.extend(prefix.tokens, prefix.cuts, namespace=namespace) if prefix is not None else None
+                extension = (
+                    local.extend(prefix.tokens, prefix.cuts, namespace=namespace) if prefix is not None else None
+                )
                 played.append((list(messages), chat, result, extension))
                 messages.append(("assistant", result.text))
             # Last turn first, each without the entries its own run stored: what the cache box held
@@ -184,7 +237,14 @@ def run_conversations(board, prompts: list[MMLUPrompt], *, max_tokens: int = 16,
             for number, (history, chat, result, extension) in reversed(list(enumerate(played, start=1))):
                 board.store.delete([entry.name for entry in result.uploaded])
                 cold = remote.run(chat.text, tokens=chat.tokens, cuts=chat.cuts, max_tokens=max_tokens, use_cache=False)
-                fetched = remote.run(chat.text, tokens=chat.tokens, cuts=chat.cuts, max_tokens=max_tokens, namespace=namespace, upload=False)
+                fetched = remote.run(
+                    chat.text,
+                    tokens=chat.tokens,
+                    cuts=chat.cuts,
+                    max_tokens=max_tokens,
+                    namespace=namespace,
+                    upload=False,
+                )
                 b, f = result.breakdown, fetched.breakdown
                 turns.append(
                     {
@@ -220,12 +280,20 @@ def run_conversations(board, prompts: list[MMLUPrompt], *, max_tokens: int = 16,
         "turns": 1 + len(FOLLOW_UPS),
         "max_tokens": max_tokens,
         "later_turns": {
-            "prefilled_equals_new_tokens": round(sum(row["prefilled_tokens"] == row["new_tokens"] for row in later) / len(later), 4) if later else None,
+            "prefilled_equals_new_tokens": round(
+                sum(row["prefilled_tokens"] == row["new_tokens"] for row in later) / len(later), 4
+            )
+            if later
+            else None,
             "median_prompt_tokens": med("prompt_tokens"),
             "median_new_tokens": med("new_tokens"),
             "median_prefilled_tokens": med("prefilled_tokens"),
             "median_cachebox_prefilled_tokens": med("cachebox_prefilled_tokens"),
-            "median_ttft_ms": {"context": med("context_ttft_ms"), "cachebox": med("cachebox_ttft_ms"), "cold": med("cold_ttft_ms")},
+            "median_ttft_ms": {
+                "context": med("context_ttft_ms"),
+                "cachebox": med("cachebox_ttft_ms"),
+                "cold": med("cold_ttft_ms"),
+            },
             "median_next_turn_ms": med("next_turn_ms", turns),
             "agreement_with_cold": {
                 "context": round(sum(row["context_agrees"] for row in later) / len(later), 4) if later else None,
@@ -242,29 +310,57 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--shots", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--conversations", type=int, default=4, help="four-turn conversations played from the context, the cache box and cold (0: skip)")
-    parser.add_argument("--link", default="", help="the board's link to the cache box, a preset such as wifi4 (default: as the network is)")
-    parser.add_argument("--flash-read-mbps", type=float, default=0.0, help="limit the flash tier's disk reads to this many MB/s, as an SD card (cgroup v1 blkio; root)")
-    parser.add_argument("--memory-mb", type=int, default=0, help="size the board to this registered memory, e.g. 512 for a Pi Zero 2W (default: unsized)")
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=4,
+        help="four-turn conversations played from the context, the cache box and cold (0: skip)",
+    )
+    parser.add_argument(
+        "--link",
+        default="",
+        help="the board's link to the cache box, a preset such as wifi4 (default: as the network is)",
+    )
+    parser.add_argument(
+        "--flash-read-mbps",
+        type=float,
+        default=0.0,
+        help="limit the flash tier's disk reads to this many MB/s, as an SD card (cgroup v1 blkio; root)",
+    )
+    parser.add_argument(
+        "--memory-mb",
+        type=int,
+        default=0,
+        help="size the board to this registered memory, e.g. 512 for a Pi Zero 2W (default: unsized)",
+    )
 
 
-def run(ctx, *, topic, prompts, shots, max_tokens, conversations, link="", flash_read_mbps=0.0, memory_mb=0, **options) -> dict:
+def run(
+    ctx, *, topic, prompts, shots, max_tokens, conversations, link="", flash_read_mbps=0.0, memory_mb=0, **options
+) -> dict:
     selected = prompts_of(topic, shots, prompts)
     if link and LINK_PRESETS.get(link) is None:
-        raise BenchError(f"--link must be one of {', '.join(name for name, profile in LINK_PRESETS.items() if profile)}")
+        raise BenchError(
+            f"--link must be one of {', '.join(name for name, profile in LINK_PRESETS.items() if profile)}"
+        )
     changes = {"link": LINK_PRESETS[link] if link else None, "memory_mb": memory_mb or None}
     with ctx.board(**changes) as board:
         with ctx.progress(total=2 * len(selected) + conversations, desc="bench tiers", unit="step") as bar:
-            document = run_tiers(board, selected, max_tokens=max_tokens, flash_read_mbps=flash_read_mbps, progress=bar.update)
+            document = run_tiers(
+                board, selected, max_tokens=max_tokens, flash_read_mbps=flash_read_mbps, progress=bar.update
+            )
             if conversations > 0:
-                document["conversation"] = run_conversations(board, (selected * conversations)[:conversations], progress=bar.update)
+                document["conversation"] = run_conversations(
+                    board, (selected * conversations)[:conversations], progress=bar.update
+                )
         document.update({"topic": selected[0].target.topic, "shots": shots, "machine": machine_info(board)})
     return document
 
 
 def lines(doc: dict) -> list[str]:
     out = [
-        f"\nfull-hit TTFT, median ms over {doc['n']} prompts: " + ", ".join(f"{k} {v}" for k, v in doc["median_ttft_ms"].items()),
+        f"\nfull-hit TTFT, median ms over {doc['n']} prompts: "
+        + ", ".join(f"{k} {v}" for k, v in doc["median_ttft_ms"].items()),
         f"ratios: {doc['ratios']}",
         f"network bytes: {doc['network_bytes']}; agreement with cold: {doc['agreement_with_cold']}",
         f"link to the cache box: {doc.get('link', 'unshaped')}; flash tier read from {doc.get('flash_disk') or 'this machine'}",

@@ -44,7 +44,6 @@ import math
 import os
 import re
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -60,14 +59,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from dashboard.bench import llama_server
+from dashboard.bench import side_by_side as sbs
+from dashboard.bench.base import BenchError, Benchmark, prompts_of, topics_named
+from dashboard.bench.common import host_info
 from inference.board.config import ROOT
 from inference.engine.memory_plan import RSS_SHARE
 from inference.engine.proc_memory import ProcessMemory
-
-from dashboard.bench import llama_server
-from dashboard.bench import side_by_side as sbs
-from dashboard.bench.base import Benchmark, BenchError, prompts_of, topics_named
-from dashboard.bench.common import host_info
 
 WORKLOADS = ("one-board-warm", "one-board-many", "chat", "fleet-loopback", "fleet-wifi4")
 DEFAULT_TOPICS = ("astronomy", "high_school_biology", "world_religions", "marketing")
@@ -84,7 +82,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _wait(condition: Callable[[], object], timeout: float, what: str, process: subprocess.Popen | None = None, log: Path | None = None):
+def _wait(
+    condition: Callable[[], object],
+    timeout: float,
+    what: str,
+    process: subprocess.Popen | None = None,
+    log: Path | None = None,
+):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
@@ -167,7 +171,13 @@ def openai_client(base_url: str, key: str):
             response.stream = CountingStream(response.stream)
             return response
 
-    return openai.OpenAI(api_key=key, base_url=base_url.rstrip("/") + "/v1", max_retries=0, timeout=300, http_client=openai.DefaultHttpxClient(transport=CountingTransport()))
+    return openai.OpenAI(
+        api_key=key,
+        base_url=base_url.rstrip("/") + "/v1",
+        max_retries=0,
+        timeout=300,
+        http_client=openai.DefaultHttpxClient(transport=CountingTransport()),
+    )
 
 
 @dataclass
@@ -194,7 +204,14 @@ def ask(target: Target, payload: dict, *, cold: bool = False) -> dict:
     usage = extension = timings = None
     error = ""
     try:
-        common = dict(model=target.model, max_tokens=payload["max_tokens"], temperature=0.0, stream=True, stream_options={"include_usage": True}, extra_body=extra or None)
+        common = dict(
+            model=target.model,
+            max_tokens=payload["max_tokens"],
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra or None,
+        )
         if kind == "chat":
             stream = client.chat.completions.create(messages=payload["messages"], **common)
         else:
@@ -242,7 +259,8 @@ def ask(target: Target, payload: dict, *, cold: bool = False) -> dict:
                 "queue_ms": extension.get("queue_ms"),
                 "case": extension.get("case"),
                 "server": extension.get("device", ""),
-                "cache_bytes": int(extension.get("fetched_bytes", 0) or 0) + int(extension.get("uploaded_bytes", 0) or 0),
+                "cache_bytes": int(extension.get("fetched_bytes", 0) or 0)
+                + int(extension.get("uploaded_bytes", 0) or 0),
             }
         )
     return sample
@@ -250,11 +268,16 @@ def ask(target: Target, payload: dict, *, cold: bool = False) -> dict:
 
 def _payload(request: sbs.Request, history: dict[int, list]) -> dict:
     if request.kind == "chat":
-        return {"messages": sbs.chat_messages(request, history.get(request.conversation, [])), "max_tokens": request.max_tokens}
+        return {
+            "messages": sbs.chat_messages(request, history.get(request.conversation, [])),
+            "max_tokens": request.max_tokens,
+        }
     return {"prompt": request.prompt, "max_tokens": request.max_tokens}
 
 
-def run_arrivals(target: Target, requests: Sequence[sbs.Request], interval_s: float, progress: Callable[[], None]) -> tuple[list[dict], float]:
+def run_arrivals(
+    target: Target, requests: Sequence[sbs.Request], interval_s: float, progress: Callable[[], None]
+) -> tuple[list[dict], float]:
     """One request every ``interval_s`` (open loop: none waits for another), each on its thread."""
     samples: list[dict | None] = [None] * len(requests)
     started = time.perf_counter()
@@ -278,7 +301,13 @@ def run_arrivals(target: Target, requests: Sequence[sbs.Request], interval_s: fl
 
 
 def _identity(target: Target, request: sbs.Request) -> dict:
-    return {"system": target.system, "workload": request.workload, "index": request.index, "group": request.group, "warm": request.warm}
+    return {
+        "system": target.system,
+        "workload": request.workload,
+        "index": request.index,
+        "group": request.group,
+        "warm": request.warm,
+    }
 
 
 def add_cold_answers(target: Target, samples: list[dict], cache: dict, progress: Callable[[], None]) -> None:
@@ -305,18 +334,36 @@ class Settings:
     peer: Path
 
     def as_dict(self) -> dict:
-        return {"model": self.model.name, "n_ctx": self.n_ctx, "threads": self.threads, "ram_mb": self.ram_mb, "cache_reuse": CACHE_REUSE}
+        return {
+            "model": self.model.name,
+            "n_ctx": self.n_ctx,
+            "threads": self.threads,
+            "ram_mb": self.ram_mb,
+            "cache_reuse": CACHE_REUSE,
+        }
 
 
 def peer_flags(settings: Settings, threads: int) -> list[str]:
     return [
-        "-c", str(settings.n_ctx), "-t", str(threads), "-tb", str(threads), "-np", "1",
-        "--cache-ram", str(settings.ram_mb), "--cache-reuse", str(CACHE_REUSE),
+        "-c",
+        str(settings.n_ctx),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-np",
+        "1",
+        "--cache-ram",
+        str(settings.ram_mb),
+        "--cache-reuse",
+        str(CACHE_REUSE),
     ]
 
 
 @contextmanager
-def llama_servers(settings: Settings, count: int, threads: int, folder: Path, hosts: "FleetHosts | None" = None) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+def llama_servers(
+    settings: Settings, count: int, threads: int, folder: Path, hosts: "FleetHosts | None" = None
+) -> Iterator[list[tuple[str, subprocess.Popen]]]:
     """``count`` llama-servers of the model (url, process), stopped on exit; with ``hosts``, each
     one a host of its own behind its shaped link."""
     started: list[tuple[str, subprocess.Popen]] = []
@@ -331,7 +378,16 @@ def llama_servers(settings: Settings, count: int, threads: int, folder: Path, ho
             host = hosts.add(f"peer{number}", threads) if hosts is not None else None
             if host is not None:
                 address = host.address
-            argv = [str(settings.peer), "-m", str(settings.model), *peer_flags(settings, threads), "--host", address, "--port", str(port)]
+            argv = [
+                str(settings.peer),
+                "-m",
+                str(settings.model),
+                *peer_flags(settings, threads),
+                "--host",
+                address,
+                "--port",
+                str(port),
+            ]
             if host is not None:
                 process = host.spawn(argv, dict(os.environ), stdout=log)
             else:
@@ -382,7 +438,10 @@ class Balancer:
         host, port = self.upstreams[chosen].removeprefix("http://").split(":")
         upstream = http.client.HTTPConnection(host, int(port), timeout=600)
         try:
-            headers = {"Content-Type": handler.headers.get("Content-Type", "application/json"), "Authorization": handler.headers.get("Authorization", "")}
+            headers = {
+                "Content-Type": handler.headers.get("Content-Type", "application/json"),
+                "Authorization": handler.headers.get("Authorization", ""),
+            }
             upstream.request(method, handler.path, body=body or None, headers=headers)
             response = upstream.getresponse()
             handler.send_response(response.status)
@@ -442,7 +501,9 @@ class FleetHosts:
                 return cls(HostNetwork.create(HOSTS_PREFIX, free_subnet()), LINK_PRESETS[link], memory_mb)
             except HostsUnavailable as exc:
                 reason = str(exc)
-        write(f"the fleet on {link} runs as processes, paced in EdgeCache's sockets: boards cannot be hosts here ({reason})")
+        write(
+            f"the fleet on {link} runs as processes, paced in EdgeCache's sockets: boards cannot be hosts here ({reason})"
+        )
         return None
 
     def close(self) -> None:
@@ -483,9 +544,14 @@ class SharedMemory:
 
     def as_dict(self) -> dict:
         return {
-            "rule": "the same total: llama-server's idle RSS + --cache-ram, a board's budget" if self.shared_mb else "boards registered by hand (--board-memory-mb)",
-            "shared_mb": self.shared_mb, "peer_idle_rss_mb": self.peer_idle_rss_mb, "peer_cache_ram_mb": self.peer_cache_ram_mb,
-            "board_registered_mb": self.board_registered_mb, "board_ram_tier_mb": self.board_ram_tier_mb,
+            "rule": "the same total: llama-server's idle RSS + --cache-ram, a board's budget"
+            if self.shared_mb
+            else "boards registered by hand (--board-memory-mb)",
+            "shared_mb": self.shared_mb,
+            "peer_idle_rss_mb": self.peer_idle_rss_mb,
+            "peer_cache_ram_mb": self.peer_cache_ram_mb,
+            "board_registered_mb": self.board_registered_mb,
+            "board_ram_tier_mb": self.board_ram_tier_mb,
         }
 
 
@@ -494,7 +560,9 @@ def peer_idle_rss_mb(settings: Settings, folder: Path) -> float:
     holds before its prompt cache holds anything."""
     with llama_servers(settings, 1, settings.threads, folder) as servers:
         url, process = servers[0]
-        sample = ask(peer_target(sbs.PEER, url, url, settings.model.name), {"prompt": "Hello", "max_tokens": 1}, cold=True)
+        sample = ask(
+            peer_target(sbs.PEER, url, url, settings.model.name), {"prompt": "Hello", "max_tokens": 1}, cold=True
+        )
         if sample["error"]:
             raise BenchError(f"llama-server did not answer its warm-up request: {sample['error']}")
         return ProcessMemory.read(process.pid).peak_rss_mb
@@ -527,12 +595,28 @@ print(json.dumps(tokens))
 class EdgeCacheStack:
     """``manage.py run --no-boards`` in a folder of its own, and boards as ``manage.py edge``."""
 
-    def __init__(self, folder: Path, settings: Settings, memory: "SharedMemory", write: Callable[[str], None], hosts: FleetHosts | None = None):
-        self.folder, self.settings, self.board_memory_mb, self.write = folder, settings, memory.board_registered_mb, write
+    def __init__(
+        self,
+        folder: Path,
+        settings: Settings,
+        memory: "SharedMemory",
+        write: Callable[[str], None],
+        hosts: FleetHosts | None = None,
+    ):
+        self.folder, self.settings, self.board_memory_mb, self.write = (
+            folder,
+            settings,
+            memory.board_registered_mb,
+            write,
+        )
         self.hosts = hosts
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL", "EDGECACHE_CACHEBOX_URL")}
+        env = {
+            key: value
+            for key, value in os.environ.items()
+            if key not in ("REDIS_URL", "DATABASE_URL", "EDGECACHE_CACHEBOX_URL")
+        }
         env.update(
             {
                 "EDGECACHE_HOME": str(folder / "home"),
@@ -557,7 +641,14 @@ class EdgeCacheStack:
         self.last_plan: dict | None = None  # the RAM tier and estimate of the last boards' first board
 
     def manage(self, *args: str, timeout: float = 180) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if done.returncode:
             raise BenchError(f"manage.py {' '.join(args[:2])} failed: {done.stderr[-1500:]}")
         return done.stdout
@@ -565,12 +656,26 @@ class EdgeCacheStack:
     def start(self) -> "EdgeCacheStack":
         log = open(self.folder / "run.log", "wb")
         self._logs.append(log)
-        self.server = subprocess.Popen([sys.executable, "manage.py", "run", "--no-boards", "--port", str(self.port)], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        _wait(lambda: _http_ok(self.url + "/accounts/login/"), STARTUP_TIMEOUT_S, "EdgeCache's control plane (manage.py run)", self.server, self.folder / "run.log")
+        self.server = subprocess.Popen(
+            [sys.executable, "manage.py", "run", "--no-boards", "--port", str(self.port)],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        _wait(
+            lambda: _http_ok(self.url + "/accounts/login/"),
+            STARTUP_TIMEOUT_S,
+            "EdgeCache's control plane (manage.py run)",
+            self.server,
+            self.folder / "run.log",
+        )
         return self
 
     @contextmanager
-    def boards_of(self, count: int, threads: int, link: str = "none", hosts: FleetHosts | None = None) -> Iterator[tuple[Target, dict[str, subprocess.Popen]]]:
+    def boards_of(
+        self, count: int, threads: int, link: str = "none", hosts: FleetHosts | None = None
+    ) -> Iterator[tuple[Target, dict[str, subprocess.Popen]]]:
         """``count`` fresh boards in a fresh namespace and a target for its API key; stopped on exit.
         With ``hosts``, each board is a host of its own on the hub (its link shaped by the kernel)."""
         from cachebox.link import LINK_PRESETS
@@ -580,11 +685,19 @@ class EdgeCacheStack:
         names = [f"{namespace}-b{number}" for number in range(count)]
         profile = LINK_PRESETS[link]
         code = REGISTER.format(
-            namespace=namespace, names=names, threads=threads, memory_mb=self.board_memory_mb,
-            bandwidth=profile.bandwidth_mbps if profile else 0.0, rtt=profile.rtt_ms if profile else 0.0,
+            namespace=namespace,
+            names=names,
+            threads=threads,
+            memory_mb=self.board_memory_mb,
+            bandwidth=profile.bandwidth_mbps if profile else 0.0,
+            rtt=profile.rtt_ms if profile else 0.0,
         )
         tokens = json.loads(self.manage("shell", "-c", code).strip().splitlines()[-1])
-        key = self.manage("apikey", "create", "--namespace", namespace, "--name", "bench vs-server", "--rate", "0").strip().splitlines()[-1]
+        key = (
+            self.manage("apikey", "create", "--namespace", namespace, "--name", "bench vs-server", "--rate", "0")
+            .strip()
+            .splitlines()[-1]
+        )
         boards: dict[str, subprocess.Popen] = {}
         try:
             for name in names:
@@ -601,7 +714,13 @@ class EdgeCacheStack:
                 # One at a time, as llama-servers are started: a board measures its prefill rate as
                 # it starts, which the router weighs until its runs report; four measuring at once
                 # on this machine's cores read 4.3 to 8.3 ms per token for the same board.
-                _wait(lambda: f"board {name} ready" in log_path.read_text(errors="replace"), STARTUP_TIMEOUT_S, f"EdgeCache board {name}", boards[name], log_path)
+                _wait(
+                    lambda: f"board {name} ready" in log_path.read_text(errors="replace"),
+                    STARTUP_TIMEOUT_S,
+                    f"EdgeCache board {name}",
+                    boards[name],
+                    log_path,
+                )
             self.last_plan = board_plan((self.folder / f"{names[0]}.log").read_text(errors="replace"))
             client = openai_client(self.url, key)
 
@@ -628,13 +747,17 @@ class EdgeCacheStack:
 
     def close(self) -> None:
         _stop([self.server] if self.server is not None else [])
-        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=self.env, capture_output=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=self.env, capture_output=True, timeout=60
+        )
         for log in self._logs:
             log.close()
 
 
 def peer_target(system: str, url: str, cold_url: str, model: str) -> Target:
-    return Target(system, openai_client(url, "no-key"), model, openai_client(cold_url, "no-key"), {"cache_prompt": False})
+    return Target(
+        system, openai_client(url, "no-key"), model, openai_client(cold_url, "no-key"), {"cache_prompt": False}
+    )
 
 
 # -- the workloads ------------------------------------------------------------------------------
@@ -653,7 +776,8 @@ class Options:
 
 def _describe(name: str, options: Options, kernel_shaped: bool = False) -> str:
     wifi4 = (
-        "every board and server a host on Wi-Fi 4 (tc-shaped links)" if kernel_shaped
+        "every board and server a host on Wi-Fi 4 (tc-shaped links)"
+        if kernel_shaped
         else "EdgeCache boards on Wi-Fi 4 to the cache box (in-process socket pacing); the peer unpaced"
     )
     return {
@@ -669,7 +793,13 @@ def requests_of(name: str, options: Options) -> list[sbs.Request]:
     if name == "one-board-warm":
         prompt = prompts_of(WARM_TOPIC, 5, 1)[0].text
         return sbs.one_board_warm(prompt, options.repeats, sbs.QUESTIONS[: options.questions])
-    by_topic = {topic: [p.text for p in prompts_of(topic, 5, options.per_topic if name == "one-board-many" else options.fleet_per_topic)] for topic in options.topics}
+    by_topic = {
+        topic: [
+            p.text
+            for p in prompts_of(topic, 5, options.per_topic if name == "one-board-many" else options.fleet_per_topic)
+        ]
+        for topic in options.topics
+    }
     if name == "one-board-many":
         return sbs.many_prompts(by_topic)
     if name == "chat":
@@ -677,7 +807,9 @@ def requests_of(name: str, options: Options) -> list[sbs.Request]:
     return sbs.fleet(by_topic, name.removeprefix("fleet-"))
 
 
-def run_vs_server(ctx, settings: Settings, options: Options, board_memory_mb: int | None) -> tuple[dict, dict, SharedMemory, str]:
+def run_vs_server(
+    ctx, settings: Settings, options: Options, board_memory_mb: int | None
+) -> tuple[dict, dict, SharedMemory, str]:
     write = ctx.write
     workloads: dict[str, dict] = {}
     skipped: dict[str, str] = {}
@@ -702,17 +834,34 @@ def run_vs_server(ctx, settings: Settings, options: Options, board_memory_mb: in
             stack = EdgeCacheStack(folder, settings, memory, write, hosts).start()
             for name in options.workloads:
                 requests = requests_of(name, options)
-                write(f"{name}: {len(requests)} requests per system ({_describe(name, options, hosts is not None and name in KERNEL_SHAPED)})")
+                write(
+                    f"{name}: {len(requests)} requests per system ({_describe(name, options, hosts is not None and name in KERNEL_SHAPED)})"
+                )
                 try:
                     if name.startswith("fleet-"):
-                        systems = run_fleet(ctx, stack, settings, options, name, requests, folder, cold_cache, hosts if name in KERNEL_SHAPED else None)
+                        systems = run_fleet(
+                            ctx,
+                            stack,
+                            settings,
+                            options,
+                            name,
+                            requests,
+                            folder,
+                            cold_cache,
+                            hosts if name in KERNEL_SHAPED else None,
+                        )
                     else:
                         systems = run_one_board(ctx, stack, settings, requests, folder, cold_cache)
                 except Exception as exc:  # noqa: BLE001 - the other workloads' figures are kept, and this one says why it has none
                     write(f"{name} failed: {type(exc).__name__}: {exc}")
                     skipped[name] = f"failed: {str(exc)[:500]}"
                     continue
-                workloads[name] = {"description": _describe(name, options, hosts is not None and name in KERNEL_SHAPED), "requests": len(requests), **systems, "board_plan": stack.last_plan}
+                workloads[name] = {
+                    "description": _describe(name, options, hosts is not None and name in KERNEL_SHAPED),
+                    "requests": len(requests),
+                    **systems,
+                    "board_plan": stack.last_plan,
+                }
         finally:
             if stack is not None:
                 stack.close()
@@ -725,14 +874,19 @@ def _progress(ctx, total: int, desc: str):
     return ctx.progress(total=total, desc=desc, unit="request", leave=False)
 
 
-def run_one_board(ctx, stack: EdgeCacheStack, settings: Settings, requests: list[sbs.Request], folder: Path, cold_cache: dict) -> dict:
+def run_one_board(
+    ctx, stack: EdgeCacheStack, settings: Settings, requests: list[sbs.Request], folder: Path, cold_cache: dict
+) -> dict:
     """Both systems up at once, asked in turn request by request (each system's caches are its
     own; one request is in flight at a time), so a machine whose load changes (a shared one)
     weighs on both alike; then each one's cold answers."""
     systems, samples_out = {}, {}
     with _progress(ctx, len(requests) * 4, f"{requests[0].workload}") as bar:
         tick = lambda: bar.update(1)  # noqa: E731
-        with stack.boards_of(1, settings.threads) as (ours, boards), llama_servers(settings, 1, settings.threads, folder) as servers:
+        with (
+            stack.boards_of(1, settings.threads) as (ours, boards),
+            llama_servers(settings, 1, settings.threads, folder) as servers,
+        ):
             url, process = servers[0]
             peer = peer_target(sbs.PEER, url, url, settings.model.name)
             runs = run_in_turn([ours, peer], requests, tick)
@@ -740,14 +894,18 @@ def run_one_board(ctx, stack: EdgeCacheStack, settings: Settings, requests: list
                 sample["server"] = "llama-server 0"
             rss = {sbs.EDGECACHE: peak_rss(boards), sbs.PEER: peak_rss({"llama-server 0": process})}
             for target in (ours, peer):
-                add_cold_answers(target, runs[target.system][0], cold_cache.setdefault((target.system, settings.threads), {}), tick)
+                add_cold_answers(
+                    target, runs[target.system][0], cold_cache.setdefault((target.system, settings.threads), {}), tick
+                )
         for name, (samples, elapsed) in runs.items():
             systems[name] = sbs.summarize(samples, elapsed_s=elapsed, peak_rss_mb=rss[name])
             samples_out[name] = samples
     return {"systems": systems, "samples": _lean(samples_out), "order": "in turn, request by request"}
 
 
-def run_in_turn(targets: Sequence[Target], requests: Sequence[sbs.Request], progress: Callable[[], None]) -> dict[str, tuple[list[dict], float]]:
+def run_in_turn(
+    targets: Sequence[Target], requests: Sequence[sbs.Request], progress: Callable[[], None]
+) -> dict[str, tuple[list[dict], float]]:
     """Each request to each target in turn (a chat's turns carry each system's own earlier
     answers); per system its samples and its own total time (the sum of its requests' times)."""
     history: dict[str, dict[int, list]] = {t.system: {} for t in targets}
@@ -762,10 +920,23 @@ def run_in_turn(targets: Sequence[Target], requests: Sequence[sbs.Request], prog
     return {name: (rows, sum(r["total_ms"] for r in rows) / 1000.0) for name, rows in samples.items()}
 
 
-FLEET_LINKS = {"fleet-loopback": "none", "fleet-wifi4": "wifi4"}  # a fleet workload's boards' link (cachebox.link.LINK_PRESETS)
+FLEET_LINKS = {
+    "fleet-loopback": "none",
+    "fleet-wifi4": "wifi4",
+}  # a fleet workload's boards' link (cachebox.link.LINK_PRESETS)
 
 
-def run_fleet(ctx, stack: EdgeCacheStack, settings: Settings, options: Options, name: str, requests: list[sbs.Request], folder: Path, cold_cache: dict, hosts: FleetHosts | None = None) -> dict:
+def run_fleet(
+    ctx,
+    stack: EdgeCacheStack,
+    settings: Settings,
+    options: Options,
+    name: str,
+    requests: list[sbs.Request],
+    folder: Path,
+    cold_cache: dict,
+    hosts: FleetHosts | None = None,
+) -> dict:
     link = FLEET_LINKS[name]
     threads = max(1, settings.threads // 2) if options.boards > 1 else settings.threads
     systems, samples_out = {}, {}
@@ -795,7 +966,14 @@ def run_fleet(ctx, stack: EdgeCacheStack, settings: Settings, options: Options, 
                 sample["server"] = f"llama-server {_picked(policy, sample)}"
             systems[policy.name] = sbs.summarize(samples, elapsed_s=elapsed, peak_rss_mb=rss)
             samples_out[policy.name] = samples
-    return {"systems": systems, "interval_s": round(interval, 3), "threads_per_board": threads, "link": link, "link_shaping": link_shaping(hosts) if link != "none" else "none", "samples": _lean(samples_out)}
+    return {
+        "systems": systems,
+        "interval_s": round(interval, 3),
+        "threads_per_board": threads,
+        "link": link,
+        "link_shaping": link_shaping(hosts) if link != "none" else "none",
+        "samples": _lean(samples_out),
+    }
 
 
 def _picked(policy, sample: dict) -> str:
@@ -828,38 +1006,121 @@ def _tokenizer(model: Path) -> Callable[[str], list[int]]:
 
 def _lean(samples: dict[str, list[dict]]) -> dict[str, list[dict]]:
     """Samples as saved: without the payloads and texts (the JSON stays small)."""
-    keep = ("index", "group", "warm", "ttft_ms", "total_ms", "tokens", "http_bytes", "cache_bytes", "cached_tokens", "prompt_tokens", "server", "case", "board_ttft_ms", "prefill_ms", "api_ms", "queue_ms", "error")
-    return {system: [{k: s.get(k) for k in keep if k in s} | {"agrees": s.get("cold_text") is not None and s.get("text") == s.get("cold_text")} for s in rows] for system, rows in samples.items()}
+    keep = (
+        "index",
+        "group",
+        "warm",
+        "ttft_ms",
+        "total_ms",
+        "tokens",
+        "http_bytes",
+        "cache_bytes",
+        "cached_tokens",
+        "prompt_tokens",
+        "server",
+        "case",
+        "board_ttft_ms",
+        "prefill_ms",
+        "api_ms",
+        "queue_ms",
+        "error",
+    )
+    return {
+        system: [
+            {k: s.get(k) for k in keep if k in s}
+            | {"agrees": s.get("cold_text") is not None and s.get("text") == s.get("cold_text")}
+            for s in rows
+        ]
+        for system, rows in samples.items()
+    }
 
 
 # -- the command ---------------------------------------------------------------------------------
 def add_arguments(parser) -> None:
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), help="which workloads (default: all)")
-    parser.add_argument("--repeats", type=int, default=6, help="one-board-warm: times the MMLU prompt is sent (default 6)")
-    parser.add_argument("--questions", type=int, default=10, help="one-board-warm: questions under the system prompt (default 10, at most 10)")
-    parser.add_argument("--per-topic", type=int, default=10, help="one-board-many: prompts per topic (default 10: 40 prompts)")
-    parser.add_argument("--fleet-per-topic", type=int, default=6, help="fleet: prompts per topic (default 6: 24 arrivals)")
-    parser.add_argument("--turns", type=int, default=4, help=f"chat: turns of each of the {len(sbs.CHATS)} conversations (default 4, at most 4)")
-    parser.add_argument("--topics", nargs="+", default=list(DEFAULT_TOPICS), help="MMLU topics of the many-prompts and fleet workloads")
+    parser.add_argument(
+        "--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), help="which workloads (default: all)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=6, help="one-board-warm: times the MMLU prompt is sent (default 6)"
+    )
+    parser.add_argument(
+        "--questions",
+        type=int,
+        default=10,
+        help="one-board-warm: questions under the system prompt (default 10, at most 10)",
+    )
+    parser.add_argument(
+        "--per-topic", type=int, default=10, help="one-board-many: prompts per topic (default 10: 40 prompts)"
+    )
+    parser.add_argument(
+        "--fleet-per-topic", type=int, default=6, help="fleet: prompts per topic (default 6: 24 arrivals)"
+    )
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=4,
+        help=f"chat: turns of each of the {len(sbs.CHATS)} conversations (default 4, at most 4)",
+    )
+    parser.add_argument(
+        "--topics", nargs="+", default=list(DEFAULT_TOPICS), help="MMLU topics of the many-prompts and fleet workloads"
+    )
     parser.add_argument("--boards", type=int, default=4, help="fleet: boards and llama-servers (default 4)")
-    parser.add_argument("--interval", type=float, default=0.0, help="fleet: seconds between arrivals (default: a cold TTFT of one server, measured)")
-    parser.add_argument("--threads", type=int, default=0, help="threads of the one-board workloads (default: every core); the fleet's boards get half")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=0.0,
+        help="fleet: seconds between arrivals (default: a cold TTFT of one server, measured)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="threads of the one-board workloads (default: every core); the fleet's boards get half",
+    )
     parser.add_argument("--n-ctx", type=int, default=4096, help="context size of both systems (default 4096)")
     parser.add_argument(
-        "--ram-mb", type=int, default=256,
+        "--ram-mb",
+        type=int,
+        default=256,
         help="llama-server's --cache-ram (default 256); its idle RSS plus this is the memory a board gets (with --board-memory-mb: the board's RAM tier)",
     )
     parser.add_argument(
-        "--board-memory-mb", type=int, default=None,
+        "--board-memory-mb",
+        type=int,
+        default=None,
         help="the boards' registered memory, which sizes their buffers, with a RAM tier of --ram-mb (default: registered so that a board's "
         "budget is what llama-server may hold, its idle RSS + --cache-ram, and the board's planner sizes its RAM tier; 0: not registered)",
     )
 
 
-def run(ctx, *, workloads, repeats, questions, per_topic, fleet_per_topic, turns, topics, boards, interval, threads, n_ctx, ram_mb, board_memory_mb, **_) -> dict:
+def run(
+    ctx,
+    *,
+    workloads,
+    repeats,
+    questions,
+    per_topic,
+    fleet_per_topic,
+    turns,
+    topics,
+    boards,
+    interval,
+    threads,
+    n_ctx,
+    ram_mb,
+    board_memory_mb,
+    **_,
+) -> dict:
     from inference.engine.model_file import resolve_model
 
-    if repeats < 1 or not 0 <= questions <= len(sbs.QUESTIONS) or per_topic < 1 or fleet_per_topic < 1 or boards < 1 or not 1 <= turns <= len(sbs.CHATS[0]):
+    if (
+        repeats < 1
+        or not 0 <= questions <= len(sbs.QUESTIONS)
+        or per_topic < 1
+        or fleet_per_topic < 1
+        or boards < 1
+        or not 1 <= turns <= len(sbs.CHATS[0])
+    ):
         raise BenchError(
             f"--repeats, --per-topic, --fleet-per-topic and --boards must be at least 1; --questions between 0 and {len(sbs.QUESTIONS)}; --turns between 1 and {len(sbs.CHATS[0])}"
         )
@@ -868,15 +1129,37 @@ def run(ctx, *, workloads, repeats, questions, per_topic, fleet_per_topic, turns
     except llama_server.PeerUnavailable as exc:
         raise BenchError(f"{exc}; the peer is needed for a side-by-side run") from None
     version = llama_server.version_of(binary)
-    settings = Settings(model=resolve_model(None).path, n_ctx=n_ctx, threads=threads or os.cpu_count() or 2, ram_mb=ram_mb, peer=binary)
-    options = Options(tuple(dict.fromkeys(workloads)), repeats, questions, per_topic, fleet_per_topic, turns, tuple(topics_named(topics)), boards, interval)
+    settings = Settings(
+        model=resolve_model(None).path, n_ctx=n_ctx, threads=threads or os.cpu_count() or 2, ram_mb=ram_mb, peer=binary
+    )
+    options = Options(
+        tuple(dict.fromkeys(workloads)),
+        repeats,
+        questions,
+        per_topic,
+        fleet_per_topic,
+        turns,
+        tuple(topics_named(topics)),
+        boards,
+        interval,
+    )
     if board_memory_mb is not None and board_memory_mb < 0:
         raise BenchError("--board-memory-mb must be 0 (not registered) or more")
     measured, skipped, memory, shaping = run_vs_server(ctx, settings, options, board_memory_mb)
     doc = {
         "machine": {**host_info(), "threads": settings.threads, "model": settings.model.name},
-        "peer": {"binary": str(binary), "version": version, "sdist": f"llama-cpp-python {llama_server.VERSION}", "libraries": "the wheel's libllama, libggml and libmtmd (the boards' own)", "flags": " ".join(peer_flags(settings, settings.threads))},
-        "settings": {**settings.as_dict(), "board_memory_mb": memory.board_registered_mb, "fleet_link_shaping": shaping},
+        "peer": {
+            "binary": str(binary),
+            "version": version,
+            "sdist": f"llama-cpp-python {llama_server.VERSION}",
+            "libraries": "the wheel's libllama, libggml and libmtmd (the boards' own)",
+            "flags": " ".join(peer_flags(settings, settings.threads)),
+        },
+        "settings": {
+            **settings.as_dict(),
+            "board_memory_mb": memory.board_registered_mb,
+            "fleet_link_shaping": shaping,
+        },
         "memory": memory.as_dict(),
         "workloads": measured,
         "skipped": {**{w: "not asked for (--workloads)" for w in WORKLOADS if w not in options.workloads}, **skipped},

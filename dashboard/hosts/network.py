@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cachebox.link import LinkProfile
-
 from dashboard.hosts.plan import CGROUP_PARENT, CGROUP_ROOT, BoardHost, Hub
 
 log = logging.getLogger(__name__)
@@ -81,9 +80,18 @@ class Host:
     def name(self) -> str:
         return self.plan.name
 
-    def spawn(self, argv: list[str], env: dict[str, str], *, stdout=None, cwd: str | os.PathLike | None = None) -> subprocess.Popen:
+    def spawn(
+        self, argv: list[str], env: dict[str, str], *, stdout=None, cwd: str | os.PathLike | None = None
+    ) -> subprocess.Popen:
         """Start ``argv`` in this host (its cgroups, its namespace) with exactly ``env``."""
-        process = subprocess.Popen(self.plan.wrap(argv), env=env, cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None, start_new_session=True)
+        process = subprocess.Popen(
+            self.plan.wrap(argv),
+            env=env,
+            cwd=cwd,
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout is not None else None,
+            start_new_session=True,
+        )
         self.processes.append(process)
         return process
 

@@ -138,8 +138,40 @@ class BoardHost:
         rate = tbf_rate(self.link)
         burst = tbf_burst(self.link)
         return [
-            ["tc", "qdisc", "replace", "dev", self.hub_end, "root", "tbf", "rate", rate, "burst", burst, "latency", TBF_LATENCY],
-            ["ip", "netns", "exec", self.namespace, "tc", "qdisc", "replace", "dev", self.board_end, "root", "tbf", "rate", rate, "burst", burst, "latency", TBF_LATENCY],
+            [
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                self.hub_end,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst,
+                "latency",
+                TBF_LATENCY,
+            ],
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.namespace,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                self.board_end,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst,
+                "latency",
+                TBF_LATENCY,
+            ],
         ]
 
     def link_down(self) -> list[list[str]]:
@@ -156,7 +188,16 @@ class BoardHost:
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` run in this host: it joins the cgroups, then enters the namespace (``ip netns exec``)."""
         join = 'for group in "$1" "$2"; do echo $$ > "$group/cgroup.procs" || exit 111; done; shift 2; exec ip netns exec "$@"'
-        return ["sh", "-c", join, "board-host", self.cgroup_dir("memory"), self.cgroup_dir("cpu"), self.namespace, *argv]
+        return [
+            "sh",
+            "-c",
+            join,
+            "board-host",
+            self.cgroup_dir("memory"),
+            self.cgroup_dir("cpu"),
+            self.namespace,
+            *argv,
+        ]
 
 
 def tbf_rate(link: LinkProfile) -> str:

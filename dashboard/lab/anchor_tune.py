@@ -77,7 +77,9 @@ def reference_paragraphs(topic_texts: Sequence[str]) -> list[str]:
     return paragraphs
 
 
-def tuning_documents(tokenize: Callable[[str, bool], list[int]], *, max_tokens: int = 256, heldout: bool = False, unit: str = "sentence") -> list[list[list[int]]]:
+def tuning_documents(
+    tokenize: Callable[[str, bool], list[int]], *, max_tokens: int = 256, heldout: bool = False, unit: str = "sentence"
+) -> list[list[list[int]]]:
     """Documents as lists of token sequences (the first starts with BOS), from the reference's
     training topics or its held-out ones. ``tokenize(text, add_bos)``. ``unit``: "sentence"
     (``split_sequences``: sentences, anchors mostly on their full stop) or "paragraph" (each
@@ -122,7 +124,9 @@ class LoRA:
         return self.alpha / self.rank
 
     @classmethod
-    def attach(cls, reference, rank: int = 16, alpha: float = 32.0, targets: Sequence[str] = TARGETS, seed: int = 0) -> "LoRA":
+    def attach(
+        cls, reference, rank: int = 16, alpha: float = 32.0, targets: Sequence[str] = TARGETS, seed: int = 0
+    ) -> "LoRA":
         """Adapters for every layer's ``targets``, wired into ``reference.matmul``."""
         generator = torch.Generator().manual_seed(seed)
         lora = cls(rank, alpha)
@@ -130,7 +134,9 @@ class LoRA:
             for target in targets:
                 name = f"blk.{layer}.{target}.weight"
                 out_features, in_features = reference._w[name].shape
-                lora.a[name] = (torch.randn(rank, in_features, generator=generator) / math.sqrt(in_features)).requires_grad_()
+                lora.a[name] = (
+                    torch.randn(rank, in_features, generator=generator) / math.sqrt(in_features)
+                ).requires_grad_()
                 lora.b[name] = torch.zeros(out_features, rank, requires_grad=True)
         base_matmul = reference.matmul
 
@@ -149,10 +155,18 @@ class LoRA:
     def merged(self, reference) -> dict[str, np.ndarray]:
         """Every adapted weight with its adapter folded in (float32, numpy's (out, in) order)."""
         with torch.no_grad():
-            return {name: (reference._w[name] + self.scale * self.b[name] @ self.a[name]).numpy().astype(np.float32) for name in self.a}
+            return {
+                name: (reference._w[name] + self.scale * self.b[name] @ self.a[name]).numpy().astype(np.float32)
+                for name in self.a
+            }
 
     def state(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "a": {k: v.detach() for k, v in self.a.items()}, "b": {k: v.detach() for k, v in self.b.items()}}
+        return {
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "a": {k: v.detach() for k, v in self.a.items()},
+            "b": {k: v.detach() for k, v in self.b.items()},
+        }
 
     def load_state(self, state: dict) -> None:
         with torch.no_grad():
@@ -185,7 +199,9 @@ def loss_positions(spans: Sequence[tuple[int, int]], count: int, rng: random.Ran
     return candidates
 
 
-def distillation_loss(reference, lora: LoRA, sequences: Sequence[Sequence[int]], positions: Sequence[int], masked: bool = True) -> torch.Tensor:
+def distillation_loss(
+    reference, lora: LoRA, sequences: Sequence[Sequence[int]], positions: Sequence[int], masked: bool = True
+) -> torch.Tensor:
     """KL(base model, full attention || adapted model, anchor mask), mean over ``positions`` (nats).
     ``masked=False``: the adapted model with full attention too (it should stay the base model there)."""
     tokens = [token for part in sequences for token in part]
@@ -201,7 +217,15 @@ def distillation_loss(reference, lora: LoRA, sequences: Sequence[Sequence[int]],
 
 
 @torch.no_grad()
-def heldout_kl(teacher, student, documents, lora: LoRA | None = None, positions_per_doc: int = 96, seed: int = 1, masked: bool = True) -> float:
+def heldout_kl(
+    teacher,
+    student,
+    documents,
+    lora: LoRA | None = None,
+    positions_per_doc: int = 96,
+    seed: int = 1,
+    masked: bool = True,
+) -> float:
     """Mean KL(teacher, full attention || student, anchor mask) over held-out documents. The
     teacher is always the base model: ``lora`` (when the teacher carries the adapters) is turned
     off for its pass and on for the student's."""
@@ -217,7 +241,9 @@ def heldout_kl(teacher, student, documents, lora: LoRA | None = None, positions_
         log_p = torch.log_softmax(teacher.forward(tokens, logits_at=positions).logits, -1)
         if lora is not None:
             lora.enabled = True
-        log_q = torch.log_softmax(student.forward(tokens, logits_at=positions, mask=mask if masked else None).logits, -1)
+        log_q = torch.log_softmax(
+            student.forward(tokens, logits_at=positions, mask=mask if masked else None).logits, -1
+        )
         values.append(float((log_p.exp() * (log_p - log_q)).sum(-1).mean()))
     return float(np.mean(values)) if values else float("nan")
 
@@ -258,7 +284,13 @@ def write_float_gguf(source: str | os.PathLike, target: str | os.PathLike, repla
 ADAPTED_PATTERN = r"blk\.[0-9]+\.attn_(q|k|v|output)\.weight"
 
 
-def quantize_like(source: str | os.PathLike, float_gguf: str | os.PathLike, target: str | os.PathLike, threads: int = 1, adapted_type: str | None = None) -> dict[str, str]:
+def quantize_like(
+    source: str | os.PathLike,
+    float_gguf: str | os.PathLike,
+    target: str | os.PathLike,
+    threads: int = 1,
+    adapted_type: str | None = None,
+) -> dict[str, str]:
     """Quantize ``float_gguf`` with llama.cpp to ``source``'s file type (token embedding kept at
     its type), into ``target``; ``adapted_type`` (e.g. "Q8_0") quantizes the adapted tensors to
     that type instead. Returns {tensor: "source type -> result type"} for every tensor whose
@@ -286,7 +318,11 @@ def quantize_like(source: str | os.PathLike, float_gguf: str | os.PathLike, targ
     if status != 0:
         raise RuntimeError(f"llama.cpp could not quantize {float_gguf} (status {status})")
     result = {tensor.name: tensor.tensor_type for tensor in gguf.GGUFReader(str(target)).tensors}
-    return {name: f"{types[name].name} -> {result.get(name).name if name in result else 'missing'}" for name in types if result.get(name) != types[name]}
+    return {
+        name: f"{types[name].name} -> {result.get(name).name if name in result else 'missing'}"
+        for name in types
+        if result.get(name) != types[name]
+    }
 
 
 def ctypes_byref(value):
@@ -295,7 +331,13 @@ def ctypes_byref(value):
     return ctypes.byref(value)
 
 
-def export_tuned(source: str | os.PathLike, target: str | os.PathLike, merged: dict[str, np.ndarray], threads: int = 1, adapted_type: str | None = None) -> dict:
+def export_tuned(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    merged: dict[str, np.ndarray],
+    threads: int = 1,
+    adapted_type: str | None = None,
+) -> dict:
     """Merged weights -> float GGUF -> quantized GGUF at ``target`` (atomically). Returns what happened
     (``type_changes``: how many tensors went from which type to which, against the base file)."""
     target = Path(target)
@@ -312,7 +354,13 @@ def export_tuned(source: str | os.PathLike, target: str | os.PathLike, merged: d
     transitions: dict[str, int] = {}
     for change in changed.values():
         transitions[change] = transitions.get(change, 0) + 1
-    return {"path": str(target), "adapted_type": adapted_type or "as in the base model", "bytes": target.stat().st_size, "type_changes": transitions, "export_s": round(time.perf_counter() - started, 1)}
+    return {
+        "path": str(target),
+        "adapted_type": adapted_type or "as in the base model",
+        "bytes": target.stat().st_size,
+        "type_changes": transitions,
+        "export_s": round(time.perf_counter() - started, 1),
+    }
 
 
 # -- the fine-tune ------------------------------------------------------------------------------
@@ -333,7 +381,14 @@ class TuneConfig:
     full_fraction: float = 0.5  # steps whose student attends fully: the tuned model stays the base model there
 
 
-def tune(model_path: str | os.PathLike, target: str | os.PathLike, config: TuneConfig = TuneConfig(), log: Callable[[str], None] = print, checkpoint: str | os.PathLike | None = None, resume: bool = False) -> dict:
+def tune(
+    model_path: str | os.PathLike,
+    target: str | os.PathLike,
+    config: TuneConfig = TuneConfig(),
+    log: Callable[[str], None] = print,
+    checkpoint: str | os.PathLike | None = None,
+    resume: bool = False,
+) -> dict:
     """Fine-tune LoRA adapters with the anchor mask for ``config.minutes``, export the tuned GGUF
     to ``target``; returns (and writes beside ``target``) the record of what it reached.
     ``resume``: start from the adapters saved at ``checkpoint`` (``max_steps=0``: export them)."""
@@ -348,9 +403,19 @@ def tune(model_path: str | os.PathLike, target: str | os.PathLike, config: TuneC
     vocabulary = Vocabulary.load(model)
     tokenize = lambda text, add_bos: vocabulary.tokenize(text, add_bos=add_bos)  # noqa: E731
     units = ("sentence", "paragraph") if config.units == "both" else (config.units,)
-    train = [document for unit in units for document in tuning_documents(tokenize, max_tokens=config.max_tokens, unit=unit)]
-    heldout = [document for unit in units for document in tuning_documents(tokenize, max_tokens=config.max_tokens, heldout=True, unit=unit)[: config.heldout_documents // len(units)]]
-    log(f"{len(train)} training documents ({sum(len(t) for d in train for t in d)} tokens), {len(heldout)} held out; from {SOURCE}")
+    train = [
+        document for unit in units for document in tuning_documents(tokenize, max_tokens=config.max_tokens, unit=unit)
+    ]
+    heldout = [
+        document
+        for unit in units
+        for document in tuning_documents(tokenize, max_tokens=config.max_tokens, heldout=True, unit=unit)[
+            : config.heldout_documents // len(units)
+        ]
+    ]
+    log(
+        f"{len(train)} training documents ({sum(len(t) for d in train for t in d)} tokens), {len(heldout)} held out; from {SOURCE}"
+    )
     reference = ReferenceModel.load(model.path, threads=config.threads)
     lora = LoRA.attach(reference, config.rank, config.alpha, seed=config.seed)
     previous = None
@@ -392,7 +457,9 @@ def tune(model_path: str | os.PathLike, target: str | os.PathLike, config: TuneC
         step += 1
         if step % 5 == 0 or step == 1:
             elapsed = time.perf_counter() - train_started
-            log(f"step {step}: KL under the mask, mean of the last 20: {np.mean(losses[-20:]) if losses else float('nan'):.4f}; with full attention: {np.mean(full_losses[-20:]) if full_losses else float('nan'):.4f}; {tokens_seen} tokens, {elapsed / step:.1f} s/step, {elapsed / 60:.1f} min")
+            log(
+                f"step {step}: KL under the mask, mean of the last 20: {np.mean(losses[-20:]) if losses else float('nan'):.4f}; with full attention: {np.mean(full_losses[-20:]) if full_losses else float('nan'):.4f}; {tokens_seen} tokens, {elapsed / step:.1f} s/step, {elapsed / 60:.1f} min"
+            )
         if checkpoint is not None and step % 25 == 0:
             torch.save(lora.state(), checkpoint)
     train_s = time.perf_counter() - train_started
@@ -400,7 +467,9 @@ def tune(model_path: str | os.PathLike, target: str | os.PathLike, config: TuneC
         torch.save(lora.state(), checkpoint)
     tuned_kl = heldout_kl(reference, reference, heldout, lora)
     drift_kl = heldout_kl(reference, reference, heldout, lora, masked=False)
-    log(f"held-out KL(base || tuned), both with full attention: {drift_kl:.4f} (how far the tune moved the model where nothing is pruned)")
+    log(
+        f"held-out KL(base || tuned), both with full attention: {drift_kl:.4f} (how far the tune moved the model where nothing is pruned)"
+    )
     log(f"held-out KL(full || anchor mask), tuned (float): {tuned_kl:.4f} (base {base_kl:.4f})")
     # Quantizing to the base file's mix can round small adapter deltas away (Q5_0 q/k/v): export
     # that, and the adapted tensors at Q8_0, and serve the one that keeps more of the tune.
@@ -412,7 +481,9 @@ def tune(model_path: str | os.PathLike, target: str | os.PathLike, config: TuneC
         quantized = ReferenceModel.load(path, threads=config.threads)
         exported["heldout_kl_masked"] = round(heldout_kl(reference, quantized, heldout, lora), 4)
         del quantized
-        log(f"exported {path.name} ({exported['bytes'] / 1e6:.1f} MB, adapted tensors {exported['adapted_type']}) in {exported['export_s']} s: held-out KL under the anchor mask {exported['heldout_kl_masked']}")
+        log(
+            f"exported {path.name} ({exported['bytes'] / 1e6:.1f} MB, adapted tensors {exported['adapted_type']}) in {exported['export_s']} s: held-out KL under the anchor mask {exported['heldout_kl_masked']}"
+        )
         variants.append(exported)
     best = min(variants, key=lambda variant: variant["heldout_kl_masked"])
     if best["path"] != str(target):
@@ -464,17 +535,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     from inference.engine.model_file import resolve_model
     from inference.lab.kv_prediction import lab_dir
 
-    parser = argparse.ArgumentParser(prog="python -m dashboard.lab.anchor_tune", description="Anchor fine-tuning (seed 004): LoRA with the anchor mask, exported to GGUF")
+    parser = argparse.ArgumentParser(
+        prog="python -m dashboard.lab.anchor_tune",
+        description="Anchor fine-tuning (seed 004): LoRA with the anchor mask, exported to GGUF",
+    )
     parser.add_argument("--minutes", type=float, default=TuneConfig.minutes, help="training wall time (default 40)")
     parser.add_argument("--max-steps", type=int, default=TuneConfig.max_steps)
     parser.add_argument("--rank", type=int, default=TuneConfig.rank)
     parser.add_argument("--learning-rate", type=float, default=TuneConfig.learning_rate)
     parser.add_argument("--heldout-documents", type=int, default=TuneConfig.heldout_documents)
-    parser.add_argument("--units", choices=("sentence", "paragraph", "both"), default=TuneConfig.units, help="how the text is cut into anchored sequences (default both)")
-    parser.add_argument("--full-fraction", type=float, default=TuneConfig.full_fraction, help="share of steps trained with full attention, so the tuned model stays the base model there (default 0.5)")
+    parser.add_argument(
+        "--units",
+        choices=("sentence", "paragraph", "both"),
+        default=TuneConfig.units,
+        help="how the text is cut into anchored sequences (default both)",
+    )
+    parser.add_argument(
+        "--full-fraction",
+        type=float,
+        default=TuneConfig.full_fraction,
+        help="share of steps trained with full attention, so the tuned model stays the base model there (default 0.5)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch and llama.cpp threads (default 1)")
-    parser.add_argument("--output", default=None, help="the tuned GGUF (default: $EDGECACHE_HOME/lab/anchor-tuned-<base>.gguf)")
-    parser.add_argument("--resume", action="store_true", help="start from the adapters saved beside the output (with --max-steps 0: only export them)")
+    parser.add_argument(
+        "--output", default=None, help="the tuned GGUF (default: $EDGECACHE_HOME/lab/anchor-tuned-<base>.gguf)"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from the adapters saved beside the output (with --max-steps 0: only export them)",
+    )
     parser.add_argument("--log", default=None, help="also append progress to this file")
     args = parser.parse_args(argv)
     model = resolve_model()
@@ -488,7 +578,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if log_file is not None:
             log_file.write(stamped + "\n")
 
-    config = TuneConfig(minutes=args.minutes, max_steps=args.max_steps, rank=args.rank, learning_rate=args.learning_rate, threads=args.threads, heldout_documents=args.heldout_documents, units=args.units, full_fraction=args.full_fraction)
+    config = TuneConfig(
+        minutes=args.minutes,
+        max_steps=args.max_steps,
+        rank=args.rank,
+        learning_rate=args.learning_rate,
+        threads=args.threads,
+        heldout_documents=args.heldout_documents,
+        units=args.units,
+        full_fraction=args.full_fraction,
+    )
     record = tune(model.path, target, config, log=log, checkpoint=target.with_suffix(".lora.pt"), resume=args.resume)
     log(json.dumps(record))
     return 0

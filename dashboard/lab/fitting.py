@@ -10,9 +10,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from inference.engine.model_file import ModelFile
 from inference.lab.early_exit import ExitLens, _need_torch, torch
 from inference.lab.kv_prediction import Predictor, predictor_path
-from inference.engine.model_file import ModelFile
 
 
 def fit_predictors(
@@ -43,9 +43,19 @@ def fit_predictors(
     for tokens in documents:
         t = reference.forward(list(tokens), logits_at=[], trace=True).trace
         n = len(tokens)
-        targets = [torch.cat([t.k_raw[layer].reshape(n, e), t.v[layer].reshape(n, e)], dim=1).numpy().astype(np.float64) for layer in range(c.n_layer)]
+        targets = [
+            torch.cat([t.k_raw[layer].reshape(n, e), t.v[layer].reshape(n, e)], dim=1).numpy().astype(np.float64)
+            for layer in range(c.n_layer)
+        ]
         for k in ks:
-            x = np.concatenate([t.k_normed[k - 1].reshape(n, e).numpy(), t.v[k - 1].reshape(n, e).numpy(), np.ones((n, 1), np.float32)], axis=1).astype(np.float64)
+            x = np.concatenate(
+                [
+                    t.k_normed[k - 1].reshape(n, e).numpy(),
+                    t.v[k - 1].reshape(n, e).numpy(),
+                    np.ones((n, 1), np.float32),
+                ],
+                axis=1,
+            ).astype(np.float64)
             xtx[k] += x.T @ x
             for index, layer in enumerate(range(k, c.n_layer)):
                 xty[k][index] += x.T @ targets[layer]
@@ -60,37 +70,79 @@ def fit_predictors(
         regularizer = ridge * np.trace(xtx[k]) / n_features * np.eye(n_features)
         regularizer[-1, -1] = 0.0  # the bias is not shrunk
         system = xtx[k] + regularizer
-        weights = np.stack([np.linalg.solve(system, xty[k][index]) for index in range(c.n_layer - k)]).astype(np.float32)
-        k_norm = np.stack([reference.w(layer, "attn_k_norm").numpy() for layer in range(k, c.n_layer)]).astype(np.float32)
+        weights = np.stack([np.linalg.solve(system, xty[k][index]) for index in range(c.n_layer - k)]).astype(
+            np.float32
+        )
+        k_norm = np.stack([reference.w(layer, "attn_k_norm").numpy() for layer in range(k, c.n_layer)]).astype(
+            np.float32
+        )
         predictors[k] = Predictor(
-            fingerprint, k, c.n_layer, c.n_head_kv, c.head_dim, c.rms_eps, rope_base, weights, k_norm,
-            {"source": source, "documents": len(documents), "tokens": int(total), "ridge": ridge, "method": "ridge regression (closed form)"},
+            fingerprint,
+            k,
+            c.n_layer,
+            c.n_head_kv,
+            c.head_dim,
+            c.rms_eps,
+            rope_base,
+            weights,
+            k_norm,
+            {
+                "source": source,
+                "documents": len(documents),
+                "tokens": int(total),
+                "ridge": ridge,
+                "method": "ridge regression (closed form)",
+            },
         )
     return predictors
 
 
 def ensure_predictors(
-    model: ModelFile, ks: Sequence[int], directory: str | Path, tokenize: Callable[[str], list[int]], *, threads: int = 0, max_documents: int | None = None, progress=None, reference=None
+    model: ModelFile,
+    ks: Sequence[int],
+    directory: str | Path,
+    tokenize: Callable[[str], list[int]],
+    *,
+    threads: int = 0,
+    max_documents: int | None = None,
+    progress=None,
+    reference=None,
 ) -> dict[int, Path]:
     """The predictor file for each k, fitted (with the reference engine, on the lab's calibration
     text) for those that do not exist yet. Needs the lab extra when any is missing."""
     paths = {k: predictor_path(directory, model.sha256, k) for k in ks}
     missing = [k for k, path in paths.items() if not path.exists()]
     if missing:
-        from inference.lab.reference import ReferenceModel
         from dashboard.lab.texts import calibration_documents
+        from inference.lab.reference import ReferenceModel
 
         reference = reference or ReferenceModel.load(model.path, threads=threads)
         documents = calibration_documents(tokenize)
         if max_documents is not None:
             documents = documents[:max_documents]
-        fitted = fit_predictors(reference, documents, missing, model.sha256, source="MMLU calibration questions (dashboard.lab.texts)", progress=progress)
+        fitted = fit_predictors(
+            reference,
+            documents,
+            missing,
+            model.sha256,
+            source="MMLU calibration questions (dashboard.lab.texts)",
+            progress=progress,
+        )
         for k, predictor in fitted.items():
             predictor.save(paths[k])
     return paths
 
 
-def fit_lens(reference, documents: Sequence[Sequence[int]], depths: Sequence[int], fingerprint: str, *, ridge: float = 1e-2, source: str = "", progress=None) -> ExitLens:
+def fit_lens(
+    reference,
+    documents: Sequence[Sequence[int]],
+    depths: Sequence[int],
+    fingerprint: str,
+    *,
+    ridge: float = 1e-2,
+    source: str = "",
+    progress=None,
+) -> ExitLens:
     """Closed-form ridge regression, per depth, of (last residual - residual at depth) on
     [residual at depth, 1], over every position of ``documents`` (each run from position 0).
     ``ridge`` is relative to the mean feature energy; the bias is not shrunk."""
@@ -120,4 +172,14 @@ def fit_lens(reference, documents: Sequence[Sequence[int]], depths: Sequence[int
         regularizer = ridge * torch.trace(xtx[d]) / size * torch.eye(size, dtype=torch.float64)
         regularizer[-1, -1] = 0.0
         weights[d] = torch.linalg.solve(xtx[d] + regularizer, xty[d]).float().numpy()
-    return ExitLens(fingerprint, weights, {"source": source, "documents": len(documents), "tokens": total, "ridge": ridge, "method": "ridge regression (closed form) to the last layer's residual stream"})
+    return ExitLens(
+        fingerprint,
+        weights,
+        {
+            "source": source,
+            "documents": len(documents),
+            "tokens": total,
+            "ridge": ridge,
+            "method": "ridge regression (closed form) to the last layer's residual stream",
+        },
+    )

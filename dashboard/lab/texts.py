@@ -31,7 +31,9 @@ def heldout_questions(topic: str) -> tuple[mmlu.Question, ...]:
     return questions[-CALIBRATION_PER_TOPIC - HELDOUT_PER_TOPIC : -CALIBRATION_PER_TOPIC]
 
 
-def calibration_documents(tokenize: Callable[[str], list[int]], max_tokens: int = 512, topics: list[str] | None = None) -> list[list[int]]:
+def calibration_documents(
+    tokenize: Callable[[str], list[int]], max_tokens: int = 512, topics: list[str] | None = None
+) -> list[list[int]]:
     """Calibration text as token lists of at most ``max_tokens``: per topic, the instruction and
     its calibration questions with their answers (the shape of a few-shot prompt)."""
     documents = []

@@ -38,7 +38,9 @@ async def abroadcast(event: str, data: dict) -> None:
     if layer is None:
         return
     try:
-        await layer.group_send(GROUP, {"type": "live.event", "event": event, "data": data, "device": event_device(event, data)})
+        await layer.group_send(
+            GROUP, {"type": "live.event", "event": event, "data": data, "device": event_device(event, data)}
+        )
     except Exception as exc:  # the page misses one live update; the data is stored anyway
         log.warning("live update %s not broadcast: %s", event, exc)
 
@@ -54,4 +56,8 @@ class AuthenticatedChannelLayer(RedisChannelLayer):
             try:
                 return await super().receive_single(channel)
             except InvalidToken:
-                security_event("live_event_refused", channel=channel[:100], reason="not made by this server (does not decrypt under its key)")
+                security_event(
+                    "live_event_refused",
+                    channel=channel[:100],
+                    reason="not made by this server (does not decrypt under its key)",
+                )

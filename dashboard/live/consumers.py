@@ -6,8 +6,8 @@ from __future__ import annotations
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from dashboard.ops import metrics
 from dashboard.live.broadcast import DEVICE_EVENT, GROUP, event_device
+from dashboard.ops import metrics
 
 
 @database_sync_to_async

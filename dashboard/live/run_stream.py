@@ -32,18 +32,17 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from kombu.exceptions import OperationalError as BrokerUnavailable
 
-from dashboard.live import streams
 from cachebox.errors import CacheBoxError, CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
-from inference.contract.envelope import EnvelopeRefused, peek
-from inference.contract.messages import MessageRefused, RunRequest, StreamEvent
-
 from dashboard import actions
 from dashboard.actions.runs import continue_run, heard, keep_streamed
+from dashboard.live import streams
 from dashboard.models import Device, Dispatch
-from dashboard.security.signing import cancel_flag, control_plane_public_key
 from dashboard.pages.stats import visible_devices
+from dashboard.security.signing import cancel_flag, control_plane_public_key
+from inference.contract.envelope import EnvelopeRefused, peek
+from inference.contract.messages import MessageRefused, RunRequest, StreamEvent
 
 log = logging.getLogger("dashboard.live.run_stream")
 
@@ -76,7 +75,9 @@ class Followed:
 
     ``in_thread``: how the caller runs synchronous work (the database, the broker) off its loop."""
 
-    def __init__(self, request_id: str, device: str, signer: str, ring_for, control_plane_key: str, in_thread=sync_to_async):
+    def __init__(
+        self, request_id: str, device: str, signer: str, ring_for, control_plane_key: str, in_thread=sync_to_async
+    ):
         self.request_id = request_id
         self.device, self.signer, self.ring_for = device, signer, ring_for
         self.control_plane_key = control_plane_key
@@ -90,11 +91,19 @@ class Followed:
     def open(self, data: bytes) -> StreamEvent | None:
         """The event in ``data``, if the run's board (or the control plane) sent it; None otherwise."""
         try:
-            event = StreamEvent.open(data, request_id=self.request_id, signer_public_key=self.signer, ring_for=self.ring_for, control_plane_key=self.control_plane_key)
+            event = StreamEvent.open(
+                data,
+                request_id=self.request_id,
+                signer_public_key=self.signer,
+                ring_for=self.ring_for,
+                control_plane_key=self.control_plane_key,
+            )
         except MessageRefused as exc:
             if self._sender(data) in self.left:
                 return None  # the board the run moved away from, woken: told to drop it
-            security_event("stream_event_refused", device=self.device, request_id=self.request_id, reason=str(exc)[:300])
+            security_event(
+                "stream_event_refused", device=self.device, request_id=self.request_id, reason=str(exc)[:300]
+            )
             return None
         if event.type == "token":
             self.text += event.text
@@ -144,7 +153,12 @@ async def follow(user, devices: list[Device], asked: RunRequest, routed=None, re
     asked = asked.model_copy(update={"stream": True})
     request_ids = request_ids or [str(uuid.uuid4()) for _ in devices]
     subscriptions = [
-        streams.subscribe(actions.cachebox_url(), stream_channel(device.name, request_id), connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
+        streams.subscribe(
+            actions.cachebox_url(),
+            stream_channel(device.name, request_id),
+            connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT,
+            timeout=settings.EDGECACHE_IO_TIMEOUT,
+        )
         for device, request_id in zip(devices, request_ids)
     ]
     openers = [await sync_to_async(_opener)(device) for device in devices]
@@ -153,24 +167,46 @@ async def follow(user, devices: list[Device], asked: RunRequest, routed=None, re
             for subscription in subscriptions:
                 await subscription.open()
         except CacheBoxUnavailable as exc:
-            yield line({"event": "refused", "errors": {"__all__": [{"message": f"The cache box does not answer: {exc}. Nothing was sent.", "code": "cachebox_unavailable"}]}, "dispatched": []})
+            yield line(
+                {
+                    "event": "refused",
+                    "errors": {
+                        "__all__": [
+                            {
+                                "message": f"The cache box does not answer: {exc}. Nothing was sent.",
+                                "code": "cachebox_unavailable",
+                            }
+                        ]
+                    },
+                    "dispatched": [],
+                }
+            )
             return
         sent: list[dict] = []
         for device, request_id in zip(devices, request_ids):
             try:
                 sent += await sync_to_async(actions.dispatch_run)(user, [device], asked, [request_id], routed=routed)
             except BrokerUnavailable as exc:
-                not_sent = [d.name for d in devices[len(sent):]]
-                message = (
-                    f"The message broker (the cache box's Redis) is not reachable: {exc}; "
-                    + (f"sent to {', '.join(item['device'] for item in sent)} only; not sent to {', '.join(not_sent)}." if sent else "nothing was sent.")
+                not_sent = [d.name for d in devices[len(sent) :]]
+                message = f"The message broker (the cache box's Redis) is not reachable: {exc}; " + (
+                    f"sent to {', '.join(item['device'] for item in sent)} only; not sent to {', '.join(not_sent)}."
+                    if sent
+                    else "nothing was sent."
                 )
-                yield line({"event": "refused", "errors": {"__all__": [{"message": message, "code": "broker_unavailable"}]}, "dispatched": sent})
+                yield line(
+                    {
+                        "event": "refused",
+                        "errors": {"__all__": [{"message": message, "code": "broker_unavailable"}]},
+                        "dispatched": sent,
+                    }
+                )
                 break
         if not sent:
             return
         yield line({"event": "dispatched", "dispatched": sent})
-        async for event in _merged([subscriptions[i] for i in range(len(sent))], [item["request_id"] for item in sent], openers[: len(sent)]):
+        async for event in _merged(
+            [subscriptions[i] for i in range(len(sent))], [item["request_id"] for item in sent], openers[: len(sent)]
+        ):
             yield line(event)
         yield line({"event": "closed"})
     finally:
@@ -215,14 +251,30 @@ async def _merged(subscriptions: list[streams.Subscription], request_ids: list[s
                         followed.gave_up()
                     return
             followed.gave_up()
-            await queue.put({"event": "error", "request_id": request_id, "device": followed.device, "error": f"no answer within {deadline:g} s; the page stopped waiting"})
+            await queue.put(
+                {
+                    "event": "error",
+                    "request_id": request_id,
+                    "device": followed.device,
+                    "error": f"no answer within {deadline:g} s; the page stopped waiting",
+                }
+            )
         except CacheBoxError as exc:
             followed.gave_up()
-            await queue.put({"event": "lost", "request_id": request_id, "error": f"lost the cache box while following the run: {exc}; its record still arrives"})
+            await queue.put(
+                {
+                    "event": "lost",
+                    "request_id": request_id,
+                    "error": f"lost the cache box while following the run: {exc}; its record still arrives",
+                }
+            )
         finally:
             await queue.put(None)
 
-    readers = [asyncio.create_task(read(subscription, request_id, opener)) for subscription, request_id, opener in zip(subscriptions, request_ids, openers)]
+    readers = [
+        asyncio.create_task(read(subscription, request_id, opener))
+        for subscription, request_id, opener in zip(subscriptions, request_ids, openers)
+    ]
     try:
         running = len(readers)
         while running:
@@ -246,7 +298,12 @@ def _as_line(event: StreamEvent, device: str) -> dict:
         if event.error:
             body["reason"] = event.error
     elif event.type == "done":
-        body.update(finish_reason=event.finish_reason, text=event.text, ttft_ms=event.breakdown.get("ttft_ms"), generated_tokens=event.breakdown.get("generated_tokens"))
+        body.update(
+            finish_reason=event.finish_reason,
+            text=event.text,
+            ttft_ms=event.breakdown.get("ttft_ms"),
+            generated_tokens=event.breakdown.get("generated_tokens"),
+        )
     elif event.type == "error":
         body["error"] = event.error
     return body
@@ -262,11 +319,17 @@ def cancel_runs(user, request_ids: list[str]) -> list[str]:
         except ValueError:
             continue
     allowed = visible_devices(user).values_list("pk", flat=True)
-    dispatches = Dispatch.objects.filter(request_id__in=wanted, kind="run", device_id__in=allowed).select_related("device")
+    dispatches = Dispatch.objects.filter(request_id__in=wanted, kind="run", device_id__in=allowed).select_related(
+        "device"
+    )
     cancelled = []
     store = actions.cachebox()
     for dispatch in dispatches:
         request_id = str(dispatch.request_id)
-        store.set_flag(cancel_key_name(dispatch.device.name, request_id), settings.EDGECACHE_TASK_EXPIRES + 60, cancel_flag(dispatch.device.name, request_id))
+        store.set_flag(
+            cancel_key_name(dispatch.device.name, request_id),
+            settings.EDGECACHE_TASK_EXPIRES + 60,
+            cancel_flag(dispatch.device.name, request_id),
+        )
         cancelled.append(request_id)
     return cancelled

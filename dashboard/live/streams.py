@@ -41,12 +41,22 @@ def _client(url: str, connect_timeout: float, timeout: float) -> aioredis.Redis:
 
 def _clients(url: str, connect_timeout: float, timeout: float, retry: Retry | None = None) -> list[aioredis.Redis]:
     """A client of the server, or one per node a cluster URL names (each a plain client of that node)."""
-    options = dict(socket_connect_timeout=connect_timeout, socket_timeout=timeout, health_check_interval=0, **client_options(url))
+    options = dict(
+        socket_connect_timeout=connect_timeout, socket_timeout=timeout, health_check_interval=0, **client_options(url)
+    )
     if not is_cluster_url(url):
         return [aioredis.Redis.from_url(url, **options, **({"retry": retry} if retry is not None else {}))]
     address = parse_cluster_url(url)
     return [
-        aioredis.Redis(host=host, port=port, username=address.username, password=address.password, ssl=address.tls, retry=retry or Retry(NoBackoff(), 0), **options)
+        aioredis.Redis(
+            host=host,
+            port=port,
+            username=address.username,
+            password=address.password,
+            ssl=address.tls,
+            retry=retry or Retry(NoBackoff(), 0),
+            **options,
+        )
         for host, port in address.nodes
     ]
 
@@ -135,7 +145,11 @@ class _Listener:
         except (asyncio.TimeoutError, CacheBoxError) as exc:
             self.leave(member, channel)
             if isinstance(exc, asyncio.TimeoutError):
-                self._fail(CacheBoxUnavailable(f"cache box {_safe(self.url)} did not confirm a subscription within {self.connect_timeout + self.timeout:g} s"))
+                self._fail(
+                    CacheBoxUnavailable(
+                        f"cache box {_safe(self.url)} did not confirm a subscription within {self.connect_timeout + self.timeout:g} s"
+                    )
+                )
                 raise CacheBoxUnavailable(f"cache box {_safe(self.url)} did not confirm a subscription") from None
             raise
 
@@ -278,7 +292,9 @@ def subscribe(url: str, channel: str, *, connect_timeout: float = 0.5, timeout: 
     return Subscription(url, channel, connect_timeout=connect_timeout, timeout=timeout)
 
 
-async def set_flag(url: str, name: str, ttl: int, value: bytes = b"1", *, connect_timeout: float = 0.5, timeout: float = 5.0) -> None:
+async def set_flag(
+    url: str, name: str, ttl: int, value: bytes = b"1", *, connect_timeout: float = 0.5, timeout: float = 5.0
+) -> None:
     """Set the flag key ``name`` to ``value`` for ``ttl`` seconds (a run's signed cancel flag); one
     connection, one round trip."""
     if is_cluster_url(url):
@@ -303,8 +319,15 @@ async def _set_on_cluster(url: str, name: str, ttl: int, value: bytes, connect_t
             except MovedError as moved:
                 address = parse_cluster_url(url)
                 owner = aioredis.Redis(
-                    host=moved.host, port=moved.port, username=address.username, password=address.password, ssl=address.tls,
-                    socket_connect_timeout=connect_timeout, socket_timeout=timeout, retry=Retry(NoBackoff(), 0), **client_options(url),
+                    host=moved.host,
+                    port=moved.port,
+                    username=address.username,
+                    password=address.password,
+                    ssl=address.tls,
+                    socket_connect_timeout=connect_timeout,
+                    socket_timeout=timeout,
+                    retry=Retry(NoBackoff(), 0),
+                    **client_options(url),
                 )
                 try:
                     await owner.set(name, value, ex=max(1, int(ttl)))

@@ -28,7 +28,6 @@ def read_prompt_file(path: str) -> str:
         )
 
 
-
 def add_sampling_arguments(parser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy decoding")
     parser.add_argument("--top-k", type=int, default=40)

@@ -20,7 +20,11 @@ class Migration(migrations.Migration):
                     models.CharField(
                         max_length=40,
                         unique=True,
-                        validators=[django.core.validators.RegexValidator("^[A-Za-z0-9_-]{1,40}$", "Use 1-40 letters, digits, '-' or '_'.")],
+                        validators=[
+                            django.core.validators.RegexValidator(
+                                "^[A-Za-z0-9_-]{1,40}$", "Use 1-40 letters, digits, '-' or '_'."
+                            )
+                        ],
                     ),
                 ),
                 (

@@ -20,44 +20,50 @@ def backfill(apps, schema_editor):
         InferenceRun.objects.bulk_update(batch, FIELDS)
 
 
-FIELDS = ["fetched_bytes", "uploaded_bytes", "false_positives", "rejected_entries", "cache_lookup", "cachebox_unavailable"]
+FIELDS = [
+    "fetched_bytes",
+    "uploaded_bytes",
+    "false_positives",
+    "rejected_entries",
+    "cache_lookup",
+    "cachebox_unavailable",
+]
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0002_namespaces'),
+        ("dashboard", "0002_namespaces"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='inferencerun',
-            name='cache_lookup',
+            model_name="inferencerun",
+            name="cache_lookup",
             field=models.BooleanField(default=False),
         ),
         migrations.AddField(
-            model_name='inferencerun',
-            name='cachebox_unavailable',
+            model_name="inferencerun",
+            name="cachebox_unavailable",
             field=models.BooleanField(default=False),
         ),
         migrations.AddField(
-            model_name='inferencerun',
-            name='false_positives',
+            model_name="inferencerun",
+            name="false_positives",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='inferencerun',
-            name='fetched_bytes',
+            model_name="inferencerun",
+            name="fetched_bytes",
             field=models.PositiveBigIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='inferencerun',
-            name='rejected_entries',
+            model_name="inferencerun",
+            name="rejected_entries",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='inferencerun',
-            name='uploaded_bytes',
+            model_name="inferencerun",
+            name="uploaded_bytes",
             field=models.PositiveBigIntegerField(default=0),
         ),
         migrations.RunPython(backfill, migrations.RunPython.noop),

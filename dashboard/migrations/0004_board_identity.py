@@ -10,14 +10,28 @@ class Migration(migrations.Migration):
     operations = [
         migrations.RemoveField(model_name="device", name="wrap_key"),
         migrations.RemoveField(model_name="device", name="token_hint"),
-        migrations.AddField(model_name="device", name="enroll_key", field=models.CharField(blank=True, editable=False, max_length=64)),
-        migrations.AddField(model_name="device", name="signing_public_key", field=models.CharField(blank=True, editable=False, max_length=64)),
-        migrations.AddField(model_name="device", name="box_public_key", field=models.CharField(blank=True, editable=False, max_length=64)),
-        migrations.AddField(model_name="device", name="enrolled_at", field=models.DateTimeField(blank=True, editable=False, null=True)),
+        migrations.AddField(
+            model_name="device", name="enroll_key", field=models.CharField(blank=True, editable=False, max_length=64)
+        ),
+        migrations.AddField(
+            model_name="device",
+            name="signing_public_key",
+            field=models.CharField(blank=True, editable=False, max_length=64),
+        ),
+        migrations.AddField(
+            model_name="device",
+            name="box_public_key",
+            field=models.CharField(blank=True, editable=False, max_length=64),
+        ),
+        migrations.AddField(
+            model_name="device", name="enrolled_at", field=models.DateTimeField(blank=True, editable=False, null=True)
+        ),
         migrations.AddField(
             model_name="device",
             name="last_message_ts",
-            field=models.FloatField(default=0.0, editable=False, help_text="send time of the newest heartbeat accepted (replays are older)"),
+            field=models.FloatField(
+                default=0.0, editable=False, help_text="send time of the newest heartbeat accepted (replays are older)"
+            ),
         ),
         migrations.CreateModel(
             name="Dispatch",

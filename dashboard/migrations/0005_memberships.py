@@ -24,12 +24,19 @@ class Migration(migrations.Migration):
                 (
                     "namespace",
                     models.ForeignKey(
-                        on_delete=django.db.models.deletion.CASCADE, related_name="memberships", to="dashboard.namespace", to_field="name"
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="memberships",
+                        to="dashboard.namespace",
+                        to_field="name",
                     ),
                 ),
                 (
                     "user",
-                    models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name="memberships", to=settings.AUTH_USER_MODEL),
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="memberships",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
                 ),
             ],
             options={"ordering": ["namespace", "user"], "unique_together": {("user", "namespace")}},

@@ -16,19 +16,35 @@ class Migration(migrations.Migration):
             model_name="inferencerun",
             name="source",
             field=models.CharField(
-                choices=[("text", "free text"), ("mmlu", "MMLU question"), ("saved", "saved prompt"), ("api", "API")], default="text", max_length=10
+                choices=[("text", "free text"), ("mmlu", "MMLU question"), ("saved", "saved prompt"), ("api", "API")],
+                default="text",
+                max_length=10,
             ),
         ),
         migrations.CreateModel(
             name="ApiKey",
             fields=[
                 ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
-                ("name", models.CharField(blank=True, help_text="what it is for (shown in lists and run titles)", max_length=100)),
+                (
+                    "name",
+                    models.CharField(
+                        blank=True, help_text="what it is for (shown in lists and run titles)", max_length=100
+                    ),
+                ),
                 ("key_sha256", models.CharField(editable=False, max_length=64, unique=True)),
-                ("key_prefix", models.CharField(editable=False, help_text="the key's first characters, to recognize it", max_length=16)),
+                (
+                    "key_prefix",
+                    models.CharField(
+                        editable=False, help_text="the key's first characters, to recognize it", max_length=16
+                    ),
+                ),
                 (
                     "rate_per_minute",
-                    models.PositiveIntegerField(blank=True, help_text="requests per minute; empty: EDGECACHE_API_RATE (60); 0: no limit", null=True),
+                    models.PositiveIntegerField(
+                        blank=True,
+                        help_text="requests per minute; empty: EDGECACHE_API_RATE (60); 0: no limit",
+                        null=True,
+                    ),
                 ),
                 ("created", models.DateTimeField(auto_now_add=True)),
                 ("last_used", models.DateTimeField(blank=True, editable=False, null=True)),
@@ -36,7 +52,11 @@ class Migration(migrations.Migration):
                 (
                     "created_by",
                     models.ForeignKey(
-                        blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name="+", to=settings.AUTH_USER_MODEL
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
                     ),
                 ),
                 (

@@ -4,18 +4,17 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0007_routing'),
+        ("dashboard", "0007_routing"),
     ]
 
     operations = [
         migrations.AddIndex(
-            model_name='dispatch',
-            index=models.Index(fields=['device', 'kind', '-created'], name='dispatch_device_recent'),
+            model_name="dispatch",
+            index=models.Index(fields=["device", "kind", "-created"], name="dispatch_device_recent"),
         ),
         migrations.AddIndex(
-            model_name='inferencerun',
-            index=models.Index(fields=['device', '-created'], name='run_device_recent'),
+            model_name="inferencerun",
+            index=models.Index(fields=["device", "-created"], name="run_device_recent"),
         ),
     ]

@@ -10,36 +10,50 @@ def spend_old_tokens(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0008_recent_indexes'),
+        ("dashboard", "0008_recent_indexes"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='device',
-            name='enroll_redis_sha256',
-            field=models.CharField(blank=True, editable=False, help_text="the SHA-256 of the enrollment Redis user's password (the token gives it)", max_length=64),
+            model_name="device",
+            name="enroll_redis_sha256",
+            field=models.CharField(
+                blank=True,
+                editable=False,
+                help_text="the SHA-256 of the enrollment Redis user's password (the token gives it)",
+                max_length=64,
+            ),
         ),
         migrations.AddField(
-            model_name='device',
-            name='pin_proof',
+            model_name="device",
+            name="pin_proof",
             field=models.CharField(blank=True, editable=False, max_length=64),
         ),
         migrations.AddField(
-            model_name='device',
-            name='redis_password_sha256',
+            model_name="device",
+            name="redis_password_sha256",
             field=models.CharField(blank=True, editable=False, max_length=64),
         ),
         migrations.AddField(
-            model_name='device',
-            name='token_expires',
-            field=models.DateTimeField(blank=True, editable=False, help_text='after this the token enrolls nothing (EDGECACHE_TOKEN_TTL_HOURS)', null=True),
+            model_name="device",
+            name="token_expires",
+            field=models.DateTimeField(
+                blank=True,
+                editable=False,
+                help_text="after this the token enrolls nothing (EDGECACHE_TOKEN_TTL_HOURS)",
+                null=True,
+            ),
         ),
         migrations.AlterField(
-            model_name='device',
-            name='enroll_key',
-            field=models.CharField(blank=True, editable=False, help_text="the token's Ed25519 public key (hex) until the board enrolls", max_length=64),
+            model_name="device",
+            name="enroll_key",
+            field=models.CharField(
+                blank=True,
+                editable=False,
+                help_text="the token's Ed25519 public key (hex) until the board enrolls",
+                max_length=64,
+            ),
         ),
         migrations.RunPython(spend_old_tokens, migrations.RunPython.noop),
     ]

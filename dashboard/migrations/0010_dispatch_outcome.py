@@ -4,35 +4,46 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0009_board_trust'),
+        ("dashboard", "0009_board_trust"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='dispatch',
-            name='attempt',
-            field=models.PositiveSmallIntegerField(default=1, help_text='2 once re-sent to another board'),
+            model_name="dispatch",
+            name="attempt",
+            field=models.PositiveSmallIntegerField(default=1, help_text="2 once re-sent to another board"),
         ),
         migrations.AddField(
-            model_name='dispatch',
-            name='expires_at',
-            field=models.DateTimeField(blank=True, help_text='no board takes it after this', null=True),
+            model_name="dispatch",
+            name="expires_at",
+            field=models.DateTimeField(blank=True, help_text="no board takes it after this", null=True),
         ),
         migrations.AddField(
-            model_name='dispatch',
-            name='outcome',
-            field=models.CharField(blank=True, choices=[('', 'under way'), ('answered', 'answered'), ('lost', 'lost')], db_index=True, default='', max_length=10),
+            model_name="dispatch",
+            name="outcome",
+            field=models.CharField(
+                blank=True,
+                choices=[("", "under way"), ("answered", "answered"), ("lost", "lost")],
+                db_index=True,
+                default="",
+                max_length=10,
+            ),
         ),
         migrations.AddField(
-            model_name='dispatch',
-            name='request',
-            field=models.JSONField(blank=True, default=dict, help_text='the request while it is under way (for a re-send); emptied when it ends'),
+            model_name="dispatch",
+            name="request",
+            field=models.JSONField(
+                blank=True,
+                default=dict,
+                help_text="the request while it is under way (for a re-send); emptied when it ends",
+            ),
         ),
         migrations.AddField(
-            model_name='dispatch',
-            name='waits_until',
-            field=models.DateTimeField(blank=True, help_text='how long its client (the API, the Run page) waits for the answer', null=True),
+            model_name="dispatch",
+            name="waits_until",
+            field=models.DateTimeField(
+                blank=True, help_text="how long its client (the API, the Run page) waits for the answer", null=True
+            ),
         ),
     ]

@@ -23,46 +23,53 @@ def fill_tier_counts(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0010_dispatch_outcome'),
+        ("dashboard", "0010_dispatch_outcome"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='device',
-            name='announced_online',
+            model_name="device",
+            name="announced_online",
             field=models.BooleanField(default=False, editable=False),
         ),
         migrations.AddField(
-            model_name='inferencerun',
-            name='context_tokens',
+            model_name="inferencerun",
+            name="context_tokens",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='inferencerun',
-            name='fetched_tokens',
+            model_name="inferencerun",
+            name="fetched_tokens",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='inferencerun',
-            name='local_tokens',
+            model_name="inferencerun",
+            name="local_tokens",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='inferencerun',
-            name='flash_tokens',
+            model_name="inferencerun",
+            name="flash_tokens",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='inferencerun',
-            name='tpot_ms',
-            field=models.FloatField(default=0, help_text='time per output token after the first (0: fewer than two tokens)'),
+            model_name="inferencerun",
+            name="tpot_ms",
+            field=models.FloatField(
+                default=0, help_text="time per output token after the first (0: fewer than two tokens)"
+            ),
         ),
         migrations.AlterField(
-            model_name='dispatch',
-            name='outcome',
-            field=models.CharField(blank=True, choices=[('', 'under way'), ('answered', 'answered'), ('lost', 'lost'), ('revoked', 'revoked')], db_index=True, default='', max_length=10),
+            model_name="dispatch",
+            name="outcome",
+            field=models.CharField(
+                blank=True,
+                choices=[("", "under way"), ("answered", "answered"), ("lost", "lost"), ("revoked", "revoked")],
+                db_index=True,
+                default="",
+                max_length=10,
+            ),
         ),
         migrations.RunPython(fill_tier_counts, migrations.RunPython.noop),
     ]

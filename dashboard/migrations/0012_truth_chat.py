@@ -4,25 +4,34 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0011_truth_ops'),
+        ("dashboard", "0011_truth_ops"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='device',
-            name='cpu_threads',
-            field=models.PositiveSmallIntegerField(default=1, verbose_name='CPU threads'),
+            model_name="device",
+            name="cpu_threads",
+            field=models.PositiveSmallIntegerField(default=1, verbose_name="CPU threads"),
         ),
         migrations.AlterField(
-            model_name='device',
-            name='memory_mb',
-            field=models.PositiveIntegerField(default=512, verbose_name='Memory (MB)'),
+            model_name="device",
+            name="memory_mb",
+            field=models.PositiveIntegerField(default=512, verbose_name="Memory (MB)"),
         ),
         migrations.AlterField(
-            model_name='inferencerun',
-            name='source',
-            field=models.CharField(choices=[('chat', 'chat'), ('text', 'free text'), ('mmlu', 'MMLU question'), ('saved', 'saved prompt'), ('api', 'API')], default='text', max_length=10),
+            model_name="inferencerun",
+            name="source",
+            field=models.CharField(
+                choices=[
+                    ("chat", "chat"),
+                    ("text", "free text"),
+                    ("mmlu", "MMLU question"),
+                    ("saved", "saved prompt"),
+                    ("api", "API"),
+                ],
+                default="text",
+                max_length=10,
+            ),
         ),
     ]

@@ -4,15 +4,18 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0012_truth_chat'),
+        ("dashboard", "0012_truth_chat"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='namespace',
-            name='members_manage_api_keys',
-            field=models.BooleanField(default=False, help_text='members of this namespace (not only staff) may create and revoke its API keys on the API keys page', verbose_name='members manage API keys'),
+            model_name="namespace",
+            name="members_manage_api_keys",
+            field=models.BooleanField(
+                default=False,
+                help_text="members of this namespace (not only staff) may create and revoke its API keys on the API keys page",
+                verbose_name="members manage API keys",
+            ),
         ),
     ]

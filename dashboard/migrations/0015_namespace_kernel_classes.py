@@ -4,15 +4,18 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0014_sealed_at_rest'),
+        ("dashboard", "0014_sealed_at_rest"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='namespace',
-            name='share_across_kernel_classes',
-            field=models.BooleanField(default=False, help_text="on: a board whose own entries miss may restore a state another kernel class of the same model computed (another CPU's llama.cpp build: other bits). Faster, but not the board's cold answer: every such run is labelled approximate (cross-class) wherever runs are shown. Off: boards share states only within their class (exact)", verbose_name='share across kernel classes (approximate)'),
+            model_name="namespace",
+            name="share_across_kernel_classes",
+            field=models.BooleanField(
+                default=False,
+                help_text="on: a board whose own entries miss may restore a state another kernel class of the same model computed (another CPU's llama.cpp build: other bits). Faster, but not the board's cold answer: every such run is labelled approximate (cross-class) wherever runs are shown. Off: boards share states only within their class (exact)",
+                verbose_name="share across kernel classes (approximate)",
+            ),
         ),
     ]

@@ -5,44 +5,78 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0016_dispatch_moving'),
+        ("dashboard", "0016_dispatch_moving"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='device',
-            name='audit_mismatches',
-            field=models.PositiveIntegerField(default=0, editable=False, help_text='entries of this board an audit found not to be what they claim'),
+            model_name="device",
+            name="audit_mismatches",
+            field=models.PositiveIntegerField(
+                default=0, editable=False, help_text="entries of this board an audit found not to be what they claim"
+            ),
         ),
         migrations.AddField(
-            model_name='device',
-            name='quarantine_reason',
+            model_name="device",
+            name="quarantine_reason",
             field=models.CharField(blank=True, editable=False, max_length=300),
         ),
         migrations.AddField(
-            model_name='device',
-            name='quarantined_at',
-            field=models.DateTimeField(blank=True, editable=False, help_text='when its entries were quarantined (an audit caught it)', null=True),
+            model_name="device",
+            name="quarantined_at",
+            field=models.DateTimeField(
+                blank=True,
+                editable=False,
+                help_text="when its entries were quarantined (an audit caught it)",
+                null=True,
+            ),
         ),
         migrations.CreateModel(
-            name='EntryAudit',
+            name="EntryAudit",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('request_id', models.UUIDField(unique=True)),
-                ('entry', models.CharField(db_index=True, max_length=200)),
-                ('namespace', models.CharField(max_length=64)),
-                ('run_device', models.CharField(help_text='the board whose run hit the entry', max_length=64)),
-                ('producer', models.CharField(blank=True, help_text="the board the entry's signature names (as the auditor verified it)", max_length=64)),
-                ('verdict', models.CharField(blank=True, choices=[('', 'under way'), ('match', 'match: the entry is what it claims'), ('mismatch', 'mismatch: the entry is not what its producer signed it to be'), ('refused', 'refused: the entry failed its checks on the auditor'), ('gone', 'gone: the entry was no longer there'), ('inconclusive', "inconclusive: the run's prompt no longer gives that entry")], db_index=True, default='', max_length=12)),
-                ('detail', models.CharField(blank=True, max_length=500)),
-                ('created', models.DateTimeField(auto_now_add=True)),
-                ('finished', models.DateTimeField(blank=True, null=True)),
-                ('auditor', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='audits_made', to='dashboard.device')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("request_id", models.UUIDField(unique=True)),
+                ("entry", models.CharField(db_index=True, max_length=200)),
+                ("namespace", models.CharField(max_length=64)),
+                ("run_device", models.CharField(help_text="the board whose run hit the entry", max_length=64)),
+                (
+                    "producer",
+                    models.CharField(
+                        blank=True,
+                        help_text="the board the entry's signature names (as the auditor verified it)",
+                        max_length=64,
+                    ),
+                ),
+                (
+                    "verdict",
+                    models.CharField(
+                        blank=True,
+                        choices=[
+                            ("", "under way"),
+                            ("match", "match: the entry is what it claims"),
+                            ("mismatch", "mismatch: the entry is not what its producer signed it to be"),
+                            ("refused", "refused: the entry failed its checks on the auditor"),
+                            ("gone", "gone: the entry was no longer there"),
+                            ("inconclusive", "inconclusive: the run's prompt no longer gives that entry"),
+                        ],
+                        db_index=True,
+                        default="",
+                        max_length=12,
+                    ),
+                ),
+                ("detail", models.CharField(blank=True, max_length=500)),
+                ("created", models.DateTimeField(auto_now_add=True)),
+                ("finished", models.DateTimeField(blank=True, null=True)),
+                (
+                    "auditor",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="audits_made", to="dashboard.device"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created'],
+                "ordering": ["-created"],
             },
         ),
     ]

@@ -11,7 +11,6 @@ from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
-
 from dashboard.models import Device
 
 log = logging.getLogger("dashboard.ops.health")

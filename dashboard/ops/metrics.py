@@ -20,10 +20,9 @@ from django.db.models.fields.json import KeyTextTransform
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from inference.serving.breakdown import CROSS_CLASS
-
 from dashboard.models import Device, Dispatch, InferenceRun
 from dashboard.pages.stats import CANCELLED_RUNS, FAILED, outcome_q
+from inference.serving.breakdown import CROSS_CLASS
 
 # Upper bounds of the TTFT histogram, in seconds: a full hit on a fast board (~5 ms) up to a
 # cold 2k-token prefill on a Pi Zero (~30 s).
@@ -31,7 +30,12 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 2
 # Time per output token after the first: ~10 ms on a desktop core up to ~1 s on a paced Pi Zero.
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 # The tiers a matched token may come from (the ``tier`` label): inference.serving.breakdown's words.
-TIERS = (("context", "context_tokens"), ("local", "local_tokens"), ("flash", "flash_tokens"), ("cachebox", "fetched_tokens"))
+TIERS = (
+    ("context", "context_tokens"),
+    ("local", "local_tokens"),
+    ("flash", "flash_tokens"),
+    ("cachebox", "fetched_tokens"),
+)
 
 # name (without _total), help, the aggregate it reads
 COUNTERS = (
@@ -42,12 +46,31 @@ COUNTERS = (
     ("edgecache_prompt_tokens", "Prompt tokens of all runs.", "prompt_tokens"),
     ("edgecache_fetched_bytes", "Prompt-state bytes downloaded from the cache box.", "fetched_bytes"),
     ("edgecache_uploaded_bytes", "Prompt-state bytes uploaded to the cache box.", "uploaded_bytes"),
-    ("edgecache_catalog_false_positives", "Catalog 'maybe' answers for entries the cache box did not hold.", "false_positives"),
-    ("edgecache_integrity_failures", "Cache entries refused and evicted as forged, corrupted or mismatched (breakdown.rejected_entries).", "rejected_entries"),
-    ("edgecache_cachebox_unavailable_runs", "Runs answered by local prefill because the cache box could not be reached.", "unavailable"),
+    (
+        "edgecache_catalog_false_positives",
+        "Catalog 'maybe' answers for entries the cache box did not hold.",
+        "false_positives",
+    ),
+    (
+        "edgecache_integrity_failures",
+        "Cache entries refused and evicted as forged, corrupted or mismatched (breakdown.rejected_entries).",
+        "rejected_entries",
+    ),
+    (
+        "edgecache_cachebox_unavailable_runs",
+        "Runs answered by local prefill because the cache box could not be reached.",
+        "unavailable",
+    ),
 )
 
-REFUSAL_REASONS = ("rate_limited", "login_required", "staff_required", "bad_metrics_token", "login_locked_out", "bad_api_key")
+REFUSAL_REASONS = (
+    "rate_limited",
+    "login_required",
+    "staff_required",
+    "bad_metrics_token",
+    "login_locked_out",
+    "bad_api_key",
+)
 
 
 def _bucket_field(index: int, name: str = "ttft") -> str:
@@ -80,11 +103,19 @@ class RunMetricsCollector:
 
     # -- computation ----------------------------------------------------------------------
     def _compute(self) -> list:
-        names = {pk: (name, namespace) for pk, name, namespace in Device.objects.values_list("pk", "name", "namespace_id")}
+        names = {
+            pk: (name, namespace) for pk, name, namespace in Device.objects.values_list("pk", "name", "namespace_id")
+        }
         ok = Q(error="")
         decoded = ok & Q(tpot_ms__gt=0)
-        buckets = {_bucket_field(i): Count("pk", filter=ok & Q(ttft_ms__lte=bound * 1000.0)) for i, bound in enumerate(TTFT_BUCKETS)}
-        buckets |= {_bucket_field(i, "tpot"): Count("pk", filter=decoded & Q(tpot_ms__lte=bound * 1000.0)) for i, bound in enumerate(TPOT_BUCKETS)}
+        buckets = {
+            _bucket_field(i): Count("pk", filter=ok & Q(ttft_ms__lte=bound * 1000.0))
+            for i, bound in enumerate(TTFT_BUCKETS)
+        }
+        buckets |= {
+            _bucket_field(i, "tpot"): Count("pk", filter=decoded & Q(tpot_ms__lte=bound * 1000.0))
+            for i, bound in enumerate(TPOT_BUCKETS)
+        }
         buckets |= {tier: Sum(field) for tier, field in TIERS}
         sql = (
             InferenceRun.objects.order_by()
@@ -111,18 +142,25 @@ class RunMetricsCollector:
         per_device = {row["device_id"]: row for row in sql}
         # Runs that restored a state another kernel class computed (approximate), by the class it came from.
         approximate = (
-            InferenceRun.objects.filter(breakdown__approximate=CROSS_CLASS).order_by()
-            .values("device_id", source_class=KeyTextTransform("approximate_from", "breakdown")).annotate(runs=Count("pk"))
+            InferenceRun.objects.filter(breakdown__approximate=CROSS_CLASS)
+            .order_by()
+            .values("device_id", source_class=KeyTextTransform("approximate_from", "breakdown"))
+            .annotate(runs=Count("pk"))
         )
-        families = self._build({names.get(pk, (str(pk), "")): per_device.get(pk, {}) for pk in set(names) | set(per_device)})
+        families = self._build(
+            {names.get(pk, (str(pk), "")): per_device.get(pk, {}) for pk in set(names) | set(per_device)}
+        )
         cross = CounterMetricFamily(
             "edgecache_approximate_runs",
             "Runs answered from a state another kernel class computed (the namespace shares across kernel classes): approximate, "
-            "not the board's cold answer; labelled approximate=\"cross-class\" and the class the state came from.",
+            'not the board\'s cold answer; labelled approximate="cross-class" and the class the state came from.',
             labels=["device", "namespace", "approximate", "source_class"],
         )
         for row in approximate:
-            cross.add_metric([*names.get(row["device_id"], (str(row["device_id"]), "")), CROSS_CLASS, row["source_class"] or ""], float(row["runs"]))
+            cross.add_metric(
+                [*names.get(row["device_id"], (str(row["device_id"]), "")), CROSS_CLASS, row["source_class"] or ""],
+                float(row["runs"]),
+            )
         return families + [cross]
 
     @staticmethod
@@ -155,9 +193,24 @@ class RunMetricsCollector:
             cache_read.add_metric(list(device), float(sum(row.get(tier) or 0 for tier, _ in TIERS)))
         families += [hits, cache_read]
         for name, documentation, key, bounds in (
-            ("edgecache_ttft_seconds", "Time to first token of the runs that answered, in seconds.", "ttft", TTFT_BUCKETS),
-            ("gen_ai_server_time_to_first_token_seconds", "OpenTelemetry gen_ai.server.time_to_first_token: time to generate the first token of the runs that answered, in seconds.", "ttft", TTFT_BUCKETS),
-            ("gen_ai_server_time_per_output_token_seconds", "OpenTelemetry gen_ai.server.time_per_output_token: time per output token after the first, of the runs that answered with two tokens or more, in seconds.", "tpot", TPOT_BUCKETS),
+            (
+                "edgecache_ttft_seconds",
+                "Time to first token of the runs that answered, in seconds.",
+                "ttft",
+                TTFT_BUCKETS,
+            ),
+            (
+                "gen_ai_server_time_to_first_token_seconds",
+                "OpenTelemetry gen_ai.server.time_to_first_token: time to generate the first token of the runs that answered, in seconds.",
+                "ttft",
+                TTFT_BUCKETS,
+            ),
+            (
+                "gen_ai_server_time_per_output_token_seconds",
+                "OpenTelemetry gen_ai.server.time_per_output_token: time per output token after the first, of the runs that answered with two tokens or more, in seconds.",
+                "tpot",
+                TPOT_BUCKETS,
+            ),
         ):
             histogram = HistogramMetricFamily(name, documentation, labels=["device", "namespace"])
             for device in devices:
@@ -186,13 +239,20 @@ class OperationsCollector(RunMetricsCollector):
         from django.utils import timezone
 
         from cachebox.errors import CacheBoxError
-
         from dashboard.actions.cache import cachebox
         from dashboard.ops.security_counts import security_counts
 
         now = timezone.now()
-        up = GaugeMetricFamily("edgecache_board_up", "1 while the board beats (within EDGECACHE_MISSED_HEARTBEATS of its heartbeats), else 0; revoked boards are left out.", labels=["device", "namespace"])
-        seen = GaugeMetricFamily("edgecache_board_last_seen_timestamp_seconds", "When the board's last heartbeat came (Unix time; 0: never).", labels=["device", "namespace"])
+        up = GaugeMetricFamily(
+            "edgecache_board_up",
+            "1 while the board beats (within EDGECACHE_MISSED_HEARTBEATS of its heartbeats), else 0; revoked boards are left out.",
+            labels=["device", "namespace"],
+        )
+        seen = GaugeMetricFamily(
+            "edgecache_board_last_seen_timestamp_seconds",
+            "When the board's last heartbeat came (Unix time; 0: never).",
+            labels=["device", "namespace"],
+        )
         info = GaugeMetricFamily(
             "edgecache_board_kernel_class_info",
             "1 for each board, labelled with the kernel class of its llama.cpp (its heartbeat's; '' before the first): "
@@ -217,9 +277,22 @@ class OperationsCollector(RunMetricsCollector):
             info.add_metric([*labels, device.kernel_class], 1.0)
             mismatches.add_metric(labels, float(device.audit_mismatches))
             quarantined.add_metric(labels, float(device.quarantined_at is not None))
-        waiting = GaugeMetricFamily("edgecache_queue_runs", "Runs sent to the board and not answered, lost or revoked yet (queued or running).", labels=["device", "namespace"])
-        oldest = GaugeMetricFamily("edgecache_queue_oldest_wait_seconds", "How long the oldest of those runs has waited, in seconds (0: none waits).", labels=["device", "namespace"])
-        rows = Dispatch.objects.filter(kind="run", outcome="").order_by().values("device__name", "namespace").annotate(runs=Count("pk"), since=Min("created"))
+        waiting = GaugeMetricFamily(
+            "edgecache_queue_runs",
+            "Runs sent to the board and not answered, lost or revoked yet (queued or running).",
+            labels=["device", "namespace"],
+        )
+        oldest = GaugeMetricFamily(
+            "edgecache_queue_oldest_wait_seconds",
+            "How long the oldest of those runs has waited, in seconds (0: none waits).",
+            labels=["device", "namespace"],
+        )
+        rows = (
+            Dispatch.objects.filter(kind="run", outcome="")
+            .order_by()
+            .values("device__name", "namespace")
+            .annotate(runs=Count("pk"), since=Min("created"))
+        )
         for row in rows:
             labels = [row["device__name"] or "", row["namespace"]]
             waiting.add_metric(labels, float(row["runs"]))
@@ -227,9 +300,15 @@ class OperationsCollector(RunMetricsCollector):
         families = [up, seen, info, waiting, oldest, mismatches, quarantined]
         try:
             used, limit = cachebox().memory_bytes()
-            memory = GaugeMetricFamily("edgecache_cachebox_memory_used_bytes", "Memory the cache box server uses (INFO used_memory; a cluster: its primaries' sum).")
+            memory = GaugeMetricFamily(
+                "edgecache_cachebox_memory_used_bytes",
+                "Memory the cache box server uses (INFO used_memory; a cluster: its primaries' sum).",
+            )
             memory.add_metric([], float(used))
-            ceiling = GaugeMetricFamily("edgecache_cachebox_memory_max_bytes", "The cache box's maxmemory (0: no limit): at it, the least recently used entries are evicted.")
+            ceiling = GaugeMetricFamily(
+                "edgecache_cachebox_memory_max_bytes",
+                "The cache box's maxmemory (0: no limit): at it, the least recently used entries are evicted.",
+            )
             ceiling.add_metric([], float(limit))
             families += [memory, ceiling]
         except CacheBoxError:

@@ -19,15 +19,17 @@ _clients: dict[str, object] = {}  # one client per cache box URL and process: it
 
 
 def _store():
-    from cachebox.store import CacheBox
     from django.conf import settings
 
+    from cachebox.store import CacheBox
     from dashboard.actions.cache import cachebox_url
 
     url = cachebox_url()
     client = _clients.get(url)
     if client is None:
-        client = _clients[url] = CacheBox(url, connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT)
+        client = _clients[url] = CacheBox(
+            url, connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT, timeout=settings.EDGECACHE_IO_TIMEOUT
+        )
     return client
 
 

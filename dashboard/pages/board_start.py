@@ -20,7 +20,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from django.conf import settings
 
-INSTALL = "make install-board"  # in a checkout of EdgeCache on the board: .venv-board with `pip install .` (no control plane)
+INSTALL = (
+    "make install-board"  # in a checkout of EdgeCache on the board: .venv-board with `pip install .` (no control plane)
+)
 ENTRY_POINT = ".venv-board/bin/edgecache-board"  # what `make install-board` installs (`edgecache-board` in any venv with `pip install .`)
 ANY_ADDRESS = ("0.0.0.0", "::", "*")
 
@@ -36,7 +38,9 @@ class BoardAddress:
 
     def environment(self) -> str:
         """The variables the start command sets."""
-        pairs = [("REDIS_URL", self.redis_url)] + ([("EDGECACHE_CACHEBOX_URL", self.cachebox_url)] if self.cachebox_url else [])
+        pairs = [("REDIS_URL", self.redis_url)] + (
+            [("EDGECACHE_CACHEBOX_URL", self.cachebox_url)] if self.cachebox_url else []
+        )
         return " ".join(f"{name}={shlex.quote(value)}" for name, value in pairs)
 
 
@@ -88,11 +92,15 @@ def board_address() -> BoardAddress:
     if public:
         url, source = without_credentials(public), "EDGECACHE_PUBLIC_REDIS_URL"
     elif settings.REDIS_URL_IS_EMBEDDED:
-        url = _with_host(without_credentials(settings.REDIS_URL), _embedded_host(tuple(settings.EDGECACHE_EMBEDDED_BIND)))
+        url = _with_host(
+            without_credentials(settings.REDIS_URL), _embedded_host(tuple(settings.EDGECACHE_EMBEDDED_BIND))
+        )
         source = "the embedded Valkey"
     else:
         url, source = without_credentials(settings.REDIS_URL), "REDIS_URL"
-    local = is_loopback(_host_of(url)) or (bool(cachebox) and "+cluster" not in cachebox and is_loopback(_host_of(cachebox)))
+    local = is_loopback(_host_of(url)) or (
+        bool(cachebox) and "+cluster" not in cachebox and is_loopback(_host_of(cachebox))
+    )
     return BoardAddress(redis_url=url, cachebox_url=cachebox, source=source, local_only=local)
 
 
@@ -118,4 +126,9 @@ def shown_to(user, name: str = "NAME", token: str | None = None) -> dict:
     """What a page shows ``user`` to start board ``name``: the install, the command (with the cache
     box's address for staff only) and where the address comes from."""
     address = board_address() if user.is_staff else None
-    return {"install": INSTALL, "command": start_command(name, token, address), "prefix": command_prefix(address), "address": address}
+    return {
+        "install": INSTALL,
+        "command": start_command(name, token, address),
+        "prefix": command_prefix(address),
+        "address": address,
+    }

@@ -16,9 +16,8 @@ from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Cast, Trunc
 from django.utils import timezone
 
-from inference.serving.breakdown import Case, Tier
-
 from dashboard.models import InferenceRun
+from inference.serving.breakdown import Case, Tier
 
 # The time ranges a page offers (Grafana's basics), and the one it opens with.
 RANGES: dict[str, timedelta | None] = {
@@ -32,7 +31,14 @@ DEFAULT_RANGE = "24h"
 RAW_LIMIT = 2000  # up to this many runs in the range: one point per run
 MAX_BUCKETS = 1500  # beyond: per device, at most about this many time buckets
 # Truncations the database does (Django's Trunc), finest first, with their width.
-GRANULARITIES = (("second", 1), ("minute", 60), ("hour", 3600), ("day", 86400), ("week", 7 * 86400), ("month", 31 * 86400))
+GRANULARITIES = (
+    ("second", 1),
+    ("minute", 60),
+    ("hour", 3600),
+    ("day", 86400),
+    ("week", 7 * 86400),
+    ("month", 31 * 86400),
+)
 # A hit: a run whose matched_tokens > 0, i.e. its case is partial or full (Breakdown.classify).
 HITS = (Case.PARTIAL.value, Case.FULL.value)
 # The tiers a hit is attributed to, nearest first (the breakdown's ``tier``).
@@ -119,7 +125,15 @@ def chart_series(runs: QuerySet[InferenceRun], range_name: str, now: datetime | 
     count = charted.count()
     if count <= RAW_LIMIT:
         rows = charted.order_by("created", "pk").values_list(
-            "created", "device__name", "ttft_ms", "ttlt_ms", "breakdown__tbt_p50_ms", "breakdown__tbt_p99_ms", "state_bytes", "case", "breakdown__tier"
+            "created",
+            "device__name",
+            "ttft_ms",
+            "ttlt_ms",
+            "breakdown__tbt_p50_ms",
+            "breakdown__tbt_p99_ms",
+            "state_bytes",
+            "case",
+            "breakdown__tier",
         )
         points = [_raw_point(*row) for row in rows]
         return Series(points, range_name, since, "run", count)
@@ -145,9 +159,17 @@ def chart_series(runs: QuerySet[InferenceRun], range_name: str, now: datetime | 
     )
     points = [
         ChartPoint(
-            row["bucket"], row["device_name"], row["ttft"] or 0.0, row["ttlt"] or 0.0, row["p50"] or 0.0, row["p99"] or 0.0,
-            float(row["state"] or 0.0), row["total"],
-            context_hits=row["context_hits"], local_hits=row["local_hits"], flash_hits=row["flash_hits"],
+            row["bucket"],
+            row["device_name"],
+            row["ttft"] or 0.0,
+            row["ttlt"] or 0.0,
+            row["p50"] or 0.0,
+            row["p99"] or 0.0,
+            float(row["state"] or 0.0),
+            row["total"],
+            context_hits=row["context_hits"],
+            local_hits=row["local_hits"],
+            flash_hits=row["flash_hits"],
             cachebox_hits=row["hits"] - row["context_hits"] - row["local_hits"] - row["flash_hits"],
         )
         for row in rows

@@ -16,11 +16,10 @@ from typing import Iterable
 import plotly.io
 
 from cachebox.link import LinkProfile
-from inference.serving.breakdown import OTHER, TIME_LABELS, TIER_WORDS, time_sums
-from inference.serving.breakeven import LinearFit, crossover, fit_line, overlap_ms, points_from_breakdowns
-
 from dashboard.pages.chart_series import HIT_TIERS, ChartPoint
 from dashboard.pages.explain import human_ms
+from inference.serving.breakdown import OTHER, TIER_WORDS, TIME_LABELS, time_sums
+from inference.serving.breakeven import LinearFit, crossover, fit_line, overlap_ms, points_from_breakdowns
 
 # The stacked parts of a run's TTLT: the paper's table-3 groups in its order and words, then
 # "other" (one source for the chart and live.js, which finds each run's values in ``time_sums``).
@@ -33,7 +32,11 @@ BREAKEVEN_RUNS = 200  # a board's newest runs its break-even chart fits lines to
 # page's script wraps a long title to the chart's width and grows the margin to match.
 _TOP_MARGIN = 56
 _LAYOUT = dict(
-    margin=dict(l=55, r=15, t=_TOP_MARGIN, b=45), height=320, legend=dict(orientation="h", y=-0.25), template="plotly_white", autosize=True
+    margin=dict(l=55, r=15, t=_TOP_MARGIN, b=45),
+    height=320,
+    legend=dict(orientation="h", y=-0.25),
+    template="plotly_white",
+    autosize=True,
 )
 
 
@@ -46,7 +49,11 @@ def _set(value, *, lists: bool = False):
     page to extend)."""
     if isinstance(value, dict):
         kept = {key: _set(item, lists=lists) for key, item in value.items()}
-        return {key: item for key, item in kept.items() if item is not None and item != {} and not (lists and isinstance(item, list) and not item)}
+        return {
+            key: item
+            for key, item in kept.items()
+            if item is not None and item != {} and not (lists and isinstance(item, list) and not item)
+        }
     return value
 
 
@@ -62,14 +69,19 @@ def _plain(trace) -> dict:
 
 def _merged(into: dict, more: dict) -> dict:
     for key, value in more.items():
-        into[key] = _merged(dict(into[key]), value) if isinstance(value, dict) and isinstance(into.get(key), dict) else value
+        into[key] = (
+            _merged(dict(into[key]), value) if isinstance(value, dict) and isinstance(into.get(key), dict) else value
+        )
     return into
 
 
 def _titled(value):
     """Plotly's shorthand for a title, a string, spelled out (``{"text": ...}``), at any depth."""
     if isinstance(value, dict):
-        return {key: {"text": item} if key == "title" and isinstance(item, str) else _titled(item) for key, item in value.items()}
+        return {
+            key: {"text": item} if key == "title" and isinstance(item, str) else _titled(item)
+            for key, item in value.items()
+        }
     if isinstance(value, list):
         return [_titled(item) for item in value]
     return value
@@ -108,7 +120,17 @@ def _figure(traces, title: str, *, empty_text: str | None = EMPTY_TEXT, **layout
     traces = [_plain(trace) for trace in traces]
     layout = {**_LAYOUT, **layout}
     template = layout.pop("template", None)
-    title = dict(text=title, font=dict(size=14), x=0, xref="paper", xanchor="left", y=1, yref="paper", yanchor="bottom", pad=dict(b=8))
+    title = dict(
+        text=title,
+        font=dict(size=14),
+        x=0,
+        xref="paper",
+        xanchor="left",
+        y=1,
+        yref="paper",
+        yanchor="bottom",
+        pad=dict(b=8),
+    )
     figure = {"data": traces, "layout": _layout(title=title, **layout)}
     if empty_text and not _has_points(traces):
         _merged(
@@ -117,7 +139,17 @@ def _figure(traces, title: str, *, empty_text: str | None = EMPTY_TEXT, **layout
                 meta={"empty": True},
                 xaxis=dict(visible=False),
                 yaxis=dict(visible=False),
-                annotations=[dict(text=empty_text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(size=15, color="#667085"))],
+                annotations=[
+                    dict(
+                        text=empty_text,
+                        xref="paper",
+                        yref="paper",
+                        x=0.5,
+                        y=0.5,
+                        showarrow=False,
+                        font=dict(size=15, color="#667085"),
+                    )
+                ],
             ),
         )
     if template is not None:
@@ -140,7 +172,11 @@ def breakdown_figure(runs: list) -> dict:
         for index, name in enumerate(COMPONENTS)
     ]
     return _figure(
-        traces, "Time to last token per run: its parts (ms)", barmode="relative", yaxis_title="ms", legend=dict(orientation="h", y=-0.25, traceorder="normal")
+        traces,
+        "Time to last token per run: its parts (ms)",
+        barmode="relative",
+        yaxis_title="ms",
+        legend=dict(orientation="h", y=-0.25, traceorder="normal"),
     )
 
 
@@ -183,7 +219,13 @@ def timeline_figure(points: list[ChartPoint], devices: Iterable[str], colors: di
 def tbt_figure(points: list[ChartPoint], devices: Iterable[str], colors: dict[str, str] | None = None) -> dict:
     """Time between answer tokens of each run (p50 solid, p99 dotted): what a streaming reader feels."""
     # One-token answers have no time between tokens: left out.
-    traces = _paired_traces(points, devices, colors, (("tbt_p50_ms", "TBT p50"), ("tbt_p99_ms", "TBT p99")), keep=lambda point: point.tbt_p50_ms > 0)
+    traces = _paired_traces(
+        points,
+        devices,
+        colors,
+        (("tbt_p50_ms", "TBT p50"), ("tbt_p99_ms", "TBT p99")),
+        keep=lambda point: point.tbt_p50_ms > 0,
+    )
     return _figure(traces, "Time between tokens, p50 and p99 per run (ms)", yaxis_title="ms")
 
 
@@ -205,7 +247,12 @@ TIER_STYLES = {tier.value: (label, DASHES[tier.value], where) for tier, (label, 
 def hit_tiers() -> list[dict]:
     """The hit-ratio chart's tiers as the page's script extends them: trace label, dash, hover text."""
     return [
-        {"tier": tier, "label": label, "dash": dash, "hovertemplate": f"%{{y:.2f}} of runs hit from {where}<extra>%{{fullData.name}}</extra>"}
+        {
+            "tier": tier,
+            "label": label,
+            "dash": dash,
+            "hovertemplate": f"%{{y:.2f}} of runs hit from {where}<extra>%{{fullData.name}}</extra>",
+        }
         for tier, (label, dash, where) in ((tier, TIER_STYLES[tier]) for tier in HIT_TIERS)
     ]
 
@@ -250,7 +297,8 @@ def hit_ratio_figure(points: list[ChartPoint], devices: Iterable[str], colors: d
             )
     return _figure(
         traces,
-        "Cache hit ratio by tier: " + ", ".join(f"{label} ({DASH_WORDS[dash]})" for label, dash, _ in (TIER_STYLES[tier] for tier in HIT_TIERS)),
+        "Cache hit ratio by tier: "
+        + ", ".join(f"{label} ({DASH_WORDS[dash]})" for label, dash, _ in (TIER_STYLES[tier] for tier in HIT_TIERS)),
         yaxis=dict(range=[0, 1.05], title="share of runs"),
     )
 
@@ -277,7 +325,9 @@ def overlap_words(tokens: float, computing_ms: float, fetching_ms: float, togeth
     fetching it all, and computing the front while the back loads each take (the fitted lines)."""
     if computing_ms <= 0 or fetching_ms <= 0:
         return ""
-    better, best_ms = ("fetching it all", fetching_ms) if fetching_ms < computing_ms else ("computing it all", computing_ms)
+    better, best_ms = (
+        ("fetching it all", fetching_ms) if fetching_ms < computing_ms else ("computing it all", computing_ms)
+    )
     sentence = (
         f". For a {tokens:.0f}-token prompt, computing it all takes about {human_ms(computing_ms)}, fetching it all {human_ms(fetching_ms)}, "
         f"and computing the front while the back loads {human_ms(together_ms)}"
@@ -288,7 +338,9 @@ def overlap_words(tokens: float, computing_ms: float, fetching_ms: float, togeth
     return sentence + f": no faster than {better}"
 
 
-def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_label: str, bytes_per_token: float = 18_500) -> dict:
+def breakeven_figure(
+    breakdowns: list[dict], link: LinkProfile | None, link_label: str, bytes_per_token: float = 18_500
+) -> dict:
     """Prefill vs fetch+restore time against tokens, fitted lines and where they cross."""
     points = points_from_breakdowns(breakdowns)
     prefill_fit = fit_line(*zip(*points.prefill)) if len(points.prefill) >= 2 else None
@@ -296,13 +348,45 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
     longest = max([t for t, _ in points.prefill + points.fetch] + [512])
     xs = [0, longest * 1.1]
     traces = [
-        _trace("scatter", name="prefill (measured)", x=[t for t, _ in points.prefill], y=[ms for _, ms in points.prefill], mode="markers", marker=dict(color="#d62728")),
-        _trace("scatter", name="fetch + restore (measured)", x=[t for t, _ in points.fetch], y=[ms for _, ms in points.fetch], mode="markers", marker=dict(color="#1f77b4")),
+        _trace(
+            "scatter",
+            name="prefill (measured)",
+            x=[t for t, _ in points.prefill],
+            y=[ms for _, ms in points.prefill],
+            mode="markers",
+            marker=dict(color="#d62728"),
+        ),
+        _trace(
+            "scatter",
+            name="fetch + restore (measured)",
+            x=[t for t, _ in points.fetch],
+            y=[ms for _, ms in points.fetch],
+            mode="markers",
+            marker=dict(color="#1f77b4"),
+        ),
     ]
     if prefill_fit:
-        traces.append(_trace("scatter", name=f"prefill fit: {prefill_fit.slope:.2f} ms/token", x=xs, y=[prefill_fit.predict(x) for x in xs], mode="lines", line=dict(color="#d62728")))
+        traces.append(
+            _trace(
+                "scatter",
+                name=f"prefill fit: {prefill_fit.slope:.2f} ms/token",
+                x=xs,
+                y=[prefill_fit.predict(x) for x in xs],
+                mode="lines",
+                line=dict(color="#d62728"),
+            )
+        )
     if fetch_fit:
-        traces.append(_trace("scatter", name=f"fetch fit: {fetch_fit.slope:.3f} ms/token", x=xs, y=[fetch_fit.predict(x) for x in xs], mode="lines", line=dict(color="#1f77b4")))
+        traces.append(
+            _trace(
+                "scatter",
+                name=f"fetch fit: {fetch_fit.slope:.3f} ms/token",
+                x=xs,
+                y=[fetch_fit.predict(x) for x in xs],
+                mode="lines",
+                line=dict(color="#1f77b4"),
+            )
+        )
     if link is not None:
         traces.append(
             _trace(
@@ -315,7 +399,10 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
             )
         )
     # The policy's decisions: where it was offered a cached range, what it forecast, what it chose.
-    for decision, symbol, label in (("fetch", "circle-open", "policy chose to fetch (forecast)"), ("policy-skip", "x", "policy chose to recompute (forecast)")):
+    for decision, symbol, label in (
+        ("fetch", "circle-open", "policy chose to fetch (forecast)"),
+        ("policy-skip", "x", "policy chose to recompute (forecast)"),
+    ):
         chosen = [b for b in breakdowns if b.get("decision") == decision and b.get("candidate_tokens")]
         if chosen:
             traces.append(
@@ -341,12 +428,43 @@ def breakeven_figure(breakdowns: list[dict], link: LinkProfile | None, link_labe
         through_origin = LinearFit(max(prefill_fit.slope, 0.0), 0.0, prefill_fit.points)
         dense = [xs[-1] * step / 40 for step in range(41)]
         overlapped = [overlap_ms(x, through_origin, fetch_fit) for x in dense]
-        traces.append(_trace("scatter", name="compute the front while the back loads", x=dense, y=overlapped, mode="lines", line=dict(color="#2ca02c", width=3)))
+        traces.append(
+            _trace(
+                "scatter",
+                name="compute the front while the back loads",
+                x=dense,
+                y=overlapped,
+                mode="lines",
+                line=dict(color="#2ca02c", width=3),
+            )
+        )
         at = min(longest, 512)
-        verdict += overlap_words(at, through_origin.predict(at), fetch_fit.predict(at), overlap_ms(at, through_origin, fetch_fit))
+        verdict += overlap_words(
+            at, through_origin.predict(at), fetch_fit.predict(at), overlap_ms(at, through_origin, fetch_fit)
+        )
         if cross.tokens is not None:
-            shapes.append(dict(type="line", x0=cross.tokens, x1=cross.tokens, yref="paper", y0=0, y1=1, line=dict(color="#2ca02c", dash="dot")))
-            annotations.append(dict(x=cross.tokens, yref="paper", y=1.0, yanchor="top", text=f"break-even ≈ {cross.tokens:.0f} tokens", showarrow=False, xanchor="left"))
+            shapes.append(
+                dict(
+                    type="line",
+                    x0=cross.tokens,
+                    x1=cross.tokens,
+                    yref="paper",
+                    y0=0,
+                    y1=1,
+                    line=dict(color="#2ca02c", dash="dot"),
+                )
+            )
+            annotations.append(
+                dict(
+                    x=cross.tokens,
+                    yref="paper",
+                    y=1.0,
+                    yanchor="top",
+                    text=f"break-even ≈ {cross.tokens:.0f} tokens",
+                    showarrow=False,
+                    xanchor="left",
+                )
+            )
     profiles = sorted({b.get("compute_profile") for b in breakdowns if b.get("compute_profile")})
     if profiles:
         link_label += f", compute {' / '.join(profiles)}"

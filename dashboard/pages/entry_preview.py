@@ -16,10 +16,8 @@ from typing import Iterable
 
 from django.conf import settings
 
-from dashboard.models import CacheEntry
+from dashboard.models import CacheEntry, InferenceRun
 from inference.engine.model_file import ModelNotFound
-
-from dashboard.models import InferenceRun
 
 PREVIEW_TOKENS = 12  # tokens of a range shown
 NEAR = timedelta(seconds=10)  # a run and the entries it stored are recorded in one transaction
@@ -79,7 +77,11 @@ def _storing_runs(entries: list[CacheEntry]) -> dict[str, tuple[InferenceRun, di
             spans.append([low, high])
     found: dict[str, tuple[InferenceRun, dict]] = {}
     for low, high in spans:
-        for run in InferenceRun.objects.filter(created__range=(low, high)).only("prompt", "text", "breakdown", "source", "created").order_by("-created"):
+        for run in (
+            InferenceRun.objects.filter(created__range=(low, high))
+            .only("prompt", "text", "breakdown", "source", "created")
+            .order_by("-created")
+        ):
             for stored in (run.breakdown or {}).get("entries", {}).get("stored", []):
                 name = stored.get("name") if isinstance(stored, dict) else None
                 entry = wanted.get(name) if isinstance(name, str) else None

@@ -62,7 +62,13 @@ def why(breakdown: dict) -> list[str]:
     fetch_ms = float(b.get("fetch_ms") or b.get("redis_ms") or 0.0)
     ttft = float(b.get("ttft_ms") or 0.0)
     fetched = b.get("fetched_bytes") or 0
-    if case in (Case.PARTIAL, Case.FULL) and tier == Tier.CACHEBOX and fetch_ms >= SLOW_MS and ttft > 0 and fetch_ms >= SLOW_SHARE * ttft:
+    if (
+        case in (Case.PARTIAL, Case.FULL)
+        and tier == Tier.CACHEBOX
+        and fetch_ms >= SLOW_MS
+        and ttft > 0
+        and fetch_ms >= SLOW_SHARE * ttft
+    ):
         sentences.append(_long_fetch(b, fetch_ms, ttft, fetched))
     if decision == Decision.POLICY_SKIP:
         tokens = b.get("candidate_tokens") or 0
@@ -71,7 +77,9 @@ def why(breakdown: dict) -> list[str]:
             f"against {human_ms(b.get('predicted_prefill_ms'))} to prefill them here, so it prefilled."
         )
     if b.get("fetch_late"):
-        sentences.append("The fetch ran slower than forecast: this board computed past the planned split while it waited.")
+        sentences.append(
+            "The fetch ran slower than forecast: this board computed past the planned split while it waited."
+        )
     return sentences
 
 

@@ -27,7 +27,11 @@ NOTE = (
 # Early exit's measures, in the words the figures use.
 MEASURES = {"top-prob": "top probability", "similarity": "hidden-state similarity"}
 ANCHOR_VARIANTS = ("base-full", "base-pruned", "tuned-full", "tuned-pruned")
-KVP_KINDS = {"kvp": ("KV prediction", "circle"), "aux": ("auxiliary alone", "x"), "trunc": ("base, truncated prompt", "square")}
+KVP_KINDS = {
+    "kvp": ("KV prediction", "circle"),
+    "aux": ("auxiliary alone", "x"),
+    "trunc": ("base, truncated prompt", "square"),
+}
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,15 @@ def exit_tradeoff_figure(doc: dict, metric: str) -> dict:
     full = doc.get("full_depth") if isinstance(doc.get("full_depth"), dict) else {}
     reference = 1.0 if metric == "agreement_token" else _number(full.get(metric))
     if traces and reference is not None:
-        traces.append(go.Scatter(name="full depth", x=[1.0], y=[reference], mode="markers", marker=dict(symbol="star", size=13, color="#344054")))
+        traces.append(
+            go.Scatter(
+                name="full depth",
+                x=[1.0],
+                y=[reference],
+                mode="markers",
+                marker=dict(symbol="star", size=13, color="#344054"),
+            )
+        )
     return _figure(
         traces,
         _title(f"Early exit: speed-up against {EXIT_METRICS[metric]}"),
@@ -143,7 +155,11 @@ def _exit_rows_by_setting(doc: dict) -> list[tuple[str, str, dict]]:
     seen, rows = set(), []
     for point in _rows(doc, "curve"):
         rates = point.get("exit_rate_by_layer")
-        measure, kv_fill, threshold = str(point.get("measure")), bool(point.get("kv_fill")), _threshold(point.get("threshold"))
+        measure, kv_fill, threshold = (
+            str(point.get("measure")),
+            bool(point.get("kv_fill")),
+            _threshold(point.get("threshold")),
+        )
         if (measure, kv_fill, threshold) in seen or not isinstance(rates, dict):
             continue
         seen.add((measure, kv_fill, threshold))
@@ -173,7 +189,14 @@ def exit_layers_figure(doc: dict) -> dict:
                 customdata=[[_text(label)] * len(layers) for _, label, _ in rows],
                 colorscale="Blues",
                 zmin=0,
-                colorbar=dict(title=dict(text="exit rate", side="right"), orientation="h", y=-0.3, yanchor="top", len=0.7, thickness=10),
+                colorbar=dict(
+                    title=dict(text="exit rate", side="right"),
+                    orientation="h",
+                    y=-0.3,
+                    yanchor="top",
+                    len=0.7,
+                    thickness=10,
+                ),
                 hovertemplate="%{customdata}, layer %{x}: %{z:.3f}<extra></extra>",
             )
         )
@@ -198,22 +221,54 @@ def exit_section(doc: dict) -> dict:
     layers = _layers(layer_rows)
     headline = (
         f"Full depth: {_cell(full.get('tokens_per_s'), 1)} tokens/s, MMLU accuracy {_cell(full.get('mmlu_accuracy'))}."
-        if full else ""
+        if full
+        else ""
     )
     return {
         "headline": headline,
         "figures": [
-            {"id": "lab-exit-agreement", "figure": exit_tradeoff_figure(doc, "agreement_token"), "caption": "Each line: one confidence measure, with or without KV fill; each point: one exit threshold. Up and right is better; the star is full depth."},
-            {"id": "lab-exit-accuracy", "figure": exit_tradeoff_figure(doc, "mmlu_accuracy"), "caption": "The same settings against MMLU accuracy (the star: full depth's accuracy)."},
-            {"id": "lab-exit-layers", "figure": exit_layers_figure(doc), "caption": "Darker: more tokens leave the model at that layer (the rest of their layers are skipped, or filled in with KV fill)."},
+            {
+                "id": "lab-exit-agreement",
+                "figure": exit_tradeoff_figure(doc, "agreement_token"),
+                "caption": "Each line: one confidence measure, with or without KV fill; each point: one exit threshold. Up and right is better; the star is full depth.",
+            },
+            {
+                "id": "lab-exit-accuracy",
+                "figure": exit_tradeoff_figure(doc, "mmlu_accuracy"),
+                "caption": "The same settings against MMLU accuracy (the star: full depth's accuracy).",
+            },
+            {
+                "id": "lab-exit-layers",
+                "figure": exit_layers_figure(doc),
+                "caption": "Darker: more tokens leave the model at that layer (the rest of their layers are skipped, or filled in with KV fill).",
+            },
         ],
         "tables": [
             _table(
                 "Speed-quality curve",
-                ["measure", "KV fill", "batch", "threshold", "tokens/s", "speed-up", "token agreement", "32-token exact match", "MMLU accuracy"],
                 [
-                    [MEASURES.get(p.get("measure"), str(p.get("measure"))), "yes" if p.get("kv_fill") else "no", _cell(p.get("batch"), 0), _threshold(p.get("threshold")),
-                     _cell(p.get("tokens_per_s"), 1), _cell(p.get("speedup"), 2), _cell(p.get("agreement_token")), _cell(p.get("exact_match_32")), _cell(p.get("mmlu_accuracy"))]
+                    "measure",
+                    "KV fill",
+                    "batch",
+                    "threshold",
+                    "tokens/s",
+                    "speed-up",
+                    "token agreement",
+                    "32-token exact match",
+                    "MMLU accuracy",
+                ],
+                [
+                    [
+                        MEASURES.get(p.get("measure"), str(p.get("measure"))),
+                        "yes" if p.get("kv_fill") else "no",
+                        _cell(p.get("batch"), 0),
+                        _threshold(p.get("threshold")),
+                        _cell(p.get("tokens_per_s"), 1),
+                        _cell(p.get("speedup"), 2),
+                        _cell(p.get("agreement_token")),
+                        _cell(p.get("exact_match_32")),
+                        _cell(p.get("mmlu_accuracy")),
+                    ]
                     for p in curve
                 ],
             ),
@@ -246,7 +301,9 @@ def anchors_accuracy_figure(doc: dict) -> dict:
                 mode="markers",
                 text=[name],
                 marker=dict(size=13, symbol="diamond" if "pruned" in str(row.get("variant")) else "circle"),
-                customdata=[[_number(row.get("kv_reduction")), _number(row.get("agreement")), _number(row.get("entry_bytes"))]],
+                customdata=[
+                    [_number(row.get("kv_reduction")), _number(row.get("agreement")), _number(row.get("entry_bytes"))]
+                ],
                 hovertemplate="%{text}: %{x:.2f} MB of KV, accuracy %{y:.3f}<br>KV reduction %{customdata[0]:.2f}x, agreement %{customdata[1]:.3f}, entry %{customdata[2]:,} bytes<extra></extra>",
             )
         )
@@ -267,8 +324,18 @@ def anchors_ttft_figure(doc: dict) -> dict:
     traces = []
     if rows:
         traces = [
-            go.Bar(name="entry fetched over Wi-Fi 4 (emulated)", x=names, y=[_number(row.get("wifi4_ttft_ms")) for row in rows], marker=dict(color="#1f77b4")),
-            go.Bar(name="on this machine", x=names, y=[_number(row.get("ttft_ms")) for row in rows], marker=dict(color="#98a2b3")),
+            go.Bar(
+                name="entry fetched over Wi-Fi 4 (emulated)",
+                x=names,
+                y=[_number(row.get("wifi4_ttft_ms")) for row in rows],
+                marker=dict(color="#1f77b4"),
+            ),
+            go.Bar(
+                name="on this machine",
+                x=names,
+                y=[_number(row.get("ttft_ms")) for row in rows],
+                marker=dict(color="#98a2b3"),
+            ),
         ]
     return _figure(
         traces,
@@ -284,16 +351,43 @@ def anchors_section(doc: dict) -> dict:
     return {
         "headline": "",
         "figures": [
-            {"id": "lab-anchors-accuracy", "figure": anchors_accuracy_figure(doc), "caption": "Left and up is better: a smaller KV cache at the same accuracy. Full keeps every cell; pruned keeps the anchors'."},
-            {"id": "lab-anchors-ttft", "figure": anchors_ttft_figure(doc), "caption": "A smaller entry crosses the slow link sooner; the grey bars are the same runs without the link."},
+            {
+                "id": "lab-anchors-accuracy",
+                "figure": anchors_accuracy_figure(doc),
+                "caption": "Left and up is better: a smaller KV cache at the same accuracy. Full keeps every cell; pruned keeps the anchors'.",
+            },
+            {
+                "id": "lab-anchors-ttft",
+                "figure": anchors_ttft_figure(doc),
+                "caption": "A smaller entry crosses the slow link sooner; the grey bars are the same runs without the link.",
+            },
         ],
         "tables": [
             _table(
                 "Variants",
-                ["variant", "KV bytes", "entry bytes", "KV reduction", "TTFT ms", "TTFT over Wi-Fi 4 ms", "decode tokens/s", "MMLU accuracy", "agreement"],
                 [
-                    [str(row.get("variant")), _cell(row.get("kv_bytes"), 0), _cell(row.get("entry_bytes"), 0), _cell(row.get("kv_reduction"), 2), _cell(row.get("ttft_ms"), 1),
-                     _cell(row.get("wifi4_ttft_ms"), 1), _cell(row.get("decode_tokens_per_s"), 1), _cell(row.get("mmlu_accuracy")), _cell(row.get("agreement"))]
+                    "variant",
+                    "KV bytes",
+                    "entry bytes",
+                    "KV reduction",
+                    "TTFT ms",
+                    "TTFT over Wi-Fi 4 ms",
+                    "decode tokens/s",
+                    "MMLU accuracy",
+                    "agreement",
+                ],
+                [
+                    [
+                        str(row.get("variant")),
+                        _cell(row.get("kv_bytes"), 0),
+                        _cell(row.get("entry_bytes"), 0),
+                        _cell(row.get("kv_reduction"), 2),
+                        _cell(row.get("ttft_ms"), 1),
+                        _cell(row.get("wifi4_ttft_ms"), 1),
+                        _cell(row.get("decode_tokens_per_s"), 1),
+                        _cell(row.get("mmlu_accuracy")),
+                        _cell(row.get("agreement")),
+                    ]
                     for row in rows
                 ],
             ),
@@ -323,7 +417,15 @@ def kvp_figure(doc: dict) -> dict:
             )
         )
     if traces:
-        traces.append(go.Scatter(name="base (full prefill)", x=[1.0], y=[1.0], mode="markers", marker=dict(symbol="star", size=13, color="#344054")))
+        traces.append(
+            go.Scatter(
+                name="base (full prefill)",
+                x=[1.0],
+                y=[1.0],
+                mode="markers",
+                marker=dict(symbol="star", size=13, color="#344054"),
+            )
+        )
     return _figure(
         traces,
         _title("KV prediction: TTFT speed-up against first-token agreement"),
@@ -336,17 +438,33 @@ def kvp_figure(doc: dict) -> dict:
 
 def kvp_section(doc: dict) -> dict:
     base = doc.get("base") if isinstance(doc.get("base"), dict) else {}
-    headline = f"Base: median TTFT {_cell(base.get('median_ttft_ms'), 1)} ms, accuracy {_cell(base.get('accuracy'))} over {_cell(doc.get('prompts'), 0)} prompts." if base else ""
+    headline = (
+        f"Base: median TTFT {_cell(base.get('median_ttft_ms'), 1)} ms, accuracy {_cell(base.get('accuracy'))} over {_cell(doc.get('prompts'), 0)} prompts."
+        if base
+        else ""
+    )
     return {
         "headline": headline,
-        "figures": [{"id": "lab-kvp-agreement", "figure": kvp_figure(doc), "caption": "Each line: a method for k = the auxiliary's layers. Up and right is better; the star is full prefill."}],
+        "figures": [
+            {
+                "id": "lab-kvp-agreement",
+                "figure": kvp_figure(doc),
+                "caption": "Each line: a method for k = the auxiliary's layers. Up and right is better; the star is full prefill.",
+            }
+        ],
         "tables": [
             _table(
                 "Each k and its baselines",
                 ["method", "median TTFT ms", "TTFT ratio", "first-token agreement", "accuracy", "held-out KL (mean)"],
                 [
-                    [str(row.get("method")), _cell(row.get("median_ttft_ms"), 1), _cell(row.get("ttft_ratio")), _cell(row.get("first_token_agreement")),
-                     _cell(row.get("accuracy")), _cell(row.get("heldout_kl_mean"))]
+                    [
+                        str(row.get("method")),
+                        _cell(row.get("median_ttft_ms"), 1),
+                        _cell(row.get("ttft_ratio")),
+                        _cell(row.get("first_token_agreement")),
+                        _cell(row.get("accuracy")),
+                        _cell(row.get("heldout_kl_mean")),
+                    ]
                     for row in _rows(doc, "table")
                 ],
             ),
@@ -364,7 +482,16 @@ STUDIES = (
 def section(study: Study, doc: dict | None) -> dict:
     """What the Lab page shows of ``study``: its figures, tables and differences from its paper,
     or (``doc`` None) the command that produces its document."""
-    shown = {"kind": study.kind, "title": study.title, "seed": study.seed, "command": study.command, "figures": [], "tables": [], "notes": [], "headline": ""}
+    shown = {
+        "kind": study.kind,
+        "title": study.title,
+        "seed": study.seed,
+        "command": study.command,
+        "figures": [],
+        "tables": [],
+        "notes": [],
+        "headline": "",
+    }
     if doc is None:
         return shown
     shown.update(study.build(doc))

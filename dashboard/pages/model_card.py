@@ -56,8 +56,14 @@ class ModelCard:
 
 
 PACKAGED = ModelCard(
-    file="gemma-3-270m-q4_k_m.gguf", name="Gemma 3 270M", parameters="270M", quantization="Q4_K_M", file_mb=253,  # 253,113,024 bytes
-    instruction_tuned=False, context_length=32_768, known=True,
+    file="gemma-3-270m-q4_k_m.gguf",
+    name="Gemma 3 270M",
+    parameters="270M",
+    quantization="Q4_K_M",
+    file_mb=253,  # 253,113,024 bytes
+    instruction_tuned=False,
+    context_length=32_768,
+    known=True,
 )
 KNOWN = {PACKAGED.file: PACKAGED}
 

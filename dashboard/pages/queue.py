@@ -43,7 +43,15 @@ class Waiting:
     def state(self) -> str:
         """Where the run is, in the page's words."""
         device = self.dispatch.device
-        board = "" if device is None else "online" if self.board_online else "offline" if device.last_seen is not None else "never"
+        board = (
+            ""
+            if device is None
+            else "online"
+            if self.board_online
+            else "offline"
+            if device.last_seen is not None
+            else "never"
+        )
         return run_state(board, self.ahead, self.dispatch.namespace)
 
 
@@ -55,12 +63,18 @@ def run_state(board: str, ahead: int, namespace: str = "") -> str:
     if board == "never":
         return "waiting for its board to start" + (f": {_place(ahead)}" if ahead >= 0 else "")
     if ahead == NOT_READ:
-        return ("queued or running" if board == "online" else "waiting for its board to come back") + " (the broker did not answer)"
+        return (
+            "queued or running" if board == "online" else "waiting for its board to come back"
+        ) + " (the broker did not answer)"
     if ahead == TAKEN:
         if board == "online":
             return "running on its board"
         return "taken by its board, which stopped answering (re-sent or lost at the next sweep)"
-    return f"queued on its board: {_place(ahead)}" if board == "online" else f"waiting for its board to come back: {_place(ahead)}"
+    return (
+        f"queued on its board: {_place(ahead)}"
+        if board == "online"
+        else f"waiting for its board to come back: {_place(ahead)}"
+    )
 
 
 def _place(ahead: int) -> str:
@@ -80,9 +94,8 @@ def queue_places(boards: list[str], under_way: set[str]) -> dict[str, dict[str, 
     from django.conf import settings
 
     from cachebox.broker import queued_task_ids
-    from inference.contract.messages import Queue
-
     from dashboard.outbox import app
+    from inference.contract.messages import Queue
 
     places: dict[str, dict[str, int]] = {}
     try:
@@ -150,11 +163,16 @@ def queue_view(viewer, now: datetime | None = None) -> QueueView:
 
     def groups(dispatch: Dispatch) -> list[Group]:
         board = dispatch.device.name if dispatch.device is not None else "any board"
-        return [boards.setdefault(board, Group(board)), namespaces.setdefault(dispatch.namespace, Group(dispatch.namespace))]
+        return [
+            boards.setdefault(board, Group(board)),
+            namespaces.setdefault(dispatch.namespace, Group(dispatch.namespace)),
+        ]
 
     under_way = list(dispatches.filter(outcome="").order_by("created")[:LIMIT])
     boards_waited_on = sorted({dispatch.device.name for dispatch in under_way if dispatch.device is not None})
-    under_way_ids = Dispatch.objects.filter(kind="run", outcome="", device__name__in=boards_waited_on).values_list("request_id", flat=True)
+    under_way_ids = Dispatch.objects.filter(kind="run", outcome="", device__name__in=boards_waited_on).values_list(
+        "request_id", flat=True
+    )
     live = {str(request_id) for request_id in under_way_ids}
     places = queue_places(boards_waited_on, live) if boards_waited_on else {}
     for dispatch in under_way:
@@ -166,12 +184,18 @@ def queue_view(viewer, now: datetime | None = None) -> QueueView:
         if places is not None and dispatch.device is not None:
             queued = places.get(dispatch.device.name, {})
             ahead = queued.get(str(dispatch.request_id), queued.get(DEEPER, TAKEN))
-        view.waiting.append(Waiting(dispatch, str((request.get("meta") or {}).get("title", "")), waited, expires, online, ahead))
+        view.waiting.append(
+            Waiting(dispatch, str((request.get("meta") or {}).get("title", "")), waited, expires, online, ahead)
+        )
         for group in groups(dispatch):
             group.waiting += 1
             group.oldest_s = max(group.oldest_s, waited)
-    ended = list(dispatches.filter(outcome__in=("lost", "revoked"), created__gte=now - RECENT).order_by("-created")[:LIMIT])
-    runs = {str(run.request_id): run for run in InferenceRun.objects.filter(request_id__in=[d.request_id for d in ended])}
+    ended = list(
+        dispatches.filter(outcome__in=("lost", "revoked"), created__gte=now - RECENT).order_by("-created")[:LIMIT]
+    )
+    runs = {
+        str(run.request_id): run for run in InferenceRun.objects.filter(request_id__in=[d.request_id for d in ended])
+    }
     for dispatch in ended:
         view.ended.append(Ended(dispatch, runs.get(str(dispatch.request_id))))
         for group in groups(dispatch):
@@ -190,5 +214,6 @@ def queue_view(viewer, now: datetime | None = None) -> QueueView:
 
 def revocable(viewer, request_id) -> Dispatch | None:
     """The run under way ``request_id`` if ``viewer`` may see it, else None."""
-    return visible_dispatches(viewer).filter(request_id=request_id, outcome="").select_related("device__namespace").first()
-
+    return (
+        visible_dispatches(viewer).filter(request_id=request_id, outcome="").select_related("device__namespace").first()
+    )

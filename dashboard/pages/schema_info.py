@@ -6,7 +6,6 @@ from __future__ import annotations
 from django.conf import settings
 
 from cachebox.keys import module_key, module_key_name
-
 from inference.serving.pml_layout import SchemaLayout, all_pieces
 from inference.serving.schema import layout_for
 
@@ -28,7 +27,9 @@ def describe(layout: SchemaLayout) -> list[dict]:
                 "tokens": module.token_count,
                 "start": module.start,
                 "end": module.end,
-                "params": ", ".join(f"{name} (len {length} at {start})" for name, (start, length) in module.params.items()),
+                "params": ", ".join(
+                    f"{name} (len {length} at {start})" for name, (start, length) in module.params.items()
+                ),
                 "union": module.union or "",
             }
         )
@@ -51,6 +52,8 @@ def describe(layout: SchemaLayout) -> list[dict]:
 def key_names(layout: SchemaLayout, fingerprint: str, namespace: str) -> dict[str, str]:
     """Cache-box key of every piece of a schema, for one model and namespace."""
     return {
-        piece.key_name: module_key_name(namespace, fingerprint, layout.digest, module_key(namespace, fingerprint, layout.digest, piece.key_name))
+        piece.key_name: module_key_name(
+            namespace, fingerprint, layout.digest, module_key(namespace, fingerprint, layout.digest, piece.key_name)
+        )
         for piece in all_pieces(layout)
     }

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import re
 import statistics
-from datetime import datetime, timezone as dt_timezone
+from datetime import datetime
+from datetime import timezone as dt_timezone
 
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
-from inference.engine.memory_plan import MB, MIN_N_CTX, MIN_RAM_TIER_BYTES, N_CTX_STEP, RSS_SHARE
-from inference.contract.messages import CANCELLED
-
 from dashboard.models import Device, InferenceRun
+from inference.contract.messages import CANCELLED
+from inference.engine.memory_plan import MB, MIN_N_CTX, MIN_RAM_TIER_BYTES, N_CTX_STEP, RSS_SHARE
 
 RECENT = 500  # runs per device the summaries look at
 HITS = ("partial", "full")
@@ -31,7 +31,9 @@ OUTCOMES = (ANSWERED, FAILED, CANCELLED_RUNS)
 
 def outcome_q(outcome: str) -> Q:
     """The runs that ended as ``outcome`` (one of ``OUTCOMES``)."""
-    return {ANSWERED: Q(error=""), CANCELLED_RUNS: Q(error=CANCELLED), FAILED: ~Q(error="") & ~Q(error=CANCELLED)}[outcome]
+    return {ANSWERED: Q(error=""), CANCELLED_RUNS: Q(error=CANCELLED), FAILED: ~Q(error="") & ~Q(error=CANCELLED)}[
+        outcome
+    ]
 
 
 def outcome_of(error: str) -> str:
@@ -40,7 +42,10 @@ def outcome_of(error: str) -> str:
 
 def count_aggregates(prefix: str = "") -> dict:
     """``Count`` aggregates of every run and of each outcome (keys ``runs``, ``answered``, ...)."""
-    return {f"{prefix}runs": Count("pk"), **{f"{prefix}{outcome}": Count("pk", filter=outcome_q(outcome)) for outcome in OUTCOMES}}
+    return {
+        f"{prefix}runs": Count("pk"),
+        **{f"{prefix}{outcome}": Count("pk", filter=outcome_q(outcome)) for outcome in OUTCOMES},
+    }
 
 
 def run_counts(runs: QuerySet[InferenceRun]) -> dict[str, int]:
@@ -79,7 +84,13 @@ def run_figures_many(devices) -> dict[str, dict]:
     pks = {device.pk: device.name for device in devices}
     if not pks:
         return {}
-    counts = {row.pop("device_id"): row for row in InferenceRun.objects.filter(device_id__in=pks).order_by().values("device_id").annotate(**count_aggregates())}
+    counts = {
+        row.pop("device_id"): row
+        for row in InferenceRun.objects.filter(device_id__in=pks)
+        .order_by()
+        .values("device_id")
+        .annotate(**count_aggregates())
+    }
     recent: dict[int, list] = {pk: [] for pk in pks}
     rows = (
         InferenceRun.objects.filter(device_id__in=pks, error="")
@@ -130,15 +141,23 @@ def fleet_counts(devices: QuerySet[Device]) -> dict:
     now = timezone.now()
     total = {state: 0 for state in STATUSES}
     per_namespace: dict[str, dict] = {}
-    for namespace, revoked_at, last_seen, heartbeat_s in devices.order_by().values_list("namespace_id", "revoked_at", "last_seen", "status__heartbeat_s"):
+    for namespace, revoked_at, last_seen, heartbeat_s in devices.order_by().values_list(
+        "namespace_id", "revoked_at", "last_seen", "status__heartbeat_s"
+    ):
         state = status_of(revoked_at, last_seen, heartbeat_s, now)
         total[state] += 1
         row = per_namespace.setdefault(namespace, {"namespace": namespace, **{key: 0 for key in STATUSES}})
         row[state] += 1
-    return {"total": sum(total.values()), **total, "namespaces": [per_namespace[name] for name in sorted(per_namespace)]}
+    return {
+        "total": sum(total.values()),
+        **total,
+        "namespaces": [per_namespace[name] for name in sorted(per_namespace)],
+    }
 
 
-def filter_devices(devices: QuerySet[Device], *, name: str = "", status: str = "", namespace: str = "") -> QuerySet[Device]:
+def filter_devices(
+    devices: QuerySet[Device], *, name: str = "", status: str = "", namespace: str = ""
+) -> QuerySet[Device]:
     """``devices`` whose name contains ``name``, of ``namespace``, in ``status`` (one of ``STATUSES``)."""
     if name:
         devices = devices.filter(name__icontains=name)
@@ -146,7 +165,13 @@ def filter_devices(devices: QuerySet[Device], *, name: str = "", status: str = "
         devices = devices.filter(namespace_id=namespace)
     if status in STATUSES:
         now = timezone.now()
-        wanted = [pk for pk, revoked_at, last_seen, heartbeat_s in devices.order_by().values_list("pk", "revoked_at", "last_seen", "status__heartbeat_s") if status_of(revoked_at, last_seen, heartbeat_s, now) == status]
+        wanted = [
+            pk
+            for pk, revoked_at, last_seen, heartbeat_s in devices.order_by().values_list(
+                "pk", "revoked_at", "last_seen", "status__heartbeat_s"
+            )
+            if status_of(revoked_at, last_seen, heartbeat_s, now) == status
+        ]
         devices = devices.filter(pk__in=wanted)
     return devices
 
@@ -218,7 +243,9 @@ def memory_advice(status: dict | None, memory_mb: int) -> list[str]:
             frees = f", freeing about {(n_ctx - smaller) * per_token:.0f} MB of KV cache"
         else:
             frees = ""
-        advice.append(f"give it a smaller context, now {n_ctx} tokens: EDGECACHE_N_CTX={smaller}{frees} (longer prompts are then refused);")
+        advice.append(
+            f"give it a smaller context, now {n_ctx} tokens: EDGECACHE_N_CTX={smaller}{frees} (longer prompts are then refused);"
+        )
     advice.append(
         f"or, if the board has more than {registered} MB, register what it has (Admin > Devices: memory): registered with "
         f"{peak / RSS_SHARE:.0f} MB, this peak is within its budget; a board with only {registered} MB serves a smaller model. "
@@ -267,7 +294,10 @@ def catalog_reconciliation(catalog: dict) -> list[str]:
     lines = [f'{lookups} lookup{"" if lookups == 1 else "s"} = {lookups - maybe} certain "no" + {maybe} "maybe"']
     if not maybe:
         return lines
-    terms = [f"{_counter(catalog, 'true_hits')} in the cache box (true hits)", f"{_counter(catalog, 'false_positives')} not there (false positives)"]
+    terms = [
+        f"{_counter(catalog, 'true_hits')} in the cache box (true hits)",
+        f"{_counter(catalog, 'false_positives')} not there (false positives)",
+    ]
     settled = _counter(catalog, "true_hits") + _counter(catalog, "false_positives")
     for name, words in NOT_ASKED_WORDS:
         if _counter(catalog, name):
@@ -308,7 +338,9 @@ def catalog_summary(device: Device) -> dict:
 # -- what a board's error means to the person who sent the prompt ---------------------------
 _CONTEXT_ERRORS = [
     # inference.serving.run.context_error
-    re.compile(r"the prompt has (?P<tokens>\d+) tokens and (?P<asked>\d+) more were asked for, but the context holds (?P<ctx>\d+)"),
+    re.compile(
+        r"the prompt has (?P<tokens>\d+) tokens and (?P<asked>\d+) more were asked for, but the context holds (?P<ctx>\d+)"
+    ),
     # llama-cpp-python's own check
     re.compile(r"Requested tokens \((?P<tokens>\d+)\) exceed context window of (?P<ctx>\d+)"),
 ]

@@ -118,7 +118,9 @@ def seal_column(schema_editor, table: str, column: str, *, is_json: bool = False
         if is_json:
             document = json.loads(stored) if isinstance(stored, str) else stored
             if document and not (isinstance(document, dict) and set(document) == {"sealed"}):
-                changed.append((json.dumps({"sealed": seal_text(json.dumps(document, separators=(",", ":")), master)}), pk))
+                changed.append(
+                    (json.dumps({"sealed": seal_text(json.dumps(document, separators=(",", ":")), master)}), pk)
+                )
         elif stored and not is_sealed(stored):
             changed.append((seal_text(stored, master), pk))
     _write(schema_editor, table, column, changed, is_json=is_json)

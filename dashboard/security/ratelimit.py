@@ -34,7 +34,9 @@ class Verdict:
     retry_after: int  # seconds until the window ends (when refused)
 
 
-def hit(scope: str, who: str | int, limit: int, *, window: int = WINDOW_SECONDS, cache_alias: str = "default") -> Verdict:
+def hit(
+    scope: str, who: str | int, limit: int, *, window: int = WINDOW_SECONDS, cache_alias: str = "default"
+) -> Verdict:
     """Count one request of ``who`` in ``scope``; refused once the window holds more than ``limit``.
 
     A limit of 0 or less turns the limit off. When the cache cannot be reached the request is

@@ -70,7 +70,11 @@ def producer_table(tenant: str) -> ProducerTable:
     producers: dict[str, str] = {}
     quarantined: dict[str, str] = {}
     try:
-        rows = list(Device.objects.filter(namespace_id=tenant).values_list("name", "signing_public_key", "revoked_at", "quarantined_at", "quarantine_reason"))
+        rows = list(
+            Device.objects.filter(namespace_id=tenant).values_list(
+                "name", "signing_public_key", "revoked_at", "quarantined_at", "quarantine_reason"
+            )
+        )
     except DatabaseError:  # not migrated yet: the control plane alone
         rows = []
     for name, key, revoked_at, quarantined_at, reason in rows:
@@ -112,20 +116,35 @@ def control_plane_keys() -> Keychain:
 def seal_for(device, kind: Kind, message: dict, *, ttl: float | None = None) -> dict:
     """A request for ``device``'s board: sealed under its namespace's key, signed by the control plane."""
     return envelope.seal(
-        message, kind=kind, sender=CONTROL, to=device.name, signer=control_plane_signer(), ring=device_ring(device), ttl=ttl, message_id=str(message.get("request_id", ""))
+        message,
+        kind=kind,
+        sender=CONTROL,
+        to=device.name,
+        signer=control_plane_signer(),
+        ring=device_ring(device),
+        ttl=ttl,
+        message_id=str(message.get("request_id", "")),
     )
 
 
 def cancel_flag(device_name: str, request_id: str) -> bytes:
     """The value of a run's cancel flag: the control plane's signed word, for this run on this board."""
-    signed = envelope.seal({"request_id": request_id}, kind=Kind.CANCEL, sender=CONTROL, to=device_name, signer=control_plane_signer())
+    signed = envelope.seal(
+        {"request_id": request_id}, kind=Kind.CANCEL, sender=CONTROL, to=device_name, signer=control_plane_signer()
+    )
     return json.dumps(signed, separators=(",", ":")).encode()
 
 
 def open_from(device, payload, kind: Kind) -> tuple[dict, dict]:
     """``(message, envelope)`` a device's board signed (and sealed) for the control plane;
     EnvelopeRefused otherwise."""
-    return envelope.open_envelope(payload, kind=kind, to=CONTROL, signer_public_key=device.signing_public_key, ring_for=lambda _ns: device_ring(device))
+    return envelope.open_envelope(
+        payload,
+        kind=kind,
+        to=CONTROL,
+        signer_public_key=device.signing_public_key,
+        ring_for=lambda _ns: device_ring(device),
+    )
 
 
 def stream_ring_for(device):

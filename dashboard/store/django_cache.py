@@ -11,7 +11,6 @@ import json
 import re
 
 import redis
-
 from django.core.cache.backends.base import DEFAULT_TIMEOUT
 from django.core.cache.backends.locmem import LocMemCache
 from django.core.cache.backends.redis import RedisCache

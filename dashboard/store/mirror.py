@@ -9,9 +9,9 @@ from django.utils import timezone
 from cachebox.entry import decode_header
 from cachebox.errors import EntryError
 from cachebox.keys import parse_entry_key_name
-from dashboard.models import CacheEntry
 from cachebox.store import CacheBox
 from cachebox.sync import rebuild_master_catalog
+from dashboard.models import CacheEntry
 
 
 def record_uploads(uploads: list[dict], device: str) -> None:

@@ -27,12 +27,12 @@ from .devices import (
     device_list,
     device_register,
     device_revoke,
-    device_trust,
     device_rotate,
     device_token,
+    device_trust,
 )
-from .home import favicon, home, home_charts_json, plotly_js
 from .health import health_view, ready_view
+from .home import favicon, home, home_charts_json, plotly_js
 from .metrics import metrics_view
 from .queue import queue_page, queue_revoke
 from .runs import run_cancel, run_detail, run_export, run_list, run_page
@@ -45,9 +45,40 @@ from .schemas import (
 )
 
 __all__ = [
-    "api_key_created", "api_key_list", "api_key_revoke",
-    "benchmark_list", "benchmark_report", "cache_flush", "cache_page", "device_breakeven", "device_detail", "device_list",
-    "device_register", "device_revoke", "device_trust", "device_rotate", "device_token", "favicon", "home", "home_charts_json", "lab_page", "login_locked_out",
-    "health_view", "metrics_view", "plotly_js", "ready_view", "queue_page", "queue_revoke", "run_cancel", "run_detail", "run_export", "run_list", "run_page", "schema_delete",
-    "schema_detail", "schema_edit", "schema_encode", "schema_list",
+    "api_key_created",
+    "api_key_list",
+    "api_key_revoke",
+    "benchmark_list",
+    "benchmark_report",
+    "cache_flush",
+    "cache_page",
+    "device_breakeven",
+    "device_detail",
+    "device_list",
+    "device_register",
+    "device_revoke",
+    "device_trust",
+    "device_rotate",
+    "device_token",
+    "favicon",
+    "home",
+    "home_charts_json",
+    "lab_page",
+    "login_locked_out",
+    "health_view",
+    "metrics_view",
+    "plotly_js",
+    "ready_view",
+    "queue_page",
+    "queue_revoke",
+    "run_cancel",
+    "run_detail",
+    "run_export",
+    "run_list",
+    "run_page",
+    "schema_delete",
+    "schema_detail",
+    "schema_edit",
+    "schema_encode",
+    "schema_list",
 ]

@@ -11,8 +11,17 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.cache import never_cache
 
-from ..actions.api_keys import KeyRefused, create_key, key_namespaces, managed_namespaces, may_manage, revoke_key, visible_keys
 from dashboard.api.board_choice import example_model
+
+from ..actions.api_keys import (
+    KeyRefused,
+    create_key,
+    key_namespaces,
+    managed_namespaces,
+    may_manage,
+    revoke_key,
+    visible_keys,
+)
 from ..forms import ApiKeyForm, ConfirmForm
 from .auth import login_required
 
@@ -35,8 +44,13 @@ def _page(request, form: ApiKeyForm, *, status: int = 200, refusal: str = ""):
     rows = [{"key": key, "may_revoke": key.namespace_id in managed} for key in keys[:KEYS_SHOWN]]
     not_managed = [namespace.name for namespace in namespaces if namespace.name not in managed]
     context = {
-        "form": form, "rows": rows, "namespaces": namespaces, "chosen": chosen,
-        "may_create": bool(managed), "not_managed": not_managed, "refusal": refusal,
+        "form": form,
+        "rows": rows,
+        "namespaces": namespaces,
+        "chosen": chosen,
+        "may_create": bool(managed),
+        "not_managed": not_managed,
+        "refusal": refusal,
     }
     return render(request, "dashboard/api_keys.html", context, status=status)
 
@@ -56,7 +70,9 @@ def api_key_list(request):
         return _page(request, form, status=400)
     data = form.cleaned_data
     try:
-        row, key = create_key(request.user, data["namespace"], name=data["name"], rate_per_minute=data["rate_per_minute"])
+        row, key = create_key(
+            request.user, data["namespace"], name=data["name"], rate_per_minute=data["rate_per_minute"]
+        )
     except KeyRefused as exc:
         return _page(request, form, status=403, refusal=str(exc))
     # POST, redirect, GET: a reload neither posts again nor shows the key twice (it waits in the
@@ -72,10 +88,15 @@ def api_key_created(request):
     shown = request.session.pop(KEY_SESSION_KEY, None)
     row = visible_keys(request.user).filter(pk=shown["id"]).first() if shown else None
     if row is None:
-        messages.info(request, "An API key is shown once, when it is made (only its SHA-256 is kept): make a new one, revoke the lost one.")
+        messages.info(
+            request,
+            "An API key is shown once, when it is made (only its SHA-256 is kept): make a new one, revoke the lost one.",
+        )
         return redirect("api-keys")
     base = request.build_absolute_uri("/").rstrip("/")
-    body = json.dumps({"model": example_model(row.namespace_id), "stream": True, "messages": [{"role": "user", "content": "Hello"}]})
+    body = json.dumps(
+        {"model": example_model(row.namespace_id), "stream": True, "messages": [{"role": "user", "content": "Hello"}]}
+    )
     curl = (
         f'curl -N {base}/v1/chat/completions -H "Authorization: Bearer {shown["key"]}" -H "Content-Type: application/json" '
         f"-d {shlex.quote(body)}"
@@ -91,7 +112,9 @@ def api_key_revoke(request, pk: int):
     back = _list_url(row.namespace_id)
     if not may_manage(request.user, row.namespace):
         form = ApiKeyForm(namespaces=managed_namespaces(request.user))
-        return _page(request, form, status=403, refusal=f"only staff revoke the API keys of namespace {row.namespace_id!r}")
+        return _page(
+            request, form, status=403, refusal=f"only staff revoke the API keys of namespace {row.namespace_id!r}"
+        )
     if row.revoked_at is not None:
         messages.info(request, f"{row} was revoked already, at {row.revoked_at:%Y-%m-%d %H:%M}.")
         return redirect(back)

@@ -13,7 +13,6 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from cachebox.events import security_event
-
 from dashboard.ops import metrics
 
 
@@ -56,7 +55,9 @@ def staff_member_required(view):
             metrics.refused("staff_required")
             from dashboard.pages.stats import visible_namespaces
 
-            return render(request, "dashboard/staff_only.html", {"namespaces": sorted(visible_namespaces(user) or [])}, status=403)
+            return render(
+                request, "dashboard/staff_only.html", {"namespaces": sorted(visible_namespaces(user) or [])}, status=403
+            )
         return view(request, *args, **kwargs)
 
     return wrapper
@@ -76,11 +77,22 @@ def login_locked_out(request, original_response=None, credentials=None) -> HttpR
     username = (credentials or {}).get("username") or request.POST.get("username", "")
     wait_seconds = max(1, int((retry_at - timezone.now()).total_seconds()))
     metrics.refused("login_locked_out")
-    security_event("login.locked_out", username=username[:150], retry_at=retry_at.isoformat(), failure_limit=settings.AXES_FAILURE_LIMIT, **_who(request))
+    security_event(
+        "login.locked_out",
+        username=username[:150],
+        retry_at=retry_at.isoformat(),
+        failure_limit=settings.AXES_FAILURE_LIMIT,
+        **_who(request),
+    )
     response = render(
         request,
         "dashboard/locked_out.html",
-        {"username": username, "retry_at": retry_at, "minutes": max(1, round(wait_seconds / 60)), "failure_limit": settings.AXES_FAILURE_LIMIT},
+        {
+            "username": username,
+            "retry_at": retry_at,
+            "minutes": max(1, round(wait_seconds / 60)),
+            "failure_limit": settings.AXES_FAILURE_LIMIT,
+        },
         status=429,
     )
     response["Retry-After"] = str(wait_seconds)

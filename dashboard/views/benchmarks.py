@@ -9,6 +9,7 @@ from django.shortcuts import render
 from django.utils.text import slugify
 
 from dashboard.pages import lab_charts
+
 from ..bench import documents as bench_documents
 from .auth import login_required
 
@@ -61,7 +62,11 @@ def lab_page(request):
     found = bench_documents.newest(study.kind for study in lab_charts.STUDIES)
     sections = [_lab_section(study, found.get(study.kind)) for study in lab_charts.STUDIES]
     figures = {figure["id"]: figure["figure"] for shown in sections for figure in shown["figures"]}
-    return render(request, "dashboard/lab.html", {"sections": sections, "note": lab_charts.NOTE, "chart_data": {"figures": figures}})
+    return render(
+        request,
+        "dashboard/lab.html",
+        {"sections": sections, "note": lab_charts.NOTE, "chart_data": {"figures": figures}},
+    )
 
 
 @login_required
@@ -72,6 +77,8 @@ def benchmark_report(request, name):
     if name not in candidates:  # only files the folder lists: no path tricks
         raise Http404("no such report")
     response = HttpResponse(candidates[name].read_bytes(), content_type="text/html; charset=utf-8")
-    response["Content-Security-Policy"] = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
+    response["Content-Security-Policy"] = (
+        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
+    )
     response["X-Frame-Options"] = "SAMEORIGIN"
     return response

@@ -39,18 +39,33 @@ def _each_until_broker_fails(devices: list[Device], send) -> list[dict]:
 
 def _broker_unavailable(request, down: _BrokerDown, wants_json: bool, page) -> HttpResponse:
     """503 with what happened and what to do; JSON for the page's script, else ``page(message)``."""
-    where = CacheBox(settings.REDIS_URL).safe_url  # the broker's server, which may not be the cache box's (no password shown)
+    where = CacheBox(
+        settings.REDIS_URL
+    ).safe_url  # the broker's server, which may not be the cache box's (no password shown)
     if down.sent:
-        outcome = f"sent to {', '.join(item['device'] for item in down.sent)} only; not sent to {', '.join(down.not_sent)}"
+        outcome = (
+            f"sent to {', '.join(item['device'] for item in down.sent)} only; not sent to {', '.join(down.not_sent)}"
+        )
     else:
         outcome = "nothing was sent"
     message = (
         f"The message broker (the Redis/Valkey server at {where}) is not reachable: start it (`make run` starts the embedded one) "
         f"or check REDIS_URL; {outcome}. Try again in {BROKER_RETRY_AFTER} seconds."
     )
-    log.warning("broker unreachable at %s (%s, %d sent, %d not): %s", where, request.path, len(down.sent), len(down.not_sent), down.error)
+    log.warning(
+        "broker unreachable at %s (%s, %d sent, %d not): %s",
+        where,
+        request.path,
+        len(down.sent),
+        len(down.not_sent),
+        down.error,
+    )
     if wants_json:
-        body = {"errors": {"__all__": [{"message": message, "code": "broker_unavailable"}]}, "dispatched": down.sent, "retry_after": BROKER_RETRY_AFTER}
+        body = {
+            "errors": {"__all__": [{"message": message, "code": "broker_unavailable"}]},
+            "dispatched": down.sent,
+            "retry_after": BROKER_RETRY_AFTER,
+        }
         response = JsonResponse(body, status=503)
     else:
         response = page(message)

@@ -14,12 +14,12 @@ from cachebox.catalog import DEFAULT_CAPACITY, DEFAULT_FP_RATE, Catalog, max_sna
 from cachebox.errors import CacheBoxUnavailable, CatalogFormatError, InvalidNamespace
 from cachebox.keys import catalog_key_names
 from dashboard.models import CacheEntry
+from dashboard.pages.entry_preview import previews
+from dashboard.pages.stats import catalog_summary, current_namespace, fill_label
 
 from .. import actions
-from dashboard.pages.entry_preview import previews
 from ..forms import FlushForm, model_names
 from ..models import AuditEvent, Device
-from dashboard.pages.stats import catalog_summary, current_namespace, fill_label
 from .auth import staff_member_required
 
 
@@ -27,7 +27,10 @@ def _snapshot_cap() -> int:
     """The most bytes this page fetches of a master snapshot: what a catalog of the boards' configured
     size takes (or the default size, which ``rebuild_master_catalog`` writes), never a planted one's."""
     board = settings.EDGECACHE_BOARD
-    return max(max_snapshot_bytes(board.catalog_capacity, board.catalog_fp_rate), max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE))
+    return max(
+        max_snapshot_bytes(board.catalog_capacity, board.catalog_fp_rate),
+        max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE),
+    )
 
 
 def _master_epoch(store, namespace: str) -> str:
@@ -52,18 +55,24 @@ def _newest_entries() -> list[dict]:
 def cache_page(request):
     store = actions.cachebox()
     namespaces = list(
-        CacheEntry.objects.values("namespace", "model").annotate(entries=Count("id"), bytes=Sum("bytes"), hits=Sum("hits")).order_by("namespace", "model")
+        CacheEntry.objects.values("namespace", "model")
+        .annotate(entries=Count("id"), bytes=Sum("bytes"), hits=Sum("hits"))
+        .order_by("namespace", "model")
     )
     names = model_names()
     for row in namespaces:
         row["model_name"] = names.get(row["model"], "")
     board = request.GET.get("board", "").strip()[:40]
     chosen = request.GET.get("namespace", "").strip()
-    devices = [{"device": device, **catalog_summary(device)} for device in Device.objects.only("name", "status", "memory_mb")]
+    devices = [
+        {"device": device, **catalog_summary(device)} for device in Device.objects.only("name", "status", "memory_mb")
+    ]
     board_namespaces = {namespace for summary in devices for namespace in summary["catalogs"]}
     masters, epochs = [], {}
     try:
-        for namespace in sorted({row["namespace"] for row in namespaces} | {settings.EDGECACHE_NAMESPACE} | board_namespaces):
+        for namespace in sorted(
+            {row["namespace"] for row in namespaces} | {settings.EDGECACHE_NAMESPACE} | board_namespaces
+        ):
             try:
                 catalog_key_names(namespace)
             except InvalidNamespace:
@@ -97,7 +106,10 @@ def cache_page(request):
             # A board's filter from an older epoch (the catalog was flushed, or the cache box
             # restarted empty) is dropped at its next sync; until then its figures are the old ones.
             catalog["stale"] = reachable and catalog["epoch"] != epochs.get(namespace, "")
-            row = per_namespace.setdefault(namespace, {"namespace": namespace, "boards": 0, "stale": 0, "items": [], "fp": 0.0, "oldest_sync": None})
+            row = per_namespace.setdefault(
+                namespace,
+                {"namespace": namespace, "boards": 0, "stale": 0, "items": [], "fp": 0.0, "oldest_sync": None},
+            )
             row["boards"] += 1
             row["stale"] += bool(catalog["stale"])
             row["items"].append(catalog.get("approx_items", 0))
@@ -105,10 +117,17 @@ def cache_page(request):
             if catalog["last_sync"] and (row["oldest_sync"] is None or catalog["last_sync"] < row["oldest_sync"]):
                 row["oldest_sync"] = catalog["last_sync"]
     board_summary = [
-        {**row, "median_items": sorted(row["items"])[len(row["items"]) // 2] if row["items"] else 0} for _, row in sorted(per_namespace.items())
+        {**row, "median_items": sorted(row["items"])[len(row["items"]) // 2] if row["items"] else 0}
+        for _, row in sorted(per_namespace.items())
     ]
-    reporting = [summary for summary in devices if summary["catalogs"] and (not board or board.lower() in summary["device"].name.lower())]
-    reporting.sort(key=lambda summary: (not any(c["stale"] for c in summary["catalogs"].values()), summary["device"].name))  # stale ones first
+    reporting = [
+        summary
+        for summary in devices
+        if summary["catalogs"] and (not board or board.lower() in summary["device"].name.lower())
+    ]
+    reporting.sort(
+        key=lambda summary: (not any(c["stale"] for c in summary["catalogs"].values()), summary["device"].name)
+    )  # stale ones first
     return render(
         request,
         "dashboard/cache.html",

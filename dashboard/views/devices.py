@@ -11,12 +11,21 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.cache import never_cache
 
 from cachebox.link import LinkProfile
-
 from dashboard import actions
 from dashboard.pages import board_start, charts
+from dashboard.pages.stats import (
+    STATUSES,
+    device_summaries,
+    device_summary,
+    explained,
+    filter_devices,
+    fleet_counts,
+    recent_runs,
+    visible_devices,
+)
+
 from ..forms import ConfirmForm, DeviceForm
 from ..models import Device
-from dashboard.pages.stats import STATUSES, device_summaries, device_summary, explained, filter_devices, fleet_counts, recent_runs, visible_devices
 from .auth import login_required, staff_member_required
 
 DEVICES_PER_PAGE = 50
@@ -28,7 +37,11 @@ def device_list(request):
     from django.core.paginator import Paginator
 
     visible = visible_devices(request.user)
-    found = {"q": request.GET.get("q", "").strip()[:40], "status": request.GET.get("status", ""), "namespace": request.GET.get("namespace", "").strip()[:40]}
+    found = {
+        "q": request.GET.get("q", "").strip()[:40],
+        "status": request.GET.get("status", ""),
+        "namespace": request.GET.get("namespace", "").strip()[:40],
+    }
     devices = filter_devices(visible, name=found["q"], status=found["status"], namespace=found["namespace"])
     page = Paginator(devices, DEVICES_PER_PAGE).get_page(request.GET.get("page"))
     counts = fleet_counts(visible)
@@ -37,8 +50,14 @@ def device_list(request):
         request,
         "dashboard/devices.html",
         {
-            "summaries": device_summaries(page.object_list), "page": page, "found": found, "filtered": any(found.values()), "query": query,
-            "counts": counts, "statuses": STATUSES, "namespaces": [row["namespace"] for row in counts["namespaces"]],
+            "summaries": device_summaries(page.object_list),
+            "page": page,
+            "found": found,
+            "filtered": any(found.values()),
+            "query": query,
+            "counts": counts,
+            "statuses": STATUSES,
+            "namespaces": [row["namespace"] for row in counts["namespaces"]],
         },
     )
 
@@ -48,7 +67,10 @@ def device_list(request):
 def device_register(request):
     form = DeviceForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        data = {field: form.cleaned_data[field] for field in ("name", "namespace", "kind", "cpu_threads", "memory_mb", "link_bandwidth_mbps", "link_rtt_ms")}
+        data = {
+            field: form.cleaned_data[field]
+            for field in ("name", "namespace", "kind", "cpu_threads", "memory_mb", "link_bandwidth_mbps", "link_rtt_ms")
+        }
         device, token = actions.register_device(request.user, **data)
         return _show_token_once(request, device, token, created=True)
     return render(request, "dashboard/device_form.html", {"form": form, "link_presets": DeviceForm.link_presets()})
@@ -92,7 +114,9 @@ def _confirmation(request, device: Device, question: str, consequence: str):
     if request.method == "POST" and form.is_valid():
         return None
     return render(
-        request, "dashboard/confirm.html", {"form": form, "question": question, "consequence": consequence, "cancel_url": device.get_absolute_url()}
+        request,
+        "dashboard/confirm.html",
+        {"form": form, "question": question, "consequence": consequence, "cancel_url": device.get_absolute_url()},
     )
 
 
@@ -100,7 +124,12 @@ def _confirmation(request, device: Device, question: str, consequence: str):
 @never_cache
 def device_rotate(request, name):
     device = get_object_or_404(Device, name=name)
-    page = _confirmation(request, device, f"Rotate the token of {device.name}?", "Its board is refused until restarted with the new token.")
+    page = _confirmation(
+        request,
+        device,
+        f"Rotate the token of {device.name}?",
+        "Its board is refused until restarted with the new token.",
+    )
     if page:
         return page
     token = actions.rotate_token(request.user, device)
@@ -123,11 +152,17 @@ def device_token(request, name):
     device = get_object_or_404(Device, name=name)
     shown = request.session.pop(TOKEN_SESSION_KEY, None)
     if not shown or shown.get("device") != device.name:
-        messages.info(request, f"The token of {device.name} was shown once and is not kept (only its hash is): rotate it to get a new one.")
+        messages.info(
+            request,
+            f"The token of {device.name} was shown once and is not kept (only its hash is): rotate it to get a new one.",
+        )
         return redirect(device)
     context = {
-        "device": device, "token": shown["token"], "created": shown["created"],
-        "start": board_start.shown_to(request.user, device.name, shown["token"]), "embedded": settings.REDIS_URL_IS_EMBEDDED,
+        "device": device,
+        "token": shown["token"],
+        "created": shown["created"],
+        "start": board_start.shown_to(request.user, device.name, shown["token"]),
+        "embedded": settings.REDIS_URL_IS_EMBEDDED,
     }
     return render(request, "dashboard/device_token.html", context)  # never cached
 
@@ -136,7 +171,12 @@ def device_token(request, name):
 def device_trust(request, name):
     """Lift an audit's quarantine of a board's entries (after finding why they differed)."""
     device = get_object_or_404(Device, name=name)
-    page = _confirmation(request, device, f"Trust the entries of {device.name} again?", "Boards accept the cache entries it makes from their next heartbeat on.")
+    page = _confirmation(
+        request,
+        device,
+        f"Trust the entries of {device.name} again?",
+        "Boards accept the cache entries it makes from their next heartbeat on.",
+    )
     if page:
         return page
     actions.clear_quarantine(request.user, device)
@@ -147,7 +187,12 @@ def device_trust(request, name):
 @staff_member_required
 def device_revoke(request, name):
     device = get_object_or_404(Device, name=name)
-    page = _confirmation(request, device, f"Revoke {device.name}?", "Its board is refused from its next task on; rotate the token to let it back.")
+    page = _confirmation(
+        request,
+        device,
+        f"Revoke {device.name}?",
+        "Its board is refused from its next task on; rotate the token to let it back.",
+    )
     if page:
         return page
     actions.revoke_device(request.user, device)

@@ -17,14 +17,15 @@ from dashboard.pages.chart_series import RANGE_LABELS, chart_series, parse_range
 from dashboard.pages.colors import device_colors
 from dashboard.pages.stats import (
     device_summaries,
+    explained,
+    fleet_counts,
+    recent_runs,
     run_counts,
     runs_label,
-    fleet_counts,
-    explained,
-    recent_runs,
     visible_devices,
     visible_runs,
 )
+
 from .auth import login_required
 
 BREAKDOWN_BARS = 50  # runs the stacked breakdown chart shows (the newest of the range)
@@ -95,7 +96,11 @@ def home(request):
     visible = visible_devices(request.user)
     counts = fleet_counts(visible)
     # A small fleet: a card each. A large one: its counts, and cards for the boards seen last.
-    devices = list(visible if counts["total"] <= HOME_CARDS else visible.exclude(last_seen=None).order_by("-last_seen")[:HOME_CARDS])
+    devices = list(
+        visible
+        if counts["total"] <= HOME_CARDS
+        else visible.exclude(last_seen=None).order_by("-last_seen")[:HOME_CARDS]
+    )
     chart_data = home_charts(request.user, parse_range(request.GET.get("range")))
     store = actions.cachebox()
     return render(
@@ -112,7 +117,9 @@ def home(request):
             "cachebox_up": store.ping(),
             "cachebox_url": store.safe_url if request.user.is_staff else "",  # an internal address: staff only
             "embedded": settings.REDIS_URL_IS_EMBEDDED,
-            "start": board_start.shown_to(request.user, "NAME", "TOKEN") if request.user.is_staff and not devices else None,
+            "start": board_start.shown_to(request.user, "NAME", "TOKEN")
+            if request.user.is_staff and not devices
+            else None,
         },
     )
 

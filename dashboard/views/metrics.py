@@ -10,10 +10,9 @@ from django.views.decorators.http import require_safe
 from prometheus_client.exposition import choose_encoder
 
 from cachebox.events import security_event
-
 from dashboard.ops import metrics
-from .auth import _who
 
+from .auth import _who
 
 # -- metrics -------------------------------------------------------------------------------------
 # What a refused scraper is told: the setting that holds the token, or how to turn metrics by token on.
@@ -34,13 +33,23 @@ def _metrics_refusal(request) -> tuple[int, str, str, str] | None:
         if not token:
             return 401, "bad_metrics_token", "EDGECACHE_METRICS_TOKEN is not set", TOKEN_OFF
         if scheme.lower() != "bearer":
-            return 401, "bad_metrics_token", f"{scheme[:20]} authorization", f"Metrics take a bearer token: {SEND_TOKEN}."
+            return (
+                401,
+                "bad_metrics_token",
+                f"{scheme[:20]} authorization",
+                f"Metrics take a bearer token: {SEND_TOKEN}.",
+            )
         if not constant_time_compare(presented.strip(), token):
             return 401, "bad_metrics_token", "wrong token", f"Wrong metrics token: {SEND_TOKEN}."
         return None
     user = request.user
     if not user.is_authenticated:
-        return 401, "login_required", "no credentials", f"Metrics need a token or a staff login: {SEND_TOKEN}." if token else TOKEN_OFF
+        return (
+            401,
+            "login_required",
+            "no credentials",
+            f"Metrics need a token or a staff login: {SEND_TOKEN}." if token else TOKEN_OFF,
+        )
     if not (user.is_active and user.is_staff):
         answer = "Metrics are for staff accounts, or a scraper that sends Authorization: Bearer <the value of EDGECACHE_METRICS_TOKEN>."
         return 403, "staff_required", "not staff", answer

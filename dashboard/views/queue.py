@@ -11,9 +11,10 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from dashboard.pages.queue import queue_view, revocable
+
 from ..actions.runs import revoke
 from ..forms import ConfirmForm
-from dashboard.pages.queue import queue_view, revocable
 from .auth import login_required
 
 
@@ -33,24 +34,38 @@ def queue_revoke(request):
         request_id = None
     dispatch = revocable(request.user, request_id) if request_id else None
     if dispatch is None:
-        messages.error(request, "Nothing revoked: that run is not under way (it was answered, lost or revoked meanwhile), or not yours to see.")
+        messages.error(
+            request,
+            "Nothing revoked: that run is not under way (it was answered, lost or revoked meanwhile), or not yours to see.",
+        )
         return redirect("queue")
     form = ConfirmForm(request.POST if "confirm" in request.POST or "confirming" in request.POST else None)
     if not form.is_bound or not form.is_valid():
-        title = str(((dispatch.request or {}).get("meta") or {}).get("title", "")) if isinstance(dispatch.request, dict) else ""
+        title = (
+            str(((dispatch.request or {}).get("meta") or {}).get("title", ""))
+            if isinstance(dispatch.request, dict)
+            else ""
+        )
         board = dispatch.device.name if dispatch.device else f"any board of {dispatch.namespace}"
         return render(
-            request, "dashboard/confirm.html",
+            request,
+            "dashboard/confirm.html",
             {
-                "form": form, "question": f"Revoke the run on {board}?",
+                "form": form,
+                "question": f"Revoke the run on {board}?",
                 "consequence": f"“{title or request_id}”, sent {timezone.localtime(dispatch.created):%Y-%m-%d %H:%M:%S}, is taken back: "
                 "its board drops it (or stops it between two tokens), and it ends as a failed run that says you revoked it. "
                 "Nothing is answered.",
-                "cancel_url": reverse("queue"), "hidden": {"request_id": str(request_id), "confirming": "1"}, "confirm_label": "Revoke",
+                "cancel_url": reverse("queue"),
+                "hidden": {"request_id": str(request_id), "confirming": "1"},
+                "confirm_label": "Revoke",
             },
         )
     if revoke(request.user, dispatch):
-        messages.success(request, f"Revoked the run {request_id} on {dispatch.device.name if dispatch.device else 'any board'}: its board drops it; the Runs page lists it as failed.")
+        messages.success(
+            request,
+            f"Revoked the run {request_id} on {dispatch.device.name if dispatch.device else 'any board'}: its board drops it; the Runs page lists it as failed.",
+        )
     else:
         messages.error(request, "Nothing revoked: the run ended meanwhile.")
     return redirect("queue")

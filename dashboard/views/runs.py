@@ -18,19 +18,27 @@ from django.views.decorators.http import require_POST
 
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
-from inference.serving.breakdown import FIELD_GROUPS, time_sums
-from inference.contract.messages import CANCELLED
-
 from dashboard import actions, admission
 from dashboard.live import run_stream
 from dashboard.ops import metrics
 from dashboard.pages import board_start, charts
-from dashboard.security import ratelimit
 from dashboard.pages.explain import explain_run
 from dashboard.pages.model_cards import boards_models
+from dashboard.pages.stats import (
+    current_namespace,
+    explain_error,
+    explained,
+    recent_runs,
+    run_counts,
+    runs_label,
+    visible_runs,
+)
+from dashboard.security import ratelimit
+from inference.contract.messages import CANCELLED
+from inference.serving.breakdown import FIELD_GROUPS, time_sums
+
 from ..forms import MAX_PROMPT_CHARS, RunFilterForm, RunForm
 from ..models import Device, InferenceRun
-from dashboard.pages.stats import current_namespace, explain_error, explained, recent_runs, run_counts, runs_label, visible_runs
 from .auth import _who, login_required
 from .broker import _broker_unavailable, _BrokerDown, _each_until_broker_fails
 
@@ -44,14 +52,18 @@ def _run_page_context(request, form, **extra) -> dict:
         "max_prompt_chars": MAX_PROMPT_CHARS,
         "task_expires": settings.EDGECACHE_TASK_EXPIRES,
         "wait_hint_seconds": WAIT_HINT_SECONDS,
-        "start_prefix": board_start.shown_to(request.user)["prefix"],  # the hints' start command (staff: with the address)
+        "start_prefix": board_start.shown_to(request.user)[
+            "prefix"
+        ],  # the hints' start command (staff: with the address)
         "models": boards_models(form.fields["devices"].queryset),  # what each board runs, and what to expect of it
         "chart_data": {},
         **extra,
     }
 
 
-MMLU_TITLE = re.compile(r"^MMLU (?P<topic>.+), (?P<shots>\d+)-shot, question (?P<question>\d+)$")  # RunForm.run_request's title
+MMLU_TITLE = re.compile(
+    r"^MMLU (?P<topic>.+), (?P<shots>\d+)-shot, question (?P<question>\d+)$"
+)  # RunForm.run_request's title
 
 
 def _again_initial(request) -> tuple[dict, InferenceRun | None]:
@@ -67,17 +79,29 @@ def _again_initial(request) -> tuple[dict, InferenceRun | None]:
         return {}, None
     breakdown = run.breakdown or {}
     asked = breakdown.get("asked") or {}
-    tokens = asked.get("max_tokens") or breakdown.get("generated_tokens") or 8  # runs stored before they kept what they asked
+    tokens = (
+        asked.get("max_tokens") or breakdown.get("generated_tokens") or 8
+    )  # runs stored before they kept what they asked
     initial = {"devices": [run.device.pk], "max_tokens": max(1, min(256, int(tokens)))}
     initial.update({name: asked[name] for name in ("temperature", "top_p", "seed") if asked.get(name) is not None})
     mmlu_title = MMLU_TITLE.match(run.title) if run.source == "mmlu" else None
     turns = [turn for turn in asked.get("messages") or () if turn.get("role") in ("system", "user", "assistant")]
     if mmlu_title:
-        initial.update(source="mmlu", topic=mmlu_title["topic"], shots=int(mmlu_title["shots"]), question=int(mmlu_title["question"]))
+        initial.update(
+            source="mmlu",
+            topic=mmlu_title["topic"],
+            shots=int(mmlu_title["shots"]),
+            question=int(mmlu_title["question"]),
+        )
     elif turns and turns[-1]["role"] == "user":
         system = "\n\n".join(turn["content"] for turn in turns if turn["role"] == "system")
         history = [turn for turn in turns[:-1] if turn["role"] != "system"]
-        initial.update(source="chat", system=system, history=json.dumps(history, ensure_ascii=False) if history else "", message=turns[-1]["content"])
+        initial.update(
+            source="chat",
+            system=system,
+            history=json.dumps(history, ensure_ascii=False) if history else "",
+            message=turns[-1]["content"],
+        )
     elif run.prompt.lstrip().startswith("<prompt"):
         initial.update(source="pml", pml=run.prompt)
     else:
@@ -90,7 +114,9 @@ def run_page(request):
     if request.method == "POST":
         form = RunForm(request.POST, user=request.user, current_namespace=current_namespace(request))
         accept = request.headers.get("Accept", "")
-        wants_json = accept.startswith("application/json") or accept.startswith(run_stream.CONTENT_TYPE)  # refusals: JSON for the script
+        wants_json = accept.startswith("application/json") or accept.startswith(
+            run_stream.CONTENT_TYPE
+        )  # refusals: JSON for the script
         # Refused submissions (empty, too long, another tenant's device) send nothing and are not
         # counted: the limit counts only the valid submissions about to be sent.
         if not form.is_valid():
@@ -108,7 +134,11 @@ def run_page(request):
             if routed is None:
                 command = board_start.shown_to(request.user)["command"]
                 message = f"No board of namespace {namespace!r} is online to take it: start one with `{command}`, or tick a device (it gets the run when it starts)."
-                return JsonResponse({"errors": {"any_board": [{"message": message}]}}, status=503) if wants_json else _run_page_refused(request, message, 503)
+                return (
+                    JsonResponse({"errors": {"any_board": [{"message": message}]}}, status=503)
+                    if wants_json
+                    else _run_page_refused(request, message, 503)
+                )
             if devices:  # the boards it may go to, then and if its board goes quiet (``actions.sweeper``)
                 routed.record["allowed"] = sorted(device.name for device in devices)
             devices = [routed.device]
@@ -119,20 +149,30 @@ def run_page(request):
             return _fleet_busy(request, busy, wants_json)
         if accept.startswith(run_stream.CONTENT_TYPE):
             # The page's script: the runs' stages and tokens follow in this response, as they come.
-            response = StreamingHttpResponse(run_stream.follow(request.user, devices, asked, routed, request_ids), content_type=run_stream.CONTENT_TYPE)
+            response = StreamingHttpResponse(
+                run_stream.follow(request.user, devices, asked, routed, request_ids),
+                content_type=run_stream.CONTENT_TYPE,
+            )
             response["Cache-Control"] = "no-cache"
             response["X-Accel-Buffering"] = "no"
             return response
         try:
             ids = dict(zip((device.pk for device in devices), request_ids))
-            sent = _each_until_broker_fails(devices, lambda device: actions.dispatch_run(request.user, [device], asked, [ids[device.pk]], routed=routed))
+            sent = _each_until_broker_fails(
+                devices,
+                lambda device: actions.dispatch_run(request.user, [device], asked, [ids[device.pk]], routed=routed),
+            )
         except _BrokerDown as down:
             for ticket in tickets:
                 admission.release(ticket)
-            return _broker_unavailable(request, down, wants_json, lambda message: _run_page_refused(request, message, 503))
+            return _broker_unavailable(
+                request, down, wants_json, lambda message: _run_page_refused(request, message, 503)
+            )
         if wants_json:
             return JsonResponse({"dispatched": sent})
-        messages.success(request, f"Sent to {', '.join(item['device'] for item in sent)}; answers appear below as they arrive.")
+        messages.success(
+            request, f"Sent to {', '.join(item['device'] for item in sent)}; answers appear below as they arrive."
+        )
         return redirect("run")
     initial, again = _again_initial(request)
     form = RunForm(initial=initial or None, user=request.user)
@@ -158,7 +198,19 @@ def run_cancel(request):
     try:
         cancelled = run_stream.cancel_runs(request.user, request.POST.getlist("request_id"))
     except CacheBoxUnavailable as exc:
-        return JsonResponse({"errors": {"__all__": [{"message": f"Not cancelled: the cache box does not answer ({exc}).", "code": "cachebox_unavailable"}]}}, status=503)
+        return JsonResponse(
+            {
+                "errors": {
+                    "__all__": [
+                        {
+                            "message": f"Not cancelled: the cache box does not answer ({exc}).",
+                            "code": "cachebox_unavailable",
+                        }
+                    ]
+                }
+            },
+            status=503,
+        )
     return JsonResponse({"cancelled": cancelled})
 
 
@@ -166,8 +218,31 @@ def run_cancel(request):
 RUNS_PER_PAGE = 50
 EXPORT_LIMIT = 10_000  # rows one export holds at most (newest first)
 EXPORT_FIELDS = [
-    "id", "created", "device", "namespace", "source", "title", "case", "decision", "cachebox", "prompt_tokens", "matched_tokens", "context_tokens", "local_tokens", "flash_tokens", "fetched_tokens",
-    "generated_tokens", "ttft_ms", "ttlt_ms", "state_bytes", "kernel_class", "approximate", "approximate_from", "error", "prompt", "answer",
+    "id",
+    "created",
+    "device",
+    "namespace",
+    "source",
+    "title",
+    "case",
+    "decision",
+    "cachebox",
+    "prompt_tokens",
+    "matched_tokens",
+    "context_tokens",
+    "local_tokens",
+    "flash_tokens",
+    "fetched_tokens",
+    "generated_tokens",
+    "ttft_ms",
+    "ttlt_ms",
+    "state_bytes",
+    "kernel_class",
+    "approximate",
+    "approximate_from",
+    "error",
+    "prompt",
+    "answer",
 ]
 
 
@@ -187,7 +262,11 @@ def run_list(request):
         request,
         "dashboard/runs.html",
         {
-            "filter_form": form, "page": page, "runs": explained(list(page.object_list)), "query": query.urlencode(), "total": paginator.count,
+            "filter_form": form,
+            "page": page,
+            "runs": explained(list(page.object_list)),
+            "query": query.urlencode(),
+            "total": paginator.count,
             "total_label": runs_label(run_counts(runs)),  # failed and cancelled ones said, as every page counts them
         },
     )
@@ -261,9 +340,13 @@ def run_export(request, fmt):
                 yield writer.writerow([_csv_cell(row[field]) for field in EXPORT_FIELDS])
 
         response = StreamingHttpResponse(lines(), content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = f'attachment; filename="edgecache-runs-{stamp}{"-unfiltered" if dropped else ""}.{fmt}"'
+    response["Content-Disposition"] = (
+        f'attachment; filename="edgecache-runs-{stamp}{"-unfiltered" if dropped else ""}.{fmt}"'
+    )
     if dropped:
-        response["X-EdgeCache-Filters-Not-Applied"] = "; ".join(f"{name}: {' '.join(errors)}" for name, errors in dropped.items())[:1000]
+        response["X-EdgeCache-Filters-Not-Applied"] = "; ".join(
+            f"{name}: {' '.join(errors)}" for name, errors in dropped.items()
+        )[:1000]
     return response
 
 
@@ -275,7 +358,10 @@ def _breakdown_groups(breakdown: dict) -> list[tuple[str, list[tuple[str, object
         rows = [(name, breakdown[name]) for name in names if name in breakdown]
         if rows:
             groups.append((heading, rows))
-    known = {name for _, names in FIELD_GROUPS for name in names} | {"entries", "asked"}  # those two: their own sections
+    known = {name for _, names in FIELD_GROUPS for name in names} | {
+        "entries",
+        "asked",
+    }  # those two: their own sections
     rest = sorted((name, value) for name, value in breakdown.items() if name not in known)
     if rest:
         groups.append(("Other fields", rest))
@@ -299,7 +385,9 @@ def run_detail(request, pk):
             "entries_known": "entries" in breakdown,
             "fetched_entries": entries.get("fetched", []),
             "stored_entries": entries.get("stored", []),
-            "explanation": explain_run(text=run.text, error=run.error, expected_answer=run.expected_answer, breakdown=breakdown),
+            "explanation": explain_run(
+                text=run.text, error=run.error, expected_answer=run.expected_answer, breakdown=breakdown
+            ),
             "tbt": (breakdown.get("tbt_p50_ms"), breakdown.get("tbt_p99_ms")),
             "asked": breakdown.get("asked") or {},
             "cancelled": run.error == CANCELLED,
@@ -314,18 +402,31 @@ def _as_sent(form_class, data) -> dict:
         if isinstance(field, BooleanField):
             initial[name] = name in data
         elif name in data:
-            initial[name] = data.getlist(name) if isinstance(field, MultipleChoiceField | ModelMultipleChoiceField) else data.get(name)
+            initial[name] = (
+                data.getlist(name)
+                if isinstance(field, MultipleChoiceField | ModelMultipleChoiceField)
+                else data.get(name)
+            )
     return initial
 
 
 def _run_rate_limited(request, verdict: ratelimit.Verdict, wants_json: bool) -> HttpResponse:
     """429: nothing is dispatched; the form comes back as it was sent, with how long to wait."""
     metrics.refused("rate_limited")
-    security_event("run.rate_limited", limit_per_minute=verdict.limit, requests=verdict.count, retry_after=verdict.retry_after, **_who(request))
+    security_event(
+        "run.rate_limited",
+        limit_per_minute=verdict.limit,
+        requests=verdict.count,
+        retry_after=verdict.retry_after,
+        **_who(request),
+    )
     seconds = "1 second" if verdict.retry_after == 1 else f"{verdict.retry_after} seconds"
     message = f"Too many runs: at most {verdict.limit} per minute. Nothing was sent; try again in {seconds}."
     if wants_json:
-        response = JsonResponse({"errors": {"__all__": [{"message": message, "code": "rate_limited"}]}, "retry_after": verdict.retry_after}, status=429)
+        response = JsonResponse(
+            {"errors": {"__all__": [{"message": message, "code": "rate_limited"}]}, "retry_after": verdict.retry_after},
+            status=429,
+        )
     else:
         response = _run_page_refused(request, message, 429)
     response["Retry-After"] = str(verdict.retry_after)
@@ -343,8 +444,18 @@ def _admit(devices, request_ids: list[str], routed) -> list:
         for device, request_id in zip(devices, request_ids):
             namespace = device.namespace_id
             if namespace not in online:
-                online[namespace] = sum(1 for other in Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace") if other.online)
-            tickets.append(admission.admit(namespace, request_id, online_boards=online[namespace], hold_s=hold_s, retry_after=retry_after))
+                online[namespace] = sum(
+                    1
+                    for other in Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related(
+                        "namespace"
+                    )
+                    if other.online
+                )
+            tickets.append(
+                admission.admit(
+                    namespace, request_id, online_boards=online[namespace], hold_s=hold_s, retry_after=retry_after
+                )
+            )
     except admission.FleetBusy:
         for ticket in tickets:
             admission.release(ticket)
@@ -357,9 +468,13 @@ def _fleet_busy(request, busy: admission.FleetBusy, wants_json: bool) -> HttpRes
     answer); nothing is sent, the form comes back as it was."""
     code = "cachebox_unavailable" if busy.scope == "cachebox" else "fleet_busy"
     metrics.refused(code)
-    security_event(f"run.{code}", namespace=busy.namespace, limit=busy.limit, retry_after=busy.retry_after, **_who(request))
+    security_event(
+        f"run.{code}", namespace=busy.namespace, limit=busy.limit, retry_after=busy.retry_after, **_who(request)
+    )
     if wants_json:
-        response = JsonResponse({"errors": {"__all__": [{"message": str(busy), "code": code}]}, "retry_after": busy.retry_after}, status=503)
+        response = JsonResponse(
+            {"errors": {"__all__": [{"message": str(busy), "code": code}]}, "retry_after": busy.retry_after}, status=503
+        )
     else:
         response = _run_page_refused(request, str(busy), 503)
     response["Retry-After"] = str(busy.retry_after)

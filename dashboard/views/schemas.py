@@ -9,13 +9,13 @@ from django.views.decorators.http import require_POST
 
 from cachebox.errors import CacheBoxError
 from dashboard.models import Schema
+from dashboard.pages.schema_info import describe, key_names, layout_of
+from dashboard.pages.stats import current_namespace, namespace_choices, visible_devices, visible_schemas
 from inference.serving.pml import PMLError
 
 from .. import actions
 from ..forms import ConfirmForm, EncodeForm, SchemaForm
 from ..models import Device, Namespace
-from dashboard.pages.schema_info import describe, key_names, layout_of
-from dashboard.pages.stats import current_namespace, namespace_choices, visible_devices, visible_schemas
 from .auth import login_required, staff_member_required
 from .broker import _broker_unavailable, _BrokerDown, _each_until_broker_fails
 
@@ -49,7 +49,9 @@ def _cache_status(schema: Schema, layout, viewer, namespace: str) -> tuple[list[
         for device in devices:
             names = key_names(layout, device.status["fingerprint"], device.cache_namespace)
             status[device.name] = dict(zip(names, store.exists(list(names.values()))))
-    except CacheBoxError:  # the cache box is down or refused (or a namespace is unusable): no status, the page still works
+    except (
+        CacheBoxError
+    ):  # the cache box is down or refused (or a namespace is unusable): no status, the page still works
         status = {}
     return devices, status
 
@@ -74,9 +76,14 @@ def schema_detail(request, pk):
         request,
         "dashboard/schema_detail.html",
         {
-            "schema": schema, "rows": rows, "devices": devices, "positions": layout.positions,
-            "encode_form": EncodeForm(user=request.user, schema=schema), "has_status": bool(status),
-            "namespace": namespace, "namespace_choices": choices,
+            "schema": schema,
+            "rows": rows,
+            "devices": devices,
+            "positions": layout.positions,
+            "encode_form": EncodeForm(user=request.user, schema=schema),
+            "has_status": bool(status),
+            "namespace": namespace,
+            "namespace_choices": choices,
             "private": Namespace.objects.filter(name=namespace, share_across_devices=False).exists(),
         },
     )
@@ -95,11 +102,19 @@ def schema_encode(request, pk):
         return redirect(schema)
     namespace = form.cleaned_data["namespace"]
     try:
-        sent = _each_until_broker_fails(list(form.cleaned_data["devices"]), lambda device: actions.dispatch_encode(request.user, schema, [device], namespace))
+        sent = _each_until_broker_fails(
+            list(form.cleaned_data["devices"]),
+            lambda device: actions.dispatch_encode(request.user, schema, [device], namespace),
+        )
     except _BrokerDown as down:
 
         def page(message: str) -> HttpResponse:
-            return render(request, "dashboard/broker_unavailable.html", {"message": message, "back_url": schema.get_absolute_url()}, status=503)
+            return render(
+                request,
+                "dashboard/broker_unavailable.html",
+                {"message": message, "back_url": schema.get_absolute_url()},
+                status=503,
+            )
 
         return _broker_unavailable(request, down, wants_json, page)
     if wants_json:
@@ -119,5 +134,10 @@ def schema_delete(request, pk):
     return render(
         request,
         "dashboard/confirm.html",
-        {"form": form, "question": f"Delete schema {schema.name}?", "consequence": "Every cache entry of its modules is deleted too, for every model and namespace.", "cancel_url": schema.get_absolute_url()},
+        {
+            "form": form,
+            "question": f"Delete schema {schema.name}?",
+            "consequence": "Every cache entry of its modules is deleted too, for every model and namespace.",
+            "cancel_url": schema.get_absolute_url(),
+        },
     )

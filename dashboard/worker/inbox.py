@@ -26,11 +26,18 @@ from django.db import close_old_connections
 
 from cachebox.events import security_event
 from cachebox.keys import enroll_inbox_key, inbox_key
-from inference.contract.envelope import EnvelopeRefused, peek
-from inference.contract.messages import BOARD_INBOX_TASKS, ENROLL_INBOX_TASKS, MAX_INBOX_MESSAGE_BYTES, InboxMessage, MessageRefused, Queue, Task
-
 from dashboard.actions.devices import broker_server
 from dashboard.models import Device, token_usable
+from inference.contract.envelope import EnvelopeRefused, peek
+from inference.contract.messages import (
+    BOARD_INBOX_TASKS,
+    ENROLL_INBOX_TASKS,
+    MAX_INBOX_MESSAGE_BYTES,
+    InboxMessage,
+    MessageRefused,
+    Queue,
+    Task,
+)
 
 log = logging.getLogger("dashboard.worker.inbox")
 
@@ -104,7 +111,9 @@ class ControlInbox:
         """Read which devices have inboxes: enrolled, unrevoked boards, and devices whose token may
         still enroll one."""
         boards, enrolling = [], []
-        for device in Device.objects.filter(revoked_at=None).only("name", "signing_public_key", "enroll_key", "token_expires"):
+        for device in Device.objects.filter(revoked_at=None).only(
+            "name", "signing_public_key", "enroll_key", "token_expires"
+        ):
             if device.signing_public_key:
                 boards.append(device.name)
             if token_usable(device):
@@ -124,7 +133,9 @@ class ControlInbox:
         # Round robin: each turn starts at the inbox after the one served last, so every non-empty
         # inbox is served once a round, a flooded one included, and none twice before another.
         start = self._turn % len(self._order)
-        taken = broker_server().pop_from_any(self._order[start:] + self._order[:start], self.TAKE, self.WAIT_S if wait_s is None else wait_s)
+        taken = broker_server().pop_from_any(
+            self._order[start:] + self._order[:start], self.TAKE, self.WAIT_S if wait_s is None else wait_s
+        )
         if taken is None:
             return 0
         key, items = taken
@@ -152,7 +163,12 @@ class ControlInbox:
             except Exception as exc:  # the broker or database away for a moment: the next turn tries again
                 if time.monotonic() - warned > 30:
                     warned = time.monotonic()
-                    log.warning("the control inbox could not be read (again in %.1f s): %s: %s", self.WAIT_S, type(exc).__name__, exc)
+                    log.warning(
+                        "the control inbox could not be read (again in %.1f s): %s: %s",
+                        self.WAIT_S,
+                        type(exc).__name__,
+                        exc,
+                    )
                 time.sleep(self.WAIT_S)
 
 

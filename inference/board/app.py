@@ -11,15 +11,17 @@ import os
 
 from celery import Celery
 from celery.signals import task_unknown
-from kombu import Exchange, Queue as KombuQueue
+from kombu import Exchange
+from kombu import Queue as KombuQueue
 
 from cachebox.broker import without_scripts
 from cachebox.events import security_event
 from cachebox.tls import kombu_options
-
 from inference.contract.messages import CONTROL_TASKS, Queue, Task
 
-BOARD_TASKS = frozenset({Task.RUN_PROMPT.value, Task.ENCODE_SCHEMA.value, Task.AUDIT_ENTRY.value})  # all a board's worker runs
+BOARD_TASKS = frozenset(
+    {Task.RUN_PROMPT.value, Task.ENCODE_SCHEMA.value, Task.AUDIT_ENTRY.value}
+)  # all a board's worker runs
 
 
 def celery_settings(broker_url: str, environ=os.environ) -> dict:
@@ -82,9 +84,15 @@ def board_app(broker_url: str, *, queues: list[str] | None = None, transport_opt
     settings = celery_settings(broker_url)
     settings["broker_transport_options"] = {**settings["broker_transport_options"], **(transport_options or {})}
     if queues:
-        settings["task_queues"] = [KombuQueue(name, Exchange(name), routing_key=name, no_declare=True) for name in queues]
+        settings["task_queues"] = [
+            KombuQueue(name, Exchange(name), routing_key=name, no_declare=True) for name in queues
+        ]
     app.conf.update(settings)
-    app.conf.update(include=["inference.board.tasks"], task_publish_retry_policy=BOARD_PUBLISH_RETRY, broker_connection_max_retries=None)
+    app.conf.update(
+        include=["inference.board.tasks"],
+        task_publish_retry_policy=BOARD_PUBLISH_RETRY,
+        broker_connection_max_retries=None,
+    )
     app.set_default()
     app.loader.import_default_modules()  # its tasks, then nothing else: keep_only_tasks
     keep_only_tasks(app, BOARD_TASKS)

@@ -62,7 +62,9 @@ def move_legacy_secret(old: Path, new: Path) -> bool:
     try:
         if new.exists() or not old.exists():
             return False
-    except PermissionError:  # a folder this process may not enter (a demo board run as another user): nothing of its own there
+    except (
+        PermissionError
+    ):  # a folder this process may not enter (a demo board run as another user): nothing of its own there
         return False
     new.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
@@ -78,13 +80,19 @@ def move_legacy_secret(old: Path, new: Path) -> bool:
 class BoardConfig:
     device: str = field(default_factory=lambda: os.uname().nodename)
     namespace: str = "default"
-    redis_url: str = ""  # the broker (and the cache box unless cachebox_url is set); empty: this checkout's embedded Valkey
-    cachebox_url: str = ""  # the cache box alone, e.g. a Redis/Valkey Cluster (redis+cluster://h:p,h:p); empty: redis_url's server
+    redis_url: str = (
+        ""  # the broker (and the cache box unless cachebox_url is set); empty: this checkout's embedded Valkey
+    )
+    cachebox_url: str = (
+        ""  # the cache box alone, e.g. a Redis/Valkey Cluster (redis+cluster://h:p,h:p); empty: redis_url's server
+    )
     model: str = ""  # a GGUF path; empty: the Gemma-3 270M package
     n_ctx: int = 4096
     threads: int = 0  # 0: every core
     kv_type: str = "f16"
-    chunk_tokens: int = 128  # the batch grid: every prefill cuts its batches, and ranges are stored, every this many tokens
+    chunk_tokens: int = (
+        128  # the batch grid: every prefill cuts its batches, and ranges are stored, every this many tokens
+    )
     top_logits: int = 64  # logits kept with an entry that ends a segment
     catalog_capacity: int = 1_000_000
     catalog_fp_rate: float = 0.01
@@ -96,22 +104,34 @@ class BoardConfig:
     entry_ttl: int | None = DEFAULT_ENTRY_TTL  # unpinned entries expire after this many seconds unused
     link: LinkProfile | None = None  # emulated link to the cache box (None: as the network is)
     context_reuse: bool = True  # a prompt that shares a prefix with the board's last one continues from it
-    ram_tier_bytes: int | None = None  # range entries kept next to the model (0: no RAM tier; None: follows memory_mb, 128 MB when unknown)
-    flash_tier_bytes: int = 0  # range entries kept on the board's own disk, between RAM and the cache box (0: no flash tier)
+    ram_tier_bytes: int | None = (
+        None  # range entries kept next to the model (0: no RAM tier; None: follows memory_mb, 128 MB when unknown)
+    )
+    flash_tier_bytes: int = (
+        0  # range entries kept on the board's own disk, between RAM and the cache box (0: no flash tier)
+    )
     flash_dir: Path | None = None  # where the flash tier keeps them (None: the state folder's flash/<device>)
-    board_state_dir: Path | None = None  # what the board keeps of its own (answered requests); None: the state folder's boards/<device>
+    board_state_dir: Path | None = (
+        None  # what the board keeps of its own (answered requests); None: the state folder's boards/<device>
+    )
     memory_mb: int = 0  # the board's registered memory: its buffers are sized to it (inference.engine.memory_plan); 0: unknown, defaults
     policy: str = "adaptive"  # fetch when it pays ("always" / "never" force it, for benchmarks)
     overlap: bool = True  # compute the front of a prompt while the back of it loads, when that is faster
-    codec: str = "auto"  # how uploaded states are stored: raw, zstd, zstd-shuffle, or auto (by the link: cachebox.codec)
+    codec: str = (
+        "auto"  # how uploaded states are stored: raw, zstd, zstd-shuffle, or auto (by the link: cachebox.codec)
+    )
     compute_profile: str = ""  # pace model work to a board class (inference.engine.compute_profile); "" = this machine
     prefill_ms_per_token: float = 3.0  # the policy's prior until the board has measured itself
     embedded_dir: Path = field(default_factory=lambda: edgecache_home() / "valkey")
     embedded_port: int | None = None
     embedded_maxmemory: str = "1gb"
-    embedded_bind: tuple[str, ...] = ("127.0.0.1",)  # addresses the embedded Valkey listens on (boards as hosts reach it on their hub's)
+    embedded_bind: tuple[str, ...] = (
+        "127.0.0.1",
+    )  # addresses the embedded Valkey listens on (boards as hosts reach it on their hub's)
     link_shaped_by: str = "socket"  # who paces ``link``: "socket" (cachebox.shaping) or "kernel" (the board's interface; sockets add the RTT only)
-    keys_dir: Path = field(default_factory=lambda: secrets_home() / "board-keys")  # this board's private keys (0600 files)
+    keys_dir: Path = field(
+        default_factory=lambda: secrets_home() / "board-keys"
+    )  # this board's private keys (0600 files)
     board_acl: bool = True  # reach Redis as this board's own user (cachebox.acl), never with REDIS_URL's credentials
 
     def upload_codec(self) -> str:
@@ -131,7 +151,11 @@ class BoardConfig:
 
     def state_folder(self) -> Path:
         """Where this board keeps what it must remember across restarts (the requests it answered)."""
-        return self.board_state_dir if self.board_state_dir is not None else self.embedded_dir.parent / "boards" / self.device
+        return (
+            self.board_state_dir
+            if self.board_state_dir is not None
+            else self.embedded_dir.parent / "boards" / self.device
+        )
 
     def key_file(self, device: str) -> Path:
         """Where the board ``device`` keeps its private keys (moved there from the state folder,
@@ -169,15 +193,23 @@ class BoardConfig:
             overlap=environ.get("EDGECACHE_OVERLAP", "1").strip() not in ("0", "false", "no", "off"),
             codec=environ.get("EDGECACHE_CODEC", "").strip() or d["codec"].default,
             compute_profile=environ.get("EDGECACHE_COMPUTE_PROFILE", "").strip(),
-            ram_tier_bytes=_int(environ, "EDGECACHE_RAM_TIER_MB", -1) * 1024 * 1024 if environ.get("EDGECACHE_RAM_TIER_MB", "").strip() else None,
+            ram_tier_bytes=_int(environ, "EDGECACHE_RAM_TIER_MB", -1) * 1024 * 1024
+            if environ.get("EDGECACHE_RAM_TIER_MB", "").strip()
+            else None,
             flash_tier_bytes=_int(environ, "EDGECACHE_FLASH_TIER_MB", 0) * 1024 * 1024,
-            flash_dir=Path(environ["EDGECACHE_FLASH_DIR"].strip()) if environ.get("EDGECACHE_FLASH_DIR", "").strip() else None,
-            board_state_dir=Path(environ["EDGECACHE_BOARD_STATE_DIR"].strip()) if environ.get("EDGECACHE_BOARD_STATE_DIR", "").strip() else None,
+            flash_dir=Path(environ["EDGECACHE_FLASH_DIR"].strip())
+            if environ.get("EDGECACHE_FLASH_DIR", "").strip()
+            else None,
+            board_state_dir=Path(environ["EDGECACHE_BOARD_STATE_DIR"].strip())
+            if environ.get("EDGECACHE_BOARD_STATE_DIR", "").strip()
+            else None,
             memory_mb=_int(environ, "EDGECACHE_MEMORY_MB", 0),
             embedded_dir=home / "valkey",
             embedded_port=_int(environ, "EDGECACHE_EMBEDDED_PORT", 0) or None,
-            embedded_maxmemory=environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "").strip() or d["embedded_maxmemory"].default,
-            embedded_bind=tuple(environ.get("EDGECACHE_EMBEDDED_BIND", "").replace(",", " ").split()) or d["embedded_bind"].default,
+            embedded_maxmemory=environ.get("EDGECACHE_EMBEDDED_MAXMEMORY", "").strip()
+            or d["embedded_maxmemory"].default,
+            embedded_bind=tuple(environ.get("EDGECACHE_EMBEDDED_BIND", "").replace(",", " ").split())
+            or d["embedded_bind"].default,
             link_shaped_by=environ.get("EDGECACHE_LINK_SHAPED_BY", "").strip() or d["link_shaped_by"].default,
             keys_dir=Path(environ.get("EDGECACHE_BOARD_KEYS_DIR", "").strip() or secrets_home(environ) / "board-keys"),
             board_acl=environ.get("EDGECACHE_BOARD_ACL", "1").strip().lower() not in ("0", "false", "no", "off"),

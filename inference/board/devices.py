@@ -31,7 +31,6 @@ from cachebox.errors import CacheBoxRefused
 from cachebox.events import security_event
 from cachebox.keys import enrollment_refusal_key_name
 from cachebox.signing import KeyRing, pin_proof, private_namespace, public_hex, sign_document, unseal, verify_document
-
 from inference.board.identity import BoardKeys
 
 
@@ -99,7 +98,9 @@ class DeviceRecord:
 
     def check_token(self, token: str) -> None:
         if not self.token_sha256 or not hmac.compare_digest(self.token_sha256, hash_token(token)):
-            raise DeviceRefused(f"wrong or expired token for device {self.name!r}; use the token shown when it was registered or rotated")
+            raise DeviceRefused(
+                f"wrong or expired token for device {self.name!r}; use the token shown when it was registered or rotated"
+            )
 
 
 def publish(store, record: DeviceRecord, signer: Ed25519PrivateKey) -> None:
@@ -138,7 +139,9 @@ def lookup(store, name: str, raw: bytes | None | _Unread = UNREAD) -> DeviceReco
         known = set(DeviceRecord.__dataclass_fields__)
         record = DeviceRecord(**{key: value for key, value in doc.items() if key in known})
     except (ValueError, TypeError) as exc:
-        raise DeviceRefused(f"the registry record of device {name!r} is unreadable ({exc}); re-save the device on the dashboard") from exc
+        raise DeviceRefused(
+            f"the registry record of device {name!r} is unreadable ({exc}); re-save the device on the dashboard"
+        ) from exc
     record.signed_document = doc  # what its signature covers, as stored
     return record
 
@@ -169,7 +172,9 @@ def _known(store, name: str, raw: bytes | None | _Unread = UNREAD) -> DeviceReco
     return found
 
 
-def authenticate(store, name: str, keys: BoardKeys, *, newer_than: int = 0, raw: bytes | None | _Unread = UNREAD) -> DeviceRecord:
+def authenticate(
+    store, name: str, keys: BoardKeys, *, newer_than: int = 0, raw: bytes | None | _Unread = UNREAD
+) -> DeviceRecord:
     """The device's record if the pinned control plane signed it and it names this board's keys,
     else DeviceRefused (``raw``: the record as read already)."""
     record = verified(_known(store, name, raw), keys, newer_than=newer_than)
@@ -182,9 +187,15 @@ def pin(store, name: str, keys: BoardKeys, token: str) -> BoardKeys:
     checks under the token. Returns the keys with it pinned (the caller saves them)."""
     record = _known(store, name)
     record.check_token(token)
-    if not record.control_plane_key or not record.pin or not hmac.compare_digest(record.pin, pin_proof(token, record.control_plane_key)):
+    if (
+        not record.control_plane_key
+        or not record.pin
+        or not hmac.compare_digest(record.pin, pin_proof(token, record.control_plane_key))
+    ):
         security_event("record_refused", device=name, reason="the control plane's key is not vouched for by this token")
-        raise DeviceRefused(f"the registry record of {name!r} does not prove the control plane's key with this token: rotate the token and try again")
+        raise DeviceRefused(
+            f"the registry record of {name!r} does not prove the control plane's key with this token: rotate the token and try again"
+        )
     return keys.pinned(record.control_plane_key)
 
 
@@ -211,7 +222,11 @@ def enrollment_refused(store, name: str, keys: BoardKeys) -> str | None:
     except ValueError:
         doc = None
     if not isinstance(doc, dict) or not keys.control_plane_key or not verify_document(doc, keys.control_plane_key):
-        security_event("record_refused", device=name, reason="an enrollment refusal not signed by the control plane this board pinned")
+        security_event(
+            "record_refused",
+            device=name,
+            reason="an enrollment refusal not signed by the control plane this board pinned",
+        )
         return None
     if doc.get("name") != name or doc.get("signing_key") != keys.signing_public_key:
         return None
@@ -242,7 +257,9 @@ def enroll(
     """
     if not keys.control_plane_key:
         if not token:
-            raise DeviceRefused(f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)")
+            raise DeviceRefused(
+                f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)"
+            )
         keys = pin(store, name, keys, token)
         if save is not None:
             save(keys)
@@ -252,7 +269,9 @@ def enroll(
     if record.signing_key == keys.signing_public_key:
         return record, keys
     if not token:
-        raise DeviceRefused(f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)")
+        raise DeviceRefused(
+            f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)"
+        )
     record.check_token(token)
     send(keys.enrollment(name, token))
     enrolling = True

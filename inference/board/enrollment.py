@@ -16,14 +16,21 @@ from cachebox.events import security_event
 from cachebox.keys import enroll_inbox_key
 from cachebox.signing import Keychain, KeyRing, Producer, ProducerTable
 from cachebox.store import CacheBox
-
-from inference.contract import envelope
-from inference.board.devices import UNREAD, DeviceRecord, DeviceRefused, DeviceUnknown, RecordRefused, authenticate, enroll
-from inference.contract.envelope import CONTROL, EnvelopeRefused, Kind
+from inference.board.devices import (
+    UNREAD,
+    DeviceRecord,
+    DeviceRefused,
+    DeviceUnknown,
+    RecordRefused,
+    authenticate,
+    enroll,
+)
 from inference.board.identity import BoardKeys
+from inference.board.wire import write_to_broker
+from inference.contract import envelope
+from inference.contract.envelope import CONTROL, EnvelopeRefused, Kind
 from inference.contract.messages import BoardMessage, EnrollRequest, InboxMessage, StreamEvent, Task
 from inference.serving.run import PromptError
-from inference.board.wire import write_to_broker
 
 log = logging.getLogger("inference.board")
 
@@ -54,10 +61,15 @@ class EdgeIdentity:
             # restarted empty. Revoking or rotating writes a record; only its absence is "cannot
             # tell" (as an unreachable cache box), and the control plane publishes it again when
             # it accepts this board's next heartbeat.
-            log.warning("the registry has no record of %s (the cache box restarted empty?): serving on with its last one", self.name)
+            log.warning(
+                "the registry has no record of %s (the cache box restarted empty?): serving on with its last one",
+                self.name,
+            )
             return
         if self.record.cache_namespace != previous:
-            raise DeviceRefused(f"device {self.name!r} was moved to namespace {self.record.cache_namespace!r}; restart the board to serve it")
+            raise DeviceRefused(
+                f"device {self.name!r} was moved to namespace {self.record.cache_namespace!r}; restart the board to serve it"
+            )
         self._open_ring()
         if raw is UNREAD:  # a heartbeat's or a refresh's check (not the one before every task): the producer table too
             self.read_producers()
@@ -75,18 +87,26 @@ class EdgeIdentity:
             return
         held = self.producers.serial if self.producers is not None else 0
         try:
-            self.producers = ProducerTable.verified(json.loads(raw), self.keys.control_plane_key, tenant, newer_than=held)
+            self.producers = ProducerTable.verified(
+                json.loads(raw), self.keys.control_plane_key, tenant, newer_than=held
+            )
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
-            security_event("producers_refused", device=self.name, reason=str(exc)[:500], outcome="the last good table stays")
+            security_event(
+                "producers_refused", device=self.name, reason=str(exc)[:500], outcome="the last good table stays"
+            )
 
     def _open_ring(self) -> None:
         try:
             ring = self.record.open_keyring(self.keys)
         except ValueError as exc:
-            security_event("keyring_refused", device=self.name, reason=str(exc), outcome="cache off until a good ring arrives")
+            security_event(
+                "keyring_refused", device=self.name, reason=str(exc), outcome="cache off until a good ring arrives"
+            )
             ring = None
         if ring is None and self.ring is None:
-            log.warning("no signing keys for this board yet: it answers by local prefill and shares nothing until the control plane seals its namespace's ring for it")
+            log.warning(
+                "no signing keys for this board yet: it answers by local prefill and shares nothing until the control plane seals its namespace's ring for it"
+            )
         self.ring = ring
 
     def keychain(self) -> Keychain:
@@ -116,7 +136,12 @@ class EdgeIdentity:
         (logged) for anything else: unsigned, signed by anyone else, for another board, expired."""
         try:
             body, _ = envelope.open_envelope(
-                message, kind=kind, to=self.name, signer_public_key=self.keys.control_plane_key, ring_for=self.ring_for, expired_ok=expired_ok
+                message,
+                kind=kind,
+                to=self.name,
+                signer_public_key=self.keys.control_plane_key,
+                ring_for=self.ring_for,
+                expired_ok=expired_ok,
             )
         except EnvelopeRefused as exc:
             security_event("request_refused", device=self.name, kind=str(kind), reason=str(exc)[:500])
@@ -126,7 +151,14 @@ class EdgeIdentity:
     def seal_event(self, event: StreamEvent) -> bytes:
         """A stream event as it is published: sealed under the namespace's key, signed by this board,
         addressed to its run."""
-        sealed = envelope.seal(event.compact(), kind=Kind.STREAM, sender=self.name, to=event.request_id, signer=self.keys.signing, ring=self.ring)
+        sealed = envelope.seal(
+            event.compact(),
+            kind=Kind.STREAM,
+            sender=self.name,
+            to=event.request_id,
+            signer=self.keys.signing,
+            ring=self.ring,
+        )
         return json.dumps(sealed, separators=(",", ":")).encode()
 
     def seal(self, message: BoardMessage, kind: Kind) -> dict:
@@ -135,14 +167,24 @@ class EdgeIdentity:
         ring = None if kind == Kind.HEARTBEAT else self.ring
         if ring is None and kind != Kind.HEARTBEAT:
             raise DeviceRefused(f"board {self.name!r} holds no key of its namespace: nothing can be sent sealed")
-        return envelope.seal(message.dump(), kind=kind, sender=self.name, to=CONTROL, signer=self.keys.signing, ring=ring, message_id=str(getattr(message, "request_id", "") or ""))
+        return envelope.seal(
+            message.dump(),
+            kind=kind,
+            sender=self.name,
+            to=CONTROL,
+            signer=self.keys.signing,
+            ring=ring,
+            message_id=str(getattr(message, "request_id", "") or ""),
+        )
 
     def check_namespace(self, requested: str | None) -> str:
         """The namespace a request may use: this board's own, whatever was asked."""
         own = self.record.cache_namespace
         if requested and requested not in (self.record.namespace, own):
             security_event("request_refused", device=self.name, reason="foreign namespace", namespace=requested)
-            raise PromptError(f"device {self.name!r} belongs to namespace {self.record.namespace!r}; it does not serve {requested!r}")
+            raise PromptError(
+                f"device {self.name!r} belongs to namespace {self.record.namespace!r}; it does not serve {requested!r}"
+            )
         return own
 
 
@@ -154,10 +196,22 @@ def send_enrollment(fields: dict) -> None:
     enrollment inbox (``ec:enroll:NAME``), the one key its enrollment user may write."""
     request = EnrollRequest(**fields)
     raw = json.dumps(InboxMessage(task=Task.ENROLL, body=request.dump()).dump(), separators=(",", ":"))
-    write_to_broker(lambda client: client.lpush(enroll_inbox_key(request.device), raw), retry=False, what="the enrollment")
+    write_to_broker(
+        lambda client: client.lpush(enroll_inbox_key(request.device), raw), retry=False, what="the enrollment"
+    )
 
 
-def become(name: str, keys: BoardKeys, store: CacheBox, *, token: str | None = None, send=send_enrollment, timeout: float = 30.0, save=None, then_as=None) -> EdgeIdentity:
+def become(
+    name: str,
+    keys: BoardKeys,
+    store: CacheBox,
+    *,
+    token: str | None = None,
+    send=send_enrollment,
+    timeout: float = 30.0,
+    save=None,
+    then_as=None,
+) -> EdgeIdentity:
     """Make this process the board ``name``, pinning the control plane and enrolling its keys with
     ``token`` when the registry does not name them yet (``save`` keeps the pinned keys; ``then_as()``
     gives the store as the board's own Redis user once enrolled; raises DeviceRefused with what to do)."""
@@ -171,7 +225,9 @@ def become(name: str, keys: BoardKeys, store: CacheBox, *, token: str | None = N
 
 def identity() -> EdgeIdentity:
     if _identity is None:
-        raise RuntimeError("this process is not an edge board; start it with `edgecache-board --name NAME` (or `python manage.py edge`)")
+        raise RuntimeError(
+            "this process is not an edge board; start it with `edgecache-board --name NAME` (or `python manage.py edge`)"
+        )
     return _identity
 
 

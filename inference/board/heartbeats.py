@@ -12,12 +12,11 @@ import time
 
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.keys import heartbeat_key
-
 from inference.board.devices import DeviceRefused
-from inference.contract.envelope import Kind
-from inference.contract.messages import BoardStatus, Heartbeat
 from inference.board.enrollment import identity
 from inference.board.wire import write_to_broker
+from inference.contract.envelope import Kind
+from inference.contract.messages import BoardStatus, Heartbeat
 
 log = logging.getLogger("inference.board")
 
@@ -30,7 +29,9 @@ def push_heartbeat(sealed: dict, interval: float = 5.0) -> None:
     me = identity()
     raw = json.dumps(sealed, separators=(",", ":"))
     ttl = max(60, int(interval * 12))
-    write_to_broker(lambda client: client.psetex(heartbeat_key(me.name), ttl * 1000, raw), retry=False, what="a heartbeat")
+    write_to_broker(
+        lambda client: client.psetex(heartbeat_key(me.name), ttl * 1000, raw), retry=False, what="a heartbeat"
+    )
 
 
 class HeartbeatThread(threading.Thread):

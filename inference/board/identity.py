@@ -36,7 +36,15 @@ from cachebox.signing import SIGNATURE_FIELD, canonical, sign_document, verify_d
 
 TIMESTAMP_FIELD = "ts"
 
-__all__ = ["SIGNATURE_FIELD", "BoardKeys", "canonical", "check_enrollment_signature", "enrollment_key", "enrollment_public_key", "verify_signature"]
+__all__ = [
+    "SIGNATURE_FIELD",
+    "BoardKeys",
+    "canonical",
+    "check_enrollment_signature",
+    "enrollment_key",
+    "enrollment_public_key",
+    "verify_signature",
+]
 
 
 def enrollment_key(token: str) -> Ed25519PrivateKey:
@@ -53,7 +61,11 @@ def enrollment_public_key(token: str) -> str:
 def enrollment_redis_password(token: str) -> str:
     """The password of a device's enrollment Redis user (it may only read its own record and send
     its enrollment): derived from the token, so neither side stores it."""
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"edgecache/enroll-redis/v1").derive(token.encode()).hex()
+    return (
+        HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"edgecache/enroll-redis/v1")
+        .derive(token.encode())
+        .hex()
+    )
 
 
 def verify_signature(payload: dict, signing_public_key: str) -> bool:
@@ -129,7 +141,8 @@ class BoardKeys:
             return cls(
                 Ed25519PrivateKey.from_private_bytes(bytes.fromhex(doc["signing"])),
                 X25519PrivateKey.from_private_bytes(bytes.fromhex(doc["box"])),
-                str(doc.get("redis_password") or "") or secrets.token_urlsafe(32),  # key files of older versions had none
+                str(doc.get("redis_password") or "")
+                or secrets.token_urlsafe(32),  # key files of older versions had none
                 str(doc.get("control_plane_key") or ""),
             )
         except (ValueError, KeyError, TypeError) as exc:
@@ -175,7 +188,9 @@ def check_enrollment_signature(fields: dict, enroll_public_key: str) -> bool:
     """The enrollment's ``proof`` is the token key's signature over the other fields."""
     body = {key: value for key, value in fields.items() if key != "proof"}
     try:
-        Ed25519PublicKey.from_public_bytes(bytes.fromhex(enroll_public_key)).verify(base64.b64decode(str(fields.get("proof", "")), validate=True), canonical(body))
+        Ed25519PublicKey.from_public_bytes(bytes.fromhex(enroll_public_key)).verify(
+            base64.b64decode(str(fields.get("proof", "")), validate=True), canonical(body)
+        )
         return True
     except (InvalidSignature, ValueError, TypeError):
         return False

@@ -22,21 +22,22 @@ from cachebox.errors import CacheBoxRefused, CacheBoxUnavailable
 from cachebox.events import LOGGER_NAME, JsonLineFormatter
 from cachebox.link import LinkProfile
 from cachebox.store import CacheBox
-
 from inference import board as edge
 from inference.board import replay
-from inference.board.runtime import Board, broker_url, cachebox_url, set_board
+from inference.board.app import board_app
 from inference.board.config import BoardConfig, ConfigError
 from inference.board.devices import DeviceRefused
 from inference.board.identity import BoardKeys, enrollment_redis_password
-from inference.engine.memory_plan import MemoryRefused
+from inference.board.runtime import Board, broker_url, cachebox_url, set_board
 from inference.contract.messages import Queue
+from inference.engine.memory_plan import MemoryRefused
 from inference.engine.model_file import ModelNotFound
 from inference.engine.proc_memory import tune_malloc
-from inference.board.app import board_app
 
 log = logging.getLogger("inference.board")
-ENROLL_TIMEOUT = float(os.environ.get("EDGECACHE_ENROLL_TIMEOUT", "120"))  # seconds a board waits for its enrollment to be confirmed
+ENROLL_TIMEOUT = float(
+    os.environ.get("EDGECACHE_ENROLL_TIMEOUT", "120")
+)  # seconds a board waits for its enrollment to be confirmed
 
 
 def _logging(level: str) -> None:
@@ -56,7 +57,12 @@ def _as_board(config: BoardConfig, name: str, keys: BoardKeys) -> BoardConfig:
     if not config.board_acl:
         return config
     broker = with_credentials(broker_url(config), board_user(name), keys.redis_password)
-    return config.with_(redis_url=broker, cachebox_url=with_credentials(config.cachebox_url, board_user(name), keys.redis_password) if config.cachebox_url else "")
+    return config.with_(
+        redis_url=broker,
+        cachebox_url=with_credentials(config.cachebox_url, board_user(name), keys.redis_password)
+        if config.cachebox_url
+        else "",
+    )
 
 
 def _as_enrolling(config: BoardConfig, name: str, token: str) -> BoardConfig:
@@ -66,14 +72,19 @@ def _as_enrolling(config: BoardConfig, name: str, token: str) -> BoardConfig:
         return config
     password = enrollment_redis_password(token)
     broker = with_credentials(broker_url(config), enroll_user(name), password)
-    return config.with_(redis_url=broker, cachebox_url=with_credentials(config.cachebox_url, enroll_user(name), password) if config.cachebox_url else "")
+    return config.with_(
+        redis_url=broker,
+        cachebox_url=with_credentials(config.cachebox_url, enroll_user(name), password) if config.cachebox_url else "",
+    )
 
 
 def _enrolled(name: str, config: BoardConfig, keys: BoardKeys, token: str, key_file) -> edge.EdgeIdentity:
     """This process as the board ``name``: as its own Redis user when it enrolled before, else (with
     the token) enrolled through its enrollment user first."""
     if config.board_acl and (has_credentials(config.redis_url) or has_credentials(config.cachebox_url)):
-        log.warning("REDIS_URL / EDGECACHE_CACHEBOX_URL carry credentials: a board uses its own Redis user, not those (remove them from its environment)")
+        log.warning(
+            "REDIS_URL / EDGECACHE_CACHEBOX_URL carry credentials: a board uses its own Redis user, not those (remove them from its environment)"
+        )
 
     def store_of(cfg: BoardConfig) -> CacheBox:
         return CacheBox(cachebox_url(cfg), connect_timeout=cfg.connect_timeout, timeout=cfg.io_timeout)
@@ -82,12 +93,18 @@ def _enrolled(name: str, config: BoardConfig, keys: BoardKeys, token: str, key_f
         own = _as_board(config, name, keys)
         try:
             board_app(broker_url(own))
-            return edge.become(name, keys, store_of(own), token=None, save=lambda pinned: pinned.save(key_file), timeout=ENROLL_TIMEOUT)
+            return edge.become(
+                name, keys, store_of(own), token=None, save=lambda pinned: pinned.save(key_file), timeout=ENROLL_TIMEOUT
+            )
         except (CacheBoxRefused, DeviceRefused) as exc:  # no such user yet, or not enrolled: enroll with the token
             if not token:
-                raise DeviceRefused(f"{exc}; start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)") from None
+                raise DeviceRefused(
+                    f"{exc}; start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)"
+                ) from None
     elif not token:
-        raise DeviceRefused(f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)")
+        raise DeviceRefused(
+            f"this board is not enrolled as {name!r}: start it once with the device's token (--token or EDGECACHE_DEVICE_TOKEN)"
+        )
     enrolling = _as_enrolling(config, name, token)
     board_app(broker_url(enrolling))  # the enrollment goes through the broker, as the enrollment user
     holder = {"keys": keys}
@@ -98,7 +115,13 @@ def _enrolled(name: str, config: BoardConfig, keys: BoardKeys, token: str, key_f
 
     try:
         return edge.become(
-            name, keys, store_of(enrolling), token=token, save=save, then_as=lambda: store_of(_as_board(config, name, holder["keys"])), timeout=ENROLL_TIMEOUT
+            name,
+            keys,
+            store_of(enrolling),
+            token=token,
+            save=save,
+            then_as=lambda: store_of(_as_board(config, name, holder["keys"])),
+            timeout=ENROLL_TIMEOUT,
         )
     except CacheBoxRefused as exc:
         raise DeviceRefused(
@@ -115,7 +138,11 @@ def main(argv: list[str], prog: str = "manage.py edge") -> int:
         "(device.NAME) and the shared one as a Celery worker, sending heartbeats.",
     )
     parser.add_argument("--name", required=True, help="the device name registered on the dashboard")
-    parser.add_argument("--token", default=None, help="the device token, needed once to enroll this board (or set EDGECACHE_DEVICE_TOKEN)")
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="the device token, needed once to enroll this board (or set EDGECACHE_DEVICE_TOKEN)",
+    )
     parser.add_argument("--heartbeat", type=float, default=5.0, help="seconds between heartbeats (default 5)")
     parser.add_argument("--loglevel", default="warning")
     args = parser.parse_args(argv)
@@ -141,16 +168,27 @@ def main(argv: list[str], prog: str = "manage.py edge") -> int:
     if me.record.link_bandwidth_mbps:
         link = LinkProfile(me.record.link_bandwidth_mbps, me.record.link_rtt_ms or 0.0)
     config = _as_board(config, args.name, me.keys).with_(
-        namespace=me.record.cache_namespace, threads=me.record.threads or None, link=link, memory_mb=me.record.memory_mb or None
+        namespace=me.record.cache_namespace,
+        threads=me.record.threads or None,
+        link=link,
+        memory_mb=me.record.memory_mb or None,
     )
-    me.store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout)  # as its own user from now on
+    me.store = CacheBox(
+        cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout
+    )  # as its own user from now on
     me.read_producers()  # whose entries it accepts (read as the enrollment user, it had none)
     queues = [Queue.device(args.name), Queue.shared(me.record.cache_namespace)]
-    app = board_app(broker_url(config), queues=queues, transport_options=board_transport_options(args.name, me.record.cache_namespace))
+    app = board_app(
+        broker_url(config),
+        queues=queues,
+        transport_options=board_transport_options(args.name, me.record.cache_namespace),
+    )
     try:
         replay.keep_in(config.state_folder() / "spent-requests")
     except OSError as exc:
-        return fail(f"cannot keep the requests this board answers in {config.state_folder()}: {exc} (set EDGECACHE_BOARD_STATE_DIR)")
+        return fail(
+            f"cannot keep the requests this board answers in {config.state_folder()}: {exc} (set EDGECACHE_BOARD_STATE_DIR)"
+        )
     try:
         board = set_board(Board.start(config, keys=me.keychain()))
     except ModelNotFound as exc:
@@ -177,7 +215,20 @@ def main(argv: list[str], prog: str = "manage.py edge") -> int:
     )
     try:
         app.worker_main(
-            ["worker", "--queues", queues, "--pool", "solo", "--hostname", f"{args.name}@%h", "--loglevel", args.loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat"]
+            [
+                "worker",
+                "--queues",
+                queues,
+                "--pool",
+                "solo",
+                "--hostname",
+                f"{args.name}@%h",
+                "--loglevel",
+                args.loglevel,
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ]
         )
     finally:
         beat.stop()
@@ -197,7 +248,9 @@ def _rates_line(board: Board) -> str:
     rates = board.rates
     if rates is None:
         return ""
-    return f"measured prefill {rates.prefill_ms_per_token:.2f} ms/token, decode {rates.decode_ms_per_token:.2f} ms/token, "
+    return (
+        f"measured prefill {rates.prefill_ms_per_token:.2f} ms/token, decode {rates.decode_ms_per_token:.2f} ms/token, "
+    )
 
 
 def run() -> None:

@@ -13,22 +13,28 @@ import logging
 from pydantic import ValidationError
 
 from cachebox.keys import inbox_key
-
-from inference.contract.envelope import Kind
-from inference.contract.messages import BoardMessage, EncodeProgress, EncodeReport, InboxMessage, RunReport, Task
 from inference.board.enrollment import identity, sender
 from inference.board.wire import write_to_broker
+from inference.contract.envelope import Kind
+from inference.contract.messages import BoardMessage, EncodeProgress, EncodeReport, InboxMessage, RunReport, Task
 
 log = logging.getLogger("inference.board")
 
-_KINDS = {Task.RECORD_RUN: Kind.REPORT, Task.ENCODED: Kind.ENCODED, Task.ENCODE_PROGRESS: Kind.PROGRESS, Task.RECORD_AUDIT: Kind.AUDITED}
+_KINDS = {
+    Task.RECORD_RUN: Kind.REPORT,
+    Task.ENCODED: Kind.ENCODED,
+    Task.ENCODE_PROGRESS: Kind.PROGRESS,
+    Task.RECORD_AUDIT: Kind.AUDITED,
+}
 
 
 def send_to_control(task: Task, message: BoardMessage, *, retry: bool = True) -> None:
     """One message to the control plane, signed (and sealed) by this board, onto its own inbox."""
     me = identity()
     raw = json.dumps(InboxMessage(task=task, body=me.seal(message, _KINDS[task])).dump(), separators=(",", ":"))
-    write_to_broker(lambda client: client.lpush(inbox_key(me.name), raw), retry=retry, what=f"{task.value} of {me.name}")
+    write_to_broker(
+        lambda client: client.lpush(inbox_key(me.name), raw), retry=retry, what=f"{task.value} of {me.name}"
+    )
 
 
 def send_progress(progress: EncodeProgress) -> None:
@@ -54,6 +60,8 @@ def refused_request(raw, reason: str, task: Task) -> None:
         if task == Task.RUN_PROMPT:
             report(RunReport(**sender(), request_id=request_id, error=f"refused by the board: {reason}"))
         else:
-            report(EncodeReport(**sender(), request_id=request_id, error=f"refused by the board: {reason}"), Task.ENCODED)
+            report(
+                EncodeReport(**sender(), request_id=request_id, error=f"refused by the board: {reason}"), Task.ENCODED
+            )
     except (ValidationError, TypeError):
         log.warning("dropped a malformed %s message without a usable request id: %s", task.value, reason)

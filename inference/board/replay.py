@@ -87,7 +87,9 @@ class SpentRequests:
             kept = sorted(self._expiries.items(), key=lambda item: item[1])[-MAX_SPENT // 2 :]
             self._expiries = dict(kept)
         temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        temporary.write_text("".join(f"{int(until)} {request_id}\n" for request_id, until in self._expiries.items()), encoding="ascii")
+        temporary.write_text(
+            "".join(f"{int(until)} {request_id}\n" for request_id, until in self._expiries.items()), encoding="ascii"
+        )
         os.replace(temporary, self.path)
         self._lines = len(self._expiries)
 

@@ -10,31 +10,38 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Callable, TypeVar
 
 from cachebox import embedded
+from cachebox.link import rtt_only
 from cachebox.signing import Keychain
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry, CatalogSyncThread
-
-from inference.serving.breakeven import BreakEvenPolicy
-from inference.engine.compute_profile import Pacer, profile_named
 from inference.board.config import BoardConfig
-from inference.engine.llama import Engine, EngineConfig
-from inference.serving.exchange import Exchange
-from cachebox.link import rtt_only
-from inference.engine.memory_plan import MAX_RAM_TIER_BYTES, MB, MemoryPlan, ModelFacts, check_lab_strategy, plan_memory, unsized_plan
 from inference.contract.messages import BoardRates
+from inference.engine.chat import FollowUps, chat_prompt, follow_up
+from inference.engine.compute_profile import Pacer, profile_named
+from inference.engine.llama import Engine, EngineConfig
+from inference.engine.memory_plan import (
+    MAX_RAM_TIER_BYTES,
+    MB,
+    MemoryPlan,
+    ModelFacts,
+    check_lab_strategy,
+    plan_memory,
+    unsized_plan,
+)
 from inference.engine.model_file import resolve_model
 from inference.engine.proc_memory import ProcessMemory
-from inference.engine.chat import FollowUps, chat_prompt, follow_up
-from inference.serving.prefix import Extension, PrefixServing
 from inference.placement import DEFAULT_DECODE_MS_PER_TOKEN
-from inference.serving.schema import SchemaServing
+from inference.serving.breakeven import BreakEvenPolicy
+from inference.serving.exchange import Exchange
+from inference.serving.prefix import Extension, PrefixServing
 from inference.serving.run import Prompt, RunOptions, RunResult, Strategy
+from inference.serving.schema import SchemaServing
 from inference.serving.strategies import EXACT, REGISTRY, StrategySpec
 
 log = logging.getLogger(__name__)
@@ -77,13 +84,27 @@ class _Sizer:
     def __call__(self, facts: ModelFacts) -> EngineConfig:
         base = engine_config(self.config)
         if not self.config.memory_mb:
-            self.plan = unsized_plan(facts, n_ctx=base.n_ctx, n_ubatch=base.n_ubatch or base.n_batch, ram_tier_bytes=self.config.ram_tier_bytes)
+            self.plan = unsized_plan(
+                facts,
+                n_ctx=base.n_ctx,
+                n_ubatch=base.n_ubatch or base.n_batch,
+                ram_tier_bytes=self.config.ram_tier_bytes,
+            )
             return base
-        self.plan = plan_memory(self.config.memory_mb, facts, n_ctx=self.config.n_ctx, grid=self.config.chunk_tokens, ram_tier_bytes=self.config.ram_tier_bytes)
+        self.plan = plan_memory(
+            self.config.memory_mb,
+            facts,
+            n_ctx=self.config.n_ctx,
+            grid=self.config.chunk_tokens,
+            ram_tier_bytes=self.config.ram_tier_bytes,
+        )
         if self.plan.n_ctx < self.config.n_ctx:
             log.warning(
                 "a context of %d tokens does not fit this board's %d MB: it runs with %d (%s)",
-                self.config.n_ctx, self.config.memory_mb, self.plan.n_ctx, ", ".join(f"{name} {mb:g} MB" for name, mb in self.plan.parts_mb.items()),
+                self.config.n_ctx,
+                self.config.memory_mb,
+                self.plan.n_ctx,
+                ", ".join(f"{name} {mb:g} MB" for name, mb in self.plan.parts_mb.items()),
             )
         return replace(base, n_ctx=self.plan.n_ctx, n_ubatch=self.plan.n_ubatch, repack=self.plan.repack)
 
@@ -105,7 +126,9 @@ class Board:
     ):
         self.engine = engine
         self.rates = rates  # measured at start (``calibrate``): reported in every heartbeat
-        self.follow_ups = FollowUps()  # whether this board's clients take up the chat turns it prepares (inference.board.serve)
+        self.follow_ups = (
+            FollowUps()
+        )  # whether this board's clients take up the chat turns it prepares (inference.board.serve)
         profile = profile_named(config.compute_profile)  # the board's class, or None: this machine's speed
         if profile is None or engine.pacer is None or engine.pacer.profile != profile:
             engine.pacer = Pacer(profile) if profile is not None else None
@@ -137,17 +160,26 @@ class Board:
             chunk_tokens=config.chunk_tokens,
             top_logits=config.top_logits,
             namespace=config.namespace,
-            policy=BreakEvenPolicy(prefill_ms_per_token=config.prefill_ms_per_token, link=config.link, mode=config.policy, overlap=config.overlap),
+            policy=BreakEvenPolicy(
+                prefill_ms_per_token=config.prefill_ms_per_token,
+                link=config.link,
+                mode=config.policy,
+                overlap=config.overlap,
+            ),
             context_reuse=config.context_reuse,
             ram_tier_bytes=ram_tier_bytes,
             # a board registered with its memory keeps its whole process under the budget: the RAM tier gives way
-            ram_rss_limit_bytes=int(memory_plan.budget_mb * MB) if memory_plan is not None and memory_plan.memory_mb else None,
+            ram_rss_limit_bytes=int(memory_plan.budget_mb * MB)
+            if memory_plan is not None and memory_plan.memory_mb
+            else None,
             flash_tier_bytes=config.flash_tier_bytes,
             flash_dir=config.flash_folder(),
         )
         self.schemas = SchemaServing(engine, self.exchange, namespace=config.namespace)
         self._sync_thread: CatalogSyncThread | None = None
-        self._opened: dict[StrategySpec, Any] = {}  # lab strategies (or what they share), loaded on first use; closed with the board
+        self._opened: dict[
+            StrategySpec, Any
+        ] = {}  # lab strategies (or what they share), loaded on first use; closed with the board
         if self.catalogs is not None:
             self.catalogs.get(config.namespace)
             if background_sync:
@@ -161,21 +193,37 @@ class Board:
         A cache box that cannot be reached is not fatal: runs then say "unavailable" and the
         puller retries in the background.
         """
-        store = CacheBox(cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout, link=store_link(config))
+        store = CacheBox(
+            cachebox_url(config),
+            connect_timeout=config.connect_timeout,
+            timeout=config.io_timeout,
+            link=store_link(config),
+        )
         catalogs = CatalogRegistry(store, config.catalog_capacity, config.catalog_fp_rate)
         catalogs.get(config.namespace)
         sizer = _Sizer(config)
         with ThreadPoolExecutor(max_workers=1) as pool:
             # A fresh process knows what the cache box holds before its first request.
             synced = pool.submit(catalogs.sync_all)
-            engine = Engine(resolve_model(config.model or None), engine_config(config), size=sizer)  # MemoryRefused: the model does not fit
+            engine = Engine(
+                resolve_model(config.model or None), engine_config(config), size=sizer
+            )  # MemoryRefused: the model does not fit
             profile = profile_named(config.compute_profile)
             if profile is not None:
                 engine.pacer = Pacer(profile)  # before calibrating: the policy's prior is the paced rate
             rates = calibrate(engine)
             config = config.with_(prefill_ms_per_token=rates.prefill_ms_per_token)
             synced.result()
-        return cls(engine, store, config, catalogs=catalogs, background_sync=background_sync, keys=keys, memory_plan=sizer.plan, rates=rates)
+        return cls(
+            engine,
+            store,
+            config,
+            catalogs=catalogs,
+            background_sync=background_sync,
+            keys=keys,
+            memory_plan=sizer.plan,
+            rates=rates,
+        )
 
     def cachebox_only(self) -> "Board":
         """Turn the board-local tiers off (benchmarks that measure the cache box itself)."""
@@ -257,7 +305,13 @@ class Board:
         facts = getattr(self.engine, "facts", None)
         if facts is not None:
             strategy = f"{spec.name}:{spec.aux_layers}" if spec.aux_layers is not None else spec.name
-            check_lab_strategy(strategy, facts, n_ctx=self.engine.n_ctx, memory_mb=self.config.memory_mb, rss_mb=ProcessMemory.read().rss_mb)
+            check_lab_strategy(
+                strategy,
+                facts,
+                n_ctx=self.engine.n_ctx,
+                memory_mb=self.config.memory_mb,
+                rss_mb=ProcessMemory.read().rss_mb,
+            )
 
     def memory(self) -> dict:
         """This process's memory now and at its peak, against what the board registered."""
@@ -270,7 +324,9 @@ class Board:
             "memory_mb": self.config.memory_mb,
             "budget_mb": plan.budget_mb if plan is not None and plan.memory_mb else None,
             "n_ctx": self.engine.n_ctx,
-            "kv_cache_mb": plan.parts_mb.get("KV cache") if plan is not None else None,  # of the plan: what a smaller context frees
+            "kv_cache_mb": plan.parts_mb.get("KV cache")
+            if plan is not None
+            else None,  # of the plan: what a smaller context frees
         }
 
     def status(self) -> dict:
@@ -316,7 +372,9 @@ CALIBRATION_DECODE_TOKENS = 2  # paced to a Pi Zero 2W, ~0.6 s each
 CALIBRATION_BUDGET_S = 1.0  # repetitions (at most 3) while they fit: the best one is the board's rate
 
 
-def calibrate(engine: Engine, prompt_tokens: int = CALIBRATION_PROMPT_TOKENS, decode_tokens: int = CALIBRATION_DECODE_TOKENS) -> BoardRates:
+def calibrate(
+    engine: Engine, prompt_tokens: int = CALIBRATION_PROMPT_TOKENS, decode_tokens: int = CALIBRATION_DECODE_TOKENS
+) -> BoardRates:
     """This board's prefill and decode cost in ms per token, measured once at start as llama-bench
     does (a fixed prompt, then a few decode steps), under its compute profile when one paces it.
     Repeated while it fits ``CALIBRATION_BUDGET_S`` (a fast board, 3 times) and the best kept: a

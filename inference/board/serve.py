@@ -12,22 +12,35 @@ from typing import Callable, Sequence
 from celery import current_app
 
 from cachebox.errors import CacheBoxUnavailable
-
-from inference.engine.chat import chat_prompt, chat_text, follow_up
+from inference.board import enrollment
 from inference.board.devices import UNREAD
+from inference.board.enrollment import identity, sender
+from inference.board.streaming import AnswerText, StreamPublisher, signed_cancel, signed_cancel_set
+from inference.contract.messages import (
+    CANCELLED,
+    EncodeReport,
+    EncodeRequest,
+    Queue,
+    RunReport,
+    RunRequest,
+    StreamEvent,
+)
+from inference.engine.chat import chat_prompt, chat_text, follow_up
 from inference.engine.llama import EngineError
-from inference.contract.messages import CANCELLED, EncodeReport, EncodeRequest, Queue, RunReport, RunRequest, StreamEvent
 from inference.engine.sampling import SamplingParams
 from inference.serving.run import Prompt, PromptError, RunOptions
 from inference.serving.strategies import parse_strategy
-from inference.board import enrollment
-from inference.board.enrollment import identity, sender
-from inference.board.streaming import AnswerText, StreamPublisher, signed_cancel, signed_cancel_set
 
 log = logging.getLogger("inference.board")
 
 
-def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | None = None, behind_ms: float = 0.0, cancel_flag=UNREAD) -> RunReport:
+def serve(
+    board,
+    request: RunRequest,
+    work_waiting: Callable[[float], bool] | None = None,
+    behind_ms: float = 0.0,
+    cancel_flag=UNREAD,
+) -> RunReport:
     """Run one dispatched prompt; returns the report for the control plane (an error is a report too).
 
     A streamed run (``request.stream``) publishes each answer piece on its channel as it is
@@ -46,12 +59,21 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
     if stream is not None and (stream.cancelled.is_set() if cancel_flag is not UNREAD else stream.cancel_requested()):
         stream.close()
         return RunReport.for_request(request, **sender(), error=CANCELLED)  # its client left while it waited
-    if stream is None and me is not None and board.store is not None and (
-        signed_cancel(me, request.request_id, cancel_flag) if cancel_flag is not UNREAD else signed_cancel_set(board.store, me, request.request_id)
+    if (
+        stream is None
+        and me is not None
+        and board.store is not None
+        and (
+            signed_cancel(me, request.request_id, cancel_flag)
+            if cancel_flag is not UNREAD
+            else signed_cancel_set(board.store, me, request.request_id)
+        )
     ):
         return RunReport.for_request(request, **sender(), error=CANCELLED)  # revoked while queued, or re-sent elsewhere
     if stream is not None:
-        stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage="started"), now=True)
+        stream.send(
+            StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage="started"), now=True
+        )
     continues = request.continues
     forced = tuple(continues.tokens) if continues is not None else ()
     answer = AnswerText(request.stop, already=len(continues.text) if continues is not None else 0)
@@ -68,7 +90,17 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
         if released and stream is not None:
             index = stream.count()
             ids, unsent = unsent, []
-            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=index, text=released, tokens=ids), now=index == 0)
+            stream.send(
+                StreamEvent(
+                    type="token",
+                    request_id=request.request_id,
+                    device=stream.device,
+                    index=index,
+                    text=released,
+                    tokens=ids,
+                ),
+                now=index == 0,
+            )
         if answer.stopped:
             return False
         if stream is not None and stream.cancelled.is_set():
@@ -80,13 +112,19 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
     try:
         sampling = SamplingParams(**request.sampling.model_dump())
         options = dict(
-            max_tokens=request.max_tokens, sampling=sampling, use_cache=request.use_cache, namespace=_namespace(request.namespace),
-            approximate_from=dict(request.approximate_from), forced=forced,
+            max_tokens=request.max_tokens,
+            sampling=sampling,
+            use_cache=request.use_cache,
+            namespace=_namespace(request.namespace),
+            approximate_from=dict(request.approximate_from),
+            forced=forced,
         )
         if stream is not None or request.stop or forced:
             options["on_token"] = on_token
         if stream is not None and not request.is_schema_run:
-            options["on_stage"] = lambda stage: stream.send(StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage=stage))
+            options["on_stage"] = lambda stage: stream.send(
+                StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage=stage)
+            )
         asked, prompt = _asked(board, request, conversation)
         if request.is_chat_run and asked.tokens is not None:
             board.follow_ups.saw(asked.tokens)
@@ -94,11 +132,20 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
         result = board.serve(spec, asked, RunOptions(**options))
     except (PromptError, ValueError, EngineError) as exc:  # PMLError is a ValueError
         if stream is not None:
-            stream.close(StreamEvent(type="error", request_id=request.request_id, device=stream.device, error=str(exc)[:10_000]))
+            stream.close(
+                StreamEvent(type="error", request_id=request.request_id, device=stream.device, error=str(exc)[:10_000])
+            )
         return RunReport.for_request(request, **sender(), error=str(exc))
     except BaseException as exc:  # a bug or a broken engine: the waiting client hears it now (tasks.py reports it)
         if stream is not None:
-            stream.close(StreamEvent(type="error", request_id=request.request_id, device=stream.device, error=f"the board failed: {type(exc).__name__}: {exc}"[:10_000]))
+            stream.close(
+                StreamEvent(
+                    type="error",
+                    request_id=request.request_id,
+                    device=stream.device,
+                    error=f"the board failed: {type(exc).__name__}: {exc}"[:10_000],
+                )
+            )
         raise
     tail = answer.finish(result.text)
     breakdown = result.breakdown
@@ -106,17 +153,39 @@ def serve(board, request: RunRequest, work_waiting: Callable[[float], bool] | No
     breakdown.continued_tokens = min(len(forced), breakdown.generated_tokens)
     if forced and result.tokens[: len(forced)] != list(forced):
         log.warning("run %s: its answer ended inside the tokens it was given to continue from", request.request_id)
-    finish = "cancelled" if cancelled else ("stop" if answer.stopped or breakdown.generated_tokens < request.max_tokens else "length")
+    finish = (
+        "cancelled"
+        if cancelled
+        else ("stop" if answer.stopped or breakdown.generated_tokens < request.max_tokens else "length")
+    )
     if stream is not None:
         if tail and not cancelled:
-            stream.send(StreamEvent(type="token", request_id=request.request_id, device=stream.device, index=stream.count(), text=tail, tokens=unsent))
+            stream.send(
+                StreamEvent(
+                    type="token",
+                    request_id=request.request_id,
+                    device=stream.device,
+                    index=stream.count(),
+                    text=tail,
+                    tokens=unsent,
+                )
+            )
         extra = {"modules_hit": result.modules_hit} if result.modules_hit is not None else {}
-        done = StreamEvent(type="done", request_id=request.request_id, device=stream.device, text=answer.text, finish_reason=finish, breakdown={**breakdown.as_dict(), **extra})
+        done = StreamEvent(
+            type="done",
+            request_id=request.request_id,
+            device=stream.device,
+            text=answer.text,
+            finish_reason=finish,
+            breakdown={**breakdown.as_dict(), **extra},
+        )
         stream.close(done)
     uploaded = list(result.uploaded)
     if request.is_chat_run and spec.exact and request.use_cache and not cancelled:
         if board.follow_ups.worth_preparing() and not _waiting(work_waiting, request.request_id):
-            uploaded += _prepare_next_turn(board, request.request_id, conversation, answer.text, options["namespace"], breakdown)
+            uploaded += _prepare_next_turn(
+                board, request.request_id, conversation, answer.text, options["namespace"], breakdown
+            )
         else:  # not prepared: still watched (its tokens only, under a millisecond), so the board learns whether it would have paid
             _watch_next_turn(board, conversation, answer.text)
     return RunReport(
@@ -166,7 +235,9 @@ def _watch_next_turn(board, conversation: list[tuple[str, str]], answer: str) ->
         board.follow_ups.watched(turn.tokens)
 
 
-def _prepare_next_turn(board, request_id: str, conversation: list[tuple[str, str]], answer: str, namespace: str | None, breakdown) -> list:
+def _prepare_next_turn(
+    board, request_id: str, conversation: list[tuple[str, str]], answer: str, namespace: str | None, breakdown
+) -> list:
     """The answer is out: compute and share the next chat turn's shared prefix now; the entries it
     stored (none when it fails: this answer's report still goes to the control plane)."""
     try:
@@ -226,7 +297,9 @@ def work_arrives(app, own: str, shared: str, within: float) -> bool:
 # this long before it starts the speculative next-turn work, which would otherwise make that
 # request wait (750-860 ms under load in `bench vs-server`, the system-prompt questions).
 FOLLOW_UP_GRACE_S = 0.25
-_GRACE_LOOK_S = 0.02  # each look blocks this long (woken at once by a run in its own queue), then the shared queue is looked at too
+_GRACE_LOOK_S = (
+    0.02  # each look blocks this long (woken at once by a run in its own queue), then the shared queue is looked at too
+)
 
 
 def _waiting(work_waiting: Callable[[float], bool] | None, request_id: str, grace_s: float = FOLLOW_UP_GRACE_S) -> bool:
@@ -236,7 +309,10 @@ def _waiting(work_waiting: Callable[[float], bool] | None, request_id: str, grac
         return False
     deadline = time.monotonic() + grace_s
     try:
-        while not (waiting := bool(work_waiting(min(_GRACE_LOOK_S, max(0.0, deadline - time.monotonic()))))) and time.monotonic() < deadline:
+        while (
+            not (waiting := bool(work_waiting(min(_GRACE_LOOK_S, max(0.0, deadline - time.monotonic())))))
+            and time.monotonic() < deadline
+        ):
             pass
     except Exception as exc:  # the broker unreachable: the next turn is prepared as usual
         log.warning("run %s: could not see whether work waits: %s", request_id, exc)
@@ -250,7 +326,9 @@ def encode(board, request: EncodeRequest, on_progress=None) -> EncodeReport:
     """Encode a schema's modules into the cache box; returns the report for the control plane."""
     base = dict(**sender(), request_id=request.request_id, schema_id=request.schema_id)
     try:
-        result = board.schemas.encode_schema(request.schema_source, namespace=_namespace(request.namespace), progress=on_progress)
+        result = board.schemas.encode_schema(
+            request.schema_source, namespace=_namespace(request.namespace), progress=on_progress
+        )
     except (ValueError, EngineError) as exc:
         return EncodeReport(**base, error=str(exc))
     except CacheBoxUnavailable as exc:

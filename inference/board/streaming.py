@@ -16,12 +16,11 @@ from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, stream_channel
 from cachebox.store import CacheBox
-
-from inference.contract import envelope
 from inference.board.devices import UNREAD
+from inference.board.enrollment import EdgeIdentity
+from inference.contract import envelope
 from inference.contract.envelope import EnvelopeRefused, Kind
 from inference.contract.messages import StreamEvent
-from inference.board.enrollment import EdgeIdentity
 
 log = logging.getLogger("inference.board")
 
@@ -43,7 +42,9 @@ def signed_cancel(me: EdgeIdentity, request_id: str, raw: bytes | None) -> bool:
     if raw is None:
         return False
     try:
-        body, _ = envelope.open_envelope(json.loads(raw), kind=Kind.CANCEL, to=me.name, signer_public_key=me.keys.control_plane_key)
+        body, _ = envelope.open_envelope(
+            json.loads(raw), kind=Kind.CANCEL, to=me.name, signer_public_key=me.keys.control_plane_key
+        )
         if body.get("request_id") == request_id:
             return True
         raise EnvelopeRefused("it names another run")
@@ -75,7 +76,15 @@ class AnswerText:
             self.text = self.text[: min(found)]
             self.stopped = True
             return self._release(len(self.text))
-        held = max((k for stop in self.stops for k in range(1, min(len(stop), len(self.text) - self.sent) + 1) if self.text.endswith(stop[:k])), default=0)
+        held = max(
+            (
+                k
+                for stop in self.stops
+                for k in range(1, min(len(stop), len(self.text) - self.sent) + 1)
+                if self.text.endswith(stop[:k])
+            ),
+            default=0,
+        )
         return self._release(len(self.text) - held)
 
     def finish(self, full_text: str) -> str:
@@ -166,7 +175,9 @@ class StreamPublisher:
     # this often: its followers hear the board is alive and has the run, whatever its heartbeats' delay.
     PULSE_S = 2.0
 
-    def __init__(self, store: CacheBox, request_id: str, me: EdgeIdentity, *, cancel_flag: bytes | None | object = UNREAD):
+    def __init__(
+        self, store: CacheBox, request_id: str, me: EdgeIdentity, *, cancel_flag: bytes | None | object = UNREAD
+    ):
         self.store = store
         self.me = me
         self.device = me.name

@@ -22,13 +22,22 @@ from cachebox.errors import CacheBoxUnavailable
 from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, device_key_name
 from cachebox.signing import UnknownKey
-
-from inference.board.runtime import get_board
-from inference.board.devices import UNREAD, DeviceRefused
 from inference.board import board_work_waiting, encode, identity, refused_request, replay, report, send_progress, serve
+from inference.board.devices import UNREAD, DeviceRefused
+from inference.board.runtime import get_board
 from inference.contract.envelope import EnvelopeRefused, Kind
+from inference.contract.messages import (
+    AuditReport,
+    AuditRequest,
+    EncodeProgress,
+    EncodeReport,
+    EncodeRequest,
+    MessageRefused,
+    RunReport,
+    RunRequest,
+    Task,
+)
 from inference.serving.audit import audit_entry as audit_one
-from inference.contract.messages import AuditReport, AuditRequest, EncodeProgress, EncodeReport, EncodeRequest, MessageRefused, RunReport, RunRequest, Task
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +114,20 @@ def _receive(cls, message, task: Task):
         refused_request(body, str(exc), task)
         return None
     if replay.spent(request.request_id):
-        security_event("request_refused", device=me.name, request_id=request.request_id, reason="replayed: answered already (before this board restarted)")
+        security_event(
+            "request_refused",
+            device=me.name,
+            request_id=request.request_id,
+            reason="replayed: answered already (before this board restarted)",
+        )
         return None
     if not _seen.first_time(request.request_id):
-        security_event("request_refused", device=me.name, request_id=request.request_id, reason="delivered again: served once already")
+        security_event(
+            "request_refused",
+            device=me.name,
+            request_id=request.request_id,
+            reason="delivered again: served once already",
+        )
         return None
     return request
 
@@ -143,10 +162,18 @@ def run_prompt(message: dict) -> None:
         if not _still_enrolled(request.request_id, record):
             return
         try:
-            result = serve(get_board(), request, work_waiting=board_work_waiting, behind_ms=_Work.behind_ms(message, request.meta.received_at), cancel_flag=cancel)
+            result = serve(
+                get_board(),
+                request,
+                work_waiting=board_work_waiting,
+                behind_ms=_Work.behind_ms(message, request.meta.received_at),
+                cancel_flag=cancel,
+            )
         except Exception as exc:  # a bug or a broken engine: the run is reported, not lost
             log.exception("run %s failed", request.request_id)
-            result = RunReport.for_request(request, device=identity().name, error=f"the board failed: {type(exc).__name__}: {exc}")
+            result = RunReport.for_request(
+                request, device=identity().name, error=f"the board failed: {type(exc).__name__}: {exc}"
+            )
         report(result)
         replay.record(request.request_id, _expiry(message))  # answered: a replay of it is refused, also after a restart
     finally:
@@ -168,13 +195,27 @@ def _encode_schema(message: dict) -> None:
     me = identity()
 
     def progress(done: int, total: int, piece: str) -> None:
-        send_progress(EncodeProgress(device=me.name, request_id=request.request_id, schema_id=request.schema_id, done=done, total=total, piece=piece[:200]))
+        send_progress(
+            EncodeProgress(
+                device=me.name,
+                request_id=request.request_id,
+                schema_id=request.schema_id,
+                done=done,
+                total=total,
+                piece=piece[:200],
+            )
+        )
 
     try:
         result = encode(get_board(), request, progress)
     except Exception as exc:
         log.exception("encode %s failed", request.request_id)
-        result = EncodeReport(device=me.name, request_id=request.request_id, schema_id=request.schema_id, error=f"the board failed: {type(exc).__name__}: {exc}")
+        result = EncodeReport(
+            device=me.name,
+            request_id=request.request_id,
+            schema_id=request.schema_id,
+            error=f"the board failed: {type(exc).__name__}: {exc}",
+        )
     report(result, Task.ENCODED)
     replay.record(request.request_id, _expiry(message))
 
@@ -192,7 +233,12 @@ def audit_entry(message: dict) -> None:
             verdict = audit_one(get_board(), request)
         except Exception as exc:  # a bug or a broken engine: said, not lost
             log.exception("audit %s failed", request.request_id)
-            verdict = {"request_id": request.request_id, "entry": request.entry, "verdict": "inconclusive", "detail": f"the board failed: {type(exc).__name__}: {exc}"[:500]}
+            verdict = {
+                "request_id": request.request_id,
+                "entry": request.entry,
+                "verdict": "inconclusive",
+                "detail": f"the board failed: {type(exc).__name__}: {exc}"[:500],
+            }
         report(AuditReport(device=me.name, **verdict), Task.RECORD_AUDIT)
     finally:
         _Work.ended = time.time()
@@ -222,6 +268,9 @@ def report_expired(sender=None, request=None, expired=False, **_) -> None:
             report(RunReport.for_request(run, device=me.name, error=error))
         else:
             enc = EncodeRequest.parse(message)
-            report(EncodeReport(device=me.name, request_id=enc.request_id, schema_id=enc.schema_id, error=error), Task.ENCODED)
+            report(
+                EncodeReport(device=me.name, request_id=enc.request_id, schema_id=enc.schema_id, error=error),
+                Task.ENCODED,
+            )
     except MessageRefused:
         refused_request(message, error, Task(name))

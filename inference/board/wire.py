@@ -34,5 +34,3 @@ def write_to_broker(command, *, retry: bool = True, what: str = "a message") -> 
                 log.warning("%s not sent yet (again in %.1f s): %s", what, delay, exc)
         time.sleep(delay)
         delay = min(delay + RETRY_STEP_S, RETRY_MAX_S)
-
-

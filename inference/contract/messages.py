@@ -24,7 +24,6 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from cachebox.events import security_event
-
 from inference.serving.breakdown import Breakdown, Case, Decision  # noqa: F401 (re-exported: the run's words)
 from inference.serving.strategies import parse_strategy
 
@@ -32,11 +31,15 @@ from inference.serving.strategies import parse_strategy
 MAX_PROMPT_CHARS = 1_000_000
 MAX_SEGMENTS = 10_000
 MAX_TOKENS = 32_768
-MAX_PROMPT_TOKENS = 131_072  # a prompt's tokens a request carries (a longer one fits no board's context: its board tokenizes it)
+MAX_PROMPT_TOKENS = (
+    131_072  # a prompt's tokens a request carries (a longer one fits no board's context: its board tokenizes it)
+)
 MAX_LIST = 100_000
 MAX_STOPS = 4  # stop strings per run (OpenAI's limit)
 MAX_STOP_CHARS = 200
-CANCELLED = "cancelled by the client"  # a run's error when its client cancelled it (its text: what was answered until then)
+CANCELLED = (
+    "cancelled by the client"  # a run's error when its client cancelled it (its text: what was answered until then)
+)
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _UUID = r"^[0-9a-fA-F-]{32,36}$"
@@ -91,7 +94,9 @@ class Message(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'message'}: {err['msg']}" for err in exc.errors()[:5])
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'message'}: {err['msg']}" for err in exc.errors()[:5]
+            )
             raise MessageRefused(f"malformed {cls.__name__}: {problems}") from None
 
     @classmethod
@@ -101,7 +106,13 @@ class Message(BaseModel):
             return cls.parse(raw)
         except MessageRefused as exc:
             sender = raw.get("device") if isinstance(raw, dict) and isinstance(raw.get("device"), str) else None
-            security_event("message_refused", message=cls.__name__, receiver=receiver, device=(sender or "")[:64], reason=str(exc)[:500])
+            security_event(
+                "message_refused",
+                message=cls.__name__,
+                receiver=receiver,
+                device=(sender or "")[:64],
+                reason=str(exc)[:500],
+            )
             return None
 
     def dump(self) -> dict:
@@ -125,7 +136,9 @@ class RunMeta(Message):
     source: str = Field("text", max_length=32)
     title: str = Field("", max_length=200)
     expected_answer: str = Field("", max_length=16)
-    received_at: float = Field(0.0, ge=0)  # the control plane's clock when the request arrived (the API's); 0: when it was sealed
+    received_at: float = Field(
+        0.0, ge=0
+    )  # the control plane's clock when the request arrived (the API's); 0: when it was sealed
 
 
 class ChatMessage(Message):
@@ -165,7 +178,9 @@ class PromptTokens(Message):
 
     @model_validator(mode="after")
     def _cuts_inside(self) -> Self:
-        if any(not 0 < cut < len(self.tokens) for cut in self.cuts) or any(a >= b for a, b in zip(self.cuts, self.cuts[1:])):
+        if any(not 0 < cut < len(self.tokens) for cut in self.cuts) or any(
+            a >= b for a, b in zip(self.cuts, self.cuts[1:])
+        ):
             raise ValueError(f"cuts rise strictly, inside the prompt's {len(self.tokens)} tokens")
         return self
 
@@ -209,8 +224,12 @@ class RunRequest(Message):
     @classmethod
     def _other_classes(cls, value: dict[str, str]) -> dict[str, str]:
         for fingerprint, kernel_class in value.items():
-            if not re.fullmatch(r"[0-9a-f]{1,32}", fingerprint) or not re.fullmatch(r"[a-z0-9_][a-z0-9_.+-]{0,63}", kernel_class):
-                raise ValueError("approximate_from maps model fingerprints (hex) to kernel classes such as 'x86_64-avx2'")
+            if not re.fullmatch(r"[0-9a-f]{1,32}", fingerprint) or not re.fullmatch(
+                r"[a-z0-9_][a-z0-9_.+-]{0,63}", kernel_class
+            ):
+                raise ValueError(
+                    "approximate_from maps model fingerprints (hex) to kernel classes such as 'x86_64-avx2'"
+                )
         return value
 
     @field_validator("strategy")
@@ -229,7 +248,15 @@ class RunRequest(Message):
 
     @model_validator(mode="after")
     def _one_kind_of_prompt(self) -> Self:
-        kinds = [name for name, given in (("segments", self.segments), ("messages", self.messages), ("schema", self.schema_source)) if given]
+        kinds = [
+            name
+            for name, given in (
+                ("segments", self.segments),
+                ("messages", self.messages),
+                ("schema", self.schema_source),
+            )
+            if given
+        ]
         if len(kinds) > 1:
             raise ValueError(f"a run has one kind of prompt, got {' and '.join(kinds)}")
         if self.schema_source and not self.pml:
@@ -239,7 +266,9 @@ class RunRequest(Message):
         if self.tokenized is not None and self.schema_source:
             raise ValueError("a schema run's prompt is laid out by its board: it carries no tokens")
         if self.continues is not None and len(self.continues.tokens) >= self.max_tokens:
-            raise ValueError(f"a continued answer forces fewer tokens than max_tokens ({self.max_tokens}), got {len(self.continues.tokens)}")
+            raise ValueError(
+                f"a continued answer forces fewer tokens than max_tokens ({self.max_tokens}), got {len(self.continues.tokens)}"
+            )
         if self.messages:
             if sum(len(message.content) for message in self.messages) > MAX_PROMPT_CHARS:
                 raise ValueError(f"the messages are over {MAX_PROMPT_CHARS} characters")
@@ -252,7 +281,10 @@ class RunRequest(Message):
 
     def dump(self) -> dict:
         body = super().dump()
-        for optional in ("continues", "tokenized"):  # what some runs carry (boards of the version before know no such field)
+        for optional in (
+            "continues",
+            "tokenized",
+        ):  # what some runs carry (boards of the version before know no such field)
             if body.get(optional) is None:
                 body.pop(optional, None)
         return body
@@ -352,7 +384,9 @@ class RunReport(BoardMessage):
     @classmethod
     def for_request(cls, request: RunRequest, *, device: str, error: str = "") -> "RunReport":
         """The report of a request that did not run (refused, expired, failed)."""
-        return cls(device=device, request_id=request.request_id, meta=request.meta, prompt=request.prompt_text, error=error)
+        return cls(
+            device=device, request_id=request.request_id, meta=request.meta, prompt=request.prompt_text, error=error
+        )
 
 
 class AuditRequest(Message):
@@ -400,7 +434,9 @@ class StreamEvent(Message):
     finish_reason: Literal["", "stop", "length", "cancelled"] = ""
     error: str = Field("", max_length=10_000)
     breakdown: dict[str, Any] = Field(default_factory=dict)
-    stage: Literal["", "started", "fetching", "prefilling", "waiting"] = ""  # stage events, in this order (a run may skip some)
+    stage: Literal["", "started", "fetching", "prefilling", "waiting"] = (
+        ""  # stage events, in this order (a run may skip some)
+    )
     # "waiting": the control plane's word that the run's board went quiet and the run waits for it (``error``: why)
 
     def compact(self) -> dict:
@@ -408,7 +444,9 @@ class StreamEvent(Message):
         return self.model_dump(mode="json", exclude_defaults=True)
 
     @classmethod
-    def open(cls, data: bytes | str, *, request_id: str, signer_public_key: str, ring_for, control_plane_key: str = "") -> "StreamEvent":
+    def open(
+        cls, data: bytes | str, *, request_id: str, signer_public_key: str, ring_for, control_plane_key: str = ""
+    ) -> "StreamEvent":
         """The event published on a run's channel, if the board ``signer_public_key`` names sealed
         and signed it for run ``request_id`` (or, with ``control_plane_key``, the control plane did:
         a run it re-sent or gave up on); MessageRefused (with why) for anything else."""
@@ -417,7 +455,9 @@ class StreamEvent(Message):
         try:
             envelope = json.loads(data)
             signer = control_plane_key if control_plane_key and peek(envelope)["from"] == CONTROL else signer_public_key
-            message, _ = open_envelope(envelope, kind=Kind.STREAM, to=request_id, signer_public_key=signer, ring_for=ring_for)
+            message, _ = open_envelope(
+                envelope, kind=Kind.STREAM, to=request_id, signer_public_key=signer, ring_for=ring_for
+            )
         except (ValueError, UnicodeDecodeError) as exc:  # EnvelopeRefused is a ValueError
             raise MessageRefused(f"StreamEvent refused: {exc}") from None
         event = cls.parse(message)
@@ -517,7 +557,9 @@ class BoardStatus(Message):
     sent: float = Field(0.0, ge=0.0)
     model: str = Field("", max_length=200)
     fingerprint: str = Field("", pattern=r"^$|^[0-9a-f]{1,32}$")
-    kernel_class: str = Field("", pattern=r"^$|^[a-z0-9_][a-z0-9_.+-]{0,63}$")  # its llama.cpp's kernels (inference.engine.kernels)
+    kernel_class: str = Field(
+        "", pattern=r"^$|^[a-z0-9_][a-z0-9_.+-]{0,63}$"
+    )  # its llama.cpp's kernels (inference.engine.kernels)
     threads: int = Field(0, ge=0, le=4096)
     heartbeat_s: float = Field(5.0, gt=0, le=3600)  # how often it beats (the control plane counts missed ones)
     catalogs: dict[_NAMESPACE_KEY, CatalogStatus] = Field(default_factory=dict, max_length=MAX_BOARD_CATALOGS)
@@ -551,4 +593,3 @@ class InboxMessage(Message):
 
     task: Task
     body: dict
-

@@ -83,7 +83,9 @@ def _ggml_string(name: str) -> str:
     """A string function of ggml's (``ggml_version``, ``ggml_commit``) from the loaded library ('' if absent)."""
     import ctypes
 
-    library = getattr(importlib.import_module("llama_cpp.llama_cpp"), "_lib", None)  # libllama; dlsym sees its libggml too
+    library = getattr(
+        importlib.import_module("llama_cpp.llama_cpp"), "_lib", None
+    )  # libllama; dlsym sees its libggml too
     try:
         function = getattr(library, name)
     except AttributeError:
@@ -126,6 +128,12 @@ def amx_build(info: str | None = None) -> bool:
 
 if __name__ == "__main__":  # `python -m inference.engine.bindings`: make install's check of the build
     if amx_build():
-        print("llama-cpp-python here was compiled with ggml's AMX kernels (-march=native, or a wheel pip cached before the Makefile set LLAMA_CMAKE_ARGS)", file=sys.stderr)
+        print(
+            "llama-cpp-python here was compiled with ggml's AMX kernels (-march=native, or a wheel pip cached before the Makefile set LLAMA_CMAKE_ARGS)",
+            file=sys.stderr,
+        )
         sys.exit(1)
-    print("llama.cpp build: " + " ".join(part.strip() for part in system_info().split("|") if part.strip().endswith("= 1")))
+    print(
+        "llama.cpp build: "
+        + " ".join(part.strip() for part in system_info().split("|") if part.strip().endswith("= 1"))
+    )

@@ -45,7 +45,9 @@ class ChatPrompt:
         return Prompt((self.text,), tuple(self.tokens), self.cuts)
 
 
-def chat_prompt(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> ChatPrompt:
+def chat_prompt(
+    vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True
+) -> ChatPrompt:
     """The tokens of ``messages`` (role, content) through the model's chat template, ready for
     ``Board.run(text, tokens=...)``. Raises PromptError saying what to change."""
     pieces = _pieces(vocabulary, messages, add_generation_prompt)
@@ -65,7 +67,9 @@ def chat_text(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]]) -> st
     return "".join(text for _, text in _pieces(vocabulary, messages, True))
 
 
-def _pieces(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> list[tuple[bool, str]]:
+def _pieces(
+    vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_generation_prompt: bool
+) -> list[tuple[bool, str]]:
     """The template's markup and the messages' text, in the order the template placed them."""
     if not messages:
         raise PromptError("the conversation is empty: send at least one message")
@@ -78,7 +82,9 @@ def _pieces(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_gen
     contents = [content.strip() for _, content in messages]
     marker = f"\u2063EC{secrets.token_hex(6)}:"  # no message can contain a fresh random marker
     sentinels = [f"{marker}{index}\u2063" for index in range(len(messages))]
-    rendered = _render(vocabulary, [(role, sentinel) for (role, _), sentinel in zip(messages, sentinels)], add_generation_prompt)
+    rendered = _render(
+        vocabulary, [(role, sentinel) for (role, _), sentinel in zip(messages, sentinels)], add_generation_prompt
+    )
 
     # Markup, message, markup, message, ..., markup: in the order the template placed them.
     pieces: list[tuple[bool, str]] = []  # (is the template's markup, text)
@@ -86,7 +92,9 @@ def _pieces(vocabulary: Vocabulary, messages: Sequence[tuple[str, str]], add_gen
     for index, sentinel in enumerate(sentinels):
         before, found, rest = rest.partition(sentinel)
         if not found:
-            raise PromptError(f"the model's chat template dropped or reordered message {index} ({messages[index][0]}); send the conversation as system, user and assistant turns")
+            raise PromptError(
+                f"the model's chat template dropped or reordered message {index} ({messages[index][0]}); send the conversation as system, user and assistant turns"
+            )
         pieces += [(True, before), (False, contents[index])]
     pieces.append((True, rest))
     if marker in rest or any(marker in text for markup, text in pieces if markup):
@@ -116,7 +124,9 @@ def _render(vocabulary: Vocabulary, messages: list[tuple[str, str]], add_generat
         rendered = vocabulary.render_chat(fold_system(messages), add_generation_prompt)
         if rendered is not None:
             return rendered
-    raise PromptError("the model's chat template refuses this conversation; alternate user and assistant turns, starting with a user message")
+    raise PromptError(
+        "the model's chat template refuses this conversation; alternate user and assistant turns, starting with a user message"
+    )
 
 
 def fold_system(messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -32,7 +32,13 @@ _FEATURE_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
 
 # x86: the widest vector set names the class; extensions that add kernels of their own follow it.
 _X86_LEVELS = (("AVX512", "avx512"), ("AVX2", "avx2"), ("AVX", "avx"), ("SSSE3", "ssse3"), ("SSE3", "sse3"))
-_X86_EXTRAS = (("AVX512_VBMI", "vbmi"), ("AVX512_VNNI", "vnni"), ("AVX_VNNI", "avxvnni"), ("AVX512_BF16", "bf16"), ("AMX_INT8", "amx"))
+_X86_EXTRAS = (
+    ("AVX512_VBMI", "vbmi"),
+    ("AVX512_VNNI", "vnni"),
+    ("AVX_VNNI", "avxvnni"),
+    ("AVX512_BF16", "bf16"),
+    ("AMX_INT8", "amx"),
+)
 # Arm: the architecture level the features imply, then the features (ggml's own variant names
 # in ggml/src/CMakeLists.txt: armv8.0_1 for a Cortex-A53, armv8.2_2 with dot product and fp16 for a Cortex-A76).
 _ARM_EXTRAS = (("DOTPROD", "dotprod"), ("FP16_VA", "fp16"), ("MATMUL_INT8", "i8mm"), ("SVE", "sve"), ("SME", "sme"))
@@ -88,7 +94,9 @@ def class_name(machine: str, features: dict[str, str]) -> str:
             level = "generic"
         extras = [label for feature, label in _ARM_EXTRAS if feature in has]
     else:
-        named = sorted(feature.lower() for feature in has if feature not in ("OPENMP", "LLAMAFILE", "REPACK", "KLEIDIAI"))
+        named = sorted(
+            feature.lower() for feature in has if feature not in ("OPENMP", "LLAMAFILE", "REPACK", "KLEIDIAI")
+        )
         level, extras = "generic", named[:4]
     return "-".join([machine, level, *extras])[:64]
 
@@ -105,12 +113,21 @@ class KernelClass:
     @classmethod
     def from_report(cls, machine: str, system_info: str, build: str) -> "KernelClass":
         backends = parse_system_info(system_info)
-        features = tuple(sorted((backend, name, value) for backend, found in backends.items() for name, value in found.items()))
-        return cls(class_name(machine, backends.get("CPU", {})), normalize_machine(machine), features, " ".join(build.split())[:200])
+        features = tuple(
+            sorted((backend, name, value) for backend, found in backends.items() for name, value in found.items())
+        )
+        return cls(
+            class_name(machine, backends.get("CPU", {})),
+            normalize_machine(machine),
+            features,
+            " ".join(build.split())[:200],
+        )
 
     def digest(self) -> str:
         """16 hex characters over the machine, every feature of every backend and the build."""
-        canonical = json.dumps({"machine": self.machine, "features": self.features, "build": self.build}, separators=(",", ":"))
+        canonical = json.dumps(
+            {"machine": self.machine, "features": self.features, "build": self.build}, separators=(",", ":")
+        )
         return hashlib.blake2b(canonical.encode(), digest_size=8, person=b"edgecache-kern").hexdigest()
 
     @property
@@ -119,8 +136,13 @@ class KernelClass:
         return f"{self.name}:{self.digest()}"
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "digest": self.digest(), "machine": self.machine, "build": self.build,
-                "features": [f"{backend}:{name}={value}" for backend, name, value in self.features]}
+        return {
+            "name": self.name,
+            "digest": self.digest(),
+            "machine": self.machine,
+            "build": self.build,
+            "features": [f"{backend}:{name}={value}" for backend, name, value in self.features],
+        }
 
 
 def name_of(identity: str) -> str:

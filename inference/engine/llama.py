@@ -26,7 +26,6 @@ from typing import Callable
 import numpy as np
 
 from cachebox.keys import ModelIdentity
-
 from inference.engine.bindings import amx_build, kernel_class
 from inference.engine.bindings import llama_cpp as _bindings
 from inference.engine.compute_profile import Pacer
@@ -36,7 +35,12 @@ from inference.engine.model_file import ModelFile
 llama_cpp = _bindings()  # the ctypes functions alone (the high-level half of the package loads only if something asks)
 LLAMA_BUILD = f"llama-cpp-python {llama_cpp.__version__}"
 
-KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0, "f32": llama_cpp.GGML_TYPE_F32}
+KV_TYPES = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+    "f32": llama_cpp.GGML_TYPE_F32,
+}
 KV_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "f32": 4.0}  # ggml's block sizes
 QUANTIZED_KV = frozenset({"q8_0", "q4_0"})  # llama.cpp stores a quantized V cache only with flash attention
 
@@ -195,9 +199,10 @@ class Vocabulary:
             array[index].content = content_bytes
         size = 1024 + 2 * sum(len(content) for _, content in messages)
         out = ctypes.create_string_buffer(size)
-        count = llama_cpp.llama_chat_apply_template(self.chat_template(), array, len(messages), add_generation_prompt, out, size)
+        count = llama_cpp.llama_chat_apply_template(
+            self.chat_template(), array, len(messages), add_generation_prompt, out, size
+        )
         return out.raw[:count].decode("utf-8", errors="replace") if count > 0 else None
-
 
 
 @functools.cache
@@ -216,7 +221,12 @@ def _repack_unsafe() -> bool:
 class Engine(Vocabulary):
     """One model and one context. Not thread-safe: callers serialize (``lock``)."""
 
-    def __init__(self, model: ModelFile, config: EngineConfig = EngineConfig(), size: Callable[[ModelFacts], EngineConfig] | None = None):
+    def __init__(
+        self,
+        model: ModelFile,
+        config: EngineConfig = EngineConfig(),
+        size: Callable[[ModelFacts], EngineConfig] | None = None,
+    ):
         """Load ``model`` (mapped: its pages are the file's) and make its context.
 
         ``size(facts)``, when given, is called once the model is loaded and before the context
@@ -249,7 +259,9 @@ class Engine(Vocabulary):
                 raise
             if sized.repack and _repack_unsafe():
                 sized = replace(sized, repack=False)
-            if sized.repack != config.repack:  # repacking happens at load: load again without it (cheap: the file is mapped)
+            if (
+                sized.repack != config.repack
+            ):  # repacking happens at load: load again without it (cheap: the file is mapped)
                 llama_cpp.llama_model_free(self._model)
                 model_params.use_extra_bufts = sized.repack
                 self._model = llama_cpp.llama_model_load_from_file(str(model.path).encode(), model_params)

@@ -36,7 +36,9 @@ RUNTIME_MB = 93.0  # interpreter + a board's imports (numpy, llama.cpp's binding
 VOCAB_BYTES_PER_ENTRY = 150  # llama.cpp's vocabulary structures (token texts, maps): 38 MB for 262,144 entries
 COMPUTE_TOUCHED_MB = 12.0  # the part of the compute buffer a grid batch writes (measured at n_ubatch 128 and 512)
 REPACK_SHARE = 0.053  # llama.cpp's repacked weights (q4_K_8x8 here), as a share of the file: 12.7 MB of 241
-RUN_WORKING_TOKENS = 512  # a run holds the exported states of a prompt this long (or n_ctx, if smaller) until they are sent ...
+RUN_WORKING_TOKENS = (
+    512  # a run holds the exported states of a prompt this long (or n_ctx, if smaller) until they are sent ...
+)
 UPLOAD_COPIES_TOKENS = 256  # ... plus a sealed and a packed copy of one range (128 tokens) in flight
 MIN_N_CTX = 1024  # a smaller context serves no five-shot MMLU prompt
 MAX_RAM_TIER_BYTES = 128 * MB  # the RAM tier's default where memory is plenty (or unknown)
@@ -95,7 +97,9 @@ def limit_mb(memory_mb: int) -> float:
     return float(max(0, memory_mb - OS_RESERVE_MB))
 
 
-def fixed_parts(facts: ModelFacts, n_ctx: int, *, repack: bool, state_bytes_per_token: float | None = None) -> dict[str, float]:
+def fixed_parts(
+    facts: ModelFacts, n_ctx: int, *, repack: bool, state_bytes_per_token: float | None = None
+) -> dict[str, float]:
     """Estimated MB of each part of a board at ``n_ctx`` (without its RAM tier)."""
     state = state_bytes_per_token or facts.kv_bytes_per_token
     return {
@@ -109,7 +113,9 @@ def fixed_parts(facts: ModelFacts, n_ctx: int, *, repack: bool, state_bytes_per_
     }
 
 
-def plan_memory(memory_mb: int, facts: ModelFacts, *, n_ctx: int, grid: int, ram_tier_bytes: int | None = None, repack: bool = False) -> MemoryPlan:
+def plan_memory(
+    memory_mb: int, facts: ModelFacts, *, n_ctx: int, grid: int, ram_tier_bytes: int | None = None, repack: bool = False
+) -> MemoryPlan:
     """Size a board registered with ``memory_mb`` for ``facts``' model.
 
     ``n_ctx``: the context asked for; the largest one within the budget is taken (``repack``:
@@ -128,11 +134,15 @@ def plan_memory(memory_mb: int, facts: ModelFacts, *, n_ctx: int, grid: int, ram
             parts = fixed_parts(facts, size, repack=repacked)
             left_mb = budget - sum(parts.values())
             if left_mb >= 0:
-                return _with_ram_tier(MemoryPlan(memory_mb, budget, size, n_ubatch, repacked, 0, parts), left_mb, ram_tier_bytes)
+                return _with_ram_tier(
+                    MemoryPlan(memory_mb, budget, size, n_ubatch, repacked, 0, parts), left_mb, ram_tier_bytes
+                )
     smallest = fixed_parts(facts, MIN_N_CTX, repack=False)
     needed = sum(smallest.values())
     if needed <= limit:
-        return _with_ram_tier(MemoryPlan(memory_mb, budget, MIN_N_CTX, n_ubatch, False, 0, smallest), 0.0, ram_tier_bytes)
+        return _with_ram_tier(
+            MemoryPlan(memory_mb, budget, MIN_N_CTX, n_ubatch, False, 0, smallest), 0.0, ram_tier_bytes
+        )
     biggest = sorted(smallest.items(), key=lambda item: -item[1])[:3]
     raise MemoryRefused(
         f"this board is registered with {memory_mb} MB, of which its process can hold at most {limit:.0f} MB, but the model "
@@ -151,7 +161,9 @@ def _with_ram_tier(plan: MemoryPlan, left_mb: float, ram_tier_bytes: int | None)
     return replace(plan, ram_tier_bytes=tier, parts_mb={**plan.parts_mb, "RAM tier": round(tier / MB, 1)})
 
 
-def unsized_plan(facts: ModelFacts, *, n_ctx: int, n_ubatch: int, ram_tier_bytes: int | None, repack: bool = False) -> MemoryPlan:
+def unsized_plan(
+    facts: ModelFacts, *, n_ctx: int, n_ubatch: int, ram_tier_bytes: int | None, repack: bool = False
+) -> MemoryPlan:
     """What a board whose memory is unknown holds: the context asked for, every buffer at its default."""
     tier = MAX_RAM_TIER_BYTES if ram_tier_bytes is None else ram_tier_bytes
     parts = fixed_parts(facts, n_ctx, repack=repack)
@@ -177,7 +189,10 @@ def lab_strategy_mb(strategy: str, facts: ModelFacts, n_ctx: int) -> tuple[float
     engine_mb = facts.file_mb + facts.n_vocab * VOCAB_BYTES_PER_ENTRY / MB + n_ctx * facts.kv_bytes_per_token / MB
     if strategy == "early-exit":
         weights = facts.n_params * 4 / MB
-        return TORCH_RUNTIME_MB + weights, f"PyTorch {TORCH_RUNTIME_MB:.0f} MB and the float32 reference weights {weights:.0f} MB"
+        return (
+            TORCH_RUNTIME_MB + weights,
+            f"PyTorch {TORCH_RUNTIME_MB:.0f} MB and the float32 reference weights {weights:.0f} MB",
+        )
     if strategy == "anchors-tuned":
         return engine_mb, f"a second engine for the anchor-tuned GGUF, about {engine_mb:.0f} MB"
     if strategy.startswith("kv-prediction"):

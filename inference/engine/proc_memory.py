@@ -124,4 +124,11 @@ def tune_malloc(mmap_threshold: int = 256 * 1024, trim_threshold: int = 1 * MB, 
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in ((_M_MMAP_THRESHOLD, mmap_threshold), (_M_TRIM_THRESHOLD, trim_threshold), (_M_ARENA_MAX, arenas)))
+    return all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (_M_MMAP_THRESHOLD, mmap_threshold),
+            (_M_TRIM_THRESHOLD, trim_threshold),
+            (_M_ARENA_MAX, arenas),
+        )
+    )

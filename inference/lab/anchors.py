@@ -230,9 +230,20 @@ class AnchorServing(ServingStrategy[_Sequences]):
             return cls(engine, BASE)
         path = tuned_path(lab_dir, engine.model_file.sha256)
         if not path.exists():
-            raise TunedModelMissing(f"no anchor-tuned model at {path}: make one with `python -m dashboard.lab.anchor_tune` (needs the lab extra)")
+            raise TunedModelMissing(
+                f"no anchor-tuned model at {path}: make one with `python -m dashboard.lab.anchor_tune` (needs the lab extra)"
+            )
         config = engine.config
-        tuned = Engine(ModelFile(path, _cached_sha256(path)), EngineConfig(n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=config.n_threads, n_seq_max=2, kv_type=config.kv_type))
+        tuned = Engine(
+            ModelFile(path, _cached_sha256(path)),
+            EngineConfig(
+                n_ctx=config.n_ctx,
+                n_batch=config.n_batch,
+                n_threads=config.n_threads,
+                n_seq_max=2,
+                kv_type=config.kv_type,
+            ),
+        )
         return cls(tuned, TUNED, owns_engine=True)
 
     def close(self) -> None:
@@ -242,7 +253,9 @@ class AnchorServing(ServingStrategy[_Sequences]):
     def prepare(self, run: RunState) -> _Sequences:
         """The prompt's sequences (one text, or its segments); a chat's ``tokens`` are one sequence: nothing to prune."""
         prompt = run.prompt
-        return _Sequences([list(prompt.tokens)] if prompt.tokens is not None else prompt_sequences(self.engine, prompt.segments))
+        return _Sequences(
+            [list(prompt.tokens)] if prompt.tokens is not None else prompt_sequences(self.engine, prompt.segments)
+        )
 
     def first_token(self, run: RunState, prompt: _Sequences) -> FirstToken:
         """The anchor-pruned prefill."""

@@ -21,7 +21,15 @@ def save_arrays(path: str | Path, **arrays: np.ndarray) -> Path:
 
 
 def load_arrays(
-    path: str | Path, *, error: type[Exception], what: str, fit_hint: str, format: str, fingerprint: str, needed: set[str], json_records: tuple[str, ...] = ("calibration",)
+    path: str | Path,
+    *,
+    error: type[Exception],
+    what: str,
+    fit_hint: str,
+    format: str,
+    fingerprint: str,
+    needed: set[str],
+    json_records: tuple[str, ...] = ("calibration",),
 ) -> dict:
     """The arrays of a file written by ``save_arrays`` with its ``format`` and ``fingerprint``
     arrays, holding at least ``needed``; raises ``error`` naming the problem otherwise
@@ -40,7 +48,9 @@ def load_arrays(
     if str(arrays["format"]) != format:
         raise error(f"{path} has format {str(arrays['format'])!r}, expected {format!r}")
     if str(arrays["fingerprint"]) != fingerprint:
-        raise error(f"{path} was fitted for model {str(arrays['fingerprint'])[:16]}..., not this model ({fingerprint[:16]}...)")
+        raise error(
+            f"{path} was fitted for model {str(arrays['fingerprint'])[:16]}..., not this model ({fingerprint[:16]}...)"
+        )
     for name in json_records:
         if name in arrays:
             try:

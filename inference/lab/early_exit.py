@@ -46,6 +46,7 @@ import numpy as np
 
 from inference.serving.run import FirstToken, RunResult, RunState, ServingStrategy, Tokens, ms_since, prompt_tokens
 from inference.serving.strategies import StrategySpec
+
 from .array_file import load_arrays, save_arrays
 
 try:  # the lab extra; without it this module still imports (a run then says what to install)
@@ -153,12 +154,26 @@ class ExitLens:
     def load(cls, path: str | Path, *, fingerprint: str) -> "ExitLens":
         """Read and check an adapter file; refuses (LensFileError) anything it cannot trust."""
         arrays = load_arrays(
-            path, error=LensFileError, what="exit-adapter file", fit_hint="fit them with `python manage.py bench lab-exit` (needs the lab extra)",
-            format=LENS_FORMAT, fingerprint=fingerprint, needed={"depths", "weights", "calibration"},
+            path,
+            error=LensFileError,
+            what="exit-adapter file",
+            fit_hint="fit them with `python manage.py bench lab-exit` (needs the lab extra)",
+            format=LENS_FORMAT,
+            fingerprint=fingerprint,
+            needed={"depths", "weights", "calibration"},
         )
         depths, weights = arrays["depths"], arrays["weights"]
-        if depths.dtype != np.int64 or depths.ndim != 1 or weights.dtype != np.float32 or weights.ndim != 3 or weights.shape[0] != depths.shape[0] or weights.shape[1] != weights.shape[2] + 1:
-            raise LensFileError(f"{path}: depths {depths.dtype} {depths.shape} and weights {weights.dtype} {weights.shape} do not fit together")
+        if (
+            depths.dtype != np.int64
+            or depths.ndim != 1
+            or weights.dtype != np.float32
+            or weights.ndim != 3
+            or weights.shape[0] != depths.shape[0]
+            or weights.shape[1] != weights.shape[2] + 1
+        ):
+            raise LensFileError(
+                f"{path}: depths {depths.dtype} {depths.shape} and weights {weights.dtype} {weights.shape} do not fit together"
+            )
         if not np.all(np.isfinite(weights)):
             raise LensFileError(f"{path}: weights hold NaN or infinite values")
         calibration = arrays["calibration"]
@@ -283,9 +298,13 @@ class EarlyExitDecoder:
             raise ValueError(f"exits must be below the model's {self.config.n_layer} layers, got {policy.exits}")
         if policy.head == "lens":
             if self.lens is None:
-                raise LensFileError("this policy exits through fitted adapters (':lens') and none are loaded: fit them with `python manage.py bench lab-exit`")
+                raise LensFileError(
+                    "this policy exits through fitted adapters (':lens') and none are loaded: fit them with `python manage.py bench lab-exit`"
+                )
             if missing := set(policy.exits) - set(self.lens.depths):
-                raise LensFileError(f"the exit adapters were fitted for depths {self.lens.depths}, not {sorted(missing)}")
+                raise LensFileError(
+                    f"the exit adapters were fitted for depths {self.lens.depths}, not {sorted(missing)}"
+                )
 
     def exit_logits(self, x: "torch.Tensor", depth: int, policy: ExitPolicy) -> "torch.Tensor":
         """The exit head at ``depth``: final norm and output embedding, after the adapter for ``lens``."""
@@ -379,7 +398,9 @@ class EarlyExitDecoder:
         return attend
 
     # -- greedy generation (benchmarks, tests) -------------------------------------------------
-    def decode(self, caches: Sequence[SequenceCache], first: Sequence[int], steps: int, policy: ExitPolicy | None) -> Generation:
+    def decode(
+        self, caches: Sequence[SequenceCache], first: Sequence[int], steps: int, policy: ExitPolicy | None
+    ) -> Generation:
         """``steps`` greedy tokens for each sequence, fed ``first`` (each prompt's last token)
         first. Fixed length: an end-of-generation token is just another token here."""
         tokens = [[] for _ in caches]
@@ -468,7 +489,9 @@ class PolicyRunner(ServingStrategy[Tokens]):
 
     def __init__(self, serving: EarlyExitServing, policy: ExitPolicy):
         self.serving, self.policy = serving, policy
-        self.engine = serving.engine  # its tokenizer (llama.cpp's, which holds no state) and its lock: one run at a time
+        self.engine = (
+            serving.engine
+        )  # its tokenizer (llama.cpp's, which holds no state) and its lock: one run at a time
         self.label = strategy_name(policy)
 
     def prepare(self, run: RunState) -> Tokens:
@@ -477,7 +500,11 @@ class PolicyRunner(ServingStrategy[Tokens]):
     def first_token(self, run: RunState, prompt: Tokens) -> FirstToken:
         decoder, tokens, n = self.serving.decoder, prompt.tokens, prompt.prompt_tokens
         mark = time.perf_counter()
-        cache = decoder.prefill(tokens[:-1], spare=run.options.max_tokens + 1) if n > 1 else SequenceCache(decoder.config.n_layer, decoder.config.n_head_kv, decoder.config.head_dim)
+        cache = (
+            decoder.prefill(tokens[:-1], spare=run.options.max_tokens + 1)
+            if n > 1
+            else SequenceCache(decoder.config.n_layer, decoder.config.n_head_kv, decoder.config.head_dim)
+        )
         run.breakdown.prefill_ms = ms_since(mark)
         exiting = _ExitEngine(self.engine, decoder, cache, self.policy)
         mark = time.perf_counter()

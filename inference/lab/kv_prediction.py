@@ -31,11 +31,12 @@ from typing import Sequence
 import numpy as np
 
 from inference.board.config import edgecache_home
-from inference.serving.breakdown import Breakdown
 from inference.engine.llama import MAIN_SEQ, Engine, EngineConfig
 from inference.engine.model_file import ModelFile, _cached_sha256
+from inference.serving.breakdown import Breakdown
 from inference.serving.run import FirstToken, RunState, ServingStrategy, Tokens, ms_since, prompt_tokens
 from inference.serving.strategies import StrategySpec
+
 from . import state_blob
 from .array_file import load_arrays, save_arrays
 from .truncate import ensure_truncated
@@ -97,8 +98,15 @@ class Predictor:
     def features(self, k_roped: np.ndarray, v: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """(cells, 2 * n_embd_kv + 1): the auxiliary's last-layer keys with RoPE undone, values, and 1."""
         cells = k_roped.shape[0]
-        k = rope_np(k_roped.reshape(cells, self.n_head_kv, self.head_dim).astype(np.float32), positions, float(self.rope_base[self.feature_layer]), inverse=True)
-        return np.concatenate([k.reshape(cells, -1), v.reshape(cells, -1).astype(np.float32), np.ones((cells, 1), np.float32)], axis=1)
+        k = rope_np(
+            k_roped.reshape(cells, self.n_head_kv, self.head_dim).astype(np.float32),
+            positions,
+            float(self.rope_base[self.feature_layer]),
+            inverse=True,
+        )
+        return np.concatenate(
+            [k.reshape(cells, -1), v.reshape(cells, -1).astype(np.float32), np.ones((cells, 1), np.float32)], axis=1
+        )
 
     def predict(self, features: np.ndarray, positions: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """layer -> (K with k-norm and RoPE, V), each (cells, n_embd_kv) float32, for layers k..n_layer-1.
@@ -111,11 +119,17 @@ class Predictor:
         stacked = self.weights.transpose(1, 0, 2).reshape(self.weights.shape[1], -1)
         kv = (features @ stacked).reshape(cells, len(layers), 2 * e)
         k_raw = kv[:, :, :e].reshape(cells, len(layers), h, d)
-        k = k_raw / np.sqrt(np.mean(k_raw * k_raw, axis=-1, keepdims=True) + self.rms_eps) * self.k_norm[None, :, None, :]
+        k = (
+            k_raw
+            / np.sqrt(np.mean(k_raw * k_raw, axis=-1, keepdims=True) + self.rms_eps)
+            * self.k_norm[None, :, None, :]
+        )
         out = {}
         for base in sorted({float(self.rope_base[layer]) for layer in layers}):
             chosen = [index for index, layer in enumerate(layers) if float(self.rope_base[layer]) == base]
-            roped = rope_np(k[:, chosen].reshape(cells, len(chosen) * h, d), positions, base).reshape(cells, len(chosen), e)
+            roped = rope_np(k[:, chosen].reshape(cells, len(chosen) * h, d), positions, base).reshape(
+                cells, len(chosen), e
+            )
             for position, index in enumerate(chosen):
                 out[layers[index]] = (roped[:, position], kv[:, index, e:])
         return dict(sorted(out.items()))
@@ -138,8 +152,13 @@ class Predictor:
     def load(cls, path: str | Path, *, fingerprint: str, k: int) -> "Predictor":
         """Read and check a predictor file; refuses (PredictorFileError) anything it cannot trust."""
         arrays = load_arrays(
-            path, error=PredictorFileError, what="predictor file", fit_hint="fit one with `python manage.py bench lab` (needs the lab extra)",
-            format=FORMAT, fingerprint=fingerprint, needed={"shape", "rms_eps", "rope_base", "weights", "k_norm", "calibration"},
+            path,
+            error=PredictorFileError,
+            what="predictor file",
+            fit_hint="fit one with `python manage.py bench lab` (needs the lab extra)",
+            format=FORMAT,
+            fingerprint=fingerprint,
+            needed={"shape", "rms_eps", "rope_base", "weights", "k_norm", "calibration"},
         )
         shape = arrays["shape"]
         if shape.dtype != np.int64 or shape.shape != (4,):
@@ -156,7 +175,9 @@ class Predictor:
         for name, (want_shape, want_dtype) in expected.items():
             array = arrays[name]
             if array.shape != want_shape or array.dtype != want_dtype:
-                raise PredictorFileError(f"{path}: {name} is {array.dtype} {array.shape}, expected {np.dtype(want_dtype)} {want_shape}")
+                raise PredictorFileError(
+                    f"{path}: {name} is {array.dtype} {array.shape}, expected {np.dtype(want_dtype)} {want_shape}"
+                )
             if not np.all(np.isfinite(array)):
                 raise PredictorFileError(f"{path}: {name} holds NaN or infinite values")
         calibration = arrays["calibration"]
@@ -191,7 +212,9 @@ def export_prefix(engine: Engine, end: int, window: int) -> list[state_blob.Sequ
     return [state_blob.parse(engine.export_range(p0, min(end, p0 + step)), SECTIONS) for p0 in range(0, end, step)]
 
 
-def merge_sections(parts: list[state_blob.SequenceState], section: int) -> tuple[np.ndarray, list[state_blob.LayerRows]]:
+def merge_sections(
+    parts: list[state_blob.SequenceState], section: int
+) -> tuple[np.ndarray, list[state_blob.LayerRows]]:
     """One section's positions and per-layer rows, concatenated over consecutive range exports."""
     chosen = [part.sections[section] for part in parts if part.sections[section].cell_count]
     if not chosen:
@@ -200,7 +223,11 @@ def merge_sections(parts: list[state_blob.SequenceState], section: int) -> tuple
     layers = []
     for index in range(len(chosen[0].layers)):
         rows = [s.layers[index] for s in chosen]
-        layers.append(state_blob.LayerRows(rows[0].k_type, np.concatenate([r.k for r in rows]), rows[0].v_type, np.concatenate([r.v for r in rows])))
+        layers.append(
+            state_blob.LayerRows(
+                rows[0].k_type, np.concatenate([r.k for r in rows]), rows[0].v_type, np.concatenate([r.v for r in rows])
+            )
+        )
     return positions, layers
 
 
@@ -314,4 +341,9 @@ def open_auxiliary(engine: Engine, k: int, lab_dir: str | Path) -> Engine:
     model = engine.model_file
     path = ensure_truncated(model.path, model.sha256, k, Path(lab_dir))
     config = engine.config
-    return Engine(ModelFile(path, _cached_sha256(path)), EngineConfig(n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=config.n_threads, n_seq_max=2, kv_type="f16"))
+    return Engine(
+        ModelFile(path, _cached_sha256(path)),
+        EngineConfig(
+            n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=config.n_threads, n_seq_max=2, kv_type="f16"
+        ),
+    )

@@ -123,7 +123,9 @@ def load_tensors(reader: "gguf.GGUFReader") -> dict[str, np.ndarray]:
             data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         array = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
-        tensors[tensor.name] = array if array.flags.writeable else array.copy()  # float32 tensors are read-only file maps
+        tensors[tensor.name] = (
+            array if array.flags.writeable else array.copy()
+        )  # float32 tensors are read-only file maps
     return tensors
 
 
@@ -179,7 +181,14 @@ class ForwardResult:
 class ReferenceModel:
     """The served GGUF in PyTorch. ``forward`` runs tokens at positions after the cache's."""
 
-    def __init__(self, config: Gemma3Config, tensors: dict[str, np.ndarray], threads: int = 0, types: dict[str, str] | None = None, emulate: bool = False):
+    def __init__(
+        self,
+        config: Gemma3Config,
+        tensors: dict[str, np.ndarray],
+        threads: int = 0,
+        types: dict[str, str] | None = None,
+        emulate: bool = False,
+    ):
         self.config = config
         # llama.cpp's CPU numerics, emulated: a matrix product with a quantized weight first
         # quantizes its input (to Q8_0 blocks of 32, or Q8_K blocks of 256 for k-quants); the
@@ -206,7 +215,9 @@ class ReferenceModel:
     @classmethod
     def load(cls, path: str | os.PathLike, threads: int = 0, emulate: bool = False) -> "ReferenceModel":
         reader = gguf.GGUFReader(str(Path(path)))
-        return cls(read_config(reader), load_tensors(reader), threads=threads, types=tensor_types(reader), emulate=emulate)
+        return cls(
+            read_config(reader), load_tensors(reader), threads=threads, types=tensor_types(reader), emulate=emulate
+        )
 
     # -- pieces ----------------------------------------------------------------------
     def w(self, layer: int, name: str) -> torch.Tensor:
@@ -318,7 +329,9 @@ class ReferenceModel:
             out = torch.tanh(out / self.config.final_softcap) * self.config.final_softcap
         return out
 
-    def block(self, layer: int, x: torch.Tensor, q_pos: torch.Tensor, attend, keep: Trace | None = None) -> torch.Tensor:
+    def block(
+        self, layer: int, x: torch.Tensor, q_pos: torch.Tensor, attend, keep: Trace | None = None
+    ) -> torch.Tensor:
         """One transformer block on residual rows ``x`` (n, n_embd) at positions ``q_pos`` (n,).
 
         ``attend(q, k, v)`` gets this block's queries (scaled, float16-rounded like the cache), new
@@ -366,7 +379,9 @@ def quantize_rows(x: torch.Tensor, block: int) -> torch.Tensor:
     return (torch.round(blocks / safe) * scale).reshape(shape)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float, scale: float = 1.0, inverse: bool = False) -> torch.Tensor:
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, base: float, scale: float = 1.0, inverse: bool = False
+) -> torch.Tensor:
     """NeoX-style rotary embedding (halves rotated together) of ``x`` (n, heads, d) at ``positions``."""
     d = x.shape[-1]
     half = d // 2

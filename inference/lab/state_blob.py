@@ -54,7 +54,12 @@ class LayerRows:
         """Rows from float arrays (cells, n_embd); stored as float16."""
         k16 = np.ascontiguousarray(k, dtype=np.float16)
         v16 = np.ascontiguousarray(v, dtype=np.float16)
-        return cls(GGML_TYPE_F16, k16.view(np.uint8).reshape(k16.shape[0], -1), GGML_TYPE_F16, v16.view(np.uint8).reshape(v16.shape[0], -1))
+        return cls(
+            GGML_TYPE_F16,
+            k16.view(np.uint8).reshape(k16.shape[0], -1),
+            GGML_TYPE_F16,
+            v16.view(np.uint8).reshape(v16.shape[0], -1),
+        )
 
 
 def _as_f16(ggml_type: int, rows: np.ndarray) -> np.ndarray:
@@ -117,7 +122,9 @@ def parse(blob: bytes, sections: int) -> SequenceState:
         raise StateFormatError(f"not a llama.cpp sequence state (magic {magic:#x})")
     parsed = [_parse_section(reader) for _ in range(sections)]
     if reader.offset != len(blob):
-        raise StateFormatError(f"{len(blob) - reader.offset} bytes left after {sections} sections: another model's state?")
+        raise StateFormatError(
+            f"{len(blob) - reader.offset} bytes left after {sections} sections: another model's state?"
+        )
     return SequenceState(seq_id, parsed)
 
 
@@ -157,7 +164,9 @@ def encode(state: SequenceState) -> bytes:
         out.append(struct.pack("<II", 1, cells))
         if cells == 0:
             continue
-        meta = np.stack([section.positions.astype(np.int32), np.ones(cells, np.int32), section.seq_ids.astype(np.int32)], axis=1)
+        meta = np.stack(
+            [section.positions.astype(np.int32), np.ones(cells, np.int32), section.seq_ids.astype(np.int32)], axis=1
+        )
         out.append(meta.tobytes())
         out.append(struct.pack("<II", int(section.v_trans), len(section.layers)))
         for layer in section.layers:

@@ -22,13 +22,13 @@ from cachebox.entry import decoded_state, open_entry
 from cachebox.errors import CacheBoxUnavailable, EntryError
 from cachebox.keys import grid_cuts, off_grid, parse_entry_key_name, range_boundaries, tokens_digest
 from cachebox.signing import UnknownKey
-
+from inference.contract.messages import AuditRequest
 from inference.engine.chat import chat_prompt
 from inference.engine.llama import EngineError
-from inference.serving.exchange import prefix_refs
-from inference.contract.messages import AuditRequest
 from inference.engine.sampling import top_candidates
+from inference.serving.exchange import prefix_refs
 from inference.serving.run import Prompt, PromptError, text_layout
+
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -57,7 +57,11 @@ def audit_entry(board, audit: AuditRequest) -> dict:
         return {**verdict, "verdict": "inconclusive", "detail": f"not an entry name: {exc}"[:500]}
     engine, prefix = board.engine, board.prefix
     if fingerprint != engine.fingerprint:
-        return {**verdict, "verdict": "inconclusive", "detail": f"entry of model {fingerprint}, this board runs {engine.fingerprint}"}
+        return {
+            **verdict,
+            "verdict": "inconclusive",
+            "detail": f"entry of model {fingerprint}, this board runs {engine.fingerprint}",
+        }
     if run.is_schema_run or run.strategy not in ("", "exact"):
         return {**verdict, "verdict": "inconclusive", "detail": "only exact prefix runs are audited"}
     try:
@@ -67,10 +71,16 @@ def audit_entry(board, audit: AuditRequest) -> dict:
         return {**verdict, "verdict": "inconclusive", "detail": f"the run's prompt cannot be rebuilt: {exc}"[:500]}
     grid = prefix.chunk_tokens
     extra = tuple(cut for cut in off_grid([*prompt.cuts, *text_cuts], grid) if cut < len(tokens))
-    refs = prefix_refs(namespace, engine.fingerprint, tokens, range_boundaries(len(tokens), grid, extra), grid=grid, extra=extra)
+    refs = prefix_refs(
+        namespace, engine.fingerprint, tokens, range_boundaries(len(tokens), grid, extra), grid=grid, extra=extra
+    )
     ref = next((ref for ref in refs if ref.name == audit.entry), None)
     if ref is None:
-        return {**verdict, "verdict": "inconclusive", "detail": "the run's prompt gives no entry of that name (a prepared chat turn?)"}
+        return {
+            **verdict,
+            "verdict": "inconclusive",
+            "detail": "the run's prompt gives no entry of that name (a prepared chat turn?)",
+        }
     try:
         blob = board.store.read_entries([audit.entry])[0]
     except CacheBoxUnavailable as exc:
@@ -90,23 +100,31 @@ def audit_entry(board, audit: AuditRequest) -> dict:
     found = {**verdict, "producer": header.producer, "entry_state_sha256": _sha256(state)}
     problems = []
     if header.end != ref.end or header.namespace != namespace or header.fingerprint != engine.fingerprint:
-        problems.append(f"its header claims [{header.start}, {header.end}) of {header.namespace}, the key is of [.., {ref.end})")
+        problems.append(
+            f"its header claims [{header.start}, {header.end}) of {header.namespace}, the key is of [.., {ref.end})"
+        )
     elif header.tokens_digest != tokens_digest(tokens[header.start : header.end]):
         problems.append("its tokens digest is not the prompt's")
     cold, logits = _cold(engine, tokens, ref.end, header.start, grid, extra)
     found["cold_state_sha256"] = _sha256(cold)
     if cold != state:
-        problems.append(f"its state ({len(state)} bytes) differs from the cold state of [{header.start}, {header.end}) ({len(cold)} bytes)")
+        problems.append(
+            f"its state ({len(state)} bytes) differs from the cold state of [{header.start}, {header.end}) ({len(cold)} bytes)"
+        )
     if header.top_ids is not None and header.top_logits is not None and logits is not None:
         ids, values = top_candidates(logits, len(header.top_ids))
-        if not (np.array_equal(ids, header.top_ids) and values.tobytes() == np.asarray(header.top_logits, "<f4").tobytes()):
+        if not (
+            np.array_equal(ids, header.top_ids) and values.tobytes() == np.asarray(header.top_logits, "<f4").tobytes()
+        ):
             problems.append("its top logits differ from the cold ones")
     if problems:
         return {**found, "verdict": "mismatch", "detail": "; ".join(problems)[:500]}
     return {**found, "verdict": "match", "detail": f"[{header.start}, {header.end}) equal to the cold run, bit for bit"}
 
 
-def _cold(engine, tokens: list[int], end: int, start: int, grid: int, extra: tuple[int, ...]) -> tuple[bytes, np.ndarray | None]:
+def _cold(
+    engine, tokens: list[int], end: int, start: int, grid: int, extra: tuple[int, ...]
+) -> tuple[bytes, np.ndarray | None]:
     """The state of ``[start, end)`` and the logits of ``end - 1`` after a cold prefill of
     ``tokens[:end]`` on the run's cuts (the engine's context is forgotten before and after)."""
     exported: list[bytes] = []
@@ -119,8 +137,9 @@ def _cold(engine, tokens: list[int], end: int, start: int, grid: int, extra: tup
     with engine.lock:
         engine.clear()
         try:
-            logits = engine.prefill(tokens[:end], 0, logits_at={end - 1}, on_batch=on_batch, cuts=grid_cuts(end, grid, 0, extra))
+            logits = engine.prefill(
+                tokens[:end], 0, logits_at={end - 1}, on_batch=on_batch, cuts=grid_cuts(end, grid, 0, extra)
+            )
         finally:
             engine.clear()
     return (exported[0] if exported else b""), logits.get(end - 1)
-

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import ROUND_HALF_UP, Decimal
 from dataclasses import asdict, dataclass, fields
+from decimal import ROUND_HALF_UP, Decimal
 from enum import StrEnum
 
 
@@ -66,7 +66,12 @@ TIER_WORDS = {
     Tier.FLASH: ("flash tier", "the board's flash tier"),
     Tier.CACHEBOX: ("cache box", "the cache box"),
 }
-TIER_TOKENS = {Tier.CONTEXT: "context_tokens", Tier.LOCAL: "local_tokens", Tier.FLASH: "flash_tokens", Tier.CACHEBOX: "fetched_tokens"}
+TIER_TOKENS = {
+    Tier.CONTEXT: "context_tokens",
+    Tier.LOCAL: "local_tokens",
+    Tier.FLASH: "flash_tokens",
+    Tier.CACHEBOX: "fetched_tokens",
+}
 BOARD_TIERS = (Tier.CONTEXT, Tier.LOCAL, Tier.FLASH)  # on the board itself: nothing crosses the link
 COMPUTED = "computed"
 
@@ -83,7 +88,9 @@ def approximate_label(breakdown: dict) -> str:
     if b.get("approximate") != CROSS_CLASS:
         return ""
     source = b.get("approximate_from")
-    return f"approximate: cross-class from {source}" if isinstance(source, str) and source else "approximate: cross-class"
+    return (
+        f"approximate: cross-class from {source}" if isinstance(source, str) and source else "approximate: cross-class"
+    )
 
 
 def _int(value) -> int:
@@ -119,9 +126,17 @@ def served_from(breakdown: dict) -> str:
         return f"all {total} prompt tokens computed"
     served = sum(tokens for tokens, _ in parts)
     where = parts[0][1] if len(parts) == 1 else ", ".join(f"{tokens} from {words}" for tokens, words in parts)
-    sentence = f"{served}/{total} prompt tokens from {where}" if len(parts) == 1 else f"{served}/{total} prompt tokens reused: {where}"
+    sentence = (
+        f"{served}/{total} prompt tokens from {where}"
+        if len(parts) == 1
+        else f"{served}/{total} prompt tokens reused: {where}"
+    )
     approximate = approximate_label(b)
-    return sentence + (f", {total - served} computed" if total > served else "") + (f" ({approximate})" if approximate else "")
+    return (
+        sentence
+        + (f", {total - served} computed" if total > served else "")
+        + (f" ({approximate})" if approximate else "")
+    )
 
 
 def source_label(breakdown: dict) -> str:
@@ -157,7 +172,13 @@ TIME_GROUPS = (
     ("Token", (("token_ms", "tokenize the prompt"),)),
     ("Bloom", (("bloom_ms", "look the ranges up in the board's catalog"),)),
     ("P-decode", (("prefill_ms", "prefill the tokens not restored"),)),
-    ("Redis", (("redis_ms", "from the cache box: fetch, verify, restore"), ("local_ms", "from the board's own context, RAM or flash tier"))),
+    (
+        "Redis",
+        (
+            ("redis_ms", "from the cache box: fetch, verify, restore"),
+            ("local_ms", "from the board's own context, RAM or flash tier"),
+        ),
+    ),
     ("R-decode", (("decode_ms", "decode the answer's tokens after the first"),)),
     ("Sample", (("sample_ms", "choose each answer token"),)),
 )
@@ -198,11 +219,15 @@ class TimeSum:
         return self.other_ms < 0
 
     def sentence(self) -> str:
-        """"TTFT 266.8 ms = Token 1.2 + Bloom 0.1 + P-decode 250.3 + Redis 0.0 + Sample 0.4 + other 14.8"."""
+        """ "TTFT 266.8 ms = Token 1.2 + Bloom 0.1 + P-decode 250.3 + Redis 0.0 + Sample 0.4 + other 14.8"."""
         terms = " + ".join(f"{part.label} {part.ms:.{TIME_DIGITS}f}" for part in self.parts[:-1])
         other = self.other_ms
         sentence = f"{self.name} {self.total_ms:.{TIME_DIGITS}f} ms = {terms} + {OTHER} {other:.{TIME_DIGITS}f}"
-        return sentence + (f" (the named parts exceed {self.name} by {-other:.{TIME_DIGITS}f} ms: some ran at the same time)" if other < 0 else "")
+        return sentence + (
+            f" (the named parts exceed {self.name} by {-other:.{TIME_DIGITS}f} ms: some ran at the same time)"
+            if other < 0
+            else ""
+        )
 
     def as_dict(self) -> dict:
         return {
@@ -211,7 +236,10 @@ class TimeSum:
             "named_ms": self.named_ms,
             "other_ms": self.other_ms,
             "exceeded": self.exceeded,
-            "parts": [{"label": part.label, "ms": part.ms, "pieces": [list(piece) for piece in part.pieces]} for part in self.parts],
+            "parts": [
+                {"label": part.label, "ms": part.ms, "pieces": [list(piece) for piece in part.pieces]}
+                for part in self.parts
+            ],
             "sentence": self.sentence(),
         }
 
@@ -263,14 +291,59 @@ def time_sums(breakdown: dict) -> dict[str, TimeSum]:
 
 # What a run's page lists under each heading: every field of ``Breakdown``, each once.
 FIELD_GROUPS = (
-    ("Time to first token (ms)", ("ttft_ms", "token_ms", "bloom_ms", "prefill_ms", "redis_ms", "fetch_ms", "verify_ms", "decompress_ms", "restore_ms", "local_ms", "first_sample_ms")),
+    (
+        "Time to first token (ms)",
+        (
+            "ttft_ms",
+            "token_ms",
+            "bloom_ms",
+            "prefill_ms",
+            "redis_ms",
+            "fetch_ms",
+            "verify_ms",
+            "decompress_ms",
+            "restore_ms",
+            "local_ms",
+            "first_sample_ms",
+        ),
+    ),
     ("The answer", ("ttlt_ms", "decode_ms", "sample_ms", "generated_tokens", "tbt_p50_ms", "tbt_p99_ms")),
-    ("Where the prompt came from (tokens)", ("case", "tier", "prompt_tokens", "matched_tokens", "context_tokens", "local_tokens", "flash_tokens", "fetched_tokens")),
-    ("The cache box", ("cachebox", "decision", "candidate_tokens", "false_positives", "rejected_entries", "codec", "link")),
-    ("The break-even forecast", ("predicted_fetch_ms", "predicted_prefill_ms", "planned_split", "met_at", "fetch_late")),
+    (
+        "Where the prompt came from (tokens)",
+        (
+            "case",
+            "tier",
+            "prompt_tokens",
+            "matched_tokens",
+            "context_tokens",
+            "local_tokens",
+            "flash_tokens",
+            "fetched_tokens",
+        ),
+    ),
+    (
+        "The cache box",
+        ("cachebox", "decision", "candidate_tokens", "false_positives", "rejected_entries", "codec", "link"),
+    ),
+    (
+        "The break-even forecast",
+        ("predicted_fetch_ms", "predicted_prefill_ms", "planned_split", "met_at", "fetch_late"),
+    ),
     ("Bytes moved", ("state_bytes", "fetched_bytes", "uploaded_bytes")),
     ("After the answer", ("upload_ms", "next_turn_tokens", "next_turn_ms")),
-    ("The board", ("behind_ms", "compute_profile", "paced_ms", "strategy", "kernel_class", "approximate", "approximate_from", "continued_tokens")),
+    (
+        "The board",
+        (
+            "behind_ms",
+            "compute_profile",
+            "paced_ms",
+            "strategy",
+            "kernel_class",
+            "approximate",
+            "approximate_from",
+            "continued_tokens",
+        ),
+    ),
     ("Lab: KV prediction", ("aux_prefill_ms", "predict_ms", "kv_import_ms")),
 )
 
@@ -306,7 +379,9 @@ class Breakdown:
     flash_tokens: int = 0  # restored from the board's flash tier
     fetched_tokens: int = 0  # fetched from the cache box (schema runs: their modules)
     generated_tokens: int = 0
-    continued_tokens: int = 0  # of them, given: another board chose them before it stopped (a re-sent run goes on from there)
+    continued_tokens: int = (
+        0  # of them, given: another board chose them before it stopped (a re-sent run goes on from there)
+    )
     state_bytes: int = 0  # prompt state moved: fetched_bytes + uploaded_bytes
     fetched_bytes: int = 0
     uploaded_bytes: int = 0
@@ -332,7 +407,9 @@ class Breakdown:
     # computed by other kernels, whose class ``approximate_from`` names; "" = exact (the cold run's bits).
     approximate: str = ""
     approximate_from: str = ""
-    compute_profile: str = ""  # a paced (emulated) board class, e.g. "Raspberry Pi Zero 2 W (emulated)"; "" = this machine
+    compute_profile: str = (
+        ""  # a paced (emulated) board class, e.g. "Raspberry Pi Zero 2 W (emulated)"; "" = this machine
+    )
     paced_ms: float = 0.0  # time added by the compute profile's pacing (inside prefill_ms and decode_ms)
     strategy: str = ""  # "" = exact prefix/schema serving; a lab strategy names itself (approximate)
     tbt_p50_ms: float = 0.0  # time between answer tokens, median
@@ -353,7 +430,9 @@ class Breakdown:
         self.decision = Decision(self.decision)
         self.tier = Tier(self.tier)
         if self.approximate not in APPROXIMATE_LABELS:
-            raise ValueError(f"unknown approximate label {self.approximate!r}: one of {', '.join(map(repr, APPROXIMATE_LABELS))}")
+            raise ValueError(
+                f"unknown approximate label {self.approximate!r}: one of {', '.join(map(repr, APPROXIMATE_LABELS))}"
+            )
         for name in ("kernel_class", "approximate_from"):
             if not isinstance(getattr(self, name), str) or not _CLASS_RE.match(getattr(self, name)):
                 raise ValueError(f"{name} must be a kernel class such as 'x86_64-avx2' (got {getattr(self, name)!r})")

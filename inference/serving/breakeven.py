@@ -275,7 +275,15 @@ class BreakEvenPolicy:
         # Waiting past the forecast by one batch's compute (or 25 ms) before computing: a batch once
         # started cannot stop, so starting one for a range that is merely a little late loses time.
         batch_ms = self.predict_prefill_ms(max(r.end - r.start for r in ranges))
-        return FetchPlan(fetch, best_split if fetch else floor, best if fetch else compute_all, load_all, compute_all, tuple(arrivals), slack_ms=max(25.0, batch_ms))
+        return FetchPlan(
+            fetch,
+            best_split if fetch else floor,
+            best if fetch else compute_all,
+            load_all,
+            compute_all,
+            tuple(arrivals),
+            slack_ms=max(25.0, batch_ms),
+        )
 
     def observe_prefill(self, tokens: int, ms: float) -> None:
         if tokens > 0 and ms > 0:

@@ -16,7 +16,6 @@ error is recorded on the run's breakdown, never raised: the run answers by local
 from __future__ import annotations
 
 import copy
-
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,18 +26,26 @@ import numpy as np
 from cachebox import codec as codecs
 from cachebox.catalog import Catalog
 from cachebox.codec import UnknownCodec
-from cachebox.entry import HEADER_PEEK_BYTES, EntryHeader, decode_header, decoded_state, encode_entry, entry_size, open_entries, verify_header
+from cachebox.entry import (
+    HEADER_PEEK_BYTES,
+    EntryHeader,
+    decode_header,
+    decoded_state,
+    encode_entry,
+    entry_size,
+    open_entries,
+    verify_header,
+)
 from cachebox.errors import CacheBoxOverQuota, CacheBoxUnavailable, EntryError
 from cachebox.events import security_event
 from cachebox.keys import entry_key_name, module_key, module_key_name, prefix_keys
 from cachebox.signing import Keychain, KeyRing, UnknownKey
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
-
-from inference.serving.breakdown import Breakdown, CacheBoxState, Decision
-from inference.engine.llama import Engine, EngineError
 from inference.contract.messages import StoredEntry
+from inference.engine.llama import Engine, EngineError
 from inference.engine.sampling import TOP_CANDIDATES, top_candidates
+from inference.serving.breakdown import Breakdown, CacheBoxState, Decision
 from inference.serving.run import ms_since
 
 log = logging.getLogger(__name__)
@@ -60,12 +67,23 @@ class EntryRef:
     piece: str = ""
 
 
-def prefix_refs(namespace: str, fingerprint: str, tokens: Sequence[int], boundaries: Sequence[int], *, grid: int, extra: Sequence[int] = ()) -> list[EntryRef]:
+def prefix_refs(
+    namespace: str,
+    fingerprint: str,
+    tokens: Sequence[int],
+    boundaries: Sequence[int],
+    *,
+    grid: int,
+    extra: Sequence[int] = (),
+) -> list[EntryRef]:
     """The prefix ranges of ``tokens`` cut at ``boundaries`` (ascending), as LMCache's token
     database yields them; ``extra``: the prompt's cuts off the grid (they enter the keys)."""
     keys = prefix_keys(namespace, fingerprint, tokens, boundaries, grid=grid, extra=extra)
     starts = [0, *boundaries[:-1]]
-    return [EntryRef(start, end, key, entry_key_name(namespace, fingerprint, key)) for start, end, key in zip(starts, boundaries, keys)]
+    return [
+        EntryRef(start, end, key, entry_key_name(namespace, fingerprint, key))
+        for start, end, key in zip(starts, boundaries, keys)
+    ]
 
 
 def module_ref(namespace: str, fingerprint: str, schema_digest: str, piece: str, start: int, end: int) -> EntryRef:
@@ -95,7 +113,9 @@ class OverLimit(EntryError):
 Expect = Callable[[EntryRef, EntryHeader], None]  # raises EntryError when the entry is not the one asked for
 
 
-def plan_chain(headers: dict[int, EntryHeader], read_link: Callable[[int], EntryHeader | None], floor: int = 0) -> list[int]:
+def plan_chain(
+    headers: dict[int, EntryHeader], read_link: Callable[[int], EntryHeader | None], floor: int = 0
+) -> list[int]:
     """Range ends from ``floor`` (what the board already holds) to the longest prefix whose whole
     chain exists.
 
@@ -166,12 +186,16 @@ class Exchange:
         """What one run exchanges in ``namespace``; None (said on the breakdown, logged) without keys."""
         ring = self.keys.ring(namespace) if self.keys is not None else None
         if ring is None:
-            security_event("no_signing_key", device=self.device, namespace=namespace, outcome="cache off, local prefill")
+            security_event(
+                "no_signing_key", device=self.device, namespace=namespace, outcome="cache off, local prefill"
+            )
             return None
         return ExchangeSession(self, namespace, ring, breakdown)
 
 
-def run_session(exchange: Exchange | None, namespace: str, breakdown: Breakdown, use_cache: bool) -> "ExchangeSession | None":
+def run_session(
+    exchange: Exchange | None, namespace: str, breakdown: Breakdown, use_cache: bool
+) -> "ExchangeSession | None":
     """The exchange of one run, or None when the run uses no cache (said on ``breakdown``: asked
     for none, no cache box configured, or no signing key for ``namespace``)."""
     if not use_cache or exchange is None or not exchange.connected:
@@ -284,7 +308,9 @@ class ExchangeSession:
         for index, ref in enumerate(refs):
             total += headers[ref.name].state_bytes + HEADER_PEEK_BYTES
             if total > self.exchange.max_fetch_bytes:
-                log.warning("fetch limited to %d of %d entries: over %d bytes", index, len(refs), self.exchange.max_fetch_bytes)
+                log.warning(
+                    "fetch limited to %d of %d entries: over %d bytes", index, len(refs), self.exchange.max_fetch_bytes
+                )
                 return list(refs[:index])
         return list(refs)
 
@@ -312,7 +338,15 @@ class ExchangeSession:
             self._unavailable(exc)
             return None
 
-    def open(self, refs: Sequence[EntryRef], blobs: Sequence[bytes | None], expect: Expect, *, chain: bool, reject: Callable[[EntryRef, Exception], None] | None = None) -> list[Fetched]:
+    def open(
+        self,
+        refs: Sequence[EntryRef],
+        blobs: Sequence[bytes | None],
+        expect: Expect,
+        *,
+        chain: bool,
+        reject: Callable[[EntryRef, Exception], None] | None = None,
+    ) -> list[Fetched]:
         """Verify and decode downloaded entries (``fetch``'s checks); with ``chain``, stop before
         the first that fails. ``reject``: what to do with an entry that fails a check (default:
         count it and evict it from the cache box; the flash tier removes its own file instead)."""
@@ -355,7 +389,9 @@ class ExchangeSession:
             self.breakdown.codec = header.codec
         return usable
 
-    def restore(self, engine: Engine, item: Fetched, seq: int, first_positions: range, last_position: int | None = None) -> bool:
+    def restore(
+        self, engine: Engine, item: Fetched, seq: int, first_positions: range, last_position: int | None = None
+    ) -> bool:
         """Import a verified entry into ``seq``; False (entry evicted) when llama.cpp refuses it or
         it leaves positions other than ``first_positions``..``last_position`` (default: the
         range's end - 1). Times ``restore_ms``."""
@@ -369,7 +405,12 @@ class ExchangeSession:
                 return False
             first, last = engine.positions(seq)
             if last != last_position or first not in first_positions:
-                self.reject(item.ref, EntryError(f"restore left positions {first}..{last}, expected {first_positions.start}..{last_position}"))
+                self.reject(
+                    item.ref,
+                    EntryError(
+                        f"restore left positions {first}..{last}, expected {first_positions.start}..{last_position}"
+                    ),
+                )
                 return False
             self.breakdown.fetched_bytes += len(item.blob)  # the whole entry, as moved
             return True
@@ -388,13 +429,17 @@ class ExchangeSession:
         if header.codec not in codecs.CODECS:
             raise UnknownCodec(f"entry is stored as {header.codec!r}, a codec this board does not know")
         if max(header.state_bytes, header.decoded_bytes) > self.exchange.max_entry_bytes:
-            raise OverLimit(f"entry holds {header.decoded_bytes} bytes, over this board's {self.exchange.max_entry_bytes}-byte limit")
+            raise OverLimit(
+                f"entry holds {header.decoded_bytes} bytes, over this board's {self.exchange.max_entry_bytes}-byte limit"
+            )
 
     def reject(self, ref: EntryRef, reason: Exception) -> None:
         """An entry failed a check: count and log it, evict it (best effort); the run computes instead."""
         self.missing.add(ref.name)
         self.breakdown.rejected_entries += 1
-        security_event("entry_rejected", entry=ref.name, reason=str(reason), device=self.exchange.device, action="evicted")
+        security_event(
+            "entry_rejected", entry=ref.name, reason=str(reason), device=self.exchange.device, action="evicted"
+        )
         try:
             self.store.delete([ref.name])
         except CacheBoxUnavailable:
@@ -414,7 +459,14 @@ class ExchangeSession:
         self.breakdown.cachebox_failed(Decision.CACHEBOX_UNAVAILABLE)
 
     # -- upload ----------------------------------------------------------------------------------
-    def seal(self, ref: EntryRef, state: bytes, tokens_digest: str, logits: np.ndarray | None = None, top: int = TOP_CANDIDATES) -> bytes:
+    def seal(
+        self,
+        ref: EntryRef,
+        state: bytes,
+        tokens_digest: str,
+        logits: np.ndarray | None = None,
+        top: int = TOP_CANDIDATES,
+    ) -> bytes:
         """The sealed, signed entry of ``state`` for ``ref`` (with the top logits of its last position, if given)."""
         top_ids = top_values = None
         if logits is not None:
@@ -457,7 +509,9 @@ class ExchangeSession:
         if not kept:
             return []
         try:
-            self.breakdown.uploaded_bytes += self.store.put_entries([(ref.name, blob) for ref, blob in kept], ttl=self.exchange.entry_ttl)
+            self.breakdown.uploaded_bytes += self.store.put_entries(
+                [(ref.name, blob) for ref, blob in kept], ttl=self.exchange.entry_ttl
+            )
             self.exchange.catalogs.get(self.namespace).announce([ref.key for ref, _ in kept])
         except CacheBoxOverQuota as exc:  # the namespace is full (or the entry over the cache box's cap): not an outage
             log.warning("states not shared: %s", exc)
@@ -467,7 +521,15 @@ class ExchangeSession:
             self.breakdown.cachebox_failed()
             return []
         return [
-            StoredEntry(name=ref.name, namespace=self.namespace, model=self.exchange.fingerprint, start=ref.start, end=ref.end, bytes=len(blob), piece=ref.piece)
+            StoredEntry(
+                name=ref.name,
+                namespace=self.namespace,
+                model=self.exchange.fingerprint,
+                start=ref.start,
+                end=ref.end,
+                bytes=len(blob),
+                piece=ref.piece,
+            )
             for ref, blob in kept
         ]
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from inference.serving.exchange import EntryRef, Expect, ExchangeSession, Fetched
+from inference.serving.exchange import EntryRef, ExchangeSession, Expect, Fetched
 
 
 @dataclass

@@ -231,7 +231,9 @@ class _TreeBuilder(xml.sax.ContentHandler):
         if self.elements > MAX_MODULES * 4:
             raise PMLError(f"more than {MAX_MODULES * 4} elements", where.line, where.column)
         preserve = (self.stack[-1].preserve if self.stack else False) or attrs.get("xml:space") == "preserve"
-        element = _Element(name, {key: value for key, value in attrs.items() if key != "xml:space"}, where, preserve=preserve)
+        element = _Element(
+            name, {key: value for key, value in attrs.items() if key != "xml:space"}, where, preserve=preserve
+        )
         if self.stack:
             self.stack[-1].children.append(element)
         else:
@@ -259,9 +261,13 @@ def _parse_xml(source: str, what: str) -> _Element:
         raise PMLError(f"the {what} is empty")
     builder = _TreeBuilder()
     try:
-        defusedxml.sax.parseString(source.encode("utf-8"), builder, forbid_dtd=True, forbid_entities=True, forbid_external=True)
+        defusedxml.sax.parseString(
+            source.encode("utf-8"), builder, forbid_dtd=True, forbid_entities=True, forbid_external=True
+        )
     except xml.sax.SAXParseException as exc:
-        raise PMLError(f"not well-formed XML: {exc.getMessage()}", exc.getLineNumber(), exc.getColumnNumber() + 1) from None
+        raise PMLError(
+            f"not well-formed XML: {exc.getMessage()}", exc.getLineNumber(), exc.getColumnNumber() + 1
+        ) from None
     except DefusedXmlException as exc:
         raise PMLError(f"DTDs and entity declarations are not allowed in PML ({type(exc).__name__})") from None
     return builder.root
@@ -298,7 +304,7 @@ def parse_schema(source: str) -> PMLSchema:
     """Parse and validate a schema document."""
     root = _parse_xml(source, "schema")
     if root.tag != "schema":
-        raise _error(root, f"a schema starts with <schema name=\"...\">, not <{root.tag}>")
+        raise _error(root, f'a schema starts with <schema name="...">, not <{root.tag}>')
     name = _check_name(root.attrs.get("name"), root, "schema")
     unknown = set(root.attrs) - {"name"}
     if unknown:
@@ -313,7 +319,9 @@ def parse_schema(source: str) -> PMLSchema:
             node = _schema_node(child, "", state, root.preserve, in_module=False)
             if node is not None:
                 children.append(node)
-    schema = PMLSchema(name, children, scaffolds, hashlib.blake2b(source.encode("utf-8"), digest_size=8).hexdigest(), state["modules"])
+    schema = PMLSchema(
+        name, children, scaffolds, hashlib.blake2b(source.encode("utf-8"), digest_size=8).hexdigest(), state["modules"]
+    )
     if not schema.modules:
         raise _error(root, "the schema declares no <module>: there is nothing to reuse")
     for scaffold in scaffolds:
@@ -332,7 +340,9 @@ def _schema_node(node, prefix: str, state: dict, preserve: bool, in_module: bool
         return _union(node, prefix, state, cache)
     if tag in _PARAM_TAGS:
         if not in_module:
-            raise _error(node, f"<{tag}> belongs inside a <module> (a prompt supplies its value when importing the module)")
+            raise _error(
+                node, f"<{tag}> belongs inside a <module> (a prompt supplies its value when importing the module)"
+            )
         return _param(node)
     if tag in ROLES:
         unknown = set(node.attrs)
@@ -342,19 +352,24 @@ def _schema_node(node, prefix: str, state: dict, preserve: bool, in_module: bool
         return Role(tag, [kid for kid in kids if kid is not None], node.where)
     if tag == "scaffold":
         raise _error(node, "<scaffold> is declared directly inside <schema>")
-    raise _error(node, f"unknown element <{tag}> in a schema (use module, union, param or parameter, scaffold, system, user or assistant)")
+    raise _error(
+        node,
+        f"unknown element <{tag}> in a schema (use module, union, param or parameter, scaffold, system, user or assistant)",
+    )
 
 
 def _module(node: _Element, prefix: str, state: dict, union: str | None, cache: bool = True) -> Module:
     name = _check_name(node.attrs.get("name"), node, "module")
     unknown = set(node.attrs) - {"name", "cache"}
     if unknown:
-        raise _error(node, f"<module name=\"{name}\"> has unknown attribute(s) {', '.join(sorted(unknown))}")
+        raise _error(node, f'<module name="{name}"> has unknown attribute(s) {", ".join(sorted(unknown))}')
     if _ANONYMOUS_RE.match(name):
-        raise _error(node, f"module name {name!r} is taken by the text outside modules (_text0, _text1, ...): pick another")
+        raise _error(
+            node, f"module name {name!r} is taken by the text outside modules (_text0, _text1, ...): pick another"
+        )
     flag = node.attrs.get("cache", "true")
     if flag not in ("true", "false"):
-        raise _error(node, f"<module name=\"{name}\"> cache must be \"true\" or \"false\", not {flag!r}")
+        raise _error(node, f'<module name="{name}"> cache must be "true" or "false", not {flag!r}')
     path = f"{prefix}{name}"
     if path in state["modules"]:
         scope = f"in {prefix[:-1]!r}" if prefix else "at the top of the schema"
@@ -416,19 +431,19 @@ def _param(node: _Element) -> Param:
     name = _check_name(node.attrs.get("name"), node, "parameter")
     unknown = set(node.attrs) - {"name", "len", "length", "scaffold"}
     if unknown:
-        raise _error(node, f"<{tag} name=\"{name}\"> has unknown attribute(s) {', '.join(sorted(unknown))}")
+        raise _error(node, f'<{tag} name="{name}"> has unknown attribute(s) {", ".join(sorted(unknown))}')
     if "len" in node.attrs and "length" in node.attrs:
-        raise _error(node, f"<{tag} name=\"{name}\"> gives both len and length: keep one")
+        raise _error(node, f'<{tag} name="{name}"> gives both len and length: keep one')
     word = "len" if "len" in node.attrs or tag == "param" else "length"
     raw = node.attrs.get(word)
     try:
         length = int(raw)
     except (TypeError, ValueError):
-        raise _error(node, f"<{tag} name=\"{name}\"> needs {word}=\"N\", the most tokens its value may take") from None
+        raise _error(node, f'<{tag} name="{name}"> needs {word}="N", the most tokens its value may take') from None
     if not 1 <= length <= MAX_PARAM_LEN:
-        raise _error(node, f"<{tag} name=\"{name}\"> {word} must be between 1 and {MAX_PARAM_LEN}")
+        raise _error(node, f'<{tag} name="{name}"> {word} must be between 1 and {MAX_PARAM_LEN}')
     if [child for child in node.children if not (isinstance(child, str) and not child.strip())]:
-        raise _error(node, f"<{tag} name=\"{name}\"/> is empty: its value comes from the prompt")
+        raise _error(node, f'<{tag} name="{name}"/> is empty: its value comes from the prompt')
     return Param(name, length, node.where, node.attrs.get("scaffold") or None)
 
 
@@ -436,7 +451,7 @@ def _scaffold(node: _Element) -> Scaffold:
     name = _check_name(node.attrs.get("name"), node, "scaffold")
     members = (node.attrs.get("modules") or "").split()
     if len(members) < 2:
-        raise _error(node, f"scaffold {name!r} needs modules=\"a b ...\" naming at least two modules")
+        raise _error(node, f'scaffold {name!r} needs modules="a b ..." naming at least two modules')
     return Scaffold(name, members, node.where)
 
 
@@ -445,10 +460,12 @@ def _check_scaffold(scaffold: Scaffold, schema: PMLSchema) -> None:
     for path in scaffold.modules:
         module = schema.modules.get(path)
         if module is None:
-            raise PMLError(f"scaffold {scaffold.name!r} names unknown module {path!r}", scaffold.where.line, scaffold.where.column)
+            raise PMLError(
+                f"scaffold {scaffold.name!r} names unknown module {path!r}", scaffold.where.line, scaffold.where.column
+            )
         if not module.cache:
             raise PMLError(
-                f"scaffold {scaffold.name!r} names module {path!r}, which is never cached (cache=\"false\")",
+                f'scaffold {scaffold.name!r} names module {path!r}, which is never cached (cache="false")',
                 scaffold.where.line,
                 scaffold.where.column,
             )
@@ -467,10 +484,10 @@ def parse_prompt(source: str, schema: PMLSchema) -> PromptDoc:
     """Parse a prompt and check it against ``schema`` (imports, unions, parameter names)."""
     root = _parse_xml(source, "prompt")
     if root.tag != "prompt":
-        raise _error(root, f"a prompt starts with <prompt schema=\"...\">, not <{root.tag}>")
+        raise _error(root, f'a prompt starts with <prompt schema="...">, not <{root.tag}>')
     wanted = root.attrs.get("schema")
     if not wanted:
-        raise _error(root, "<prompt> needs schema=\"NAME\" naming the schema it is built from")
+        raise _error(root, '<prompt> needs schema="NAME" naming the schema it is built from')
     if wanted != schema.name:
         raise _error(root, f"unknown schema {wanted!r}: this prompt was checked against schema {schema.name!r}")
     items = _prompt_items(root.children, schema.top_level, root.preserve, used_unions={}, schema_modules=schema.modules)
@@ -482,7 +499,12 @@ def parse_prompt(source: str, schema: PMLSchema) -> PromptDoc:
 
 
 def _prompt_items(
-    children, available: dict[str, Module], preserve: bool, used_unions: dict, role: str | None = None, schema_modules=None
+    children,
+    available: dict[str, Module],
+    preserve: bool,
+    used_unions: dict,
+    role: str | None = None,
+    schema_modules=None,
 ) -> list:
     items: list = []
     for child in children:
@@ -494,7 +516,9 @@ def _prompt_items(
         if child.tag in ROLES:
             if role is not None:
                 raise _error(child, f"<{child.tag}> cannot be inside <{role}>")
-            inner = _prompt_items(child.children, available, child.preserve, used_unions, role=child.tag, schema_modules=schema_modules)
+            inner = _prompt_items(
+                child.children, available, child.preserve, used_unions, role=child.tag, schema_modules=schema_modules
+            )
             if any(isinstance(item, Import) for item in inner):
                 raise _error(child, f"modules are imported outside <{child.tag}>; put only free text in it")
             text = "".join(item.text for item in inner)
@@ -510,10 +534,17 @@ def _prompt_items(
         params = module.params()
         unknown = set(child.attrs) - set(params)
         if unknown:
-            raise _error(child, f"module {module.path!r} has no parameter {sorted(unknown)[0]!r} (it has: {', '.join(sorted(params)) or 'none'})")
-        nested = _prompt_items(child.children, module.submodules(), child.preserve, used_unions, schema_modules=schema_modules)
+            raise _error(
+                child,
+                f"module {module.path!r} has no parameter {sorted(unknown)[0]!r} (it has: {', '.join(sorted(params)) or 'none'})",
+            )
+        nested = _prompt_items(
+            child.children, module.submodules(), child.preserve, used_unions, schema_modules=schema_modules
+        )
         if any(isinstance(item, PromptText) and (item.text.strip() or item.role) for item in nested):
-            raise _error(child, f"put free text outside <{child.tag}>: inside a module only its nested modules may be imported")
+            raise _error(
+                child, f"put free text outside <{child.tag}>: inside a module only its nested modules may be imported"
+            )
         nested = [item for item in nested if isinstance(item, Import)]  # spaces between imports
         items.append(Import(module.path, dict(child.attrs), nested, child.where))
     return items

@@ -16,7 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from inference.serving.pml import Import, Module, Param, PMLError, PromptDoc, PromptText, Role, PMLSchema, Text, UnionNode
+from inference.serving.pml import (
+    Import,
+    Module,
+    Param,
+    PMLError,
+    PMLSchema,
+    PromptDoc,
+    PromptText,
+    Role,
+    Text,
+    UnionNode,
+)
 
 ANONYMOUS = "_text"
 
@@ -99,7 +110,9 @@ class _LayoutBuilder:
         for scaffold in self.schema.scaffolds:
             if not any(self.modules[path].runs for path in scaffold.modules):
                 where = scaffold.where
-                raise PMLError(f"scaffold {scaffold.name!r} names only modules without text of their own", where.line, where.column)
+                raise PMLError(
+                    f"scaffold {scaffold.name!r} names only modules without text of their own", where.line, where.column
+                )
         return SchemaLayout(self.schema.name, self.schema.digest, self.modules, scaffolds, self.pos)
 
     # -- anonymous text between modules -----------------------------------------------------
@@ -143,7 +156,9 @@ class _LayoutBuilder:
         self.pos = end
 
     def _module(self, module: Module) -> None:
-        layout = ModuleLayout(module.path, self.pos, self.pos, [Run(self.pos)], {}, union=module.union, cache=module.cache)
+        layout = ModuleLayout(
+            module.path, self.pos, self.pos, [Run(self.pos)], {}, union=module.union, cache=module.cache
+        )
         self.modules[module.path] = layout
         self._body(module.children, layout)
         layout.runs = [run for run in layout.runs if run.tokens]
@@ -268,7 +283,11 @@ def all_pieces(layout: SchemaLayout) -> list[ModulePiece]:
 
     Left out: modules marked ``cache="false"`` and modules holding only nested modules.
     """
-    pieces = [ModulePiece(path, [path], module.start) for path, module in layout.modules.items() if module.runs and module.cache]
+    pieces = [
+        ModulePiece(path, [path], module.start)
+        for path, module in layout.modules.items()
+        if module.runs and module.cache
+    ]
     for name, members in layout.scaffolds.items():
         pieces.append(ModulePiece(f"scaffold:{name}", list(members), min(layout.modules[m].start for m in members)))
     return pieces

@@ -23,22 +23,39 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from cachebox.keys import check_namespace, grid_cuts, off_grid, range_boundaries
-
+from inference.contract.messages import StoredEntry
+from inference.engine.llama import MAIN_SEQ, Engine
+from inference.engine.sampling import TOP_CANDIDATES
 from inference.serving.breakdown import CROSS_CLASS, Breakdown
 from inference.serving.breakeven import BreakEvenPolicy
-from inference.engine.llama import MAIN_SEQ, Engine
 from inference.serving.exchange import Exchange, prefix_refs, run_session
-from inference.contract.messages import StoredEntry
-from inference.engine.sampling import TOP_CANDIDATES
-from inference.serving.run import FirstToken, RunResult, RunState, ServingStrategy, ms_since, segment_tokens, text_layout
-from inference.tiers import CacheBoxTier, Computed, ContextTier, Held, RamTier, Tier, TierRun, keep_nearest_first, restore_nearest_first
+from inference.serving.run import (
+    FirstToken,
+    RunResult,
+    RunState,
+    ServingStrategy,
+    ms_since,
+    segment_tokens,
+    text_layout,
+)
+from inference.tiers import (
+    CacheBoxTier,
+    Computed,
+    ContextTier,
+    Held,
+    RamTier,
+    Tier,
+    TierRun,
+    keep_nearest_first,
+    restore_nearest_first,
+)
 from inference.tiers.base import Exports
 from inference.tiers.flash import FlashTier
 
@@ -63,7 +80,9 @@ class _PrefixRun:
     held: Held = field(default_factory=Held)
     logits: dict[int, np.ndarray] = field(default_factory=dict)  # by position, as computed
     exports: Exports = field(default_factory=dict)
-    cross_class: bool = False  # restored a state another kernel class computed: approximate, nothing it computes is kept
+    cross_class: bool = (
+        False  # restored a state another kernel class computed: approximate, nothing it computes is kept
+    )
 
     @property
     def prompt_tokens(self) -> int:
@@ -95,7 +114,9 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
         self.engine = engine
         self.exchange = exchange
         if chunk_tokens < 1 or engine.config.n_batch % chunk_tokens:
-            raise ValueError(f"the batch grid ({chunk_tokens} tokens) must divide the batch size {engine.config.n_batch}")
+            raise ValueError(
+                f"the batch grid ({chunk_tokens} tokens) must divide the batch size {engine.config.n_batch}"
+            )
         self.chunk_tokens = chunk_tokens  # the grid: batches are cut, and ranges stored, every this many tokens
         self.top = top_logits
         self.namespace = check_namespace(namespace)
@@ -106,7 +127,9 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
         self.flash = FlashTier(flash_dir, flash_tier_bytes) if flash_tier_bytes > 0 else None
         # An engine on every core stalls when one of its threads is preempted: its loader then only downloads.
         loader_checks = engine.config.threads() < (os.cpu_count() or 1)
-        self.cachebox = CacheBoxTier(policy or BreakEvenPolicy(), engine.state_bytes_per_token, loader_checks=loader_checks)
+        self.cachebox = CacheBoxTier(
+            policy or BreakEvenPolicy(), engine.state_bytes_per_token, loader_checks=loader_checks
+        )
 
     @property
     def tiers(self) -> list[Tier]:
@@ -147,8 +170,16 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
         extra = tuple(cut for cut in off_grid([*prompt.cuts, *text_cuts], self.chunk_tokens) if cut < len(tokens))
         boundaries = range_boundaries(len(tokens), self.chunk_tokens, extra)
         tiers = TierRun(
-            self.engine, tokens, self.chunk_tokens, extra, boundaries, run.breakdown,
-            use_cache=options.use_cache, top=self.top, use_catalog=options.use_catalog, on_stage=options.on_stage or _quiet,
+            self.engine,
+            tokens,
+            self.chunk_tokens,
+            extra,
+            boundaries,
+            run.breakdown,
+            use_cache=options.use_cache,
+            top=self.top,
+            use_catalog=options.use_catalog,
+            on_stage=options.on_stage or _quiet,
         )
         return _PrefixRun(tiers, namespace)
 
@@ -158,7 +189,14 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
         breakdown.link = self.exchange.link_label if self.exchange is not None else ""
         tiers.session = run_session(self.exchange, prefix.namespace, breakdown, run.options.use_cache)
         if tiers.session is not None:
-            tiers.refs = prefix_refs(prefix.namespace, engine.fingerprint, tiers.tokens, tiers.boundaries, grid=self.chunk_tokens, extra=tiers.extra)
+            tiers.refs = prefix_refs(
+                prefix.namespace,
+                engine.fingerprint,
+                tiers.tokens,
+                tiers.boundaries,
+                grid=self.chunk_tokens,
+                extra=tiers.extra,
+            )
         held = prefix.held = restore_nearest_first(self.tiers, tiers)
         if held.served == 0 and tiers.session is not None and run.options.approximate_from:
             held = prefix.held = self._cross_class(run, prefix)
@@ -170,10 +208,18 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
         prefix.logits, prefix.exports = dict(held.logits), dict(held.exports)
         if held.matched < total:
             tiers.on_stage("prefilling")
-            on_batch = tiers.exporter(held.matched, prefix.exports) if tiers.session is not None and not prefix.cross_class else None
+            on_batch = (
+                tiers.exporter(held.matched, prefix.exports)
+                if tiers.session is not None and not prefix.cross_class
+                else None
+            )
             mark = time.perf_counter()
             cuts = grid_cuts(total, self.chunk_tokens, held.matched, tiers.extra)
-            prefix.logits.update(engine.prefill(tiers.tokens[held.matched :], held.matched, logits_at={total - 1}, on_batch=on_batch, cuts=cuts))
+            prefix.logits.update(
+                engine.prefill(
+                    tiers.tokens[held.matched :], held.matched, logits_at={total - 1}, on_batch=on_batch, cuts=cuts
+                )
+            )
             breakdown.prefill_ms += ms_since(mark)
         # The first token: from fresh logits, or from the ones stored with a full hit.
         return FirstToken(prefix.logits.get(total - 1), (held.top_ids, held.top_logits), position=total)
@@ -204,7 +250,14 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
                 tiers.session = run_session(self.exchange.reading_as(fingerprint), prefix.namespace, breakdown, True)
                 if tiers.session is None:
                     break
-                tiers.refs = prefix_refs(prefix.namespace, fingerprint, tiers.tokens, tiers.boundaries, grid=self.chunk_tokens, extra=tiers.extra)
+                tiers.refs = prefix_refs(
+                    prefix.namespace,
+                    fingerprint,
+                    tiers.tokens,
+                    tiers.boundaries,
+                    grid=self.chunk_tokens,
+                    extra=tiers.extra,
+                )
                 held = restore_nearest_first([self.cachebox], tiers)
                 if held.served:
                     prefix.cross_class = True
@@ -215,7 +268,9 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
         return Held()
 
     # -- a conversation's next prefix ------------------------------------------------------------
-    def extend(self, tokens: Sequence[int], cuts: Sequence[int] = (), *, namespace: str | None = None, upload: bool = True) -> Extension:
+    def extend(
+        self, tokens: Sequence[int], cuts: Sequence[int] = (), *, namespace: str | None = None, upload: bool = True
+    ) -> Extension:
         """Carry the last run's prompt on to ``tokens``: a conversation's next prefix (the prompt,
         the answer as the client will send it back, the opening of the next turn).
 
@@ -246,13 +301,30 @@ class PrefixServing(ServingStrategy[_PrefixRun]):
             started = time.perf_counter()
             engine.remove(MAIN_SEQ, held, -1)  # the answer's cells, decoded one by one
             breakdown = Breakdown()
-            run = TierRun(engine, tokens, self.chunk_tokens, extra, range_boundaries(len(tokens), self.chunk_tokens, extra), breakdown, top=self.top)
+            run = TierRun(
+                engine,
+                tokens,
+                self.chunk_tokens,
+                extra,
+                range_boundaries(len(tokens), self.chunk_tokens, extra),
+                breakdown,
+                top=self.top,
+            )
             exports: Exports = {}
-            engine.prefill(tokens[held:], held, on_batch=run.exporter(held, exports), cuts=grid_cuts(len(tokens), self.chunk_tokens, held, extra))
+            engine.prefill(
+                tokens[held:],
+                held,
+                on_batch=run.exporter(held, exports),
+                cuts=grid_cuts(len(tokens), self.chunk_tokens, held, extra),
+            )
             computed_ms = ms_since(started)
             run.session = run_session(self.exchange, namespace, breakdown, True)
             if run.session is not None:
-                run.refs = prefix_refs(namespace, engine.fingerprint, tokens, run.boundaries, grid=self.chunk_tokens, extra=extra)
+                run.refs = prefix_refs(
+                    namespace, engine.fingerprint, tokens, run.boundaries, grid=self.chunk_tokens, extra=extra
+                )
             computed = Computed(run, Held(), {}, exports, upload=upload)
             keep_nearest_first(self.tiers, computed)  # the context now holds them; the RAM tier and the cache box too
-            return Extension(len(tokens) - held, round(computed_ms, 3), round(ms_since(started), 3), computed.uploaded, tuple(tokens))
+            return Extension(
+                len(tokens) - held, round(computed_ms, 3), round(ms_since(started), 3), computed.uploaded, tuple(tokens)
+            )

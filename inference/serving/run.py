@@ -18,10 +18,10 @@ from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
 import numpy as np
 
-from inference.serving.breakdown import Breakdown, CacheBoxState, Decision
-from inference.engine.llama import Engine
 from inference.contract.messages import StoredEntry
+from inference.engine.llama import Engine
 from inference.engine.sampling import TOP_CANDIDATES, SamplingParams, choose, sample
+from inference.serving.breakdown import Breakdown, CacheBoxState, Decision
 
 
 class PromptError(ValueError):
@@ -115,7 +115,9 @@ class Prompt:
     pml: str = ""
 
     @classmethod
-    def of(cls, prompt: "str | Sequence[str] | Prompt", *, tokens: Sequence[int] | None = None, cuts: Sequence[int] = ()) -> "Prompt":
+    def of(
+        cls, prompt: "str | Sequence[str] | Prompt", *, tokens: Sequence[int] | None = None, cuts: Sequence[int] = ()
+    ) -> "Prompt":
         """A prompt given as its text or its segments (in order), with its tokens and cuts if known."""
         if isinstance(prompt, Prompt):
             return prompt
@@ -149,7 +151,9 @@ class RunOptions:
     use_cache: bool = True
     namespace: str | None = None  # None: the strategy's own
     upload: bool = True  # False: leave the cache box as it was (benchmarks measure one state many ways)
-    use_catalog: bool = True  # False: ask the cache box about every candidate range, as a design without a catalog would
+    use_catalog: bool = (
+        True  # False: ask the cache box about every candidate range, as a design without a catalog would
+    )
     on_token: OnToken | None = None  # sees each answer token as it is chosen (streaming) and may stop the generation
     on_stage: Callable[[str], None] | None = None  # hears "fetching" and "prefilling" as a prefix run starts them
     # Approximate sharing across kernel classes (a namespace's choice, off by default): {fingerprint: kernel class} of
@@ -218,7 +222,9 @@ class ServingStrategy(Generic[Prepared]):
     label = ""
     approximate = False
     top = TOP_CANDIDATES  # candidates kept when choosing a token
-    clears_context = False  # True: the engine's context is cleared before and after (an approximate state must not stay)
+    clears_context = (
+        False  # True: the engine's context is cleared before and after (an approximate state must not stay)
+    )
 
     def run(self, prompt: "Prompt | str | Sequence[str]", options: RunOptions | None = None, /, **fields) -> RunResult:
         """Answer ``prompt`` (a ``Prompt``, or its text or segments, with ``tokens=`` and ``cuts=``
@@ -253,7 +259,17 @@ class ServingStrategy(Generic[Prepared]):
                 breakdown.ttft_ms = ms_since(started)
                 decoder = first.decoder if first.decoder is not None else engine
                 generated, text = decode_answer(
-                    decoder, token, first.position, options.max_tokens, options.sampling, rng, breakdown, started, self.top, options.on_token, forced=options.forced
+                    decoder,
+                    token,
+                    first.position,
+                    options.max_tokens,
+                    options.sampling,
+                    rng,
+                    breakdown,
+                    started,
+                    self.top,
+                    options.on_token,
+                    forced=options.forced,
                 )
             finally:
                 if self.clears_context:
@@ -352,7 +368,9 @@ def decode_answer(
         breakdown.decode_ms += ms_since(mark)
         position += 1
         mark = time.perf_counter()
-        token = choose(logits, sampling, rng, top)  # drawn for a forced token too: the sampler's draws stay the cold run's
+        token = choose(
+            logits, sampling, rng, top
+        )  # drawn for a forced token too: the sampler's draws stay the cold run's
         if len(generated) < len(forced):
             token = forced[len(generated)]
         breakdown.sample_ms += ms_since(mark)

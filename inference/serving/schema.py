@@ -29,12 +29,22 @@ from dataclasses import dataclass, field
 from cachebox.entry import EntryHeader
 from cachebox.errors import CacheBoxUnavailable, EntryError
 from cachebox.keys import check_namespace, tokens_digest
-
-from inference.serving.breakdown import Breakdown, CacheBoxState, Decision, Tier
 from inference.engine.llama import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, Vocabulary
-from inference.serving.exchange import EntryRef, Exchange, ExchangeSession, Fetched, run_session, module_ref
+from inference.serving.breakdown import Breakdown, CacheBoxState, Decision, Tier
+from inference.serving.exchange import EntryRef, Exchange, ExchangeSession, Fetched, module_ref, run_session
 from inference.serving.pml import PMLError, PMLSchema, parse_prompt, parse_schema
-from inference.serving.pml_layout import ModulePiece, Placement, Plan, Run, SchemaLayout, TextPiece, all_pieces, lay_out, piece_runs, plan_prompt
+from inference.serving.pml_layout import (
+    ModulePiece,
+    Placement,
+    Plan,
+    Run,
+    SchemaLayout,
+    TextPiece,
+    all_pieces,
+    lay_out,
+    piece_runs,
+    plan_prompt,
+)
 from inference.serving.run import FirstToken, RunResult, RunState, ServingStrategy, ms_since
 
 log = logging.getLogger(__name__)
@@ -69,7 +79,7 @@ class EngineTokenizer:
     def generation_prefix(self) -> str:
         closed = self.engine.render_chat([("user", _SENTINEL)], False) or ""
         opened = self.engine.render_chat([("user", _SENTINEL)], True) or ""
-        return opened[len(closed):] if opened.startswith(closed) else ""
+        return opened[len(closed) :] if opened.startswith(closed) else ""
 
 
 @functools.lru_cache(maxsize=2)
@@ -110,14 +120,21 @@ class _SchemaRun:
     @property
     def prompt_tokens(self) -> int:
         """What the prompt fills of the context: its modules' tokens and its texts'."""
-        modules = sum(self.layout.modules[m].token_count for piece in self.plan.pieces if isinstance(piece, ModulePiece) for m in piece.members)
+        modules = sum(
+            self.layout.modules[m].token_count
+            for piece in self.plan.pieces
+            if isinstance(piece, ModulePiece)
+            for m in piece.members
+        )
         return modules + sum(len(piece.tokens) for piece in self.plan.pieces if isinstance(piece, TextPiece))
 
 
 class SchemaServing(ServingStrategy[_SchemaRun]):
     """Prompt Cache on one engine, with module states shared through the exchange."""
 
-    def __init__(self, engine: Engine, exchange: Exchange | None, *, namespace: str = "default", compact: bool | str = "auto"):
+    def __init__(
+        self, engine: Engine, exchange: Exchange | None, *, namespace: str = "default", compact: bool | str = "auto"
+    ):
         self.engine = engine
         self.exchange = exchange
         self.compact = compact  # True, False, or "auto": only past the model's sliding window
@@ -133,14 +150,18 @@ class SchemaServing(ServingStrategy[_SchemaRun]):
         if cached is None:
             layout = lay_out(schema, self.tokenizer)
             if layout.positions >= self.engine.n_ctx:
-                raise PMLError(f"schema {schema.name!r} spans {layout.positions} positions; the context holds {self.engine.n_ctx}")
+                raise PMLError(
+                    f"schema {schema.name!r} spans {layout.positions} positions; the context holds {self.engine.n_ctx}"
+                )
             cached = self._layouts[schema.digest] = (schema, layout)
         return cached
 
     def ref(self, layout: SchemaLayout, namespace: str, piece: ModulePiece) -> EntryRef:
         """The entry of one module or scaffold, at its schema positions."""
         runs = self._runs(layout, piece)
-        return module_ref(namespace, self.engine.fingerprint, layout.digest, piece.key_name, runs[0].start, runs[-1].end)
+        return module_ref(
+            namespace, self.engine.fingerprint, layout.digest, piece.key_name, runs[0].start, runs[-1].end
+        )
 
     # -- encoding ----------------------------------------------------------------------------------
     def _runs(self, layout: SchemaLayout, piece: ModulePiece) -> list[Run]:
@@ -198,7 +219,9 @@ class SchemaServing(ServingStrategy[_SchemaRun]):
         breakdown = Breakdown()
         session = self.exchange.session(namespace, breakdown)
         if session is None:
-            raise ValueError(f"this board holds no signing key for namespace {namespace!r}: enroll it (rotate its token) or pick its namespace")
+            raise ValueError(
+                f"this board holds no signing key for namespace {namespace!r}: enroll it (rotate its token) or pick its namespace"
+            )
         schema, layout = self.load_schema(source)
         pieces = all_pieces(layout)
         refs = [self.ref(layout, namespace, piece) for piece in pieces]
@@ -215,7 +238,13 @@ class SchemaServing(ServingStrategy[_SchemaRun]):
                         raise CacheBoxUnavailable(f"the cache box failed while storing {piece.key_name!r}")
                 if progress:
                     progress(index + 1, len(pieces), piece.key_name)
-        return {"schema": schema.name, "digest": schema.digest, "stored": stored, "skipped": skipped, "bytes": sum(entry.bytes for entry in stored)}
+        return {
+            "schema": schema.name,
+            "digest": schema.digest,
+            "stored": stored,
+            "skipped": skipped,
+            "bytes": sum(entry.bytes for entry in stored),
+        }
 
     # -- serving: the skeleton's steps -------------------------------------------------------------
     def new_breakdown(self) -> Breakdown:
@@ -234,7 +263,9 @@ class SchemaServing(ServingStrategy[_SchemaRun]):
         session = prompt.session = run_session(self.exchange, prompt.namespace, breakdown, state.options.use_cache)
         module_pieces = [piece for piece in plan.pieces if isinstance(piece, ModulePiece)]
         # A cache="false" module has no ref: never looked up, fetched or stored.
-        refs = prompt.refs = {piece.key_name: self.ref(layout, prompt.namespace, piece) for piece in module_pieces if piece.cache}
+        refs = prompt.refs = {
+            piece.key_name: self.ref(layout, prompt.namespace, piece) for piece in module_pieces if piece.cache
+        }
         cached: dict[str, Fetched] = {}
         if session is not None and refs:
             cached = self._fetch(session, layout, [piece for piece in module_pieces if piece.cache], refs)
@@ -247,7 +278,9 @@ class SchemaServing(ServingStrategy[_SchemaRun]):
             if isinstance(piece, TextPiece):
                 mark = time.perf_counter()
                 position = placement.text(len(piece.tokens))
-                out = engine.prefill(piece.tokens, position, logits_at={position + len(piece.tokens) - 1} if is_last else frozenset())
+                out = engine.prefill(
+                    piece.tokens, position, logits_at={position + len(piece.tokens) - 1} if is_last else frozenset()
+                )
                 breakdown.prefill_ms += ms_since(mark)
                 logits = out.get(position + len(piece.tokens) - 1)
                 last_token, last_position = piece.tokens[-1], position + len(piece.tokens) - 1
@@ -296,7 +329,10 @@ class SchemaServing(ServingStrategy[_SchemaRun]):
         breakdown, session, refs = state.breakdown, prompt.session, prompt.refs
         if session is not None and prompt.fresh and breakdown.cachebox == CacheBoxState.OK:
             mark = time.perf_counter()
-            items = [(refs[piece.key_name], session.seal(refs[piece.key_name], state, self._digest(prompt.layout, piece))) for piece, state in prompt.fresh]
+            items = [
+                (refs[piece.key_name], session.seal(refs[piece.key_name], state, self._digest(prompt.layout, piece)))
+                for piece, state in prompt.fresh
+            ]
             result.uploaded = session.share(items, chain=False)
             breakdown.upload_ms = ms_since(mark)
         breakdown.state_bytes = breakdown.fetched_bytes + breakdown.uploaded_bytes
@@ -321,12 +357,16 @@ class SchemaServing(ServingStrategy[_SchemaRun]):
                 dry.module([(run.start, run.end) for run in self._runs(layout, piece)])
         return dry.cursor > self.engine.n_swa
 
-    def _fetch(self, session: ExchangeSession, layout: SchemaLayout, pieces: list[ModulePiece], refs: dict[str, EntryRef]) -> dict[str, Fetched]:
+    def _fetch(
+        self, session: ExchangeSession, layout: SchemaLayout, pieces: list[ModulePiece], refs: dict[str, EntryRef]
+    ) -> dict[str, Fetched]:
         """Verified entries of the pieces the cache box holds: headers (one round trip), then states (one more)."""
         by_name = {refs[piece.key_name].name: piece for piece in pieces}
 
         def expect(ref: EntryRef, header: EntryHeader) -> None:
-            if (header.start, header.end) != (ref.start, ref.end) or header.tokens_digest != self._digest(layout, by_name[ref.name]):
+            if (header.start, header.end) != (ref.start, ref.end) or header.tokens_digest != self._digest(
+                layout, by_name[ref.name]
+            ):
                 raise EntryError("entry does not hold this module's tokens")
 
         wanted = session.maybe([refs[piece.key_name] for piece in pieces])

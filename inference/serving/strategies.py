@@ -57,16 +57,33 @@ _THRESHOLD = r"0(?:\.[0-9]{1,4})?|1(?:\.0{1,4})?"
 REGISTRY: dict[str, Registered] = {
     line.name: line
     for line in (
-        Registered("exact", "", "'exact' (or nothing: prefix serving, schema serving for a PML prompt)", "", approximate=False),
-        Registered("kv-prediction", r"(?P<aux_layers>[0-9]{1,2})", "'kv-prediction:K' (K auxiliary layers, e.g. kv-prediction:6)", "inference.lab.kv_prediction:open_strategy"),
+        Registered(
+            "exact", "", "'exact' (or nothing: prefix serving, schema serving for a PML prompt)", "", approximate=False
+        ),
+        Registered(
+            "kv-prediction",
+            r"(?P<aux_layers>[0-9]{1,2})",
+            "'kv-prediction:K' (K auxiliary layers, e.g. kv-prediction:6)",
+            "inference.lab.kv_prediction:open_strategy",
+        ),
         Registered(
             "early-exit",
             rf"(?P<measure>top-prob|similarity):(?P<threshold>{_THRESHOLD})(?::(?P<head>lens))?",
             "'early-exit:MEASURE:THRESHOLD[:lens]', MEASURE top-prob or similarity, THRESHOLD in [0, 1], e.g. early-exit:top-prob:0.9",
             "inference.lab.early_exit:open_strategy",
         ),
-        Registered("anchors", "", "'anchors' (the served model, pruned to anchor tokens)", "inference.lab.anchors:open_strategy"),
-        Registered("anchors-tuned", "", "'anchors-tuned' (the anchor-tuned model, pruned)", "inference.lab.anchors:open_strategy"),
+        Registered(
+            "anchors",
+            "",
+            "'anchors' (the served model, pruned to anchor tokens)",
+            "inference.lab.anchors:open_strategy",
+        ),
+        Registered(
+            "anchors-tuned",
+            "",
+            "'anchors-tuned' (the anchor-tuned model, pruned)",
+            "inference.lab.anchors:open_strategy",
+        ),
     )
 }
 
@@ -86,7 +103,9 @@ def parse_strategy(text: str) -> StrategySpec:
     if line is None:
         forms = "; ".join(line.form for line in REGISTRY.values())
         raise ValueError(f"unknown strategy {text!r}: use one of {forms}")
-    match = re.fullmatch(line.params, params) if bool(colon) == bool(line.params) else None  # compiled once, by re's cache
+    match = (
+        re.fullmatch(line.params, params) if bool(colon) == bool(line.params) else None
+    )  # compiled once, by re's cache
     if match is None:
         raise ValueError(f"unknown strategy {text!r}: use {line.form}")
     values = {field: _TYPES.get(field, str)(value) for field, value in match.groupdict().items() if value is not None}

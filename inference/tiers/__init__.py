@@ -15,4 +15,15 @@ from .context import ContextTier
 from .flash import FlashTier
 from .ram import RamTier
 
-__all__ = ["CacheBoxTier", "Computed", "ContextTier", "FlashTier", "Held", "RamTier", "Tier", "TierRun", "keep_nearest_first", "restore_nearest_first"]
+__all__ = [
+    "CacheBoxTier",
+    "Computed",
+    "ContextTier",
+    "FlashTier",
+    "Held",
+    "RamTier",
+    "Tier",
+    "TierRun",
+    "keep_nearest_first",
+    "restore_nearest_first",
+]

@@ -32,12 +32,11 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 import numpy as np
 
 from cachebox.keys import tokens_digest
-
+from inference.contract.messages import StoredEntry
+from inference.engine.llama import Engine
 from inference.serving.breakdown import Breakdown
 from inference.serving.breakdown import Tier as TierLabel
-from inference.engine.llama import Engine
 from inference.serving.exchange import EntryRef, ExchangeSession, Fetched
-from inference.contract.messages import StoredEntry
 from inference.serving.run import ms_since
 
 if TYPE_CHECKING:
@@ -59,7 +58,9 @@ class Held:
     exports: Exports = field(default_factory=dict)  # ranges computed while loading
     loader: RangeLoader | None = None  # may still be finishing a useless request: ended after the answer
     arrivals: list[Arrival] = field(default_factory=list)
-    used: dict[str, Fetched] = field(default_factory=dict)  # verified entries restored from far tiers (nearer ones keep them)
+    used: dict[str, Fetched] = field(
+        default_factory=dict
+    )  # verified entries restored from far tiers (nearer ones keep them)
 
     @property
     def served(self) -> int:
@@ -148,7 +149,13 @@ class Computed:
         if blob is None:
             mark = time.perf_counter()
             run = self.run
-            blob = run.session.seal(ref, self.state(ref), tokens_digest(run.tokens[ref.start : ref.end]), self.logits.get(ref.end - 1), run.top)
+            blob = run.session.seal(
+                ref,
+                self.state(ref),
+                tokens_digest(run.tokens[ref.start : ref.end]),
+                self.logits.get(ref.end - 1),
+                run.top,
+            )
             self._sealed[ref.end] = blob
             self.seal_ms += ms_since(mark)
         return blob

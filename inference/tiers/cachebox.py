@@ -20,15 +20,15 @@ import numpy as np
 from cachebox.entry import EntryHeader
 from cachebox.errors import EntryError
 from cachebox.keys import grid_cuts, tokens_digest
-
+from inference.contract.messages import StoredEntry
+from inference.engine.llama import MAIN_SEQ
 from inference.serving.breakdown import Breakdown, CacheBoxState, Decision
 from inference.serving.breakdown import Tier as TierLabel
 from inference.serving.breakeven import BreakEvenPolicy, FetchPlan, Range
-from inference.engine.llama import MAIN_SEQ
 from inference.serving.exchange import EntryRef, Expect, Fetched, plan_chain, prefix_refs
-from inference.contract.messages import StoredEntry
 from inference.serving.overlap import DONE, Arrival, RangeLoader
 from inference.serving.run import ms_since
+
 from .base import Computed, Exports, Held, TierRun
 
 # A chain forecast to arrive within this many ms comes in one request (one round trip): per-range
@@ -45,7 +45,9 @@ class _Load:
     must pass, and the policy's plan for loading them."""
 
     chain: list[EntryRef]
-    starts: dict[int, int]  # range end -> its start (a range stored by a prompt cut differently starts off this run's cuts)
+    starts: dict[
+        int, int
+    ]  # range end -> its start (a range stored by a prompt cut differently starts off this run's cuts)
     expect: Expect
     plan: FetchPlan
 
@@ -83,7 +85,11 @@ class CacheBoxTier:
         longest = candidates[-1].end
         breakdown.candidate_tokens = longest
         # Before any round trip: would even the best plan beat computing, at the sizes seen so far?
-        guess = [Range(ref.start, ref.end, int((ref.end - ref.start) * self.bytes_per_token)) for ref in run.refs if floor < ref.end <= longest]
+        guess = [
+            Range(ref.start, ref.end, int((ref.end - ref.start) * self.bytes_per_token))
+            for ref in run.refs
+            if floor < ref.end <= longest
+        ]
         if not self._planned(self.policy.plan(floor, guess), breakdown):
             session.not_asked(candidates, "policy_skipped")
             return None
@@ -98,12 +104,16 @@ class CacheBoxTier:
         heads = session.read_headers(candidates[::-1], expect)
         headers = {ref.end: heads[ref.name] for ref in candidates if ref.name in heads}
         if heads:  # what entries here really weigh (codec included): the next pre-plan's guess
-            seen = sum(header.state_bytes for header in heads.values()) / sum(header.token_count for header in heads.values())
+            seen = sum(header.state_bytes for header in heads.values()) / sum(
+                header.token_count for header in heads.values()
+            )
             self.bytes_per_token = 0.5 * self.bytes_per_token + 0.5 * seen
 
         def read_link(end: int) -> EntryHeader | None:
             # A range stored by a prompt cut differently: read that link's header too.
-            (by_end[end],) = prefix_refs(session.namespace, run.engine.fingerprint, tokens, [end], grid=run.grid, extra=run.extra)
+            (by_end[end],) = prefix_refs(
+                session.namespace, run.engine.fingerprint, tokens, [end], grid=run.grid, extra=run.extra
+            )
             return session.read_headers([by_end[end]], expect).get(by_end[end].name)
 
         ends = plan_chain(headers, read_link, floor)
@@ -118,7 +128,9 @@ class CacheBoxTier:
                 breakdown.decision = Decision.NO_USABLE_ENTRY
             return None
         # The real sizes are known now (compressed entries are smaller): plan again.
-        plan = self.policy.plan(floor, [Range(headers[ref.end].start, ref.end, headers[ref.end].state_bytes) for ref in chain])
+        plan = self.policy.plan(
+            floor, [Range(headers[ref.end].start, ref.end, headers[ref.end].state_bytes) for ref in chain]
+        )
         if not self._planned(plan, breakdown):
             return None
         return _Load(chain, {ref.end: headers[ref.end].start for ref in chain}, expect, plan)
@@ -140,7 +152,9 @@ class CacheBoxTier:
         if restored.served <= held.matched:
             if breakdown.cachebox == CacheBoxState.OK:
                 breakdown.decision = Decision.DEADLINE if breakdown.fetch_late else Decision.NO_USABLE_ENTRY
-            restored.top_ids, restored.top_logits = (held.top_ids, held.top_logits) if restored.matched == held.matched else (None, None)
+            restored.top_ids, restored.top_logits = (
+                (held.top_ids, held.top_logits) if restored.matched == held.matched else (None, None)
+            )
             return restored
         breakdown.decision = Decision.FETCH
         breakdown.tier = self.label
@@ -167,7 +181,9 @@ class CacheBoxTier:
         if forward and plan.predicted_fetch_ms < AT_ONCE_MS:
             restored = self._load_at_once(run, load, floor)
         else:
-            loader = RangeLoader(session, chain if forward else chain[::-1], load.expect, check=forward or self.loader_checks)  # one request per range
+            loader = RangeLoader(
+                session, chain if forward else chain[::-1], load.expect, check=forward or self.loader_checks
+            )  # one request per range
             loader.computed_to = floor
             started = time.perf_counter()
             loader.start()
@@ -189,11 +205,15 @@ class CacheBoxTier:
         fetched = run.session.fetch(load.chain, load.expect, chain=True)
         elapsed = ms_since(mark)
         total = sum(len(item.blob) for item in fetched) or 1
-        arrivals = [Arrival(item, elapsed * len(item.blob) / total, elapsed) for item in fetched]  # each range's share, to learn the rate
+        arrivals = [
+            Arrival(item, elapsed * len(item.blob) / total, elapsed) for item in fetched
+        ]  # each range's share, to learn the rate
         matched, used = self._restore_in_order(run, fetched, floor)
         return _restored(matched, 0, used, arrivals, {}, {})
 
-    def _restore_in_order(self, run: TierRun, items, matched: int, used: dict[str, Fetched] | None = None) -> tuple[int, dict[str, Fetched]]:
+    def _restore_in_order(
+        self, run: TierRun, items, matched: int, used: dict[str, Fetched] | None = None
+    ) -> tuple[int, dict[str, Fetched]]:
         """Restore ``items`` (position order) while each starts where the context ends; stop at a
         gap or a refusal, dropping a partly restored range. Returns where the context ends now."""
         used = {} if used is None else used
@@ -228,7 +248,9 @@ class CacheBoxTier:
             matched = restored_to
         return _restored(matched, 0, used, arrivals, {}, {})
 
-    def _load_while_computing(self, run: TierRun, loader: RangeLoader, load: _Load, floor: int, starts: list[int], started: float) -> Held:
+    def _load_while_computing(
+        self, run: TierRun, loader: RangeLoader, load: _Load, floor: int, starts: list[int], started: float
+    ) -> Held:
         """Compute from ``floor`` while ranges arrive from the chain's end backwards; meet; restore in order.
 
         Before each batch: when the ranges down to where computing stands are forecast to arrive
@@ -271,17 +293,35 @@ class CacheBoxTier:
             if computed == floor:
                 run.on_stage("prefilling")
             mark = time.perf_counter()
-            logits.update(engine.prefill(tokens[computed:stop], computed, logits_at={total - 1} if stop == total else set(), on_batch=on_batch))
+            logits.update(
+                engine.prefill(
+                    tokens[computed:stop],
+                    computed,
+                    logits_at={total - 1} if stop == total else set(),
+                    on_batch=on_batch,
+                )
+            )
             breakdown.prefill_ms += ms_since(mark)
             computed = loader.computed_to = stop
         loader.stop()
         matched, used, recomputed = computed, {}, 0
-        for arrival in sorted((arrival for arrival in arrivals if arrival.item.ref.end > computed), key=lambda arrival: arrival.item.ref.end):
+        for arrival in sorted(
+            (arrival for arrival in arrivals if arrival.item.ref.end > computed),
+            key=lambda arrival: arrival.item.ref.end,
+        ):
             item = arrival.settle(run.session, load.expect)  # verified here when the loader only downloaded
             if item is None:  # refused (and evicted): compute that range, on the grid, and go on
                 range_end = arrival.item.ref.end
                 mark = time.perf_counter()
-                logits.update(engine.prefill(tokens[matched:range_end], matched, logits_at={total - 1} if range_end == total else set(), on_batch=on_batch, cuts=grid_cuts(total, run.grid, matched, run.extra)))
+                logits.update(
+                    engine.prefill(
+                        tokens[matched:range_end],
+                        matched,
+                        logits_at={total - 1} if range_end == total else set(),
+                        on_batch=on_batch,
+                        cuts=grid_cuts(total, run.grid, matched, run.extra),
+                    )
+                )
                 breakdown.prefill_ms += ms_since(mark)
                 recomputed += range_end - matched
                 matched = range_end
@@ -304,7 +344,9 @@ class CacheBoxTier:
             sealed_before, mark = computed.seal_ms, time.perf_counter()
             # A range the cache box already holds (the policy chose to recompute, or the front was
             # computed while the rest loaded) is not uploaded twice.
-            needed = [ref for ref in computed.ranges() if not (ref.key in run.known and ref.name not in session.missing)]
+            needed = [
+                ref for ref in computed.ranges() if not (ref.key in run.known and ref.name not in session.missing)
+            ]
             computed.uploaded = self._upload(computed, needed)
             breakdown.upload_ms = sealed_before + ms_since(mark)
             session.touch(held.entries)
@@ -312,7 +354,6 @@ class CacheBoxTier:
         loaded = sum(held.used[name].header.token_count for name in held.entries)  # fetched from the cache box
         if loaded and breakdown.fetched_bytes:
             self.bytes_per_token = 0.8 * self.bytes_per_token + 0.2 * breakdown.fetched_bytes / loaded
-
 
     @staticmethod
     def _upload(computed: Computed, needed: list[EntryRef]) -> list[StoredEntry]:

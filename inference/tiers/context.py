@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from inference.serving.breakdown import Tier as TierLabel
 from inference.engine.llama import MAIN_SEQ
-from inference.tiers.local import Context
+from inference.serving.breakdown import Tier as TierLabel
 from inference.serving.run import ms_since
+from inference.tiers.local import Context
+
 from .base import Computed, Held, TierRun
 
 
@@ -29,7 +30,9 @@ class ContextTier:
     label = TierLabel.CONTEXT
 
     def __init__(self, reuse: bool):
-        self.reuse = reuse  # False: every run starts from an empty context (a conversation's extension still uses ``held``)
+        self.reuse = (
+            reuse  # False: every run starts from an empty context (a conversation's extension still uses ``held``)
+        )
         self.held: Context | None = None  # only a run that completes leaves one
 
     def lookup(self, run: TierRun, held: Held) -> _Reusable | None:
@@ -53,7 +56,12 @@ class ContextTier:
         run.breakdown.local_ms += found.lookup_ms + ms_since(mark)
         run.breakdown.tier = self.label
         full = found.tokens == run.prompt_tokens
-        return Held(found.tokens, found.context.top_ids if full else None, found.context.top_logits if full else None, used=held.used)
+        return Held(
+            found.tokens,
+            found.context.top_ids if full else None,
+            found.context.top_logits if full else None,
+            used=held.used,
+        )
 
     def keep(self, computed: Computed) -> None:
         """What the engine holds now: the next prompt's context, or a conversation's (extend)."""
@@ -61,4 +69,6 @@ class ContextTier:
         if not run.use_cache:
             return
         stored = (held.top_ids, held.top_logits) if held.top_ids is not None else None
-        self.held = Context.after(run.tokens, run.engine.claim_main(), computed.logits.get(run.prompt_tokens - 1), stored, run.top, run.extra)
+        self.held = Context.after(
+            run.tokens, run.engine.claim_main(), computed.logits.get(run.prompt_tokens - 1), stored, run.top, run.extra
+        )

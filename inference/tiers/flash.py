@@ -24,11 +24,11 @@ from cachebox.entry import EntryHeader
 from cachebox.errors import EntryError
 from cachebox.events import security_event
 from cachebox.keys import tokens_digest
-
-from inference.serving.breakdown import Tier as TierLabel
 from inference.engine.llama import MAIN_SEQ, EngineError
+from inference.serving.breakdown import Tier as TierLabel
 from inference.serving.exchange import EntryRef, Fetched
 from inference.serving.run import ms_since
+
 from .base import Computed, Held, TierRun
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,14 @@ class FlashEntries:
             (self.directory / file).unlink(missing_ok=True)
 
     def status(self) -> dict:
-        return {"entries": len(self._sizes), "bytes": self._bytes, "budget_bytes": self.budget_bytes, "hits": self.hits, "misses": self.misses, "directory": str(self.directory)}
+        return {
+            "entries": len(self._sizes),
+            "bytes": self._bytes,
+            "budget_bytes": self.budget_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "directory": str(self.directory),
+        }
 
 
 class FlashTier:
@@ -213,14 +220,18 @@ class FlashTier:
         run.breakdown.local_ms += ms_since(mark)
         run.breakdown.tier = self.label
         full = matched == run.refs[-1].end
-        return Held(matched, last.top_ids if full else None, last.top_logits if full else None, used={**held.used, **used})
+        return Held(
+            matched, last.top_ids if full else None, last.top_logits if full else None, used={**held.used, **used}
+        )
 
     def _reject(self, run: TierRun):
         def reject(ref: EntryRef, reason: Exception) -> None:
             """A file that fails its check is removed here (the cache box's copy is not touched)."""
             self.entries.discard(ref.name)
             run.breakdown.rejected_entries += 1
-            security_event("entry_rejected", entry=ref.name, reason=str(reason), tier="flash", action="removed from flash")
+            security_event(
+                "entry_rejected", entry=ref.name, reason=str(reason), tier="flash", action="removed from flash"
+            )
 
         return reject
 

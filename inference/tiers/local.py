@@ -18,7 +18,6 @@ from typing import Callable
 import numpy as np
 
 from cachebox.entry import EntryHeader
-
 from inference.engine.sampling import TOP_CANDIDATES, top_candidates
 
 
@@ -101,8 +100,14 @@ class RamEntries:
 
     def status(self) -> dict:
         return {
-            "entries": len(self._entries), "bytes": self._bytes, "budget_bytes": self.budget_bytes, "hits": self.hits, "misses": self.misses,
-            "rss_limit_bytes": self.rss_limit_bytes, "evicted_for_rss": self.evicted_for_rss, "refused": self.refused,
+            "entries": len(self._entries),
+            "bytes": self._bytes,
+            "budget_bytes": self.budget_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "rss_limit_bytes": self.rss_limit_bytes,
+            "evicted_for_rss": self.evicted_for_rss,
+            "refused": self.refused,
         }
 
 
@@ -118,7 +123,15 @@ class Context:
     extra: tuple[int, ...] = ()
 
     @classmethod
-    def after(cls, tokens: list[int], generation: int, last_logits: np.ndarray | None, stored: tuple | None, count: int = TOP_CANDIDATES, extra=()) -> "Context":
+    def after(
+        cls,
+        tokens: list[int],
+        generation: int,
+        last_logits: np.ndarray | None,
+        stored: tuple | None,
+        count: int = TOP_CANDIDATES,
+        extra=(),
+    ) -> "Context":
         if last_logits is not None:
             ids, values = top_candidates(last_logits, count)
         elif stored is not None:
@@ -146,5 +159,12 @@ class Context:
                 best = cut
         # The batches before it must be the same ones: the same off-grid cuts below it.
         while best and [cut for cut in self.extra if cut < best] != [cut for cut in extra if cut < best]:
-            best = max([point for point in (*extra, (best - 1) // grid * grid) if point < best and (point % grid == 0 or point in ours)], default=0)
+            best = max(
+                [
+                    point
+                    for point in (*extra, (best - 1) // grid * grid)
+                    if point < best and (point % grid == 0 or point in ours)
+                ],
+                default=0,
+            )
         return best

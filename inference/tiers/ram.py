@@ -8,13 +8,13 @@ from __future__ import annotations
 import time
 
 from cachebox.entry import decode_header
-
-from inference.serving.breakdown import Tier as TierLabel
 from inference.engine.llama import MAIN_SEQ, EngineError
-from inference.serving.exchange import EntryRef
-from inference.tiers.local import LocalEntry, RamEntries
 from inference.engine.proc_memory import rss_bytes
+from inference.serving.breakdown import Tier as TierLabel
+from inference.serving.exchange import EntryRef
 from inference.serving.run import ms_since
+from inference.tiers.local import LocalEntry, RamEntries
+
 from .base import Computed, Held, TierRun
 
 

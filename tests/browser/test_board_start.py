@@ -26,9 +26,8 @@ from django.urls import reverse
 
 from dashboard.pages import board_start
 from dashboard.pages.board_start import BoardAddress, board_address, start_command, without_credentials
-
-from tests.stack import ADMIN_PASSWORD, SCREENSHOTS, browser, log_in, shell, stack, stack_env  # noqa: F401  (fixtures)
 from tests.inference.test_board_install import board_env  # noqa: F401  (fixture: the board-only virtualenv)
+from tests.stack import ADMIN_PASSWORD, SCREENSHOTS, browser, log_in, shell, stack, stack_env  # noqa: F401  (fixtures)
 
 COMMAND = re.compile(r'<pre id="edge-command" class="command">(.*?)</pre>', re.S)
 
@@ -59,13 +58,18 @@ def test_the_public_address_wins_then_redis_url_then_the_embedded_valkeys_bind(s
     assert alone.redis_url == "redis://127.0.0.1:6390/0" and alone.local_only  # the page says so, and what to set
     settings.REDIS_URL_IS_EMBEDDED, settings.REDIS_URL = False, "redis://default:pw@10.1.2.3:6379/0"
     settings.EDGECACHE_CACHEBOX_URL = "redis+cluster://u:p@10.1.2.4:7000,10.1.2.5:7000"
-    assert board_address() == BoardAddress("redis://10.1.2.3:6379/0", cachebox_url="redis+cluster://10.1.2.4:7000,10.1.2.5:7000")
+    assert board_address() == BoardAddress(
+        "redis://10.1.2.3:6379/0", cachebox_url="redis+cluster://10.1.2.4:7000,10.1.2.5:7000"
+    )
 
 
 def test_the_start_command_is_the_boards_entry_point_with_the_address_for_staff_only():
     address = BoardAddress("redis://cachebox.example.org:6390/0")
     command = start_command("zero", "AbC_123-xyz", address)
-    assert command == "REDIS_URL=redis://cachebox.example.org:6390/0 .venv-board/bin/edgecache-board --name zero --token AbC_123-xyz"
+    assert (
+        command
+        == "REDIS_URL=redis://cachebox.example.org:6390/0 .venv-board/bin/edgecache-board --name zero --token AbC_123-xyz"
+    )
     assert start_command("zero") == ".venv-board/bin/edgecache-board --name zero"  # a member's: no address
     # A token may begin with "-": as `--token -x` argparse would read an option without its value.
     assert shlex.split(start_command("zero", "-dash", address))[-1] == "--token=-dash"
@@ -81,14 +85,25 @@ def public(settings):
 
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_the_token_page_shows_the_install_the_command_with_the_public_address_and_a_copy_button(admin_client, public, settings, valkey_url):
+def test_the_token_page_shows_the_install_the_command_with_the_public_address_and_a_copy_button(
+    admin_client, public, settings, valkey_url
+):
     settings.REDIS_URL = valkey_url
-    fields = {"name": "far-board", "namespace": "default", "kind": "", "cpu_threads": 1, "memory_mb": 512, "link_preset": "custom"}
+    fields = {
+        "name": "far-board",
+        "namespace": "default",
+        "kind": "",
+        "cpu_threads": 1,
+        "memory_mb": 512,
+        "link_preset": "custom",
+    }
     page = admin_client.post(reverse("device-register"), fields, follow=True).content.decode()
     command = text_of(COMMAND.search(page).group(1))
     token = text_of(re.search(r'<pre id="device-token" class="command">(.*?)</pre>', page).group(1))
-    assert "<span class=\"word\">--token</span>" in page  # each word kept whole: lines wrap at spaces only
-    assert command == f"{public} --name far-board " + (f"--token={token}" if token.startswith("-") else f"--token {token}")
+    assert '<span class="word">--token</span>' in page  # each word kept whole: lines wrap at spaces only
+    assert command == f"{public} --name far-board " + (
+        f"--token={token}" if token.startswith("-") else f"--token {token}"
+    )
     assert "make install-board" in page and "pip install ." in page and "python manage.py edge" not in page
     assert page.count('aria-label="Copy the start command"') == 1 and 'aria-label="Copy the token"' in page
     assert "EDGECACHE_PUBLIC_REDIS_URL" in page and "loopback" not in page
@@ -108,7 +123,9 @@ def test_the_dashboards_empty_state_gives_staff_the_command_and_members_no_addre
 
 
 @pytest.mark.django_db
-def test_the_run_pages_hints_start_the_board_with_its_entry_point_and_the_address_for_staff(admin_client, django_user_model, public):
+def test_the_run_pages_hints_start_the_board_with_its_entry_point_and_the_address_for_staff(
+    admin_client, django_user_model, public
+):
     prefix = re.compile(r'data-start-prefix="([^"]*)"')
     assert unescape(prefix.search(admin_client.get(reverse("run")).content.decode()).group(1)) == public
     member = Client()
@@ -123,7 +140,9 @@ def test_the_embedded_valkey_on_loopback_is_said_to_reach_this_machine_only(sett
     settings.EDGECACHE_EMBEDDED_BIND = ("127.0.0.1",)
     shown = board_start.shown_to(SimpleNamespace(is_staff=True), "zero", "tok")
     assert shown["address"].local_only
-    assert shown["command"] == "REDIS_URL=redis://127.0.0.1:6390/0 .venv-board/bin/edgecache-board --name zero --token tok"
+    assert (
+        shown["command"] == "REDIS_URL=redis://127.0.0.1:6390/0 .venv-board/bin/edgecache-board --name zero --token tok"
+    )
     assert board_start.shown_to(SimpleNamespace(is_staff=False), "zero")["address"] is None
 
 
@@ -132,7 +151,9 @@ def test_the_embedded_valkey_on_loopback_is_said_to_reach_this_machine_only(sett
 @pytest.mark.browser
 @pytest.mark.processes
 @pytest.mark.cachebox
-def test_the_command_on_the_token_page_enrolls_a_board_from_the_board_only_environment(stack, browser, board_env, tmp_path):  # noqa: F811
+def test_the_command_on_the_token_page_enrolls_a_board_from_the_board_only_environment(
+    stack, browser, board_env, tmp_path
+):  # noqa: F811
     from playwright.sync_api import expect
 
     from inference.engine.model_file import resolve_model
@@ -148,7 +169,10 @@ def test_the_command_on_the_token_page_enrolls_a_board_from_the_board_only_envir
     box = page.locator("#edge-command")
     command = box.inner_text().strip()
     token = page.locator("#device-token").inner_text().strip()
-    assert command.startswith("REDIS_URL=redis://127.0.0.1:") and ".venv-board/bin/edgecache-board --name elsewhere --token" in command
+    assert (
+        command.startswith("REDIS_URL=redis://127.0.0.1:")
+        and ".venv-board/bin/edgecache-board --name elsewhere --token" in command
+    )
     assert token in command and "default:" not in command  # no credentials: the board logs in as itself
 
     # Copy puts exactly the command on the clipboard.
@@ -159,7 +183,9 @@ def test_the_command_on_the_token_page_enrolls_a_board_from_the_board_only_envir
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
     box = page.locator("#edge-command").bounding_box()
     assert box["x"] >= 0 and box["x"] + box["width"] <= 390
-    assert page.evaluate(LINES_OF, token) == 1  # the token on one line (the box scrolls where a line is too short for it)
+    assert (
+        page.evaluate(LINES_OF, token) == 1
+    )  # the token on one line (the box scrolls where a line is too short for it)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "token-390.png"), full_page=True)
 
@@ -169,11 +195,16 @@ def test_the_command_on_the_token_page_enrolls_a_board_from_the_board_only_envir
     machine.mkdir()
     (machine / ".venv-board").symlink_to(board_env.parent.parent)
     env = {
-        "PATH": os.environ["PATH"], "HOME": str(machine), "EDGECACHE_HOME": str(machine / ".edgecache"),
-        "EDGECACHE_MODEL": str(resolve_model().path), "EDGECACHE_N_CTX": "2048",
+        "PATH": os.environ["PATH"],
+        "HOME": str(machine),
+        "EDGECACHE_HOME": str(machine / ".edgecache"),
+        "EDGECACHE_MODEL": str(resolve_model().path),
+        "EDGECACHE_N_CTX": "2048",
     }
     log = open(machine / "board.log", "wb")
-    board = subprocess.Popen(["bash", "-c", command], cwd=machine, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    board = subprocess.Popen(
+        ["bash", "-c", command], cwd=machine, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 180
         while "enrolled" not in (state := shell(stack, _ENROLLED).strip().splitlines()[-1]):

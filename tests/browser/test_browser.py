@@ -5,13 +5,11 @@ board (`manage.py edge`) running the real model."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import control_plane_password, ROOT
+from tests.conftest import ROOT, control_plane_password
 from tests.stack import ADMIN_PASSWORD, SCREENSHOTS, browser, stack, stack_env  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]  # and browser, from the folder
@@ -61,7 +59,9 @@ def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
     page.fill("#id_max_tokens", "4")
     for expected_points, expected_case in ((1, "miss"), (2, "full")):
         page.click("#run-submit")
-        expect(page.locator("#answers .answer-card")).to_have_count(expected_points, timeout=30_000)  # this run's card, first
+        expect(page.locator("#answers .answer-card")).to_have_count(
+            expected_points, timeout=30_000
+        )  # this run's card, first
         card = page.locator("#answers .answer-card").first
         expect(card).to_have_class("card answer-card done", timeout=90_000)
         expect(card).to_contain_text(expected_case, timeout=30_000)
@@ -96,7 +96,9 @@ def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
     page.check("input[name=devices][value]")
     page.check("input[name=source][value=pml]")
     page.select_option("#id_schema", label="travel")
-    page.fill("#id_pml", '<prompt schema="travel"><trip-plan duration="3 days"/><miami/><user>Where to surf?</user></prompt>')
+    page.fill(
+        "#id_pml", '<prompt schema="travel"><trip-plan duration="3 days"/><miami/><user>Where to surf?</user></prompt>'
+    )
     page.fill("#id_max_tokens", "4")
     page.click("#run-submit")
     answer = page.locator("#answers .answer-card").first
@@ -122,7 +124,9 @@ def test_log_in_register_run_watch_the_chart_and_evict(stack, browser):
 
     from cachebox.embedded import url_for
 
-    client = redis.Redis.from_url(url_for(Path(stack["home"]) / "valkey", password=control_plane_password(stack["home"])))
+    client = redis.Redis.from_url(
+        url_for(Path(stack["home"]) / "valkey", password=control_plane_password(stack["home"]))
+    )
     assert client.exists(key) == 0
 
 
@@ -133,7 +137,9 @@ def test_a_board_registered_in_a_second_tenant_caches_there_only(stack, browser)
 
     from tests.stack import expect_board_online, manage, start_board
 
-    manage(stack, "shell", "-c", "from dashboard.models import Namespace; Namespace.objects.get_or_create(name='tenant-b')")
+    manage(
+        stack, "shell", "-c", "from dashboard.models import Namespace; Namespace.objects.get_or_create(name='tenant-b')"
+    )
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(60_000)
     base = stack["url"]
@@ -155,7 +161,9 @@ def test_a_board_registered_in_a_second_tenant_caches_there_only(stack, browser)
 
     counts = "from dashboard.models import CacheEntry; print(CacheEntry.objects.filter(namespace='default').count(), CacheEntry.objects.filter(namespace='tenant-b').count())"
     default_before, _ = map(int, manage(stack, "shell", "-c", counts).split()[-2:])
-    pk = manage(stack, "shell", "-c", "from dashboard.models import Device; print(Device.objects.get(name='b-board').pk)").split()[-1]
+    pk = manage(
+        stack, "shell", "-c", "from dashboard.models import Device; print(Device.objects.get(name='b-board').pk)"
+    ).split()[-1]
     page.goto(base + "/run/")
     page.check(f"input[name=devices][value='{pk}']")
     page.check("input[name=source][value=text]")
@@ -170,5 +178,10 @@ def test_a_board_registered_in_a_second_tenant_caches_there_only(stack, browser)
     expect(page.locator("body")).to_contain_text("tenant-b")
     # Flushing tenant-b removes them, from the cache box too.
     manage(stack, "cachebox", "flush", "--namespace", "tenant-b", "--yes")
-    listed = manage(stack, "shell", "-c", "from cachebox.store import CacheBox; from django.conf import settings; print(len(list(CacheBox(settings.REDIS_URL).scan_entries('tenant-b'))))")
+    listed = manage(
+        stack,
+        "shell",
+        "-c",
+        "from cachebox.store import CacheBox; from django.conf import settings; print(len(list(CacheBox(settings.REDIS_URL).scan_entries('tenant-b'))))",
+    )
     assert listed.split()[-1] == "0"

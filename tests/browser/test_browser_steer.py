@@ -44,12 +44,16 @@ def admin(stack, browser):
 def board(stack, admin):
     from playwright.sync_api import expect
 
-    token = shell(
-        stack,
-        "from dashboard import actions\n"
-        f"device, token = actions.register_device(None, name={BOARD!r}, kind='test runner', cpu_threads=2, memory_mb=2048, link_bandwidth_mbps=None, link_rtt_ms=None)\n"
-        "print(token)\n",
-    ).strip().splitlines()[-1]
+    token = (
+        shell(
+            stack,
+            "from dashboard import actions\n"
+            f"device, token = actions.register_device(None, name={BOARD!r}, kind='test runner', cpu_threads=2, memory_mb=2048, link_bandwidth_mbps=None, link_rtt_ms=None)\n"
+            "print(token)\n",
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     start_board(stack, BOARD, token)
     page = admin.new_page()
     page.goto(stack["url"] + f"/devices/{BOARD}/")
@@ -127,7 +131,9 @@ def test_an_empty_chart_says_so_and_the_first_live_run_draws_its_axes(stack, adm
     # The hit ratio by tier: the live run moved each of the board's tier lines, to what the server draws.
     lines = f"(d) => Object.fromEntries(d.filter((t) => t.name.startsWith('{BOARD} ')).map((t) => [t.name, t.y]))"
     live = home.evaluate(f"({lines})(document.getElementById('chart-hits').data)")
-    assert set(live) == {f"{BOARD} context", f"{BOARD} RAM tier", f"{BOARD} flash tier", f"{BOARD} cache box"} and all(len(y) == 1 for y in live.values()), live
+    assert set(live) == {f"{BOARD} context", f"{BOARD} RAM tier", f"{BOARD} flash tier", f"{BOARD} cache box"} and all(
+        len(y) == 1 for y in live.values()
+    ), live
     served = home.evaluate(f"fetch('/charts.json?range=24h').then((r) => r.json()).then((d) => ({lines})(d.hits.data))")
     assert served == live
     # The same prompt again: the board still holds it in its context, a hit of the context tier.
@@ -136,7 +142,9 @@ def test_an_empty_chart_says_so_and_the_first_live_run_draws_its_axes(stack, adm
     page.click("#run-submit")
     expect(page.locator("#answers .answer-card").first).to_have_class(re.compile(r"\bdone\b"), timeout=LONG_WAIT)
     page.close()
-    home.wait_for_function(f"document.getElementById('chart-hits').data.find((t) => t.name === '{BOARD} context').y.length === 2")
+    home.wait_for_function(
+        f"document.getElementById('chart-hits').data.find((t) => t.name === '{BOARD} context').y.length === 2"
+    )
     live = home.evaluate(f"({lines})(document.getElementById('chart-hits').data)")
     served = home.evaluate(f"fetch('/charts.json?range=24h').then((r) => r.json()).then((d) => ({lines})(d.hits.data))")
     assert live[f"{BOARD} context"] == [0, 0.5] and live[f"{BOARD} cache box"] == [0, 0] and served == live
@@ -160,7 +168,14 @@ def test_cancel_stops_a_streaming_run(stack, admin, board):
     expect(card.locator(".badge.cancelled")).to_have_text("cancelled")
     expect(card.locator(".answer")).to_contain_text(re.compile(r"\w"))  # what was streamed stays
     run_id = re.search(r"run #(\d+)", card.inner_text()).group(1)
-    generated = json.loads(shell(stack, f"import json; from dashboard.models import InferenceRun; print(json.dumps(InferenceRun.objects.get(pk={run_id}).breakdown))").strip().splitlines()[-1])
+    generated = json.loads(
+        shell(
+            stack,
+            f"import json; from dashboard.models import InferenceRun; print(json.dumps(InferenceRun.objects.get(pk={run_id}).breakdown))",
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     assert 0 < generated["generated_tokens"] < 256
     page.close()
 
@@ -187,7 +202,12 @@ def test_charts_have_a_time_range_pause_one_colour_per_device_and_their_data(sta
     expect(home.locator('[data-range="15m"]')).to_have_attribute("aria-pressed", "true")
     expect(home.locator("#chart-status")).to_have_text(re.compile(r"^\d+ runs?( \(.*\))? in the last 15 min"))
     assert home.url.endswith("range=15m")
-    count = lambda: home.evaluate(f"document.getElementById('chart-timeline').data.find((t) => t.name === '{BOARD} TTFT').x.length")  # noqa: E731
+
+    def count() -> int:
+        return home.evaluate(
+            f"document.getElementById('chart-timeline').data.find((t) => t.name === '{BOARD} TTFT').x.length"
+        )
+
     before = count()
     assert before >= 1
 
@@ -243,7 +263,14 @@ def test_live_runs_are_summed_and_counted_as_the_server_says(stack, admin, board
     card = page.locator("#answers .answer-card").first
     expect(card).to_have_class(re.compile(r"\bdone\b"), timeout=LONG_WAIT)
     run_id = re.search(r"run #(\d+)", card.inner_text()).group(1)
-    served = json.loads(shell(stack, f"import json; from dashboard.models import InferenceRun; from dashboard.actions import run_json; print(json.dumps(run_json(InferenceRun.objects.get(pk={run_id}))['time_sums']))").strip().splitlines()[-1])
+    served = json.loads(
+        shell(
+            stack,
+            f"import json; from dashboard.models import InferenceRun; from dashboard.actions import run_json; print(json.dumps(run_json(InferenceRun.objects.get(pk={run_id}))['time_sums']))",
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     for which in ("ttft", "ttlt"):
         line = card.locator(f'.time-sum[data-sum="{which}"]')
         expect(line).to_have_text(served[which]["sentence"] + " (ms)")
@@ -292,7 +319,11 @@ def test_an_mmlu_answer_says_right_or_wrong(stack, admin, board):
     card = page.locator("#answers .answer-card").first
     expect(card).to_have_class(re.compile(r"\bdone\b"), timeout=LONG_WAIT)
     verdict = card.locator(".verdict")
-    expect(verdict).to_have_text(re.compile(r"^(right: answered [ABCD]|wrong: answered [ABCD], the answer is [ABCD]|no answer letter in the reply: the answer is [ABCD])$"))
+    expect(verdict).to_have_text(
+        re.compile(
+            r"^(right: answered [ABCD]|wrong: answered [ABCD], the answer is [ABCD]|no answer letter in the reply: the answer is [ABCD])$"
+        )
+    )
     expect(card.locator(".prompt-title")).to_contain_text("answers: MMLU")
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "run-streamed.png"), full_page=True)
@@ -304,7 +335,10 @@ def test_cache_entries_say_what_they_hold(stack, admin, board):
     from playwright.sync_api import expect
 
     page = admin.new_page()
-    context_text = "Lighthouse keepers' log. " + "The lamp was trimmed at dusk and the fog bell rang twice every minute until dawn. " * 12
+    context_text = (
+        "Lighthouse keepers' log. "
+        + "The lamp was trimmed at dusk and the fog bell rang twice every minute until dawn. " * 12
+    )
     open_run_page(page, stack["url"], context_text + "Question: when was the lamp trimmed?", 2)
     page.click("#run-submit")
     expect(page.locator("#answers .answer-card").first).to_have_class(re.compile(r"\bdone\b"), timeout=LONG_WAIT)

@@ -24,9 +24,33 @@ LONG_WAIT = 90_000  # ms: a board's first answer
 # Runs of a board that never ran ("chart-board", a Wi-Fi 4 link): prefills and fetches whose
 # fitted lines cross, so its break-even chart has every part (title, legend, crossing label).
 CHART_RUNS = [
-    *({"case": "miss", "prompt_tokens": t, "prefill_ms": t * 2.0, "decision": "policy-skip", "candidate_tokens": t, "predicted_fetch_ms": t * 0.5} for t in (100, 200, 300, 400, 500)),
-    *({"case": "full", "prompt_tokens": t + 5, "matched_tokens": t, "redis_ms": 30 + t * 0.4, "fetch_ms": 20 + t * 0.3, "restore_ms": 10 + t * 0.1,
-       "fetched_bytes": t * 18_500, "decision": "fetch", "candidate_tokens": t, "predicted_fetch_ms": t * 0.45, "tier": "cachebox"} for t in (128, 256, 384)),
+    *(
+        {
+            "case": "miss",
+            "prompt_tokens": t,
+            "prefill_ms": t * 2.0,
+            "decision": "policy-skip",
+            "candidate_tokens": t,
+            "predicted_fetch_ms": t * 0.5,
+        }
+        for t in (100, 200, 300, 400, 500)
+    ),
+    *(
+        {
+            "case": "full",
+            "prompt_tokens": t + 5,
+            "matched_tokens": t,
+            "redis_ms": 30 + t * 0.4,
+            "fetch_ms": 20 + t * 0.3,
+            "restore_ms": 10 + t * 0.1,
+            "fetched_bytes": t * 18_500,
+            "decision": "fetch",
+            "candidate_tokens": t,
+            "predicted_fetch_ms": t * 0.45,
+            "tier": "cachebox",
+        }
+        for t in (128, 256, 384)
+    ),
 ]
 
 
@@ -88,10 +112,14 @@ def test_a_chat_turn_continues_from_the_state_of_the_last_one(stack, setup):
     first = log.locator(".chat-msg.assistant").nth(0)
     expect(first).not_to_have_class(re.compile(r"\bpending\b"), timeout=LONG_WAIT)
     answer = first.inner_text().strip()
-    assert answer  # (the packaged Gemma-3 270M is a base model: through its template too it mostly repeats the question)
+    assert (
+        answer
+    )  # (the packaged Gemma-3 270M is a base model: through its template too it mostly repeats the question)
     expect(page.locator("#id_message")).to_have_value("")
     # The run's row, added live, writes its time as the rows the server wrote (not "8:15:56 PM").
-    expect(page.locator("#runs-body tr[data-request]").first.locator("td").first).to_have_text(re.compile(r"^\d\d:\d\d:\d\d$"))
+    expect(page.locator("#runs-body tr[data-request]").first.locator("td").first).to_have_text(
+        re.compile(r"^\d\d:\d\d:\d\d$")
+    )
     assert [turn["role"] for turn in json.loads(page.input_value("#id_history"))] == ["user", "assistant"]
     # A person reads the answer before typing the next turn; meanwhile the board prepares it (a
     # request that reaches the board at once goes first instead). The first turn's report leaves
@@ -180,7 +208,9 @@ def test_a_typed_multiline_prompt_is_stored_with_lf_and_an_mmlu_run_again_stays_
     page.fill("#id_shots", "0")
     page.fill("#id_question", "99999")
     page.click("#run-submit")
-    expect(page.locator("#run-feedback")).to_contain_text(re.compile(r"astronomy has [\d,]+ questions at 0 shots: choose a question from 1 to [\d,]+"))
+    expect(page.locator("#run-feedback")).to_contain_text(
+        re.compile(r"astronomy has [\d,]+ questions at 0 shots: choose a question from 1 to [\d,]+")
+    )
     page.fill("#id_question", "2")
     page.click("#run-submit")
     expect(page.locator("#answers .answer-card")).to_have_count(2)  # its card, before the first
@@ -198,7 +228,12 @@ def test_a_typed_multiline_prompt_is_stored_with_lf_and_an_mmlu_run_again_stays_
 
 # -- 4. B4: the break-even chart at a phone's and a desktop's width -----------------------------------
 def overlap(a: dict, b: dict) -> bool:
-    return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
+    return (
+        a["x"] < b["x"] + b["width"]
+        and b["x"] < a["x"] + a["width"]
+        and a["y"] < b["y"] + b["height"]
+        and b["y"] < a["y"] + a["height"]
+    )
 
 
 @pytest.mark.parametrize("width", [390, 1440])
@@ -211,7 +246,13 @@ def test_the_break_even_chart_keeps_title_label_axis_title_and_legend_apart(stac
     chart = page.locator("#chart-breakeven")
     expect(chart.locator(".legend")).to_be_visible()
     expect(chart.locator(".annotation")).to_contain_text(re.compile(r"break-even ≈ \d+ tokens"))
-    parts = (("title", ".gtitle"), ("label", ".annotation"), ("axis title", ".xtitle"), ("legend", ".legend"), ("plot", ".draglayer .nsewdrag"))
+    parts = (
+        ("title", ".gtitle"),
+        ("label", ".annotation"),
+        ("axis title", ".xtitle"),
+        ("legend", ".legend"),
+        ("plot", ".draglayer .nsewdrag"),
+    )
 
     def measured():
         return {name: chart.locator(selector).first.bounding_box() for name, selector in parts}
@@ -228,7 +269,14 @@ def test_the_break_even_chart_keeps_title_label_axis_title_and_legend_apart(stac
     chart.hover()  # the toolbar shows on hover, above the title
     boxes["toolbar"] = chart.locator(".modebar").bounding_box()
     assert boxes["plot"]["height"] > 150, boxes  # the plot is not squeezed by its title or legend
-    for a, b in (("title", "plot"), ("title", "label"), ("axis title", "legend"), ("legend", "plot"), ("title", "legend"), ("toolbar", "title")):
+    for a, b in (
+        ("title", "plot"),
+        ("title", "label"),
+        ("axis title", "legend"),
+        ("legend", "plot"),
+        ("title", "legend"),
+        ("toolbar", "title"),
+    ):
         assert not overlap(boxes[a], boxes[b]), f"at {width} px the {a} covers the {b}: {boxes}"
     expect(page.locator("#breakeven-verdict")).to_contain_text("Fetching wins from")
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -250,7 +298,9 @@ def test_a_duplicate_name_is_marked_on_its_field_and_the_token_page_does_not_pos
     expect(name).to_have_attribute("aria-invalid", "true")
     expect(page.locator("#id_name_error")).to_contain_text(f"A device named '{BOARD}' is registered already")
     error_color = page.evaluate("getComputedStyle(document.getElementById('id_name_error')).color")
-    assert name.evaluate("n => getComputedStyle(n).borderTopColor") == error_color  # the field is marked in the error's colour
+    assert (
+        name.evaluate("n => getComputedStyle(n).borderTopColor") == error_color
+    )  # the field is marked in the error's colour
 
     page.fill("#id_name", "once-board")
     page.click("#register-submit")
@@ -276,7 +326,9 @@ def test_the_counter_and_the_server_agree_and_a_member_sees_no_internal_address(
     page.fill("#id_text", ("x" * 99 + "\n") * 320)  # 32,000 characters as the page counts them
     expect(page.locator("#id_text-count")).to_have_text("32,000 / 32,000 characters")
     page.click("#run-submit")
-    expect(page.locator("#run-feedback")).to_have_text(f"sent to {BOARD}")  # accepted (the board then says it does not fit its context)
+    expect(page.locator("#run-feedback")).to_have_text(
+        f"sent to {BOARD}"
+    )  # accepted (the board then says it does not fit its context)
     page.close()
 
     member = log_in(browser, stack["url"], "member", "member-pw-12345", timezone_id="America/New_York")
@@ -289,7 +341,10 @@ def test_the_counter_and_the_server_agree_and_a_member_sees_no_internal_address(
     cell = home.locator(f'tr[data-device="{BOARD}"] [data-role="last-seen"]')
     cell.evaluate("node => { node.textContent = 'rewritten by the next device event'; }")
     # A device event (a heartbeat sends one at most every 30 s; a change of the device, at once).
-    shell(stack, f"from dashboard import actions\nfrom dashboard.models import Device\nactions.update_device(None, Device.objects.get(name={BOARD!r}))\n")
+    shell(
+        stack,
+        f"from dashboard import actions\nfrom dashboard.models import Device\nactions.update_device(None, Device.objects.get(name={BOARD!r}))\n",
+    )
     expect(cell).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d$"))
     from datetime import datetime, timedelta, timezone
 

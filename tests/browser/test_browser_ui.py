@@ -41,20 +41,24 @@ def devices(stack, admin):
     ("sleeper", with a catalog from an older epoch in its last heartbeat)."""
     from playwright.sync_api import expect
 
-    token = shell(
-        stack,
-        "from dashboard import actions\n"
-        f"device, token = actions.register_device(None, name={BOARD!r}, kind='test runner', cpu_threads=2, memory_mb=2048, link_bandwidth_mbps=None, link_rtt_ms=None)\n"
-        "print(token)\n"
-        "for name in ('ghost', 'sleeper'):\n"
-        "    actions.register_device(None, name=name, kind='', cpu_threads=1, memory_mb=512, link_bandwidth_mbps=None, link_rtt_ms=None)\n"
-        "from datetime import timedelta\n"
-        "from django.utils import timezone\n"
-        "from dashboard.models import Device\n"
-        "Device.objects.filter(name='sleeper').update(last_seen=timezone.now() - timedelta(hours=2), status={'catalogs': {'default': "
-        "{'approx_items': 3, 'size_bytes': 1198132, 'fill_ratio': 0.00002, 'estimated_fp_rate': 0.0, 'configured_fp_rate': 0.01, "
-        "'last_sync': None, 'epoch': '0ld0ld0ld0ld0ld0ld0ld0ld0ld0ld0l', 'false_positives': 0}}})\n",
-    ).strip().splitlines()[-1]
+    token = (
+        shell(
+            stack,
+            "from dashboard import actions\n"
+            f"device, token = actions.register_device(None, name={BOARD!r}, kind='test runner', cpu_threads=2, memory_mb=2048, link_bandwidth_mbps=None, link_rtt_ms=None)\n"
+            "print(token)\n"
+            "for name in ('ghost', 'sleeper'):\n"
+            "    actions.register_device(None, name=name, kind='', cpu_threads=1, memory_mb=512, link_bandwidth_mbps=None, link_rtt_ms=None)\n"
+            "from datetime import timedelta\n"
+            "from django.utils import timezone\n"
+            "from dashboard.models import Device\n"
+            "Device.objects.filter(name='sleeper').update(last_seen=timezone.now() - timedelta(hours=2), status={'catalogs': {'default': "
+            "{'approx_items': 3, 'size_bytes': 1198132, 'fill_ratio': 0.00002, 'estimated_fp_rate': 0.0, 'configured_fp_rate': 0.01, "
+            "'last_sync': None, 'epoch': '0ld0ld0ld0ld0ld0ld0ld0ld0ld0ld0l', 'false_positives': 0}}})\n",
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     start_board(stack, BOARD, token)
     page = admin.new_page()
     page.goto(stack["url"] + f"/devices/{BOARD}/")
@@ -78,7 +82,16 @@ def test_every_page_is_live(stack, admin, devices):
     from playwright.sync_api import expect
 
     page = admin.new_page()
-    for path in ("/devices/register/", "/devices/ghost/rotate/", "/cache/", "/benchmarks/", "/schemas/", "/devices/", "/runs/", "/queue/"):
+    for path in (
+        "/devices/register/",
+        "/devices/ghost/rotate/",
+        "/cache/",
+        "/benchmarks/",
+        "/schemas/",
+        "/devices/",
+        "/runs/",
+        "/queue/",
+    ):
         page.goto(stack["url"] + path)
         expect(page.locator("#live-status"), f"{path} is not live").to_have_text("live")
     page.close()
@@ -116,7 +129,9 @@ def test_register_form_fills_presets_and_refuses_a_long_name_with_a_word(stack, 
     page.click("#register-submit")
     expect(page.locator("#device-token")).to_be_visible()
     expect(page.locator("#live-status")).to_have_text("live")
-    assert "20.9 Mbit/s" in shell(stack, "from dashboard.models import Device; print(Device.objects.get(name='short-name').link_label)")
+    assert "20.9 Mbit/s" in shell(
+        stack, "from dashboard.models import Device; print(Device.objects.get(name='short-name').link_label)"
+    )
     page.close()
 
 
@@ -128,7 +143,9 @@ def test_run_page_shows_each_board_status_and_warns_before_sending_to_an_absent_
     page.goto(stack["url"] + "/run/")
     expect(page.locator(f'[data-device="{BOARD}"] [data-role="online"]')).to_have_text("online")
     expect(page.locator('[data-device="ghost"] [data-role="online"]')).to_have_text("never started")
-    expect(page.locator('[data-device="sleeper"] [data-role="online"]')).to_contain_text(re.compile(r"offline since \d{4}-\d\d-\d\d \d\d:\d\d"))
+    expect(page.locator('[data-device="sleeper"] [data-role="online"]')).to_contain_text(
+        re.compile(r"offline since \d{4}-\d\d-\d\d \d\d:\d\d")
+    )
 
     page.evaluate("document.getElementById('answers').dataset.hintAfter = '1'")
     page.check("#run-form label:has-text('ghost') input[name=devices]")
@@ -139,13 +156,17 @@ def test_run_page_shows_each_board_status_and_warns_before_sending_to_an_absent_
         warning = page.locator("#run-offline-warning")
         expect(warning).to_be_visible()
         expect(warning).to_contain_text("ghost (never started)")
-        expect(warning).to_contain_text(re.compile(r"REDIS_URL=redis://\S+ \.venv-board/bin/edgecache-board --name ghost"))  # staff: with the address
+        expect(warning).to_contain_text(
+            re.compile(r"REDIS_URL=redis://\S+ \.venv-board/bin/edgecache-board --name ghost")
+        )  # staff: with the address
         assert page.locator("#answers .answer-card").count() == 0  # nothing sent yet
         page.click("#run-send-anyway")
     assert sent.value.ok
     card = page.locator('#answers .answer-card[data-device="ghost"]')
     expect(card).to_contain_text("waiting for the board")
-    expect(card.locator(".hint")).to_contain_text("no answer after 1 s: is the board running? Start it on the board with")
+    expect(card.locator(".hint")).to_contain_text(
+        "no answer after 1 s: is the board running? Start it on the board with"
+    )
     expect(card.locator(".hint code")).to_contain_text(".venv-board/bin/edgecache-board --name ghost")
     expect(card).to_have_class(re.compile(r"\bpending\b"))
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -157,7 +178,10 @@ def test_run_page_shows_each_board_status_and_warns_before_sending_to_an_absent_
 def test_rejected_submissions_do_not_use_up_the_rate_limit(stack, browser, devices):
     from playwright.sync_api import expect
 
-    shell(stack, "from django.contrib.auth import get_user_model; get_user_model().objects.create_user('clicker', password='clicker-pw-12345', is_staff=True)")
+    shell(
+        stack,
+        "from django.contrib.auth import get_user_model; get_user_model().objects.create_user('clicker', password='clicker-pw-12345', is_staff=True)",
+    )
     context = log_in(browser, stack["url"], "clicker", "clicker-pw-12345")
     page = context.new_page()
     page.goto(stack["url"] + "/run/")
@@ -193,7 +217,9 @@ def test_an_overlong_prompt_is_refused_not_cut(stack, admin, devices):
     with page.expect_response(lambda r: r.url.endswith("/run/") and r.request.method == "POST") as answer:
         page.click("#run-submit")
     assert answer.value.status == 400
-    expect(page.locator("#run-feedback")).to_contain_text("The prompt has 100,000 characters; at most 32,000 are accepted")
+    expect(page.locator("#run-feedback")).to_contain_text(
+        "The prompt has 100,000 characters; at most 32,000 are accepted"
+    )
     assert page.locator("#answers .answer-card").count() == 0
     page.close()
 
@@ -203,10 +229,16 @@ def test_a_context_error_is_explained_and_the_failed_run_stays_listed(stack, adm
     from playwright.sync_api import expect
 
     page = admin.new_page()
-    send_text(page, stack["url"], BOARD, "word " * 3000, max_tokens=4)  # about 3,000 tokens: more than the 2,048 the board holds
+    send_text(
+        page, stack["url"], BOARD, "word " * 3000, max_tokens=4
+    )  # about 3,000 tokens: more than the 2,048 the board holds
     card = page.locator("#answers .answer-card").first
     expect(card).to_have_class(re.compile(r"\bfailed\b"), timeout=LONG_WAIT)
-    expect(card).to_contain_text(re.compile(r"The prompt has [\d,]+ tokens and 4 more were asked for, but the board's context holds 2,048: shorten it or ask for fewer tokens\."))
+    expect(card).to_contain_text(
+        re.compile(
+            r"The prompt has [\d,]+ tokens and 4 more were asked for, but the board's context holds 2,048: shorten it or ask for fewer tokens\."
+        )
+    )
     expect(card).not_to_contain_text("EDGECACHE_N_CTX")
     for path in ("/run/", "/", f"/devices/{BOARD}/"):
         page.goto(stack["url"] + path)
@@ -224,13 +256,19 @@ def test_device_cards_update_live(stack, admin, devices):
     expect(home.locator("#live-status")).to_have_text("live")
     home.evaluate("window.__notReloaded = true")
     card = home.locator(f'.device-card[data-device="{BOARD}"]')
-    runs = int(re.search(r"(\d+) runs?(?: \([^)]*\))? · hit ratio", card.inner_text()).group(1))  # failed and cancelled ones said in brackets
+    runs = int(
+        re.search(r"(\d+) runs?(?: \([^)]*\))? · hit ratio", card.inner_text()).group(1)
+    )  # failed and cancelled ones said in brackets
     counted = int(re.match(r"(\d+) runs?", home.locator("#chart-status").inner_text()).group(1))
     other = admin.new_page()
     send_text(other, stack["url"], BOARD, "The three primary colors are red, yellow and")
-    expect(card).to_contain_text(re.compile(rf"\b{runs + 1} runs?(?: \([^)]*\))? · hit ratio \d\.\d\d · median TTFT \d+ ms"), timeout=LONG_WAIT)
+    expect(card).to_contain_text(
+        re.compile(rf"\b{runs + 1} runs?(?: \([^)]*\))? · hit ratio \d\.\d\d · median TTFT \d+ ms"), timeout=LONG_WAIT
+    )
     # B2 (issue 28): the count beside Pause follows the runs as they arrive (counted as the cards count them).
-    expect(home.locator("#chart-status")).to_have_text(re.compile(rf"^{counted + 1} runs?( \([^)]*\))? in the last 24 h"))
+    expect(home.locator("#chart-status")).to_have_text(
+        re.compile(rf"^{counted + 1} runs?( \([^)]*\))? in the last 24 h")
+    )
     assert home.evaluate("window.__notReloaded") is True
     other.close()
     home.close()
@@ -269,7 +307,9 @@ def test_encode_progress_and_a_schema_prompt_without_choosing_the_schema(stack, 
     page.check(f"#run-form label:has-text('{BOARD}') input[name=devices]")
     page.check("input[name=source][value=pml]")
     assert page.input_value("#id_schema") == ""  # left as it is: the prompt names its schema
-    page.fill("#id_pml", '<prompt schema="travel"><trip-plan duration="3 days"/><miami/><user>Where to surf?</user></prompt>')
+    page.fill(
+        "#id_pml", '<prompt schema="travel"><trip-plan duration="3 days"/><miami/><user>Where to surf?</user></prompt>'
+    )
     page.fill("#id_max_tokens", "2")
     page.click("#run-submit")
     answer = page.locator("#answers .answer-card").first
@@ -281,7 +321,9 @@ def test_encode_progress_and_a_schema_prompt_without_choosing_the_schema(stack, 
     # A schema no one saved: a clear error, nothing sent.
     page.fill("#id_pml", '<prompt schema="nowhere"><user>Hi</user></prompt>')
     page.click("#run-submit")
-    expect(page.locator("#run-feedback")).to_contain_text("The prompt names schema 'nowhere', which is not known (known: travel)")
+    expect(page.locator("#run-feedback")).to_contain_text(
+        "The prompt names schema 'nowhere', which is not known (known: travel)"
+    )
     page.close()
 
 
@@ -363,7 +405,10 @@ def test_runs_page_filters_run_page_and_exports(stack, browser, admin, devices):
     page.close()
 
     # A user of no namespace sees no run, and another tenant's run is a 404.
-    shell(stack, "from django.contrib.auth import get_user_model; get_user_model().objects.create_user('outsider', password='outsider-pw-12345')")
+    shell(
+        stack,
+        "from django.contrib.auth import get_user_model; get_user_model().objects.create_user('outsider', password='outsider-pw-12345')",
+    )
     context = log_in(browser, base, "outsider", "outsider-pw-12345")
     page = context.new_page()
     page.goto(base + "/runs/")
@@ -400,16 +445,33 @@ def test_pages_fit_a_phone_screen(stack, browser, admin, devices):
 
     base = stack["url"]
     schema_id = shell(stack, "from dashboard.models import Schema; print(Schema.objects.get(name='travel').pk)").strip()
-    run_id = shell(stack, "from dashboard.models import InferenceRun; print(getattr(InferenceRun.objects.order_by('-pk').first(), 'pk', ''))").strip()
+    run_id = shell(
+        stack,
+        "from dashboard.models import InferenceRun; print(getattr(InferenceRun.objects.order_by('-pk').first(), 'pk', ''))",
+    ).strip()
     phone = browser.new_context(storage_state=admin.storage_state(), viewport={"width": 390, "height": 844})
     page = phone.new_page()
-    pages = ["/", "/devices/", f"/devices/{BOARD}/", "/run/", "/runs/", f"/runs/{run_id}/", "/schemas/", f"/schemas/{schema_id}/", "/cache/",
-             "/benchmarks/", "/devices/register/", "/queue/"]
+    pages = [
+        "/",
+        "/devices/",
+        f"/devices/{BOARD}/",
+        "/run/",
+        "/runs/",
+        f"/runs/{run_id}/",
+        "/schemas/",
+        f"/schemas/{schema_id}/",
+        "/cache/",
+        "/benchmarks/",
+        "/devices/register/",
+        "/queue/",
+    ]
     assert run_id and schema_id
     for path in pages:
         page.goto(base + path)
         if page.locator(".chart").count():
-            page.wait_for_function("Array.from(document.querySelectorAll('.chart')).every((c) => c.classList.contains('js-plotly-plot'))")
+            page.wait_for_function(
+                "Array.from(document.querySelectorAll('.chart')).every((c) => c.classList.contains('js-plotly-plot'))"
+            )
         width = page.evaluate("document.scrollingElement.scrollWidth")
         assert width <= 390, f"{path} is {width} px wide at 390 px"
         if path in ("/", "/run/", "/cache/", "/queue/"):
@@ -437,9 +499,15 @@ def test_pages_fit_a_phone_screen(stack, browser, admin, devices):
         title = node.locator(".gtitle").bounding_box()
         chart_box = node.bounding_box()
         assert modebar and title and chart_box
-        assert title["x"] >= chart_box["x"] and title["x"] + title["width"] <= chart_box["x"] + chart_box["width"] + 1, f"the title of {chart} is cut"
-        overlap = not (title["x"] + title["width"] <= modebar["x"] or modebar["x"] + modebar["width"] <= title["x"]
-                       or title["y"] + title["height"] <= modebar["y"] or modebar["y"] + modebar["height"] <= title["y"])
+        assert (
+            title["x"] >= chart_box["x"] and title["x"] + title["width"] <= chart_box["x"] + chart_box["width"] + 1
+        ), f"the title of {chart} is cut"
+        overlap = not (
+            title["x"] + title["width"] <= modebar["x"]
+            or modebar["x"] + modebar["width"] <= title["x"]
+            or title["y"] + title["height"] <= modebar["y"]
+            or modebar["y"] + modebar["height"] <= title["y"]
+        )
         assert not overlap, f"the toolbar covers the title of {chart}"
     phone.close()
 
@@ -452,13 +520,19 @@ def test_a_board_that_dies_goes_offline_on_every_open_page(stack, admin, devices
     from playwright.sync_api import expect
 
     name = "doomed"
-    token = shell(
-        stack,
-        "from dashboard import actions\n"
-        f"device, token = actions.register_device(None, name={name!r}, kind='test runner', cpu_threads=1, memory_mb=1024, link_bandwidth_mbps=None, link_rtt_ms=None)\n"
-        "print(token)\n",
-    ).strip().splitlines()[-1]
-    board = start_board(stack, name, token)  # 1 s heartbeats: offline after 4 s (3 missed + 1), told at the next sweep (5 s)
+    token = (
+        shell(
+            stack,
+            "from dashboard import actions\n"
+            f"device, token = actions.register_device(None, name={name!r}, kind='test runner', cpu_threads=1, memory_mb=1024, link_bandwidth_mbps=None, link_rtt_ms=None)\n"
+            "print(token)\n",
+        )
+        .strip()
+        .splitlines()[-1]
+    )
+    board = start_board(
+        stack, name, token
+    )  # 1 s heartbeats: offline after 4 s (3 missed + 1), told at the next sweep (5 s)
     badges = {
         f"/devices/{name}/": 'h1 [data-role="online"]',
         "/": f'.device-card[data-device="{name}"] [data-role="online"]',
@@ -474,12 +548,16 @@ def test_a_board_that_dies_goes_offline_on_every_open_page(stack, admin, devices
     board.send_signal(signal.SIGKILL)
     board.wait(timeout=10)
     for path, badge in badges.items():
-        expect(pages[path].locator(badge)).to_have_text(re.compile(r"^offline since \d{4}-\d\d-\d\d \d\d:\d\d$"), timeout=20_000)
+        expect(pages[path].locator(badge)).to_have_text(
+            re.compile(r"^offline since \d{4}-\d\d-\d\d \d\d:\d\d$"), timeout=20_000
+        )
         assert pages[path].evaluate("window.__notReloaded") is True, path
     assert pages["/run/"].locator(f'label[data-device="{name}"]').get_attribute("data-status") == "offline"
     for page in pages.values():
         page.close()
-    shell(stack, f"from dashboard.models import Device; Device.objects.filter(name={name!r}).delete()")  # the tests after see the boards they made
+    shell(
+        stack, f"from dashboard.models import Device; Device.objects.filter(name={name!r}).delete()"
+    )  # the tests after see the boards they made
 
 
 # -- issue 28, B6: an answer served from the board's context says so, not "from the cache box" -------
@@ -504,12 +582,16 @@ def test_the_queue_page_follows_a_run_sent_to_an_absent_board_and_revokes_it(sta
     page = admin.new_page()
     page.goto(stack["url"] + "/queue/")
     page.evaluate("window.__notReloaded = true")
-    request_id = shell(
-        stack,
-        "from dashboard import actions\nfrom dashboard.models import Device\n"
-        "sent = actions.dispatch_run(None, [Device.objects.get(name='ghost')], actions.run_request(segments=['Anyone home?'], max_tokens=2, title='queued while watching'))\n"
-        "print(sent[0]['request_id'])\n",
-    ).strip().splitlines()[-1]
+    request_id = (
+        shell(
+            stack,
+            "from dashboard import actions\nfrom dashboard.models import Device\n"
+            "sent = actions.dispatch_run(None, [Device.objects.get(name='ghost')], actions.run_request(segments=['Anyone home?'], max_tokens=2, title='queued while watching'))\n"
+            "print(sent[0]['request_id'])\n",
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     row = page.locator(f'#queue-waiting tr[data-request="{request_id}"]')
     expect(row).to_contain_text("queued while watching", timeout=10_000)  # no reload: the page follows the dispatch
     expect(row).to_contain_text("waiting for its board to start")
@@ -520,5 +602,7 @@ def test_the_queue_page_follows_a_run_sent_to_an_absent_board_and_revokes_it(sta
     page.click("#confirm-submit")
     expect(page.locator(".messages")).to_contain_text("Revoked the run")
     expect(page.locator(f'#queue-waiting tr[data-request="{request_id}"]')).to_have_count(0)
-    expect(page.locator(f'#queue-ended tr[data-request="{request_id}"]')).to_contain_text("revoked: admin took it back from the queue")
+    expect(page.locator(f'#queue-ended tr[data-request="{request_id}"]')).to_contain_text(
+        "revoked: admin took it back from the queue"
+    )
     page.close()

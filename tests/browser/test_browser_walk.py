@@ -16,7 +16,7 @@ from tests.stack import ADMIN_PASSWORD, SCREENSHOTS, browser, log_in, shell, sta
 
 pytestmark = [pytest.mark.cachebox]  # and browser, from the folder
 
-EMOJI = "\U0001F600"  # one character to the server (Python), two UTF-16 units to JavaScript
+EMOJI = "\U0001f600"  # one character to the server (Python), two UTF-16 units to JavaScript
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,19 @@ def test_the_counters_count_an_emoji_as_one_character_as_the_server_does(stack, 
 
     page = admin.new_page()
     page.goto(stack["url"] + "/run/")
-    page.check("input[name=source][value=text]")  # no device ticked: the form refuses it without asking about a board first
+    page.check(
+        "input[name=source][value=text]"
+    )  # no device ticked: the form refuses it without asking about a board first
     page.fill("#id_text", EMOJI * 20_000)
-    expect(page.locator("#id_text-count")).to_have_text("20,000 / 32,000 characters")  # 40,000 UTF-16 units: not too long
+    expect(page.locator("#id_text-count")).to_have_text(
+        "20,000 / 32,000 characters"
+    )  # 40,000 UTF-16 units: not too long
     page.fill("#id_text", EMOJI * 33_000 + "abc")
     expect(page.locator("#id_text-count")).to_have_text("33,003 / 32,000 characters: too long, shorten it by 1,003")
     page.click("#run-submit")
-    expect(page.locator("#run-feedback")).to_contain_text("Text: The prompt has 33,003 characters; at most 32,000 are accepted")  # the same count
+    expect(page.locator("#run-feedback")).to_contain_text(
+        "Text: The prompt has 33,003 characters; at most 32,000 are accepted"
+    )  # the same count
 
     page.check("input[name=source][value=chat]")
     page.fill("#id_message", "Hi " + EMOJI * 4)
@@ -63,18 +69,26 @@ def test_run_options_say_greedy_beside_temperature_and_errors_use_the_labels(sta
 
     page = admin.new_page()
     page.goto(stack["url"] + "/run/")
-    temperature, greedy = page.locator("#id_temperature").bounding_box(), page.locator("#id_temperature-help").bounding_box()
+    temperature, greedy = (
+        page.locator("#id_temperature").bounding_box(),
+        page.locator("#id_temperature-help").bounding_box(),
+    )
     top_p, seed = page.locator("#id_top_p").bounding_box(), page.locator("#id_seed").bounding_box()
     expect(page.locator("#id_temperature-help")).to_have_text(re.compile(r"^0: greedy"))
     # On one line at this width, in order: Temperature, its help, then Top-p and Seed (the help no longer follows Seed).
     middle = greedy["y"] + greedy["height"] / 2
     assert temperature["y"] <= middle <= temperature["y"] + temperature["height"]
-    assert temperature["x"] + temperature["width"] <= greedy["x"] and greedy["x"] + greedy["width"] <= top_p["x"] < seed["x"]
+    assert (
+        temperature["x"] + temperature["width"] <= greedy["x"]
+        and greedy["x"] + greedy["width"] <= top_p["x"] < seed["x"]
+    )
     expect(page.locator("#id_namespace-help")).to_contain_text("A board serves its own namespace only")
 
     page.check("input[name=source][value=text]")  # no device ticked (ghost is not running: the page would ask first)
     page.fill("#id_text", "Hello")
-    page.evaluate("document.getElementById('run-form').noValidate = true")  # the server's checks, as a script (or an older browser) meets them
+    page.evaluate(
+        "document.getElementById('run-form').noValidate = true"
+    )  # the server's checks, as a script (or an older browser) meets them
     page.fill("#id_max_tokens", "0")
     page.fill("#id_top_p", "5")
     page.fill("#id_namespace", "defualt")
@@ -104,8 +118,12 @@ def test_the_queue_shows_where_each_run_is_and_revoke_asks_first(stack, admin):
     first, second = [line.removeprefix("SENT=") for line in sent.splitlines() if line.startswith("SENT=")]
     page = admin.new_page()
     page.goto(stack["url"] + "/queue/")
-    expect(page.locator(f'#queue-waiting tr[data-request="{first}"] td.state')).to_have_text("waiting for its board to start: next in its queue")
-    expect(page.locator(f'#queue-waiting tr[data-request="{second}"] td.state')).to_have_text("waiting for its board to start: 1 run ahead of it")
+    expect(page.locator(f'#queue-waiting tr[data-request="{first}"] td.state')).to_have_text(
+        "waiting for its board to start: next in its queue"
+    )
+    expect(page.locator(f'#queue-waiting tr[data-request="{second}"] td.state')).to_have_text(
+        "waiting for its board to start: 1 run ahead of it"
+    )
     expect(page.locator("#queue-waiting")).not_to_contain_text("queued or running")
 
     page.locator(f'#queue-waiting tr[data-request="{first}"] button', has_text="Revoke").click()
@@ -116,9 +134,13 @@ def test_the_queue_shows_where_each_run_is_and_revoke_asks_first(stack, admin):
     page.check("#id_confirm")
     page.click("#confirm-submit")
     expect(page.locator(".messages")).to_contain_text("Revoked the run")
-    expect(page.locator(f'#queue-ended tr[data-request="{first}"]')).to_contain_text("revoked: admin took it back from the queue")
+    expect(page.locator(f'#queue-ended tr[data-request="{first}"]')).to_contain_text(
+        "revoked: admin took it back from the queue"
+    )
     # The revoked run's message still waits in the queue (its board drops it): it is not counted ahead.
-    expect(page.locator(f'#queue-waiting tr[data-request="{second}"] td.state')).to_have_text("waiting for its board to start: next in its queue")
+    expect(page.locator(f'#queue-waiting tr[data-request="{second}"] td.state')).to_have_text(
+        "waiting for its board to start: next in its queue"
+    )
     page.close()
 
 
@@ -159,7 +181,9 @@ def test_a_member_is_told_who_registers_boards_and_staff_pages_explain_themselve
     page.fill("#id_password", "not-the-password")
     page.click("#login-submit")
     expect(page.locator("main .error, main .errorlist")).to_have_count(1)
-    expect(page.locator("#login-error")).to_have_text("Wrong username or password (both are case-sensitive): try again.")
+    expect(page.locator("#login-error")).to_have_text(
+        "Wrong username or password (both are case-sensitive): try again."
+    )
     page.screenshot(path=str(SCREENSHOTS / "login-refused.png"), full_page=True)
     page.goto(stack["url"] + "/schemas/new/")
     assert "/accounts/login/" in page.url and "/admin/" not in page.url

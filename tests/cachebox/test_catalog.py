@@ -67,7 +67,13 @@ def test_counters_for_true_hits_and_false_positives():
     catalog.record_not_asked(3, "held_on_board")
     catalog.record_not_asked(1, "policy_skipped")
     assert catalog.stats.as_dict() == {
-        "lookups": 0, "maybe_hits": 0, "true_hits": 2, "false_positives": 1, "held_on_board": 3, "policy_skipped": 1, "cachebox_down": 0,
+        "lookups": 0,
+        "maybe_hits": 0,
+        "true_hits": 2,
+        "false_positives": 1,
+        "held_on_board": 3,
+        "policy_skipped": 1,
+        "cachebox_down": 0,
     }
     with pytest.raises(ValueError):
         catalog.record_not_asked(1, "bored")

@@ -12,13 +12,20 @@ import pytest
 import redis
 
 from cachebox import embedded, sync
-from dashboard.live import streams
 from cachebox.cluster import ClusterAddress, parse_cluster_url
 from cachebox.errors import CacheBoxUnavailable
-from cachebox.keys import cancel_key_name, catalog_key_names, entry_key_name, prefix_keys, range_boundaries, stream_channel
+from cachebox.keys import (
+    cancel_key_name,
+    catalog_key_names,
+    entry_key_name,
+    prefix_keys,
+    range_boundaries,
+    stream_channel,
+)
 from cachebox.link import LinkProfile
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogReplica
+from dashboard.live import streams
 
 pytestmark = pytest.mark.cachebox
 
@@ -63,7 +70,9 @@ def node_index_of(cluster, name: str, asking: int = 0) -> int:
 
 
 def entries_per_node(cluster, namespace: str) -> list[int]:
-    return [sum(1 for _ in client.scan_iter(match=f"ec:[em]:{namespace}:*", count=1000)) for client in node_clients(cluster)]
+    return [
+        sum(1 for _ in client.scan_iter(match=f"ec:[em]:{namespace}:*", count=1000)) for client in node_clients(cluster)
+    ]
 
 
 def test_cluster_urls_name_nodes_credentials_and_tls():
@@ -77,7 +86,9 @@ def test_cluster_urls_name_nodes_credentials_and_tls():
 
 
 def test_a_cluster_no_node_answers_fails_fast_and_then_skips_the_network():
-    store = CacheBox("redis+cluster://127.0.0.1:9,127.0.0.1:10", connect_timeout=0.3, timeout=0.5, retry_after=30)  # no I/O yet
+    store = CacheBox(
+        "redis+cluster://127.0.0.1:9,127.0.0.1:10", connect_timeout=0.3, timeout=0.5, retry_after=30
+    )  # no I/O yet
     started = time.monotonic()
     with pytest.raises(CacheBoxUnavailable, match="unreachable"):
         store.read_entries(["ec:e:x:y:{00}"])
@@ -181,13 +192,22 @@ def test_the_control_plane_follows_runs_and_cancels_them_through_a_cluster_with_
     assert own_cluster.stop_node(0)  # the first node of the URL: the subscription moves on to the next
 
     async def follow_and_cancel():
-        async with streams.subscribe(own_cluster.url, stream_channel("zero", request_ids[0]), connect_timeout=0.3, timeout=2.0) as stream:
+        async with streams.subscribe(
+            own_cluster.url, stream_channel("zero", request_ids[0]), connect_timeout=0.3, timeout=2.0
+        ) as stream:
             await asyncio.to_thread(store.publish, stream_channel("zero", request_ids[0]), b"token")
             received = await stream.get(5.0)
         cancelled = []
         for request_id in request_ids:
             try:
-                await streams.set_flag(own_cluster.url, cancel_key_name("zero", request_id), 60, b"signed", connect_timeout=0.3, timeout=2.0)
+                await streams.set_flag(
+                    own_cluster.url,
+                    cancel_key_name("zero", request_id),
+                    60,
+                    b"signed",
+                    connect_timeout=0.3,
+                    timeout=2.0,
+                )
                 cancelled.append(request_id)
             except CacheBoxUnavailable:
                 pass
@@ -196,7 +216,11 @@ def test_the_control_plane_follows_runs_and_cancels_them_through_a_cluster_with_
     received, cancelled = asyncio.run(follow_and_cancel())
     assert received == b"token"
     # Every flag whose slot lives on a running node was set, where the board looks for it.
-    on_running = [request_id for request_id in request_ids if node_index_of(own_cluster, cancel_key_name("zero", request_id), asking=1) != 0]
+    on_running = [
+        request_id
+        for request_id in request_ids
+        if node_index_of(own_cluster, cancel_key_name("zero", request_id), asking=1) != 0
+    ]
     assert cancelled == on_running and len(on_running) > 0
     assert all(store.read_flag(cancel_key_name("zero", request_id)) == b"signed" for request_id in cancelled)
 
@@ -227,7 +251,9 @@ def test_a_node_that_stops_answering_costs_one_timeout_then_only_its_keys_are_sk
 
 
 @pytest.mark.model
-def test_a_cluster_cache_box_serves_hits_and_a_stopped_node_turns_only_its_entries_into_misses(own_cluster, namespace, make_board):
+def test_a_cluster_cache_box_serves_hits_and_a_stopped_node_turns_only_its_entries_into_misses(
+    own_cluster, namespace, make_board
+):
     grid = 32
     board = make_board(own_cluster.url, namespace, chunk_tokens=grid)
     catalog_node = node_index_of(own_cluster, catalog_key_names(namespace)["log"])
@@ -237,7 +263,10 @@ def test_a_cluster_cache_box_serves_hits_and_a_stopped_node_turns_only_its_entri
     def names_of(text: str) -> list[str]:
         tokens, _ = board.prefix.tokenize([text])
         boundaries = range_boundaries(len(tokens), grid)
-        return [entry_key_name(namespace, board.engine.fingerprint, key) for key in prefix_keys(namespace, board.engine.fingerprint, tokens, boundaries, grid=grid)]
+        return [
+            entry_key_name(namespace, board.engine.fingerprint, key)
+            for key in prefix_keys(namespace, board.engine.fingerprint, tokens, boundaries, grid=grid)
+        ]
 
     def first_prompt(make, wanted):
         for number in range(2000):
@@ -248,8 +277,12 @@ def test_a_cluster_cache_box_serves_hits_and_a_stopped_node_turns_only_its_entri
 
     # One range on a node that stays; one range on the node that will stop; two ranges, the
     # first on the other node that stays and the whole prompt on the one that will stop.
-    short = lambda number: f"Question {number}: which planet has the brightest rings?"
-    long = lambda number: f"Question {number}. " + "Edge boards share prompt states through a cache box that spans servers. " * 3
+    def short(number):
+        return f"Question {number}: which planet has the brightest rings?"
+
+    def long(number):
+        return f"Question {number}. " + "Edge boards share prompt states through a cache box that spans servers. " * 3
+
     on_live = first_prompt(short, [live[0]])
     on_victim = first_prompt(short, [victim])
     split = first_prompt(long, [live[1], victim])
@@ -305,15 +338,20 @@ def test_a_cluster_url_is_refused_for_the_broker():
 
 
 def test_a_board_reads_its_record_from_a_cluster_cache_box_and_its_queue_from_redis_url(cluster, valkey_url, tmp_path):
-    from inference.board import devices as registry
 
     from tests.conftest import run_manage
-
     from tests.inference.test_edge import publish
 
     name = f"clustered-{uuid.uuid4().hex[:8]}"
     publish(cluster.url, name, "the-right-token")
     # The registry's own answer (no board users on these test servers: EDGECACHE_BOARD_ACL=0).
-    env = {"REDIS_URL": valkey_url, "EDGECACHE_CACHEBOX_URL": cluster.url, "EDGECACHE_BOARD_KEYS_DIR": str(tmp_path), "EDGECACHE_BOARD_ACL": "0"}
+    env = {
+        "REDIS_URL": valkey_url,
+        "EDGECACHE_CACHEBOX_URL": cluster.url,
+        "EDGECACHE_BOARD_KEYS_DIR": str(tmp_path),
+        "EDGECACHE_BOARD_ACL": "0",
+    }
     done = run_manage("edge", "--name", name, "--token", "a-wrong-token", env=env, timeout=60)
-    assert done.returncode != 0 and b"wrong or expired token" in done.stderr  # its record was found on the cluster ("unknown device" on REDIS_URL's server)
+    assert (
+        done.returncode != 0 and b"wrong or expired token" in done.stderr
+    )  # its record was found on the cluster ("unknown device" on REDIS_URL's server)

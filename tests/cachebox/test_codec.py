@@ -11,8 +11,8 @@ from cachebox.entry import EntryHeader, decoded_state, encode_entry, open_entry
 from cachebox.errors import EntryError
 from cachebox.link import LINK_PRESETS
 from cachebox.signing import derive_keyring, shared_producer_ring
-from inference.serving.breakeven import BreakEvenPolicy, LinearFit, Range, overlap_ms
 from inference.engine.compute_profile import PI_5, PI_ZERO_2W, Pacer, pacing_ms, profile_named
+from inference.serving.breakeven import BreakEvenPolicy, LinearFit, Range, overlap_ms
 
 RING = shared_producer_ring(derive_keyring(b"m" * 32, "ns", 1))
 
@@ -171,7 +171,9 @@ def test_a_board_measures_its_prefill_and_decode_rates_at_start_at_its_profiles_
 
     own = calibrate(engine, prompt_tokens=24, decode_tokens=2)
     assert own.prefill_ms_per_token > 0 and own.decode_ms_per_token > 0  # this machine's speed (whatever its load)
-    assert own.prompt_tokens == 24 and own.decode_tokens in (2, 4, 6) and own.compute_profile == ""  # repeated while it fits its budget
+    assert (
+        own.prompt_tokens == 24 and own.decode_tokens in (2, 4, 6) and own.compute_profile == ""
+    )  # repeated while it fits its budget
     engine.pacer = Pacer(PI_ZERO_2W)  # as `make run` paces its zero board
     try:
         paced = calibrate(engine, prompt_tokens=24, decode_tokens=2)

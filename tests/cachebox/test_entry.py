@@ -3,7 +3,16 @@
 import numpy as np
 import pytest
 
-from cachebox.entry import SEAL_OVERHEAD, EntryHeader, decode_header, encode_entry, open_entries, open_entry, open_state, verify_header
+from cachebox.entry import (
+    SEAL_OVERHEAD,
+    EntryHeader,
+    decode_header,
+    encode_entry,
+    open_entries,
+    open_entry,
+    open_state,
+    verify_header,
+)
 from cachebox.errors import EntryError
 from cachebox.signing import CHACHA20, UnknownKey, derive_keyring, shared_producer_ring
 
@@ -33,7 +42,14 @@ def test_entry_round_trip_keeps_header_state_and_top_logits(cipher):
     blob = encode_entry(header, state, RING)
     parsed, opened = open_entry(blob, RING, max_state_bytes=1 << 20)
     assert opened == state and parsed.cipher == cipher and parsed.state_bytes == len(state) + SEAL_OVERHEAD
-    assert (parsed.start, parsed.end, parsed.token_count, parsed.device, parsed.key_generation, parsed.tokens_digest) == (64, 128, 64, "zero", 1, "d" * 32)
+    assert (
+        parsed.start,
+        parsed.end,
+        parsed.token_count,
+        parsed.device,
+        parsed.key_generation,
+        parsed.tokens_digest,
+    ) == (64, 128, 64, "zero", 1, "d" * 32)
     assert parsed.top_ids.tolist() == [5, 3, 9]
     assert parsed.top_logits.tolist() == [2.5, 1.0, -3.0]
 
@@ -66,7 +82,14 @@ def test_short_prefix_asks_for_more_bytes():
 
 @pytest.mark.parametrize(
     "blob",
-    [b"", b"ECE", b"XXXX\x05\x00\x00\x00hello", b"ECE3\xff\xff\xff\x7f", b"ECE3\x05\x00\x00\x00" + b"m" * 32 + b"{bad}", b"ECE2\x05\x00\x00\x00"],
+    [
+        b"",
+        b"ECE",
+        b"XXXX\x05\x00\x00\x00hello",
+        b"ECE3\xff\xff\xff\x7f",
+        b"ECE3\x05\x00\x00\x00" + b"m" * 32 + b"{bad}",
+        b"ECE2\x05\x00\x00\x00",
+    ],
 )
 def test_garbage_is_an_entry_error_not_a_crash(blob):
     with pytest.raises(EntryError):
@@ -151,7 +174,10 @@ def test_entries_of_another_namespace_are_outside_the_ring():
 def test_rotation_keeps_the_previous_key_and_retires_older_ones():
     header, state = make()
     old = encode_entry(header, state, RING)
-    ring2, ring3 = shared_producer_ring(derive_keyring(MASTER, "ns", 2)), shared_producer_ring(derive_keyring(MASTER, "ns", 3))
+    ring2, ring3 = (
+        shared_producer_ring(derive_keyring(MASTER, "ns", 2)),
+        shared_producer_ring(derive_keyring(MASTER, "ns", 3)),
+    )
     open_entry(old, ring2, 1 << 20)  # one rotation later: still valid
     with pytest.raises(EntryError, match="retired"):
         open_entry(old, ring3, 1 << 20)

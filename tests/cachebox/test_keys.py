@@ -5,13 +5,13 @@ import pytest
 from cachebox.errors import InvalidNamespace
 from cachebox.keys import (
     ModelIdentity,
-    grid_cuts,
-    range_boundaries,
     catalog_key_names,
     entry_key_name,
     entry_key_pattern,
+    grid_cuts,
     parse_entry_key_name,
     prefix_keys,
+    range_boundaries,
     tokens_digest,
 )
 
@@ -37,8 +37,14 @@ def test_a_model_without_repacked_weights_keeps_the_fingerprint_it_had_before_th
     import hashlib
     import json
 
-    before = json.dumps({"gguf_sha256": "ab" * 32, "kv_type": "f16", "llama_build": "x", "state_format": IDENTITY.state_format}, sort_keys=True, separators=(",", ":"))
-    assert IDENTITY.fingerprint() == hashlib.blake2b(before.encode(), digest_size=8).hexdigest()  # the entries already stored stay reachable
+    before = json.dumps(
+        {"gguf_sha256": "ab" * 32, "kv_type": "f16", "llama_build": "x", "state_format": IDENTITY.state_format},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    assert (
+        IDENTITY.fingerprint() == hashlib.blake2b(before.encode(), digest_size=8).hexdigest()
+    )  # the entries already stored stay reachable
 
 
 def test_the_context_size_is_no_part_of_a_models_identity():
@@ -67,7 +73,10 @@ def test_prefix_key_pins_every_earlier_token_model_and_namespace():
 
 def test_prefix_keys_known_value_guards_the_format():
     # Changing the key derivation silently orphans every stored entry: make it a visible change.
-    assert prefix_keys("ns", "fp", [1, 2, 3], [3], grid=64)[0].hex() == prefix_keys("ns", "fp", [1, 2, 3], [1, 3], grid=64)[1].hex()
+    assert (
+        prefix_keys("ns", "fp", [1, 2, 3], [3], grid=64)[0].hex()
+        == prefix_keys("ns", "fp", [1, 2, 3], [1, 3], grid=64)[1].hex()
+    )
     assert tokens_digest([1, 2, 3]) != tokens_digest([1, 2, 4])
 
 
@@ -105,14 +114,19 @@ def test_ranges_end_on_the_grid_and_at_the_prompt_end():
     assert range_boundaries(128, 64) == [64, 128]
     assert range_boundaries(5, 64) == [5]
     assert range_boundaries(0, 64) == []
-    assert grid_cuts(200, 64) == [64, 128, 192] and grid_cuts(200, 64, start=64) == [128, 192] and grid_cuts(200, 64, start=100) == [128, 192]
+    assert (
+        grid_cuts(200, 64) == [64, 128, 192]
+        and grid_cuts(200, 64, start=64) == [128, 192]
+        and grid_cuts(200, 64, start=100) == [128, 192]
+    )
 
 
 def test_the_grid_enters_every_key():
     tokens = list(range(300))
-    assert prefix_keys("ns", "fp", tokens, [128, 256], grid=64)[0] != prefix_keys("ns", "fp", tokens, [128, 256], grid=128)[0]
-
-
+    assert (
+        prefix_keys("ns", "fp", tokens, [128, 256], grid=64)[0]
+        != prefix_keys("ns", "fp", tokens, [128, 256], grid=128)[0]
+    )
 
 
 class _Words:
@@ -135,11 +149,21 @@ def test_a_text_prompt_is_cut_where_its_last_paragraph_and_its_last_segment_begi
     examples = "Q: one? A: 1\n\nQ: two? A: 2\n\n"
     tokens, cuts = text_layout(_Words(), [examples + "Q: three? A:"])
     assert cuts == (len(_Words().tokenize(examples, add_bos=True)),)  # all the examples, whatever the grid
-    same, other = text_layout(_Words(), [examples + "Q: four, longer? A:"]), text_layout(_Words(), [examples + "Q: five? A:"])
-    assert same[1] == other[1] == cuts and same[0][: cuts[0]] == tokens[: cuts[0]]  # so the next prompt reuses them whole
+    same, other = (
+        text_layout(_Words(), [examples + "Q: four, longer? A:"]),
+        text_layout(_Words(), [examples + "Q: five? A:"]),
+    )
+    assert (
+        same[1] == other[1] == cuts and same[0][: cuts[0]] == tokens[: cuts[0]]
+    )  # so the next prompt reuses them whole
     tokens, cuts = text_layout(_Words(), ["Context: ferries.\n\n", "Notes\n\n\nQ: when? A:"])
     first = len(_Words().tokenize("Context: ferries.\n\n", add_bos=True))
-    assert cuts == (first, first + len(_Words().tokenize("Notes\n\n\n", add_bos=False)))  # the last segment, and its paragraph after the whole blank run
+    assert cuts == (
+        first,
+        first + len(_Words().tokenize("Notes\n\n\n", add_bos=False)),
+    )  # the last segment, and its paragraph after the whole blank run
     assert text_layout(_Words(), ["one paragraph only"])[1] == ()
     assert text_layout(_Words(), ["a prompt ending with a break\n\n"])[1] == ()  # nothing after it to cut off
-    assert text_layout(_Words(merge_break=True), [examples + "Q: three? A:"])[1] == ()  # the tokens would change: no cut
+    assert (
+        text_layout(_Words(merge_break=True), [examples + "Q: three? A:"])[1] == ()
+    )  # the tokens would change: no cut

@@ -1,9 +1,9 @@
 """Key rings: derivation, rotation, sealing for one device. Pure, millisecond tests."""
 
 import pytest
-
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from cachebox.errors import EntryError
 from cachebox.signing import (
     Keychain,
     control_plane_key,
@@ -19,7 +19,6 @@ from cachebox.signing import (
     unseal,
     verify_document,
 )
-from cachebox.errors import EntryError
 
 MASTER = b"s" * 32
 CONTROL = control_plane_key(MASTER)
@@ -52,7 +51,9 @@ def test_a_sealed_ring_opens_only_with_the_boards_private_key_and_name():
         unseal(sealed, zero, "pi5", CONTROL_KEY)  # bound to the device name
     with pytest.raises(ValueError, match="cannot open"):
         unseal(sealed[:-4] + "AAAA", zero, "zero", CONTROL_KEY)
-    assert seal(ring, zero.public_key().public_bytes_raw(), "zero", CONTROL) != sealed  # a fresh ephemeral key each time
+    assert (
+        seal(ring, zero.public_key().public_bytes_raw(), "zero", CONTROL) != sealed
+    )  # a fresh ephemeral key each time
 
 
 def test_a_ring_sealed_to_a_board_by_anyone_but_the_control_plane_is_refused():
@@ -92,7 +93,9 @@ def test_signed_documents_verify_only_unchanged_and_with_the_signers_key():
     assert not verify_document({**doc, "revoked": True}, CONTROL_KEY)
     assert not verify_document(doc, public_hex(control_plane_key(b"t" * 32)))
     assert not verify_document({"name": "zero"}, CONTROL_KEY)
-    assert control_plane_key(MASTER).private_bytes_raw() == CONTROL.private_bytes_raw()  # every process derives the same
+    assert (
+        control_plane_key(MASTER).private_bytes_raw() == CONTROL.private_bytes_raw()
+    )  # every process derives the same
 
 
 def test_a_pin_proof_needs_the_token():

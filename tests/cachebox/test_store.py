@@ -212,7 +212,11 @@ def test_admission_bounds_runs_under_way_per_namespace_and_per_key_across_client
     key_a, key_b = queue_key_names(namespace, "1"), queue_key_names(namespace, "2")
     assert key_a[0] == key_b[0] and key_a[1] != key_b[1]
     now = 1000.0
-    assert [web1.admit(key_a, [3, 2], f"a{i}", now=now, until=now + 30)[0] for i in range(3)] == [0, 0, 2]  # key a's own bound
+    assert [web1.admit(key_a, [3, 2], f"a{i}", now=now, until=now + 30)[0] for i in range(3)] == [
+        0,
+        0,
+        2,
+    ]  # key a's own bound
     assert web1.admit(key_a, [3, 2], "a0", now=now, until=now + 30)[0] == 0  # the same run again counts once
     assert web2.admit(key_b, [3, 2], "b0", now=now, until=now + 40) == (0, 0, 0)
     full, holds, oldest = web2.admit(key_b, [3, 2], "b1", now=now, until=now + 40)
@@ -231,7 +235,9 @@ def test_several_small_keys_are_read_in_one_call_and_unset_ones_are_none(valkey_
     store = CacheBox(valkey_url)
     store.set_flag(f"test:{namespace}:a", 60, b"A")
     store.put_device_record(f"reader-{namespace}", b'{"name": "x"}')
-    assert store.read_flags([f"test:{namespace}:a", device_key_name(f"reader-{namespace}"), f"test:{namespace}:unset"]) == [b"A", b'{"name": "x"}', None]
+    assert store.read_flags(
+        [f"test:{namespace}:a", device_key_name(f"reader-{namespace}"), f"test:{namespace}:unset"]
+    ) == [b"A", b'{"name": "x"}', None]
 
 
 def test_a_key_whose_cluster_node_did_not_answer_is_not_read_as_unset(valkey_url, monkeypatch):

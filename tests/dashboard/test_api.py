@@ -42,7 +42,9 @@ class Stack:
         self.model = ""
 
     def manage(self, *args: str) -> subprocess.CompletedProcess:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=180)
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=180
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         return done
 
@@ -51,7 +53,9 @@ class Stack:
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.home / f"{name}.log", "ab")
-        process = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+        )
         self.processes.append(process)
         return process
 
@@ -65,13 +69,17 @@ class Stack:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
-        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=self.env, capture_output=True, timeout=30)
+        subprocess.run(
+            [sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=self.env, capture_output=True, timeout=30
+        )
 
     def log(self, name: str) -> str:
         return (self.home / f"{name}.log").read_text(errors="replace")
 
     def client(self, key: str = "main", **options) -> "openai.OpenAI":
-        return openai.OpenAI(api_key=self.keys.get(key, key), base_url=self.url + "/v1", max_retries=0, timeout=120, **options)
+        return openai.OpenAI(
+            api_key=self.keys.get(key, key), base_url=self.url + "/v1", max_retries=0, timeout=120, **options
+        )
 
     def db(self, query: str, *args):
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
@@ -87,7 +95,13 @@ class Stack:
             )
             if rows:
                 source, error, breakdown, text, title = rows[0]
-                return {"source": source, "error": error, "breakdown": json.loads(breakdown), "text": opened_text(self.home, text), "title": opened_text(self.home, title)}
+                return {
+                    "source": source,
+                    "error": error,
+                    "breakdown": json.loads(breakdown),
+                    "text": opened_text(self.home, text),
+                    "title": opened_text(self.home, title),
+                }
             time.sleep(0.2)
         raise AssertionError(f"run {request_id} was not recorded within {timeout} s")
 
@@ -121,7 +135,14 @@ def stack(tmp_path_factory):
     home = tmp_path_factory.mktemp("api-stack")
     port = free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
-    env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": "api-test-pw-1", "EDGECACHE_N_CTX": "2048", "EDGECACHE_API_TIMEOUT": "60"})
+    env.update(
+        {
+            "EDGECACHE_HOME": str(home),
+            "EDGECACHE_ADMIN_PASSWORD": "api-test-pw-1",
+            "EDGECACHE_N_CTX": "2048",
+            "EDGECACHE_API_TIMEOUT": "60",
+        }
+    )
     stack = Stack(home, port, env)
     server = stack.spawn("run", [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)])
     try:
@@ -129,9 +150,19 @@ def stack(tmp_path_factory):
         token = stack.shell(SETUP)
         for name, args in (("main", ["--rate", "0"]), ("slow", ["--rate", "2"]), ("tenant-b", [])):
             namespace = "tenant-b" if name == "tenant-b" else "default"
-            stack.keys[name] = stack.manage("apikey", "create", "--namespace", namespace, "--name", name, *args).stdout.strip()
-        board = stack.spawn("board", [sys.executable, "manage.py", "edge", "--name", BOARD, "--heartbeat", "1"], {"EDGECACHE_DEVICE_TOKEN": token})
-        until(lambda: f"board {BOARD} ready" in stack.log("board") or board.poll() is not None, 180, "the board to load its model")
+            stack.keys[name] = stack.manage(
+                "apikey", "create", "--namespace", namespace, "--name", name, *args
+            ).stdout.strip()
+        board = stack.spawn(
+            "board",
+            [sys.executable, "manage.py", "edge", "--name", BOARD, "--heartbeat", "1"],
+            {"EDGECACHE_DEVICE_TOKEN": token},
+        )
+        until(
+            lambda: f"board {BOARD} ready" in stack.log("board") or board.poll() is not None,
+            180,
+            "the board to load its model",
+        )
         assert board.poll() is None, stack.log("board")
         models = until(lambda: stack.client().models.list().data, 60, "the board to come online")
         stack.model = models[0].id
@@ -183,7 +214,14 @@ def test_models_lists_the_models_of_the_key_namespace_online_boards(stack):
 
 def test_chat_completion_answers_with_usage_and_is_recorded_as_an_api_run(stack):
     response = stack.client().chat.completions.create(
-        model=stack.model, messages=[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What color is the sky?"}], max_tokens=8, temperature=0, user="tester"
+        model=stack.model,
+        messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What color is the sky?"},
+        ],
+        max_tokens=8,
+        temperature=0,
+        user="tester",
     )
     choice = response.choices[0]
     assert response.object == "chat.completion" and choice.message.role == "assistant"
@@ -194,11 +232,19 @@ def test_chat_completion_answers_with_usage_and_is_recorded_as_an_api_run(stack)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens >= 0
     extension = response.model_extra["edgecache"]
-    assert extension["device"] == BOARD and extension["ttft_ms"] > 0 and extension["case"] in ("miss", "partial", "full")
-    assert 0 < extension["api_ms"] < 5000 and 0 < extension["queue_ms"] < 120_000  # arrival to dispatch; dispatch to the board taking it
+    assert (
+        extension["device"] == BOARD and extension["ttft_ms"] > 0 and extension["case"] in ("miss", "partial", "full")
+    )
+    assert (
+        0 < extension["api_ms"] < 5000 and 0 < extension["queue_ms"] < 120_000
+    )  # arrival to dispatch; dispatch to the board taking it
     phases = extension["api_phases_ms"]  # where the API's own time went, step by step
-    assert list(phases) == ["auth", "parse", "route", "ring", "subscribe", "dispatch", "board"] and all(ms >= 0 for ms in phases.values())
-    assert abs(sum(phases[name] for name in ("auth", "parse", "route", "ring", "subscribe")) - extension["api_ms"]) < 0.05
+    assert list(phases) == ["auth", "parse", "route", "ring", "subscribe", "dispatch", "board"] and all(
+        ms >= 0 for ms in phases.values()
+    )
+    assert (
+        abs(sum(phases[name] for name in ("auth", "parse", "route", "ring", "subscribe")) - extension["api_ms"]) < 0.05
+    )
     request_id = response.id.removeprefix("chatcmpl-")
     assert extension["request_id"] == request_id
     run = stack.run_row(request_id)
@@ -228,7 +274,11 @@ def test_streaming_chat_sends_tokens_as_they_come_then_usage(stack):
 
 
 def test_raw_stream_is_server_sent_events_ending_with_done(stack):
-    status, headers, raw = post(stack, "/v1/completions", {"model": stack.model, "prompt": "The alphabet: A, B, C,", "max_tokens": 6, "temperature": 0, "stream": True})
+    status, headers, raw = post(
+        stack,
+        "/v1/completions",
+        {"model": stack.model, "prompt": "The alphabet: A, B, C,", "max_tokens": 6, "temperature": 0, "stream": True},
+    )
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     events = [line.removeprefix("data: ") for line in raw.decode().split("\n\n") if line]
     assert events[-1] == "[DONE]"
@@ -238,7 +288,11 @@ def test_raw_stream_is_server_sent_events_ending_with_done(stack):
     assert text.strip() and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert chunks[-1]["edgecache"]["device"] == BOARD
     # The API's own middleware (dashboard.asgi.ApiHandler): the pages' security headers, no session.
-    assert headers["X-Content-Type-Options"] == "nosniff" and headers["X-Frame-Options"] == "DENY" and headers["Referrer-Policy"] == "same-origin"
+    assert (
+        headers["X-Content-Type-Options"] == "nosniff"
+        and headers["X-Frame-Options"] == "DENY"
+        and headers["Referrer-Policy"] == "same-origin"
+    )
     assert "Set-Cookie" not in headers and "Vary" not in headers
 
 
@@ -246,7 +300,9 @@ def test_a_request_naming_another_host_is_refused_in_openai_shape(stack):
     """The pages' CommonMiddleware checks the Host header against ALLOWED_HOSTS; the API's own stack
     does too (a DNS-rebinding page would otherwise reach the API through a victim's browser)."""
     request = urllib.request.Request(
-        stack.url + "/v1/models", headers={"Authorization": f"Bearer {stack.keys['main']}", "Host": "attacker.example"}, method="GET"
+        stack.url + "/v1/models",
+        headers={"Authorization": f"Bearer {stack.keys['main']}", "Host": "attacker.example"},
+        method="GET",
     )
     try:
         urllib.request.urlopen(request, timeout=30)
@@ -262,9 +318,13 @@ def test_a_request_naming_another_host_is_refused_in_openai_shape(stack):
 def test_async_client_completion_and_stream(stack):
     async def talk():
         client = openai.AsyncOpenAI(api_key=stack.keys["main"], base_url=stack.url + "/v1", max_retries=0, timeout=120)
-        whole = await client.completions.create(model=stack.model, prompt="Paris is the capital of", max_tokens=4, temperature=0)
+        whole = await client.completions.create(
+            model=stack.model, prompt="Paris is the capital of", max_tokens=4, temperature=0
+        )
         pieces = []
-        async for chunk in await client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, stream=True, seed=7):
+        async for chunk in await client.chat.completions.create(
+            model=stack.model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, stream=True, seed=7
+        ):
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
         await client.close()
@@ -276,7 +336,9 @@ def test_async_client_completion_and_stream(stack):
 
 
 def test_stop_string_ends_the_answer_and_is_not_returned(stack):
-    response = stack.client().completions.create(model=stack.model, prompt="1, 2, 3, 4, 5, 6,", max_tokens=24, temperature=0, stop=[","])
+    response = stack.client().completions.create(
+        model=stack.model, prompt="1, 2, 3, 4, 5, 6,", max_tokens=24, temperature=0, stop=[","]
+    )
     choice = response.choices[0]
     assert "," not in choice.text and choice.finish_reason == "stop"
     assert response.usage.completion_tokens < 24
@@ -317,18 +379,39 @@ def test_second_turn_of_a_chat_reuses_the_first_turn_and_its_answer(stack):
 
 def test_schema_prompt_through_the_api(stack):
     travel = (ROOT / "examples" / "travel.pml").read_text()
-    stack.shell(f"from dashboard.models import Schema; s = Schema(source={travel!r}); s.full_clean(); s.save(); print(s.name)")
+    stack.shell(
+        f"from dashboard.models import Schema; s = Schema(source={travel!r}); s.full_clean(); s.save(); print(s.name)"
+    )
     pml = '<prompt schema="travel"><trip-plan duration="3 days"/><miami/><user>Where to surf?</user></prompt>'
-    response = stack.client().chat.completions.create(model=stack.model, messages=[], max_tokens=4, temperature=0, extra_body={"edgecache": {"schema": "travel", "pml": pml}})
+    response = stack.client().chat.completions.create(
+        model=stack.model,
+        messages=[],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"edgecache": {"schema": "travel", "pml": pml}},
+    )
     assert response.choices[0].message.content.strip() and response.usage.prompt_tokens > 10
     assert stack.run_row(response.id.removeprefix("chatcmpl-"))["source"] == "api"
 
 
 # -- a client that leaves ----------------------------------------------------------------------------
 def test_a_client_that_disconnects_mid_stream_cancels_the_run(stack):
-    body = json.dumps({"model": stack.model, "messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper and the sea."}], "max_tokens": 1500, "temperature": 0, "stream": True})
+    body = json.dumps(
+        {
+            "model": stack.model,
+            "messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper and the sea."}],
+            "max_tokens": 1500,
+            "temperature": 0,
+            "stream": True,
+        }
+    )
     connection = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=60)
-    connection.request("POST", "/v1/chat/completions", body=body, headers={"Authorization": f"Bearer {stack.keys['main']}", "Content-Type": "application/json"})
+    connection.request(
+        "POST",
+        "/v1/chat/completions",
+        body=body,
+        headers={"Authorization": f"Bearer {stack.keys['main']}", "Content-Type": "application/json"},
+    )
     response = connection.getresponse()
     assert response.status == 200
     request_id, contents = None, 0
@@ -348,18 +431,31 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_run(stack):
 # -- the benchmark, briefly ---------------------------------------------------------------------------
 def test_bench_api_measures_what_the_api_adds_to_the_board_ttft(stack, tmp_path):
     out = tmp_path / "api.json"
-    done = stack.manage("bench", "api", "--url", stack.url, "--clients", "2", "--seconds", "3", "--max-tokens", "4", "--json", str(out))
+    done = stack.manage(
+        "bench", "api", "--url", stack.url, "--clients", "2", "--seconds", "3", "--max-tokens", "4", "--json", str(out)
+    )
     document = json.loads(out.read_text())
     assert document["errors"] == 0 and document["requests"] >= 2, done.stdout
-    assert document["overhead_ms"]["p50"] is not None and document["board_ttft_ms"]["p50"] > 0 and document["queue_ms"]["p50"] > 0
+    assert (
+        document["overhead_ms"]["p50"] is not None
+        and document["board_ttft_ms"]["p50"] > 0
+        and document["queue_ms"]["p50"] > 0
+    )
     # Two clients, one board: a run waits behind the other; that wait, from the request's arrival,
     # lies before the board took it (wall clock against the API's own: 1 ms apart at most) and is
     # not counted as the API's (overhead: first chunk minus the board's TTFT and that wait).
     samples = document["samples"]
-    assert all(0 <= sample["behind_ms"] <= sample["api_ms"] + sample["queue_ms"] + 1 for sample in samples) and any(sample["behind_ms"] > 0 for sample in samples)
-    assert all(abs(sample["overhead_ms"] - (sample["first_minus_board_ttft_ms"] - sample["behind_ms"])) < 0.01 for sample in samples)
+    assert all(0 <= sample["behind_ms"] <= sample["api_ms"] + sample["queue_ms"] + 1 for sample in samples) and any(
+        sample["behind_ms"] > 0 for sample in samples
+    )
+    assert all(
+        abs(sample["overhead_ms"] - (sample["first_minus_board_ttft_ms"] - sample["behind_ms"])) < 0.01
+        for sample in samples
+    )
     assert out.with_suffix(".html").exists() and "p50" in done.stdout
-    assert stack.db("select count(*) from dashboard_apikey where name like 'bench api%' and revoked_at is null") == [(0,)]
+    assert stack.db("select count(*) from dashboard_apikey where name like 'bench api%' and revoked_at is null") == [
+        (0,)
+    ]
 
 
 # -- errors, in OpenAI's shape -----------------------------------------------------------------------
@@ -367,7 +463,9 @@ def test_bad_or_missing_key_is_401(stack):
     with pytest.raises(openai.AuthenticationError) as caught:
         stack.client("ec-not-a-key").models.list()
     assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
-    status, _, raw = post(stack, "/v1/chat/completions", {"model": stack.model, "messages": [{"role": "user", "content": "hi"}]}, key=None)
+    status, _, raw = post(
+        stack, "/v1/chat/completions", {"model": stack.model, "messages": [{"role": "user", "content": "hi"}]}, key=None
+    )
     assert status == 401 and error_of(raw)["code"] == "invalid_api_key"
 
 
@@ -380,20 +478,33 @@ def test_bad_requests_are_400_naming_the_field(stack):
         (dict(model="no-such-model.gguf", messages=user), "model", "model_not_found"),
         (dict(model=stack.model, messages=[{"role": "tool", "content": "x"}]), "messages[0].role", None),
         (dict(model=stack.model, messages=user, temperature=5), "temperature", None),
-        (dict(model=stack.model, messages=user, tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported_parameter"),
-        (dict(model=stack.model, messages=user, extra_body={"edgecache": {"strategy": "telepathy"}}), "edgecache.strategy", None),
+        (
+            dict(model=stack.model, messages=user, tools=[{"type": "function", "function": {"name": "f"}}]),
+            "tools",
+            "unsupported_parameter",
+        ),
+        (
+            dict(model=stack.model, messages=user, extra_body={"edgecache": {"strategy": "telepathy"}}),
+            "edgecache.strategy",
+            None,
+        ),
     ]
     for arguments, param, code in cases:
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(**arguments)
-        assert caught.value.status_code == 400 and caught.value.param == param and caught.value.code == code, (arguments, caught.value.body)
+        assert caught.value.status_code == 400 and caught.value.param == param and caught.value.code == code, (
+            arguments,
+            caught.value.body,
+        )
     status, _, raw = post(stack, "/v1/chat/completions", b'{"model": "x", "messages": [')
     assert status == 400 and error_of(raw)["type"] == "invalid_request_error" and "JSON" in error_of(raw)["message"]
 
 
 def test_a_prompt_longer_than_the_context_is_context_length_exceeded(stack):
     with pytest.raises(openai.BadRequestError) as caught:
-        stack.client().chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "lighthouse " * 2500}], max_tokens=16)
+        stack.client().chat.completions.create(
+            model=stack.model, messages=[{"role": "user", "content": "lighthouse " * 2500}], max_tokens=16
+        )
     error = caught.value
     assert error.code == "context_length_exceeded" and error.param == "messages"
     assert re.search(r"the prompt has \d+ tokens and 16 more were asked for, but the context holds 2048", error.message)
@@ -419,15 +530,21 @@ def test_a_known_model_without_an_online_board_is_503_saying_what_to_do(stack):
 def test_a_key_reaches_only_its_namespace_boards(stack):
     user = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.NotFoundError) as caught:
-        stack.client().chat.completions.create(model=stack.model, messages=user, extra_body={"edgecache": {"device": "b-board"}})
+        stack.client().chat.completions.create(
+            model=stack.model, messages=user, extra_body={"edgecache": {"device": "b-board"}}
+        )
     assert "b-board" in caught.value.message and caught.value.code == "device_not_found"
     with pytest.raises(openai.NotFoundError) as caught:
-        stack.client("tenant-b").chat.completions.create(model=stack.model, messages=user, extra_body={"edgecache": {"device": BOARD}})
+        stack.client("tenant-b").chat.completions.create(
+            model=stack.model, messages=user, extra_body={"edgecache": {"device": BOARD}}
+        )
     assert BOARD in caught.value.message
     with pytest.raises(openai.BadRequestError) as caught:  # nor, without naming one, any board of another namespace
         stack.client("tenant-b").chat.completions.create(model=stack.model, messages=user)
     assert caught.value.code == "model_not_found"
-    named = stack.client().chat.completions.create(model=stack.model, messages=user, max_tokens=2, extra_body={"edgecache": {"device": BOARD}})
+    named = stack.client().chat.completions.create(
+        model=stack.model, messages=user, max_tokens=2, extra_body={"edgecache": {"device": BOARD}}
+    )
     assert named.model_extra["edgecache"]["device"] == BOARD
 
 
@@ -440,7 +557,9 @@ def test_stop_strings_are_cut_even_when_they_span_pieces():
     assert released == ["Hello", " ", "", "ENx wor", "ld", ""]  # " E" and "\n" held until they could not start a stop
     assert answer.stopped and answer.text == "Hello ENx world" and answer.finish("ignored") == ""
     plain = _Answer([])
-    assert [plain.add(piece) for piece in ("a", "b")] == ["a", "b"] and plain.finish("abc") == "c" and plain.text == "abc"
+    assert (
+        [plain.add(piece) for piece in ("a", "b")] == ["a", "b"] and plain.finish("abc") == "c" and plain.text == "abc"
+    )
 
 
 def test_chat_prompt_keeps_what_people_wrote_as_text(engine):
@@ -464,23 +583,29 @@ def _events(pubsub, request_id: str, me) -> list[dict]:
         message = pubsub.get_message(timeout=0.5)  # None also for the (ignored) subscribe confirmation
         if message is not None and message["type"] == "message":
             assert b"type" not in message["data"] or b'"sealed"' in message["data"]  # nothing readable on the channel
-            event = StreamEvent.open(message["data"], request_id=request_id, signer_public_key=me.keys.signing_public_key, ring_for=me.ring_for)
+            event = StreamEvent.open(
+                message["data"],
+                request_id=request_id,
+                signer_public_key=me.keys.signing_public_key,
+                ring_for=me.ring_for,
+            )
             events.append(event.model_dump(mode="json"))
     return events
 
 
-def test_serve_streams_each_piece_then_done_and_honours_stop_and_cancel(valkey_url, namespace, make_board, monkeypatch, settings):
+def test_serve_streams_each_piece_then_done_and_honours_stop_and_cancel(
+    valkey_url, namespace, make_board, monkeypatch, settings
+):
     import redis
 
     from cachebox.keys import cancel_key_name, stream_channel
     from cachebox.signing import derive_keyring, public_hex
     from cachebox.store import CacheBox
     from inference import board as edge
-    from inference.contract import envelope
     from inference.board import serve
+    from inference.contract import envelope
     from inference.contract.envelope import CONTROL, Kind
     from inference.contract.messages import RunRequest
-
     from tests.inference.test_edge import CONTROL_PLANE, board_identity
 
     board = make_board(valkey_url, namespace, device="streamer")
@@ -490,7 +615,12 @@ def test_serve_streams_each_piece_then_done_and_honours_stop_and_cancel(valkey_u
     monkeypatch.setattr(edge.enrollment, "_identity", me)
     pubsub = redis.Redis.from_url(valkey_url).pubsub(ignore_subscribe_messages=True)
     request = RunRequest(
-        request_id=str(uuid.uuid4()), messages=[{"role": "user", "content": "List the numbers 1, 2, 3, 4, 5, 6 and 7."}], max_tokens=30, stream=True, stop=["5"], namespace=namespace
+        request_id=str(uuid.uuid4()),
+        messages=[{"role": "user", "content": "List the numbers 1, 2, 3, 4, 5, 6 and 7."}],
+        max_tokens=30,
+        stream=True,
+        stop=["5"],
+        namespace=namespace,
     )
     pubsub.subscribe(stream_channel("streamer", request.request_id))
     report = serve(board, request)
@@ -499,33 +629,58 @@ def test_serve_streams_each_piece_then_done_and_honours_stop_and_cancel(valkey_u
     assert done["type"] == "done" and done["text"] == report.text and "".join(e["text"] for e in tokens) == report.text
     assert [e.get("index", 0) for e in tokens] == list(range(len(tokens))) and len(tokens) >= 2
     assert "5" not in report.text and done["finish_reason"] == "stop" and report.error == ""
-    assert report.prompt.startswith("<start_of_turn>user\n") and done["breakdown"]["generated_tokens"] == report.breakdown.generated_tokens
+    assert (
+        report.prompt.startswith("<start_of_turn>user\n")
+        and done["breakdown"]["generated_tokens"] == report.breakdown.generated_tokens
+    )
 
     def cancel(request_id: str, signer) -> bytes:
-        return json.dumps(envelope.seal({"request_id": request_id}, kind=Kind.CANCEL, sender=CONTROL, to="streamer", signer=signer)).encode()
+        return json.dumps(
+            envelope.seal({"request_id": request_id}, kind=Kind.CANCEL, sender=CONTROL, to="streamer", signer=signer)
+        ).encode()
 
     # A cancel flag the control plane did not sign (the key is the board's own to read, but a
     # flag planted there by anyone else) stops nothing.
     from cachebox.signing import control_plane_key
 
-    forged = RunRequest(request_id=str(uuid.uuid4()), segments=["Once upon a time"], max_tokens=3, stream=True, namespace=namespace)
+    forged = RunRequest(
+        request_id=str(uuid.uuid4()), segments=["Once upon a time"], max_tokens=3, stream=True, namespace=namespace
+    )
     CacheBox(valkey_url).set_flag(cancel_key_name("streamer", forged.request_id), 60, b"1")
     assert serve(board, forged).error == ""
-    CacheBox(valkey_url).set_flag(cancel_key_name("streamer", forged.request_id), 60, cancel(forged.request_id, control_plane_key(b"an attacker's own master secret!")))
+    CacheBox(valkey_url).set_flag(
+        cancel_key_name("streamer", forged.request_id),
+        60,
+        cancel(forged.request_id, control_plane_key(b"an attacker's own master secret!")),
+    )
     assert serve(board, forged).error == ""
     assert public_hex(CONTROL_PLANE) == me.keys.control_plane_key
 
-    waiting = RunRequest(request_id=str(uuid.uuid4()), segments=["Once upon a time"], max_tokens=50, stream=True, namespace=namespace)
-    CacheBox(valkey_url).set_flag(cancel_key_name("streamer", waiting.request_id), 60, cancel(waiting.request_id, CONTROL_PLANE))  # its client left while it waited
+    waiting = RunRequest(
+        request_id=str(uuid.uuid4()), segments=["Once upon a time"], max_tokens=50, stream=True, namespace=namespace
+    )
+    CacheBox(valkey_url).set_flag(
+        cancel_key_name("streamer", waiting.request_id), 60, cancel(waiting.request_id, CONTROL_PLANE)
+    )  # its client left while it waited
     report = serve(board, waiting)
     assert report.error == "cancelled by the client" and report.breakdown.generated_tokens == 0
     # The flag as a task reads it, with the board's registry record in one round trip: the same verdicts.
-    left, planted = (RunRequest(request_id=str(uuid.uuid4()), segments=["Once upon a time"], max_tokens=3, stream=True, namespace=namespace) for _ in range(2))
+    left, planted = (
+        RunRequest(
+            request_id=str(uuid.uuid4()), segments=["Once upon a time"], max_tokens=3, stream=True, namespace=namespace
+        )
+        for _ in range(2)
+    )
     assert serve(board, left, cancel_flag=cancel(left.request_id, CONTROL_PLANE)).error == "cancelled by the client"
-    assert serve(board, planted, cancel_flag=b"1").error == "" and serve(board, planted.model_copy(update={"request_id": str(uuid.uuid4())}), cancel_flag=None).error == ""
+    assert (
+        serve(board, planted, cancel_flag=b"1").error == ""
+        and serve(board, planted.model_copy(update={"request_id": str(uuid.uuid4())}), cancel_flag=None).error == ""
+    )
 
 
-def test_a_board_given_another_boards_first_tokens_streams_only_the_rest_and_answers_the_cold_answer(valkey_url, namespace, make_board, monkeypatch, settings):
+def test_a_board_given_another_boards_first_tokens_streams_only_the_rest_and_answers_the_cold_answer(
+    valkey_url, namespace, make_board, monkeypatch, settings
+):
     """A re-sent run (``RunRequest.continues``): the tokens its first board chose are the answer's
     forced beginning, decoded one by one as the cold run decoded them; what follows is the cold
     answer's rest, and only that is streamed (its client has the beginning)."""
@@ -536,7 +691,6 @@ def test_a_board_given_another_boards_first_tokens_streams_only_the_rest_and_ans
     from inference import board as edge
     from inference.board import serve
     from inference.contract.messages import Continuation, RunRequest
-
     from tests.inference.test_edge import board_identity
 
     board = make_board(valkey_url, namespace, device="second")
@@ -544,14 +698,23 @@ def test_a_board_given_another_boards_first_tokens_streams_only_the_rest_and_ans
     me.ring = derive_keyring(settings.EDGECACHE_SIGNING_SECRET, namespace, 1)
     me.record.namespace = namespace
     monkeypatch.setattr(edge.enrollment, "_identity", me)
-    asked = dict(segments=["Write a long story about a lighthouse keeper and the sea."], max_tokens=40, namespace=namespace, stream=True)
+    asked = dict(
+        segments=["Write a long story about a lighthouse keeper and the sea."],
+        max_tokens=40,
+        namespace=namespace,
+        stream=True,
+    )
     cold = serve(board, RunRequest(request_id=str(uuid.uuid4()), use_cache=False, **asked))
     assert cold.error == "" and len(cold.tokens) == 40
     pubsub = redis.Redis.from_url(valkey_url).pubsub(ignore_subscribe_messages=True)
     for given in (1, 17, 39):
         head = board.engine.detokenize(cold.tokens[:given])
         seen = head[: max(0, len(head) - 2)]  # its client may have less text than the tokens hold (a piece held back)
-        request = RunRequest(request_id=str(uuid.uuid4()), continues=Continuation(tokens=cold.tokens[:given], text=seen, device="first"), **asked)
+        request = RunRequest(
+            request_id=str(uuid.uuid4()),
+            continues=Continuation(tokens=cold.tokens[:given], text=seen, device="first"),
+            **asked,
+        )
         pubsub.subscribe(stream_channel("second", request.request_id))
         report = serve(board, request)
         events = _events(pubsub, request.request_id, me)
@@ -576,4 +739,6 @@ def test_no_module_outside_cachebox_imports_redis():
     ]  # benchmarks' drivers (the fleet simulation's boards) speak raw Redis on purpose
     # and the control plane's own async stream reader and Django cache backend (boards never load them)
     allowed = ["dashboard/live/streams.py", "dashboard/store/django_cache.py"]
-    assert sorted(offenders) == allowed, "only cachebox (and the control plane's stream reader and cache backend) may import redis"
+    assert sorted(offenders) == allowed, (
+        "only cachebox (and the control plane's stream reader and cache backend) may import redis"
+    )

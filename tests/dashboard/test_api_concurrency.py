@@ -48,8 +48,21 @@ def test_two_api_requests_do_their_synchronous_work_at_once_not_in_turn(monkeypa
 
     chat = json.dumps({"model": "m.gguf", "messages": [{"role": "user", "content": "hi"}]})
     requests = {
-        "chat": (views.chat_completions, lambda: factory.post("/v1/chat/completions", data=chat, content_type="application/json", headers={"Authorization": "Bearer ec-x"})),
-        "completion": (views.completions, lambda: factory.post("/v1/completions", data=json.dumps({"model": "m.gguf", "prompt": "hi"}), content_type="application/json")),
+        "chat": (
+            views.chat_completions,
+            lambda: factory.post(
+                "/v1/chat/completions",
+                data=chat,
+                content_type="application/json",
+                headers={"Authorization": "Bearer ec-x"},
+            ),
+        ),
+        "completion": (
+            views.completions,
+            lambda: factory.post(
+                "/v1/completions", data=json.dumps({"model": "m.gguf", "prompt": "hi"}), content_type="application/json"
+            ),
+        ),
         "models": (views.models, lambda: factory.get("/v1/models", headers={"Authorization": "Bearer ec-x"})),
         "model": (views.model_detail, lambda: factory.get("/v1/models/m.gguf")),
     }
@@ -62,7 +75,10 @@ def test_two_api_requests_do_their_synchronous_work_at_once_not_in_turn(monkeypa
             responses = async_to_sync(both)(view, make)
             assert [response.status_code for response in responses] == [401, 401], name
             assert json.loads(responses[0].content)["error"]["code"] == "invalid_api_key"
-            assert len(set(met_on)) == 2 and not any(thread.startswith("django-sync") for thread in met_on), (name, met_on)
+            assert len(set(met_on)) == 2 and not any(thread.startswith("django-sync") for thread in met_on), (
+                name,
+                met_on,
+            )
     finally:
         django_thread.shutdown()
 
@@ -90,4 +106,8 @@ def test_a_web_process_reads_its_devices_again_beside_the_requests_not_inside_on
 
     Device.objects.create(name="third-board", token_sha256="0" * 64)
     monkeypatch.setattr(router.Candidates, "STALE_S", 0.0)  # too old to route on: read now
-    assert {device.name for device in candidates.roster("default").devices} == {"first-board", "second-board", "third-board"}
+    assert {device.name for device in candidates.roster("default").devices} == {
+        "first-board",
+        "second-board",
+        "third-board",
+    }

@@ -59,12 +59,17 @@ def test_staff_create_a_key_in_any_namespace_and_see_it_once(tenants):
     assert 'data-copy aria-label="Copy the API key"' in html
     shown = re.search(r'<pre id="api-key-curl" class="command">(.*?)</pre>', html, re.S).group(1)
     curl = shlex.split(unescape(re.sub(r"<[^>]+>", "", shown)))
-    assert curl[:2] == ["curl", "-N"] and f"Authorization: Bearer {key}" in curl and json.loads(curl[-1])["stream"] is True
+    assert (
+        curl[:2] == ["curl", "-N"] and f"Authorization: Bearer {key}" in curl and json.loads(curl[-1])["stream"] is True
+    )
     row = ApiKey.objects.get(name="reports")
     assert row.namespace_id == "tenant-b" and row.key_sha256 == hash_key(key) and row.created_by == tenants["staff"]
     again = client.get(reverse("api-key-created"))  # shown once: a reload shows it no more
     assert again.status_code == 302 and key not in client.get(reverse("api-keys")).content.decode()
-    assert AuditEvent.objects.filter(action="apikey.create", user=tenants["staff"], detail="namespace=tenant-b").count() == 1
+    assert (
+        AuditEvent.objects.filter(action="apikey.create", user=tenants["staff"], detail="namespace=tenant-b").count()
+        == 1
+    )
 
 
 def test_a_member_lists_only_their_namespaces_keys_with_last_use(tenants):
@@ -112,7 +117,10 @@ def test_a_member_manages_keys_where_the_namespace_allows_it_and_only_there(tena
     Membership.objects.create(user=tenants["ann"], namespace=tenants["b"])
     b_key, _ = create_key(None, "tenant-b", name="b-key")
     html = ann.get(reverse("api-keys")).content.decode()
-    assert reverse("api-key-revoke", args=[b_key.pk]) not in html and "Only staff make and revoke the keys of tenant-b" in html
+    assert (
+        reverse("api-key-revoke", args=[b_key.pk]) not in html
+        and "Only staff make and revoke the keys of tenant-b" in html
+    )
     assert ann.post(reverse("api-key-revoke", args=[b_key.pk]), {"confirm": "on"}).status_code == 403
     assert ApiKey.objects.get(pk=b_key.pk).revoked_at is None
 
@@ -121,7 +129,11 @@ def test_revoking_asks_first_then_refuses_the_key_and_is_audited(tenants):
     row, key = create_key(None, "tenant-a", name="to-revoke")
     ann = _client(tenants["ann"])
     asked = ann.get(reverse("api-key-revoke", args=[row.pk]))
-    assert asked.status_code == 200 and "Revoke the API key" in asked.content.decode() and 'name="confirm"' in asked.content.decode()
+    assert (
+        asked.status_code == 200
+        and "Revoke the API key" in asked.content.decode()
+        and 'name="confirm"' in asked.content.decode()
+    )
     unconfirmed = ann.post(reverse("api-key-revoke", args=[row.pk]), {})
     assert unconfirmed.status_code == 200 and ApiKey.objects.get(pk=row.pk).revoked_at is None
     done = ann.post(reverse("api-key-revoke", args=[row.pk]), {"confirm": "on"})

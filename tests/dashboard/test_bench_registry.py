@@ -10,7 +10,7 @@ import pytest
 
 from dashboard import bench as registry
 from dashboard.bench import documents, runner
-from dashboard.bench.base import Benchmark, BenchError
+from dashboard.bench.base import BenchError, Benchmark
 from dashboard.bench.common import percentile
 from dashboard.bench.html_report import write_report
 
@@ -45,7 +45,15 @@ def _toy(**changes) -> Benchmark:
     def report(path, doc):
         return write_report(path, "bench toy", doc["summary"], [], {"Sizes": [{"size": s} for s in doc["sizes"]]}, doc)
 
-    fields = {"name": "toy", "format": 2, "help": "a toy", "add_arguments": add_arguments, "run": run, "lines": lambda doc: [f"sizes: {doc['sizes']}"], "report": report}
+    fields = {
+        "name": "toy",
+        "format": 2,
+        "help": "a toy",
+        "add_arguments": add_arguments,
+        "run": run,
+        "lines": lambda doc: [f"sizes: {doc['sizes']}"],
+        "report": report,
+    }
     return Benchmark(**{**fields, **changes})
 
 
@@ -92,7 +100,9 @@ def test_documents_are_known_by_their_bench_and_older_ones_by_their_fields():
     }
     for kind, doc in older.items():
         assert documents.kind_of(doc) == kind
-    assert set(older) | {"lab-exit", "lab-anchors", "footprint", "seal", "fleet-sim", "vs-server", "kernels"} == set(registry.BENCHMARKS)  # lab studies and newer benches always named themselves
+    assert set(older) | {"lab-exit", "lab-anchors", "footprint", "seal", "fleet-sim", "vs-server", "kernels"} == set(
+        registry.BENCHMARKS
+    )  # lab studies and newer benches always named themselves
     assert documents.kind_of({"something": "else"}) is None and documents.kind_of([1]) is None
 
 

@@ -17,7 +17,10 @@ def test_model_names_are_the_pairs_boards_report_read_by_the_database():
     from dashboard.models import Device, Namespace
 
     Namespace.objects.get_or_create(name="default")
-    Device.objects.create(name="one", status={"fingerprint": FINGERPRINT, "model": "gemma.gguf", "catalogs": {"default": {"approx_items": 3}}})
+    Device.objects.create(
+        name="one",
+        status={"fingerprint": FINGERPRINT, "model": "gemma.gguf", "catalogs": {"default": {"approx_items": 3}}},
+    )
     Device.objects.create(name="two", status={"fingerprint": FINGERPRINT, "model": "gemma.gguf"})
     Device.objects.create(name="three", status={"fingerprint": "cd" * 16})  # no model named: nothing to say
     Device.objects.create(name="four", status={"model": "other.gguf"})  # no fingerprint
@@ -26,23 +29,32 @@ def test_model_names_are_the_pairs_boards_report_read_by_the_database():
 
 
 @pytest.mark.django_db
-def test_entry_previews_find_each_entrys_newest_storing_run_within_its_window_in_one_query_per_span(django_assert_num_queries):
-    from dashboard.models import CacheEntry
+def test_entry_previews_find_each_entrys_newest_storing_run_within_its_window_in_one_query_per_span(
+    django_assert_num_queries,
+):
+    from dashboard.models import CacheEntry, Device, InferenceRun, Namespace
     from dashboard.pages.entry_preview import NEAR, previews
-    from dashboard.models import Device, InferenceRun, Namespace
 
     Namespace.objects.get_or_create(name="default")
     device = Device.objects.create(name="board")
     now = timezone.now()
 
     def entry(name: str, ago: timedelta) -> CacheEntry:
-        made = CacheEntry.objects.create(key=f"ec:e:default:{name}", model=FINGERPRINT[:16], namespace="default", start=0, end=4, bytes=1)
+        made = CacheEntry.objects.create(
+            key=f"ec:e:default:{name}", model=FINGERPRINT[:16], namespace="default", start=0, end=4, bytes=1
+        )
         CacheEntry.objects.filter(pk=made.pk).update(created=now - ago)
         made.refresh_from_db()
         return made
 
     def stored(ago: timedelta, *pieces: tuple[CacheEntry, str]) -> None:
-        run = InferenceRun.objects.create(device=device, source="schema", prompt="p", text="t", breakdown={"entries": {"stored": [{"name": e.key, "piece": piece} for e, piece in pieces]}})
+        run = InferenceRun.objects.create(
+            device=device,
+            source="schema",
+            prompt="p",
+            text="t",
+            breakdown={"entries": {"stored": [{"name": e.key, "piece": piece} for e, piece in pieces]}},
+        )
         InferenceRun.objects.filter(pk=run.pk).update(created=now - ago)
 
     a, b = entry("a", timedelta(seconds=1)), entry("b", timedelta(seconds=2))

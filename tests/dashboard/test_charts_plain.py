@@ -16,13 +16,38 @@ from dashboard.pages.chart_series import ChartPoint
 
 T0 = datetime(2026, 11, 27, tzinfo=timezone.utc)
 POINTS = [
-    ChartPoint(T0 + timedelta(seconds=i), f"d{i % 3}", 10.0 + i, 20.0 + i, 1.0 + i, 2.0 + i, 1e6 * i, 1, context_hits=i % 2, cachebox_hits=(i + 1) % 2)
+    ChartPoint(
+        T0 + timedelta(seconds=i),
+        f"d{i % 3}",
+        10.0 + i,
+        20.0 + i,
+        1.0 + i,
+        2.0 + i,
+        1e6 * i,
+        1,
+        context_hits=i % 2,
+        cachebox_hits=(i + 1) % 2,
+    )
     for i in range(30)
 ]
 DEVICES, COLORS = ["d0", "d1", "d2"], {"d0": "#111111"}  # d1 and d2 without a colour: plotly picks
-RUNS = [SimpleNamespace(pk=i, device=SimpleNamespace(name="d0"), breakdown={"token_ms": 1.0 * i, "redis_ms": 2.0}) for i in range(5)]
-BREAKDOWNS = [{"case": "miss", "prompt_tokens": 100 + i * 10, "prefill_ms": 50.0 + i * 5, "ttft_ms": 60.0 + i} for i in range(10)] + [
-    {"case": "full", "matched_tokens": 100 + i * 10, "redis_ms": 5.0 + i, "restore_ms": 1.0, "ttft_ms": 8.0, "decision": "fetch", "candidate_tokens": 100, "predicted_fetch_ms": 5.0}
+RUNS = [
+    SimpleNamespace(pk=i, device=SimpleNamespace(name="d0"), breakdown={"token_ms": 1.0 * i, "redis_ms": 2.0})
+    for i in range(5)
+]
+BREAKDOWNS = [
+    {"case": "miss", "prompt_tokens": 100 + i * 10, "prefill_ms": 50.0 + i * 5, "ttft_ms": 60.0 + i} for i in range(10)
+] + [
+    {
+        "case": "full",
+        "matched_tokens": 100 + i * 10,
+        "redis_ms": 5.0 + i,
+        "restore_ms": 1.0,
+        "ttft_ms": 8.0,
+        "decision": "fetch",
+        "candidate_tokens": 100,
+        "predicted_fetch_ms": 5.0,
+    }
     for i in range(10)
 ]
 LINK = next(profile for profile in LINK_PRESETS.values() if profile)
@@ -47,7 +72,9 @@ def _without_template(layout: dict) -> dict:
 @pytest.mark.parametrize("name", FIGURES)
 def test_each_figure_is_what_plotly_makes_of_it(name):
     figure = FIGURES[name]()
-    checked = go.Figure({"data": figure["data"], "layout": figure["layout"]}).to_plotly_json()  # raises on any property plotly does not know
+    checked = go.Figure(
+        {"data": figure["data"], "layout": figure["layout"]}
+    ).to_plotly_json()  # raises on any property plotly does not know
     assert checked["data"] == figure["data"]
     assert _without_template(checked["layout"]) == _without_template(figure["layout"])
     assert figure["layout"]["template"] == charts._template("plotly_white")
@@ -62,5 +89,11 @@ def test_plotly_refuses_what_the_check_above_relies_on_it_refusing():
 
 
 def test_layout_spells_out_plotly_shorthand():
-    assert charts._layout(yaxis_title="ms", yaxis=dict(range=[0, 1]), shapes=[], meta=None) == {"yaxis": {"title": {"text": "ms"}, "range": [0, 1]}}
-    assert charts._trace("scatter", name="a", x=[], marker=dict(color=None)) == {"type": "scatter", "name": "a", "x": []}
+    assert charts._layout(yaxis_title="ms", yaxis=dict(range=[0, 1]), shapes=[], meta=None) == {
+        "yaxis": {"title": {"text": "ms"}, "range": [0, 1]}
+    }
+    assert charts._trace("scatter", name="a", x=[], marker=dict(color=None)) == {
+        "type": "scatter",
+        "name": "a",
+        "x": [],
+    }

@@ -39,7 +39,9 @@ def test_infer_after_infer_hits_through_the_embedded_cache_box(tmp_path):
 def test_plain_output_shows_the_answer_and_a_breakdown(tmp_path, valkey_url):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("One, two, three,", encoding="utf-8")
-    done = run_manage("infer", "--prompt-file", str(prompt), "--max-tokens", "2", "--no-cache", env={"REDIS_URL": valkey_url})
+    done = run_manage(
+        "infer", "--prompt-file", str(prompt), "--max-tokens", "2", "--no-cache", env={"REDIS_URL": valkey_url}
+    )
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.strip()
     assert b"TTFT" in done.stderr and b"off" in done.stderr
@@ -78,7 +80,12 @@ def test_infer_answers_when_the_cache_box_is_down(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Two plus two is", encoding="utf-8")
     done = run_manage(
-        "infer", "--prompt-file", str(prompt), "--max-tokens", "2", "--json",
+        "infer",
+        "--prompt-file",
+        str(prompt),
+        "--max-tokens",
+        "2",
+        "--json",
         env={"REDIS_URL": "redis://127.0.0.1:9/0", "EDGECACHE_N_CTX": "2048"},
     )
     assert done.returncode == 0, done.stderr.decode()
@@ -89,8 +96,20 @@ def test_infer_answers_when_the_cache_box_is_down(tmp_path):
 def test_bench_cases_writes_the_papers_figures(tmp_path, valkey_url):
     out = tmp_path / "cases.json"
     done = run_manage(
-        "bench", "cases", "--topic", "astronomy", "--prompts", "2", "--shots", "3", "--max-tokens", "2", "--json", str(out),
-        env={"REDIS_URL": valkey_url, "EDGECACHE_N_CTX": "2048"}, timeout=300,
+        "bench",
+        "cases",
+        "--topic",
+        "astronomy",
+        "--prompts",
+        "2",
+        "--shots",
+        "3",
+        "--max-tokens",
+        "2",
+        "--json",
+        str(out),
+        env={"REDIS_URL": valkey_url, "EDGECACHE_N_CTX": "2048"},
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr.decode()
     doc = json.loads(out.read_text())
@@ -141,15 +160,16 @@ def test_make_run_says_which_of_its_processes_ended_and_how():
 def test_make_run_starts_its_demo_boards_below_the_control_planes_cpu_priority():
     """Demo boards share this machine's cores with the web process: a board computing on every core
     must not starve the API (the threads llama.cpp starts run at the board's priority too)."""
+    import os
     import subprocess
     import sys
 
     from dashboard.management.commands.run import BOARD_NICE, board_command
 
-    import os
-
     probe = "import os, threading; seen = []; t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0))); t.start(); t.join(); print(os.nice(0), seen[0])"
-    out = subprocess.run(board_command([sys.executable, "-c", probe]), capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    out = subprocess.run(
+        board_command([sys.executable, "-c", probe]), capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
     here = os.nice(0)
     assert [int(value) for value in out] == [min(19, here + BOARD_NICE)] * 2
 
@@ -163,8 +183,17 @@ def test_a_demo_board_gets_no_control_plane_variable_and_its_worker_never_sets_d
     from dashboard.management.commands.run import CONTROL_PLANE_ONLY, board_environment
     from inference.board.app import board_app
 
-    environ = {"PATH": "/usr/bin", "REDIS_URL": "redis://127.0.0.1:6379/0", "EDGECACHE_N_CTX": "2048", **{name: "secret" for name in CONTROL_PLANE_ONLY}}
-    assert board_environment(environ) == {"PATH": "/usr/bin", "REDIS_URL": "redis://127.0.0.1:6379/0", "EDGECACHE_N_CTX": "2048"}
+    environ = {
+        "PATH": "/usr/bin",
+        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "EDGECACHE_N_CTX": "2048",
+        **{name: "secret" for name in CONTROL_PLANE_ONLY},
+    }
+    assert board_environment(environ) == {
+        "PATH": "/usr/bin",
+        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "EDGECACHE_N_CTX": "2048",
+    }
     assert {"DJANGO_SETTINGS_MODULE", "DATABASE_URL", "EDGECACHE_ADMIN_PASSWORD"} <= CONTROL_PLANE_ONLY
     monkeypatch.setenv("DJANGO_SETTINGS_MODULE", "dashboard.settings")  # a board started from the control plane's shell
     app = board_app("redis://127.0.0.1:1/0")
@@ -183,7 +212,9 @@ def test_a_demo_board_started_by_make_run_cannot_open_the_control_planes_secrets
     from dashboard.management.commands.run import DEMO_BOARDS, Command, demo_board_account
 
     if os.geteuid() != 0:
-        pytest.skip("only root can start the boards as another user (not root: docs/operations.md says what protects the secrets)")
+        pytest.skip(
+            "only root can start the boards as another user (not root: docs/operations.md says what protects the secrets)"
+        )
     monkeypatch.setenv("EDGECACHE_HOME", str(tmp_path / ".edgecache"))  # the boards' folders go beside it
     secrets = [path for path in Path(settings.EDGECACHE_SECRETS_DIR).rglob("*") if path.is_file()]
     state = [path for path in Path(settings.EDGECACHE_HOME).rglob("*") if path.is_file()]
@@ -203,7 +234,9 @@ def test_a_demo_board_started_by_make_run_cannot_open_the_control_planes_secrets
     account = demo_board_account()
     assert account is not None and account[0] != 0
     command = Command()
-    board = command._start_board(DEMO_BOARDS[1], "a-token", None, account, argv=[sys.executable, "-c", probe, *map(str, secrets + state)])
+    board = command._start_board(
+        DEMO_BOARDS[1], "a-token", None, account, argv=[sys.executable, "-c", probe, *map(str, secrets + state)]
+    )
     assert board.wait(timeout=60) == 0
     home = tmp_path / ".edgecache-boards" / DEMO_BOARDS[1]["name"]
     found = json.loads((home / "probe.json").read_text())
@@ -225,5 +258,11 @@ def test_make_run_says_its_demo_boards_run_as_this_user_when_it_is_not_root(monk
     assert run.demo_board_account({"EDGECACHE_BOARD_USER": ""}) is None
     with pytest.raises(run.CommandError, match="names no account"):
         run.demo_board_account({"EDGECACHE_BOARD_USER": "no-such-user-here"})
-    env = run.board_environment({"REDIS_URL": "redis://default:hunter2@127.0.0.1:6379/0", "EDGECACHE_SIGNING_SECRET": "s", "DJANGO_SECRET_KEY": "k"})
+    env = run.board_environment(
+        {
+            "REDIS_URL": "redis://default:hunter2@127.0.0.1:6379/0",
+            "EDGECACHE_SIGNING_SECRET": "s",
+            "DJANGO_SECRET_KEY": "k",
+        }
+    )
     assert env == {"REDIS_URL": "redis://127.0.0.1:6379/0"}

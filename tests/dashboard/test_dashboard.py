@@ -20,20 +20,19 @@ from django.contrib.auth import get_user_model
 from django.urls import reverse
 
 from cachebox.entry import EntryHeader, encode_entry
-from cachebox.signing import derive_keyring, shared_producer_ring
 from cachebox.keys import entry_key_name
-from dashboard.models import CacheEntry
+from cachebox.signing import derive_keyring, shared_producer_ring
 from cachebox.store import CacheBox
 from dashboard import actions, admission, tasks
 from dashboard.celery import app as celery_app
-from dashboard.live.consumers import LiveConsumer
 from dashboard.live.broadcast import GROUP
-from dashboard.models import AuditEvent, Device, Dispatch, InferenceRun
+from dashboard.live.consumers import LiveConsumer
+from dashboard.models import AuditEvent, CacheEntry, Device, Dispatch, InferenceRun
 from dashboard.security.signing import control_plane_public_key, device_ring
 from inference.board import devices as registry
+from inference.board.identity import BoardKeys
 from inference.contract import envelope
 from inference.contract.envelope import CONTROL, Kind
-from inference.board.identity import BoardKeys
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
@@ -43,7 +42,9 @@ def control_plane(settings, valkey_url):
     """Point the control plane at the test session's real Valkey (its bounded queues empty: each
     test counts its own runs under way, ``dashboard.admission``)."""
     settings.REDIS_URL = valkey_url
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [valkey_url]}}}
+    settings.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [valkey_url]}}
+    }
     channel_layers.backends.clear()
     store = CacheBox(valkey_url)
     _empty_queues(store)
@@ -70,7 +71,13 @@ def sent_tasks(monkeypatch):
         kind = {"edgecache.run_prompt": Kind.RUN, "edgecache.encode_schema": Kind.ENCODE}.get(name)
         if kind is not None:
             device = Device.objects.select_related("namespace").get(name=queue.removeprefix("device."))
-            message, _ = envelope.open_envelope(args[0], kind=kind, to=device.name, signer_public_key=control_plane_public_key(), ring_for=lambda _ns: device_ring(device))
+            message, _ = envelope.open_envelope(
+                args[0],
+                kind=kind,
+                to=device.name,
+                signer_public_key=control_plane_public_key(),
+                ring_for=lambda _ns: device_ring(device),
+            )
             call.update(args=[message], envelope=args[0])
         calls.append(call)
 
@@ -94,7 +101,9 @@ def plain_client(client, django_user_model):
 
 
 def register(name="zero", **fields):
-    defaults = dict(kind="Raspberry Pi Zero 2W", cpu_threads=1, memory_mb=512, link_bandwidth_mbps=20.9, link_rtt_ms=4.0)
+    defaults = dict(
+        kind="Raspberry Pi Zero 2W", cpu_threads=1, memory_mb=512, link_bandwidth_mbps=20.9, link_rtt_ms=4.0
+    )
     return actions.register_device(None, name=name, **{**defaults, **fields})
 
 
@@ -112,7 +121,11 @@ def board_message(keys, device_name: str, kind: Kind, message: dict, *, sealed: 
     ring = None
     if sealed:
         device = Device.objects.select_related("namespace").filter(name=device_name).first()
-        ring = device_ring(device) if device is not None else derive_keyring(b"a key of its own, 32 bytes long!", "default", 1)
+        ring = (
+            device_ring(device)
+            if device is not None
+            else derive_keyring(b"a key of its own, 32 bytes long!", "default", 1)
+        )
     return envelope.seal(message, kind=kind, sender=device_name, to=CONTROL, signer=keys.signing, ring=ring)
 
 
@@ -129,18 +142,42 @@ def result_payload(device, keys, *, dispatched=True, **overrides):
         "text": " 4",
         "error": "",
         "meta": {"source": "text", "title": "Q: 2+2?", "expected_answer": ""},
-        "breakdown": {"case": "partial", "ttft_ms": 120.0, "ttlt_ms": 150.0, "prompt_tokens": 300, "matched_tokens": 256, "prefill_ms": 90.0, "redis_ms": 20.0, "state_bytes": 5_000_000},
-        "uploaded": [{"name": f"ec:e:default:00ff00ff00ff00ff:{{{'ab' * 16}}}", "namespace": "default", "model": "00ff00ff00ff00ff", "start": 256, "end": 300, "bytes": 800_000}],
+        "breakdown": {
+            "case": "partial",
+            "ttft_ms": 120.0,
+            "ttlt_ms": 150.0,
+            "prompt_tokens": 300,
+            "matched_tokens": 256,
+            "prefill_ms": 90.0,
+            "redis_ms": 20.0,
+            "state_bytes": 5_000_000,
+        },
+        "uploaded": [
+            {
+                "name": f"ec:e:default:00ff00ff00ff00ff:{{{'ab' * 16}}}",
+                "namespace": "default",
+                "model": "00ff00ff00ff00ff",
+                "start": 256,
+                "end": 300,
+                "bytes": 800_000,
+            }
+        ],
         "fetched": [],
     }
     payload.update(overrides)
     if dispatched:
-        Dispatch.objects.get_or_create(request_id=payload["request_id"], defaults={"kind": "run", "device": device, "namespace": device.namespace_id})
+        Dispatch.objects.get_or_create(
+            request_id=payload["request_id"],
+            defaults={"kind": "run", "device": device, "namespace": device.namespace_id},
+        )
     return board_message(keys, device.name, Kind.REPORT, payload)
 
 
 # -- access ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, args", [("home", []), ("devices", []), ("run", []), ("cache", []), ("device-detail", ["zero"]), ("device-register", [])])
+@pytest.mark.parametrize(
+    "name, args",
+    [("home", []), ("devices", []), ("run", []), ("cache", []), ("device-detail", ["zero"]), ("device-register", [])],
+)
 def test_every_page_needs_a_login(client, name, args):
     response = client.get(reverse(name, args=args))
     assert response.status_code == 302 and "login" in response["Location"]
@@ -151,7 +188,9 @@ def test_credentials_and_cache_pages_are_staff_only(plain_client, control_plane,
     register()
     args = [] if name in ("device-register", "cache") else ["zero"]
     response = plain_client.get(reverse(name, args=args))
-    assert response.status_code == 403 and b"For staff only" in response.content  # said on a page of its own, not Django's admin login
+    assert (
+        response.status_code == 403 and b"For staff only" in response.content
+    )  # said on a page of its own, not Django's admin login
 
 
 def test_login_page_logs_in(client, django_user_model):
@@ -173,10 +212,17 @@ def test_register_shows_the_token_once_and_keeps_only_its_hash(staff_client, con
     assert token in response.content.decode() and "shown only once" in response.content.decode()
     assert response["Cache-Control"].startswith("max-age=0") or "no-cache" in response["Cache-Control"]
     device = Device.objects.get(name="zero")
-    assert device.token_sha256 == registry.hash_token(token) and token not in json.dumps(list(Device.objects.values()), default=str)
+    assert device.token_sha256 == registry.hash_token(token) and token not in json.dumps(
+        list(Device.objects.values()), default=str
+    )
     assert (device.link_bandwidth_mbps, device.link_rtt_ms) == (20.9, 4.0)
     record = registry.lookup(control_plane, "zero")  # what boards read: public data only
-    assert record.threads == 1 and record.token_sha256 == registry.hash_token(token) and not record.signing_key and not record.keyring
+    assert (
+        record.threads == 1
+        and record.token_sha256 == registry.hash_token(token)
+        and not record.signing_key
+        and not record.keyring
+    )
     assert token not in json.dumps(control_plane.get_device_record("zero").decode())
     assert token not in staff_client.get(device.get_absolute_url()).content.decode()
     assert AuditEvent.objects.filter(action="device.register", target="zero").exists()
@@ -229,7 +275,14 @@ def test_a_revoked_device_is_refused_by_boards_and_control_plane(staff_client, c
 
 
 def test_unknown_devices_are_refused():
-    assert actions.record_run(board_message(BoardKeys.generate(), "ghost", Kind.REPORT, {"device": "ghost", "request_id": str(uuid.uuid4())})) is None
+    assert (
+        actions.record_run(
+            board_message(
+                BoardKeys.generate(), "ghost", Kind.REPORT, {"device": "ghost", "request_id": str(uuid.uuid4())}
+            )
+        )
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -238,7 +291,10 @@ def test_unknown_devices_are_refused():
         ({"request_id": "r-1"}, "request_id"),
         ({"breakdown": {"case": "bogus"}}, "breakdown"),
         ({"breakdown": {"ttft_ms": "fast"}}, "ttft_ms"),
-        ({"uploaded": [{"name": "ec:e:x", "namespace": "default", "model": "zz", "start": 5, "end": 1, "bytes": 1}]}, "uploaded"),
+        (
+            {"uploaded": [{"name": "ec:e:x", "namespace": "default", "model": "zz", "start": 5, "end": 1, "bytes": 1}]},
+            "uploaded",
+        ),
         ({"tokens": "not a list"}, "tokens"),
         ({"extra_field": 1}, "extra_field"),
     ],
@@ -248,16 +304,28 @@ def test_a_malformed_board_report_is_refused_logged_and_stores_nothing(control_p
     device, token = register()
     keys = enrolled(device, token)
     with caplog.at_level(logging.INFO, logger="edgecache.security"):
-        assert tasks.record_run.run(result_payload(device, keys, dispatched="request_id" not in change, **change)) is None
+        assert (
+            tasks.record_run.run(result_payload(device, keys, dispatched="request_id" not in change, **change)) is None
+        )
     assert not InferenceRun.objects.exists() and not CacheEntry.objects.exists()
-    refused = [record for record in caplog.records if record.name == "edgecache.security" and record.getMessage() == "message_refused"]
+    refused = [
+        record
+        for record in caplog.records
+        if record.name == "edgecache.security" and record.getMessage() == "message_refused"
+    ]
     assert refused and reason in refused[-1].security_fields["reason"]
     assert actions.record_run(result_payload(device, keys)) is not None  # the next good report is stored
 
 
 @pytest.mark.parametrize(
     "change, reason",
-    [({"signature": None}, "not signed"), ({"from": "pi5"}, "unknown device"), ({"ts": 1.0}, "not signed"), ({"v": 0}, "not a signed"), ({"sealed": "AAAA"}, "not signed")],
+    [
+        ({"signature": None}, "not signed"),
+        ({"from": "pi5"}, "unknown device"),
+        ({"ts": 1.0}, "not signed"),
+        ({"v": 0}, "not a signed"),
+        ({"sealed": "AAAA"}, "not signed"),
+    ],
 )
 def test_an_altered_or_unsigned_envelope_is_refused_logged_and_stores_nothing(control_plane, change, reason, caplog):
     device, token = register()
@@ -265,7 +333,11 @@ def test_an_altered_or_unsigned_envelope_is_refused_logged_and_stores_nothing(co
     with caplog.at_level(logging.INFO, logger="edgecache.security"):
         assert tasks.record_run.run({**result_payload(device, keys), **change}) is None
     assert not InferenceRun.objects.exists()
-    refused = [record for record in caplog.records if record.name == "edgecache.security" and record.getMessage() == "board_message_refused"]
+    refused = [
+        record
+        for record in caplog.records
+        if record.name == "edgecache.security" and record.getMessage() == "board_message_refused"
+    ]
     assert refused and reason in refused[-1].security_fields["reason"]
 
 
@@ -273,8 +345,23 @@ def test_device_pages_show_summaries_and_breakeven(staff_client, control_plane):
     device, token = register()
     keys = enrolled(device, token)
     for matched, prefill, redis_ms in [(0, 900.0, 0.0), (0, 450.0, 0.0), (300, 100.0, 25.0), (400, 0.0, 32.0)]:
-        actions.record_run(result_payload(device, keys, breakdown={"case": "full" if matched else "miss", "prompt_tokens": 400 if matched != 0 or prefill > 500 else 200, "matched_tokens": matched, "prefill_ms": prefill, "redis_ms": redis_ms, "ttft_ms": prefill + redis_ms}))
-    actions.record_heartbeat(heartbeat(keys, {"catalogs": {"default": {"approx_items": 12, "estimated_fp_rate": 1e-9, "last_sync": 1.7e9}}}))
+        actions.record_run(
+            result_payload(
+                device,
+                keys,
+                breakdown={
+                    "case": "full" if matched else "miss",
+                    "prompt_tokens": 400 if matched != 0 or prefill > 500 else 200,
+                    "matched_tokens": matched,
+                    "prefill_ms": prefill,
+                    "redis_ms": redis_ms,
+                    "ttft_ms": prefill + redis_ms,
+                },
+            )
+        )
+    actions.record_heartbeat(
+        heartbeat(keys, {"catalogs": {"default": {"approx_items": 12, "estimated_fp_rate": 1e-9, "last_sync": 1.7e9}}})
+    )
     listing = staff_client.get(reverse("devices")).content.decode()
     assert "online" in listing and "zero" in listing
     detail = staff_client.get(device.get_absolute_url())
@@ -297,7 +384,15 @@ def test_run_page_sends_json_messages_to_each_device_queue(staff_client, control
     ids = list(Device.objects.values_list("pk", flat=True))
     response = staff_client.post(
         reverse("run"),
-        {"devices": ids, "source": "mmlu", "topic": "astronomy", "shots": 2, "question": 3, "max_tokens": 4, "use_cache": "on"},
+        {
+            "devices": ids,
+            "source": "mmlu",
+            "topic": "astronomy",
+            "shots": 2,
+            "question": 3,
+            "max_tokens": 4,
+            "use_cache": "on",
+        },
         HTTP_ACCEPT="application/json",
     )
     assert response.status_code == 200
@@ -310,7 +405,9 @@ def test_run_page_sends_json_messages_to_each_device_queue(staff_client, control
     assert message["meta"]["expected_answer"] in "ABCD" and message["max_tokens"] == 4 and message["use_cache"] is True
 
 
-def test_run_page_fails_closed_with_a_503_when_the_cache_box_cannot_count_runs(staff_client, control_plane, sent_tasks, settings):
+def test_run_page_fails_closed_with_a_503_when_the_cache_box_cannot_count_runs(
+    staff_client, control_plane, sent_tasks, settings
+):
     """Admission counts runs under way in the cache box; when it does not answer, nothing is admitted
     uncounted (it used to let every run through): a 503 says so and nothing is sent."""
     register("zero")
@@ -319,10 +416,18 @@ def test_run_page_fails_closed_with_a_503_when_the_cache_box_cannot_count_runs(s
         dead = probe.getsockname()[1]
     settings.EDGECACHE_CACHEBOX_URL = f"redis://127.0.0.1:{dead}/0"
     device = Device.objects.get(name="zero")
-    response = staff_client.post(reverse("run"), {"devices": [device.pk], "source": "text", "text": "hi", "max_tokens": 4}, HTTP_ACCEPT="application/json")
+    response = staff_client.post(
+        reverse("run"),
+        {"devices": [device.pk], "source": "text", "text": "hi", "max_tokens": 4},
+        HTTP_ACCEPT="application/json",
+    )
     assert response.status_code == 503, response.content
     error = response.json()["errors"]["__all__"][0]
-    assert error["code"] == "cachebox_unavailable" and "cache box is unreachable" in error["message"] and "Nothing was sent" in error["message"]
+    assert (
+        error["code"] == "cachebox_unavailable"
+        and "cache box is unreachable" in error["message"]
+        and "Nothing was sent" in error["message"]
+    )
     assert response["Retry-After"]
     assert sent_tasks == [] and not Dispatch.objects.exists()
     with pytest.raises(admission.CacheBoxUnreachable):
@@ -342,7 +447,9 @@ def test_run_page_fails_closed_with_a_503_when_the_cache_box_cannot_count_runs(s
 )
 def test_run_form_refuses_bad_input_with_a_message(staff_client, control_plane, sent_tasks, data, field):
     device, _ = register()
-    response = staff_client.post(reverse("run"), {"devices": [device.pk], "max_tokens": 4, **data}, HTTP_ACCEPT="application/json")
+    response = staff_client.post(
+        reverse("run"), {"devices": [device.pk], "max_tokens": 4, **data}, HTTP_ACCEPT="application/json"
+    )
     assert response.status_code == 400 and field in response.json()["errors"]
     assert sent_tasks == []
 
@@ -430,9 +537,19 @@ def test_dashboard_renders_charts_with_run_points(staff_client, control_plane):
     actions.record_run(result_payload(device, keys))
     response = staff_client.get(reverse("home"))
     charts = response.context["chart_data"]
-    assert [trace["name"] for trace in charts["breakdown"]["data"]] == ["Token", "Bloom", "P-decode", "Redis", "R-decode", "Sample", "other"]
+    assert [trace["name"] for trace in charts["breakdown"]["data"]] == [
+        "Token",
+        "Bloom",
+        "P-decode",
+        "Redis",
+        "R-decode",
+        "Sample",
+        "other",
+    ]
     assert charts["breakdown"]["data"][2]["y"] == [90.0]
-    assert charts["breakdown"]["data"][-1]["y"] == [40.0]  # TTLT 150 less P-decode 90 and Redis 20: the bar is the run's TTLT
+    assert charts["breakdown"]["data"][-1]["y"] == [
+        40.0
+    ]  # TTLT 150 less P-decode 90 and Redis 20: the bar is the run's TTLT
     assert "chart-data" in response.content.decode()
     assert staff_client.get(reverse("plotly-js"))["Content-Type"] == "application/javascript"
 
@@ -443,7 +560,9 @@ def store_entry(store, namespace, start=0, end=64, device="zero"):
     key = os.urandom(16)
     header = EntryHeader("00ff00ff00ff00ff", namespace, start, end, "d" * 32, 0, device=device)
     name = entry_key_name(namespace, "00ff00ff00ff00ff", key)
-    store.put_entries([(name, encode_entry(header, state, shared_producer_ring(derive_keyring(b"k" * 32, namespace, 1))))], ttl=3600)
+    store.put_entries(
+        [(name, encode_entry(header, state, shared_producer_ring(derive_keyring(b"k" * 32, namespace, 1))))], ttl=3600
+    )
     return name, key
 
 
@@ -452,7 +571,14 @@ def test_reconcile_rebuilds_the_mirror_and_the_master_catalog(control_plane, nam
     from dashboard.store.mirror import reconcile
 
     names = [store_entry(control_plane, namespace, 64 * i, 64 * (i + 1)) for i in range(3)]
-    CacheEntry.objects.create(key=entry_key_name(namespace, "00ff00ff00ff00ff", b"\0" * 16), model="00ff00ff00ff00ff", namespace=namespace, start=0, end=1, bytes=1)
+    CacheEntry.objects.create(
+        key=entry_key_name(namespace, "00ff00ff00ff00ff", b"\0" * 16),
+        model="00ff00ff00ff00ff",
+        namespace=namespace,
+        start=0,
+        end=1,
+        bytes=1,
+    )
     control_plane.redis.set(entry_key_name(namespace, "00ff00ff00ff00ff", b"\1" * 16), b"garbage")
     result = reconcile(control_plane)
     rows = CacheEntry.objects.filter(namespace=namespace)
@@ -538,30 +664,60 @@ def test_schema_page_lists_modules_with_tokens_and_positions(staff_client, contr
     page = staff_client.get(schema.get_absolute_url())
     rows = {row["piece"]: row for row in page.context["rows"]}
     assert set(rows) == {"_text0", "trip-plan", "miami", "tokyo", "tokyo/kyoto", "scaffold:plan-miami"}
-    assert rows["miami"]["start"] == rows["tokyo"]["start"] and rows["trip-plan"]["params"].startswith("duration (len 4")
+    assert rows["miami"]["start"] == rows["tokyo"]["start"] and rows["trip-plan"]["params"].startswith(
+        "duration (len 4"
+    )
     assert all(row["tokens"] > 0 for row in rows.values())
     duplicate = staff_client.post(reverse("schema-new"), {"source": TRAVEL})
     assert "exists already" in " ".join(duplicate.context["form"].errors["source"])
 
 
-def test_encoding_is_sent_to_boards_and_its_result_mirrored(staff_client, control_plane, sent_tasks, django_capture_on_commit_callbacks):
+def test_encoding_is_sent_to_boards_and_its_result_mirrored(
+    staff_client, control_plane, sent_tasks, django_capture_on_commit_callbacks
+):
     from dashboard.models import Schema
     from inference.serving.pml import parse_schema
 
     device, token = register()
     board = enrolled(device, token)
     schema = Schema.objects.create(name="travel", source=TRAVEL, digest=parse_schema(TRAVEL).digest)
-    response = staff_client.post(reverse("schema-encode", args=[schema.pk]), {"devices": [device.pk]}, HTTP_ACCEPT="application/json")
+    response = staff_client.post(
+        reverse("schema-encode", args=[schema.pk]), {"devices": [device.pk]}, HTTP_ACCEPT="application/json"
+    )
     assert response.status_code == 200 and sent_tasks[0]["queue"] == "device.zero"
     message = sent_tasks[0]["args"][0]
-    assert sent_tasks[0]["name"] == "edgecache.encode_schema" and message["schema"] == TRAVEL and message["schema_id"] == schema.pk
+    assert (
+        sent_tasks[0]["name"] == "edgecache.encode_schema"
+        and message["schema"] == TRAVEL
+        and message["schema_id"] == schema.pk
+    )
     layer = get_channel_layer()
     channel = async_to_sync(layer.new_channel)()
     async_to_sync(layer.group_add)(GROUP, channel)
     name = f"ec:m:default:00ff00ff00ff00ff:{schema.digest}:{{{'cd' * 16}}}"
     with django_capture_on_commit_callbacks(execute=True):  # pages hear of it once it commits
         actions.record_encoded(
-            board_message(board, "zero", Kind.ENCODED, {"device": "zero", "request_id": message["request_id"], "schema_id": schema.pk, "stored": [{"name": name, "namespace": "default", "model": "00ff00ff00ff00ff", "start": 0, "end": 13, "bytes": 1000}], "skipped": []})
+            board_message(
+                board,
+                "zero",
+                Kind.ENCODED,
+                {
+                    "device": "zero",
+                    "request_id": message["request_id"],
+                    "schema_id": schema.pk,
+                    "stored": [
+                        {
+                            "name": name,
+                            "namespace": "default",
+                            "model": "00ff00ff00ff00ff",
+                            "start": 0,
+                            "end": 13,
+                            "bytes": 1000,
+                        }
+                    ],
+                    "skipped": [],
+                },
+            )
         )
     assert CacheEntry.objects.filter(key=name).exists()
     event = async_to_sync(layer.receive)(channel)
@@ -593,9 +749,17 @@ def test_run_page_sends_pml_prompts_with_their_schema(staff_client, control_plan
     device, _ = register()
     schema = Schema.objects.create(name="travel", source=TRAVEL, digest=parse_schema(TRAVEL).digest)
     form = {"devices": [device.pk], "source": "pml", "schema": schema.pk, "max_tokens": 4}
-    bad = staff_client.post(reverse("run"), {**form, "pml": '<prompt schema="travel"><miami/><tokyo/></prompt>'}, HTTP_ACCEPT="application/json")
+    bad = staff_client.post(
+        reverse("run"),
+        {**form, "pml": '<prompt schema="travel"><miami/><tokyo/></prompt>'},
+        HTTP_ACCEPT="application/json",
+    )
     assert bad.status_code == 400 and "one union" in bad.json()["errors"]["pml"][0]["message"]
-    good = staff_client.post(reverse("run"), {**form, "pml": '<prompt schema="travel"><miami/><user>Surf?</user></prompt>'}, HTTP_ACCEPT="application/json")
+    good = staff_client.post(
+        reverse("run"),
+        {**form, "pml": '<prompt schema="travel"><miami/><user>Surf?</user></prompt>'},
+        HTTP_ACCEPT="application/json",
+    )
     assert good.status_code == 200
     message = sent_tasks[0]["args"][0]
     assert message["schema"] == TRAVEL and "<miami/>" in message["pml"] and message["segments"] == []
@@ -605,13 +769,19 @@ def test_benchmarks_page_lists_reports_and_serves_only_them(staff_client, settin
     settings.BASE_DIR = tmp_path
     folder = tmp_path / "bench-results"
     folder.mkdir()
-    (folder / "cases-1.json").write_text(json.dumps({"ttft_ratio_full_to_cold": 0.01, "greedy_agreement": 1.0, "n": 100, "machine": {"date": "today"}}))
+    (folder / "cases-1.json").write_text(
+        json.dumps({"ttft_ratio_full_to_cold": 0.01, "greedy_agreement": 1.0, "n": 100, "machine": {"date": "today"}})
+    )
     (folder / "cases-1.html").write_text("<!doctype html><p>chart</p>")
     (tmp_path / "secret.html").write_text("not a report")
     page = staff_client.get(reverse("benchmarks"))
     assert "full hit / cold TTFT 0.01" in page.content.decode()
     report = staff_client.get(reverse("benchmark-report", args=["cases-1"]))
-    assert report.status_code == 200 and b"chart" in report.content and "default-src 'none'" in report["Content-Security-Policy"]
+    assert (
+        report.status_code == 200
+        and b"chart" in report.content
+        and "default-src 'none'" in report["Content-Security-Policy"]
+    )
     assert staff_client.get("/benchmarks/secret/").status_code == 404
     assert staff_client.get("/benchmarks/..%2Fsecret/").status_code == 404
 
@@ -619,11 +789,18 @@ def test_benchmarks_page_lists_reports_and_serves_only_them(staff_client, settin
 def test_run_page_sends_a_lab_strategy_and_refuses_it_for_schema_prompts(staff_client, control_plane, sent_tasks):
     device, _ = register("lab-board")
     form = {"devices": [device.pk], "source": "mmlu", "topic": "astronomy", "shots": 1, "question": 1, "max_tokens": 4}
-    response = staff_client.post(reverse("run"), {**form, "strategy": "kv-prediction:6"}, HTTP_ACCEPT="application/json")
+    response = staff_client.post(
+        reverse("run"), {**form, "strategy": "kv-prediction:6"}, HTTP_ACCEPT="application/json"
+    )
     assert response.status_code == 200 and sent_tasks[0]["args"][0]["strategy"] == "kv-prediction:6"
     exact = staff_client.post(reverse("run"), form, HTTP_ACCEPT="application/json")  # no choice: exact serving
     assert exact.status_code == 200 and sent_tasks[1]["args"][0]["strategy"] == ""
-    pml = {**form, "source": "pml", "pml": '<prompt schema="travel"><user>Surf?</user></prompt>', "strategy": "kv-prediction:3"}
+    pml = {
+        **form,
+        "source": "pml",
+        "pml": '<prompt schema="travel"><user>Surf?</user></prompt>',
+        "strategy": "kv-prediction:3",
+    }
     refused = staff_client.post(reverse("run"), pml, HTTP_ACCEPT="application/json")
     assert refused.status_code == 400 and "exact strategy" in refused.json()["errors"]["strategy"][0]["message"]
     assert len(sent_tasks) == 2
@@ -654,7 +831,9 @@ def test_every_model_change_has_its_migration():
     call_command("makemigrations", "--check", "--dry-run", verbosity=0)  # exits 1 when a migration is missing
 
 
-def test_an_audit_verdict_counts_once_from_the_board_it_was_sent_to_and_staff_can_trust_a_board_again(staff_client, control_plane, settings):
+def test_an_audit_verdict_counts_once_from_the_board_it_was_sent_to_and_staff_can_trust_a_board_again(
+    staff_client, control_plane, settings
+):
     """A mismatch quarantines the producer (the signed producer table lists it; its page says why);
     the same verdict from another board, or again, changes nothing; "Trust its entries again" lifts it."""
     from dashboard.models import EntryAudit
@@ -667,8 +846,20 @@ def test_an_audit_verdict_counts_once_from_the_board_it_was_sent_to_and_staff_ca
     table = json.loads(control_plane.get_producer_table("default"))
     assert set(table["producers"]) == {"zero", "pi5", "liar"} and table["quarantined"] == {}
     entry = f"ec:e:default:00ff00ff00ff00ff:{{{'ab' * 16}}}"
-    row = EntryAudit.objects.create(request_id=uuid.uuid4(), entry=entry, namespace="default", run_device="pi5", auditor=Device.objects.get(name="zero"))
-    verdict = {"request_id": str(row.request_id), "entry": entry, "verdict": "mismatch", "producer": "liar", "detail": "its state differs from the cold state"}
+    row = EntryAudit.objects.create(
+        request_id=uuid.uuid4(),
+        entry=entry,
+        namespace="default",
+        run_device="pi5",
+        auditor=Device.objects.get(name="zero"),
+    )
+    verdict = {
+        "request_id": str(row.request_id),
+        "entry": entry,
+        "verdict": "mismatch",
+        "producer": "liar",
+        "detail": "its state differs from the cold state",
+    }
 
     def from_board(name):
         return board_message(keys[name], name, Kind.AUDITED, {"device": name, **verdict})
@@ -680,7 +871,9 @@ def test_an_audit_verdict_counts_once_from_the_board_it_was_sent_to_and_staff_ca
     liar = Device.objects.get(name="liar")
     assert liar.quarantined_at is not None and liar.audit_mismatches == 1
     table = json.loads(control_plane.get_producer_table("default"))
-    assert "liar" not in table["producers"] and table["quarantined"]["liar"].endswith("its state differs from the cold state")
+    assert "liar" not in table["producers"] and table["quarantined"]["liar"].endswith(
+        "its state differs from the cold state"
+    )
     assert registry.verify_document(table, control_plane_public_key())
     page = staff_client.get(reverse("device-detail", args=["liar"])).content.decode()
     assert "Entries quarantined since" in page and "its state differs from the cold state" in page

@@ -21,27 +21,55 @@ from django.utils import timezone
 from dashboard import actions
 from dashboard.models import InferenceRun
 from inference.contract.messages import CANCELLED
-
 from tests.dashboard.test_dashboard import control_plane, enrolled, heartbeat, register, staff_client  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
 # The run of issue 42's walk: parts that sum to 259 ms against a TTFT of 266.8 ms.
 WALKED = {
-    "case": "partial", "tier": "cachebox", "decision": "fetch", "cachebox": "ok",
-    "token_ms": 2.31, "bloom_ms": 0.12, "prefill_ms": 188.46, "redis_ms": 67.83, "fetch_ms": 60.1, "restore_ms": 7.73, "local_ms": 0.0,
-    "first_sample_ms": 0.31, "sample_ms": 4.9, "decode_ms": 792.4, "ttft_ms": 266.84, "ttlt_ms": 1082.26,
-    "prompt_tokens": 400, "matched_tokens": 256, "fetched_tokens": 256, "generated_tokens": 16, "state_bytes": 4_700_000,
-    "fetched_bytes": 4_700_000, "link": "unshaped", "candidate_tokens": 256, "predicted_fetch_ms": 70.0, "predicted_prefill_ms": 330.0,
+    "case": "partial",
+    "tier": "cachebox",
+    "decision": "fetch",
+    "cachebox": "ok",
+    "token_ms": 2.31,
+    "bloom_ms": 0.12,
+    "prefill_ms": 188.46,
+    "redis_ms": 67.83,
+    "fetch_ms": 60.1,
+    "restore_ms": 7.73,
+    "local_ms": 0.0,
+    "first_sample_ms": 0.31,
+    "sample_ms": 4.9,
+    "decode_ms": 792.4,
+    "ttft_ms": 266.84,
+    "ttlt_ms": 1082.26,
+    "prompt_tokens": 400,
+    "matched_tokens": 256,
+    "fetched_tokens": 256,
+    "generated_tokens": 16,
+    "state_bytes": 4_700_000,
+    "fetched_bytes": 4_700_000,
+    "link": "unshaped",
+    "candidate_tokens": 256,
+    "predicted_fetch_ms": 70.0,
+    "predicted_prefill_ms": 330.0,
 }
 
 
 def make_run(device, breakdown=None, *, error="", text="an answer", ago=timedelta(minutes=1)) -> InferenceRun:
     b = dict(WALKED if breakdown is None else breakdown)
     run = InferenceRun.objects.create(
-        device=device, title="t", prompt="p", text=text, error=error, case="" if error and error != CANCELLED else b.get("case", "miss"),
-        ttft_ms=b.get("ttft_ms", 0.0), ttlt_ms=b.get("ttlt_ms", 0.0), prompt_tokens=b.get("prompt_tokens", 0),
-        matched_tokens=b.get("matched_tokens", 0), breakdown=b,
+        device=device,
+        title="t",
+        prompt="p",
+        text=text,
+        error=error,
+        case="" if error and error != CANCELLED else b.get("case", "miss"),
+        ttft_ms=b.get("ttft_ms", 0.0),
+        ttlt_ms=b.get("ttlt_ms", 0.0),
+        prompt_tokens=b.get("prompt_tokens", 0),
+        matched_tokens=b.get("matched_tokens", 0),
+        breakdown=b,
     )
     InferenceRun.objects.filter(pk=run.pk).update(created=timezone.now() - ago)
     return run
@@ -107,7 +135,13 @@ def test_the_run_page_shows_ttft_and_ttlt_as_the_sums_of_their_parts(staff_clien
 
 def test_parts_that_exceed_the_whole_are_said_not_hidden(staff_client, control_plane):
     device, _ = register("zero")
-    overlapped = {**WALKED, "prefill_ms": 230.0, "redis_ms": 90.0, "planned_split": 128, "met_at": 128}  # loaded while computing
+    overlapped = {
+        **WALKED,
+        "prefill_ms": 230.0,
+        "redis_ms": 90.0,
+        "planned_split": 128,
+        "met_at": 128,
+    }  # loaded while computing
     html = staff_client.get(reverse("run-detail", args=[make_run(device, overlapped).pk])).content.decode()
     ttft = dict((row[0], row[1]) for row in table(html, "run-ttft-sum")[:-1])
     assert Decimal(ttft["other"]) < 0 and sum(Decimal(value) for value in ttft.values()) == Decimal("266.8")
@@ -122,7 +156,10 @@ def test_the_stacked_chart_and_live_runs_carry_the_same_sums(staff_client, contr
     assert list(bars) == ["Token", "Bloom", "P-decode", "Redis", "R-decode", "Sample", "other"]
     assert sum(Decimal(repr(value)) for value in bars.values()) == Decimal("1082.3")  # each bar is the run's TTLT
     live = actions.run_json(run)
-    assert live["time_sums"]["ttft"]["sentence"] == "TTFT 266.8 ms = Token 2.3 + Bloom 0.1 + P-decode 188.5 + Redis 67.8 + Sample 0.3 + other 7.8"
+    assert (
+        live["time_sums"]["ttft"]["sentence"]
+        == "TTFT 266.8 ms = Token 2.3 + Bloom 0.1 + P-decode 188.5 + Redis 67.8 + Sample 0.3 + other 7.8"
+    )
     page = staff_client.get(reverse("home")).content.decode()
     assert '"other"' in re.search(r'<script id="chart-stack"[^>]*>(.*?)</script>', page, re.S).group(1)
 
@@ -141,7 +178,9 @@ def test_every_count_of_runs_counts_failed_and_cancelled_runs_one_way(staff_clie
     status = re.search(r'id="chart-status"[^>]*>([^<]*)<', home).group(1)
     assert status == f"{said} in the last 24 h; the charts draw the 3 answered"
     for name, args in (("devices", []), ("device-detail", ["zero"])):
-        assert f'<span data-role="runs">{said}</span>' in staff_client.get(reverse(name, args=args)).content.decode(), name
+        assert f'<span data-role="runs">{said}</span>' in staff_client.get(reverse(name, args=args)).content.decode(), (
+            name
+        )
     assert f'id="runs-count">{said}' in staff_client.get(reverse("runs")).content.decode()
     # The Runs page's outcome filter: a cancelled run is no failed one.
     for value, count in (("yes", 1), ("cancelled", 1), ("no", 3), ("", 5)):
@@ -166,8 +205,18 @@ def test_a_hit_faster_than_computing_is_not_called_slow():
     from dashboard.pages.explain import why
 
     # The walk's hit: the link took most of the TTFT, and computing was forecast five times longer.
-    hit = {"case": "full", "tier": "cachebox", "fetch_ms": 3400.0, "redis_ms": 3460.0, "ttft_ms": 3600.0, "fetched_bytes": 8_400_000,
-           "fetched_tokens": 456, "link": "Wi-Fi 4 (20.9 Mbit/s, 4 ms)", "predicted_fetch_ms": 3300.0, "predicted_prefill_ms": 17_300.0}
+    hit = {
+        "case": "full",
+        "tier": "cachebox",
+        "fetch_ms": 3400.0,
+        "redis_ms": 3460.0,
+        "ttft_ms": 3600.0,
+        "fetched_bytes": 8_400_000,
+        "fetched_tokens": 456,
+        "link": "Wi-Fi 4 (20.9 Mbit/s, 4 ms)",
+        "predicted_fetch_ms": 3300.0,
+        "predicted_prefill_ms": 17_300.0,
+    }
     (sentence,) = why(hit)
     assert "slow" not in sentence.lower()
     assert sentence == (
@@ -175,10 +224,18 @@ def test_a_hit_faster_than_computing_is_not_called_slow():
         "and still 5.0x faster than computing those 456 tokens here (17.3 s forecast)."
     )
     # Slower than computing: slow, and it says against what.
-    assert why({**hit, "predicted_prefill_ms": 2000.0})[0].startswith("A slow hit: the emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s")
-    assert "longer than the 2.0 s computing those 456 tokens here was forecast to take" in why({**hit, "predicted_prefill_ms": 2000.0})[0]
+    assert why({**hit, "predicted_prefill_ms": 2000.0})[0].startswith(
+        "A slow hit: the emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s"
+    )
+    assert (
+        "longer than the 2.0 s computing those 456 tokens here was forecast to take"
+        in why({**hit, "predicted_prefill_ms": 2000.0})[0]
+    )
     # No forecast of computing: what the link took, and no verdict.
-    assert why({**hit, "predicted_prefill_ms": 0})[0] == "The emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s for 8.4 MB (forecast 3.3 s), 94% of the time to first token."
+    assert (
+        why({**hit, "predicted_prefill_ms": 0})[0]
+        == "The emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s for 8.4 MB (forecast 3.3 s), 94% of the time to first token."
+    )
 
 
 # -- the device page: a catalog line that reconciles, a verdict in words, memory advice ---------------------
@@ -194,7 +251,15 @@ def sums_line(html: str) -> str:
 
 
 def test_the_catalog_line_adds_up(staff_client, control_plane):
-    counters = {"lookups": 554, "maybe_hits": 513, "true_hits": 4, "false_positives": 0, "held_on_board": 480, "policy_skipped": 29, "cachebox_down": 0}
+    counters = {
+        "lookups": 554,
+        "maybe_hits": 513,
+        "true_hits": 4,
+        "false_positives": 0,
+        "held_on_board": 480,
+        "policy_skipped": 29,
+        "cachebox_down": 0,
+    }
     line = sums_line(device_page(staff_client, {"catalogs": {"default": {"approx_items": 40, **counters}}}))
     assert line == (
         '554 lookups = 41 certain "no" + 513 "maybe" | 513 "maybe" = 4 in the cache box (true hits) + 0 not there (false positives)'
@@ -206,7 +271,12 @@ def test_the_catalog_line_adds_up(staff_client, control_plane):
 
 def test_a_board_that_counts_no_reasons_is_not_made_to_add_up(staff_client, control_plane):
     # The walk's board: lookups 554, maybe 513, true hits 4, false positives 0, and nothing else.
-    line = sums_line(device_page(staff_client, {"catalogs": {"default": {"lookups": 554, "maybe_hits": 513, "true_hits": 4, "false_positives": 0}}}))
+    line = sums_line(
+        device_page(
+            staff_client,
+            {"catalogs": {"default": {"lookups": 554, "maybe_hits": 513, "true_hits": 4, "false_positives": 0}}},
+        )
+    )
     assert line.endswith("+ 509 not asked or not counted (this board's version does not say why)")
 
 
@@ -214,7 +284,16 @@ def test_the_breakeven_verdict_is_said_in_plain_words():
     from dashboard.pages.charts import breakeven_figure
 
     runs = [{"prompt_tokens": tokens, "matched_tokens": 0, "prefill_ms": 3.0 * tokens} for tokens in (100, 300, 500)]
-    runs += [{"prompt_tokens": tokens, "matched_tokens": tokens, "fetched_tokens": tokens, "redis_ms": 200.0 + 1.5 * tokens, "tier": "cachebox"} for tokens in (128, 256, 512)]
+    runs += [
+        {
+            "prompt_tokens": tokens,
+            "matched_tokens": tokens,
+            "fetched_tokens": tokens,
+            "redis_ms": 200.0 + 1.5 * tokens,
+            "tier": "cachebox",
+        }
+        for tokens in (128, 256, 512)
+    ]
     verdict = breakeven_figure(runs, None, "unshaped")["verdict"]
     assert "x the better alone" not in verdict and "both together" not in verdict
     assert verdict == (
@@ -225,14 +304,37 @@ def test_the_breakeven_verdict_is_said_in_plain_words():
 
 def test_a_board_over_its_memory_budget_is_told_what_to_do(staff_client, control_plane):
     status = {
-        "memory": {"rss_mb": 431.0, "peak_rss_mb": 443.0, "memory_mb": 512, "budget_mb": 399.4, "n_ctx": 4096, "kv_cache_mb": 144.0},
-        "ram_tier": {"entries": 3, "bytes": 20 * 1024 * 1024, "budget_bytes": 64 * 1024 * 1024, "rss_limit_bytes": 418_000_000},
+        "memory": {
+            "rss_mb": 431.0,
+            "peak_rss_mb": 443.0,
+            "memory_mb": 512,
+            "budget_mb": 399.4,
+            "n_ctx": 4096,
+            "kv_cache_mb": 144.0,
+        },
+        "ram_tier": {
+            "entries": 3,
+            "bytes": 20 * 1024 * 1024,
+            "budget_bytes": 64 * 1024 * 1024,
+            "rss_limit_bytes": 418_000_000,
+        },
     }
     html = device_page(staff_client, status)
-    advice = re.search(r'<div class="warning-box" id="memory-advice"[^>]*>(.*?)</div>', html, re.S).group(1).replace("&#x27;", "'")
+    advice = (
+        re.search(r'<div class="warning-box" id="memory-advice"[^>]*>(.*?)</div>', html, re.S)
+        .group(1)
+        .replace("&#x27;", "'")
+    )
     assert "a peak of 443 MB against 399 MB" in advice and "44 MB over" in advice
-    assert "EDGECACHE_RAM_TIER_MB=16" in advice and "EDGECACHE_N_CTX=2816" in advice and "freeing about 45 MB of KV cache" in advice
-    assert "register what it has (Admin &gt; Devices: memory): registered with 568 MB, this peak is within its budget" in advice
+    assert (
+        "EDGECACHE_RAM_TIER_MB=16" in advice
+        and "EDGECACHE_N_CTX=2816" in advice
+        and "freeing about 45 MB of KV cache" in advice
+    )
+    assert (
+        "register what it has (Admin &gt; Devices: memory): registered with 568 MB, this peak is within its budget"
+        in advice
+    )
     within = {**status, "memory": {**status["memory"], "peak_rss_mb": 380.0}}
     assert 'id="memory-advice"' not in device_page(staff_client, within, name="one")
 

@@ -16,15 +16,13 @@ from django.urls import reverse
 from django.utils import timezone
 
 from cachebox.keys import cancel_key_name, stream_channel
-from dashboard.models import CacheEntry
 from dashboard import actions
+from dashboard.models import CacheEntry, Device, InferenceRun
 from dashboard.pages import chart_series, explain
-from dashboard.models import Device, InferenceRun
 from dashboard.security.signing import control_plane_public_key, device_ring
 from inference.contract import envelope
 from inference.contract.envelope import Kind
 from inference.contract.messages import StreamEvent
-
 from tests.dashboard.test_dashboard import control_plane, enrolled, register, result_payload, sent_tasks, staff_client  # noqa: F401  (fixtures)
 
 
@@ -54,12 +52,27 @@ def test_a_one_token_answer_has_no_time_between_tokens(make_board, namespace):
 
 # -- charts people can steer ---------------------------------------------------------------------------
 def _run(device, *, ago: timedelta, ttft=100.0, case="miss", tbt=(10.0, 14.0), error="", tier=None):
-    breakdown = {"ttft_ms": ttft, "ttlt_ms": ttft + 50, "case": case, "tbt_p50_ms": tbt[0], "tbt_p99_ms": tbt[1], "state_bytes": 2_000_000}
+    breakdown = {
+        "ttft_ms": ttft,
+        "ttlt_ms": ttft + 50,
+        "case": case,
+        "tbt_p50_ms": tbt[0],
+        "tbt_p99_ms": tbt[1],
+        "state_bytes": 2_000_000,
+    }
     if tier is not None:  # runs recorded before boards kept tiers have none
         breakdown["tier"] = tier
     run = InferenceRun.objects.create(
-        device=device, title="t", prompt="p", text="x", error=error, case=case, ttft_ms=ttft, ttlt_ms=ttft + 50,
-        matched_tokens=0 if case == "miss" else 128, breakdown=breakdown,
+        device=device,
+        title="t",
+        prompt="p",
+        text="x",
+        error=error,
+        case=case,
+        ttft_ms=ttft,
+        ttlt_ms=ttft + 50,
+        matched_tokens=0 if case == "miss" else 128,
+        breakdown=breakdown,
     )
     InferenceRun.objects.filter(pk=run.pk).update(created=timezone.now() - ago)
     return run
@@ -101,7 +114,12 @@ def test_many_runs_are_downsampled_by_the_database(staff_client, control_plane, 
     zero, _ = register("zero")
     for minute in range(6):
         for second in (0, 20, 40):  # three runs in each minute
-            _run(zero, ago=timedelta(minutes=minute, seconds=second), ttft=100.0 + second, case="full" if second == 0 else "miss")
+            _run(
+                zero,
+                ago=timedelta(minutes=minute, seconds=second),
+                ttft=100.0 + second,
+                case="full" if second == 0 else "miss",
+            )
     monkeypatch.setattr(chart_series, "RAW_LIMIT", 5)
     monkeypatch.setattr(chart_series, "MAX_BUCKETS", 20)  # 15 min in minutes: 15 buckets
     series = chart_series.chart_series(InferenceRun.objects.all(), "15m")
@@ -147,7 +165,9 @@ def test_an_empty_chart_says_so_instead_of_drawing_empty_axes(staff_client, cont
 def _point(device, second, tier, runs=1):
     """A chart point of ``runs`` runs, one of them a hit from ``tier`` ("" for none)."""
     hits = {f"{name}_hits": int(tier == name) for name in chart_series.HIT_TIERS}
-    return chart_series.ChartPoint(timezone.now() + timedelta(seconds=second), device, 100.0, 150.0, 0.0, 0.0, 0.0, runs, **hits)
+    return chart_series.ChartPoint(
+        timezone.now() + timedelta(seconds=second), device, 100.0, 150.0, 0.0, 0.0, 0.0, runs, **hits
+    )
 
 
 def test_a_hit_is_attributed_to_the_tier_that_served_it():
@@ -162,37 +182,71 @@ def test_a_hit_is_attributed_to_the_tier_that_served_it():
 def test_the_hit_ratio_chart_draws_one_line_per_tier_whose_shares_add_up_to_the_hit_ratio():
     from dashboard.pages.charts import hit_ratio_figure, tier_counts
 
-    points = [_point("zero", 0, ""), _point("zero", 1, "cachebox"), _point("zero", 2, "context"), _point("zero", 3, "local"), _point("one", 4, "local", runs=4)]
+    points = [
+        _point("zero", 0, ""),
+        _point("zero", 1, "cachebox"),
+        _point("zero", 2, "context"),
+        _point("zero", 3, "local"),
+        _point("one", 4, "local", runs=4),
+    ]
     figure = hit_ratio_figure(points, ["zero", "one"], {"zero": "#111111", "one": "#222222"})
     lines = {trace["name"]: trace for trace in figure["data"]}
-    assert list(lines) == ["zero context", "zero RAM tier", "zero flash tier", "zero cache box", "one context", "one RAM tier", "one flash tier", "one cache box"]
+    assert list(lines) == [
+        "zero context",
+        "zero RAM tier",
+        "zero flash tier",
+        "zero cache box",
+        "one context",
+        "one RAM tier",
+        "one flash tier",
+        "one cache box",
+    ]
     # Cumulative share of the device's runs that each tier served, after each point.
     assert lines["zero context"]["y"] == [0, 0, 1 / 3, 1 / 4]
     assert lines["zero RAM tier"]["y"] == [0, 0, 0, 1 / 4]
     assert lines["zero cache box"]["y"] == [0, 1 / 2, 1 / 3, 1 / 4]
     assert lines["one RAM tier"]["y"] == [1 / 4] and lines["one cache box"]["y"] == [0]  # a bucket of 4 runs, 1 hit
-    assert {lines[name]["line"]["dash"] for name in ("zero context", "zero RAM tier", "zero flash tier", "zero cache box")} == {"dot", "dash", "dashdot", "solid"}
+    assert {
+        lines[name]["line"]["dash"] for name in ("zero context", "zero RAM tier", "zero flash tier", "zero cache box")
+    } == {"dot", "dash", "dashdot", "solid"}
     assert all(trace["line"]["color"] == "#111111" for name, trace in lines.items() if name.startswith("zero "))
     hit_ratio = sum(lines[f"zero {label}"]["y"][-1] for label in ("context", "RAM tier", "cache box"))
     assert hit_ratio == 3 / 4
-    assert figure["layout"]["title"]["text"] == "Cache hit ratio by tier: context (dotted), RAM tier (dashed), flash tier (dash-dotted), cache box (solid)"
-    assert tier_counts(points) == {"zero": {"runs": 4, "context": 1, "local": 1, "flash": 0, "cachebox": 1}, "one": {"runs": 4, "context": 0, "local": 1, "flash": 0, "cachebox": 0}}
+    assert (
+        figure["layout"]["title"]["text"]
+        == "Cache hit ratio by tier: context (dotted), RAM tier (dashed), flash tier (dash-dotted), cache box (solid)"
+    )
+    assert tier_counts(points) == {
+        "zero": {"runs": 4, "context": 1, "local": 1, "flash": 0, "cachebox": 1},
+        "one": {"runs": 4, "context": 0, "local": 1, "flash": 0, "cachebox": 0},
+    }
 
 
 @pytest.mark.cachebox
 @pytest.mark.django_db
 @pytest.mark.parametrize("raw_limit", [2000, 3], ids=["one point per run", "averaged per bucket"])
-def test_the_dashboard_splits_the_hit_ratio_by_tier_from_the_database(staff_client, control_plane, monkeypatch, raw_limit):
+def test_the_dashboard_splits_the_hit_ratio_by_tier_from_the_database(
+    staff_client, control_plane, monkeypatch, raw_limit
+):
     monkeypatch.setattr(chart_series, "RAW_LIMIT", raw_limit)
     zero, _ = register("zero")
-    for minutes, case, tier in ((1, "full", "context"), (2, "partial", "local"), (3, "full", "cachebox"), (4, "full", None), (5, "miss", ""), (6, "partial", "local")):
+    for minutes, case, tier in (
+        (1, "full", "context"),
+        (2, "partial", "local"),
+        (3, "full", "cachebox"),
+        (4, "full", None),
+        (5, "miss", ""),
+        (6, "partial", "local"),
+    ):
         _run(zero, ago=timedelta(minutes=minutes), case=case, tier=tier)
     data = staff_client.get(reverse("home-charts"), {"range": "1h"}).json()
     assert data["tierCounts"] == {"zero": {"runs": 6, "context": 1, "local": 2, "flash": 0, "cachebox": 2}}
     assert data["hitCounts"] == {"zero": [5, 6]}
     assert [tier["tier"] for tier in data["hitTiers"]] == ["context", "local", "flash", "cachebox"]
     last = {trace["name"]: trace["y"][-1] for trace in data["hits"]["data"]}
-    assert last == pytest.approx({"zero context": 1 / 6, "zero RAM tier": 2 / 6, "zero flash tier": 0, "zero cache box": 2 / 6})
+    assert last == pytest.approx(
+        {"zero context": 1 / 6, "zero RAM tier": 2 / 6, "zero flash tier": 0, "zero cache box": 2 / 6}
+    )
     page = staff_client.get(reverse("home"), {"range": "1h"})
     assert page.context["chart_data"]["tierCounts"] == data["tierCounts"]
     assert "Cache hit ratio by tier" in page.content.decode()
@@ -203,7 +257,11 @@ def test_the_dashboard_splits_the_hit_ratio_by_tier_from_the_database(staff_clie
 def test_a_live_run_names_the_tier_of_its_hit(control_plane):
     device, token = register()
     keys = enrolled(device, token)
-    hit = actions.record_run(result_payload(device, keys, breakdown={"case": "partial", "matched_tokens": 256, "prompt_tokens": 300, "tier": "local"}))
+    hit = actions.record_run(
+        result_payload(
+            device, keys, breakdown={"case": "partial", "matched_tokens": 256, "prompt_tokens": 300, "tier": "local"}
+        )
+    )
     miss = actions.record_run(result_payload(device, keys, breakdown={"case": "miss", "prompt_tokens": 300}))
     assert actions.run_json(hit)["hit_tier"] == "local" and actions.run_json(miss)["hit_tier"] == ""
 
@@ -216,14 +274,29 @@ def test_an_mmlu_answer_says_right_or_wrong():
 
 
 def test_a_slow_hit_says_why_and_a_skipped_fetch_says_what_was_forecast():
-    slow = {"case": "full", "tier": "cachebox", "fetch_ms": 3400.0, "ttft_ms": 3600.0, "fetched_bytes": 8_400_000, "link": "Wi-Fi 4 (20.9 Mbit/s, 4 ms)", "predicted_fetch_ms": 3300.0,
-            "predicted_prefill_ms": 2500.0, "fetched_tokens": 456}
+    slow = {
+        "case": "full",
+        "tier": "cachebox",
+        "fetch_ms": 3400.0,
+        "ttft_ms": 3600.0,
+        "fetched_bytes": 8_400_000,
+        "link": "Wi-Fi 4 (20.9 Mbit/s, 4 ms)",
+        "predicted_fetch_ms": 3300.0,
+        "predicted_prefill_ms": 2500.0,
+        "fetched_tokens": 456,
+    }
     assert explain.why(slow) == [
         "A slow hit: the emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took 3.4 s for 8.4 MB (forecast 3.3 s), longer than the 2.5 s computing those 456 tokens here was forecast to take"
         " (94% of the time to first token)."
     ]
     assert explain.why({**slow, "fetch_ms": 30.0, "ttft_ms": 60.0}) == []  # fast: nothing to explain
-    skipped = {"case": "miss", "decision": "policy-skip", "candidate_tokens": 256, "predicted_fetch_ms": 2100.0, "predicted_prefill_ms": 640.0}
+    skipped = {
+        "case": "miss",
+        "decision": "policy-skip",
+        "candidate_tokens": 256,
+        "predicted_fetch_ms": 2100.0,
+        "predicted_prefill_ms": 640.0,
+    }
     assert explain.why(skipped) == [
         "Fetch skipped: for the cached 256 tokens the policy forecast 2.1 s to fetch and restore against 640 ms to prefill them here, so it prefilled."
     ]
@@ -231,13 +304,18 @@ def test_a_slow_hit_says_why_and_a_skipped_fetch_says_what_was_forecast():
 
 @pytest.mark.cachebox
 @pytest.mark.django_db
-def test_a_recorded_mmlu_run_carries_its_verdict_to_the_page(staff_client, control_plane, django_capture_on_commit_callbacks):
+def test_a_recorded_mmlu_run_carries_its_verdict_to_the_page(
+    staff_client, control_plane, django_capture_on_commit_callbacks
+):
     device, token = register()
     keys = enrolled(device, token)
     meta = {"source": "mmlu", "title": "MMLU geography, 0-shot, question 1", "expected_answer": "B"}
     run = actions.record_run(result_payload(device, keys, text=" C", meta=meta))
     shown = actions.run_json(run)
-    assert shown["explanation"]["verdict"] == "wrong: answered C, the answer is B" and shown["explanation"]["right"] is False
+    assert (
+        shown["explanation"]["verdict"] == "wrong: answered C, the answer is B"
+        and shown["explanation"]["right"] is False
+    )
     page = staff_client.get(reverse("run-detail", args=[run.pk])).content.decode()
     assert 'id="run-verdict" class="verdict wrong"' in page and "wrong: answered C, the answer is B" in page
 
@@ -263,7 +341,10 @@ def test_an_entry_is_described_by_the_first_words_of_its_range_or_its_module():
     words = _Words(prompt)
     assert describe(prompt, {"start": 0, "end": 4, "piece": ""}, vocabulary=words) == "one two three"
     assert describe(prompt, {"start": 2, "end": 17, "piece": ""}, vocabulary=words).startswith("…two three four")
-    assert describe('<prompt schema="travel"><miami/></prompt>', {"start": 5, "end": 40, "piece": "miami"}) == "schema travel, miami"
+    assert (
+        describe('<prompt schema="travel"><miami/></prompt>', {"start": 5, "end": 40, "piece": "miami"})
+        == "schema travel, miami"
+    )
 
 
 @pytest.mark.cachebox
@@ -272,8 +353,22 @@ def test_an_entry_is_described_by_the_first_words_of_its_range_or_its_module():
 def test_the_cache_page_and_admin_show_what_an_entry_holds(admin_client, control_plane):
     device, token = register()
     keys = enrolled(device, token)
-    uploaded = [{"name": f"ec:e:default:00ff00ff00ff00ff:{{{'ab' * 16}}}", "namespace": "default", "model": "00ff00ff00ff00ff", "start": 0, "end": 20, "bytes": 800_000}]
-    payload = result_payload(device, keys, prompt="The quick brown fox jumps over the lazy dog while the farmer sleeps in the barn.", uploaded=uploaded)
+    uploaded = [
+        {
+            "name": f"ec:e:default:00ff00ff00ff00ff:{{{'ab' * 16}}}",
+            "namespace": "default",
+            "model": "00ff00ff00ff00ff",
+            "start": 0,
+            "end": 20,
+            "bytes": 800_000,
+        }
+    ]
+    payload = result_payload(
+        device,
+        keys,
+        prompt="The quick brown fox jumps over the lazy dog while the farmer sleeps in the barn.",
+        uploaded=uploaded,
+    )
     run = actions.record_run(payload)
     assert run is not None and run.breakdown["entries"]["stored"][0]["start"] == 0
     page = admin_client.get(reverse("cache")).content.decode()
@@ -286,11 +381,21 @@ def test_the_cache_page_and_admin_show_what_an_entry_holds(admin_client, control
 @pytest.mark.cachebox
 @pytest.mark.django_db
 def test_unpin_asks_without_calling_itself_destructive(admin_client, control_plane):
-    CacheEntry.objects.create(key="ec:e:default:00ff00ff00ff00ff:{" + "cd" * 16 + "}", model="00ff00ff00ff00ff", namespace="default", start=0, end=128, bytes=2_400_000, pinned=True)
+    CacheEntry.objects.create(
+        key="ec:e:default:00ff00ff00ff00ff:{" + "cd" * 16 + "}",
+        model="00ff00ff00ff00ff",
+        namespace="default",
+        start=0,
+        end=128,
+        bytes=2_400_000,
+        pinned=True,
+    )
     entry = CacheEntry.objects.get()
     changelist = reverse("admin:dashboard_cacheentry_changelist")
     unpin = admin_client.post(changelist, {"action": "unpin", "_selected_action": [entry.pk]}).content.decode()
-    assert "Unpinning deletes nothing" in unpin and "cannot be undone" not in unpin and "confirm-destructive" not in unpin
+    assert (
+        "Unpinning deletes nothing" in unpin and "cannot be undone" not in unpin and "confirm-destructive" not in unpin
+    )
     assert "2.4 MB" in unpin
     evict = admin_client.post(changelist, {"action": "evict", "_selected_action": [entry.pk]}).content.decode()
     assert "cannot be undone" in evict and "confirm-destructive" in evict
@@ -298,7 +403,9 @@ def test_unpin_asks_without_calling_itself_destructive(admin_client, control_pla
 
 # -- the Run page streams: stages and tokens over the runs' pub/sub channels; Cancel ------------------------------
 @pytest.mark.cachebox
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)  # leaves the migrated rows (content types) as it found them
+@pytest.mark.django_db(
+    transaction=True, serialized_rollback=True
+)  # leaves the migrated rows (content types) as it found them
 def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sent_tasks, django_user_model):
     from django.test import AsyncClient
 
@@ -314,12 +421,15 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
     store = control_plane
 
     def published(event, signer=keys, sender="zero"):
-        sealed = envelope.seal(event.compact(), kind=Kind.STREAM, sender=sender, to=event.request_id, signer=signer.signing, ring=ring)
+        sealed = envelope.seal(
+            event.compact(), kind=Kind.STREAM, sender=sender, to=event.request_id, signer=signer.signing, ring=ring
+        )
         return json.dumps(sealed).encode()
 
     async def scenario():
         response = await client.post(
-            reverse("run"), {"devices": [device.pk], "source": "text", "text": "Count: one, two,", "max_tokens": 4, "use_cache": "on"},
+            reverse("run"),
+            {"devices": [device.pk], "source": "text", "text": "Count: one, two,", "max_tokens": 4, "use_cache": "on"},
             headers={"Accept": "application/x-ndjson"},
         )
         assert response.status_code == 200 and response["Content-Type"] == "application/x-ndjson"
@@ -328,10 +438,16 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
         assert first["event"] == "dispatched" and first["dispatched"][0]["device"] == "zero"
         request_id = first["dispatched"][0]["request_id"]
         task = sent_tasks[-1]
-        assert task["queue"] == "device.zero" and task["args"][0]["request_id"] == request_id and task["args"][0]["stream"] is True
+        assert (
+            task["queue"] == "device.zero"
+            and task["args"][0]["request_id"] == request_id
+            and task["args"][0]["stream"] is True
+        )
         channel = stream_channel("zero", request_id)
         # Events the page must not show: unsigned (the old format), and signed by another board.
-        forged = StreamEvent(type="token", request_id=request_id, device="zero", index=0, text="Pay to IBAN DE00 ATTACKER")
+        forged = StreamEvent(
+            type="token", request_id=request_id, device="zero", index=0, text="Pay to IBAN DE00 ATTACKER"
+        )
         store.publish(channel, json.dumps(forged.compact()).encode())
         store.publish(channel, published(forged, intruder_keys, "mallory"))
         store.publish(channel, published(forged, intruder_keys, "zero"))
@@ -340,7 +456,14 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
             StreamEvent(type="stage", request_id=request_id, device="zero", stage="started"),
             StreamEvent(type="token", request_id=request_id, device="zero", index=0, text=" three"),
             StreamEvent(type="token", request_id=request_id, device="zero", index=1, text=","),
-            StreamEvent(type="done", request_id=request_id, device="zero", text=" three,", finish_reason="stop", breakdown={"ttft_ms": 42.0}),
+            StreamEvent(
+                type="done",
+                request_id=request_id,
+                device="zero",
+                text=" three,",
+                finish_reason="stop",
+                breakdown={"ttft_ms": 42.0},
+            ),
         ):
             store.publish(channel, published(event))
         seen = []
@@ -350,9 +473,15 @@ def test_the_run_page_follows_its_run_as_the_board_streams_it(control_plane, sen
 
     request_id, seen = async_to_sync(scenario)()
     assert [(e["event"], e.get("stage") or e.get("text") or e.get("finish_reason") or "") for e in seen] == [
-        ("stage", "started"), ("token", " three"), ("token", ","), ("done", " three,"), ("closed", "")
+        ("stage", "started"),
+        ("token", " three"),
+        ("token", ","),
+        ("done", " three,"),
+        ("closed", ""),
     ]
-    assert seen[3]["finish_reason"] == "stop"  # the done line carries the whole answer (the chat keeps it) and why it ended
+    assert (
+        seen[3]["finish_reason"] == "stop"
+    )  # the done line carries the whole answer (the chat keeps it) and why it ended
 
     # Cancel: the run's flag is set for its board (which stops between two tokens).
     from django.test import Client
@@ -382,8 +511,20 @@ def test_stage_events_follow_the_message_contract():
 
     request_id = str(uuid.uuid4())
     board, ring = control_plane_key(b"b" * 32), derive_keyring(b"m" * 32, "default", 1)
-    sealed = envelope.seal(StreamEvent(type="stage", request_id=request_id, stage="started").compact(), kind=Kind.STREAM, sender="zero", to=request_id, signer=board, ring=ring)
-    event = StreamEvent.open(json.dumps(sealed), request_id=request_id, signer_public_key=board.public_key().public_bytes_raw().hex(), ring_for=lambda _ns: ring)
+    sealed = envelope.seal(
+        StreamEvent(type="stage", request_id=request_id, stage="started").compact(),
+        kind=Kind.STREAM,
+        sender="zero",
+        to=request_id,
+        signer=board,
+        ring=ring,
+    )
+    event = StreamEvent.open(
+        json.dumps(sealed),
+        request_id=request_id,
+        signer_public_key=board.public_key().public_bytes_raw().hex(),
+        ring_for=lambda _ns: ring,
+    )
     assert event.type == "stage" and event.stage == "started"
     with pytest.raises(Exception):
         StreamEvent.parse({"type": "stage", "request_id": request_id, "stage": "dreaming"})

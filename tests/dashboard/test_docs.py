@@ -26,7 +26,9 @@ def _prose(text: str) -> str:
 def _anchors(page: Path) -> set[str]:
     """The anchors GitHub gives ``page``'s headings."""
     anchors = set()
-    for line in _prose(page.read_text(encoding="utf-8")).splitlines() + re.findall(r"^#+ .*$", page.read_text(encoding="utf-8"), re.M):
+    for line in _prose(page.read_text(encoding="utf-8")).splitlines() + re.findall(
+        r"^#+ .*$", page.read_text(encoding="utf-8"), re.M
+    ):
         if line.startswith("#"):
             title = line.lstrip("#").strip().replace("`", "").lower()
             anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
@@ -62,7 +64,14 @@ def test_the_configuration_table_is_the_codes(settings):
 
 def test_every_variable_the_code_reads_is_in_the_table():
     names = {variable.name for variable in docs.read_variables()}
-    assert {"REDIS_URL", "DATABASE_URL", "EDGECACHE_N_CTX", "EDGECACHE_RAM_TIER_MB", "EDGECACHE_RUN_RATE", "EDGECACHE_VISIBILITY_TIMEOUT"} <= names
+    assert {
+        "REDIS_URL",
+        "DATABASE_URL",
+        "EDGECACHE_N_CTX",
+        "EDGECACHE_RAM_TIER_MB",
+        "EDGECACHE_RUN_RATE",
+        "EDGECACHE_VISIBILITY_TIMEOUT",
+    } <= names
     table = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert all(f"| `{name}` |" in table for name in names)
 
@@ -92,15 +101,22 @@ def test_every_benchmark_has_a_section_filled_from_its_newest_saved_result(tmp_p
     assert "`python manage.py bench scale` makes one" in empty
     machine = {"cpu": "Test CPU", "cpu_count": 2, "threads": 1, "model": "m.gguf", "date": "2026-11-24T10:00:00Z"}
     row = {"prompt_tokens": 135, "cold_ttft_ms": 166.4, "hit_ttft_ms": 4.8, "ratio": 0.029, "state_bytes": 2.49e6}
-    (tmp_path / "scale-20261123-100000.json").write_text(json.dumps({"bench": "scale", "format": 1, "machine": machine, "lengths": [{**row, "cold_ttft_ms": 999.0}]}))
+    (tmp_path / "scale-20261123-100000.json").write_text(
+        json.dumps({"bench": "scale", "format": 1, "machine": machine, "lengths": [{**row, "cold_ttft_ms": 999.0}]})
+    )
     os.utime(tmp_path / "scale-20261123-100000.json", (1_700_000_000, 1_700_000_000))  # the older one
-    (tmp_path / "scale-20261124-100000.json").write_text(json.dumps({"bench": "scale", "format": 1, "machine": machine, "lengths": [row]}))
-    (tmp_path / "cases-1.json").write_text(json.dumps({"bench": "cases", "machine": machine}))  # another version: not printable
+    (tmp_path / "scale-20261124-100000.json").write_text(
+        json.dumps({"bench": "scale", "format": 1, "machine": machine, "lengths": [row]})
+    )
+    (tmp_path / "cases-1.json").write_text(
+        json.dumps({"bench": "cases", "machine": machine})
+    )  # another version: not printable
     filled = docs.render_benchmarks(text, tmp_path)
     scale = filled[filled.index("<!-- bench:scale -->") : filled.index("<!-- /bench:scale -->")]
     assert "scale-20261124-100000.json" in scale and "Test CPU, cores: 2, threads: 1" in scale
     assert "     135       166.4         4.8   0.029      2.49" in scale and "999.0" not in scale
     assert "could not be printed: KeyError" in filled[filled.index("<!-- bench:cases -->") :]
+
     def outside(page: str) -> str:
         return docs.SECTION.sub(lambda match: match.group(1) + match.group(4), page)
 
@@ -113,9 +129,15 @@ def test_the_newest_saved_result_is_the_one_measured_last_not_the_file_written_l
     benchmarks page must still show the run measured last (its machine.date)."""
     from dashboard.bench import documents
 
-    for name, date, mtime in (("scale-old", "2026-11-24T10:00:00Z", 2_000_000_000), ("scale-new", "2026-11-25T10:00:00Z", 1_700_000_000), ("scale-undated", None, 1_600_000_000)):
+    for name, date, mtime in (
+        ("scale-old", "2026-11-24T10:00:00Z", 2_000_000_000),
+        ("scale-new", "2026-11-25T10:00:00Z", 1_700_000_000),
+        ("scale-undated", None, 1_600_000_000),
+    ):
         machine = {"cpu": "Test CPU", **({"date": date} if date else {})}
-        (tmp_path / f"{name}.json").write_text(json.dumps({"bench": "scale", "format": 1, "machine": machine, "lengths": []}))
+        (tmp_path / f"{name}.json").write_text(
+            json.dumps({"bench": "scale", "format": 1, "machine": machine, "lengths": []})
+        )
         os.utime(tmp_path / f"{name}.json", (mtime, mtime))
     assert [path.stem for path, _ in documents.saved_documents(tmp_path)] == ["scale-new", "scale-old", "scale-undated"]
     assert documents.newest(["scale"], tmp_path)["scale"][0].stem == "scale-new"

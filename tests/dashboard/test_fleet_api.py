@@ -19,8 +19,8 @@ import urllib.request
 import pytest
 
 from tests.conftest import require
-from tests.stack import free_port, wait_for_http
 from tests.dashboard.test_api import Stack, error_of, until
+from tests.stack import free_port, wait_for_http
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox, pytest.mark.processes]
 
@@ -44,10 +44,16 @@ def fleet(tmp_path_factory):
     home = tmp_path_factory.mktemp("fleet-stack")
     port = free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
-    env.update({
-        "EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": "fleet-test-pw-1", "EDGECACHE_N_CTX": "2048", "EDGECACHE_API_TIMEOUT": "60",
-        "EDGECACHE_QUEUE_PER_BOARD": str(QUEUE_PER_BOARD), "EDGECACHE_API_QUEUE_PER_KEY": str(QUEUE_PER_KEY),
-    })
+    env.update(
+        {
+            "EDGECACHE_HOME": str(home),
+            "EDGECACHE_ADMIN_PASSWORD": "fleet-test-pw-1",
+            "EDGECACHE_N_CTX": "2048",
+            "EDGECACHE_API_TIMEOUT": "60",
+            "EDGECACHE_QUEUE_PER_BOARD": str(QUEUE_PER_BOARD),
+            "EDGECACHE_API_QUEUE_PER_KEY": str(QUEUE_PER_KEY),
+        }
+    )
     stack = Stack(home, port, env)
     server = stack.spawn("run", [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)])
     try:
@@ -56,11 +62,24 @@ def fleet(tmp_path_factory):
 
         tokens = json.loads(stack.shell(SETUP))
         for name in ("main", "other"):
-            stack.keys[name] = stack.manage("apikey", "create", "--namespace", "default", "--name", name, "--rate", "0").stdout.strip()
+            stack.keys[name] = stack.manage(
+                "apikey", "create", "--namespace", "default", "--name", name, "--rate", "0"
+            ).stdout.strip()
         for spec in DEMO_BOARDS:  # as `make run` starts them
-            board_env = {"EDGECACHE_DEVICE_TOKEN": tokens[spec["name"]], "EDGECACHE_COMPUTE_PROFILE": spec["compute_profile"]}
-            stack.spawn(f"board-{spec['name']}", [sys.executable, "manage.py", "edge", "--name", spec["name"], "--heartbeat", "1"], board_env)
-        models = until(lambda: [m for m in stack.client().models.list().data if len(m.model_extra["edgecache"]["devices"]) == 2], 240, "both boards to come online")
+            board_env = {
+                "EDGECACHE_DEVICE_TOKEN": tokens[spec["name"]],
+                "EDGECACHE_COMPUTE_PROFILE": spec["compute_profile"],
+            }
+            stack.spawn(
+                f"board-{spec['name']}",
+                [sys.executable, "manage.py", "edge", "--name", spec["name"], "--heartbeat", "1"],
+                board_env,
+            )
+        models = until(
+            lambda: [m for m in stack.client().models.list().data if len(m.model_extra["edgecache"]["devices"]) == 2],
+            240,
+            "both boards to come online",
+        )
         stack.model = models[0].id
         yield stack
     finally:
@@ -69,9 +88,16 @@ def fleet(tmp_path_factory):
 
 def ask(stack: Stack, question: str, *, max_tokens: int = 1) -> dict:
     response = stack.client().chat.completions.create(
-        model=stack.model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], max_tokens=max_tokens, temperature=0
+        model=stack.model,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
     )
-    return {**response.model_extra["edgecache"], "cached_tokens": response.usage.prompt_tokens_details.cached_tokens, "prompt_tokens": response.usage.prompt_tokens}
+    return {
+        **response.model_extra["edgecache"],
+        "cached_tokens": response.usage.prompt_tokens_details.cached_tokens,
+        "prompt_tokens": response.usage.prompt_tokens,
+    }
 
 
 def reported_rates(stack: Stack) -> dict:
@@ -81,8 +107,12 @@ def reported_rates(stack: Stack) -> dict:
 
 def test_each_board_reports_the_rates_it_measured_at_start(fleet):
     rates = reported_rates(fleet)
-    assert rates["zero"]["compute_profile"] == "pi-zero-2w" and rates["zero"]["prefill_ms_per_token"] >= 39.56  # paced as a Pi Zero 2W
-    assert rates["pi5"]["compute_profile"] == "" and rates["pi5"]["prefill_ms_per_token"] > 0  # this machine's speed, as loaded as it is
+    assert (
+        rates["zero"]["compute_profile"] == "pi-zero-2w" and rates["zero"]["prefill_ms_per_token"] >= 39.56
+    )  # paced as a Pi Zero 2W
+    assert (
+        rates["pi5"]["compute_profile"] == "" and rates["pi5"]["prefill_ms_per_token"] > 0
+    )  # this machine's speed, as loaded as it is
     assert all(rate["decode_ms_per_token"] > 0 and rate["prompt_tokens"] == 32 for rate in rates.values())
 
 
@@ -100,12 +130,22 @@ def test_a_repeated_prompt_goes_where_its_state_is(fleet):
 
 
 def test_two_hundred_concurrent_requests_get_an_answer_or_a_clear_refusal_and_the_server_stays_up(fleet):
-    body = {"model": fleet.model, "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 1, "temperature": 0}
+    body = {
+        "model": fleet.model,
+        "messages": [{"role": "user", "content": "Say yes."}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
     timeout = 60.0
 
     def one(index: int):
         key = fleet.keys["main" if index % 2 else "other"]
-        request = urllib.request.Request(fleet.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST", headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        request = urllib.request.Request(
+            fleet.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
@@ -117,11 +157,16 @@ def test_two_hundred_concurrent_requests_get_an_answer_or_a_clear_refusal_and_th
     answered = [json.loads(raw) for status, _, raw in results if status == 200]
     refused = [(status, headers, error_of(raw)) for status, headers, raw in results if status != 200]
     assert len(answered) + len(refused) == 200 and answered and refused
-    assert all(answer["choices"][0]["message"]["content"] is not None and answer["usage"]["completion_tokens"] == 1 for answer in answered)
+    assert all(
+        answer["choices"][0]["message"]["content"] is not None and answer["usage"]["completion_tokens"] == 1
+        for answer in answered
+    )
     for status, headers, error in refused:
         assert (status, error["code"]) in ((429, "queue_full"), (503, "fleet_busy")), (status, error)
         assert int(headers["retry-after"]) >= 1 and "try again in" in error["message"]
     assert len(answered) >= QUEUE_PER_KEY  # the first arrivals, within every bound
     # The server is up, and the bounded queues are empty again: a request is answered at once.
-    after = fleet.client().chat.completions.create(model=fleet.model, messages=[{"role": "user", "content": "Say no."}], max_tokens=1)
+    after = fleet.client().chat.completions.create(
+        model=fleet.model, messages=[{"role": "user", "content": "Say no."}], max_tokens=1
+    )
     assert after.choices[0].message.content is not None

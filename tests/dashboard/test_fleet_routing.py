@@ -11,19 +11,33 @@ from django.urls import reverse
 
 from dashboard import actions
 from dashboard.models import Device, Dispatch, InferenceRun
-
-from tests.dashboard.test_dashboard import control_plane, enrolled, heartbeat, register, result_payload, sent_tasks, staff_client  # noqa: F401 (fixtures)
+from tests.dashboard.test_dashboard import (  # noqa: F401 (fixtures)
+    control_plane,
+    enrolled,
+    heartbeat,
+    register,
+    result_payload,
+    sent_tasks,
+    staff_client,
+)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
 FINGERPRINT = "00ff00ff00ff00ff"
-LONG_PROMPT = "The history of astronomy, told one observatory at a time. " * 40 + "\nQuestion: which planet is largest?\nAnswer:"
+LONG_PROMPT = (
+    "The history of astronomy, told one observatory at a time. " * 40 + "\nQuestion: which planet is largest?\nAnswer:"
+)
 
 
 def online_board(name, rates=None):
     device, token = register(name)
     keys = enrolled(device, token)
-    status = {"model": "gemma-3-270m.gguf", "fingerprint": FINGERPRINT, "catalogs": {}, "ram_tier": {"entries": 0, "bytes": 0, "budget_bytes": 128 * 2**20}}
+    status = {
+        "model": "gemma-3-270m.gguf",
+        "fingerprint": FINGERPRINT,
+        "catalogs": {},
+        "ram_tier": {"entries": 0, "bytes": 0, "budget_bytes": 128 * 2**20},
+    }
     if rates is not None:
         status["rates"] = rates
     assert actions.record_heartbeat(heartbeat(keys, status, device=name)) is not None
@@ -32,7 +46,11 @@ def online_board(name, rates=None):
 
 
 def send_to_any_board(client, text):
-    response = client.post(reverse("run"), {"any_board": "on", "source": "text", "text": text, "max_tokens": 4, "use_cache": "on"}, HTTP_ACCEPT="application/json")
+    response = client.post(
+        reverse("run"),
+        {"any_board": "on", "source": "text", "text": text, "max_tokens": 4, "use_cache": "on"},
+        HTTP_ACCEPT="application/json",
+    )
     assert response.status_code == 200, response.content
     (sent,) = response.json()["dispatched"]
     return sent
@@ -44,15 +62,23 @@ def report(device, keys, request_id):
 
 
 def send_to(client, device, text):
-    response = client.post(reverse("run"), {"devices": [device.pk], "source": "text", "text": text, "max_tokens": 4, "use_cache": "on"}, HTTP_ACCEPT="application/json")
+    response = client.post(
+        reverse("run"),
+        {"devices": [device.pk], "source": "text", "text": text, "max_tokens": 4, "use_cache": "on"},
+        HTTP_ACCEPT="application/json",
+    )
     (sent,) = response.json()["dispatched"]
     return sent
 
 
-def test_the_same_long_prompt_to_any_board_goes_to_the_same_board_the_second_time(staff_client, control_plane, sent_tasks):
+def test_the_same_long_prompt_to_any_board_goes_to_the_same_board_the_second_time(
+    staff_client, control_plane, sent_tasks
+):
     boards = {name: online_board(name) for name in ("a-board", "b-board", "c-board")}
     # a-board and b-board are busy with other prompts: the first run goes to c-board.
-    busy = [send_to(staff_client, boards[name][0], f"Another prompt for {name}. " * 20) for name in ("a-board", "b-board")]
+    busy = [
+        send_to(staff_client, boards[name][0], f"Another prompt for {name}. " * 20) for name in ("a-board", "b-board")
+    ]
     first = send_to_any_board(staff_client, LONG_PROMPT)
     chosen = first["device"]
     assert chosen == "c-board" and sent_tasks[-1]["queue"] == "device.c-board"  # its own queue, not the shared one
@@ -85,15 +111,32 @@ def test_a_busy_board_loses_a_new_prompt_and_offline_boards_get_none(staff_clien
     assert second["device"] == "b-board"  # a-board still owes the first run
     assert Dispatch.objects.get(request_id=second["request_id"]).device == idle
     type(busy).objects.update(last_seen=None)
-    response = staff_client.post(reverse("run"), {"any_board": "on", "source": "text", "text": "hi", "max_tokens": 4}, HTTP_ACCEPT="application/json")
+    response = staff_client.post(
+        reverse("run"),
+        {"any_board": "on", "source": "text", "text": "hi", "max_tokens": 4},
+        HTTP_ACCEPT="application/json",
+    )
     assert response.status_code == 503 and "any_board" in response.json()["errors"]
     assert InferenceRun.objects.count() == 0
 
 
-def test_boards_are_weighed_by_the_rates_their_heartbeats_report_before_any_run(staff_client, control_plane, sent_tasks):
+def test_boards_are_weighed_by_the_rates_their_heartbeats_report_before_any_run(
+    staff_client, control_plane, sent_tasks
+):
     # zero (paced to a Pi Zero 2W) is first in order; with the fleet-wide prior both looked alike.
-    online_board("zero", rates={"prefill_ms_per_token": 39.56, "decode_ms_per_token": 400.0, "prompt_tokens": 48, "decode_tokens": 3, "compute_profile": "pi-zero-2w"})
-    online_board("pi5", rates={"prefill_ms_per_token": 1.5, "decode_ms_per_token": 12.0, "prompt_tokens": 48, "decode_tokens": 3})
+    online_board(
+        "zero",
+        rates={
+            "prefill_ms_per_token": 39.56,
+            "decode_ms_per_token": 400.0,
+            "prompt_tokens": 48,
+            "decode_tokens": 3,
+            "compute_profile": "pi-zero-2w",
+        },
+    )
+    online_board(
+        "pi5", rates={"prefill_ms_per_token": 1.5, "decode_ms_per_token": 12.0, "prompt_tokens": 48, "decode_tokens": 3}
+    )
     first = send_to_any_board(staff_client, LONG_PROMPT)
     assert first["device"] == "pi5"
     runner_up_ms = first["routing"]["runner_up_ms"]
@@ -101,27 +144,48 @@ def test_boards_are_weighed_by_the_rates_their_heartbeats_report_before_any_run(
     # The repeat: pi5 holds it and still owes only its (short) remaining work.
     second = send_to_any_board(staff_client, LONG_PROMPT)
     assert second["device"] == "pi5" and second["routing"]["source"] == "context"
-    assert Dispatch.objects.get(request_id=second["request_id"]).routing["work_ms"] < 100  # a hit: its answer, not a cold prefill
+    assert (
+        Dispatch.objects.get(request_id=second["request_id"]).routing["work_ms"] < 100
+    )  # a hit: its answer, not a cold prefill
 
 
 def test_a_heartbeat_with_unusable_rates_is_refused(control_plane):
     device, token = register("odd")
     keys = enrolled(device, token)
-    status = {"model": "gemma-3-270m.gguf", "fingerprint": FINGERPRINT, "rates": {"prefill_ms_per_token": -1.0, "decode_ms_per_token": 10.0}}
+    status = {
+        "model": "gemma-3-270m.gguf",
+        "fingerprint": FINGERPRINT,
+        "rates": {"prefill_ms_per_token": -1.0, "decode_ms_per_token": 10.0},
+    }
     assert actions.record_heartbeat(heartbeat(keys, status, device="odd")) is None
 
 
-def test_the_run_page_says_the_fleet_is_busy_past_its_bounded_queue(staff_client, control_plane, sent_tasks, settings, django_capture_on_commit_callbacks):
+def test_the_run_page_says_the_fleet_is_busy_past_its_bounded_queue(
+    staff_client, control_plane, sent_tasks, settings, django_capture_on_commit_callbacks
+):
     settings.EDGECACHE_QUEUE_PER_BOARD = 2  # runs under way per online board of the namespace
     device, keys = online_board("a-board")
     first, second = send_to(staff_client, device, "One prompt."), send_to(staff_client, device, "Another.")
-    response = staff_client.post(reverse("run"), {"devices": [device.pk], "source": "text", "text": "A third.", "max_tokens": 4}, HTTP_ACCEPT="application/json")
+    response = staff_client.post(
+        reverse("run"),
+        {"devices": [device.pk], "source": "text", "text": "A third.", "max_tokens": 4},
+        HTTP_ACCEPT="application/json",
+    )
     assert response.status_code == 503 and int(response["Retry-After"]) >= 1
     (error,) = response.json()["errors"]["__all__"]
-    assert error["code"] == "fleet_busy" and error["message"].startswith("The fleet is busy") and "try again in" in error["message"]
-    page = staff_client.post(reverse("run"), {"devices": [device.pk], "source": "text", "text": "A third.", "max_tokens": 4})
+    assert (
+        error["code"] == "fleet_busy"
+        and error["message"].startswith("The fleet is busy")
+        and "try again in" in error["message"]
+    )
+    page = staff_client.post(
+        reverse("run"), {"devices": [device.pk], "source": "text", "text": "A third.", "max_tokens": 4}
+    )
     assert page.status_code == 503 and b"The fleet is busy" in page.content  # the page itself, without its script
-    assert Dispatch.objects.count() == 2 and len([task for task in sent_tasks if task["name"] == "edgecache.run_prompt"]) == 2  # nothing more was sent
+    assert (
+        Dispatch.objects.count() == 2
+        and len([task for task in sent_tasks if task["name"] == "edgecache.run_prompt"]) == 2
+    )  # nothing more was sent
     with django_capture_on_commit_callbacks(execute=True):
         assert report(device, keys, first["request_id"]) is not None  # an answer frees its place
     assert send_to(staff_client, device, "A third.")["device"] == "a-board"
@@ -165,7 +229,9 @@ def test_an_admins_any_board_run_goes_only_to_boards_of_its_namespace(staff_clie
 
     # Named, the tenant's namespace routes among its boards only.
     response = staff_client.post(
-        reverse("run"), {"any_board": "on", "namespace": "walk-t2", "source": "text", "text": LONG_PROMPT, "max_tokens": 4}, HTTP_ACCEPT="application/json"
+        reverse("run"),
+        {"any_board": "on", "namespace": "walk-t2", "source": "text", "text": LONG_PROMPT, "max_tokens": 4},
+        HTTP_ACCEPT="application/json",
     )
     (sent,) = response.json()["dispatched"]
     assert sent["device"] == "walk-t2b" and Dispatch.objects.get(request_id=sent["request_id"]).namespace == "walk-t2"
@@ -174,9 +240,14 @@ def test_an_admins_any_board_run_goes_only_to_boards_of_its_namespace(staff_clie
     before = len(sent_tasks)
     ticked = list(Device.objects.filter(name__in=["zero", "walk-t2b"]).values_list("pk", flat=True))
     response = staff_client.post(
-        reverse("run"), {"any_board": "on", "devices": ticked, "source": "text", "text": "hi", "max_tokens": 4}, HTTP_ACCEPT="application/json"
+        reverse("run"),
+        {"any_board": "on", "devices": ticked, "source": "text", "text": "hi", "max_tokens": 4},
+        HTTP_ACCEPT="application/json",
     )
-    assert response.status_code == 400 and "the ticked devices are of default, walk-t2" in response.json()["errors"]["any_board"][0]["message"]
+    assert (
+        response.status_code == 400
+        and "the ticked devices are of default, walk-t2" in response.json()["errors"]["any_board"][0]["message"]
+    )
     assert len(sent_tasks) == before
     assert {zero.name, also.name} == {"zero", "also-zero"}
 

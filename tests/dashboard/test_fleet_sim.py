@@ -12,7 +12,6 @@ from django.utils import timezone
 
 from dashboard.bench.fleet_sim import p50_p99, per_board_minute, thirds_p99, trend_per_minute, verdicts
 from inference.placement import PromptKeys, route
-
 from tests.dashboard.test_dashboard import control_plane  # noqa: F401 (fixture)
 
 
@@ -29,7 +28,9 @@ def test_a_lag_that_grows_by_one_second_a_minute_has_that_trend_and_a_flat_one_n
 
 
 def test_p99_by_third_of_the_run_shows_where_a_lag_grew():
-    points = [(t, 10.0) for t in range(0, 20)] + [(t, 10.0) for t in range(20, 40)] + [(t, 900.0) for t in range(40, 60)]
+    points = (
+        [(t, 10.0) for t in range(0, 20)] + [(t, 10.0) for t in range(20, 40)] + [(t, 900.0) for t in range(40, 60)]
+    )
     first, middle, last = thirds_p99(points)
     assert first == middle == 10.0 and last == 900.0
     assert thirds_p99([]) == [None, None, None]
@@ -50,8 +51,15 @@ def test_verdicts_name_each_target_and_a_growing_lag_fails():
         "errors": {"total": 0},
     }
     assert verdicts(doc) == {
-        "routing_decision_p99_le_5ms": True, "routing_decision_p99_le_5ms_quiet": None, "heartbeat_lag_p99_le_1s": True, "heartbeat_lag_not_growing": False,
-        "catalog_sync_lag_p99_le_2s": True, "pages_le_300ms": False, "pages_le_300ms_quiet": None, "no_lost_runs": True, "no_errors": True,
+        "routing_decision_p99_le_5ms": True,
+        "routing_decision_p99_le_5ms_quiet": None,
+        "heartbeat_lag_p99_le_1s": True,
+        "heartbeat_lag_not_growing": False,
+        "catalog_sync_lag_p99_le_2s": True,
+        "pages_le_300ms": False,
+        "pages_le_300ms_quiet": None,
+        "no_lost_runs": True,
+        "no_errors": True,
     }
 
 
@@ -63,13 +71,21 @@ def _keys(*names: str) -> PromptKeys:
 def _views(index, devices, keys, now):
     from dashboard.router import ram_budget
 
-    return [index.view(device.name, keys, online=True, ram_budget_bytes=ram_budget(device), now=now) for device in devices]
+    return [
+        index.view(device.name, keys, online=True, ram_budget_bytes=ram_budget(device), now=now) for device in devices
+    ]
 
 
 def _dispatch(device, keys: PromptKeys, *, ago_s: float, work_ms: float = 900.0):
     from dashboard.models import Dispatch
 
-    row = Dispatch.objects.create(request_id=uuid.uuid4(), kind="run", device=device, namespace=device.namespace_id, routing={"prompt": keys.as_dict(), "work_ms": work_ms})
+    row = Dispatch.objects.create(
+        request_id=uuid.uuid4(),
+        kind="run",
+        device=device,
+        namespace=device.namespace_id,
+        routing={"prompt": keys.as_dict(), "work_ms": work_ms},
+    )
     Dispatch.objects.filter(pk=row.pk).update(created=timezone.now() - timedelta(seconds=ago_s))
     return str(row.request_id)
 
@@ -78,8 +94,16 @@ def _report(device, request_id, *, ago_s: float, error: str = "", prompt_tokens=
     from dashboard.models import InferenceRun
 
     run = InferenceRun.objects.create(
-        request_id=request_id, device=device, error=error,
-        breakdown={"prompt_tokens": prompt_tokens, "matched_tokens": matched, "prefill_ms": prefill_ms, "decode_ms": 300.0, "generated_tokens": 4},
+        request_id=request_id,
+        device=device,
+        error=error,
+        breakdown={
+            "prompt_tokens": prompt_tokens,
+            "matched_tokens": matched,
+            "prefill_ms": prefill_ms,
+            "decode_ms": 300.0,
+            "generated_tokens": 4,
+        },
     )
     InferenceRun.objects.filter(pk=run.pk).update(created=timezone.now() - timedelta(seconds=ago_s))
 
@@ -94,7 +118,10 @@ def test_the_routing_state_kept_in_memory_decides_as_the_history_rebuilt_for_eac
 
     settings.EDGECACHE_TASK_EXPIRES = 600
     Namespace.objects.get_or_create(name="default")
-    devices = [Device.objects.create(name=f"board-{n}", status={"fingerprint": "ab", "ram_tier": {"budget_bytes": 40 * 2**20}}) for n in range(4)]
+    devices = [
+        Device.objects.create(name=f"board-{n}", status={"fingerprint": "ab", "ram_tier": {"budget_bytes": 40 * 2**20}})
+        for n in range(4)
+    ]
     a, b, c, d = devices
     shared = _keys("k1", "k2", "k3")
     other = _keys("x1", "x2")
@@ -124,7 +151,9 @@ def test_the_routing_state_kept_in_memory_decides_as_the_history_rebuilt_for_eac
     assert state.built_at == built  # followed, not rebuilt
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)  # the rebuild reads from a thread of its own; migrated rows left as found
+@pytest.mark.django_db(
+    transaction=True, serialized_rollback=True
+)  # the rebuild reads from a thread of its own; migrated rows left as found
 def test_the_periodic_rebuild_happens_beside_decisions_and_sees_a_run_moved_to_another_board():
     from dashboard.models import Device, Dispatch, Namespace
     from dashboard.router import RoutingState, fleet_index
@@ -161,9 +190,23 @@ def test_a_dispatch_committed_after_a_higher_id_is_followed_within_a_second():
     assert state.current().queued_ms("board-late") == pytest.approx(1000.0, abs=10.0)
     first = Dispatch.objects.get()
     skipped = first.pk + 1  # its id was taken, its transaction commits later
-    newer = Dispatch.objects.create(pk=skipped + 1, request_id=uuid.uuid4(), kind="run", device=board, namespace="default", routing={"prompt": _keys("k2").as_dict(), "work_ms": 2000.0})
+    newer = Dispatch.objects.create(
+        pk=skipped + 1,
+        request_id=uuid.uuid4(),
+        kind="run",
+        device=board,
+        namespace="default",
+        routing={"prompt": _keys("k2").as_dict(), "work_ms": 2000.0},
+    )
     assert state.current().queued_ms("board-late") == pytest.approx(3000.0, abs=10.0)
-    Dispatch.objects.create(pk=skipped, request_id=uuid.uuid4(), kind="run", device=board, namespace="default", routing={"prompt": _keys("k3").as_dict(), "work_ms": 4000.0})
+    Dispatch.objects.create(
+        pk=skipped,
+        request_id=uuid.uuid4(),
+        kind="run",
+        device=board,
+        namespace="default",
+        routing={"prompt": _keys("k3").as_dict(), "work_ms": 4000.0},
+    )
     assert newer.pk > skipped
     assert state.current().queued_ms("board-late") == pytest.approx(3000.0, abs=10.0)  # behind the cursor: not yet
     state._looked_back -= state.LOOKBACK_EVERY_S  # a second later
@@ -183,7 +226,13 @@ def test_a_run_this_process_dispatched_is_in_the_routing_state_at_once_and_count
     state = RoutingState()
     state.current()
     state._looked_back = float("inf")  # no look-back in this test: only the cursor's row and newer
-    mine = Dispatch.objects.create(request_id=uuid.uuid4(), kind="run", device=board, namespace="default", routing={"prompt": _keys("k1").as_dict(), "work_ms": 1000.0})
+    mine = Dispatch.objects.create(
+        request_id=uuid.uuid4(),
+        kind="run",
+        device=board,
+        namespace="default",
+        routing={"prompt": _keys("k1").as_dict(), "work_ms": 1000.0},
+    )
     state.feed(str(mine.request_id), board.name, mine.routing, mine.created)
     assert state.index.queued_ms("board-fed") == pytest.approx(1000.0)
     with django_assert_num_queries(3):  # the ids of both tables and the mirror's newest row: nothing fetched back
@@ -195,7 +244,9 @@ def test_a_run_this_process_dispatched_is_in_the_routing_state_at_once_and_count
 
 
 @pytest.mark.django_db
-def test_with_a_fresh_follower_a_decision_reads_memory_only_and_without_one_it_follows_inline(django_assert_num_queries):
+def test_with_a_fresh_follower_a_decision_reads_memory_only_and_without_one_it_follows_inline(
+    django_assert_num_queries,
+):
     """A web process's follower reads what other processes wrote (``follow_in_background``), so its
     decisions run no query; once the follower is late, stopped or absent, a decision follows inline
     as every decision did before. The follower's look is driven by hand here, in the test's thread."""
@@ -210,7 +261,10 @@ def test_with_a_fresh_follower_a_decision_reads_memory_only_and_without_one_it_f
     state.current()
     state._looked_back = float("inf")  # no look-back in this test: only the cursor's row and newer
     stop = threading.Event()
-    state._follower, state._follow_every = threading.Thread(target=stop.wait, daemon=True), 0.05  # alive, and idle: looks are made below
+    state._follower, state._follow_every = (
+        threading.Thread(target=stop.wait, daemon=True),
+        0.05,
+    )  # alive, and idle: looks are made below
     state._follower.start()
     try:
         _dispatch(board, _keys("k1"), ago_s=0, work_ms=1000.0)  # written by another process
@@ -255,7 +309,12 @@ def test_weighing_two_boards_of_each_unused_kind_chooses_as_weighing_every_board
     Namespace.objects.get_or_create(name="default")
     status = {"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 5, "ram_tier": {"budget_bytes": 64 * 2**20}}
     devices = [
-        Device.objects.create(name=f"board-{n:02d}", status=status, last_seen=timezone.now(), link_bandwidth_mbps=20.0 if n % 7 == 0 else None)
+        Device.objects.create(
+            name=f"board-{n:02d}",
+            status=status,
+            last_seen=timezone.now(),
+            link_bandwidth_mbps=20.0 if n % 7 == 0 else None,
+        )
         for n in range(30)
     ]
     layouts = {"held": (list(range(300)), ()), "new": (list(range(1000, 1400)), ())}
@@ -273,7 +332,17 @@ def test_weighing_two_boards_of_each_unused_kind_chooses_as_weighing_every_board
         index = router.fleet_index(devices)
         now = timezone.now().timestamp()
         keys = {d.name: router.keys_for(d, layouts[prompt.segments[0]]) for d in devices}
-        views = [index.view(d.name, keys[d.name], link=router.link_of(d), ram_budget_bytes=router.ram_budget(d), cachebox_tokens=0, now=now) for d in devices]
+        views = [
+            index.view(
+                d.name,
+                keys[d.name],
+                link=router.link_of(d),
+                ram_budget_bytes=router.ram_budget(d),
+                cachebox_tokens=0,
+                now=now,
+            )
+            for d in devices
+        ]
         return route(len(layouts[prompt.segments[0]][0]), views, preferred=preferred)
 
     for prompt, preferred in ((held, ""), (new, ""), (new, "board-26"), (held, "board-26"), (new, "board-13")):
@@ -284,7 +353,9 @@ def test_weighing_two_boards_of_each_unused_kind_chooses_as_weighing_every_board
         for field in ("board", "runner_up", "held_tokens", "source"):
             assert chosen.record[field] == record[field], field
         for field in ("expected_ms", "runner_up_ms", "saving_ms"):
-            assert chosen.record[field] == pytest.approx(record[field], abs=50.0), field  # the busy board's queue drains between the two
+            assert chosen.record[field] == pytest.approx(record[field], abs=50.0), (
+                field
+            )  # the busy board's queue drains between the two
         assert chosen.record["candidates"] == 30
     assert router.plan(devices, held).device.name == "board-03"  # it holds the prompt
     assert router.plan(devices, new).device.name == "board-12"  # nobody holds it: the fastest idle board
@@ -293,7 +364,10 @@ def test_weighing_two_boards_of_each_unused_kind_chooses_as_weighing_every_board
     roster = router.Roster(devices)
     for _ in range(2):
         assert router.plan(roster, held).device.name == "board-03"
-        via_roster, via_list = router.plan(roster, new, preferred="board-26").record, router.plan(devices, new, preferred="board-26").record
+        via_roster, via_list = (
+            router.plan(roster, new, preferred="board-26").record,
+            router.plan(devices, new, preferred="board-26").record,
+        )
         for field in ("board", "runner_up", "held_tokens", "source", "candidates", "prompt"):
             assert via_roster[field] == via_list[field], field
 
@@ -310,8 +384,14 @@ def test_a_roster_reused_by_many_decisions_follows_the_rates_and_queues_its_boar
     Namespace.objects.get_or_create(name="default")
     devices = [
         Device.objects.create(
-            name=f"board-{n:02d}", last_seen=timezone.now() - timedelta(seconds=5 if n == 0 else 0),  # board-00 beat last 5 s ago
-            status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 5, "rates": {"prefill_ms_per_token": 5.0 + n, "decode_ms_per_token": 30.0}},
+            name=f"board-{n:02d}",
+            last_seen=timezone.now() - timedelta(seconds=5 if n == 0 else 0),  # board-00 beat last 5 s ago
+            status={
+                "model": "m.gguf",
+                "fingerprint": "ab",
+                "heartbeat_s": 5,
+                "rates": {"prefill_ms_per_token": 5.0 + n, "decode_ms_per_token": 30.0},
+            },
         )
         for n in range(10)
     ]
@@ -321,7 +401,9 @@ def test_a_roster_reused_by_many_decisions_follows_the_rates_and_queues_its_boar
     roster = router.Roster(devices)
     assert router.plan(roster, new).device.name == "board-00"  # the fastest it measured
     other = PromptKeys((128,), ("other-prompt",))
-    _report(devices[7], _dispatch(devices[7], other, ago_s=2), ago_s=1, prompt_tokens=384, prefill_ms=192.0)  # 0.5 ms a token
+    _report(
+        devices[7], _dispatch(devices[7], other, ago_s=2), ago_s=1, prompt_tokens=384, prefill_ms=192.0
+    )  # 0.5 ms a token
     chosen = router.plan(roster, new)
     assert chosen.device.name == "board-07" and chosen.record["runner_up"] == "board-00"
     _dispatch(devices[7], other, ago_s=0, work_ms=60_000.0)  # now it owes a minute of work
@@ -334,16 +416,19 @@ def test_a_roster_reused_by_many_decisions_follows_the_rates_and_queues_its_boar
 
 
 @pytest.mark.django_db
-def test_a_decision_finds_the_entries_the_mirror_holds_in_memory_and_makes_the_cache_box_the_source(monkeypatch, django_assert_num_queries):
+def test_a_decision_finds_the_entries_the_mirror_holds_in_memory_and_makes_the_cache_box_the_source(
+    monkeypatch, django_assert_num_queries
+):
     """The routing state follows the entry mirror with the history: a prompt whose first ranges the
     cache box holds is expected from there, and a decision on a followed state asks the database
     nothing about entries."""
-    from dashboard.models import CacheEntry
     from dashboard import actions, router
-    from dashboard.models import Device, Namespace
+    from dashboard.models import CacheEntry, Device, Namespace
 
     Namespace.objects.get_or_create(name="default")
-    device = Device.objects.create(name="fetcher", last_seen=timezone.now(), status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 5})
+    device = Device.objects.create(
+        name="fetcher", last_seen=timezone.now(), status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 5}
+    )
     layout = (list(range(2000, 2400)), ())
     monkeypatch.setattr(router, "prompt_tokens", lambda prompt: layout)
     keys = router.keys_for(device, layout)
@@ -404,17 +489,31 @@ def test_a_roster_counts_online_and_serving_boards_as_the_devices_do():
     Namespace.objects.get_or_create(name="default")
     now = timezone.now()
     devices = [
-        Device.objects.create(name="fresh", status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 1}, last_seen=now - timedelta(seconds=3)),
-        Device.objects.create(name="late", status={"model": "m.gguf", "heartbeat_s": 1}, last_seen=now - timedelta(seconds=5)),
-        Device.objects.create(name="slow-beats", status={"model": "other.gguf", "heartbeat_s": 30}, last_seen=now - timedelta(seconds=100)),
+        Device.objects.create(
+            name="fresh",
+            status={"model": "m.gguf", "fingerprint": "ab", "heartbeat_s": 1},
+            last_seen=now - timedelta(seconds=3),
+        ),
+        Device.objects.create(
+            name="late", status={"model": "m.gguf", "heartbeat_s": 1}, last_seen=now - timedelta(seconds=5)
+        ),
+        Device.objects.create(
+            name="slow-beats", status={"model": "other.gguf", "heartbeat_s": 30}, last_seen=now - timedelta(seconds=100)
+        ),
         Device.objects.create(name="no-status", status={}, last_seen=now),
         Device.objects.create(name="never", status={"model": "m.gguf"}),
         Device.objects.create(name="revoked", status={"model": "m.gguf"}, last_seen=now, revoked_at=now),
     ]
     roster = router.Roster(devices)
-    assert [device.name for device in roster.online(now.timestamp()).devices] == [device.name for device in devices if device.online_at(now)] == ["fresh", "slow-beats", "no-status"]
+    assert (
+        [device.name for device in roster.online(now.timestamp()).devices]
+        == [device.name for device in devices if device.online_at(now)]
+        == ["fresh", "slow-beats", "no-status"]
+    )
     for model in ("m.gguf", "ab", "other.gguf", ""):
-        assert [device.name for device in roster.serving(model).devices] == [device.name for device in devices if serves(device, model)]
+        assert [device.name for device in roster.serving(model).devices] == [
+            device.name for device in devices if serves(device, model)
+        ]
 
 
 # -- pages with many devices ----------------------------------------------------------------------
@@ -424,13 +523,18 @@ def _fleet(count=60):
     Namespace.objects.get_or_create(name="default")
     Namespace.objects.get_or_create(name="site-b")
     now = timezone.now()
-    Device.objects.bulk_create([
-        Device(
-            name=f"dev-{n:04d}", namespace_id="site-b" if n % 3 == 0 else "default", status={"heartbeat_s": 5},
-            last_seen=now if n < 10 else (now - timedelta(hours=1) if n < 40 else None), revoked_at=now if n in (58, 59) else None,
-        )
-        for n in range(count)
-    ])
+    Device.objects.bulk_create(
+        [
+            Device(
+                name=f"dev-{n:04d}",
+                namespace_id="site-b" if n % 3 == 0 else "default",
+                status={"heartbeat_s": 5},
+                last_seen=now if n < 10 else (now - timedelta(hours=1) if n < 40 else None),
+                revoked_at=now if n in (58, 59) else None,
+            )
+            for n in range(count)
+        ]
+    )
 
 
 def _rows(response) -> list[str]:
@@ -440,7 +544,9 @@ def _rows(response) -> list[str]:
 
 
 @pytest.mark.django_db
-def test_the_devices_page_lists_a_large_fleet_a_page_at_a_time_and_finds_a_board_by_name_status_or_namespace(client, django_user_model, django_assert_max_num_queries):
+def test_the_devices_page_lists_a_large_fleet_a_page_at_a_time_and_finds_a_board_by_name_status_or_namespace(
+    client, django_user_model, django_assert_max_num_queries
+):
     from django.urls import reverse
 
     _fleet()
@@ -448,26 +554,37 @@ def test_the_devices_page_lists_a_large_fleet_a_page_at_a_time_and_finds_a_board
     with django_assert_max_num_queries(12):  # the same few queries whatever the fleet's size
         page = client.get(reverse("devices"))
     text = page.content.decode()
-    assert "<strong>60</strong> devices: 10 online, 30 offline, 18 never seen, 2 revoked" in text and "page 1 of 2" in text
+    assert (
+        "<strong>60</strong> devices: 10 online, 30 offline, 18 never seen, 2 revoked" in text and "page 1 of 2" in text
+    )
     assert len(_rows(page)) == 50
     assert _rows(client.get(reverse("devices"), {"page": 2})) == [f"dev-{n:04d}" for n in range(50, 60)]
     assert _rows(client.get(reverse("devices"), {"q": "dev-005"})) == [f"dev-{n:04d}" for n in range(50, 60)]
     assert _rows(client.get(reverse("devices"), {"status": "online"})) == [f"dev-{n:04d}" for n in range(10)]
     assert _rows(client.get(reverse("devices"), {"status": "revoked"})) == ["dev-0058", "dev-0059"]
-    assert _rows(client.get(reverse("devices"), {"namespace": "site-b", "status": "online"})) == ["dev-0000", "dev-0003", "dev-0006", "dev-0009"]
+    assert _rows(client.get(reverse("devices"), {"namespace": "site-b", "status": "online"})) == [
+        "dev-0000",
+        "dev-0003",
+        "dev-0006",
+        "dev-0009",
+    ]
     assert "No device matches." in client.get(reverse("devices"), {"q": "nothing-like-it"}).content.decode()
 
 
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_the_dashboard_of_a_large_fleet_counts_it_and_shows_cards_for_the_boards_seen_last(client, django_user_model, settings, valkey_url):
+def test_the_dashboard_of_a_large_fleet_counts_it_and_shows_cards_for_the_boards_seen_last(
+    client, django_user_model, settings, valkey_url
+):
     from django.urls import reverse
 
     settings.REDIS_URL = valkey_url
     _fleet()
     client.force_login(django_user_model.objects.create_user("ops", password="pw-ops-123", is_staff=True))
     text = client.get(reverse("home")).content.decode()
-    assert 'id="fleet-counts"' in text and "<strong>60</strong> devices: 10 online" in text and 'data-full="true"' in text
+    assert (
+        'id="fleet-counts"' in text and "<strong>60</strong> devices: 10 online" in text and 'data-full="true"' in text
+    )
     cards = text.count('class="card device-card"')
     assert cards == 24
 
@@ -482,7 +599,6 @@ def test_heartbeats_recorded_in_a_batch_are_checked_one_by_one_and_the_newest_of
     from dashboard.actions.devices import HeartbeatBatch
     from dashboard.models import Device
     from inference.board.identity import BoardKeys
-
     from tests.dashboard.test_dashboard import enrolled, heartbeat, register
 
     boards = {}
@@ -494,7 +610,8 @@ def test_heartbeats_recorded_in_a_batch_are_checked_one_by_one_and_the_newest_of
     first = heartbeat(boards["hb-a"][1], {"model": "first"}, device="hb-a")
     newest = heartbeat(boards["hb-a"][1], {"model": "newest"}, device="hb-a")
     for payload in (
-        newest, first,  # out of order within the batch: the newest is kept
+        newest,
+        first,  # out of order within the batch: the newest is kept
         heartbeat(boards["hb-b"][1], {"model": "b"}, device="hb-b"),
         heartbeat(BoardKeys.generate(), {"model": "forged"}, device="hb-b"),  # not signed by hb-b's board
         heartbeat(boards["hb-c"][1], {"model": "revoked"}, device="hb-c"),
@@ -523,8 +640,28 @@ def test_a_small_simulated_fleet_loses_no_run_and_every_report_is_signed_and_acc
 
     out = tmp_path / "fleet-sim.json"
     done = subprocess.run(
-        [sys.executable, "manage.py", "bench", "fleet-sim", "--boards", "20", "--seconds", "4", "--rate", "3", "--heartbeat", "1", "--time-scale", "0.1", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "manage.py",
+            "bench",
+            "fleet-sim",
+            "--boards",
+            "20",
+            "--seconds",
+            "4",
+            "--rate",
+            "3",
+            "--heartbeat",
+            "1",
+            "--time-scale",
+            "0.1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -535,7 +672,11 @@ def test_a_small_simulated_fleet_loses_no_run_and_every_report_is_signed_and_acc
     # Every run a board answered was stored from its signed report (a refused report stores nothing).
     assert doc["board_counts"]["reports"] == doc["board_counts"]["runs"] == doc["runs_stored"] == doc["runs_dispatched"]
     assert doc["board_counts"]["refused"] == 0 and doc["board_counts"]["heartbeats"] >= 20
-    assert doc["heartbeat_ingest_lag_ms"]["n"] > 0 and doc["catalog_sync_lag_ms"]["n"] > 0 and doc["routing_decision_ms"]["n"] == 12
+    assert (
+        doc["heartbeat_ingest_lag_ms"]["n"] > 0
+        and doc["catalog_sync_lag_ms"]["n"] > 0
+        and doc["routing_decision_ms"]["n"] == 12
+    )
 
 
 @pytest.mark.django_db
@@ -551,7 +692,6 @@ def test_each_boards_latest_heartbeat_is_read_once_stale_and_oversized_ones_say_
     from dashboard.models import Device
     from inference.contract.envelope import CONTROL, Kind, seal
     from inference.contract.messages import MAX_HEARTBEAT_BYTES
-
     from tests.dashboard.test_dashboard import enrolled, heartbeat, register
 
     device, token = register("hb-key")
@@ -559,7 +699,13 @@ def test_each_boards_latest_heartbeat_is_read_once_stale_and_oversized_ones_say_
     monkey = redis.Redis.from_url(settings.REDIS_URL)
     from cachebox.signing import SIGNATURE_FIELD, sign_document
 
-    old = seal({"device": "hb-key", "status": {"model": "old", "heartbeat_s": 5}}, kind=Kind.HEARTBEAT, sender="hb-key", to=CONTROL, signer=keys.signing)
+    old = seal(
+        {"device": "hb-key", "status": {"model": "old", "heartbeat_s": 5}},
+        kind=Kind.HEARTBEAT,
+        sender="hb-key",
+        to=CONTROL,
+        signer=keys.signing,
+    )
     old["ts"] -= 600  # a heartbeat sent ten minutes ago (the control plane was down), signed as such
     old = sign_document(keys.signing, {k: v for k, v in old.items() if k != SIGNATURE_FIELD})
     monkey.set(heartbeat_key("hb-key"), json.dumps(old))
@@ -571,7 +717,9 @@ def test_each_boards_latest_heartbeat_is_read_once_stale_and_oversized_ones_say_
     assert batch.take() == 0 and batch.flush() == 0  # larger than a heartbeat may be: refused unread
     monkey.set(heartbeat_key("hb-key"), b"not json")
     assert batch.take() == 0
-    monkey.set(heartbeat_key("hb-key"), json.dumps(heartbeat(keys, {"model": "now", "heartbeat_s": 5}, device="hb-key")))
+    monkey.set(
+        heartbeat_key("hb-key"), json.dumps(heartbeat(keys, {"model": "now", "heartbeat_s": 5}, device="hb-key"))
+    )
     assert batch.take() == 1 and batch.flush() == 1
     device = Device.objects.get(name="hb-key")
     assert device.online and device.status["model"] == "now"
@@ -584,8 +732,8 @@ def test_a_board_another_process_saw_come_online_serves_a_request_this_process_r
     control worker recorded since is weighed again before a request is refused for want of it."""
     from dashboard import actions, router
     from dashboard.actions.api_keys import create_key
-    from dashboard.api.requests import parse_request
     from dashboard.api.board_choice import choose_route
+    from dashboard.api.requests import parse_request
     from dashboard.models import Device, Namespace
 
     monkeypatch.setattr(router, "prompt_tokens", lambda prompt: None)
@@ -618,7 +766,9 @@ def test_the_router_tokenizes_a_repeated_text_once_and_hands_out_copies():
     first.append(99)  # a caller extends what it got
     assert vocabulary.tokenize("a shared system prompt", add_bos=False) == [1, 6, 6, 6]
     assert Words.calls == 1
-    assert vocabulary.tokenize("a shared system prompt") == [1, 1, 6, 6, 6] and Words.calls == 2  # other arguments, other tokens
+    assert (
+        vocabulary.tokenize("a shared system prompt") == [1, 1, 6, 6, 6] and Words.calls == 2
+    )  # other arguments, other tokens
     assert vocabulary.bos == 1  # everything else is the vocabulary's own
 
 
@@ -629,7 +779,16 @@ def test_a_roster_read_again_keeps_what_the_router_was_told_of_unchanged_rates()
     namespace = Namespace(name="default")
 
     def read(prefill):
-        return Roster([Device(name=f"b{n}", namespace=namespace, status={"rates": {"prefill_ms_per_token": prefill if n == 0 else 3.0, "decode_ms_per_token": 20.0}}) for n in range(3)])
+        return Roster(
+            [
+                Device(
+                    name=f"b{n}",
+                    namespace=namespace,
+                    status={"rates": {"prefill_ms_per_token": prefill if n == 0 else 3.0, "decode_ms_per_token": 20.0}},
+                )
+                for n in range(3)
+            ]
+        )
 
     index = object()  # the router's index the rates were given to
     earlier = read(3.0)

@@ -22,11 +22,10 @@ from django.urls import reverse
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachebox.events import LOGGER_NAME, JsonLineFormatter, security_event
-from dashboard.ops import metrics
-from dashboard.security import ratelimit
 from dashboard.celery import app as celery_app
 from dashboard.models import Device, InferenceRun
-
+from dashboard.ops import metrics
+from dashboard.security import ratelimit
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.django_db
@@ -82,7 +81,14 @@ def device(name: str) -> Device:
 
 def run(dev: Device, ttft_ms: float, prompt: int, matched: int, error: str = "", **breakdown) -> InferenceRun:
     case = "miss" if matched == 0 else ("full" if matched == prompt else "partial")
-    full = {"case": case, "ttft_ms": ttft_ms, "prompt_tokens": prompt, "matched_tokens": matched, "cachebox": "ok", **breakdown}
+    full = {
+        "case": case,
+        "ttft_ms": ttft_ms,
+        "prompt_tokens": prompt,
+        "matched_tokens": matched,
+        "cachebox": "ok",
+        **breakdown,
+    }
     return InferenceRun.objects.create(
         device=dev,
         error=error,
@@ -115,7 +121,17 @@ def two_devices():
     device("idle")  # registered, never ran
     run(zero, 3.0, 100, 0, decision="catalog-miss", uploaded_bytes=1000)
     run(zero, 5.0, 100, 100, decision="fetch", fetched_bytes=5000)  # exactly on the 5 ms bound
-    run(zero, 40.0, 200, 64, decision="fetch", fetched_bytes=2000, uploaded_bytes=700, false_positives=2, rejected_entries=1)
+    run(
+        zero,
+        40.0,
+        200,
+        64,
+        decision="fetch",
+        fetched_bytes=2000,
+        uploaded_bytes=700,
+        false_positives=2,
+        rejected_entries=1,
+    )
     run(zero, 1500.0, 50, 0, decision="no-cache", cachebox="off")
     run(zero, 45000.0, 80, 0, decision="cachebox-unavailable", cachebox="unavailable")  # over the last bound
     run(zero, 0.0, 0, 0, error="the prompt has 5000 tokens")
@@ -142,8 +158,13 @@ def test_counters_per_device_from_the_runs(client, two_devices):
             assert found[(name, (("device", dev), ("namespace", "default")))] == value, (name, dev)
     # Hit tokens by tier: these runs name no board-local tier, so the cache box served them.
     for dev, value in {"zero": 164, "pi5": 300, "idle": 0}.items():
-        assert found[("edgecache_hit_tokens_total", (("device", dev), ("namespace", "default"), ("tier", "cachebox")))] == value
-        assert found[("edgecache_hit_tokens_total", (("device", dev), ("namespace", "default"), ("tier", "context")))] == 0
+        assert (
+            found[("edgecache_hit_tokens_total", (("device", dev), ("namespace", "default"), ("tier", "cachebox")))]
+            == value
+        )
+        assert (
+            found[("edgecache_hit_tokens_total", (("device", dev), ("namespace", "default"), ("tier", "context")))] == 0
+        )
 
 
 def test_a_cancelled_run_is_counted_as_cancelled_not_as_an_error(client):
@@ -163,19 +184,51 @@ def test_ttft_histogram_buckets_in_seconds(client, two_devices):
     found = scrape(client)
 
     def buckets(dev):
-        return {le: value for (name, labels), value in found.items() if name == "edgecache_ttft_seconds_bucket" for key, le in labels if key == "le" and ("device", dev) in labels}
+        return {
+            le: value
+            for (name, labels), value in found.items()
+            if name == "edgecache_ttft_seconds_bucket"
+            for key, le in labels
+            if key == "le" and ("device", dev) in labels
+        }
 
     # zero answered in 3 ms, 5 ms, 40 ms, 1.5 s and 45 s (the failed run is not a TTFT).
     assert buckets("zero") == {
-        "0.005": 2, "0.01": 2, "0.025": 2, "0.05": 3, "0.1": 3, "0.25": 3, "0.5": 3,
-        "1.0": 3, "2.5": 4, "5.0": 4, "10.0": 4, "20.0": 4, "30.0": 4, "+Inf": 5,
+        "0.005": 2,
+        "0.01": 2,
+        "0.025": 2,
+        "0.05": 3,
+        "0.1": 3,
+        "0.25": 3,
+        "0.5": 3,
+        "1.0": 3,
+        "2.5": 4,
+        "5.0": 4,
+        "10.0": 4,
+        "20.0": 4,
+        "30.0": 4,
+        "+Inf": 5,
     }
     assert found[("edgecache_ttft_seconds_count", (("device", "zero"), ("namespace", "default")))] == 5
-    assert found[("edgecache_ttft_seconds_sum", (("device", "zero"), ("namespace", "default")))] == pytest.approx(46.548)
+    assert found[("edgecache_ttft_seconds_sum", (("device", "zero"), ("namespace", "default")))] == pytest.approx(
+        46.548
+    )
     # pi5: 12 ms and 250 ms (on the 0.25 bound).
     assert buckets("pi5") == {
-        "0.005": 0, "0.01": 0, "0.025": 1, "0.05": 1, "0.1": 1, "0.25": 2, "0.5": 2,
-        "1.0": 2, "2.5": 2, "5.0": 2, "10.0": 2, "20.0": 2, "30.0": 2, "+Inf": 2,
+        "0.005": 0,
+        "0.01": 0,
+        "0.025": 1,
+        "0.05": 1,
+        "0.1": 1,
+        "0.25": 2,
+        "0.5": 2,
+        "1.0": 2,
+        "2.5": 2,
+        "5.0": 2,
+        "10.0": 2,
+        "20.0": 2,
+        "30.0": 2,
+        "+Inf": 2,
     }
     assert found[("edgecache_ttft_seconds_sum", (("device", "pi5"), ("namespace", "default")))] == pytest.approx(0.262)
     assert buckets("idle")["+Inf"] == 0
@@ -188,12 +241,36 @@ def test_hit_tokens_say_their_tier_and_namespace_and_genai_names_are_exported(cl
     Namespace.objects.get_or_create(name="tenant-b")
     zero = device("zero")
     bee = Device.objects.create(name="bee", token_sha256="0" * 64, namespace_id="tenant-b")
-    run(zero, 20.0, 468, 468, decision="local", tier="context", context_tokens=468, generated_tokens=5, ttlt_ms=60.0)  # 10 ms/token
-    run(zero, 900.0, 400, 300, decision="fetch", tier="cachebox", context_tokens=100, fetched_tokens=200, fetched_bytes=4_000_000, generated_tokens=1, ttlt_ms=900.0)
-    run(bee, 30.0, 200, 128, decision="local", tier="local", local_tokens=128, generated_tokens=3, ttlt_ms=630.0)  # 300 ms/token
+    run(
+        zero, 20.0, 468, 468, decision="local", tier="context", context_tokens=468, generated_tokens=5, ttlt_ms=60.0
+    )  # 10 ms/token
+    run(
+        zero,
+        900.0,
+        400,
+        300,
+        decision="fetch",
+        tier="cachebox",
+        context_tokens=100,
+        fetched_tokens=200,
+        fetched_bytes=4_000_000,
+        generated_tokens=1,
+        ttlt_ms=900.0,
+    )
+    run(
+        bee, 30.0, 200, 128, decision="local", tier="local", local_tokens=128, generated_tokens=3, ttlt_ms=630.0
+    )  # 300 ms/token
     found = scrape(client)
-    hits = {(labels[0][1], labels[1][1], labels[2][1]): value for (name, labels), value in found.items() if name == "edgecache_hit_tokens_total"}
-    assert hits[("zero", "default", "context")] == 568 and hits[("zero", "default", "cachebox")] == 200 and hits[("zero", "default", "local")] == 0
+    hits = {
+        (labels[0][1], labels[1][1], labels[2][1]): value
+        for (name, labels), value in found.items()
+        if name == "edgecache_hit_tokens_total"
+    }
+    assert (
+        hits[("zero", "default", "context")] == 568
+        and hits[("zero", "default", "cachebox")] == 200
+        and hits[("zero", "default", "local")] == 0
+    )
     assert hits[("bee", "tenant-b", "local")] == 128 and hits[("bee", "tenant-b", "cachebox")] == 0
     assert found[("gen_ai_usage_cache_read_input_tokens_total", (("device", "zero"), ("namespace", "default")))] == 768
     zero_labels = (("device", "zero"), ("namespace", "default"))
@@ -202,7 +279,12 @@ def test_hit_tokens_say_their_tier_and_namespace_and_genai_names_are_exported(cl
     # Time per output token after the first: only runs with two tokens or more.
     assert found[("gen_ai_server_time_per_output_token_seconds_count", zero_labels)] == 1
     assert found[("gen_ai_server_time_per_output_token_seconds_sum", zero_labels)] == pytest.approx(0.010)
-    assert found[("gen_ai_server_time_per_output_token_seconds_bucket", (*zero_labels[:1], ("le", "0.01"), zero_labels[1]))] == 1
+    assert (
+        found[
+            ("gen_ai_server_time_per_output_token_seconds_bucket", (*zero_labels[:1], ("le", "0.01"), zero_labels[1]))
+        ]
+        == 1
+    )
     bee_labels = (("device", "bee"), ("namespace", "tenant-b"))
     assert found[("gen_ai_server_time_per_output_token_seconds_sum", bee_labels)] == pytest.approx(0.300)
 
@@ -241,7 +323,12 @@ def test_anonymous_requests_are_refused(client, two_devices, security_log):
     assert response["WWW-Authenticate"].startswith("Bearer")
     assert refused_count("login_required") == before + 1
     (line,) = security_log()
-    assert (line["event"], line["reason"], line["status"], line["user"]) == ("metrics.refused", "login_required", 401, None)
+    assert (line["event"], line["reason"], line["status"], line["user"]) == (
+        "metrics.refused",
+        "login_required",
+        401,
+        None,
+    )
 
 
 @pytest.mark.parametrize("header", [f"Bearer {TOKEN}x", "Bearer ", "Bearer", f"Basic {TOKEN}", TOKEN])
@@ -275,9 +362,18 @@ def test_the_token_gets_in(client, two_devices):
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain; version=0.0.4")
     assert "no-cache" in response["Cache-Control"] or "max-age=0" in response["Cache-Control"]
-    assert samples(response.content.decode())[("edgecache_runs_total", (("device", "zero"), ("namespace", "default")))] == 6
-    openmetrics = client.get(reverse("metrics"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}", HTTP_ACCEPT="application/openmetrics-text; version=1.0.0")
-    assert openmetrics["Content-Type"].startswith("application/openmetrics-text") and openmetrics.content.endswith(b"# EOF\n")
+    assert (
+        samples(response.content.decode())[("edgecache_runs_total", (("device", "zero"), ("namespace", "default")))]
+        == 6
+    )
+    openmetrics = client.get(
+        reverse("metrics"),
+        HTTP_AUTHORIZATION=f"Bearer {TOKEN}",
+        HTTP_ACCEPT="application/openmetrics-text; version=1.0.0",
+    )
+    assert openmetrics["Content-Type"].startswith("application/openmetrics-text") and openmetrics.content.endswith(
+        b"# EOF\n"
+    )
 
 
 def test_a_staff_login_gets_in(staff_client, two_devices):
@@ -303,9 +399,17 @@ def test_pages_count_the_logins_they_ask_for(client):
 def shared_cache(settings, valkey_url):
     """Django's cache on the session's Valkey, under a prefix of this test's own (removed after)."""
     prefix = f"edgecache-test-{uuid.uuid4().hex[:12]}"
-    settings.CACHES = {"default": {"BACKEND": "dashboard.store.django_cache.CacheBoxRedisCache", "LOCATION": valkey_url, "KEY_PREFIX": prefix}}
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "dashboard.store.django_cache.CacheBoxRedisCache",
+            "LOCATION": valkey_url,
+            "KEY_PREFIX": prefix,
+        }
+    }
     settings.REDIS_URL = valkey_url
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [valkey_url]}}}
+    settings.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [valkey_url]}}
+    }
     channel_layers.backends.clear()
     server = redis.Redis.from_url(valkey_url)
     yield server, prefix
@@ -326,7 +430,9 @@ def run_form(dev: Device, text: str = "Hello there") -> dict:
 
 
 @pytest.mark.cachebox
-def test_the_run_after_the_limit_gets_429_and_dispatches_nothing(staff_client, settings, shared_cache, sent_tasks, security_log):
+def test_the_run_after_the_limit_gets_429_and_dispatches_nothing(
+    staff_client, settings, shared_cache, sent_tasks, security_log
+):
     server, prefix = shared_cache
     settings.EDGECACHE_RUN_RATE = 3
     zero = device("zero")
@@ -350,7 +456,9 @@ def test_the_run_after_the_limit_gets_429_and_dispatches_nothing(staff_client, s
     assert "at most 3 per minute" in html and "try again in" in html
     # The form as it was sent (not validated again).
     assert "Keep my words" in html and re.search(rf'name="devices" value="{zero.pk}"[^>]*checked', html)
-    assert page.context["form"].initial["text"] == "Keep my words" and page.context["form"].initial["use_cache"] is False
+    assert (
+        page.context["form"].initial["text"] == "Keep my words" and page.context["form"].initial["use_cache"] is False
+    )
 
     assert (len(sent_tasks), InferenceRun.objects.count()) == before[:2]  # nothing dispatched
     assert refused_count("rate_limited") == before[2] + 2
@@ -364,7 +472,9 @@ def test_the_run_after_the_limit_gets_429_and_dispatches_nothing(staff_client, s
 
 
 @pytest.mark.cachebox
-def test_the_limit_is_per_user_and_per_minute(client, django_user_model, settings, shared_cache, sent_tasks, monkeypatch):
+def test_the_limit_is_per_user_and_per_minute(
+    client, django_user_model, settings, shared_cache, sent_tasks, monkeypatch
+):
     settings.EDGECACHE_RUN_RATE = 1
     zero = device("zero")
     alice = django_user_model.objects.create_user("alice", password="pw-alice-123")
@@ -392,7 +502,9 @@ def test_only_valid_submissions_count(staff_client, settings, shared_cache, sent
     settings.EDGECACHE_RUN_RATE = 1
     zero = device("zero")
     for _ in range(3):  # refused by the form: nothing sent, nothing counted
-        assert staff_client.post(reverse("run"), run_form(zero, "   "), HTTP_ACCEPT="application/json").status_code == 400
+        assert (
+            staff_client.post(reverse("run"), run_form(zero, "   "), HTTP_ACCEPT="application/json").status_code == 400
+        )
     assert staff_client.post(reverse("run"), run_form(zero), HTTP_ACCEPT="application/json").status_code == 200
     assert staff_client.post(reverse("run"), run_form(zero), HTTP_ACCEPT="application/json").status_code == 429
     assert sent_tasks == ["device.zero"]
@@ -408,7 +520,14 @@ def test_a_zero_rate_turns_the_limit_off(staff_client, settings, sent_tasks):
 
 
 def test_an_unreachable_cache_still_limits_runs_in_this_process(staff_client, settings, sent_tasks):
-    settings.CACHES = {"default": {"BACKEND": "dashboard.store.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "dashboard.store.django_cache.CacheBoxRedisCache",
+            "LOCATION": "redis://127.0.0.1:1/0",
+            "KEY_PREFIX": "t",
+            "OPTIONS": {"socket_connect_timeout": 0.2},
+        }
+    }
     settings.EDGECACHE_RUN_RATE = 1
     settings.EDGECACHE_QUEUE_PER_BOARD = 0  # no cache box here: no bounded queue to count in (admission fails closed)
     zero = device("zero")
@@ -442,7 +561,14 @@ def test_the_settings_put_djangos_cache_on_the_cache_box_server():
 
 # -- the JSON security log ------------------------------------------------------------------------------
 def test_security_events_are_one_json_object_per_line(security_log):
-    security_event("entry.rejected", key="ec:e:x", reason="bad checksum\n{\"event\": \"forged\"}", time="user-given", size=12, blob=b"\x00")
+    security_event(
+        "entry.rejected",
+        key="ec:e:x",
+        reason='bad checksum\n{"event": "forged"}',
+        time="user-given",
+        size=12,
+        blob=b"\x00",
+    )
     (line,) = security_log()
     assert line["event"] == "entry.rejected" and line["level"] == "warning"
     assert line["reason"].startswith("bad checksum\n") and line["size"] == 12 and line["blob"] == "b'\\x00'"
@@ -469,4 +595,7 @@ def test_a_refused_scraper_is_told_which_setting_holds_the_token(client, metrics
         response = client.get(reverse("metrics"), **header)
         answer = response.content.decode()
         assert response.status_code == 401 and "Wrong metrics token" not in answer, header
-        assert answer.startswith("Metrics by token are off: EDGECACHE_METRICS_TOKEN is not set") and "To turn them on, set it" in answer
+        assert (
+            answer.startswith("Metrics by token are off: EDGECACHE_METRICS_TOKEN is not set")
+            and "To turn them on, set it" in answer
+        )

@@ -13,7 +13,9 @@ def test_all_57_topics_are_available():
 def test_prompt_segments_follow_the_papers_structure():
     prompt = mmlu.build_prompts("astronomy", shots=5, count=2)[0]
     assert prompt.segments[0] == "The following are multiple choice questions (with answers) about astronomy.\n\n"
-    assert len(prompt.examples) == 5 and all(example.rstrip().split("Answer: ")[-1] in "ABCD" for example in prompt.examples)
+    assert len(prompt.examples) == 5 and all(
+        example.rstrip().split("Answer: ")[-1] in "ABCD" for example in prompt.examples
+    )
     assert prompt.segments[-1].endswith("Answer:")
     assert prompt.text == "".join(prompt.segments)
     second = mmlu.build_prompts("astronomy", shots=5, count=2)[1]
@@ -38,6 +40,8 @@ def test_asking_for_more_questions_than_a_topic_has_is_an_error():
         mmlu.build_prompts("astronomy", shots=5, count=10_000)
 
 
-@pytest.mark.parametrize("text, letter", [(" B", "B"), ("C.", "C"), (" D) because", "D"), (" The answer", None), ("", None)])
+@pytest.mark.parametrize(
+    "text, letter", [(" B", "B"), ("C.", "C"), (" D) because", "D"), (" The answer", None), ("", None)]
+)
 def test_parse_answer(text, letter):
     assert mmlu.parse_answer(text) == letter

@@ -20,7 +20,6 @@ from dashboard import actions
 from dashboard.actions import sweeper
 from dashboard.live.consumers import LiveConsumer
 from dashboard.models import Device, Membership, Namespace
-
 from tests.conftest import REQUIRE_ALL, ROOT, require
 from tests.dashboard.test_dashboard import control_plane, enrolled, heartbeat, register, sent_tasks, staff_client  # noqa: F401  (fixtures)
 
@@ -35,7 +34,9 @@ def _member(username: str, namespace: str = "default"):
 # -- B1: a board that stops beating goes offline on every open page ---------------------------------
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_a_board_that_misses_its_heartbeats_is_marked_offline_and_open_pages_are_told_once(control_plane, settings, django_capture_on_commit_callbacks, monkeypatch):
+def test_a_board_that_misses_its_heartbeats_is_marked_offline_and_open_pages_are_told_once(
+    control_plane, settings, django_capture_on_commit_callbacks, monkeypatch
+):
     # The live socket's consumer closes old database connections around its queries, as it should
     # in production; here the test's transaction holds the only connection (PostgreSQL's would end).
     import channels.db
@@ -63,6 +64,7 @@ def test_a_board_that_misses_its_heartbeats_is_marked_offline_and_open_pages_are
         # A second sweep (another control worker's, say) marks nothing and says nothing.
         again = await sync_to_async(sweeper.announce_liveness)(device.last_seen + timedelta(seconds=30))
         quiet = await communicator.receive_nothing(timeout=0.3)
+
         # Its next heartbeat brings it back, on the page too (told once the heartbeat commits).
         def beat():
             with django_capture_on_commit_callbacks(execute=True):
@@ -132,26 +134,41 @@ def test_the_offline_mark_follows_the_missed_heartbeats_setting(control_plane, s
 # -- C8 and the queue: what waits, how long, what ended unanswered; Revoke -----------------------------
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_the_queue_page_shows_what_waits_and_what_expired_and_revokes_a_queued_run(control_plane, staff_client, sent_tasks, settings):
+def test_the_queue_page_shows_what_waits_and_what_expired_and_revokes_a_queued_run(
+    control_plane, staff_client, sent_tasks, settings
+):
     from cachebox.keys import cancel_key_name
     from dashboard.models import AuditEvent, Dispatch, InferenceRun
 
     settings.EDGECACHE_BOARD_ACL = False
     zero, _ = register("zero")
-    waits = actions.dispatch_run(None, [zero], actions.run_request(segments=["Which planet is red?"], max_tokens=4, title="red planet"))[0]["request_id"]
-    expired = actions.dispatch_run(None, [zero], actions.run_request(segments=["Never taken?"], max_tokens=4, title="never taken"))[0]["request_id"]
-    Dispatch.objects.filter(request_id=expired).update(expires_at=timezone.now() - sweeper.EXPIRY_GRACE - timedelta(seconds=1))
+    waits = actions.dispatch_run(
+        None, [zero], actions.run_request(segments=["Which planet is red?"], max_tokens=4, title="red planet")
+    )[0]["request_id"]
+    expired = actions.dispatch_run(
+        None, [zero], actions.run_request(segments=["Never taken?"], max_tokens=4, title="never taken")
+    )[0]["request_id"]
+    Dispatch.objects.filter(request_id=expired).update(
+        expires_at=timezone.now() - sweeper.EXPIRY_GRACE - timedelta(seconds=1)
+    )
     assert sweeper.sweep()["lost"] == 1  # the board never started it: a failed run with the reason
 
     page = staff_client.get("/queue/").content.decode()
-    waiting = page[page.index('id="queue-waiting"'):page.index('id="queue-ended"')]
-    ended = page[page.index('id="queue-ended"'):]
-    assert waits in waiting and "red planet" in waiting and "Revoke" in waiting and "waiting for its board to start" in waiting
+    waiting = page[page.index('id="queue-waiting"') : page.index('id="queue-ended"')]
+    ended = page[page.index('id="queue-ended"') :]
+    assert (
+        waits in waiting
+        and "red planet" in waiting
+        and "Revoke" in waiting
+        and "waiting for its board to start" in waiting
+    )
     assert expired in ended and "never taken" in ended and "did not start it before it expired" in ended
-    boards = page[page.index('id="queue-boards"'):page.index('id="queue-namespaces"')]
+    boards = page[page.index('id="queue-boards"') : page.index('id="queue-namespaces"')]
     assert '<tr data-board="zero"><td>zero</td><td>1</td>' in boards  # one waits; one expired
 
-    response = staff_client.post("/queue/revoke/", {"request_id": waits, "confirming": "1", "confirm": "on"}, follow=True)
+    response = staff_client.post(
+        "/queue/revoke/", {"request_id": waits, "confirming": "1", "confirm": "on"}, follow=True
+    )
     assert "Revoked the run" in response.content.decode()
     assert Dispatch.objects.get(request_id=waits).outcome == "revoked"
     run = InferenceRun.objects.get(request_id=waits)
@@ -166,19 +183,30 @@ def test_the_queue_page_shows_what_waits_and_what_expired_and_revokes_a_queued_r
 
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_a_member_of_another_tenant_sees_nothing_of_a_queue_and_revokes_nothing(control_plane, client, sent_tasks, settings):
+def test_a_member_of_another_tenant_sees_nothing_of_a_queue_and_revokes_nothing(
+    control_plane, client, sent_tasks, settings
+):
     from dashboard.models import Dispatch
 
     settings.EDGECACHE_BOARD_ACL = False
     Namespace.objects.get_or_create(name="tenant-b")
     zero, _ = register("zero")
     bee, _ = register("bee", namespace=Namespace.objects.get(name="tenant-b"))
-    secret = actions.dispatch_run(None, [zero], actions.run_request(segments=["Default's secret?"], max_tokens=4, title="default secret"))[0]["request_id"]
-    own = actions.dispatch_run(None, [bee], actions.run_request(segments=["Bee's question?"], max_tokens=4, title="bee question"))[0]["request_id"]
+    secret = actions.dispatch_run(
+        None, [zero], actions.run_request(segments=["Default's secret?"], max_tokens=4, title="default secret")
+    )[0]["request_id"]
+    own = actions.dispatch_run(
+        None, [bee], actions.run_request(segments=["Bee's question?"], max_tokens=4, title="bee question")
+    )[0]["request_id"]
     client.force_login(_member("mallory", "tenant-b"))
     page = client.get("/queue/").content.decode()
     assert own in page and "bee question" in page
-    assert secret not in page and "default secret" not in page and 'data-board="zero"' not in page and 'data-namespace="default"' not in page
+    assert (
+        secret not in page
+        and "default secret" not in page
+        and 'data-board="zero"' not in page
+        and 'data-namespace="default"' not in page
+    )
     assert "Nothing revoked" in client.post("/queue/revoke/", {"request_id": secret}, follow=True).content.decode()
     assert Dispatch.objects.get(request_id=secret).outcome == ""
 
@@ -187,19 +215,49 @@ def test_a_member_of_another_tenant_sees_nothing_of_a_queue_and_revokes_nothing(
 def test_a_context_hit_says_the_boards_context_not_the_cache_box():
     from inference.serving.breakdown import served_from, source_label, tokens_by_tier
 
-    context = {"prompt_tokens": 468, "matched_tokens": 468, "tier": "context", "context_tokens": 468, "decision": "local", "redis_ms": 0.0}
-    assert served_from(context) == "468/468 prompt tokens from the board's own context" and source_label(context) == "context"
-    mixed = {"prompt_tokens": 400, "matched_tokens": 300, "tier": "cachebox", "context_tokens": 100, "fetched_tokens": 200}
-    assert served_from(mixed) == "300/400 prompt tokens reused: 100 from the board's own context, 200 from the cache box, 100 computed"
+    context = {
+        "prompt_tokens": 468,
+        "matched_tokens": 468,
+        "tier": "context",
+        "context_tokens": 468,
+        "decision": "local",
+        "redis_ms": 0.0,
+    }
+    assert (
+        served_from(context) == "468/468 prompt tokens from the board's own context"
+        and source_label(context) == "context"
+    )
+    mixed = {
+        "prompt_tokens": 400,
+        "matched_tokens": 300,
+        "tier": "cachebox",
+        "context_tokens": 100,
+        "fetched_tokens": 200,
+    }
+    assert (
+        served_from(mixed)
+        == "300/400 prompt tokens reused: 100 from the board's own context, 200 from the cache box, 100 computed"
+    )
     assert source_label(mixed) == "context + cache box"
     ram = {"prompt_tokens": 200, "matched_tokens": 128, "tier": "local", "local_tokens": 128}
-    assert served_from(ram) == "128/200 prompt tokens from the board's RAM tier, 72 computed" and source_label(ram) == "RAM tier"
+    assert (
+        served_from(ram) == "128/200 prompt tokens from the board's RAM tier, 72 computed"
+        and source_label(ram) == "RAM tier"
+    )
     assert served_from({"prompt_tokens": 50, "matched_tokens": 0}) == "all 50 prompt tokens computed"
     # Recorded before boards counted tokens per tier: the tier it names, else the cache box (schema runs).
-    assert tokens_by_tier({"matched_tokens": 64, "tier": "context"}) == {"context": 64, "local": 0, "flash": 0, "cachebox": 0}
+    assert tokens_by_tier({"matched_tokens": 64, "tier": "context"}) == {
+        "context": 64,
+        "local": 0,
+        "flash": 0,
+        "cachebox": 0,
+    }
     assert tokens_by_tier({"matched_tokens": 64, "tier": ""}) == {"context": 0, "local": 0, "flash": 0, "cachebox": 64}
     flash = {"prompt_tokens": 300, "matched_tokens": 256, "tier": "flash", "flash_tokens": 256}
-    assert served_from(flash) == "256/300 prompt tokens from the board's flash tier, 44 computed" and source_label(flash) == "flash tier"
+    assert (
+        served_from(flash) == "256/300 prompt tokens from the board's flash tier, 44 computed"
+        and source_label(flash) == "flash tier"
+    )
 
 
 def test_the_walk_over_the_tiers_counts_each_tiers_tokens():
@@ -218,7 +276,9 @@ def test_the_walk_over_the_tiers_counts_each_tiers_tokens():
 
     breakdown = Breakdown()
     run = TierRun(None, list(range(500)), 64, (), [], breakdown)
-    held = restore_nearest_first([Serves(Tier.CONTEXT, 128), Serves(Tier.LOCAL, 128), Serves(Tier.CACHEBOX, 448, computed=64)], run)
+    held = restore_nearest_first(
+        [Serves(Tier.CONTEXT, 128), Serves(Tier.LOCAL, 128), Serves(Tier.CACHEBOX, 448, computed=64)], run
+    )
     # The cache box's loader computed the front's 64 tokens itself while loading: not served by it.
     assert held.served == 384
     assert (breakdown.context_tokens, breakdown.local_tokens, breakdown.fetched_tokens) == (128, 0, 256)
@@ -227,21 +287,67 @@ def test_the_walk_over_the_tiers_counts_each_tiers_tokens():
 def test_the_breakeven_chart_plots_only_fetches_from_the_cache_box():
     from inference.serving.breakeven import points_from_breakdowns
 
-    points = points_from_breakdowns([
-        {"prompt_tokens": 468, "matched_tokens": 468, "context_tokens": 468, "fetched_tokens": 0, "redis_ms": 0.0, "local_ms": 3.0, "tier": "context"},
-        {"prompt_tokens": 349, "matched_tokens": 349, "local_tokens": 349, "fetched_tokens": 0, "redis_ms": 0.0, "tier": "local"},
-        {"prompt_tokens": 349, "matched_tokens": 349, "flash_tokens": 349, "fetched_tokens": 0, "redis_ms": 0.0, "tier": "flash"},
-        {"prompt_tokens": 400, "matched_tokens": 349, "context_tokens": 0, "fetched_tokens": 349, "redis_ms": 2600.0, "prefill_ms": 50.0, "tier": "cachebox"},
-        {"prompt_tokens": 300, "matched_tokens": 256, "tier": "local", "fetched_bytes": 0, "redis_ms": 0.0},  # recorded before per-tier counts
-    ])
+    points = points_from_breakdowns(
+        [
+            {
+                "prompt_tokens": 468,
+                "matched_tokens": 468,
+                "context_tokens": 468,
+                "fetched_tokens": 0,
+                "redis_ms": 0.0,
+                "local_ms": 3.0,
+                "tier": "context",
+            },
+            {
+                "prompt_tokens": 349,
+                "matched_tokens": 349,
+                "local_tokens": 349,
+                "fetched_tokens": 0,
+                "redis_ms": 0.0,
+                "tier": "local",
+            },
+            {
+                "prompt_tokens": 349,
+                "matched_tokens": 349,
+                "flash_tokens": 349,
+                "fetched_tokens": 0,
+                "redis_ms": 0.0,
+                "tier": "flash",
+            },
+            {
+                "prompt_tokens": 400,
+                "matched_tokens": 349,
+                "context_tokens": 0,
+                "fetched_tokens": 349,
+                "redis_ms": 2600.0,
+                "prefill_ms": 50.0,
+                "tier": "cachebox",
+            },
+            {
+                "prompt_tokens": 300,
+                "matched_tokens": 256,
+                "tier": "local",
+                "fetched_bytes": 0,
+                "redis_ms": 0.0,
+            },  # recorded before per-tier counts
+        ]
+    )
     assert points.fetch == [(349, 2600.0)]
 
 
 def test_a_slow_hit_names_its_link_once():
     from dashboard.pages.explain import why
 
-    b = {"case": "full", "tier": "cachebox", "fetch_ms": 2600.0, "redis_ms": 2650.0, "ttft_ms": 2700.0, "fetched_bytes": 6_500_000,
-         "link": "emulated link 20.9 Mbit/s, 4 ms RTT", "predicted_prefill_ms": 1200.0}
+    b = {
+        "case": "full",
+        "tier": "cachebox",
+        "fetch_ms": 2600.0,
+        "redis_ms": 2650.0,
+        "ttft_ms": 2700.0,
+        "fetched_bytes": 6_500_000,
+        "link": "emulated link 20.9 Mbit/s, 4 ms RTT",
+        "predicted_prefill_ms": 1200.0,
+    }
     assert why(b)[0].startswith("A slow hit: the emulated 20.9 Mbit/s, 4 ms RTT link took 2.6 s for 6.5 MB")
     assert "the emulated Wi-Fi 4 (20.9 Mbit/s, 4 ms) link took" in why({**b, "link": "Wi-Fi 4 (20.9 Mbit/s, 4 ms)"})[0]
 
@@ -253,12 +359,27 @@ def test_pages_say_where_a_context_hit_came_from(control_plane, staff_client):
     from dashboard.models import InferenceRun
 
     zero, _ = register("zero")
-    breakdown = {"case": "full", "prompt_tokens": 468, "matched_tokens": 468, "tier": "context", "context_tokens": 468, "decision": "local",
-                 "cachebox": "ok", "ttft_ms": 20.0, "ttlt_ms": 40.0, "generated_tokens": 3}
-    run = InferenceRun.objects.create(device=zero, case="full", breakdown=breakdown, prompt_tokens=468, matched_tokens=468, ttft_ms=20.0, text=" ok")
+    breakdown = {
+        "case": "full",
+        "prompt_tokens": 468,
+        "matched_tokens": 468,
+        "tier": "context",
+        "context_tokens": 468,
+        "decision": "local",
+        "cachebox": "ok",
+        "ttft_ms": 20.0,
+        "ttlt_ms": 40.0,
+        "generated_tokens": 3,
+    }
+    run = InferenceRun.objects.create(
+        device=zero, case="full", breakdown=breakdown, prompt_tokens=468, matched_tokens=468, ttft_ms=20.0, text=" ok"
+    )
     assert (run.context_tokens, run.fetched_tokens, run.tpot_ms) == (468, 0, 10.0)
     live = run_json(run)
-    assert live["served_from"] == "468/468 prompt tokens from the board's own context" and live["served_from_label"] == "context"
+    assert (
+        live["served_from"] == "468/468 prompt tokens from the board's own context"
+        and live["served_from_label"] == "context"
+    )
     detail = staff_client.get(f"/runs/{run.pk}/").content.decode()
     assert "468/468 prompt tokens from the board&#x27;s own context" in detail and "from the cache box" not in detail
     listed = staff_client.get("/runs/").content.decode()
@@ -268,7 +389,9 @@ def test_pages_say_where_a_context_hit_came_from(control_plane, staff_client):
 # -- /health and /ready, for load balancers ---------------------------------------------------------
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_health_is_503_while_the_cache_box_or_a_migration_is_missing_and_200_when_ready(control_plane, client, monkeypatch):
+def test_health_is_503_while_the_cache_box_or_a_migration_is_missing_and_200_when_ready(
+    control_plane, client, monkeypatch
+):
     from cachebox.store import CacheBox
     from dashboard.ops import health
 
@@ -276,7 +399,9 @@ def test_health_is_503_while_the_cache_box_or_a_migration_is_missing_and_200_whe
     monkeypatch.setattr(health, "_migrated", False)
     monkeypatch.setattr(health, "_pending_migrations", lambda: 2)
     starting = client.get("/health")
-    assert starting.status_code == 503 and starting.json()["waiting_for"] == ["2 database migrations (python manage.py migrate)"]
+    assert starting.status_code == 503 and starting.json()["waiting_for"] == [
+        "2 database migrations (python manage.py migrate)"
+    ]
     monkeypatch.setattr(health, "_pending_migrations", lambda: 0)
     monkeypatch.setattr(CacheBox, "ping", lambda self: False)
     down = client.get("/health")
@@ -297,15 +422,19 @@ def test_ready_says_per_model_whether_a_board_is_online_and_names_no_board(contr
     assert "zero" not in ready.content.decode()
     Device.objects.filter(name="zero").update(last_seen=timezone.now() - timedelta(minutes=5))
     gone = client.get("/ready")
-    assert gone.status_code == 503 and gone.json()["models"]["gemma-3-270m"] == {"boards": 1, "online": 0, "ready": False}
+    assert gone.status_code == 503 and gone.json()["models"]["gemma-3-270m"] == {
+        "boards": 1,
+        "online": 0,
+        "ready": False,
+    }
 
 
 # -- what the alert rules read (docs/ops/) ----------------------------------------------------------
 @pytest.mark.django_db
 @pytest.mark.cachebox
 def test_metrics_an_operator_alerts_on(control_plane, sent_tasks, settings):
-    from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
 
     from dashboard.ops import metrics
     from dashboard.ops.security_counts import KEY
@@ -329,7 +458,10 @@ def test_metrics_an_operator_alerts_on(control_plane, sent_tasks, settings):
     for family in text_string_to_metric_families(generate_latest(metrics.REGISTRY).decode()):
         for sample in family.samples:
             found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    zero_labels, ghost_labels = (("device", "zero"), ("namespace", "default")), (("device", "ghost"), ("namespace", "default"))
+    zero_labels, ghost_labels = (
+        (("device", "zero"), ("namespace", "default")),
+        (("device", "ghost"), ("namespace", "default")),
+    )
     assert found[("edgecache_board_up", zero_labels)] == 1 and found[("edgecache_board_up", ghost_labels)] == 0
     assert found[("edgecache_board_last_seen_timestamp_seconds", ghost_labels)] == 0
     assert found[("edgecache_queue_runs", zero_labels)] == 1
@@ -364,7 +496,14 @@ def test_the_alert_rules_and_the_grafana_dashboard_read_only_metrics_that_exist(
     exposed = _exposed_names()
     rules = yaml.safe_load((OPS / "edgecache-alerts.yml").read_text())["groups"][0]["rules"]
     alerts = {rule["alert"] for rule in rules}
-    assert {"EdgeCacheBoardDown", "EdgeCacheHitRatioFalling", "EdgeCacheMemoryNearMax", "EdgeCacheQueueWaitHigh", "EdgeCacheSignatureRefusals", "EdgeCacheAuditMismatch"} <= alerts
+    assert {
+        "EdgeCacheBoardDown",
+        "EdgeCacheHitRatioFalling",
+        "EdgeCacheMemoryNearMax",
+        "EdgeCacheQueueWaitHigh",
+        "EdgeCacheSignatureRefusals",
+        "EdgeCacheAuditMismatch",
+    } <= alerts
     expressions = [rule["expr"] for rule in rules]
     for rule in rules:
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
@@ -377,7 +516,9 @@ def test_the_alert_rules_and_the_grafana_dashboard_read_only_metrics_that_exist(
 def _promtool() -> str | None:
     import shutil
 
-    return shutil.which("promtool") or next((str(path) for path in [ROOT / ".venv" / "bin" / "promtool"] if path.exists()), None)
+    return shutil.which("promtool") or next(
+        (str(path) for path in [ROOT / ".venv" / "bin" / "promtool"] if path.exists()), None
+    )
 
 
 def test_promtool_accepts_the_alert_rules():
@@ -389,7 +530,9 @@ def test_promtool_accepts_the_alert_rules():
         if REQUIRE_ALL:
             pytest.fail(message)
         pytest.skip(message)
-    done = subprocess.run([promtool, "check", "rules", str(OPS / "edgecache-alerts.yml")], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [promtool, "check", "rules", str(OPS / "edgecache-alerts.yml")], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS: 8 rules found" in done.stdout
 
@@ -409,36 +552,53 @@ def test_an_audit_mismatch_fires_its_alert_and_a_match_does_not(tmp_path):
     rules = yaml.safe_load((OPS / "edgecache-alerts.yml").read_text())["groups"][0]["rules"]
     [rule] = [rule for rule in rules if rule["alert"] == "EdgeCacheAuditMismatch"]
     cases = tmp_path / "audit-alert-test.yml"
-    series = "edgecache_audit_mismatches_total{{device={!r},namespace=\"acme\"}}"
-    cases.write_text(yaml.safe_dump({
-        "rule_files": [str(OPS / "edgecache-alerts.yml")],
-        "evaluation_interval": "1m",
-        "tests": [{
-            "interval": "1m",
-            "input_series": [
-                {"series": series.format("liar").replace("'", '"'), "values": "0 0 1 1 1"},
-                {"series": series.format("honest").replace("'", '"'), "values": "0 0 0 0 0"},
-            ],
-            "alert_rule_test": [
-                {"eval_time": "4m", "alertname": "EdgeCacheAuditMismatch", "exp_alerts": [{
-                    "exp_labels": {"severity": "critical", "device": "liar", "namespace": "acme"},
-                    "exp_annotations": {"summary": "an audit caught liar (acme): 1 entries not what they claim", "description": rule["annotations"]["description"]},
-                }]},
-                {"eval_time": "1m", "alertname": "EdgeCacheAuditMismatch", "exp_alerts": []},
-            ],
-        }],
-    }))
+    series = 'edgecache_audit_mismatches_total{{device={!r},namespace="acme"}}'
+    cases.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [str(OPS / "edgecache-alerts.yml")],
+                "evaluation_interval": "1m",
+                "tests": [
+                    {
+                        "interval": "1m",
+                        "input_series": [
+                            {"series": series.format("liar").replace("'", '"'), "values": "0 0 1 1 1"},
+                            {"series": series.format("honest").replace("'", '"'), "values": "0 0 0 0 0"},
+                        ],
+                        "alert_rule_test": [
+                            {
+                                "eval_time": "4m",
+                                "alertname": "EdgeCacheAuditMismatch",
+                                "exp_alerts": [
+                                    {
+                                        "exp_labels": {"severity": "critical", "device": "liar", "namespace": "acme"},
+                                        "exp_annotations": {
+                                            "summary": "an audit caught liar (acme): 1 entries not what they claim",
+                                            "description": rule["annotations"]["description"],
+                                        },
+                                    }
+                                ],
+                            },
+                            {"eval_time": "1m", "alertname": "EdgeCacheAuditMismatch", "exp_alerts": []},
+                        ],
+                    }
+                ],
+            }
+        )
+    )
     done = subprocess.run([promtool, "test", "rules", str(cases)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_the_operations_metrics_cost_two_queries_however_many_boards_and_runs_wait(control_plane, settings, django_assert_max_num_queries):
+def test_the_operations_metrics_cost_two_queries_however_many_boards_and_runs_wait(
+    control_plane, settings, django_assert_max_num_queries
+):
     import uuid
 
-    from dashboard.ops import metrics
     from dashboard.models import Dispatch
+    from dashboard.ops import metrics
 
     for index in range(12):
         board = Device.objects.create(name=f"board-{index}", token_sha256="0" * 64)
@@ -448,4 +608,6 @@ def test_the_operations_metrics_cost_two_queries_however_many_boards_and_runs_wa
     with django_assert_max_num_queries(2):
         families = {family.name: family for family in metrics.OPERATIONS.collect()}
     assert len(families["edgecache_board_up"].samples) == 12
-    assert {sample.value for sample in families["edgecache_queue_runs"].samples} == {3.0} and len(families["edgecache_queue_runs"].samples) == 12
+    assert {sample.value for sample in families["edgecache_queue_runs"].samples} == {3.0} and len(
+        families["edgecache_queue_runs"].samples
+    ) == 12

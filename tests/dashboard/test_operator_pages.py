@@ -13,11 +13,19 @@ import pytest
 from celery import Celery
 from django.urls import reverse
 
-from dashboard.store.mirror import reconcile
 from dashboard import actions
 from dashboard.models import Device, Dispatch, Membership, Namespace
-
-from tests.dashboard.test_dashboard import TRAVEL, control_plane, enrolled, heartbeat, register, sent_tasks, staff_client, store_entry  # noqa: F401 (fixtures)
+from dashboard.store.mirror import reconcile
+from tests.dashboard.test_dashboard import (  # noqa: F401 (fixtures)
+    TRAVEL,
+    control_plane,
+    enrolled,
+    heartbeat,
+    register,
+    sent_tasks,
+    staff_client,
+    store_entry,
+)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
@@ -63,45 +71,62 @@ def test_a_namespace_the_ticked_board_does_not_serve_is_a_form_error(staff_clien
     data = {"devices": [device.pk], "source": "text", "text": "Hello", "max_tokens": 4, "namespace": "walk-t2"}
     response = staff_client.post(reverse("run"), data, HTTP_ACCEPT="application/json")
     assert response.status_code == 400
-    assert "zero serves another namespace and would refuse a run of 'walk-t2'" in response.json()["errors"]["namespace"][0]["message"]
+    assert (
+        "zero serves another namespace and would refuse a run of 'walk-t2'"
+        in response.json()["errors"]["namespace"][0]["message"]
+    )
     assert sent_tasks == []
 
 
 def test_greedy_is_said_beside_temperature_and_the_namespace_box_has_help(staff_client, control_plane):
     page = staff_client.get(reverse("run")).content.decode()
-    temperature, greedy, top_p, seed = (page.index(marker) for marker in ('id="id_temperature"', "0: greedy", 'id="id_top_p"', 'id="id_seed"'))
+    temperature, greedy, top_p, seed = (
+        page.index(marker) for marker in ('id="id_temperature"', "0: greedy", 'id="id_top_p"', 'id="id_seed"')
+    )
     assert temperature < greedy < top_p < seed  # the help follows Temperature, not Seed
     namespace_box = page.index('id="id_namespace"')
-    assert "A board serves its own namespace only" in page[namespace_box:namespace_box + 1200]
+    assert "A board serves its own namespace only" in page[namespace_box : namespace_box + 1200]
 
 
 def test_any_board_for_a_user_of_no_namespace_is_a_form_error(client, django_user_model, control_plane, sent_tasks):
     register("zero")
     stranger = member_client(client, django_user_model)  # a member of nothing
-    response = stranger.post(reverse("run"), {"any_board": "on", "source": "text", "text": "Hello", "max_tokens": 4}, HTTP_ACCEPT="application/json")
-    assert response.status_code == 400 and "member of no namespace" in response.json()["errors"]["any_board"][0]["message"]
+    response = stranger.post(
+        reverse("run"),
+        {"any_board": "on", "source": "text", "text": "Hello", "max_tokens": 4},
+        HTTP_ACCEPT="application/json",
+    )
+    assert (
+        response.status_code == 400 and "member of no namespace" in response.json()["errors"]["any_board"][0]["message"]
+    )
     assert sent_tasks == []
 
 
 # -- 6. the Cache page's flush form ------------------------------------------------------------------
 def selected_namespace(page: str) -> str:
-    form = page[page.index('id="flush-form"'):]
-    select = form[form.index('name="namespace"'):form.index("</select>")]
+    form = page[page.index('id="flush-form"') :]
+    select = form[form.index('name="namespace"') : form.index("</select>")]
     return re.search(r'<option value="([^"]*)"[^>]*selected', select).group(1)
 
 
-def test_the_flush_form_opens_on_the_current_namespace_and_every_namespace_takes_typed_words(staff_client, control_plane, namespace):
+def test_the_flush_form_opens_on_the_current_namespace_and_every_namespace_takes_typed_words(
+    staff_client, control_plane, namespace
+):
     tenant(namespace)
     other = tenant("walk-t2")
     ours, theirs = store_entry(control_plane, namespace)[0], store_entry(control_plane, other.name)[0]
     reconcile(control_plane)
     page = staff_client.get(reverse("cache")).content.decode()
     assert selected_namespace(page) == "default"  # the staff's current namespace, not every namespace
-    assert selected_namespace(staff_client.get(reverse("cache") + f"?namespace={namespace}").content.decode()) == namespace
+    assert (
+        selected_namespace(staff_client.get(reverse("cache") + f"?namespace={namespace}").content.decode()) == namespace
+    )
     assert selected_namespace(staff_client.get(reverse("cache")).content.decode()) == namespace  # remembered
 
     model = FINGERPRINT
-    ticked_only = staff_client.post(reverse("cache-flush"), {"namespace": "*", "model": model, "confirm": "on"}, follow=True).content.decode()
+    ticked_only = staff_client.post(
+        reverse("cache-flush"), {"namespace": "*", "model": model, "confirm": "on"}, follow=True
+    ).content.decode()
     assert "type “every namespace” to confirm" in ticked_only
     assert control_plane.redis.exists(ours) and control_plane.redis.exists(theirs)  # a tick alone deletes nothing
 
@@ -111,7 +136,9 @@ def test_the_flush_form_opens_on_the_current_namespace_and_every_namespace_takes
     assert not control_plane.redis.exists(ours) and control_plane.redis.exists(theirs)
 
     # Every namespace, typed: flushed, and the page comes back on the current namespace.
-    response = staff_client.post(reverse("cache-flush"), {"namespace": "*", "model": model, "confirm": "on", "confirm_every": "Every namespace"})
+    response = staff_client.post(
+        reverse("cache-flush"), {"namespace": "*", "model": model, "confirm": "on", "confirm_every": "Every namespace"}
+    )
     assert response.status_code == 302 and not control_plane.redis.exists(theirs)
     assert selected_namespace(staff_client.get(response["Location"]).content.decode()) == namespace
     control_plane.flush("walk-t2")
@@ -135,7 +162,9 @@ def test_a_member_is_not_told_to_start_a_board_with_a_token_they_do_not_hold(cli
     member = member_client(client, django_user_model, "walk-t2")
     page = member.get(reverse("device-detail", args=["walk-t2b"])).content.decode()
     assert "a staff member starts its board (they hold its token)" in page
-    assert "token shown at registration" not in page, [line for line in page.splitlines() if "token shown at registration" in line]
+    assert "token shown at registration" not in page, [
+        line for line in page.splitlines() if "token shown at registration" in line
+    ]
 
 
 def test_staff_pages_give_a_member_a_clear_403_and_a_stranger_the_login(client, django_user_model, control_plane):
@@ -146,7 +175,11 @@ def test_staff_pages_give_a_member_a_clear_403_and_a_stranger_the_login(client, 
         response = member.get(path)
         assert response.status_code == 403, path
         page = response.content.decode()
-        assert "For staff only" in page and "only staff register boards, write and encode schemas" in page and "a member of walk-t2" in page
+        assert (
+            "For staff only" in page
+            and "only staff register boards, write and encode schemas" in page
+            and "a member of walk-t2" in page
+        )
         assert "/admin/login/" not in page
 
 
@@ -176,8 +209,15 @@ def test_the_queue_page_shows_each_runs_real_state(staff_client, control_plane, 
     """Three runs to one board: the board took the first (running), the others wait in its queue."""
     settings.REDIS_URL = valkey_url  # the broker the page reads
     device = online(*register("zero"))
-    sent = [actions.dispatch_run(None, [device], actions.run_request(segments=[f"Prompt {n}"], max_tokens=2, title=f"run {n}"))[0] for n in range(3)]
-    assert [task["task_id"] for task in sent_tasks] == [item["request_id"] for item in sent]  # a run's task id is its request id
+    sent = [
+        actions.dispatch_run(
+            None, [device], actions.run_request(segments=[f"Prompt {n}"], max_tokens=2, title=f"run {n}")
+        )[0]
+        for n in range(3)
+    ]
+    assert [task["task_id"] for task in sent_tasks] == [
+        item["request_id"] for item in sent
+    ]  # a run's task id is its request id
     broker = Celery("walk", broker=valkey_url)
     control_plane.redis.delete("device.zero")
     for task in sent_tasks:  # onto the real broker, as the control plane sends them
@@ -185,8 +225,17 @@ def test_the_queue_page_shows_each_runs_real_state(staff_client, control_plane, 
     assert control_plane.redis.brpop("device.zero", timeout=5) is not None  # the board takes the first
     try:
         page = staff_client.get(reverse("queue")).content.decode()
-        states = {item["request_id"]: re.search(rf'data-request="{item["request_id"]}".*?<td class="state">([^<]*)</td>', page, re.S).group(1) for item in sent}
-        assert [states[item["request_id"]] for item in sent] == ["running on its board", "queued on its board: next in its queue", "queued on its board: 1 run ahead of it"]
+        states = {
+            item["request_id"]: re.search(
+                rf'data-request="{item["request_id"]}".*?<td class="state">([^<]*)</td>', page, re.S
+            ).group(1)
+            for item in sent
+        }
+        assert [states[item["request_id"]] for item in sent] == [
+            "running on its board",
+            "queued on its board: next in its queue",
+            "queued on its board: 1 run ahead of it",
+        ]
         assert "queued or running" not in page
     finally:
         control_plane.redis.delete("device.zero")
@@ -194,14 +243,25 @@ def test_the_queue_page_shows_each_runs_real_state(staff_client, control_plane, 
 
 def test_revoke_asks_first_then_takes_the_run_back(staff_client, control_plane, sent_tasks):
     device, _ = register("ghost")
-    (sent,) = actions.dispatch_run(None, [device], actions.run_request(segments=["Anyone home?"], max_tokens=2, title="asked first"))
+    (sent,) = actions.dispatch_run(
+        None, [device], actions.run_request(segments=["Anyone home?"], max_tokens=2, title="asked first")
+    )
     asked = staff_client.post(reverse("queue-revoke"), {"request_id": sent["request_id"]})
-    assert asked.status_code == 200 and "Revoke the run on ghost?" in asked.content.decode() and "asked first" in asked.content.decode()
+    assert (
+        asked.status_code == 200
+        and "Revoke the run on ghost?" in asked.content.decode()
+        and "asked first" in asked.content.decode()
+    )
     assert Dispatch.objects.get(request_id=sent["request_id"]).outcome == ""  # nothing revoked yet
     unticked = staff_client.post(reverse("queue-revoke"), {"request_id": sent["request_id"], "confirming": "1"})
     assert unticked.status_code == 200 and Dispatch.objects.get(request_id=sent["request_id"]).outcome == ""
-    done = staff_client.post(reverse("queue-revoke"), {"request_id": sent["request_id"], "confirming": "1", "confirm": "on"}, follow=True)
-    assert "Revoked the run" in done.content.decode() and Dispatch.objects.get(request_id=sent["request_id"]).outcome == "revoked"
+    done = staff_client.post(
+        reverse("queue-revoke"), {"request_id": sent["request_id"], "confirming": "1", "confirm": "on"}, follow=True
+    )
+    assert (
+        "Revoked the run" in done.content.decode()
+        and Dispatch.objects.get(request_id=sent["request_id"]).outcome == "revoked"
+    )
 
 
 def test_a_refused_login_says_so_once(client, django_user_model):
@@ -209,4 +269,3 @@ def test_a_refused_login_says_so_once(client, django_user_model):
     page = client.post(reverse("login"), {"username": "carol", "password": "wrong"}).content.decode()
     errors = re.findall(r'class="[^"]*\berror(?:list)?\b[^"]*"[^>]*>(.*?)</', page, re.S)
     assert errors == ["Wrong username or password (both are case-sensitive): try again."]
-

@@ -10,15 +10,17 @@ import time
 import pytest
 import redis
 
-from dashboard.live import streams
 from cachebox.errors import CacheBoxUnavailable
 from cachebox.store import CacheBox
+from dashboard.live import streams
 
 pytestmark = pytest.mark.cachebox
 
 
 def _pubsub_connections(client: redis.Redis) -> int:
-    return sum(1 for entry in client.client_list() if int(entry.get("sub", 0)) > 0 or "subscribe" in entry.get("cmd", ""))
+    return sum(
+        1 for entry in client.client_list() if int(entry.get("sub", 0)) > 0 or "subscribe" in entry.get("cmd", "")
+    )
 
 
 def test_runs_followed_at_once_share_one_connection_and_each_hears_only_its_own_channel(valkey_url):
@@ -87,7 +89,9 @@ def test_an_unreachable_cache_box_is_a_clear_error_at_once():
     async def follow():
         started = time.monotonic()
         with pytest.raises(CacheBoxUnavailable, match="unreachable"):
-            await streams.subscribe("redis://127.0.0.1:9/0", "test.streams.nowhere", connect_timeout=0.3, timeout=0.5).open()
+            await streams.subscribe(
+                "redis://127.0.0.1:9/0", "test.streams.nowhere", connect_timeout=0.3, timeout=0.5
+            ).open()
         return time.monotonic() - started
 
     assert asyncio.run(follow()) < 2.0

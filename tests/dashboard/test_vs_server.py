@@ -11,11 +11,9 @@ import sys
 
 import pytest
 
-from dashboard.bench import llama_server
+from dashboard.bench import llama_server, vs_server
 from dashboard.bench import side_by_side as sbs
-from dashboard.bench import vs_server
 from inference.engine.memory_plan import budget_mb
-
 from tests.conftest import ROOT
 
 
@@ -45,7 +43,9 @@ def test_the_warm_workloads_questions_each_stand_alone_while_a_chats_turns_carry
     questions = [r for r in sbs.one_board_warm("Q: 1+1? A:", 1, sbs.QUESTIONS[:3]) if r.kind == "chat"]
     for request in questions:
         assert sbs.chat_messages(request, history.get(request.conversation, [])) == [
-            {"role": "system", "content": sbs.SYSTEM_PROMPT}, {"role": "user", "content": request.messages[-1][1]}]
+            {"role": "system", "content": sbs.SYSTEM_PROMPT},
+            {"role": "user", "content": request.messages[-1][1]},
+        ]
         sbs.remember(history, request, "an answer")
     assert history == {}  # the same system prompt, never the earlier questions and answers
     turn = sbs.chat([["first?", "second?"]])[0]
@@ -89,11 +89,27 @@ def test_a_balancer_needs_a_server():
 
 # -- summary maths ------------------------------------------------------------------------------
 def _sample(ttft, warm=True, text="A", cold="A", error="", **more):
-    return {"ttft_ms": ttft, "total_ms": ttft + 100, "warm": warm, "text": text, "cold_text": cold, "tokens": 4, "http_bytes": 1000, "error": error, **more}
+    return {
+        "ttft_ms": ttft,
+        "total_ms": ttft + 100,
+        "warm": warm,
+        "text": text,
+        "cold_text": cold,
+        "tokens": 4,
+        "http_bytes": 1000,
+        "error": error,
+        **more,
+    }
 
 
 def test_summary_reports_percentiles_throughput_bytes_rss_and_agreement_and_leaves_errors_out():
-    samples = [_sample(100, warm=False), _sample(10), _sample(20, text="B"), _sample(30), _sample(999, error="HTTP 500")]
+    samples = [
+        _sample(100, warm=False),
+        _sample(10),
+        _sample(20, text="B"),
+        _sample(30),
+        _sample(999, error="HTTP 500"),
+    ]
     s = sbs.summarize(samples, elapsed_s=2.0, peak_rss_mb={"b0": 400.0, "b1": 420.5})
     assert s["requests"] == 5 and s["errors"] == 1 and s["error_examples"] == ["HTTP 500"]
     assert s["ttft_ms"]["p50"] == 25.0  # of 10, 20, 30, 100 (linear between ranks)
@@ -110,7 +126,10 @@ def test_agreement_ignores_requests_without_a_cold_answer_and_is_none_without_an
 
 
 def test_the_api_overhead_is_the_first_chunk_minus_the_boards_own_ttft():
-    samples = [_sample(60, board_ttft_ms=10, api_ms=5, queue_ms=20), _sample(80, board_ttft_ms=20, api_ms=7, queue_ms=30)]
+    samples = [
+        _sample(60, board_ttft_ms=10, api_ms=5, queue_ms=20),
+        _sample(80, board_ttft_ms=20, api_ms=7, queue_ms=30),
+    ]
     overhead = sbs.summarize(samples, elapsed_s=1)["api_overhead_ms"]
     assert overhead["first_chunk_minus_board_ttft_ms_p50"] == 55.0
     assert overhead["api_ms_p50"] == 6.0 and overhead["queue_ms_p50"] == 25.0
@@ -118,11 +137,26 @@ def test_the_api_overhead_is_the_first_chunk_minus_the_boards_own_ttft():
 
 
 def test_each_systems_own_warm_prefill_is_summarized_and_bounds_the_warm_ratio():
-    ours = sbs.summarize([_sample(90, warm=False, prefill_ms=800.0), _sample(60, prefill_ms=40.0), _sample(70, prefill_ms=50.0), _sample(20, prefill_ms=None)], elapsed_s=1)
-    assert ours["warm_prefill_ms"]["p50"] == 45.0  # warm requests that prefilled; the cold one and a full hit without a figure left out
+    ours = sbs.summarize(
+        [
+            _sample(90, warm=False, prefill_ms=800.0),
+            _sample(60, prefill_ms=40.0),
+            _sample(70, prefill_ms=50.0),
+            _sample(20, prefill_ms=None),
+        ],
+        elapsed_s=1,
+    )
+    assert (
+        ours["warm_prefill_ms"]["p50"] == 45.0
+    )  # warm requests that prefilled; the cold one and a full hit without a figure left out
     theirs = sbs.summarize([_sample(80, prefill_ms=60.0), _sample(70, prefill_ms=55.0)], elapsed_s=1)
     floor = sbs.warm_floor({"one-board-warm": {"systems": {sbs.EDGECACHE: ours, sbs.PEER: theirs}}})
-    assert floor == {"edgecache_prefill_p50_ms": 45.0, "peer_prefill_p50_ms": 57.5, "peer_warm_ttft_p50_ms": 75.0, "ratio": 0.6}
+    assert floor == {
+        "edgecache_prefill_p50_ms": 45.0,
+        "peer_prefill_p50_ms": 57.5,
+        "peer_warm_ttft_p50_ms": 75.0,
+        "ratio": 0.6,
+    }
     assert "45.0 ms (p50), 0.6 of llama-server's whole warm TTFT (75.0 ms" in sbs.floor_text(floor)
     # results saved before the figure existed, or a run without the warm workload: no floor, no text
     assert sbs.warm_floor({"one-board-warm": {"systems": {sbs.EDGECACHE: _system(50), sbs.PEER: _system(60)}}}) is None
@@ -131,18 +165,32 @@ def test_each_systems_own_warm_prefill_is_summarized_and_bounds_the_warm_ratio()
 
 def _system(p50, warm=None, rss=400.0, agree=1.0):
     p50, warm = float(p50), float(warm) if warm is not None else None
-    return {"ttft_ms": {"p50": p50, "p99": p50 * 2}, "warm_ttft_ms": {"p50": warm if warm is not None else p50, "p99": None}, "peak_rss_mb_max": rss, "agreement": agree,
-            "total_s": 1.0, "tokens_per_s": 10.0, "http_bytes": 2048, "cache_bytes": 0}
+    return {
+        "ttft_ms": {"p50": p50, "p99": p50 * 2},
+        "warm_ttft_ms": {"p50": warm if warm is not None else p50, "p99": None},
+        "peak_rss_mb_max": rss,
+        "agreement": agree,
+        "total_s": 1.0,
+        "tokens_per_s": 10.0,
+        "http_bytes": 2048,
+        "cache_bytes": 0,
+    }
 
 
 def test_targets_compare_warm_ttft_the_best_peer_balancer_agreement_and_memory():
     workloads = {
-        "one-board-warm": {"systems": {sbs.EDGECACHE: _system(50, warm=30, rss=500), sbs.PEER: _system(110, warm=100, rss=420)}},
-        "fleet-wifi4": {"systems": {sbs.EDGECACHE: _system(200), sbs.ROUND_ROBIN: _system(900), sbs.PREFIX_HASH: _system(500)}},
+        "one-board-warm": {
+            "systems": {sbs.EDGECACHE: _system(50, warm=30, rss=500), sbs.PEER: _system(110, warm=100, rss=420)}
+        },
+        "fleet-wifi4": {
+            "systems": {sbs.EDGECACHE: _system(200), sbs.ROUND_ROBIN: _system(900), sbs.PREFIX_HASH: _system(500)}
+        },
     }
     found = {t["name"].split(":")[0]: t for t in sbs.targets(workloads)}
     assert found["one board, warm"]["value"] == 0.3 and found["one board, warm"]["met"] is True
-    assert found["fleet on Wi-Fi 4"]["value"] == 0.4 and found["fleet on Wi-Fi 4"]["met"] is True  # against prefix-hash, the better one
+    assert (
+        found["fleet on Wi-Fi 4"]["value"] == 0.4 and found["fleet on Wi-Fi 4"]["met"] is True
+    )  # against prefix-hash, the better one
     assert found["one-board-warm"]["value"] == 1.0 and found["one-board-warm"]["met"] is True
     memory = found["peak RSS per board / llama-server's (largest of every workload)"]
     assert memory["value"] == round(500 / 420, 3) and memory["met"] is False
@@ -154,7 +202,9 @@ def test_with_the_same_memory_the_target_is_each_boards_peak_against_what_both_m
     shared = found["peak RSS per board / the memory both may hold (llama-server's idle RSS + --cache-ram)"]
     assert shared["value"] == round(590 / 600, 3) and shared["met"] is True
     assert found["peak RSS per board / llama-server's (largest of every workload)"]["met"] is False  # still reported
-    assert not any("may hold" in t["name"] for t in sbs.targets(workloads))  # boards registered by hand: no shared figure
+    assert not any(
+        "may hold" in t["name"] for t in sbs.targets(workloads)
+    )  # boards registered by hand: no shared figure
 
 
 def test_a_board_is_registered_so_that_its_budget_is_llama_servers_idle_rss_plus_its_cache():
@@ -190,15 +240,21 @@ def test_a_workload_not_run_has_no_target():
 # -- what people read ---------------------------------------------------------------------------
 def _document():
     workloads = {
-        "one-board-warm": {"description": "warm", "systems": {sbs.EDGECACHE: _system(50, warm=30), sbs.PEER: _system(110, warm=100)}},
+        "one-board-warm": {
+            "description": "warm",
+            "systems": {sbs.EDGECACHE: _system(50, warm=30), sbs.PEER: _system(110, warm=100)},
+        },
         "chat": {"description": "chat", "systems": {sbs.EDGECACHE: _system(40), sbs.PEER: _system(45, agree=0.9)}},
     }
     return {
-        "bench": "vs-server", "format": 1,
+        "bench": "vs-server",
+        "format": 1,
         "machine": {"date": "2026-11-24T20:00:00Z", "cpu_count": 2, "cpu": "Test CPU"},
         "peer": {"version": "version: 1 (abc)", "flags": "-c 4096"},
         "settings": {"model": "gemma.gguf", "n_ctx": 4096},
-        "workloads": workloads, "targets": sbs.targets(workloads), "summary": "two workloads",
+        "workloads": workloads,
+        "targets": sbs.targets(workloads),
+        "summary": "two workloads",
     }
 
 
@@ -218,10 +274,17 @@ def test_the_readme_table_has_one_row_per_workload_and_system_and_replaces_only_
 
 def test_the_readme_keeps_each_workloads_newest_figures_when_a_run_measured_some_workloads_only():
     older = _document()
-    newer = {**_document(), "machine": {"date": "2026-11-25T08:00:00Z"}, "workloads": {"chat": {"systems": {sbs.EDGECACHE: _system(33), sbs.PEER: _system(44)}}}}
+    newer = {
+        **_document(),
+        "machine": {"date": "2026-11-25T08:00:00Z"},
+        "workloads": {"chat": {"systems": {sbs.EDGECACHE: _system(33), sbs.PEER: _system(44)}}},
+    }
     workloads = sbs.newest_workloads([newer, older])
     assert list(workloads) == ["one-board-warm", "chat"]
-    assert workloads["chat"]["systems"][sbs.EDGECACHE]["ttft_ms"]["p50"] == 33.0 and workloads["chat"]["date"] == "2026-11-25"
+    assert (
+        workloads["chat"]["systems"][sbs.EDGECACHE]["ttft_ms"]["p50"] == 33.0
+        and workloads["chat"]["date"] == "2026-11-25"
+    )
     assert workloads["one-board-warm"]["date"] == "2026-11-24"
     assert "| chat | EdgeCache | 33.0 |" in sbs.readme_table([newer, older])
 
@@ -270,7 +333,15 @@ def test_the_peer_is_unavailable_with_what_to_install_where_build_tools_are_miss
 def test_the_peer_keeps_the_wheels_libraries_by_the_names_its_binary_asks_for(tmp_path):
     """The wheel holds each library three times (libllama.so, .so.0, .so.0.5.0); the binary asks
     for the .so.0 names, and only those are copied beside it."""
-    for name in ("libllama.so", "libllama.so.0", "libllama.so.0.5.0", "libggml-base.so", "libggml-base.so.0", "libggml-base.so.0.25.3", "notes.txt"):
+    for name in (
+        "libllama.so",
+        "libllama.so.0",
+        "libllama.so.0.5.0",
+        "libggml-base.so",
+        "libggml-base.so.0",
+        "libggml-base.so.0.25.3",
+        "notes.txt",
+    ):
         (tmp_path / name).write_text(name)
     assert [path.name for path in llama_server.wheel_libraries(tmp_path)] == ["libggml-base.so.0", "libllama.so.0"]
     # The wheel this machine installed has every library the peer links.
@@ -292,7 +363,11 @@ def test_a_second_caller_waits_for_the_build_under_way_and_does_not_build_again(
     waiting, found = threading.Event(), []
     with open(binary.parent.with_name(binary.parent.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # "another process" is building
-        caller = threading.Thread(target=lambda: found.append(llama_server.ensure(lambda line: waiting.set() if line.startswith("Waiting") else None)))
+        caller = threading.Thread(
+            target=lambda: found.append(
+                llama_server.ensure(lambda line: waiting.set() if line.startswith("Waiting") else None)
+            )
+        )
         caller.start()
         assert waiting.wait(30), "the caller did not wait for the build under way"
         binary.parent.mkdir()
@@ -314,8 +389,24 @@ def test_both_systems_answer_the_same_two_prompts_through_their_apis(tmp_path):
         pytest.skip(f"llama-server cannot be built here: no {', '.join(missing)}")
     out = tmp_path / "vs.json"
     done = subprocess.run(
-        [sys.executable, "manage.py", "bench", "vs-server", "--workloads", "one-board-warm", "--repeats", "2", "--questions", "0", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1500,  # the first run on a machine builds the peer (~5 minutes on 2 cores)
+        [
+            sys.executable,
+            "manage.py",
+            "bench",
+            "vs-server",
+            "--workloads",
+            "one-board-warm",
+            "--repeats",
+            "2",
+            "--questions",
+            "0",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,  # the first run on a machine builds the peer (~5 minutes on 2 cores)
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -339,7 +430,9 @@ def test_both_systems_answer_the_same_two_prompts_through_their_apis(tmp_path):
     memory = doc["memory"]  # both given the same memory: the board planned within llama-server's idle RSS + --cache-ram
     assert memory["shared_mb"] == round(memory["peer_idle_rss_mb"] + memory["peer_cache_ram_mb"], 1)
     plan = doc["workloads"]["one-board-warm"]["board_plan"]
-    assert plan["ram_tier_mb"] > 0 and plan["estimate_mb"] <= round(budget_mb(memory["board_registered_mb"]))  # its ready line rounds to the MB
+    assert plan["ram_tier_mb"] > 0 and plan["estimate_mb"] <= round(
+        budget_mb(memory["board_registered_mb"])
+    )  # its ready line rounds to the MB
     assert out.with_suffix(".html").exists()
 
 
@@ -378,7 +471,12 @@ def test_the_balancer_streams_each_request_from_the_server_its_policy_picks():
             answers = []
             for prompt in ("first", "second", "third"):
                 connection = http.client.HTTPConnection(*balancer.url.removeprefix("http://").split(":"))
-                connection.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt}), headers={"Content-Type": "application/json"})
+                connection.request(
+                    "POST",
+                    "/v1/completions",
+                    body=json.dumps({"prompt": prompt}),
+                    headers={"Content-Type": "application/json"},
+                )
                 response = connection.getresponse()
                 answers.append((response.status, response.getheader("X-Upstream"), response.read().decode()))
                 connection.close()

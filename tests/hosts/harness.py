@@ -23,7 +23,6 @@ import pytest
 from cachebox import embedded
 from cachebox.link import LINK_PRESETS
 from dashboard.hosts.network import Host, HostNetwork, free_subnet, unavailable_reason
-
 from tests.conftest import ROOT, opened_text
 
 
@@ -51,11 +50,21 @@ class HostedPlane:
     def __init__(self, home: Path, network: HostNetwork):
         self.home = home
         self.network = network
-        self.env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL", "EDGECACHE_CACHEBOX_URL")}
-        self.env.update({
-            "EDGECACHE_HOME": str(home), "EDGECACHE_EMBEDDED_BIND": network.hub.address, "EDGECACHE_N_CTX": "2048",
-            "EDGECACHE_VISIBILITY_TIMEOUT": "60", "EDGECACHE_RESTORE_INTERVAL": "1", "PYTHONUNBUFFERED": "1",
-        })
+        self.env = {
+            key: value
+            for key, value in os.environ.items()
+            if key not in ("REDIS_URL", "DATABASE_URL", "EDGECACHE_CACHEBOX_URL")
+        }
+        self.env.update(
+            {
+                "EDGECACHE_HOME": str(home),
+                "EDGECACHE_EMBEDDED_BIND": network.hub.address,
+                "EDGECACHE_N_CTX": "2048",
+                "EDGECACHE_VISIBILITY_TIMEOUT": "60",
+                "EDGECACHE_RESTORE_INTERVAL": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         self.processes: list[subprocess.Popen] = []
         self.hosts: dict[str, Host] = {}
         self.cachebox_dir = home / "cachebox"
@@ -68,12 +77,35 @@ class HostedPlane:
         self.start_cachebox()
         self.env["EDGECACHE_CACHEBOX_URL"] = embedded.url_for(self.cachebox_dir, password=self.cachebox_password)
         self.manage("migrate", "--verbosity", "0")
-        self.control = self.spawn("control", [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "--queues", "control", "--pool", "threads",
-                                              "--concurrency", "2", "--hostname", "control@%h", "--loglevel", "info", "--without-gossip", "--without-mingle"])
+        self.control = self.spawn(
+            "control",
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "dashboard",
+                "worker",
+                "--queues",
+                "control",
+                "--pool",
+                "threads",
+                "--concurrency",
+                "2",
+                "--hostname",
+                "control@%h",
+                "--loglevel",
+                "info",
+                "--without-gossip",
+                "--without-mingle",
+            ],
+        )
 
     def start_cachebox(self) -> str:
         """The cache box: a Valkey of its own (so that it can restart while the broker stays)."""
-        return embedded.ensure_running(self.cachebox_dir, maxmemory="512mb", bind=(self.network.hub.address,), password=self.cachebox_password)
+        return embedded.ensure_running(
+            self.cachebox_dir, maxmemory="512mb", bind=(self.network.hub.address,), password=self.cachebox_password
+        )
 
     def stop_cachebox(self) -> None:
         embedded.stop(self.cachebox_dir, password=self.cachebox_password)
@@ -85,7 +117,14 @@ class HostedPlane:
         self.manage("cachebox", "start")
 
     def manage(self, *args: str, env: dict | None = None, timeout: float = 120) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout.strip()
 
@@ -94,7 +133,9 @@ class HostedPlane:
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.home / f"{name}.log", "ab")
-        process = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+        )
         self.processes.append(process)
         return process
 
@@ -105,8 +146,14 @@ class HostedPlane:
     def register(self, name: str, *, memory_mb: int, threads: int, link: str) -> str:
         """A device on the dashboard (its record goes to the cache box); returns its token."""
         profile = LINK_PRESETS[link]
-        fields = {"name": name, "kind": f"{name} (host)", "cpu_threads": threads, "memory_mb": memory_mb,
-                  "link_bandwidth_mbps": profile.bandwidth_mbps if profile else None, "link_rtt_ms": profile.rtt_ms if profile else None}
+        fields = {
+            "name": name,
+            "kind": f"{name} (host)",
+            "cpu_threads": threads,
+            "memory_mb": memory_mb,
+            "link_bandwidth_mbps": profile.bandwidth_mbps if profile else None,
+            "link_rtt_ms": profile.rtt_ms if profile else None,
+        }
         return self.shell(f"from dashboard import actions; print(actions.register_device(None, **{fields!r})[1])")
 
     # -- boards ------------------------------------------------------------------------------------------
@@ -116,8 +163,11 @@ class HostedPlane:
         address = self.network.hub.address if hosted else "127.0.0.1"
         cachebox_port = embedded.default_port(self.cachebox_dir)
         return {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"), "PYTHONUNBUFFERED": "1",
-            "EDGECACHE_HOME": str(self.home), "EDGECACHE_N_CTX": self.env["EDGECACHE_N_CTX"],
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": os.environ.get("HOME", "/root"),
+            "PYTHONUNBUFFERED": "1",
+            "EDGECACHE_HOME": str(self.home),
+            "EDGECACHE_N_CTX": self.env["EDGECACHE_N_CTX"],
             "REDIS_URL": f"redis://{address}:{self.broker_port}/0",
             "EDGECACHE_CACHEBOX_URL": f"redis://{address}:{cachebox_port}/0",
             "EDGECACHE_DEVICE_TOKEN": token,
@@ -126,24 +176,41 @@ class HostedPlane:
             **(extra or {}),
         }
 
-    def start_board(self, name: str, token: str, *, memory_mb: int, threads: int, link: str, extra: dict | None = None) -> tuple[Host, subprocess.Popen]:
+    def start_board(
+        self, name: str, token: str, *, memory_mb: int, threads: int, link: str, extra: dict | None = None
+    ) -> tuple[Host, subprocess.Popen]:
         """Start ``manage.py edge`` for ``name`` as a host of its own (does not wait for it)."""
         host = self.network.add(name, memory_mb=memory_mb, threads=threads, link=LINK_PRESETS[link])
         self.hosts[name] = host
         log = open(self.home / f"board-{name}.log", "ab")
-        process = host.spawn([sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1"], self.board_env(name, token, extra=extra), stdout=log, cwd=ROOT)
+        process = host.spawn(
+            [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1"],
+            self.board_env(name, token, extra=extra),
+            stdout=log,
+            cwd=ROOT,
+        )
         return host, process
 
     def start_local_board(self, name: str, token: str, extra: dict | None = None) -> subprocess.Popen:
         """A board in this namespace, its link paced in its sockets (how `make run` emulates one)."""
         log = open(self.home / f"board-{name}.log", "ab")
-        process = subprocess.Popen([sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1"], cwd=ROOT,
-                                   env=self.board_env(name, token, hosted=False, extra=extra), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1"],
+            cwd=ROOT,
+            env=self.board_env(name, token, hosted=False, extra=extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.processes.append(process)
         return process
 
     def wait_ready(self, name: str, process: subprocess.Popen, timeout: float = 240) -> None:
-        until(lambda: f"board {name} ready" in self.log(f"board-{name}") or process.poll() is not None, timeout, f"board {name} to load its model")
+        until(
+            lambda: f"board {name} ready" in self.log(f"board-{name}") or process.poll() is not None,
+            timeout,
+            f"board {name} to load its model",
+        )
         assert process.poll() is None, self.log(f"board-{name}")[-3000:]
 
     # -- runs ----------------------------------------------------------------------------------------------
@@ -170,7 +237,16 @@ class HostedPlane:
         if row is None:
             return None
         text, error, case, ttft, breakdown, fetched, uploaded, unavailable = row
-        return {"text": opened_text(self.home, text), "error": error, "case": case, "ttft_ms": ttft, "breakdown": json.loads(breakdown), "fetched_bytes": fetched, "uploaded_bytes": uploaded, "cachebox_unavailable": bool(unavailable)}
+        return {
+            "text": opened_text(self.home, text),
+            "error": error,
+            "case": case,
+            "ttft_ms": ttft,
+            "breakdown": json.loads(breakdown),
+            "fetched_bytes": fetched,
+            "uploaded_bytes": uploaded,
+            "cachebox_unavailable": bool(unavailable),
+        }
 
     def wait_runs(self, request_ids: list[str], timeout: float = 300) -> list[dict]:
         until(lambda: all(self.run(request_id) for request_id in request_ids), timeout, f"runs {request_ids}")
@@ -183,7 +259,9 @@ class HostedPlane:
 
     def catalog_items(self, name: str) -> int:
         """Entries a board's catalog counts, as its last heartbeat said."""
-        return sum(catalog.get("approx_items", 0) for catalog in (self.device_status(name).get("catalogs") or {}).values())
+        return sum(
+            catalog.get("approx_items", 0) for catalog in (self.device_status(name).get("catalogs") or {}).values()
+        )
 
     def heartbeats_after(self, name: str, moment: float) -> bool:
         return (self.device_status(name).get("sent") or 0) > moment

@@ -19,7 +19,6 @@ import redis
 from cachebox import embedded
 from cachebox.keys import device_key_name
 from dashboard import mmlu
-
 from tests.hosts.harness import hosted_plane, until
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]  # and hosts, from the folder
@@ -30,7 +29,12 @@ def prompts():
     # A and B are fetched over Wi-Fi 4 (five shots: megabytes, so a fetch can be cut half-way);
     # zero computes C and D itself at a Pi Zero's pace, so they are short (D still fills a range).
     picked = {}
-    for key, topic, shots in (("A", "astronomy", 5), ("B", "high_school_biology", 5), ("C", "world_religions", 2), ("D", "college_physics", 1)):
+    for key, topic, shots in (
+        ("A", "astronomy", 5),
+        ("B", "high_school_biology", 5),
+        ("C", "world_religions", 2),
+        ("D", "college_physics", 1),
+    ):
         picked[key] = mmlu.build_prompts(topic, shots, 1)[0].segments
     return picked
 
@@ -40,13 +44,24 @@ def plane(tmp_path_factory, prompts):
     plane = hosted_plane(tmp_path_factory.mktemp("faults"), f"ef{uuid.uuid4().hex[:3]}")
     try:
         boards = {}
-        for name, memory, link, extra in (("zero", 512, "wifi4", {"EDGECACHE_COMPUTE_PROFILE": "pi-zero-2w"}), ("lan", 2048, "gigabit", {})):
+        for name, memory, link, extra in (
+            ("zero", 512, "wifi4", {"EDGECACHE_COMPUTE_PROFILE": "pi-zero-2w"}),
+            ("lan", 2048, "gigabit", {}),
+        ):
             token = plane.register(name, memory_mb=memory, threads=1, link=link)
             boards[name] = plane.start_board(name, token, memory_mb=memory, threads=1, link=link, extra=extra)
         for name, (_, process) in boards.items():
             plane.wait_ready(name, process)
         plane.zero_host, plane.zero = boards["zero"]
-        plane.cold = {key: run["text"] for key, run in zip("ABCD", plane.wait_runs(plane.dispatch([{"device": "lan", "segments": prompts[key], "use_cache": False} for key in "ABCD"])))}
+        plane.cold = {
+            key: run["text"]
+            for key, run in zip(
+                "ABCD",
+                plane.wait_runs(
+                    plane.dispatch([{"device": "lan", "segments": prompts[key], "use_cache": False} for key in "ABCD"])
+                ),
+            )
+        }
         yield plane
     finally:
         plane.close()
@@ -79,27 +94,38 @@ def test_a_link_that_goes_down_during_a_fetch_ends_in_a_computed_run_and_the_boa
     # returns (and replaces the run given up on, if it was).
     until(lambda: (plane.run(request_id) or {}).get("error", "none yet") == "", 180, "zero's computed answer to arrive")
     run = plane.run(request_id)
-    print(f"link down mid-fetch: {run['case']}, {run['fetched_bytes'] / 1e6:.2f} MB fetched before the cut, decision {run['breakdown']['decision']}, TTFT {run['ttft_ms']:.0f} ms")
+    print(
+        f"link down mid-fetch: {run['case']}, {run['fetched_bytes'] / 1e6:.2f} MB fetched before the cut, decision {run['breakdown']['decision']}, TTFT {run['ttft_ms']:.0f} ms"
+    )
     assert not run["error"] and run["cachebox_unavailable"]
     assert run["text"] == plane.cold["A"]  # what arrived before the cut was used, the rest computed: the cold answer
 
     _store_on_lan(plane, prompts, "B")
-    [after] = plane.wait_runs(plane.dispatch([{"device": "zero", "segments": prompts["B"], "title": "after the link returned"}]), timeout=180)
+    [after] = plane.wait_runs(
+        plane.dispatch([{"device": "zero", "segments": prompts["B"], "title": "after the link returned"}]), timeout=180
+    )
     assert after["case"] == "full" and not after["cachebox_unavailable"] and after["text"] == plane.cold["B"]
     assert plane.zero.poll() is None  # the same process: no restart
 
 
 def test_a_cache_box_restarted_empty_is_ridden_out(plane, prompts):
     plane.stop_cachebox()
-    [down] = plane.wait_runs(plane.dispatch([{"device": "zero", "segments": prompts["C"], "title": "cache box down"}]), timeout=300)
+    [down] = plane.wait_runs(
+        plane.dispatch([{"device": "zero", "segments": prompts["C"], "title": "cache box down"}]), timeout=300
+    )
     assert not down["error"] and down["cachebox_unavailable"] and down["text"] == plane.cold["C"]
 
     plane.start_cachebox()  # empty: no entries, no catalogs, no device records
     records = redis.Redis.from_url(embedded.url_for(plane.cachebox_dir, password=plane.cachebox_password))
     # The board serves on with its last record; its next heartbeat has the control plane publish it again.
     until(lambda: records.exists(device_key_name("zero")), 60, "zero's record to be published again")
-    [after] = plane.wait_runs(plane.dispatch([{"device": "zero", "segments": prompts["D"], "title": "after the cache box returned"}]), timeout=300)
-    assert not after["error"] and not after["cachebox_unavailable"] and after["uploaded_bytes"] > 0  # reconnected: it shares again
+    [after] = plane.wait_runs(
+        plane.dispatch([{"device": "zero", "segments": prompts["D"], "title": "after the cache box returned"}]),
+        timeout=300,
+    )
+    assert (
+        not after["error"] and not after["cachebox_unavailable"] and after["uploaded_bytes"] > 0
+    )  # reconnected: it shares again
     assert after["text"] == plane.cold["D"]
     assert plane.zero.poll() is None and "stopping" not in plane.log("board-zero")
 
@@ -109,6 +135,9 @@ def test_a_broker_restart_is_ridden_out(plane, prompts):
     stopped = time.time()
     plane.start_broker()  # empty: queues and their messages are gone
     until(lambda: plane.heartbeats_after("zero", stopped), 120, "zero's heartbeats to reach the control plane again")
-    [after] = plane.wait_runs(plane.dispatch([{"device": "zero", "segments": prompts["D"], "title": "after the broker returned"}]), timeout=300)
+    [after] = plane.wait_runs(
+        plane.dispatch([{"device": "zero", "segments": prompts["D"], "title": "after the broker returned"}]),
+        timeout=300,
+    )
     assert not after["error"] and after["text"] == plane.cold["D"]
     assert plane.zero.poll() is None

@@ -2,8 +2,7 @@
 
 import pytest
 
-from cachebox.link import LINK_PRESETS, LinkProfile
-from cachebox.link import rtt_only
+from cachebox.link import LINK_PRESETS, LinkProfile, rtt_only
 from dashboard.hosts.plan import BoardHost, Hub, tbf_burst, tbf_rate
 
 HUB = Hub("ect", "10.77.200.0/24")
@@ -35,7 +34,11 @@ def test_a_link_is_shaped_both_ways_by_tbf_and_a_lan_is_not():
 
 def test_limits_cap_memory_at_the_registered_size_and_cpu_at_the_boards_threads():
     limits = BoardHost(HUB, 3, "pi5", memory_mb=4096, threads=2, link=None).limits()
-    assert limits["memory"]["memory.limit_in_bytes"] == str(4096 * 2**20) == limits["memory"]["memory.memsw.limit_in_bytes"]
+    assert (
+        limits["memory"]["memory.limit_in_bytes"]
+        == str(4096 * 2**20)
+        == limits["memory"]["memory.memsw.limit_in_bytes"]
+    )
     assert limits["cpu"] == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "200000"}
 
 
@@ -43,7 +46,14 @@ def test_a_process_joins_the_hosts_cgroups_before_it_enters_its_namespace():
     host = zero()
     argv = host.wrap(["python", "manage.py", "edge"])
     assert argv[:2] == ["sh", "-c"] and "cgroup.procs" in argv[2] and argv[2].endswith('exec ip netns exec "$@"')
-    assert argv[4:] == [host.cgroup_dir("memory"), host.cgroup_dir("cpu"), host.namespace, "python", "manage.py", "edge"]
+    assert argv[4:] == [
+        host.cgroup_dir("memory"),
+        host.cgroup_dir("cpu"),
+        host.namespace,
+        "python",
+        "manage.py",
+        "edge",
+    ]
 
 
 def test_link_down_and_up_act_on_the_hubs_end_and_teardown_removes_namespace_and_link():
@@ -58,7 +68,16 @@ def test_the_kernel_shapes_the_bandwidth_and_the_socket_adds_only_the_round_trip
     assert rtt_only(None) is None and rtt_only(LinkProfile(100, 0)) is None
 
 
-@pytest.mark.parametrize("prefix, subnet", [("", "10.77.1.0/24"), ("toolong1", "10.77.1.0/24"), ("a-b", "10.77.1.0/24"), ("ok", "10.77.1.0/28"), ("ok", "fd00::/64")])
+@pytest.mark.parametrize(
+    "prefix, subnet",
+    [
+        ("", "10.77.1.0/24"),
+        ("toolong1", "10.77.1.0/24"),
+        ("a-b", "10.77.1.0/24"),
+        ("ok", "10.77.1.0/28"),
+        ("ok", "fd00::/64"),
+    ],
+)
 def test_a_hub_refuses_names_and_subnets_it_cannot_use(prefix, subnet):
     with pytest.raises(ValueError):
         Hub(prefix, subnet)

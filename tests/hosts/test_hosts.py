@@ -19,7 +19,6 @@ import uuid
 import pytest
 
 from dashboard import mmlu
-
 from tests.conftest import opened_text
 from tests.hosts.harness import hosted_plane, until
 
@@ -46,7 +45,14 @@ def fleet(tmp_path_factory):
         started = {}
         for name, spec in FLEET.items():
             token = plane.register(name, memory_mb=spec["memory_mb"], threads=spec["threads"], link=spec["link"])
-            started[name] = plane.start_board(name, token, memory_mb=spec["memory_mb"], threads=spec["threads"], link=spec["link"], extra=spec["extra"])
+            started[name] = plane.start_board(
+                name,
+                token,
+                memory_mb=spec["memory_mb"],
+                threads=spec["threads"],
+                link=spec["link"],
+                extra=spec["extra"],
+            )
         for name, (_, process) in started.items():
             plane.wait_ready(name, process)
         plane.board_processes = {name: process for name, (_, process) in started.items()}
@@ -65,25 +71,45 @@ def test_three_boards_as_hosts_share_entries_over_their_links_and_keep_the_cold_
     # prompt's state is the same bits on every board, but a decode step (one token) is not on a
     # board that runs 2 threads (AVX2 build: its first step's logits differed by up to 8 from a
     # 1-thread board's), so an answer is compared with a cold run computed the same way.
-    cold = plane.wait_runs(plane.dispatch([
-        {"device": "lan", "segments": prompts["A"], "use_cache": False, "title": "cold A"},
-        {"device": "lan", "segments": prompts["B"], "use_cache": False, "title": "cold B"},
-        {"device": "pi5", "segments": prompts["C"], "use_cache": False, "title": "cold C on pi5"},
-    ]))
+    cold = plane.wait_runs(
+        plane.dispatch(
+            [
+                {"device": "lan", "segments": prompts["A"], "use_cache": False, "title": "cold A"},
+                {"device": "lan", "segments": prompts["B"], "use_cache": False, "title": "cold B"},
+                {"device": "pi5", "segments": prompts["C"], "use_cache": False, "title": "cold C on pi5"},
+            ]
+        )
+    )
     assert all(not run["error"] for run in cold), cold
-    stored = plane.wait_runs(plane.dispatch([{"device": "lan", "segments": prompts["A"]}, {"device": "pi5", "segments": prompts["B"]}]))
-    assert all(run["uploaded_bytes"] > 5_000_000 and not run["error"] for run in stored), stored  # pi5's upload crossed its shaped link
+    stored = plane.wait_runs(
+        plane.dispatch([{"device": "lan", "segments": prompts["A"]}, {"device": "pi5", "segments": prompts["B"]}])
+    )
+    assert all(run["uploaded_bytes"] > 5_000_000 and not run["error"] for run in stored), (
+        stored
+    )  # pi5's upload crossed its shaped link
 
-    until(lambda: plane.catalog_items("zero") >= 8 and plane.catalog_items("pi5") >= 8, 60, "the catalogs to learn the new entries")
-    served = plane.wait_runs(plane.dispatch([
-        {"device": "zero", "segments": prompts["A"], "title": "zero A"},  # lan's entries, over Wi-Fi 4
-        {"device": "zero", "segments": prompts["B"], "title": "zero B"},  # pi5's entries
-        {"device": "pi5", "segments": prompts["C"], "title": "pi5 C"},  # the five examples lan stored with A
-    ]), timeout=600)
+    until(
+        lambda: plane.catalog_items("zero") >= 8 and plane.catalog_items("pi5") >= 8,
+        60,
+        "the catalogs to learn the new entries",
+    )
+    served = plane.wait_runs(
+        plane.dispatch(
+            [
+                {"device": "zero", "segments": prompts["A"], "title": "zero A"},  # lan's entries, over Wi-Fi 4
+                {"device": "zero", "segments": prompts["B"], "title": "zero B"},  # pi5's entries
+                {"device": "pi5", "segments": prompts["C"], "title": "pi5 C"},  # the five examples lan stored with A
+            ]
+        ),
+        timeout=600,
+    )
     zero_a, zero_b, pi5_c = served
     for run in served:
         assert not run["error"] and not run["cachebox_unavailable"], run
-    assert zero_a["case"] == zero_b["case"] == "full" and zero_a["breakdown"]["tier"] == zero_b["breakdown"]["tier"] == "cachebox"
+    assert (
+        zero_a["case"] == zero_b["case"] == "full"
+        and zero_a["breakdown"]["tier"] == zero_b["breakdown"]["tier"] == "cachebox"
+    )
     assert zero_a["fetched_bytes"] > 5_000_000 and pi5_c["case"] == "partial"
     assert [zero_a["text"], zero_b["text"], pi5_c["text"]] == [cold[0]["text"], cold[1]["text"], cold[2]["text"]]
 
@@ -107,16 +133,24 @@ def test_ttft_on_the_kernel_shaped_link_beside_the_socket_paced_one(fleet, promp
     plane.wait_ready("zero-paced", process)
     assert "emulated link 20.9 Mbit/s, 4 ms RTT" in plane.log("board-zero-paced")
     until(lambda: plane.catalog_items("zero-paced") >= 8, 60, "zero-paced's catalog")
-    paced = plane.wait_runs(plane.dispatch([{"device": "zero-paced", "segments": prompts[key], "title": f"paced {key}"} for key in "AB"]), timeout=600)
+    paced = plane.wait_runs(
+        plane.dispatch([{"device": "zero-paced", "segments": prompts[key], "title": f"paced {key}"} for key in "AB"]),
+        timeout=600,
+    )
     for run in paced:
         assert run["case"] == "full" and not run["error"], run
     print("\nfull hits of the same prompts over Wi-Fi 4 (20.9 Mbit/s, 4 ms RTT), kernel-shaped beside socket-paced:")
     with plane._db() as db:  # titles are sealed at rest: opened here, as the control plane reads them
-        by_title = {opened_text(plane.home, title): (ttft, fetched) for title, ttft, fetched in db.execute("select title, ttft_ms, fetched_bytes from dashboard_inferencerun")}
+        by_title = {
+            opened_text(plane.home, title): (ttft, fetched)
+            for title, ttft, fetched in db.execute("select title, ttft_ms, fetched_bytes from dashboard_inferencerun")
+        }
         for key in "AB":
             kernel_ms, kernel_bytes = by_title[f"zero {key}"]
             paced_ms, paced_bytes = by_title[f"paced {key}"]
             wire_ms = kernel_bytes * 8 / 20.9e6 * 1000
-            print(f"  prompt {key}: kernel {kernel_ms:8.1f} ms, socket-paced {paced_ms:8.1f} ms (ratio {kernel_ms / paced_ms:.3f}); "
-                  f"{kernel_bytes / 1e6:.2f} MB fetched, {wire_ms:.0f} ms of wire time at 20.9 Mbit/s")
+            print(
+                f"  prompt {key}: kernel {kernel_ms:8.1f} ms, socket-paced {paced_ms:8.1f} ms (ratio {kernel_ms / paced_ms:.3f}); "
+                f"{kernel_bytes / 1e6:.2f} MB fetched, {wire_ms:.0f} ms of wire time at 20.9 Mbit/s"
+            )
             assert kernel_bytes == paced_bytes

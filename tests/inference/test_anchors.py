@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cachebox.keys import entry_key_pattern, parse_entry_key_name
+from dashboard.lab.texts import evaluation_prompts
 from inference.lab import state_blob
 from inference.lab.anchors import (
     STRATEGIES,
@@ -27,9 +28,7 @@ from inference.lab.anchors import (
     split_sequences,
     strategy_label,
 )
-from dashboard.lab.texts import evaluation_prompts
 from inference.serving.strategies import parse_strategy
-
 from tests.conftest import assert_exact_serving_ignores_lab_runs, require
 
 
@@ -60,7 +59,12 @@ def test_the_anchor_mask_shows_a_token_its_sequence_earlier_anchors_and_bos():
     assert not np.any(mask & ~np.tri(8, dtype=bool)), "never a later token"
     assert [j for j in range(8) if mask[6, j]] == [0, 2, 4, 5, 6]  # BOS, two anchors, its own sequence so far
     assert [j for j in range(8) if mask[3, j]] == [0, 2, 3]
-    assert [j for j in range(8) if mask[4, j]] == [0, 2, 3, 4]  # an anchor sees the anchor before it (llama.cpp's batches)
+    assert [j for j in range(8) if mask[4, j]] == [
+        0,
+        2,
+        3,
+        4,
+    ]  # an anchor sees the anchor before it (llama.cpp's batches)
     paper = anchor_mask(spans, bos=True, anchors_see_anchors=False)
     assert [j for j in range(8) if paper[4, j]] == [0, 3, 4]  # the paper's anchor: its own sequence only
     assert np.array_equal(paper[6], mask[6])
@@ -126,7 +130,9 @@ def test_an_anchor_entry_holds_only_anchor_cells_and_restores_the_pruned_state(e
     engine.clear()
     anchors = [p for p in kept_positions(done.spans, bos=True) if p < prefix_end]
     assert len(anchors) == 7  # BOS and the six anchors
-    assert sum(map(len, pruned)) * 20 < sum(map(len, full)), "the anchor entry should be a small fraction of the full one"
+    assert sum(map(len, pruned)) * 20 < sum(map(len, full)), (
+        "the anchor entry should be a small fraction of the full one"
+    )
     assert sorted(state_blob.parse(pruned[0], 2).sections[0].positions.tolist()) == anchors
     for blob in pruned:
         engine.import_range(blob)
@@ -174,13 +180,17 @@ def test_pruning_on_llama_cpp_is_the_anchor_mask_the_fine_tune_trains_with(engin
     mask = torch.from_numpy(anchor_mask(sequence_spans([len(s) for s in sequences]), bos=True))
     masked = reference.forward(tokens, mask=mask).logits[0].numpy()
     to_pruned, to_full = float(np.max(np.abs(masked - pruned))), float(np.max(np.abs(masked - full)))
-    assert to_pruned < 1.5 and to_pruned < to_full / 2, f"masked reference vs pruned llama.cpp {to_pruned:.2f}, vs full {to_full:.2f}"
+    assert to_pruned < 1.5 and to_pruned < to_full / 2, (
+        f"masked reference vs pruned llama.cpp {to_pruned:.2f}, vs full {to_full:.2f}"
+    )
     assert pruned[np.argmax(masked)] >= pruned.max() - 0.5
 
 
 @pytest.mark.model
 @pytest.mark.cachebox
-def test_an_anchor_run_is_labelled_and_never_stored_or_reused_as_an_exact_entry(engine, make_board, valkey_url, namespace):
+def test_an_anchor_run_is_labelled_and_never_stored_or_reused_as_an_exact_entry(
+    engine, make_board, valkey_url, namespace
+):
     from cachebox.store import CacheBox
 
     board = make_board(valkey_url, namespace)
@@ -195,7 +205,12 @@ def test_an_anchor_run_is_labelled_and_never_stored_or_reused_as_an_exact_entry(
     from inference.board import serve
     from inference.contract.messages import RunRequest
 
-    report = serve(board, RunRequest(request_id=str(uuid.uuid4()), segments=prompt, max_tokens=3, namespace=namespace, strategy="anchors"))
+    report = serve(
+        board,
+        RunRequest(
+            request_id=str(uuid.uuid4()), segments=prompt, max_tokens=3, namespace=namespace, strategy="anchors"
+        ),
+    )
     assert report.error == "" and report.breakdown.strategy == "anchors(base)" and report.uploaded == []
     assert report.text == anchored.text
     assert list(CacheBox(valkey_url).scan_entries(namespace)) == []
@@ -223,7 +238,9 @@ def test_the_bench_measures_every_variant_and_leaves_no_entry_behind(engine, val
     rows = {row["variant"]: row for row in doc["rows"]}
     assert list(rows) == ["base-full", "base-pruned"] and doc["baselines"][0]["variant"] == "base-no-demos"
     full, pruned = rows["base-full"], rows["base-pruned"]
-    assert full["agreement"] == 1.0 and full["kv_reduction"] == 0.0 and not full["approximate"] and pruned["approximate"]
+    assert (
+        full["agreement"] == 1.0 and full["kv_reduction"] == 0.0 and not full["approximate"] and pruned["approximate"]
+    )
     assert pruned["kv_bytes"] < full["kv_bytes"] / 3 and pruned["entry_bytes"] * 20 < full["entry_bytes"]
     assert 0 < pruned["kv_reduction"] < 1 and pruned["wifi4_ttft_ms"] > 0 and pruned["decode_tokens_per_s"] > 0
     assert list(store.redis.scan_iter(match=f"{LAB_KEY_SPACE}:*")) == []
@@ -240,8 +257,16 @@ def _tiny_gguf(source, target, seed: int = 0):
     import gguf
 
     reader = gguf.GGUFReader(str(source))
-    sizes = {"gemma3.block_count": 2, "gemma3.embedding_length": 64, "gemma3.feed_forward_length": 128, "gemma3.attention.head_count": 2,
-             "gemma3.attention.head_count_kv": 1, "gemma3.attention.key_length": 32, "gemma3.attention.value_length": 32, "general.file_type": 7}
+    sizes = {
+        "gemma3.block_count": 2,
+        "gemma3.embedding_length": 64,
+        "gemma3.feed_forward_length": 128,
+        "gemma3.attention.head_count": 2,
+        "gemma3.attention.head_count_kv": 1,
+        "gemma3.attention.key_length": 32,
+        "gemma3.attention.value_length": 32,
+        "general.file_type": 7,
+    }
     writer = gguf.GGUFWriter(str(target), "gemma3")
     for name, found in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
@@ -250,19 +275,37 @@ def _tiny_gguf(source, target, seed: int = 0):
         value = sizes.get(name, found.contents())
         if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
             value = value[:TINY_VOCAB]
-        writer.add_key_value(name, value, value_type, sub_type=found.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None)
+        writer.add_key_value(
+            name, value, value_type, sub_type=found.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        )
     rng = np.random.default_rng(seed)
 
     def w(*shape, scale=0.2):
         return (rng.normal(size=shape) * scale).astype(np.float32)
 
     embd = w(TINY_VOCAB, 64, scale=EMBD_SCALE)
-    writer.add_tensor("token_embd.weight", gguf.quants.quantize(embd, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor(
+        "token_embd.weight",
+        gguf.quants.quantize(embd, gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+    )
     writer.add_tensor("output_norm.weight", 1 + w(64, scale=0.1))
     for layer in range(2):
-        for name, shape in (("attn_norm", (64,)), ("attn_q", (64, 64)), ("attn_q_norm", (32,)), ("attn_k", (32, 64)), ("attn_k_norm", (32,)), ("attn_v", (32, 64)),
-                            ("attn_output", (64, 64)), ("post_attention_norm", (64,)), ("ffn_norm", (64,)), ("ffn_gate", (128, 64)), ("ffn_up", (128, 64)),
-                            ("ffn_down", (64, 128)), ("post_ffw_norm", (64,))):
+        for name, shape in (
+            ("attn_norm", (64,)),
+            ("attn_q", (64, 64)),
+            ("attn_q_norm", (32,)),
+            ("attn_k", (32, 64)),
+            ("attn_k_norm", (32,)),
+            ("attn_v", (32, 64)),
+            ("attn_output", (64, 64)),
+            ("post_attention_norm", (64,)),
+            ("ffn_norm", (64,)),
+            ("ffn_gate", (128, 64)),
+            ("ffn_up", (128, 64)),
+            ("ffn_down", (64, 128)),
+            ("post_ffw_norm", (64,)),
+        ):
             writer.add_tensor(f"blk.{layer}.{name}.weight", 1 + w(*shape, scale=0.1) if len(shape) == 1 else w(*shape))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -274,12 +317,10 @@ def _tiny_gguf(source, target, seed: int = 0):
 @pytest.mark.model
 def test_a_few_anchor_tuning_steps_export_to_a_gguf_llama_cpp_serves(tmp_path):
     torch = require("torch", "the lab extra installs torch")
-    from inference.engine.llama import Engine, EngineConfig
     from dashboard.lab.anchor_tune import LoRA, distillation_loss, export_tuned, loss_positions
+    from inference.engine.llama import Engine, EngineConfig
+    from inference.engine.model_file import ModelFile, _cached_sha256, resolve_model
     from inference.lab.reference import ReferenceModel
-    from inference.engine.model_file import ModelFile, _cached_sha256
-
-    from inference.engine.model_file import resolve_model
 
     base_path = _tiny_gguf(resolve_model().path, tmp_path / "tiny.gguf")
     reference = ReferenceModel.load(base_path, threads=1)
@@ -308,12 +349,19 @@ def test_a_few_anchor_tuning_steps_export_to_a_gguf_llama_cpp_serves(tmp_path):
     import gguf
 
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(exported["path"]).tensors}
-    assert {types[f"blk.{layer}.attn_{name}.weight"] for layer in range(2) for name in ("q", "k", "v", "output")} == {"Q8_0"}
+    assert {types[f"blk.{layer}.attn_{name}.weight"] for layer in range(2) for name in ("q", "k", "v", "output")} == {
+        "Q8_0"
+    }
     assert types["token_embd.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
-    served = Engine(ModelFile(tmp_path / "tuned.gguf", _cached_sha256(tmp_path / "tuned.gguf")), EngineConfig(n_ctx=64, n_threads=1, n_seq_max=2))
+    served = Engine(
+        ModelFile(tmp_path / "tuned.gguf", _cached_sha256(tmp_path / "tuned.gguf")),
+        EngineConfig(n_ctx=64, n_threads=1, n_seq_max=2),
+    )
     try:
         served.clear()
         logits = served.prefill(tokens, 0, logits_at={len(tokens) - 1})[len(tokens) - 1]
     finally:
         served.close()
-    assert np.max(np.abs(logits - tuned_logits)) < np.max(np.abs(base_logits - tuned_logits)) / 3, "llama.cpp should compute the tuned weights"
+    assert np.max(np.abs(logits - tuned_logits)) < np.max(np.abs(base_logits - tuned_logits)) / 3, (
+        "llama.cpp should compute the tuned weights"
+    )

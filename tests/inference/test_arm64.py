@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -50,19 +49,47 @@ def board_in_root(arm64_parts):
     inside.mkdir(parents=True)
     shutil.copytree(wheelhouse, inside / "wheelhouse")
     with arm64.mounted(root):
-        compilers = subprocess.run(arm64.chroot_command(root, ["sh", "-c", "command -v gcc cc c++ clang || true"]), capture_output=True, text=True)
+        compilers = subprocess.run(
+            arm64.chroot_command(root, ["sh", "-c", "command -v gcc cc c++ clang || true"]),
+            capture_output=True,
+            text=True,
+        )
         assert compilers.stdout.strip() == "", f"the root has a compiler: {compilers.stdout}"
         started = time.monotonic()
-        for argv in (["/usr/bin/python3", "-m", "venv", f"{place}/venv"],
-                     [f"{place}/venv/bin/pip", "install", "--quiet", "--no-index", "--find-links", f"{place}/wheelhouse", "edgecache"]):
-            done = subprocess.run(arm64.chroot_command(root, argv, cpu="cortex-a53"), capture_output=True, text=True, timeout=1800)
+        for argv in (
+            ["/usr/bin/python3", "-m", "venv", f"{place}/venv"],
+            [
+                f"{place}/venv/bin/pip",
+                "install",
+                "--quiet",
+                "--no-index",
+                "--find-links",
+                f"{place}/wheelhouse",
+                "edgecache",
+            ],
+        ):
+            done = subprocess.run(
+                arm64.chroot_command(root, argv, cpu="cortex-a53"), capture_output=True, text=True, timeout=1800
+            )
             assert done.returncode == 0, done.stdout + done.stderr
         install_s = time.monotonic() - started
         print(f"wheelhouse install inside the emulated arm64 root (Cortex-A53): {install_s:.0f} s", flush=True)
-        machine = subprocess.run(arm64.chroot_command(root, [f"{place}/venv/bin/python", "-c", "import platform; print(platform.machine())"]), capture_output=True, text=True)
+        machine = subprocess.run(
+            arm64.chroot_command(
+                root, [f"{place}/venv/bin/python", "-c", "import platform; print(platform.machine())"]
+            ),
+            capture_output=True,
+            text=True,
+        )
         assert machine.stdout.strip() == "aarch64"
-        done = subprocess.run(arm64.chroot_command(root, [f"{place}/venv/bin/python", "-m", "inference.engine.model_file"], env={"HOME": "/root"}),
-                              capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(
+            arm64.chroot_command(
+                root, [f"{place}/venv/bin/python", "-m", "inference.engine.model_file"], env={"HOME": "/root"}
+            ),
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         yield {"root": root, "place": place, "install_s": install_s}
     shutil.rmtree(inside, ignore_errors=True)
@@ -75,33 +102,67 @@ print(token)
 """
 
 
-def test_an_arm64_board_installs_from_the_wheelhouse_without_a_compiler_enrolls_and_answers(board_in_root, tmp_path_factory):
+def test_an_arm64_board_installs_from_the_wheelhouse_without_a_compiler_enrolls_and_answers(
+    board_in_root, tmp_path_factory
+):
     from dashboard.bench import arm64
 
     home = tmp_path_factory.mktemp("arm64-stack")
     port = free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
-    env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": "arm64-test-pw-1", "EDGECACHE_N_CTX": "1024", "EDGECACHE_API_TIMEOUT": "600"})
+    env.update(
+        {
+            "EDGECACHE_HOME": str(home),
+            "EDGECACHE_ADMIN_PASSWORD": "arm64-test-pw-1",
+            "EDGECACHE_N_CTX": "1024",
+            "EDGECACHE_API_TIMEOUT": "600",
+        }
+    )
 
     def manage(*args: str) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout.strip()
 
-    server = subprocess.Popen([sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)], cwd=ROOT, env=env,
-                              stdout=open(home / "run.log", "wb"), stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=open(home / "run.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     board = None
     log = home / "board.log"
     root, place = board_in_root["root"], board_in_root["place"]
     try:
         wait_for_http(f"http://127.0.0.1:{port}/accounts/login/", server)
         token = manage("shell", "-c", SETUP).splitlines()[-1]
-        cachebox = manage("shell", "-c", "from django.conf import settings; from cachebox.store import CacheBox; print(CacheBox(settings.REDIS_URL).safe_url)").splitlines()[-1]
+        cachebox = manage(
+            "shell",
+            "-c",
+            "from django.conf import settings; from cachebox.store import CacheBox; print(CacheBox(settings.REDIS_URL).safe_url)",
+        ).splitlines()[-1]
         key = manage("apikey", "create", "--namespace", "default", "--name", "arm64", "--rate", "0").splitlines()[-1]
         with arm64.mounted(root):
-            board_env = {"REDIS_URL": cachebox, "EDGECACHE_HOME": f"{place}/state", "EDGECACHE_DEVICE_TOKEN": token, "EDGECACHE_N_CTX": "1024"}
-            board = subprocess.Popen(arm64.chroot_command(root, [f"{place}/venv/bin/edgecache-board", "--name", "arm-zero", "--heartbeat", "2"],
-                                                         cpu="cortex-a53", env=board_env), stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+            board_env = {
+                "REDIS_URL": cachebox,
+                "EDGECACHE_HOME": f"{place}/state",
+                "EDGECACHE_DEVICE_TOKEN": token,
+                "EDGECACHE_N_CTX": "1024",
+            }
+            board = subprocess.Popen(
+                arm64.chroot_command(
+                    root,
+                    [f"{place}/venv/bin/edgecache-board", "--name", "arm-zero", "--heartbeat", "2"],
+                    cpu="cortex-a53",
+                    env=board_env,
+                ),
+                stdout=open(log, "wb"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             deadline = time.monotonic() + 900
             while b"board arm-zero ready" not in log.read_bytes():
                 assert board.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
@@ -112,10 +173,16 @@ def test_an_arm64_board_installs_from_the_wheelhouse_without_a_compiler_enrolls_
                 assert time.monotonic() < deadline, "the board never came online"
                 time.sleep(1)
             model = client.models.list().data[0].id
-            answer = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+            answer = client.completions.create(
+                model=model, prompt="The capital of France is", max_tokens=4, temperature=0
+            )
             assert answer.choices[0].text.strip(), answer
             assert answer.model_extra["edgecache"]["device"] == "arm-zero"
-            status = manage("shell", "-c", "from dashboard.models import Device; d = Device.objects.get(name='arm-zero'); print(d.status.get('kernel_class', ''))")
+            status = manage(
+                "shell",
+                "-c",
+                "from dashboard.models import Device; d = Device.objects.get(name='arm-zero'); print(d.status.get('kernel_class', ''))",
+            )
             assert status.splitlines()[-1].startswith("aarch64-armv8.0"), status
     finally:
         if board is not None and board.poll() is None:
@@ -129,4 +196,6 @@ def test_an_arm64_board_installs_from_the_wheelhouse_without_a_compiler_enrolls_
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
-        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30)
+        subprocess.run(
+            [sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30
+        )

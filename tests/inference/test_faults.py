@@ -19,10 +19,9 @@ from cachebox.entry import decode_header
 from cachebox.link import LinkProfile
 from cachebox.shaping import LinkShaper
 from cachebox.store import CacheBox
-from inference.board.runtime import Board
-from inference.board.config import BoardConfig
 from dashboard.mmlu import build_prompts
-
+from inference.board.config import BoardConfig
+from inference.board.runtime import Board
 from tests.inference.test_pipeline import entry_names
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
@@ -69,7 +68,13 @@ def own_server(tmp_path, maxmemory="512mb"):
 
 
 def board_on(engine, store, namespace, device, keys, **options):
-    return Board(engine, store, BoardConfig(device=device, namespace=namespace, context_reuse=False, ram_tier_bytes=0, **options), background_sync=False, keys=keys)
+    return Board(
+        engine,
+        store,
+        BoardConfig(device=device, namespace=namespace, context_reuse=False, ram_tier_bytes=0, **options),
+        background_sync=False,
+        keys=keys,
+    )
 
 
 def test_cache_box_killed_mid_transfer_then_restarted_empty(engine, namespace, signing_keys, tmp_path):

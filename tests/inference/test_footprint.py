@@ -19,7 +19,6 @@ from inference.engine.memory_plan import (
     plan_memory,
 )
 from inference.engine.proc_memory import ProcessMemory, mapped_files, rss_bytes, tune_malloc
-
 from tests.conftest import run_manage
 
 GEMMA = ModelFacts(file_bytes=253_113_024, n_params=268_098_176, n_vocab=262_144, kv_bytes_per_token=18_432)
@@ -39,11 +38,17 @@ def test_a_512_mb_board_gets_the_smallest_context_no_ram_tier_and_grid_sized_bat
 
 def test_a_large_board_keeps_the_context_asked_for_and_the_full_ram_tier():
     plan = plan_memory(4096, GEMMA, n_ctx=4096, grid=GRID)
-    assert (plan.n_ctx, plan.ram_tier_bytes, plan.repack) == (4096, MAX_RAM_TIER_BYTES, False)  # repacked weights change the bits: only when asked
+    assert (plan.n_ctx, plan.ram_tier_bytes, plan.repack) == (
+        4096,
+        MAX_RAM_TIER_BYTES,
+        False,
+    )  # repacked weights change the bits: only when asked
     assert plan_memory(4096, GEMMA, n_ctx=4096, grid=GRID, repack=True).repack  # asked for, and there is room
     assert plan.within_budget
     middling = plan_memory(768, GEMMA, n_ctx=4096, grid=GRID)
-    assert 0 < middling.ram_tier_bytes < MAX_RAM_TIER_BYTES and middling.within_budget  # the RAM tier is what the budget leaves
+    assert (
+        0 < middling.ram_tier_bytes < MAX_RAM_TIER_BYTES and middling.within_budget
+    )  # the RAM tier is what the budget leaves
 
 
 def test_an_explicit_ram_tier_and_a_smaller_context_asked_for_are_kept():
@@ -60,7 +65,11 @@ def test_a_board_too_small_for_its_model_is_refused_with_the_numbers():
     with pytest.raises(MemoryRefused) as refused:
         plan_memory(256, GEMMA, n_ctx=4096, grid=GRID)
     message = str(refused.value)
-    assert "256 MB" in message and "model file (mapped) 241 MB" in message and "register the board with at least" in message
+    assert (
+        "256 MB" in message
+        and "model file (mapped) 241 MB" in message
+        and "register the board with at least" in message
+    )
 
 
 def test_a_lab_strategy_that_would_not_fit_is_refused_with_the_numbers():
@@ -80,7 +89,7 @@ def test_process_memory_sees_memory_this_process_touches():
     before = ProcessMemory.read()
     assert before.rss_mb > 0 and before.peak_rss_mb >= before.rss_mb and before.pss_mb > 0
     block = bytearray(64 * 1024 * 1024)
-    block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page
+    block[::4096] = b"x" * len(block[::4096])  # touch every page
     after = ProcessMemory.read()
     assert after.anon_mb - before.anon_mb > 50 and after.peak_rss_mb >= after.rss_mb
     del block
@@ -101,7 +110,9 @@ def test_the_ram_tier_gives_way_to_the_processs_rss_under_a_registered_budget():
         rss["now"] += 100  # the new blob is resident before the tier keeps it
         tier.put(f"e{number}", header, b"x" * 100, 0)
         rss["now"] -= 100  # kept: counted in the tier's bytes from now on
-    assert len(tier) == 2 and tier.get("e0") is None and tier.get("e2") is not None  # the oldest left: 500 + 2 x 100 + 100 > 750
+    assert (
+        len(tier) == 2 and tier.get("e0") is None and tier.get("e2") is not None
+    )  # the oldest left: 500 + 2 x 100 + 100 > 750
     assert tier.status()["evicted_for_rss"] == 1
     rss["now"] = 900  # the process grew beyond its budget by itself: the tier keeps nothing new
     tier.put("big", header, b"x" * 100, 0)
@@ -140,12 +151,23 @@ def small_board(tmp_path_factory, request, engine):
     engine's threads (a prompt's state is the same bits on any number of threads, but a decode
     step is not: its answer is compared with the session engine's)."""
     from cachebox.signing import Keychain, derive_keyring, shared_producer_ring
-    from inference.board.runtime import Board
     from inference.board.config import BoardConfig
+    from inference.board.runtime import Board
 
     url = request.getfixturevalue("valkey_url")
     ring = shared_producer_ring(derive_keyring(b"k" * 32, "footprint", 1))
-    board = Board.start(BoardConfig(device="small", namespace="footprint", redis_url=url, threads=engine.config.threads(), memory_mb=512, n_ctx=4096), keys=Keychain(lambda ns: ring), background_sync=False)
+    board = Board.start(
+        BoardConfig(
+            device="small",
+            namespace="footprint",
+            redis_url=url,
+            threads=engine.config.threads(),
+            memory_mb=512,
+            n_ctx=4096,
+        ),
+        keys=Keychain(lambda ns: ring),
+        background_sync=False,
+    )
     yield board
     board.store.flush("footprint")
     board.close()
@@ -165,7 +187,9 @@ def test_a_board_registered_with_512_mb_sizes_its_engine_and_answers_as_an_unsiz
     engine.clear()
     from inference.serving.prefix import PrefixServing
 
-    unsized = PrefixServing(engine, None).run(prompt, max_tokens=4, use_cache=False)  # n_ctx 2048, n_ubatch 512: the session's engine
+    unsized = PrefixServing(engine, None).run(
+        prompt, max_tokens=4, use_cache=False
+    )  # n_ctx 2048, n_ubatch 512: the session's engine
     assert first.tokens == again.tokens == unsized.tokens
     memory = board.status()["memory"]
     assert memory["memory_mb"] == 512 and memory["budget_mb"] == pytest.approx(400, abs=1)
@@ -176,13 +200,19 @@ def test_a_board_registered_with_512_mb_sizes_its_engine_and_answers_as_an_unsiz
 @pytest.mark.cachebox
 def test_a_small_board_restores_what_a_board_with_a_larger_context_stored_and_answers_as_cold(small_board, engine):
     """Contexts of 1024 and 2048 tokens give the same state bits: one fingerprint, shared entries."""
-    from inference.board.runtime import Board
-    from inference.board.config import BoardConfig
     from dashboard.mmlu import build_prompts
+    from inference.board.config import BoardConfig
+    from inference.board.runtime import Board
 
     assert small_board.engine.fingerprint == engine.fingerprint and small_board.engine.n_ctx != engine.n_ctx
     prompt = build_prompts("astronomy", 5, 3)[2].segments
-    large = Board(engine, small_board.store, BoardConfig(device="large", namespace="footprint", context_reuse=False, ram_tier_bytes=0), background_sync=False, keys=small_board.keys)
+    large = Board(
+        engine,
+        small_board.store,
+        BoardConfig(device="large", namespace="footprint", context_reuse=False, ram_tier_bytes=0),
+        background_sync=False,
+        keys=small_board.keys,
+    )
     stored = large.run(prompt, max_tokens=4, namespace="footprint")
     assert stored.uploaded
     small_board.catalogs.sync_all()
@@ -200,7 +230,14 @@ def test_a_strategy_the_memory_cannot_hold_is_a_clear_error_in_the_runs_report(s
     from inference import board as edge
     from inference.contract.messages import RunRequest
 
-    request = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": ["Q: 2+2?\nA:"], "max_tokens": 2, "strategy": "early-exit:top-prob:0.9"})
+    request = RunRequest.parse(
+        {
+            "request_id": str(uuid.uuid4()),
+            "segments": ["Q: 2+2?\nA:"],
+            "max_tokens": 2,
+            "strategy": "early-exit:top-prob:0.9",
+        }
+    )
     report = edge.serve(small_board, request)
     assert "cannot run early-exit" in report.error and "PyTorch" in report.error and "512 MB" in report.error
     assert not any(spec.name == "early-exit" for spec in small_board._opened)  # refused before loading ~1 GB
@@ -208,17 +245,23 @@ def test_a_strategy_the_memory_cannot_hold_is_a_clear_error_in_the_runs_report(s
 
 @pytest.mark.model
 def test_a_board_whose_memory_cannot_hold_the_model_refuses_before_making_its_context():
-    from inference.board.runtime import Board
     from inference.board.config import BoardConfig
+    from inference.board.runtime import Board
 
     with pytest.raises(MemoryRefused, match="registered with 256 MB"):
-        Board.start(BoardConfig(device="tiny", redis_url="redis://127.0.0.1:9/0", memory_mb=256, connect_timeout=0.1), keys=None, background_sync=False)
+        Board.start(
+            BoardConfig(device="tiny", redis_url="redis://127.0.0.1:9/0", memory_mb=256, connect_timeout=0.1),
+            keys=None,
+            background_sync=False,
+        )
 
 
 # -- the control plane shows it ---------------------------------------------------------------------
 @pytest.mark.django_db
 @pytest.mark.cachebox
-def test_the_device_page_shows_the_boards_rss_against_its_registered_memory(settings, valkey_url, client, django_user_model):
+def test_the_device_page_shows_the_boards_rss_against_its_registered_memory(
+    settings, valkey_url, client, django_user_model
+):
     from dashboard import actions
     from inference.board import devices as registry
 
@@ -228,7 +271,14 @@ def test_the_device_page_shows_the_boards_rss_against_its_registered_memory(sett
     from tests.dashboard.test_dashboard import enrolled, heartbeat
 
     keys = enrolled(device, token)
-    memory = {"rss_mb": 412.3, "peak_rss_mb": 419.0, "pss_mb": 300.0, "memory_mb": 512, "budget_mb": 399.4, "n_ctx": 1024}
+    memory = {
+        "rss_mb": 412.3,
+        "peak_rss_mb": 419.0,
+        "pss_mb": 300.0,
+        "memory_mb": 512,
+        "budget_mb": 399.4,
+        "n_ctx": 1024,
+    }
     assert actions.record_heartbeat(heartbeat(keys, {"catalogs": {}, "memory": memory})) is not None
     device.refresh_from_db()
     assert actions.device_json(device)["memory"] == "412 MB RSS (peak 419 MB) of 512 MB; budget 399 MB, peak over it"
@@ -242,15 +292,35 @@ def test_the_device_page_shows_the_boards_rss_against_its_registered_memory(sett
 @pytest.mark.cachebox
 def test_bench_footprint_measures_a_board_process_and_saves_its_parts(tmp_path, valkey_url):
     out = tmp_path / "footprint.json"
-    done = run_manage("bench", "footprint", "--memory-mb", "512", "--runs", "4", "--no-compare", "--json", str(out), env={"REDIS_URL": valkey_url}, timeout=300)
+    done = run_manage(
+        "bench",
+        "footprint",
+        "--memory-mb",
+        "512",
+        "--runs",
+        "4",
+        "--no-compare",
+        "--json",
+        str(out),
+        env={"REDIS_URL": valkey_url},
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr.decode()
     doc = json.loads(out.read_text())
     assert (doc["bench"], doc["format"], doc["memory_mb"], doc["runs"]) == ("footprint", 1, 512, 4)
     assert 250 < doc["peak_rss_mb"] < 512 and 0 < doc["pss_mb"] <= doc["peak_rss_mb"] + 1
     parts = {row["part"]: row["mb"] for row in doc["parts"]}
-    assert parts["model weights (mapped GGUF file)"] > 200 and parts["KV cache (n_ctx x state bytes per token)"] == pytest.approx(18, abs=1)
+    assert parts["model weights (mapped GGUF file)"] > 200 and parts[
+        "KV cache (n_ctx x state bytes per token)"
+    ] == pytest.approx(18, abs=1)
     sized = doc["boards"]["sized"]
     assert sized["n_ctx"] == 1024 and sized["ram_tier_bytes"] == 0
-    assert not set(sized["heavy_modules"]) & {"torch", "plotly", "channels", "daphne", "psycopg"}  # (kombu peeks at django.utils where Django is installed)
+    assert not set(sized["heavy_modules"]) & {
+        "torch",
+        "plotly",
+        "channels",
+        "daphne",
+        "psycopg",
+    }  # (kombu peeks at django.utils where Django is installed)
     assert doc["agreement_with_cold"] in (None, 1.0)
     assert out.with_suffix(".html").exists() and b"peak RSS" in done.stdout

@@ -2,6 +2,7 @@
 
 import os
 
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -9,10 +10,8 @@ from cachebox.catalog import Catalog
 from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry
 from cachebox.errors import CatalogFormatError, EntryError
 from cachebox.keys import prefix_keys
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-
 from cachebox.signing import control_plane_key, derive_keyring, public_hex, seal, shared_producer_ring, unseal
-from inference.serving.pml import PMLError, PromptDoc, PMLSchema, parse_prompt, parse_schema
+from inference.serving.pml import PMLError, PMLSchema, PromptDoc, parse_prompt, parse_schema
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -22,7 +21,9 @@ SCHEMA = parse_schema(
 )
 
 names = st.sampled_from(["a", "b", "c", "d", "x", "module", "union", "param", "scaffold", "user", "schema", "prompt"])
-attributes = st.dictionaries(st.sampled_from(["name", "len", "p", "schema", "modules", "xml:space"]), st.text(max_size=8), max_size=3)
+attributes = st.dictionaries(
+    st.sampled_from(["name", "len", "p", "schema", "modules", "xml:space"]), st.text(max_size=8), max_size=3
+)
 
 
 @st.composite
@@ -60,7 +61,9 @@ def test_tag_soup_is_refused_cleanly(fragment, root):
 def test_a_prefix_key_depends_only_on_the_prefix(tokens, data):
     end = data.draw(st.integers(min_value=1, max_value=len(tokens)))
     cuts = sorted(set(data.draw(st.lists(st.integers(min_value=1, max_value=end), max_size=5)) + [end]))
-    assert prefix_keys("ns", "fp", tokens, cuts, grid=64)[-1] == prefix_keys("ns", "fp", tokens[:end], [end], grid=64)[0]
+    assert (
+        prefix_keys("ns", "fp", tokens, cuts, grid=64)[-1] == prefix_keys("ns", "fp", tokens[:end], [end], grid=64)[0]
+    )
     changed = list(tokens)
     position = data.draw(st.integers(min_value=0, max_value=end - 1))
     changed[position] = (changed[position] + 1) % 262_144
@@ -102,7 +105,15 @@ SIGNED = encode_entry(EntryHeader("f" * 16, "ns", 0, 64, "d" * 32, 0), STATE, RI
 
 
 @FAST
-@given(st.dictionaries(st.integers(min_value=0, max_value=len(SIGNED) - 1), st.integers(min_value=1, max_value=255), min_size=1, max_size=4), st.integers(min_value=0, max_value=len(SIGNED)))
+@given(
+    st.dictionaries(
+        st.integers(min_value=0, max_value=len(SIGNED) - 1),
+        st.integers(min_value=1, max_value=255),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(min_value=0, max_value=len(SIGNED)),
+)
 def test_any_altered_or_cut_signed_entry_is_refused_cleanly(flips, cut):
     """Flipped bytes anywhere (header, MAC, state) or a cut: an EntryError, never a crash or a pass."""
     altered = bytearray(SIGNED)

@@ -8,18 +8,23 @@ import numpy as np
 import pytest
 
 from dashboard import mmlu
+from dashboard.lab.texts import (
+    CALIBRATION_PER_TOPIC,
+    calibration_questions,
+    evaluation_limit,
+    evaluation_prompts,
+    heldout_questions,
+)
 from inference.lab import state_blob
 from inference.lab.kv_prediction import (
     FORMAT,
     KVPredictionServing,
     Predictor,
     PredictorFileError,
-    open_auxiliary,
     predicted_state,
     predictor_path,
     rope_np,
 )
-from dashboard.lab.texts import CALIBRATION_PER_TOPIC, calibration_questions, evaluation_limit, evaluation_prompts, heldout_questions
 from inference.serving.strategies import StrategySpec, parse_strategy
 
 K = 6
@@ -61,8 +66,16 @@ def test_calibration_heldout_and_evaluation_text_never_overlap():
 def _tiny_predictor(fingerprint: str = "ab" * 32, k: int = 6, n_layer: int = 18) -> Predictor:
     e = 256
     return Predictor(
-        fingerprint, k, n_layer, 1, 256, 1e-6, np.full(n_layer, 10_000.0), np.zeros((n_layer - k, 2 * e + 1, 2 * e), np.float32),
-        np.ones((n_layer - k, 256), np.float32), {"source": "test"},
+        fingerprint,
+        k,
+        n_layer,
+        1,
+        256,
+        1e-6,
+        np.full(n_layer, 10_000.0),
+        np.zeros((n_layer - k, 2 * e + 1, 2 * e), np.float32),
+        np.ones((n_layer - k, 256), np.float32),
+        {"source": "test"},
     )
 
 
@@ -81,7 +94,10 @@ def test_predictor_file_round_trips(tmp_path):
         (lambda p, path: p.save(path), "fitted for model"),  # saved for another model (fingerprint below)
         (lambda p, path: (setattr(p, "weights", p.weights[:, :10]), p.save(path)), "weights is float32"),
         (lambda p, path: (p.weights.__setitem__((0, 0, 0), np.nan), p.save(path)), "NaN"),
-        (lambda p, path: np.savez(path, format=np.array(FORMAT), weights=np.array([object()], dtype=object)), "not a readable predictor file|lacks"),
+        (
+            lambda p, path: np.savez(path, format=np.array(FORMAT), weights=np.array([object()], dtype=object)),
+            "not a readable predictor file|lacks",
+        ),
     ],
 )
 def test_bad_predictor_files_are_refused_with_a_clear_error(tmp_path, damage, message):
@@ -105,7 +121,12 @@ def test_predictor_for_another_k_is_refused(tmp_path):
 
 
 # -- with the real model ------------------------------------------------------------------------
-PROMPTS = [p.text for p in evaluation_prompts(5, shots=0, topics=["astronomy", "world_religions", "marketing", "virology", "sociology"])]
+PROMPTS = [
+    p.text
+    for p in evaluation_prompts(
+        5, shots=0, topics=["astronomy", "world_religions", "marketing", "virology", "sociology"]
+    )
+]
 
 
 @pytest.mark.model
@@ -156,7 +177,9 @@ def test_reference_engine_matches_llama_cpp(engine, reference):
         served = engine.prefill(tokens, 0, logits_at={len(tokens) - 1})[len(tokens) - 1]
         engine.clear()
         ours = reference.forward(tokens).logits[0].numpy()
-        assert served[np.argmax(ours)] >= served.max() - 0.5, "the reference chose a token llama.cpp clearly ranks lower"
+        assert served[np.argmax(ours)] >= served.max() - 0.5, (
+            "the reference chose a token llama.cpp clearly ranks lower"
+        )
         worst = max(worst, float(np.max(np.abs(ours - served))))
     assert worst < 1.5, f"max |logit difference| {worst:.3f}"
 
@@ -185,7 +208,9 @@ def kv_strategy(engine, reference, tmp_path_factory):
     from dashboard.lab.texts import calibration_documents
 
     directory = tmp_path_factory.mktemp("lab")
-    documents = calibration_documents(lambda text: engine.tokenize(text, add_bos=True), max_tokens=160, topics=mmlu.topics()[:2])
+    documents = calibration_documents(
+        lambda text: engine.tokenize(text, add_bos=True), max_tokens=160, topics=mmlu.topics()[:2]
+    )
     predictor = fit_predictors(reference, documents, [K], engine.model_file.sha256)[K]
     predictor.save(predictor_path(directory, engine.model_file.sha256, K))
     strategy = KVPredictionServing.open(engine, K, directory)
@@ -223,7 +248,9 @@ def test_a_predicted_state_imports_and_the_base_model_decodes_from_it(engine, kv
 
 @pytest.mark.model
 @pytest.mark.cachebox
-def test_a_kv_prediction_run_never_stores_or_leaves_state_an_exact_run_could_reuse(engine, kv_strategy, make_board, valkey_url, namespace):
+def test_a_kv_prediction_run_never_stores_or_leaves_state_an_exact_run_could_reuse(
+    engine, kv_strategy, make_board, valkey_url, namespace
+):
     import uuid
 
     from inference.board import serve
@@ -236,7 +263,16 @@ def test_a_kv_prediction_run_never_stores_or_leaves_state_an_exact_run_could_reu
     predicted = board.strategy(spec).run(prompt, max_tokens=3)
     assert predicted.uploaded == [] and predicted.breakdown.uploaded_bytes == 0
     # A dispatched run asks for the strategy by name, and its report says which one answered.
-    report = serve(board, RunRequest(request_id=str(uuid.uuid4()), segments=[prompt], max_tokens=3, namespace=namespace, strategy=f"kv-prediction:{K}"))
+    report = serve(
+        board,
+        RunRequest(
+            request_id=str(uuid.uuid4()),
+            segments=[prompt],
+            max_tokens=3,
+            namespace=namespace,
+            strategy=f"kv-prediction:{K}",
+        ),
+    )
     assert report.error == "" and report.breakdown.strategy == "kv-prediction(6)" and report.breakdown.cachebox == "off"
     assert report.text == predicted.text
     with pytest.raises(ValueError, match="strategy"):
@@ -259,9 +295,26 @@ def test_the_benchmarks_page_shows_a_lab_report_with_its_trade_off_chart(client,
 
     settings.BASE_DIR = tmp_path
     folder = tmp_path / "bench-results"
-    row = {"kind": "kvp", "k": 6, "method": "KV prediction (k=6)", "median_ttft_ms": 300.0, "ttft_ratio": 0.4, "first_token_agreement": 0.8,
-           "accuracy": 0.3, "accuracy_retention": 0.9, "paired": {"both_correct": 1, "only_base": 0, "only_this": 0}, "heldout_kl_mean": 0.5, "heldout_kl_median": 0.4}
-    doc = {"ks": [6], "prompts": 1, "heldout_texts": 1, "table": [row, {**row, "kind": "aux", "method": "auxiliary alone (k=6)"}], "machine": {"date": "today"}}
+    row = {
+        "kind": "kvp",
+        "k": 6,
+        "method": "KV prediction (k=6)",
+        "median_ttft_ms": 300.0,
+        "ttft_ratio": 0.4,
+        "first_token_agreement": 0.8,
+        "accuracy": 0.3,
+        "accuracy_retention": 0.9,
+        "paired": {"both_correct": 1, "only_base": 0, "only_this": 0},
+        "heldout_kl_mean": 0.5,
+        "heldout_kl_median": 0.4,
+    }
+    doc = {
+        "ks": [6],
+        "prompts": 1,
+        "heldout_texts": 1,
+        "table": [row, {**row, "kind": "aux", "method": "auxiliary alone (k=6)"}],
+        "machine": {"date": "today"},
+    }
     folder.mkdir()
     (folder / "lab-1.json").write_text(json.dumps(doc))
     lab_report(folder / "lab-1.html", doc)
@@ -269,7 +322,9 @@ def test_the_benchmarks_page_shows_a_lab_report_with_its_trade_off_chart(client,
     page = client.get(reverse("benchmarks")).content.decode()
     assert "KV prediction (lab): k=6 TTFT x0.4, agreement 0.8" in page
     report = client.get(reverse("benchmark-report", args=["lab-1"])).content.decode()
-    assert "Efficiency-accuracy trade-off" in report and "plotly" in report.lower() and "Differs from the paper" in report
+    assert (
+        "Efficiency-accuracy trade-off" in report and "plotly" in report.lower() and "Differs from the paper" in report
+    )
 
 
 @pytest.mark.model

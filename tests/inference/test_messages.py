@@ -10,18 +10,67 @@ from inference.contract.messages import MAX_BOARD_CATALOGS, MAX_HEARTBEAT_BYTES,
 
 # What a real board's heartbeat says (inference.board.runtime.Board.status, plus the beat's own fields).
 REAL_STATUS = {
-    "pid": 4242, "sent": 1_764_000_000.5, "heartbeat_s": 5.0, "model": "gemma-3-270m-it-Q4_K_M.gguf", "fingerprint": "0123456789abcdef",
-    "threads": 2, "kv_type": "f16", "codec": "zstd", "compute_profile": "pi-zero-2w",
-    "catalogs": {"default": {
-        "approx_items": 12, "size_bytes": 1_198_160, "fill_ratio": 0.0001, "estimated_fp_rate": 0.0, "configured_fp_rate": 0.01,
-        "last_sync": 1_764_000_000.0, "epoch": "a" * 32, "lookups": 40, "maybe_hits": 9, "true_hits": 5, "false_positives": 1,
-        "held_on_board": 2, "policy_skipped": 1, "cachebox_down": 0,
-    }},
-    "ram_tier": {"entries": 3, "bytes": 9_000_000, "budget_bytes": 134_217_728, "hits": 2, "misses": 5, "rss_limit_bytes": None,
-                 "evicted_for_rss": 0, "refused": 0},
-    "flash_tier": {"entries": 1, "bytes": 3_000_000, "budget_bytes": 67_108_864, "hits": 0, "misses": 1, "directory": "/var/lib/edgecache/flash/zero"},
-    "memory": {"rss_mb": 480.5, "peak_rss_mb": 512.0, "pss_mb": 300.1, "memory_mb": 512, "budget_mb": 430.0, "n_ctx": 4096, "kv_cache_mb": 36.0},
-    "rates": {"prefill_ms_per_token": 3.1, "decode_ms_per_token": 20.0, "prompt_tokens": 128, "decode_tokens": 16, "compute_profile": ""},
+    "pid": 4242,
+    "sent": 1_764_000_000.5,
+    "heartbeat_s": 5.0,
+    "model": "gemma-3-270m-it-Q4_K_M.gguf",
+    "fingerprint": "0123456789abcdef",
+    "threads": 2,
+    "kv_type": "f16",
+    "codec": "zstd",
+    "compute_profile": "pi-zero-2w",
+    "catalogs": {
+        "default": {
+            "approx_items": 12,
+            "size_bytes": 1_198_160,
+            "fill_ratio": 0.0001,
+            "estimated_fp_rate": 0.0,
+            "configured_fp_rate": 0.01,
+            "last_sync": 1_764_000_000.0,
+            "epoch": "a" * 32,
+            "lookups": 40,
+            "maybe_hits": 9,
+            "true_hits": 5,
+            "false_positives": 1,
+            "held_on_board": 2,
+            "policy_skipped": 1,
+            "cachebox_down": 0,
+        }
+    },
+    "ram_tier": {
+        "entries": 3,
+        "bytes": 9_000_000,
+        "budget_bytes": 134_217_728,
+        "hits": 2,
+        "misses": 5,
+        "rss_limit_bytes": None,
+        "evicted_for_rss": 0,
+        "refused": 0,
+    },
+    "flash_tier": {
+        "entries": 1,
+        "bytes": 3_000_000,
+        "budget_bytes": 67_108_864,
+        "hits": 0,
+        "misses": 1,
+        "directory": "/var/lib/edgecache/flash/zero",
+    },
+    "memory": {
+        "rss_mb": 480.5,
+        "peak_rss_mb": 512.0,
+        "pss_mb": 300.1,
+        "memory_mb": 512,
+        "budget_mb": 430.0,
+        "n_ctx": 4096,
+        "kv_cache_mb": 36.0,
+    },
+    "rates": {
+        "prefill_ms_per_token": 3.1,
+        "decode_ms_per_token": 20.0,
+        "prompt_tokens": 128,
+        "decode_tokens": 16,
+        "compute_profile": "",
+    },
 }
 
 
@@ -44,7 +93,13 @@ def test_a_real_boards_status_is_accepted_and_travels_unchanged():
 def test_a_status_with_an_unknown_field_anywhere_is_refused(where):
     status = json.loads(json.dumps(REAL_STATUS))
     filler = "x" * 8 * 1024 * 1024  # the probe's 8 MB heartbeat
-    target = {"top": status, "catalog": status["catalogs"]["default"], "ram_tier": status["ram_tier"], "memory": status["memory"], "rates": status["rates"]}[where]
+    target = {
+        "top": status,
+        "catalog": status["catalogs"]["default"],
+        "ram_tier": status["ram_tier"],
+        "memory": status["memory"],
+        "rates": status["rates"],
+    }[where]
     target["padding"] = filler
     with pytest.raises(MessageRefused, match="padding.*Extra inputs are not permitted"):
         BoardStatus.parse(status)
@@ -53,7 +108,12 @@ def test_a_status_with_an_unknown_field_anywhere_is_refused(where):
 
 
 def test_a_status_with_oversized_strings_or_lists_is_refused():
-    for field, value in [("model", "m" * 201), ("kv_type", "k" * 17), ("codec", "c" * 33), ("compute_profile", "p" * 101)]:
+    for field, value in [
+        ("model", "m" * 201),
+        ("kv_type", "k" * 17),
+        ("codec", "c" * 33),
+        ("compute_profile", "p" * 101),
+    ]:
         with pytest.raises(MessageRefused, match=field):
             BoardStatus.parse({**REAL_STATUS, field: value})
     too_many = {f"ns{number}": REAL_STATUS["catalogs"]["default"] for number in range(MAX_BOARD_CATALOGS + 1)}
@@ -64,14 +124,24 @@ def test_a_status_with_oversized_strings_or_lists_is_refused():
     with pytest.raises(MessageRefused, match="flash_tier.directory"):
         BoardStatus.parse({**REAL_STATUS, "flash_tier": {**REAL_STATUS["flash_tier"], "directory": "d" * 1025}})
     with pytest.raises(MessageRefused, match="epoch"):
-        BoardStatus.parse({**REAL_STATUS, "catalogs": {"default": {**REAL_STATUS["catalogs"]["default"], "epoch": "e" * 65}}})
+        BoardStatus.parse(
+            {**REAL_STATUS, "catalogs": {"default": {**REAL_STATUS["catalogs"]["default"], "epoch": "e" * 65}}}
+        )
 
 
 def test_the_largest_status_the_contract_allows_fits_the_heartbeat_cap():
     """MAX_HEARTBEAT_BYTES bounds what a receiver reads; a valid status at every bound must fit under it."""
-    catalog = {**REAL_STATUS["catalogs"]["default"], "epoch": "e" * 64, **{name: 2**62 for name in ("lookups", "maybe_hits", "true_hits", "false_positives")}}
+    catalog = {
+        **REAL_STATUS["catalogs"]["default"],
+        "epoch": "e" * 64,
+        **{name: 2**62 for name in ("lookups", "maybe_hits", "true_hits", "false_positives")},
+    }
     largest = {
-        **REAL_STATUS, "model": "m" * 200, "kv_type": "k" * 16, "codec": "c" * 32, "compute_profile": "p" * 100,
+        **REAL_STATUS,
+        "model": "m" * 200,
+        "kv_type": "k" * 16,
+        "codec": "c" * 32,
+        "compute_profile": "p" * 100,
         "catalogs": {f"{number:03d}" + "n" * 125: catalog for number in range(MAX_BOARD_CATALOGS)},
         "flash_tier": {**REAL_STATUS["flash_tier"], "directory": "d" * 1024},
     }
@@ -88,4 +158,7 @@ def test_the_status_a_real_board_sends_is_the_status_the_contract_accepts(make_b
     board = make_board(None, "default")
     status = {"pid": 1, "sent": 1_764_000_000.0, "heartbeat_s": 5.0, **board.status()}
     parsed = BoardStatus.parse(status).dump()
-    assert parsed["catalogs"].keys() == status["catalogs"].keys() and parsed["memory"]["n_ctx"] == status["memory"]["n_ctx"]
+    assert (
+        parsed["catalogs"].keys() == status["catalogs"].keys()
+        and parsed["memory"]["n_ctx"] == status["memory"]["n_ctx"]
+    )

@@ -29,10 +29,16 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, require
-from tests.stack import free_port, wait_for_http
 from tests.inference.test_arm64 import arm64_parts, board_in_root  # noqa: F401 (fixtures)
+from tests.stack import free_port, wait_for_http
 
-pytestmark = [pytest.mark.mixed_fleet, pytest.mark.arm64, pytest.mark.kernels, pytest.mark.processes, pytest.mark.timeout(5400)]
+pytestmark = [
+    pytest.mark.mixed_fleet,
+    pytest.mark.arm64,
+    pytest.mark.kernels,
+    pytest.mark.processes,
+    pytest.mark.timeout(5400),
+]
 
 openai = require("openai", "the test extra installs openai (make install)")
 
@@ -53,46 +59,100 @@ def fleet(board_in_root, avx512_libs, tmp_path_factory):
 
     home = tmp_path_factory.mktemp("mixed-fleet")
     port = free_port()
-    env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL", "LLAMA_CPP_LIB_PATH")}
-    env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": "mixed-fleet-pw-1", "EDGECACHE_N_CTX": "1024", "EDGECACHE_API_TIMEOUT": "900"})
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("REDIS_URL", "DATABASE_URL", "LLAMA_CPP_LIB_PATH")
+    }
+    env.update(
+        {
+            "EDGECACHE_HOME": str(home),
+            "EDGECACHE_ADMIN_PASSWORD": "mixed-fleet-pw-1",
+            "EDGECACHE_N_CTX": "1024",
+            "EDGECACHE_API_TIMEOUT": "900",
+        }
+    )
 
     def manage(*args: str) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout.strip()
 
     processes: list[subprocess.Popen] = []
     cgroup = CGROUP / f"edgecache-a53-{uuid.uuid4().hex[:8]}"
     root, place = board_in_root["root"], board_in_root["place"]
-    server = subprocess.Popen([sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)], cwd=ROOT, env=env,
-                              stdout=open(home / "run.log", "wb"), stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=open(home / "run.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_for_http(f"http://127.0.0.1:{port}/accounts/login/", server)
-        tokens = json.loads(manage("shell", "-c", (
-            "import json\nfrom dashboard import actions\n"
-            f"print(json.dumps({{name: actions.register_device(None, name=name, cpu_threads=1, memory_mb=512 if name == 'arm-a53' else 1024)[1] for name in {BOARDS!r}}}))"
-        )).splitlines()[-1])
-        cachebox = manage("shell", "-c", "from django.conf import settings; from cachebox.store import CacheBox; print(CacheBox(settings.REDIS_URL).safe_url)").splitlines()[-1]
+        tokens = json.loads(
+            manage(
+                "shell",
+                "-c",
+                (
+                    "import json\nfrom dashboard import actions\n"
+                    f"print(json.dumps({{name: actions.register_device(None, name=name, cpu_threads=1, memory_mb=512 if name == 'arm-a53' else 1024)[1] for name in {BOARDS!r}}}))"
+                ),
+            ).splitlines()[-1]
+        )
+        cachebox = manage(
+            "shell",
+            "-c",
+            "from django.conf import settings; from cachebox.store import CacheBox; print(CacheBox(settings.REDIS_URL).safe_url)",
+        ).splitlines()[-1]
         key = manage("apikey", "create", "--namespace", "default", "--name", "mixed", "--rate", "0").splitlines()[-1]
         for name in ("x86-avx2", "x86-avx512"):
             extra = {"LLAMA_CPP_LIB_PATH": str(avx512_libs)} if name == "x86-avx512" else {}
-            processes.append(subprocess.Popen([sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "2"], cwd=ROOT, start_new_session=True,
-                                              env={**env, **extra, "EDGECACHE_DEVICE_TOKEN": tokens[name]}, stdout=open(home / f"{name}.log", "wb"), stderr=subprocess.STDOUT))
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "2"],
+                    cwd=ROOT,
+                    start_new_session=True,
+                    env={**env, **extra, "EDGECACHE_DEVICE_TOKEN": tokens[name]},
+                    stdout=open(home / f"{name}.log", "wb"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
         cgroup.mkdir()
         (cgroup / "memory.limit_in_bytes").write_text(str(512 * 2**20))
         with arm64.mounted(root):
             for name, cpu in (("arm-a53", "cortex-a53"), ("arm-a76", "cortex-a76")):
-                board_env = {"REDIS_URL": cachebox, "EDGECACHE_HOME": f"{place}/state-{name}", "EDGECACHE_DEVICE_TOKEN": tokens[name], "EDGECACHE_N_CTX": "1024"}
-                process = subprocess.Popen(arm64.chroot_command(root, [f"{place}/venv/bin/edgecache-board", "--name", name, "--heartbeat", "2"], cpu=cpu, env=board_env),
-                                           stdout=open(home / f"{name}.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+                board_env = {
+                    "REDIS_URL": cachebox,
+                    "EDGECACHE_HOME": f"{place}/state-{name}",
+                    "EDGECACHE_DEVICE_TOKEN": tokens[name],
+                    "EDGECACHE_N_CTX": "1024",
+                }
+                process = subprocess.Popen(
+                    arm64.chroot_command(
+                        root,
+                        [f"{place}/venv/bin/edgecache-board", "--name", name, "--heartbeat", "2"],
+                        cpu=cpu,
+                        env=board_env,
+                    ),
+                    stdout=open(home / f"{name}.log", "wb"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
                 if name == "arm-a53":
-                    (cgroup / "cgroup.procs").write_text(str(process.pid))  # before it loads anything: every byte counts
+                    (cgroup / "cgroup.procs").write_text(
+                        str(process.pid)
+                    )  # before it loads anything: every byte counts
                 processes.append(process)
             deadline = time.monotonic() + 1200
             for name, process in zip(BOARDS, processes):
                 log = home / f"{name}.log"
                 while f"board {name} ready".encode() not in log.read_bytes():
-                    assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+                    assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[
+                        -3000:
+                    ]
                     time.sleep(1)
             client = openai.OpenAI(api_key=key, base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=900)
             while len(client.models.list().data) < 1 or _online(manage) < len(BOARDS):
@@ -113,7 +173,9 @@ def fleet(board_in_root, avx512_libs, tmp_path_factory):
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
-        subprocess.run([sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30)
+        subprocess.run(
+            [sys.executable, "manage.py", "cachebox", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=30
+        )
         if cgroup.exists():
             cgroup.rmdir()
 
@@ -131,16 +193,30 @@ def _catalog_items(fleet, device: str) -> int:
 
 def _ask(fleet, device: str, *, cache: bool = True) -> tuple[str, dict]:
     model = fleet["client"].models.list().data[0].id
-    answer = fleet["client"].completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"edgecache": {"device": device, "cache": cache}})
+    answer = fleet["client"].completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"edgecache": {"device": device, "cache": cache}},
+    )
     extension = answer.model_extra["edgecache"]
     assert extension["device"] == device
     return answer.choices[0].text, extension
 
 
 def test_four_boards_of_three_kernel_classes_share_exactly_within_a_class_and_never_across(fleet):
-    classes = dict(line.split(" ", 1) for line in fleet["manage"]("shell", "-c", (
-        "from dashboard.models import Device\nfor d in Device.objects.order_by('name'): print(d.name, d.status.get('kernel_class', ''))"
-    )).splitlines() if line.split(" ", 1)[0] in BOARDS)  # the shell may print a line of its own first
+    classes = dict(
+        line.split(" ", 1)
+        for line in fleet["manage"](
+            "shell",
+            "-c",
+            (
+                "from dashboard.models import Device\nfor d in Device.objects.order_by('name'): print(d.name, d.status.get('kernel_class', ''))"
+            ),
+        ).splitlines()
+        if line.split(" ", 1)[0] in BOARDS
+    )  # the shell may print a line of its own first
     print("kernel classes:", classes)
     assert classes["x86-avx2"] != classes["x86-avx512"] and classes["arm-a53"].startswith("aarch64-armv8.0")
     assert classes["arm-a53"] == classes["arm-a76"]  # two generations pinned to the portable class
@@ -170,5 +246,7 @@ def test_four_boards_of_three_kernel_classes_share_exactly_within_a_class_and_ne
         assert text == cold[device] and served["matched_tokens"] > 0, served
 
     peak = int((fleet["cgroup"] / "memory.max_usage_in_bytes").read_text())
-    print(f"arm-a53 (emulated Cortex-A53, 512 MB cgroup): peak memory {peak / 2**20:.0f} MB (qemu-user's translation included)")
+    print(
+        f"arm-a53 (emulated Cortex-A53, 512 MB cgroup): peak memory {peak / 2**20:.0f} MB (qemu-user's translation included)"
+    )
     assert peak <= 512 * 2**20

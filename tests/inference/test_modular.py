@@ -8,7 +8,6 @@ from cachebox.entry import decode_header
 from cachebox.store import CacheBox
 from inference.serving.pml import PMLError
 from inference.serving.pml_layout import ModulePiece
-
 from tests.conftest import ROOT, run_manage
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
@@ -26,7 +25,14 @@ def module_names(store, namespace):
 def test_encoded_schema_serves_prompts_from_cached_modules(valkey_url, namespace, make_board):
     board = make_board(valkey_url, namespace)
     encoded = board.schemas.encode_schema(SCHEMA, namespace=namespace)
-    assert {item.piece for item in encoded["stored"]} == {"_text0", "trip-plan", "miami", "tokyo", "tokyo/kyoto", "scaffold:plan-miami"}
+    assert {item.piece for item in encoded["stored"]} == {
+        "_text0",
+        "trip-plan",
+        "miami",
+        "tokyo",
+        "tokyo/kyoto",
+        "scaffold:plan-miami",
+    }
     cached = board.run_pml(SCHEMA, PROMPT, max_tokens=6, namespace=namespace)
     b = cached.breakdown
     assert cached.modules_hit == ["_text0", "trip-plan", "tokyo", "tokyo/kyoto"]
@@ -67,7 +73,9 @@ def test_a_scaffold_stands_for_its_members(valkey_url, namespace, make_board):
     prompt = '<prompt schema="travel"><trip-plan duration="a week"/><miami/><user>Where to surf?</user></prompt>'
     board.run_pml(SCHEMA, prompt, max_tokens=3, namespace=namespace)
     result = board.run_pml(SCHEMA, prompt, max_tokens=3, namespace=namespace)
-    assert result.modules_hit == ["_text0", "scaffold:plan-miami"] and result.breakdown.case == "partial"  # the user's text is computed
+    assert (
+        result.modules_hit == ["_text0", "scaffold:plan-miami"] and result.breakdown.case == "partial"
+    )  # the user's text is computed
 
 
 def test_a_prompt_may_end_inside_a_module(valkey_url, namespace, make_board):
@@ -89,7 +97,9 @@ def test_a_corrupted_module_is_rejected_and_encoded_again(valkey_url, namespace,
     assert result.breakdown.rejected_entries == 1 and result.breakdown.case == "partial"
     assert result.tokens == cold.tokens
     again = board.run_pml(SCHEMA, PROMPT, max_tokens=4, namespace=namespace)
-    assert again.modules_hit == ["_text0", "trip-plan", "tokyo", "tokyo/kyoto"] and again.breakdown.rejected_entries == 0
+    assert (
+        again.modules_hit == ["_text0", "trip-plan", "tokyo", "tokyo/kyoto"] and again.breakdown.rejected_entries == 0
+    )
 
 
 def test_an_oversized_module_entry_is_refused_before_it_is_downloaded(valkey_url, namespace, make_board, monkeypatch):
@@ -111,7 +121,16 @@ def test_infer_serves_pml_from_the_command_line(valkey_url, namespace, tmp_path)
     prompt = tmp_path / "prompt.pml"
     prompt.write_text(PROMPT)
     env = {"REDIS_URL": valkey_url, "EDGECACHE_NAMESPACE": namespace, "EDGECACHE_N_CTX": "2048"}
-    args = ["infer", "--schema", str(ROOT / "examples" / "travel.pml"), "--prompt-file", str(prompt), "--max-tokens", "3", "--json"]
+    args = [
+        "infer",
+        "--schema",
+        str(ROOT / "examples" / "travel.pml"),
+        "--prompt-file",
+        str(prompt),
+        "--max-tokens",
+        "3",
+        "--json",
+    ]
     first = run_manage(*args, env=env)
     second = run_manage(*args, env=env)
     assert first.returncode == 0 and second.returncode == 0, first.stderr.decode() + second.stderr.decode()
@@ -131,7 +150,14 @@ def test_infer_serves_pml_from_the_command_line(valkey_url, namespace, tmp_path)
 def test_infer_reports_bad_pml_in_one_line(tmp_path, valkey_url, schema, prompt, message):
     (tmp_path / "s.pml").write_text(schema)
     (tmp_path / "p.pml").write_text(prompt)
-    done = run_manage("infer", "--schema", str(tmp_path / "s.pml"), "--prompt-file", str(tmp_path / "p.pml"), env={"REDIS_URL": valkey_url})
+    done = run_manage(
+        "infer",
+        "--schema",
+        str(tmp_path / "s.pml"),
+        "--prompt-file",
+        str(tmp_path / "p.pml"),
+        env={"REDIS_URL": valkey_url},
+    )
     assert done.returncode != 0 and message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr.decode()
 
@@ -159,12 +185,16 @@ def entry_name(board, namespace, source, path):
     return board.schemas.ref(layout, namespace, ModulePiece(path, [path], layout.modules[path].start)).name
 
 
-def test_a_schema_in_prompt_caches_dialect_serves_and_never_stores_an_uncached_module(valkey_url, namespace, make_board, monkeypatch):
+def test_a_schema_in_prompt_caches_dialect_serves_and_never_stores_an_uncached_module(
+    valkey_url, namespace, make_board, monkeypatch
+):
     board = make_board(valkey_url, namespace)
     store = CacheBox(valkey_url)
     encoded = []
     original = board.schemas.encode
-    monkeypatch.setattr(board.schemas, "encode", lambda layout, piece: encoded.append(piece.key_name) or original(layout, piece))
+    monkeypatch.setattr(
+        board.schemas, "encode", lambda layout, piece: encoded.append(piece.key_name) or original(layout, piece)
+    )
     stored = ["_text0", "tone/cheerful", "_text1", "age/young-adult", "residence/seaside", "hobby"]
 
     cold = board.run_pml(PERSONA, PERSONA_PROMPT, max_tokens=6, namespace=namespace)
@@ -176,14 +206,20 @@ def test_a_schema_in_prompt_caches_dialect_serves_and_never_stores_an_uncached_m
 
     encoded.clear()
     warm = board.run_pml(PERSONA, PERSONA_PROMPT, max_tokens=6, namespace=namespace)
-    assert warm.modules_hit == stored and encoded == ["today"]  # every module from the cache box but today, computed again
+    assert warm.modules_hit == stored and encoded == [
+        "today"
+    ]  # every module from the cache box but today, computed again
     assert warm.uploaded == [] and module_names(store, namespace) == names
     assert warm.breakdown.case == "partial" and warm.breakdown.fetched_bytes > 0
     uncached = board.run_pml(PERSONA, PERSONA_PROMPT, max_tokens=6, namespace=namespace, use_cache=False)
     assert warm.tokens == cold.tokens == uncached.tokens  # a module fetched is the module encoded
     assert board.schemas.encode_schema(PERSONA, namespace=namespace)["skipped"]  # nothing encoded twice
-    other_day = board.run_pml(PERSONA, PERSONA_PROMPT.replace("a rainy Tuesday", "Christmas Day"), max_tokens=6, namespace=namespace)
-    assert other_day.modules_hit == stored and entry_name(board, namespace, PERSONA, "today") not in module_names(store, namespace)
+    other_day = board.run_pml(
+        PERSONA, PERSONA_PROMPT.replace("a rainy Tuesday", "Christmas Day"), max_tokens=6, namespace=namespace
+    )
+    assert other_day.modules_hit == stored and entry_name(board, namespace, PERSONA, "today") not in module_names(
+        store, namespace
+    )
 
 
 def test_same_named_modules_in_two_scopes_are_two_entries(valkey_url, namespace, make_board):

@@ -11,15 +11,17 @@ from cachebox.entry import decode_header
 from cachebox.keys import entry_key_name, grid_cuts, prefix_keys, range_boundaries
 from cachebox.link import LINK_PRESETS, LinkProfile
 from cachebox.store import CacheBox
-from inference.board.runtime import Board
-from inference.serving.breakeven import BreakEvenPolicy, FetchPlan
-from inference.engine.compute_profile import ComputeProfile, Pacer
 from inference.board.config import BoardConfig
+from inference.board.runtime import Board
+from inference.engine.compute_profile import ComputeProfile, Pacer
 from inference.engine.llama import MAIN_SEQ
+from inference.serving.breakeven import BreakEvenPolicy, FetchPlan
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 
-CONTEXT = "".join(f"Entry {i}: the ferry left pier {i % 9} at {i % 12} o'clock with {i % 31} cars.\n" for i in range(40))
+CONTEXT = "".join(
+    f"Entry {i}: the ferry left pier {i % 9} at {i % 12} o'clock with {i % 31} cars.\n" for i in range(40)
+)
 QUESTION = "Question: which pier did the last ferry leave from?\nAnswer:"
 
 
@@ -35,7 +37,14 @@ class SplitPolicy(BreakEvenPolicy):
     def plan(self, floor, ranges):
         plan = super().plan(floor, ranges)
         arrivals = tuple(self.range_ms * (index + 1) for index in range(len(ranges)))
-        return FetchPlan(True, max(floor, self.split), plan.predicted_ms, plan.predicted_fetch_ms, plan.predicted_prefill_ms, arrivals)
+        return FetchPlan(
+            True,
+            max(floor, self.split),
+            plan.predicted_ms,
+            plan.predicted_fetch_ms,
+            plan.predicted_prefill_ms,
+            arrivals,
+        )
 
 
 @pytest.fixture
@@ -43,9 +52,13 @@ def board_for(engine, signing_keys, valkey_url, namespace):
     """Boards on the session's engine with a chosen link, policy and codec; no local tiers."""
     built = []
 
-    def build(*, link: LinkProfile | None = None, policy: BreakEvenPolicy | None = None, device: str = "board-a", **options):
+    def build(
+        *, link: LinkProfile | None = None, policy: BreakEvenPolicy | None = None, device: str = "board-a", **options
+    ):
         store = CacheBox(valkey_url, connect_timeout=0.5, timeout=30.0, link=link)
-        config = BoardConfig(device=device, namespace=namespace, context_reuse=False, ram_tier_bytes=0, link=link, **options)
+        config = BoardConfig(
+            device=device, namespace=namespace, context_reuse=False, ram_tier_bytes=0, link=link, **options
+        )
         board = Board(engine, store, config, background_sync=False, keys=signing_keys)
         if policy is not None:
             board.prefix.policy = policy
@@ -134,7 +147,10 @@ def test_a_range_that_fails_verification_mid_way_is_computed_instead(board_for, 
     b = served.breakdown
     assert served.tokens == cold.tokens
     assert b.rejected_entries == 1
-    assert seeder.store.redis.get(names[2]) not in (None, bytes(damaged))  # evicted, then stored again by the board that computed it
+    assert seeder.store.redis.get(names[2]) not in (
+        None,
+        bytes(damaged),
+    )  # evicted, then stored again by the board that computed it
     assert b.matched_tokens >= len(tokens) - 384  # the ranges after it still served
 
 

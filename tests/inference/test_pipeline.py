@@ -12,7 +12,6 @@ from cachebox.keys import entry_key_name, prefix_keys, range_boundaries, tokens_
 from cachebox.store import CacheBox
 from dashboard.mmlu import build_prompts
 from inference.serving.run import PromptError
-
 from tests.conftest import run_manage
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
@@ -30,7 +29,9 @@ def segment_ends(board, prompt):
 def entry_names(board, prompt, namespace):
     tokens, cuts = board.prefix.layout(prompt.segments)
     boundaries = range_boundaries(len(tokens), board.config.chunk_tokens, cuts)  # the question begins a batch
-    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, boundaries, grid=board.config.chunk_tokens, extra=cuts)
+    keys = prefix_keys(
+        namespace, board.engine.fingerprint, tokens, boundaries, grid=board.config.chunk_tokens, extra=cuts
+    )
     return tokens, {end: entry_key_name(namespace, board.engine.fingerprint, key) for end, key in zip(boundaries, keys)}
 
 
@@ -55,7 +56,12 @@ def test_another_process_hits_what_this_board_uploaded(valkey_url, namespace, ma
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(prompts[1].text, encoding="utf-8")
     done = run_manage(
-        "infer", "--prompt-file", str(prompt_file), "--max-tokens", "6", "--json",
+        "infer",
+        "--prompt-file",
+        str(prompt_file),
+        "--max-tokens",
+        "6",
+        "--json",
         env={"REDIS_URL": valkey_url, "EDGECACHE_NAMESPACE": namespace, "EDGECACHE_N_CTX": "2048"},
     )
     assert done.returncode == 0, done.stderr.decode()
@@ -80,11 +86,15 @@ def test_partial_hit_restores_the_longest_cached_range_and_answers_as_cold(valke
     assert result.tokens == cold.tokens  # 32 greedy tokens, bit-exact reuse
 
 
-def test_a_prefix_stored_as_a_prompt_of_its_own_serves_up_to_its_own_last_cut(valkey_url, namespace, make_board, prompts):
+def test_a_prefix_stored_as_a_prompt_of_its_own_serves_up_to_its_own_last_cut(
+    valkey_url, namespace, make_board, prompts
+):
     board = make_board(valkey_url, namespace, chunk_tokens=64)
     prompt = prompts[0]
     ends = segment_ends(board, prompt)
-    board.run(prompt.segments[:3], max_tokens=1)  # its last segment (example 2) began a batch: the full prompt's cold run has no cut there
+    board.run(
+        prompt.segments[:3], max_tokens=1
+    )  # its last segment (example 2) began a batch: the full prompt's cold run has no cut there
     result = board.run(prompt.segments, max_tokens=32)
     assert result.breakdown.case == "partial" and result.breakdown.matched_tokens == ends[1] // 64 * 64
     assert result.tokens == make_board(None, namespace, chunk_tokens=64).run(prompt.segments, max_tokens=32).tokens
@@ -102,7 +112,9 @@ def test_unstructured_prompts_share_fixed_chunks(valkey_url, namespace, make_boa
 def test_catalog_false_positive_costs_a_fetch_but_not_the_answer(valkey_url, namespace, make_board, prompts):
     board = make_board(valkey_url, namespace)
     tokens, cuts = board.prefix.layout(prompts[2].segments)
-    keys = prefix_keys(namespace, board.engine.fingerprint, tokens, [len(tokens)], grid=board.config.chunk_tokens, extra=cuts)
+    keys = prefix_keys(
+        namespace, board.engine.fingerprint, tokens, [len(tokens)], grid=board.config.chunk_tokens, extra=cuts
+    )
     catalog = board.catalogs.get(namespace).catalog
     catalog.add(keys[-1])  # the catalog now says "maybe" for a state nobody stored
     result = board.run(prompts[2].segments, max_tokens=4)
@@ -144,7 +156,9 @@ def test_forged_truncated_and_swapped_entries_never_reach_llama_cpp(valkey_url, 
     header.open_private(board.keys.ring(namespace))
     attacks = {
         # a header and state of the forger's own, signed and sealed with a key it made up
-        "signature": encode_entry(header, bytes(header.plain_bytes), shared_producer_ring(derive_keyring(b"not the key" * 3, namespace, 1))),
+        "signature": encode_entry(
+            header, bytes(header.plain_bytes), shared_producer_ring(derive_keyring(b"not the key" * 3, namespace, 1))
+        ),
         # the genuine signed header over a state cut short (an interrupted write)
         "bytes": genuine[:-1000],
         # the genuine signed header over another state of the same size
@@ -157,7 +171,9 @@ def test_forged_truncated_and_swapped_entries_never_reach_llama_cpp(valkey_url, 
             result = board.run(prompts[0].segments, max_tokens=4)
         assert result.breakdown.rejected_entries == 1, reason
         assert result.breakdown.case == "miss" and result.tokens == cold.tokens, reason
-        event = json.loads(JsonLineFormatter().format(next(r for r in caplog.records if r.getMessage() == "entry_rejected")))
+        event = json.loads(
+            JsonLineFormatter().format(next(r for r in caplog.records if r.getMessage() == "entry_rejected"))
+        )
         assert event["event"] == "entry_rejected" and event["entry"] == first and reason in event["reason"]
         # evicted, then stored again, signed, by the local prefill
         stored, _ = open_entry(store.read_entries([first])[0], board.keys.ring(namespace), 1 << 30)
@@ -173,7 +189,11 @@ def test_a_board_without_keys_neither_reads_nor_writes(valkey_url, namespace, ma
     keyless = make_board(valkey_url, namespace, device="stranger", keys=Keychain(lambda ns: None))
     keyless.catalogs.sync_all()
     result = keyless.run(prompts[1].segments, max_tokens=2)
-    assert (result.breakdown.cachebox, result.breakdown.decision, result.breakdown.case) == ("no-key", "no-signing-key", "miss")
+    assert (result.breakdown.cachebox, result.breakdown.decision, result.breakdown.case) == (
+        "no-key",
+        "no-signing-key",
+        "miss",
+    )
 
 
 def test_garbage_entry_and_forged_positions_are_rejected(valkey_url, namespace, make_board, prompts):
@@ -189,7 +209,14 @@ def test_garbage_entry_and_forged_positions_are_rejected(valkey_url, namespace, 
     assert result.tokens == cold.tokens
     # 2. A well-formed entry whose state holds other positions than its header claims.
     header, state = open_entry(store.read_entries([names[ends[1]]])[0], board.keys.ring(namespace), 1 << 30)
-    forged = EntryHeader(fingerprint=header.fingerprint, namespace=namespace, start=0, end=ends[0], tokens_digest=tokens_digest(tokens[: ends[0]]), state_bytes=0)
+    forged = EntryHeader(
+        fingerprint=header.fingerprint,
+        namespace=namespace,
+        start=0,
+        end=ends[0],
+        tokens_digest=tokens_digest(tokens[: ends[0]]),
+        state_bytes=0,
+    )
     store.redis.set(names[ends[0]], encode_entry(forged, state, board.keys.ring(namespace)))  # even when signed
     result = board.run(prompts[1].segments, max_tokens=4)
     assert result.breakdown.rejected_entries == 1 and result.breakdown.case == "miss"
@@ -221,7 +248,11 @@ def test_catalog_sync_between_two_boards(valkey_url, namespace, make_board, prom
     board_b.catalogs.sync_all()
     after = board_b.run(prompts[1].segments, max_tokens=2)
     assert after.breakdown.case == "full"
-    header, _ = decode_header(CacheBox(valkey_url).read_prefixes([entry_names(board_a, prompts[1], namespace)[1][after.breakdown.prompt_tokens]], 4096)[0])
+    header, _ = decode_header(
+        CacheBox(valkey_url).read_prefixes(
+            [entry_names(board_a, prompts[1], namespace)[1][after.breakdown.prompt_tokens]], 4096
+        )[0]
+    )
     assert header.device == ""  # the creator is sealed: only the namespace's key shows it
     header.open_private(board_b.keys.ring(namespace))
     assert header.device == "zero"
@@ -244,7 +275,9 @@ def test_bad_prompts_get_clear_errors(make_board, namespace, engine):
         board.run("hello", max_tokens=0)
 
 
-def test_a_full_hit_without_stored_logits_computes_the_last_batch_as_cold_does(valkey_url, namespace, make_board, prompts):
+def test_a_full_hit_without_stored_logits_computes_the_last_batch_as_cold_does(
+    valkey_url, namespace, make_board, prompts
+):
     board = make_board(valkey_url, namespace, chunk_tokens=64)
     cold = board.run(prompts[2].segments, max_tokens=8)
     tokens, names = entry_names(board, prompts[2], namespace)
@@ -335,7 +368,14 @@ def test_questions_sharing_a_context_answer_as_cold_after_partial_and_full_hits(
     """The probe of the issue: a shared instruction + examples, six questions split on blank lines,
     each a partial hit after another stored the shared ranges; every answer was different from cold."""
     board = make_board(valkey_url, namespace)
-    questions = ["the wind on day 3", "the tide on day 4", "who keeps the light", "the longest note", "the first note", "what the sea did"]
+    questions = [
+        "the wind on day 3",
+        "the tide on day 4",
+        "who keeps the light",
+        "the longest note",
+        "the first note",
+        "what the sea did",
+    ]
     served = [board.run([LONG_CONTEXT, f"\nQuestion: {q}?\nAnswer:"], max_tokens=32) for q in questions]
     again = [board.run([LONG_CONTEXT, f"\nQuestion: {q}?\nAnswer:"], max_tokens=32) for q in questions]
     cold = [board.run([LONG_CONTEXT, f"\nQuestion: {q}?\nAnswer:"], max_tokens=32, use_cache=False) for q in questions]

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachebox.keys import module_key
-from inference.serving.pml_layout import ModulePiece, TextPiece, all_pieces, lay_out, plan_prompt
 from inference.serving.pml import MAX_DEPTH, PMLError, parse_prompt, parse_schema
+from inference.serving.pml_layout import ModulePiece, TextPiece, all_pieces, lay_out, plan_prompt
 
 TRAVEL = """<schema name="travel">
   <system>You are a travel agent.</system>
@@ -79,12 +79,24 @@ def test_text_keeps_inline_spaces_and_drops_formatting():
         ("<schema name='s'>\n<module>x</module></schema>", "needs a name", 2),
         ("<schema name='s'><module name='a'>x</module><module name='a'>y</module></schema>", "declared twice", 1),
         ("<schema name='s'><union><module name='a'>x</module></union></schema>", "at least two", 1),
-        ("<schema name='s'><union>text<module name='a'>x</module><module name='b'>y</module></union></schema>", "only <module>", 1),
+        (
+            "<schema name='s'><union>text<module name='a'>x</module><module name='b'>y</module></union></schema>",
+            "only <module>",
+            1,
+        ),
         ("<schema name='s'><module name='a'><param name='p'/></module></schema>", "len=", 1),
         ("<schema name='s'><module name='a'><param name='p' len='0'/></module></schema>", "between 1", 1),
         ("<schema name='s'><param name='p' len='2'/><module name='a'>x</module></schema>", "inside a <module>", 1),
-        ("<schema name='s'><module name='a'>x</module><module name='b'>y</module><scaffold name='c' modules='a z'/></schema>", "unknown module 'z'", 1),
-        ("<schema name='s'><union><module name='a'>x</module><module name='b'>y</module></union><scaffold name='c' modules='a b'/></schema>", "two members of one union", 1),
+        (
+            "<schema name='s'><module name='a'>x</module><module name='b'>y</module><scaffold name='c' modules='a z'/></schema>",
+            "unknown module 'z'",
+            1,
+        ),
+        (
+            "<schema name='s'><union><module name='a'>x</module><module name='b'>y</module></union><scaffold name='c' modules='a b'/></schema>",
+            "two members of one union",
+            1,
+        ),
         ("<schema name='s'>just text</schema>", "no <module>", 1),
         ("<schema name='s'><module name='a'>x</module><blink/></schema>", "unknown element <blink>", 1),
         ("<schema name='s'><module name='union'>x</module></schema>", "not usable", 1),
@@ -110,7 +122,12 @@ def test_entity_expansion_and_dtds_are_refused():
 def test_size_depth_and_count_limits():
     with pytest.raises(PMLError, match="larger than"):
         parse_schema("<schema name='s'><module name='m'>" + "x" * 300_000 + "</module></schema>")
-    deep = "<schema name='s'>" + "".join(f"<module name='m{i}'>x" for i in range(MAX_DEPTH + 2)) + "</module>" * (MAX_DEPTH + 2) + "</schema>"
+    deep = (
+        "<schema name='s'>"
+        + "".join(f"<module name='m{i}'>x" for i in range(MAX_DEPTH + 2))
+        + "</module>" * (MAX_DEPTH + 2)
+        + "</schema>"
+    )
     with pytest.raises(PMLError, match="deeper"):
         parse_schema(deep)
     many = "<schema name='s'>" + "".join(f"<module name='m{i}'>x</module>" for i in range(600)) + "</schema>"
@@ -120,7 +137,10 @@ def test_size_depth_and_count_limits():
 
 # -- prompts -----------------------------------------------------------------------------------
 def test_prompt_imports_nested_modules_and_parameters(schema):
-    doc = parse_prompt('<prompt schema="travel"><trip-plan duration="3 days"/><tokyo><kyoto/></tokyo><user>Surf?</user></prompt>', schema)
+    doc = parse_prompt(
+        '<prompt schema="travel"><trip-plan duration="3 days"/><tokyo><kyoto/></tokyo><user>Surf?</user></prompt>',
+        schema,
+    )
     imports = [item for item in doc.items if hasattr(item, "args")]
     assert [i.name for i in imports] == ["trip-plan", "tokyo"]
     assert imports[0].args == {"duration": "3 days"} and imports[1].children[0].name == "tokyo/kyoto"
@@ -131,7 +151,7 @@ def test_prompt_imports_nested_modules_and_parameters(schema):
     "source, message",
     [
         ('<prompt schema="paris"><miami/></prompt>', "unknown schema 'paris'"),
-        ('<prompt><miami/></prompt>', "needs schema="),
+        ("<prompt><miami/></prompt>", "needs schema="),
         ('<prompt schema="travel"><paris/></prompt>', "unknown module <paris/>"),
         ('<prompt schema="travel"><miami/><tokyo/></prompt>', "members of one union"),
         ('<prompt schema="travel"><trip-plan days="3"/></prompt>', "no parameter 'days'"),
@@ -157,7 +177,9 @@ def test_prompt_errors_carry_line_and_column(schema):
 def test_layout_positions_follow_the_schema(schema):
     tok = WordTokenizer()
     layout = lay_out(schema, tok)
-    anon, plan_, miami, tokyo, kyoto = (layout.modules[p] for p in ["_text0", "trip-plan", "miami", "tokyo", "tokyo/kyoto"])
+    anon, plan_, miami, tokyo, kyoto = (
+        layout.modules[p] for p in ["_text0", "trip-plan", "miami", "tokyo", "tokyo/kyoto"]
+    )
     assert (anon.start, anon.end) == (0, 8)  # BOS + <system> wrapper + 5 words + wrapper
     assert anon.runs[0].tokens[0] == tok.bos and anon.anonymous
     assert (plan_.start, plan_.end) == (8, 8 + 4 + 4 + 1)  # "Plan a trip of" + 4 placeholders + "please."
@@ -173,7 +195,10 @@ def test_layout_positions_follow_the_schema(schema):
 def test_plan_orders_pieces_and_places_text_after_its_module(schema):
     tok = WordTokenizer()
     layout = lay_out(schema, tok)
-    doc = parse_prompt('<prompt schema="travel">Hi <tokyo><kyoto/></tokyo> <trip-plan duration="3 days"/><user>Surf?</user></prompt>', schema)
+    doc = parse_prompt(
+        '<prompt schema="travel">Hi <tokyo><kyoto/></tokyo> <trip-plan duration="3 days"/><user>Surf?</user></prompt>',
+        schema,
+    )
     plan = plan_prompt(doc, layout, tok)
     kinds = [(p.key_name if isinstance(p, ModulePiece) else "text") for p in plan.pieces]
     assert kinds == ["_text0", "text", "trip-plan", "tokyo", "tokyo/kyoto", "text", "text"]
@@ -286,7 +311,10 @@ def test_the_reference_prompt_imports_members_through_their_scope():
     assert doc.items[-1].role == "user" and doc.items[-1].text == "Introduce yourself in two sentences."
     one_line = parse_prompt("<prompt schema='persona'><age> <senior/> </age><user>Hi</user></prompt>", schema)
     assert one_line.items[0].children[0].name == "age/senior"  # spaces between imports are not free text
-    with pytest.raises(PMLError, match="nested in 'age', 'residence': import it as <age><default/></age> or <residence><default/></residence>"):
+    with pytest.raises(
+        PMLError,
+        match="nested in 'age', 'residence': import it as <age><default/></age> or <residence><default/></residence>",
+    ):
         parse_prompt("<prompt schema='persona'><default/></prompt>", schema)
     with pytest.raises(PMLError, match="members of one union"):
         parse_prompt("<prompt schema='persona'><age><child/><senior/></age></prompt>", schema)
@@ -314,7 +342,12 @@ def test_a_parameter_scaffold_is_encoded_in_its_place_and_padded():
     plain = lay_out(parse_schema(TRAVEL), tok).modules["trip-plan"]
     assert plain.runs[0].tokens[4:8] == [tok.placeholder] * 4  # no scaffold: placeholders, as before
     with pytest.raises(PMLError, match="scaffold of parameter 'p' is 3 tokens, longer than its length=2") as error:
-        lay_out(parse_schema('<schema name="s">\n<module name="m">x <parameter name="p" length="2" scaffold="a b c"/></module></schema>'), tok)
+        lay_out(
+            parse_schema(
+                '<schema name="s">\n<module name="m">x <parameter name="p" length="2" scaffold="a b c"/></module></schema>'
+            ),
+            tok,
+        )
     assert (error.value.line, error.value.column) == (2, 20)
 
 
@@ -363,17 +396,41 @@ def test_roles_inside_modules_and_unions_inside_roles():
 @pytest.mark.parametrize(
     "source, message, line",
     [
-        ("<schema name='s'><module name='a'><union scaffold='c'><module name='b'>x</module><module name='d'>y</module></union></module></schema>", "names no member", 1),
+        (
+            "<schema name='s'><module name='a'><union scaffold='c'><module name='b'>x</module><module name='d'>y</module></union></module></schema>",
+            "names no member",
+            1,
+        ),
         ("<schema name='s'>\n<module name='a' cache='no'>x</module></schema>", 'cache must be "true" or "false"', 2),
-        ("<schema name='s'><module name='a' cache='false'>x</module><module name='b'>y</module><scaffold name='c' modules='a b'/></schema>", "never cached", 1),
-        ("<schema name='s'><module name='a'><parameter name='p' len='2' length='2'/></module></schema>", "both len and length", 1),
+        (
+            "<schema name='s'><module name='a' cache='false'>x</module><module name='b'>y</module><scaffold name='c' modules='a b'/></schema>",
+            "never cached",
+            1,
+        ),
+        (
+            "<schema name='s'><module name='a'><parameter name='p' len='2' length='2'/></module></schema>",
+            "both len and length",
+            1,
+        ),
         ("<schema name='s'><module name='a'><parameter name='p' len='x'/></module></schema>", "needs len=", 1),
         ("<schema name='s'><module name='a'><parameter name='p'/></module></schema>", "needs length=", 1),
-        ("<schema name='s'><module name='a'><parameter name='p' length='2' size='3'/></module></schema>", "unknown attribute(s) size", 1),
+        (
+            "<schema name='s'><module name='a'><parameter name='p' length='2' size='3'/></module></schema>",
+            "unknown attribute(s) size",
+            1,
+        ),
         ("<schema name='s'><module name='_text0'>x</module></schema>", "taken by the text outside modules", 1),
         ("<schema name='s'>\n\n<module name='a'></module></schema>", "is empty", 3),
-        ("<schema name='s'><module name='a'><module name='b'>x</module><module name='b'>y</module></module></schema>", "names are unique per scope: 'b' in 'a'", 1),
-        ("<schema name='s'><union kind='x'><module name='a'>x</module><module name='b'>y</module></union></schema>", "unknown attribute(s) kind", 1),
+        (
+            "<schema name='s'><module name='a'><module name='b'>x</module><module name='b'>y</module></module></schema>",
+            "names are unique per scope: 'b' in 'a'",
+            1,
+        ),
+        (
+            "<schema name='s'><union kind='x'><module name='a'>x</module><module name='b'>y</module></union></schema>",
+            "unknown attribute(s) kind",
+            1,
+        ),
         ("<schema name='s'><module name='parameter'>x</module></schema>", "not usable", 1),
     ],
 )
@@ -385,7 +442,7 @@ def test_reference_dialect_errors_say_where_and_what(source, message, line):
 
 
 def test_malformed_reference_documents_are_refused_with_line_and_column():
-    broken = PERSONA.replace("</module>\n\n  <module name=\"residence\">", "\n\n  <module name=\"residence\">")
+    broken = PERSONA.replace('</module>\n\n  <module name="residence">', '\n\n  <module name="residence">')
     with pytest.raises(PMLError, match="not well-formed") as error:
         parse_schema(broken)
     assert error.value.line is not None and error.value.column is not None
@@ -396,7 +453,9 @@ def test_malformed_reference_documents_are_refused_with_line_and_column():
 
 
 def test_comments_are_ignored_everywhere():
-    schema = parse_schema("<!-- before --><schema name='s'><!-- a --><module name='m'>Hello <!-- b -->world</module></schema><!-- after -->")
+    schema = parse_schema(
+        "<!-- before --><schema name='s'><!-- a --><module name='m'>Hello <!-- b -->world</module></schema><!-- after -->"
+    )
     assert [child.text for child in schema.modules["m"].children] == ["Hello world"]
     doc = parse_prompt("<prompt schema='s'><!-- c --><m/><user>Hi<!-- d --> there</user></prompt>", schema)
     assert [getattr(item, "text", None) for item in doc.items] == [None, "Hi there"]
@@ -416,7 +475,9 @@ def test_any_choice_of_union_members_plans_into_stored_pieces_with_distinct_keys
             parts.append(f"<{scope}><{choice}/></{scope}>")
     if data.draw(st.booleans()):
         parts.append('<today date="Monday"/>')
-    plan = plan_prompt(parse_prompt(f"<prompt schema='persona'>{''.join(parts)}<user>Hi</user></prompt>", schema), layout, tok)
+    plan = plan_prompt(
+        parse_prompt(f"<prompt schema='persona'>{''.join(parts)}<user>Hi</user></prompt>", schema), layout, tok
+    )
     pieces = [p for p in plan.pieces if isinstance(p, ModulePiece)]
     assert all(layout.modules[p.key_name].runs for p in pieces)  # never a piece without tokens
     stored = {p.key_name for p in all_pieces(layout)}
@@ -430,5 +491,11 @@ def test_cache_false_covers_the_modules_nested_in_it():
         "<schema name='s'><module name='a' cache='false'>x<union><module name='b'>y</module><module name='c' cache='true'>z</module></union></module>"
         "<module name='d'>w<module name='e' cache='false'>v</module></module></schema>"
     )
-    assert {path: module.cache for path, module in schema.modules.items()} == {"a": False, "a/b": False, "a/c": False, "d": True, "d/e": False}
+    assert {path: module.cache for path, module in schema.modules.items()} == {
+        "a": False,
+        "a/b": False,
+        "a/c": False,
+        "d": True,
+        "d/e": False,
+    }
     assert [piece.key_name for piece in all_pieces(lay_out(schema, WordTokenizer()))] == ["_text0", "d"]

@@ -68,12 +68,26 @@ class Plane:
     def __init__(self, home: Path):
         self.home = home
         self.env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
-        self.env.update({"EDGECACHE_HOME": str(home), "EDGECACHE_N_CTX": "2048", "EDGECACHE_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT), "EDGECACHE_RESTORE_INTERVAL": "1",
-                         "EDGECACHE_SWEEP_SECONDS": "1"})
+        self.env.update(
+            {
+                "EDGECACHE_HOME": str(home),
+                "EDGECACHE_N_CTX": "2048",
+                "EDGECACHE_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT),
+                "EDGECACHE_RESTORE_INTERVAL": "1",
+                "EDGECACHE_SWEEP_SECONDS": "1",
+            }
+        )
         self.processes: list[subprocess.Popen] = []
 
     def manage(self, *args: str, env: dict | None = None) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
@@ -82,7 +96,9 @@ class Plane:
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.home / f"{name}.log", "ab")
-        process = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+        )
         self.processes.append(process)
         return process
 
@@ -92,16 +108,42 @@ class Plane:
     def control_worker(self) -> subprocess.Popen:
         return self.spawn(
             "control",
-            [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "--queues", "control", "--pool", "threads",
-             "--concurrency", "2", "--hostname", "control@%h", "--loglevel", "info", "--without-gossip", "--without-mingle"],
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "dashboard",
+                "worker",
+                "--queues",
+                "control",
+                "--pool",
+                "threads",
+                "--concurrency",
+                "2",
+                "--hostname",
+                "control@%h",
+                "--loglevel",
+                "info",
+                "--without-gossip",
+                "--without-mingle",
+            ],
         )
 
     def board(self, token: str, name: str = "solo", heartbeat: float = 5) -> subprocess.Popen:
         """A board process; one beating every second (``heartbeat=1``) is seen dead in ~4 s, not ~20."""
         log = "board" if name == "solo" else f"board-{name}"
         before = self.log(log).count(f"board {name} ready") if (self.home / f"{log}.log").exists() else 0
-        process = self.spawn(log, [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", str(heartbeat)], {"EDGECACHE_DEVICE_TOKEN": token})
-        until(lambda: self.log(log).count(f"board {name} ready") > before or process.poll() is not None, 120, f"board {name} to load its model")
+        process = self.spawn(
+            log,
+            [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", str(heartbeat)],
+            {"EDGECACHE_DEVICE_TOKEN": token},
+        )
+        until(
+            lambda: self.log(log).count(f"board {name} ready") > before or process.poll() is not None,
+            120,
+            f"board {name} to load its model",
+        )
         assert process.poll() is None, self.log(log)
         return process
 
@@ -109,7 +151,10 @@ class Plane:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
             if request_id is None:
                 return db.execute("select count(*) from dashboard_inferencerun").fetchone()[0]
-            return db.execute("select count(*) from dashboard_inferencerun where replace(request_id, '-', '') = ?", (request_id.replace("-", ""),)).fetchone()[0]
+            return db.execute(
+                "select count(*) from dashboard_inferencerun where replace(request_id, '-', '') = ?",
+                (request_id.replace("-", ""),),
+            ).fetchone()[0]
 
     def run_fields(self, request_id: str, *columns: str) -> tuple:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
@@ -117,14 +162,21 @@ class Plane:
             query = f"select {quoted} from dashboard_inferencerun where replace(request_id, '-', '') = ?"
             row = db.execute(query, (request_id.replace("-", ""),)).fetchone()
         # prompts and answers are sealed at rest (dashboard.security.at_rest)
-        return tuple(opened_text(self.home, value) if column in ("prompt", "text", "title") else value for column, value in zip(columns, row))
+        return tuple(
+            opened_text(self.home, value) if column in ("prompt", "text", "title") else value
+            for column, value in zip(columns, row)
+        )
 
     def devices(self) -> int:
         with sqlite3.connect(f"file:{self.home / 'db.sqlite3'}?mode=ro", uri=True) as db:
             return db.execute("select count(*) from dashboard_device").fetchone()[0]
 
     def dispatch(
-        self, max_tokens: int, expires: int | None = None, stream: bool = False, text: str = "Write a long story about a lighthouse keeper and the sea.",
+        self,
+        max_tokens: int,
+        expires: int | None = None,
+        stream: bool = False,
+        text: str = "Write a long story about a lighthouse keeper and the sea.",
         any_board: bool = False,
     ) -> str:
         """Send a run to solo (``stream``: as the Run page does, whose client waits for it;
@@ -150,7 +202,9 @@ def plane(tmp_path_factory):
     plane = Plane(tmp_path_factory.mktemp("plane"))
     url = plane.manage("cachebox", "start").split(" at ")[1].split(" ")[0]
     plane.manage("migrate", "--verbosity", "0")
-    plane.token = plane.shell("from dashboard import actions; print(actions.register_device(None, name='solo', cpu_threads=1)[1])")
+    plane.token = plane.shell(
+        "from dashboard import actions; print(actions.register_device(None, name='solo', cpu_threads=1)[1])"
+    )
     plane.redis = redis.Redis.from_url(url, username="default", password=control_plane_password(plane.home))
     try:
         yield plane
@@ -175,8 +229,16 @@ def test_a_board_killed_mid_task_gets_it_again_and_the_run_is_stored_once(plane)
 
     plane.board(plane.token)  # the board comes back (same device, same token)
     until(lambda: plane.runs(request_id) == 1, 120, "the redelivered run to be stored")
-    until(lambda: plane.redis.hlen("unacked.solo") == 0 and plane.redis.llen("device.solo") == 0 and plane.redis.llen("control") == 0 and plane.redis.llen("ec:inbox:solo") == 0,
-          60, "the queues to drain")
+    until(
+        lambda: (
+            plane.redis.hlen("unacked.solo") == 0
+            and plane.redis.llen("device.solo") == 0
+            and plane.redis.llen("control") == 0
+            and plane.redis.llen("ec:inbox:solo") == 0
+        ),
+        60,
+        "the queues to drain",
+    )
     assert plane.runs(request_id) == 1 and plane.runs() == 1
     assert control.poll() is None
 
@@ -212,7 +274,9 @@ def test_a_run_that_waits_past_its_expiry_is_recorded_as_expired_not_lost(plane)
     error, text, case = plane.run_fields(request_id, "error", "text", "case")
     assert error.startswith("expired: no board of solo started it") and "send it again" in error
     assert text == "" and case == ""  # it never ran
-    until(lambda: plane.redis.llen("device.solo") == 0 and plane.redis.hlen("unacked.solo") == 0, 30, "the queue to drain")
+    until(
+        lambda: plane.redis.llen("device.solo") == 0 and plane.redis.hlen("unacked.solo") == 0, 30, "the queue to drain"
+    )
     assert plane.runs() == before + 1
 
 
@@ -234,7 +298,11 @@ def test_a_run_replayed_after_the_board_restarts_within_its_expiry_is_refused(pl
     [captured] = [raw for raw in plane.redis.lrange("device.solo", 0, -1) if _request_id(raw) == request_id]  # as sent
     board = plane.board(plane.token)
     until(lambda: plane.runs(request_id) == 1, 120, "the run to be answered")
-    until(lambda: plane.redis.hlen("unacked.solo") == 0 and plane.redis.llen("device.solo") == 0, 60, "the board to acknowledge it")
+    until(
+        lambda: plane.redis.hlen("unacked.solo") == 0 and plane.redis.llen("device.solo") == 0,
+        60,
+        "the board to acknowledge it",
+    )
     board.send_signal(signal.SIGTERM)  # a restart: the board stops and comes back
     board.wait(timeout=60)
     plane.board(plane.token)
@@ -245,7 +313,9 @@ def test_a_run_replayed_after_the_board_restarts_within_its_expiry_is_refused(pl
     until(lambda: streams.get_message(timeout=1), 10, "the stream subscription")  # its confirmation
     plane.redis.lpush("device.solo", captured)  # the replay, still within its expiry
     until(lambda: plane.log("board").count(refusal) > before, 60, "the board to refuse the replay")
-    until(lambda: plane.redis.hlen("unacked.solo") == 0 and plane.redis.llen("device.solo") == 0, 60, "the queue to drain")
+    until(
+        lambda: plane.redis.hlen("unacked.solo") == 0 and plane.redis.llen("device.solo") == 0, 60, "the queue to drain"
+    )
     events = []
     while (message := streams.get_message(timeout=0.5)) is not None:
         events.append(message)
@@ -259,8 +329,13 @@ def test_a_board_killed_mid_run_with_its_client_waiting_hands_the_run_to_another
     the sweeper sees the board stop beating and moves the run once to another board of the
     namespace, which answers (nobody follows it here, so the sweeper sends it after ``HANDOVER``)."""
     _kill_boards(plane)
-    if not plane.shell("from dashboard.models import Device; print(Device.objects.filter(name='spare').exists())") == "True":
-        plane.spare_token = plane.shell("from dashboard import actions; print(actions.register_device(None, name='spare', cpu_threads=1)[1])")
+    if (
+        not plane.shell("from dashboard.models import Device; print(Device.objects.filter(name='spare').exists())")
+        == "True"
+    ):
+        plane.spare_token = plane.shell(
+            "from dashboard import actions; print(actions.register_device(None, name='spare', cpu_threads=1)[1])"
+        )
     plane.board(plane.spare_token, "spare", heartbeat=1)
     solo = plane.board(plane.token, heartbeat=1)
     request_id = plane.dispatch(max_tokens=160, stream=True, any_board=True)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sqlite3
 import sys
 from datetime import timedelta
 
 import pytest
 
-from tests.conftest import ROOT, require
+from tests.conftest import require
 from tests.stack import ADMIN_PASSWORD, browser, free_port, log_in, wait_for_http  # noqa: F401  (fixtures)
 
 
@@ -28,22 +27,27 @@ def two_boards(settings, valkey_url, monkeypatch):
     """Two enrolled boards of one namespace, beating every second, and what is sent to them."""
     from django.utils import timezone
 
-    from dashboard.models import Device
-
-    from tests.dashboard.test_dashboard import enrolled, register
-
     from cachebox.keys import heard_key_name
     from cachebox.store import CacheBox
+    from dashboard.models import Device
+    from tests.dashboard.test_dashboard import enrolled, register
 
     settings.REDIS_URL = valkey_url
     settings.EDGECACHE_BOARD_ACL = False
-    CacheBox(valkey_url).delete([heard_key_name("first"), heard_key_name("second")])  # what an earlier test's followers heard
+    CacheBox(valkey_url).delete(
+        [heard_key_name("first"), heard_key_name("second")]
+    )  # what an earlier test's followers heard
     sent: list[tuple[str, dict]] = []
-    monkeypatch.setattr("dashboard.actions.runs.send_to_board", lambda device, task, message, expires: sent.append((device.name, message)))
+    monkeypatch.setattr(
+        "dashboard.actions.runs.send_to_board",
+        lambda device, task, message, expires: sent.append((device.name, message)),
+    )
     first, first_token = register("first")
     second, second_token = register("second")
     keys = {"first": enrolled(first, first_token), "second": enrolled(second, second_token)}
-    Device.objects.filter(name__in=["first", "second"]).update(last_seen=timezone.now(), status={"heartbeat_s": 1, "fingerprint": "00ff00ff00ff00ff"})
+    Device.objects.filter(name__in=["first", "second"]).update(
+        last_seen=timezone.now(), status={"heartbeat_s": 1, "fingerprint": "00ff00ff00ff00ff"}
+    )
     first.refresh_from_db()
     return {"first": first, "second": second, "keys": keys, "sent": sent}
 
@@ -51,7 +55,9 @@ def two_boards(settings, valkey_url, monkeypatch):
 def _dispatch(two_boards, *, routed: bool, allowed=None) -> str:
     from dashboard import actions, router
 
-    spec = actions.run_request(segments=["Tell me a story."], max_tokens=40, title="waiting", stream=True)  # its client follows it
+    spec = actions.run_request(
+        segments=["Tell me a story."], max_tokens=40, title="waiting", stream=True
+    )  # its client follows it
     record = {"policy": "cache-aware", **({"allowed": allowed} if allowed else {})}
     chosen = router.Routed(two_boards["first"], record) if routed else None
     return actions.dispatch_run(None, [two_boards["first"]], spec, routed=chosen)[0]["request_id"]
@@ -75,7 +81,9 @@ def test_a_board_heard_on_a_runs_stream_is_alive_whatever_its_heartbeats_say(two
 
     request_id = _dispatch(two_boards, routed=True)
     later = _first_went_quiet()
-    runs.heard("first", "0" * 8 + "-0000-0000-0000-" + "0" * 12, now=later.timestamp() - 2)  # decoding another run, 2 s ago
+    runs.heard(
+        "first", "0" * 8 + "-0000-0000-0000-" + "0" * 12, now=later.timestamp() - 2
+    )  # decoding another run, 2 s ago
     assert sweeper.sweep(later) == {"answered": 0, "resent": 0, "lost": 0, "waiting": 0}
     assert [name for name, _ in two_boards["sent"]] == ["first"]
     # Silent on every stream as well as in its heartbeats: now it is quiet.
@@ -86,28 +94,44 @@ def test_a_board_heard_on_a_runs_stream_is_alive_whatever_its_heartbeats_say(two
 @pytest.mark.django_db
 @pytest.mark.cachebox
 def test_a_run_sent_to_a_named_board_is_never_moved_it_waits_then_fails_keeping_the_answer_its_client_had(two_boards):
+    from django.utils import timezone
+
     from dashboard import actions
     from dashboard.actions import runs, sweeper
     from dashboard.models import Dispatch, InferenceRun
-
     from tests.dashboard.test_dashboard import result_payload
-
-    from django.utils import timezone
 
     request_id = _dispatch(two_boards, routed=False)
     runs.heard("first", request_id, now=timezone.now().timestamp())  # it took the run and streamed some of it
     later = _first_went_quiet()
-    assert sweeper.sweep(later) == {"answered": 0, "resent": 0, "lost": 0, "waiting": 1}  # second is online, yet not the board asked for
+    assert sweeper.sweep(later) == {
+        "answered": 0,
+        "resent": 0,
+        "lost": 0,
+        "waiting": 1,
+    }  # second is online, yet not the board asked for
     runs.keep_streamed(request_id, "Once upon a time, a keeper")  # its client stopped following it with this much
     dispatch = Dispatch.objects.get(request_id=request_id)
     assert (dispatch.device.name, dispatch.attempt, dispatch.outcome) == ("first", 1, "")
     assert sweeper.sweep(dispatch.expires_at + timedelta(seconds=1))["lost"] == 1
     run = InferenceRun.objects.get(request_id=request_id)
-    assert run.device.name == "first" and run.error.startswith("lost: board first stopped answering") and "quiet for" in run.error
+    assert (
+        run.device.name == "first"
+        and run.error.startswith("lost: board first stopped answering")
+        and "quiet for" in run.error
+    )
     assert run.text == "Once upon a time, a keeper" and "stopped after what is shown" in run.error
     assert [name for name, _ in two_boards["sent"]] == ["first"]
     # The board was paused, not gone: nobody else answered, so its late answer is the run.
-    late = actions.record_run(result_payload(two_boards["first"], two_boards["keys"]["first"], request_id=request_id, dispatched=False, text=" a long story"))
+    late = actions.record_run(
+        result_payload(
+            two_boards["first"],
+            two_boards["keys"]["first"],
+            request_id=request_id,
+            dispatched=False,
+            text=" a long story",
+        )
+    )
     assert late is not None and InferenceRun.objects.get(request_id=request_id).error == ""
     assert InferenceRun.objects.get(request_id=request_id).text == " a long story"
 
@@ -118,7 +142,6 @@ def test_a_routed_run_moves_once_and_its_follower_sends_it_there_going_on_from_w
     from dashboard import actions
     from dashboard.actions import runs, sweeper
     from dashboard.models import Dispatch, InferenceRun
-
     from tests.dashboard.test_dashboard import result_payload
 
     request_id = _dispatch(two_boards, routed=True)
@@ -134,12 +157,28 @@ def test_a_routed_run_moves_once_and_its_follower_sends_it_there_going_on_from_w
     name, message = two_boards["sent"][-1]
     assert name == "second" and message["continues"] == {"tokens": [10, 11, 12], "text": "Once upon", "device": "first"}
     assert message["request_id"] == request_id and message["segments"] == ["Tell me a story."]
-    assert sweeper.sweep(_first_went_quiet(10 + 2 * sweeper.HANDOVER.total_seconds()))["resent"] == 0 and len(two_boards["sent"]) == 2
+    assert (
+        sweeper.sweep(_first_went_quiet(10 + 2 * sweeper.HANDOVER.total_seconds()))["resent"] == 0
+        and len(two_boards["sent"]) == 2
+    )
     # first's late answer is refused; second's is the run, and says where it came from.
-    assert actions.record_run(result_payload(two_boards["first"], two_boards["keys"]["first"], request_id=request_id, dispatched=False)) is None
-    run = actions.record_run(result_payload(two_boards["second"], two_boards["keys"]["second"], request_id=request_id, dispatched=False))
-    assert run is not None and run.device.name == "second" and InferenceRun.objects.filter(request_id=request_id).count() == 1
-    assert run.breakdown["resent_from"]["from"] == "first" and "stopped answering" in run.breakdown["resent_from"]["why"]
+    assert (
+        actions.record_run(
+            result_payload(two_boards["first"], two_boards["keys"]["first"], request_id=request_id, dispatched=False)
+        )
+        is None
+    )
+    run = actions.record_run(
+        result_payload(two_boards["second"], two_boards["keys"]["second"], request_id=request_id, dispatched=False)
+    )
+    assert (
+        run is not None
+        and run.device.name == "second"
+        and InferenceRun.objects.filter(request_id=request_id).count() == 1
+    )
+    assert (
+        run.breakdown["resent_from"]["from"] == "first" and "stopped answering" in run.breakdown["resent_from"]["why"]
+    )
 
 
 @pytest.mark.django_db
@@ -154,7 +193,9 @@ def test_a_moved_run_nobody_follows_is_sent_by_the_sweeper_and_one_limited_to_it
     counts = sweeper.sweep(later)
     assert counts["resent"] == 1 and counts["waiting"] == 1
     assert Dispatch.objects.get(request_id=limited).device.name == "first"
-    assert sweeper.sweep(_first_went_quiet(10 + sweeper.HANDOVER.total_seconds() + 1))["resent"] == 1  # its client's follower never sent it
+    assert (
+        sweeper.sweep(_first_went_quiet(10 + sweeper.HANDOVER.total_seconds() + 1))["resent"] == 1
+    )  # its client's follower never sent it
     name, message = two_boards["sent"][-1]
     assert name == "second" and message["request_id"] == unfollowed and "continues" not in message
     assert not Dispatch.objects.get(request_id=unfollowed).moving
@@ -170,7 +211,9 @@ def test_a_waited_for_run_that_expires_unstarted_fails_at_its_expiry_not_a_minut
     expires_at = Dispatch.objects.get(request_id=request_id).expires_at
     assert sweeper.sweep(expires_at - timedelta(seconds=1))["lost"] == 0
     assert sweeper.sweep(expires_at + timedelta(seconds=1))["lost"] == 1
-    assert InferenceRun.objects.get(request_id=request_id).error.startswith("lost: board first did not start it before it expired")
+    assert InferenceRun.objects.get(request_id=request_id).error.startswith(
+        "lost: board first did not start it before it expired"
+    )
 
 
 @pytest.mark.cachebox
@@ -186,7 +229,6 @@ def test_a_board_says_its_stage_again_while_it_prefills_so_its_followers_hear_it
     from cachebox.store import CacheBox
     from inference.board.streaming import StreamPublisher
     from inference.contract.messages import StreamEvent
-
     from tests.inference.test_edge import board_identity
 
     monkeypatch.setattr(StreamPublisher, "PULSE_S", 0.3)
@@ -201,11 +243,20 @@ def test_a_board_says_its_stage_again_while_it_prefills_so_its_followers_hear_it
         while len(events) < count and time.monotonic() < deadline:
             message = listener.get_message(timeout=0.2)
             if message is not None:
-                events.append(StreamEvent.open(message["data"], request_id=request_id, signer_public_key=me.keys.signing_public_key, ring_for=me.ring_for))
+                events.append(
+                    StreamEvent.open(
+                        message["data"],
+                        request_id=request_id,
+                        signer_public_key=me.keys.signing_public_key,
+                        ring_for=me.ring_for,
+                    )
+                )
         return events
 
     stream.send(StreamEvent(type="stage", request_id=request_id, device="pulse", stage="prefilling"))
-    assert [(event.type, event.stage) for event in heard(3)] == [("stage", "prefilling")] * 3  # said, then said again while it prefills
+    assert [(event.type, event.stage) for event in heard(3)] == [
+        ("stage", "prefilling")
+    ] * 3  # said, then said again while it prefills
     stream.send(StreamEvent(type="token", request_id=request_id, device="pulse", index=stream.count(), text="Once"))
     assert [event.type for event in heard(1)] == ["token"]
     assert heard(1, within=1.5) == []  # tokens flow: no more pulses
@@ -234,8 +285,16 @@ class Fleet:
 
         log = f"board-{name}"
         before = self.stack.log(log).count(f"board {name} ready") if (self.stack.home / f"{log}.log").exists() else 0
-        process = self.stack.spawn(log, [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1"], {"EDGECACHE_DEVICE_TOKEN": self.tokens[name]})
-        until(lambda: self.stack.log(log).count(f"board {name} ready") > before or process.poll() is not None, 240, f"board {name} to load its model")
+        process = self.stack.spawn(
+            log,
+            [sys.executable, "manage.py", "edge", "--name", name, "--heartbeat", "1"],
+            {"EDGECACHE_DEVICE_TOKEN": self.tokens[name]},
+        )
+        until(
+            lambda: self.stack.log(log).count(f"board {name} ready") > before or process.poll() is not None,
+            240,
+            f"board {name} to load its model",
+        )
         assert process.poll() is None, self.stack.log(log)
         self.boards[name] = process
         return process
@@ -258,8 +317,15 @@ class Fleet:
     def dispatched_to(self, request_id: str) -> str:
         from tests.dashboard.test_api import until
 
-        rows = until(lambda: self.stack.db('select d.name from dashboard_dispatch x join dashboard_device d on d.id = x.device_id '
-                                           'where replace(x.request_id, "-", "") = ?', request_id.replace("-", "")), 30, "the run's dispatch")
+        rows = until(
+            lambda: self.stack.db(
+                "select d.name from dashboard_dispatch x join dashboard_device d on d.id = x.device_id "
+                'where replace(x.request_id, "-", "") = ?',
+                request_id.replace("-", ""),
+            ),
+            30,
+            "the run's dispatch",
+        )
         return rows[0][0]
 
     def stop(self, name: str, how: signal.Signals) -> None:
@@ -271,11 +337,16 @@ class Fleet:
         """The answer of a cold run (no cache tier read or written), greedy."""
         if prompt not in self.cold:
             answer = self.stack.client().chat.completions.create(
-                model=self.stack.model, messages=[{"role": "user", "content": prompt}], max_tokens=ANSWER_TOKENS, temperature=0,
+                model=self.stack.model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=ANSWER_TOKENS,
+                temperature=0,
                 extra_body={"edgecache": {"device": "left", "cache": False}},
             )
             self.cold[prompt] = answer.choices[0].message.content
-            assert answer.usage.completion_tokens == ANSWER_TOKENS, "the story ended early: pick a prompt whose answer is longer"
+            assert answer.usage.completion_tokens == ANSWER_TOKENS, (
+                "the story ended early: pick a prompt whose answer is longer"
+            )
         return self.cold[prompt]
 
 
@@ -294,16 +365,24 @@ def fleet(tmp_path_factory):
     home = tmp_path_factory.mktemp("resend")
     port = free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
-    env.update({
-        "EDGECACHE_HOME": str(home), "EDGECACHE_ADMIN_PASSWORD": ADMIN_PASSWORD, "EDGECACHE_N_CTX": "2048", "EDGECACHE_API_TIMEOUT": "120",
-        "EDGECACHE_SWEEP_SECONDS": "1", "EDGECACHE_TASK_EXPIRES": "90",
-    })
+    env.update(
+        {
+            "EDGECACHE_HOME": str(home),
+            "EDGECACHE_ADMIN_PASSWORD": ADMIN_PASSWORD,
+            "EDGECACHE_N_CTX": "2048",
+            "EDGECACHE_API_TIMEOUT": "120",
+            "EDGECACHE_SWEEP_SECONDS": "1",
+            "EDGECACHE_TASK_EXPIRES": "90",
+        }
+    )
     stack = Stack(home, port, env)
     server = stack.spawn("run", [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)])
     try:
         wait_for_http(f"{stack.url}/accounts/login/", server)
         tokens = dict(zip(("left", "right", "ghost"), stack.shell(REGISTER).split()))
-        stack.keys["main"] = stack.manage("apikey", "create", "--namespace", "default", "--name", "main", "--rate", "0").stdout.strip()
+        stack.keys["main"] = stack.manage(
+            "apikey", "create", "--namespace", "default", "--name", "main", "--rate", "0"
+        ).stdout.strip()
         fleet = Fleet(stack, tokens)
         for name in BOARDS:
             fleet.start(name)
@@ -322,10 +401,17 @@ class Streamed:
 
     def __init__(self, fleet, device: str | None = None):
         extra = {"edgecache": {"device": device}} if device else {}
-        self.chunks = iter(fleet.stack.client().chat.completions.create(
-            model=fleet.stack.model, messages=[{"role": "user", "content": STORY}], max_tokens=ANSWER_TOKENS, temperature=0,
-            stream=True, stream_options={"include_usage": True}, extra_body=extra,
-        ))
+        self.chunks = iter(
+            fleet.stack.client().chat.completions.create(
+                model=fleet.stack.model,
+                messages=[{"role": "user", "content": STORY}],
+                max_tokens=ANSWER_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
+        )
         self.pieces: list[str] = []
         self.request_id = ""
         self.last = None
@@ -349,7 +435,10 @@ def _stop_mid_answer(fleet, streamed: Streamed, how: signal.Signals) -> str:
     """Stop the board answering ``streamed`` with ``how`` after its first pieces; returns its name."""
     streamed.read(3)
     board = fleet.dispatched_to(streamed.request_id)
-    recorded = fleet.stack.db('select count(*) from dashboard_inferencerun where replace(request_id, "-", "") = ?', streamed.request_id.replace("-", ""))[0][0]
+    recorded = fleet.stack.db(
+        'select count(*) from dashboard_inferencerun where replace(request_id, "-", "") = ?',
+        streamed.request_id.replace("-", ""),
+    )[0][0]
     assert recorded == 0, "the board finished before it was stopped: make the answer longer"
     fleet.stop(board, how)
     print(f"{board} stopped ({how.name}) after {len(streamed.pieces)} pieces of the answer")
@@ -376,7 +465,9 @@ def test_an_api_answer_whose_board_dies_or_stops_mid_answer_goes_on_on_another_b
         assert run["breakdown"]["resent_from"]["from"] == stopped and run["breakdown"]["continued_tokens"] >= 3
     finally:
         if how == signal.SIGSTOP:
-            fleet.boards[stopped].send_signal(signal.SIGCONT)  # it wakes, finds the run cancelled, and its late report is refused
+            fleet.boards[stopped].send_signal(
+                signal.SIGCONT
+            )  # it wakes, finds the run cancelled, and its late report is refused
 
 
 @pytest.mark.model
@@ -386,18 +477,23 @@ def test_an_api_answer_from_a_named_board_that_stops_waits_for_it_and_is_never_m
     import redis
 
     from cachebox.keys import stream_channel
-
     from tests.dashboard.test_api import until
 
     fleet.all_up()
     cold = fleet.cold_answer()
     streamed = Streamed(fleet, device="right")
-    listener = redis.Redis.from_url(fleet.stack.shell("from dashboard.actions import cachebox_url; print(cachebox_url())")).pubsub(ignore_subscribe_messages=True)
+    listener = redis.Redis.from_url(
+        fleet.stack.shell("from dashboard.actions import cachebox_url; print(cachebox_url())")
+    ).pubsub(ignore_subscribe_messages=True)
     try:
         assert _stop_mid_answer(fleet, streamed, signal.SIGSTOP) == "right"
         listener.subscribe(stream_channel("right", streamed.request_id))
         # right is stopped: what comes on its run's channel now is the control plane's word (a "waiting" stage).
-        until(lambda: listener.get_message(timeout=1.0) is not None, 60, "the sweeper to find right quiet and leave the run waiting for it")
+        until(
+            lambda: listener.get_message(timeout=1.0) is not None,
+            60,
+            "the sweeper to find right quiet and leave the run waiting for it",
+        )
         # The sweeper tells the pages right went quiet after it leaves the run waiting (the same sweep).
         until(lambda: "right" not in fleet.online(), 30, "right to be announced offline")
         assert "left" in fleet.online()  # another board was there to take it
@@ -448,16 +544,27 @@ def test_the_run_page_shows_one_answer_when_its_board_is_killed_mid_answer_and_s
     fleet.all_up()
     cold = fleet.cold_answer()
     page, card = _send_from_the_run_page(fleet, browser, any_board=True)
-    until(lambda: len(card.locator(".answer.streaming").all_inner_texts() and card.locator(".answer.streaming").inner_text()) > 10, 120, "the first pieces on the card")
+    until(
+        lambda: (
+            len(card.locator(".answer.streaming").all_inner_texts() and card.locator(".answer.streaming").inner_text())
+            > 10
+        ),
+        120,
+        "the first pieces on the card",
+    )
     first = card.get_attribute("data-device")
     fleet.stop(first, signal.SIGKILL)
     other = next(name for name in BOARDS if name != first)
-    expect(card.locator(".moved-note")).to_contain_text(f"board changed: {first} stopped answering; {other}", timeout=60_000)
+    expect(card.locator(".moved-note")).to_contain_text(
+        f"board changed: {first} stopped answering; {other}", timeout=60_000
+    )
     expect(card.locator("h3")).to_contain_text(other)
     expect(card).to_have_class(re.compile(r"\bdone\b"), timeout=120_000)  # the run's record came
     assert card.locator("p.answer").inner_text() == cold.strip() or card.locator("p.answer").text_content() == cold
     expect(card.locator(".moved-note")).to_contain_text(f"{first} stopped answering; {other} went on from its")
-    expect(page.locator("#chat-log .chat-msg.assistant").last).to_have_text(cold)  # the chat's bubble: one answer, not two run together
+    expect(page.locator("#chat-log .chat-msg.assistant").last).to_have_text(
+        cold
+    )  # the chat's bubble: one answer, not two run together
     page.context.close()
 
 
@@ -474,7 +581,13 @@ def test_the_run_page_waits_for_a_named_board_that_stops_and_shows_its_answer_wh
     cold = fleet.cold_answer()
     page, card = _send_from_the_run_page(fleet, browser, boards=["right"])
     try:
-        until(lambda: card.locator(".answer.streaming").count() and len(card.locator(".answer.streaming").inner_text()) > 10, 120, "the first pieces on the card")
+        until(
+            lambda: (
+                card.locator(".answer.streaming").count() and len(card.locator(".answer.streaming").inner_text()) > 10
+            ),
+            120,
+            "the first pieces on the card",
+        )
         fleet.stop("right", signal.SIGSTOP)
         expect(card).to_have_attribute("data-stage", "waiting", timeout=60_000)
         expect(card.locator('[data-role="stage"]')).to_contain_text("board right stopped answering")
@@ -493,7 +606,9 @@ def test_the_run_page_waits_for_a_named_board_that_stops_and_shows_its_answer_wh
 @pytest.mark.cachebox
 @pytest.mark.processes
 @pytest.mark.browser
-def test_the_run_page_shows_a_clear_failure_keeping_the_streamed_text_when_a_named_board_is_killed_for_good(fleet, browser):
+def test_the_run_page_shows_a_clear_failure_keeping_the_streamed_text_when_a_named_board_is_killed_for_good(
+    fleet, browser
+):
     """left is killed mid-answer and never comes back: the run, sent to left only, waits for it while
     the page does (its expiry, 90 s here), then fails saying why, keeping the text shown."""
     from playwright.sync_api import expect
@@ -503,7 +618,11 @@ def test_the_run_page_shows_a_clear_failure_keeping_the_streamed_text_when_a_nam
     fleet.all_up()
     cold = fleet.cold_answer()
     page, card = _send_from_the_run_page(fleet, browser, boards=["left"])
-    until(lambda: card.locator(".answer.streaming").count() and len(card.locator(".answer.streaming").inner_text()) > 10, 120, "the first pieces on the card")
+    until(
+        lambda: card.locator(".answer.streaming").count() and len(card.locator(".answer.streaming").inner_text()) > 10,
+        120,
+        "the first pieces on the card",
+    )
     fleet.stop("left", signal.SIGKILL)
     expect(card).to_have_attribute("data-stage", "waiting", timeout=60_000)
     expect(card).to_have_class(re.compile(r"\bfailed\b"), timeout=(90 + 30) * 1000)

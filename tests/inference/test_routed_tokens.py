@@ -13,10 +13,12 @@ from dashboard import actions, router
 from dashboard.models import Dispatch
 from inference.board import serve
 from inference.contract.messages import MAX_PROMPT_TOKENS, MessageRefused, PromptTokens, RunRequest
-
 from tests.dashboard.test_dashboard import control_plane, register, sent_tasks  # noqa: F401  (fixtures)
 
-SEGMENTS = ["Instruction: answer in one word.\n\n", "Notes.\n\nQuestion: what colour is the sky on a clear day?\nAnswer:"]
+SEGMENTS = [
+    "Instruction: answer in one word.\n\n",
+    "Notes.\n\nQuestion: what colour is the sky on a clear day?\nAnswer:",
+]
 CHAT = [("system", "Be terse."), ("user", "Name a colour of the rainbow.")]
 
 
@@ -39,7 +41,12 @@ def test_carried_tokens_are_bounded_and_their_cuts_lie_inside_them():
     ]:
         with pytest.raises(MessageRefused, match=reason):
             PromptTokens.parse(bad)
-    request = {"request_id": str(uuid.uuid4()), "schema": "<schema name='s'>x</schema>", "pml": "<prompt schema='s'/>", "tokenized": ok}
+    request = {
+        "request_id": str(uuid.uuid4()),
+        "schema": "<schema name='s'>x</schema>",
+        "pml": "<prompt schema='s'/>",
+        "tokenized": ok,
+    }
     with pytest.raises(MessageRefused, match="schema run"):
         RunRequest.parse(request)
     plain = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": ["hi"]})
@@ -84,14 +91,28 @@ def _count_tokenize(monkeypatch, engine) -> list[str]:
 
 
 def _request(kind: str, tokenized: PromptTokens | None) -> RunRequest:
-    prompt = {"segments": SEGMENTS} if kind == "text" else {"messages": [{"role": role, "content": content} for role, content in CHAT]}
+    prompt = (
+        {"segments": SEGMENTS}
+        if kind == "text"
+        else {"messages": [{"role": role, "content": content} for role, content in CHAT]}
+    )
     # use_cache off: both runs are cold, and a chat's next turn is not prepared (which tokenizes it)
-    return RunRequest.parse({"request_id": str(uuid.uuid4()), **prompt, "max_tokens": 8, "use_cache": False, **({"tokenized": tokenized.dump()} if tokenized else {})})
+    return RunRequest.parse(
+        {
+            "request_id": str(uuid.uuid4()),
+            **prompt,
+            "max_tokens": 8,
+            "use_cache": False,
+            **({"tokenized": tokenized.dump()} if tokenized else {}),
+        }
+    )
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("kind", ["text", "chat"])
-def test_a_board_answers_from_the_routed_tokens_as_it_answers_tokenizing_itself_and_does_not_tokenize_again(monkeypatch, namespace, make_board, kind):
+def test_a_board_answers_from_the_routed_tokens_as_it_answers_tokenizing_itself_and_does_not_tokenize_again(
+    monkeypatch, namespace, make_board, kind
+):
     board = make_board(None, namespace)
     assert board.engine.digest == _digest()  # one model file, one llama.cpp: one vocabulary
     calls = _count_tokenize(monkeypatch, board.engine)
@@ -108,12 +129,18 @@ def test_a_board_answers_from_the_routed_tokens_as_it_answers_tokenizing_itself_
 
 @pytest.mark.model
 @pytest.mark.parametrize("kind", ["text", "chat"])
-def test_tokens_declared_for_another_vocabulary_are_ignored_and_the_board_tokenizes_itself(monkeypatch, namespace, make_board, kind):
+def test_tokens_declared_for_another_vocabulary_are_ignored_and_the_board_tokenizes_itself(
+    monkeypatch, namespace, make_board, kind
+):
     board = make_board(None, namespace)
     cold = serve(board, _request(kind, None))
     calls = _count_tokenize(monkeypatch, board.engine)
-    foreign = PromptTokens(tokens=[2, 4000, 5000, 6000], cuts=[2], vocabulary="0123456789abcdef")  # another model's tokens
+    foreign = PromptTokens(
+        tokens=[2, 4000, 5000, 6000], cuts=[2], vocabulary="0123456789abcdef"
+    )  # another model's tokens
     assert foreign.vocabulary != board.engine.digest
     answered = serve(board, _request(kind, foreign))
     assert answered.error == "" and calls  # tokenized here
-    assert answered.tokens == cold.tokens and answered.breakdown.prompt_tokens == cold.breakdown.prompt_tokens != len(foreign.tokens)
+    assert answered.tokens == cold.tokens and answered.breakdown.prompt_tokens == cold.breakdown.prompt_tokens != len(
+        foreign.tokens
+    )

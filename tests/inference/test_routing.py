@@ -13,7 +13,11 @@ def keys_of(tokens):
 
 
 def test_the_board_with_the_lowest_expected_time_wins():
-    boards = [BoardView("cold", context_tokens=0), BoardView("warm", context_tokens=384), BoardView("half", ram_tokens=256)]
+    boards = [
+        BoardView("cold", context_tokens=0),
+        BoardView("warm", context_tokens=384),
+        BoardView("half", ram_tokens=256),
+    ]
     chosen = route(450, boards)
     assert chosen.board == "warm"
     assert chosen.chosen.source == "context" and chosen.chosen.held_tokens == 384
@@ -24,11 +28,17 @@ def test_the_board_with_the_lowest_expected_time_wins():
 def test_a_boards_queued_work_counts():
     boards = [BoardView("warm-but-busy", context_tokens=384, queued_ms=5000.0), BoardView("idle", context_tokens=0)]
     assert route(450, boards).board == "idle"
-    assert route(450, [BoardView("warm-but-busy", context_tokens=384, queued_ms=100.0), BoardView("idle")]).board == "warm-but-busy"
+    assert (
+        route(450, [BoardView("warm-but-busy", context_tokens=384, queued_ms=100.0), BoardView("idle")]).board
+        == "warm-but-busy"
+    )
 
 
 def test_a_faster_board_wins_when_neither_holds_anything():
-    assert route(450, [BoardView("slow", prefill_ms_per_token=20.0), BoardView("fast", prefill_ms_per_token=2.0)]).board == "fast"
+    assert (
+        route(450, [BoardView("slow", prefill_ms_per_token=20.0), BoardView("fast", prefill_ms_per_token=2.0)]).board
+        == "fast"
+    )
 
 
 def test_offline_boards_are_never_chosen_and_none_online_is_no_route():
@@ -56,7 +66,11 @@ def test_a_dear_link_makes_the_cache_box_lose_to_computing():
 def test_the_index_knows_context_ram_and_queue_from_dispatches():
     index = FleetIndex(prefill_prior=2.0)
     topic = list(range(1, 400))
-    first, second, other = keys_of(topic + [500, 501]), keys_of(topic + [600, 601, 602]), keys_of(list(range(1000, 1300)))
+    first, second, other = (
+        keys_of(topic + [500, 501]),
+        keys_of(topic + [600, 601, 602]),
+        keys_of(list(range(1000, 1300))),
+    )
     index.dispatched("a", "r1", first, work_ms=900.0)
     view = index.view("a", second)
     assert view.context_tokens == 384 and view.queued_ms == 900.0  # shares the prompt up to its last grid point
@@ -83,8 +97,12 @@ def test_a_board_owes_less_the_longer_it_has_worked_on_its_current_run():
     # The topic's next prompt: board a holds it and is 0.25 s into r2; board b is idle and holds nothing.
     index.dispatched("b", "r3", keys_of(list(range(2000, 2100))), work_ms=100.0, at=101.6)
     index.reported("b", "r3", at=101.7)
-    assert route(399, [index.view(name, topic, now=101.75) for name in ("a", "b")]).board == "a"  # 750 ms left vs 798 ms cold
-    assert route(399, [index.view(name, topic) for name in ("a", "b")]).board == "b"  # counting r2 whole, a looked dearer
+    assert (
+        route(399, [index.view(name, topic, now=101.75) for name in ("a", "b")]).board == "a"
+    )  # 750 ms left vs 798 ms cold
+    assert (
+        route(399, [index.view(name, topic) for name in ("a", "b")]).board == "b"
+    )  # counting r2 whole, a looked dearer
 
 
 def test_the_same_prompt_again_is_held_whole_and_a_failed_run_is_forgotten():
@@ -136,12 +154,16 @@ def test_a_board_that_decodes_far_slower_loses_a_long_answer_though_its_first_to
     prompt = keys_of(list(range(1, 17)))
     views = [
         BoardView("zero", prefill_ms_per_token=ZERO_MS_PER_TOKEN, decode_ms_per_token=380.0, context_tokens=16),
-        BoardView("pi5", prefill_ms_per_token=PI5_MS_PER_TOKEN, decode_ms_per_token=25.0, ram_tokens=16, queued_ms=40.0),
+        BoardView(
+            "pi5", prefill_ms_per_token=PI5_MS_PER_TOKEN, decode_ms_per_token=25.0, ram_tokens=16, queued_ms=40.0
+        ),
     ]
     long = route(prompt.tokens, views, answer_tokens=32)
     assert long.board == "pi5" and long.chosen.answer_ms == 31 * 25.0 and long.chosen.finished_ms < 1000
     zero = next(e for e in long.estimates if e.board == "zero")
-    assert zero.expected_ms < long.chosen.expected_ms and zero.finished_ms == 31 * 380.0  # sooner first token, later answer
+    assert (
+        zero.expected_ms < long.chosen.expected_ms and zero.finished_ms == 31 * 380.0
+    )  # sooner first token, later answer
     # One token asked for: only the first token counts, and it comes sooner from zero.
     assert route(prompt.tokens, views, answer_tokens=1).board == "zero"
     assert route(prompt.tokens, views).board == "zero"  # no answer length given: the first token, as before
@@ -177,7 +199,9 @@ def test_a_busy_board_that_holds_the_prompt_is_weighed_by_its_remaining_work():
     assert work == round(478 * PI5_MS_PER_TOKEN + 1999 * 12.0, 3)
     index.dispatched("pi5", "long", prompt, work, at=100.0)
     chosen = route(prompt.tokens, [index.view(name, prompt, now=120.0) for name in ("zero", "pi5")])
-    assert chosen.board == "pi5" and chosen.chosen.queued_ms == round(work - 20_000.0, 3)  # ~4.7 s left, vs ~18.9 s cold on zero
+    assert chosen.board == "pi5" and chosen.chosen.queued_ms == round(
+        work - 20_000.0, 3
+    )  # ~4.7 s left, vs ~18.9 s cold on zero
     # Weighed by its whole run, pi5 would have lost the prompt it holds to zero.
     assert route(prompt.tokens, [index.view(name, prompt) for name in ("zero", "pi5")]).board == "zero"
 
@@ -188,8 +212,12 @@ def test_a_hit_occupies_its_board_for_its_answer_not_for_a_cold_prefill():
     prompt = keys_of(list(range(1, 479)))
     index.dispatched("pi5", "r1", prompt, 1000.0)
     held = route(prompt.tokens, [index.view("pi5", prompt)])
-    assert index.work_ms("pi5", prompt, 4, LINK_PRESETS["wifi4"], estimate=held.chosen) == 3 * 12.0  # nothing computed: nothing to upload either
-    assert index.work_ms("pi5", prompt, 4, LINK_PRESETS["wifi4"]) > 478 * PI5_MS_PER_TOKEN + 1000  # counted cold, it uploads 8.8 MB over Wi-Fi 4
+    assert (
+        index.work_ms("pi5", prompt, 4, LINK_PRESETS["wifi4"], estimate=held.chosen) == 3 * 12.0
+    )  # nothing computed: nothing to upload either
+    assert (
+        index.work_ms("pi5", prompt, 4, LINK_PRESETS["wifi4"]) > 478 * PI5_MS_PER_TOKEN + 1000
+    )  # counted cold, it uploads 8.8 MB over Wi-Fi 4
     assert held.chosen.prefill_ms == 0.0  # its context holds it whole
 
 
@@ -209,13 +237,19 @@ def test_the_index_keeps_which_boards_hold_each_key_and_which_owe_work_as_their_
         board = f"b{rnd.randrange(5)}"
         if outstanding and rnd.random() < 0.5:
             request_id = rnd.choice(sorted(outstanding))
-            index.reported(outstanding.pop(request_id), request_id, prompt_tokens=300, prefill_ms=600.0, failed=rnd.random() < 0.2)
+            index.reported(
+                outstanding.pop(request_id), request_id, prompt_tokens=300, prefill_ms=600.0, failed=rnd.random() < 0.2
+            )
         else:
             request_id = f"r{step}"
             index.dispatched(board, request_id, rnd.choice(prompts), 500.0)
             outstanding[request_id] = board
         for prompt in prompts:
-            walked = {name for name, history in index.boards.items() if any(set(item.keys.keys) & set(prompt.keys) for item in history.recent)}
+            walked = {
+                name
+                for name, history in index.boards.items()
+                if any(set(item.keys.keys) & set(prompt.keys) for item in history.recent)
+            }
             assert index.holding(prompt) == walked
         assert index.busy == {name for name, history in index.boards.items() if history.outstanding}
     assert any(len(history.recent) == HISTORY for history in index.boards.values())  # the window did forget
@@ -240,7 +274,9 @@ def test_a_board_of_another_kernel_class_gets_no_credit_for_the_cached_tokens():
     from inference.engine.kernels import KernelClass
 
     def fingerprint(info):
-        kernels = KernelClass.from_report("x86_64", f"CPU : AVX = 1 | AVX2 = 1 | {info}FMA = 1 | ", "llama-cpp-python 0.3.36 ggml 0.25.3")
+        kernels = KernelClass.from_report(
+            "x86_64", f"CPU : AVX = 1 | AVX2 = 1 | {info}FMA = 1 | ", "llama-cpp-python 0.3.36 ggml 0.25.3"
+        )
         return ModelIdentity("ab" * 32, "f16", "llama-cpp-python 0.3.36", kernels=kernels.identity).fingerprint()
 
     avx2, avx512 = fingerprint(""), fingerprint("AVX512 = 1 | ")
@@ -258,6 +294,8 @@ def test_a_board_of_another_kernel_class_gets_no_credit_for_the_cached_tokens():
 
     chosen = route(478, [index.view(name, keys[name]) for name in boards])
     by_board = {estimate.board: estimate for estimate in chosen.estimates}
-    assert by_board["avx512"].held_tokens == 0 and by_board["avx512"].source == ""  # the other class's entries: no credit
+    assert (
+        by_board["avx512"].held_tokens == 0 and by_board["avx512"].source == ""
+    )  # the other class's entries: no credit
     assert by_board["avx2-b"].held_tokens == 478 and by_board["avx2-b"].source == "cachebox"  # its class's: all of them
     assert chosen.board == "avx2-b"  # though the AVX-512 board computes three times as fast

@@ -52,7 +52,9 @@ def test_the_api_takes_what_the_run_page_offers_and_refuses_the_rest_in_the_gram
 def test_the_grammar_reads_parameters_into_a_typed_spec_and_says_what_to_write():
     assert parse_strategy("") == parse_strategy("exact") == EXACT and EXACT.exact
     assert parse_strategy("kv-prediction:6") == StrategySpec("kv-prediction", aux_layers=6)
-    assert parse_strategy("early-exit:similarity:0.975:lens") == StrategySpec("early-exit", measure="similarity", threshold=0.975, head="lens")
+    assert parse_strategy("early-exit:similarity:0.975:lens") == StrategySpec(
+        "early-exit", measure="similarity", threshold=0.975, head="lens"
+    )
     assert parse_strategy("anchors-tuned") == StrategySpec("anchors-tuned") and not parse_strategy("anchors").exact
     with pytest.raises(ValueError, match="kv-prediction:K"):
         parse_strategy("kv-prediction:")
@@ -152,7 +154,9 @@ def test_the_skeleton_checks_tokenizes_fits_the_context_answers_and_finishes():
     result = echo.run("abc", max_tokens=8, on_token=lambda token, text: streamed.append(token) or len(streamed) < 2)
     assert result.tokens == [3, 4] and streamed == [3, 4]  # on_token stopped it after two
     b = result.breakdown
-    assert b.prompt_tokens == 3 and b.generated_tokens == 2 and b.ttft_ms >= b.token_ms >= 0 and b.decision == "no-cache"
+    assert (
+        b.prompt_tokens == 3 and b.generated_tokens == 2 and b.ttft_ms >= b.token_ms >= 0 and b.decision == "no-cache"
+    )
     assert engine.cleared == 2 and echo.finished == [[3, 4]]  # cleared before and after; finished after the answer
     with pytest.raises(PromptError, match="context holds 12"):
         echo.run("abcdefgh", max_tokens=8)
@@ -194,4 +198,8 @@ def test_tiers_are_walked_nearest_first_each_extending_what_the_nearer_ones_hold
     settled = []
     held.loader = SimpleNamespace(stop=lambda: settled.append("stop"), join=lambda timeout: settled.append("join"))
     keep_nearest_first(tiers, Computed(run, held, {}, {}))
-    assert settled == ["stop", "join"] and log[3:] == [("keep", "context", 384), ("keep", "local", 384), ("keep", "cachebox", 384)]
+    assert settled == ["stop", "join"] and log[3:] == [
+        ("keep", "context", 384),
+        ("keep", "local", 384),
+        ("keep", "cachebox", 384),
+    ]

@@ -34,7 +34,9 @@ def test_a_prompt_sharing_a_prefix_continues_from_the_context(valkey_url, namesp
     other = board.run(ask("when did it come back on log 30?"), max_tokens=24)
     b = other.breakdown
     assert b.tier == "context" and b.case == "partial" and b.fetched_bytes == 0
-    assert b.matched_tokens == len(board.prefix.tokenize([CONTEXT])[0])  # the shared segment, whole: the question began a batch
+    assert b.matched_tokens == len(
+        board.prefix.tokenize([CONTEXT])[0]
+    )  # the shared segment, whole: the question began a batch
     cold = board.run(ask("when did it come back on log 30?"), max_tokens=24, use_cache=False)
     assert other.tokens == cold.tokens  # resumed where a batch ended: the cold run's batches
 
@@ -80,7 +82,11 @@ def test_context_and_cache_box_chain_together(valkey_url, namespace, make_board)
     b = result.breakdown
     assert b.tier == "cachebox" and b.case == "full" and b.local_ms >= 0 and b.fetched_bytes > 0
     # Each tier's share is counted (issue 28, B6): the context's part is not the cache box's.
-    assert b.context_tokens > 0 and b.fetched_tokens > 0 and b.context_tokens + b.local_tokens + b.fetched_tokens == b.matched_tokens
+    assert (
+        b.context_tokens > 0
+        and b.fetched_tokens > 0
+        and b.context_tokens + b.local_tokens + b.fetched_tokens == b.matched_tokens
+    )
     assert result.tokens == reader.run(longer, max_tokens=8, use_cache=False).tokens
 
 
@@ -98,7 +104,9 @@ def assert_parts_add_up(result, tier: str) -> dict:
     sums = time_sums(b.as_dict())  # as the control plane stores it
     for key, whole in (("ttft", b.ttft_ms), ("ttlt", b.ttlt_ms)):
         total = sums[key]
-        assert [part.label for part in total.parts] == (["Token", "Bloom", "P-decode", "Redis", "Sample", "other"] if key == "ttft" else [*TIME_LABELS, "other"])
+        assert [part.label for part in total.parts] == (
+            ["Token", "Bloom", "P-decode", "Redis", "Sample", "other"] if key == "ttft" else [*TIME_LABELS, "other"]
+        )
         assert Decimal(f"{total.total_ms:.1f}") == shown(whole)
         assert sum(Decimal(f"{part.ms:.1f}") for part in total.parts) == shown(whole), total.sentence()
         assert total.other_ms >= 0, total.sentence()
@@ -126,7 +134,9 @@ def test_the_parts_of_ttft_and_ttlt_add_up_for_runs_from_every_tier(valkey_url, 
     said["RAM"] = assert_parts_add_up(keeper.run(prompt, max_tokens=12), "local")
     flash = {"flash_tier_bytes": 64 * 1024 * 1024, "flash_dir": tmp_path / "flash"}
     make_board(valkey_url, namespace, device="dev-d", **flash).run(prompt, max_tokens=2, upload=False)
-    said["flash"] = assert_parts_add_up(make_board(valkey_url, namespace, device="dev-d", **flash).run(prompt, max_tokens=12), "flash")
+    said["flash"] = assert_parts_add_up(
+        make_board(valkey_url, namespace, device="dev-d", **flash).run(prompt, max_tokens=12), "flash"
+    )
     print(json.dumps(said, indent=1))
 
 

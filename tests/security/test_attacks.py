@@ -15,13 +15,12 @@ import threading
 import uuid
 from pathlib import Path
 
-from cachebox.store import CacheBox
-
 import pytest
 import redis
 from channels.layers import channel_layers, get_channel_layer
 from django.core.cache import caches
 
+from cachebox.store import CacheBox
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=False)
@@ -94,7 +93,9 @@ def test_no_configured_serializer_cache_or_queue_can_unpickle(tmp_path):
     for alias, config in configured.CACHES.items():
         backend = import_string(config["BACKEND"])
         assert issubclass(backend, BaseCache)
-        cache = backend(config.get("LOCATION", ""), {**config, "KEY_PREFIX": "probe", "OPTIONS": {**config.get("OPTIONS", {})}})
+        cache = backend(
+            config.get("LOCATION", ""), {**config, "KEY_PREFIX": "probe", "OPTIONS": {**config.get("OPTIONS", {})}}
+        )
         serializer = getattr(getattr(cache, "_cache", None), "_serializer", None) or getattr(cache, "_serializer", None)
         assert serializer is not None, f"cache {alias!r} names no serializer of ours"
         with pytest.raises(ValueError):
@@ -127,7 +128,9 @@ def test_no_module_of_ours_imports_pickle():
             for node in ast.walk(tree):
                 names = [alias.name for alias in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
                 module = node.module if isinstance(node, ast.ImportFrom) else None
-                if any(name.split(".")[0] in ("pickle", "cPickle", "dill", "cloudpickle") for name in names) or (module or "").split(".")[0] in ("pickle", "dill"):
+                if any(name.split(".")[0] in ("pickle", "cPickle", "dill", "cloudpickle") for name in names) or (
+                    module or ""
+                ).split(".")[0] in ("pickle", "dill"):
                     offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
 
@@ -136,7 +139,14 @@ def test_no_module_of_ours_imports_pickle():
 def test_an_unreachable_cache_still_limits_in_this_process(settings, caplog):
     from dashboard.security import ratelimit
 
-    settings.CACHES = {"default": {"BACKEND": "dashboard.store.django_cache.CacheBoxRedisCache", "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "t", "OPTIONS": {"socket_connect_timeout": 0.2}}}
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "dashboard.store.django_cache.CacheBoxRedisCache",
+            "LOCATION": "redis://127.0.0.1:1/0",
+            "KEY_PREFIX": "t",
+            "OPTIONS": {"socket_connect_timeout": 0.2},
+        }
+    }
     caches._settings = None  # noqa: SLF001
     who = uuid.uuid4().hex
     verdicts = [ratelimit.hit("api", who, 5) for _ in range(8)]
@@ -151,7 +161,11 @@ def test_two_hundred_parallel_requests_get_no_more_than_the_limit(redis_cache, s
     wait for a connection; none is let through uncounted."""
     from dashboard.security import ratelimit
 
-    settings.CACHES["default"]["OPTIONS"] = {**settings.CACHES["default"]["OPTIONS"], "max_connections": 4, "timeout": 0.05}
+    settings.CACHES["default"]["OPTIONS"] = {
+        **settings.CACHES["default"]["OPTIONS"],
+        "max_connections": 4,
+        "timeout": 0.05,
+    }
     caches._settings = None  # noqa: SLF001
     who = uuid.uuid4().hex
     allowed = []
@@ -178,7 +192,9 @@ def test_json_nested_a_hundred_thousand_deep_is_a_400_in_openais_shape(client):
     Namespace.objects.get_or_create(name="default")
     _, key = create_key(None, "default")
     for body in ("[" * 100_000 + "]" * 100_000, '{"model": "m", "messages": ' + "[" * 40 + "]" * 40 + "}"):
-        response = client.post("/v1/chat/completions", data=body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
+        response = client.post(
+            "/v1/chat/completions", data=body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}"
+        )
         assert response.status_code == 400, response.content[:200]
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error" and "nests too deeply" in error["message"]
@@ -200,7 +216,16 @@ def test_a_live_event_written_into_redis_by_someone_else_never_reaches_a_page(se
     from dashboard import settings as configured
     from dashboard.live.broadcast import GROUP
 
-    settings.CHANNEL_LAYERS = {"default": {**configured.CHANNEL_LAYERS["default"], "CONFIG": {**configured.CHANNEL_LAYERS["default"]["CONFIG"], "hosts": [valkey_url], "prefix": f"t{uuid.uuid4().hex[:8]}"}}}
+    settings.CHANNEL_LAYERS = {
+        "default": {
+            **configured.CHANNEL_LAYERS["default"],
+            "CONFIG": {
+                **configured.CHANNEL_LAYERS["default"]["CONFIG"],
+                "hosts": [valkey_url],
+                "prefix": f"t{uuid.uuid4().hex[:8]}",
+            },
+        }
+    }
     channel_layers.backends.clear()
 
     async def scenario():
@@ -211,11 +236,16 @@ def test_a_live_event_written_into_redis_by_someone_else_never_reaches_a_page(se
         from channels_redis.core import RedisChannelLayer
 
         forged = RedisChannelLayer(hosts=[valkey_url], prefix=layer.prefix)  # same server, no key
-        await forged.group_send(GROUP, {"type": "live.event", "event": "device", "data": {"name": "zero", "revoked": True}, "device": "zero"})
+        await forged.group_send(
+            GROUP,
+            {"type": "live.event", "event": "device", "data": {"name": "zero", "revoked": True}, "device": "zero"},
+        )
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(layer.receive(channel), timeout=1.0)
         # What the server itself sends arrives.
-        await layer.group_send(GROUP, {"type": "live.event", "event": "run", "data": {"device": "zero"}, "device": "zero"})
+        await layer.group_send(
+            GROUP, {"type": "live.event", "event": "run", "data": {"device": "zero"}, "device": "zero"}
+        )
         message = await asyncio.wait_for(layer.receive(channel), timeout=5.0)
         assert message["event"] == "run"
         await layer.group_discard(GROUP, channel)
@@ -242,8 +272,20 @@ def test_registering_a_device_keeps_the_namespace_chosen(staff, monkeypatch):
 
     monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
     tenant = Namespace.objects.create(name="tenant-b")
-    response = staff.post(reverse("device-register"), {"name": "b-board", "namespace": tenant.name, "kind": "", "cpu_threads": 1, "memory_mb": 512, "link_preset": "none"})
-    assert response.status_code == 302 and response["Location"] == reverse("device-token", args=["b-board"]), response.content[:500]
+    response = staff.post(
+        reverse("device-register"),
+        {
+            "name": "b-board",
+            "namespace": tenant.name,
+            "kind": "",
+            "cpu_threads": 1,
+            "memory_mb": 512,
+            "link_preset": "none",
+        },
+    )
+    assert response.status_code == 302 and response["Location"] == reverse("device-token", args=["b-board"]), (
+        response.content[:500]
+    )
     assert Device.objects.get(name="b-board").namespace_id == "tenant-b"
 
 
@@ -254,8 +296,7 @@ def test_a_namespaces_schema_is_neither_seen_nor_run_by_another_tenant(client, d
     from django.urls import reverse
 
     from dashboard.forms import RunForm
-    from dashboard.models import Device, Membership, Namespace
-    from dashboard.models import Schema
+    from dashboard.models import Device, Membership, Namespace, Schema
 
     for name in ("acme", "globex"):
         Namespace.objects.create(name=name)
@@ -270,24 +311,48 @@ def test_a_namespaces_schema_is_neither_seen_nor_run_by_another_tenant(client, d
     listing = client.get(reverse("schemas")).content.decode()
     assert "shared-travel" in listing and "acme-travel" not in listing
     assert client.get(reverse("schema-detail", args=[own.pk])).status_code == 404
-    form = RunForm({"devices": [globex_device.pk], "source": "pml", "pml": '<prompt schema="acme-travel"><city/></prompt>', "max_tokens": 4}, user=bob)
+    form = RunForm(
+        {
+            "devices": [globex_device.pk],
+            "source": "pml",
+            "pml": '<prompt schema="acme-travel"><city/></prompt>',
+            "max_tokens": 4,
+        },
+        user=bob,
+    )
     assert not form.is_valid() and "schema" in form.errors
-    form = RunForm({"devices": [globex_device.pk], "source": "pml", "pml": '<prompt schema="shared-travel"><city/></prompt>', "max_tokens": 4}, user=bob)
+    form = RunForm(
+        {
+            "devices": [globex_device.pk],
+            "source": "pml",
+            "pml": '<prompt schema="shared-travel"><city/></prompt>',
+            "max_tokens": 4,
+        },
+        user=bob,
+    )
     assert form.is_valid(), form.errors
 
 
 def test_an_api_key_runs_only_its_namespaces_and_shared_schemas(client):
     from dashboard.actions.api_keys import create_key
-    from dashboard.models import Namespace
-    from dashboard.models import Schema
+    from dashboard.models import Namespace, Schema
 
     for name in ("acme", "globex"):
         Namespace.objects.create(name=name)
     schema = Schema(source=TRAVEL.format(name="acme-travel"), namespace="acme")
     schema.full_clean(), schema.save()
     _, key = create_key(None, "globex")
-    body = {"model": "m", "messages": [], "edgecache": {"schema": "acme-travel", "pml": '<prompt schema="acme-travel"><city/></prompt>'}}
-    response = client.post("/v1/chat/completions", data=json.dumps(body), content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
+    body = {
+        "model": "m",
+        "messages": [],
+        "edgecache": {"schema": "acme-travel", "pml": '<prompt schema="acme-travel"><city/></prompt>'},
+    }
+    response = client.post(
+        "/v1/chat/completions",
+        data=json.dumps(body),
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {key}",
+    )
     assert response.status_code == 400 and "No schema named 'acme-travel'" in response.json()["error"]["message"]
 
 
@@ -356,26 +421,35 @@ def test_secrets_live_outside_the_state_folder(tmp_path):
     home = tmp_path / "state"
     secrets = secrets_home({"EDGECACHE_HOME": str(home)})
     assert home not in secrets.parents and secrets != home
-    assert secrets_home({"EDGECACHE_HOME": str(home), "EDGECACHE_SECRETS_DIR": str(tmp_path / "vault")}) == tmp_path / "vault"
+    assert (
+        secrets_home({"EDGECACHE_HOME": str(home), "EDGECACHE_SECRETS_DIR": str(tmp_path / "vault")})
+        == tmp_path / "vault"
+    )
 
 
 # -- probe 2: forged key rings and registry records ------------------------------------------------------
 @pytest.mark.cachebox
-def test_a_forged_ring_or_revocation_in_the_registry_changes_nothing_on_the_board(settings, valkey_url, monkeypatch, caplog):
+def test_a_forged_ring_or_revocation_in_the_registry_changes_nothing_on_the_board(
+    settings, valkey_url, monkeypatch, caplog
+):
     """The attacker (able to write the registry key, as every board once was) seals a ring of its own to
     zero's public key, and then sets ``revoked: true``. zero refuses both records and serves on."""
     from cachebox.signing import control_plane_key, derive_keyring, seal
     from dashboard import actions
     from dashboard.models import Namespace
-    from inference.board import devices as registry
     from inference import board as edge
+    from inference.board import devices as registry
     from inference.board.identity import BoardKeys
 
     settings.REDIS_URL = valkey_url
-    settings.EDGECACHE_BOARD_ACL = False  # the session's Valkey has no users to manage; the registry is what is tried here
+    settings.EDGECACHE_BOARD_ACL = (
+        False  # the session's Valkey has no users to manage; the registry is what is tried here
+    )
     Namespace.objects.get_or_create(name="default")
     device, token = actions.register_device(None, name="zero", cpu_threads=1)
-    me = edge.become("zero", BoardKeys.generate(), CacheBox(valkey_url), token=token, send=actions.enroll_device, timeout=5)
+    me = edge.become(
+        "zero", BoardKeys.generate(), CacheBox(valkey_url), token=token, send=actions.enroll_device, timeout=5
+    )
     good_ring = me.ring
     store = CacheBox(valkey_url)
     attacker = control_plane_key(b"the attacker's very own secret!!")
@@ -384,7 +458,9 @@ def test_a_forged_ring_or_revocation_in_the_registry_changes_nothing_on_the_boar
     record.keyring = seal(planted, bytes.fromhex(me.keys.box_public_key), "zero", attacker)
     for forged in (
         {**record.signed_document, "keyring": record.keyring},  # the genuine signature over other fields
-        registry.sign_document(attacker, {**record.signed_document, "keyring": record.keyring}),  # the attacker's signature
+        registry.sign_document(
+            attacker, {**record.signed_document, "keyring": record.keyring}
+        ),  # the attacker's signature
         registry.sign_document(attacker, {**record.signed_document, "revoked": True}),
         {**record.signed_document, "revoked": True},
     ):
@@ -409,13 +485,13 @@ def test_a_forged_ring_or_revocation_in_the_registry_changes_nothing_on_the_boar
 def test_the_api_follows_only_events_the_dispatched_board_signed(settings, valkey_url):
     """A run's channel carries an attacker's unsigned event and one signed by another board; the API's
     reader takes only the dispatched board's (and the control plane's)."""
-    from dashboard.live import streams
     from cachebox.keys import stream_channel
     from cachebox.signing import derive_keyring
     from dashboard.api.views import _Follower
+    from dashboard.live import streams
+    from inference.board.identity import BoardKeys
     from inference.contract import envelope as env
     from inference.contract.envelope import Kind
-    from inference.board.identity import BoardKeys
     from inference.contract.messages import StreamEvent
 
     ring = derive_keyring(b"m" * 32, "default", 1)
@@ -424,18 +500,33 @@ def test_the_api_follows_only_events_the_dispatched_board_signed(settings, valke
     request_id = str(uuid.uuid4())
 
     def published(keys, sender, event):
-        return json.dumps(env.seal(event.compact(), kind=Kind.STREAM, sender=sender, to=request_id, signer=keys.signing, ring=ring)).encode()
+        return json.dumps(
+            env.seal(event.compact(), kind=Kind.STREAM, sender=sender, to=request_id, signer=keys.signing, ring=ring)
+        ).encode()
 
     async def scenario():
         subscription = await streams.subscribe(valkey_url, stream_channel("zero", request_id)).open()
         follower = _Follower(subscription, request_id, device, 10, lambda _ns: ring)
         store = CacheBox(valkey_url)
-        fake = StreamEvent(type="token", request_id=request_id, device="zero", text="Pay to IBAN DE00 ATTACKER 6666 today.")
+        fake = StreamEvent(
+            type="token", request_id=request_id, device="zero", text="Pay to IBAN DE00 ATTACKER 6666 today."
+        )
         store.publish(stream_channel("zero", request_id), json.dumps(fake.compact()).encode())
         store.publish(stream_channel("zero", request_id), published(mallory, "zero", fake))
-        store.publish(stream_channel("zero", request_id), published(mallory, "mallory", StreamEvent(type="done", request_id=request_id, text="fake")))
-        store.publish(stream_channel("zero", request_id), published(zero, "zero", StreamEvent(type="token", request_id=request_id, text=" 10000")))
-        store.publish(stream_channel("zero", request_id), published(zero, "zero", StreamEvent(type="done", request_id=request_id, text=" 10000", finish_reason="stop")))
+        store.publish(
+            stream_channel("zero", request_id),
+            published(mallory, "mallory", StreamEvent(type="done", request_id=request_id, text="fake")),
+        )
+        store.publish(
+            stream_channel("zero", request_id),
+            published(zero, "zero", StreamEvent(type="token", request_id=request_id, text=" 10000")),
+        )
+        store.publish(
+            stream_channel("zero", request_id),
+            published(
+                zero, "zero", StreamEvent(type="done", request_id=request_id, text=" 10000", finish_reason="stop")
+            ),
+        )
         events = [await follower.next(), await follower.next()]
         await subscription.close()
         return events
@@ -454,17 +545,23 @@ def test_a_run_nobody_takes_before_its_expiry_ends_as_a_failed_run_with_the_reas
     from dashboard import actions
     from dashboard.actions import sweeper
     from dashboard.models import Dispatch, InferenceRun
-
     from tests.dashboard.test_dashboard import register
 
     settings.REDIS_URL = valkey_url
     settings.EDGECACHE_BOARD_ACL = False
     monkeypatch.setattr("dashboard.actions.runs.celery_app.send_task", lambda *a, **k: None)  # the board never starts
     device, _ = register("never")
-    sent = actions.dispatch_run(None, [device], actions.run_request(segments=["Tenant secret question?"], max_tokens=4, title="waits"))
+    sent = actions.dispatch_run(
+        None, [device], actions.run_request(segments=["Tenant secret question?"], max_tokens=4, title="waits")
+    )
     request_id = sent[0]["request_id"]
     assert sweeper.sweep()["lost"] == 0  # not expired yet
-    later = timezone.now() + timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES) + sweeper.EXPIRY_GRACE + timedelta(seconds=1)
+    later = (
+        timezone.now()
+        + timedelta(seconds=settings.EDGECACHE_TASK_EXPIRES)
+        + sweeper.EXPIRY_GRACE
+        + timedelta(seconds=1)
+    )
     assert sweeper.sweep(later)["lost"] == 1
     run = InferenceRun.objects.get(request_id=request_id)
     assert run.error.startswith("lost: board never did not start it before it expired") and "send it again" in run.error
@@ -473,7 +570,12 @@ def test_a_run_nobody_takes_before_its_expiry_ends_as_a_failed_run_with_the_reas
 
 
 # -- a copy of the database ------------------------------------------------------------------------
-SECRET_PROMPT, SECRET_ANSWER, SECRET_MODULE, SECRET_SAVED = "the merger closes on Friday", "keep it quiet", "Quarterly numbers: 4.2M", "Alice's diagnosis"
+SECRET_PROMPT, SECRET_ANSWER, SECRET_MODULE, SECRET_SAVED = (
+    "the merger closes on Friday",
+    "keep it quiet",
+    "Quarterly numbers: 4.2M",
+    "Alice's diagnosis",
+)
 
 
 def _database_copy() -> str:
@@ -495,14 +597,17 @@ def test_a_copy_of_the_database_shows_no_prompt_answer_or_schema_text(monkeypatc
 
     from dashboard import actions
     from dashboard.forms import RunFilterForm
-    from dashboard.models import Dispatch, InferenceRun, SavedPrompt
-    from dashboard.models import Schema
+    from dashboard.models import Dispatch, InferenceRun, SavedPrompt, Schema
 
     monkeypatch.setattr("dashboard.actions.devices.publish_device", lambda device, enrollment=None: True)
     monkeypatch.setattr("dashboard.actions.identities.apply_identity", lambda device, **kw: True)
     device, _ = actions.register_device(None, name="copied", cpu_threads=1)
-    run = InferenceRun.objects.create(device=device, title=SECRET_PROMPT[:20], prompt=SECRET_PROMPT, text=SECRET_ANSWER, error="")
-    Dispatch.objects.create(request_id=uuid.uuid4(), kind="run", device=device, namespace="default", request={"segments": [SECRET_PROMPT]})
+    run = InferenceRun.objects.create(
+        device=device, title=SECRET_PROMPT[:20], prompt=SECRET_PROMPT, text=SECRET_ANSWER, error=""
+    )
+    Dispatch.objects.create(
+        request_id=uuid.uuid4(), kind="run", device=device, namespace="default", request={"segments": [SECRET_PROMPT]}
+    )
     SavedPrompt.objects.create(name="notes", text=SECRET_SAVED)
     schema = Schema(source=TRAVEL.format(name="finance").replace("Lisbon has trams.", SECRET_MODULE))
     schema.full_clean()
@@ -516,7 +621,10 @@ def test_a_copy_of_the_database_shows_no_prompt_answer_or_schema_text(monkeypatc
     run.refresh_from_db()
     assert (run.prompt, run.text) == (SECRET_PROMPT, SECRET_ANSWER)
     assert Dispatch.objects.get(device=device).request == {"segments": [SECRET_PROMPT]}
-    assert SavedPrompt.objects.get(name="notes").text == SECRET_SAVED and SECRET_MODULE in Schema.objects.get(name="finance").source
+    assert (
+        SavedPrompt.objects.get(name="notes").text == SECRET_SAVED
+        and SECRET_MODULE in Schema.objects.get(name="finance").source
+    )
     assert InferenceRun.objects.filter(error="").count() == 1  # "" stays "": filters on empty text keep working
     staff = django_user_model.objects.create_user("auditor", password="pw-auditor-123", is_staff=True)
     assert list(RunFilterForm({"q": "MERGER"}, user=staff).apply(InferenceRun.objects.all())) == [run]

@@ -38,14 +38,15 @@ def plane(settings, guarded, monkeypatch):
     """The control plane on the guarded Valkey; two tenants, one enrolled board each."""
     from dashboard import actions
     from dashboard.models import Namespace
-
     from tests.dashboard.test_dashboard import enrolled
 
     url, port = guarded
     settings.REDIS_URL = url
     settings.EDGECACHE_CACHEBOX_URL = ""
     settings.EDGECACHE_BOARD_ACL = True
-    monkeypatch.setattr("dashboard.actions.identities.declare_queue", lambda device: None)  # the test's Celery app has no broker here
+    monkeypatch.setattr(
+        "dashboard.actions.identities.declare_queue", lambda device: None
+    )  # the test's Celery app has no broker here
     for name in ("acme", "globex"):
         Namespace.objects.get_or_create(name=name)
     boards = {}
@@ -61,7 +62,9 @@ def plane(settings, guarded, monkeypatch):
 
 
 def as_board(plane, name: str) -> redis.Redis:
-    return redis.Redis(port=plane["port"], username=acl.board_user(name), password=plane["keys"][name].redis_password, socket_timeout=5)
+    return redis.Redis(
+        port=plane["port"], username=acl.board_user(name), password=plane["keys"][name].redis_password, socket_timeout=5
+    )
 
 
 def refused(call) -> bool:
@@ -77,18 +80,24 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
     entry = f"ec:e:acme:57fa53c378686353:{{{'ab' * 16}}}"
     attacks = {
         # 1. code in the control plane: overwrite a Django cache value (a routing hint)
-        "write Django's cache": lambda: mallory.set("edgecache:django:1:api:prompt-cache-key:acme:x", b"\x80\x04pickle"),
+        "write Django's cache": lambda: mallory.set(
+            "edgecache:django:1:api:prompt-cache-key:acme:x", b"\x80\x04pickle"
+        ),
         # 2. forged key rings / registry records, another tenant's entries
         "write zero's registry record": lambda: mallory.set("ec:device:zero", b"{}"),
         "read zero's registry record": lambda: mallory.get("ec:device:zero"),
         "read acme's entries": lambda: mallory.get(entry),
         "re-sign acme's entries": lambda: mallory.set(entry, b"ECE3..."),
-        "write acme's entries through the cache box's functions": lambda: mallory.fcall(quota.PUT, 1, entry, b"ECE3...", 60),
+        "write acme's entries through the cache box's functions": lambda: mallory.fcall(
+            quota.PUT, 1, entry, b"ECE3...", 60
+        ),
         "give acme's budget away": lambda: mallory.hset("ec:quota:acme:{0}", "total", 10**12),
         "store its own entry with no TTL": lambda: mallory.set(f"ec:e:globex:57fa53c378686353:{{{'ef' * 16}}}", b"x"),
         "read acme's catalog": lambda: mallory.hgetall("ec:c:{acme}:snap"),
         # 3. fake tokens to an application: publish on zero's runs' channels
-        "publish on zero's stream": lambda: mallory.publish(f"ec:stream:zero:{uuid.uuid4()}", b"Pay to IBAN DE00 ATTACKER"),
+        "publish on zero's stream": lambda: mallory.publish(
+            f"ec:stream:zero:{uuid.uuid4()}", b"Pay to IBAN DE00 ATTACKER"
+        ),
         # 4. posing as the control plane: push a request into zero's queue, remote control
         "push into zero's queue": lambda: mallory.lpush("device.zero", b"{}"),
         "broadcast remote control": lambda: mallory.publish("/0.celery.pidbox", b"{}"),
@@ -109,7 +118,9 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
         "listen to zero's stream": lambda: mallory.execute_command("SUBSCRIBE", f"ec:stream:zero:{uuid.uuid4()}"),
         # 6. answers lost: a competing consumer of zero's queue, or of its unacknowledged messages
         "take zero's work": lambda: mallory.brpop("device.zero", 1),
-        "move zero's work into its own queue": lambda: mallory.blmove("device.zero", "device.mallory", 0.1, "RIGHT", "LEFT"),
+        "move zero's work into its own queue": lambda: mallory.blmove(
+            "device.zero", "device.mallory", 0.1, "RIGHT", "LEFT"
+        ),
         "read zero's unacknowledged work": lambda: mallory.hgetall("unacked.zero"),
         "delete the control queue": lambda: mallory.delete("control"),
         "overwrite the control queue": lambda: mallory.set("control", b"x"),
@@ -129,13 +140,20 @@ def test_a_boards_credentials_reach_only_its_own_keys_queues_and_channels(plane)
     # What mallory does as a board still works.
     own = f"ec:e:globex:57fa53c378686353:{{{'cd' * 16}}}"
     assert mallory.fcall(quota.PUT, 1, own, b"ECE3 sealed state", 60) and mallory.get(own) == b"ECE3 sealed state"
-    assert mallory.getrange(own, 0, 3) == b"ECE3" and mallory.strlen(own) > 0 and mallory.fcall(quota.TOUCH, 1, own, 120)
-    assert mallory.fcall(quota.CATALOG_APPEND, 1, "ec:c:{globex}:log", b"k" * 16) and mallory.xrange("ec:c:{globex}:log")
+    assert (
+        mallory.getrange(own, 0, 3) == b"ECE3" and mallory.strlen(own) > 0 and mallory.fcall(quota.TOUCH, 1, own, 120)
+    )
+    assert mallory.fcall(quota.CATALOG_APPEND, 1, "ec:c:{globex}:log", b"k" * 16) and mallory.xrange(
+        "ec:c:{globex}:log"
+    )
     assert json.loads(mallory.get("ec:device:mallory"))["name"] == "mallory"
     assert mallory.lpush("ec:inbox:mallory", b"a report") == 1  # its own inbox, write-only
     assert mallory.psetex("ec:hb:mallory", 60_000, b"a heartbeat")  # its own latest heartbeat, write-only
     assert mallory.lpush("device.mallory", b"x") and mallory.brpop(["device.mallory", "boards.globex"], 1)
-    assert mallory.lpush("device.mallory", b"y") and mallory.blmove("device.mallory", "device.mallory", 0.1, "RIGHT", "RIGHT") == b"y"
+    assert (
+        mallory.lpush("device.mallory", b"y")
+        and mallory.blmove("device.mallory", "device.mallory", 0.1, "RIGHT", "RIGHT") == b"y"
+    )
     assert mallory.brpop(["device.mallory"], 1) == (b"device.mallory", b"y")  # looked at, left in place
     assert mallory.publish(f"ec:stream:mallory:{uuid.uuid4()}", b"token") == 0
     assert mallory.get(f"ec:cancel:mallory:{uuid.uuid4()}") is None
@@ -146,9 +164,16 @@ def test_the_deployment_password_stays_with_the_control_plane(plane):
     with pytest.raises((AuthenticationError, ResponseError)):
         redis.Redis(port=plane["port"], socket_timeout=5).get("control")  # no password
     with pytest.raises(AuthenticationError):
-        redis.Redis(port=plane["port"], username="default", password=plane["keys"]["mallory"].redis_password, socket_timeout=5).ping()
+        redis.Redis(
+            port=plane["port"], username="default", password=plane["keys"]["mallory"].redis_password, socket_timeout=5
+        ).ping()
     with pytest.raises(AuthenticationError):  # one board's password opens no other board's user
-        redis.Redis(port=plane["port"], username=acl.board_user("zero"), password=plane["keys"]["mallory"].redis_password, socket_timeout=5).ping()
+        redis.Redis(
+            port=plane["port"],
+            username=acl.board_user("zero"),
+            password=plane["keys"]["mallory"].redis_password,
+            socket_timeout=5,
+        ).ping()
     from dashboard.models import Device
 
     row = Device.objects.filter(name="mallory").values().get()
@@ -193,14 +218,15 @@ def test_the_users_come_back_after_the_server_lost_them(plane):
 
 
 @pytest.mark.model
-def test_a_board_on_the_cluster_with_its_own_credentials_keeps_to_its_namespace(settings, monkeypatch, tmp_path_factory, engine, signing_keys):
+def test_a_board_on_the_cluster_with_its_own_credentials_keeps_to_its_namespace(
+    settings, monkeypatch, tmp_path_factory, engine, signing_keys
+):
     """The cluster URL too: users on every node; a board's store as its own user reads and writes its
     namespace's entries (one node per entry) and no other tenant's."""
     from dashboard import actions
     from dashboard.models import Namespace
-    from inference.board.runtime import Board
     from inference.board.config import BoardConfig
-
+    from inference.board.runtime import Board
     from tests.dashboard.test_dashboard import enrolled
 
     cluster = embedded.ensure_cluster(tmp_path_factory.mktemp("cluster-acl"))
@@ -215,7 +241,13 @@ def test_a_board_on_the_cluster_with_its_own_credentials_keeps_to_its_namespace(
         keys = enrolled(device, token)
         own_url = acl.with_credentials(cluster.url, acl.board_user("zero"), keys.redis_password)
         store = CacheBox(own_url, connect_timeout=0.5, timeout=5)
-        board = Board(engine, store, BoardConfig(device="zero", namespace="acme", context_reuse=False, ram_tier_bytes=0), background_sync=False, keys=signing_keys)
+        board = Board(
+            engine,
+            store,
+            BoardConfig(device="zero", namespace="acme", context_reuse=False, ram_tier_bytes=0),
+            background_sync=False,
+            keys=signing_keys,
+        )
         prompt = "Question: which planet is the largest?\nAnswer:"
         cold = board.run(prompt, max_tokens=3)
         assert cold.breakdown.cachebox == "ok" and cold.breakdown.uploaded_bytes > 0

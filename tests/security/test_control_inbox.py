@@ -18,18 +18,34 @@ import pytest
 import redis
 from redis.exceptions import NoPermissionError
 
-from dashboard.worker.inbox import BOARD, ENROLLING, Accepted, ControlInbox, accept
 from dashboard.bench.sim_board import task_message
+from dashboard.worker.inbox import BOARD, ENROLLING, Accepted, ControlInbox, accept
 from inference.contract.envelope import Kind
 from inference.contract.messages import MAX_INBOX_MESSAGE_BYTES, Task
 
-CANVAS = ("celery.group", "celery.chain", "celery.chord", "celery.map", "celery.starmap", "celery.chunks", "celery.accumulate", "celery.chord_unlock")
+CANVAS = (
+    "celery.group",
+    "celery.chain",
+    "celery.chord",
+    "celery.map",
+    "celery.starmap",
+    "celery.chunks",
+    "celery.accumulate",
+    "celery.chord_unlock",
+)
 
 
 def canvas_probe(task: str) -> bytes:
     """A raw Celery message naming a canvas task whose subtask is routed into another tenant's
     queue and would write that board's bookkeeping (what the probe sent)."""
-    subtask = {"task": "edgecache.run_prompt", "args": [{}], "kwargs": {}, "options": {"queue": "device.zero"}, "subtask_type": None, "immutable": False}
+    subtask = {
+        "task": "edgecache.run_prompt",
+        "args": [{}],
+        "kwargs": {},
+        "options": {"queue": "device.zero"},
+        "subtask_type": None,
+        "immutable": False,
+    }
     return task_message(task, [[subtask]] if task != "celery.chunks" else [subtask, [[1]], 1], queue="control")
 
 
@@ -49,12 +65,20 @@ def test_an_inbox_carries_only_its_own_kind_of_message_from_its_own_device():
     assert accept(BOARD, "mallory", message("edgecache.record_run", report)) == Accepted(Task.RECORD_RUN, report)
     assert "names 'zero'" in accept(BOARD, "mallory", message("edgecache.record_run", {**report, "from": "zero"}))
     assert "may not come from a board" in accept(BOARD, "mallory", message("edgecache.enroll", {"device": "mallory"}))
-    assert "may not come from a board" in accept(BOARD, "mallory", message("edgecache.run_prompt", report))  # boards' own work
-    assert "may not come from a enrolling" in accept(ENROLLING, "newbie", message("edgecache.record_run", {**report, "from": "newbie"}))
+    assert "may not come from a board" in accept(
+        BOARD, "mallory", message("edgecache.run_prompt", report)
+    )  # boards' own work
+    assert "may not come from a enrolling" in accept(
+        ENROLLING, "newbie", message("edgecache.record_run", {**report, "from": "newbie"})
+    )
     assert "names 'zero'" in accept(ENROLLING, "newbie", message("edgecache.enroll", {"device": "zero"}))
-    assert accept(ENROLLING, "newbie", message("edgecache.enroll", {"device": "newbie"})) == Accepted(Task.ENROLL, {"device": "newbie"})
+    assert accept(ENROLLING, "newbie", message("edgecache.enroll", {"device": "newbie"})) == Accepted(
+        Task.ENROLL, {"device": "newbie"}
+    )
     assert "not an EdgeCache inbox message" in accept(BOARD, "mallory", message("celery.group", report))
-    assert "not an EdgeCache inbox message" in accept(BOARD, "mallory", json.dumps({"task": "edgecache.record_run", "body": report, "options": {}}).encode())
+    assert "not an EdgeCache inbox message" in accept(
+        BOARD, "mallory", json.dumps({"task": "edgecache.record_run", "body": report, "options": {}}).encode()
+    )
     assert "not an EdgeCache inbox message" in accept(BOARD, "mallory", b"\xff not json")
     assert "larger than" in accept(BOARD, "mallory", b" " * (MAX_INBOX_MESSAGE_BYTES + 1))
 
@@ -63,8 +87,8 @@ def test_a_control_worker_and_a_board_run_only_edgecaches_own_tasks():
     from celery.signals import worker_init
 
     from dashboard.celery import app
-    from inference.contract.messages import CONTROL_TASKS
     from inference.board.app import BOARD_TASKS, board_app
+    from inference.contract.messages import CONTROL_TASKS
 
     assert "celery.group" in app.tasks  # what Celery registers for every app
     worker_init.send(sender=type("Worker", (), {"app": app})())
@@ -79,13 +103,11 @@ def test_a_control_worker_and_a_board_run_only_edgecaches_own_tasks():
 
 @pytest.fixture
 def plane(settings, monkeypatch, tmp_path_factory):
-    from tests.security.test_board_acl import PASSWORD
-
     from cachebox import acl, embedded
     from dashboard import actions
     from dashboard.models import Namespace
-
     from tests.dashboard.test_dashboard import enrolled
+    from tests.security.test_board_acl import PASSWORD
 
     data_dir = tmp_path_factory.mktemp("inbox")
     port = embedded._low_free_ports(1)[0]
@@ -112,14 +134,21 @@ def plane(settings, monkeypatch, tmp_path_factory):
 def _as_board(plane, name):
     from cachebox import acl
 
-    return redis.Redis(port=plane["port"], username=acl.board_user(name), password=plane["keys"][name].redis_password, socket_timeout=5)
+    return redis.Redis(
+        port=plane["port"], username=acl.board_user(name), password=plane["keys"][name].redis_password, socket_timeout=5
+    )
 
 
 def _as_enrolling(plane, name):
     from cachebox import acl
     from inference.board.identity import enrollment_redis_password
 
-    return redis.Redis(port=plane["port"], username=acl.enroll_user(name), password=enrollment_redis_password(plane["newbie_token"]), socket_timeout=5)
+    return redis.Redis(
+        port=plane["port"],
+        username=acl.enroll_user(name),
+        password=enrollment_redis_password(plane["newbie_token"]),
+        socket_timeout=5,
+    )
 
 
 def _keys(admin) -> dict[bytes, bytes]:
@@ -131,7 +160,9 @@ def _keys(admin) -> dict[bytes, bytes]:
 def _report(plane, name: str) -> bytes:
     from tests.dashboard.test_dashboard import board_message
 
-    body = board_message(plane["keys"][name], name, Kind.REPORT, {"device": name, "request_id": str(uuid.uuid4()), "text": "x"})
+    body = board_message(
+        plane["keys"][name], name, Kind.REPORT, {"device": name, "request_id": str(uuid.uuid4()), "text": "x"}
+    )
     return json.dumps({"task": Task.RECORD_RUN.value, "body": body}).encode()
 
 
@@ -151,7 +182,11 @@ def test_the_probe_from_a_board_and_an_enrollment_user_runs_nothing_and_writes_n
     sent = []
     inbox = ControlInbox(send=lambda name, args=None, queue=None: sent.append(name))
     with caplog.at_level(logging.WARNING, logger="edgecache.security"):
-        while inbox.drain_once(wait_s=0.2) or plane["admin"].llen("ec:inbox:mallory") or plane["admin"].llen("ec:enroll:newbie"):
+        while (
+            inbox.drain_once(wait_s=0.2)
+            or plane["admin"].llen("ec:inbox:mallory")
+            or plane["admin"].llen("ec:enroll:newbie")
+        ):
             pass
     assert sent == []  # nothing handed to any task
     refused = [r.security_fields for r in caplog.records if r.getMessage() == "inbox_message_refused"]
@@ -216,11 +251,14 @@ def test_the_inboxes_are_served_round_robin_whatever_their_order(monkeypatch):
 def test_two_hundred_thousand_heartbeats_from_one_board_keep_every_other_board_online(plane):
     from dashboard.actions.devices import HeartbeatBatch
     from dashboard.models import Device
-
     from tests.dashboard.test_dashboard import heartbeat
 
     mallory, zero = _as_board(plane, "mallory"), _as_board(plane, "zero")
-    zero.psetex("ec:hb:zero", 60_000, json.dumps(heartbeat(plane["keys"]["zero"], {"model": "zero's", "heartbeat_s": 5}, device="zero")))
+    zero.psetex(
+        "ec:hb:zero",
+        60_000,
+        json.dumps(heartbeat(plane["keys"]["zero"], {"model": "zero's", "heartbeat_s": 5}, device="zero")),
+    )
     beat = json.dumps(heartbeat(plane["keys"]["mallory"], {"model": "flood", "heartbeat_s": 5}, device="mallory"))
     for start in range(0, 200_000, 10_000):  # validly signed, as fast as the server takes them
         pipe = mallory.pipeline(transaction=False)

@@ -28,8 +28,8 @@ from cachebox.store import CacheBox
 from inference.board import devices as registry
 from inference.board.enrollment import EdgeIdentity
 from inference.contract.envelope import Kind
-from inference.serving.exchange import prefix_refs
 from inference.contract.messages import RunReport, RunRequest
+from inference.serving.exchange import prefix_refs
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox, pytest.mark.model]
 
@@ -60,7 +60,6 @@ def fleet(settings, guarded, monkeypatch, make_board):
     from dashboard import actions
     from dashboard.celery import app as celery_app
     from dashboard.models import Namespace
-
     from tests.dashboard.test_dashboard import enrolled
 
     url, port = guarded
@@ -69,7 +68,11 @@ def fleet(settings, guarded, monkeypatch, make_board):
     settings.EDGECACHE_BOARD_ACL = True
     monkeypatch.setattr("dashboard.actions.identities.declare_queue", lambda device: None)  # no broker here
     sent = []
-    monkeypatch.setattr(celery_app, "send_task", lambda name, args=None, queue=None, **kwargs: sent.append({"name": name, "args": args, "queue": queue}))
+    monkeypatch.setattr(
+        celery_app,
+        "send_task",
+        lambda name, args=None, queue=None, **kwargs: sent.append({"name": name, "args": args, "queue": queue}),
+    )
     Namespace.objects.get_or_create(name=TENANT)
     boards = {}
     for name in ("honest", "liar", "victim", "auditor"):
@@ -162,8 +165,8 @@ def test_a_liar_signing_its_forgery_is_named_by_the_audit_and_quarantined(fleet,
 
     from dashboard import actions
     from dashboard.models import Device, Dispatch, EntryAudit
-    from inference.serving.audit import audit_entry
     from inference.contract.messages import AuditReport, AuditRequest
+    from inference.serving.audit import audit_entry
 
     settings.EDGECACHE_AUDIT_RATE = 1.0
     cold_x, y_text, x_name, y_name = computed_by_honest(fleet)
@@ -172,8 +175,15 @@ def test_a_liar_signing_its_forgery_is_named_by_the_audit_and_quarantined(fleet,
     ring = liar["board"].keys.ring(TENANT)
     (hx, _), (hy, y_state) = (open_entry(blob, ring, 1 << 30) for blob in liar["store"].read_entries([x_name, y_name]))
     forged = EntryHeader(
-        fingerprint=hx.fingerprint, namespace=hx.namespace, start=hx.start, end=hx.end, tokens_digest=hx.tokens_digest,
-        state_bytes=0, device=hx.device, top_ids=hy.top_ids, top_logits=hy.top_logits,
+        fingerprint=hx.fingerprint,
+        namespace=hx.namespace,
+        start=hx.start,
+        end=hx.end,
+        tokens_digest=hx.tokens_digest,
+        state_bytes=0,
+        device=hx.device,
+        top_ids=hy.top_ids,
+        top_logits=hy.top_logits,
     )
     forgery = encode_entry(forged, y_state, ring)
     liar["store"].put_entries([(x_name, forgery)], ttl=3600)
@@ -183,10 +193,22 @@ def test_a_liar_signing_its_forgery_is_named_by_the_audit_and_quarantined(fleet,
 
     # The victim's report reaches the control plane; the hit is sampled for an audit.
     victim, auditor = boards["victim"], boards["auditor"]
-    Device.objects.filter(name="auditor").update(last_seen=timezone.now(), status={"fingerprint": auditor["board"].engine.fingerprint, "heartbeat_s": 5})
+    Device.objects.filter(name="auditor").update(
+        last_seen=timezone.now(), status={"fingerprint": auditor["board"].engine.fingerprint, "heartbeat_s": 5}
+    )
     request = RunRequest(request_id=str(uuid.uuid4()), segments=[X_TEXT], max_tokens=MAX_TOKENS, namespace=TENANT)
-    Dispatch.objects.create(request_id=request.request_id, kind="run", device=victim["device"], namespace=TENANT, request=request.dump())
-    report = RunReport(device="victim", request_id=request.request_id, prompt=X_TEXT, text=served.text, tokens=served.tokens, breakdown=served.breakdown, fetched=served.fetched)
+    Dispatch.objects.create(
+        request_id=request.request_id, kind="run", device=victim["device"], namespace=TENANT, request=request.dump()
+    )
+    report = RunReport(
+        device="victim",
+        request_id=request.request_id,
+        prompt=X_TEXT,
+        text=served.text,
+        tokens=served.tokens,
+        breakdown=served.breakdown,
+        fetched=served.fetched,
+    )
     assert actions.record_run(victim["me"].seal(report, Kind.REPORT)) is not None
     [sent] = [task for task in fleet["sent"] if task["name"] == "edgecache.audit_entry"]
     assert sent["queue"] == "device.auditor"
@@ -200,8 +222,14 @@ def test_a_liar_signing_its_forgery_is_named_by_the_audit_and_quarantined(fleet,
     row = EntryAudit.objects.get(request_id=body["request_id"])
     assert (row.verdict, row.producer, row.entry, row.run_device) == ("mismatch", "liar", x_name, "victim")
     marked = Device.objects.get(name="liar")
-    assert marked.quarantined_at is not None and marked.audit_mismatches == 1 and "differs from the cold state" in marked.quarantine_reason
-    assert CacheBox(fleet["url"]).read_entries([x_name]) == [None]  # deleted (the control plane reads as the deployment)
+    assert (
+        marked.quarantined_at is not None
+        and marked.audit_mismatches == 1
+        and "differs from the cold state" in marked.quarantine_reason
+    )
+    assert CacheBox(fleet["url"]).read_entries([x_name]) == [
+        None
+    ]  # deleted (the control plane reads as the deployment)
 
     # Every entry of the liar is refused from now on: it plants the forgery again.
     liar["store"].put_entries([(x_name, forgery)], ttl=3600)

@@ -44,7 +44,6 @@ def tenants(settings, small_box, monkeypatch):
     of at most an hour; two tenants, one enrolled board each."""
     from dashboard import actions
     from dashboard.models import Namespace
-
     from tests.dashboard.test_dashboard import enrolled
 
     url, port = small_box
@@ -75,7 +74,12 @@ def board_store(tenants, name: str) -> CacheBox:
 
 
 def board_client(tenants, name: str) -> redis.Redis:
-    return redis.Redis(port=tenants["port"], username=acl.board_user(name), password=tenants["keys"][name].redis_password, socket_timeout=5)
+    return redis.Redis(
+        port=tenants["port"],
+        username=acl.board_user(name),
+        password=tenants["keys"][name].redis_password,
+        socket_timeout=5,
+    )
 
 
 def entry(namespace: str, index: int, salt: str = "") -> str:
@@ -149,8 +153,10 @@ def test_an_oversized_or_ttl_less_write_is_refused(tenants):
         "COPY": lambda: direct.copy(own, entry("globex", 2)),
         "RESTORE": lambda: direct.restore(own, 0, b"\x00"),
         "EVAL": lambda: direct.eval("return redis.call('SET', KEYS[1], 'x')", 1, own),
-        "FUNCTION LOAD": lambda: direct.function_load("#!lua name=evil\nredis.register_function('f', function() return 1 end)"),
-        "a budget of its own": lambda: direct.set(f"ec:quota:globex:{{0}}", b"0"),
+        "FUNCTION LOAD": lambda: direct.function_load(
+            "#!lua name=evil\nredis.register_function('f', function() return 1 end)"
+        ),
+        "a budget of its own": lambda: direct.set("ec:quota:globex:{0}", b"0"),
     }
     allowed = []
     for name, call in attempts.items():
@@ -160,7 +166,9 @@ def test_an_oversized_or_ttl_less_write_is_refused(tenants):
         except NoPermissionError:
             pass
     assert allowed == []
-    assert direct.psetex(own, 60_000, b"x") and 0 < direct.pttl(own) <= 60_000  # what it can send directly carries a TTL
+    assert (
+        direct.psetex(own, 60_000, b"x") and 0 < direct.pttl(own) <= 60_000
+    )  # what it can send directly carries a TTL
 
     # The control plane's own writes go through the same functions: no TTL asked, the longest allowed.
     control = CacheBox(tenants["url"])
@@ -245,7 +253,9 @@ def test_on_a_cluster_each_node_holds_a_namespace_to_its_quota(tmp_path):
             (ledger,) = [name for name in node.scan_iter(match=f"ec:quota:{namespace}:*") if not name.endswith(b":exp")]
             on_node = sum(1 for _ in node.scan_iter(match=f"ec:e:{namespace}:*"))
             assert int(node.hget(ledger, "total")) == on_node * charge <= limits.quota
-            assert on_node >= limits.quota // charge - 1  # each node filled up to its quota (entries spread by their own digest)
+            assert (
+                on_node >= limits.quota // charge - 1
+            )  # each node filled up to its quota (entries spread by their own digest)
     finally:
         cluster.stop()
 

@@ -15,18 +15,18 @@ from cachebox.signing import derive_key
 from cachebox.store import CacheBox
 from dashboard import actions
 from dashboard.models import AuditEvent, Namespace
-from inference.board import devices as registry
 from inference import board as edge
+from inference.board import devices as registry
+from inference.board.devices import DeviceRefused
 from inference.board.identity import BoardKeys
 from inference.contract.messages import RunRequest
-from inference.board.devices import DeviceRefused
-
 from tests.dashboard.test_dashboard import control_plane, register, sent_tasks, staff_client  # noqa: F401  (fixtures)
 
 
 def become(name: str, token: str, url: str):
     """Start the board ``name`` in this process as `manage.py edge` does: fresh keys, enrolled with ``token``."""
     return edge.become(name, BoardKeys.generate(), CacheBox(url), token=token, send=actions.enroll_device, timeout=5)
+
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
@@ -115,8 +115,8 @@ def test_rotate_in_the_admin_asks_first(staff_client, control_plane):
 @pytest.mark.model
 def test_boards_see_only_their_namespace_and_private_namespaces_share_nothing(control_plane, valkey_url, engine):
     """Tenants cannot read each other's entries; in a namespace that does not share, not even boards of one tenant."""
-    from inference.board.runtime import Board
     from inference.board.config import BoardConfig
+    from inference.board.runtime import Board
 
     clinic, acme = tenant("clinic", share=False), tenant("acme")
     boards = {}
@@ -135,7 +135,9 @@ def test_boards_see_only_their_namespace_and_private_namespaces_share_nothing(co
             board, _ = boards[name]
             board.catalogs.sync_all()
             other = board.run(prompt, max_tokens=2)
-            assert other.breakdown.case == "miss" and other.breakdown.decision == "catalog-miss", name  # no timing signal
+            assert other.breakdown.case == "miss" and other.breakdown.decision == "catalog-miss", (
+                name
+            )  # no timing signal
             assert other.tokens == first.tokens
         # Keys do not cross tenants: acme's board has no ring for the clinic's entries.
         assert boards["acme-1"][1].keychain().ring("clinic.dev-ward-1") is None

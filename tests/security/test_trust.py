@@ -5,7 +5,6 @@ failures; catalog bytes that claim absurd sizes; private namespaces that collide
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
@@ -14,38 +13,50 @@ import uuid
 import pytest
 import redis
 from celery import current_app
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from cachebox import acl, embedded
 from cachebox.catalog import DEFAULT_CAPACITY, DEFAULT_FP_RATE, Catalog, expected_filter_bytes, max_snapshot_bytes
 from cachebox.errors import CatalogFormatError
 from cachebox.keys import catalog_key_names, enrollment_refusal_key_name
-from dashboard.models import CacheEntry
 from cachebox.signing import private_namespace, unseal
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogReplica
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from dashboard import actions
-from dashboard.models import Device, InferenceRun
-from inference.board import devices as registry
-from inference import board as edge
+from dashboard.models import CacheEntry, Device, InferenceRun
 from dashboard.security.signing import control_plane_public_key
-from inference.contract.envelope import Kind
+from inference import board as edge
+from inference.board import devices as registry
 from inference.board.identity import BoardKeys, verify_signature
+from inference.contract.envelope import Kind
 from inference.contract.messages import RunReport, RunRequest, Task
-
-from tests.dashboard.test_dashboard import board_message, control_plane, enrolled, register, result_payload, sent_tasks, staff_client  # noqa: F401  (fixtures)
+from tests.dashboard.test_dashboard import (  # noqa: F401  (fixtures)
+    board_message,
+    control_plane,
+    enrolled,
+    register,
+    result_payload,
+    sent_tasks,
+    staff_client,
+)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.cachebox]
 
 
 def security_events(caplog, name: str) -> list[dict]:
-    return [record.security_fields for record in caplog.records if record.name == "edgecache.security" and record.getMessage() == name]
+    return [
+        record.security_fields
+        for record in caplog.records
+        if record.name == "edgecache.security" and record.getMessage() == name
+    ]
 
 
 # -- 1. no secret on the wire, in Redis or in the database ------------------------------------
 def test_broker_messages_carry_no_token_and_are_signed_by_the_board(control_plane, valkey_url):
     device, token = register("dev-a")
-    me = edge.become("dev-a", BoardKeys.generate(), CacheBox(valkey_url), token=token, send=actions.enroll_device, timeout=5)
+    me = edge.become(
+        "dev-a", BoardKeys.generate(), CacheBox(valkey_url), token=token, send=actions.enroll_device, timeout=5
+    )
     client = redis.Redis.from_url(valkey_url)
     client.delete("ec:inbox:dev-a")
     current_app.conf.broker_url = valkey_url
@@ -54,10 +65,14 @@ def test_broker_messages_carry_no_token_and_are_signed_by_the_board(control_plan
     raw = client.lrange("ec:inbox:dev-a", 0, -1)  # the board's own inbox, the only list it may write
     assert len(raw) == 1 and token.encode() not in raw[0]  # what `LRANGE ec:inbox:dev-a` shows
     message = json.loads(raw[0])
-    assert set(message) == {"task", "body"} and message["task"] == Task.RECORD_RUN  # names no Celery task: the inbox does
+    assert (
+        set(message) == {"task", "body"} and message["task"] == Task.RECORD_RUN
+    )  # names no Celery task: the inbox does
     payload = message["body"]
     assert "token" not in payload and "hello" not in json.dumps(payload)  # the answer is sealed
-    assert payload["from"] == "dev-a" and payload["kind"] == "report" and payload["sealed"] and payload["id"] == request_id
+    assert (
+        payload["from"] == "dev-a" and payload["kind"] == "report" and payload["sealed"] and payload["id"] == request_id
+    )
     device.refresh_from_db()
     assert verify_signature(payload, device.signing_public_key)
     assert not verify_signature({**payload, "to": "somewhere"}, device.signing_public_key)
@@ -71,34 +86,71 @@ def test_a_redis_dump_or_a_database_dump_alone_opens_no_key_ring(control_plane, 
     device, token = register("dev-a")
     board = enrolled(device, token)
     record = json.loads(CacheBox(valkey_url).get_device_record("dev-a"))
-    assert token not in json.dumps(record) and record["keyring"] and not record["token_sha256"]  # spent: no longer published
+    assert (
+        token not in json.dumps(record) and record["keyring"] and not record["token_sha256"]
+    )  # spent: no longer published
     row = Device.objects.filter(name="dev-a").values().get()
     assert token not in json.dumps(row, default=str) and row["enroll_key"] == ""  # spent at enrollment
     # Everything 32-byte-like in the database row, tried as the key that opens the sealed ring: nothing opens it.
     for value in row.values():
         if isinstance(value, str) and len(value) == 64:
             with pytest.raises(ValueError, match="cannot open"):
-                unseal(record["keyring"], X25519PrivateKey.from_private_bytes(bytes.fromhex(value)), "dev-a", control_plane_public_key())
-    assert unseal(record["keyring"], board.box, "dev-a", control_plane_public_key()).namespace == "default"  # only the board's own key does
+                unseal(
+                    record["keyring"],
+                    X25519PrivateKey.from_private_bytes(bytes.fromhex(value)),
+                    "dev-a",
+                    control_plane_public_key(),
+                )
+    assert (
+        unseal(record["keyring"], board.box, "dev-a", control_plane_public_key()).namespace == "default"
+    )  # only the board's own key does
 
 
 # -- 2. a board answers only for its own work ---------------------------------------------------
-def test_a_board_cannot_answer_for_another_board(control_plane, sent_tasks, caplog):  # the run is recorded as sent, not sent
+def test_a_board_cannot_answer_for_another_board(
+    control_plane, sent_tasks, caplog
+):  # the run is recorded as sent, not sent
     device_a, token_a = register("dev-a")
     device_b, token_b = register("dev-b")
     board_a, board_b = enrolled(device_a, token_a), enrolled(device_b, token_b)
-    sent = actions.dispatch_run(None, [device_b], actions.run_request(segments=["Q: capital of France?"], max_tokens=2, title="probe"))
+    sent = actions.dispatch_run(
+        None, [device_b], actions.run_request(segments=["Q: capital of France?"], max_tokens=2, title="probe")
+    )
     request_id = sent[0]["request_id"]
-    forged = board_message(board_a, "dev-a", Kind.REPORT, {"device": "dev-a", "request_id": request_id, "text": "FAKE ANSWER FROM A"})
+    forged = board_message(
+        board_a, "dev-a", Kind.REPORT, {"device": "dev-a", "request_id": request_id, "text": "FAKE ANSWER FROM A"}
+    )
     with caplog.at_level(logging.INFO, logger="edgecache.security"):
         assert actions.record_run(forged) is None
         # Claiming to be dev-b does not help: the signature is dev-a's.
-        assert actions.record_run(board_message(board_a, "dev-b", Kind.REPORT, {"device": "dev-b", "request_id": request_id, "text": "FAKE ANSWER FROM A"})) is None
-        assert actions.record_run(board_message(board_a, "dev-a", Kind.REPORT, {"device": "dev-b", "request_id": request_id, "text": "FAKE ANSWER FROM A"})) is None
+        assert (
+            actions.record_run(
+                board_message(
+                    board_a,
+                    "dev-b",
+                    Kind.REPORT,
+                    {"device": "dev-b", "request_id": request_id, "text": "FAKE ANSWER FROM A"},
+                )
+            )
+            is None
+        )
+        assert (
+            actions.record_run(
+                board_message(
+                    board_a,
+                    "dev-a",
+                    Kind.REPORT,
+                    {"device": "dev-b", "request_id": request_id, "text": "FAKE ANSWER FROM A"},
+                )
+            )
+            is None
+        )
         # Nor does answering a request nobody dispatched.
         assert actions.record_run(result_payload(device_a, board_a, dispatched=False)) is None
     assert security_events(caplog, "report_refused") and security_events(caplog, "board_message_refused")
-    real = actions.record_run(board_message(board_b, "dev-b", Kind.REPORT, {"device": "dev-b", "request_id": request_id, "text": " Paris"}))
+    real = actions.record_run(
+        board_message(board_b, "dev-b", Kind.REPORT, {"device": "dev-b", "request_id": request_id, "text": " Paris"})
+    )
     assert real is not None and InferenceRun.objects.get(request_id=request_id).text == " Paris"
 
 
@@ -112,7 +164,14 @@ def test_fake_uploads_are_not_mirrored_and_staff_verbs_touch_only_entries(contro
     real = f"ec:e:default:{fingerprint}:{{{'ab' * 16}}}"
     uploads = [
         {"name": "ec:device:dev-b", "namespace": "default", "model": fingerprint, "start": 0, "end": 5, "bytes": 10},
-        {"name": f"ec:e:other-tenant:{fingerprint}:{{{'cd' * 16}}}", "namespace": "other-tenant", "model": fingerprint, "start": 0, "end": 5, "bytes": 10},
+        {
+            "name": f"ec:e:other-tenant:{fingerprint}:{{{'cd' * 16}}}",
+            "namespace": "other-tenant",
+            "model": fingerprint,
+            "start": 0,
+            "end": 5,
+            "bytes": 10,
+        },
         {"name": real, "namespace": "default", "model": fingerprint, "start": 0, "end": 5, "bytes": 10},
     ]
     with caplog.at_level(logging.INFO, logger="edgecache.security"):
@@ -142,7 +201,14 @@ def test_a_board_refuses_a_forged_master_snapshot_logs_it_and_drops_it(valkey_ur
     replica = CatalogReplica(store, namespace)
     replica.sync()
     params = json.dumps({"capacity": 10**11, "fp_rate": 0.01}).encode()
-    store.redis.hset(catalog_key_names(namespace)["snapshot"], mapping={"bloom": b"ECB1" + len(params).to_bytes(4, "little") + params + b"\0" * 64, "last_id": "0", "epoch": replica.epoch})
+    store.redis.hset(
+        catalog_key_names(namespace)["snapshot"],
+        mapping={
+            "bloom": b"ECB1" + len(params).to_bytes(4, "little") + params + b"\0" * 64,
+            "last_id": "0",
+            "epoch": replica.epoch,
+        },
+    )
     with caplog.at_level(logging.INFO, logger="edgecache.security"):
         CatalogReplica(store, namespace).sync()  # a fresh board meets it
     assert security_events(caplog, "catalog_refused")
@@ -153,7 +219,9 @@ def test_a_board_refuses_a_forged_master_snapshot_logs_it_and_drops_it(valkey_ur
 def _board_store(store: CacheBox, url: str, name: str, namespace: str) -> CacheBox:
     """The cache box as board ``name`` reaches it: its own ACL user (``cachebox.acl.board_rules``)."""
     password = uuid.uuid4().hex
-    store.set_user(acl.board_user(name), acl.board_rules(name, namespace, hashlib.sha256(password.encode()).hexdigest()))
+    store.set_user(
+        acl.board_user(name), acl.board_rules(name, namespace, hashlib.sha256(password.encode()).hexdigest())
+    )
     return CacheBox(acl.with_credentials(url, acl.board_user(name), password))
 
 
@@ -179,16 +247,22 @@ def test_a_board_refuses_an_oversized_master_snapshot_without_fetching_it(valkey
         epoch = store.redis.get(catalog_key_names(namespace)["epoch"]).decode()
         planted = _planted_snapshot(30_000_000)
         assert len(planted) > 25 * max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE)
-        mallory.redis.hset(catalog_key_names(namespace)["snapshot"], mapping={"bloom": planted, "last_id": "0", "epoch": epoch})  # its ACL allows it
+        mallory.redis.hset(
+            catalog_key_names(namespace)["snapshot"], mapping={"bloom": planted, "last_id": "0", "epoch": epoch}
+        )  # its ACL allows it
         before = _bytes_sent(store)
         with caplog.at_level(logging.INFO, logger="edgecache.security"):
             fresh = CatalogReplica(_board_store(store, valkey_url, board, namespace), namespace)
             fresh.sync()  # a board (re)starting meets it
         sent = _bytes_sent(store) - before
-        assert sent < max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE), f"the board fetched {sent} bytes of a {len(planted)}-byte snapshot"
+        assert sent < max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE), (
+            f"the board fetched {sent} bytes of a {len(planted)}-byte snapshot"
+        )
         refusal = security_events(caplog, "catalog_refused")
         assert refusal and "not fetched" in refusal[0]["reason"], refusal
-        assert not store.redis.exists(catalog_key_names(namespace)["snapshot"])  # dropped: no other board or page meets it
+        assert not store.redis.exists(
+            catalog_key_names(namespace)["snapshot"]
+        )  # dropped: no other board or page meets it
 
         # A snapshot of the namespace's own size is still read, through the board's own ACL user.
         writer = CatalogReplica(mallory, namespace)
@@ -212,13 +286,17 @@ def test_the_cache_page_never_fetches_an_oversized_master_snapshot(staff_client,
     settings.EDGECACHE_NAMESPACE = namespace  # the page lists this namespace's master catalog
     epoch = store.catalog_epoch(namespace, uuid.uuid4().hex)
     planted = _planted_snapshot(30_000_000)
-    store.redis.hset(catalog_key_names(namespace)["snapshot"], mapping={"bloom": planted, "last_id": "0", "epoch": epoch})
+    store.redis.hset(
+        catalog_key_names(namespace)["snapshot"], mapping={"bloom": planted, "last_id": "0", "epoch": epoch}
+    )
     try:
         before = _bytes_sent(store)
         page = staff_client.get("/cache/")
         sent = _bytes_sent(store) - before
         assert page.status_code == 200
-        assert sent < 2 * max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE), f"the page fetched {sent} bytes of a {len(planted)}-byte snapshot"
+        assert sent < 2 * max_snapshot_bytes(DEFAULT_CAPACITY, DEFAULT_FP_RATE), (
+            f"the page fetched {sent} bytes of a {len(planted)}-byte snapshot"
+        )
         assert "snapshot refused (not read)" in page.content.decode()
     finally:
         store.flush(namespace)
@@ -240,14 +318,20 @@ def test_a_forged_enrollment_for_an_enrolled_device_changes_no_record(control_pl
     after = control_plane.get_device_record("dev-a")
     assert after == before, "the device's record was re-published"
     assert attacker.signing_public_key.encode() not in after
-    assert registry.authenticate(control_plane, "dev-a", board).signing_key == board.signing_public_key  # the real board carries on
+    assert (
+        registry.authenticate(control_plane, "dev-a", board).signing_key == board.signing_public_key
+    )  # the real board carries on
 
     # The note: signed by the control plane, for that key only, expiring; readable by the enrollment user and nobody else's.
     note_key = enrollment_refusal_key_name("dev-a", attacker.signing_public_key)
     assert 0 < control_plane.redis.ttl(note_key) <= registry.ENROLLMENT_REFUSAL_TTL_S
     password = uuid.uuid4().hex
-    control_plane.set_user(acl.enroll_user("dev-a"), acl.enroll_rules("dev-a", hashlib.sha256(password.encode()).hexdigest()))
-    control_plane.set_user(acl.enroll_user("dev-b"), acl.enroll_rules("dev-b", hashlib.sha256(password.encode()).hexdigest()))
+    control_plane.set_user(
+        acl.enroll_user("dev-a"), acl.enroll_rules("dev-a", hashlib.sha256(password.encode()).hexdigest())
+    )
+    control_plane.set_user(
+        acl.enroll_user("dev-b"), acl.enroll_rules("dev-b", hashlib.sha256(password.encode()).hexdigest())
+    )
     try:
         as_enroller = CacheBox(acl.with_credentials(valkey_url, acl.enroll_user("dev-a"), password))
         assert "already used to enroll" in registry.enrollment_refused(as_enroller, "dev-a", attacker)
@@ -256,7 +340,11 @@ def test_a_forged_enrollment_for_an_enrolled_device_changes_no_record(control_pl
         with pytest.raises(redis.exceptions.NoPermissionError):
             other.get(note_key)
         # A note not signed by the pinned control plane says nothing.
-        control_plane.set_flag(note_key, 60, json.dumps({"name": "dev-a", "signing_key": attacker.signing_public_key, "reason": "forged"}).encode())
+        control_plane.set_flag(
+            note_key,
+            60,
+            json.dumps({"name": "dev-a", "signing_key": attacker.signing_public_key, "reason": "forged"}).encode(),
+        )
         assert registry.enrollment_refused(as_enroller, "dev-a", attacker) is None
     finally:
         control_plane.delete_user(acl.enroll_user("dev-a"))
@@ -295,7 +383,6 @@ def test_the_board_task_sends_its_report_signed_and_sealed_onto_its_own_inbox(mo
     """The task path: ``report`` signs with the board's key whatever message it is given, seals it,
     and pushes it onto the board's own inbox (no Celery task, no queue of the control plane's)."""
     from inference.board import outbox
-
     from tests.inference.test_edge import board_identity
 
     me = board_identity("dev-a")
@@ -329,7 +416,9 @@ PROMPT = "".join(f"Line {i}: the tide comes in and the tide goes out. " for i in
 def test_a_full_cache_box_refusing_writes_loses_no_answer(small_valkey, make_board):
     """Valkey at maxmemory with entries it may not evict (no TTL): SET answers OOM after the answer is computed."""
     board = make_board(small_valkey, "oom", entry_ttl=None)
-    request = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": [PROMPT], "max_tokens": 4, "namespace": "oom"})
+    request = RunRequest.parse(
+        {"request_id": str(uuid.uuid4()), "segments": [PROMPT], "max_tokens": 4, "namespace": "oom"}
+    )
     report = edge.serve(board, request)  # raised OutOfMemoryError before: no report, the run lost
     assert report.error == "" and report.text and report.breakdown.cachebox == "unavailable"
     assert report.uploaded == [] and report.breakdown.uploaded_bytes == 0
@@ -347,7 +436,9 @@ def test_a_key_of_the_wrong_type_is_a_miss_not_a_lost_run(valkey_url, namespace,
         store.redis.rpush(name, "not an entry")  # WRONGTYPE for GETRANGE/GET
     second = make_board(valkey_url, namespace, device="dev-b")
     second.catalogs.sync_all()
-    request = RunRequest.parse({"request_id": str(uuid.uuid4()), "segments": [PROMPT], "max_tokens": 4, "namespace": namespace})
+    request = RunRequest.parse(
+        {"request_id": str(uuid.uuid4()), "segments": [PROMPT], "max_tokens": 4, "namespace": namespace}
+    )
     report = edge.serve(second, request)
     assert report.error == "" and report.tokens == cold.tokens
     assert report.breakdown.cachebox == "unavailable" and report.breakdown.decision == "cachebox-unavailable"

@@ -28,12 +28,11 @@ from django.utils import timezone
 from kombu.exceptions import OperationalError
 
 from dashboard.celery import app as celery_app
-from dashboard.live.consumers import LiveConsumer
 from dashboard.live.broadcast import broadcast
+from dashboard.live.consumers import LiveConsumer
 from dashboard.management.commands import run as run_command
 from dashboard.models import Device, InferenceRun, Membership, Namespace
 from inference.board.app import celery_settings
-
 from tests.conftest import ROOT, run_manage
 from tests.dashboard.test_dashboard import TRAVEL, control_plane, sent_tasks, staff_client  # noqa: F401  (fixtures)
 
@@ -46,8 +45,24 @@ def device(name: str, namespace: str = "default", **fields) -> Device:
 
 
 def a_run(dev: Device, ttft_ms: float = 50.0) -> InferenceRun:
-    breakdown = {"case": "full", "ttft_ms": ttft_ms, "ttlt_ms": ttft_ms + 10, "prompt_tokens": 100, "matched_tokens": 100, "prefill_ms": 0.0, "redis_ms": 5.0}
-    return InferenceRun.objects.create(device=dev, title=f"run on {dev.name}", breakdown=breakdown, case="full", ttft_ms=ttft_ms, prompt_tokens=100, matched_tokens=100)
+    breakdown = {
+        "case": "full",
+        "ttft_ms": ttft_ms,
+        "ttlt_ms": ttft_ms + 10,
+        "prompt_tokens": 100,
+        "matched_tokens": 100,
+        "prefill_ms": 0.0,
+        "redis_ms": 5.0,
+    }
+    return InferenceRun.objects.create(
+        device=dev,
+        title=f"run on {dev.name}",
+        breakdown=breakdown,
+        case="full",
+        ttft_ms=ttft_ms,
+        prompt_tokens=100,
+        matched_tokens=100,
+    )
 
 
 def member_of(django_user_model, username: str, *namespaces: str):
@@ -87,19 +102,25 @@ def test_a_member_sees_only_the_devices_and_runs_of_their_namespaces(control_pla
     assert "globex" not in home.content.decode()
 
     listing = bob.get(reverse("devices"))
-    assert [s["device"].name for s in listing.context["summaries"]] == ["acme-1"] and "globex" not in listing.content.decode()
+    assert [s["device"].name for s in listing.context["summaries"]] == [
+        "acme-1"
+    ] and "globex" not in listing.content.decode()
     assert bob.get(reverse("device-detail", args=["acme-1"])).status_code == 200
     assert bob.get(reverse("device-detail", args=["globex-1"])).status_code == 404  # as if it did not exist
     assert bob.get(reverse("device-breakeven", args=["globex-1"])).status_code == 404
 
     run_page = bob.get(reverse("run"))
     assert [d.name for d in run_page.context["form"].fields["devices"].queryset] == ["acme-1"]
-    assert [run.device.name for run in run_page.context["runs"]] == ["acme-1"] and "globex" not in run_page.content.decode()
+    assert [run.device.name for run in run_page.context["runs"]] == [
+        "acme-1"
+    ] and "globex" not in run_page.content.decode()
 
 
 @pytest.mark.cachebox
 @pytest.mark.django_db
-def test_staff_see_every_namespace_and_a_user_without_membership_sees_none(control_plane, tenants, staff_client, django_user_model):
+def test_staff_see_every_namespace_and_a_user_without_membership_sees_none(
+    control_plane, tenants, staff_client, django_user_model
+):
     home = staff_client.get(reverse("home"))
     assert [s["device"].name for s in home.context["summaries"]] == ["acme-1", "globex-1"]
     assert staff_client.get(reverse("device-detail", args=["globex-1"])).status_code == 200
@@ -113,17 +134,27 @@ def test_staff_see_every_namespace_and_a_user_without_membership_sees_none(contr
 
 @pytest.mark.cachebox
 @pytest.mark.django_db
-def test_a_run_naming_another_tenants_device_is_refused_with_a_form_error(control_plane, tenants, sent_tasks, django_user_model):
+def test_a_run_naming_another_tenants_device_is_refused_with_a_form_error(
+    control_plane, tenants, sent_tasks, django_user_model
+):
     acme, globex = tenants
     bob = logged_in(member_of(django_user_model, "bob", "acme"))
     form = {"source": "text", "text": "Hello", "max_tokens": 4, "use_cache": "on"}
 
     refused = bob.post(reverse("run"), {**form, "devices": [globex.pk]}, HTTP_ACCEPT="application/json")
-    assert refused.status_code == 400 and "not one of the available choices" in refused.json()["errors"]["devices"][0]["message"]
+    assert (
+        refused.status_code == 400
+        and "not one of the available choices" in refused.json()["errors"]["devices"][0]["message"]
+    )
     page = bob.post(reverse("run"), {**form, "devices": [acme.pk, globex.pk]})
     assert page.status_code == 400 and "devices" in page.context["form"].errors
-    other_namespace = bob.post(reverse("run"), {**form, "devices": [acme.pk], "namespace": "globex"}, HTTP_ACCEPT="application/json")
-    assert other_namespace.status_code == 400 and "not one of yours" in other_namespace.json()["errors"]["namespace"][0]["message"]
+    other_namespace = bob.post(
+        reverse("run"), {**form, "devices": [acme.pk], "namespace": "globex"}, HTTP_ACCEPT="application/json"
+    )
+    assert (
+        other_namespace.status_code == 400
+        and "not one of yours" in other_namespace.json()["errors"]["namespace"][0]["message"]
+    )
     assert sent_tasks == []
 
     sent = bob.post(reverse("run"), {**form, "devices": [acme.pk]}, HTTP_ACCEPT="application/json")
@@ -137,7 +168,10 @@ def test_memberships_are_managed_in_the_user_admin(control_plane, staff_client, 
     staff_client.user.save()
     bob = member_of(django_user_model, "bob", "acme")
     page = staff_client.get(reverse("admin:auth_user_change", args=[bob.pk]))
-    assert page.status_code == 200 and "namespaces this user sees (staff see every namespace)" in page.content.decode().lower()
+    assert (
+        page.status_code == 200
+        and "namespaces this user sees (staff see every namespace)" in page.content.decode().lower()
+    )
     assert staff_client.get(reverse("admin:dashboard_membership_changelist")).status_code == 200
 
 
@@ -181,7 +215,10 @@ def test_live_events_reach_only_pages_that_may_see_their_device(control_plane, d
     bob_got, alice_got, bob_after = async_to_sync(scenario)()
     assert bob_got == {"event": "run", "data": {"device": "acme-1", "text": "acme answer"}}
     assert [event["event"] for event in alice_got] == ["run", "encode.progress", "device", "run"]
-    assert [(event["event"], event["data"].get("device") or event["data"].get("name")) for event in bob_after] == [("device", "globex-1"), ("run", "globex-1")]
+    assert [(event["event"], event["data"].get("device") or event["data"].get("name")) for event in bob_after] == [
+        ("device", "globex-1"),
+        ("run", "globex-1"),
+    ]
 
 
 # -- 2. no token characters after creation ------------------------------------------------------------
@@ -252,7 +289,9 @@ HTTPS_WARNINGS = ("security.W004", "security.W008", "security.W012", "security.W
 @pytest.mark.processes
 def test_https_settings_pass_the_deploy_check(tmp_path):
     plain = run_manage("check", "--deploy", env=_production_env(tmp_path), unset=("DJANGO_DEBUG", "EDGECACHE_HTTPS"))
-    assert all(code in plain.stderr.decode() + plain.stdout.decode() for code in HTTPS_WARNINGS)  # the default: plain HTTP
+    assert all(
+        code in plain.stderr.decode() + plain.stdout.decode() for code in HTTPS_WARNINGS
+    )  # the default: plain HTTP
 
     https = run_manage("check", "--deploy", env=_production_env(tmp_path, EDGECACHE_HTTPS="1"), unset=("DJANGO_DEBUG",))
     output = https.stderr.decode() + https.stdout.decode()
@@ -262,8 +301,15 @@ def test_https_settings_pass_the_deploy_check(tmp_path):
 
 def test_behind_a_proxy_the_forwarded_scheme_is_trusted(tmp_path):
     code = "from django.conf import settings as s; print(s.SECURE_PROXY_SSL_HEADER, s.SECURE_HSTS_SECONDS, s.SECURE_SSL_REDIRECT)"
-    shown = run_manage("shell", "-c", code, env=_production_env(tmp_path, EDGECACHE_HTTPS="1", EDGECACHE_BEHIND_PROXY="1", EDGECACHE_HSTS_SECONDS="600"))
-    assert shown.stdout.decode().splitlines()[-1] == "('HTTP_X_FORWARDED_PROTO', 'https') 600 True", shown.stderr.decode()
+    shown = run_manage(
+        "shell",
+        "-c",
+        code,
+        env=_production_env(tmp_path, EDGECACHE_HTTPS="1", EDGECACHE_BEHIND_PROXY="1", EDGECACHE_HSTS_SECONDS="600"),
+    )
+    assert shown.stdout.decode().splitlines()[-1] == "('HTTP_X_FORWARDED_PROTO', 'https') 600 True", (
+        shown.stderr.decode()
+    )
 
 
 # -- 5. secret files appear whole ----------------------------------------------------------------------
@@ -287,10 +333,16 @@ ROUNDS = 4
 def test_processes_starting_together_read_the_same_complete_secrets(tmp_path):
     """40 processes create the secrets at the same moment, on 4 fresh folders in turn: every
     process must read the same, complete secrets (touch-then-write let some read an empty one)."""
-    env = {key: value for key, value in os.environ.items() if key not in ("DJANGO_SECRET_KEY", "EDGECACHE_SIGNING_SECRET", "DATABASE_URL")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("DJANGO_SECRET_KEY", "EDGECACHE_SIGNING_SECRET", "DATABASE_URL")
+    }
     start = time.time() + 12  # every process has imported what it needs by then, and they race
     command = [sys.executable, "-c", SECRET_PROBE, str(start), str(tmp_path), str(ROUNDS)]
-    processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(40)]
+    processes = [
+        subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(40)
+    ]
     results = [process.communicate(timeout=180) for process in processes]
     failures = [err.decode()[-300:] for process, (_, err) in zip(processes, results) if process.returncode != 0]
     assert not failures, failures
@@ -310,7 +362,12 @@ def _manage_with_umask(*args: str, home) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "DATABASE_URL"}  # the SQLite default
     env["EDGECACHE_HOME"] = str(home)
     return subprocess.run(
-        [sys.executable, str(ROOT / "manage.py"), *args], cwd=ROOT, env=env, capture_output=True, timeout=180, preexec_fn=lambda: os.umask(0o022)
+        [sys.executable, str(ROOT / "manage.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=180,
+        preexec_fn=lambda: os.umask(0o022),
     )
 
 
@@ -345,7 +402,7 @@ def test_an_existing_more_open_database_and_folder_are_closed_down(tmp_path):
 @pytest.fixture
 def dead_broker(monkeypatch):
     """The control plane's Celery app pointed at a port nothing listens on (kombu raises OperationalError)."""
-    from dashboard.actions import runs, schemas
+    from dashboard.actions import runs
 
     app = Celery("dead-broker", set_as_current=False)
     app.conf.update(celery_settings(DEAD_BROKER))
@@ -354,7 +411,13 @@ def dead_broker(monkeypatch):
 
 
 def run_form(*devices: Device) -> dict:
-    return {"devices": [d.pk for d in devices], "source": "text", "text": "Hello there", "max_tokens": 4, "use_cache": "on"}
+    return {
+        "devices": [d.pk for d in devices],
+        "source": "text",
+        "text": "Hello there",
+        "max_tokens": 4,
+        "use_cache": "on",
+    }
 
 
 @pytest.mark.cachebox
@@ -365,14 +428,18 @@ def test_a_run_while_the_broker_is_down_answers_503_json_with_what_to_do(control
     assert response.status_code == 503 and response["Content-Type"] == "application/json"
     assert int(response["Retry-After"]) > 0 and response.json()["retry_after"] == int(response["Retry-After"])
     message = response.json()["errors"]["__all__"][0]["message"]  # where the page's script shows errors
-    assert "message broker" in message and "not reachable" in message and "make run" in message and "REDIS_URL" in message
+    assert (
+        "message broker" in message and "not reachable" in message and "make run" in message and "REDIS_URL" in message
+    )
     assert "nothing was sent" in message and control_plane.safe_url in message
     assert response.json()["dispatched"] == []
 
 
 @pytest.mark.cachebox
 @pytest.mark.django_db
-def test_a_run_while_the_broker_is_down_answers_503_html_with_the_form_as_sent(control_plane, staff_client, dead_broker):
+def test_a_run_while_the_broker_is_down_answers_503_html_with_the_form_as_sent(
+    control_plane, staff_client, dead_broker
+):
     zero = device("zero")
     page = staff_client.post(reverse("run"), run_form(zero))
     assert page.status_code == 503 and page["Retry-After"]
@@ -394,7 +461,9 @@ def test_a_broker_failing_midway_says_which_devices_got_the_run(control_plane, s
     monkeypatch.setattr(celery_app, "send_task", send_once)
     response = staff_client.post(reverse("run"), run_form(pi5, zero), HTTP_ACCEPT="application/json")
     assert response.status_code == 503
-    first, second = [d.name for d in Device.objects.filter(pk__in=[zero.pk, pi5.pk]).order_by("name")]  # the form's order
+    first, second = [
+        d.name for d in Device.objects.filter(pk__in=[zero.pk, pi5.pk]).order_by("name")
+    ]  # the form's order
     assert f"sent to {first} only; not sent to {second}" in response.json()["errors"]["__all__"][0]["message"]
     assert [item["device"] for item in response.json()["dispatched"]] == [first]
 
@@ -412,12 +481,19 @@ def test_encoding_while_the_broker_is_down_answers_503(control_plane, staff_clie
     assert as_json.status_code == 503 and as_json["Retry-After"]
     assert "nothing was sent" in as_json.json()["errors"]["__all__"][0]["message"]
     page = staff_client.post(url, {"devices": [zero.pk]})
-    assert page.status_code == 503 and "not reachable" in page.content.decode() and schema.get_absolute_url() in page.content.decode()
+    assert (
+        page.status_code == 503
+        and "not reachable" in page.content.decode()
+        and schema.get_absolute_url() in page.content.decode()
+    )
 
 
 # -- 8. the first admin's password ---------------------------------------------------------------------
 @pytest.mark.django_db
-@pytest.mark.parametrize("weak, reason", [("abc12", "too short"), ("password123", "too common"), ("admin2024", "too similar to the username")])
+@pytest.mark.parametrize(
+    "weak, reason",
+    [("abc12", "too short"), ("password123", "too common"), ("admin2024", "too similar to the username")],
+)
 def test_a_weak_admin_password_is_refused_with_the_validators_messages(weak, reason):
     with pytest.raises(CommandError, match=reason) as refused:
         run_command.checked_admin_password(weak)
@@ -440,7 +516,6 @@ def test_run_stops_on_a_weak_admin_password_before_starting_anything(monkeypatch
         call_command("run", "--no-boards", "--port", "1")
 
 
-
 def test_static_files_are_served_on_the_async_path_without_a_thread_hop_per_request():
     """WhiteNoise's own middleware is sync only: Django then ran every request, the API's too,
     through a worker thread and back. Ours is called on the event loop for async requests."""
@@ -461,4 +536,7 @@ def test_static_files_are_served_on_the_async_path_without_a_thread_hop_per_requ
     assert static.status_code == 200 and static["Content-Type"].startswith("text/css")
     passed_on = asyncio.run(middleware(RequestFactory().get("/v1/models")))
     assert passed_on.content == b"the view"
-    assert AsyncWhiteNoiseMiddleware(lambda request: HttpResponse(b"sync view"))(RequestFactory().get("/")).content == b"sync view"
+    assert (
+        AsyncWhiteNoiseMiddleware(lambda request: HttpResponse(b"sync view"))(RequestFactory().get("/")).content
+        == b"sync view"
+    )

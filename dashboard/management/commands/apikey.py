@@ -20,7 +20,13 @@ class Command(BaseCommand):
         create = verbs.add_parser("create", help="make a key (printed once)")
         create.add_argument("--namespace", required=True, help="the namespace (tenant) whose boards the key reaches")
         create.add_argument("--name", default="", help="what the key is for (shown in lists and in its runs' titles)")
-        create.add_argument("--rate", type=int, default=None, metavar="N", help="requests per minute (default EDGECACHE_API_RATE, 60; 0: no limit)")
+        create.add_argument(
+            "--rate",
+            type=int,
+            default=None,
+            metavar="N",
+            help="requests per minute (default EDGECACHE_API_RATE, 60; 0: no limit)",
+        )
         verbs.add_parser("list", help="every key: id, first characters, name, namespace, rate, last use, revoked")
         revoke = verbs.add_parser("revoke", help="refuse a key from its next request on")
         revoke.add_argument("id", type=int, help="the key's id (from `apikey list`)")
@@ -46,12 +52,16 @@ class Command(BaseCommand):
         if not rows:
             self.stdout.write("no API keys; make one with `python manage.py apikey create --namespace NAME`")
             return
-        self.stdout.write(f"{'id':>4}  {'key':<12} {'namespace':<16} {'rate/min':>8}  {'last used':<20} {'state':<8} name")
+        self.stdout.write(
+            f"{'id':>4}  {'key':<12} {'namespace':<16} {'rate/min':>8}  {'last used':<20} {'state':<8} name"
+        )
         for row in rows:
             last = row.last_used.strftime("%Y-%m-%d %H:%M:%S") if row.last_used else "never"
             state = "revoked" if row.revoked_at else "active"
             rate = row.rate() or "none"
-            self.stdout.write(f"{row.pk:>4}  {row.key_prefix + '…':<12} {row.namespace_id:<16} {rate!s:>8}  {last:<20} {state:<8} {row.name}")
+            self.stdout.write(
+                f"{row.pk:>4}  {row.key_prefix + '…':<12} {row.namespace_id:<16} {rate!s:>8}  {last:<20} {state:<8} {row.name}"
+            )
 
     def _revoke(self, id, **_):
         row = ApiKey.objects.filter(pk=id).first()

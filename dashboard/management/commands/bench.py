@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from dashboard import mmlu
-from dashboard.bench.base import BenchError
-
 from dashboard import bench as registry
+from dashboard import mmlu
 from dashboard.bench import runner
+from dashboard.bench.base import BenchError
 
 
 class Command(BaseCommand):

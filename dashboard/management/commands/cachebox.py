@@ -23,7 +23,10 @@ class Command(BaseCommand):
         flush.add_argument("--namespace", help="only this namespace (default: every namespace)")
         flush.add_argument("--model", help="only this model fingerprint")
         flush.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-        sub.add_parser("cluster-start", help="start a 3-master Valkey Cluster on loopback to try EDGECACHE_CACHEBOX_URL with (no-op when running)")
+        sub.add_parser(
+            "cluster-start",
+            help="start a 3-master Valkey Cluster on loopback to try EDGECACHE_CACHEBOX_URL with (no-op when running)",
+        )
         sub.add_parser("cluster-stop", help="stop that cluster")
 
     def handle(self, *args, action, **options):
@@ -48,11 +51,17 @@ class Command(BaseCommand):
                 )
             except CacheBoxUnavailable as exc:
                 raise CommandError(str(exc))
-            self.stdout.write(f"embedded cache box running at {CacheBox(settings.REDIS_URL).safe_url} (data in {settings.EDGECACHE_EMBEDDED_DIR})")
+            self.stdout.write(
+                f"embedded cache box running at {CacheBox(settings.REDIS_URL).safe_url} (data in {settings.EDGECACHE_EMBEDDED_DIR})"
+            )
 
     def do_stop(self, **options):
         if self._embedded_only("stop"):
-            stopped = embedded.stop(settings.EDGECACHE_EMBEDDED_DIR, settings.EDGECACHE_EMBEDDED_PORT, password=settings.EDGECACHE_EMBEDDED_PASSWORD)
+            stopped = embedded.stop(
+                settings.EDGECACHE_EMBEDDED_DIR,
+                settings.EDGECACHE_EMBEDDED_PORT,
+                password=settings.EDGECACHE_EMBEDDED_PASSWORD,
+            )
             self.stdout.write("embedded cache box stopped" if stopped else "embedded cache box was not running")
 
     def _cluster_dir(self):
@@ -63,7 +72,9 @@ class Command(BaseCommand):
             cluster = embedded.ensure_cluster(self._cluster_dir())
         except CacheBoxUnavailable as exc:
             raise CommandError(str(exc))
-        self.stdout.write(f"Valkey Cluster running (data in {cluster.data_dir}); point the cache box at it with\n  EDGECACHE_CACHEBOX_URL={cluster.url}")
+        self.stdout.write(
+            f"Valkey Cluster running (data in {cluster.data_dir}); point the cache box at it with\n  EDGECACHE_CACHEBOX_URL={cluster.url}"
+        )
 
     def do_cluster_stop(self, **options):
         stopped = embedded.stop_cluster(self._cluster_dir())

@@ -18,8 +18,16 @@ class Command(BaseCommand):
     help = "Write docs/configuration.md (from the code), docs/benchmarks.md's figures and the README's vs-server table (from the documents cited in docs/figures/)."
 
     def add_arguments(self, parser):
-        parser.add_argument("--check", action="store_true", help="change nothing; fail if a generated file is out of date")
-        parser.add_argument("--cite", nargs="+", default=[], metavar="FILE", help="copy these saved results (bench-results/NAME.json) into docs/figures/ first, to be cited")
+        parser.add_argument(
+            "--check", action="store_true", help="change nothing; fail if a generated file is out of date"
+        )
+        parser.add_argument(
+            "--cite",
+            nargs="+",
+            default=[],
+            metavar="FILE",
+            help="copy these saved results (bench-results/NAME.json) into docs/figures/ first, to be cited",
+        )
 
     def handle(self, *args, check: bool, cite: list[str], **options):
         for name in cite:
@@ -37,7 +45,9 @@ class Command(BaseCommand):
         benchmarks = (folder / "benchmarks.md").read_text(encoding="utf-8")
         missing = docs.missing_sections(benchmarks)
         if missing:
-            raise CommandError(f"docs/benchmarks.md has no marked section for {', '.join(missing)} (<!-- bench:NAME --> ... <!-- /bench:NAME -->)")
+            raise CommandError(
+                f"docs/benchmarks.md has no marked section for {', '.join(missing)} (<!-- bench:NAME --> ... <!-- /bench:NAME -->)"
+            )
         readme = docs.ROOT / "README.md"
         wanted = {
             folder / "configuration.md": docs.render_configuration(),
@@ -47,7 +57,9 @@ class Command(BaseCommand):
         stale = [path for path, text in wanted.items() if not path.exists() or path.read_text(encoding="utf-8") != text]
         if check:
             if stale:
-                raise CommandError(f"out of date: {', '.join(str(p.relative_to(docs.ROOT)) for p in stale)}; run `python manage.py docs`")
+                raise CommandError(
+                    f"out of date: {', '.join(str(p.relative_to(docs.ROOT)) for p in stale)}; run `python manage.py docs`"
+                )
             self.stdout.write("docs are up to date")
             return
         for path in stale:

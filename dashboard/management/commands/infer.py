@@ -9,27 +9,31 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from cachebox.errors import CacheBoxUnavailable, InvalidNamespace
-from inference.board.runtime import Board
-from inference.board.config import ConfigError
-from inference.engine.kernels import CLASS_RE
+from dashboard.actions import start_cachebox
 from dashboard.actions.runs import split_segments
 from dashboard.management.boards import add_sampling_arguments, read_prompt_file, sampling_from_options
-from inference.engine.model_file import ModelNotFound
-from inference.serving.run import PromptError
-from inference.serving.pml import PMLError, parse_schema
-from inference.serving.run import Prompt, RunOptions
-from inference.serving.strategies import REGISTRY, parse_strategy
-
-from dashboard.actions import start_cachebox
 from dashboard.security.signing import control_plane_keys
+from inference.board.config import ConfigError
+from inference.board.runtime import Board
+from inference.engine.kernels import CLASS_RE
+from inference.engine.model_file import ModelNotFound
+from inference.serving.pml import PMLError, parse_schema
+from inference.serving.run import Prompt, PromptError, RunOptions
+from inference.serving.strategies import REGISTRY, parse_strategy
 
 
 class Command(BaseCommand):
     help = "Run one prompt on this machine through the cache box and print the answer and its timing breakdown."
 
     def add_arguments(self, parser):
-        parser.add_argument("--prompt-file", required=True, help="UTF-8 text file with the prompt ('-' for stdin); a PML <prompt> with --schema")
-        parser.add_argument("--schema", default=None, metavar="S.pml", help="serve the prompt from this PML schema's cached modules")
+        parser.add_argument(
+            "--prompt-file",
+            required=True,
+            help="UTF-8 text file with the prompt ('-' for stdin); a PML <prompt> with --schema",
+        )
+        parser.add_argument(
+            "--schema", default=None, metavar="S.pml", help="serve the prompt from this PML schema's cached modules"
+        )
         parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
         parser.add_argument("--no-cache", action="store_true", help="neither read nor write the cache box")
         parser.add_argument("--json", action="store_true", help="print one JSON object: text + every breakdown field")
@@ -52,7 +56,8 @@ class Command(BaseCommand):
             "--strategy",
             default="exact",
             metavar="S",
-            help="; ".join(line.form for line in REGISTRY.values()) + ". Exact serving is the default; the others are lab "
+            help="; ".join(line.form for line in REGISTRY.values())
+            + ". Exact serving is the default; the others are lab "
             "strategies (approximate: KV prediction from K auxiliary layers, early exit while decoding on the reference "
             "engine, anchor tokens for earlier sentences or --split-on parts); lab strategies never read or write the cache box",
         )
@@ -67,14 +72,18 @@ class Command(BaseCommand):
         for given in options["approximate_from"]:
             fingerprint, _, kernel_class = given.partition("=")
             if not re.fullmatch(r"[0-9a-f]{16}", fingerprint) or not CLASS_RE.match(kernel_class):
-                raise CommandError(f"--approximate-from {given!r}: write FINGERPRINT=CLASS, e.g. 0123456789abcdef=x86_64-avx512")
+                raise CommandError(
+                    f"--approximate-from {given!r}: write FINGERPRINT=CLASS, e.g. 0123456789abcdef=x86_64-avx512"
+                )
             approximate_from[fingerprint] = kernel_class
         try:
             spec = parse_strategy(options["strategy"].strip())
         except ValueError as exc:
             raise CommandError(str(exc))
         if not spec.exact and options["schema"]:
-            raise CommandError(f"--schema serves exact modules; it cannot be combined with --strategy {options['strategy']}")
+            raise CommandError(
+                f"--schema serves exact modules; it cannot be combined with --strategy {options['strategy']}"
+            )
         schema_text = None
         if options["schema"]:
             schema_text = read_prompt_file(options["schema"])
@@ -87,7 +96,11 @@ class Command(BaseCommand):
         except CacheBoxUnavailable as exc:
             self.stderr.write(f"the cache box does not start ({exc}): answering by local prefill")
         try:
-            board = Board.start(settings.EDGECACHE_BOARD.with_(namespace=options["namespace"]), keys=control_plane_keys(), background_sync=False)
+            board = Board.start(
+                settings.EDGECACHE_BOARD.with_(namespace=options["namespace"]),
+                keys=control_plane_keys(),
+                background_sync=False,
+            )
         except (ModelNotFound, InvalidNamespace, ConfigError) as exc:
             raise CommandError(str(exc))
         if schema_text is not None:
@@ -99,9 +112,16 @@ class Command(BaseCommand):
                 strategy = board.strategy(spec, prompt)
             except (ImportError, ValueError) as exc:  # no lab extra, no predictor or tuned model, adapters refused
                 raise CommandError(str(exc))
-            result = board.serve(spec, prompt, RunOptions(
-                max_tokens=options["max_tokens"], sampling=sampling, use_cache=not options["no_cache"], approximate_from=approximate_from,
-            ))
+            result = board.serve(
+                spec,
+                prompt,
+                RunOptions(
+                    max_tokens=options["max_tokens"],
+                    sampling=sampling,
+                    use_cache=not options["no_cache"],
+                    approximate_from=approximate_from,
+                ),
+            )
             layers = strategy.serving.last_depths if spec.name == "early-exit" else None
         except (PromptError, PMLError) as exc:
             raise CommandError(str(exc))

@@ -5,8 +5,8 @@ from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
 from cachebox.errors import CacheBoxUnavailable
-from dashboard.store.mirror import reconcile
 from cachebox.store import CacheBox
+from dashboard.store.mirror import reconcile
 
 
 class Command(BaseCommand):

@@ -67,15 +67,36 @@ def checked_admin_password(password: str | None) -> str | None:
 DEMO_BOARDS = [
     # "zero" computes at the paper's Pi Zero 2W rate (inference.engine.compute_profile) over the paper's
     # Wi-Fi 4: the regime the paper measured, labelled emulated on every run. "pi5" runs unpaced.
-    {"name": "zero", "kind": "Raspberry Pi Zero 2W (emulated)", "cpu_threads": 1, "memory_mb": 512, "link": "wifi4", "compute_profile": "pi-zero-2w"},
-    {"name": "pi5", "kind": "Raspberry Pi 5 (emulated)", "cpu_threads": 2, "memory_mb": 4096, "link": "none", "compute_profile": ""},
+    {
+        "name": "zero",
+        "kind": "Raspberry Pi Zero 2W (emulated)",
+        "cpu_threads": 1,
+        "memory_mb": 512,
+        "link": "wifi4",
+        "compute_profile": "pi-zero-2w",
+    },
+    {
+        "name": "pi5",
+        "kind": "Raspberry Pi 5 (emulated)",
+        "cpu_threads": 2,
+        "memory_mb": 4096,
+        "link": "none",
+        "compute_profile": "",
+    },
 ]
 
 
 # The control plane's own variables, which a board is never given: its Django settings (whose
 # import reads the control plane's secrets), its database, its secrets, its admin password and metrics token.
 CONTROL_PLANE_ONLY = frozenset(
-    {"DJANGO_SETTINGS_MODULE", "DATABASE_URL", "DJANGO_SECRET_KEY", "EDGECACHE_SIGNING_SECRET", "EDGECACHE_ADMIN_PASSWORD", "EDGECACHE_METRICS_TOKEN"}
+    {
+        "DJANGO_SETTINGS_MODULE",
+        "DATABASE_URL",
+        "DJANGO_SECRET_KEY",
+        "EDGECACHE_SIGNING_SECRET",
+        "EDGECACHE_ADMIN_PASSWORD",
+        "EDGECACHE_METRICS_TOKEN",
+    }
 )
 # Where a URL may carry the deployment's password: a board is given the address alone (it logs in as itself).
 BOARD_URLS = ("REDIS_URL", "EDGECACHE_CACHEBOX_URL")
@@ -85,7 +106,9 @@ def board_environment(environ) -> dict:
     """``environ`` as a board may see it: without ``CONTROL_PLANE_ONLY``, its URLs without credentials."""
     env = {name: value for name, value in environ.items() if name not in CONTROL_PLANE_ONLY}
     own_users = env.get("EDGECACHE_BOARD_ACL", "1").strip().lower() not in ("0", "false", "no", "off")
-    for name in BOARD_URLS if own_users else ():  # without board users (EDGECACHE_BOARD_ACL=0) a board needs them as given
+    for name in (
+        BOARD_URLS if own_users else ()
+    ):  # without board users (EDGECACHE_BOARD_ACL=0) a board needs them as given
         if env.get(name, "").strip():
             env[name] = board_url(env[name], "127.0.0.1")
     return env
@@ -107,7 +130,9 @@ def demo_board_account(environ=os.environ) -> tuple[int, int] | None:
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
-        raise CommandError(f"EDGECACHE_BOARD_USER names no account ({name!r}): create it, or name another (empty: boards run as root)") from None
+        raise CommandError(
+            f"EDGECACHE_BOARD_USER names no account ({name!r}): create it, or name another (empty: boards run as root)"
+        ) from None
     if entry.pw_uid == 0:
         return None
     return entry.pw_uid, entry.pw_gid
@@ -173,29 +198,76 @@ def dropped(argv: list[str], account: tuple[int, int] | None, needed: list[Path]
         return list(argv)
     setpriv = shutil.which("setpriv")
     if setpriv is None:
-        raise CommandError("as root the demo boards run as EDGECACHE_BOARD_USER through setpriv (util-linux), which is missing: install it")
-    drop = [setpriv, f"--reuid={account[0]}", f"--regid={account[1]}", "--clear-groups", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
-    exposed = sorted({(blocked, Path(os.path.realpath(path))) for path in needed if (blocked := blocked_at(path, account)) is not None})
+        raise CommandError(
+            "as root the demo boards run as EDGECACHE_BOARD_USER through setpriv (util-linux), which is missing: install it"
+        )
+    drop = [
+        setpriv,
+        f"--reuid={account[0]}",
+        f"--regid={account[1]}",
+        "--clear-groups",
+        "--no-new-privs",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--",
+    ]
+    exposed = sorted(
+        {
+            (blocked, Path(os.path.realpath(path)))
+            for path in needed
+            if (blocked := blocked_at(path, account)) is not None
+        }
+    )
     if not exposed:
         return [*drop, *argv]
     unshare = shutil.which("unshare")
     if unshare is None:
-        raise CommandError(f"{exposed[0][1]} lies below {exposed[0][0]}, which EDGECACHE_BOARD_USER may not enter, and unshare (util-linux) is missing")
+        raise CommandError(
+            f"{exposed[0][1]} lies below {exposed[0][0]}, which EDGECACHE_BOARD_USER may not enter, and unshare (util-linux) is missing"
+        )
     stash = Path(tempfile.mkdtemp(prefix="edgecache-board-"))
-    hidden = [folder for folder in sorted({blocked for blocked, _ in exposed}) if not any(other in folder.parents for other, _ in exposed)]
+    hidden = [
+        folder
+        for folder in sorted({blocked for blocked, _ in exposed})
+        if not any(other in folder.parents for other, _ in exposed)
+    ]
     steps = ["set -e"]
     for number, (_, path) in enumerate(exposed):
-        steps += [f"mkdir {shlex.quote(str(stash / str(number)))}", f"mount --bind {shlex.quote(str(path))} {shlex.quote(str(stash / str(number)))}"]
+        steps += [
+            f"mkdir {shlex.quote(str(stash / str(number)))}",
+            f"mount --bind {shlex.quote(str(path))} {shlex.quote(str(stash / str(number)))}",
+        ]
     steps += [f"mount -t tmpfs -o mode=0755,size=1m edgecache-board {shlex.quote(str(folder))}" for folder in hidden]
     for number, (_, path) in enumerate(exposed):
-        steps += [f"mkdir -p {shlex.quote(str(path))}", f"mount --move {shlex.quote(str(stash / str(number)))} {shlex.quote(str(path))}"]
+        steps += [
+            f"mkdir -p {shlex.quote(str(path))}",
+            f"mount --move {shlex.quote(str(stash / str(number)))} {shlex.quote(str(path))}",
+        ]
     steps += [f"rm -rf {shlex.quote(str(stash))}", 'exec "$@"']
-    return [unshare, "--mount", "--propagation", "private", "--", "sh", "-c", "; ".join(steps), "edgecache-board", *drop, *argv]
+    return [
+        unshare,
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        "; ".join(steps),
+        "edgecache-board",
+        *drop,
+        *argv,
+    ]
 
 
 def board_needs() -> list[Path]:
     """What a demo board must reach: its interpreter and standard library, the virtualenv, the checkout, its own folder."""
-    return [Path(sys.executable).resolve().parent, Path(sys.base_prefix), Path(sys.prefix), Path(settings.BASE_DIR), demo_boards_home()]
+    return [
+        Path(sys.executable).resolve().parent,
+        Path(sys.base_prefix),
+        Path(sys.prefix),
+        Path(settings.BASE_DIR),
+        demo_boards_home(),
+    ]
 
 
 BOARD_NICE = 10  # demo boards run as processes yield the CPU to the control plane (see board_command)
@@ -231,7 +303,9 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--no-boards", action="store_true", help="do not start the two demo boards")
-        parser.add_argument("--web", type=int, default=1, metavar="N", help="web (ASGI) processes sharing the port (default 1)")
+        parser.add_argument(
+            "--web", type=int, default=1, metavar="N", help="web (ASGI) processes sharing the port (default 1)"
+        )
         parser.add_argument("--workers", type=int, default=1, metavar="N", help="control-plane workers (default 1)")
 
     def handle(self, *args, host, port, no_boards, web, workers, **options):
@@ -241,13 +315,17 @@ class Command(BaseCommand):
         admin_password = checked_admin_password(os.environ.get("EDGECACHE_ADMIN_PASSWORD"))
         with socket.socket() as probe:
             if probe.connect_ex((host, port)) == 0:
-                raise CommandError(f"port {port} on {host} is already in use (another `make run`?); stop it or pass --port")
+                raise CommandError(
+                    f"port {port} on {host} is already in use (another `make run`?); stop it or pass --port"
+                )
         network = None if no_boards else self._host_network()
         board_config = settings.EDGECACHE_BOARD
         if network is not None:  # the boards reach the cache box on the hub's address too
             board_config = board_config.with_(embedded_bind=(*board_config.embedded_bind, network.hub.address))
         try:
-            actions.start_cachebox(bind=board_config.embedded_bind)  # the embedded Valkey starts here unless REDIS_URL is set
+            actions.start_cachebox(
+                bind=board_config.embedded_bind
+            )  # the embedded Valkey starts here unless REDIS_URL is set
         except CacheBoxUnavailable as exc:
             if network is not None:
                 network.destroy()
@@ -261,20 +339,50 @@ class Command(BaseCommand):
         try:
             for number in range(1, workers + 1):
                 name = "control" if workers == 1 else f"control{number}"
-                children.append(self._spawn(f"control worker {name}", [sys.executable, "-m", "celery", "-A", "dashboard", "worker", "--queues", Queue.CONTROL.value, "--pool", "threads", "--concurrency", "2", "--hostname", f"{name}@%h", "--loglevel", "warning", "--without-gossip", "--without-mingle"]))
+                children.append(
+                    self._spawn(
+                        f"control worker {name}",
+                        [
+                            sys.executable,
+                            "-m",
+                            "celery",
+                            "-A",
+                            "dashboard",
+                            "worker",
+                            "--queues",
+                            Queue.CONTROL.value,
+                            "--pool",
+                            "threads",
+                            "--concurrency",
+                            "2",
+                            "--hostname",
+                            f"{name}@%h",
+                            "--loglevel",
+                            "warning",
+                            "--without-gossip",
+                            "--without-mingle",
+                        ],
+                    )
+                )
             if not no_boards:
                 account = demo_board_account()
                 if account is None:
-                    self.stdout.write(self.style.WARNING(
-                        "the demo boards run as this user: they could read the control plane's secrets (start `make run` as root, "
-                        "then they run as EDGECACHE_BOARD_USER)"
-                    ))
+                    self.stdout.write(
+                        self.style.WARNING(
+                            "the demo boards run as this user: they could read the control plane's secrets (start `make run` as root, "
+                            "then they run as EDGECACHE_BOARD_USER)"
+                        )
+                    )
                 for spec in DEMO_BOARDS:
                     children.append(self._start_board(spec, self._demo_token(spec), network, account))
             if web > 1:
                 self._serve_many(host, port, web, children)
                 return
-            self.stdout.write(self.style.SUCCESS(f"dashboard: http://{host}:{port}/  (Ctrl-C stops everything; `make stop` also ends the cache box)"))
+            self.stdout.write(
+                self.style.SUCCESS(
+                    f"dashboard: http://{host}:{port}/  (Ctrl-C stops everything; `make stop` also ends the cache box)"
+                )
+            )
             from daphne.cli import CommandLineInterface
 
             # Ctrl-C must stop everything even when started from a shell that ignores SIGINT.
@@ -296,23 +404,35 @@ class Command(BaseCommand):
         from dashboard.hosts.network import HostNetwork, HostsUnavailable, unavailable_reason
 
         reason = unavailable_reason()
-        if not reason and not settings.REDIS_URL_IS_EMBEDDED and "127.0.0.1" in settings.REDIS_URL + settings.EDGECACHE_CACHEBOX_URL:
+        if (
+            not reason
+            and not settings.REDIS_URL_IS_EMBEDDED
+            and "127.0.0.1" in settings.REDIS_URL + settings.EDGECACHE_CACHEBOX_URL
+        ):
             reason = "REDIS_URL names 127.0.0.1, which a board in a namespace of its own cannot reach"
         if reason:
-            self.stdout.write(self.style.WARNING(f"EDGECACHE_BOARD_HOSTS=1, but {reason}: the demo boards run as processes"))
+            self.stdout.write(
+                self.style.WARNING(f"EDGECACHE_BOARD_HOSTS=1, but {reason}: the demo boards run as processes")
+            )
             return None
         try:
             network = HostNetwork.create(HOSTS_PREFIX, HOSTS_SUBNET)
         except HostsUnavailable as exc:
             self.stdout.write(self.style.WARNING(f"the demo boards run as processes: {exc}"))
             return None
-        self.stdout.write(f"boards as hosts: hub {network.hub.address} (bridge {network.hub.bridge}), one network namespace, link and cgroup per board")
+        self.stdout.write(
+            f"boards as hosts: hub {network.hub.address} (bridge {network.hub.bridge}), one network namespace, link and cgroup per board"
+        )
         return network
 
-    def _start_board(self, spec: dict, token: str, network, account: tuple[int, int] | None, argv: list[str] | None = None) -> subprocess.Popen:
+    def _start_board(
+        self, spec: dict, token: str, network, account: tuple[int, int] | None, argv: list[str] | None = None
+    ) -> subprocess.Popen:
         """The demo board ``spec`` as a process (or a host), as ``account`` with a folder of its own
         (``argv``: another command in its place, for tests)."""
-        label = f"board {spec['name']}" + (f" (compute paced to {spec['compute_profile']})" if spec["compute_profile"] else "")
+        label = f"board {spec['name']}" + (
+            f" (compute paced to {spec['compute_profile']})" if spec["compute_profile"] else ""
+        )
         argv = argv or [sys.executable, "manage.py", "edge", "--name", spec["name"]]
         env = {**self._board_env(spec, token, network), **board_folders(board_home(spec["name"], account))}
         argv = dropped(argv, account, board_needs())
@@ -325,7 +445,11 @@ class Command(BaseCommand):
         (``board_environment``), and what the board is told (its broker and cache box, from its own
         namespace when it is a host): addresses only, never the control plane's password (a board
         logs in as itself)."""
-        env = {**board_environment(os.environ), "EDGECACHE_DEVICE_TOKEN": token, "EDGECACHE_COMPUTE_PROFILE": spec["compute_profile"]}
+        env = {
+            **board_environment(os.environ),
+            "EDGECACHE_DEVICE_TOKEN": token,
+            "EDGECACHE_COMPUTE_PROFILE": spec["compute_profile"],
+        }
         if network is not None:
             hub = network.hub.address
             env.update({"REDIS_URL": board_url(settings.REDIS_URL, hub), "EDGECACHE_LINK_SHAPED_BY": "kernel"})
@@ -336,7 +460,9 @@ class Command(BaseCommand):
     def _spawn_host(self, network, spec: dict, label: str, argv: list[str], env: dict) -> subprocess.Popen:
         link = LINK_PRESETS[spec["link"]]
         host = network.add(spec["name"], memory_mb=spec["memory_mb"], threads=spec["cpu_threads"], link=link)
-        self.stdout.write(f"starting {label} as a host: {host.address}, {spec['memory_mb']} MB, {spec['cpu_threads']} CPU, link {link.label if link else 'unshaped'} (tc)")
+        self.stdout.write(
+            f"starting {label} as a host: {host.address}, {spec['memory_mb']} MB, {spec['cpu_threads']} CPU, link {link.label if link else 'unshaped'} (tc)"
+        )
         child = host.spawn(argv, env, cwd=settings.BASE_DIR)
         self._watch(label, child)
         return child
@@ -348,12 +474,20 @@ class Command(BaseCommand):
         listener.set_inheritable(True)
         fd = listener.fileno()
         served = [
-            self._spawn(f"web process {number}", [sys.executable, "-m", "daphne", "--fd", str(fd), "dashboard.asgi:application"], pass_fds=(fd,))
+            self._spawn(
+                f"web process {number}",
+                [sys.executable, "-m", "daphne", "--fd", str(fd), "dashboard.asgi:application"],
+                pass_fds=(fd,),
+            )
             for number in range(1, web + 1)
         ]
         children.extend(served)
         listener.close()  # the web processes hold it now
-        self.stdout.write(self.style.SUCCESS(f"dashboard: http://{host}:{port}/ served by {web} web processes  (Ctrl-C stops everything; `make stop` also ends the cache box)"))
+        self.stdout.write(
+            self.style.SUCCESS(
+                f"dashboard: http://{host}:{port}/ served by {web} web processes  (Ctrl-C stops everything; `make stop` also ends the cache box)"
+            )
+        )
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _interrupted)  # stop as on Ctrl-C: the children too
         try:
@@ -380,7 +514,11 @@ class Command(BaseCommand):
             code = child.wait()
             if self._stopping.is_set():
                 return
-            how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit status {code}"
+            how = (
+                f"signal {signal.Signals(-code).name}"
+                if code < 0 and -code in signal.valid_signals()
+                else f"exit status {code}"
+            )
             self.stderr.write(f"{label} ended ({how}); its log is above. Ctrl-C and `make run` again start it anew.")
 
         watcher = threading.Thread(target=watch, name=f"watch {label}", daemon=True)
@@ -428,4 +566,6 @@ class Command(BaseCommand):
         if chosen:
             self.stdout.write("first admin account: admin (password from EDGECACHE_ADMIN_PASSWORD)")
         else:
-            self.stdout.write(self.style.WARNING(f"first admin account: admin / {password}  (shown once; change it in Admin)"))
+            self.stdout.write(
+                self.style.WARNING(f"first admin account: admin / {password}  (shown once; change it in Admin)")
+            )
