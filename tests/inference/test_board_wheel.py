@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -23,6 +24,13 @@ BOARD_ENTRY = "inference.board.main"  # `edgecache-board`, what `manage.py edge`
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    """The wheel `pip install .` builds, from a copy of what it packs (a build/ folder left in the
+    checkout by an older build would otherwise be packed too)."""
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in ("inference", "cachebox"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
@@ -35,7 +43,7 @@ def wheel(tmp_path_factory) -> Path:
             "--no-build-isolation",
             "--wheel-dir",
             str(out),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         capture_output=True,
