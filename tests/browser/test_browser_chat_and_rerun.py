@@ -1,4 +1,4 @@
-"""The dashboard tells the truth while it is open (issue 28, the user-facing half), in Debian's
+"""The dashboard tells the truth while it is open, in Debian's
 Chromium against the real stack (tests/stack.py) and a real board running the real model: the
 Run page's chat (template, turns that continue from the last one's state, sampling, Cancel that
 keeps what was streamed), prompts typed with line breaks, "Run again", the break-even chart at a

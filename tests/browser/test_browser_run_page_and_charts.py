@@ -1,4 +1,4 @@
-"""Issue 14's remaining items in a real browser (Debian's Chromium, Playwright) against the real
+"""The Run page and the charts in a real browser (Debian's Chromium, Playwright) against the real
 stack (tests/stack.py) with a real board running the real model: the Run page streams tokens
 with the board's stage, elapsed time, Cancel and Ctrl+Enter; charts people can steer (time
 range, pause, one colour per device, an empty state, each chart's data); MMLU answers that say

@@ -1,7 +1,7 @@
-"""The dashboard tells the truth (issue 28, the user-facing half): the Run page's chat, prompts
+"""The dashboard tells the truth: the Run page's chat, prompts
 typed with CRLF, "Run again", and the "Confusing" list. Django's test client against the real
 control plane (Valkey for the registry and the channel layer); what a browser shows is in
-tests/browser/test_browser_truth.py.
+tests/browser/test_browser_chat_and_rerun.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13 part 6 and issue 14's remaining items, without a browser: time between tokens on the
+"""The Run page and the charts, without a browser: time between tokens on the
 real model, chart time ranges served (and downsampled) from the database, one colour per
 device, empty charts that say so, answers that explain themselves, cache entries people can
 read, the Run page's streamed runs (real Valkey pub/sub) and its Cancel.
