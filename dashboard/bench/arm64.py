@@ -344,24 +344,40 @@ def ensure_wheelhouse(
                 _done(target).touch()
         for old in target.glob("edgecache-*.whl"):
             old.unlink()
-        project = Path(__file__).resolve().parents[2]
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "wheel",
-                "--quiet",
-                "--no-deps",
-                "--no-build-isolation",
-                "-w",
-                str(target),
-                str(project),
-            ],
-            "pip wheel (the project)",
-        )
+        with tempfile.TemporaryDirectory(prefix="edgecache-board-sources-") as folder:
+            _run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "wheel",
+                    "--quiet",
+                    "--no-deps",
+                    "--no-build-isolation",
+                    "-w",
+                    str(target),
+                    str(board_sources(Path(folder))),
+                ],
+                "pip wheel (the project)",
+            )
     write(f"wheelhouse for aarch64 ({kernels}): {target} ({len(list(target.glob('*.whl')))} wheels)")
     return target
+
+
+BOARD_SOURCES = ("pyproject.toml", "README.md", "inference", "cachebox")  # what the board's wheel is built from
+
+
+def board_sources(into: Path) -> Path:
+    """A copy of what the board's wheel packs (``BOARD_SOURCES``), in ``into``: a build/ folder an
+    older build left in the checkout would otherwise be packed too (setuptools reuses it)."""
+    project = Path(__file__).resolve().parents[2]
+    for name in BOARD_SOURCES:
+        source = project / name
+        if source.is_dir():
+            shutil.copytree(source, into / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy(source, into / name)
+    return into
 
 
 def _collect_dependencies(kernels: str, target: Path, write: Callable[[str], None]) -> None:

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import ast
 import json
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.processes  # builds the wheel with pip, imports it in a process of its own
 
@@ -26,11 +23,9 @@ BOARD_ENTRY = "inference.board.main"  # `edgecache-board`, what `manage.py edge`
 def wheel(tmp_path_factory) -> Path:
     """The wheel `pip install .` builds, from a copy of what it packs (a build/ folder left in the
     checkout by an older build would otherwise be packed too)."""
-    source = tmp_path_factory.mktemp("source")
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    for package in ("inference", "cachebox"):
-        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    from dashboard.bench.arm64 import board_sources  # what make board-wheels builds from, too
+
+    source = board_sources(tmp_path_factory.mktemp("source"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
