@@ -201,7 +201,7 @@ def test_an_anchor_run_is_labelled_and_never_stored_or_reused_as_an_exact_entry(
     assert b.prompt_tokens == sum(len(s) for s in prompt_sequences(engine, prompt)) and 1 <= b.generated_tokens <= 3
     assert engine.positions() == (-1, -1), "the pruned state must not stay in the context"
     assert list(CacheBox(valkey_url).scan_entries(namespace)) == []
-    # A dispatched run names the strategy (inference/edge.py serve).
+    # A dispatched run names the strategy (inference/board/serve.py serve).
     from inference.board import serve
     from inference.contract.messages import RunRequest
 
