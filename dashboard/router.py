@@ -698,9 +698,10 @@ class Candidates:
     def _load(self, namespace: str) -> Roster:
         with self._lock:
             generation, read = self._generation, self._read.get(namespace)
-        began = time.monotonic()
+        began, read_at = time.monotonic(), time.time()
         roster = Roster(
-            list(Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace"))
+            list(Device.objects.filter(namespace_id=namespace, revoked_at__isnull=True).select_related("namespace")),
+            read_at=read_at,
         )
         if read is not None:
             roster.carry(read[1])
@@ -837,8 +838,9 @@ class Roster:
     a decision reads the boards that are busy or hold the prompt and the fastest idle ones of each
     kind, not the whole fleet."""
 
-    def __init__(self, devices: list[Device], entries: list[_Entry] | None = None):
+    def __init__(self, devices: list[Device], entries: list[_Entry] | None = None, read_at: float | None = None):
         self.devices = devices
+        self.read_at = time.time() if read_at is None else read_at  # when the database said this (wall clock)
         self.entries = entries if entries is not None else [_Entry(device) for device in devices]
         self.by_name = {entry.name: (position, entry) for position, entry in enumerate(self.entries)}
         self.untils = sorted(entry.until for entry in self.entries)
@@ -858,6 +860,13 @@ class Roster:
 
     def online_count(self, now: float) -> int:
         return len(self.untils) - bisect.bisect_right(self.untils, now)
+
+    def judged_at(self, now: float) -> float:
+        """The moment this roster's liveness is judged at: ``now``, or, for a roster read longer ago
+        than ``Candidates.TTL_S`` (one the refresher is reading again), ``TTL_S`` after it was read. A
+        board that beat since is in the next read; judged at ``now``, a board beating every second
+        looked offline in a read a few seconds old."""
+        return min(now, self.read_at + Candidates.TTL_S)
 
     def carry(self, earlier: "Roster") -> None:
         """Keep what the router was told of each device by ``earlier`` (a read a second ago) where

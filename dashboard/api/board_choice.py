@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from datetime import datetime
+from datetime import timezone as dt_timezone
 
 from django.core.cache import cache
 
@@ -41,13 +43,20 @@ def namespace_devices(namespace: str) -> list[Device]:
     return CANDIDATES.of(namespace)
 
 
+def _moment(roster) -> datetime:
+    """When the roster's liveness is judged (``Roster.judged_at``), as a date."""
+    return datetime.fromtimestamp(roster.judged_at(time.time()), tz=dt_timezone.utc)
+
+
 def online_models(namespace: str) -> list[dict]:
     """The models the namespace's online boards serve: id, fingerprint, boards, first seen."""
     models: dict[str, dict] = {}
-    for device in namespace_devices(namespace):
+    roster = CANDIDATES.roster(namespace)
+    when = _moment(roster)
+    for device in roster.devices:
         status = device.status or {}
         model = status.get("model")
-        if not device.online or not isinstance(model, str) or not model:
+        if not device.online_at(when) or not isinstance(model, str) or not model:
             continue
         entry = models.setdefault(
             model, {"id": model, "fingerprint": status.get("fingerprint", ""), "devices": [], "created": device.created}
@@ -92,17 +101,18 @@ def choose_route(key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[Dev
 
 def _choose(roster, key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[Device, Routed | None, int]:
     devices = roster.devices
-    now = time.time()
+    now = roster.judged_at(time.time())
+    when = datetime.fromtimestamp(now, tz=dt_timezone.utc)
     online_boards = roster.online_count(now)
     if request.device:
-        return _named(devices, request.device, request.model, key.namespace_id), None, online_boards
+        return _named(devices, request.device, request.model, key.namespace_id, when), None, online_boards
     known = roster.serving(request.model)
     if not known:
         served = sorted(
             {
                 (device.status or {}).get("model")
                 for device in devices
-                if device.online and (device.status or {}).get("model")
+                if device.online_at(when) and (device.status or {}).get("model")
             }
         )
         listed = (
@@ -129,7 +139,7 @@ def _choose(roster, key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[
     return routed.device, routed, online_boards
 
 
-def _named(devices: list[Device], name: str, model: str, namespace: str) -> Device:
+def _named(devices: list[Device], name: str, model: str, namespace: str, when: datetime) -> Device:
     device = next((device for device in devices if device.name == name), None)
     if device is None:
         # The same answer whether another namespace has such a device or none does: a key learns nothing outside its own.
@@ -139,7 +149,7 @@ def _named(devices: list[Device], name: str, model: str, namespace: str) -> Devi
             param="edgecache.device",
             code="device_not_found",
         )
-    if not device.online:
+    if not device.online_at(when):
         raise ApiError(
             503,
             f"Device {name!r} is not online; {START_A_BOARD.replace('NAME', name)}, or leave 'edgecache.device' out to use any online board.",

@@ -16,7 +16,7 @@ from typing import Mapping
 from cachebox.codec import CodecChoice
 from cachebox.link import LinkProfile
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (inference/board/config.py)
 DEFAULT_ENTRY_TTL = 7 * 24 * 3600
 
 

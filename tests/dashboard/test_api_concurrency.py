@@ -111,3 +111,14 @@ def test_a_web_process_reads_its_devices_again_beside_the_requests_not_inside_on
         "second-board",
         "third-board",
     }
+
+
+def test_a_roster_the_refresher_is_reading_again_is_judged_when_it_was_read_not_now():
+    """A roster read a few seconds ago (while the refresher reads it again) judges liveness a moment
+    after its read: judged at now, a board beating every second looked offline in it (the API
+    answered "no board online" with the board up)."""
+    from dashboard.router import Candidates, Roster
+
+    roster = Roster([], read_at=1_000.0)
+    assert roster.judged_at(1_000.4) == 1_000.4  # fresh: now
+    assert roster.judged_at(1_004.0) == 1_000.0 + Candidates.TTL_S  # stale: TTL_S after its read

@@ -549,7 +549,7 @@ def test_a_run_nobody_takes_before_its_expiry_ends_as_a_failed_run_with_the_reas
 
     settings.REDIS_URL = valkey_url
     settings.EDGECACHE_BOARD_ACL = False
-    monkeypatch.setattr("dashboard.actions.runs.celery_app.send_task", lambda *a, **k: None)  # the board never starts
+    monkeypatch.setattr("dashboard.outbox.app.send_task", lambda *a, **k: None)  # the board never starts
     device, _ = register("never")
     sent = actions.dispatch_run(
         None, [device], actions.run_request(segments=["Tenant secret question?"], max_tokens=4, title="waits")

@@ -402,11 +402,11 @@ def test_an_existing_more_open_database_and_folder_are_closed_down(tmp_path):
 @pytest.fixture
 def dead_broker(monkeypatch):
     """The control plane's Celery app pointed at a port nothing listens on (kombu raises OperationalError)."""
-    from dashboard.actions import runs
+    from dashboard import outbox
 
     app = Celery("dead-broker", set_as_current=False)
     app.conf.update(celery_settings(DEAD_BROKER))
-    monkeypatch.setattr(runs, "celery_app", app)
+    monkeypatch.setattr(outbox, "app", app)
     return app
 
 
