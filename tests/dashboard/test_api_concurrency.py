@@ -83,7 +83,9 @@ def test_two_api_requests_do_their_synchronous_work_at_once_not_in_turn(monkeypa
         django_thread.shutdown()
 
 
-@pytest.mark.django_db(transaction=True)  # committed: the refresher reads on a connection of its own
+@pytest.mark.django_db(
+    transaction=True, serialized_rollback=True
+)  # committed: the refresher reads on a connection of its own; migrated rows left as found
 def test_a_web_process_reads_its_devices_again_beside_the_requests_not_inside_one(monkeypatch):
     """A request that finds the devices read too long ago routes on that read while a thread reads
     them again; once the read is older than STALE_S (the refresher stopped or fell behind) the
