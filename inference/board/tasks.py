@@ -152,8 +152,8 @@ class _Work:
         return round((cls.ended - arrived) * 1000.0, 3)
 
 
-@shared_task(name=Task.RUN_PROMPT.value, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def run_prompt(message: dict) -> None:
+def answer_run(message: dict) -> None:
+    """A run request: served and reported (the body of the ``run_prompt`` task)."""
     try:
         request = _receive(RunRequest, message, Task.RUN_PROMPT)
         if request is None:
@@ -180,8 +180,8 @@ def run_prompt(message: dict) -> None:
         _Work.ended = time.time()
 
 
-@shared_task(name=Task.ENCODE_SCHEMA.value, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def encode_schema(message: dict) -> None:
+def answer_encode(message: dict) -> None:
+    """A schema encode request: encoded and reported (the body of the ``encode_schema`` task)."""
     try:
         _encode_schema(message)
     finally:
@@ -220,8 +220,7 @@ def _encode_schema(message: dict) -> None:
     replay.record(request.request_id, _expiry(message))
 
 
-@shared_task(name=Task.AUDIT_ENTRY.value, acks_late=True, ignore_result=True)
-def audit_entry(message: dict) -> None:
+def answer_audit(message: dict) -> None:
     """Recompute a cache hit cold and send the verdict (``inference.serving.audit``): a cold prefill of one
     prompt, taken between runs like any task."""
     try:
@@ -242,6 +241,17 @@ def audit_entry(message: dict) -> None:
         report(AuditReport(device=me.name, **verdict), Task.RECORD_AUDIT)
     finally:
         _Work.ended = time.time()
+
+
+# The tasks: thin registrations of the plain functions above, which tests call directly (a task
+# proxy resolves through whichever Celery app is current in the process, which a test does not own).
+run_prompt = shared_task(name=Task.RUN_PROMPT.value, acks_late=True, reject_on_worker_lost=True, ignore_result=True)(
+    answer_run
+)
+encode_schema = shared_task(
+    name=Task.ENCODE_SCHEMA.value, acks_late=True, reject_on_worker_lost=True, ignore_result=True
+)(answer_encode)
+audit_entry = shared_task(name=Task.AUDIT_ENTRY.value, acks_late=True, ignore_result=True)(answer_audit)
 
 
 EXPIRED = "expired: no board of {device} started it before {expires} (EDGECACHE_TASK_EXPIRES after its dispatch), so it never ran; send it again"

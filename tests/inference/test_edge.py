@@ -171,8 +171,8 @@ def test_the_board_task_answers_a_malformed_request_with_an_error_report_and_kee
         return envelope.seal(message, kind=Kind.RUN, sender=CONTROL, to=to, signer=signer, ring=me.ring, ttl=60)
 
     request_id = str(uuid.uuid4())
-    tasks.run_prompt.run(sealed({"request_id": request_id, "segments": 42}))  # would have been TypeError in serve()
-    tasks.run_prompt.run(sealed({"segments": ["no id"]}))  # nothing to answer: dropped, logged
+    tasks.answer_run(sealed({"request_id": request_id, "segments": 42}))  # would have been TypeError in serve()
+    tasks.answer_run(sealed({"segments": ["no id"]}))  # nothing to answer: dropped, logged
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
         for forged in (
             {"request_id": str(uuid.uuid4()), "segments": ["unsigned"]},  # the old, unsigned format
@@ -182,7 +182,7 @@ def test_the_board_task_answers_a_malformed_request_with_an_error_report_and_kee
                 signer=control_plane_key(b"an attacker's own master secret!"),
             ),
         ):
-            tasks.run_prompt.run(forged)
+            tasks.answer_run(forged)
     assert len(sent) == 1
     task, report = sent[0]
     assert (
