@@ -56,135 +56,34 @@ def serve(
     me = enrollment.current()
     streaming = request.stream and board.store is not None and me is not None
     stream = StreamPublisher(board.store, request.request_id, me, cancel_flag=cancel_flag) if streaming else None
-    if stream is not None and (stream.cancelled.is_set() if cancel_flag is not UNREAD else stream.cancel_requested()):
-        stream.close()
-        return RunReport.for_request(request, **sender(), error=CANCELLED)  # its client left while it waited
-    if (
-        stream is None
-        and me is not None
-        and board.store is not None
-        and (
-            signed_cancel(me, request.request_id, cancel_flag)
-            if cancel_flag is not UNREAD
-            else signed_cancel_set(board.store, me, request.request_id)
-        )
-    ):
-        return RunReport.for_request(request, **sender(), error=CANCELLED)  # revoked while queued, or re-sent elsewhere
-    if stream is not None:
-        stream.send(
-            StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage="started"), now=True
-        )
-    continues = request.continues
-    forced = tuple(continues.tokens) if continues is not None else ()
-    answer = AnswerText(request.stop, already=len(continues.text) if continues is not None else 0)
-    cancelled = False
-    seen = 0  # answer tokens so far, the forced ones included
-    unsent: list[int] = []  # ids chosen since the last token event (a re-sent run goes on from those its client has)
-
-    def on_token(token: int, piece: str) -> bool:
-        nonlocal cancelled, seen, unsent
-        seen += 1
-        if seen > len(forced):
-            unsent.append(token)
-        released = answer.add(piece)
-        if released and stream is not None:
-            index = stream.count()
-            ids, unsent = unsent, []
-            stream.send(
-                StreamEvent(
-                    type="token",
-                    request_id=request.request_id,
-                    device=stream.device,
-                    index=index,
-                    text=released,
-                    tokens=ids,
-                ),
-                now=index == 0,
-            )
-        if answer.stopped:
-            return False
-        if stream is not None and stream.cancelled.is_set():
-            cancelled = True
-            return False
-        return True
-
+    if _cancelled_before_start(board, request, me, stream, cancel_flag):
+        if stream is not None:
+            stream.close()
+        return RunReport.for_request(request, **sender(), error=CANCELLED)
+    answer = _Answer(request, stream)
+    answer.stage("started")
     conversation = [(message.role, message.content) for message in request.messages]
     try:
-        sampling = SamplingParams(**request.sampling.model_dump())
-        options = dict(
-            max_tokens=request.max_tokens,
-            sampling=sampling,
-            use_cache=request.use_cache,
-            namespace=_namespace(request.namespace),
-            approximate_from=dict(request.approximate_from),
-            forced=forced,
-        )
-        if stream is not None or request.stop or forced:
-            options["on_token"] = on_token
-        if stream is not None and not request.is_schema_run:
-            options["on_stage"] = lambda stage: stream.send(
-                StreamEvent(type="stage", request_id=request.request_id, device=stream.device, stage=stage)
-            )
+        options = _run_options(request, answer)
         asked, prompt = _asked(board, request, conversation)
         if request.is_chat_run and asked.tokens is not None:
             board.follow_ups.saw(asked.tokens)
         spec = parse_strategy(request.strategy)  # a lab strategy is approximate: it never reads or writes the cache box
-        result = board.serve(spec, asked, RunOptions(**options))
+        result = board.serve(spec, asked, options)
     except (PromptError, ValueError, EngineError) as exc:  # PMLError is a ValueError
-        if stream is not None:
-            stream.close(
-                StreamEvent(type="error", request_id=request.request_id, device=stream.device, error=str(exc)[:10_000])
-            )
+        answer.failed(str(exc))
         return RunReport.for_request(request, **sender(), error=str(exc))
     except BaseException as exc:  # a bug or a broken engine: the waiting client hears it now (tasks.py reports it)
-        if stream is not None:
-            stream.close(
-                StreamEvent(
-                    type="error",
-                    request_id=request.request_id,
-                    device=stream.device,
-                    error=f"the board failed: {type(exc).__name__}: {exc}"[:10_000],
-                )
-            )
+        answer.failed(f"the board failed: {type(exc).__name__}: {exc}")
         raise
-    tail = answer.finish(result.text)
     breakdown = result.breakdown
     breakdown.behind_ms = behind_ms
-    breakdown.continued_tokens = min(len(forced), breakdown.generated_tokens)
-    if forced and result.tokens[: len(forced)] != list(forced):
-        log.warning("run %s: its answer ended inside the tokens it was given to continue from", request.request_id)
-    finish = (
-        "cancelled"
-        if cancelled
-        else ("stop" if answer.stopped or breakdown.generated_tokens < request.max_tokens else "length")
-    )
-    if stream is not None:
-        if tail and not cancelled:
-            stream.send(
-                StreamEvent(
-                    type="token",
-                    request_id=request.request_id,
-                    device=stream.device,
-                    index=stream.count(),
-                    text=tail,
-                    tokens=unsent,
-                )
-            )
-        extra = {"modules_hit": result.modules_hit} if result.modules_hit is not None else {}
-        done = StreamEvent(
-            type="done",
-            request_id=request.request_id,
-            device=stream.device,
-            text=answer.text,
-            finish_reason=finish,
-            breakdown={**breakdown.as_dict(), **extra},
-        )
-        stream.close(done)
+    answer.finish(result)
     uploaded = list(result.uploaded)
-    if request.is_chat_run and spec.exact and request.use_cache and not cancelled:
+    if request.is_chat_run and spec.exact and request.use_cache and not answer.cancelled:
         if board.follow_ups.worth_preparing() and not _waiting(work_waiting, request.request_id):
             uploaded += _prepare_next_turn(
-                board, request.request_id, conversation, answer.text, options["namespace"], breakdown
+                board, request.request_id, conversation, answer.text, options.namespace, breakdown
             )
         else:  # not prepared: still watched (its tokens only, under a millisecond), so the board learns whether it would have paid
             _watch_next_turn(board, conversation, answer.text)
@@ -194,13 +93,118 @@ def serve(
         meta=request.meta,
         prompt=prompt,
         text=answer.text,
-        error=CANCELLED if cancelled else "",
+        error=CANCELLED if answer.cancelled else "",
         tokens=result.tokens,
         breakdown=breakdown,
         fetched=result.fetched,
         uploaded=uploaded,
         modules_hit=result.modules_hit,
     )
+
+
+def _cancelled_before_start(board, request: RunRequest, me, stream: StreamPublisher | None, cancel_flag) -> bool:
+    """Whether the run's signed cancel flag was set before it started: its client left while it
+    waited (a streamed run), or it was revoked while queued or re-sent elsewhere."""
+    if stream is not None:
+        return stream.cancelled.is_set() if cancel_flag is not UNREAD else stream.cancel_requested()
+    if me is None or board.store is None:
+        return False
+    if cancel_flag is not UNREAD:
+        return signed_cancel(me, request.request_id, cancel_flag)
+    return signed_cancel_set(board.store, me, request.request_id)
+
+
+def _run_options(request: RunRequest, answer: "_Answer") -> RunOptions:
+    """The engine's options for ``request``: sampling, cache use, its namespace, the tokens it
+    continues from, and the answer's callbacks where something listens to them."""
+    streamed = answer.stream is not None
+    return RunOptions(
+        max_tokens=request.max_tokens,
+        sampling=SamplingParams(**request.sampling.model_dump()),
+        use_cache=request.use_cache,
+        namespace=_namespace(request.namespace),
+        approximate_from=dict(request.approximate_from),
+        forced=answer.forced,
+        on_token=answer.on_token if streamed or request.stop or answer.forced else None,
+        on_stage=answer.stage if streamed and not request.is_schema_run else None,
+    )
+
+
+class _Answer:
+    """One run's answer as its tokens are chosen: cut at its stop strings, continued from the tokens
+    a re-sent run already gave its client (``forced``), published on its stream (None when not
+    streamed) and stopped by its signed cancel flag; the stream's events are made here only."""
+
+    def __init__(self, request: RunRequest, stream: StreamPublisher | None):
+        self.request, self.stream = request, stream
+        continues = request.continues
+        self.forced: tuple[int, ...] = tuple(continues.tokens) if continues is not None else ()
+        self._text = AnswerText(request.stop, already=len(continues.text) if continues is not None else 0)
+        self.cancelled = False
+        self._seen = 0  # answer tokens so far, the forced ones included
+        self._unsent: list[int] = []  # ids chosen since the last token event (a re-sent run goes on from those)
+
+    @property
+    def text(self) -> str:
+        return self._text.text
+
+    def _event(self, type: str, **fields) -> StreamEvent:
+        return StreamEvent(type=type, request_id=self.request.request_id, device=self.stream.device, **fields)
+
+    def stage(self, stage: str) -> None:
+        if self.stream is not None:
+            self.stream.send(self._event("stage", stage=stage), now=stage == "started")
+
+    def on_token(self, token: int, piece: str) -> bool:
+        """The engine chose ``token``: False stops the run (a stop string, or a cancel)."""
+        self._seen += 1
+        if self._seen > len(self.forced):
+            self._unsent.append(token)
+        released = self._text.add(piece)
+        if released and self.stream is not None:
+            self._send_token(released, first_now=True)
+        if self._text.stopped:
+            return False
+        if self.stream is not None and self.stream.cancelled.is_set():
+            self.cancelled = True
+            return False
+        return True
+
+    def _send_token(self, text: str, first_now: bool = False) -> None:
+        """A token event with the ids chosen since the last one (``first_now``: the first goes out from
+        this thread at once, as a waiting client's first chunk depends on it)."""
+        index = self.stream.count()  # takes the index
+        ids, self._unsent = self._unsent, []
+        self.stream.send(self._event("token", index=index, text=text, tokens=ids), now=first_now and index == 0)
+
+    def failed(self, error: str) -> None:
+        if self.stream is not None:
+            self.stream.close(self._event("error", error=error[:10_000]))
+
+    def finish(self, result) -> None:
+        """The engine is done: the answer's last piece, its breakdown's continued tokens, and the
+        stream's last token and ``done`` events."""
+        tail = self._text.finish(result.text)
+        breakdown = result.breakdown
+        breakdown.continued_tokens = min(len(self.forced), breakdown.generated_tokens)
+        if self.forced and result.tokens[: len(self.forced)] != list(self.forced):
+            log.warning(
+                "run %s: its answer ended inside the tokens it was given to continue from", self.request.request_id
+            )
+        if self.stream is None:
+            return
+        if tail and not self.cancelled:
+            self._send_token(tail)
+        if self.cancelled:
+            finish = "cancelled"
+        elif self._text.stopped or breakdown.generated_tokens < self.request.max_tokens:
+            finish = "stop"
+        else:
+            finish = "length"
+        extra = {"modules_hit": result.modules_hit} if result.modules_hit is not None else {}
+        self.stream.close(
+            self._event("done", text=self.text, finish_reason=finish, breakdown={**breakdown.as_dict(), **extra})
+        )
 
 
 def _asked(board, request: RunRequest, conversation: list[tuple[str, str]]) -> tuple[Prompt, str]:
