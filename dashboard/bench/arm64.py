@@ -42,7 +42,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dashboard.bench.llama_kernels import COMMON_FLAGS, _download_sdist
+from dashboard.bench.llama_kernels import COMMON_FLAGS
+from dashboard.bench.sdist import download_sdist, unpacked_llama
 
 VERSION = importlib.metadata.version("llama-cpp-python")
 SUITE = "bookworm"  # the Debian release of the root (Python 3.11, as a Raspberry Pi OS of the day)
@@ -224,10 +225,7 @@ def ensure_libs(kernels: str = DEFAULT_CLASS, write: Callable[[str], None] = pri
             write(
                 f"Cross-building llama.cpp {VERSION} for aarch64 ({kernels}) from the llama-cpp-python sdist (once per machine, minutes)..."
             )
-            sdist = _download_sdist(VERSION, work)
-            with tarfile.open(sdist) as archive:
-                archive.extractall(work, filter="data")
-            source = work / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+            source = unpacked_llama(VERSION, work, error=Arm64Unavailable)
             build = work / "build"
             march = CLASSES[kernels][1]
             _run(
@@ -307,7 +305,7 @@ def llama_wheel(libraries: Path, out: Path, kernels: str) -> Path:
 
     with tempfile.TemporaryDirectory(prefix="llama-wheel-") as work:
         work = Path(work)
-        with tarfile.open(_download_sdist(VERSION, work)) as archive:
+        with tarfile.open(download_sdist(VERSION, work, error=Arm64Unavailable)) as archive:
             archive.extractall(work, filter="data")
         package = work / f"llama_cpp_python-{VERSION}" / "llama_cpp"
         lib = package / "lib"

@@ -20,12 +20,12 @@ import fcntl
 import importlib.metadata
 import os
 import shutil
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from dashboard.bench.sdist import compile_target, run_step, unpacked_llama
 
 VERSION = importlib.metadata.version("llama-cpp-python")
 
@@ -131,15 +131,11 @@ def _build(variant: str, target: Path, version: str, write: Callable[[str], None
         write(
             f"Building llama.cpp {version} ({variant} kernels) from the llama-cpp-python sdist (once per machine, minutes)..."
         )
-        sdist = _download_sdist(version, work)
-        with tarfile.open(sdist) as archive:
-            archive.extractall(work, filter="data")
-        source = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-        if not (source / "CMakeLists.txt").exists():
-            raise BuildUnavailable(f"the llama-cpp-python {version} sdist has no vendor/llama.cpp")
+        source = unpacked_llama(version, work, error=BuildUnavailable)
         build = work / "build"
-        _run(["cmake", "-S", str(source), "-B", str(build), *COMMON_FLAGS, *VARIANTS[variant][0]], "configure", work)
-        _compile(build, jobs, write, work, variant)
+        configure = ["cmake", "-S", str(source), "-B", str(build), *COMMON_FLAGS, *VARIANTS[variant][0]]
+        run_step(configure, "configure", work, error=BuildUnavailable)
+        compile_target(build, "llama", jobs, write, f"llama.cpp {variant}", error=BuildUnavailable)
         libraries = sorted((build / "bin").glob("lib*.so*"))
         if not any(path.name == "libllama.so" for path in libraries):
             raise BuildUnavailable(f"the build finished without {build / 'bin' / 'libllama.so'}")
@@ -152,54 +148,6 @@ def _build(variant: str, target: Path, version: str, write: Callable[[str], None
         staging.rename(target)  # atomic: a cached build is always a whole one
     write(f"llama.cpp {version} ({variant}) built: {target}")
     return target
-
-
-def _download_sdist(version: str, work: Path) -> Path:
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--quiet",
-        "--no-binary",
-        ":all:",
-        "--no-deps",
-        f"llama-cpp-python=={version}",
-        "-d",
-        str(work),
-    ]
-    _run(command, "pip download", work)
-    found = sorted(work.glob("llama_cpp_python-*.tar.gz"))
-    if not found:
-        raise BuildUnavailable(f"pip downloaded no llama-cpp-python {version} sdist")
-    return found[0]
-
-
-def _compile(build: Path, jobs: int, write: Callable[[str], None], work: Path, variant: str) -> None:
-    command = ["cmake", "--build", str(build), "--target", "llama", "-j", str(jobs)]
-    log = work / "build.log"
-    shown = -10
-    with (
-        open(log, "w") as out,
-        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process,
-    ):
-        for line in process.stdout:
-            out.write(line)
-            if line.startswith("[") and "%]" in line[:7]:
-                percent = int(line[1:4].strip() or 0)
-                if percent >= shown + 10:
-                    shown = percent
-                    write(f"  llama.cpp {variant} build {percent}%")
-        code = process.wait()
-    if code:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        raise BuildUnavailable(f"building llama.cpp ({variant}) failed (exit {code}):\n{tail}")
-
-
-def _run(command: list[str], what: str, work: Path) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, cwd=work)
-    if done.returncode:
-        raise BuildUnavailable(f"{what} failed (exit {done.returncode}): {(done.stderr or done.stdout)[-1500:]}")
 
 
 if __name__ == "__main__":

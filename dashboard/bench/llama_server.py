@@ -25,12 +25,13 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 import llama_cpp
+
+from dashboard.bench.sdist import compile_target, run_step, unpacked_llama
 
 VERSION = llama_cpp.__version__  # the sdist is the version we run: its llama.cpp is the wheel's
 WHEEL_LIBS = Path(llama_cpp.__file__).parent / "lib"  # the wheel's libllama, libggml*, libmtmd
@@ -153,10 +154,7 @@ def _build_peer(binary: Path, version: str, write: Callable[[str], None], jobs: 
         write(
             f"Building llama.cpp's llama-server {version} from the llama-cpp-python sdist against its wheel's libraries (once per machine, about 5 minutes on 2 cores)..."
         )
-        sdist = _download_sdist(version, work)
-        with tarfile.open(sdist) as archive:
-            archive.extractall(work, filter="data")
-        source = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+        source = unpacked_llama(version, work, error=PeerUnavailable)
         if not (source / "tools" / "server").is_dir():
             raise PeerUnavailable(f"the llama-cpp-python {version} sdist has no vendor/llama.cpp/tools/server")
         libraries = wheel_libraries()
@@ -168,21 +166,10 @@ def _build_peer(binary: Path, version: str, write: Callable[[str], None], jobs: 
         project.mkdir()
         (project / "CMakeLists.txt").write_text(WRAPPER_CMAKE)
         build = work / "build"
-        _run(
-            [
-                "cmake",
-                "-S",
-                str(project),
-                "-B",
-                str(build),
-                *CMAKE_FLAGS,
-                f"-DLLAMA_SOURCE={source}",
-                f"-DWHEEL_LIBS={WHEEL_LIBS}",
-            ],
-            "configure",
-            work,
-        )
-        _build(build, jobs, write, work)
+        configure = ["cmake", "-S", str(project), "-B", str(build), *CMAKE_FLAGS]
+        configure += [f"-DLLAMA_SOURCE={source}", f"-DWHEEL_LIBS={WHEEL_LIBS}"]
+        run_step(configure, "configure", work, error=PeerUnavailable)
+        compile_target(build, "llama-server", jobs, write, "llama-server", error=PeerUnavailable)
         built = build / "bin" / "llama-server"
         if not built.exists():
             raise PeerUnavailable(f"the build finished without {built}")
@@ -205,55 +192,6 @@ def version_of(binary: Path) -> str:
     return (
         " ".join(line.strip() for line in text if line.strip().startswith(("version", "built"))) or " ".join(text)[:200]
     )
-
-
-def _download_sdist(version: str, work: Path) -> Path:
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--quiet",
-        "--no-binary",
-        ":all:",
-        "--no-deps",
-        f"llama-cpp-python=={version}",
-        "-d",
-        str(work),
-    ]
-    _run(command, "pip download", work)
-    found = sorted(work.glob("llama_cpp_python-*.tar.gz"))
-    if not found:
-        raise PeerUnavailable(f"pip downloaded no llama-cpp-python {version} sdist")
-    return found[0]
-
-
-def _build(build: Path, jobs: int, write: Callable[[str], None], work: Path) -> None:
-    """cmake --build, with one progress line per tenth of the build."""
-    command = ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]
-    log = work / "build.log"
-    shown = -10
-    with (
-        open(log, "w") as out,
-        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process,
-    ):
-        for line in process.stdout:
-            out.write(line)
-            if line.startswith("[") and "%]" in line[:7]:
-                percent = int(line[1:4].strip() or 0)
-                if percent >= shown + 10:
-                    shown = percent
-                    write(f"  llama-server build {percent}%")
-        code = process.wait()
-    if code:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        raise PeerUnavailable(f"building llama-server failed (exit {code}):\n{tail}")
-
-
-def _run(command: list[str], what: str, work: Path) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, cwd=work)
-    if done.returncode:
-        raise PeerUnavailable(f"{what} failed (exit {done.returncode}): {(done.stderr or done.stdout)[-1500:]}")
 
 
 if __name__ == "__main__":
