@@ -8,6 +8,7 @@ pyproject.toml keep it below them."""
 from __future__ import annotations
 
 import os
+import sys
 
 from celery import Celery
 
@@ -20,6 +21,27 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 app = Celery("edgecache")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+def control_worker_argv(name: str = "control", loglevel: str = "warning") -> list[str]:
+    """The command of one control worker of this app (``manage.py run``, the test stacks): the
+    ``control`` queue on two threads (its inbox and sweeper loops run beside them), no gossip or
+    mingle between workers."""
+    options = (
+        f"--queues {Queue.CONTROL.value} --pool threads --concurrency 2 --hostname {name}@%h --loglevel {loglevel}"
+    )
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "dashboard",
+        "worker",
+        *options.split(),
+        "--without-gossip",
+        "--without-mingle",
+    ]
+
 
 _KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE, Task.AUDIT_ENTRY: Kind.AUDIT}
 

@@ -23,6 +23,7 @@ import pytest
 from cachebox import embedded
 from cachebox.link import LINK_PRESETS
 from dashboard.hosts.network import Host, HostNetwork, free_subnet, unavailable_reason
+from dashboard.outbox import control_worker_argv
 from tests.conftest import ROOT, opened_text
 
 
@@ -79,26 +80,7 @@ class HostedPlane:
         self.manage("migrate", "--verbosity", "0")
         self.control = self.spawn(
             "control",
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "dashboard",
-                "worker",
-                "--queues",
-                "control",
-                "--pool",
-                "threads",
-                "--concurrency",
-                "2",
-                "--hostname",
-                "control@%h",
-                "--loglevel",
-                "info",
-                "--without-gossip",
-                "--without-mingle",
-            ],
+            control_worker_argv("control", "info"),
         )
 
     def start_cachebox(self) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from dashboard.outbox import control_worker_argv
 from tests.conftest import ROOT, control_plane_password, opened_text
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
@@ -108,26 +109,7 @@ class Plane:
     def control_worker(self) -> subprocess.Popen:
         return self.spawn(
             "control",
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "dashboard",
-                "worker",
-                "--queues",
-                "control",
-                "--pool",
-                "threads",
-                "--concurrency",
-                "2",
-                "--hostname",
-                "control@%h",
-                "--loglevel",
-                "info",
-                "--without-gossip",
-                "--without-mingle",
-            ],
+            control_worker_argv("control", "info"),
         )
 
     def board(self, token: str, name: str = "solo", heartbeat: float = 5) -> subprocess.Popen:

@@ -38,8 +38,8 @@ from cachebox.errors import CacheBoxUnavailable
 from cachebox.link import LINK_PRESETS
 from dashboard import actions
 from dashboard.models import Device
+from dashboard.outbox import control_worker_argv
 from inference.board.config import edgecache_home
-from inference.contract.messages import Queue
 
 ADMIN_USERNAME = "admin"
 # EDGECACHE_BOARD_HOSTS=1: the demo boards as hosts (dashboard.hosts.network) on this hub.
@@ -342,26 +342,7 @@ class Command(BaseCommand):
                 children.append(
                     self._spawn(
                         f"control worker {name}",
-                        [
-                            sys.executable,
-                            "-m",
-                            "celery",
-                            "-A",
-                            "dashboard",
-                            "worker",
-                            "--queues",
-                            Queue.CONTROL.value,
-                            "--pool",
-                            "threads",
-                            "--concurrency",
-                            "2",
-                            "--hostname",
-                            f"{name}@%h",
-                            "--loglevel",
-                            "warning",
-                            "--without-gossip",
-                            "--without-mingle",
-                        ],
+                        control_worker_argv(name, "warning"),
                     )
                 )
             if not no_boards:
