@@ -68,13 +68,13 @@ class NamespaceAdmin(admin.ModelAdmin):
         return request.user.is_superuser and (obj is None or not obj.devices.exists())
 
     def save_model(self, request, obj, form, change):
-        from .actions import save_namespace
+        from .actions import save_namespace  # lazy: admin loads at every django.setup(); the actions only when used
 
         save_namespace(request.user, obj)
 
     @admin.action(description="Rotate the signing key of selected namespaces")
     def rotate_key(self, request, queryset):
-        from .actions import rotate_signing_key
+        from .actions import rotate_signing_key  # lazy: admin loads at every django.setup(); the actions only when used
 
         if not request.user.is_staff:
             return None
@@ -125,7 +125,7 @@ class DeviceAdmin(admin.ModelAdmin):
         return False  # register on the Devices page, which issues the token
 
     def save_model(self, request, obj, form, change):
-        from .actions import update_device
+        from .actions import update_device  # lazy: admin loads at every django.setup(); the actions only when used
 
         update_device(request.user, obj)
 
@@ -264,7 +264,7 @@ class CacheEntryAdmin(admin.ModelAdmin):
 
     @admin.action(description="Evict selected entries from the cache box")
     def evict(self, request, queryset):
-        from .actions import evict_entries
+        from .actions import evict_entries  # lazy: admin loads at every django.setup(); the actions only when used
 
         page = _confirm_entries(self, request, queryset, "evict")
         if page:
@@ -274,14 +274,14 @@ class CacheEntryAdmin(admin.ModelAdmin):
 
     @admin.action(description="Pin selected entries (never expire)")
     def pin(self, request, queryset):
-        from .actions import pin_entries
+        from .actions import pin_entries  # lazy: admin loads at every django.setup(); the actions only when used
 
         count = pin_entries(request.user, queryset, True)
         self.message_user(request, f"Pinned {count} entries.", messages.SUCCESS)
 
     @admin.action(description="Unpin selected entries")
     def unpin(self, request, queryset):
-        from .actions import pin_entries
+        from .actions import pin_entries  # lazy: admin loads at every django.setup(); the actions only when used
 
         page = _confirm_entries(self, request, queryset, "unpin")
         if page:
@@ -346,6 +346,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         return self.readonly_fields + (("namespace",) if obj else ())
 
     def save_model(self, request, obj, form, change):
+        # lazy: admin loads at every django.setup(); the actions only when used
         from .actions.api_keys import create_key
 
         if change:
@@ -359,6 +360,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         """The key, once, on the dashboard's own page (the one the API keys page shows)."""
         from django.shortcuts import redirect
 
+        # lazy: admin loads at every django.setup(); the views (API, benchmarks) only here
         from .views.api_keys import KEY_SESSION_KEY
 
         key = getattr(request, "_edgecache_api_key", None)
@@ -369,6 +371,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke the selected API keys")
     def revoke(self, request, queryset):
+        # lazy: admin loads at every django.setup(); the actions only when used
         from .actions.api_keys import revoke_key
 
         queryset = queryset.filter(revoked_at__isnull=True)

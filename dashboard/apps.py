@@ -9,7 +9,7 @@ def ensure_default_namespace(sender, using="default", **kwargs) -> None:
     one where it was deleted still has it."""
     from django.db import connections
 
-    from .models import Namespace
+    from .models import Namespace  # lazy: models before apps are ready (apps.py loads while the registry populates)
 
     if Namespace._meta.db_table in connections[using].introspection.table_names():  # not when migrated back past it
         Namespace.objects.using(using).get_or_create(name="default")
@@ -23,14 +23,14 @@ class DashboardConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_delete, post_migrate, post_save
 
-        from dashboard.router import CANDIDATES
+        from dashboard.router import CANDIDATES  # lazy: models before apps are ready (the router imports them)
 
-        from .models import Device
+        from .models import Device  # lazy: models before apps are ready (apps.py loads while the registry populates)
 
         post_save.connect(CANDIDATES.forget, sender=Device, weak=False, dispatch_uid="routing-candidates-saved")
         post_delete.connect(CANDIDATES.forget, sender=Device, weak=False, dispatch_uid="routing-candidates-deleted")
         post_migrate.connect(ensure_default_namespace, sender=self, dispatch_uid="default-namespace")
         if os.environ.get("EDGECACHE_COUNT_DB_WRITES") == "1":  # bench fleet-sim: database writes/s of every process
-            from dashboard.ops.db_writes import count_writes
+            from dashboard.ops.db_writes import count_writes  # lazy: only when bench fleet-sim counts database writes
 
             count_writes()

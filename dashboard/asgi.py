@@ -17,6 +17,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 
 django_asgi_app = get_asgi_application()
 
+from .middleware import API_MIDDLEWARE  # noqa: E402  (ApiHandler() below loads it)
+
 
 class ApiHandler(ASGIHandler):
     """Django for the OpenAI-compatible API (``/v1/``): the same views, behind ``API_MIDDLEWARE``
@@ -44,8 +46,6 @@ class ApiHandler(ASGIHandler):
             await self.handle(scope, receive, send)
 
     def load_middleware(self, is_async=False):
-        from .middleware import API_MIDDLEWARE
-
         self._view_middleware, self._template_response_middleware, self._exception_middleware = [], [], []
         handler = convert_exception_to_response(self._get_response_async)
         for middleware in reversed(API_MIDDLEWARE):
@@ -69,6 +69,12 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.urls import path  # noqa: E402
 
 from dashboard.live.consumers import LiveConsumer  # noqa: E402
+from dashboard.router import CANDIDATES, STATE, prompt_tokens  # noqa: E402
+from inference.contract.messages import Queue  # noqa: E402
+
+from .actions import run_request  # noqa: E402
+from .models import Namespace  # noqa: E402
+from .outbox import app as celery_app  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +97,6 @@ def _warm_router() -> None:
     (31 ms)."""
     from django.conf import settings
     from django.db import connection
-
-    from dashboard.router import CANDIDATES, STATE, prompt_tokens
-    from inference.contract.messages import Queue
-
-    from .actions import run_request
-    from .models import Namespace
-    from .outbox import app as celery_app
 
     try:
         prompt_tokens(run_request(["warm"]))

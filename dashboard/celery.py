@@ -30,9 +30,9 @@ def _start_sweeper(sender=None, **_) -> None:
         return
     # Imported here, not above: Django's apps are ready only now (Celery's Django fixup loads them
     # after this module), and these read the models at import.
-    from dashboard.actions.devices import HEARTBEATS
-    from dashboard.worker.inbox import INBOX
-    from dashboard.worker.sweeper import start
+    from dashboard.actions.devices import HEARTBEATS  # lazy: models before apps are ready
+    from dashboard.worker.inbox import INBOX  # lazy: models before apps are ready
+    from dashboard.worker.sweeper import start  # lazy: models before apps are ready (the sweeper imports the actions)
 
     start()
     HEARTBEATS.start()  # every board's latest heartbeat, read in batches

@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from dashboard.bench import side_by_side
+
 from .bench import BENCHMARKS, documents
 from .bench import get as get_bench
 
@@ -479,7 +481,6 @@ def render_benchmarks(text: str, folder: Path | None = None) -> str:
 
 def render_readme(text: str, folder: Path | None = None) -> str:
     """``text`` (README.md) with its vs-server table regenerated from the newest ``bench vs-server`` document."""
-    from dashboard.bench import side_by_side
 
     saved = [
         doc

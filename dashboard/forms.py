@@ -13,9 +13,10 @@ from django.utils.html import escape
 from cachebox.errors import InvalidNamespace
 from cachebox.keys import check_namespace
 from cachebox.link import LINK_PRESETS
+from cachebox.signing import private_namespace
 from dashboard import mmlu
 from dashboard.actions.runs import split_segments
-from dashboard.models import Schema
+from dashboard.models import CacheEntry, Schema
 from dashboard.pages.stats import (
     ANSWERED,
     CANCELLED_RUNS,
@@ -31,7 +32,7 @@ from inference.serving.breakdown import Case, Decision
 from inference.serving.pml import PMLError, parse_prompt, parse_schema
 
 from .actions import run_request as asked_run
-from .models import Device, SavedPrompt
+from .models import Device, Namespace, SavedPrompt
 
 MAX_PROMPT_CHARS = 32_000  # the Run page's limit, in the text boxes (counter) and here (form error)
 MAX_CHAT_TURNS = 64  # turns a Run page chat sends back (the board's context ends it sooner)
@@ -127,8 +128,6 @@ class DeviceForm(forms.ModelForm):
         return name
 
     def clean_namespace(self):
-        from .models import Namespace
-
         return self.cleaned_data.get("namespace") or Namespace.objects.get_or_create(name="default")[0]
 
     def clean_cpu_threads(self):
@@ -172,7 +171,6 @@ class SchemaForm(forms.ModelForm):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from .models import Namespace
 
         self.fields["namespace"].choices = [("", "shared with every namespace")] + [
             (name, name) for name in Namespace.objects.values_list("name", flat=True)
@@ -316,8 +314,6 @@ class RunForm(_ForUser, forms.Form):
     def clean_namespace(self):
         namespace = self._check_namespace_is_theirs(_clean_namespace(self.cleaned_data.get("namespace")))
         if namespace:
-            from .models import Namespace
-
             devices = list(self.fields["devices"].queryset)
             known = set(Namespace.objects.values_list("name", flat=True)) | {
                 device.cache_namespace for device in devices
@@ -644,12 +640,8 @@ class FlushForm(forms.Form):
 
     def __init__(self, *args, current: str | tuple[str, ...] = "", **kwargs):
         super().__init__(*args, **kwargs)
-        from dashboard.models import CacheEntry
-
-        from .models import Namespace
 
         held = set(CacheEntry.objects.values_list("namespace", flat=True).distinct())
-        from cachebox.signing import private_namespace
 
         private = {  # boards that share nothing (Device.cache_namespace), read without their status
             private_namespace(namespace, name)

@@ -19,6 +19,8 @@ from django.middleware.security import SecurityMiddleware
 from django.utils.deprecation import MiddlewareMixin
 from whitenoise.middleware import WhiteNoiseMiddleware
 
+from .api.errors import ApiError
+
 
 class AsyncWhiteNoiseMiddleware(WhiteNoiseMiddleware):
     sync_capable = True
@@ -71,8 +73,6 @@ class ApiAllowedHostsMiddleware(OnTheLoop, MiddlewareMixin):
     attempt or a misconfigured proxy, and gets nothing of the API."""
 
     def process_request(self, request):
-        from .api.errors import ApiError
-
         try:
             request.get_host()
         except DisallowedHost as exc:

@@ -14,6 +14,7 @@ from django.db import models
 from django.urls import reverse
 from django.utils import timezone
 
+from cachebox.signing import private_namespace
 from dashboard.security.at_rest import SealedJSONField, SealedTextField
 from inference.contract.messages import CANCELLED, Queue
 from inference.engine.kernels import CLASS_RE
@@ -172,7 +173,6 @@ class Device(models.Model):
     @property
     def cache_namespace(self) -> str:
         """Where this board's entries live (its own namespace when its tenant does not share)."""
-        from cachebox.signing import private_namespace
 
         if self.namespace.share_across_devices:
             return self.namespace_id
@@ -572,6 +572,7 @@ class Schema(models.Model):
         except PMLError as exc:
             raise ValidationError({"source": str(exc)})
         try:
+            # lazy: the serving schema code (cache-box exchange, rbloom) only to validate a schema
             from inference.serving.schema import layout_for  # the vocabulary loads on first use only
 
             layout_for(self.source, settings.EDGECACHE_MODEL, settings.EDGECACHE_N_CTX)

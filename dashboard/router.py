@@ -41,7 +41,11 @@ from cachebox.keys import entry_key_name
 from cachebox.link import LinkProfile
 from dashboard.models import CacheEntry, Device, Dispatch, InferenceRun, offline_after
 from inference.contract.messages import MAX_PROMPT_TOKENS, PromptTokens, RunRequest
+from inference.engine.chat import chat_prompt
+from inference.engine.llama import Vocabulary
+from inference.engine.model_file import resolve_model
 from inference.placement import HISTORY, RATE_SAMPLES, FleetIndex, PromptKeys, prompt_keys, route
+from inference.serving.run import text_layout
 
 log = logging.getLogger("dashboard.router")
 
@@ -61,9 +65,6 @@ class Routed:
 
 @functools.lru_cache(maxsize=2)
 def _vocabulary(model: str):
-    from inference.engine.llama import Vocabulary
-    from inference.engine.model_file import resolve_model
-
     return _RememberedTokens(Vocabulary.load(resolve_model(model or None)))
 
 
@@ -94,11 +95,8 @@ def prompt_tokens(prompt: RunRequest) -> tuple[list[int], tuple[int, ...]] | Non
     try:
         vocabulary = _vocabulary(settings.EDGECACHE_MODEL)
         if prompt.messages:
-            from inference.engine.chat import chat_prompt
-
             chat = chat_prompt(vocabulary, [(message.role, message.content) for message in prompt.messages])
             return chat.tokens, chat.cuts
-        from inference.serving.run import text_layout
 
         return text_layout(vocabulary, prompt.segments)
     except Exception as exc:  # routing then weighs queues only; the board reports any real error

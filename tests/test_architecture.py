@@ -7,6 +7,7 @@ is not an import and is not seen.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -104,6 +105,60 @@ def test_a_forbidden_import_breaks_its_contract(tree_copy, package, line, contra
     broken = result.stdout.split("Broken contracts", 1)[-1]
     culprit = "dashboard.outbox" if kept is not None else f"{package}._wrong_import_probe"
     assert contract in broken and culprit in broken, result.stdout
+
+
+def lazy_imports_without_reason(source: str, path: str = "<probe>") -> list[str]:
+    """``path:line  module`` of each import of the project's packages (or a relative one) inside a
+    function of ``source`` that has no ``# lazy:`` comment on its lines or on the line above."""
+    lines = source.splitlines()
+    missing = []
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.ImportFrom):
+                module = "." * node.level + (node.module or "")
+            elif isinstance(node, ast.Import):
+                module = node.names[0].name
+            else:
+                continue
+            if not (module.startswith(".") or module.split(".")[0] in PACKAGES):
+                continue
+            around = lines[max(node.lineno - 2, 0) : node.end_lineno]  # the line above and the import's own
+            if not any("# lazy:" in line for line in around):
+                missing.append(f"{path}:{node.lineno}  {module}")
+    return sorted(set(missing))  # a nested function's import is walked from each function around it
+
+
+def test_every_import_inside_a_function_says_why_it_is_lazy():
+    """A maintainer reads a module's dependencies at its top: an import of the project's own packages
+    inside a function is the exception (an import cycle, models before the apps are ready, a heavy or
+    optional dependency kept out of a process, such as a board's or ``manage.py bench``'s) and says
+    which, in a ``# lazy:`` comment on its line or the line above. Migrations are left out."""
+    missing = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if "migrations" not in path.parts:
+                missing += lazy_imports_without_reason(path.read_text(), str(path.relative_to(ROOT)))
+    assert not missing, "imports inside a function without a `# lazy:` reason:\n" + "\n".join(missing)
+
+
+def test_an_import_inside_a_function_without_a_reason_is_found():
+    """The check above is not vacuous: it sees project and relative imports in (nested) functions and
+    methods, and lets through those with a reason, module-level imports and other packages'."""
+    source = (
+        "import dashboard.models\n"
+        "def f():\n"
+        "    import json\n"
+        "    from dashboard.models import Device\n"
+        "    # lazy: a reason\n"
+        "    from inference.engine import llama\n"
+        "    from .models import Namespace  # lazy: a reason\n"
+        "    class C:\n"
+        "        def m(self):\n"
+        "            from . import actions\n"
+    )
+    assert lazy_imports_without_reason(source) == ["<probe>:10  .", "<probe>:4  dashboard.models"]
 
 
 def test_a_missing_optional_package_skips_here_and_fails_under_make_test(monkeypatch):

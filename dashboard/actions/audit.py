@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from enum import StrEnum
 
+from ..models import AuditEvent
+
 log = logging.getLogger("dashboard.actions")
 
 
@@ -33,7 +35,6 @@ class AuditAction(StrEnum):
 
 def audit(user, action: AuditAction, target: str, detail: str = "") -> None:
     """One audit row (and log line); call it inside the verb's transaction."""
-    from ..models import AuditEvent
 
     action = AuditAction(action)  # a free string that is not an action fails here, not in a report
     AuditEvent.objects.create(

@@ -15,10 +15,11 @@ from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
 from cachebox.events import security_event
-from cachebox.keys import enrollment_refusal_key_name, heartbeat_key
+from cachebox.keys import device_key_name, enrollment_refusal_key_name, heartbeat_key
 from cachebox.signing import pin_proof
 from dashboard.live.broadcast import broadcast
 from dashboard.pages.stats import memory_label
+from dashboard.router import CANDIDATES
 from dashboard.security import ratelimit
 from dashboard.security.signing import (
     control_plane_public_key,
@@ -535,8 +536,6 @@ class HeartbeatBatch:
             device.last_message_ts, device.last_seen, device.status, device.announced_online = sent, now, status, True
         accepted = [device for device, _, _ in accepted]
         if accepted:
-            from dashboard.router import CANDIDATES
-
             CANDIDATES.forget()
         clock = time.monotonic()
         told = 0
@@ -591,7 +590,6 @@ def _republish_missing(devices: list[Device]) -> None:
     one pipelined look-up for all of them."""
     if not devices:
         return
-    from cachebox.keys import device_key_name
 
     try:
         present = cachebox().exists([device_key_name(device.name) for device in devices])

@@ -25,11 +25,13 @@ from cachebox.events import security_event
 from cachebox.keys import parse_entry_key_name
 from dashboard.live.broadcast import broadcast
 from dashboard.models import CacheEntry
+from dashboard.outbox import send_to_board
 from inference.contract.messages import AuditReport, AuditRequest, RunReport, RunRequest, Task
 
 from ..models import Device, Dispatch, EntryAudit
 from .audit import AuditAction, audit
 from .cache import delete_entries, delete_entries_of
+from .devices import device_json, publish_producers, receive_board_message
 
 log = logging.getLogger("dashboard.actions")
 
@@ -75,7 +77,6 @@ def choose_auditor(namespace: str, fingerprint: str, exclude: set[str]) -> Devic
 
 def dispatch_audit(entry: str, namespace: str, request: dict, run_device: str) -> EntryAudit | None:
     """Send one entry to an auditor (None, logged, when no other board of its model is online)."""
-    from dashboard.outbox import send_to_board
 
     try:
         _, fingerprint, _ = parse_entry_key_name(entry)
@@ -101,7 +102,6 @@ def record_audit(payload: dict) -> EntryAudit | None:
 
     A mismatch deletes the entry and quarantines its producer; a refused entry is deleted (every
     reader refuses it anyway)."""
-    from .devices import receive_board_message
 
     report, device, _ = receive_board_message(AuditReport, payload)
     if report is None:
@@ -142,7 +142,6 @@ def quarantine_producer(namespace: str, producer: str, reason: str) -> Device | 
     """Mark the board ``producer`` of ``namespace`` and quarantine its entries: the producer table
     lists it (readers refuse and evict what it made) and the entries the mirror knows it stored
     are deleted now."""
-    from .devices import device_json, publish_producers
 
     with transaction.atomic():
         device = Device.objects.select_for_update().filter(name=producer, namespace_id=namespace).first()
@@ -161,7 +160,6 @@ def quarantine_producer(namespace: str, producer: str, reason: str) -> Device | 
 
 def clear_quarantine(user, device: Device) -> None:
     """A staff member trusts the board's entries again (after finding why they differed)."""
-    from .devices import device_json, publish_producers
 
     with transaction.atomic():
         Device.objects.filter(pk=device.pk).update(quarantined_at=None, quarantine_reason="")

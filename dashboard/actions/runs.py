@@ -18,7 +18,11 @@ from cachebox.keys import cancel_key_name, heard_key_name, stream_channel
 from dashboard import admission, router
 from dashboard.live.broadcast import broadcast
 from dashboard.outbox import send_to_board
+from dashboard.pages.chart_series import hit_tier
+from dashboard.pages.colors import device_color
 from dashboard.pages.entry_preview import stored_entries
+from dashboard.pages.explain import explain_run
+from dashboard.pages.stats import explain_error, run_figures
 from dashboard.security.signing import cancel_flag, control_plane_signer, device_ring
 from dashboard.store import mirror
 from inference.contract.envelope import CONTROL, Kind, seal
@@ -37,6 +41,7 @@ from inference.serving.breakdown import time_sums
 
 from ..models import Device, Dispatch, InferenceRun
 from . import entry_audits
+from .audit import AuditAction, audit
 from .cache import acceptable_entries, cachebox
 from .devices import receive_board_message
 
@@ -287,11 +292,6 @@ def run_json(run: InferenceRun) -> dict:
     updated figures (the device cards show them without a reload)."""
     from django.urls import reverse
 
-    from dashboard.pages.chart_series import hit_tier
-    from dashboard.pages.colors import device_color
-    from dashboard.pages.explain import explain_run
-    from dashboard.pages.stats import explain_error, run_figures
-
     return {
         "id": run.pk,
         "request_id": str(run.request_id),
@@ -463,7 +463,6 @@ def revoke(user, dispatch: Dispatch) -> bool:
     """Take a run under way back from its queue (the Queue page's Revoke): its board drops it if it
     ever takes it (a signed cancel flag; one already decoding stops at its next token), and it ends
     as a failed run saying who revoked it. False when it ended otherwise meanwhile."""
-    from .audit import AuditAction, audit
 
     ended, _ = _end_unanswered(dispatch, "revoked", REVOKED.format(who=getattr(user, "username", "") or "someone"))
     if ended:
@@ -483,7 +482,6 @@ def _end_unanswered(
     (broadcast, so every page that lists runs shows it) keeping ``text``, its board told to drop
     it (``cancel``), its waiting client told at once. (False, None) when it ended otherwise meanwhile (one conditional update
     decides); the run is None for a dispatch to no board in particular."""
-    from .runs import run_json
 
     if not Dispatch.objects.filter(pk=dispatch.pk, outcome="").update(outcome=outcome):
         return False, None
@@ -525,7 +523,6 @@ def _end_unanswered(
 
 def publish_event(device: Device, request_id: str, event: StreamEvent) -> None:
     """A control-plane event on the run's channel of ``device`` (best effort: the record is the truth)."""
-    from .cache import cachebox
 
     sealed = seal(
         event.compact(),
@@ -543,7 +540,6 @@ def publish_event(device: Device, request_id: str, event: StreamEvent) -> None:
 
 def cancel_on(device: Device, request_id: str) -> None:
     """Tell ``device``'s board to drop the run if it ever takes it (it came back, say)."""
-    from .cache import cachebox
 
     try:
         cachebox().set_flag(

@@ -36,6 +36,8 @@ from dashboard.live.broadcast import broadcast
 from inference.contract.messages import StreamEvent
 
 from ..models import Device, Dispatch, InferenceRun, offline_after
+from .cache import cachebox
+from .devices import device_json
 from .runs import cancel_on, continue_run, lose, publish_event
 
 log = logging.getLogger("dashboard.actions")
@@ -96,8 +98,6 @@ class Heard:
     never), read for one sweep in one round trip (``actions.runs.heard`` writes them)."""
 
     def __init__(self, dispatches: list[Dispatch]):
-        from .cache import cachebox
-
         names = []
         for dispatch in dispatches:
             if dispatch.device is not None:
@@ -255,7 +255,6 @@ def announce_liveness(now=None) -> list[str]:
     ``EDGECACHE_MISSED_HEARTBEATS`` of its heartbeats, and tell them (a ``device`` event, as a
     heartbeat sends when it comes online). Returns the names marked. Each board is marked by one
     conditional update, so of several sweepers one tells the pages, once."""
-    from .devices import device_json
 
     now = now or timezone.now()
     marked = []

@@ -26,6 +26,7 @@ from dashboard.models import ApiKey, Device
 from dashboard.router import CANDIDATES, Routed, plan
 from dashboard.store.django_cache import CACHE_SERVER_ERRORS
 from inference.contract.messages import RunRequest
+from inference.engine.model_file import ModelNotFound, resolve_model
 
 log = logging.getLogger("dashboard.api")
 
@@ -77,8 +78,6 @@ def example_model(namespace: str) -> str:
         if isinstance(model, str) and model:
             return model
     from django.conf import settings
-
-    from inference.engine.model_file import ModelNotFound, resolve_model
 
     try:
         return resolve_model(settings.EDGECACHE_MODEL or None).path.name

@@ -28,11 +28,17 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cachebox.keys import KEY_PREFIX
+from cachebox.link import LINK_PRESETS
+from cachebox.store import CacheBox
 from dashboard import mmlu
 from dashboard.bench.base import BenchError, Benchmark
 from dashboard.bench.common import machine_info, median
-from inference.engine.llama import Engine
-from inference.lab.anchors import anchor_prefill, prefix_entry, prompt_sequences
+from dashboard.bench.html_report import write_report
+from dashboard.lab import texts
+from inference.engine.llama import Engine, EngineConfig
+from inference.engine.model_file import ModelFile, _cached_sha256, resolve_model
+from inference.lab.anchors import anchor_prefill, prefix_entry, prompt_sequences, tuned_path
+from inference.lab.kv_prediction import lab_dir
 
 LAB_KEY_SPACE = f"{KEY_PREFIX}:lab:anchors"
 VARIANTS = ("base-full", "base-pruned", "tuned-full", "tuned-pruned")
@@ -273,14 +279,8 @@ def add_arguments(parser) -> None:
 def run(ctx, *, prompts, shots, decode_tokens, link_prompts, link, threads, **options) -> dict:
     from types import SimpleNamespace
 
-    from cachebox.link import LINK_PRESETS
-    from cachebox.store import CacheBox
-    from dashboard.lab import texts
+    # lazy: the lab's tuning (torch) only here; manage.py bench imports every bench
     from dashboard.lab.anchor_tune import record_path
-    from inference.engine.llama import EngineConfig
-    from inference.engine.model_file import ModelFile, _cached_sha256, resolve_model
-    from inference.lab.anchors import tuned_path
-    from inference.lab.kv_prediction import lab_dir
 
     if prompts < 1 or threads < 1 or decode_tokens < 0 or link_prompts < 0:
         raise BenchError("--prompts and --threads must be at least 1, --decode-tokens and --link-prompts at least 0")
@@ -359,8 +359,6 @@ def lines(document: dict) -> list[str]:
 
 def anchors_report(path, doc: dict):
     import plotly.graph_objects as go
-
-    from dashboard.bench.html_report import write_report
 
     rows = doc["rows"] + doc.get("baselines", [])
     names = [row["variant"] for row in rows]

@@ -306,6 +306,7 @@ def add_arguments(parser) -> None:
 
 
 def run(ctx, *, url, clients, seconds, max_tokens, namespace, **options) -> dict:
+    # lazy: the actions (and channels) only here; manage.py bench imports every bench
     from dashboard.actions.api_keys import create_key, revoke_key
 
     if clients < 1 or not 0 < seconds <= 3600 or max_tokens < 1:

@@ -26,6 +26,7 @@ from dashboard.bench.cases import CASE_NAMES, seed_segments
 from dashboard.bench.common import machine_info, median, prefix_serving
 from dashboard.bench.reports import breakeven_report
 from dashboard.mmlu import MMLUPrompt
+from inference.engine.compute_profile import profile_named
 from inference.serving.breakeven import BreakEvenPolicy
 
 PRESETS = ("wifi4", "fast-ethernet", "none")
@@ -176,8 +177,6 @@ def add_arguments(parser) -> None:
 
 
 def run(ctx, *, topic, prompts, shots, threads, links, cases, modes, profile, **options) -> dict:
-    from inference.engine.compute_profile import profile_named
-
     links, cases, modes = links or list(PRESETS), cases or list(CASE_NAMES), modes or list(MODES)
     for name, given, known in (("link", links, LINK_PRESETS), ("case", cases, CASE_NAMES), ("mode", modes, MODES)):
         unknown = [value for value in given if value not in known]

@@ -17,6 +17,7 @@ from cachebox.catalog import Catalog
 from cachebox.link import LINK_PRESETS
 from cachebox.store import CacheBox
 from cachebox.sync import CatalogRegistry
+from dashboard import mmlu
 from dashboard.bench.base import BenchError, Benchmark
 from dashboard.bench.common import machine_info, prefix_serving
 from dashboard.bench.reports import catalog_report
@@ -96,8 +97,6 @@ def add_arguments(parser) -> None:
 
 
 def run(ctx, *, prompts, shots, link, **options) -> dict:
-    from dashboard import mmlu
-
     if link not in LINK_PRESETS or LINK_PRESETS[link] is None:
         raise BenchError(f"--link must be one of {', '.join(k for k, v in LINK_PRESETS.items() if v)}")
     if not 1 <= prompts <= 57:

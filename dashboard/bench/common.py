@@ -17,8 +17,9 @@ import llama_cpp
 def prefix_serving(engine, store, catalogs, keys, policy=None, codec: str = "raw"):
     """Prefix serving on ``engine`` over its own exchange with ``store`` (None: no cache at all),
     storing states with ``codec``."""
-    from inference.serving.exchange import Exchange
-    from inference.serving.prefix import PrefixServing
+    # lazy (both): serving code out of the web process, whose pages read documents through the runner
+    from inference.serving.exchange import Exchange  # lazy: see above
+    from inference.serving.prefix import PrefixServing  # lazy: see above
 
     exchange = (
         Exchange(store, catalogs, fingerprint=engine.fingerprint, keys=keys, codec=codec) if store is not None else None

@@ -22,6 +22,11 @@ from typing import Callable, Sequence
 from dashboard import mmlu
 from dashboard.bench.base import BenchError, Benchmark
 from dashboard.bench.common import machine_info
+from dashboard.bench.html_report import write_report
+from dashboard.lab import texts
+from inference.engine.llama import EngineConfig, Vocabulary
+from inference.engine.model_file import resolve_model
+from inference.lab.kv_prediction import lab_dir
 
 # Paper figures quoted as data (Miao et al., "An Efficient Inference Framework for Early-exit Large
 # Language Models", section 5.1 and table 1): tokens/s on one RTX 4090, techniques in the order the
@@ -107,6 +112,7 @@ DIFFERS_FROM_PAPER = [
 
 
 def _configs(measures: dict[str, Sequence[float]], exits: tuple[int, ...], lens: bool):
+    # lazy: the lab (torch) only here; manage.py bench imports every bench
     from inference.lab.early_exit import ExitPolicy
 
     configs = []
@@ -230,6 +236,7 @@ def run_exit_study(
 
 # -- the command (python manage.py bench lab-exit) --------------------------------------------------
 def add_arguments(parser) -> None:
+    # lazy: the lab (torch) only here; manage.py bench imports every bench
     from inference.lab.early_exit import DEFAULT_EXITS
 
     parser.add_argument(
@@ -313,19 +320,15 @@ def run(
 ) -> dict:
     from types import SimpleNamespace
 
-    from dashboard.lab import texts
-    from inference.engine.llama import EngineConfig, Vocabulary
-    from inference.engine.model_file import resolve_model
-
     if prompts < 1 or mmlu_prompts < 0 or tokens < 1 or any(b < 1 for b in batch) or threads < 1:
         raise BenchError("--prompts, --tokens, --batch and --threads must be at least 1, --mmlu-prompts at least 0")
     if not top_prob and not similarity:
         raise BenchError("give at least one threshold (--top-prob or --similarity)")
     try:
-        from dashboard.lab.fitting import fit_lens
-        from inference.lab.early_exit import EarlyExitDecoder, ExitLens, lens_path
-        from inference.lab.kv_prediction import lab_dir
-        from inference.lab.reference import ReferenceModel
+        # lazy (all three): the lab extra (torch) for this bench alone; manage.py bench imports every bench
+        from dashboard.lab.fitting import fit_lens  # lazy: see above
+        from inference.lab.early_exit import EarlyExitDecoder, ExitLens, lens_path  # lazy: see above
+        from inference.lab.reference import ReferenceModel  # lazy: see above
 
         exits = tuple(sorted(set(exits)))
         configs = _configs({"top-prob": top_prob, "similarity": similarity}, exits, lens)  # each policy checks itself
@@ -458,8 +461,6 @@ def lines(doc: dict) -> list[str]:
 # -- report -------------------------------------------------------------------------------------------
 def exit_report(path, doc: dict):
     import plotly.graph_objects as go
-
-    from dashboard.bench.html_report import write_report
 
     def series(rows):
         groups: dict[tuple, list] = {}

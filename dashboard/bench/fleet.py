@@ -25,8 +25,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cachebox.keys import parse_entry_key_name
+from cachebox.link import LINK_PRESETS
+from dashboard import mmlu
 from dashboard.bench.base import BenchError, Benchmark, topics_named
 from dashboard.bench.common import machine_info, median, percentile
+from dashboard.bench.html_report import write_report
 from inference.placement import FleetIndex, prompt_keys, route
 
 POLICIES = ("random", "round-robin", "cache-aware")
@@ -330,8 +333,6 @@ def fleet_report(path, doc: dict):
     """The HTML report: TTFT percentiles and where each policy's states came from."""
     import plotly.graph_objects as go
 
-    from dashboard.bench.html_report import write_report
-
     policies = doc["policies"]
     names = list(policies)
     ttft = go.Figure()
@@ -430,9 +431,6 @@ def add_arguments(parser) -> None:
 
 def run(ctx, *, boards, topics, prompts, shots, max_tokens, link, ram_mb, spacing, seed, **options) -> dict:
     from contextlib import ExitStack
-
-    from cachebox.link import LINK_PRESETS
-    from dashboard import mmlu
 
     if boards < 2 or prompts < boards or max_tokens < 1 or spacing <= 0 or not 0 <= shots <= 8:
         raise BenchError(

@@ -35,8 +35,13 @@ import threading
 import time
 from pathlib import Path
 
+from cachebox import embedded
+from dashboard.bench.api import stream_chat
 from dashboard.bench.base import BenchError, Benchmark
 from dashboard.bench.common import percentile
+from dashboard.bench.html_report import write_report
+from dashboard.bench.sim_board import SIM_MODEL
+from dashboard.ops import db_writes
 
 FORMAT = 1
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,8 +238,6 @@ def run(
     )
     started_cluster = None
     if cluster:
-        from cachebox import embedded
-
         started_cluster = embedded.ensure_cluster(home / "cluster")
         env["EDGECACHE_CACHEBOX_URL"] = started_cluster.url
     log = open(home / "stack.log", "wb")
@@ -341,8 +344,6 @@ def lines(doc: dict) -> list[str]:
 def report(path, doc: dict):
     import plotly.graph_objects as go
 
-    from dashboard.bench.html_report import write_report
-
     lag = go.Figure()
     points = doc.get("heartbeat_lag_series") or []
     lag.add_scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="markers", name="heartbeat ingest lag")
@@ -408,8 +409,11 @@ def _register(options: dict) -> dict:
     """Namespaces, devices (with tokens) and one API key per namespace."""
     from django.contrib.auth import get_user_model
 
-    from dashboard.actions import register_device
-    from dashboard.actions.api_keys import create_key
+    # lazy (both): the actions (and channels) only here; manage.py bench imports every bench
+    from dashboard.actions import register_device  # lazy: see above
+    from dashboard.actions.api_keys import create_key  # lazy: see above
+
+    # lazy: models before apps are ready (python -m dashboard.bench.fleet_sim imports this module; drive() sets Django up)
     from dashboard.models import Namespace
 
     started = time.monotonic()
@@ -502,8 +506,6 @@ def _valkey_counters(urls: list[str]) -> dict:
 
 
 def _chat(url: str, key: str, model: str, system: str, question: str) -> dict:
-    from dashboard.bench.api import stream_chat
-
     body = {
         "model": model,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
@@ -546,6 +548,7 @@ def _render_times(pages: list[str], admin_id, repeats: int = 5) -> dict:
 
 def _heartbeat_lags(seen: dict, t0: float) -> list[tuple[float, float]]:
     """New heartbeats since the last call: (seconds since t0, ingest lag ms) each."""
+    # lazy: the actions (and channels) only here; manage.py bench imports every bench
     from dashboard.actions.devices import heartbeat_records
 
     points = []
@@ -560,6 +563,7 @@ def _quiet_decisions(namespace: str, system: str, repeats: int = 50) -> list[flo
     """Routing decisions over every device of ``namespace`` taken by this process once the load has
     stopped: the decision's own cost, without a busy web process around it. The devices come as the
     API reads them (``Candidates``: at most once a second per process, each read timed apart)."""
+    # lazy: the actions (and channels) only here; manage.py bench imports every bench
     from dashboard import actions, router
 
     devices = router.CANDIDATES.roster(namespace, fresh=True)
@@ -580,9 +584,8 @@ def drive(options: dict) -> dict:
     import redis
     from django.conf import settings
 
-    from dashboard.bench.sim_board import SIM_MODEL
+    # lazy: models before apps are ready (python -m dashboard.bench.fleet_sim imports this module; drive() sets Django up)
     from dashboard.models import Device, Dispatch, InferenceRun
-    from dashboard.ops import db_writes
 
     home = Path(options["home"])
     print(f"fleet-sim: registering {options['boards']} devices", flush=True)
@@ -616,6 +619,7 @@ def drive(options: dict) -> dict:
         # The simulated boards stand in for other machines: below the control plane's CPU priority,
         # as make run's demo boards are, so that their share of this machine's cores is not the
         # control plane's latency (CPU seconds are counted per process either way).
+        # lazy: the run command (and the actions) only here; manage.py bench imports every bench
         from ..management.commands.run import board_command
 
         argv = board_command([sys.executable, "-m", "dashboard.bench.sim_board", str(path)])

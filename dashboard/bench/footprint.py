@@ -79,6 +79,7 @@ def prompt_count(steps: list[Step]) -> int:
 
 def mmlu_prompts(steps: list[Step], topics, shots: int) -> list[list[str]]:
     """The MMLU prompts (as segments) the steps name: prompt i is of topic i mod len(topics)."""
+    # lazy: footprint's child runs this file: its top imports count in the measured interpreter stage
     from dashboard import mmlu
 
     count = prompt_count(steps)
@@ -134,21 +135,22 @@ def _memory() -> dict:
 def board_main(spec: dict) -> int:
     """Run ``spec``'s steps as a board would (the child's entry point); JSON lines on stdout."""
     _emit({"event": "stage", "stage": "interpreter", "memory": _memory()})
-    from inference.engine.proc_memory import tune_malloc
+    from inference.engine.proc_memory import tune_malloc  # lazy: measured from the bare interpreter on
 
     if spec.get("tune_malloc", True):
         tune_malloc()
-    # What an edge process imports before it serves (inference.board.main and its Celery worker).
+    # What an edge process imports before it serves (inference.board.main and its Celery worker),
+    # imported here: the child's memory after them is the measured "imports" stage.
     import celery.apps.worker  # noqa: F401
     import celery.worker.consumer  # noqa: F401
     import kombu.transport.redis  # noqa: F401
 
-    import inference.board.main  # noqa: F401
-    import inference.board.tasks  # noqa: F401
-    from cachebox.signing import Keychain, KeyRing, shared_producer_ring
-    from dashboard.bench.common import machine_info
-    from inference.board.config import BoardConfig
-    from inference.board.runtime import Board
+    import inference.board.main  # noqa: F401  # lazy: a measured stage
+    import inference.board.tasks  # noqa: F401  # lazy: a measured stage
+    from cachebox.signing import Keychain, KeyRing, shared_producer_ring  # lazy: a measured stage
+    from dashboard.bench.common import machine_info  # lazy: a measured stage
+    from inference.board.config import BoardConfig  # lazy: a measured stage
+    from inference.board.runtime import Board  # lazy: a measured stage
 
     _emit(
         {
@@ -439,6 +441,7 @@ def report(path: Path, doc: dict) -> Path:
     """The HTML report beside the JSON: RSS over time for each board, the parts, the TTFT table."""
     import plotly.graph_objects as go
 
+    # lazy: footprint's child runs this file: its top imports count in the measured interpreter stage
     from dashboard.bench.html_report import write_report
 
     over_time = go.Figure()
@@ -497,6 +500,7 @@ def add_arguments(parser) -> None:
 
 
 def measure(ctx, *, memory_mb: int, runs: int, threads: int, compare: bool, **options) -> dict:
+    # lazy: footprint's child runs this file: its top imports count in the measured interpreter stage
     from dashboard.bench.base import BenchError
 
     if memory_mb < 64 or runs < 1 or threads < 1:
@@ -547,6 +551,7 @@ def headline(doc: dict) -> str:
 
 
 def _benchmark():
+    # lazy: footprint's child runs this file: its top imports count in the measured interpreter stage
     from dashboard.bench.base import Benchmark
 
     return Benchmark(

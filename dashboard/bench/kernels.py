@@ -30,8 +30,16 @@ from pathlib import Path
 
 import numpy as np
 
+from cachebox.keys import grid_cuts
 from dashboard.bench import llama_kernels
 from dashboard.bench.base import BenchError, Benchmark, topics_named
+from dashboard.bench.common import host_info
+from dashboard.bench.html_report import write_report
+from dashboard.mmlu import build_prompts, parse_answer
+from inference.engine.bindings import kernel_class, library_path
+from inference.engine.llama import Engine, EngineConfig
+from inference.engine.model_file import resolve_model
+from inference.serving.run import text_layout
 
 GRID = 128
 MIN_QUESTIONS = 50
@@ -87,13 +95,6 @@ def summarize(rows: list[dict]) -> dict:
 
 # -- the worker: one class, one process ---------------------------------------------------------
 def _worker(args) -> None:
-    from cachebox.keys import grid_cuts
-    from dashboard.mmlu import parse_answer
-    from inference.engine.bindings import kernel_class, library_path
-    from inference.engine.llama import Engine, EngineConfig
-    from inference.engine.model_file import resolve_model
-    from inference.serving.run import text_layout
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = json.loads(Path(args.prompts).read_text())
@@ -195,8 +196,6 @@ def add_arguments(parser) -> None:
 
 
 def run(ctx, *, topics, questions, shots, max_tokens, threads, allow_few=False, **options) -> dict:
-    from dashboard.mmlu import build_prompts
-
     if questions < MIN_QUESTIONS and not allow_few:
         raise BenchError(f"--questions must be at least {MIN_QUESTIONS} (MMLU verdicts over fewer say little)")
     chosen = topics_named(topics)
@@ -259,8 +258,6 @@ def run(ctx, *, topics, questions, shots, max_tokens, threads, allow_few=False, 
 
 
 def _machine(threads: int) -> dict:
-    from dashboard.bench.common import host_info
-
     host = host_info()
     return {
         **{key: host[key] for key in ("hostname", "platform", "cpu", "cpu_count", "python", "git_commit", "date")},
@@ -330,8 +327,6 @@ def headline(doc: dict) -> str:
 
 def report(path, doc: dict):
     import plotly.graph_objects as go
-
-    from dashboard.bench.html_report import write_report
 
     labels = [f"{row['from']} -> {row['to']}" for row in doc["resume"]]
     agreement = go.Figure(

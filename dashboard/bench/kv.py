@@ -22,6 +22,7 @@ import numpy as np
 from cachebox import codec
 from cachebox.keys import grid_cuts
 from cachebox.link import LINK_PRESETS
+from dashboard import mmlu
 from dashboard.bench.base import BenchError, Benchmark, prompts_of, topics_named
 from dashboard.bench.common import machine_info, median, percentile
 from dashboard.bench.reports import kv_report
@@ -193,8 +194,6 @@ def add_arguments(parser) -> None:
 
 
 def run(ctx, *, topics, prompts, shots, held_out, texts, threads, **options) -> dict:
-    from dashboard import mmlu
-
     chosen, spare = topics_named(topics), topics_named(held_out)
     if set(chosen) & set(spare):
         raise BenchError("the held-out topics must differ from the evaluated ones")

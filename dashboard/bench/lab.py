@@ -17,8 +17,11 @@ import numpy as np
 from dashboard import mmlu
 from dashboard.bench.base import BenchError, Benchmark
 from dashboard.bench.common import machine_info, median
+from dashboard.bench.html_report import write_report
+from dashboard.lab import texts
 from inference.engine.llama import Engine
-from inference.lab.kv_prediction import KVPredictionServing
+from inference.engine.model_file import resolve_model
+from inference.lab.kv_prediction import KVPredictionServing, PredictorFileError, lab_dir
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -205,8 +208,6 @@ DIFFERENCES = (
 def lab_report(path, doc: dict):
     import plotly.graph_objects as go
 
-    from dashboard.bench.html_report import write_report
-
     figures = []
     styles = {
         "kvp": ("KV prediction", "circle"),
@@ -289,11 +290,9 @@ def add_arguments(parser) -> None:
 def run(ctx, *, ks, prompts, shots, heldout, reference_prompts, calibration_docs, threads, **options) -> dict:
     from types import SimpleNamespace
 
-    from dashboard.lab import texts
+    # lazy: the lab (torch) only here; manage.py bench imports every bench
     from dashboard.lab.fitting import ensure_predictors
-    from inference.board.runtime import engine_config
-    from inference.engine.model_file import resolve_model
-    from inference.lab.kv_prediction import PredictorFileError, lab_dir
+    from inference.board.runtime import engine_config  # lazy: the board runtime only when a bench runs a board
 
     if prompts < 1 or heldout < 0 or reference_prompts < 0 or not ks or any(not 1 <= k < 18 for k in ks):
         raise BenchError(
@@ -316,6 +315,7 @@ def run(ctx, *, ks, prompts, shots, heldout, reference_prompts, calibration_docs
             not (lab_dir() / f"kvp-{engine.model_file.sha256[:16]}-k{k}.npz").exists() for k in ks
         ):
             try:
+                # lazy: the lab extra (torch) only here; manage.py bench imports every bench
                 from inference.lab.reference import ReferenceModel
             except ImportError as exc:
                 raise BenchError(str(exc))

@@ -33,8 +33,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Callable, Sequence
 
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.signing import Keychain, KeyRing, shared_producer_ring
+from cachebox.store import CacheBox
+from dashboard import mmlu
 from dashboard.bench.base import BenchError, Benchmark, topics_named
-from dashboard.bench.common import percentile
+from dashboard.bench.common import machine_info, percentile
+from dashboard.bench.reports import load_report
+from inference.board.config import BoardConfig
 
 WINDOW_SECONDS = 10.0
 # p99 counts as stable when it does not rise over time: over the windows that start after
@@ -222,7 +228,6 @@ def summarize(
 # -- prompts ----------------------------------------------------------------------------------
 def prompt_pool(topics: Sequence[str], shots: int, per_topic: int) -> list[dict]:
     """MMLU prompts as segments: ``per_topic`` questions of each topic, sharing its instruction and examples."""
-    from dashboard import mmlu
 
     pool = []
     for topic in topics:
@@ -252,10 +257,7 @@ def board_main(index: int, conn, namespace: str, max_tokens: int, ring: dict) ->
     name = f"load-{index}"
     board = None
     try:
-        from cachebox.signing import Keychain, KeyRing, shared_producer_ring
-        from dashboard.bench.common import machine_info
-        from inference.board.config import BoardConfig
-        from inference.board.runtime import Board
+        from inference.board.runtime import Board  # lazy: the board runtime only when a bench runs a board
 
         keyring = shared_producer_ring(KeyRing.from_dict(ring))  # no control plane here: the ring's holders sign alike
         started = time.perf_counter()
@@ -639,10 +641,6 @@ def add_arguments(parser) -> None:
 
 
 def run(ctx, *, devices, seconds, shots, topics, prompts, max_tokens, drain, **options) -> dict:
-    from cachebox.errors import CacheBoxUnavailable
-    from cachebox.store import CacheBox
-    from dashboard import mmlu
-
     if devices < 1 or seconds <= 0 or prompts < 1 or max_tokens < 1 or drain < 0 or not 0 <= shots <= 8:
         raise BenchError(
             "--devices, --prompts and --max-tokens must be at least 1, --seconds positive, --drain >= 0, --shots 0 to 8"
@@ -760,8 +758,6 @@ def headline(doc: dict) -> str:
 
 
 def _report(path, doc: dict):
-    from dashboard.bench.reports import load_report  # plotly: not in the board processes, which import this module
-
     return load_report(path, doc)
 
 

@@ -9,8 +9,11 @@ from typing import Callable
 
 from django.conf import settings
 
+from cachebox.errors import CacheBoxUnavailable
+from cachebox.store import CacheBox
 from dashboard.bench.base import CACHEBOX_DOWN, BenchError, Benchmark
 from dashboard.bench.common import host_info, save_json
+from dashboard.security.signing import control_plane_keys, keyring_for
 
 RESULTS_DIR = "bench-results"  # under BASE_DIR: the Benchmarks and Lab pages read it
 
@@ -37,18 +40,14 @@ class CommandContext:
 
     @property
     def keys(self):
-        from dashboard.security.signing import control_plane_keys
-
         return control_plane_keys()
 
     def keyring(self, namespace: str) -> dict:
-        from dashboard.security.signing import keyring_for
-
         return keyring_for(namespace).to_dict()
 
     def _start_cachebox(self) -> None:
         """Start this checkout's embedded cache box (a board only connects; the control plane starts it)."""
-        from cachebox.errors import CacheBoxUnavailable
+        # lazy: the actions (and channels) out of the web process, which imports the runner
         from dashboard.actions import start_cachebox
 
         try:
@@ -58,6 +57,7 @@ class CommandContext:
 
     @contextmanager
     def board(self, config=None, *, cachebox_only: bool = True, background_sync: bool = False, **changes):
+        # lazy: the board runtime out of the web process, which imports the runner
         from inference.board.runtime import Board
 
         self._start_cachebox()
@@ -73,8 +73,7 @@ class CommandContext:
             board.close()
 
     def cachebox_url(self, hint: str = "") -> str:
-        from cachebox.errors import CacheBoxUnavailable
-        from cachebox.store import CacheBox
+        # lazy: the board runtime out of the web process, which imports the runner
         from inference.board.runtime import cachebox_url
 
         self._start_cachebox()

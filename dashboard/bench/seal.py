@@ -20,8 +20,10 @@ import time
 
 from cachebox import codec as codecs
 from cachebox.entry import EntryHeader, decode_header, encode_entry, open_entry
-from cachebox.signing import AES_GCM, CHACHA20, derive_keyring, shared_producer_ring
+from cachebox.signing import AES_GCM, CHACHA20, CIPHERS, SALT_BYTES, _item_key, derive_keyring, shared_producer_ring
 from dashboard.bench.base import BenchError, Benchmark
+from dashboard.bench.html_report import write_report
+from inference.engine.proc_memory import tune_malloc
 
 FORMAT = 1
 BYTES_PER_TOKEN = 18_457  # Gemma-3 270M, f16 KV (docs: llama-cpp-findings)
@@ -47,9 +49,6 @@ def run(ctx, *, tokens: int, repeats: int, **options) -> dict:
     if tokens < 1 or repeats < 1:
         raise BenchError("--tokens and --repeats must be at least 1")
     from blake3 import blake3
-
-    from cachebox.signing import CIPHERS, SALT_BYTES, _item_key
-    from inference.engine.proc_memory import tune_malloc
 
     tuned = tune_malloc()
     state = os.urandom(tokens * BYTES_PER_TOKEN)
@@ -120,8 +119,6 @@ def lines(doc: dict) -> list[str]:
 
 def report(path, doc: dict):
     import plotly.graph_objects as go
-
-    from dashboard.bench.html_report import write_report
 
     names = list(doc["ciphers"])
     figure = go.Figure()

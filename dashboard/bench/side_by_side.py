@@ -577,6 +577,7 @@ def report(path: Path, doc: dict) -> Path:
     """The HTML report: one chart per workload, both systems side by side, then the table."""
     import plotly.graph_objects as go
 
+    # lazy: plotly stays out of manage.py docs, which imports this module
     from dashboard.bench.html_report import write_report
 
     figures = []

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from cachebox.cluster import is_cluster_url, parse_cluster_url
 from cachebox.entry import EntryHeader, encode_entry, open_entry
 from cachebox.keys import catalog_key_names, enroll_inbox_key, entry_key_name, heartbeat_key, inbox_key, stream_channel
 from cachebox.signing import UnknownProducer
@@ -213,8 +214,6 @@ class Fleet:
     # -- the asyncio part -----------------------------------------------------------------------
     async def run(self) -> None:
         import redis.asyncio as aredis
-
-        from cachebox.cluster import is_cluster_url, parse_cluster_url
 
         # A bounded pool that waits for a free connection (boards of one process share it).
         self.broker = aredis.Redis(

@@ -59,12 +59,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from cachebox import embedded
+from cachebox.link import LINK_PRESETS
 from dashboard.bench import llama_server
 from dashboard.bench import side_by_side as sbs
 from dashboard.bench.base import BenchError, Benchmark, prompts_of, topics_named
 from dashboard.bench.common import host_info
-from inference.board.config import ROOT
+from inference.board.config import ROOT, BoardConfig
 from inference.engine.memory_plan import RSS_SHARE
+from inference.engine.model_file import resolve_model
 from inference.engine.proc_memory import ProcessMemory
 
 WORKLOADS = ("one-board-warm", "one-board-many", "chat", "fleet-loopback", "fleet-wifi4")
@@ -492,7 +495,7 @@ class FleetHosts:
     @classmethod
     def create(cls, link: str, memory_mb: int, write: Callable[[str], None]) -> "FleetHosts | None":
         """The hub, or None (saying why) where boards cannot be hosts here: the fleet is then paced in-process."""
-        from cachebox.link import LINK_PRESETS
+        # lazy: the boards-as-hosts harness only with hosts; manage.py bench imports every bench
         from dashboard.hosts.network import HostNetwork, HostsUnavailable, free_subnet, unavailable_reason
 
         reason = unavailable_reason()
@@ -678,7 +681,6 @@ class EdgeCacheStack:
     ) -> Iterator[tuple[Target, dict[str, subprocess.Popen]]]:
         """``count`` fresh boards in a fresh namespace and a target for its API key; stopped on exit.
         With ``hosts``, each board is a host of its own on the hub (its link shaped by the kernel)."""
-        from cachebox.link import LINK_PRESETS
 
         self._generation += 1
         namespace = f"vs-{self._generation}-{secrets.token_hex(3)}"
@@ -739,8 +741,6 @@ class EdgeCacheStack:
 
     def url_at(self, address: str) -> str:
         """The embedded Valkey's URL at ``address`` (no credentials: a board logs in as itself)."""
-        from cachebox import embedded
-        from inference.board.config import BoardConfig
 
         config = BoardConfig.from_env(self.env)
         return embedded.url_for(config.embedded_dir, config.embedded_port, host=address)
@@ -1111,8 +1111,6 @@ def run(
     board_memory_mb,
     **_,
 ) -> dict:
-    from inference.engine.model_file import resolve_model
-
     if (
         repeats < 1
         or not 0 <= questions <= len(sbs.QUESTIONS)

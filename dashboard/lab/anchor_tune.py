@@ -45,7 +45,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from inference.engine.llama import Vocabulary, _quiet_llama
+from inference.engine.model_file import ModelFile, _cached_sha256, resolve_model
 from inference.lab.anchors import anchor_mask, sequence_spans, split_sequences, tuned_path
+from inference.lab.kv_prediction import lab_dir
 
 try:
     import gguf
@@ -178,7 +181,7 @@ class LoRA:
 
 def _forward(reference):
     """The reference engine's forward with autograd on (its public one runs in inference mode)."""
-    from inference.lab.reference import ReferenceModel
+    from inference.lab.reference import ReferenceModel  # lazy: the reference engine needs the lab extra (torch)
 
     raw = ReferenceModel.forward.__wrapped__
     return lambda *args, **kwargs: raw(reference, *args, **kwargs)
@@ -297,8 +300,6 @@ def quantize_like(
     type differs from ``source``'s (empty: the same mix)."""
     import llama_cpp
 
-    from inference.engine.llama import _quiet_llama
-
     _quiet_llama()
     reader = gguf.GGUFReader(str(source))
     types = {tensor.name: tensor.tensor_type for tensor in reader.tensors}
@@ -392,9 +393,7 @@ def tune(
     """Fine-tune LoRA adapters with the anchor mask for ``config.minutes``, export the tuned GGUF
     to ``target``; returns (and writes beside ``target``) the record of what it reached.
     ``resume``: start from the adapters saved at ``checkpoint`` (``max_steps=0``: export them)."""
-    from inference.engine.llama import Vocabulary
-    from inference.engine.model_file import ModelFile, _cached_sha256
-    from inference.lab.reference import ReferenceModel
+    from inference.lab.reference import ReferenceModel  # lazy: the reference engine needs the lab extra (torch)
 
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
@@ -532,9 +531,6 @@ def record_path(target: str | os.PathLike) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from inference.engine.model_file import resolve_model
-    from inference.lab.kv_prediction import lab_dir
-
     parser = argparse.ArgumentParser(
         prog="python -m dashboard.lab.anchor_tune",
         description="Anchor fine-tuning (seed 004): LoRA with the anchor mask, exported to GGUF",

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from dashboard.lab.texts import calibration_documents
 from inference.engine.model_file import ModelFile
 from inference.lab.early_exit import ExitLens, _need_torch, torch
 from inference.lab.kv_prediction import Predictor, predictor_path
@@ -113,8 +114,7 @@ def ensure_predictors(
     paths = {k: predictor_path(directory, model.sha256, k) for k in ks}
     missing = [k for k, path in paths.items() if not path.exists()]
     if missing:
-        from dashboard.lab.texts import calibration_documents
-        from inference.lab.reference import ReferenceModel
+        from inference.lab.reference import ReferenceModel  # lazy: the reference engine needs the lab extra (torch)
 
         reference = reference or ReferenceModel.load(model.path, threads=threads)
         documents = calibration_documents(tokenize)

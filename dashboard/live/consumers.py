@@ -6,8 +6,11 @@ from __future__ import annotations
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from dashboard.actions.devices import device_json
 from dashboard.live.broadcast import DEVICE_EVENT, GROUP, event_device
+from dashboard.models import Device
 from dashboard.ops import metrics
+from dashboard.pages.stats import visible_device_names
 
 
 @database_sync_to_async
@@ -15,8 +18,6 @@ def _allowed_devices(user_pk: int) -> frozenset[str] | None | bool:
     """The device names the user may see now (None: every device), False if the user is gone or
     inactive. Two small queries: the user's flags, then the names of their namespaces' devices."""
     from django.contrib.auth import get_user_model
-
-    from dashboard.pages.stats import visible_device_names
 
     user = get_user_model().objects.filter(pk=user_pk, is_active=True).first()
     if user is None:
@@ -30,8 +31,6 @@ SYNC_LIMIT = 500  # device names a page may ask the state of at once (a page sho
 @database_sync_to_async
 def _device_states(names: list[str]) -> list[dict]:
     """The current state of the named devices, as a ``device`` event carries it. One query."""
-    from dashboard.actions.devices import device_json
-    from dashboard.models import Device
 
     return [device_json(device) for device in Device.objects.filter(name__in=names).select_related("namespace")]
 

@@ -40,7 +40,7 @@ from dashboard.actions.runs import continue_run, heard, keep_streamed
 from dashboard.live import streams
 from dashboard.models import Device, Dispatch
 from dashboard.pages.stats import visible_devices
-from dashboard.security.signing import cancel_flag, control_plane_public_key
+from dashboard.security.signing import cancel_flag, control_plane_public_key, stream_ring_for
 from inference.contract.envelope import EnvelopeRefused, peek
 from inference.contract.messages import MessageRefused, RunRequest, StreamEvent
 
@@ -216,7 +216,6 @@ async def follow(user, devices: list[Device], asked: RunRequest, routed=None, re
 
 def _opener(device: Device):
     """What reads ``device``'s events: its board's public key and its namespace's ring."""
-    from dashboard.security.signing import stream_ring_for
 
     return device.name, device.signing_public_key, stream_ring_for(device)
 

@@ -12,6 +12,8 @@ import threading
 
 from django.db.backends.signals import connection_created
 
+from dashboard.store.django_cache import CACHE_SERVER_ERRORS
+
 log = logging.getLogger("dashboard")
 KEY = "ec:bench:db-writes"
 WRITES = ("insert", "update", "delete", "replace")
@@ -44,8 +46,6 @@ def _flush_forever() -> None:
     import time
 
     from django.core.cache import cache
-
-    from dashboard.store.django_cache import CACHE_SERVER_ERRORS
 
     global _count
     while True:

@@ -11,6 +11,7 @@ from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from cachebox.errors import CacheBoxError
+from dashboard.actions.cache import cachebox
 from dashboard.models import Device
 
 log = logging.getLogger("dashboard.ops.health")
@@ -29,7 +30,6 @@ def health() -> list[str]:
     """What this process still waits for before it can serve ([] when ready): the database, its
     migrations, the cache box (which is also the broker and the live pages' channel layer)."""
     global _migrated
-    from dashboard.actions.cache import cachebox
 
     waiting = []
     try:

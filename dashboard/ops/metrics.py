@@ -20,7 +20,10 @@ from django.db.models.fields.json import KeyTextTransform
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from cachebox.errors import CacheBoxError
+from dashboard.actions.cache import cachebox
 from dashboard.models import Device, Dispatch, InferenceRun
+from dashboard.ops.security_counts import security_counts
 from dashboard.pages.stats import CANCELLED_RUNS, FAILED, outcome_q
 from inference.serving.breakdown import CROSS_CLASS
 
@@ -237,10 +240,6 @@ class OperationsCollector(RunMetricsCollector):
     def _compute(self) -> list:
         from django.db.models import Min
         from django.utils import timezone
-
-        from cachebox.errors import CacheBoxError
-        from dashboard.actions.cache import cachebox
-        from dashboard.ops.security_counts import security_counts
 
         now = timezone.now()
         up = GaugeMetricFamily(

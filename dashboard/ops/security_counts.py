@@ -12,6 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 
+from cachebox.errors import CacheBoxError
+from cachebox.store import CacheBox
+
 KEY = "edgecache:security-events"
 
 _local = threading.local()
@@ -21,7 +24,7 @@ _clients: dict[str, object] = {}  # one client per cache box URL and process: it
 def _store():
     from django.conf import settings
 
-    from cachebox.store import CacheBox
+    # lazy: models before apps are ready (settings.LOGGING's handler loads this module in django.setup())
     from dashboard.actions.cache import cachebox_url
 
     url = cachebox_url()
@@ -49,7 +52,6 @@ class SecurityEventCounter(logging.Handler):
 
 def security_counts() -> dict[str, int]:
     """Every security event counted so far, by name ({} when the cache box does not answer)."""
-    from cachebox.errors import CacheBoxError
 
     try:
         return _store().counts(KEY)

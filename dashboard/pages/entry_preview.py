@@ -17,7 +17,8 @@ from typing import Iterable
 from django.conf import settings
 
 from dashboard.models import CacheEntry, InferenceRun
-from inference.engine.model_file import ModelNotFound
+from inference.engine.llama import Vocabulary
+from inference.engine.model_file import ModelNotFound, resolve_model
 
 PREVIEW_TOKENS = 12  # tokens of a range shown
 NEAR = timedelta(seconds=10)  # a run and the entries it stored are recorded in one transaction
@@ -35,9 +36,6 @@ def stored_entries(uploaded) -> list[dict]:
 
 @functools.lru_cache(maxsize=2)
 def _vocabulary(model_path: str):
-    from inference.engine.llama import Vocabulary
-    from inference.engine.model_file import resolve_model
-
     return Vocabulary.load(resolve_model(model_path or None))
 
 

@@ -17,6 +17,7 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
+from dashboard.bench.documents import kind_of
 from dashboard.pages.charts import _figure
 
 APPROXIMATE = "lab, approximate"
@@ -48,7 +49,6 @@ class Study:
 
 def document_kind(doc) -> str | None:
     """Which lab study a saved benchmark document holds (its ``bench``), or None (another benchmark)."""
-    from dashboard.bench.documents import kind_of
 
     kind = kind_of(doc)
     return kind if kind in {study.kind for study in STUDIES} else None

@@ -14,8 +14,11 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
+from cachebox.broker import queued_task_ids
+from dashboard import outbox
 from dashboard.models import Dispatch, InferenceRun
 from dashboard.pages.stats import sees_every_namespace, visible_devices
+from inference.contract.messages import Queue
 
 log = logging.getLogger("dashboard.pages.queue")
 
@@ -93,13 +96,10 @@ def queue_places(boards: list[str], under_way: set[str]) -> dict[str, dict[str, 
     dropped by the board as it takes it."""
     from django.conf import settings
 
-    from cachebox.broker import queued_task_ids
-    from dashboard.outbox import app
-    from inference.contract.messages import Queue
-
     places: dict[str, dict[str, int]] = {}
     try:
-        with app.connection_for_read(settings.REDIS_URL) as connection:  # the broker (REDIS_URL, read at call time)
+        # the broker (REDIS_URL, read at call time), through outbox.app as it is now (a test may replace it)
+        with outbox.app.connection_for_read(settings.REDIS_URL) as connection:
             channel = connection.channel()  # no retry loop (``default_channel`` retries a broker that is down)
             client = channel.client
             for board in boards:

@@ -15,7 +15,7 @@ from datetime import timezone as dt_timezone
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
-from dashboard.models import Device, InferenceRun
+from dashboard.models import Device, InferenceRun, Namespace, Schema, offline_after
 from inference.contract.messages import CANCELLED
 from inference.engine.memory_plan import MB, MIN_N_CTX, MIN_RAM_TIER_BYTES, N_CTX_STEP, RSS_SHARE
 
@@ -125,7 +125,6 @@ STATUSES = ("online", "offline", "never", "revoked")  # what the Devices page fi
 
 def status_of(revoked_at, last_seen, heartbeat_s, now=None) -> str:
     """One of ``STATUSES``, as ``Device.online`` decides it, from a device's plain fields."""
-    from dashboard.models import offline_after
 
     if revoked_at is not None:
         return "revoked"
@@ -389,7 +388,6 @@ def visible_namespaces(user) -> list[str] | None:
 
 def namespace_choices(user) -> list[str]:
     """The namespaces ``user`` may view and act on, by name: staff every one, a member theirs."""
-    from dashboard.models import Namespace
 
     namespaces = visible_namespaces(user)
     return list(Namespace.objects.values_list("name", flat=True)) if namespaces is None else sorted(namespaces)
@@ -422,8 +420,6 @@ def current_namespace(request, chosen: str = "") -> str:
 def visible_schemas(user):
     """The schemas ``user`` may see and run: staff all; others their namespaces' and the shared ones."""
     from django.db.models import Q
-
-    from dashboard.models import Schema
 
     namespaces = visible_namespaces(user)
     schemas = Schema.objects.all()

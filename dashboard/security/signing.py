@@ -42,6 +42,7 @@ def keyring_for(namespace: str) -> KeyRing:
     Used by commands running next to the control plane (``infer``, ``bench``), which hold
     the signing secret themselves; boards receive sealed rings instead (``sealed_ring``).
     """
+    # lazy: models before apps are ready (dashboard.celery -> outbox -> this module)
     from dashboard.models import Namespace
 
     tenant = signing.tenant_of(namespace)
@@ -65,6 +66,7 @@ def control_plane_producer() -> Producer:
 def producer_table(tenant: str) -> ProducerTable:
     """``tenant``'s producers as the database knows them: every enrolled board's public key, except
     revoked and quarantined boards, whose entries readers refuse (listed with the reason)."""
+    # lazy: models before apps are ready (dashboard.celery -> outbox -> this module)
     from dashboard.models import Device
 
     producers: dict[str, str] = {}

@@ -4,6 +4,7 @@ from django import template
 from django.utils.html import format_html_join
 
 from dashboard.pages.explain import human_bytes as _human_bytes
+from dashboard.pages.stats import visible_namespaces
 
 register = template.Library()
 
@@ -39,7 +40,6 @@ def unbroken_words(text) -> str:
 @register.simple_tag(takes_context=True)
 def member_namespaces(context) -> list[str]:
     """The namespaces the page's user is a member of (staff: [] here; they see every one)."""
-    from dashboard.pages.stats import visible_namespaces
 
     request = context.get("request")
     namespaces = visible_namespaces(getattr(request, "user", None))

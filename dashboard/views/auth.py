@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from cachebox.events import security_event
 from dashboard.ops import metrics
+from dashboard.pages.stats import visible_namespaces
 
 
 # -- refused requests: counted (metrics.refused) and, for the serious ones, logged -------------
@@ -53,7 +54,6 @@ def staff_member_required(view):
             return redirect_to_login(request.get_full_path())
         if not (user.is_active and user.is_staff):
             metrics.refused("staff_required")
-            from dashboard.pages.stats import visible_namespaces
 
             return render(
                 request, "dashboard/staff_only.html", {"namespaces": sorted(visible_namespaces(user) or [])}, status=403

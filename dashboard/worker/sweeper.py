@@ -10,6 +10,9 @@ import threading
 from django.conf import settings
 from django.db import close_old_connections
 
+from dashboard.actions.devices import ensure_identities
+from dashboard.actions.sweeper import announce_liveness, sweep
+
 log = logging.getLogger("dashboard.worker.sweeper")
 
 
@@ -20,9 +23,6 @@ class Sweeper(threading.Thread):
         self._stopped = threading.Event()
 
     def run(self) -> None:
-        from dashboard.actions.devices import ensure_identities
-        from dashboard.actions.sweeper import announce_liveness, sweep
-
         while not self._stopped.wait(self.interval):
             try:
                 close_old_connections()

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 from celery import current_app
 
+from cachebox.broker import wait_in_queue
 from cachebox.errors import CacheBoxUnavailable
 from inference.board import enrollment
 from inference.board.devices import UNREAD
@@ -286,7 +287,6 @@ def work_arrives(app, own: str, shared: str, within: float) -> bool:
         return True
     if within <= 0:
         return False
-    from cachebox.broker import wait_in_queue
 
     with app.pool.acquire(block=True, timeout=5) as connection:
         landed = wait_in_queue(connection.default_channel.client, own, within)

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from cachebox.events import security_event
+from inference.contract.envelope import CONTROL, Kind, open_envelope, peek
 from inference.serving.breakdown import Breakdown, Case, Decision  # noqa: F401 (re-exported: the run's words)
 from inference.serving.strategies import parse_strategy
 
@@ -450,7 +451,6 @@ class StreamEvent(Message):
         """The event published on a run's channel, if the board ``signer_public_key`` names sealed
         and signed it for run ``request_id`` (or, with ``control_plane_key``, the control plane did:
         a run it re-sent or gave up on); MessageRefused (with why) for anything else."""
-        from inference.contract.envelope import CONTROL, Kind, open_envelope, peek
 
         try:
             envelope = json.loads(data)

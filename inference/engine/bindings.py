@@ -115,6 +115,7 @@ def kernel_report() -> tuple[str, str, str]:
 
 def kernel_class():
     """The ``inference.engine.kernels.KernelClass`` of the llama.cpp this process loaded."""
+    # lazy: only for a kernel report (inference.board.main imports no more at start)
     from inference.engine.kernels import KernelClass
 
     return KernelClass.from_report(*kernel_report())

@@ -44,6 +44,8 @@ from inference.engine.model_file import ModelFile, _cached_sha256
 from inference.serving.run import FirstToken, RunState, ServingStrategy, ms_since
 from inference.serving.strategies import StrategySpec
 
+from .kv_prediction import lab_dir
+
 BASE = "anchors"  # the served model, pruned without training (expected to lose accuracy)
 TUNED = "anchors-tuned"  # the anchor-tuned GGUF (``anchor_tune``), pruned
 STRATEGIES = (BASE, TUNED)
@@ -270,6 +272,5 @@ def open_strategy(board, spec: StrategySpec) -> AnchorServing:
     """The board's anchor strategy ``spec.name`` (``anchors`` on its own engine; ``anchors-tuned``
     loads the anchor-tuned GGUF from ``$EDGECACHE_HOME/lab`` on first use). Never reads or writes
     the cache box."""
-    from .kv_prediction import lab_dir
 
     return board.opened(spec, lambda: AnchorServing.open(board.engine, spec.name, lab_dir()))

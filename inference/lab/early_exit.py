@@ -48,6 +48,7 @@ from inference.serving.run import FirstToken, RunResult, RunState, ServingStrate
 from inference.serving.strategies import StrategySpec
 
 from .array_file import load_arrays, save_arrays
+from .kv_prediction import lab_dir
 
 try:  # the lab extra; without it this module still imports (a run then says what to install)
     import torch
@@ -461,9 +462,9 @@ class EarlyExitServing:
         """The reference engine of ``engine``'s GGUF (dequantized: ~15 s, ~1 GB), on the board's
         threads, with the exit adapters fitted for it when ``bench lab-exit`` left them in
         ``directory`` (default ``$EDGECACHE_HOME/lab``)."""
-        from .kv_prediction import lab_dir
 
         try:
+            # lazy: the lab extra (torch) is optional on a board: refused below without it
             from inference.lab.reference import ReferenceModel
         except ImportError as exc:  # a board without the lab extra: the run says so, the board goes on
             raise StrategyUnavailable(str(exc)) from None

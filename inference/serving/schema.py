@@ -30,6 +30,7 @@ from cachebox.entry import EntryHeader
 from cachebox.errors import CacheBoxUnavailable, EntryError
 from cachebox.keys import check_namespace, tokens_digest
 from inference.engine.llama import CONTEXT_SEQ, MAIN_SEQ, WORK_SEQ, Engine, Vocabulary
+from inference.engine.model_file import resolve_model
 from inference.serving.breakdown import Breakdown, CacheBoxState, Decision, Tier
 from inference.serving.exchange import EntryRef, Exchange, ExchangeSession, Fetched, module_ref, run_session
 from inference.serving.pml import PMLError, PMLSchema, parse_prompt, parse_schema
@@ -84,8 +85,6 @@ class EngineTokenizer:
 
 @functools.lru_cache(maxsize=2)
 def _vocabulary_tokenizer(model_path: str) -> EngineTokenizer:
-    from inference.engine.model_file import resolve_model
-
     return EngineTokenizer(Vocabulary.load(resolve_model(model_path or None)))
 
 

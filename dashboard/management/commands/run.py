@@ -382,6 +382,7 @@ class Command(BaseCommand):
         """With EDGECACHE_BOARD_HOSTS=1, as root: a hub for the demo boards to run as hosts."""
         if os.environ.get("EDGECACHE_BOARD_HOSTS", "").strip() not in ("1", "true", "yes", "on"):
             return None
+        # lazy: the boards-as-hosts harness only for hosts
         from dashboard.hosts.network import HostNetwork, HostsUnavailable, unavailable_reason
 
         reason = unavailable_reason()
