@@ -217,6 +217,8 @@ def become(
     gives the store as the board's own Redis user once enrolled; raises DeviceRefused with what to do)."""
     global _identity
     record, keys = enroll(store, name, keys, token, send, timeout=timeout, save=save, then_as=then_as)
+    if then_as is not None:  # enrolled through the enrollment user, which is gone now: its own user from here on
+        store = then_as()
     _identity = EdgeIdentity(name, keys, record, store)
     _identity._open_ring()
     _identity.read_producers()

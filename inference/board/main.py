@@ -176,7 +176,6 @@ def main(argv: list[str], prog: str = "manage.py edge") -> int:
     me.store = CacheBox(
         cachebox_url(config), connect_timeout=config.connect_timeout, timeout=config.io_timeout
     )  # as its own user from now on
-    me.read_producers()  # whose entries it accepts (read as the enrollment user, it had none)
     queues = [Queue.device(args.name), Queue.shared(me.record.cache_namespace)]
     app = board_app(
         broker_url(config),

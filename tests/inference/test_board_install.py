@@ -198,6 +198,8 @@ def test_edgecache_board_starts_from_the_board_environment_and_enrolls(board_env
         output = log.read_text(errors="replace")
         assert board.poll() is None, output
         assert f"board {name} ready" in output and "1024 MB registered" in output, output
+        # Enrolled, it reads its tenant's producer table as its own Redis user (the enrollment user is gone).
+        assert "cannot read the producer table" not in output, output
     finally:
         board.send_signal(signal.SIGTERM)
         try:
