@@ -672,7 +672,7 @@ class Candidates:
         self._read: dict[str, tuple[float, Roster]] = {}
         self._generation = 0  # moved on by ``forget``: a read begun before it is not kept
         self._background = False
-        self._wanted: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._wanted: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._refreshing: set[str] = set()  # namespaces asked of the refresher and not read yet
         self._refresher: threading.Thread | None = None
 
@@ -720,6 +720,16 @@ class Candidates:
         with self._lock:
             self._background = True
 
+    def stop_background(self, timeout: float = 5.0) -> None:
+        """Stop the refresher: requests read the devices themselves again, and its thread ends and
+        closes its database connection (a test database is dropped only once nobody uses it)."""
+        with self._lock:
+            self._background = False
+            refresher = self._refresher
+        if refresher is not None and refresher.is_alive():
+            self._wanted.put(None)
+            refresher.join(timeout)
+
     def _refresh_later(self, namespace: str) -> None:
         """Ask the refresher to read ``namespace`` again (the lock held), once however often asked."""
         if self._refresher is None or not self._refresher.is_alive():
@@ -735,6 +745,9 @@ class Candidates:
 
         while True:
             namespace = self._wanted.get()
+            if namespace is None:  # stop_background
+                connections.close_all()
+                return
             try:
                 close_old_connections()  # its connection is kept between reads, closed when it failed or aged out
                 self._load(namespace)

@@ -94,6 +94,14 @@ def test_a_web_process_reads_its_devices_again_beside_the_requests_not_inside_on
     Device.objects.create(name="first-board", token_sha256="0" * 64)
     candidates = router.Candidates()
     candidates.refresh_in_background()
+    try:
+        _reads_beside_the_requests(candidates, monkeypatch)
+    finally:
+        candidates.stop_background()
+    assert not candidates._refresher.is_alive()  # stopped: its connection closed
+
+
+def _reads_beside_the_requests(candidates, monkeypatch) -> None:
     first = candidates.roster("default")  # nothing read yet: read now
     assert [device.name for device in first.devices] == ["first-board"]
 
