@@ -76,21 +76,8 @@ def idle_while_waiting(records: list[dict], boards: list[str]) -> float:
     return round(total, 3)
 
 
-def run_policy(
-    boards,
-    jobs: list[_Job],
-    policy: str,
-    *,
-    interval_s: float,
-    namespace: str,
-    link,
-    max_tokens: int,
-    ram_budget_bytes: int,
-    seed: int,
-    progress: Callable[[], None] | None = None,
-) -> dict:
-    names = [board.config.device for board in boards]
-    by_name = dict(zip(names, boards))
+def _fleet_index(boards) -> FleetIndex:
+    """The fleet index cache-aware routing consults, told each board's own measured rates."""
     index = FleetIndex(prefill_prior=sum(b.config.prefill_ms_per_token for b in boards) / len(boards))
     for board in boards:  # what each measured of itself at start, as its heartbeats tell the control plane
         if board.rates is not None:
@@ -99,115 +86,114 @@ def run_policy(
                 prefill_ms_per_token=board.rates.prefill_ms_per_token,
                 decode_ms_per_token=board.rates.decode_ms_per_token,
             )
-    lock = threading.Lock()
-    queues = {name: queue.Queue() for name in names}
-    records: list[dict] = []
-    rng = random.Random(seed)
-    decisions: list[dict] = []
+    return index
+
+
+def _reset_boards(boards, namespace: str) -> None:
+    """Move every board's context on and clear its RAM tier, so that every policy starts alike."""
     for board in boards:  # every policy starts with the same (empty) local tiers
         board.run(FILLER, max_tokens=1, namespace=namespace, upload=False)
         if board.prefix.ram is not None:
             board.prefix.ram.clear()
 
-    def serve(name: str) -> None:
-        board = by_name[name]
-        while True:
-            job = queues[name].get()
-            if job is None:
-                return
-            started = time.perf_counter()
-            error = ""
-            try:
-                result = board.run(job.segments, max_tokens=max_tokens, namespace=namespace)
-                b = result.breakdown
-            except Exception as exc:  # a bench run reports it, and the fleet goes on
-                error, result, b = f"{type(exc).__name__}: {exc}", None, None
-            finished = time.perf_counter()
-            with lock:
-                if b is not None:
-                    stored = [parse_entry_key_name(entry.name)[2].hex() for entry in result.uploaded]
-                    index.reported(
-                        name,
-                        job.request_id,
-                        prompt_tokens=b.prompt_tokens,
-                        matched_tokens=b.matched_tokens,
-                        prefill_ms=b.prefill_ms,
-                        decode_ms=b.decode_ms,
-                        generated_tokens=b.generated_tokens,
-                        stored_keys=stored,
-                        at=finished,
-                    )
-                else:
-                    index.reported(name, job.request_id, failed=True, at=finished)
-                records.append(
-                    {
-                        "index": job.index,
-                        "topic": job.topic,
-                        "board": name,
-                        "error": error,
-                        "arrived_s": job.arrived,
-                        "started_s": started,
-                        "finished_s": finished,
-                        "wait_ms": round((started - job.arrived) * 1000.0, 3),
-                        "service_ttft_ms": b.ttft_ms if b else 0.0,
-                        "ttft_ms": round((started - job.arrived) * 1000.0 + (b.ttft_ms if b else 0.0), 3),
-                        "tier": str(b.tier) if b else "",
-                        "case": str(b.case) if b else "",
-                        "decision": str(b.decision) if b else "",
-                        "matched_tokens": b.matched_tokens if b else 0,
-                        "prompt_tokens": b.prompt_tokens if b else 0,
-                        "fetched_bytes": b.fetched_bytes if b else 0,
-                        "uploaded_bytes": b.uploaded_bytes if b else 0,
-                    }
-                )
-            if progress:
-                progress()
 
-    workers = [threading.Thread(target=serve, args=(name,), name=f"fleet-{name}", daemon=True) for name in names]
-    for worker in workers:
-        worker.start()
-    t0 = time.perf_counter()
-    try:
-        for job in jobs:
-            delay = t0 + job.index * interval_s - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            job.arrived = time.perf_counter()
-            job.request_id = str(uuid.uuid4())
-            with lock:
-                chosen_estimate = None  # a cache-blind policy: the whole prompt's prefill
-                if policy == "random":
-                    chosen = rng.choice(names)
-                elif policy == "round-robin":
-                    chosen = names[job.index % len(names)]
-                else:
-                    views = [
-                        index.view(name, job.keys[name], link=link, ram_budget_bytes=ram_budget_bytes, now=job.arrived)
-                        for name in names
-                    ]
-                    decision = route(job.keys[names[0]].tokens, views)
-                    chosen, chosen_estimate = decision.board, decision.chosen
-                    decisions.append(
-                        {
-                            k: v
-                            for k, v in decision.record().items()
-                            if k in ("board", "expected_ms", "queued_ms", "held_tokens", "source", "saving_ms")
-                        }
-                    )
-                index.dispatched(
-                    chosen,
-                    job.request_id,
-                    job.keys[chosen],
-                    index.work_ms(chosen, job.keys[chosen], max_tokens, link, estimate=chosen_estimate),
-                    at=job.arrived,
-                )
-            job.board = chosen
-            queues[chosen].put(job)
-    finally:
-        for name in names:
-            queues[name].put(None)
-        for worker in workers:
-            worker.join()
+def _reported(index: FleetIndex, name: str, job: _Job, result, b, finished: float) -> None:
+    """Tell the index what came back of ``job`` on board ``name`` (``b`` its breakdown, None if it failed)."""
+    if b is not None:
+        stored = [parse_entry_key_name(entry.name)[2].hex() for entry in result.uploaded]
+        index.reported(
+            name,
+            job.request_id,
+            prompt_tokens=b.prompt_tokens,
+            matched_tokens=b.matched_tokens,
+            prefill_ms=b.prefill_ms,
+            decode_ms=b.decode_ms,
+            generated_tokens=b.generated_tokens,
+            stored_keys=stored,
+            at=finished,
+        )
+    else:
+        index.reported(name, job.request_id, failed=True, at=finished)
+
+
+def _record(job: _Job, name: str, error: str, started: float, finished: float, b) -> dict:
+    """One run's record: its times (perf_counter), TTFT from arrival, where its state came from, bytes moved."""
+    return {
+        "index": job.index,
+        "topic": job.topic,
+        "board": name,
+        "error": error,
+        "arrived_s": job.arrived,
+        "started_s": started,
+        "finished_s": finished,
+        "wait_ms": round((started - job.arrived) * 1000.0, 3),
+        "service_ttft_ms": b.ttft_ms if b else 0.0,
+        "ttft_ms": round((started - job.arrived) * 1000.0 + (b.ttft_ms if b else 0.0), 3),
+        "tier": str(b.tier) if b else "",
+        "case": str(b.case) if b else "",
+        "decision": str(b.decision) if b else "",
+        "matched_tokens": b.matched_tokens if b else 0,
+        "prompt_tokens": b.prompt_tokens if b else 0,
+        "fetched_bytes": b.fetched_bytes if b else 0,
+        "uploaded_bytes": b.uploaded_bytes if b else 0,
+    }
+
+
+def _serve(
+    board,
+    name: str,
+    jobs: queue.Queue,
+    index: FleetIndex,
+    lock: threading.Lock,
+    records: list[dict],
+    *,
+    max_tokens: int,
+    namespace: str,
+    progress: Callable[[], None] | None,
+) -> None:
+    """One board's worker: serve its queue in order until None, telling the index of each run and recording it."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        started = time.perf_counter()
+        error = ""
+        try:
+            result = board.run(job.segments, max_tokens=max_tokens, namespace=namespace)
+            b = result.breakdown
+        except Exception as exc:  # a bench run reports it, and the fleet goes on
+            error, result, b = f"{type(exc).__name__}: {exc}", None, None
+        finished = time.perf_counter()
+        with lock:
+            _reported(index, name, job, result, b, finished)
+            records.append(_record(job, name, error, started, finished, b))
+        if progress:
+            progress()
+
+
+def _choose(
+    policy: str, job: _Job, names: list[str], index: FleetIndex, rng: random.Random, *, link, ram_budget_bytes: int
+) -> tuple:
+    """The board ``policy`` sends ``job`` to, its estimate (None: cache-blind) and the decision's record (cache-aware only)."""
+    if policy == "random":
+        return rng.choice(names), None, None  # a cache-blind policy: the whole prompt's prefill
+    if policy == "round-robin":
+        return names[job.index % len(names)], None, None
+    views = [
+        index.view(name, job.keys[name], link=link, ram_budget_bytes=ram_budget_bytes, now=job.arrived)
+        for name in names
+    ]
+    decision = route(job.keys[names[0]].tokens, views)
+    record = {
+        k: v
+        for k, v in decision.record().items()
+        if k in ("board", "expected_ms", "queued_ms", "held_tokens", "source", "saving_ms")
+    }
+    return decision.board, decision.chosen, record
+
+
+def _policy_summary(policy: str, records: list[dict], names: list[str], t0: float, decisions: list[dict]) -> dict:
+    """The policy's figures from its runs' records (their times made relative to the stream's start ``t0``)."""
     records.sort(key=lambda r: r["index"])
     served = [r for r in records if not r["error"]]
     ttfts = [r["ttft_ms"] for r in served]
@@ -243,6 +229,72 @@ def run_policy(
         "decisions": decisions,
         "records": records,
     }
+
+
+def run_policy(
+    boards,
+    jobs: list[_Job],
+    policy: str,
+    *,
+    interval_s: float,
+    namespace: str,
+    link,
+    max_tokens: int,
+    ram_budget_bytes: int,
+    seed: int,
+    progress: Callable[[], None] | None = None,
+) -> dict:
+    """One policy over one arrival stream: each board serves its own queue while the jobs are dispatched on arrival."""
+    names = [board.config.device for board in boards]
+    by_name = dict(zip(names, boards))
+    index = _fleet_index(boards)
+    lock = threading.Lock()
+    queues = {name: queue.Queue() for name in names}
+    records: list[dict] = []
+    rng = random.Random(seed)
+    decisions: list[dict] = []
+    _reset_boards(boards, namespace)
+    workers = [
+        threading.Thread(
+            target=_serve,
+            args=(by_name[name], name, queues[name], index, lock, records),
+            kwargs={"max_tokens": max_tokens, "namespace": namespace, "progress": progress},
+            name=f"fleet-{name}",
+            daemon=True,
+        )
+        for name in names
+    ]
+    for worker in workers:
+        worker.start()
+    t0 = time.perf_counter()
+    try:
+        for job in jobs:
+            delay = t0 + job.index * interval_s - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            job.arrived = time.perf_counter()
+            job.request_id = str(uuid.uuid4())
+            with lock:
+                chosen, chosen_estimate, record = _choose(
+                    policy, job, names, index, rng, link=link, ram_budget_bytes=ram_budget_bytes
+                )
+                if record is not None:
+                    decisions.append(record)
+                index.dispatched(
+                    chosen,
+                    job.request_id,
+                    job.keys[chosen],
+                    index.work_ms(chosen, job.keys[chosen], max_tokens, link, estimate=chosen_estimate),
+                    at=job.arrived,
+                )
+            job.board = chosen
+            queues[chosen].put(job)
+    finally:
+        for name in names:
+            queues[name].put(None)
+        for worker in workers:
+            worker.join()
+    return _policy_summary(policy, records, names, t0, decisions)
 
 
 def build_jobs(boards, prompts_by_topic: dict[str, list], *, namespace: str, seed: int) -> list[_Job]:

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from cachebox import embedded
@@ -577,35 +578,31 @@ def _quiet_decisions(namespace: str, system: str, repeats: int = 50) -> list[flo
     return times
 
 
-def drive(options: dict) -> dict:
-    import django
+@dataclass
+class _Window:
+    """What the measured window saw: its clock, load averages, counters before and after, lags, samples, render times."""
 
-    django.setup()
-    import redis
-    from django.conf import settings
+    t0: float  # time.time() at the window's start
+    window_s: float
+    load_start: list
+    load_end: list
+    before: dict  # _counters at the start
+    after: dict  # ... and at the end
+    lag_points: list  # (s since t0, heartbeat ingest lag ms)
+    samples: list  # one per API request
+    render: dict  # render times under load
+    render_quiet: dict  # ... once the load stopped
+    quiet: list  # routing decisions taken once the load stopped (ms)
 
-    # lazy: models before apps are ready (python -m dashboard.bench.fleet_sim imports this module; drive() sets Django up)
-    from dashboard.models import Device, Dispatch, InferenceRun
 
-    home = Path(options["home"])
-    print(f"fleet-sim: registering {options['boards']} devices", flush=True)
-    fleet = _register(options)
-    broker = redis.Redis.from_url(settings.REDIS_URL)
-    cachebox_urls = [settings.REDIS_URL]
-    if options["cluster"]:
-        cachebox_urls = options["cluster_nodes"]
+def _start_sims(options: dict, fleet: dict, home: Path, stop_file: Path, redis_url: str, cachebox_url: str) -> list:
+    """Start the simulated-board processes, each with its share of the boards; their Popen objects."""
     processes, sims = options["processes"], []
     groups = [fleet["boards"][index::processes] for index in range(processes)]
-    stop_file = home / "stop"
-    print(
-        f"fleet-sim: {options['boards']} devices registered in {fleet['register_s']} s; enrolling in {processes} processes",
-        flush=True,
-    )
-    enroll_started = time.monotonic()
     for index, group in enumerate(groups):
         spec = {
-            "redis_url": settings.REDIS_URL,
-            "cachebox_url": settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL,
+            "redis_url": redis_url,
+            "cachebox_url": cachebox_url,
             "boards": group,
             "heartbeat_s": options["heartbeat"],
             "bytes_per_token": options["bytes_per_token"],
@@ -626,160 +623,214 @@ def drive(options: dict) -> dict:
         sims.append(
             subprocess.Popen(argv, cwd=ROOT, stdout=open(home / f"sim-{index}.log", "wb"), stderr=subprocess.STDOUT)
         )
+    return sims
+
+
+def _wait_enrolled(home: Path, sims: list, processes: int) -> None:
+    """Wait until every simulated-board process says its boards enrolled (at most 30 minutes)."""
+    deadline = time.monotonic() + 1800
+    while not all((home / f"sim-{index}.ready").exists() for index in range(processes)):
+        if any(process.poll() is not None for process in sims):
+            raise RuntimeError(f"a simulated-board process exited during enrollment; see {home}/sim-*.log")
+        if time.monotonic() > deadline:
+            raise RuntimeError("enrollment did not finish within 30 minutes")
+        time.sleep(0.5)
+
+
+def _wait_online(options: dict) -> int:
+    """Wait (a few heartbeats at most) until every board is online; how many are."""
+    # lazy: models before apps are ready (python -m dashboard.bench.fleet_sim imports this module; drive() sets Django up)
+    from dashboard.models import Device
+
+    deadline = time.monotonic() + options["heartbeat"] * 4 + 60
+    while time.monotonic() < deadline:
+        online = sum(1 for device in Device.objects.all() if device.online)
+        if online >= options["boards"]:
+            break
+        time.sleep(1)
+    return sum(1 for device in Device.objects.all() if device.online)
+
+
+def _counters(server_pid: int, sim_pids: list[int], home: Path, cachebox_urls: list[str], broker_url) -> dict:
+    """CPU seconds by role, the cache box's (and a separate broker's) Valkey counters, database writes so far."""
+    return {
+        "cpu": _cpu_by_role(server_pid, sim_pids, home),
+        "box": _valkey_counters(cachebox_urls),
+        "broker": _valkey_counters([broker_url]) if broker_url else None,
+        "writes": db_writes.written(),
+    }
+
+
+def _sample_lags(stop: threading.Event, seen: dict, t0: float, lag_points: list) -> None:
+    """Every second until ``stop``: the new heartbeats' ingest lags into ``lag_points``."""
+    while not stop.wait(1.0):
+        lag_points.extend(_heartbeat_lags(seen, t0))
+
+
+def _render_under_load(render: dict, pages: list[str], admin_id) -> None:
+    """The pages' render times into ``render``, with this thread's database connections closed after."""
+    # In a thread of its own: the requests keep their schedule meanwhile (rendering in the
+    # sending loop held them back, then sent 9 at once: a burst the web process queued).
+    from django.db import connections
+
     try:
-        deadline = time.monotonic() + 1800
-        while not all((home / f"sim-{index}.ready").exists() for index in range(processes)):
-            if any(process.poll() is not None for process in sims):
-                raise RuntimeError(f"a simulated-board process exited during enrollment; see {home}/sim-*.log")
-            if time.monotonic() > deadline:
-                raise RuntimeError("enrollment did not finish within 30 minutes")
-            time.sleep(0.5)
-        enroll_s = time.monotonic() - enroll_started
-        print(f"fleet-sim: enrolled in {enroll_s:.1f} s; waiting for every board online", flush=True)
-        deadline = time.monotonic() + options["heartbeat"] * 4 + 60
-        while time.monotonic() < deadline:
-            online = sum(1 for device in Device.objects.all() if device.online)
-            if online >= options["boards"]:
-                break
-            time.sleep(1)
-        online_at_start = sum(1 for device in Device.objects.all() if device.online)
-        print(
-            f"fleet-sim: {online_at_start} online; load for {options['seconds']:g} s at {options['rate']:g} requests/s",
-            flush=True,
-        )
-
-        # Warm-up (not measured): the web process loads the vocabulary the router tokenizes with.
-        names = sorted(fleet["keys"])
-        for namespace in names:
-            _chat(options["url"], fleet["keys"][namespace], SIM_MODEL, "You are a warm-up.", "Hello?")
-        # -- the measured window --
-        seen: dict = {}
-        _heartbeat_lags(seen, 0.0)  # what was there before
-        t0 = time.time()
-        load_start = [round(value, 2) for value in os.getloadavg()]
-        sim_pids = [process.pid for process in sims]
-        cpu_before, box_before = _cpu_by_role(options["server_pid"], sim_pids, home), _valkey_counters(cachebox_urls)
-        broker_before = _valkey_counters([settings.REDIS_URL]) if options["cluster"] else None
-        writes_before = db_writes.written()
-        lag_points: list[tuple[float, float]] = []
-        samples: list[dict] = []
-        stop = threading.Event()
-
-        def sample_lags() -> None:
-            while not stop.wait(1.0):
-                lag_points.extend(_heartbeat_lags(seen, t0))
-
-        sampler = threading.Thread(target=sample_lags, daemon=True)
-        sampler.start()
-        from concurrent.futures import ThreadPoolExecutor
-
-        systems = [
-            f"You are assistant number {index} of site operations. "
-            + ("Answer briefly and precisely about the fleet, its boards and their caches. " * 12)
-            for index in range(SYSTEM_PROMPTS)
-        ]
-        futures = []
-        render: dict = {}
-        pages = ["/", "/devices/", "/cache/"]
-
-        def render_under_load() -> None:
-            # In a thread of its own: the requests keep their schedule meanwhile (rendering in the
-            # sending loop held them back, then sent 9 at once: a burst the web process queued).
-            from django.db import connections
-
-            try:
-                render.update(_render_times(pages, fleet["admin_id"]))
-            finally:
-                connections.close_all()
-
-        renderer = threading.Thread(target=render_under_load, name="fleet-sim-render", daemon=True)
-        with ThreadPoolExecutor(64) as pool:
-            total = int(options["rate"] * options["seconds"])
-            window_start = time.monotonic()
-            for index in range(total):
-                time.sleep(max(0.0, window_start + index / options["rate"] - time.monotonic()))
-                namespace = names[index % len(names)]
-                futures.append(
-                    (
-                        time.monotonic() - window_start,
-                        pool.submit(
-                            _chat,
-                            options["url"],
-                            fleet["keys"][namespace],
-                            SIM_MODEL,
-                            systems[index % SYSTEM_PROMPTS],
-                            f"Question {index}: how is board {index % 97} doing?",
-                        ),
-                    )
-                )
-                if renderer.ident is None and time.monotonic() - window_start > options["seconds"] / 2:
-                    renderer.start()
-            time.sleep(max(0.0, window_start + options["seconds"] - time.monotonic()))
-            if renderer.ident is None:
-                renderer.start()
-            renderer.join()
-            window = time.time() - t0
-            load_end = [round(value, 2) for value in os.getloadavg()]
-            cpu_after, box_after = _cpu_by_role(options["server_pid"], sim_pids, home), _valkey_counters(cachebox_urls)
-            broker_after = _valkey_counters([settings.REDIS_URL]) if options["cluster"] else None
-            writes_after = db_writes.written()
-            for at, future in futures:
-                samples.append({"t_s": round(at, 3), **future.result()})
-        stop.set()
-        sampler.join()
-        quiet = _quiet_decisions(names[0], systems[0])
-        render_quiet = _render_times(pages, fleet["admin_id"])  # the load stopped, the boards still beat
-        print(f"fleet-sim: load done ({len(samples)} requests); draining", flush=True)
-        stop_file.write_text("stop")
-        deadline = time.monotonic() + 180  # each writes its results once its boards answered what they took
-        while (
-            not all((home / f"sim-{index}.out.json").exists() for index in range(processes))
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.5)
-        deadline = time.monotonic() + 120
-        while _reports_waiting(broker) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        time.sleep(2)  # the worker's last tasks commit
-        results = []
-        for index in range(processes):
-            path = home / f"sim-{index}.out.json"
-            if not path.exists():
-                raise RuntimeError(
-                    f"simulated-board process {index} wrote no results within 3 minutes of the stop; see {home}/sim-{index}.log"
-                )
-            results.append(json.loads(path.read_text()))
+        render.update(_render_times(pages, admin_id))
     finally:
-        stop_file.write_text("stop")
-        for process in sims:
-            if process.poll() is None:
-                process.kill()
+        connections.close_all()
 
-    # -- after the window: what the database says --
+
+def _send_load(pool, options: dict, fleet: dict, systems: list[str], renderer: threading.Thread, model: str) -> list:
+    """Send the API requests at the set rate over the window (the pages rendered from half-way); (s, future) each."""
+    names = sorted(fleet["keys"])
+    futures = []
+    total = int(options["rate"] * options["seconds"])
+    window_start = time.monotonic()
+    for index in range(total):
+        time.sleep(max(0.0, window_start + index / options["rate"] - time.monotonic()))
+        namespace = names[index % len(names)]
+        futures.append(
+            (
+                time.monotonic() - window_start,
+                pool.submit(
+                    _chat,
+                    options["url"],
+                    fleet["keys"][namespace],
+                    model,
+                    systems[index % SYSTEM_PROMPTS],
+                    f"Question {index}: how is board {index % 97} doing?",
+                ),
+            )
+        )
+        if renderer.ident is None and time.monotonic() - window_start > options["seconds"] / 2:
+            renderer.start()
+    time.sleep(max(0.0, window_start + options["seconds"] - time.monotonic()))
+    if renderer.ident is None:
+        renderer.start()
+    renderer.join()
+    return futures
+
+
+def _measure_window(
+    options: dict, fleet: dict, sims: list, home: Path, cachebox_urls: list[str], broker_url
+) -> _Window:
+    """The measured window: the load, heartbeat lags sampled, counters before and after, render times; then quiet figures."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    # Warm-up (not measured): the web process loads the vocabulary the router tokenizes with.
+    names = sorted(fleet["keys"])
+    for namespace in names:
+        _chat(options["url"], fleet["keys"][namespace], SIM_MODEL, "You are a warm-up.", "Hello?")
+    # -- the measured window --
+    seen: dict = {}
+    _heartbeat_lags(seen, 0.0)  # what was there before
+    t0 = time.time()
+    load_start = [round(value, 2) for value in os.getloadavg()]
+    sim_pids = [process.pid for process in sims]
+    before = _counters(options["server_pid"], sim_pids, home, cachebox_urls, broker_url)
+    lag_points: list[tuple[float, float]] = []
+    samples: list[dict] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_lags, args=(stop, seen, t0, lag_points), daemon=True)
+    sampler.start()
+    systems = [
+        f"You are assistant number {index} of site operations. "
+        + ("Answer briefly and precisely about the fleet, its boards and their caches. " * 12)
+        for index in range(SYSTEM_PROMPTS)
+    ]
+    render: dict = {}
+    pages = ["/", "/devices/", "/cache/"]
+    renderer = threading.Thread(
+        target=_render_under_load, args=(render, pages, fleet["admin_id"]), name="fleet-sim-render", daemon=True
+    )
+    with ThreadPoolExecutor(64) as pool:
+        futures = _send_load(pool, options, fleet, systems, renderer, SIM_MODEL)
+        window = time.time() - t0
+        load_end = [round(value, 2) for value in os.getloadavg()]
+        after = _counters(options["server_pid"], sim_pids, home, cachebox_urls, broker_url)
+        for at, future in futures:
+            samples.append({"t_s": round(at, 3), **future.result()})
+    stop.set()
+    sampler.join()
+    quiet = _quiet_decisions(names[0], systems[0])
+    render_quiet = _render_times(pages, fleet["admin_id"])  # the load stopped, the boards still beat
+    return _Window(t0, window, load_start, load_end, before, after, lag_points, samples, render, render_quiet, quiet)
+
+
+def _drain(home: Path, processes: int, stop_file: Path, redis_url: str) -> list[dict]:
+    """Stop the simulated boards, wait for their results and for the control plane to record their reports; the results."""
+    import redis
+
+    broker = redis.Redis.from_url(redis_url)
+    stop_file.write_text("stop")
+    deadline = time.monotonic() + 180  # each writes its results once its boards answered what they took
+    while (
+        not all((home / f"sim-{index}.out.json").exists() for index in range(processes)) and time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while _reports_waiting(broker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)  # the worker's last tasks commit
+    results = []
+    for index in range(processes):
+        path = home / f"sim-{index}.out.json"
+        if not path.exists():
+            raise RuntimeError(
+                f"simulated-board process {index} wrote no results within 3 minutes of the stop; see {home}/sim-{index}.log"
+            )
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def _stored_runs(t0: float) -> dict:
+    """What the database says after the window: runs dispatched and stored, lost and failed, the window's decision times."""
     from datetime import datetime
     from datetime import timezone as tz
 
+    # lazy: models before apps are ready (python -m dashboard.bench.fleet_sim imports this module; drive() sets Django up)
+    from dashboard.models import Dispatch, InferenceRun
+
     dispatched = list(Dispatch.objects.filter(kind="run").values_list("request_id", "routing", "created"))
     stored = {str(run_id): error for run_id, error in InferenceRun.objects.values_list("request_id", "error")}
-    lost = [str(run_id) for run_id, _, _ in dispatched if str(run_id) not in stored]
-    failed_runs = [error for error in stored.values() if error]
     window_began = datetime.fromtimestamp(t0, tz.utc)
     routed = [
         record
         for _, record, created in dispatched
         if created >= window_began and isinstance(record, dict) and record.get("decided_ms") is not None
     ]
-    decided = [record["decided_ms"] for record in routed]
-    decided_cpu = [record["decided_cpu_ms"] for record in routed if record.get("decided_cpu_ms") is not None]
+    return {
+        "dispatched": len(dispatched),
+        "stored": len(stored),
+        "lost": [str(run_id) for run_id, _, _ in dispatched if str(run_id) not in stored],
+        "failed_runs": [error for error in stored.values() if error],
+        "decided": [record["decided_ms"] for record in routed],
+        "decided_cpu": [record["decided_cpu_ms"] for record in routed if record.get("decided_cpu_ms") is not None],
+    }
+
+
+def _document(
+    options: dict,
+    fleet: dict,
+    enroll_s: float,
+    online_at_start: int,
+    measured: _Window,
+    results: list[dict],
+    runs: dict,
+    cachebox_urls: list[str],
+) -> dict:
+    """The result document: the run's settings, its figures as medians and p99, costs, errors, targets and summary."""
+    window, samples, lag_points = measured.window_s, measured.samples, measured.lag_points
+    lost, failed_runs = runs["lost"], runs["failed_runs"]
+    broker_before, broker_after = measured.before["broker"], measured.after["broker"]
     counts = {key: sum(result["counts"][key] for result in results) for key in results[0]["counts"]}
     sim_samples = {
         key: [value for result in results for value in result["samples"][key]] for key in results[0]["samples"]
     }
     http_errors = [sample["error"] for sample in samples if sample["error"]]
     ok = [sample for sample in samples if not sample["error"]]
-    cpu = {role: round(cpu_after[role] - cpu_before[role], 3) for role in cpu_after}
+    cpu = {role: round(measured.after["cpu"][role] - measured.before["cpu"][role], 3) for role in measured.after["cpu"]}
     control_cpu = cpu["web"] + cpu["control_worker"]
-    box_delta = {key: box_after[key] - box_before[key] for key in box_after}
+    box_delta = {key: measured.after["box"][key] - measured.before["box"][key] for key in measured.after["box"]}
     doc = {
         "boards": options["boards"],
         "seconds": options["seconds"],
@@ -799,11 +850,11 @@ def drive(options: dict) -> dict:
             "p99_by_third": thirds_p99(lag_points),
             "trend_ms_per_min": trend_per_minute(lag_points),
         },
-        "routing_decision_ms": p50_p99(decided),
+        "routing_decision_ms": p50_p99(runs["decided"]),
         # ... of which the deciding thread ran (its CPU time); the rest it waited, for the interpreter or a CPU
-        "routing_decision_cpu_ms": p50_p99(decided_cpu),
-        "routing_decision_quiet_ms": p50_p99(quiet),
-        "load_average": {"window_start": load_start, "window_end": load_end},
+        "routing_decision_cpu_ms": p50_p99(runs["decided_cpu"]),
+        "routing_decision_quiet_ms": p50_p99(measured.quiet),
+        "load_average": {"window_start": measured.load_start, "window_end": measured.load_end},
         "api_first_chunk_ms": p50_p99(sample["first_chunk_ms"] for sample in ok),
         "api_first_chunk_overhead_ms": p50_p99(sample["overhead_ms"] for sample in ok),
         "api_overhead_without_queue_ms": p50_p99(
@@ -827,7 +878,7 @@ def drive(options: dict) -> dict:
         }
         if broker_before
         else None,
-        "db_writes_per_s": rate(writes_after - writes_before, window),
+        "db_writes_per_s": rate(measured.after["writes"] - measured.before["writes"], window),
         "cpu_s": cpu,
         "cpu_s_per_board_minute": {
             "control_plane": per_board_minute(control_cpu, options["boards"], window),
@@ -836,12 +887,12 @@ def drive(options: dict) -> dict:
             "cachebox": per_board_minute(cpu["cachebox"], options["boards"], window),
             "simulated_boards": per_board_minute(cpu["simulated_boards"], options["boards"], window),
         },
-        "render_ms": render,
-        "render_quiet_ms": render_quiet,
+        "render_ms": measured.render,
+        "render_quiet_ms": measured.render_quiet,
         "requests": len(samples),
         "answered": len(ok),
-        "runs_dispatched": len(dispatched),
-        "runs_stored": len(stored),
+        "runs_dispatched": runs["dispatched"],
+        "runs_stored": runs["stored"],
         "board_counts": counts,
         "errors": {
             "total": len(http_errors) + counts["errors"] + len(failed_runs),
@@ -865,6 +916,52 @@ def drive(options: dict) -> dict:
         f"{doc['errors']['total']} errors, {len(lost)} lost runs"
     )
     return doc
+
+
+def drive(options: dict) -> dict:
+    """The driver: register the fleet, start its boards, wait for them online, measure the window, drain, the document."""
+    import django
+
+    django.setup()
+    from django.conf import settings
+
+    home = Path(options["home"])
+    print(f"fleet-sim: registering {options['boards']} devices", flush=True)
+    fleet = _register(options)
+    cachebox_urls = [settings.REDIS_URL]
+    if options["cluster"]:
+        cachebox_urls = options["cluster_nodes"]
+    processes = options["processes"]
+    stop_file = home / "stop"
+    print(
+        f"fleet-sim: {options['boards']} devices registered in {fleet['register_s']} s; enrolling in {processes} processes",
+        flush=True,
+    )
+    enroll_started = time.monotonic()
+    sims = _start_sims(
+        options, fleet, home, stop_file, settings.REDIS_URL, settings.EDGECACHE_CACHEBOX_URL or settings.REDIS_URL
+    )
+    try:
+        _wait_enrolled(home, sims, processes)
+        enroll_s = time.monotonic() - enroll_started
+        print(f"fleet-sim: enrolled in {enroll_s:.1f} s; waiting for every board online", flush=True)
+        online_at_start = _wait_online(options)
+        print(
+            f"fleet-sim: {online_at_start} online; load for {options['seconds']:g} s at {options['rate']:g} requests/s",
+            flush=True,
+        )
+        measured = _measure_window(
+            options, fleet, sims, home, cachebox_urls, settings.REDIS_URL if options["cluster"] else None
+        )
+        print(f"fleet-sim: load done ({len(measured.samples)} requests); draining", flush=True)
+        results = _drain(home, processes, stop_file, settings.REDIS_URL)
+    finally:
+        stop_file.write_text("stop")
+        for process in sims:
+            if process.poll() is None:
+                process.kill()
+    runs = _stored_runs(measured.t0)  # after the window: what the database says
+    return _document(options, fleet, enroll_s, online_at_start, measured, results, runs, cachebox_urls)
 
 
 def _reports_waiting(broker) -> int:
