@@ -481,6 +481,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=7)
 
 
+def _ram_tier_bytes(board) -> int:
+    """The RAM tier a board got (without --ram-mb its memory plan sized it; 0: none)."""
+    ram = board.prefix.ram
+    return ram.entries.budget_bytes if ram is not None else 0
+
+
 def run(ctx, *, boards, topics, prompts, shots, max_tokens, link, ram_mb, spacing, seed, **options) -> dict:
     from contextlib import ExitStack
 
@@ -519,7 +525,7 @@ def run(ctx, *, boards, topics, prompts, shots, max_tokens, link, ram_mb, spacin
                 link_name=link,
                 max_tokens=max_tokens,
                 spacing=spacing,
-                ram_budget_bytes=base.ram_tier_bytes,
+                ram_budget_bytes=_ram_tier_bytes(started[0]),
                 seed=seed,
                 progress=bar.update,
             )
