@@ -166,10 +166,12 @@ def pytest_runtest_teardown(item, nextitem):
     """After a transactional test that asked for its migrated rows back (``serialized_rollback``),
     they are put back at once: its teardown empties every table, and Django would restore them
     only as the next such test starts. Run alone, pytest-django orders those tests last; on both
-    cores, a worker's next module would find no 'default' namespace, content types or permissions."""
+    cores, a worker's next module would find no 'default' namespace, content types or permissions.
+    Not after a session's last test: no test follows, and the test database is already destroyed
+    (its connection points at the real database again)."""
     result = yield
     marker = item.get_closest_marker("django_db")
-    if marker is not None and marker.kwargs.get("serialized_rollback"):
+    if nextitem is not None and marker is not None and marker.kwargs.get("serialized_rollback"):
         from django.db import connections
         from pytest_django.plugin import blocking_manager_key
 
