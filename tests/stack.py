@@ -29,6 +29,44 @@ ADMIN_PASSWORD = "browser-test-pw-1"
 SCREENSHOTS = ROOT / ".edgecache" / "screenshots"
 
 
+class ProcessPlane:
+    """A control plane run as processes in ``home`` (the host and redelivery stacks build on it):
+    ``manage.py`` commands and Django shell lines in its environment, and processes it started, each
+    logging to ``home/NAME.log``, stopped by whoever owns it."""
+
+    def __init__(self, home: Path, env: dict[str, str]):
+        self.home = home
+        self.env = env
+        self.processes: list[subprocess.Popen] = []
+
+    def manage(self, *args: str, env: dict | None = None, timeout: float = 120) -> str:
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip()
+
+    def shell(self, code: str, env: dict | None = None) -> str:
+        return self.manage("shell", "-c", code, env=env).splitlines()[-1]
+
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(self.home / f"{name}.log", "ab")
+        process = subprocess.Popen(
+            argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+        )
+        self.processes.append(process)
+        return process
+
+    def log(self, name: str) -> str:
+        path = self.home / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

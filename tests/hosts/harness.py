@@ -25,6 +25,7 @@ from cachebox.link import LINK_PRESETS
 from dashboard.hosts.network import Host, HostNetwork, free_subnet, unavailable_reason
 from dashboard.outbox import control_worker_argv
 from tests.conftest import ROOT, opened_text
+from tests.stack import ProcessPlane
 
 
 def hosts_or_skip() -> None:
@@ -44,19 +45,17 @@ def until(condition, timeout: float, what: str, every: float = 0.2):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-class HostedPlane:
+class HostedPlane(ProcessPlane):
     """A control plane (SQLite, control worker) with a broker and a cache box of its own, both
     embedded Valkeys listening on loopback and on the hub, and boards as hosts behind the hub."""
 
     def __init__(self, home: Path, network: HostNetwork):
-        self.home = home
-        self.network = network
-        self.env = {
+        env = {
             key: value
             for key, value in os.environ.items()
             if key not in ("REDIS_URL", "DATABASE_URL", "EDGECACHE_CACHEBOX_URL")
         }
-        self.env.update(
+        env.update(
             {
                 "EDGECACHE_HOME": str(home),
                 "EDGECACHE_EMBEDDED_BIND": network.hub.address,
@@ -66,7 +65,8 @@ class HostedPlane:
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        self.processes: list[subprocess.Popen] = []
+        super().__init__(home, env)
+        self.network = network
         self.hosts: dict[str, Host] = {}
         self.cachebox_dir = home / "cachebox"
         self.cachebox_password = secrets.token_urlsafe(24)  # the control plane's alone, as the broker's
@@ -97,33 +97,6 @@ class HostedPlane:
 
     def start_broker(self) -> None:
         self.manage("cachebox", "start")
-
-    def manage(self, *args: str, env: dict | None = None, timeout: float = 120) -> str:
-        done = subprocess.run(
-            [sys.executable, "manage.py", *args],
-            cwd=ROOT,
-            env={**self.env, **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout.strip()
-
-    def shell(self, code: str, env: dict | None = None) -> str:
-        return self.manage("shell", "-c", code, env=env).splitlines()[-1]
-
-    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = open(self.home / f"{name}.log", "ab")
-        process = subprocess.Popen(
-            argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
-        )
-        self.processes.append(process)
-        return process
-
-    def log(self, name: str) -> str:
-        path = self.home / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
 
     def register(self, name: str, *, memory_mb: int, threads: int, link: str) -> str:
         """A device on the dashboard (its record goes to the cache box); returns its token."""

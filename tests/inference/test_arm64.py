@@ -21,7 +21,7 @@ import uuid
 import pytest
 
 from tests.conftest import ROOT, require
-from tests.stack import free_port, wait_for_http
+from tests.stack import ProcessPlane, free_port, wait_for_http
 
 pytestmark = [pytest.mark.arm64, pytest.mark.processes, pytest.mark.timeout(3600)]  # emulation: minutes, not seconds
 
@@ -119,20 +119,12 @@ def test_an_arm64_board_installs_from_the_wheelhouse_without_a_compiler_enrolls_
         }
     )
 
-    def manage(*args: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout.strip()
+    plane = ProcessPlane(home, env)
 
-    server = subprocess.Popen(
-        [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=open(home / "run.log", "wb"),
-        stderr=subprocess.STDOUT,
-    )
+    def manage(*args: str) -> str:
+        return plane.manage(*args, timeout=180)
+
+    server = plane.spawn("run", [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)])
     board = None
     log = home / "board.log"
     root, place = board_in_root["root"], board_in_root["place"]

@@ -30,7 +30,7 @@ import pytest
 
 from tests.conftest import ROOT, require
 from tests.inference.test_arm64 import arm64_parts, board_in_root  # noqa: F401 (fixtures)
-from tests.stack import free_port, wait_for_http
+from tests.stack import ProcessPlane, free_port, wait_for_http
 
 pytestmark = [
     pytest.mark.mixed_fleet,
@@ -73,23 +73,15 @@ def fleet(board_in_root, avx512_libs, tmp_path_factory):
         }
     )
 
+    plane = ProcessPlane(home, env)
+
     def manage(*args: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout.strip()
+        return plane.manage(*args, timeout=180)
 
     processes: list[subprocess.Popen] = []
     cgroup = CGROUP / f"edgecache-a53-{uuid.uuid4().hex[:8]}"
     root, place = board_in_root["root"], board_in_root["place"]
-    server = subprocess.Popen(
-        [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=open(home / "run.log", "wb"),
-        stderr=subprocess.STDOUT,
-    )
+    server = plane.spawn("run", [sys.executable, "manage.py", "run", "--no-boards", "--port", str(port)])
     try:
         wait_for_http(f"http://127.0.0.1:{port}/accounts/login/", server)
         tokens = json.loads(

@@ -22,7 +22,8 @@ import pytest
 import redis
 
 from dashboard.outbox import control_worker_argv
-from tests.conftest import ROOT, control_plane_password, opened_text
+from tests.conftest import control_plane_password, opened_text
+from tests.stack import ProcessPlane
 
 pytestmark = [pytest.mark.model, pytest.mark.cachebox]
 
@@ -65,11 +66,10 @@ def until(condition, timeout: float, what: str, every: float = 0.2):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-class Plane:
+class Plane(ProcessPlane):
     def __init__(self, home: Path):
-        self.home = home
-        self.env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
-        self.env.update(
+        env = {key: value for key, value in os.environ.items() if key not in ("REDIS_URL", "DATABASE_URL")}
+        env.update(
             {
                 "EDGECACHE_HOME": str(home),
                 "EDGECACHE_N_CTX": "2048",
@@ -78,33 +78,7 @@ class Plane:
                 "EDGECACHE_SWEEP_SECONDS": "1",
             }
         )
-        self.processes: list[subprocess.Popen] = []
-
-    def manage(self, *args: str, env: dict | None = None) -> str:
-        done = subprocess.run(
-            [sys.executable, "manage.py", *args],
-            cwd=ROOT,
-            env={**self.env, **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr
-        return done.stdout.strip()
-
-    def shell(self, code: str, env: dict | None = None) -> str:
-        return self.manage("shell", "-c", code, env=env).splitlines()[-1]
-
-    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = open(self.home / f"{name}.log", "ab")
-        process = subprocess.Popen(
-            argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
-        )
-        self.processes.append(process)
-        return process
-
-    def log(self, name: str) -> str:
-        return (self.home / f"{name}.log").read_text(errors="replace")
+        super().__init__(home, env)
 
     def control_worker(self) -> subprocess.Popen:
         return self.spawn(
