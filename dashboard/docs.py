@@ -56,7 +56,8 @@ MEANINGS: dict[str, tuple[str | None, str]] = {
     ),
     "EDGECACHE_KERNELS_DIR": (
         "~/.cache/edgecache/kernels",
-        "where `bench kernels` and the kernel-class tests keep the second build of llama.cpp (AVX-512 kernels) they load with "
+        "where `bench kernels` and the kernel-class tests keep the other builds of llama.cpp (AVX-512 kernels where the CPU "
+        "has them, SSE4.2 ones on any x86-64 CPU) they load with "
         "`LLAMA_CPP_LIB_PATH` (once per machine; never a product dependency)",
     ),
     "EDGECACHE_ARM64_DIR": (

@@ -43,6 +43,7 @@ MARKED_FIXTURES = {
     "system_redis_url": "cachebox",
     "any_store_url": "cachebox",
     "avx512_libs": "kernels",
+    "other_kernel_libs": "kernels",
 }
 
 
@@ -196,7 +197,8 @@ def _idle_class():  # in the child, before exec: the build and its compilers run
 
 def pytest_collection_finish(session):
     """The builds the selected tests need and this machine lacks start in the background (``peer``:
-    llama-server; ``kernels``: llama.cpp's libraries with AVX-512 kernels, ``dashboard.bench.llama_kernels``)."""
+    llama-server; ``kernels``: llama.cpp's libraries with other CPU kernels, ``dashboard.bench.llama_kernels``:
+    the variant ``other_kernel_libs`` or ``avx512_libs`` will ask for)."""
     wanted = {
         marker for item in session.items for marker in ("peer", "kernels", "arm64") if item.get_closest_marker(marker)
     }
@@ -210,8 +212,11 @@ def pytest_collection_finish(session):
     if "kernels" in wanted:
         from dashboard.bench import llama_kernels
 
-        if not llama_kernels.built() and not llama_kernels.unavailable():
-            _background_build(session, "dashboard.bench.llama_kernels", "llama-avx512")
+        fixtures = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+        variants = {variant for fixture, variant in _kernel_variants().items() if fixture in fixtures}
+        for variant in sorted(variants):
+            if not llama_kernels.built(variant) and not llama_kernels.unavailable(variant):
+                _background_build(session, "dashboard.bench.llama_kernels", f"llama-{variant}", variant)
     if "arm64" in wanted:
         from dashboard.bench import arm64
 
@@ -222,11 +227,22 @@ def pytest_collection_finish(session):
 BUILD_MODULES = (b"dashboard.bench.llama_server", b"dashboard.bench.llama_kernels", b"dashboard.bench.arm64")
 
 
-def _background_build(session, module: str, what: str) -> None:
+def _kernel_variants() -> dict[str, str]:
+    """The fixtures that load another build of llama.cpp, and the variant each will ask for here."""
+    from dashboard.bench import llama_kernels
+
+    return {"other_kernel_libs": llama_kernels.default_variant(), "avx512_libs": "avx512"}
+
+
+def _background_build(session, module: str, what: str, *arguments: str) -> None:
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"edgecache-{what}-build-{os.getpid()}.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", module], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_idle_class
+            [sys.executable, "-m", module, *arguments],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_idle_class,
         )
     with open(
         os.environ[PEER_BUILDS], "a"
@@ -237,8 +253,10 @@ def _background_build(session, module: str, what: str) -> None:
 
 
 def _building(log) -> str:
+    from dashboard.bench.llama_kernels import VARIANTS
+
     what = {
-        "llama-avx512": "llama.cpp with AVX-512 kernels",
+        **{f"llama-{variant}-build": f"llama.cpp with {variant} kernels" for variant in VARIANTS},
         "arm64-root": "an arm64 Debian root and an aarch64 board wheelhouse",
     }
     what = next((text for key, text in what.items() if key in str(log)), "llama-server")
@@ -344,21 +362,39 @@ def engine():
     engine.close()
 
 
-@pytest.fixture(scope="session")
-def avx512_libs():
-    """The folder of a second build of the pinned llama.cpp, with AVX-512 kernels (``LLAMA_CPP_LIB_PATH``
-    for a board process): built once per machine (the run started it in the background where it
-    was missing, ``pytest_collection_finish``; this waits for it). Skipped, saying why, on a CPU
-    without AVX-512 or a machine without compiler."""
+def _kernel_libs(variant: str) -> Path:
+    """The folder of the pinned llama.cpp built with ``variant``'s kernels (``LLAMA_CPP_LIB_PATH`` for
+    a board process): built once per machine (the run started it in the background where it was
+    missing, ``pytest_collection_finish``; this waits for it). Skipped, saying why, on a CPU without
+    the variant's instructions or a machine without compiler."""
     from dashboard.bench import llama_kernels
 
-    why = llama_kernels.unavailable("avx512")
+    why = llama_kernels.unavailable(variant)
     if why:
         pytest.skip(why)
     try:
-        return llama_kernels.ensure("avx512", lambda line: None)
+        return llama_kernels.ensure(variant, lambda line: None)
     except llama_kernels.BuildUnavailable as exc:
         pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def other_kernel_libs() -> tuple[str, Path]:
+    """(variant, folder) of a second build of the pinned llama.cpp whose kernels differ from the
+    project's AVX2 build, whatever this x86-64 CPU: avx512 where it runs it, else sse42
+    (``llama_kernels.default_variant``; ``llama_kernels.VARIANTS[variant].kernel_class`` is the class
+    it reports)."""
+    from dashboard.bench import llama_kernels
+
+    variant = llama_kernels.default_variant()
+    return variant, _kernel_libs(variant)
+
+
+@pytest.fixture(scope="session")
+def avx512_libs() -> Path:
+    """The folder of a second build of the pinned llama.cpp with AVX-512 kernels (the mixed fleet's
+    ``x86-avx512`` board); skipped on a CPU without AVX-512."""
+    return _kernel_libs("avx512")
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,10 @@
 
 Boards of different kernel classes (``inference.engine.kernels``) never share states as exact. A namespace
 may share them anyway (approximate, opt-in); this measures what that costs in agreement, for every
-ordered pair of classes this machine can run: the project's llama.cpp build (AVX2 on x86-64) and a
-second build of the same sources with AVX-512 kernels where the CPU has them
-(``dashboard.bench.llama_kernels``, loaded with ``LLAMA_CPP_LIB_PATH``). One process can load
-only one llama.cpp, so each class computes in a worker process of its own (``python -m
+ordered pair of classes this machine can run: the project's llama.cpp build (AVX2 on x86-64) and the
+other builds of the same sources the CPU runs, SSE4.2 kernels on any x86-64 CPU and AVX-512 ones
+where it has them (``dashboard.bench.llama_kernels``, loaded with ``LLAMA_CPP_LIB_PATH``). One
+process can load only one llama.cpp, so each class computes in a worker process of its own (``python -m
 dashboard.bench.kernels worker``), and they exchange states and logits through files.
 
 For every MMLU prompt and class B, B's own **cold run** (prefilled on the board's 128-token grid and

@@ -1,9 +1,12 @@
 """Other builds of the llama.cpp we pin, with other CPU kernels: a second kernel class on one machine.
 
 A bench and test helper, never a product dependency. Two builds of the same llama.cpp compute other
-bits (wider SIMD sums in another order; ggml picks other kernels per instruction set), so a machine
-that can run two builds can stand for a fleet of two kernel classes: ``bench kernels`` and the tests
-of ``inference.engine.kernels`` load one with llama-cpp-python's ``LLAMA_CPP_LIB_PATH``.
+bits (SIMD sums of other widths in another order; ggml picks other kernels per instruction set), so a
+machine that can run two builds can stand for a fleet of two kernel classes: ``bench kernels`` and the
+tests of ``inference.engine.kernels`` load one with llama-cpp-python's ``LLAMA_CPP_LIB_PATH``. The
+variants (``VARIANTS``) are wider than the project's AVX2 build (``avx512``, where the CPU has it) or
+narrower (``sse42``, which any x86-64 CPU of the last fifteen years runs): ``default_variant`` is the
+one that stands for this machine's second class.
 
 The libraries are compiled from the vendored llama.cpp of the pinned llama-cpp-python sdist (the
 very sources of the wheel ``make install`` builds), shared, target ``llama`` only (libllama and
@@ -11,7 +14,8 @@ libggml*; a few minutes on 2 cores), and kept in ``~/.cache/edgecache/kernels/ll
 (``EDGECACHE_KERNELS_DIR`` moves it): built once per machine, outside the repository. One build at a
 time per variant: a second caller waits for the first's (a lock beside the folder), so a test run
 can start it in the background at idle priority (``tests/conftest.py``) and the test that needs it
-waits for it. ``python -m dashboard.bench.llama_kernels [VARIANT]`` builds one (or prints where it is).
+waits for it. ``python -m dashboard.bench.llama_kernels [VARIANT]`` builds one, ``default_variant``
+without a name (or prints where it is).
 """
 
 from __future__ import annotations
@@ -23,15 +27,38 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from dashboard.bench.sdist import compile_target, run_step, unpacked_llama
 
 VERSION = importlib.metadata.version("llama-cpp-python")
 
-# Variant -> (CMake flags, the CPU flag of /proc/cpuinfo the machine needs to run it).
+
+class Variant(NamedTuple):
+    flags: tuple[str, ...]  # CMake flags, beside COMMON_FLAGS
+    cpu_flag: str  # the flag of /proc/cpuinfo a machine needs to run the build
+    kernel_class: str  # the class its build reports (inference.engine.kernels.class_name of its system info)
+
+
+# In the order ``default_variant`` prefers them. -DGGML_NATIVE=OFF turns on ggml's x86 options up to
+# AVX2 (SSE42, AVX, AVX2, BMI2, FMA, F16C: the project's build); a variant turns on or off what differs.
 VARIANTS = {
-    "avx512": (("-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON"), "avx512f"),
+    "avx512": Variant(("-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON"), "avx512f", "x86_64-avx512"),
+    # ggml's own "sse42" CPU variant (ggml/src/CMakeLists.txt): -msse4.2, no AVX of any kind. ggml has
+    # no SSE4 kernels of its own (its x86 code picks the SSSE3 ones), and reports "SSE3 = 1 | SSSE3 = 1":
+    # its class is the SSSE3 one.
+    "sse42": Variant(
+        (
+            "-DGGML_NATIVE=OFF",
+            "-DGGML_SSE42=ON",
+            *(
+                f"-DGGML_{option}=OFF"
+                for option in ("AVX", "AVX2", "AVX_VNNI", "BMI2", "FMA", "F16C", "AVX512", "AMX_TILE", "AMX_INT8")
+            ),
+        ),
+        "sse4_2",
+        "x86_64-ssse3",
+    ),
 }
 COMMON_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -57,24 +84,32 @@ def kernels_dir() -> Path:
     return Path(os.environ.get("EDGECACHE_KERNELS_DIR") or Path.home() / ".cache" / "edgecache" / "kernels")
 
 
-def library_dir(variant: str = "avx512", version: str = VERSION) -> Path:
+def library_dir(variant: str, version: str = VERSION) -> Path:
     """The folder to give llama-cpp-python as ``LLAMA_CPP_LIB_PATH`` (libllama.so and libggml* in it)."""
     return kernels_dir() / f"llama-{version}-{variant}"
 
 
-def built(variant: str = "avx512", version: str = VERSION) -> bool:
+def built(variant: str, version: str = VERSION) -> bool:
     return (library_dir(variant, version) / "libllama.so").exists()
 
 
 def cpu_runs(variant: str, cpuinfo: str | None = None) -> bool:
     """Whether this machine's CPU has the instructions ``variant`` is compiled for."""
-    flag = VARIANTS[variant][1]
+    flag = VARIANTS[variant].cpu_flag
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return False
     return any(line.startswith("flags") and flag in line.split() for line in cpuinfo.splitlines())
+
+
+def default_variant(cpuinfo: str | None = None) -> str:
+    """The variant that stands for this machine's second kernel class (what the kernel-class tests
+    and a bare ``python -m dashboard.bench.llama_kernels`` build): the first of ``VARIANTS`` the CPU
+    runs (avx512, the farthest from the project's AVX2 build, else sse42), or the last where it runs
+    none (not an x86-64 CPU: ``unavailable`` then says what it lacks)."""
+    return next((variant for variant in VARIANTS if cpu_runs(variant, cpuinfo)), list(VARIANTS)[-1])
 
 
 def missing_tools() -> list[str]:
@@ -84,12 +119,12 @@ def missing_tools() -> list[str]:
     return missing
 
 
-def unavailable(variant: str = "avx512") -> str:
+def unavailable(variant: str) -> str:
     """Why ``variant`` cannot be built and run here ('' when it can)."""
     if variant not in VARIANTS:
         return f"unknown llama.cpp build variant {variant!r}: choose one of {', '.join(VARIANTS)}"
     if not cpu_runs(variant):
-        return f"this CPU lacks {VARIANTS[variant][1]}: the {variant} build of llama.cpp cannot run here"
+        return f"this CPU lacks {VARIANTS[variant].cpu_flag}: the {variant} build of llama.cpp cannot run here"
     if built(variant):
         return ""
     missing = missing_tools()
@@ -101,7 +136,7 @@ def unavailable(variant: str = "avx512") -> str:
 
 
 def ensure(
-    variant: str = "avx512", write: Callable[[str], None] = print, *, version: str = VERSION, jobs: int | None = None
+    variant: str, write: Callable[[str], None] = print, *, version: str = VERSION, jobs: int | None = None
 ) -> Path:
     """The folder of a built ``variant``: cached, else built now, or waited for where another process builds it."""
     why = unavailable(variant)
@@ -133,7 +168,7 @@ def _build(variant: str, target: Path, version: str, write: Callable[[str], None
         )
         source = unpacked_llama(version, work, error=BuildUnavailable)
         build = work / "build"
-        configure = ["cmake", "-S", str(source), "-B", str(build), *COMMON_FLAGS, *VARIANTS[variant][0]]
+        configure = ["cmake", "-S", str(source), "-B", str(build), *COMMON_FLAGS, *VARIANTS[variant].flags]
         run_step(configure, "configure", work, error=BuildUnavailable)
         compile_target(build, "llama", jobs, write, f"llama.cpp {variant}", error=BuildUnavailable)
         libraries = sorted((build / "bin").glob("lib*.so*"))
@@ -157,7 +192,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         description="Build llama.cpp's libraries with other CPU kernels (or print where they are)."
     )
-    parser.add_argument("variant", nargs="?", default="avx512", choices=sorted(VARIANTS))
+    parser.add_argument(
+        "variant",
+        nargs="?",
+        default=default_variant(),
+        choices=sorted(VARIANTS),
+        help="the kernels to build (default: this machine's second class, %(default)s)",
+    )
     parser.add_argument("--jobs", type=int, default=None, help="compile jobs (default: one per CPU)")
     options = parser.parse_args()
     signal.signal(

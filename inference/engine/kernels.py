@@ -1,18 +1,19 @@
 """Kernel classes: which llama.cpp code computes a board's bits, named and digested.
 
-Two builds of the same llama.cpp compute other bits: wider SIMD sums in another order, and ggml
-picks other kernels per instruction set (on this machine the AVX2 and AVX-512 builds' last logits
-differed in every one of 262,144 values, up to 0.83). A state is exact only for a board that runs the
-very kernels that computed it, so the kernels are part of a model's identity
-(``cachebox.keys.ModelIdentity.kernels``): boards of different classes have different fingerprints,
-hence different keys, and never take each other's states as exact.
+Two builds of the same llama.cpp compute other bits: SIMD sums of other widths in another order, and
+ggml picks other kernels per instruction set (the AVX2 and AVX-512 builds' last logits differed in
+every one of 262,144 values, up to 0.83; the AVX2 and SSE4.2 builds' too, up to 0.85). A state is
+exact only for a board that runs the very kernels that computed it, so the kernels are part of a
+model's identity (``cachebox.keys.ModelIdentity.kernels``): boards of different classes have
+different fingerprints, hence different keys, and never take each other's states as exact.
 
 What names the kernels is what llama.cpp reports of the backends it loaded
 (``llama_print_system_info``: "CPU : SSE3 = 1 | AVX2 = 1 | ... |", the CPU features its ggml-cpu
 was compiled for), the machine (``platform.machine()``) and the build (llama-cpp-python's version
 and ggml's version and commit). ``KernelClass.name`` is short and readable (``x86_64-avx2``,
-``x86_64-avx512``, ``aarch64-armv8.0``, ``aarch64-armv8.2-dotprod-fp16``), for pages, heartbeats and
-metrics; ``KernelClass.digest`` covers every reported feature and the build, for the fingerprint.
+``x86_64-avx512``, ``x86_64-ssse3``, ``aarch64-armv8.0``, ``aarch64-armv8.2-dotprod-fp16``), for
+pages, heartbeats and metrics; ``KernelClass.digest`` covers every reported feature and the build,
+for the fingerprint.
 
 Pure: strings in, names and digests out. The probing (calling the loaded library) is
 ``inference.engine.bindings.kernel_report``.

@@ -1,9 +1,9 @@
 """Kernel classes: the code that computes a board's bits is part of its model's identity.
 
 The pure part (llama.cpp's system info -> class name, class -> fingerprint) in milliseconds; then the
-real thing: the project's AVX2 build and a second build of the same llama.cpp with AVX-512 kernels
-(``dashboard.bench.llama_kernels``) answering one prompt through ``manage.py infer`` against one
-cache box.
+real thing: the project's AVX2 build and a second build of the same llama.cpp with other kernels
+(``dashboard.bench.llama_kernels``: AVX-512 where the CPU has it, else SSE4.2, so on any x86-64
+machine) answering one prompt through ``manage.py infer`` against one cache box.
 """
 
 import json
@@ -16,10 +16,11 @@ from inference.contract.messages import BoardStatus
 from inference.engine.kernels import CLASS_RE, KernelClass, class_name, name_of, parse_system_info
 from tests.conftest import run_manage
 
-# What llama.cpp 0.3.36 prints (llama_print_system_info) for the project's build, the AVX-512 build
-# of the same sources, and (from ggml's feature list) a Pi Zero 2W's and a Pi 5's native builds.
+# What llama.cpp 0.3.36 prints (llama_print_system_info) for the project's build, the AVX-512 and
+# SSE4.2 builds of the same sources, and (from ggml's feature list) a Pi Zero 2W's and a Pi 5's native builds.
 AVX2 = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
 AVX512 = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+SSE42 = "CPU : SSE3 = 1 | SSSE3 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "  # ggml reports no SSE4 of its own
 A53 = "CPU : NEON = 1 | ARM_FMA = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
 A76 = "CPU : NEON = 1 | ARM_FMA = 1 | FP16_VA = 1 | DOTPROD = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
 BUILD = "llama-cpp-python 0.3.36 ggml 0.25.3 (0c1e570-dirty)"
@@ -50,7 +51,7 @@ def test_system_info_parses_into_backends_and_their_features():
             AVX512.replace("AVX512 = 1", "AVX512 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1"),
             "x86_64-avx512-vnni-bf16",
         ),
-        ("x86_64", "CPU : SSE3 = 1 | SSSE3 = 1 | ", "x86_64-ssse3"),
+        ("x86_64", SSE42, "x86_64-ssse3"),
         ("x86_64", "CPU : OPENMP = 1 | ", "x86_64-generic"),
         ("aarch64", A53, "aarch64-armv8.0"),
         ("aarch64", A76, "aarch64-armv8.2-dotprod-fp16"),
@@ -166,8 +167,13 @@ def _infer(prompt_file, store_url: str, namespace: str, libs=None, *options: str
 @pytest.mark.model
 @pytest.mark.cachebox
 @pytest.mark.kernels
-@pytest.mark.timeout(1800)  # the first run on a machine waits for the AVX-512 build (minutes on 2 cores)
-def test_a_board_of_another_kernel_class_never_takes_a_state_as_exact(tmp_path, valkey_url, namespace, avx512_libs):
+@pytest.mark.timeout(1800)  # the first run on a machine waits for the other build (minutes on 2 cores)
+def test_a_board_of_another_kernel_class_never_takes_a_state_as_exact(
+    tmp_path, valkey_url, namespace, other_kernel_libs
+):
+    from dashboard.bench.llama_kernels import VARIANTS
+
+    variant, libs = other_kernel_libs
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPT, encoding="utf-8")
     store = CacheBox(valkey_url)
@@ -177,8 +183,9 @@ def test_a_board_of_another_kernel_class_never_takes_a_state_as_exact(tmp_path, 
     avx2_models = {parse_entry_key_name(name)[1] for name in store.scan_entries(namespace)}
     assert len(avx2_models) == 1
 
-    other = _infer(prompt, valkey_url, namespace, libs=avx512_libs)  # the same llama.cpp, AVX-512 kernels
-    assert other["kernel_class"] == "x86_64-avx512"
+    other = _infer(prompt, valkey_url, namespace, libs=libs)  # the same llama.cpp, the variant's kernels
+    assert other["kernel_class"] == VARIANTS[variant].kernel_class != "x86_64-avx2"
+    assert other["fingerprint"] != stored["fingerprint"]
     assert other["case"] == "miss" and other["matched_tokens"] == 0 and other["fetched_tokens"] == 0, other
     models = {parse_entry_key_name(name)[1] for name in store.scan_entries(namespace)}
     assert len(models) == 2 and avx2_models < models  # it stored its own, under a fingerprint of its own
@@ -187,7 +194,7 @@ def test_a_board_of_another_kernel_class_never_takes_a_state_as_exact(tmp_path, 
     assert again["kernel_class"] == "x86_64-avx2"
     assert again["case"] == "full" and again["matched_tokens"] == again["prompt_tokens"] == stored["prompt_tokens"]
     assert again["text"] == stored["text"]
-    back = _infer(prompt, valkey_url, namespace, libs=avx512_libs)  # and the AVX-512 build its own
+    back = _infer(prompt, valkey_url, namespace, libs=libs)  # and the other build its own
     assert back["case"] == "full" and back["text"] == other["text"]
 
 
@@ -338,21 +345,25 @@ def test_a_run_that_used_another_classes_state_says_so_on_its_page_export_and_me
 @pytest.mark.kernels
 @pytest.mark.timeout(1800)
 def test_with_cross_class_sharing_a_board_restores_another_classes_state_and_says_it_is_approximate(
-    tmp_path, valkey_url, namespace, avx512_libs
+    tmp_path, valkey_url, namespace, other_kernel_libs
 ):
+    from dashboard.bench.llama_kernels import VARIANTS
+
+    variant, libs = other_kernel_libs
+    kernel_class = VARIANTS[variant].kernel_class
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPT, encoding="utf-8")
     store = CacheBox(valkey_url)
-    stored = _infer(prompt, valkey_url, namespace, avx512_libs)  # the AVX-512 build computes and stores it
-    assert stored["case"] == "miss" and stored["kernel_class"] == "x86_64-avx512" and stored["approximate"] == ""
-    other = f"{stored['fingerprint']}=x86_64-avx512"
+    stored = _infer(prompt, valkey_url, namespace, libs)  # the other build computes and stores it
+    assert stored["case"] == "miss" and stored["kernel_class"] == kernel_class and stored["approximate"] == ""
+    other = f"{stored['fingerprint']}={kernel_class}"
 
     shared = _infer(
         prompt, valkey_url, namespace, None, "--approximate-from", other
     )  # the AVX2 build, sharing across classes
     assert shared["kernel_class"] == "x86_64-avx2" and shared["fingerprint"] != stored["fingerprint"]
     assert shared["case"] == "full" and shared["matched_tokens"] == shared["prompt_tokens"] == stored["prompt_tokens"]
-    assert (shared["approximate"], shared["approximate_from"]) == ("cross-class", "x86_64-avx512")
+    assert (shared["approximate"], shared["approximate_from"]) == ("cross-class", kernel_class)
     assert shared["uploaded_bytes"] == 0  # nothing computed on another class's state is stored as this class's
     assert {parse_entry_key_name(name)[1] for name in store.scan_entries(namespace)} == {stored["fingerprint"]}
 
@@ -410,3 +421,34 @@ def test_bench_kernels_compares_a_served_run_with_the_classes_own_cold_run():
     }
     printed = "\n".join(lines(doc))
     assert "x86_64-avx512      x86_64-avx2        resume" in printed and "full hit" in printed
+
+
+# -- the other builds: which one stands for a second class here, and the class it reports (pure) -----
+@pytest.mark.parametrize(
+    "flags, variant",
+    [
+        ("fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 avx512f avx512bw", "avx512"),
+        ("fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2", "sse42"),  # an AMD EPYC without AVX-512
+        ("fpu sse sse2 ssse3 sse4_1 sse4_2", "sse42"),
+        ("fp asimd evtstrm crc32 cpuid", "sse42"),  # an Arm CPU: the last variant, which says what it lacks
+    ],
+)
+def test_the_other_build_is_avx512_where_the_cpu_runs_it_else_sse42(flags, variant):
+    from dashboard.bench import llama_kernels
+
+    cpuinfo = f"processor\t: 0\nmodel name\t: some CPU\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    assert llama_kernels.default_variant(cpuinfo) == variant
+    assert llama_kernels.cpu_runs(variant, cpuinfo) == ("sse4_2" in flags)
+
+
+def test_each_other_build_names_the_kernel_class_it_reports_and_none_is_the_projects():
+    from dashboard.bench.llama_kernels import VARIANTS
+
+    reports = {"avx512": AVX512, "sse42": SSE42}  # what each build printed here (llama_print_system_info)
+    assert set(reports) == set(VARIANTS)
+    for variant, report in reports.items():
+        kernels = KernelClass.from_report("x86_64", report, BUILD)
+        assert kernels.name == VARIANTS[variant].kernel_class != "x86_64-avx2"
+        assert kernels.digest() != KernelClass.from_report("x86_64", AVX2, BUILD).digest()
+    sse42 = VARIANTS["sse42"].flags
+    assert "-DGGML_SSE42=ON" in sse42 and {f"-DGGML_{o}=OFF" for o in ("AVX", "AVX2", "FMA", "F16C")} <= set(sse42)
