@@ -13,14 +13,25 @@ revoke is audited, whoever does it (the API keys page, ``manage.py apikey``, the
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 
+from django.core.cache import cache
 from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from dashboard.store.django_cache import CACHE_SERVER_ERRORS
+
 from ..models import ApiKey, Namespace
 from .audit import AuditAction, audit
+
+log = logging.getLogger("dashboard.api")
+
+EPOCH = "api-keys:epoch"  # Django cache key: moved by every change of any API key (``key_changed``)
+# A web process remembers an active key at most this long, whatever the epoch says: a change whose
+# epoch move was lost (the cache box did not answer then) is seen within this time.
+REMEMBERED_FOR_S = 30.0
 
 
 class KeyRefused(Exception):
@@ -96,6 +107,22 @@ def create_key(
     return row, key
 
 
+def key_changed() -> None:
+    """An API key changed (revoked, edited, deleted): the key epoch moves, so the web processes
+    that remember keys read them again (``dashboard.api.keys``); the receiver of ApiKey's save and
+    delete signals too. Never raises: a cache box that does not answer is logged (a remembered key
+    is read again after ``REMEMBERED_FOR_S`` all the same)."""
+    try:
+        cache.add(EPOCH, 0, timeout=None)
+        cache.incr(EPOCH)
+    except (*CACHE_SERVER_ERRORS, ValueError) as exc:
+        log.warning(
+            "the API keys' epoch was not moved (%s): web processes may take the changed key as it was for up to %g s",
+            exc,
+            REMEMBERED_FOR_S,
+        )
+
+
 def revoke_key(user, row: ApiKey) -> bool:
     """Refuse the key from its next request on; False when it was revoked already (nothing done)."""
     _checked(user, row.namespace)
@@ -103,5 +130,6 @@ def revoke_key(user, row: ApiKey) -> bool:
         changed = ApiKey.objects.filter(pk=row.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
         if changed:
             audit(user, AuditAction.APIKEY_REVOKE, str(row), f"namespace={row.namespace_id}")
+            transaction.on_commit(key_changed)  # web processes that remember it read it again
     row.refresh_from_db()
     return bool(changed)

@@ -44,7 +44,6 @@ from dashboard.live.broadcast import abroadcast
 from dashboard.live.run_stream import Followed, beside
 from dashboard.models import Schema
 from dashboard.ops import metrics
-from dashboard.security import ratelimit
 from dashboard.security.signing import cancel_flag, control_plane_public_key, stream_ring_for
 from inference.contract.messages import ChatMessage, RunMeta, RunRequest, SamplingSpec, StreamEvent
 from inference.serving.strategies import parse_strategy
@@ -311,7 +310,7 @@ def _admit(key: ApiKey, device: Device, run: RunRequest, routed, online_boards: 
 
 def _authorized(request) -> ApiKey:
     """The request's API key (401 without a valid one), counted against its rate (429)."""
-    key = keys.authenticate(request.headers.get("Authorization", ""))
+    key, verdict = keys.check(request.headers.get("Authorization", ""))
     if key is None:
         metrics.refused("bad_api_key")
         security_event(
@@ -326,7 +325,6 @@ def _authorized(request) -> ApiKey:
             "(Admin > API keys, or `python manage.py apikey create --namespace NAME`).",
             code="invalid_api_key",
         )
-    verdict = ratelimit.hit("api", key.pk, key.rate())
     if not verdict.allowed:
         metrics.refused("rate_limited")
         security_event(

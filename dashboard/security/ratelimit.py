@@ -1,7 +1,9 @@
 """A fixed-window rate limit on Django's cache (Redis: shared by every daphne process).
 
-One counter per user and minute: ``cache.add`` creates it (only if missing, so the first
-request of the window does not race another one), ``cache.incr`` counts atomically.
+One counter per user and minute, created only if missing (so the first request of the window does
+not race another one) and counted atomically: on the cache box's Redis in one round trip
+(``CacheBoxRedisCache.count_and_read``), which can bring back one more value beside the count (the
+API keys' epoch, ``dashboard.api.keys``).
 
 It never fails open: when the cache cannot be reached (down, or every pooled connection busy),
 the count goes on in this process (``_local``), with the same window and limit. Several web
@@ -26,38 +28,50 @@ WINDOW_SECONDS = 60
 clock = time.time  # replaced in tests to move to the next window
 
 
+UNREAD = object()  # what ``hit(read=...)`` gives when the shared cache could not be read
+
+
 @dataclass(frozen=True)
 class Verdict:
     allowed: bool
     count: int  # requests in this window, this one included
     limit: int
     retry_after: int  # seconds until the window ends (when refused)
+    read: object = UNREAD  # ``hit(read=NAME)``: NAME's value in the shared cache, read in the same round trip
+
+    def under(self, limit: int) -> "Verdict":
+        """The same count judged against another limit (0 or less: none)."""
+        return Verdict(limit <= 0 or self.count <= limit, self.count, limit, self.retry_after, self.read)
 
 
 def hit(
-    scope: str, who: str | int, limit: int, *, window: int = WINDOW_SECONDS, cache_alias: str = "default"
+    scope: str,
+    who: str | int,
+    limit: int,
+    *,
+    window: int = WINDOW_SECONDS,
+    cache_alias: str = "default",
+    read: str | None = None,
 ) -> Verdict:
     """Count one request of ``who`` in ``scope``; refused once the window holds more than ``limit``.
 
-    A limit of 0 or less turns the limit off. When the cache cannot be reached the request is
-    counted in this process instead (logged once a window): refused past the limit all the same.
+    A limit of 0 or less turns the limit off (nothing is counted). When the cache cannot be reached
+    the request is counted in this process instead (logged once a window): refused past the limit
+    all the same. ``read``: a cache key whose value comes back in ``Verdict.read``, read in the same
+    round trip where the cache can (``UNREAD`` when the cache could not be read).
     """
-    if limit <= 0:
-        return Verdict(True, 0, limit, 0)
     now = clock()
     current = int(now // window)
     key = f"ratelimit:{scope}:{who}:{current}"
     cache = caches[cache_alias]
+    if limit <= 0:
+        return Verdict(True, 0, limit, 0, _read(cache, read) if read else UNREAD)
     # Every request is counted in this process too: one that the shared cache could not count (a
     # busy pool) is refused past the limit all the same, with the ones it did count.
     local = _local.count(key, current)
+    value = UNREAD
     try:
-        cache.add(key, 0, timeout=window + 5)
-        try:
-            count = cache.incr(key)
-        except ValueError:  # expired between add and incr
-            cache.set(key, 1, timeout=window + 5)
-            count = 1
+        count, value = _count(cache, key, window + 5, read)
     except CACHE_SERVER_ERRORS as exc:
         if _local.first_fallback(current):
             log.warning("rate limit %s counted in this process: the cache is unreachable (%s)", scope, exc)
@@ -65,7 +79,29 @@ def hit(
     else:
         count = max(count, local)
     retry_after = max(1, math.ceil((current + 1) * window - now))
-    return Verdict(count <= limit, count, limit, retry_after)
+    return Verdict(count <= limit, count, limit, retry_after, value)
+
+
+def _count(cache, key: str, timeout: int, read: str | None) -> tuple[int, object]:
+    """One more in ``key``, and ``read``'s value: in one round trip where the cache can
+    (``CacheBoxRedisCache.count_and_read``), else add, incr and get."""
+    if hasattr(cache, "count_and_read"):
+        count, value = cache.count_and_read(key, timeout, read or key)
+        return count, value if read else UNREAD
+    cache.add(key, 0, timeout=timeout)
+    try:
+        count = cache.incr(key)
+    except ValueError:  # expired between add and incr
+        cache.set(key, 1, timeout=timeout)
+        count = 1
+    return count, cache.get(read) if read else UNREAD
+
+
+def _read(cache, name: str) -> object:
+    try:
+        return cache.get(name)
+    except CACHE_SERVER_ERRORS:
+        return UNREAD
 
 
 class _LocalCounts:

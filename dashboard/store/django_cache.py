@@ -68,6 +68,22 @@ class CacheBoxRedisCache(RedisCache):
         except UnreadableCacheValue:
             return default
 
+    def count_and_read(self, key: str, timeout: int, other: str) -> tuple[int, object]:
+        """Count one in ``key`` (made, at 0, to last ``timeout`` s when missing) and read ``other``,
+        in one round trip: the count, and ``other``'s value (None when it is missing or unreadable)."""
+        name, other_name = self.make_and_validate_key(key), self.make_and_validate_key(other)
+        client = self._cache.get_client(name, write=True)
+        pipe = client.pipeline(transaction=False)
+        pipe.set(name, 0, ex=timeout, nx=True)
+        pipe.incr(name)
+        pipe.get(other_name)
+        _, count, raw = pipe.execute()
+        try:
+            value = None if raw is None else self._cache._serializer.loads(raw)
+        except UnreadableCacheValue:
+            value = None
+        return int(count), value
+
     def clear(self) -> bool:
         client = self._cache.get_client(None, write=True)
         batch = []

@@ -28,12 +28,12 @@ def test_two_api_requests_do_their_synchronous_work_at_once_not_in_turn(monkeypa
     meeting = threading.Barrier(2, timeout=20)
     met_on: list[str] = []
 
-    def authenticate(header: str):
+    def check(header: str):
         meeting.wait()
         met_on.append(threading.current_thread().name)
-        return None  # no such key: 401, after both met
+        return keys.Checked(None, None)  # no such key: 401, after both met
 
-    monkeypatch.setattr(keys, "authenticate", authenticate)
+    monkeypatch.setattr(keys, "check", check)
     factory = AsyncRequestFactory()
     # As dashboard.asgi.ApiHandler runs each request: in a context of its own whose thread-sensitive
     # work (Django's) goes to a thread it shares with other requests (here both: the worst case).
