@@ -28,28 +28,18 @@ from cachebox.errors import CacheBoxError
 from cachebox.keys import queue_key_names
 from cachebox.store import CacheBox
 
-from .actions.cache import cachebox_url
+from .actions.cache import kept_cachebox
 
 log = logging.getLogger("dashboard.admission")
 
 DEFAULT_RETRY_AFTER_S = 2  # a refused client's wait when nothing better is known
-_stores: dict[str, CacheBox] = {}
 
 
 def _store() -> CacheBox:
-    """This process's client of the cache box for the counts (its connections reused: every API request counts)."""
-    url = cachebox_url()
-    store = _stores.get(url)
-    if store is None:
-        # No skipping after a failure (retry_after 0): one slow connect under load must not make
-        # every release of the next seconds fail (each would hold its place until its deadline).
-        store = _stores[url] = CacheBox(
-            url,
-            connect_timeout=max(2.0, settings.EDGECACHE_CONNECT_TIMEOUT),
-            timeout=settings.EDGECACHE_IO_TIMEOUT,
-            retry_after=0.0,
-        )
-    return store
+    """This process's client of the cache box for the counts (its connections reused: every API
+    request counts; no skipping after a failure, or every release of the next seconds would fail
+    and hold its place until its deadline)."""
+    return kept_cachebox()
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,6 @@ DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
 ALLOWED_HOSTS = [h for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h]
 
 INSTALLED_APPS = [
-    "daphne",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -218,7 +217,7 @@ FORMAT_MODULE_PATH = ["dashboard.formats"]  # one date format on every page: Y-m
 USE_TZ = True
 
 # --- HTTPS: off for `make run` (plain HTTP on localhost); set EDGECACHE_HTTPS=1 where the
-# dashboard is served over TLS (daphne behind a TLS proxy, see README). -----------------------
+# dashboard is served over TLS (the web server behind a TLS proxy, see README). -----------------------
 EDGECACHE_HTTPS = _env_bool("EDGECACHE_HTTPS")
 EDGECACHE_BEHIND_PROXY = _env_bool("EDGECACHE_BEHIND_PROXY")
 if EDGECACHE_HTTPS:
@@ -371,7 +370,7 @@ EDGECACHE_RUN_RATE = _env_int("EDGECACHE_RUN_RATE", 30)
 # Enrollment attempts per device and minute the control plane looks at (0: no limit); past it they are dropped, logged.
 EDGECACHE_ENROLL_RATE = _env_int("EDGECACHE_ENROLL_RATE", 10)
 
-# Django's cache (the rate-limit counters) lives on the cache box's server, so every daphne
+# Django's cache (the rate-limit counters) lives on the cache box's server, so every web
 # process shares it. The embedded URL is a redis:// URL like any other: the commands that
 # serve pages start the embedded Valkey first. Its clear() removes only this prefix (a plain
 # RedisCache.clear() is FLUSHDB, which would also empty the cache box and the broker).

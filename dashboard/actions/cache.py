@@ -72,6 +72,27 @@ def cachebox() -> CacheBox:
     )
 
 
+_KEPT: dict[tuple, CacheBox] = {}
+
+
+def kept_cachebox() -> CacheBox:
+    """This process's lasting client of the cache box, its connections reused, for what every API
+    request does (the bounded queues' counts, the marks of what a run's follower heard): a client
+    per call opened a connection and logged in each time. No skipping after a failure (retry_after
+    0): one slow connect under load must not make every call of the next seconds fail."""
+    url = cachebox_url()
+    kept = (url, settings.EDGECACHE_CONNECT_TIMEOUT, settings.EDGECACHE_IO_TIMEOUT)
+    store = _KEPT.get(kept)
+    if store is None:
+        store = _KEPT[kept] = CacheBox(
+            url,
+            connect_timeout=max(2.0, settings.EDGECACHE_CONNECT_TIMEOUT),
+            timeout=settings.EDGECACHE_IO_TIMEOUT,
+            retry_after=0.0,
+        )
+    return store
+
+
 def entry_names(names) -> list[str]:
     """The names among ``names`` that are cache entries: staff verbs never touch other keys
     (device records, catalogs, queues), whatever a mirror row says."""

@@ -42,7 +42,7 @@ from inference.serving.breakdown import time_sums
 from ..models import Device, Dispatch, InferenceRun
 from . import entry_audits
 from .audit import AuditAction, audit
-from .cache import acceptable_entries, cachebox
+from .cache import acceptable_entries, cachebox, kept_cachebox
 from .devices import receive_board_message
 
 log = logging.getLogger("dashboard.actions")
@@ -367,7 +367,7 @@ def heard(device: str, request_id: str, now: float | None = None) -> None:
     ttl = settings.EDGECACHE_TASK_EXPIRES + 60
     value = repr(now).encode()
     try:
-        store = cachebox()
+        store = kept_cachebox()
         store.set_flag(heard_key_name(device), ttl, value)
         store.set_flag(heard_key_name(device, request_id), ttl, value)
     except CacheBoxError as exc:

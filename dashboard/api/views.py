@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``,
-``POST /v1/completions`` (async views, served by daphne).
+``POST /v1/completions`` (async views, served by the dashboard's ASGI server, `manage.py run`).
 
 One request: check the key (401) and its rate (429), the body (400), choose a board of the
 key's namespace (``routing``: 400/404/503), count it against the bounded queues of the key (429)

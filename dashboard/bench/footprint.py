@@ -158,7 +158,7 @@ def board_main(spec: dict) -> int:
             "stage": "imports",
             "memory": _memory(),
             "heavy_modules": sorted(
-                name for name in ("torch", "django", "plotly", "channels", "daphne", "psycopg") if name in sys.modules
+                name for name in ("torch", "django", "plotly", "channels", "uvicorn", "psycopg") if name in sys.modules
             ),
         }
     )

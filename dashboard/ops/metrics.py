@@ -1,7 +1,7 @@
 """Prometheus metrics of the control plane (served at ``/metrics``, see ``views.metrics``).
 
 Run metrics are computed from the database at scrape time, so they cover every board and
-survive restarts: the numbers are the same whichever daphne process answers. Every figure
+survive restarts: the numbers are the same whichever web process answers. Every figure
 is an SQL aggregate over InferenceRun's columns (those from the breakdown JSON are filled
 when a run is saved: ``models.breakdown_counts``). The result is kept for
 ``EDGECACHE_METRICS_CACHE_SECONDS`` (default 2) so that several scrapers cost one query set.

@@ -1,4 +1,4 @@
-"""A fixed-window rate limit on Django's cache (Redis: shared by every daphne process).
+"""A fixed-window rate limit on Django's cache (Redis: shared by every web process).
 
 One counter per user and minute, created only if missing (so the first request of the window does
 not race another one) and counted atomically: on the cache box's Redis in one round trip

@@ -1,5 +1,5 @@
 """The OpenAI-compatible API against the real stack: `manage.py run` (embedded Valkey, control
-worker, daphne) and a real board (`manage.py edge`, the real model), driven by the official
+worker, the web server) and a real board (`manage.py edge`, the real model), driven by the official
 `openai` package (sync, async, streaming) and by raw HTTP (bad JSON, a client that leaves)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from email.message import Message
 from pathlib import Path
 
 import pytest
@@ -171,8 +172,8 @@ def stack(tmp_path_factory):
         stack.stop()
 
 
-def post(stack: Stack, path: str, body: bytes | dict, key: str | None = "main") -> tuple[int, dict, bytes]:
-    """A raw POST: (status, headers, body)."""
+def post(stack: Stack, path: str, body: bytes | dict, key: str | None = "main") -> tuple[int, Message, bytes]:
+    """A raw POST: (status, headers (their names in any case, as HTTP has them), body)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     if key is not None:
@@ -180,9 +181,9 @@ def post(stack: Stack, path: str, body: bytes | dict, key: str | None = "main") 
     request = urllib.request.Request(stack.url + path, data=data, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, dict(response.headers), response.read()
+            return response.status, response.headers, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
+        return error.code, error.headers, error.read()
 
 
 def error_of(raw: bytes) -> dict:

@@ -1,7 +1,7 @@
 """The control plane's /metrics, the run rate limit and the JSON security log.
 
 Metrics come from InferenceRun rows (exact values checked); the rate limit runs on a real
-Valkey (the test session's own) through Django's cache, as several daphne processes share it.
+Valkey (the test session's own) through Django's cache, as several web processes share it.
 """
 
 from __future__ import annotations
@@ -462,7 +462,7 @@ def test_the_run_after_the_limit_gets_429_and_dispatches_nothing(
 
     assert (len(sent_tasks), InferenceRun.objects.count()) == before[:2]  # nothing dispatched
     assert refused_count("rate_limited") == before[2] + 2
-    # The counter lives in the shared server, where every daphne process sees it.
+    # The counter lives in the shared server, where every web process sees it.
     (key,) = server.keys(f"{prefix}:*")
     assert b"ratelimit:run:" in key and int(server.get(key)) == 5
     lines = [line for line in security_log() if line["event"] == "run.rate_limited"]

@@ -110,31 +110,24 @@ def session_cookie(stack: Stack) -> str:
     return "; ".join(f"{name}={value}" for name, value in cookies.items())
 
 
-# The dashboard's live socket, opened as a logged-in page opens it, in a process of its own (autobahn,
-# the WebSocket library daphne itself runs on, on asyncio): "open", then each run event's request id.
+# The dashboard's live socket, opened as a logged-in page opens it, in a process of its own (websockets,
+# the WebSocket library the web server itself runs on): "open", then each run event's request id.
 LIVE_PAGE = """
-import asyncio, json, sys, txaio
-txaio.use_asyncio()
-from autobahn.asyncio.websocket import WebSocketClientFactory, WebSocketClientProtocol
-
-class Page(WebSocketClientProtocol):
-    def onOpen(self):
-        print("open", flush=True)
-
-    def onMessage(self, payload, is_binary):
-        message = json.loads(payload)
-        if message.get("event") == "run":
-            print(message["data"]["request_id"], flush=True)
-
-    def onClose(self, clean, code, reason):
-        print("closed", code, reason, flush=True)
+import asyncio, json, sys
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 async def main(port, cookie, origin):
-    factory = WebSocketClientFactory(f"ws://127.0.0.1:{port}/ws/live/", headers={"Cookie": cookie, "Origin": origin})
-    factory.protocol = Page
-    factory.setProtocolOptions(openHandshakeTimeout=60)
-    await asyncio.get_running_loop().create_connection(factory, "127.0.0.1", port)
-    await asyncio.sleep(120)
+    url = f"ws://127.0.0.1:{port}/ws/live/"
+    async with connect(url, origin=origin, additional_headers={"Cookie": cookie}, open_timeout=60) as socket:
+        print("open", flush=True)
+        try:
+            async for payload in socket:
+                message = json.loads(payload)
+                if message.get("event") == "run":
+                    print(message["data"]["request_id"], flush=True)
+        except ConnectionClosed as closed:
+            print("closed", closed.rcvd, flush=True)
 
 asyncio.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
 """
@@ -166,7 +159,7 @@ class LivePage:
 
 def test_two_web_processes_and_two_control_workers_answer_each_request_once(plane):
     children = children_of(plane.server.pid)
-    web = [pid for pid, command in children if "daphne" in command and "--fd" in command]
+    web = [pid for pid, command in children if "uvicorn" in command and "--fd" in command]
     workers = [command for _, command in children if "celery" in command]
     assert len(web) == 2 and sorted(re.search(r"--hostname (\S+)@", command).group(1) for command in workers) == [
         "control1",

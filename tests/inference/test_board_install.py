@@ -27,7 +27,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-CONTROL_PLANE_PACKAGES = ("django", "channels", "daphne", "plotly", "psycopg", "torch")
+CONTROL_PLANE_PACKAGES = ("django", "channels", "uvicorn", "plotly", "psycopg", "torch")
 BOARD_MODULES = (
     "inference.board.main",
     "inference.board.tasks",
@@ -56,7 +56,7 @@ def test_the_base_install_is_the_boards_and_the_extras_hold_the_rest():
     extras = project["optional-dependencies"]
     assert {"control", "test", "lab"} <= set(extras)
     control = " ".join(extras["control"]).lower()
-    assert all(name in control for name in ("django", "channels", "daphne", "plotly", "psycopg"))
+    assert all(name in control for name in ("django", "channels", "uvicorn", "plotly", "psycopg"))
     assert "torch" in " ".join(extras["lab"])
     assert project["scripts"]["edgecache-board"] == "inference.board.main:run"
     assert "'.[control,test,lab]'" in (ROOT / "Makefile").read_text()  # `make install` installs everything, as before
@@ -138,7 +138,7 @@ def test_pip_install_resolves_a_board_without_the_control_planes_packages(board_
     assert not names & {
         "django",
         "channels",
-        "daphne",
+        "uvicorn",
         "plotly",
         "psycopg",
         "psycopg-binary",
@@ -159,7 +159,7 @@ def test_edgecache_board_starts_from_the_board_environment_and_enrolls(board_env
         [
             str(board_env),
             "-c",
-            "import importlib.util as u; print([n for n in ('django', 'channels', 'daphne', 'plotly', 'psycopg', 'torch') if u.find_spec(n)])",
+            "import importlib.util as u; print([n for n in ('django', 'channels', 'uvicorn', 'plotly', 'psycopg', 'torch') if u.find_spec(n)])",
         ],
         capture_output=True,
         text=True,

@@ -89,7 +89,7 @@ def test_the_wheel_holds_the_board_and_the_cache_box_library_only(wheel):
             requirement.split(";")[0]
             .strip()
             .lower()
-            .startswith(("torch", "django", "channels", "daphne", "plotly", "psycopg"))
+            .startswith(("torch", "django", "channels", "uvicorn", "plotly", "psycopg"))
         ):
             assert "extra ==" in requirement, requirement
 

@@ -319,7 +319,7 @@ def test_bench_footprint_measures_a_board_process_and_saves_its_parts(tmp_path, 
         "torch",
         "plotly",
         "channels",
-        "daphne",
+        "uvicorn",
         "psycopg",
     }  # (kombu peeks at django.utils where Django is installed)
     assert doc["agreement_with_cold"] in (None, 1.0)

@@ -265,7 +265,7 @@ def test_a_board_says_its_stage_again_while_it_prefills_so_its_followers_hear_it
 
 
 # -- real boards, killed and stopped mid-answer --------------------------------------------------------
-# `manage.py run` (embedded Valkey, the control worker and its sweeper every second, daphne) and two
+# `manage.py run` (embedded Valkey, the control worker and its sweeper every second, the web server) and two
 # real boards beating every second (quiet after 4 s), the real model; an answer long enough to stop
 # its board half-way. Each test waits on conditions (chunks read, a board marked offline, a card's
 # text), never on a sleep.
