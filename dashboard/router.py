@@ -7,8 +7,9 @@ from what the control plane already keeps:
   prefix keys in ``Dispatch.routing``; a board's context is its last dispatched prompt, its
   RAM tier the ones before, within the budget its heartbeat reports (``ram_tier``);
 - **what the cache box holds**: the entry mirror (``CacheEntry``), for the board's namespace and model;
-- **its rates**: the prefill and decode times of its recent runs; before it has any, the rates it
-  measured when it started (its heartbeat's ``rates``);
+- **its rates**: the prefill and decode times of its recent runs, dated by their rows (``created``)
+  and forgotten once ``RATE_MAX_AGE_S`` old (a board shunned after a slow spell is tried again); without
+  any, the rates it measured when it started (its heartbeat's ``rates``);
 - **its queue**: runs dispatched to it and not reported yet (within the task expiry).
 
 That history and the mirror's entry names are kept in memory (``RoutingState``), brought up to date
@@ -221,13 +222,16 @@ def fleet_index(devices: list[Device]) -> FleetIndex:
         for run in (
             InferenceRun.objects.filter(device=device, error="")
             .order_by("-created")
-            .values("request_id", "breakdown")[:RATE_SAMPLES][::-1]
+            .values("request_id", "created", "breakdown")[:RATE_SAMPLES][::-1]
         ):
-            _learn(index, device.name, str(run["request_id"]), run["breakdown"])
+            _learn(index, device.name, str(run["request_id"]), run["breakdown"], at=run["created"].timestamp())
+    index.age(now.timestamp())
     return index
 
 
-def _learn(index: FleetIndex, board: str, request_id: str, breakdown, *, at: float | None = None) -> None:
+def _learn(index: FleetIndex, board: str, request_id: str, breakdown, *, at: float) -> None:
+    """Feed a run's report to ``index``: its rates, dated ``at`` (its row's ``created``, wall-clock
+    seconds, the clock ``plan`` decides by), so they age (``RATE_MAX_AGE_S``)."""
     b = breakdown if isinstance(breakdown, dict) else {}
     index.reported(
         board,
@@ -287,6 +291,7 @@ class RoutingState:
                 self._rebuilding = threading.Thread(target=self._rebuild, name="edgecache-routing-rebuild", daemon=True)
                 self._rebuilding.start()
             self._expire(now)
+            self.index.age(now)  # rate samples too old to trust: only the boards whose oldest just aged
             return self.index
 
     def _rebuild(self) -> None:
@@ -371,8 +376,8 @@ class RoutingState:
             .filter(rank__lte=RATE_SAMPLES)
             .values_list("pk", "request_id", "device__name", "created", "breakdown")
         )
-        for _, run_id, board, _, breakdown in sorted(rates, key=lambda row: (row[3], row[0])):
-            _learn(index, board, str(run_id), breakdown)
+        for _, run_id, board, created, breakdown in sorted(rates, key=lambda row: (row[3], row[0])):
+            _learn(index, board, str(run_id), breakdown, at=created.timestamp())
         for run_id in InferenceRun.objects.filter(
             pk__gt=self.run_cursor - self.LOOKBACK, pk__lte=self.run_cursor
         ).values_list("request_id", flat=True):
@@ -382,6 +387,7 @@ class RoutingState:
         ).values_list("request_id", flat=True):
             self._remember(self.seen_dispatches, str(dispatch_id))
         self._take_entries(True, _entry_rows(0))
+        index.age(now)  # here, beside decisions when rebuilding: not every board's at the next decision
         self.index = index
         self.built_at = now
 

@@ -8,10 +8,12 @@ token::
              + prefill of the tokens it does not hold, at its rate
              (+ fetching what the cache box holds, at its link's cost, when that is cheaper)
 
-A board's rate is the median of its recent runs' rates; before it has any, the rate it measured
-when it started (``inference.board.runtime.calibrate``, reported in its heartbeats); the fleet-wide
-prior only for a board that reported neither (an older board). A dispatched run's expected work
-is what it costs on its board: the prefill of what the board will not hold, then its answer.
+A board's rate is the median of its recent runs' rates (the last ``RATE_SAMPLES``, and only those
+younger than ``RATE_MAX_AGE_S``: a board that had a slow spell is tried again once it is over);
+without any, the rate it measured when it started (``inference.board.runtime.calibrate``, reported
+in its heartbeats); the fleet-wide prior only for a board that reported neither (an older board).
+A dispatched run's expected work is what it costs on its board: the prefill of what the board will
+not hold, then its answer.
 
 What a board holds is approximated from routing history, as Dynamo's KV router does in its
 approximate mode: a board processes its queue in order, so when a new prompt reaches the
@@ -27,6 +29,7 @@ the same ``FleetIndex`` and call the same ``route``.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -43,6 +46,14 @@ RAM_RESTORE_MS_PER_TOKEN = 0.007  # copy a RAM-tier entry into the context (benc
 LOOPBACK = LinkProfile(4000.0, 0.5, "unshaped")  # a cache box on an unshaped link (bench tiers: 8.5 MB in ~20 ms)
 HISTORY = 32  # prompts remembered per board
 RATE_SAMPLES = 16  # runs a learned rate is the median of
+# ... and how old they may be (seconds). A rate is learned only from runs a board gets, and the router
+# sends none to a board whose rate looks slow: on ``make run``, 16 runs of pi5 slowed down by compile
+# jobs (decode ~500 ms a token, 17.6 measured at start) sent every later run to the paced zero board,
+# and pi5 never had a run again to show it was fast. Once its samples are this old the board is
+# weighed at the rate it measured at start again, so it gets runs and learns from them. Ten minutes
+# keeps a whole window for a board in steady use (16 runs, one every 37 s) and puts a board that had
+# a slow spell back in play within minutes of it.
+RATE_MAX_AGE_S = 600.0
 MIN_COMPUTED_TOKENS = 32  # runs that computed fewer tokens say little about the rate
 
 
@@ -228,6 +239,19 @@ def learned_rate(samples: Iterable[float], prior: float) -> float:
     return statistics.median(values) if values else prior
 
 
+def _young(samples: deque, now: float) -> tuple[deque, float | None]:
+    """``samples`` ((when, rate) pairs) without those ``RATE_MAX_AGE_S`` old at ``now`` (undated ones
+    kept; ``samples`` itself when none is that old), and when the oldest dated one kept was reported."""
+    oldest, kept = None, []
+    for sample in samples:
+        at = sample[0]
+        if at is None or at + RATE_MAX_AGE_S > now:
+            kept.append(sample)
+            if at is not None and (oldest is None or at < oldest):
+                oldest = at
+    return (samples if len(kept) == len(samples) else deque(kept, maxlen=RATE_SAMPLES)), oldest
+
+
 # -- what each board holds, from routing history --------------------------------------------------
 
 
@@ -249,8 +273,10 @@ class _BoardHistory:
     recent: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # _Dispatched, oldest first
     outstanding: dict[str, _Outstanding] = field(default_factory=dict)  # request id -> its work, in dispatch order
     last_report_at: float | None = None  # when the board last answered (it took its next run then)
+    # (when reported or None, ms per token) of its recent runs, as fed (``FleetIndex.reported``)
     prefill_rates: deque = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
     decode_rates: deque = field(default_factory=lambda: deque(maxlen=RATE_SAMPLES))
+    ages_at: float | None = None  # when its oldest dated sample gets too old, as queued (``FleetIndex.age``)
     measured_prefill: float | None = None  # ms per token, as the board measured itself at start
     measured_decode: float | None = None
     prefill_rate: float | None = None  # its rate as last worked out (None: to work out again)
@@ -282,6 +308,10 @@ class FleetIndex:
         self.holders: dict[str, dict[str, int]] = {}  # range key -> {board: how many of its remembered prompts have it}
         self.rate_changes: list[str] = []  # boards whose prefill rate changed, in order (``RATE_LOG`` at most)
         self.rate_epoch = 0  # counts the times ``rate_changes`` was emptied: who read it starts over
+        # (when a board's oldest dated rate sample gets too old, board), a heap: ``age`` looks at the
+        # boards whose samples got too old since it last looked, not at every board. One entry per
+        # board with dated samples (more only while an older sample came in after a newer one).
+        self.aging: list[tuple[float, str]] = []
 
     RATE_LOG = 4096
 
@@ -304,7 +334,9 @@ class FleetIndex:
     def prefill_rate(self, board: str) -> float:
         history = self._board(board)
         if history.prefill_rate is None:
-            history.prefill_rate = learned_rate(history.prefill_rates, history.measured_prefill or self.prefill_prior)
+            history.prefill_rate = learned_rate(
+                (rate for _, rate in history.prefill_rates), history.measured_prefill or self.prefill_prior
+            )
         return history.prefill_rate
 
     def _rate_changed(self, board: str, history: _BoardHistory) -> None:
@@ -336,7 +368,37 @@ class FleetIndex:
 
     def decode_rate(self, board: str) -> float:
         history = self._board(board)
-        return learned_rate(history.decode_rates, history.measured_decode or self.decode_prior)
+        return learned_rate((rate for _, rate in history.decode_rates), history.measured_decode or self.decode_prior)
+
+    def age(self, now: float) -> None:
+        """Forget the rate samples that are ``RATE_MAX_AGE_S`` old at ``now`` (seconds, the clock of the
+        ``at`` given to ``reported``): a board without younger runs is weighed at the rate it measured
+        at start again (else the prior), so the router tries it again and it learns from its new runs.
+
+        Cheap enough for every decision: it reads the heap of the boards' next ageing, and only a
+        board whose oldest sample got too old since is worked out again (its prefill rate change is
+        logged, as a report's is, for whoever keeps boards ranked by it). Samples reported without
+        a time never age (a caller that keeps no clock; the control plane dates every run)."""
+        aging = self.aging
+        while aging and aging[0][0] <= now:
+            when, board = heapq.heappop(aging)
+            history = self.boards.get(board)
+            if history is None or history.ages_at != when:
+                continue  # queued before an older sample came in: that one's entry came first
+            history.ages_at = None
+            prefill, oldest_prefill = _young(history.prefill_rates, now)
+            if prefill is not history.prefill_rates:
+                history.prefill_rates = prefill
+                self._rate_changed(board, history)
+            history.decode_rates, oldest_decode = _young(history.decode_rates, now)
+            dated = [at for at in (oldest_prefill, oldest_decode) if at is not None]
+            if dated:  # each kept sample is younger than ``now`` allows: this entry comes after ``now``
+                self._ages_at(board, history, min(dated) + RATE_MAX_AGE_S)
+
+    def _ages_at(self, board: str, history: _BoardHistory, when: float) -> None:
+        if history.ages_at is None or when < history.ages_at:
+            history.ages_at = when
+            heapq.heappush(self.aging, (when, board))
 
     def dispatched(
         self, board: str, request_id: str, keys: PromptKeys, work_ms: float, *, at: float | None = None
@@ -379,7 +441,9 @@ class FleetIndex:
         failed: bool = False,
         at: float | None = None,
     ) -> None:
-        """``board`` answered ``request_id`` (at time ``at``): its work is done; learn its rates; note the keys it stored."""
+        """``board`` answered ``request_id`` (at time ``at``, seconds): its work is done; learn its rates
+        (samples of that time, forgotten once ``RATE_MAX_AGE_S`` old, ``age``; never without ``at``);
+        note the keys it stored."""
         history = self._board(board)
         if history.outstanding.pop(request_id, None) is not None and at is not None:
             history.last_report_at = at if history.last_report_at is None else max(history.last_report_at, at)
@@ -393,11 +457,16 @@ class FleetIndex:
             history.recent = deque((item for item in history.recent if item.request_id != request_id), maxlen=HISTORY)
             return
         computed = prompt_tokens - matched_tokens
+        learned = False
         if computed >= MIN_COMPUTED_TOKENS and prefill_ms > 0:
-            history.prefill_rates.append(prefill_ms / computed)
+            history.prefill_rates.append((at, prefill_ms / computed))
             self._rate_changed(board, history)
+            learned = True
         if generated_tokens > 1 and decode_ms > 0:
-            history.decode_rates.append(decode_ms / (generated_tokens - 1))
+            history.decode_rates.append((at, decode_ms / (generated_tokens - 1)))
+            learned = True
+        if learned and at is not None:
+            self._ages_at(board, history, at + RATE_MAX_AGE_S)
         self.cachebox.update(stored_keys)
 
     def work_ms(

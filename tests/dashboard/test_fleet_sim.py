@@ -110,19 +110,20 @@ def _report(device, request_id, *, ago_s: float, error: str = "", prompt_tokens=
 
 @pytest.mark.django_db
 def test_the_routing_state_kept_in_memory_decides_as_the_history_rebuilt_for_each_request(settings):
-    """Dispatches, answers, failures and an expired run, first read whole, then followed row by
-    row: every board's view of a prompt, and so the router's choice, is the same as ``fleet_index``
-    rebuilt from the database."""
+    """Dispatches, answers, failures, an expired run and rates too old to use, first read whole,
+    then followed row by row: every board's view of a prompt, and so the router's choice, is the
+    same as ``fleet_index`` rebuilt from the database."""
     from dashboard.models import Device, Namespace
     from dashboard.router import RoutingState, fleet_index
+    from inference.placement import RATE_MAX_AGE_S
 
     settings.EDGECACHE_TASK_EXPIRES = 600
     Namespace.objects.get_or_create(name="default")
     devices = [
         Device.objects.create(name=f"board-{n}", status={"fingerprint": "ab", "ram_tier": {"budget_bytes": 40 * 2**20}})
-        for n in range(4)
+        for n in range(5)
     ]
-    a, b, c, d = devices
+    a, b, c, d, e = devices
     shared = _keys("k1", "k2", "k3")
     other = _keys("x1", "x2")
     # a: answered the shared prompt (fast); b: failed it; c: an expired run and a run under way; d: nothing.
@@ -132,9 +133,13 @@ def test_the_routing_state_kept_in_memory_decides_as_the_history_rebuilt_for_eac
     _dispatch(c, shared, ago_s=2, work_ms=3000.0)
     for index in range(40):  # more than HISTORY dispatches on one board
         _report(d, _dispatch(d, _keys(f"d{index}"), ago_s=300 - index), ago_s=299 - index, prefill_ms=500.0 + index)
+    # e: a slow run too long ago to go by (its rate is the prior again), and a recent one that matters.
+    _report(e, _dispatch(e, other, ago_s=RATE_MAX_AGE_S + 60), ago_s=RATE_MAX_AGE_S + 50, prefill_ms=384 * 90.0)
+    _report(e, _dispatch(e, _keys("e1"), ago_s=20), ago_s=19, prefill_ms=384 * 6.0)
 
     state = RoutingState()
     now = timezone.now().timestamp()
+    assert state.current(now).prefill_rate("board-4") == fleet_index(devices).prefill_rate("board-4") == 6.0
     for prompt in (shared, other, _keys("k1", "zz")):
         expected = _views(fleet_index(devices), devices, prompt, now)
         assert _views(state.current(now), devices, prompt, now) == expected
@@ -413,6 +418,52 @@ def test_a_roster_reused_by_many_decisions_follows_the_rates_and_queues_its_boar
     later = roster.entries[0].until + 1
     chosen = router.plan(roster, new, online_at=later)
     assert chosen.device.name == "board-01" and chosen.record["candidates"] == 9
+
+
+@pytest.mark.django_db
+def test_a_board_shunned_after_a_slow_spell_is_ranked_first_again_once_its_slow_runs_are_old(monkeypatch):
+    """The roster's ranking of idle boards follows their rates as they age: a board whose recent
+    runs were slow loses its place while they are recent and takes it back (the rate it measured)
+    once they are older than ``RATE_MAX_AGE_S``, on the same roster and routing state."""
+    from dashboard import actions, router
+    from dashboard.models import Device, Namespace
+    from inference.placement import RATE_MAX_AGE_S
+
+    Namespace.objects.get_or_create(name="default")
+    devices = [
+        Device.objects.create(
+            name=f"board-{n:02d}",
+            last_seen=timezone.now(),
+            status={
+                "model": "m.gguf",
+                "fingerprint": "ab",
+                "heartbeat_s": 5,
+                "rates": {"prefill_ms_per_token": 5.0 + n, "decode_ms_per_token": 30.0},
+            },
+        )
+        for n in range(5)
+    ]
+    layouts = {"new": (list(range(1000, 1400)), ())}
+    monkeypatch.setattr(router, "prompt_tokens", lambda prompt: layouts[prompt.segments[0]])
+    new = actions.run_request(["new"], max_tokens=4)
+    roster = router.Roster(devices)
+    started = timezone.now()
+    assert router.plan(roster, new).device.name == "board-00"  # the fastest it measured
+    other = PromptKeys((128,), ("other-prompt",))
+    for n in range(3):  # board-00 slowed down (the machine was loaded): 60 ms a token
+        _report(devices[0], _dispatch(devices[0], other, ago_s=30 - n), ago_s=29 - n, prefill_ms=384 * 60.0)
+    chosen = router.plan(roster, new)
+    assert chosen.device.name == "board-01" and "board-00" not in (chosen.record["board"], chosen.record["runner_up"])
+
+    def later(seconds):  # the clock a decision reads, moved on (liveness judged as read)
+        monkeypatch.setattr(router.timezone, "now", lambda: started + timedelta(seconds=seconds))
+        router.STATE.built_at = started.timestamp() + seconds  # no periodic rebuild: the followed index ages
+
+    later(RATE_MAX_AGE_S - 60)  # its slow runs are still young enough
+    assert router.plan(roster, new, online_at=started.timestamp()).device.name == "board-01"
+    later(RATE_MAX_AGE_S + 1)
+    chosen = router.plan(roster, new, online_at=started.timestamp())
+    assert chosen.device.name == "board-00" and chosen.record["runner_up"] == "board-01"
 
 
 @pytest.mark.django_db

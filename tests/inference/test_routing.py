@@ -299,3 +299,86 @@ def test_a_board_of_another_kernel_class_gets_no_credit_for_the_cached_tokens():
     )  # the other class's entries: no credit
     assert by_board["avx2-b"].held_tokens == 478 and by_board["avx2-b"].source == "cachebox"  # its class's: all of them
     assert chosen.board == "avx2-b"  # though the AVX-512 board computes three times as fast
+
+
+# -- learned rates age: a board shunned after a slow spell is tried again ------------------------------
+PI5_DECODE_MS_PER_TOKEN = 17.6  # as `make run`'s pi5 board measured itself at start
+
+
+def _slow_spell(index, board, *, start: float, runs: int = 16, prefill: float = 40.0, decode: float = 500.0):
+    """``runs`` runs of ``board`` reported one a second from ``start`` at these rates (ms per token)."""
+    for n in range(runs):
+        request_id = f"{board}-slow-{n}"
+        index.dispatched(board, request_id, keys_of(list(range(n * 1000, n * 1000 + 200))), 100.0, at=start + n - 1)
+        index.reported(
+            board,
+            request_id,
+            prompt_tokens=200,
+            prefill_ms=200 * prefill,
+            decode_ms=2 * decode,
+            generated_tokens=3,
+            at=start + n,
+        )
+
+
+def test_a_board_shunned_after_a_slow_spell_is_chosen_again_once_its_slow_runs_are_old_then_learns_anew():
+    from inference.placement import RATE_MAX_AGE_S
+
+    index = FleetIndex()
+    index.measured("zero", prefill_ms_per_token=ZERO_MS_PER_TOKEN, decode_ms_per_token=400.0)
+    index.measured("pi5", prefill_ms_per_token=PI5_MS_PER_TOKEN, decode_ms_per_token=PI5_DECODE_MS_PER_TOKEN)
+    # The machine was loaded by compile jobs: 16 runs of pi5 decoded at ~500 ms a token.
+    _slow_spell(index, "pi5", start=1000.0)
+    last = 1015.0  # its last slow run's report
+    prompt = keys_of(list(range(50_000, 50_100)))
+
+    def chosen(now):
+        index.age(now)
+        views = [index.view(name, prompt, now=now) for name in ("zero", "pi5")]
+        return route(prompt.tokens, views, answer_tokens=32).board
+
+    assert chosen(last + 60) == "zero" and index.decode_rate("pi5") == 500.0  # while the slow runs are recent
+    assert chosen(last + RATE_MAX_AGE_S - 1) == "zero"  # the newest is still young enough
+    changes = len(index.rate_changes)
+    assert chosen(last + RATE_MAX_AGE_S) == "pi5"  # all of them too old: what it measured at start
+    assert (index.prefill_rate("pi5"), index.decode_rate("pi5")) == (PI5_MS_PER_TOKEN, PI5_DECODE_MS_PER_TOKEN)
+    assert index.rate_changes[changes:] == ["pi5"]  # the prefill ranking hears of it, once
+    # It is tried again and learns from its new runs: its own rate again, not the one it measured.
+    now = last + RATE_MAX_AGE_S + 5
+    index.dispatched("pi5", "fast", prompt, 100.0, at=now - 1)
+    index.reported(
+        "pi5", "fast", prompt_tokens=100, prefill_ms=100 * 2.0, decode_ms=2 * 20.0, generated_tokens=3, at=now
+    )
+    assert (index.prefill_rate("pi5"), index.decode_rate("pi5")) == (2.0, 20.0)
+    assert chosen(now + 1) == "pi5"
+    assert (index.prefill_rate("pi5"), index.decode_rate("pi5")) == (2.0, 20.0)  # young: kept
+
+
+def test_rate_samples_age_one_by_one_and_only_the_boards_due_are_worked_out_again():
+    from inference.placement import RATE_MAX_AGE_S
+
+    index = FleetIndex(prefill_prior=3.0, decode_prior=10.0)
+    _slow_spell(index, "a", start=0.0, runs=3, prefill=40.0)  # reported at 0, 1, 2
+    _slow_spell(index, "a", start=100.0, runs=2, prefill=4.0)  # ... at 100, 101
+    _slow_spell(index, "b", start=50.0, runs=1, prefill=7.0)
+    index.reported("c", "undated", prompt_tokens=200, prefill_ms=200 * 9.0)  # no time: never ages
+    assert index.prefill_rate("a") == 40.0  # the median of five
+    changes = len(index.rate_changes)
+    index.age(RATE_MAX_AGE_S + 0.5)  # a's first is too old
+    assert index.rate_changes[changes:] == ["a"] and index.prefill_rate("a") == (40.0 + 4.0) / 2
+    index.age(RATE_MAX_AGE_S + 0.7)  # nothing more due: nothing worked out again
+    assert index.rate_changes[changes:] == ["a"]
+    index.age(RATE_MAX_AGE_S + 60)  # a's slow runs and b's one run are too old
+    assert index.rate_changes[changes:] == ["a", "a", "b"]
+    assert (index.prefill_rate("a"), index.prefill_rate("b")) == (4.0, 3.0)  # b: the prior, it measured nothing
+    index.age(10 * RATE_MAX_AGE_S)
+    assert (index.prefill_rate("a"), index.decode_rate("a")) == (3.0, 10.0)
+    assert index.prefill_rate("c") == 9.0
+    assert index.aging == []  # nothing dated left to age
+    # A sample older than the one queued (reports fed out of order) is aged at its own time.
+    index.reported("a", "late", prompt_tokens=200, prefill_ms=200 * 5.0, at=20 * RATE_MAX_AGE_S)
+    index.reported("a", "early", prompt_tokens=200, prefill_ms=200 * 50.0, at=19 * RATE_MAX_AGE_S)
+    index.age(20 * RATE_MAX_AGE_S)
+    assert index.prefill_rate("a") == 5.0
+    index.age(21 * RATE_MAX_AGE_S)
+    assert index.prefill_rate("a") == 3.0 and index.aging == []
