@@ -13,7 +13,7 @@ import re
 import redis
 from django.core.cache.backends.base import DEFAULT_TIMEOUT
 from django.core.cache.backends.locmem import LocMemCache
-from django.core.cache.backends.redis import RedisCache
+from django.core.cache.backends.redis import RedisCache, RedisCacheClient
 from django.core.exceptions import ImproperlyConfigured
 
 # What a Django cache on a Redis server raises when that server fails (for callers that
@@ -45,6 +45,23 @@ class JSONSerializer:
             raise UnreadableCacheValue(f"a cached value is not JSON ({type(exc).__name__}); it is ignored") from None
 
 
+class _KeptClients(RedisCacheClient):
+    """Django's Redis cache client, with one redis-py client per connection pool kept: Django made
+    a new one for every cache call, and each copies redis-py's table of reply parsers (0.16 ms, as
+    much as the round trip itself; every API request counts its rate through this cache)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._clients: dict[int, redis.Redis] = {}
+
+    def get_client(self, key=None, *, write=False):
+        pool = self._get_connection_pool(write)
+        client = self._clients.get(id(pool))
+        if client is None:  # a race makes two, one is kept: both work
+            client = self._clients[id(pool)] = self._client(connection_pool=pool)
+        return client
+
+
 class CacheBoxRedisCache(RedisCache):
     """Django's RedisCache with JSON values whose ``clear()`` deletes only this cache's own keys.
 
@@ -59,6 +76,7 @@ class CacheBoxRedisCache(RedisCache):
             raise ImproperlyConfigured("CacheBoxRedisCache stores JSON only: leave OPTIONS['serializer'] out")
         options["serializer"] = JSONSerializer
         super().__init__(server, {**params, "OPTIONS": options})
+        self._class = _KeptClients
         if not self.key_prefix:
             raise ImproperlyConfigured("CacheBoxRedisCache needs a KEY_PREFIX: it shares its server with the cache box")
 
