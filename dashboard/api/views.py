@@ -552,12 +552,15 @@ async def _sse(follower: _Follower, event: StreamEvent, shape: "_Shape"):
     """Server-Sent Events in OpenAI's chunk format, one chunk per token as the board chose it."""
     finished = False
     try:
-        if shape.api.kind == "chat":
-            yield shape.sse(shape.chunk(delta={"role": "assistant", "content": ""}))
+        # A chat's first chunk (the role) goes out with the first token's, in one write.
+        opening = shape.sse(shape.chunk(delta={"role": "assistant", "content": ""})) if shape.api.kind == "chat" else ""
         while event.type == "token":
-            if event.text:
-                yield shape.sse(shape.chunk(text=event.text))
+            if event.text or opening:
+                yield opening + (shape.sse(shape.chunk(text=event.text)) if event.text else "")
+                opening = ""
             event = await follower.next()
+        if opening:
+            yield opening
         finished = True
         if event.type == "error":
             yield shape.sse(board_error(event.error, param=shape.api.prompt_param, device=shape.device.name).body())
