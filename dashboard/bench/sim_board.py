@@ -48,6 +48,8 @@ from inference.board.devices import enroll
 from inference.board.identity import BoardKeys
 from inference.contract.envelope import EnvelopeRefused, Kind, peek
 from inference.contract.messages import (
+    AuditReport,
+    AuditRequest,
     BoardStatus,
     EnrollRequest,
     Heartbeat,
@@ -176,6 +178,7 @@ class Fleet:
             "fetch_misses": 0,
             "refused": 0,
             "errors": 0,
+            "audits": 0,  # audit requests answered (inconclusive: a simulated board computes nothing)
         }
         self.errors: list[str] = []
         self.stopping = False
@@ -368,6 +371,9 @@ class Fleet:
     async def _answer(self, board: SimBoard, raw: bytes) -> None:
         taken = time.time()
         task, args = task_args(raw)
+        if task == Task.AUDIT_ENTRY.value:
+            await self._audit(board, args[0])
+            return
         if task != Task.RUN_PROMPT.value:
             self._error(f"{board.me.name}: unexpected task {task}")
             return
@@ -385,6 +391,25 @@ class Fleet:
         # on the broker meanwhile); it says "started" when it takes it.
         async with board.lock:
             await self._run(board, request)
+
+    async def _audit(self, board: SimBoard, envelope: dict) -> None:
+        """The control plane asks this board to recompute an entry it served (``inference.serving.audit``):
+        a simulated board computes nothing, so its verdict is "inconclusive", sent as a real board's is."""
+        try:
+            request = AuditRequest.parse(board.me.open_request(envelope, Kind.AUDIT))
+        except (EnvelopeRefused, MessageRefused) as exc:
+            self.counts["refused"] += 1
+            self._error(f"{board.me.name}: audit refused: {exc}")
+            return
+        self.counts["audits"] += 1
+        verdict = AuditReport(
+            device=board.me.name,
+            request_id=request.request_id,
+            entry=request.entry,
+            verdict="inconclusive",
+            detail="a simulated board computes nothing",
+        )
+        await self._send(Task.RECORD_AUDIT, board, verdict, Kind.AUDITED)
 
     async def _run(self, board: SimBoard, request: RunRequest) -> None:
         me = board.me

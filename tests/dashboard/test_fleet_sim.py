@@ -684,6 +684,7 @@ def test_a_small_simulated_fleet_loses_no_run_and_every_report_is_signed_and_acc
     """`bench fleet-sim` with 20 boards: each enrolls its own keys, beats, syncs its catalog and
     answers its runs with signed reports through the real web server, worker, broker and cache box."""
     import json
+    import os
     import subprocess
     import sys
 
@@ -713,6 +714,8 @@ def test_a_small_simulated_fleet_loses_no_run_and_every_report_is_signed_and_acc
         capture_output=True,
         text=True,
         timeout=240,
+        # Every hit audited: a simulated board answers an audit as a board does (inconclusive), not as an error.
+        env={**os.environ, "EDGECACHE_AUDIT_RATE": "1"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -723,6 +726,7 @@ def test_a_small_simulated_fleet_loses_no_run_and_every_report_is_signed_and_acc
     # Every run a board answered was stored from its signed report (a refused report stores nothing).
     assert doc["board_counts"]["reports"] == doc["board_counts"]["runs"] == doc["runs_stored"] == doc["runs_dispatched"]
     assert doc["board_counts"]["refused"] == 0 and doc["board_counts"]["heartbeats"] >= 20
+    assert doc["board_counts"]["audits"] <= doc["board_counts"]["fetches"]
     assert (
         doc["heartbeat_ingest_lag_ms"]["n"] > 0
         and doc["catalog_sync_lag_ms"]["n"] > 0
