@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -91,15 +90,16 @@ def test_cache_box_killed_mid_transfer_then_restarted_empty(engine, namespace, s
     board.catalogs.sync_all()
 
     shaper.armed = True
-    started = time.monotonic()
     cut = board.run(LONG_PROMPT, max_tokens=3)
-    elapsed = time.monotonic() - started
     assert shaper.killed.is_set()
     # Ranges are fetched one request each and restored as they arrive: what came before the
     # server died is used, the rest is prefilled here.
     assert cut.breakdown.cachebox == "unavailable" and cut.breakdown.decision in ("fetch", "cachebox-unavailable")
     assert cut.breakdown.matched_tokens < cut.breakdown.prompt_tokens and cut.tokens == cold.tokens
-    assert elapsed < 30  # bounded by the socket timeout, not waiting for a dead server
+    # The wait on the dead server is bounded by the socket timeout (2 s), not the server's absence:
+    # the fetch's own time, apart from the local prefill of the rest (which takes as long as the
+    # machine makes it: 31 s on a busy 2-core CI machine failed a bound on the whole run).
+    assert cut.breakdown.fetch_ms < 10_000, cut.breakdown.fetch_ms
 
     # While it is down: answers, with a refused connection instead of a hang.
     down = board.run(LONG_PROMPT, max_tokens=3)
