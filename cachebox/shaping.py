@@ -2,7 +2,8 @@
 reads and writes so that one machine can stand for a fleet on Wi-Fi.
 
 Every byte sent or received waits its turn on the link (bandwidth, both directions
-share it, as on Wi-Fi), and the first reply byte after a request waits one round trip.
+share it, as on Wi-Fi), and the first reply byte after a request comes one round trip after the
+request's last byte went (a caller that reads it later waits only what is left of that).
 Nothing is added to a report afterwards: the time is spent where the bytes move.
 """
 
@@ -36,9 +37,14 @@ class LinkShaper:
             wait = self._busy_until - now
         time.sleep(wait)
 
-    def round_trip(self) -> None:
+    def round_trip(self, sent_at: float | None = None) -> None:
+        """Wait until the reply to a request sent at ``sent_at`` (``time.monotonic()``; None: now)
+        has come back: one round trip after it was sent. A caller that did other work meanwhile
+        (a publish whose answer is read later) waits only what is left of it."""
         if self.profile.rtt_ms > 0:
-            time.sleep(self.profile.rtt_ms / 1000.0)
+            left = self.profile.rtt_ms / 1000.0 - (0.0 if sent_at is None else time.monotonic() - sent_at)
+            if left > 0:
+                time.sleep(left)
 
 
 class ShapedSocket:
@@ -48,24 +54,29 @@ class ShapedSocket:
         self._sock = sock
         self._shaper = shaper
         self._awaiting_reply = False
+        self._sent_at = 0.0  # when the last bytes of a request went on the link
 
     def sendall(self, data, *args):
         self._shaper.transmit(len(data))
         self._sock.sendall(data, *args)
-        self._awaiting_reply = True
+        self._sent()
 
     def send(self, data, *args):
         sent = self._sock.send(data, *args)
         self._shaper.transmit(sent)
-        self._awaiting_reply = True
+        self._sent()
         return sent
+
+    def _sent(self) -> None:
+        self._sent_at = time.monotonic()  # the request's last bytes so far: its reply is due a round trip later
+        self._awaiting_reply = True
 
     def _before_reply(self, flags: int) -> bool:
         if flags & socket.MSG_PEEK:
             return False
         if self._awaiting_reply:
             self._awaiting_reply = False
-            self._shaper.round_trip()
+            self._shaper.round_trip(self._sent_at)
         return True
 
     def recv(self, size, flags=0):

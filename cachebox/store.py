@@ -693,6 +693,36 @@ class CacheBox:
         listens, the message is gone). One round trip."""
         return int(self._on_any_node(lambda client: client.publish(channel, data)))
 
+    def publish_unanswered(self, channel: str, data: bytes) -> Callable[[], int]:
+        """``publish``, without waiting for the server's answer: the PUBLISH is sent at once, and the
+        returned function reads its answer (how many subscribers received it). Call it once, before
+        anything else whose order after this message matters is published (another connection's
+        PUBLISH could overtake this one), and always (it returns the connection to the pool). The
+        answer's round trip then runs beside the caller's next work instead of before it. On a
+        cluster the PUBLISH is answered at once, as ``publish``."""
+        if self.cluster is not None:
+            count = self.publish(channel, data)
+            return lambda: count
+        pool = self.redis.connection_pool
+        connection = self._run(pool.get_connection)
+        try:
+            self._run(lambda: connection.send_command("PUBLISH", channel, data))
+        except BaseException:
+            pool.release(connection)
+            raise
+        answered: list[int] = []
+
+        def answer() -> int:
+            if not answered:
+                answered.append(0)  # read once, whatever happens
+                try:
+                    answered[0] = int(self._run(connection.read_response))
+                finally:
+                    pool.release(connection)
+            return answered[0]
+
+        return answer
+
     def read_flags(self, names: Sequence[str]) -> list[bytes | None]:
         """Several small keys' values (a record, flags) in one round trip (None where unset).
         CacheBoxUnavailable when any of them could not be read (a cluster node that did not

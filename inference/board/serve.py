@@ -154,7 +154,8 @@ class _Answer:
 
     def stage(self, stage: str) -> None:
         if self.stream is not None:
-            self.stream.send(self._event("stage", stage=stage), now=stage == "started")
+            started = stage == "started"
+            self.stream.send(self._event("stage", stage=stage), now=started, unanswered=started)
 
     def on_token(self, token: int, piece: str) -> bool:
         """The engine chose ``token``: False stops the run (a stop string, or a cancel)."""

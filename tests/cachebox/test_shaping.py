@@ -43,3 +43,19 @@ def test_uploads_are_paced_too(valkey_url, namespace):
     started = time.monotonic()
     shaped.put_entries([(name, os.urandom(1_000_000))], ttl=60)
     assert 0.45 < time.monotonic() - started < 0.8
+
+
+def test_a_reply_read_later_waits_only_what_is_left_of_its_round_trip(valkey_url):
+    """A PUBLISH sent without waiting (a run's "started" stage) and answered while the board worked:
+    its reply is there one round trip after it was sent, not one round trip after it is read."""
+    shaped = CacheBox(valkey_url, link=LinkProfile(bandwidth_mbps=1000.0, rtt_ms=80.0))
+    shaped.redis.ping()  # connect first
+    answer = shaped.publish_unanswered("ec:stream:nobody:listens", b"started")
+    time.sleep(0.1)  # the board's engine at work, longer than the round trip
+    started = time.monotonic()
+    assert answer() == 0
+    assert time.monotonic() - started < 0.05  # the reply came meanwhile
+    started = time.monotonic()
+    answer = shaped.publish_unanswered("ec:stream:nobody:listens", b"token")
+    assert answer() == 0
+    assert 0.075 < time.monotonic() - started < 0.2  # read at once: the whole round trip

@@ -654,3 +654,68 @@ def test_an_open_run_page_shows_a_run_that_expired_unstarted_as_failed_with_the_
     print(f"the expired run was shown failed {took:.1f} s after it was sent (expiry 90 s)")
     assert took < 90 + 15
     page.context.close()
+
+
+@pytest.mark.cachebox
+def test_a_runs_started_stage_is_published_without_waiting_and_still_heard_first(valkey_url):
+    """The "started" stage goes out without the board waiting for the cache box's answer (the engine
+    starts meanwhile); the next event reads that answer first, so the follower hears them in order,
+    and the connection goes back to the pool."""
+    import uuid
+
+    import redis
+
+    from cachebox.keys import stream_channel
+    from cachebox.store import CacheBox
+    from inference.board.streaming import StreamPublisher
+    from inference.contract.messages import StreamEvent
+    from tests.inference.test_edge import board_identity
+
+    me = board_identity("unanswered")
+    request_id = str(uuid.uuid4())
+    listener = redis.Redis.from_url(valkey_url).pubsub()
+    listener.subscribe(stream_channel("unanswered", request_id))
+    assert listener.get_message(timeout=5)["type"] == "subscribe"  # listening before anything is published
+    store = CacheBox(valkey_url)
+    pool = store.redis.connection_pool
+    stream = StreamPublisher(store, request_id, me)
+    started = StreamEvent(type="stage", request_id=request_id, device="unanswered", stage="started")
+    stream.send(started, now=True, unanswered=True)
+    assert stream._unanswered is not None and len(pool._in_use_connections) == 1  # sent, its answer not read
+    for text in ("Once", " upon"):
+        event = StreamEvent(type="token", request_id=request_id, device="unanswered", index=stream.count(), text=text)
+        stream.send(event, now=True)
+    stream.close(StreamEvent(type="done", request_id=request_id, device="unanswered", text="Once upon"))
+    heard = []
+    while len(heard) < 4:
+        message = listener.get_message(timeout=5)
+        assert message is not None, f"heard only {heard}"
+        opened = StreamEvent.open(
+            message["data"], request_id=request_id, signer_public_key=me.keys.signing_public_key, ring_for=me.ring_for
+        )
+        heard.append((opened.type, opened.stage or opened.text))
+    assert heard == [("stage", "started"), ("token", "Once"), ("token", " upon"), ("done", "Once upon")]
+    assert stream._unanswered is None and not pool._in_use_connections  # every answer read, every connection back
+    listener.close()
+
+
+@pytest.mark.cachebox
+def test_an_unanswered_publish_that_is_never_followed_is_answered_when_its_stream_closes(valkey_url):
+    import uuid
+
+    from cachebox.store import CacheBox
+    from inference.board.streaming import StreamPublisher
+    from inference.contract.messages import StreamEvent
+    from tests.inference.test_edge import board_identity
+
+    me = board_identity("closing")
+    store = CacheBox(valkey_url)
+    request_id = str(uuid.uuid4())
+    stream = StreamPublisher(store, request_id, me)
+    stream.send(
+        StreamEvent(type="stage", request_id=request_id, device="closing", stage="started"), now=True, unanswered=True
+    )
+    answer = stream._unanswered
+    stream.close()
+    assert answer() == 0  # nobody listened; read once, when the stream closed
+    assert not store.redis.connection_pool._in_use_connections
