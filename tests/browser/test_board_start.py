@@ -100,10 +100,11 @@ def test_the_token_page_shows_the_install_the_command_with_the_public_address_an
     page = admin_client.post(reverse("device-register"), fields, follow=True).content.decode()
     command = text_of(COMMAND.search(page).group(1))
     token = text_of(re.search(r'<pre id="device-token" class="command">(.*?)</pre>', page).group(1))
-    assert '<span class="word">--token</span>' in page  # each word kept whole: lines wrap at spaces only
-    assert command == f"{public} --name far-board " + (
-        f"--token={token}" if token.startswith("-") else f"--token {token}"
-    )
+    # A token that starts with "-" is written --token=TOKEN, one word (else it would read as an option).
+    token_words = [f"--token={token}"] if token.startswith("-") else ["--token", token]
+    for word in token_words:  # each word kept whole: lines wrap at spaces only
+        assert f'<span class="word">{word}</span>' in page
+    assert command == f"{public} --name far-board " + " ".join(token_words)
     assert "make install-board" in page and "pip install ." in page and "python manage.py edge" not in page
     assert page.count('aria-label="Copy the start command"') == 1 and 'aria-label="Copy the token"' in page
     assert "EDGECACHE_PUBLIC_REDIS_URL" in page and "loopback" not in page
