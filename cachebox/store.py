@@ -50,6 +50,37 @@ T = TypeVar("T")
 CATALOG_LOG_MAXLEN = 200_000
 
 
+def send_now_read_later(pool: redis.ConnectionPool, commands: Sequence[Sequence]) -> Callable[[], list]:
+    """Send ``commands`` (each a command's words) at once on one of ``pool``'s connections, without
+    waiting for the answers; the returned function reads them (one per command) and gives the
+    connection back. Call it once, and always. The round trip then runs beside whatever the caller
+    does in between. An error answer raises there (``redis.ResponseError``), as a lost connection
+    does; the connection is then dropped, never reused with answers unread. Raises redis's errors
+    (the callers map them to their own)."""
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command(connection.pack_commands(commands))
+    except BaseException:
+        pool.release(connection)
+        raise
+    read: list = []  # [answers] or [None, the error]: read once, whatever happens
+
+    def answers() -> list:
+        if not read:
+            try:
+                read.append([connection.read_response() for _ in commands])
+            except BaseException as exc:
+                read.extend((None, exc))
+                connection.disconnect()
+            finally:
+                pool.release(connection)
+        if read[0] is None:
+            raise read[1]
+        return read[0]
+
+    return answers
+
+
 class CacheBox:
     """Client side of one cache box (a Redis/Valkey server)."""
 
@@ -703,25 +734,8 @@ class CacheBox:
         if self.cluster is not None:
             count = self.publish(channel, data)
             return lambda: count
-        pool = self.redis.connection_pool
-        connection = self._run(pool.get_connection)
-        try:
-            self._run(lambda: connection.send_command("PUBLISH", channel, data))
-        except BaseException:
-            pool.release(connection)
-            raise
-        answered: list[int] = []
-
-        def answer() -> int:
-            if not answered:
-                answered.append(0)  # read once, whatever happens
-                try:
-                    answered[0] = int(self._run(connection.read_response))
-                finally:
-                    pool.release(connection)
-            return answered[0]
-
-        return answer
+        answers = self._run(lambda: send_now_read_later(self.redis.connection_pool, [("PUBLISH", channel, data)]))
+        return lambda: int(self._run(answers)[0])
 
     def read_flags(self, names: Sequence[str]) -> list[bytes | None]:
         """Several small keys' values (a record, flags) in one round trip (None where unset).
@@ -776,6 +790,26 @@ class CacheBox:
             ),
         )
         return int(reply[0]), int(reply[1]), float(reply[2])
+
+    def admit_unanswered(
+        self, names: Sequence[str], limits: Sequence[int], member: str, *, now: float, until: float
+    ) -> Callable[[], tuple[int, int, float]]:
+        """``admit``, without waiting for the server's answer: the count is sent at once and the
+        returned function reads its verdict (call it once, always: it gives the connection back).
+        The round trip runs beside the caller's work (an API request's routing). On a cluster it
+        is answered at once, as ``admit``."""
+        if self.cluster is not None:
+            verdict = self.admit(names, limits, member, now=now, until=until)
+            return lambda: verdict
+        caps = [int(limit) if limit > 0 else 2**31 for limit in limits]
+        command = ("EVAL", self._ADMIT, len(names), *names, repr(float(now)), repr(float(until)), member, *caps)
+        answers = self._run(lambda: send_now_read_later(self.redis.connection_pool, [command]))
+
+        def verdict() -> tuple[int, int, float]:
+            reply = self._run(answers)[0]
+            return int(reply[0]), int(reply[1]), float(reply[2])
+
+        return verdict
 
     def release(self, names: Sequence[str], member: str) -> None:
         """``member`` is no longer under way (its answer came, or its client left); one round trip."""

@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from django.conf import settings
 
@@ -105,6 +106,19 @@ def admit(
     """Count run ``request_id`` as under way in ``namespace`` (and for API key ``key_id``) for at most
     ``hold_s`` seconds; FleetBusy (nothing counted) when a bound is reached, CacheBoxUnreachable (a
     FleetBusy) when the counts cannot be read: it fails closed."""
+    return admit_unanswered(namespace, request_id, online_boards=online_boards, key_id=key_id, hold_s=hold_s)(
+        retry_after
+    )
+
+
+def admit_unanswered(
+    namespace: str, request_id: str, *, online_boards: int, key_id: int | None = None, hold_s: float
+) -> Callable[[int], Ticket]:
+    """``admit``, in two halves: the count is sent to the cache box at once, and the returned
+    function, given what a refused client is told to wait (``retry_after``, seconds), gives the
+    run's ``Ticket`` or raises ``FleetBusy`` / ``CacheBoxUnreachable``. Call it once, and always
+    (its connection goes back to the pool then). The round trip runs beside the caller's work in
+    between (an API request's routing)."""
     limits = [namespace_limit(online_boards)]
     who = ""
     if key_id is not None:
@@ -112,18 +126,28 @@ def admit(
         limits.append(settings.EDGECACHE_API_QUEUE_PER_KEY)
     names = tuple(queue_key_names(namespace, who))
     if all(limit <= 0 for limit in limits):
-        return Ticket((), request_id)
+        return lambda retry_after: Ticket((), request_id)
     now = time.time()
     try:
-        full, under_way, _ = _store().admit(names, limits, request_id, now=now, until=now + hold_s)
+        answer = _store().admit_unanswered(names, limits, request_id, now=now, until=now + hold_s)
     except CacheBoxError as exc:
-        log.warning("run %s refused: the bounded queues cannot be counted: %s", request_id, exc)
-        raise CacheBoxUnreachable(namespace, str(exc)[:200], max(1, int(retry_after))) from None
-    if full:
-        raise FleetBusy(
-            "namespace" if full == 1 else "key", namespace, limits[full - 1], under_way, max(1, int(retry_after))
-        )
-    return Ticket(names, request_id)
+        failure = exc
+
+        def answer():
+            raise failure
+
+    def ticket(retry_after: int) -> Ticket:
+        retry_after = max(1, int(retry_after))
+        try:
+            full, under_way, _ = answer()
+        except CacheBoxError as exc:
+            log.warning("run %s refused: the bounded queues cannot be counted: %s", request_id, exc)
+            raise CacheBoxUnreachable(namespace, str(exc)[:200], retry_after) from None
+        if full:
+            raise FleetBusy("namespace" if full == 1 else "key", namespace, limits[full - 1], under_way, retry_after)
+        return Ticket(names, request_id)
+
+    return ticket
 
 
 def release(ticket: Ticket | None) -> None:

@@ -49,7 +49,16 @@ _KINDS = {Task.RUN_PROMPT: Kind.RUN, Task.ENCODE_SCHEMA: Kind.ENCODE, Task.AUDIT
 def send_to_board(device, task: Task, message: dict, expires: float) -> None:
     """One request on ``device``'s own queue: sealed under its namespace's key and signed by the
     control plane (``inference.contract.envelope``), valid until it expires."""
-    sealed = seal_for(device, _KINDS[task], message, ttl=expires)
+    send_sealed(device, task, sealed_for_board(device, task, message, expires), message.get("request_id"), expires)
+
+
+def sealed_for_board(device, task: Task, message: dict, expires: float) -> dict:
+    """``message`` as ``send_to_board`` sends it: sealed for ``device`` and signed, valid ``expires`` s."""
+    return seal_for(device, _KINDS[task], message, ttl=expires)
+
+
+def send_sealed(device, task: Task, sealed: dict, request_id: str | None, expires: float) -> None:
+    """A request sealed by ``sealed_for_board`` on ``device``'s own queue."""
     # The task's id is the request's: the Queue page finds a run in its board's queue by it (``dashboard.pages.queue``).
     # No repr of the sealed blob in the message's headers: it says nothing a reader could use, and
     # Celery's saferepr of it was 7% of an API dispatch's time in the web process (profiled).
@@ -58,7 +67,7 @@ def send_to_board(device, task: Task, message: dict, expires: float) -> None:
         args=[sealed],
         queue=Queue.device(device.name),
         expires=expires,
-        task_id=message.get("request_id"),
+        task_id=request_id,
         argsrepr="(sealed)",
         kwargsrepr="{}",
     )

@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from datetime import timedelta
+from typing import Callable
 
 from django.conf import settings
 from django.db import transaction
@@ -17,7 +18,7 @@ from cachebox.events import security_event
 from cachebox.keys import cancel_key_name, heard_key_name, stream_channel
 from dashboard import admission, router
 from dashboard.live.broadcast import broadcast
-from dashboard.outbox import send_to_board
+from dashboard.outbox import sealed_for_board, send_sealed, send_to_board
 from dashboard.pages.chart_series import hit_tier
 from dashboard.pages.colors import device_color
 from dashboard.pages.entry_preview import stored_entries
@@ -323,15 +324,24 @@ def run_json(run: InferenceRun) -> dict:
 
 
 def dispatch_api_run(
-    device: Device, request: RunRequest, *, expires: int, routed: router.Routed | None = None, announce: bool = True
+    device: Device,
+    request: RunRequest,
+    *,
+    expires: int,
+    routed: router.Routed | None = None,
+    announce: bool = True,
+    listening: Callable[[], None] | None = None,
 ) -> dict:
     """Send a run of the OpenAI-compatible API (``dashboard.api``) to ``device``'s queue; returns
     the ``run.dispatched`` live event, broadcast here unless ``announce`` is False (the caller
     then sends it, off its answer's path).
 
     ``request`` streams (its tokens come back on its pub/sub channel; the caller subscribes
-    before calling this) and is recorded as any run is, from the board's signed report. It
-    expires with the API's timeout: a board that would start it later finds its client gone.
+    before it is sent: ``listening()``, called between its record and its sending, returns once
+    the subscription is confirmed, so that its round trip runs beside the record's write and the
+    seal; should it raise, the run ends as lost, never sent). It is recorded as any run is, from
+    the board's signed report. It expires with the API's timeout: a board that would start it
+    later finds its client gone.
     """
     if not request.stream:
         raise ValueError("an API run streams its answer back: build its RunRequest with stream=True")
@@ -349,7 +359,14 @@ def dispatch_api_run(
         waits_until=now + timedelta(seconds=expires),
     )
     router.STATE.feed(str(row.request_id), device.name, record, row.created)
-    send_to_board(device, Task.RUN_PROMPT, request.dump(), expires)
+    sealed = sealed_for_board(device, Task.RUN_PROMPT, request.dump(), expires)
+    if listening is not None:
+        try:
+            listening()
+        except BaseException as exc:
+            lose(row, f"its answer's stream could not be followed ({type(exc).__name__}), so it was never sent")
+            raise
+    send_sealed(device, Task.RUN_PROMPT, sealed, request.request_id, expires)
     event = {"request_id": request.request_id, "device": device.name, "title": request.meta.title}
     if announce:
         broadcast("run.dispatched", event)

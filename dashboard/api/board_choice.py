@@ -85,6 +85,13 @@ def example_model(namespace: str) -> str:
         return "MODEL-NAME (GET /v1/models lists them)"
 
 
+def online_boards(namespace: str) -> int:
+    """How many boards of ``namespace`` are online, as this process read them less than a second
+    ago (the size of its bounded queue, ``dashboard.admission``), without routing."""
+    roster = CANDIDATES.roster(namespace)
+    return roster.online_count(roster.judged_at(time.time()))
+
+
 def choose_route(key: ApiKey, request: ApiRequest, run: RunRequest) -> tuple[Device, Routed | None, int]:
     """The board that answers ``request`` (whose prompt is ``run``), the router's record when it
     chose it, and how many boards of the key's namespace are online (its bounded queue's size,

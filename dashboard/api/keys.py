@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from django.core.cache import cache
 from django.utils import timezone
@@ -124,7 +124,28 @@ def check(header: str) -> Checked:
     """The active key named by the ``Authorization`` header, and this request counted against
     its rate (``dashboard.security.ratelimit``, scope "api"). A key this process remembers costs
     one round trip to the cache box and no query; any other is read from the database."""
+    return check_unanswered(header)[1]()
+
+
+def check_unanswered(header: str) -> tuple[ApiKey | None, Callable[[], Checked]]:
+    """``check``, in two halves: the key as this process remembers it, at once, and a function that
+    gives the ``Checked`` verdict (call it once, and always). For a remembered key the rate's count
+    and the key epoch are sent at once and read by that function, so the caller's work in between
+    (an API request's parsing and routing) runs beside the round trip; the caller may prepare with
+    the remembered key, and act on it only once the verdict allows it. A key not remembered, or
+    one refused in this window, is checked at once and comes back as None: the caller reads the
+    verdict before anything else (a refused client costs no routing)."""
     digest = _digest(header)
+    remembered = _REMEMBERED.get(digest) if digest is not None else None
+    if remembered is None or _REFUSED.lately(digest):
+        checked = _check_now(digest)
+        return None, lambda: checked
+    row, epoch = remembered
+    counted = ratelimit.hit_unanswered("api", row.pk, row.rate(), read=EPOCH)
+    return row, lambda: _noted(digest, _settle(digest, row, epoch, counted()))
+
+
+def _check_now(digest: str | None) -> Checked:
     if digest is None:
         return Checked(None, None)
     remembered = _REMEMBERED.get(digest)
@@ -134,9 +155,13 @@ def check(header: str) -> Checked:
         if row is None:
             return Checked(None, None)
         _REMEMBERED.keep(digest, row, epoch)
-        return Checked(row, ratelimit.hit("api", row.pk, row.rate()))
+        return _noted(digest, Checked(row, ratelimit.hit("api", row.pk, row.rate())))
     row, epoch = remembered
-    verdict = ratelimit.hit("api", row.pk, row.rate(), read=EPOCH)
+    return _noted(digest, _settle(digest, row, epoch, ratelimit.hit("api", row.pk, row.rate(), read=EPOCH)))
+
+
+def _settle(digest: str, row: ApiKey, epoch: object, verdict: ratelimit.Verdict) -> Checked:
+    """A remembered key's verdict: the key as remembered while the epoch did not move, else read again."""
     if verdict.read is not ratelimit.UNREAD and verdict.read == epoch:
         _touch(row)
         return Checked(row, verdict)
@@ -147,3 +172,35 @@ def check(header: str) -> Checked:
         return Checked(None, None)
     _REMEMBERED.keep(digest, row, verdict.read)
     return Checked(row, verdict.under(row.rate()))
+
+
+def _noted(digest: str, checked: Checked) -> Checked:
+    if checked.verdict is not None and not checked.verdict.allowed:
+        _REFUSED.note(digest)
+    return checked
+
+
+class _Refused:
+    """The keys refused for their rate in this process, by SHA-256, with the window (minute) of the
+    last refusal: such a key is checked before its request is routed until the window ends."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._keys: dict[str, int] = {}
+
+    @staticmethod
+    def _window() -> int:
+        return int(ratelimit.clock() // ratelimit.WINDOW_SECONDS)
+
+    def note(self, digest: str) -> None:
+        window = self._window()
+        with self._lock:
+            if len(self._keys) >= REMEMBERED_AT_MOST:
+                self._keys = {name: when for name, when in self._keys.items() if when == window}
+            self._keys[digest] = window
+
+    def lately(self, digest: str) -> bool:
+        return self._keys.get(digest) == self._window()
+
+
+_REFUSED = _Refused()

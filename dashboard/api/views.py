@@ -193,6 +193,7 @@ class _Admitted:
         self.run: RunRequest | None = None
         self.device: Device | None = None
         self.routed = None  # the router's record, for a run sent to any board
+        self.admitting = None  # its count in the bounded queues, sent: the verdict is read once it is routed
         self.ticket: admission.Ticket | None = None  # its place in the bounded queues, released when the answer ends
         self.subscription: streams.Subscription | None = None
         self.subscribed: Future | None = None  # the subscription's opening, on the event loop
@@ -207,45 +208,50 @@ def _admit_and_dispatch(request, kind: str, admitted: _Admitted, loop: asyncio.A
     subscribed (on ``loop``, beside what follows), a place in the bounded queues (429/503), what
     opens the board's stream events, then the run sent to the board (503 when the cache box or the
     broker is down: nothing was sent); each step marked in ``admitted.phases``, each result kept
-    in ``admitted`` as it comes (``_undo`` takes back what a step that failed left)."""
+    in ``admitted`` as it comes (``_undo`` takes back what a step that failed left).
+
+    A key this process remembers is not waited for: its rate's count and the bounded queues' count
+    go out at once, and their answers are read after the body is parsed and the run routed (two
+    round trips beside that work, not before it). The run is sent only once both allowed it; a
+    refusal then takes back the place it had in the queues."""
     phases = admitted.phases
-    key = admitted.key = _authorized(request)
+    remembered, checked = keys.check_unanswered(request.headers.get("Authorization", ""))
+    if remembered is None:
+        admitted.key = _authorized(request, checked())  # not remembered (or refused lately): before anything else
+    key = admitted.key or remembered
     phases.mark("auth")
     try:
-        raw = request.body
-    except RequestDataTooBig:
-        raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
-    api = admitted.api = parse_request(parse_body(raw), kind)
-    run = admitted.run = _run_request(
-        key, api, _schema_source(api, key.namespace_id), phases.received_at
-    )  # the one prompt type, from here to the board
-    phases.mark("parse")
-    device, routed, online_boards = board_choice.choose_route(key, api, run)
-    admitted.device, admitted.routed = device, routed
-    # Subscribed first (a message published while nobody listens is gone), on the loop's shared
-    # connection, while this thread counts the run and reads the ring: one round trip beside another.
-    admitted.subscription = streams.subscribe(
-        cachebox_url(),
-        stream_channel(device.name, run.request_id),
-        connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT,
-        timeout=settings.EDGECACHE_IO_TIMEOUT,
-    )
-    admitted.subscribed = asyncio.run_coroutine_threadsafe(admitted.subscription.open(), loop)
-    admitted.ticket = _admit(key, device, run, routed, online_boards)
+        _parse_and_route(request, kind, admitted, key, loop)
+    except BaseException:
+        if admitted.key is None:  # a refused key hears 401/429 first, not what its request lacked
+            admitted.key = _authorized(request, checked())
+        raise
+    if admitted.key is None:  # the remembered key's verdict, before the run may count or be sent
+        admitted.key = _authorized(request, checked())
+        if admitted.key.namespace_id != key.namespace_id:  # moved meanwhile: it was routed among the wrong boards
+            raise ApiError(
+                409,
+                "This API key was moved to another namespace while the request was admitted; send it again.",
+                code="api_key_changed",
+            )
+    device, routed, api, run = admitted.device, admitted.routed, admitted.api, admitted.run
+    admitted.ticket = _admitted(admitted, key, routed)
     phases.mark("route")
     admitted.ring_for = stream_ring_for(device)
     phases.mark("ring")
-    try:
-        admitted.subscribed.result(settings.EDGECACHE_CONNECT_TIMEOUT + settings.EDGECACHE_IO_TIMEOUT + 1)
-    except (CacheBoxUnavailable, TimeoutError) as exc:
-        raise _unavailable(
-            f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent."
-        ) from None
-    phases.mark("subscribe")
+
+    def listening() -> None:  # the run is recorded and sealed meanwhile
+        try:
+            admitted.subscribed.result(settings.EDGECACHE_CONNECT_TIMEOUT + settings.EDGECACHE_IO_TIMEOUT + 1)
+        except (CacheBoxUnavailable, TimeoutError) as exc:
+            raise _unavailable(
+                f"The cache box (the Redis server boards stream answers through) is not reachable: {exc}. Nothing was sent."
+            ) from None
+
     admitted.dispatched_at = time.perf_counter()
     try:
         admitted.dispatched = dispatch_api_run(
-            device, run, expires=settings.EDGECACHE_API_TIMEOUT, routed=routed, announce=False
+            device, run, expires=settings.EDGECACHE_API_TIMEOUT, routed=routed, announce=False, listening=listening
         )
     except BrokerUnavailable as exc:
         raise _unavailable(
@@ -256,16 +262,59 @@ def _admit_and_dispatch(request, kind: str, admitted: _Admitted, loop: asyncio.A
     phases.mark("dispatch")
 
 
+def _parse_and_route(request, kind: str, admitted: _Admitted, key: ApiKey, loop: asyncio.AbstractEventLoop) -> None:
+    """Body (413/400), its count in the bounded queues sent (read once it is routed), the board
+    (routing: 400/404/503), and the run's stream subscribed on ``loop``, beside what follows."""
+    phases = admitted.phases
+    try:
+        raw = request.body
+    except RequestDataTooBig:
+        raise ApiError(413, "The request body is too large; send a shorter prompt.", code="request_too_large") from None
+    api = admitted.api = parse_request(parse_body(raw), kind)
+    run = admitted.run = _run_request(
+        key, api, _schema_source(api, key.namespace_id), phases.received_at
+    )  # the one prompt type, from here to the board
+    phases.mark("parse")
+    admitted.admitting = admission.admit_unanswered(
+        key.namespace_id,
+        run.request_id,
+        online_boards=board_choice.online_boards(key.namespace_id),
+        key_id=key.pk,
+        hold_s=2 * settings.EDGECACHE_API_TIMEOUT,
+    )
+    device, routed, _ = board_choice.choose_route(key, api, run)
+    admitted.device, admitted.routed = device, routed
+    # Subscribed first (a message published while nobody listens is gone), on the loop's shared
+    # connection, while this thread reads the verdicts, the ring, and records the run.
+    admitted.subscription = streams.subscribe(
+        cachebox_url(),
+        stream_channel(device.name, run.request_id),
+        connect_timeout=settings.EDGECACHE_CONNECT_TIMEOUT,
+        timeout=settings.EDGECACHE_IO_TIMEOUT,
+    )
+    admitted.subscribed = asyncio.run_coroutine_threadsafe(admitted.subscription.open(), loop)
+
+
 async def _undo(admitted: _Admitted) -> None:
     """Take back what a request's synchronous work did before it stopped short: the run's cancel
     flag when it was sent, its place in the bounded queues, its stream's subscription."""
     if admitted.sent:
         await _cancel(admitted.device.name, admitted.run.request_id)
+    if admitted.admitting is not None:  # counted, but its verdict not read: read, then released if it was a place
+        admitted.ticket = await _in_thread(_settled)(admitted.admitting)
     if admitted.ticket is not None:
         await _release(admitted.ticket)
     if admitted.subscribed is not None:
         await asyncio.wait({asyncio.wrap_future(admitted.subscribed)})  # settled (opened or failed) before it is closed
         await admitted.subscription.close()
+
+
+def _settled(admitting) -> admission.Ticket | None:
+    """The place in the bounded queues a request that stopped short was given, if any."""
+    try:
+        return admitting(admission.DEFAULT_RETRY_AFTER_S)
+    except admission.FleetBusy:
+        return None
 
 
 async def _release(ticket: admission.Ticket | None) -> None:
@@ -275,19 +324,13 @@ async def _release(ticket: admission.Ticket | None) -> None:
         await _in_thread(admission.release)(ticket)
 
 
-def _admit(key: ApiKey, device: Device, run: RunRequest, routed, online_boards: int) -> admission.Ticket:
-    """The run counted against the key's and its namespace's bounded queues (ApiError 429 / 503
-    with Retry-After when one is full)."""
+def _admitted(admitted: _Admitted, key: ApiKey, routed) -> admission.Ticket:
+    """The run's place in the key's and its namespace's bounded queues, counted when its request
+    was parsed (``admitted.admitting``): ApiError 429 / 503 with Retry-After when one is full."""
+    settle, admitted.admitting = admitted.admitting, None
     expected_ms = routed.record.get("expected_ms") if routed is not None else None
     try:
-        return admission.admit(
-            device.namespace_id,
-            run.request_id,
-            online_boards=online_boards,
-            key_id=key.pk,
-            hold_s=2 * settings.EDGECACHE_API_TIMEOUT,
-            retry_after=admission.retry_after_s(expected_ms),
-        )
+        return settle(admission.retry_after_s(expected_ms))
     except admission.FleetBusy as busy:
         code = {"key": "queue_full", "cachebox": "cachebox_unavailable"}.get(busy.scope, "fleet_busy")
         metrics.refused(code)
@@ -308,9 +351,10 @@ def _admit(key: ApiKey, device: Device, run: RunRequest, routed, online_boards: 
         ) from None
 
 
-def _authorized(request) -> ApiKey:
-    """The request's API key (401 without a valid one), counted against its rate (429)."""
-    key, verdict = keys.check(request.headers.get("Authorization", ""))
+def _authorized(request, checked: keys.Checked | None = None) -> ApiKey:
+    """The request's API key (401 without a valid one), counted against its rate (429);
+    ``checked``: its verdict, when the caller has it already (``keys.check_unanswered``)."""
+    key, verdict = checked if checked is not None else keys.check(request.headers.get("Authorization", ""))
     if key is None:
         metrics.refused("bad_api_key")
         security_event(
@@ -443,9 +487,10 @@ _beside = beside  # tasks run beside answers, kept until done (the loop holds th
 
 class Phases:
     """How long each of the API's steps took before the first token, in order (milliseconds):
-    ``auth`` (key and rate limit), ``parse``, ``route`` (routing and the bounded queues), ``ring``,
-    ``subscribe`` (what was left to wait of the subscription, made beside the two before), ``dispatch``
-    (record, seal, send), ``board`` (until the board says it started). In the answer's
+    ``auth`` (the key; its rate's count sent), ``parse``, ``route`` (routing, then the verdicts of the
+    rate and of the bounded queues, counted beside it), ``ring``, ``dispatch`` (record, seal, what
+    was left to wait of the run's subscription, made beside them, send), ``board`` (until the board
+    says it started). In the answer's
     ``edgecache.api_phases_ms`` and its ``Server-Timing`` header."""
 
     def __init__(self):

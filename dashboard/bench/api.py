@@ -47,6 +47,7 @@ FIGURES = (
     "board_ttft_ms",
     "first_minus_board_ttft_ms",
     "overhead_ms",
+    "share_ms",
     "total_ms",
 )
 
@@ -193,6 +194,12 @@ def _one(url: str, key: str, model: str, question: str, max_tokens: int) -> dict
         "overhead_ms": round(first_ms - board_ttft - behind_ms, 3)
         if first_ms is not None and board_ttft is not None and behind_ms is not None
         else None,
+        # The API's share of the first chunk: what is neither the board's TTFT nor the queue
+        # (from dispatch to the board taking the run).
+        "share_ms": round(first_ms - board_ttft - queue_ms, 3)
+        if first_ms is not None and board_ttft is not None and queue_ms is not None
+        else None,
+        "api_phases_ms": figures.get("api_phases_ms") or {},
         "total_ms": round(total_ms, 3),
         "chunks": tokens,
         "device": figures.get("device", ""),
@@ -229,9 +236,20 @@ def summarize(
         "api_ms": stats("api_ms"),
         "first_minus_board_ttft_ms": stats("first_minus_board_ttft_ms"),
         "overhead_ms": stats("overhead_ms"),
+        "share_ms": stats("share_ms"),
         "total_ms": stats("total_ms"),
+        "api_phases_ms": _phases(ok),
         "per_device": [{"device": name, "requests": sum(1 for s in ok if s["device"] == name)} for name in devices],
         "samples": samples,
+    }
+
+
+def _phases(samples: list[dict]) -> dict:
+    """The median of each of the API's steps before dispatch (``edgecache.api_phases_ms``), in order."""
+    names = list(dict.fromkeys(name for s in samples for name in s.get("api_phases_ms", {})))
+    return {
+        name: _round(percentile([s["api_phases_ms"][name] for s in samples if name in s.get("api_phases_ms", {})], 50))
+        for name in names
     }
 
 
@@ -340,6 +358,9 @@ def lines(doc: dict) -> list[str]:
     ]
     for name in (name for name in FIGURES if name in doc):
         out.append(f"  {name:<26} p50 {doc[name]['p50']}  p99 {doc[name]['p99']}")
+    if doc.get("api_phases_ms"):
+        steps = ", ".join(f"{name} {ms}" for name, ms in doc["api_phases_ms"].items())
+        out.append(f"  the API's steps, p50 ms: {steps}")
     out += [f"  error: {example}" for example in doc["error_examples"]]
     return out
 
@@ -353,7 +374,7 @@ def headline(doc: dict) -> str:
 
 BENCH = Benchmark(
     name="api",
-    format=2,  # 2: overhead_ms subtracts the wait behind earlier runs (behind_ms), not the whole queue
+    format=3,  # 2: overhead_ms subtracts the wait behind earlier runs (behind_ms); 3: share_ms and api_phases_ms
     help="concurrent streaming clients of the OpenAI-compatible API against the online boards (a running server)",
     add_arguments=add_arguments,
     run=run,

@@ -2,8 +2,9 @@
 
 One counter per user and minute, created only if missing (so the first request of the window does
 not race another one) and counted atomically: on the cache box's Redis in one round trip
-(``CacheBoxRedisCache.count_and_read``), which can bring back one more value beside the count (the
-API keys' epoch, ``dashboard.api.keys``).
+(``CacheBoxRedisCache.count_and_read_unanswered``), which can bring back one more value beside the
+count (the API keys' epoch, ``dashboard.api.keys``). ``hit_unanswered`` sends the count at once and
+reads its verdict later, so that the round trip runs beside the caller's work.
 
 It never fails open: when the cache cannot be reached (down, or every pooled connection busy),
 the count goes on in this process (``_local``), with the same window and limit. Several web
@@ -17,6 +18,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from django.core.cache import caches
 
@@ -54,54 +56,103 @@ def hit(
     read: str | None = None,
 ) -> Verdict:
     """Count one request of ``who`` in ``scope``; refused once the window holds more than ``limit``.
-
     A limit of 0 or less turns the limit off (nothing is counted). When the cache cannot be reached
     the request is counted in this process instead (logged once a window): refused past the limit
     all the same. ``read``: a cache key whose value comes back in ``Verdict.read``, read in the same
     round trip where the cache can (``UNREAD`` when the cache could not be read).
     """
+    return hit_unanswered(scope, who, limit, window=window, cache_alias=cache_alias, read=read)()
+
+
+def hit_unanswered(
+    scope: str,
+    who: str | int,
+    limit: int,
+    *,
+    window: int = WINDOW_SECONDS,
+    cache_alias: str = "default",
+    read: str | None = None,
+) -> Callable[[], Verdict]:
+    """``hit``, in two halves: the request is counted at once (sent to the shared cache where it
+    can take a command without waiting for its answer, ``CacheBoxRedisCache``), and the returned
+    function gives the verdict. Call it once, and always. The round trip runs beside the caller's
+    work in between (an API request's parsing and routing)."""
     now = clock()
     current = int(now // window)
     key = f"ratelimit:{scope}:{who}:{current}"
     cache = caches[cache_alias]
     if limit <= 0:
-        return Verdict(True, 0, limit, 0, _read(cache, read) if read else UNREAD)
+        value = _read_unanswered(cache, read) if read else lambda: UNREAD
+        return lambda: Verdict(True, 0, limit, 0, value())
     # Every request is counted in this process too: one that the shared cache could not count (a
     # busy pool) is refused past the limit all the same, with the ones it did count.
     local = _local.count(key, current)
-    value = UNREAD
+    counted = _count_unanswered(cache, key, window + 5, read)
+
+    def verdict() -> Verdict:
+        value = UNREAD
+        try:
+            count, value = counted()
+        except CACHE_SERVER_ERRORS as exc:
+            if _local.first_fallback(current):
+                log.warning("rate limit %s counted in this process: the cache is unreachable (%s)", scope, exc)
+            count = local
+        else:
+            count = max(count, local)
+        retry_after = max(1, math.ceil((current + 1) * window - now))
+        return Verdict(count <= limit, count, limit, retry_after, value)
+
+    return verdict
+
+
+def _count_unanswered(cache, key: str, timeout: int, read: str | None) -> Callable[[], tuple[int, object]]:
+    """One more in ``key``, and ``read``'s value: in one round trip, sent at once, where the cache
+    can (``CacheBoxRedisCache.count_and_read_unanswered``), else add, incr and get. The returned
+    function gives them, or raises what the cache raised."""
     try:
-        count, value = _count(cache, key, window + 5, read)
+        if hasattr(cache, "count_and_read_unanswered"):
+            answer = cache.count_and_read_unanswered(key, timeout, read or key)
+
+            def counted_there() -> tuple[int, object]:
+                count, value = answer()
+                return count, value if read else UNREAD
+
+            return counted_there
+        cache.add(key, 0, timeout=timeout)
+        try:
+            count = cache.incr(key)
+        except ValueError:  # expired between add and incr
+            cache.set(key, 1, timeout=timeout)
+            count = 1
+        counted = (count, cache.get(read) if read else UNREAD)
+        return lambda: counted
     except CACHE_SERVER_ERRORS as exc:
-        if _local.first_fallback(current):
-            log.warning("rate limit %s counted in this process: the cache is unreachable (%s)", scope, exc)
-        count = local
-    else:
-        count = max(count, local)
-    retry_after = max(1, math.ceil((current + 1) * window - now))
-    return Verdict(count <= limit, count, limit, retry_after, value)
+        failure = exc
+
+        def failed():
+            raise failure
+
+        return failed
 
 
-def _count(cache, key: str, timeout: int, read: str | None) -> tuple[int, object]:
-    """One more in ``key``, and ``read``'s value: in one round trip where the cache can
-    (``CacheBoxRedisCache.count_and_read``), else add, incr and get."""
-    if hasattr(cache, "count_and_read"):
-        count, value = cache.count_and_read(key, timeout, read or key)
-        return count, value if read else UNREAD
-    cache.add(key, 0, timeout=timeout)
+def _read_unanswered(cache, name: str) -> Callable[[], object]:
+    """``name``'s value (``UNREAD`` when the cache cannot be read), sent at once where the cache can."""
     try:
-        count = cache.incr(key)
-    except ValueError:  # expired between add and incr
-        cache.set(key, 1, timeout=timeout)
-        count = 1
-    return count, cache.get(read) if read else UNREAD
-
-
-def _read(cache, name: str) -> object:
-    try:
-        return cache.get(name)
+        if hasattr(cache, "read_unanswered"):
+            answer = cache.read_unanswered(name)
+        else:
+            value = cache.get(name)
+            answer = lambda: value  # noqa: E731
     except CACHE_SERVER_ERRORS:
-        return UNREAD
+        return lambda: UNREAD
+
+    def value() -> object:
+        try:
+            return answer()
+        except CACHE_SERVER_ERRORS:
+            return UNREAD
+
+    return value
 
 
 class _LocalCounts:

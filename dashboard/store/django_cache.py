@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Callable
 
 import redis
 from django.core.cache.backends.base import DEFAULT_TIMEOUT
 from django.core.cache.backends.locmem import LocMemCache
 from django.core.cache.backends.redis import RedisCache, RedisCacheClient
 from django.core.exceptions import ImproperlyConfigured
+
+from cachebox.store import send_now_read_later
 
 # What a Django cache on a Redis server raises when that server fails (for callers that
 # degrade instead of failing, such as the run rate limit): no code outside cachebox imports redis.
@@ -89,18 +92,33 @@ class CacheBoxRedisCache(RedisCache):
     def count_and_read(self, key: str, timeout: int, other: str) -> tuple[int, object]:
         """Count one in ``key`` (made, at 0, to last ``timeout`` s when missing) and read ``other``,
         in one round trip: the count, and ``other``'s value (None when it is missing or unreadable)."""
+        return self.count_and_read_unanswered(key, timeout, other)()
+
+    def count_and_read_unanswered(self, key: str, timeout: int, other: str) -> Callable[[], tuple[int, object]]:
+        """``count_and_read`` sent at once; the returned function reads its answer (call it once,
+        and always: it gives the connection back), so the round trip runs beside the caller's work."""
         name, other_name = self.make_and_validate_key(key), self.make_and_validate_key(other)
+        answers = self._unanswered(
+            name, [("SET", name, 0, "EX", int(timeout), "NX"), ("INCR", name), ("GET", other_name)]
+        )
+        return lambda: (int(answers()[1]), self._value(answers()[2]))
+
+    def read_unanswered(self, key: str) -> Callable[[], object]:
+        """``get(key)`` sent at once; the returned function reads the value (None when missing or
+        unreadable). Call it once, and always."""
+        name = self.make_and_validate_key(key)
+        answers = self._unanswered(name, [("GET", name)])
+        return lambda: self._value(answers()[0])
+
+    def _unanswered(self, name: str, commands: list[tuple]) -> Callable[[], list]:
         client = self._cache.get_client(name, write=True)
-        pipe = client.pipeline(transaction=False)
-        pipe.set(name, 0, ex=timeout, nx=True)
-        pipe.incr(name)
-        pipe.get(other_name)
-        _, count, raw = pipe.execute()
+        return send_now_read_later(client.connection_pool, commands)
+
+    def _value(self, raw: bytes | None) -> object:
         try:
-            value = None if raw is None else self._cache._serializer.loads(raw)
+            return None if raw is None else self._cache._serializer.loads(raw)
         except UnreadableCacheValue:
-            value = None
-        return int(count), value
+            return None
 
     def clear(self) -> bool:
         client = self._cache.get_client(None, write=True)

@@ -248,3 +248,31 @@ def test_a_key_whose_cluster_node_did_not_answer_is_not_read_as_unset(valkey_url
     monkeypatch.setattr(store, "_batch", lambda items, name_of, queue: [[b"record"], None])
     with pytest.raises(CacheBoxUnavailable, match="did not answer"):
         store.read_flags(["ec:device:a", "ec:cancel:a:1"])
+
+
+def test_an_admission_sent_unanswered_counts_at_once_and_is_decided_as_admit_decides(valkey_url, namespace):
+    """``admit_unanswered``: the run counts on the server as soon as it returns, its verdict is read
+    later (the API routes meanwhile), the same as ``admit``'s; every connection goes back to the
+    pool, and one whose answer was an error is dropped, not reused with an answer unread."""
+    from cachebox.keys import queue_key_names
+
+    store = CacheBox(valkey_url)
+    names = queue_key_names(namespace, "7")
+    now = 1000.0
+    verdict = store.admit_unanswered(names, [2, 5], "r0", now=now, until=now + 30)
+    assert CacheBox(valkey_url).under_way(names[0], now) == 1  # counted before its answer was read
+    assert verdict() == (0, 0, 0)
+    assert store.admit_unanswered(names, [2, 5], "r1", now=now, until=now + 30)() == (0, 0, 0)
+    assert (
+        store.admit_unanswered(names, [2, 5], "r2", now=now, until=now + 40)()
+        == store.admit(names, [2, 5], "r2", now=now, until=now + 40)
+        == (1, 2, now + 30)
+    )  # the namespace is full, the same whichever way it is asked
+    pool = store.redis.connection_pool
+    assert not pool._in_use_connections
+    store.redis.set(f"test:{namespace}:plain", b"x")  # not a sorted set: the server answers an error
+    wrong = store.admit_unanswered([f"test:{namespace}:plain"], [2], "r3", now=now, until=now + 30)
+    with pytest.raises(CacheBoxRefused, match="WRONGTYPE"):
+        wrong()
+    assert not pool._in_use_connections and store.under_way(names[0], now) == 2  # the next call works
+    store.redis.delete(*names, f"test:{namespace}:plain")

@@ -114,3 +114,119 @@ def test_a_per_process_cache_remembers_nothing(settings):
     header = f"Bearer {key}"
     assert keys.check(header).key is not None
     assert _queries(header)[1] >= 1  # another process's revocation would go unseen: never remembered
+
+
+# -- a known key's round trip beside the request's own work -------------------------------------------
+def test_a_known_keys_count_goes_out_at_once_and_its_verdict_is_read_after_the_callers_work(shared_cache, monkeypatch):
+    """``check_unanswered``: a remembered key comes back at once, with no query, while its rate's
+    count is already on the server; its verdict, read later, is the one ``check`` gives. A key
+    refused in this minute is checked at once instead, so a refused client costs no routing."""
+    from dashboard.security import ratelimit
+
+    monkeypatch.setattr(ratelimit, "clock", lambda: 1_000_020.0)  # one window for the whole test
+    row, key = create_key(None, "default", name="app", rate_per_minute=2)
+    header = f"Bearer {key}"
+    assert keys.check(header).verdict.count == 1  # read from the database, now remembered
+    read_before_return: list[bool] = []
+    counting = ratelimit.hit_unanswered
+
+    def watched(*args, **kwargs):
+        verdict = counting(*args, **kwargs)
+        read = []
+
+        def reading():
+            read.append(True)
+            return verdict()
+
+        read_before_return.append(read)
+        return reading
+
+    monkeypatch.setattr(ratelimit, "hit_unanswered", watched)
+    with CaptureQueriesContext(connection) as queries:
+        remembered, verdict = keys.check_unanswered(header)
+    assert remembered.pk == row.pk and len(queries) == 0 and read_before_return[-1] == []  # sent, not read
+    counter = f"ratelimit:api:{row.pk}:{int(1_000_020.0 // ratelimit.WINDOW_SECONDS)}"
+    assert shared_cache.get(counter) == 2  # on the server before its answer was read
+    checked = verdict()
+    assert checked.key.pk == row.pk and (checked.verdict.count, checked.verdict.allowed) == (2, True)
+
+    assert not keys.check_unanswered(header)[1]().verdict.allowed  # the third in the minute: refused
+    remembered, verdict = keys.check_unanswered(header)
+    assert read_before_return[-1] == [True]  # refused lately: decided before it returned
+    assert remembered is None and (verdict().verdict.count, verdict().verdict.allowed) == (4, False)
+
+
+def test_a_remembered_key_revoked_meanwhile_is_refused_when_its_verdict_is_read(shared_cache):
+    row, key = create_key(None, "default", name="app")
+    header = f"Bearer {key}"
+    assert keys.check(header).key is not None
+    ApiKey.objects.filter(pk=row.pk).update(revoked_at=row.created)  # another process revoked it
+    api_keys.key_changed()
+    remembered, verdict = keys.check_unanswered(header)
+    assert remembered is not None and remembered.pk == row.pk  # still remembered: the caller may only prepare
+    assert verdict() == keys.Checked(None, None)
+
+
+# -- the API's door, as a request meets it ------------------------------------------------------------
+@pytest.fixture
+def door(shared_cache, settings, valkey_url):
+    """The API's views on the session's Valkey (the bounded queues and the runs' streams too)."""
+    from cachebox.store import CacheBox
+
+    settings.EDGECACHE_CACHEBOX_URL = valkey_url
+    store = CacheBox(valkey_url)
+    yield store
+    names = list(store.redis.scan_iter(match="ec:q:*"))
+    if names:
+        store.redis.delete(*names)
+
+
+def _chat(header: str, model: str = "no-such-model.gguf"):
+    import json
+
+    from asgiref.sync import async_to_sync
+    from django.test import AsyncRequestFactory
+
+    from dashboard.api import views
+
+    request = AsyncRequestFactory().post(
+        "/v1/chat/completions",
+        data=json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}),
+        content_type="application/json",
+        headers={"Authorization": header},
+    )
+    response = async_to_sync(views.chat_completions)(request)
+    return response.status_code, __import__("json").loads(response.content)["error"]["code"]
+
+
+def test_a_revoked_key_hears_401_before_what_its_request_lacks_and_holds_no_place_in_the_queues(door):
+    """A remembered key's verdict is read after its request was parsed, counted and routed: a key
+    revoked meanwhile still hears 401 (not the 400 its unknown model earns, which would tell it the
+    namespace's models), and the place its run was given in the bounded queues is taken back."""
+    import time
+
+    from cachebox.keys import queue_key_names
+
+    row, key = create_key(None, "default", name="app")
+    header = f"Bearer {key}"
+    assert _chat(header) == (400, "model_not_found")  # a valid key: its request's own fault
+    ApiKey.objects.filter(pk=row.pk).update(revoked_at=row.created)  # revoked by another web process
+    api_keys.key_changed()
+    assert keys._REMEMBERED.get(api_keys.hash_key(key)) is not None  # this process still remembers it
+    assert _chat(header) == (401, "invalid_api_key")
+    assert all(door.under_way(name, time.time()) == 0 for name in queue_key_names("default", str(row.pk)))
+
+
+def test_a_key_refused_for_its_rate_is_not_routed_again_in_that_minute(door, monkeypatch):
+    from dashboard.api import board_choice
+    from dashboard.security import ratelimit
+
+    monkeypatch.setattr(ratelimit, "clock", lambda: 2_000_020.0)
+    routed = []
+    choose = board_choice.choose_route
+    monkeypatch.setattr(board_choice, "choose_route", lambda *args: routed.append(1) or choose(*args))
+    _, key = create_key(None, "default", name="app", rate_per_minute=1)
+    header = f"Bearer {key}"
+    assert _chat(header) == (400, "model_not_found") and len(routed) == 1  # the first in the minute
+    assert _chat(header) == (429, "rate_limit_exceeded") and len(routed) == 2  # counted beside its routing
+    assert _chat(header) == (429, "rate_limit_exceeded") and len(routed) == 2  # refused before any routing
