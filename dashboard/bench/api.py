@@ -1,7 +1,8 @@
 """`python manage.py bench api`: concurrent streaming clients of the OpenAI-compatible API.
 
-Each client (a process of its own, plain HTTP) sends streamed chat requests one after another until the
-clock runs out and measures, per request, the first content chunk's latency and, from the last
+Each client (a process of its own, plain HTTP on one kept-alive connection, as OpenAI's client
+keeps its connections) sends streamed chat requests one after another until the clock runs out
+and measures, per request, the first content chunk's latency and, from the last
 chunk's ``edgecache`` figures, the board's own TTFT, the queue (from dispatch to the board taking
 the run, as the API saw it) and how long the run waited on its board for earlier runs to end
 (``behind_ms``, from the request's arrival at the API). What the API adds (``overhead_ms``) is the
@@ -9,7 +10,8 @@ first chunk minus the board's TTFT and that wait: HTTP, key, routing, the dispat
 the board, the board's checks before it starts, the pub/sub hop of the first token. The wait
 behind other runs is the fleet's capacity, not the API's cost (with more clients than boards it is
 most of the first chunk), and the API's work that overlaps it delays nothing. Bounded in count
-and time; loopback or the URL given only.
+and time; loopback or the URL given only. ``share_ms`` is the issue's figure for the API's share of
+the first chunk: the first chunk minus the queue and the board's TTFT.
 """
 
 from __future__ import annotations
@@ -100,13 +102,15 @@ def run_api_bench(
 def _client(
     url: str, key: str, model: str, number: int, started: float, seconds: float, max_tokens: int, done, results
 ) -> None:
-    """One client: requests one after another until the clock runs out; its samples, at the end."""
+    """One client: requests one after another until the clock runs out, on one kept-alive
+    connection as OpenAI's client keeps them (a new one after a failure); its samples, at the end."""
     samples = []
+    connection = _Connection(url)
     for index in range(MAX_REQUESTS_PER_CLIENT):
         if time.monotonic() >= started + seconds:
             break
         question = QUESTIONS[(number + index) % len(QUESTIONS)]
-        sample = _one(url, key, model, question, max_tokens)
+        sample = _one(url, key, model, question, max_tokens, connection)
         sample.update({"client": number, "t_s": round(time.monotonic() - started, 3)})
         samples.append(sample)
         with done.get_lock():
@@ -114,12 +118,39 @@ def _client(
     results.put(samples)
 
 
-def stream_chat(url: str, key: str, body: dict, timeout: float) -> dict:
+class _Connection:
+    """A client's HTTP connection, kept alive from one request to the next (opened again after a
+    failure or when the server closed it)."""
+
+    def __init__(self, url: str):
+        self.parts = urlsplit(url)
+        self.http: http.client.HTTPConnection | None = None
+
+    def open(self, timeout: float) -> http.client.HTTPConnection:
+        if self.http is None:
+            self.http = http.client.HTTPConnection(self.parts.hostname, self.parts.port or 80, timeout=timeout)
+            self.http.connect()  # before the clock: a kept-alive client does not pay it per request
+        return self.http
+
+    def done(self, reusable: bool) -> None:
+        if not reusable and self.http is not None:
+            self.http.close()
+            self.http = None
+
+
+def stream_chat(url: str, key: str, body: dict, timeout: float, kept: _Connection | None = None) -> dict:
     """One streamed chat completion through the API, as a client sees it: ``first_ms`` (to the
     first content chunk, None without one), ``chunks`` (content chunks), ``figures`` (the last
-    chunk's ``edgecache`` figures), ``total_ms`` and ``error`` ('' when it answered)."""
-    parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    chunk's ``edgecache`` figures), ``total_ms`` and ``error`` ('' when it answered). ``kept``: the
+    client's connection, kept alive (else one of its own, closed after)."""
+    own = kept is None  # closed after this request
+    kept = kept or _Connection(url)
+    try:
+        connection = kept.open(timeout)
+    except OSError as exc:
+        kept.done(False)
+        return {"first_ms": None, "chunks": 0, "figures": {}, "total_ms": 0.0, "error": f"{type(exc).__name__}: {exc}"}
+    reusable = False
     sent = time.perf_counter()
     first_ms, chunks, figures, error = None, 0, {}, ""
     try:
@@ -132,6 +163,7 @@ def stream_chat(url: str, key: str, body: dict, timeout: float) -> dict:
         response = connection.getresponse()
         if response.status != 200:
             error = f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
+            reusable = not response.will_close
         else:
             for raw in response:
                 line = raw.decode().strip()
@@ -146,10 +178,12 @@ def stream_chat(url: str, key: str, body: dict, timeout: float) -> dict:
                     if first_ms is None:
                         first_ms = (time.perf_counter() - sent) * 1000.0
                 figures = chunk.get("edgecache") or figures
+            else:  # read to its end: the connection may carry the next request
+                reusable = not response.will_close
     except (OSError, http.client.HTTPException, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
-        connection.close()
+        kept.done(reusable and not own)
     return {
         "first_ms": first_ms,
         "chunks": chunks,
@@ -159,7 +193,7 @@ def stream_chat(url: str, key: str, body: dict, timeout: float) -> dict:
     }
 
 
-def _one(url: str, key: str, model: str, question: str, max_tokens: int) -> dict:
+def _one(url: str, key: str, model: str, question: str, max_tokens: int, connection: _Connection | None = None) -> dict:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": question}],
@@ -168,7 +202,7 @@ def _one(url: str, key: str, model: str, question: str, max_tokens: int) -> dict
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    answer = stream_chat(url, key, body, timeout=300)
+    answer = stream_chat(url, key, body, timeout=300, kept=connection)
     first_ms, tokens, figures, error, total_ms = (
         answer["first_ms"],
         answer["chunks"],

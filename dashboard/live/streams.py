@@ -272,7 +272,13 @@ class Subscription:
         """The next message published on the channel, or None when none came within ``timeout`` s;
         CacheBoxUnavailable when the connection was lost."""
         try:
-            item = await asyncio.wait_for(self._queue.get(), timeout) if timeout > 0 else self._queue.get_nowait()
+            if not self._queue.empty() or timeout <= 0:
+                item = self._queue.get_nowait()
+            else:
+                # A deadline on this task, not ``wait_for``'s task of its own around the get: one
+                # task and one turn of the loop fewer between a token's arrival and its chunk.
+                async with asyncio.timeout(timeout):
+                    item = await self._queue.get()
         except (asyncio.TimeoutError, asyncio.QueueEmpty):
             return None
         if isinstance(item, CacheBoxUnavailable):
