@@ -174,6 +174,27 @@ def test_make_run_starts_its_demo_boards_below_the_control_planes_cpu_priority()
     assert [int(value) for value in out] == [min(19, here + BOARD_NICE)] * 2
 
 
+def test_make_run_starts_its_control_worker_between_the_web_process_and_the_boards():
+    """The control worker records each run's report just as its client's next request comes: it
+    yields the cores to the web process (the API's answers), and takes them before the boards."""
+    import os
+    import subprocess
+
+    from dashboard.management.commands.run import BOARD_NICE, CONTROL_NICE, control_worker_command
+    from dashboard.outbox import control_worker_argv
+
+    argv = control_worker_command("control")
+    assert argv[-len(control_worker_argv("control", "warning")) :] == control_worker_argv("control", "warning")
+    niced = subprocess.run(
+        [*argv[: -len(control_worker_argv("control", "warning"))], "sh", "-c", "nice"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert int(niced) == min(19, os.nice(0) + CONTROL_NICE) and 0 < CONTROL_NICE < BOARD_NICE
+
+
 def test_a_demo_board_gets_no_control_plane_variable_and_its_worker_never_sets_django_up(monkeypatch):
     """make run's boards share this machine, not the control plane's settings: they inherited
     DJANGO_SETTINGS_MODULE, and Celery's Django fixup then set Django up in each board worker (the
