@@ -7,7 +7,7 @@ Keys are made and revoked by the verbs of ``dashboard.actions.api_keys`` (the AP
 A web process remembers the keys it found active, so that a request with one costs no database
 query: the **key epoch**, a counter in the cache box that every change of a key moves
 (``actions.api_keys.key_changed``: a revocation, an edit, a deletion), comes back with the key's rate count in the
-one round trip the rate limit makes anyway (``ratelimit.hit(read=...)``). A key remembered under
+one round trip the rate limit makes anyway (``ratelimit.hit_unanswered(read=...)``). A key remembered under
 another epoch is read from the database again, and so is every key while the cache box does not
 answer. The epoch is read before the database is, so a change that lands in between moves it
 again and is seen by the next request; and a remembered key is read again after
@@ -110,7 +110,7 @@ _REMEMBERED = _Remembered()
 
 def _shared() -> bool:
     """Whether Django's cache is the cache box's (shared by every process, so the epoch is too)."""
-    return hasattr(cache, "count_and_read")
+    return hasattr(cache, "count_and_read_unanswered")
 
 
 def _epoch() -> object:

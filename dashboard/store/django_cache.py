@@ -89,14 +89,10 @@ class CacheBoxRedisCache(RedisCache):
         except UnreadableCacheValue:
             return default
 
-    def count_and_read(self, key: str, timeout: int, other: str) -> tuple[int, object]:
-        """Count one in ``key`` (made, at 0, to last ``timeout`` s when missing) and read ``other``,
-        in one round trip: the count, and ``other``'s value (None when it is missing or unreadable)."""
-        return self.count_and_read_unanswered(key, timeout, other)()
-
     def count_and_read_unanswered(self, key: str, timeout: int, other: str) -> Callable[[], tuple[int, object]]:
-        """``count_and_read`` sent at once; the returned function reads its answer (call it once,
-        and always: it gives the connection back), so the round trip runs beside the caller's work."""
+        """Count one in ``key`` (made, at 0, to last ``timeout`` s when missing) and read ``other``, in
+        one round trip sent at once; the returned function reads the count and ``other``'s value (None
+        when it is missing or unreadable). Call it once, and always: it gives the connection back."""
         name, other_name = self.make_and_validate_key(key), self.make_and_validate_key(other)
         answers = self._unanswered(
             name, [("SET", name, 0, "EX", int(timeout), "NX"), ("INCR", name), ("GET", other_name)]
