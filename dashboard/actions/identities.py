@@ -92,6 +92,10 @@ def declare_queue(device: Device) -> None:
         log.warning("queue %s not declared: %s", name, exc)
 
 
+def _users_of(names) -> set[str]:
+    return {user for name in names for user in (acl.board_user(name), acl.enroll_user(name))}
+
+
 def apply_all_identities() -> int:
     """Every device's Redis users, and no board user the database does not know (a deleted
     device's is removed). Returns how many devices were applied."""
@@ -101,12 +105,17 @@ def apply_all_identities() -> int:
     devices = list(Device.objects.select_related("namespace"))
     for device in devices:
         apply_identity(device, stores=stores, save=False)
-    known = {acl.board_user(device.name) for device in devices} | {acl.enroll_user(device.name) for device in devices}
     for store in stores:
         try:
             store.load_functions(cachebox_limits(store))
-            for user in store.users():
-                if user.startswith((acl.BOARD_USER_PREFIX, acl.ENROLL_USER_PREFIX)) and user not in known:
+            listed = [
+                user for user in store.users() if user.startswith((acl.BOARD_USER_PREFIX, acl.ENROLL_USER_PREFIX))
+            ]
+            # The names are read after the users: a device registered meanwhile (its row is committed
+            # before its users are made) is known, and its new enrollment user is not deleted.
+            known = _users_of(Device.objects.values_list("name", flat=True))
+            for user in listed:
+                if user not in known:
                     store.delete_user(user)
             store.save_users()
             store.set_flag(APPLIED_FLAG, 10 * 365 * 24 * 3600, b"1")

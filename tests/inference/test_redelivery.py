@@ -341,15 +341,17 @@ def test_a_dump_of_the_cache_box_shows_no_prompt_answer_or_state(plane):
     """The probe: LRANGE of a board's queue showed another tenant's prompt, and the control queue its
     answer. Now a dump taken while the run waits, and after it ran, shows neither."""
     _kill_boards(plane)
-    secret = "Tenant B secret: the launch code is 4471. What is the launch code?"
+    # The secret is a long word of letters: a short number such as "4471" turns up by chance among a
+    # dump's timestamps and base64 message bodies (a few chances in a hundred per dump), such a word never.
+    secret = "Tenant B secret: the launch code is quartermaster. What is the launch code?"
     request_id = plane.dispatch(max_tokens=8, text=secret)
     waiting = _dump(plane.redis)
     assert request_id.encode() in waiting  # the queued request is there, sealed
-    assert b"launch code" not in waiting and b"4471" not in waiting
+    assert b"launch code" not in waiting and b"quartermaster" not in waiting
     plane.board(plane.token)
     until(lambda: plane.runs(request_id) == 1, 120, "the run to be stored")
     (text,) = plane.run_fields(request_id, "text")
     after = _dump(plane.redis)
-    assert b"launch code" not in after and b"4471" not in after and b"Tenant B" not in after
+    assert b"launch code" not in after and b"quartermaster" not in after and b"Tenant B" not in after
     assert not text or text.strip().encode() not in after or len(text.strip()) < 4  # the answer is not there either
     assert any(key.startswith(b"ec:e:") for key in plane.redis.scan_iter(match="ec:e:*"))  # its states are, sealed

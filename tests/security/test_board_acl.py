@@ -217,6 +217,38 @@ def test_the_users_come_back_after_the_server_lost_them(plane):
     assert as_board(plane, "mallory").ping()
 
 
+def test_a_device_registered_while_the_users_are_reconciled_keeps_its_enrollment_user(plane, monkeypatch):
+    """The control worker's start reconciles every user while a board may be registered: the new
+    device's enrollment user, made after the reconciler read the devices, was taken for a deleted
+    device's and removed (its board then failed to log in, CI's hosts fleet once)."""
+    from cachebox.store import CacheBox
+    from dashboard import actions
+    from dashboard.actions.identities import apply_all_identities
+    from inference.board.identity import enrollment_redis_password
+
+    listed = CacheBox.users
+    late = {}
+
+    def register_meanwhile(store):
+        if not late:  # the device is registered between the reconciler's read and its listing of users
+            late["token"] = actions.register_device(None, name="latecomer", cpu_threads=1, namespace_id="acme")[1]
+        return listed(store)
+
+    monkeypatch.setattr(CacheBox, "users", register_meanwhile)
+    apply_all_identities()
+    enrolling = redis.Redis(
+        port=plane["port"],
+        username=acl.enroll_user("latecomer"),
+        password=enrollment_redis_password(late["token"]),
+        socket_timeout=5,
+    )
+    assert enrolling.ping()  # its user is still there: the board can enroll
+    admin = redis.Redis(port=plane["port"], username="default", password=PASSWORD)
+    admin.execute_command("ACL", "SETUSER", acl.board_user("gone"), "on", ">x")  # a deleted device's user
+    apply_all_identities()
+    assert acl.board_user("gone").encode() not in admin.execute_command("ACL", "USERS")  # still removed
+
+
 @pytest.mark.model
 def test_a_board_on_the_cluster_with_its_own_credentials_keeps_to_its_namespace(
     settings, monkeypatch, tmp_path_factory, engine, signing_keys
