@@ -33,6 +33,7 @@ import random
 import sys
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -50,6 +51,7 @@ from inference.contract.envelope import EnvelopeRefused, Kind, peek
 from inference.contract.messages import (
     AuditReport,
     AuditRequest,
+    BoardRates,
     BoardStatus,
     EnrollRequest,
     Heartbeat,
@@ -63,6 +65,7 @@ from inference.contract.messages import (
     Task,
 )
 from inference.engine.compute_profile import PI_5, PI_ZERO_2W
+from inference.placement import RAM_RESTORE_MS_PER_TOKEN
 from inference.serving.breakdown import Breakdown, Case, Decision, Tier
 
 log = logging.getLogger("dashboard.bench.sim_board")
@@ -70,8 +73,9 @@ log = logging.getLogger("dashboard.bench.sim_board")
 SIM_MODEL = "sim-gemma-3-270m.gguf"  # what simulated boards say they serve (no model is loaded)
 SIM_FINGERPRINT = "5111" + "0" * 28
 DECODE_PER_PREFILL = 2.0  # decode ms per token, as a multiple of the board's prefill rate (llama.cpp on a Pi: ~2x)
-CHARS_PER_TOKEN = 4.0  # the prompt's length in tokens, estimated (no tokenizer on a simulated board)
+CHARS_PER_TOKEN = 4.0  # a prompt's length in tokens, estimated when its request carries no tokens (no tokenizer here)
 SYNC_INTERVAL_S = 1.0  # as ``CatalogSyncThread``
+RAM_TIER_BYTES = 64 * 2**20  # a simulated board's RAM tier, as its heartbeat reports it
 RATES = ((PI_5.prefill_ms_per_token, 0.8), (PI_ZERO_2W.prefill_ms_per_token, 0.2))  # (ms per token, share of the fleet)
 
 
@@ -152,9 +156,19 @@ class SimBoard:
     me: EdgeIdentity
     rate_ms: float  # prefill, ms per token
     catalog: set = field(default_factory=set)  # entry keys its replica holds
+    # What it holds itself, as a real board does (``inference.tiers``): the last prompt in its
+    # context, those before in its RAM tier (key -> bytes, oldest first, within RAM_TIER_BYTES).
+    held: OrderedDict = field(default_factory=OrderedDict)
     last_id: str = "0"
     last_sync: float | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a board serves its queue one run at a time
+
+    def hold(self, key: bytes, size: int) -> None:
+        """``key``'s state is now in its context; the oldest leave its RAM tier past its budget."""
+        self.held.pop(key, None)
+        self.held[key] = size
+        while len(self.held) > 1 and sum(self.held.values()) > RAM_TIER_BYTES:
+            self.held.popitem(last=False)
 
 
 class Fleet:
@@ -288,7 +302,14 @@ class Fleet:
                     fingerprint=SIM_FINGERPRINT,
                     threads=4,
                     heartbeat_s=self.heartbeat_s,
-                    ram_tier={"budget_bytes": 64 * 2**20, "entries": 0},
+                    ram_tier={"budget_bytes": RAM_TIER_BYTES, "entries": len(board.held)},
+                    # What a real board measures of itself at start and reports in every beat: the
+                    # router weighs a board by it before its own runs are reported (a Pi Zero 2W is
+                    # not taken for a Pi 5 meanwhile).
+                    rates=BoardRates(
+                        prefill_ms_per_token=board.rate_ms * self.time_scale,
+                        decode_ms_per_token=board.rate_ms * DECODE_PER_PREFILL * self.time_scale,
+                    ),
                     simulated=True,
                     catalogs={
                         board.me.record.cache_namespace: {
@@ -429,10 +450,17 @@ class Fleet:
             text[: text.rfind("\n")] if "\n" in text else text
         )  # the system prompt: the range shared by many requests
         shared_tokens = max(1, round(len(shared) / CHARS_PER_TOKEN))
+        if request.tokenized is not None:  # the prompt's tokens as the control plane made them, as a board takes them
+            tokens = len(request.tokenized.tokens)
+            shared_tokens = min(tokens, request.tokenized.cuts[-1] if request.tokenized.cuts else shared_tokens)
         key = prompt_key(namespace, shared)
         name = entry_key_name(namespace, SIM_FINGERPRINT, key)
-        fetch_ms, matched, fetched, fetched_bytes = 0.0, 0, [], 0
-        if request.use_cache and key in board.catalog:
+        fetch_ms, matched, fetched, fetched_bytes, tier = 0.0, 0, [], 0, Tier.NONE
+        if request.use_cache and key in board.held:  # its context (the last prompt) or its RAM tier: no network
+            tier = Tier.CONTEXT if next(reversed(board.held)) == key else Tier.LOCAL
+            matched = shared_tokens
+            fetch_ms = 0.0 if tier == Tier.CONTEXT else shared_tokens * RAM_RESTORE_MS_PER_TOKEN * self.time_scale
+        elif request.use_cache and key in board.catalog:
             began = time.perf_counter()
             blob = await self.box.get(name)
             if blob is not None:
@@ -441,12 +469,14 @@ class Fleet:
                 except UnknownProducer:  # a board enrolled after this one last read the table
                     me.read_producers()
                     open_entry(blob, me.keychain().ring(namespace), len(blob) * 2)
-                matched, fetched, fetched_bytes = shared_tokens, [name], len(blob)
+                matched, fetched, fetched_bytes, tier = shared_tokens, [name], len(blob), Tier.CACHEBOX
                 self.counts["fetches"] += 1
             else:
                 self.counts["fetch_misses"] += 1
             fetch_ms = (time.perf_counter() - began) * 1000.0
         prefill_ms = (tokens - matched) * board.rate_ms * self.time_scale
+        if request.use_cache:
+            board.hold(key, shared_tokens * self.bytes_per_token)
         decode_ms = max(0, request.max_tokens - 1) * board.rate_ms * DECODE_PER_PREFILL * self.time_scale
         ttft_ms = fetch_ms + prefill_ms
         busy_until = start + (ttft_ms + decode_ms) / 1000.0
@@ -496,8 +526,10 @@ class Fleet:
             fetched_bytes=fetched_bytes,
             uploaded_bytes=uploaded_bytes,
             case=Case.FULL if matched >= tokens else (Case.PARTIAL if matched else Case.MISS),
-            decision=Decision.FETCH if matched else Decision.CATALOG_MISS,
-            tier=Tier.CACHEBOX if matched else Tier.NONE,
+            decision=(Decision.FETCH if tier == Tier.CACHEBOX else Decision.LOCAL)
+            if matched
+            else Decision.CATALOG_MISS,
+            tier=tier,
             compute_profile="simulated",
         )
         self.samples["board_ttft_ms"].append(ttft_ms)

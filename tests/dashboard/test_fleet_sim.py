@@ -10,7 +10,14 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from dashboard.bench.fleet_sim import p50_p99, per_board_minute, thirds_p99, trend_per_minute, verdicts
+from dashboard.bench.fleet_sim import (
+    beyond_chosen_wait,
+    p50_p99,
+    per_board_minute,
+    thirds_p99,
+    trend_per_minute,
+    verdicts,
+)
 from inference.placement import PromptKeys, route
 from tests.dashboard.test_dashboard import control_plane  # noqa: F401 (fixture)
 
@@ -41,11 +48,43 @@ def test_cpu_per_board_per_minute():
     assert per_board_minute(1.0, 0, 10.0) is None
 
 
+def test_the_overhead_beyond_the_routers_chosen_wait_leaves_out_only_the_wait_it_expected():
+    # Sent to wait 260 ms for the board holding the prompt, waited 264: 4 ms more than chosen, plus 6 of API.
+    assert beyond_chosen_wait(270.0, 264.0, 260.0) == 10.0
+    # Expected no wait but waited 200 ms (a board slower than its rates): all of it stays in.
+    assert beyond_chosen_wait(206.0, 200.0, 0.0) == 206.0
+    # Waited less than expected: only what it waited comes off.
+    assert beyond_chosen_wait(58.0, 50.0, 300.0) == 8.0
+    # No record of the run, no queue figure or no first chunk: nothing comes off, or there is no figure.
+    assert beyond_chosen_wait(30.0, 20.0, None) == 30.0
+    assert beyond_chosen_wait(30.0, None, 20.0) == 30.0
+    assert beyond_chosen_wait(None, 20.0, 20.0) is None
+
+
+def test_a_simulated_board_holds_what_it_computed_as_the_router_expects_a_board_to():
+    """The router expects a board to hold its last prompt in its context and those before in its RAM
+    tier: a simulated board that held nothing computed again what it was sent for its context (a
+    wait behind its last run, then a cold prefill: 250 ms of queue at fleet-sim's p99)."""
+    from dashboard.bench.sim_board import RAM_TIER_BYTES, SimBoard
+
+    board = SimBoard(me=None, rate_ms=1.0)
+    third = RAM_TIER_BYTES // 3
+    for key in (b"a", b"b", b"c"):
+        board.hold(key, third)
+    assert list(board.held) == [b"a", b"b", b"c"]  # c in its context, a and b in its RAM tier
+    board.hold(b"a", third)  # used again: now the last, in its context
+    board.hold(b"d", third)  # over the budget: the least recently held (b) leaves
+    assert list(board.held) == [b"c", b"a", b"d"]
+    board.hold(b"huge", 2 * RAM_TIER_BYTES)  # over the budget alone: only the context holds it
+    assert list(board.held) == [b"huge"]
+
+
 def test_verdicts_name_each_target_and_a_growing_lag_fails():
     doc = {
         "heartbeat_ingest_lag_ms": {"p99": 400.0, "p99_by_third": [100.0, 150.0, 900.0]},
         "routing_decision_ms": {"p99": 4.0},
         "catalog_sync_lag_ms": {"p99": 1500.0},
+        "api_overhead_beyond_chosen_wait_ms": {"p99": 61.0},
         "render_ms": {"/": {"p50": 120.0}, "/devices/": {"p50": 310.0}},
         "lost_runs": 0,
         "errors": {"total": 0},
@@ -56,6 +95,7 @@ def test_verdicts_name_each_target_and_a_growing_lag_fails():
         "heartbeat_lag_p99_le_1s": True,
         "heartbeat_lag_not_growing": False,
         "catalog_sync_lag_p99_le_2s": True,
+        "api_overhead_p99_le_60ms": False,
         "pages_le_300ms": False,
         "pages_le_300ms_quiet": None,
         "no_lost_runs": True,
