@@ -57,6 +57,45 @@ def test_a_known_key_costs_no_query_and_is_counted_against_its_rate(shared_cache
     assert counts == [(2, True), (3, True), (4, False)]  # the rate still counts every request
 
 
+def test_requests_that_come_together_with_a_key_not_remembered_read_it_once(shared_cache, monkeypatch):
+    """A client's connections opening at once: each request read the key and wrote its "last used",
+    and SQLite's lock held them up to 70 ms (bench api's first requests with 8 clients). One reads
+    it; the others wait for that read and find the key remembered."""
+    import threading
+    import time
+
+    from django.db import connections
+
+    row, key = create_key(None, "default", name="app", rate_per_minute=100)
+    header = f"Bearer {key}"
+    read, reads = keys._read, []
+
+    def slow_read(digest):
+        reads.append(digest)
+        time.sleep(0.05)  # the others arrive while it reads
+        return read(digest)
+
+    monkeypatch.setattr(keys, "_read", slow_read)
+    together = threading.Barrier(6)
+    verdicts = []
+
+    def request():
+        together.wait()
+        try:
+            verdicts.append(keys.check(header))
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=request) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(reads) == 1  # one read of the key
+    assert [checked.key.pk for checked in verdicts] == [row.pk] * 6
+    assert max(checked.verdict.count for checked in verdicts) == 6  # each still counted against its rate
+
+
 def test_a_key_revoked_anywhere_is_refused_at_its_next_request(shared_cache):
     row, key = create_key(None, "default", name="app")
     header = f"Bearer {key}"
