@@ -432,6 +432,31 @@ class Fleet:
         )
         await self._send(Task.RECORD_AUDIT, board, verdict, Kind.AUDITED)
 
+    async def _restore(self, board: SimBoard, key: bytes, name: str, tokens: int) -> tuple:
+        """What a board restores of a prompt whose shared part (``tokens`` long) has entry ``key``
+        (cache-box name ``name``): (ms, tokens matched, entries fetched, bytes fetched, tier). From its
+        context (the last prompt) or its RAM tier without the network, else from the cache box when
+        its catalog replica has the entry, else nothing."""
+        if key in board.held:
+            if next(reversed(board.held)) == key:
+                return 0.0, tokens, [], 0, Tier.CONTEXT
+            return tokens * RAM_RESTORE_MS_PER_TOKEN * self.time_scale, tokens, [], 0, Tier.LOCAL
+        if key not in board.catalog:
+            return 0.0, 0, [], 0, Tier.NONE
+        me, namespace = board.me, board.me.record.cache_namespace
+        began = time.perf_counter()
+        blob = await self.box.get(name)
+        if blob is None:
+            self.counts["fetch_misses"] += 1
+            return (time.perf_counter() - began) * 1000.0, 0, [], 0, Tier.NONE
+        try:
+            open_entry(blob, me.keychain().ring(namespace), len(blob) * 2)
+        except UnknownProducer:  # a board enrolled after this one last read the table
+            me.read_producers()
+            open_entry(blob, me.keychain().ring(namespace), len(blob) * 2)
+        self.counts["fetches"] += 1
+        return (time.perf_counter() - began) * 1000.0, tokens, [name], len(blob), Tier.CACHEBOX
+
     async def _run(self, board: SimBoard, request: RunRequest) -> None:
         me = board.me
         channel = stream_channel(me.name, request.request_id)
@@ -456,24 +481,8 @@ class Fleet:
         key = prompt_key(namespace, shared)
         name = entry_key_name(namespace, SIM_FINGERPRINT, key)
         fetch_ms, matched, fetched, fetched_bytes, tier = 0.0, 0, [], 0, Tier.NONE
-        if request.use_cache and key in board.held:  # its context (the last prompt) or its RAM tier: no network
-            tier = Tier.CONTEXT if next(reversed(board.held)) == key else Tier.LOCAL
-            matched = shared_tokens
-            fetch_ms = 0.0 if tier == Tier.CONTEXT else shared_tokens * RAM_RESTORE_MS_PER_TOKEN * self.time_scale
-        elif request.use_cache and key in board.catalog:
-            began = time.perf_counter()
-            blob = await self.box.get(name)
-            if blob is not None:
-                try:
-                    open_entry(blob, me.keychain().ring(namespace), len(blob) * 2)
-                except UnknownProducer:  # a board enrolled after this one last read the table
-                    me.read_producers()
-                    open_entry(blob, me.keychain().ring(namespace), len(blob) * 2)
-                matched, fetched, fetched_bytes, tier = shared_tokens, [name], len(blob), Tier.CACHEBOX
-                self.counts["fetches"] += 1
-            else:
-                self.counts["fetch_misses"] += 1
-            fetch_ms = (time.perf_counter() - began) * 1000.0
+        if request.use_cache:
+            fetch_ms, matched, fetched, fetched_bytes, tier = await self._restore(board, key, name, shared_tokens)
         prefill_ms = (tokens - matched) * board.rate_ms * self.time_scale
         if request.use_cache:
             board.hold(key, shared_tokens * self.bytes_per_token)
