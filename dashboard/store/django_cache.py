@@ -97,7 +97,12 @@ class CacheBoxRedisCache(RedisCache):
         answers = self._unanswered(
             name, [("SET", name, 0, "EX", int(timeout), "NX"), ("INCR", name), ("GET", other_name)]
         )
-        return lambda: (int(answers()[1]), self._value(answers()[2]))
+
+        def counted() -> tuple[int, object]:
+            _, count, value = answers()
+            return int(count), self._value(value)
+
+        return counted
 
     def read_unanswered(self, key: str) -> Callable[[], object]:
         """``get(key)`` sent at once; the returned function reads the value (None when missing or
